@@ -1,0 +1,284 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_MAX_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_PREEMPTED: _ClassVar[FinishReason]
+    FINISH_REASON_FAILED: _ClassVar[FinishReason]
+
+class SequenceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEQUENCE_STATE_UNSPECIFIED: _ClassVar[SequenceState]
+    SEQUENCE_STATE_QUEUED: _ClassVar[SequenceState]
+    SEQUENCE_STATE_PREFILLING: _ClassVar[SequenceState]
+    SEQUENCE_STATE_DECODING: _ClassVar[SequenceState]
+    SEQUENCE_STATE_FINISHED: _ClassVar[SequenceState]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_MAX_LENGTH: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_PREEMPTED: FinishReason
+FINISH_REASON_FAILED: FinishReason
+SEQUENCE_STATE_UNSPECIFIED: SequenceState
+SEQUENCE_STATE_QUEUED: SequenceState
+SEQUENCE_STATE_PREFILLING: SequenceState
+SEQUENCE_STATE_DECODING: SequenceState
+SEQUENCE_STATE_FINISHED: SequenceState
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "max_new_tokens", "adapter_id", "priority", "tenant", "sampling", "stop_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    adapter_id: str
+    priority: int
+    tenant: str
+    sampling: SamplingParams
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., adapter_id: _Optional[str] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ("seq_id", "queue_position")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    queue_position: int
+    def __init__(self, seq_id: _Optional[int] = ..., queue_position: _Optional[int] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: bool
+    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+
+class GetSequenceRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+
+class SequenceInfo(_message.Message):
+    __slots__ = ("seq_id", "state", "worker_id", "prompt_len", "prefilled_tokens", "generated_tokens", "finish_reason", "queue_position")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    state: SequenceState
+    worker_id: str
+    prompt_len: int
+    prefilled_tokens: int
+    generated_tokens: int
+    finish_reason: FinishReason
+    queue_position: int
+    def __init__(self, seq_id: _Optional[int] = ..., state: _Optional[_Union[SequenceState, str]] = ..., worker_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_position: _Optional[int] = ...) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "total_kv_pages", "page_size", "total_gdn_slots", "max_batch_size", "adapters")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_GDN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    total_kv_pages: int
+    page_size: int
+    total_gdn_slots: int
+    max_batch_size: int
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., total_gdn_slots: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("chunk_size", "max_batch_size", "prefill_reserve_pages", "lease_ttl_ms")
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RESERVE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    chunk_size: int
+    max_batch_size: int
+    prefill_reserve_pages: int
+    lease_ttl_ms: int
+    def __init__(self, chunk_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefill_reserve_pages: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class SelectBatchRequest(_message.Message):
+    __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    GDN_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    waiting: _containers.RepeatedScalarFieldContainer[int]
+    running: _containers.RepeatedScalarFieldContainer[int]
+    kv_free_pages: int
+    gdn_free_slots: int
+    finished: _containers.RepeatedCompositeFieldContainer[FinishedSequence]
+    preempted: _containers.RepeatedScalarFieldContainer[int]
+    draining: bool
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenUpdate]
+    def __init__(self, worker_id: _Optional[str] = ..., waiting: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[int]] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., preempted: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ...) -> None: ...
+
+class FinishedSequence(_message.Message):
+    __slots__ = ("seq_id", "reason", "generated_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    reason: FinishReason
+    generated_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+
+class TokenUpdate(_message.Message):
+    __slots__ = ("seq_id", "token_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SchedulerDecision(_message.Message):
+    __slots__ = ("prefill", "decode", "evict", "iteration")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    prefill: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
+    decode: _containers.RepeatedScalarFieldContainer[int]
+    evict: _containers.RepeatedScalarFieldContainer[int]
+    iteration: int
+    def __init__(self, prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., decode: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., iteration: _Optional[int] = ...) -> None: ...
+
+class PrefillChunk(_message.Message):
+    __slots__ = ("seq_id", "chunk_start", "chunk_len", "spec")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_START_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_LEN_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    chunk_start: int
+    chunk_len: int
+    spec: SequenceSpec
+    def __init__(self, seq_id: _Optional[int] = ..., chunk_start: _Optional[int] = ..., chunk_len: _Optional[int] = ..., spec: _Optional[_Union[SequenceSpec, _Mapping]] = ...) -> None: ...
+
+class SequenceSpec(_message.Message):
+    __slots__ = ("prompt_token_ids", "max_new_tokens", "adapter_id", "sampling", "stop_token_ids")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    adapter_id: str
+    sampling: SamplingParams
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., adapter_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DeregisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterWorkerResponse(_message.Message):
+    __slots__ = ("requeued",)
+    REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    requeued: int
+    def __init__(self, requeued: _Optional[int] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "finished", "finish_reason")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    finish_reason: FinishReason
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("queue_depth", "num_assigned", "workers", "policy")
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    queue_depth: int
+    num_assigned: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    policy: str
+    def __init__(self, queue_depth: _Optional[int] = ..., num_assigned: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "num_assigned", "kv_free_pages", "gdn_free_slots", "total_kv_pages", "total_gdn_slots", "iteration", "draining", "seconds_since_last_call")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    GDN_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_GDN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_LAST_CALL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    num_assigned: int
+    kv_free_pages: int
+    gdn_free_slots: int
+    total_kv_pages: int
+    total_gdn_slots: int
+    iteration: int
+    draining: bool
+    seconds_since_last_call: float
+    def __init__(self, worker_id: _Optional[str] = ..., num_assigned: _Optional[int] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., total_gdn_slots: _Optional[int] = ..., iteration: _Optional[int] = ..., draining: _Optional[bool] = ..., seconds_since_last_call: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,22 @@
+"""The scheduling core: no gRPC, no Prometheus; drive it from a test with plain objects."""
+from service.core.config import SchedulerConfig
+from service.core.errors import (
+    ConfigError, InvalidArgument, NotFound, QueueFull, SchedulerError, UnknownWorker,
+)
+from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
+from service.core.policy import BlockReason, FifoPolicy
+from service.core.scheduler import OutputView, Scheduler
+from service.core.types import (
+    Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams, SchedulerStatus,
+    SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult, WorkerRegistration,
+    WorkerReport, WorkerSettings, WorkerStatus,
+)
+
+__all__ = [
+    "BlockReason", "ConfigError", "Decision", "EvictReason", "FifoPolicy", "FinishReason",
+    "FinishedSequence", "InvalidArgument", "NotFound", "OutputView", "PrefillChunk",
+    "QueueFull", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
+    "SchedulerError", "SchedulerObserver", "SchedulerStatus", "SequenceInfo", "SequenceSpec",
+    "SequenceState", "SubmitParams", "SubmitResult", "UnknownWorker", "WorkerRegistration",
+    "WorkerReport", "WorkerSettings", "WorkerStatus",
+]

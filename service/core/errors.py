@@ -1,0 +1,29 @@
+"""Domain errors of the scheduling core.
+
+Each maps to one gRPC status code in service/status.py; the message names the
+field and the limit, so a person can act on it.
+"""
+
+
+class SchedulerError(Exception):
+    """Base of every error the core raises on purpose."""
+
+
+class InvalidArgument(SchedulerError):
+    """The request is malformed or breaks a limit (INVALID_ARGUMENT)."""
+
+
+class NotFound(SchedulerError):
+    """No such sequence (NOT_FOUND)."""
+
+
+class QueueFull(SchedulerError):
+    """The admission queue is at its limit (RESOURCE_EXHAUSTED)."""
+
+
+class UnknownWorker(SchedulerError):
+    """The worker is not registered, or its lease expired (FAILED_PRECONDITION)."""
+
+
+class ConfigError(ValueError):
+    """A setting is out of range; raised before the service starts."""

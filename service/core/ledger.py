@@ -1,0 +1,76 @@
+"""The worker ledger: who is registered, what each holds, and when each last called.
+
+Mechanism only: it reads no config; the Scheduler hands it each worker's settings.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from service.core.errors import UnknownWorker
+from service.core.types import WorkerRegistration, WorkerSettings
+
+
+@dataclass
+class WorkerRecord:
+    """One registered worker incarnation."""
+
+    registration: WorkerRegistration
+    settings: WorkerSettings
+    last_call_at: float
+    # Sequence ids assigned to this worker, in assignment order.
+    assigned: dict[int, None] = field(default_factory=dict)
+    iteration: int = 0
+    kv_free_pages: int = 0
+    gdn_free_slots: int = 0
+    draining: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.registration.worker_id
+
+    def can_run(self, adapter_id: str) -> bool:
+        return not adapter_id or adapter_id in self.registration.adapters
+
+
+class WorkerLedger:
+    """Registered workers by id, and which worker each assigned sequence is on."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerRecord] = {}
+
+    def __iter__(self) -> Iterator[WorkerRecord]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, worker_id: str) -> WorkerRecord:
+        """The registered worker, or UnknownWorker."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise UnknownWorker(
+                f"worker_id {worker_id!r} is not registered (never, or its lease expired): "
+                "call RegisterWorker first"
+            )
+        return worker
+
+    def find(self, worker_id: str) -> WorkerRecord | None:
+        return self._workers.get(worker_id)
+
+    def add(self, record: WorkerRecord) -> None:
+        assert record.worker_id not in self._workers
+        self._workers[record.worker_id] = record
+
+    def remove(self, worker_id: str) -> WorkerRecord | None:
+        return self._workers.pop(worker_id, None)
+
+    def expired(self, now: float) -> list[WorkerRecord]:
+        """Workers whose last call is older than their lease."""
+        return [
+            w for w in self._workers.values()
+            if (now - w.last_call_at) * 1000.0 > w.settings.lease_ttl_ms
+        ]
+
+    def num_assigned(self) -> int:
+        return sum(len(w.assigned) for w in self._workers.values())

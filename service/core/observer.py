@@ -1,0 +1,52 @@
+"""Hooks through which the core reports what it does (metrics and logs listen here).
+
+The core calls these synchronously while it holds the scheduler lock: keep them cheap.
+"""
+from __future__ import annotations
+
+import enum
+
+from service.core.policy import BlockReason
+from service.core.types import Decision, FinishReason, WorkerReport
+
+
+class RequeueReason(enum.Enum):
+    """Why a sequence went back to the head of the queue (a bounded metric label)."""
+
+    PREEMPTED = "preempted"
+    LOST = "lost"
+    REREGISTERED = "reregistered"
+    LEASE_EXPIRED = "lease_expired"
+    DEREGISTERED = "deregistered"
+
+
+class EvictReason(enum.Enum):
+    """Why an id was put in a decision's evict list (a bounded metric label)."""
+
+    CANCELLED = "cancelled"
+    NOT_ASSIGNED = "not_assigned"
+
+
+class SchedulerObserver:
+    """No-op base: override what you need."""
+
+    def on_submitted(self, seq_id: int, tenant: str) -> None: ...
+
+    def on_admitted(self, seq_id: int, worker_id: str, queue_wait_seconds: float) -> None: ...
+
+    def on_requeued(self, seq_id: int, worker_id: str, reason: RequeueReason) -> None: ...
+
+    def on_finished(self, seq_id: int, reason: FinishReason) -> None: ...
+
+    def on_evicted(self, seq_id: int, worker_id: str, reason: EvictReason) -> None: ...
+
+    def on_admission_blocked(self, worker_id: str, reason: BlockReason) -> None: ...
+
+    def on_decision(self, report: WorkerReport, decision: Decision) -> None: ...
+
+    def on_worker_registered(self, worker_id: str, total_kv_pages: int,
+                             total_gdn_slots: int) -> None: ...
+
+    def on_worker_removed(self, worker_id: str) -> None: ...
+
+    def on_queue_depth(self, depth: int) -> None: ...

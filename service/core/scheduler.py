@@ -1,0 +1,354 @@
+"""The scheduling core: queue, sequence table, worker ledger and policy behind one API.
+
+Single-threaded by design: the caller serializes calls (the servicer holds one lock).
+No gRPC, no Prometheus: adapters convert messages and listen through an observer.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from service.core.config import SchedulerConfig
+from service.core.errors import InvalidArgument, NotFound, QueueFull
+from service.core.ledger import WorkerLedger, WorkerRecord
+from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
+from service.core.policy import Policy, make_policy
+from service.core.queue import AdmissionQueue
+from service.core.sequences import Sequence, SequenceTable
+from service.core.types import (
+    Decision, FinishReason, PrefillChunk, SchedulerStatus, SequenceInfo, SequenceState,
+    SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
+)
+
+
+@dataclass(frozen=True)
+class OutputView:
+    """Tokens of a sequence from some offset on, and whether it has finished."""
+
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    """Holds the admission queue and answers each worker's SelectBatch.
+
+    Guarantees, whatever the call order: a sequence is queued, on exactly one worker,
+    or finished; a sequence that leaves a worker unfinished goes back to the head of
+    the queue; no id is ever reused.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        observer: SchedulerObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_finished_retained: int = 100_000,
+    ) -> None:
+        self.config = config.validate()
+        self._policy: Policy = make_policy(config)
+        self._observer = observer or SchedulerObserver()
+        self._clock = clock
+        self._queue = AdmissionQueue()
+        self._sequences = SequenceTable(max_finished_retained)
+        self._ledger = WorkerLedger()
+
+    # ----------------------------------------------------------------- clients
+
+    def submit(self, params: SubmitParams) -> SubmitResult:
+        """Enqueue a sequence at the tail; a known request_id returns its first seq_id."""
+        known = self._sequences.by_request_id(params.request_id)
+        if known is not None:
+            return SubmitResult(known.seq_id, self._position(known))
+        self._validate_submit(params)
+        if len(self._queue) >= self.config.max_queue:
+            raise QueueFull(
+                f"the admission queue holds max_queue={self.config.max_queue} sequences; "
+                "retry later"
+            )
+        seq = self._sequences.create(params, self._clock())
+        position = len(self._queue)
+        self._queue.push_back(seq.seq_id)
+        self._observer.on_submitted(seq.seq_id, params.tenant)
+        self._observer.on_queue_depth(len(self._queue))
+        return SubmitResult(seq.seq_id, position)
+
+    def cancel(self, seq_id: int) -> bool:
+        """Cancel a queued or assigned sequence; False if it had already finished.
+
+        A cancelled sequence on a worker shows up in that worker's next `evict`.
+        """
+        seq = self._require(seq_id)
+        if seq.is_finished:
+            return False
+        if seq.state is SequenceState.QUEUED:
+            self._queue.remove(seq_id)
+            self._observer.on_queue_depth(len(self._queue))
+        else:
+            worker = self._ledger.find(seq.worker_id or "")
+            if worker is not None:
+                worker.assigned.pop(seq_id, None)
+        self._finish(seq, FinishReason.CANCELLED)
+        return True
+
+    def get_sequence(self, seq_id: int) -> SequenceInfo:
+        seq = self._require(seq_id)
+        return SequenceInfo(
+            seq_id=seq.seq_id,
+            state=seq.state,
+            worker_id=seq.worker_id or "",
+            prompt_len=seq.prompt_len,
+            prefilled_tokens=seq.prefilled_tokens,
+            generated_tokens=max(seq.num_generated, len(seq.output_token_ids)),
+            finish_reason=seq.finish_reason,
+            queue_position=self._position(seq),
+        )
+
+    def read_output(self, seq_id: int, start: int) -> OutputView:
+        """Generated tokens from index `start` on (for streaming)."""
+        seq = self._require(seq_id)
+        return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished, seq.finish_reason)
+
+    def status(self) -> SchedulerStatus:
+        now = self._clock()
+        workers = tuple(
+            WorkerStatus(
+                worker_id=w.worker_id,
+                num_assigned=len(w.assigned),
+                kv_free_pages=w.kv_free_pages,
+                gdn_free_slots=w.gdn_free_slots,
+                total_kv_pages=w.registration.total_kv_pages,
+                total_gdn_slots=w.registration.total_gdn_slots,
+                iteration=w.iteration,
+                draining=w.draining,
+                seconds_since_last_call=max(0.0, now - w.last_call_at),
+            )
+            for w in self._ledger
+        )
+        return SchedulerStatus(
+            queue_depth=len(self._queue),
+            num_assigned=self._ledger.num_assigned(),
+            policy=self._policy.name,
+            workers=workers,
+        )
+
+    # ----------------------------------------------------------------- workers
+
+    def register_worker(self, registration: WorkerRegistration) -> WorkerSettings:
+        """Join, or start a new incarnation: what the old one held goes back to the queue."""
+        if not registration.worker_id:
+            raise InvalidArgument("worker_id must not be empty")
+        if registration.page_size == 0:
+            raise InvalidArgument("page_size must be at least 1 (tokens per KV page), got 0")
+        old = self._ledger.remove(registration.worker_id)
+        if old is not None:
+            self._requeue(old, list(old.assigned), RequeueReason.REREGISTERED)
+        settings = WorkerSettings(
+            chunk_size=self.config.chunk_size,
+            max_batch_size=registration.max_batch_size or self.config.max_batch_size,
+            prefill_reserve_pages=self.config.prefill_reserve_pages,
+            lease_ttl_ms=self.config.lease_ttl_ms,
+        )
+        self._ledger.add(WorkerRecord(registration, settings, last_call_at=self._clock()))
+        self._observer.on_worker_registered(
+            registration.worker_id, registration.total_kv_pages, registration.total_gdn_slots)
+        return settings
+
+    def deregister_worker(self, worker_id: str) -> int:
+        """Leave cleanly; returns how many sequences went back to the head of the queue."""
+        worker = self._ledger.get(worker_id)
+        self._ledger.remove(worker_id)
+        requeued = list(worker.assigned)
+        self._requeue(worker, requeued, RequeueReason.DEREGISTERED)
+        self._observer.on_worker_removed(worker_id)
+        return len(requeued)
+
+    def expire_leases(self) -> list[str]:
+        """Drop workers silent for longer than their lease; returns their ids."""
+        dropped = []
+        for worker in self._ledger.expired(self._clock()):
+            self._ledger.remove(worker.worker_id)
+            self._requeue(worker, list(worker.assigned), RequeueReason.LEASE_EXPIRED)
+            self._observer.on_worker_removed(worker.worker_id)
+            dropped.append(worker.worker_id)
+        return dropped
+
+    def select_batch(self, report: WorkerReport) -> Decision:
+        """Apply one worker's report, then decide its batch (contract rules 1-7)."""
+        self.expire_leases()
+        worker = self._ledger.get(report.worker_id)
+        _validate_report(report)
+        worker.last_call_at = self._clock()
+        worker.iteration += 1
+        worker.kv_free_pages = report.kv_free_pages
+        worker.gdn_free_slots = report.gdn_free_slots
+        worker.draining = report.draining
+
+        self._apply_tokens(worker, report)
+        requeue_ids = self._apply_finished(worker, report)
+        reported = set(report.waiting) | set(report.running)
+        mentioned = reported | {f.seq_id for f in report.finished} | set(report.preempted)
+        requeue_ids += [s for s in report.preempted if s in worker.assigned]
+        self._requeue(worker, requeue_ids, RequeueReason.PREEMPTED)
+        lost = [s for s in worker.assigned if s not in mentioned]
+        self._requeue(worker, lost, RequeueReason.LOST)
+
+        evict = [s for s in (*report.waiting, *report.running) if s not in worker.assigned]
+        for seq_id in evict:
+            self._observer.on_evicted(seq_id, worker.worker_id, self._evict_reason(seq_id))
+
+        prefill = self._admit(worker, report, exclude=reported)
+        decode = []
+        for seq_id in report.running:
+            if seq_id in worker.assigned:
+                seq = self._sequences.get(seq_id)
+                seq.state = SequenceState.DECODING
+                seq.prefilled_tokens = seq.spec_prompt_len()
+                decode.append(seq_id)
+        for seq_id in report.waiting:
+            if seq_id in worker.assigned:
+                prefill.append(self._continuation(self._sequences.get(seq_id)))
+
+        decision = Decision(tuple(prefill), tuple(decode), tuple(evict), worker.iteration)
+        self._observer.on_decision(report, decision)
+        return decision
+
+    # ----------------------------------------------------------------- internals
+
+    def _admit(self, worker: WorkerRecord, report: WorkerReport,
+               exclude: set[int]) -> list[PrefillChunk]:
+        budget = self._policy.admission_budget(
+            max_batch_size=worker.settings.max_batch_size,
+            num_active=len(report.waiting) + len(report.running),
+            kv_free_pages=report.kv_free_pages,
+            gdn_free_slots=report.gdn_free_slots,
+            draining=report.draining,
+        )
+        chunks: list[PrefillChunk] = []
+        if budget.max_new_seqs > 0:
+            for seq_id in self._queue:
+                seq = self._sequences.get(seq_id)
+                if seq_id in exclude or not worker.can_run(seq.params.adapter_id):
+                    continue
+                chunks.append(self._first_chunk(worker, seq))
+                if len(chunks) == budget.max_new_seqs:
+                    break
+            for chunk in chunks:
+                self._queue.remove(chunk.seq_id)
+            if chunks:
+                self._observer.on_queue_depth(len(self._queue))
+        if len(self._queue) > 0 and len(chunks) == budget.max_new_seqs:
+            self._observer.on_admission_blocked(worker.worker_id, budget.limited_by)
+        return chunks
+
+    def _first_chunk(self, worker: WorkerRecord, seq: Sequence) -> PrefillChunk:
+        spec = seq.spec()
+        seq.state = SequenceState.PREFILLING
+        seq.worker_id = worker.worker_id
+        seq.prefilled_tokens = 0
+        seq.num_generated_at_admission = len(seq.output_token_ids)
+        seq.num_generated = len(seq.output_token_ids)
+        seq.cursor = self._policy.chunk_len(cursor=0, prompt_len=len(spec.prompt_token_ids))
+        worker.assigned[seq.seq_id] = None
+        self._observer.on_admitted(seq.seq_id, worker.worker_id,
+                                   max(0.0, self._clock() - seq.enqueued_at))
+        return PrefillChunk(seq.seq_id, 0, seq.cursor, spec)
+
+    def _continuation(self, seq: Sequence) -> PrefillChunk:
+        # The worker asks for more, so the chunk handed out before is done.
+        seq.prefilled_tokens = seq.cursor
+        length = self._policy.chunk_len(cursor=seq.cursor, prompt_len=seq.spec_prompt_len())
+        chunk = PrefillChunk(seq.seq_id, seq.cursor, length)
+        seq.cursor += length
+        return chunk
+
+    def _apply_tokens(self, worker: WorkerRecord, report: WorkerReport) -> None:
+        for seq_id, token_ids in report.tokens:
+            if seq_id in worker.assigned:
+                self._sequences.get(seq_id).output_token_ids.extend(token_ids)
+
+    def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:
+        """Finish what the worker finished; returns ids reported finished as PREEMPTED."""
+        preempted = []
+        for fin in report.finished:
+            if fin.seq_id not in worker.assigned:
+                continue  # stale: cancelled, or taken from this worker earlier
+            if fin.reason is FinishReason.PREEMPTED:
+                preempted.append(fin.seq_id)
+                continue
+            seq = self._sequences.get(fin.seq_id)
+            seq.num_generated = max(len(seq.output_token_ids),
+                                    seq.num_generated_at_admission + fin.generated_tokens)
+            del worker.assigned[fin.seq_id]
+            self._finish(seq, fin.reason)
+        return preempted
+
+    def _requeue(self, worker: WorkerRecord, seq_ids: list[int], reason: RequeueReason) -> None:
+        """Take `seq_ids` from `worker` and put them at the head of the queue, in order."""
+        if not seq_ids:
+            return
+        for seq_id in seq_ids:
+            del worker.assigned[seq_id]
+            seq = self._sequences.get(seq_id)
+            seq.state = SequenceState.QUEUED
+            seq.worker_id = None
+            seq.cursor = seq.prefilled_tokens = 0
+            # Progress known only as a count cannot be resumed: restart from the tokens kept.
+            seq.num_generated = len(seq.output_token_ids)
+            seq.enqueued_at = self._clock()
+            self._observer.on_requeued(seq_id, worker.worker_id, reason)
+        self._queue.push_front(seq_ids)
+        self._observer.on_queue_depth(len(self._queue))
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self._sequences.mark_finished(seq, reason)
+        self._observer.on_finished(seq.seq_id, reason)
+
+    def _evict_reason(self, seq_id: int) -> EvictReason:
+        seq = self._sequences.get(seq_id)
+        if seq is not None and seq.finish_reason is FinishReason.CANCELLED:
+            return EvictReason.CANCELLED
+        return EvictReason.NOT_ASSIGNED
+
+    def _require(self, seq_id: int) -> Sequence:
+        seq = self._sequences.get(seq_id)
+        if seq is None:
+            raise NotFound(f"seq_id {seq_id} is unknown (never submitted, or long finished)")
+        return seq
+
+    def _position(self, seq: Sequence) -> int:
+        return self._queue.position(seq.seq_id) if seq.state is SequenceState.QUEUED else 0
+
+    def _validate_submit(self, params: SubmitParams) -> None:
+        prompt_len = len(params.prompt_token_ids)
+        if prompt_len == 0:
+            raise InvalidArgument("prompt_token_ids must not be empty")
+        if params.max_new_tokens == 0:
+            raise InvalidArgument("max_new_tokens must be at least 1, got 0")
+        limit = self.config.max_seq_len
+        if prompt_len + params.max_new_tokens > limit:
+            raise InvalidArgument(
+                f"prompt_len + max_new_tokens = {prompt_len} + {params.max_new_tokens} = "
+                f"{prompt_len + params.max_new_tokens} exceeds max_seq_len={limit}"
+            )
+
+
+def _validate_report(report: WorkerReport) -> None:
+    """Reject contradictory reports before any state changes."""
+    seen: set[int] = set()
+    for field_name, ids in (("waiting", report.waiting), ("running", report.running)):
+        for seq_id in ids:
+            if seq_id in seen:
+                raise InvalidArgument(
+                    f"seq_id {seq_id} appears more than once in waiting/running "
+                    f"(second time in {field_name})"
+                )
+            seen.add(seq_id)
+    for fin in report.finished:
+        if fin.seq_id in seen:
+            raise InvalidArgument(f"seq_id {fin.seq_id} is reported both finished and active")
+    for seq_id in report.preempted:
+        if seq_id in seen:
+            raise InvalidArgument(f"seq_id {seq_id} is reported both preempted and active")

@@ -1,0 +1,95 @@
+"""The sequence table: every sequence the scheduler knows, queued, assigned or finished."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from service.core.types import FinishReason, SequenceSpec, SequenceState, SubmitParams
+
+
+@dataclass
+class Sequence:
+    """The scheduler's record of one sequence (mutable; owned by the Scheduler)."""
+
+    seq_id: int
+    params: SubmitParams
+    enqueued_at: float
+    state: SequenceState = SequenceState.QUEUED
+    worker_id: str | None = None
+    # Prompt tokens of the current spec handed out to the worker so far.
+    cursor: int = 0
+    # Prompt tokens of the current spec the worker confirmed by asking for more.
+    prefilled_tokens: int = 0
+    # Tokens generated so far, in order, across every assignment.
+    output_token_ids: list[int] = field(default_factory=list)
+    # Generated tokens counted from finish reports when a worker sends counts only.
+    num_generated: int = 0
+    # len(output_token_ids) when the current assignment started (the resume offset).
+    num_generated_at_admission: int = 0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.params.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is SequenceState.FINISHED
+
+    def spec(self) -> SequenceSpec:
+        """The spec a worker starts from: the prompt plus what was generated so far."""
+        p = self.params
+        done = self.output_token_ids
+        return SequenceSpec(
+            prompt_token_ids=p.prompt_token_ids + tuple(done),
+            max_new_tokens=p.max_new_tokens - len(done),
+            adapter_id=p.adapter_id,
+            sampling=p.sampling,
+            stop_token_ids=p.stop_token_ids,
+        )
+
+    def spec_prompt_len(self) -> int:
+        return self.prompt_len + len(self.output_token_ids)
+
+
+class SequenceTable:
+    """Sequences by id, with request_id idempotency and bounded memory of finished ones."""
+
+    def __init__(self, max_finished_retained: int) -> None:
+        self._by_id: dict[int, Sequence] = {}
+        self._by_request_id: dict[str, int] = {}
+        # Finished ids, oldest first; beyond the limit the oldest are forgotten.
+        self._finished: OrderedDict[int, None] = OrderedDict()
+        self._max_finished_retained = max_finished_retained
+        self._next_seq_id = 1
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._by_id.get(seq_id)
+
+    def by_request_id(self, request_id: str) -> Sequence | None:
+        seq_id = self._by_request_id.get(request_id) if request_id else None
+        return None if seq_id is None else self._by_id.get(seq_id)
+
+    def create(self, params: SubmitParams, now: float) -> Sequence:
+        """Add a new QUEUED sequence with the next id (ids are never reused)."""
+        seq = Sequence(seq_id=self._next_seq_id, params=params, enqueued_at=now)
+        self._next_seq_id += 1
+        self._by_id[seq.seq_id] = seq
+        if params.request_id:
+            self._by_request_id[params.request_id] = seq.seq_id
+        return seq
+
+    def mark_finished(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish `seq` and forget the oldest finished sequences beyond the limit."""
+        seq.state = SequenceState.FINISHED
+        seq.finish_reason = reason
+        seq.worker_id = None
+        self._finished[seq.seq_id] = None
+        while len(self._finished) > self._max_finished_retained:
+            old_id, _ = self._finished.popitem(last=False)
+            old = self._by_id.pop(old_id)
+            if old.params.request_id:
+                self._by_request_id.pop(old.params.request_id, None)

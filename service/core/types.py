@@ -1,0 +1,186 @@
+"""Plain domain types shared by the scheduling core and its adapters.
+
+Nothing here knows about gRPC or Prometheus: the servicer converts wire messages
+to these types (service/convert.py) and back.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence stopped; values match the wire enum's numbers."""
+
+    EOS = 1
+    MAX_LENGTH = 2
+    STOP = 3
+    CANCELLED = 4
+    PREEMPTED = 5
+    FAILED = 6
+
+
+class SequenceState(enum.Enum):
+    """Where a sequence is in its life; values match the wire enum's numbers."""
+
+    QUEUED = 1
+    PREFILLING = 2
+    DECODING = 3
+    FINISHED = 4
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a worker picks each next token (temperature 0 means greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SubmitParams:
+    """A client's request for one sequence, as received."""
+
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    request_id: str = ""
+    adapter_id: str = ""
+    priority: int = 0
+    tenant: str = ""
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """Everything a worker needs to (re)start a sequence from token 0.
+
+    After a requeue, `prompt_token_ids` is the original prompt followed by the
+    tokens generated so far and `max_new_tokens` what remains, so the resumed
+    sequence continues where it stopped.
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    adapter_id: str
+    sampling: SamplingParams
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    """The accepted sequence and how many sequences were ahead of it."""
+
+    seq_id: int
+    queue_position: int
+
+
+@dataclass(frozen=True)
+class WorkerRegistration:
+    """What a worker declares when it joins."""
+
+    worker_id: str
+    total_kv_pages: int
+    page_size: int
+    total_gdn_slots: int
+    max_batch_size: int = 0  # 0: the scheduler's default
+    adapters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The settings a registered worker runs under."""
+
+    chunk_size: int
+    max_batch_size: int
+    prefill_reserve_pages: int
+    lease_ttl_ms: int
+
+
+@dataclass(frozen=True)
+class FinishedSequence:
+    """A sequence that ended on a worker; `generated_tokens` counts this assignment only."""
+
+    seq_id: int
+    reason: FinishReason
+    generated_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """One worker's report at the start of an iteration (the SelectBatch request)."""
+
+    worker_id: str
+    waiting: tuple[int, ...] = ()
+    running: tuple[int, ...] = ()
+    kv_free_pages: int = 0
+    gdn_free_slots: int = 0
+    finished: tuple[FinishedSequence, ...] = ()
+    preempted: tuple[int, ...] = ()
+    draining: bool = False
+    # seq_id -> tokens generated since the worker's last call, in order
+    tokens: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens [chunk_start, chunk_start + chunk_len) of a sequence.
+
+    `spec` is set on the first chunk after an admission and None on continuations.
+    """
+
+    seq_id: int
+    chunk_start: int
+    chunk_len: int
+    spec: SequenceSpec | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one worker runs this iteration."""
+
+    prefill: tuple[PrefillChunk, ...] = ()
+    decode: tuple[int, ...] = ()
+    evict: tuple[int, ...] = ()
+    iteration: int = 0
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    """A read-only view of one sequence."""
+
+    seq_id: int
+    state: SequenceState
+    worker_id: str
+    prompt_len: int
+    prefilled_tokens: int
+    generated_tokens: int
+    finish_reason: FinishReason | None
+    queue_position: int
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A read-only view of one registered worker as of its last report."""
+
+    worker_id: str
+    num_assigned: int
+    kv_free_pages: int
+    gdn_free_slots: int
+    total_kv_pages: int
+    total_gdn_slots: int
+    iteration: int
+    draining: bool
+    seconds_since_last_call: float
+
+
+@dataclass(frozen=True)
+class SchedulerStatus:
+    """A read-only view of the whole scheduler."""
+
+    queue_depth: int
+    num_assigned: int
+    policy: str
+    workers: tuple[WorkerStatus, ...] = field(default=())
