@@ -1,0 +1,113 @@
+"""The client subcommands of `lattice-scheduler` (submit, generate, cancel, status)."""
+from __future__ import annotations
+
+import argparse
+import random
+
+import grpc
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+# Random prompts stay below this id so that they fit any model's vocabulary, tiny included.
+RANDOM_TOKEN_ID_LIMIT = 200
+
+
+class CommandError(Exception):
+    """A failure to report in one line, without a traceback."""
+
+
+def _stub(args: argparse.Namespace) -> pb_grpc.SchedulerStub:
+    channel = grpc.insecure_channel(args.target)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=args.timeout)
+    except grpc.FutureTimeoutError:
+        raise CommandError(f"no scheduler answers at {args.target} "
+                           f"(waited {args.timeout:g} s)") from None
+    return pb_grpc.SchedulerStub(channel)
+
+
+def _rpc_error(err: grpc.RpcError) -> CommandError:
+    return CommandError(f"{err.code().name}: {err.details()}")
+
+
+def _request(args: argparse.Namespace, rng: random.Random, index: int = 0) -> pb.SubmitRequest:
+    if args.prompt_ids:
+        try:
+            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise CommandError("--prompt-ids must be comma-separated integers") from None
+    else:
+        prompt = [rng.randrange(1, RANDOM_TOKEN_ID_LIMIT) for _ in range(args.prompt_len)]
+    request_id = f"{args.request_id}-{index}" if args.request_id and index else args.request_id
+    return pb.SubmitRequest(
+        request_id=request_id, prompt_token_ids=prompt, max_new_tokens=args.max_new_tokens,
+        sampling=pb.SamplingParams(temperature=args.temperature, seed=args.seed),
+    )
+
+
+def submit(args: argparse.Namespace) -> int:
+    stub = _stub(args)
+    rng = random.Random(args.seed)
+    for index in range(args.count):
+        try:
+            resp = stub.Submit(_request(args, rng, index), timeout=args.timeout)
+        except grpc.RpcError as err:
+            raise _rpc_error(err) from None
+        print(f"seq_id={resp.seq_id} queue_position={resp.queue_position}")
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    stub = _stub(args)
+    tokens: list[int] = []
+    try:
+        for event in stub.Generate(_request(args, random.Random(args.seed))):
+            if not tokens and not event.token_ids and not event.finished:
+                print(f"seq_id={event.seq_id}", flush=True)
+            tokens.extend(event.token_ids)
+            if event.token_ids:
+                print(" ".join(map(str, event.token_ids)), flush=True)
+            if event.finished:
+                reason = pb.FinishReason.Name(event.finish_reason)
+                print(f"finished: {reason} after {len(tokens)} tokens", flush=True)
+    except grpc.RpcError as err:
+        raise _rpc_error(err) from None
+    return 0
+
+
+def cancel(args: argparse.Namespace) -> int:
+    stub = _stub(args)
+    for seq_id in args.seq_ids:
+        try:
+            resp = stub.Cancel(pb.CancelRequest(seq_id=seq_id), timeout=args.timeout)
+        except grpc.RpcError as err:
+            raise _rpc_error(err) from None
+        print(f"seq_id={seq_id} cancelled={str(resp.cancelled).lower()}")
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    stub = _stub(args)
+    try:
+        if args.seq_ids:
+            for seq_id in args.seq_ids:
+                info = stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id),
+                                        timeout=args.timeout)
+                print(f"seq_id={info.seq_id} state={pb.SequenceState.Name(info.state)} "
+                      f"worker={info.worker_id or '-'} prompt_len={info.prompt_len} "
+                      f"prefilled={info.prefilled_tokens} generated={info.generated_tokens} "
+                      f"queue_position={info.queue_position} "
+                      f"finish_reason={pb.FinishReason.Name(info.finish_reason)}")
+            return 0
+        st = stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout)
+    except grpc.RpcError as err:
+        raise _rpc_error(err) from None
+    print(f"policy={st.policy} queue_depth={st.queue_depth} assigned={st.num_assigned} "
+          f"workers={len(st.workers)}")
+    for w in st.workers:
+        print(f"  worker={w.worker_id} assigned={w.num_assigned} "
+              f"kv_free={w.kv_free_pages}/{w.total_kv_pages} "
+              f"gdn_free={w.gdn_free_slots}/{w.total_gdn_slots} iteration={w.iteration} "
+              f"draining={str(w.draining).lower()} "
+              f"last_call={w.seconds_since_last_call:.1f}s ago")
+    return 0

@@ -1,0 +1,146 @@
+"""Prometheus metrics of the scheduler, built on an injected CollectorRegistry.
+
+Base units in names, `_total` counters, bounded labels: `reason` takes a fixed enum's
+values and `worker_id` only registered workers (a worker's series go when it leaves).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from service.core import (
+    BlockReason, Decision, EvictReason, FinishReason, RequeueReason, SchedulerObserver,
+    WorkerReport,
+)
+
+PREFIX = "lattice_scheduler_"
+
+# SelectBatch is answered in well under a millisecond in-process; gRPC adds ~0.1-1 ms.
+_RPC_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                        0.1, 0.25, 0.5, 1.0)
+# Queue waits range from nothing to minutes under overload.
+_WAIT_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                         60.0, 120.0, 300.0)
+_TOKEN_BUCKETS = (0, 1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_SEQ_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class SchedulerMetrics(SchedulerObserver):
+    """Listens to the core and keeps the metrics an operator reads."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.queue_depth = Gauge(PREFIX + "queue_depth", "Sequences waiting for admission.",
+                                 registry=r)
+        self.submissions = Counter(PREFIX + "submissions_total",
+                                   "Sequences accepted by Submit or Generate.", registry=r)
+        self.admissions = Counter(PREFIX + "admissions_total",
+                                  "Sequences admitted to a worker (a requeued one counts again).",
+                                  registry=r)
+        self.finished = Counter(PREFIX + "finished_total", "Sequences finished, by reason.",
+                                ["reason"], registry=r)
+        self.evictions = Counter(PREFIX + "evictions_total",
+                                 "Ids put in a decision's evict list, by reason.",
+                                 ["reason"], registry=r)
+        self.requeues = Counter(PREFIX + "requeues_total",
+                                "Sequences sent back to the head of the queue, by reason.",
+                                ["reason"], registry=r)
+        self.admissions_blocked = Counter(
+            PREFIX + "admissions_blocked_total",
+            "Decisions that left sequences queued, by the limit that stopped admission.",
+            ["reason"], registry=r)
+        self.queue_wait = Histogram(PREFIX + "queue_wait_seconds",
+                                    "Time from enqueue (or requeue) to admission.",
+                                    buckets=_WAIT_SECONDS_BUCKETS, registry=r)
+        self.select_batch_duration = Histogram(
+            PREFIX + "select_batch_duration_seconds", "Time to answer one SelectBatch.",
+            buckets=_RPC_SECONDS_BUCKETS, registry=r)
+        self.decision_prefill_tokens = Histogram(
+            PREFIX + "decision_prefill_tokens", "Prompt tokens handed out per decision.",
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.decision_decode_sequences = Histogram(
+            PREFIX + "decision_decode_sequences", "Sequences to decode per decision.",
+            buckets=_SEQ_BUCKETS, registry=r)
+        self.workers = Gauge(PREFIX + "workers", "Registered workers.", registry=r)
+        self.worker_kv_free_pages = Gauge(PREFIX + "worker_kv_free_pages",
+                                          "Last reported free KV pages.", ["worker_id"],
+                                          registry=r)
+        self.worker_gdn_free_slots = Gauge(PREFIX + "worker_gdn_free_slots",
+                                           "Last reported free GDN state slots.", ["worker_id"],
+                                           registry=r)
+        self.worker_kv_total_pages = Gauge(PREFIX + "worker_kv_total_pages",
+                                           "KV pages the worker registered with.",
+                                           ["worker_id"], registry=r)
+        self.worker_gdn_total_slots = Gauge(PREFIX + "worker_gdn_total_slots",
+                                            "GDN state slots the worker registered with.",
+                                            ["worker_id"], registry=r)
+        self.worker_running = Gauge(PREFIX + "worker_running_sequences",
+                                    "Sequences the worker last reported in decode.",
+                                    ["worker_id"], registry=r)
+        self.worker_prefilling = Gauge(PREFIX + "worker_prefilling_sequences",
+                                       "Sequences the worker last reported in prefill.",
+                                       ["worker_id"], registry=r)
+        self.worker_iterations = Counter(PREFIX + "worker_iterations_total",
+                                         "SelectBatch calls answered for the worker.",
+                                         ["worker_id"], registry=r)
+        self._worker_ids: set[str] = set()
+        self._per_worker = (self.worker_kv_free_pages, self.worker_gdn_free_slots,
+                            self.worker_kv_total_pages, self.worker_gdn_total_slots,
+                            self.worker_running, self.worker_prefilling, self.worker_iterations)
+        # Every reason shows from the start at 0, so rate() works before the first event.
+        for reason in FinishReason:
+            self.finished.labels(reason.name.lower())
+        for labelled, enum_type in ((self.evictions, EvictReason), (self.requeues, RequeueReason),
+                                    (self.admissions_blocked, BlockReason)):
+            for member in enum_type:
+                labelled.labels(member.value)
+
+    # -- SchedulerObserver ----------------------------------------------------------
+
+    def on_submitted(self, seq_id: int, tenant: str) -> None:
+        self.submissions.inc()
+
+    def on_admitted(self, seq_id: int, worker_id: str, queue_wait_seconds: float) -> None:
+        self.admissions.inc()
+        self.queue_wait.observe(queue_wait_seconds)
+
+    def on_requeued(self, seq_id: int, worker_id: str, reason: RequeueReason) -> None:
+        self.requeues.labels(reason.value).inc()
+
+    def on_finished(self, seq_id: int, reason: FinishReason) -> None:
+        self.finished.labels(reason.name.lower()).inc()
+
+    def on_evicted(self, seq_id: int, worker_id: str, reason: EvictReason) -> None:
+        self.evictions.labels(reason.value).inc()
+
+    def on_admission_blocked(self, worker_id: str, reason: BlockReason) -> None:
+        self.admissions_blocked.labels(reason.value).inc()
+
+    def on_decision(self, report: WorkerReport, decision: Decision) -> None:
+        w = report.worker_id
+        self.worker_kv_free_pages.labels(w).set(report.kv_free_pages)
+        self.worker_gdn_free_slots.labels(w).set(report.gdn_free_slots)
+        self.worker_running.labels(w).set(len(report.running))
+        self.worker_prefilling.labels(w).set(len(report.waiting))
+        self.worker_iterations.labels(w).inc()
+        self.decision_prefill_tokens.observe(sum(c.chunk_len for c in decision.prefill))
+        self.decision_decode_sequences.observe(len(decision.decode))
+
+    def on_worker_registered(self, worker_id: str, total_kv_pages: int,
+                             total_gdn_slots: int) -> None:
+        self.worker_kv_total_pages.labels(worker_id).set(total_kv_pages)
+        self.worker_gdn_total_slots.labels(worker_id).set(total_gdn_slots)
+        self.worker_iterations.labels(worker_id)
+        self._worker_ids.add(worker_id)
+        self.workers.set(len(self._worker_ids))
+
+    def on_worker_removed(self, worker_id: str) -> None:
+        for metric in self._per_worker:
+            try:
+                metric.remove(worker_id)
+            except KeyError:
+                pass  # the worker left before it ever reported
+        self._worker_ids.discard(worker_id)
+        self.workers.set(len(self._worker_ids))
+
+    def on_queue_depth(self, depth: int) -> None:
+        self.queue_depth.set(depth)

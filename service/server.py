@@ -1,0 +1,113 @@
+"""The scheduler process: gRPC server, health, reflection, metrics and graceful shutdown."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from service.core import Scheduler
+from service.metrics import SchedulerMetrics
+from service.servicer import SchedulerServicer
+from service.settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+@dataclass
+class RunningServer:
+    """A started scheduler: its ports, and how to stop it."""
+
+    grpc_server: grpc.Server
+    health: health.HealthServicer
+    metrics_http: object
+    port: int
+    metrics_port: int
+    _stop_sweeper: threading.Event
+
+    def stop(self, grace_seconds: float) -> None:
+        """NOT_SERVING first, so balancers drain us; then stop with a grace period."""
+        self.health.enter_graceful_shutdown()
+        self._stop_sweeper.set()
+        self.grpc_server.stop(grace_seconds).wait()
+        self.metrics_http.shutdown()
+
+    def wait(self) -> None:
+        self.grpc_server.wait_for_termination()
+
+
+def start(settings: ServeSettings, registry: CollectorRegistry | None = None) -> RunningServer:
+    """Start serving on settings.host: gRPC on settings.port, metrics on settings.metrics_port."""
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = SchedulerMetrics(registry)
+    core = Scheduler(settings.scheduler, observer=metrics)
+    servicer = SchedulerServicer(core, metrics)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.max_threads,
+                                                    thread_name_prefix="rpc"))
+    pb_grpc.add_SchedulerServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    address = f"{_bracket(settings.host)}:{settings.port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}: address in use or not available")
+    metrics_http, _ = start_http_server(settings.metrics_port, addr=settings.host,
+                                        registry=registry)
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    stop_sweeper = threading.Event()
+    sweep_seconds = min(1.0, settings.scheduler.lease_ttl_ms / 4000.0)
+    threading.Thread(target=_sweep_leases, args=(servicer, stop_sweeper, sweep_seconds),
+                     name="lease-sweeper", daemon=True).start()
+    return RunningServer(server, health_servicer, metrics_http, port,
+                         metrics_http.server_port, stop_sweeper)
+
+
+def _sweep_leases(servicer: SchedulerServicer, stop: threading.Event, every_seconds: float):
+    """Drop silent workers even when no other worker calls (their sequences must move on)."""
+    while not stop.wait(every_seconds):
+        servicer.expire_leases()
+
+
+def serve(settings: ServeSettings) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    running = start(settings)
+    print(f"lattice-scheduler listening on {settings.host}:{running.port} "
+          f"(metrics on http://{_bracket(settings.host)}:{running.metrics_port}/metrics, "
+          f"policy {settings.scheduler.policy})", flush=True)
+    log.info("serving", extra={"port": running.port, "metrics_port": running.metrics_port})
+    stopping = threading.Event()
+
+    def on_signal(signum, _frame):
+        if not stopping.is_set():
+            stopping.set()
+            log.info("shutting down", extra={"signal": signal.Signals(signum).name,
+                                             "grace_seconds": settings.grace_seconds})
+            threading.Thread(target=running.stop, args=(settings.grace_seconds,)).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    running.wait()
+    log.info("stopped")
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

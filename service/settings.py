@@ -1,0 +1,140 @@
+"""`serve` settings from defaults, a TOML file, environment variables and flags.
+
+Precedence, lowest first: built-in defaults, `--config FILE`, `LATTICE_SCHEDULER_*`
+environment variables, command-line flags. Every value is checked before the server
+starts; a bad one stops it with a message naming the setting and where it came from.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from service.core import ConfigError, SchedulerConfig
+
+ENV_PREFIX = "LATTICE_SCHEDULER_"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Process settings of `lattice-scheduler serve`, plus the scheduler's own config."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400
+    max_threads: int = 64
+    grace_seconds: float = 5.0
+    log_format: str = "text"
+    log_level: str = "INFO"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> "ServeSettings":
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ConfigError(f"{name} must be within 0-65535 (0 picks a free port), got {value}")
+        if self.max_threads < 2:
+            raise ConfigError(f"max_threads must be at least 2, got {self.max_threads}")
+        if self.grace_seconds < 0:
+            raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format must be text or json, got {self.log_format!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR, "
+                              f"got {self.log_level!r}")
+        self.scheduler.validate()
+        return self
+
+
+_HELP = {
+    "host": "address to listen on (gRPC and metrics)",
+    "port": "gRPC port; 0 picks a free port and prints it",
+    "metrics_port": "Prometheus /metrics port; 0 picks a free port and prints it",
+    "max_threads": "gRPC handler threads (each open Generate stream holds one)",
+    "grace_seconds": "on SIGTERM, seconds in-flight calls get to finish",
+    "log_format": "text, or json for one JSON object per line",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "max_batch_size": "most sequences per worker, when a worker registers with 0",
+    "chunk_size": "most prompt tokens per prefill chunk",
+    "prefill_reserve_pages": "free KV pages below which a non-empty batch admits nothing",
+    "max_seq_len": "limit on prompt_len + max_new_tokens",
+    "max_queue": "most sequences waiting for admission; more get RESOURCE_EXHAUSTED",
+    "lease_ttl_ms": "a worker silent this long is dropped and its sequences requeued",
+    "policy": "admission policy (fifo)",
+}
+
+
+def _setting_fields() -> list[tuple[dataclasses.Field, bool]]:
+    """(field, belongs to SchedulerConfig) for every setting."""
+    own = [(f, False) for f in fields(ServeSettings) if f.name != "scheduler"]
+    return own + [(f, True) for f in fields(SchedulerConfig)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per setting, plus --config."""
+    parser.add_argument("--config", type=Path, metavar="FILE",
+                        help="TOML file of settings (keys as the flags, with _ or -)")
+    defaults = ServeSettings()
+    for f, in_scheduler in _setting_fields():
+        default = getattr(defaults.scheduler if in_scheduler else defaults, f.name)
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), dest=f.name, default=None,
+            metavar=f.name.upper(),
+            help=f"{_HELP[f.name]} (default {default}; env {ENV_PREFIX}{f.name.upper()})",
+        )
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeSettings:
+    """Merge defaults, the config file, the environment and the flags; validate."""
+    values: dict[str, tuple[object, str]] = {}
+    if args.config is not None:
+        for key, value in _read_config_file(args.config).items():
+            values[key] = (value, f"{args.config}")
+    for f, _ in _setting_fields():
+        env_name = ENV_PREFIX + f.name.upper()
+        if env_name in environ:
+            values[f.name] = (environ[env_name], env_name)
+        flag_value = getattr(args, f.name)
+        if flag_value is not None:
+            values[f.name] = (flag_value, "--" + f.name.replace("_", "-"))
+    own, scheduler = {}, {}
+    for f, in_scheduler in _setting_fields():
+        if f.name in values:
+            value, source = values[f.name]
+            (scheduler if in_scheduler else own)[f.name] = _coerce(f, value, source)
+    return ServeSettings(**own, scheduler=SchedulerConfig(**scheduler)).validate()
+
+
+def _read_config_file(path: Path) -> dict[str, object]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"--config {path}: not valid TOML: {err}") from None
+    known = {f.name for f, _ in _setting_fields()}
+    out = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"--config {path}: unknown setting {key!r}; "
+                              f"known: {', '.join(sorted(known))}")
+        out[name] = value
+    return out
+
+
+def _coerce(f: dataclasses.Field, value: object, source: str) -> object:
+    kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str)
+                                                    else f.type.__name__]
+    if kind is str:
+        return str(value)
+    try:
+        if isinstance(value, bool) or (kind is int and isinstance(value, float)):
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{f.name} ({source}) must be {'an integer' if kind is int else 'a number'}, "
+                          f"got {value!r}") from None
