@@ -187,10 +187,11 @@ class Scheduler:
         worker.draining = report.draining
 
         self._apply_tokens(worker, report)
-        requeue_ids = self._apply_finished(worker, report)
+        preempted = [*self._apply_finished(worker, report), *report.preempted]
         reported = set(report.waiting) | set(report.running)
         mentioned = reported | {f.seq_id for f in report.finished} | set(report.preempted)
-        requeue_ids += [s for s in report.preempted if s in worker.assigned]
+        # An id may be named twice, or finished after being preempted: requeue each once.
+        requeue_ids = [s for s in dict.fromkeys(preempted) if s in worker.assigned]
         self._requeue(worker, requeue_ids, RequeueReason.PREEMPTED)
         lost = [s for s in worker.assigned if s not in mentioned]
         self._requeue(worker, lost, RequeueReason.LOST)

@@ -49,7 +49,8 @@ class Sequence:
         )
 
     def spec_prompt_len(self) -> int:
-        return self.prompt_len + len(self.output_token_ids)
+        """Prompt length of the current assignment's spec (tokens decoded since don't count)."""
+        return self.prompt_len + self.num_generated_at_admission
 
 
 class SequenceTable:
