@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create .venv and install the project with everything the worker and the tests need.
+# Idempotent: a second run with the same pyproject.toml and constraints.txt does nothing.
+#   PYTHON=python3.11 scripts/setup.sh      choose the interpreter
+#   LATTICE_KEEP_TORCH=1 scripts/setup.sh   keep a torch already in .venv (a CUDA build on GPU hosts)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $("$PYTHON" --version)"
+  "$PYTHON" -m venv .venv
+fi
+stamp=".venv/.setup-$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then
+  exit 0
+fi
+echo "setup: installing the project and its dependencies into .venv (first run takes a minute)"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+if [ "${LATTICE_KEEP_TORCH:-0}" != 1 ]; then
+  # CPU wheel: an unpinned torch would pull a multi-gigabyte CUDA build.
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check \
+  -c constraints.txt -e '.[worker,test,reference]'
+rm -f .venv/.setup-*
+touch "$stamp"
+echo "setup: done"

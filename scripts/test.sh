@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh), make sure Prometheus' tools are there, run the whole test suite.
+# Extra arguments go to pytest, e.g. scripts/test.sh tests/unit -q
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "test: installing Prometheus (Debian package) for the observability tests"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+  else
+    echo "test: prometheus/promtool not found and cannot install them (not root);" \
+         "the observability tests will be skipped"
+  fi
+fi
+exec .venv/bin/python -m pytest "$@"

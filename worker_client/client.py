@@ -1,0 +1,107 @@
+"""A typed client of the scheduler for workers: deadlines on every call, retry with backoff.
+
+Retries cover the scheduler being unavailable (restarting, not yet up): UNAVAILABLE and
+DEADLINE_EXCEEDED are retried with exponential backoff until `retry_seconds` run out.
+FAILED_PRECONDITION (lease lost, scheduler restarted) surfaces as `NotRegistered` so the
+caller drops what it holds and registers again; other errors surface as `SchedulerCallError`.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class SchedulerCallError(Exception):
+    """A call failed for good; `code` is the gRPC status code."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{method}: {code.name}: {details}")
+        self.code = code
+
+
+class NotRegistered(SchedulerCallError):
+    """The scheduler does not know this worker (any more): register again."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter: initial, doubling up to max, for at most total seconds."""
+
+    initial_seconds: float = 0.05
+    max_seconds: float = 2.0
+    total_seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class WorkerResources:
+    """What a worker registers with."""
+
+    worker_id: str
+    total_kv_pages: int
+    page_size: int
+    total_gdn_slots: int
+    max_batch_size: int = 0
+    adapters: tuple[str, ...] = ()
+
+
+class SchedulerClient:
+    """One worker's connection to the scheduler."""
+
+    def __init__(self, target: str, *, call_timeout_seconds: float = 5.0,
+                 retry: RetryPolicy = RetryPolicy(),
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.target = target
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+        self._timeout = call_timeout_seconds
+        self._retry = retry
+        self._sleep = sleep
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
+        request = pb.RegisterWorkerRequest(
+            worker_id=resources.worker_id, total_kv_pages=resources.total_kv_pages,
+            page_size=resources.page_size, total_gdn_slots=resources.total_gdn_slots,
+            max_batch_size=resources.max_batch_size, adapters=resources.adapters,
+        )
+        return self._call("RegisterWorker", self._stub.RegisterWorker, request)
+
+    def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
+        return self._call("SelectBatch", self._stub.SelectBatch, request)
+
+    def deregister(self, worker_id: str) -> int:
+        """Leave; returns how many sequences went back to the queue."""
+        response = self._call("DeregisterWorker", self._stub.DeregisterWorker,
+                              pb.DeregisterWorkerRequest(worker_id=worker_id))
+        return response.requeued
+
+    def _call(self, method: str, fn, request):
+        delay = self._retry.initial_seconds
+        give_up_at = time.monotonic() + self._retry.total_seconds
+        while True:
+            try:
+                return fn(request, timeout=self._timeout)
+            except grpc.RpcError as err:
+                code = err.code()
+                if code is grpc.StatusCode.FAILED_PRECONDITION:
+                    raise NotRegistered(method, code, err.details()) from None
+                if code not in _RETRYABLE or time.monotonic() + delay > give_up_at:
+                    raise SchedulerCallError(method, code, err.details()) from None
+                log.warning("scheduler call failed; retrying",
+                            extra={"method": method, "code": code.name,
+                                   "retry_in_seconds": round(delay, 3)})
+                self._sleep(delay * (0.5 + random.random() / 2))
+                delay = min(delay * 2, self._retry.max_seconds)
