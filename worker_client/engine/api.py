@@ -1,0 +1,103 @@
+"""The contract between a worker loop and any inference engine.
+
+A worker loop (written elsewhere) turns each scheduler decision into one
+`Engine.step` call and reports the `StepOutput` back. These types are the whole
+boundary: plain frozen dataclasses and enums, nothing engine-specific.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence ended inside the engine."""
+
+    EOS = "eos"
+    MAX_LENGTH = "max_length"
+    STOP = "stop"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """What the scheduler sends with a sequence's first chunk.
+
+    After a requeue, `prompt_token_ids` is the original prompt followed by the
+    tokens generated so far and `max_new_tokens` counts only what is left.
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    adapter_id: str = ""
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """Prefill prompt tokens [chunk_start, chunk_start + chunk_len) of one sequence.
+
+    `spec` is set on the first chunk (chunk_start 0) and None on continuations.
+    """
+
+    seq_id: int
+    chunk_start: int
+    chunk_len: int
+    spec: SequenceSpec | None
+
+
+@dataclass(frozen=True)
+class FinishedSequence:
+    """A sequence that ended this step; `generated_tokens` counts this admission only."""
+
+    seq_id: int
+    reason: FinishReason
+    generated_tokens: int
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one `Engine.step` produced."""
+
+    # (seq_id, new token ids this step), including the first token sampled
+    # right after a sequence's last prefill chunk.
+    tokens: tuple[tuple[int, tuple[int, ...]], ...]
+    # Sequences that ended this step; their pages and slot are already freed.
+    finished: tuple[FinishedSequence, ...]
+    # Sequences the engine evicted on its own (out of KV pages or GDN slots);
+    # their pages and slot are freed and the scheduler should requeue them.
+    preempted: tuple[int, ...]
+
+
+class Engine(Protocol):
+    """What a worker loop drives; see ModelEngine for the reference implementation."""
+
+    page_size: int
+    total_kv_pages: int
+    total_gdn_slots: int
+
+    def num_free_kv_pages(self) -> int: ...
+
+    def num_free_gdn_slots(self) -> int: ...
+
+    def waiting_ids(self) -> list[int]:
+        """Sequences held whose prompt is not fully prefilled."""
+        ...
+
+    def running_ids(self) -> list[int]:
+        """Sequences held in decode."""
+        ...
+
+    def evict(self, seq_ids: Iterable[int]) -> None:
+        """Drop these sequences and free their pages and slot; unknown ids are ignored."""
+        ...
+
+    def step(self, prefill: Sequence[ChunkWork], decode: Sequence[int]) -> StepOutput:
+        """Run the named prefill chunks, then one decode pass over `decode`."""
+        ...

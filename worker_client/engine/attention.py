@@ -1,0 +1,65 @@
+"""Qwen3.5's gated full attention (the "full_attention" layers)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import RMSNorm, apply_rotary
+
+
+class GatedAttention(nn.Module):
+    """GQA attention with per-head q/k RMSNorm, partial RoPE and a sigmoid output gate.
+
+    q_proj emits, per head, the query followed by its gate. Parameter names
+    match transformers' Qwen3_5Attention.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> (query, gate, key, value); q/k normed and rotated, [B, T, H, D]."""
+        query, gate = self.q_proj(x).unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, -1)
+        key = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        value = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        query = apply_rotary(self.q_norm(query), cos, sin)
+        key = apply_rotary(self.k_norm(key), cos, sin)
+        return query, gate, key, value
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        gate: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Causal attention of query [B, T, H, D] at `positions` [B, T] over keys/values [B, L, Hkv, D].
+
+        Key index j is position j; a query sees keys j <= its position.
+        """
+        key_index = torch.arange(keys.shape[1], device=keys.device)
+        mask = key_index[None, None, :] <= positions[:, :, None]  # [B, T, L]
+        repeat = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(repeat, dim=2)
+        values = values.repeat_interleave(repeat, dim=2)
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask[:, None], scale=self.head_dim**-0.5,
+        )
+        out = out.transpose(1, 2) * torch.sigmoid(gate)
+        return self.o_proj(out.flatten(2))
