@@ -1,0 +1,54 @@
+# syntax=docker/dockerfile:1
+#
+# One Dockerfile, two images:
+#   --target scheduler (default): the scheduler and the client CLI (load generator); no torch.
+#   --target worker: the same plus torch, for lattice-worker.
+# Torch comes from TORCH_INDEX_URL: the CPU wheel index by default; for a GPU image use
+# the PyPI index (its Linux wheels bundle CUDA), e.g.
+#   docker build --target worker --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
+# docker-compose.gpu.yml does exactly that.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# -- a virtual environment at /opt/venv, copied whole into the runtime images ---------
+FROM ${PYTHON_IMAGE} AS venv
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv
+
+FROM venv AS scheduler-build
+COPY . /src
+RUN pip install /src
+
+FROM venv AS worker-build
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Before the sources, so that a code change does not download torch again.
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+COPY . /src
+RUN pip install "/src[worker]"
+
+# -- runtime: no compiler, no pip cache, not root ---------------------------------------
+FROM ${PYTHON_IMAGE} AS runtime
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+RUN useradd --system --uid 10001 --user-group --home-dir /home/lattice --create-home lattice
+COPY deploy/grpc_health_check.py /opt/lattice/grpc_health_check.py
+WORKDIR /home/lattice
+USER 10001:10001
+
+FROM runtime AS worker
+COPY --from=worker-build /opt/venv /opt/venv
+ENTRYPOINT ["lattice-worker"]
+CMD ["--help"]
+
+# Last, so that a plain `docker build .` gives the scheduler image.
+FROM runtime AS scheduler
+COPY --from=scheduler-build /opt/venv /opt/venv
+EXPOSE 50051 9400
+HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["python", "/opt/lattice/grpc_health_check.py", "--target", "127.0.0.1:50051"]
+ENTRYPOINT ["lattice-scheduler"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400"]
