@@ -1,0 +1,192 @@
+"""Scheduler + worker loops + Generate streams, end to end, with the scripted engine.
+
+The scripted engine's output is a fixed function of the prefix, so every stream can be
+checked token by token against `reference_output`, whatever preemption, worker loss or
+re-registration happened on the way.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+
+from tests.worker.conftest import WorkerThread, generate, start_scheduler
+from worker_client.testing import ScriptedEngine, reference_output
+
+
+def _prompts(count: int, seed: int, chunk_size: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Half shorter than a chunk, half spanning several chunks.
+    lengths = [rng.randint(1, chunk_size - 1) if i % 2 else rng.randint(chunk_size + 1,
+                                                                        3 * chunk_size)
+               for i in range(count)]
+    return [[rng.randrange(1, 1000) for _ in range(n)] for n in lengths]
+
+
+def _run_concurrently(stub, prompts, max_new_tokens) -> dict[int, list[int]]:
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def one(index: int) -> None:
+        try:
+            results[index] = generate(stub, prompts[index], max_new_tokens)[1]
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("scheduler", [{"chunk_size": 32, "max_seq_len": 256}], indirect=True)
+def test_sixteen_streams_on_two_workers_equal_sequential_generation(scheduler, stub):
+    workers = [WorkerThread(scheduler.port, f"w{i}", ScriptedEngine(num_gdn_slots=8)).start()
+               for i in range(2)]
+    prompts = _prompts(16, seed=1, chunk_size=32)
+    results = _run_concurrently(stub, prompts, max_new_tokens=12)
+    for w in workers:
+        w.stop.set()
+        w.join()
+    for i, prompt in enumerate(prompts):
+        assert results[i] == reference_output(prompt, 12), f"stream {i}"
+    assert all(w.loop.stats.finished > 0 for w in workers), "both workers should serve"
+    for w in workers:
+        assert w.engine.num_free_kv_pages() == w.engine.total_kv_pages
+        assert w.engine.num_free_gdn_slots() == w.engine.total_gdn_slots
+
+
+@pytest.mark.parametrize("scheduler", [{"chunk_size": 16, "max_seq_len": 256,
+                                        "prefill_reserve_pages": 1}], indirect=True)
+def test_preempted_sequences_resume_without_duplicate_tokens(scheduler, stub):
+    # 12 pages of 4 tokens cannot hold 6 sequences of ~40 tokens: the engine preempts.
+    engine = ScriptedEngine(num_kv_pages=12, page_size=4, num_gdn_slots=6)
+    worker = WorkerThread(scheduler.port, "small", engine).start()
+    prompts = _prompts(6, seed=2, chunk_size=16)
+    prompts = [p[:20] for p in prompts]
+    results = _run_concurrently(stub, prompts, max_new_tokens=10)
+    worker.stop.set()
+    worker.join()
+    assert worker.loop.stats.preempted > 0, "the pool was meant to be too small"
+    for i, prompt in enumerate(prompts):
+        assert results[i] == reference_output(prompt, 10), f"stream {i}"
+    assert engine.num_free_kv_pages() == engine.total_kv_pages
+
+
+@pytest.mark.parametrize("scheduler", [{"chunk_size": 32, "max_seq_len": 512}], indirect=True)
+def test_stopping_a_worker_mid_run_moves_its_sequences_to_the_other(scheduler, stub):
+    slow = WorkerThread(scheduler.port, "leaving", ScriptedEngine(num_gdn_slots=16)).start()
+    prompts = _prompts(8, seed=3, chunk_size=32)
+    results: dict[int, list[int]] = {}
+    runner = threading.Thread(target=lambda: results.update(
+        _run_concurrently(stub, prompts, max_new_tokens=200)))
+    runner.start()
+    deadline = time.monotonic() + 10
+    while slow.loop.stats.generated_tokens < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    slow.stop.set()           # leaves with sequences half done: they go back to the queue
+    slow.join()
+    other = WorkerThread(scheduler.port, "staying", ScriptedEngine(num_gdn_slots=16)).start()
+    runner.join(60)
+    other.stop.set()
+    other.join()
+    assert slow.loop.stats.generated_tokens >= 20 and other.loop.stats.finished == 8
+    for i, prompt in enumerate(prompts):
+        assert results[i] == reference_output(prompt, 200), f"stream {i}"
+
+
+@pytest.mark.parametrize("scheduler", [{"lease_ttl_ms": 200}], indirect=True)
+def test_silent_worker_loses_its_sequences_after_the_lease_and_registers_again(scheduler, stub):
+    engine = ScriptedEngine()
+    worker = WorkerThread(scheduler.port, "sleepy", engine).start()
+    seq_id = stub.Submit(pb.SubmitRequest(prompt_token_ids=[1, 2, 3],
+                                          max_new_tokens=4000)).seq_id
+    _wait(lambda: stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id)).state
+          == pb.SEQUENCE_STATE_DECODING)
+    # Freeze the worker past its lease by holding up its next SelectBatch.
+    gate = threading.Event()
+    real_select = worker.client.select
+    worker.client.select = lambda req: (gate.wait(), real_select(req))[1]
+    _wait(lambda: stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id)).state
+          == pb.SEQUENCE_STATE_QUEUED, timeout=5)
+    gate.set()
+    # Its next call is refused; the loop drops what it held, re-registers and re-admits.
+    _wait(lambda: worker.loop.stats.registrations == 2)
+    _wait(lambda: stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id)).state
+          == pb.SEQUENCE_STATE_DECODING)
+    stub.Cancel(pb.CancelRequest(seq_id=seq_id))
+    _wait(lambda: not engine.running_ids())
+    worker.stop.set()
+    worker.join()
+
+
+@pytest.mark.parametrize("scheduler", [{"chunk_size": 32}], indirect=True)
+def test_draining_worker_finishes_what_it_holds_and_takes_nothing_new(scheduler, stub):
+    engine = ScriptedEngine(num_gdn_slots=4)
+    worker = WorkerThread(scheduler.port, "drainer", engine, max_batch_size=2).start()
+    ids = [stub.Submit(pb.SubmitRequest(prompt_token_ids=[i + 1] * 5, max_new_tokens=50)).seq_id
+           for i in range(4)]
+    _wait(lambda: len(engine.running_ids()) == 2)
+    worker.drain.set()
+    worker.join()
+    states = [stub.GetSequence(pb.GetSequenceRequest(seq_id=s)).state for s in ids]
+    assert states.count(pb.SEQUENCE_STATE_FINISHED) == 2
+    assert states.count(pb.SEQUENCE_STATE_QUEUED) == 2
+    assert engine.num_free_gdn_slots() == engine.total_gdn_slots
+
+
+def test_client_retries_until_the_scheduler_comes_up():
+    import socket
+
+    from worker_client.client import RetryPolicy, SchedulerClient, WorkerResources
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = SchedulerClient(f"127.0.0.1:{port}", call_timeout_seconds=0.5,
+                             retry=RetryPolicy(initial_seconds=0.05, total_seconds=15))
+    holder: dict = {}
+    starter = threading.Timer(0.5, lambda: holder.setdefault(
+        "server", start_scheduler_on(port)))
+    starter.start()
+    try:
+        settings = client.register(WorkerResources("late", 10, 16, 2))
+        assert settings.chunk_size == 512
+    finally:
+        starter.join()
+        client.close()
+        holder["server"].stop(0)
+
+
+def test_client_gives_up_with_a_clear_error_when_no_scheduler_answers():
+    from worker_client.client import RetryPolicy, SchedulerCallError, SchedulerClient
+    from worker_client.client import WorkerResources
+    client = SchedulerClient("127.0.0.1:1", call_timeout_seconds=0.2,
+                             retry=RetryPolicy(initial_seconds=0.05, total_seconds=0.5))
+    with pytest.raises(SchedulerCallError, match="RegisterWorker: UNAVAILABLE"):
+        client.register(WorkerResources("nobody", 10, 16, 2))
+    client.close()
+
+
+def start_scheduler_on(port: int):
+    from prometheus_client import CollectorRegistry
+
+    from service.core import SchedulerConfig
+    from service.server import start
+    from service.settings import ServeSettings
+    return start(ServeSettings(host="127.0.0.1", port=port, metrics_port=0,
+                               scheduler=SchedulerConfig()), CollectorRegistry())
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not reached in time")
