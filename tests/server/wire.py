@@ -1,0 +1,87 @@
+"""Helpers for talking to a scheduler over the wire: a fake worker, submits, waits."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+# Every RPC a test makes is bounded by this; a hung server fails the test, not the run.
+RPC_TIMEOUT_SECONDS = 5.0
+class Worker:
+    """A fake worker that speaks the wire protocol: register, report, read decisions."""
+
+    def __init__(self, stub: pb_grpc.SchedulerStub, worker_id: str = "w1") -> None:
+        self.stub = stub
+        self.worker_id = worker_id
+
+    def register(self, *, total_kv_pages: int = 1000, page_size: int = 16,
+                 total_gdn_slots: int = 64, max_batch_size: int = 0,
+                 adapters: tuple[str, ...] = ()) -> pb.RegisterWorkerResponse:
+        return self.stub.RegisterWorker(pb.RegisterWorkerRequest(
+            worker_id=self.worker_id, total_kv_pages=total_kv_pages, page_size=page_size,
+            total_gdn_slots=total_gdn_slots, max_batch_size=max_batch_size,
+            adapters=list(adapters)), timeout=RPC_TIMEOUT_SECONDS)
+
+    def select(self, *, waiting=(), running=(), kv_free_pages: int = 1000,
+               gdn_free_slots: int = 64, finished=(), preempted=(), draining: bool = False,
+               tokens: dict[int, list[int]] | None = None) -> pb.SchedulerDecision:
+        """One SelectBatch. `finished` items are (seq_id, reason[, generated_tokens])."""
+        return self.stub.SelectBatch(pb.SelectBatchRequest(
+            worker_id=self.worker_id, waiting=list(waiting), running=list(running),
+            kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
+            finished=[pb.FinishedSequence(seq_id=f[0], reason=f[1],
+                                          generated_tokens=f[2] if len(f) > 2 else 0)
+                      for f in finished],
+            preempted=list(preempted), draining=draining,
+            tokens=[pb.TokenUpdate(seq_id=s, token_ids=t) for s, t in (tokens or {}).items()],
+        ), timeout=RPC_TIMEOUT_SECONDS)
+
+    def deregister(self) -> pb.DeregisterWorkerResponse:
+        return self.stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id=self.worker_id),
+                                          timeout=RPC_TIMEOUT_SECONDS)
+
+
+def submit(stub: pb_grpc.SchedulerStub, prompt=(1, 2, 3), max_new_tokens: int = 4,
+           **fields) -> pb.SubmitResponse:
+    return stub.Submit(pb.SubmitRequest(prompt_token_ids=list(prompt),
+                                        max_new_tokens=max_new_tokens, **fields),
+                       timeout=RPC_TIMEOUT_SECONDS)
+
+
+def submit_many(stub: pb_grpc.SchedulerStub, count: int, **kwargs) -> list[int]:
+    return [submit(stub, **kwargs).seq_id for _ in range(count)]
+
+
+def get_sequence(stub: pb_grpc.SchedulerStub, seq_id: int) -> pb.SequenceInfo:
+    return stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=RPC_TIMEOUT_SECONDS)
+
+
+def admitted(decision: pb.SchedulerDecision) -> list[int]:
+    """Ids of the first chunks (admissions) in a decision, in order."""
+    return [c.seq_id for c in decision.prefill if c.HasField("spec")]
+
+
+def continued(decision: pb.SchedulerDecision) -> list[int]:
+    """Ids of the continuation chunks in a decision, in order."""
+    return [c.seq_id for c in decision.prefill if not c.HasField("spec")]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_seconds: float = 5.0,
+               every_seconds: float = 0.02, what: str = "condition") -> None:
+    """Poll until predicate() is true; fail the test after timeout_seconds."""
+    deadline = time.monotonic() + timeout_seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_seconds:g} s waiting for {what}")
+        time.sleep(every_seconds)
+
+
+def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
+    """Run call(), which must fail with an RpcError; return the error."""
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
