@@ -35,6 +35,16 @@ def main(argv: list[str] | None = None) -> int:
         if name == "submit":
             p.add_argument("--count", type=int, default=1, help="how many sequences")
 
+    p = sub.add_parser("load", help="a bounded demo load of concurrent Generate streams; "
+                                    "prints progress, then throughput and latency")
+    _add_target(p)
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--min-prompt-len", type=int, default=8)
+    p.add_argument("--max-prompt-len", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+
     p = sub.add_parser("cancel", help="cancel sequences")
     _add_target(p)
     p.add_argument("seq_ids", type=int, nargs="+")

@@ -111,3 +111,23 @@ def status(args: argparse.Namespace) -> int:
               f"draining={str(w.draining).lower()} "
               f"last_call={w.seconds_since_last_call:.1f}s ago")
     return 0
+
+
+def load(args: argparse.Namespace) -> int:
+    from service.loadgen import LoadSpec, run_load
+    for name in ("requests", "concurrency", "min_prompt_len", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise CommandError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_prompt_len < args.min_prompt_len:
+        raise CommandError("--max-prompt-len must be at least --min-prompt-len")
+    _stub(args)  # fail fast, with a clear message, when nothing answers
+    spec = LoadSpec(num_requests=args.requests, concurrency=args.concurrency,
+                    min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,
+                    max_new_tokens=args.max_new_tokens, seed=args.seed)
+    print(f"load: {spec.num_requests} Generate streams, {spec.concurrency} at a time, prompts "
+          f"{spec.min_prompt_len}-{spec.max_prompt_len} tokens, {spec.max_new_tokens} new tokens "
+          f"each, against {args.target}", flush=True)
+    report = run_load(args.target, spec)
+    for line in report.lines():
+        print(line, flush=True)
+    return 0 if len(report.ok) == len(report.results) else 1

@@ -1,0 +1,127 @@
+"""`lattice-worker`: the reference worker process (a real model, driven by the scheduler)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+log = logging.getLogger("lattice_worker")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lattice-worker",
+        description="Reference worker: runs a Qwen3.5-architecture model (GDN + attention) "
+                    "with a paged KV cache and a GDN state pool, as the scheduler decides. "
+                    "SIGTERM drains (finishes what it holds, takes nothing new) and exits; "
+                    "a second SIGTERM or SIGINT leaves at once (held sequences are requeued).",
+    )
+    parser.add_argument("--scheduler", default=os.environ.get("LATTICE_SCHEDULER_TARGET",
+                                                              "127.0.0.1:50051"),
+                        help="scheduler address HOST:PORT (env LATTICE_SCHEDULER_TARGET)")
+    parser.add_argument("--worker-id", required=True, help="unique name of this worker")
+    parser.add_argument("--model", default="tiny",
+                        help="'tiny' (seeded random weights), a Hugging Face checkpoint "
+                             "directory (config.json + *.safetensors), or 'scripted' (no model: "
+                             "worker_client.testing.ScriptedEngine, for load-testing a scheduler)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16",
+                                                            "float16"),
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--kv-pages", type=int, help="KV-cache pages (default: sized for the device)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--gdn-slots", type=int, help="GDN state slots (default: sized for the device)")
+    parser.add_argument("--max-batch-size", type=int, default=0,
+                        help="most sequences at once (0: the scheduler's default)")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny model")
+    parser.add_argument("--log-format", default="text", choices=("text", "json"))
+    args = parser.parse_args(argv)
+
+    from service.logs import configure
+    configure(args.log_format, "INFO")
+    for name in ("page_size", "kv_pages", "gdn_slots"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    try:
+        engine = _build_engine(args)
+    except Exception as err:  # noqa: BLE001 - one clear line, not a traceback
+        print(f"lattice-worker: {err}", file=sys.stderr)
+        return 2
+    return _run(args, engine)
+
+
+def _build_engine(args: argparse.Namespace):
+    if args.model == "scripted":
+        from worker_client.testing import ScriptedEngine
+        return ScriptedEngine(num_kv_pages=args.kv_pages or 4096, page_size=args.page_size,
+                              num_gdn_slots=args.gdn_slots or 64)
+    import torch
+
+    from worker_client.engine.engine import ModelEngine, default_pool_sizes
+    from worker_client.engine.loading import load_model
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda, but torch sees no CUDA device")
+    dtype_name = args.dtype
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device == "cuda" else "float32"
+    model = load_model(args.model, device=device, dtype=getattr(torch, dtype_name), seed=args.seed)
+    pools = default_pool_sizes(model.config, device, page_size=args.page_size)
+    engine = ModelEngine(
+        model,
+        num_kv_pages=args.kv_pages or pools.num_kv_pages,
+        page_size=args.page_size,
+        num_gdn_slots=args.gdn_slots or pools.num_gdn_slots,
+        device=device,
+    )
+    log.info("engine ready", extra={"worker_id": args.worker_id, "model": str(args.model),
+                                    "device": device, "dtype": dtype_name,
+                                    "kv_pages": engine.total_kv_pages,
+                                    "page_size": engine.page_size,
+                                    "gdn_slots": engine.total_gdn_slots})
+    return engine
+
+
+def _run(args: argparse.Namespace, engine) -> int:
+    from worker_client.client import SchedulerCallError, SchedulerClient, WorkerResources
+    from worker_client.loop import WorkerLoop
+
+    client = SchedulerClient(args.scheduler)
+    resources = WorkerResources(args.worker_id, engine.total_kv_pages, engine.page_size,
+                                engine.total_gdn_slots, args.max_batch_size)
+    loop = WorkerLoop(engine, client, resources)
+    stop, drain = threading.Event(), threading.Event()
+
+    def on_signal(signum, _frame):
+        if signum == signal.SIGTERM and not drain.is_set():
+            log.info("draining: finishing held sequences, taking nothing new",
+                     extra={"worker_id": args.worker_id})
+            drain.set()
+        else:
+            log.info("stopping now", extra={"worker_id": args.worker_id})
+            stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        stats = loop.run(stop, drain)
+    except SchedulerCallError as err:
+        print(f"lattice-worker: {err}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"lattice-worker {args.worker_id}: {stats.iterations} iterations, "
+          f"{stats.generated_tokens} tokens generated, {stats.finished} sequences finished, "
+          f"{stats.preempted} preempted", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
