@@ -1,0 +1,191 @@
+"""ModelEngine: the reference implementation of api.Engine on a Qwen3.5 model."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from .api import ChunkWork, FinishReason, SequenceSpec, StepOutput
+from .kv_cache import PagedKVCache
+from .model import Qwen35ForCausalLM
+from .paged_forward_cache import PagedForwardCache
+from .sampling import SamplingParams, sample_token
+from .sequence import HeldSequence, StepRecorder
+from .sizing import PoolSizes, check_pools_fit
+from .state_pool import GdnStatePool
+
+
+class ModelEngine:
+    """Runs scheduler decisions on a model with a paged KV cache and a GDN state pool.
+
+    `step` first runs the prefill chunks in order (one forward each), then one
+    batched decode forward over the running sequences named (split into
+    forwards of at most `max_batch_size` rows). Ids the engine does not hold,
+    continuations that do not start where the sequence stands, and chunks of
+    length 0 are ignored. When pages run out, the latest admitted sequence that
+    holds pages (possibly the one being extended) is preempted; a chunk with a
+    spec that finds no free GDN slot is preempted too. A sequence that could not
+    fit even in the whole pool, or whose prompt is empty or out of the
+    vocabulary, finishes FAILED. A sequence can appear in `tokens` and
+    `preempted` in the same step (it sampled, then lost its pages).
+    """
+
+    def __init__(
+        self,
+        model: Qwen35ForCausalLM,
+        *,
+        num_kv_pages: int,
+        page_size: int,
+        num_gdn_slots: int,
+        device: str | torch.device,
+        max_batch_size: int | None = None,
+    ) -> None:
+        """Allocates the pools on `device` (the model must be there); raises ModelDoesNotFit."""
+        self.device = torch.device(device)
+        config = model.config
+        self.model = model
+        self.page_size = page_size
+        self.total_kv_pages = num_kv_pages
+        self.total_gdn_slots = num_gdn_slots
+        self.max_batch_size = max_batch_size or num_gdn_slots
+        dtype = model.dtype
+        check_pools_fit(config, PoolSizes(num_kv_pages, page_size, num_gdn_slots), self.device, dtype)
+        self._kv_cache = PagedKVCache(
+            num_layers=config.num_full_attention_layers, num_pages=num_kv_pages, page_size=page_size,
+            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            device=self.device, dtype=dtype,
+        )
+        self._state_pool = GdnStatePool(
+            num_layers=config.num_linear_attention_layers, num_slots=num_gdn_slots,
+            conv_dim=config.linear_conv_dim, conv_kernel=config.linear_conv_kernel_dim,
+            num_value_heads=config.linear_num_value_heads, key_head_dim=config.linear_key_head_dim,
+            value_head_dim=config.linear_value_head_dim, device=self.device, dtype=dtype,
+        )
+        self._held: dict[int, HeldSequence] = {}  # in admission order
+        self._num_admissions = 0
+
+    def num_free_kv_pages(self) -> int:
+        return self._kv_cache.num_free_pages()
+
+    def num_free_gdn_slots(self) -> int:
+        return self._state_pool.num_free_slots()
+
+    def waiting_ids(self) -> list[int]:
+        return [s for s, held in self._held.items() if not held.is_running]
+
+    def running_ids(self) -> list[int]:
+        return [s for s, held in self._held.items() if held.is_running]
+
+    def evict(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            self._release(seq_id)
+
+    def step(self, prefill: Sequence[ChunkWork], decode: Sequence[int]) -> StepOutput:
+        recorder = StepRecorder()
+        with torch.inference_mode():
+            for chunk in prefill:
+                self._prefill_chunk(chunk, recorder)
+            self._decode(decode, recorder)
+        return recorder.output()
+
+    # Prefill.
+
+    def _prefill_chunk(self, chunk: ChunkWork, recorder: StepRecorder) -> None:
+        if chunk.spec is not None:
+            self._release(chunk.seq_id)
+            self._admit(chunk.seq_id, chunk.spec, recorder)
+        held = self._held.get(chunk.seq_id)
+        if held is None or held.is_running or chunk.chunk_start != held.num_prefilled:
+            return
+        num_tokens = min(chunk.chunk_len, held.prompt_len - held.num_prefilled)
+        if num_tokens <= 0 or not self._reserve(held, num_tokens, recorder):
+            return
+        start = held.num_prefilled
+        token_ids = torch.tensor([held.token_ids[start : start + num_tokens]], device=self.device)
+        positions = torch.arange(start, start + num_tokens, device=self.device)[None]
+        logits = self._forward([held], token_ids, positions)
+        held.num_prefilled += num_tokens
+        if held.is_running:
+            self._emit(held, logits[0], recorder)
+
+    def _admit(self, seq_id: int, spec: SequenceSpec, recorder: StepRecorder) -> None:
+        vocab_size = self.model.config.vocab_size
+        if not spec.prompt_token_ids or not all(0 <= t < vocab_size for t in spec.prompt_token_ids):
+            recorder.finish(seq_id, FinishReason.FAILED, 0)
+            return
+        if spec.max_new_tokens <= 0:
+            recorder.finish(seq_id, FinishReason.MAX_LENGTH, 0)
+            return
+        slot = self._state_pool.acquire()
+        if slot is None:
+            recorder.preempt(seq_id)
+            return
+        self._num_admissions += 1
+        self._held[seq_id] = HeldSequence(
+            seq_id=seq_id, spec=spec, slot=slot, admission=self._num_admissions,
+            sampling=SamplingParams.from_spec(spec), token_ids=list(spec.prompt_token_ids),
+        )
+
+    # Decode.
+
+    def _decode(self, decode: Sequence[int], recorder: StepRecorder) -> None:
+        batch = {s: self._held[s] for s in decode if s in self._held and self._held[s].is_running}
+        # Earliest admitted first: the victims of a page shortage are then not yet reserved.
+        for held in sorted(batch.values(), key=lambda h: h.admission):
+            if held.seq_id in self._held:
+                self._reserve(held, 1, recorder)
+        running = [held for held in batch.values() if held.seq_id in self._held]
+        for first in range(0, len(running), self.max_batch_size):
+            group = running[first : first + self.max_batch_size]
+            token_ids = torch.tensor([[h.token_ids[-1]] for h in group], device=self.device)
+            positions = torch.tensor([[len(h.token_ids) - 1] for h in group], device=self.device)
+            logits = self._forward(group, token_ids, positions)
+            for row, held in enumerate(group):
+                self._emit(held, logits[row], recorder)
+
+    # Shared.
+
+    def _forward(self, group: list[HeldSequence], token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab] of each row's last token; caches updated in place."""
+        cache = PagedForwardCache(
+            self._kv_cache, self._state_pool, [h.seq_id for h in group], [h.slot for h in group], positions
+        )
+        return self.model(token_ids, positions, cache, last_only=True)
+
+    def _emit(self, held: HeldSequence, logits: torch.Tensor, recorder: StepRecorder) -> None:
+        """Sample the next token of `held`, report it, and finish the sequence if it ends here."""
+        token_id = sample_token(logits, held.sampling, position=len(held.token_ids))
+        held.token_ids.append(token_id)
+        held.num_generated += 1
+        recorder.token(held.seq_id, token_id)
+        reason = held.finish_reason(token_id, self.model.config.eos_token_ids)
+        if reason is not None:
+            self._release(held.seq_id)
+            recorder.finish(held.seq_id, reason, held.num_generated)
+
+    def _reserve(self, held: HeldSequence, num_tokens: int, recorder: StepRecorder) -> bool:
+        """Reserve KV room for `num_tokens` more tokens, preempting others; False if `held` itself lost."""
+        kv = self._kv_cache
+        if kv.num_pages_for(kv.num_tokens(held.seq_id) + num_tokens) > kv.num_pages:
+            self._release(held.seq_id)
+            recorder.finish(held.seq_id, FinishReason.FAILED, held.num_generated)
+            return False
+        while not kv.can_append(held.seq_id, num_tokens):
+            victim = max(
+                (h for h in self._held.values() if h is held or kv.num_pages_held(h.seq_id) > 0),
+                key=lambda h: h.admission,
+            )
+            self._release(victim.seq_id)
+            recorder.preempt(victim.seq_id)
+            if victim is held:
+                return False
+        kv.append(held.seq_id, num_tokens)
+        return True
+
+    def _release(self, seq_id: int) -> None:
+        """Forget `seq_id` and free its pages and slot; unknown ids are ignored."""
+        held = self._held.pop(seq_id, None)
+        if held is None:
+            return
+        self._kv_cache.free(seq_id)
+        self._state_pool.release(held.slot)

@@ -1,0 +1,64 @@
+"""Token sampling: greedy, temperature, top-k and top-p, reproducible per position.
+
+The one random number behind each draw is a pure function of (seed, absolute
+position of the token being sampled), so a sequence resumed from its prompt
+plus the tokens generated so far samples exactly what it would have sampled.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from .api import SequenceSpec
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick a token; temperature <= 0 is greedy, top_k 0 and top_p 0 (or >= 1) are off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int = 0
+
+    @classmethod
+    def from_spec(cls, spec: SequenceSpec) -> SamplingParams:
+        return cls(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def uniform_for(seed: int, position: int) -> float:
+    """A number in [0, 1) determined only by (seed, position), identical on every host."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """Pick a token from `logits` [vocab] for the token at absolute `position`.
+
+    Greedy takes the lowest index among the maxima. Otherwise the candidates are
+    sorted by probability (ties by index), cut by top-k then top-p (the smallest
+    prefix whose mass reaches top_p), and one is drawn by inverse CDF with
+    uniform_for(seed, position).
+    """
+    if params.is_greedy:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    keep = sorted_probs.shape[0]
+    if params.top_k > 0:
+        keep = min(keep, params.top_k)
+    if 0.0 < params.top_p < 1.0:
+        cumulative = torch.cumsum(sorted_probs[:keep], dim=0)
+        # Count of candidates whose preceding mass is below top_p (always at least one).
+        keep = max(1, int((cumulative - sorted_probs[:keep] < params.top_p).sum().item()))
+    cumulative = torch.cumsum(sorted_probs[:keep], dim=0)
+    target = uniform_for(params.seed, position) * cumulative[-1].item()
+    index = int(torch.searchsorted(cumulative, torch.tensor([target], dtype=cumulative.dtype,
+                                                            device=cumulative.device), right=True).item())
+    return int(order[min(index, keep - 1)].item())

@@ -1,0 +1,69 @@
+"""What the engine keeps about one held sequence, and what one step has produced so far."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .api import FinishedSequence, FinishReason, SequenceSpec, StepOutput
+from .sampling import SamplingParams
+
+
+@dataclass
+class HeldSequence:
+    """A sequence holding a GDN slot (and KV pages as it grows).
+
+    Invariant: the KV cache and the GDN slot hold the first `num_prefilled`
+    prompt tokens while waiting; once running, every token but the last of
+    `token_ids` (the last is fed by the next decode).
+    """
+
+    seq_id: int
+    spec: SequenceSpec
+    slot: int
+    admission: int  # increases with every admission; the latest admitted is preempted first
+    sampling: SamplingParams
+    token_ids: list[int] = field(default_factory=list)  # prompt, then generated tokens
+    num_prefilled: int = 0
+    num_generated: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.spec.prompt_token_ids)
+
+    @property
+    def is_running(self) -> bool:
+        return self.num_prefilled >= self.prompt_len
+
+    def finish_reason(self, token_id: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
+        """Why the sequence ends after sampling `token_id`, or None if it goes on."""
+        if token_id in eos_token_ids:
+            return FinishReason.EOS
+        if token_id in self.spec.stop_token_ids:
+            return FinishReason.STOP
+        if self.num_generated >= self.spec.max_new_tokens:
+            return FinishReason.MAX_LENGTH
+        return None
+
+
+@dataclass
+class StepRecorder:
+    """Accumulates one step's tokens, finished and preempted sequences."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    finished: list[FinishedSequence] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+
+    def token(self, seq_id: int, token_id: int) -> None:
+        self.tokens.setdefault(seq_id, []).append(token_id)
+
+    def finish(self, seq_id: int, reason: FinishReason, generated_tokens: int) -> None:
+        self.finished.append(FinishedSequence(seq_id, reason, generated_tokens))
+
+    def preempt(self, seq_id: int) -> None:
+        self.preempted.append(seq_id)
+
+    def output(self) -> StepOutput:
+        return StepOutput(
+            tokens=tuple((seq_id, tuple(ids)) for seq_id, ids in self.tokens.items()),
+            finished=tuple(self.finished),
+            preempted=tuple(self.preempted),
+        )

@@ -1,0 +1,108 @@
+"""How many KV pages and GDN slots a device holds, and the check that requested pools fit."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .errors import ModelDoesNotFit
+from .kv_cache import PagedKVCache
+from .state_pool import GdnStatePool
+
+DEFAULT_PAGE_SIZE = 16
+_GIB = 1 << 30
+# CPU defaults: a modest reference setup, not a serving configuration.
+_CPU_NUM_GDN_SLOTS = 8
+_CPU_MAX_TOKENS_PER_SEQUENCE = 4096
+_CPU_BUDGET_BYTES = 1 * _GIB
+# CUDA: leave room for activations, logits and the allocator's fragmentation.
+_CUDA_RESERVED_BYTES = 2 * _GIB
+_CUDA_USABLE_FRACTION = 0.9
+_CUDA_MAX_GDN_SLOTS = 256
+_CUDA_GDN_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """The engine's pools: KV pages of `page_size` tokens and GDN state slots."""
+
+    num_kv_pages: int
+    page_size: int
+    num_gdn_slots: int
+
+
+def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    return PagedKVCache.bytes_per_page(
+        config.num_full_attention_layers, page_size, config.num_key_value_heads, config.head_dim, dtype
+    )
+
+
+def gdn_slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    return GdnStatePool.bytes_per_slot(
+        config.num_linear_attention_layers, config.linear_conv_dim, config.linear_conv_kernel_dim,
+        config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim, dtype,
+    )
+
+
+def pool_bytes(config: ModelConfig, sizes: PoolSizes, dtype: torch.dtype) -> int:
+    return (sizes.num_kv_pages * kv_page_bytes(config, sizes.page_size, dtype)
+            + sizes.num_gdn_slots * gdn_slot_bytes(config, dtype))
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory on `device` now: CUDA free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * _GIB  # no /proc: assume a small host
+
+
+def default_pool_sizes(
+    config: ModelConfig, device: str | torch.device, dtype: torch.dtype = torch.float32
+) -> PoolSizes:
+    """Sensible pools for `device` (call after the weights are on it).
+
+    CPU: 8 slots and pages for 8 x 4096 tokens, within 1 GiB or a quarter of
+    free RAM. CUDA: 90% of free memory minus 2 GiB, a quarter of it (at most 256
+    slots) for GDN slots and the rest for pages. Raises ModelDoesNotFit when not
+    even one slot and one sequence's worth of pages fit.
+    """
+    device = torch.device(device)
+    page_bytes = kv_page_bytes(config, DEFAULT_PAGE_SIZE, dtype)
+    slot_bytes = gdn_slot_bytes(config, dtype)
+    if device.type == "cuda":
+        budget = int(available_bytes(device) * _CUDA_USABLE_FRACTION) - _CUDA_RESERVED_BYTES
+        num_slots = min(_CUDA_MAX_GDN_SLOTS, int(budget * _CUDA_GDN_SHARE) // max(slot_bytes, 1))
+        num_pages = (budget - num_slots * slot_bytes) // max(page_bytes, 1)
+    else:
+        budget = min(_CPU_BUDGET_BYTES, available_bytes(device) // 4)
+        num_slots = _CPU_NUM_GDN_SLOTS
+        wanted_pages = num_slots * _CPU_MAX_TOKENS_PER_SEQUENCE // DEFAULT_PAGE_SIZE
+        num_pages = min(wanted_pages, (budget - num_slots * slot_bytes) // max(page_bytes, 1))
+    if num_slots < 1 or num_pages < 1:
+        raise ModelDoesNotFit(
+            f"{device}: about {max(budget, 0) / _GIB:.2f} GiB left for caches, but one GDN slot takes "
+            f"{slot_bytes / _GIB:.3f} GiB and one KV page {page_bytes / _GIB:.3f} GiB; "
+            "use a smaller dtype, a larger device or a smaller model"
+        )
+    return PoolSizes(num_kv_pages=int(num_pages), page_size=DEFAULT_PAGE_SIZE, num_gdn_slots=int(num_slots))
+
+
+def check_pools_fit(config: ModelConfig, sizes: PoolSizes, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ModelDoesNotFit if the pools need more memory than `device` has free."""
+    needed = pool_bytes(config, sizes, dtype)
+    free = available_bytes(device)
+    if needed > free:
+        raise ModelDoesNotFit(
+            f"{sizes.num_kv_pages} KV pages of {sizes.page_size} tokens and {sizes.num_gdn_slots} GDN "
+            f"slots need {needed / _GIB:.2f} GiB on {device}, only {free / _GIB:.2f} GiB is free; "
+            "ask for fewer (see default_pool_sizes)"
+        )
