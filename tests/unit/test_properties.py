@@ -1,0 +1,389 @@
+"""Random interleavings of clients and honest simulated workers against the core.
+
+A reference model tracks, independently of the core, which worker each sequence was
+handed to and what each worker was told; after every step the core must agree with
+it, and every decision must satisfy the contract's rules 3-7.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from service.core import (
+    FinishedSequence, FinishReason, QueueFull, SequenceState, UnknownWorker,
+)
+
+from .factories import FakeClock, make_scheduler, params, registration, report
+
+CONFIG = dict(max_batch_size=3, chunk_size=4, prefill_reserve_pages=2, max_seq_len=32,
+              max_queue=6, lease_ttl_ms=1000)
+WORKERS = {
+    "w0": dict(adapters=()),
+    "w1": dict(adapters=("a",), max_batch_size=2),
+    "w2": dict(adapters=("a", "b")),
+}
+ASSIGNED = (SequenceState.PREFILLING, SequenceState.DECODING)
+
+
+def token(seq_id: int, index: int) -> int:
+    """The token a simulated worker generates at output position `index`: resuming
+    from a wrong position shows up as a gap or a repeat in the output."""
+    return seq_id * 1000 + index
+
+
+@dataclass
+class Held:
+    """One sequence on a simulated worker."""
+
+    spec_len: int
+    max_new_tokens: int
+    first_index: int  # output position of this assignment's first token
+    num_prefilled: int = 0
+    num_generated: int = 0
+
+
+@dataclass
+class SimWorker:
+    """A worker that holds exactly what it was given and reports honestly."""
+
+    worker_id: str
+    registered: bool = False
+    prefill: dict[int, Held] = field(default_factory=dict)
+    running: dict[int, Held] = field(default_factory=dict)
+    done: list[FinishedSequence] = field(default_factory=list)
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+
+    def restart(self) -> None:
+        self.prefill.clear()
+        self.running.clear()
+        self.done.clear()
+        self.tokens.clear()
+
+    def generate(self, seq_id: int) -> None:
+        held = self.running[seq_id]
+        self.tokens.setdefault(seq_id, []).append(
+            token(seq_id, held.first_index + held.num_generated))
+        held.num_generated += 1
+        if held.num_generated == held.max_new_tokens:
+            del self.running[seq_id]
+            self.done.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH,
+                                              held.num_generated))
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+
+    @initialize()
+    def start(self):
+        self.clock = FakeClock()
+        self.sched = make_scheduler(self.clock, **CONFIG)
+        self.sims = {w: SimWorker(w) for w in WORKERS}
+        # The reference model.
+        self.prompt_len: dict[int, int] = {}
+        self.max_new_tokens: dict[int, int] = {}
+        self.adapter: dict[int, str] = {}
+        self.owner: dict[int, str | None] = {}
+        self.finished: dict[int, FinishReason] = {}
+        self.output: dict[int, list[int]] = {}
+        self.cursor: dict[int, int] = {}
+        self.spec_len: dict[int, int] = {}
+        self.ever_admitted: set[int] = set()
+        self.request_ids: dict[str, int] = {}
+        self.last_call: dict[str, float] = {}  # registered workers, as the core sees them
+        self.iteration: dict[str, int] = {}
+        for worker_id in WORKERS:
+            self.register(worker_id)
+
+    # ------------------------------------------------------------ model helpers
+
+    def model_register(self, worker_id: str) -> None:
+        self.model_drop(worker_id)
+        self.last_call[worker_id] = self.clock()
+        self.iteration[worker_id] = 0
+
+    def model_drop(self, worker_id: str) -> None:
+        self.last_call.pop(worker_id, None)
+        for seq_id, owner in self.owner.items():
+            if owner == worker_id:
+                self.owner[seq_id] = None
+
+    def model_expire(self) -> list[str]:
+        now = self.clock()
+        expired = [w for w, last in self.last_call.items()
+                   if (now - last) * 1000.0 > CONFIG["lease_ttl_ms"]]
+        for worker_id in expired:
+            self.model_drop(worker_id)
+        return expired
+
+    def can_run(self, worker_id: str, seq_id: int) -> bool:
+        return not self.adapter[seq_id] or self.adapter[seq_id] in WORKERS[worker_id]["adapters"]
+
+    # ------------------------------------------------------------ client rules
+
+    @rule(prompt_len=st.integers(1, 12), max_new_tokens=st.integers(1, 6),
+          adapter_id=st.sampled_from(["", "", "", "a", "b"]),
+          request=st.sampled_from(["none", "new", "repeat"]))
+    def submit(self, prompt_len, max_new_tokens, adapter_id, request):
+        depth = self.sched.status().queue_depth
+        if request == "repeat" and self.request_ids:
+            request_id = sorted(self.request_ids)[0]
+            result = self.sched.submit(params(prompt_len, max_new_tokens, request_id=request_id))
+            assert result.seq_id == self.request_ids[request_id]
+            assert self.sched.status().queue_depth == depth
+            return
+        request_id = f"req-{len(self.prompt_len)}" if request == "new" else ""
+        submitted = params(prompt_len, max_new_tokens, adapter_id=adapter_id,
+                           request_id=request_id)
+        if depth >= CONFIG["max_queue"]:
+            with pytest.raises(QueueFull):
+                self.sched.submit(submitted)
+            return
+        result = self.sched.submit(submitted)
+        seq_id = result.seq_id
+        assert seq_id not in self.prompt_len
+        assert result.queue_position == depth
+        self.prompt_len[seq_id] = prompt_len
+        self.max_new_tokens[seq_id] = max_new_tokens
+        self.adapter[seq_id] = adapter_id
+        self.owner[seq_id] = None
+        self.output[seq_id] = []
+        if request_id:
+            self.request_ids[request_id] = seq_id
+
+    @rule(pick=st.integers(0, 10_000))
+    def cancel(self, pick):
+        if not self.prompt_len:
+            return
+        seq_id = sorted(self.prompt_len)[pick % len(self.prompt_len)]
+        assert self.sched.cancel(seq_id) is (seq_id not in self.finished)
+        if seq_id not in self.finished:
+            self.finished[seq_id] = FinishReason.CANCELLED
+            self.owner[seq_id] = None
+
+    # ------------------------------------------------------------ worker rules
+
+    @rule(worker_id=st.sampled_from(sorted(WORKERS)))
+    def register(self, worker_id):
+        sim = self.sims[worker_id]
+        sim.restart()
+        sim.registered = True
+        settings_ = self.sched.register_worker(registration(worker_id, **WORKERS[worker_id]))
+        assert settings_.max_batch_size == WORKERS[worker_id].get(
+            "max_batch_size", CONFIG["max_batch_size"])
+        self.model_register(worker_id)
+
+    @rule(worker_id=st.sampled_from(sorted(WORKERS)))
+    def deregister(self, worker_id):
+        sim = self.sims[worker_id]
+        sim.restart()
+        sim.registered = False
+        if worker_id not in self.last_call:
+            with pytest.raises(UnknownWorker):
+                self.sched.deregister_worker(worker_id)
+            return
+        num_held = sum(1 for owner in self.owner.values() if owner == worker_id)
+        assert self.sched.deregister_worker(worker_id) == num_held
+        self.model_drop(worker_id)
+
+    @rule(milliseconds=st.sampled_from([100, 100, 400, 1200]))
+    def advance_clock(self, milliseconds):
+        self.clock.advance_ms(milliseconds)
+
+    @rule()
+    def expire_leases(self):
+        assert sorted(self.sched.expire_leases()) == sorted(self.model_expire())
+
+    @rule(worker_id=st.sampled_from(sorted(WORKERS)), rnd=st.randoms(use_true_random=False))
+    def one_worker_steps(self, worker_id, rnd):
+        self.select_batch(worker_id, rnd)
+
+    def select_batch(self, worker_id, rnd):
+        sim = self.sims[worker_id]
+        if not sim.registered:
+            return self.register(worker_id)
+        worker_report = self.build_report(sim, rnd)
+        self.model_expire()
+        if worker_id not in self.last_call:
+            with pytest.raises(UnknownWorker):
+                self.sched.select_batch(worker_report)
+            sim.restart()
+            sim.registered = False  # it must register again
+            return
+        owner_before = dict(self.owner)
+        decision = self.sched.select_batch(worker_report)
+        self.last_call[worker_id] = self.clock()
+        self.iteration[worker_id] += 1
+        assert decision.iteration == self.iteration[worker_id]
+        self.apply_report_to_model(worker_report, owner_before)
+        self.check_decision(worker_report, decision, owner_before)
+        self.execute(sim, decision)
+
+    @rule(rnd=st.randoms(use_true_random=False))
+    def every_worker_steps(self, rnd):
+        for worker_id in WORKERS:
+            self.select_batch(worker_id, rnd)
+
+    def build_report(self, sim: SimWorker, rnd: random.Random):
+        preempted, finished = [], list(sim.done)
+        sim.done.clear()
+        for table in (sim.prefill, sim.running):
+            for seq_id in list(table):
+                roll = rnd.random()
+                if roll < 0.05:  # preempted, reported one way or the other
+                    del table[seq_id]
+                    if rnd.random() < 0.5:
+                        preempted.append(seq_id)
+                    else:
+                        finished.append(FinishedSequence(seq_id, FinishReason.PREEMPTED))
+                elif roll < 0.07:  # lost: never mentioned again
+                    del table[seq_id]
+                    sim.tokens.pop(seq_id, None)
+                elif roll < 0.15 and table is sim.running:
+                    held = table.pop(seq_id)
+                    finished.append(FinishedSequence(seq_id, FinishReason.EOS,
+                                                     held.num_generated))
+        tokens = dict(sim.tokens)
+        sim.tokens.clear()
+        return report(sim.worker_id, waiting=list(sim.prefill), running=list(sim.running),
+                      kv_free_pages=rnd.randint(0, 4), gdn_free_slots=rnd.randint(0, 4),
+                      finished=finished, preempted=preempted, draining=rnd.random() < 0.15,
+                      tokens=tokens)
+
+    def apply_report_to_model(self, worker_report, owner_before):
+        worker_id = worker_report.worker_id
+        for seq_id, token_ids in worker_report.tokens:
+            if owner_before.get(seq_id) == worker_id:
+                self.output[seq_id].extend(token_ids)
+        for fin in worker_report.finished:
+            if self.owner.get(fin.seq_id) == worker_id:
+                self.owner[fin.seq_id] = None
+                if fin.reason is not FinishReason.PREEMPTED:
+                    self.finished[fin.seq_id] = fin.reason
+        for seq_id in worker_report.preempted:
+            if self.owner.get(seq_id) == worker_id:
+                self.owner[seq_id] = None
+        reported = set(worker_report.waiting) | set(worker_report.running)
+        for seq_id, owner in self.owner.items():
+            if owner == worker_id and seq_id not in reported:
+                self.owner[seq_id] = None  # lost
+
+    def check_decision(self, worker_report, decision, owner_before):
+        worker_id = worker_report.worker_id
+        waiting, running = worker_report.waiting, worker_report.running
+        reported = [*waiting, *running]
+        new = [c for c in decision.prefill if c.spec is not None]
+        continuations = [c for c in decision.prefill if c.spec is None]
+        prefill_ids = [c.seq_id for c in decision.prefill]
+        # Rules 4-7.
+        assert decision.decode == tuple(s for s in running if owner_before.get(s) == worker_id)
+        assert decision.evict == tuple(s for s in reported if owner_before.get(s) != worker_id)
+        assert decision.prefill == (*new, *continuations)
+        assert [c.seq_id for c in continuations] == [
+            s for s in waiting if owner_before.get(s) == worker_id]
+        assert len(prefill_ids) == len(set(prefill_ids))
+        assert not set(prefill_ids) & set(decision.decode)
+        assert not set(decision.evict) & (set(prefill_ids) | set(decision.decode))
+        # An honest worker is only ever told to evict what a client cancelled.
+        assert all(self.finished.get(s) is FinishReason.CANCELLED for s in decision.evict)
+        for seq_id in (*prefill_ids, *decision.decode):
+            assert seq_id not in self.finished
+        # Rule 5: continuations pick up at the cursor.
+        for chunk in continuations:
+            expected_len = min(CONFIG["chunk_size"],
+                               self.spec_len[chunk.seq_id] - self.cursor[chunk.seq_id])
+            assert (chunk.chunk_start, chunk.chunk_len) == (self.cursor[chunk.seq_id],
+                                                            expected_len)
+            assert chunk.chunk_len >= 1  # an honest worker stops asking once prefilled
+            self.cursor[chunk.seq_id] += chunk.chunk_len
+        # Rule 3: admissions within budget, and the budget used while anything fits.
+        max_batch_size = WORKERS[worker_id].get("max_batch_size", CONFIG["max_batch_size"])
+        num_active = len(reported)
+        budget = min(max(0, max_batch_size - num_active), worker_report.gdn_free_slots)
+        if worker_report.draining or (
+                worker_report.kv_free_pages < CONFIG["prefill_reserve_pages"] and num_active):
+            budget = 0
+        assert len(new) <= budget
+        for chunk in new:
+            seq_id = chunk.seq_id
+            assert self.owner[seq_id] is None and seq_id not in self.finished
+            assert seq_id not in reported and self.can_run(worker_id, seq_id)
+            prompt = params(self.prompt_len[seq_id]).prompt_token_ids
+            assert chunk.spec.prompt_token_ids == prompt + tuple(self.output[seq_id])
+            assert chunk.spec.max_new_tokens == (
+                self.max_new_tokens[seq_id] - len(self.output[seq_id]))
+            assert chunk.spec.max_new_tokens >= 1
+            spec_len = len(chunk.spec.prompt_token_ids)
+            assert (chunk.chunk_start, chunk.chunk_len) == (0, min(CONFIG["chunk_size"],
+                                                                   spec_len))
+            self.owner[seq_id] = worker_id
+            self.spec_len[seq_id] = spec_len
+            self.cursor[seq_id] = chunk.chunk_len
+            self.ever_admitted.add(seq_id)
+        if len(new) < budget:
+            left = [s for s in self.prompt_len
+                    if self.owner[s] is None and s not in self.finished
+                    and s not in reported and self.can_run(worker_id, s)]
+            assert left == [], f"{left} could have been admitted to {worker_id}"
+
+    def execute(self, sim: SimWorker, decision) -> None:
+        for seq_id in decision.evict:
+            sim.prefill.pop(seq_id, None)
+            sim.running.pop(seq_id, None)
+        for chunk in decision.prefill:
+            if chunk.spec is not None:
+                spec = chunk.spec
+                sim.prefill[chunk.seq_id] = Held(
+                    spec_len=len(spec.prompt_token_ids), max_new_tokens=spec.max_new_tokens,
+                    first_index=len(spec.prompt_token_ids) - self.prompt_len[chunk.seq_id])
+            held = sim.prefill[chunk.seq_id]
+            assert chunk.chunk_start == held.num_prefilled
+            held.num_prefilled += chunk.chunk_len
+            if held.num_prefilled == held.spec_len:
+                sim.running[chunk.seq_id] = sim.prefill.pop(chunk.seq_id)
+                sim.generate(chunk.seq_id)  # the first token comes with the last chunk
+        for seq_id in decision.decode:
+            sim.generate(seq_id)
+
+    # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def every_sequence_is_queued_assigned_or_finished(self):
+        if not hasattr(self, "sched"):
+            return
+        infos = [self.sched.get_sequence(s) for s in self.prompt_len]
+        for info in infos:
+            seq_id = info.seq_id
+            if seq_id in self.finished:
+                assert info.state is SequenceState.FINISHED
+                assert info.finish_reason is self.finished[seq_id]
+            elif self.owner[seq_id] is not None:
+                assert info.state in ASSIGNED and info.worker_id == self.owner[seq_id]
+            else:
+                assert info.state is SequenceState.QUEUED and info.worker_id == ""
+            assert self.sched.read_output(seq_id, 0).token_ids == tuple(self.output[seq_id])
+            assert self.output[seq_id] == [token(seq_id, i) for i in range(len(self.output[seq_id]))]
+            assert info.generated_tokens >= len(self.output[seq_id])
+        status = self.sched.status()
+        queued = [i for i in infos if i.state is SequenceState.QUEUED]
+        assigned = [i for i in infos if i.state in ASSIGNED]
+        assert status.queue_depth == len(queued)
+        assert sorted(i.queue_position for i in queued) == list(range(len(queued)))
+        # A sequence on two workers would be counted twice here.
+        assert status.num_assigned == len(assigned)
+        per_worker = {w.worker_id: w.num_assigned for w in status.workers}
+        assert set(per_worker) == set(self.last_call)
+        for worker_id, num_assigned in per_worker.items():
+            assert num_assigned == sum(1 for i in assigned if i.worker_id == worker_id)
+        # Only requeues, never submissions, take the queue past max_queue.
+        never_admitted = [i for i in queued if i.seq_id not in self.ever_admitted]
+        assert len(never_admitted) <= CONFIG["max_queue"]
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=80, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_scheduler_state_machine = SchedulerMachine.TestCase
