@@ -287,21 +287,30 @@ class Scheduler:
         return preempted
 
     def _requeue(self, worker: WorkerRecord, seq_ids: list[int], reason: RequeueReason) -> None:
-        """Take `seq_ids` from `worker` and put them at the head of the queue, in order."""
-        if not seq_ids:
-            return
+        """Take `seq_ids` from `worker` and put them at the head of the queue, in order.
+
+        One that already generated max_new_tokens has nothing left to resume: it
+        finishes with MAX_LENGTH instead (its resume spec would ask for <= 0 tokens).
+        """
+        requeued = []
         for seq_id in seq_ids:
             del worker.assigned[seq_id]
             seq = self._sequences.get(seq_id)
+            seq.num_generated = len(seq.output_token_ids)
+            if seq.num_generated >= seq.params.max_new_tokens:
+                self._finish(seq, FinishReason.MAX_LENGTH)
+                continue
+            requeued.append(seq_id)
             seq.state = SequenceState.QUEUED
             seq.worker_id = None
             seq.cursor = seq.prefilled_tokens = 0
-            # Progress known only as a count cannot be resumed: restart from the tokens kept.
-            seq.num_generated = len(seq.output_token_ids)
+            # Progress known only as a count cannot be resumed: restart from the tokens kept
+            # (num_generated was reset to len(output_token_ids) above).
             seq.enqueued_at = self._clock()
             self._observer.on_requeued(seq_id, worker.worker_id, reason)
-        self._queue.push_front(seq_ids)
-        self._observer.on_queue_depth(len(self._queue))
+        if requeued:
+            self._queue.push_front(requeued)
+            self._observer.on_queue_depth(len(self._queue))
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._sequences.mark_finished(seq, reason)

@@ -577,3 +577,29 @@ def test_generated_tokens_uses_the_finish_count_when_tokens_were_not_streamed():
     admit(sched)
     sched.select_batch(report(finished=[finished(seq_id, FinishReason.MAX_LENGTH, 10)]))
     assert sched.get_sequence(seq_id).generated_tokens == 10
+
+
+@pytest.mark.parametrize("num_reported", [2, 3])
+def test_requeued_sequence_with_every_token_generated_finishes_with_max_length(num_reported):
+    # Resuming it would ask a worker for max_new_tokens <= 0 (not valid on the wire).
+    sched, _ = setup()
+    seq_id = submit(sched, prompt_len=3, max_new_tokens=2)
+    admit(sched)
+    tokens = [7, 8, 9][:num_reported]
+    sched.select_batch(report(running=[seq_id], tokens={seq_id: tokens}))
+    sched.select_batch(report(preempted=[seq_id], gdn_free_slots=0))
+    info = sched.get_sequence(seq_id)
+    assert info.state is SequenceState.FINISHED
+    assert info.finish_reason is FinishReason.MAX_LENGTH
+    assert sched.status().queue_depth == 0
+    assert sched.select_batch(report()).prefill == ()
+
+
+def test_requeued_sequence_with_tokens_left_is_resumed_not_finished():
+    sched, _ = setup()
+    seq_id = submit(sched, prompt_len=3, max_new_tokens=3)
+    admit(sched)
+    sched.select_batch(report(running=[seq_id], tokens={seq_id: [7, 8]}))
+    register(sched, "w0")
+    assert sched.get_sequence(seq_id).state is SequenceState.QUEUED
+    assert sched.select_batch(report()).prefill[0].spec.max_new_tokens == 1
