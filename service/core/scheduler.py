@@ -160,8 +160,7 @@ class Scheduler:
         """Leave cleanly; returns how many sequences went back to the head of the queue."""
         worker = self._ledger.get(worker_id)
         self._ledger.remove(worker_id)
-        requeued = list(worker.assigned)
-        self._requeue(worker, requeued, RequeueReason.DEREGISTERED)
+        requeued = self._requeue(worker, list(worker.assigned), RequeueReason.DEREGISTERED)
         self._observer.on_worker_removed(worker_id)
         return len(requeued)
 
@@ -286,8 +285,10 @@ class Scheduler:
             self._finish(seq, fin.reason)
         return preempted
 
-    def _requeue(self, worker: WorkerRecord, seq_ids: list[int], reason: RequeueReason) -> None:
-        """Take `seq_ids` from `worker` and put them at the head of the queue, in order.
+    def _requeue(self, worker: WorkerRecord, seq_ids: list[int],
+                 reason: RequeueReason) -> list[int]:
+        """Take `seq_ids` from `worker` and put them at the head of the queue, in order;
+        returns the ids that went back to the queue.
 
         One that already generated max_new_tokens has nothing left to resume: it
         finishes with MAX_LENGTH instead (its resume spec would ask for <= 0 tokens).
@@ -311,6 +312,7 @@ class Scheduler:
         if requeued:
             self._queue.push_front(requeued)
             self._observer.on_queue_depth(len(self._queue))
+        return requeued
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._sequences.mark_finished(seq, reason)

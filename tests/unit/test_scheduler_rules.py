@@ -603,3 +603,13 @@ def test_requeued_sequence_with_tokens_left_is_resumed_not_finished():
     register(sched, "w0")
     assert sched.get_sequence(seq_id).state is SequenceState.QUEUED
     assert sched.select_batch(report()).prefill[0].spec.max_new_tokens == 1
+
+
+def test_deregistration_counts_only_what_went_back_to_the_queue():
+    sched, _ = setup()
+    done, resumable = submit(sched, max_new_tokens=1), submit(sched, max_new_tokens=5)
+    admit(sched)
+    sched.select_batch(report(running=[done, resumable], tokens={done: [7], resumable: [8]}))
+    assert sched.deregister_worker("w0") == 1
+    assert sched.get_sequence(done).finish_reason is FinishReason.MAX_LENGTH
+    assert sched.get_sequence(resumable).state is SequenceState.QUEUED
