@@ -54,7 +54,11 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     servicer = SchedulerServicer(core, metrics)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.max_threads,
-                                                    thread_name_prefix="rpc"))
+                                                    thread_name_prefix="rpc"),
+                         # gRPC sets SO_REUSEPORT by default: a second scheduler on a port
+                         # already in use would bind it too and silently take a share of
+                         # the connections (two queues, one address). Fail instead.
+                         options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -64,7 +68,11 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
         server,
     )
     address = f"{_bracket(settings.host)}:{settings.port}"
-    port = server.add_insecure_port(address)
+    try:
+        # grpcio returns 0 on failure in old releases and raises RuntimeError in new ones.
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if port == 0:
         raise OSError(f"cannot listen on {address}: address in use or not available")
     metrics_http, _ = start_http_server(settings.metrics_port, addr=settings.host,
