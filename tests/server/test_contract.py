@@ -232,3 +232,229 @@ def test_register_worker_invalid_argument_names_the_field(stub, worker_id, page_
     err = rpc_error(lambda: Worker(stub, worker_id).register(page_size=page_size))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_name in err.details()
+
+
+# ===================================================================== fifo rules 1-7
+
+
+@config(chunk_size=4)
+def test_admission_chunk_is_zero_to_chunk_size_with_the_full_spec(stub, worker):
+    worker.register()
+    long_id = submit(stub, prompt=range(1, 11), max_new_tokens=5, adapter_id="",
+                     stop_token_ids=[7, 8],
+                     sampling=pb.SamplingParams(temperature=0.5, top_p=0.9, top_k=40,
+                                                seed=1234)).seq_id
+    short_id = submit(stub, prompt=(5, 6), max_new_tokens=2).seq_id
+    long_chunk, short_chunk = worker.select().prefill
+    assert (long_chunk.seq_id, long_chunk.chunk_start, long_chunk.chunk_len) == (long_id, 0, 4)
+    assert (short_chunk.seq_id, short_chunk.chunk_start, short_chunk.chunk_len) == (short_id, 0, 2)
+    spec = long_chunk.spec
+    assert list(spec.prompt_token_ids) == list(range(1, 11))
+    assert spec.max_new_tokens == 5 and spec.adapter_id == ""
+    assert list(spec.stop_token_ids) == [7, 8]
+    assert (spec.sampling.top_k, spec.sampling.seed) == (40, 1234)
+    assert spec.sampling.temperature == pytest.approx(0.5)
+    assert spec.sampling.top_p == pytest.approx(0.9)
+
+
+def test_rule1_finished_sequences_end_and_are_not_readmitted(stub, worker):
+    worker.register(max_batch_size=1)
+    a, b = submit_many(stub, 2)
+    assert admitted(worker.select()) == [a]
+    decision = worker.select(finished=[(a, EOS, 3)])
+    info = get_sequence(stub, a)
+    assert (info.state, info.finish_reason, info.worker_id) == (FINISHED, EOS, "")
+    assert admitted(decision) == [b]
+    assert a not in decision.decode and a not in decision.evict
+
+
+def test_rule1_preempted_go_back_to_head_in_given_order(stub, worker):
+    worker.register(max_batch_size=3)
+    s1, s2, s3, s4, s5 = submit_many(stub, 5)
+    assert admitted(worker.select()) == [s1, s2, s3]
+    worker.select(running=[s2], preempted=[s3, s1], draining=True)
+    assert [get_sequence(stub, s).queue_position for s in (s3, s1, s4, s5)] == [0, 1, 2, 3]
+    assert get_sequence(stub, s3).state == QUEUED
+
+
+@config(chunk_size=2)
+def test_rule1_preempted_are_readmitted_first_from_token_zero_with_a_spec(stub, worker):
+    worker.register(max_batch_size=3)
+    s1, s2, s3, s4 = submit_many(stub, 4, prompt=(1, 2, 3))
+    worker.select()
+    worker.select(waiting=[s1, s2, s3])          # every cursor now at 2
+    decision = worker.select(running=[s2], preempted=[s3, s1])
+    assert admitted(decision) == [s3, s1]
+    assert [(c.chunk_start, c.chunk_len) for c in decision.prefill] == [(0, 2), (0, 2)]
+    assert list(decision.prefill[0].spec.prompt_token_ids) == [1, 2, 3]
+    assert get_sequence(stub, s4).queue_position == 0
+
+
+def test_rule1_finished_with_reason_preempted_is_requeued_not_finished(stub, worker):
+    worker.register(max_batch_size=1)
+    a, b = submit_many(stub, 2)
+    worker.select()
+    worker.select(finished=[(a, PREEMPTED, 0)], draining=True)
+    info = get_sequence(stub, a)
+    assert (info.state, info.queue_position) == (QUEUED, 0)
+    assert get_sequence(stub, b).queue_position == 1
+
+
+def test_rule1_assigned_ids_a_report_omits_are_lost_and_go_back_to_head(stub, worker):
+    worker.register(max_batch_size=3)
+    s1, s2, s3, s4 = submit_many(stub, 4)
+    worker.select()
+    worker.select(waiting=[s2], draining=True)
+    assert [get_sequence(stub, s).queue_position for s in (s1, s3, s4)] == [0, 1, 2]
+    assert get_sequence(stub, s1).state == QUEUED
+    decision = worker.select(waiting=[s2])
+    assert admitted(decision) == [s1, s3]
+    assert all(c.chunk_start == 0 for c in decision.prefill if c.HasField("spec"))
+
+
+def test_rule2_capacity_is_max_batch_size_minus_waiting_and_running(stub, worker):
+    worker.register(max_batch_size=4)
+    s = submit_many(stub, 6)
+    assert admitted(worker.select()) == s[:4]
+    decision = worker.select(waiting=[s[0]], running=[s[1]], finished=[(s[2], EOS), (s[3], EOS)])
+    assert admitted(decision) == s[4:6]
+
+
+def test_rule2_capacity_never_below_zero_when_a_report_exceeds_max_batch_size(stub, worker):
+    worker.register(max_batch_size=2)
+    a, b, c = submit_many(stub, 3)
+    worker.select()
+    decision = worker.select(running=[a, b, 999])   # 999: not ours, still counts as active
+    assert admitted(decision) == [] and list(decision.evict) == [999]
+    assert list(decision.decode) == [a, b]
+    assert get_sequence(stub, c).state == QUEUED
+
+
+def test_rule3_admissions_are_bounded_by_max_batch_size(stub, worker):
+    worker.register(max_batch_size=2)
+    s = submit_many(stub, 5)
+    assert admitted(worker.select()) == s[:2]
+    assert admitted(worker.select(waiting=s[:2])) == []
+
+
+@config(max_batch_size=3)
+def test_rule3_max_batch_size_zero_takes_the_scheduler_default(stub, worker):
+    assert worker.register(max_batch_size=0).max_batch_size == 3
+    s = submit_many(stub, 5)
+    assert admitted(worker.select()) == s[:3]
+
+
+@pytest.mark.parametrize("gdn_free_slots", [0, 1, 2])
+def test_rule3_each_admission_needs_one_free_gdn_slot(stub, worker, gdn_free_slots):
+    worker.register(max_batch_size=8)
+    s = submit_many(stub, 4)
+    assert admitted(worker.select(gdn_free_slots=gdn_free_slots)) == s[:gdn_free_slots]
+
+
+@pytest.mark.parametrize("kv_free_pages, admits", [(7, False), (8, True)])
+def test_rule3_reserve_guard_blocks_a_non_empty_batch_below_prefill_reserve_pages(
+        stub, worker, kv_free_pages, admits):
+    worker.register(max_batch_size=4)
+    a, b = submit_many(stub, 2)
+    assert admitted(worker.select(gdn_free_slots=1)) == [a]
+    decision = worker.select(running=[a], kv_free_pages=kv_free_pages)
+    assert admitted(decision) == ([b] if admits else [])
+    assert list(decision.decode) == [a]
+
+
+def test_rule3_reserve_guard_is_bypassed_by_an_empty_batch(stub, worker):
+    worker.register(max_batch_size=4)
+    s = submit_many(stub, 2)
+    assert admitted(worker.select(kv_free_pages=0)) == s
+
+
+def test_rule4_every_running_id_is_decoded_in_the_order_given(stub, worker):
+    worker.register(max_batch_size=4)
+    s1, s2, s3 = submit_many(stub, 3)
+    worker.select()
+    decision = worker.select(running=[s3, s1, s2])
+    assert list(decision.decode) == [s3, s1, s2]
+    assert list(decision.prefill) == []
+
+
+@config(chunk_size=4)
+def test_rule5_continuations_carry_the_real_cursor_and_no_spec(stub, worker):
+    worker.register()
+    seq_id = submit(stub, prompt=range(10)).seq_id
+    chunks = [worker.select().prefill[0]]
+    for _ in range(2):
+        chunks += worker.select(waiting=[seq_id]).prefill
+    assert [(c.seq_id, c.chunk_start, c.chunk_len) for c in chunks] == \
+        [(seq_id, 0, 4), (seq_id, 4, 4), (seq_id, 8, 2)]
+    assert [c.HasField("spec") for c in chunks] == [True, False, False]
+
+
+@config(chunk_size=4)
+def test_rule5_new_admissions_come_before_continuations(stub, worker):
+    worker.register()
+    old = submit(stub, prompt=range(10)).seq_id
+    worker.select()
+    new = submit(stub, prompt=range(10)).seq_id
+    decision = worker.select(waiting=[old])
+    assert [(c.seq_id, c.chunk_start) for c in decision.prefill] == [(new, 0), (old, 4)]
+    assert admitted(decision) == [new] and continued(decision) == [old]
+
+
+def test_rule6_cancelled_sequences_are_evicted_and_neither_prefilled_nor_decoded(stub, worker):
+    worker.register()
+    waiting_id, running_id, kept = submit_many(stub, 3, prompt=range(3))
+    worker.select()
+    for seq_id in (waiting_id, running_id):
+        assert stub.Cancel(pb.CancelRequest(seq_id=seq_id), timeout=RPC_TIMEOUT_SECONDS).cancelled
+    decision = worker.select(waiting=[waiting_id], running=[running_id, kept])
+    assert sorted(decision.evict) == sorted([waiting_id, running_id])
+    assert [c.seq_id for c in decision.prefill] == []
+    assert list(decision.decode) == [kept]
+    assert get_sequence(stub, running_id).finish_reason == CANCELLED
+
+
+def test_rule6_ids_reported_but_not_assigned_to_this_worker_are_evicted(stub):
+    a, b = Worker(stub, "a"), Worker(stub, "b")
+    a.register(), b.register()
+    on_b = submit(stub).seq_id
+    b.select()
+    decision = a.select(waiting=[on_b], running=[777])
+    assert sorted(decision.evict) == sorted([on_b, 777])
+    assert list(decision.decode) == [] and list(decision.prefill) == []
+    info = get_sequence(stub, on_b)
+    assert (info.state, info.worker_id) == (PREFILLING, "b")
+
+
+def test_rule6_7_a_stale_id_reported_while_queued_is_evicted_not_admitted(stub, worker):
+    worker.register()
+    seq_id = submit(stub).seq_id
+    worker.select()
+    worker.register()                       # new incarnation: seq_id goes back to the queue
+    decision = worker.select(waiting=[seq_id])
+    assert list(decision.evict) == [seq_id]
+    assert [c.seq_id for c in decision.prefill] == []
+    assert get_sequence(stub, seq_id).state == QUEUED
+    assert admitted(worker.select()) == [seq_id]
+
+
+@config(chunk_size=2, max_batch_size=6)
+def test_rule7_no_id_twice_in_prefill_nor_in_both_prefill_and_decode(stub, worker):
+    worker.register()
+    ids = submit_many(stub, 8, prompt=range(5))
+    holding: dict[str, list[int]] = {"waiting": [], "running": []}
+    for step in range(8):
+        # A worker that moves each sequence through prefill into decode, preempting one
+        # and finishing one now and then.
+        preempted = holding["running"][:1] if step % 3 == 2 else []
+        finished = [(s, EOS) for s in holding["running"][1:2]] if step % 4 == 3 else []
+        gone = set(preempted) | {f[0] for f in finished}
+        running = [s for s in holding["running"] if s not in gone]
+        decision = worker.select(waiting=holding["waiting"], running=running,
+                                 preempted=preempted, finished=finished)
+        prefill_ids = [c.seq_id for c in decision.prefill]
+        assert len(prefill_ids) == len(set(prefill_ids)), decision
+        assert not set(prefill_ids) & set(decision.decode), decision
+        assert not (set(prefill_ids) | set(decision.decode)) & set(decision.evict), decision
+        new_running = running + continued(decision)
+        holding = {"waiting": admitted(decision), "running": new_running}
+    assert set(ids) >= set(holding["running"])
