@@ -19,15 +19,16 @@ RUN python -m venv /opt/venv
 
 FROM venv AS scheduler-build
 COPY . /src
-RUN pip install /src
+RUN pip install -c /src/constraints.txt /src
 
 FROM venv AS worker-build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# Before the sources, so that a code change does not download torch again.
+# Before the sources, so that a code change does not download torch again. The other
+# dependencies are pinned by constraints.txt, as in scripts/setup.sh.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY . /src
-RUN pip install "/src[worker]"
+RUN pip install -c /src/constraints.txt "/src[worker]"
 
 # -- runtime: no compiler, no pip cache, not root ---------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime

@@ -1,0 +1,159 @@
+"""The compose stack, the GPU override and the Dockerfile, checked without a Docker engine."""
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tests.stack.stack_files import (
+    COMPOSE_FILE, COMPOSE_GPU_FILE, COMPOSE_SCHEMA, DASHBOARD, DOCKERFILE, DOCKERIGNORE,
+    GRAFANA_PROVISIONING, HEALTH_CHECK_SCRIPT, REPO, compose_ports, documented_ports,
+    load_yaml,
+)
+
+WORKERS = ("worker-1", "worker-2")
+HEALTH_SCRIPT_IN_IMAGE = "/opt/lattice/grpc_health_check.py"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load_yaml(COMPOSE_FILE)
+
+
+@pytest.fixture(scope="module")
+def gpu_override() -> dict:
+    return load_yaml(COMPOSE_GPU_FILE)
+
+
+@pytest.fixture(scope="module")
+def schema_validator() -> jsonschema.Draft7Validator:
+    assert COMPOSE_SCHEMA.is_file(), f"the Compose Specification schema is not at {COMPOSE_SCHEMA}"
+    return jsonschema.Draft7Validator(json.loads(COMPOSE_SCHEMA.read_text()))
+
+
+def _schema_errors(validator: jsonschema.Draft7Validator, document: dict) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+            for e in validator.iter_errors(document)]
+
+
+@pytest.mark.parametrize("path", [COMPOSE_FILE, COMPOSE_GPU_FILE], ids=lambda p: p.name)
+def test_compose_file_validates_against_the_compose_spec_schema(path, schema_validator):
+    assert _schema_errors(schema_validator, load_yaml(path)) == []
+
+
+def test_compose_schema_check_rejects_a_misspelt_service_key(compose, schema_validator):
+    broken = copy.deepcopy(compose)
+    broken["services"]["scheduler"]["healtcheck"] = broken["services"]["scheduler"]["healthcheck"]
+    assert _schema_errors(schema_validator, broken) != []
+
+
+def test_every_service_has_build_or_image(compose):
+    missing = [name for name, s in compose["services"].items()
+               if "build" not in s and "image" not in s]
+    assert missing == []
+
+
+def test_build_targets_are_stages_of_the_dockerfile(compose, gpu_override):
+    stages = set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", DOCKERFILE.read_text(),
+                            re.MULTILINE | re.IGNORECASE))
+    for document in (compose, gpu_override):
+        for name, service in document["services"].items():
+            build = service.get("build")
+            if isinstance(build, dict) and "target" in build:
+                assert build["target"] in stages, f"{name}: no stage {build['target']!r}"
+
+
+def _excluded_by_dockerignore(path: str, patterns: list[str]) -> bool:
+    """Docker's rule, simplified: the last pattern matching the path or a parent decides."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    excluded = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        pattern = pattern.lstrip("!").rstrip("/")
+        if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
+            excluded = not negated
+    return excluded
+
+
+def test_build_context_holds_what_the_images_install_and_not_the_rest():
+    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    needed = ["pyproject.toml", "constraints.txt", "service/server.py", "service/core/__init__.py",
+              "protos/lattice/scheduler/v1/scheduler_pb2.py", "worker_client/__init__.py",
+              "deploy/grpc_health_check.py"]
+    for path in needed:
+        assert (REPO / path).exists(), f"{path} is copied into the image but does not exist"
+        assert not _excluded_by_dockerignore(path, patterns), f"{path} is left out by .dockerignore"
+    for path in (".venv/bin/python", "tests/stack/conftest.py", ".git/HEAD",
+                 "service/__pycache__/server.cpython-311.pyc"):
+        assert _excluded_by_dockerignore(path, patterns), f"{path} would be sent to the build"
+
+
+def test_image_and_scheduler_service_check_health_over_grpc(compose):
+    dockerfile = DOCKERFILE.read_text()
+    assert f"COPY deploy/grpc_health_check.py {HEALTH_SCRIPT_IN_IMAGE}" in dockerfile
+    assert re.search(r"HEALTHCHECK .*\n?.*" + re.escape(HEALTH_SCRIPT_IN_IMAGE), dockerfile)
+    assert HEALTH_CHECK_SCRIPT.is_file()
+    test = compose["services"]["scheduler"]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", HEALTH_SCRIPT_IN_IMAGE]
+
+
+def test_images_run_as_a_non_root_user():
+    users = re.findall(r"^USER\s+(\S+)", DOCKERFILE.read_text(), re.MULTILINE)
+    assert users and all(not u.split(":")[0] in ("0", "root") for u in users)
+
+
+def test_workers_start_after_the_scheduler_is_healthy_and_use_the_tiny_model_on_cpu(compose):
+    for name in WORKERS:
+        worker = compose["services"][name]
+        assert worker["depends_on"]["scheduler"]["condition"] == "service_healthy"
+        command = worker["command"]
+        assert command[command.index("--scheduler") + 1] == "scheduler:50051"
+        assert command[command.index("--worker-id") + 1] == name
+        assert command[command.index("--model") + 1] == "tiny"
+        assert command[command.index("--device") + 1] == "cpu"
+
+
+def test_gpu_override_reserves_an_nvidia_gpu_and_runs_workers_on_cuda(compose, gpu_override):
+    assert set(gpu_override["services"]) <= set(compose["services"])
+    for name in WORKERS:
+        worker = gpu_override["services"][name]
+        devices = worker["deploy"]["resources"]["reservations"]["devices"]
+        assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+        command = worker["command"]
+        assert command[command.index("--device") + 1] == "cuda"
+
+
+def test_load_generator_runs_only_with_the_load_profile(compose):
+    loadgen = compose["services"]["loadgen"]
+    assert loadgen["profiles"] == ["load"]
+    assert "lattice-scheduler submit --target scheduler:50051" in " ".join(loadgen["command"])
+    assert all("profiles" not in s for n, s in compose["services"].items() if n != "loadgen")
+
+
+def test_documented_ports_match_the_compose_ports(compose):
+    assert documented_ports() == compose_ports(compose)
+
+
+def test_bind_mounted_deploy_folders_exist(compose):
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (REPO / source).exists(), f"{name} mounts missing {source}"
+
+
+def test_dashboard_uses_the_provisioned_prometheus_data_source():
+    datasources = load_yaml(GRAFANA_PROVISIONING / "datasources" / "prometheus.yml")
+    uids = {d["uid"] for d in datasources["datasources"] if d["type"] == "prometheus"}
+    dashboard = json.loads(DASHBOARD.read_text())
+    used = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    used |= {p["datasource"]["uid"] for p in dashboard["panels"]}
+    assert used and used <= uids
+    provider = load_yaml(GRAFANA_PROVISIONING / "dashboards" / "lattice.yml")["providers"][0]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"

@@ -1,0 +1,119 @@
+"""A real scheduler on loopback, scraped by a real Prometheus; the dashboard and the alerts
+are read against what the scheduler actually exposes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.stack.conftest import LOOPBACK, SCHEDULER_JOB, wait_until
+from tests.stack.promql import exposed_names, metric_names, substitute_grafana_variables
+from tests.stack.stack_files import HEALTH_CHECK_SCRIPT, alert_expressions, dashboard_expressions
+
+# Series Prometheus makes itself for every target; alerts may use them.
+PROMETHEUS_SERIES = {"up"}
+
+
+def test_promtool_check_metrics_passes_on_the_live_metrics(promtool, metrics_text):
+    result = subprocess.run([promtool, "check", "metrics"], input=metrics_text,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_health_check_script_passes_against_the_serving_scheduler(scheduler):
+    for service in ("", "lattice.scheduler.v1.Scheduler"):
+        result = subprocess.run(
+            [sys.executable, str(HEALTH_CHECK_SCRIPT), "--target", f"{LOOPBACK}:{scheduler.port}",
+             "--service", service], capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+
+
+def test_health_check_script_fails_for_an_unknown_service(scheduler):
+    result = subprocess.run(
+        [sys.executable, str(HEALTH_CHECK_SCRIPT), "--target", f"{LOOPBACK}:{scheduler.port}",
+         "--service", "no.such.Service"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert "NOT_FOUND" in result.stderr
+
+
+@pytest.mark.parametrize("source", ["dashboard", "alerts"])
+def test_every_promql_expression_names_only_metrics_the_scheduler_exposes(source, metrics_text):
+    exposed = exposed_names(metrics_text)
+    expressions = dashboard_expressions() if source == "dashboard" else alert_expressions()
+    assert expressions
+    for expression in expressions:
+        names = metric_names(substitute_grafana_variables(expression.expr))
+        assert names, f"{expression.where}: no metric name found in {expression.expr!r}"
+        unknown = names - exposed - PROMETHEUS_SERIES
+        assert not unknown, f"{expression.where} uses {sorted(unknown)}, not in /metrics"
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_the_scheduler_target_and_it_is_up(prometheus, scheduler):
+    body = prometheus.get("/api/v1/targets")
+    targets = [t for t in body["data"]["activeTargets"] if t["labels"]["job"] == SCHEDULER_JOB]
+    assert [t["scrapeUrl"] for t in targets] == [
+        f"http://{LOOPBACK}:{scheduler.metrics_port}/metrics"]
+    assert targets[0]["health"] == "up", targets[0]["lastError"]
+
+
+@pytest.mark.slow
+def test_prometheus_shows_the_queue_admissions_and_worker_gauges_the_test_caused(
+        prometheus, activity):
+    worker = f'worker_id="{activity.worker_id}"'
+    expected = {
+        "lattice_scheduler_queue_depth": activity.queue_depth,
+        "lattice_scheduler_submissions_total": activity.num_submitted,
+        "lattice_scheduler_admissions_total": activity.num_admitted,
+        "lattice_scheduler_workers": 1,
+        f"lattice_scheduler_worker_kv_free_pages{{{worker}}}": activity.kv_free_pages,
+        f"lattice_scheduler_worker_gdn_free_slots{{{worker}}}": activity.gdn_free_slots,
+        f"lattice_scheduler_worker_kv_total_pages{{{worker}}}": activity.total_kv_pages,
+        f"lattice_scheduler_worker_running_sequences{{{worker}}}": 0,
+        "lattice_scheduler_select_batch_duration_seconds_count": 1,
+    }
+    # The fixture waited for two scrapes after the activity; poll anyway, bounded.
+    wait_until(lambda: {expr: prometheus.scalar_of(expr) for expr in expected},
+               lambda seen: seen == expected, "Prometheus to show the values the test caused",
+               timeout_seconds=15)
+
+
+@pytest.mark.slow
+def test_every_dashboard_expression_evaluates_to_data_in_prometheus(prometheus):
+    def problems() -> dict[str, str]:
+        found = {}
+        for expression in dashboard_expressions():
+            body = prometheus.query(substitute_grafana_variables(expression.expr))
+            if body["status"] != "success":
+                found[expression.where] = body.get("error")
+            elif not body["data"]["result"]:
+                found[expression.where] = "no data"
+        return found
+    wait_until(problems, lambda found: found == {}, "every dashboard query to return data",
+               timeout_seconds=15)
+
+
+@pytest.mark.slow
+def test_every_alert_expression_evaluates_without_error_in_prometheus(prometheus):
+    for expression in alert_expressions():
+        body = prometheus.query(expression.expr)
+        assert body["status"] == "success", f"{expression.where}: {body.get('error')}"
+
+
+@pytest.mark.slow
+def test_prometheus_loads_the_alert_rules_and_evaluates_them_cleanly(prometheus):
+    def rules() -> list[dict]:
+        groups = prometheus.get("/api/v1/rules")["data"]["groups"]
+        return [rule for group in groups for rule in group["rules"]]
+
+    def all_evaluated(found: list[dict]) -> bool:
+        # A rule never evaluated reports the zero time, 0001-01-01T00:00:00Z.
+        return bool(found) and all(not r["lastEvaluation"].startswith("0001") for r in found)
+    found = wait_until(rules, all_evaluated, "every alert rule to be evaluated once",
+                       timeout_seconds=15)
+    assert {r["name"] for r in found} == {e.where.removeprefix("alert ")
+                                          for e in alert_expressions()}
+    assert [(r["name"], r["lastError"]) for r in found if r["health"] != "ok"] == []
+    # One worker is registered and up is 1: nothing may be pending or firing.
+    assert [r["name"] for r in found if r["state"] != "inactive"] == []
