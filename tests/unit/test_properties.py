@@ -364,7 +364,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 assert info.state is SequenceState.QUEUED and info.worker_id == ""
             assert self.sched.read_output(seq_id, 0).token_ids == tuple(self.output[seq_id])
-            assert self.output[seq_id] == [token(seq_id, i) for i in range(len(self.output[seq_id]))]
+            expected = [token(seq_id, index) for index in range(len(self.output[seq_id]))]
+            assert self.output[seq_id] == expected  # no gap, no repeat across resumptions
             assert info.generated_tokens >= len(self.output[seq_id])
         status = self.sched.status()
         queued = [i for i in infos if i.state is SequenceState.QUEUED]

@@ -364,7 +364,7 @@ def test_repeated_request_id_of_a_running_sequence_returns_it():
     sched, _ = setup()
     seq_id = submit(sched, request_id="req-1")
     admit(sched)
-    assert sched.submit(params(request_id="req-1")) .seq_id == seq_id
+    assert sched.submit(params(request_id="req-1")).seq_id == seq_id
     assert sched.status().queue_depth == 0
 
 
