@@ -5,8 +5,8 @@ lease_ttl_ms) are passed to the `server` fixture by indirect parametrization.
 """
 from __future__ import annotations
 
-import queue
 import threading
+import time
 
 import grpc
 import pytest
@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from .wire import (
-    RPC_TIMEOUT_SECONDS, Worker, admitted, continued, get_sequence, rpc_error, submit,
+    RPC_TIMEOUT_SECONDS, Stream, Worker, admitted, continued, get_sequence, rpc_error, submit,
     submit_many, wait_until,
 )
 
@@ -458,3 +458,261 @@ def test_rule7_no_id_twice_in_prefill_nor_in_both_prefill_and_decode(stub, worke
         new_running = running + continued(decision)
         holding = {"waiting": admitted(decision), "running": new_running}
     assert set(ids) >= set(holding["running"])
+
+
+# ===================================================================== workers
+
+# Short enough to expire within a test, long enough that a loaded CI box calling every
+# 50 ms never misses it.
+SHORT_LEASE_MS = 400
+
+
+def test_register_of_an_existing_worker_id_requeues_its_sequences_at_head(stub, worker):
+    worker.register(max_batch_size=2)
+    a, b, c = submit_many(stub, 3)
+    worker.select()
+    worker.select(waiting=[a, b])
+    worker.register(max_batch_size=2)              # the worker restarted
+    assert [get_sequence(stub, s).queue_position for s in (a, b, c)] == [0, 1, 2]
+    assert get_sequence(stub, a).state == QUEUED
+    decision = worker.select()
+    assert admitted(decision) == [a, b]
+    assert [(ch.chunk_start, ch.HasField("spec")) for ch in decision.prefill] == \
+        [(0, True), (0, True)]
+
+
+@config(lease_ttl_ms=SHORT_LEASE_MS)
+def test_lease_expiry_requeues_and_fails_precondition_until_registered_again(stub, worker):
+    worker.register()
+    seq_id = submit(stub).seq_id
+    worker.select()
+    wait_until(lambda: get_sequence(stub, seq_id).state == QUEUED, timeout_seconds=5,
+               what="the silent worker's sequence to go back to the queue")
+    err = rpc_error(lambda: worker.select(waiting=[seq_id]))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "w1" in err.details()
+    worker.register()
+    assert admitted(worker.select()) == [seq_id]
+
+
+@config(lease_ttl_ms=SHORT_LEASE_MS)
+def test_lease_is_kept_alive_by_select_batch_calls(stub, worker):
+    worker.register()
+    seq_id = submit(stub).seq_id
+    worker.select()
+    deadline = time.monotonic() + 3 * SHORT_LEASE_MS / 1000
+    while time.monotonic() < deadline:
+        worker.select(running=[seq_id])
+        time.sleep(0.05)
+    info = get_sequence(stub, seq_id)
+    assert (info.state, info.worker_id) == (DECODING, "w1")
+
+
+def test_deregistered_worker_must_register_again(stub, worker):
+    worker.register()
+    assert worker.deregister().requeued == 0
+    assert rpc_error(lambda: worker.select()).code() == grpc.StatusCode.FAILED_PRECONDITION
+    worker.register()
+    assert worker.select().iteration == 1
+
+
+def test_draining_admits_nothing_but_keeps_decode_and_continuations(stub, worker):
+    worker.register()
+    prefilling, decoding = submit_many(stub, 2, prompt=range(1000))
+    queued = submit(stub).seq_id
+    # Admit only the first two (one slot each), then drain.
+    worker.select(gdn_free_slots=2)
+    decision = worker.select(waiting=[prefilling], running=[decoding], draining=True)
+    assert admitted(decision) == []
+    assert continued(decision) == [prefilling] and list(decision.decode) == [decoding]
+    assert get_sequence(stub, queued).state == QUEUED
+    assert admitted(worker.select(waiting=[prefilling], running=[decoding])) == [queued]
+
+
+# ===================================================================== GetSequence
+
+
+@config(chunk_size=4)
+def test_get_sequence_fields_across_the_lifecycle(stub, worker):
+    seq_id = submit(stub, prompt=range(10), max_new_tokens=5).seq_id
+
+    def info():
+        i = get_sequence(stub, seq_id)
+        return (i.seq_id, i.state, i.worker_id, i.prompt_len, i.prefilled_tokens,
+                i.generated_tokens, i.finish_reason)
+
+    unspecified = pb.FINISH_REASON_UNSPECIFIED
+    assert info() == (seq_id, QUEUED, "", 10, 0, 0, unspecified)
+    worker.register()
+    worker.select()                                         # chunk [0, 4) handed out
+    assert info() == (seq_id, PREFILLING, "w1", 10, 0, 0, unspecified)
+    worker.select(waiting=[seq_id])                         # [0, 4) done, [4, 8) out
+    assert info() == (seq_id, PREFILLING, "w1", 10, 4, 0, unspecified)
+    worker.select(waiting=[seq_id])                         # [4, 8) done, [8, 10) out
+    assert info() == (seq_id, PREFILLING, "w1", 10, 8, 0, unspecified)
+    worker.select(running=[seq_id], tokens={seq_id: [42]})  # prefill done, first token
+    assert info() == (seq_id, DECODING, "w1", 10, 10, 1, unspecified)
+    worker.select(running=[seq_id], tokens={seq_id: [43, 44]})
+    assert info() == (seq_id, DECODING, "w1", 10, 10, 3, unspecified)
+    worker.select(finished=[(seq_id, EOS, 4)], tokens={seq_id: [45]})
+    assert info()[:2] == (seq_id, FINISHED)
+    assert info()[2] == "" and info()[5:] == (4, EOS)
+
+
+# ===================================================================== tokens, streaming
+
+
+def _generate(stub, prompt=(1, 2, 3), max_new_tokens=5) -> Stream:
+    return Stream(stub, pb.SubmitRequest(prompt_token_ids=list(prompt),
+                                         max_new_tokens=max_new_tokens))
+
+
+def test_generate_streams_seq_id_then_tokens_then_a_finished_event(stub, worker):
+    stream = _generate(stub, max_new_tokens=4)
+    first = stream.next_event()
+    seq_id = first.seq_id
+    assert seq_id > 0 and list(first.token_ids) == [] and not first.finished
+    assert get_sequence(stub, seq_id).state == QUEUED
+    worker.register()
+    assert admitted(worker.select()) == [seq_id]
+    worker.select(running=[seq_id], tokens={seq_id: [5]})
+    assert stream.tokens_until(1) == [5]
+    worker.select(running=[seq_id], tokens={seq_id: [6, 7]})
+    assert stream.tokens_until(2) == [6, 7]
+    worker.select(finished=[(seq_id, MAX_LENGTH, 4)], tokens={seq_id: [8]})
+    events = stream.rest()
+    assert [t for e in events for t in e.token_ids] == [8]
+    assert all(e.seq_id == seq_id for e in events)
+    assert events[-1].finished and events[-1].finish_reason == MAX_LENGTH
+    assert not any(e.finished for e in events[:-1])
+
+
+def test_select_batch_tokens_are_counted_in_generated_tokens(stub, worker):
+    worker.register()
+    seq_id = submit(stub, max_new_tokens=8).seq_id
+    worker.select()
+    worker.select(running=[seq_id], tokens={seq_id: [1]})
+    worker.select(running=[seq_id], tokens={seq_id: [2, 3]})
+    assert get_sequence(stub, seq_id).generated_tokens == 3
+
+
+def test_generate_call_cancelled_by_its_client_cancels_the_sequence(stub, worker):
+    worker.register()
+    stream = _generate(stub)
+    seq_id = stream.next_event().seq_id
+    worker.select()
+    stream.call.cancel()
+    wait_until(lambda: get_sequence(stub, seq_id).state == FINISHED, timeout_seconds=5,
+               what="the abandoned sequence to be cancelled")
+    assert get_sequence(stub, seq_id).finish_reason == CANCELLED
+    assert list(worker.select(waiting=[seq_id]).evict) == [seq_id]
+
+
+def test_generate_stream_ends_finished_cancelled_when_another_client_cancels(stub):
+    stream = _generate(stub)
+    seq_id = stream.next_event().seq_id
+    stub.Cancel(pb.CancelRequest(seq_id=seq_id), timeout=RPC_TIMEOUT_SECONDS)
+    (last,) = stream.rest()
+    assert last.finished and last.finish_reason == CANCELLED
+
+
+def _requeue_by(action: str, stub, worker: Worker, seq_id: int) -> None:
+    """Send seq_id (decoding on worker, 1 token so far) back to the queue; it makes token 11."""
+    if action == "preempted":
+        worker.select(preempted=[seq_id], tokens={seq_id: [11]}, draining=True)
+    elif action == "finished_preempted":
+        worker.select(finished=[(seq_id, PREEMPTED, 2)], tokens={seq_id: [11]}, draining=True)
+    else:
+        worker.select(running=[seq_id], tokens={seq_id: [11]})
+        if action == "lost":
+            worker.select(draining=True)
+        elif action == "reregistered":
+            worker.register()
+        elif action == "deregistered":
+            assert worker.deregister().requeued == 1
+            worker.register()
+    assert get_sequence(stub, seq_id).state == QUEUED
+
+
+@pytest.mark.parametrize("action", ["preempted", "finished_preempted", "lost", "reregistered",
+                                    "deregistered"])
+def test_requeued_sequence_resumes_from_prompt_plus_generated_and_never_repeats_a_token(
+        stub, worker, action):
+    stream = _generate(stub, prompt=(1, 2, 3), max_new_tokens=5)
+    seq_id = stream.next_event().seq_id
+    worker.register()
+    worker.select()
+    worker.select(running=[seq_id], tokens={seq_id: [10]})
+    _requeue_by(action, stub, worker, seq_id)
+    assert get_sequence(stub, seq_id).generated_tokens == 2
+
+    (chunk,) = worker.select().prefill
+    assert (chunk.seq_id, chunk.chunk_start, chunk.chunk_len) == (seq_id, 0, 5)
+    assert list(chunk.spec.prompt_token_ids) == [1, 2, 3, 10, 11]
+    assert chunk.spec.max_new_tokens == 3
+    worker.select(running=[seq_id], tokens={seq_id: [12]})
+    worker.select(running=[seq_id], tokens={seq_id: [13]})
+    worker.select(finished=[(seq_id, MAX_LENGTH, 3)], tokens={seq_id: [14]})
+
+    events = stream.rest()
+    assert [t for e in events for t in e.token_ids] == [10, 11, 12, 13, 14]
+    assert events[-1].finished and events[-1].finish_reason == MAX_LENGTH
+    assert get_sequence(stub, seq_id).generated_tokens == 5
+
+
+@config(lease_ttl_ms=SHORT_LEASE_MS)
+def test_sequence_requeued_by_lease_expiry_resumes_with_generated_tokens(stub):
+    silent, other = Worker(stub, "silent"), Worker(stub, "other")
+    silent.register()
+    seq_id = submit(stub, prompt=(1, 2), max_new_tokens=4).seq_id
+    silent.select()
+    silent.select(running=[seq_id], tokens={seq_id: [7, 8]})
+    wait_until(lambda: get_sequence(stub, seq_id).state == QUEUED, timeout_seconds=5,
+               what="lease expiry")
+    other.register()
+    (chunk,) = other.select().prefill
+    assert list(chunk.spec.prompt_token_ids) == [1, 2, 7, 8]
+    assert chunk.spec.max_new_tokens == 2
+
+
+# ===================================================================== health, reflection
+
+
+@pytest.mark.parametrize("service", ["", "lattice.scheduler.v1.Scheduler"])
+def test_health_reports_serving_for_the_server_and_the_scheduler_service(server, service):
+    health = health_pb2_grpc.HealthStub(server.channel)
+    resp = health.Check(health_pb2.HealthCheckRequest(service=service),
+                        timeout=RPC_TIMEOUT_SECONDS)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_stop_turns_health_not_serving_before_the_server_goes(start_server):
+    server = start_server()
+    channel = grpc.insecure_channel(server.target)
+    watch = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest(service="lattice.scheduler.v1.Scheduler"), timeout=10)
+    statuses = []
+    try:
+        statuses.append(next(watch).status)
+        stopper = threading.Thread(target=server.stop, args=(2.0,))
+        stopper.start()
+        statuses.append(next(watch).status)
+        watch.cancel()                  # the last call in flight: the server can go now
+        stopper.join(timeout=10)
+        assert not stopper.is_alive()
+    finally:
+        channel.close()
+    assert statuses == [health_pb2.HealthCheckResponse.SERVING,
+                        health_pb2.HealthCheckResponse.NOT_SERVING]
+
+
+def test_reflection_lists_and_describes_the_scheduler_service(server):
+    from google.protobuf.descriptor_pool import DescriptorPool
+    db = ProtoReflectionDescriptorDatabase(server.channel)
+    services = db.get_services()
+    assert "lattice.scheduler.v1.Scheduler" in services
+    assert "grpc.health.v1.Health" in services
+    service = DescriptorPool(db).FindServiceByName("lattice.scheduler.v1.Scheduler")
+    assert {m.name for m in service.methods} >= {
+        "Submit", "Cancel", "GetSequence", "Generate", "RegisterWorker", "SelectBatch",
+        "DeregisterWorker"}

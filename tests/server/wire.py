@@ -1,6 +1,8 @@
 """Helpers for talking to a scheduler over the wire: a fake worker, submits, waits."""
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -85,3 +87,53 @@ def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         call()
     return info.value
+
+
+class Stream:
+    """A Generate call read on a thread, so a test can wait for each event with a bound."""
+
+    def __init__(self, stub: pb_grpc.SchedulerStub, request: pb.SubmitRequest,
+                 timeout_seconds: float = 20.0) -> None:
+        self.call = stub.Generate(request, timeout=timeout_seconds)
+        self._events: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for event in self.call:
+                self._events.put(event)
+            self._events.put(StopIteration())
+        except grpc.RpcError as err:
+            self._events.put(err)
+
+    def next(self, timeout_seconds: float = 5.0):
+        """The next event; StopIteration() at the end of the stream, or the RpcError."""
+        try:
+            return self._events.get(timeout=timeout_seconds)
+        except queue.Empty:
+            pytest.fail(f"no Generate event within {timeout_seconds:g} s")
+
+    def next_event(self, timeout_seconds: float = 5.0) -> pb.GenerateEvent:
+        event = self.next(timeout_seconds)
+        assert isinstance(event, pb.GenerateEvent), f"expected an event, got {event!r}"
+        return event
+
+    def rest(self, timeout_seconds: float = 5.0) -> list[pb.GenerateEvent]:
+        """Every event up to the end of the stream (which must end normally)."""
+        events = []
+        while True:
+            item = self.next(timeout_seconds)
+            if isinstance(item, StopIteration):
+                return events
+            assert isinstance(item, pb.GenerateEvent), f"stream failed: {item!r}"
+            events.append(item)
+
+    def tokens_until(self, count: int, timeout_seconds: float = 5.0) -> list[int]:
+        """Read events until `count` tokens arrived in all; fails on a finished event."""
+        tokens: list[int] = []
+        while len(tokens) < count:
+            event = self.next_event(timeout_seconds)
+            assert not event.finished, f"stream finished early after {tokens}"
+            tokens += event.token_ids
+        return tokens
