@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from tests.stack.stack_files import (
+from .stack_files import (
     COMPOSE_FILE, COMPOSE_GPU_FILE, COMPOSE_SCHEMA, DASHBOARD, DOCKERFILE, DOCKERIGNORE,
     GRAFANA_PROVISIONING, HEALTH_CHECK_SCRIPT, REPO, compose_ports, documented_ports,
     load_yaml,

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from tests.stack.conftest import LOOPBACK, SCHEDULER_JOB, wait_until
-from tests.stack.promql import exposed_names, metric_names, substitute_grafana_variables
-from tests.stack.stack_files import HEALTH_CHECK_SCRIPT, alert_expressions, dashboard_expressions
+from .prometheus_api import LOOPBACK, SCHEDULER_JOB, wait_until
+from .promql import exposed_names, metric_names, substitute_grafana_variables
+from .stack_files import HEALTH_CHECK_SCRIPT, alert_expressions, dashboard_expressions
 
 # Series Prometheus makes itself for every target; alerts may use them.
 PROMETHEUS_SERIES = {"up"}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import subprocess
 
-from tests.stack.stack_files import ALERTS, ALERTS_TEST, PROMETHEUS_CONFIG
+from .stack_files import ALERTS, ALERTS_TEST, PROMETHEUS_CONFIG
 
 PROMTOOL_TIMEOUT_SECONDS = 30
 

@@ -1,7 +1,7 @@
 """The metric-name reader the stack tests use on PromQL."""
 from __future__ import annotations
 
-from tests.stack.promql import exposed_names, metric_names, substitute_grafana_variables
+from .promql import exposed_names, metric_names, substitute_grafana_variables
 
 
 def test_metric_names_skips_functions_grouping_labels_and_ranges():
