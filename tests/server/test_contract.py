@@ -716,3 +716,92 @@ def test_reflection_lists_and_describes_the_scheduler_service(server):
     assert {m.name for m in service.methods} >= {
         "Submit", "Cancel", "GetSequence", "Generate", "RegisterWorker", "SelectBatch",
         "DeregisterWorker"}
+
+
+# ===================================================================== metrics
+
+
+def test_metric_queue_depth_follows_submit_admission_and_cancel(server, stub, worker):
+    assert server.metric("queue_depth") == 0
+    ids = submit_many(stub, 3)
+    assert server.metric("queue_depth") == 3
+    worker.register(max_batch_size=2)
+    worker.select()
+    assert server.metric("queue_depth") == 1
+    stub.Cancel(pb.CancelRequest(seq_id=ids[2]), timeout=RPC_TIMEOUT_SECONDS)
+    assert server.metric("queue_depth") == 0
+    worker.select(draining=True)                 # both lost: back in the queue
+    assert server.metric("queue_depth") == 2
+
+
+def test_metric_admissions_total_counts_every_admission_requeues_included(server, stub,
+                                                                          worker):
+    worker.register()
+    a, _ = submit_many(stub, 2)
+    worker.select()
+    assert server.metric("admissions_total") == 2
+    worker.select(waiting=[a], draining=True)   # the other one is lost
+    assert server.metric("admissions_total") == 2
+    worker.select(waiting=[a])                  # and admitted again
+    assert server.metric("admissions_total") == 3
+
+
+def test_metric_select_batch_duration_counts_each_answered_call(server, worker):
+    worker.register()
+    for _ in range(3):
+        worker.select()
+    assert server.metric("select_batch_duration_seconds_count") == 3
+    assert server.metric("select_batch_duration_seconds_sum") > 0
+
+
+def test_metric_worker_free_pages_and_slots_are_last_reported_per_worker(server, stub):
+    a, b = Worker(stub, "a"), Worker(stub, "b")
+    a.register(), b.register()
+    a.select(kv_free_pages=100, gdn_free_slots=7)
+    a.select(kv_free_pages=90, gdn_free_slots=6)
+    b.select(kv_free_pages=5, gdn_free_slots=1)
+    assert server.metric("worker_kv_free_pages", worker_id="a") == 90
+    assert server.metric("worker_gdn_free_slots", worker_id="a") == 6
+    assert server.metric("worker_kv_free_pages", worker_id="b") == 5
+    assert server.metric("worker_gdn_free_slots", worker_id="b") == 1
+
+
+def test_metric_worker_series_are_removed_when_the_worker_deregisters(server, stub):
+    leaving, staying = Worker(stub, "leaving"), Worker(stub, "staying")
+    for w in (leaving, staying):
+        w.register()
+        w.select(kv_free_pages=50, gdn_free_slots=4)
+    leaving.deregister()
+    for name in ("worker_kv_free_pages", "worker_gdn_free_slots"):
+        assert server.metric(name, worker_id="leaving") is None
+        assert server.metric(name, worker_id="staying") == (50 if "kv" in name else 4)
+    scraped = server.scrape()
+    assert not [key for key in scraped if ("worker_id", "leaving") in key[1]]
+
+
+@config(lease_ttl_ms=SHORT_LEASE_MS)
+def test_metric_worker_series_are_removed_when_the_lease_expires(server, worker):
+    worker.register()
+    worker.select(kv_free_pages=50, gdn_free_slots=4)
+    wait_until(lambda: server.metric("worker_kv_free_pages", worker_id="w1") is None,
+               timeout_seconds=5, what="the expired worker's series to go")
+    assert server.metric("worker_gdn_free_slots", worker_id="w1") is None
+
+
+def test_metrics_endpoint_serves_the_contract_names_with_the_values_caused(server, stub,
+                                                                           worker):
+    submit_many(stub, 3)
+    worker.register(max_batch_size=2)
+    worker.select(kv_free_pages=321, gdn_free_slots=12)
+    worker.select(kv_free_pages=300, gdn_free_slots=10, waiting=[1, 2])
+    scraped = server.scrape()
+    expected = {
+        ("lattice_scheduler_queue_depth", ()): 1,
+        ("lattice_scheduler_admissions_total", ()): 2,
+        ("lattice_scheduler_select_batch_duration_seconds_count", ()): 2,
+        ("lattice_scheduler_worker_kv_free_pages", (("worker_id", "w1"),)): 300,
+        ("lattice_scheduler_worker_gdn_free_slots", (("worker_id", "w1"),)): 10,
+    }
+    assert {key: scraped.get(key) for key in expected} == expected
+    assert all(name.startswith("lattice_scheduler_") for name, _ in scraped
+               if not name.startswith(("python_", "process_")))
