@@ -1,0 +1,287 @@
+"""The real `lattice-scheduler` process: flags, settings, signals, and the client commands.
+
+Every process runs on loopback with free ports, and every wait is bounded.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+from .wire import RPC_TIMEOUT_SECONDS
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+LOOPBACK = "127.0.0.1"
+START_TIMEOUT_SECONDS = 20.0
+EXIT_TIMEOUT_SECONDS = 20.0
+LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+) \(metrics on http://127\.0\.0\.1:(\d+)/")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This environment without LATTICE_SCHEDULER_* settings, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LATTICE_SCHEDULER_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def _cli() -> list[str]:
+    """The installed console script, or the module when it is not installed."""
+    script = Path(sys.executable).parent / "lattice-scheduler"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "service"]
+
+
+def _serve_command(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "service", "serve", "--host", LOOPBACK, "--port", "0",
+            "--metrics-port", "0", *flags]
+
+
+@dataclass
+class ServeProcess:
+    """A `serve` process that printed its ports, with a channel to it."""
+
+    proc: subprocess.Popen
+    port: int
+    metrics_port: int
+    channel: grpc.Channel
+    lines: queue.Queue
+
+    @property
+    def target(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    @property
+    def stub(self) -> pb_grpc.SchedulerStub:
+        return pb_grpc.SchedulerStub(self.channel)
+
+    def stop(self) -> None:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=EXIT_TIMEOUT_SECONDS)
+
+
+def _spawn(*flags: str, env: dict[str, str] | None = None) -> ServeProcess:
+    proc = subprocess.Popen(_serve_command(*flags), cwd=ROOT, env=env or _clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    seen = []
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            pytest.fail(f"serve printed no port within {START_TIMEOUT_SECONDS:g} s: {seen}")
+        if line is None:
+            pytest.fail(f"serve exited with {proc.wait()} before listening: {''.join(seen)}")
+        seen.append(line)
+        match = LISTENING.search(line)
+        if match:
+            break
+    channel = grpc.insecure_channel(f"{LOOPBACK}:{match.group(1)}")
+    grpc.channel_ready_future(channel).result(timeout=RPC_TIMEOUT_SECONDS)
+    return ServeProcess(proc, int(match.group(1)), int(match.group(2)), channel, lines)
+
+
+@pytest.fixture
+def spawn() -> Iterator:
+    """Factory for `serve` processes; each is killed at teardown if still running."""
+    started: list[ServeProcess] = []
+
+    def factory(*flags: str, env: dict[str, str] | None = None) -> ServeProcess:
+        started.append(_spawn(*flags, env=env))
+        return started[-1]
+
+    yield factory
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[ServeProcess]:
+    """One `serve` process shared by the tests that only read from it or add to it."""
+    p = _spawn()
+    yield p
+    p.stop()
+
+
+def _run(*args: str, env: dict[str, str] | None = None,
+         timeout: float = 30.0) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), cwd=ROOT, env=env or _clean_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _health(target: str, service: str = "") -> int:
+    with grpc.insecure_channel(target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT_SECONDS).status
+
+
+# ===================================================================== serve
+
+
+def test_serve_with_port_zero_prints_the_ports_and_serves_grpc_health_and_metrics(served):
+    assert served.port > 0 and served.metrics_port > 0
+    assert _health(served.target) == health_pb2.HealthCheckResponse.SERVING
+    assert _health(served.target, "lattice.scheduler.v1.Scheduler") == \
+        health_pb2.HealthCheckResponse.SERVING
+    url = f"http://{LOOPBACK}:{served.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=RPC_TIMEOUT_SECONDS) as resp:
+        assert "lattice_scheduler_queue_depth" in resp.read().decode()
+
+
+def test_serve_help_documents_every_setting_flag_and_its_env_var():
+    result = _run(sys.executable, "-m", "service", "serve", "--help")
+    assert result.returncode == 0, result.stderr
+    for flag in ("--host", "--port", "--metrics-port", "--max-batch-size", "--chunk-size",
+                 "--prefill-reserve-pages", "--max-seq-len", "--max-queue", "--policy",
+                 "--lease-ttl-ms", "--config", "--grace-seconds"):
+        assert flag in result.stdout, f"{flag} is not documented in serve --help"
+    assert "LATTICE_SCHEDULER_MAX_BATCH_SIZE" in result.stdout
+
+
+@pytest.mark.parametrize("flags, env, config_text, names", [
+    (["--chunk-size", "0"], {}, None, ["chunk_size", "at least 1"]),
+    (["--chunk-size", "600", "--max-seq-len", "512"], {}, None, ["chunk_size", "max_seq_len"]),
+    ([], {"LATTICE_SCHEDULER_MAX_BATCH_SIZE": "abc"}, None,
+     ["max_batch_size", "LATTICE_SCHEDULER_MAX_BATCH_SIZE"]),
+    ([], {}, "max_batch_size = [", ["--config", "TOML"]),
+    ([], {}, "max_batch = 4\n", ["--config", "max_batch"]),
+    (["--policy", "lifo"], {}, None, ["policy", "lifo"]),
+    (["--max-queue", "-1"], {}, None, ["max_queue"]),
+], ids=["flag-out-of-range", "chunk-above-max-seq-len", "env-not-an-integer",
+        "config-not-toml", "config-unknown-key", "unknown-policy", "negative-max-queue"])
+def test_serve_rejects_an_invalid_setting_naming_it(tmp_path, flags, env, config_text, names):
+    if config_text is not None:
+        config = tmp_path / "scheduler.toml"
+        config.write_text(config_text)
+        flags = [*flags, "--config", str(config)]
+    result = _run(*_serve_command(*flags), env=_clean_env(**env), timeout=EXIT_TIMEOUT_SECONDS)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    for name in names:
+        assert name in result.stderr, result.stderr
+
+
+def test_serve_on_a_port_in_use_exits_non_zero_saying_so(served):
+    result = _run(sys.executable, "-m", "service", "serve", "--host", LOOPBACK,
+                  "--port", str(served.port), "--metrics-port", "0",
+                  timeout=EXIT_TIMEOUT_SECONDS)
+    assert result.returncode != 0
+    assert "address in use" in result.stderr and "Traceback" not in result.stderr
+    # The first server is untouched and still the only one answering there.
+    assert _health(served.target) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_settings_precedence_is_defaults_then_config_file_then_env_then_flags(spawn, tmp_path):
+    config = tmp_path / "scheduler.toml"
+    config.write_text("max_batch_size = 3\nchunk-size = 7\nprefill_reserve_pages = 5\n"
+                      "lease_ttl_ms = 60000\n")
+    env = _clean_env(LATTICE_SCHEDULER_CHUNK_SIZE="9",
+                     LATTICE_SCHEDULER_PREFILL_RESERVE_PAGES="6")
+    p = spawn("--config", str(config), "--prefill-reserve-pages", "4", env=env)
+    resp = p.stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="w", page_size=16),
+                                 timeout=RPC_TIMEOUT_SECONDS)
+    assert resp.max_batch_size == 3           # config file over the default 32
+    assert resp.chunk_size == 9               # env over config file
+    assert resp.prefill_reserve_pages == 4    # flag over env over config file
+    assert resp.lease_ttl_ms == 60000         # config file, nothing above it
+
+
+def test_sigterm_turns_health_not_serving_then_exits_zero_within_the_grace_period(spawn):
+    grace_seconds = 1.0
+    p = spawn("--grace-seconds", str(grace_seconds))
+    # A Generate stream that never finishes keeps a call in flight through the grace period.
+    generate = p.stub.Generate(pb.SubmitRequest(prompt_token_ids=[1], max_new_tokens=1),
+                               timeout=30)
+    assert next(generate).seq_id > 0
+    watch = health_pb2_grpc.HealthStub(p.channel).Watch(
+        health_pb2.HealthCheckRequest(service="lattice.scheduler.v1.Scheduler"), timeout=30)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+
+    sent_at = time.monotonic()
+    p.proc.send_signal(signal.SIGTERM)
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert p.proc.wait(timeout=grace_seconds + EXIT_TIMEOUT_SECONDS) == 0
+    elapsed = time.monotonic() - sent_at
+    # The in-flight call got its grace period, and not much more.
+    assert grace_seconds * 0.8 <= elapsed <= grace_seconds + 5.0, elapsed
+    with pytest.raises(grpc.RpcError):
+        for _ in generate:
+            pass
+
+
+# ===================================================================== client commands
+
+
+def test_client_commands_submit_status_and_cancel_against_a_real_server(served):
+    target = ["--target", served.target, "--timeout", "10"]
+    sub = _run(*_cli(), "submit", *target, "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
+               "--count", "2")
+    assert sub.returncode == 0, sub.stderr
+    found = re.findall(r"seq_id=(\d+) queue_position=(\d+)", sub.stdout)
+    assert len(found) == 2
+    (first, first_pos), (second, second_pos) = found
+    assert int(second_pos) == int(first_pos) + 1
+
+    overview = _run(*_cli(), "status", *target)
+    assert overview.returncode == 0, overview.stderr
+    assert "policy=fifo" in overview.stdout and "queue_depth=" in overview.stdout
+
+    one = _run(*_cli(), "status", *target, first)
+    assert one.returncode == 0, one.stderr
+    assert f"seq_id={first} state=SEQUENCE_STATE_QUEUED" in one.stdout
+    assert "prompt_len=3" in one.stdout
+
+    cancelled = _run(*_cli(), "cancel", *target, first)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert f"seq_id={first} cancelled=true" in cancelled.stdout
+    after = _run(*_cli(), "status", *target, first)
+    assert "state=SEQUENCE_STATE_FINISHED" in after.stdout
+    assert "finish_reason=FINISH_REASON_CANCELLED" in after.stdout
+
+
+def test_client_commands_report_rpc_errors_in_one_line_and_exit_non_zero(served):
+    target = ["--target", served.target, "--timeout", "10"]
+    missing = _run(*_cli(), "cancel", *target, "987654")
+    assert missing.returncode != 0
+    assert "NOT_FOUND" in missing.stderr and "987654" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    invalid = _run(*_cli(), "submit", *target, "--prompt-ids", "1", "--max-new-tokens", "0")
+    assert invalid.returncode != 0
+    assert "INVALID_ARGUMENT" in invalid.stderr and "max_new_tokens" in invalid.stderr
+
+
+def test_client_command_without_a_server_fails_fast_saying_where_it_looked():
+    with socket.socket() as s:          # a loopback port that nobody listens on
+        s.bind((LOOPBACK, 0))
+        free = s.getsockname()[1]
+    result = _run(*_cli(), "status", "--target", f"{LOOPBACK}:{free}", "--timeout", "1")
+    assert result.returncode != 0
+    assert f"{LOOPBACK}:{free}" in result.stderr and "Traceback" not in result.stderr
