@@ -5,7 +5,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.core import (
     Decision, FinishedSequence, FinishReason, InvalidArgument, PrefillChunk, SamplingParams,
-    SchedulerStatus, SequenceInfo, SequenceSpec, SubmitParams, SubmitResult, WorkerRegistration,
+    SchedulerStatus, SequenceInfo, SequenceSpec, SubmitParams, SubmitResult, TokenUpdate, WorkerRegistration,
     WorkerReport, WorkerSettings,
 )
 
@@ -76,7 +76,10 @@ def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
         ),
         preempted=tuple(msg.preempted),
         draining=msg.draining,
-        tokens=tuple((t.seq_id, tuple(t.token_ids)) for t in msg.tokens),
+        tokens=tuple(
+            TokenUpdate(t.seq_id, tuple(t.token_ids), t.offset if t.HasField("offset") else None)
+            for t in msg.tokens
+        ),
     )
 
 

@@ -27,12 +27,18 @@ def chunk_work(chunk: pb.PrefillChunk) -> ChunkWork:
 
 
 class PendingReport:
-    """What the engine produced since the last successful SelectBatch, to report next."""
+    """What the engine produced since the last successful SelectBatch, to report next.
+
+    Token updates carry their offset (tokens of the sequence already delivered in this
+    admission), so a report retried after a lost answer adds no token twice.
+    """
 
     def __init__(self) -> None:
         self.finished: list[pb.FinishedSequence] = []
         self.preempted: list[int] = []
         self.tokens: dict[int, list[int]] = {}
+        # seq_id -> tokens delivered to the scheduler since its admission here
+        self._delivered: dict[int, int] = {}
 
     def __bool__(self) -> bool:
         return bool(self.finished or self.preempted or self.tokens)
@@ -46,6 +52,25 @@ class PendingReport:
                 generated_tokens=fin.generated_tokens))
         self.preempted.extend(out.preempted)
 
+    def admitted(self, seq_id: int) -> None:
+        """A new admission (a chunk with a spec): its token count starts again."""
+        self._delivered[seq_id] = 0
+        self.tokens.pop(seq_id, None)
+
+    def delivered(self) -> None:
+        """The last request was answered: all of it reached the scheduler."""
+        for seq_id, token_ids in self.tokens.items():
+            self._delivered[seq_id] = self._delivered.get(seq_id, 0) + len(token_ids)
+        for fin in self.finished:
+            self._delivered.pop(fin.seq_id, None)
+        for seq_id in self.preempted:
+            self._delivered.pop(seq_id, None)
+        self.clear()
+
+    def forget(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self._delivered.pop(seq_id, None)
+
     def clear(self) -> None:
         self.finished.clear()
         self.preempted.clear()
@@ -57,5 +82,6 @@ class PendingReport:
             worker_id=worker_id, waiting=waiting, running=running,
             kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
             finished=self.finished, preempted=self.preempted, draining=draining,
-            tokens=[pb.TokenUpdate(seq_id=s, token_ids=t) for s, t in self.tokens.items()],
+            tokens=[pb.TokenUpdate(seq_id=s, token_ids=t, offset=self._delivered.get(s, 0))
+                    for s, t in self.tokens.items()],
         )

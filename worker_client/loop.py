@@ -67,16 +67,22 @@ class WorkerLoop:
         except NotRegistered:
             log.warning("scheduler no longer knows this worker; dropping what it holds "
                         "and registering again", extra={"worker_id": self.resources.worker_id})
-            engine.evict(engine.waiting_ids() + engine.running_ids())
+            held = engine.waiting_ids() + engine.running_ids()
+            engine.evict(held)
             self._pending.clear()
+            self._pending.forget(held)
             self._register()
             return True
-        self._pending.clear()
+        self._pending.delivered()
         self.stats.iterations += 1
         if decision.evict:
             engine.evict(decision.evict)
+            self._pending.forget(decision.evict)
         if not decision.prefill and not decision.decode:
             return False
+        for chunk in decision.prefill:
+            if chunk.HasField("spec"):
+                self._pending.admitted(chunk.seq_id)
         out = engine.step([chunk_work(c) for c in decision.prefill], list(decision.decode))
         self._pending.add(out)
         self.stats.prefill_tokens += sum(c.chunk_len for c in decision.prefill)

@@ -87,9 +87,18 @@ class ScriptedEngine:
                     continue
                 self._held[chunk.seq_id] = _Held(chunk.spec)
             held = self._held.get(chunk.seq_id)
-            if held is None or chunk.chunk_len == 0:
+            if held is None:
                 continue
-            if not self._grow(held, chunk.chunk_len):
+            # A chunk that starts past our progress means a decision was lost on the way:
+            # give the sequence back rather than prefill around a gap.
+            if chunk.chunk_start > held.cached_tokens:
+                self._held.pop(chunk.seq_id)
+                preempted.append(chunk.seq_id)
+                continue
+            num_new = chunk.chunk_start + chunk.chunk_len - held.cached_tokens
+            if num_new <= 0:
+                continue
+            if not self._grow(held, num_new):
                 self._held.pop(chunk.seq_id)
                 preempted.append(chunk.seq_id)
                 continue

@@ -8,8 +8,8 @@ from service.core.policy import BlockReason, FifoPolicy
 from service.core.scheduler import OutputView, Scheduler
 from service.core.types import (
     Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams, SchedulerStatus,
-    SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult, WorkerRegistration,
-    WorkerReport, WorkerSettings, WorkerStatus,
+    SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult, TokenUpdate,
+    WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
 
 __all__ = [
@@ -17,6 +17,6 @@ __all__ = [
     "FinishedSequence", "InvalidArgument", "NotFound", "OutputView", "PrefillChunk",
     "QueueFull", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerError", "SchedulerObserver", "SchedulerStatus", "SequenceInfo", "SequenceSpec",
-    "SequenceState", "SubmitParams", "SubmitResult", "UnknownWorker", "WorkerRegistration",
+    "SequenceState", "SubmitParams", "SubmitResult", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
     "WorkerReport", "WorkerSettings", "WorkerStatus",
 ]

@@ -191,9 +191,10 @@ class Scheduler:
         mentioned = reported | {f.seq_id for f in report.finished} | set(report.preempted)
         # An id may be named twice, or finished after being preempted: requeue each once.
         requeue_ids = [s for s in dict.fromkeys(preempted) if s in worker.assigned]
-        self._requeue(worker, requeue_ids, RequeueReason.PREEMPTED)
         lost = [s for s in worker.assigned if s not in mentioned]
+        # Lost first, so the preempted ones end up at the very head, in the order given.
         self._requeue(worker, lost, RequeueReason.LOST)
+        self._requeue(worker, requeue_ids, RequeueReason.PREEMPTED)
 
         evict = [s for s in (*report.waiting, *report.running) if s not in worker.assigned]
         for seq_id in evict:
@@ -265,9 +266,16 @@ class Scheduler:
         return chunk
 
     def _apply_tokens(self, worker: WorkerRecord, report: WorkerReport) -> None:
-        for seq_id, token_ids in report.tokens:
-            if seq_id in worker.assigned:
-                self._sequences.get(seq_id).output_token_ids.extend(token_ids)
+        for update in report.tokens:
+            if update.seq_id not in worker.assigned:
+                continue  # stale: the sequence left this worker
+            seq = self._sequences.get(update.seq_id)
+            token_ids = update.token_ids
+            if update.offset is not None:
+                # A retried report repeats tokens already applied: keep only the new ones.
+                known = len(seq.output_token_ids) - seq.num_generated_at_admission
+                token_ids = token_ids[max(0, known - update.offset):]
+            seq.output_token_ids.extend(token_ids)
 
     def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:
         """Finish what the worker finished; returns ids reported finished as PREEMPTED."""

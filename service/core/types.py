@@ -109,6 +109,19 @@ class FinishedSequence:
 
 
 @dataclass(frozen=True)
+class TokenUpdate:
+    """Tokens one sequence generated since the worker's last call.
+
+    `offset`, when set, is the index of token_ids[0] among the tokens generated since
+    the sequence's admission to this worker, so a retried report adds nothing twice.
+    """
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    offset: int | None = None
+
+
+@dataclass(frozen=True)
 class WorkerReport:
     """One worker's report at the start of an iteration (the SelectBatch request)."""
 
@@ -120,8 +133,7 @@ class WorkerReport:
     finished: tuple[FinishedSequence, ...] = ()
     preempted: tuple[int, ...] = ()
     draining: bool = False
-    # seq_id -> tokens generated since the worker's last call, in order
-    tokens: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    tokens: tuple[TokenUpdate, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from service.core import (
-    FinishedSequence, FinishReason, Scheduler, SchedulerConfig, SubmitParams,
+    FinishedSequence, FinishReason, Scheduler, SchedulerConfig, SubmitParams, TokenUpdate,
     WorkerRegistration, WorkerReport,
 )
 
@@ -62,7 +62,7 @@ def report(worker_id: str = "w0", *, waiting=(), running=(), kv_free_pages: int 
         worker_id=worker_id, waiting=tuple(waiting), running=tuple(running),
         kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
         finished=tuple(finished), preempted=tuple(preempted), draining=draining,
-        tokens=tuple((seq_id, tuple(ids)) for seq_id, ids in dict(tokens).items()),
+        tokens=tuple(TokenUpdate(seq_id, tuple(ids)) for seq_id, ids in dict(tokens).items()),
     )
 
 

@@ -254,9 +254,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def apply_report_to_model(self, worker_report, owner_before):
         worker_id = worker_report.worker_id
-        for seq_id, token_ids in worker_report.tokens:
-            if owner_before.get(seq_id) == worker_id:
-                self.output[seq_id].extend(token_ids)
+        for update in worker_report.tokens:
+            if owner_before.get(update.seq_id) == worker_id:
+                self.output[update.seq_id].extend(update.token_ids)
         for fin in worker_report.finished:
             if self.owner.get(fin.seq_id) == worker_id:
                 self.owner[fin.seq_id] = None

@@ -190,3 +190,39 @@ def _wait(predicate, timeout: float = 10.0) -> None:
             return
         time.sleep(0.01)
     raise AssertionError("condition not reached in time")
+
+
+@pytest.mark.parametrize("scheduler", [{"chunk_size": 8, "max_seq_len": 256}], indirect=True)
+def test_lost_answers_and_retried_reports_neither_duplicate_nor_lose_tokens(scheduler, stub):
+    """Every 5th SelectBatch is applied by the scheduler but its answer never arrives."""
+    import grpc
+
+    class LostAnswer(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def details(self):
+            return "answer lost (test)"
+
+    engine = ScriptedEngine(num_gdn_slots=8)
+    worker = WorkerThread(scheduler.port, "flaky", engine)
+    real = worker.client._stub.SelectBatch
+    calls = {"n": 0}
+
+    def flaky_select(request, timeout=None):
+        calls["n"] += 1
+        answer = real(request, timeout=timeout)
+        if calls["n"] % 5 == 0:
+            raise LostAnswer()
+        return answer
+
+    worker.client._stub.SelectBatch = flaky_select
+    worker.client._retry = type(worker.client._retry)(initial_seconds=0.001, total_seconds=5)
+    worker.start()
+    prompts = _prompts(8, seed=5, chunk_size=8)
+    results = _run_concurrently(stub, prompts, max_new_tokens=20)
+    worker.stop.set()
+    worker.join()
+    assert calls["n"] >= 25, "enough answers were lost to matter"
+    for i, prompt in enumerate(prompts):
+        assert results[i] == reference_output(prompt, 20), f"stream {i}"

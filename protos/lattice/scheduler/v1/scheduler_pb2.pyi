@@ -176,12 +176,14 @@ class FinishedSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenUpdate(_message.Message):
-    __slots__ = ("seq_id", "token_ids")
+    __slots__ = ("seq_id", "token_ids", "offset")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    offset: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class SchedulerDecision(_message.Message):
     __slots__ = ("prefill", "decode", "evict", "iteration")
