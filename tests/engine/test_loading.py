@@ -88,3 +88,20 @@ def test_default_pool_sizes_on_cpu_fit_and_build_an_engine(tiny_model):
 def test_pools_larger_than_memory_raise_model_does_not_fit(tiny_model):
     with pytest.raises(ModelDoesNotFit, match="KV pages"):
         ModelEngine(tiny_model, num_kv_pages=10**12, page_size=16, num_gdn_slots=4, device="cpu")
+
+
+def test_transformers_default_text_and_composite_configs_read_the_same():
+    transformers = pytest.importorskip("transformers")
+    from worker_client.engine.config import LayerType, ModelConfig
+
+    text = ModelConfig.from_hf_dict(transformers.Qwen3_5TextConfig().to_dict())
+    composite = ModelConfig.from_hf_dict(transformers.Qwen3_5Config().to_dict())
+    assert text == composite
+    assert text.layer_types[:4] == (LayerType.LINEAR_ATTENTION,) * 3 + (LayerType.FULL_ATTENTION,)
+    assert text.rotary_dim == text.head_dim // 4
+
+
+def test_moe_variant_is_a_config_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_TEXT_CONFIG, "model_type": "qwen3_5_moe_text"}))
+    with pytest.raises(ConfigError, match="not supported"):
+        load_model(tmp_path)

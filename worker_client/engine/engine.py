@@ -41,6 +41,8 @@ class ModelEngine:
         max_batch_size: int | None = None,
     ) -> None:
         """Allocates the pools on `device` (the model must be there); raises ModelDoesNotFit."""
+        if min(num_kv_pages, page_size, num_gdn_slots, max_batch_size or 1) < 1:
+            raise ValueError("num_kv_pages, page_size, num_gdn_slots and max_batch_size must be >= 1")
         self.device = torch.device(device)
         config = model.config
         self.model = model
