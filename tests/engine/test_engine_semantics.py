@@ -61,16 +61,33 @@ def test_chunk_with_a_spec_for_a_held_id_restarts_it(tiny_model):
     assert engine.num_free_kv_pages() == engine.total_kv_pages
 
 
-def test_unknown_ids_empty_chunks_and_misplaced_continuations_are_ignored(tiny_model):
+def test_unknown_ids_and_empty_chunks_are_ignored(tiny_model):
     engine = make_engine(tiny_model)
     spec = SequenceSpec(random_prompt(12, seed=2), max_new_tokens=5)
     out = engine.step([ChunkWork(7, 3, 4, None), ChunkWork(5, 0, 0, spec), ChunkWork(5, 0, 0, None)], [8, 5])
     assert out.tokens == () and out.finished == () and out.preempted == ()
     assert engine.waiting_ids() == [5] and engine.num_free_kv_pages() == engine.total_kv_pages
-    out = engine.step([ChunkWork(5, 4, 8, None)], [])  # does not start where seq 5 stands (0)
-    assert out.tokens == () and engine.waiting_ids() == [5]
-    out = engine.step([ChunkWork(5, 0, 12, None)], [])
-    assert engine.running_ids() == [5]
+
+
+def test_overlapping_chunk_runs_only_its_new_tokens(tiny_model):
+    spec = SequenceSpec(random_prompt(12, seed=2), max_new_tokens=5)
+    expected = run_to_completion(make_engine(tiny_model), 5, spec)
+    engine = make_engine(tiny_model)
+    engine.step([ChunkWork(5, 0, 6, spec)], [])
+    out = engine.step([ChunkWork(5, 0, 6, None), ChunkWork(5, 3, 9, None)], [])  # a retransmission, then 6..12
+    generated = tokens_of(out, 5)
+    while engine.running_ids():
+        generated += tokens_of(engine.step([], [5]), 5)
+    assert generated == expected
+
+
+def test_chunk_starting_past_the_prefilled_tokens_preempts_the_sequence(tiny_model):
+    engine = make_engine(tiny_model)
+    engine.step([ChunkWork(5, 0, 4, SequenceSpec(random_prompt(12, seed=2), max_new_tokens=5))], [])
+    out = engine.step([ChunkWork(5, 8, 4, None)], [])  # chunk 4..8 never arrived
+    assert out.preempted == (5,) and out.tokens == ()
+    assert engine.waiting_ids() == [] and engine.num_free_kv_pages() == engine.total_kv_pages
+    assert engine.num_free_gdn_slots() == engine.total_gdn_slots
 
 
 def test_invalid_prompts_fail_instead_of_raising(tiny_model):

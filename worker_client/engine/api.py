@@ -70,8 +70,9 @@ class StepOutput:
     tokens: tuple[tuple[int, tuple[int, ...]], ...]
     # Sequences that ended this step; their pages and slot are already freed.
     finished: tuple[FinishedSequence, ...]
-    # Sequences the engine evicted on its own (out of KV pages or GDN slots);
-    # their pages and slot are freed and the scheduler should requeue them.
+    # Sequences the engine evicted on its own (out of KV pages or GDN slots, or
+    # a chunk that skipped ahead of what was prefilled); their pages and slot
+    # are freed and the scheduler should requeue them.
     preempted: tuple[int, ...]
 
 

@@ -20,9 +20,10 @@ class ModelEngine:
 
     `step` first runs the prefill chunks in order (one forward each), then one
     batched decode forward over the running sequences named (split into
-    forwards of at most `max_batch_size` rows). Ids the engine does not hold,
-    continuations that do not start where the sequence stands, and chunks of
-    length 0 are ignored. When pages run out, the latest admitted sequence that
+    forwards of at most `max_batch_size` rows). Ids the engine does not hold
+    and chunks of length 0 are ignored; a chunk overlapping what is already
+    prefilled runs only its new tokens; a chunk starting past it (a lost
+    decision) preempts the sequence. When pages run out, the latest admitted sequence that
     holds pages (possibly the one being extended) is preempted; a chunk with a
     spec that finds no free GDN slot is preempted too. A sequence that could not
     fit even in the whole pool, or whose prompt is empty or out of the
@@ -97,9 +98,16 @@ class ModelEngine:
             self._release(chunk.seq_id)
             self._admit(chunk.seq_id, chunk.spec, recorder)
         held = self._held.get(chunk.seq_id)
-        if held is None or held.is_running or chunk.chunk_start != held.num_prefilled:
+        if held is None or held.is_running:
             return
-        num_tokens = min(chunk.chunk_len, held.prompt_len - held.num_prefilled)
+        if chunk.chunk_start > held.num_prefilled:
+            # A decision was lost on the way: give the sequence back rather than prefill around a gap.
+            self._release(held.seq_id)
+            recorder.preempt(held.seq_id)
+            return
+        # A chunk overlapping what is already prefilled (a retransmission) only adds its new part.
+        chunk_end = min(chunk.chunk_start + chunk.chunk_len, held.prompt_len)
+        num_tokens = chunk_end - held.num_prefilled
         if num_tokens <= 0 or not self._reserve(held, num_tokens, recorder):
             return
         start = held.num_prefilled
