@@ -85,6 +85,14 @@ def test_default_pool_sizes_on_cpu_fit_and_build_an_engine(tiny_model):
     assert engine.num_free_kv_pages() == sizes.num_kv_pages
 
 
+def test_default_pool_sizes_use_the_page_size_asked_for(tiny_model):
+    from worker_client.engine.engine import default_pool_sizes as from_engine_module
+
+    small, large = (from_engine_module(tiny_model.config, "cpu", page_size=n) for n in (8, 32))
+    assert (small.page_size, large.page_size) == (8, 32)
+    assert small.num_kv_pages == 4 * large.num_kv_pages
+
+
 def test_pools_larger_than_memory_raise_model_does_not_fit(tiny_model):
     with pytest.raises(ModelDoesNotFit, match="KV pages"):
         ModelEngine(tiny_model, num_kv_pages=10**12, page_size=16, num_gdn_slots=4, device="cpu")

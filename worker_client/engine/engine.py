@@ -11,7 +11,9 @@ from .model import Qwen35ForCausalLM
 from .paged_forward_cache import PagedForwardCache
 from .sampling import SamplingParams, sample_token
 from .sequence import HeldSequence, StepRecorder
-from .sizing import PoolSizes, check_pools_fit
+from .sizing import PoolSizes, check_pools_fit, default_pool_sizes
+
+__all__ = ["ModelEngine", "default_pool_sizes"]
 from .state_pool import GdnStatePool
 
 

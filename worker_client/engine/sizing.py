@@ -66,17 +66,24 @@ def available_bytes(device: torch.device) -> int:
 
 
 def default_pool_sizes(
-    config: ModelConfig, device: str | torch.device, dtype: torch.dtype = torch.float32
+    config: ModelConfig,
+    device: str | torch.device,
+    *,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    dtype: torch.dtype | None = None,
 ) -> PoolSizes:
     """Sensible pools for `device` (call after the weights are on it).
 
-    CPU: 8 slots and pages for 8 x 4096 tokens, within 1 GiB or a quarter of
-    free RAM. CUDA: 90% of free memory minus 2 GiB, a quarter of it (at most 256
-    slots) for GDN slots and the rest for pages. Raises ModelDoesNotFit when not
-    even one slot and one sequence's worth of pages fit.
+    `dtype` is the model's; None means the usual one for the device (bfloat16
+    on CUDA, float32 on CPU). CPU: 8 slots and pages for 8 x 4096 tokens, within
+    1 GiB or a quarter of free RAM. CUDA: 90% of free memory minus 2 GiB, a
+    quarter of it (at most 256 slots) for GDN slots and the rest for pages.
+    Raises ModelDoesNotFit when not even one slot and one page fit.
     """
     device = torch.device(device)
-    page_bytes = kv_page_bytes(config, DEFAULT_PAGE_SIZE, dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    page_bytes = kv_page_bytes(config, page_size, dtype)
     slot_bytes = gdn_slot_bytes(config, dtype)
     if device.type == "cuda":
         budget = int(available_bytes(device) * _CUDA_USABLE_FRACTION) - _CUDA_RESERVED_BYTES
@@ -85,7 +92,7 @@ def default_pool_sizes(
     else:
         budget = min(_CPU_BUDGET_BYTES, available_bytes(device) // 4)
         num_slots = _CPU_NUM_GDN_SLOTS
-        wanted_pages = num_slots * _CPU_MAX_TOKENS_PER_SEQUENCE // DEFAULT_PAGE_SIZE
+        wanted_pages = num_slots * _CPU_MAX_TOKENS_PER_SEQUENCE // page_size
         num_pages = min(wanted_pages, (budget - num_slots * slot_bytes) // max(page_bytes, 1))
     if num_slots < 1 or num_pages < 1:
         raise ModelDoesNotFit(
@@ -93,7 +100,7 @@ def default_pool_sizes(
             f"{slot_bytes / _GIB:.3f} GiB and one KV page {page_bytes / _GIB:.3f} GiB; "
             "use a smaller dtype, a larger device or a smaller model"
         )
-    return PoolSizes(num_kv_pages=int(num_pages), page_size=DEFAULT_PAGE_SIZE, num_gdn_slots=int(num_slots))
+    return PoolSizes(num_kv_pages=int(num_pages), page_size=page_size, num_gdn_slots=int(num_slots))
 
 
 def check_pools_fit(config: ModelConfig, sizes: PoolSizes, device: torch.device, dtype: torch.dtype) -> None:
