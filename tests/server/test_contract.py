@@ -805,3 +805,38 @@ def test_metrics_endpoint_serves_the_contract_names_with_the_values_caused(serve
     assert {key: scraped.get(key) for key in expected} == expected
     assert all(name.startswith("lattice_scheduler_") for name, _ in scraped
                if not name.startswith(("python_", "process_")))
+
+
+# ===================================================================== additions beyond the table
+
+
+def test_token_update_with_offset_adds_no_token_twice_when_a_report_is_retried(stub, worker):
+    worker.register()
+    seq_id = submit(stub, max_new_tokens=8).seq_id
+    worker.select()
+
+    def report(offset, token_ids):
+        return stub.SelectBatch(pb.SelectBatchRequest(
+            worker_id="w1", running=[seq_id], kv_free_pages=1000, gdn_free_slots=64,
+            tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=token_ids, offset=offset)]),
+            timeout=RPC_TIMEOUT_SECONDS)
+
+    report(0, [5, 6])
+    report(0, [5, 6])            # the same report again (the worker retried)
+    report(1, [6, 7])            # overlaps by one token
+    assert get_sequence(stub, seq_id).generated_tokens == 3
+
+
+def test_requeue_of_a_sequence_with_every_token_generated_finishes_it_max_length(stub, worker):
+    stream = _generate(stub, prompt=(1,), max_new_tokens=2)
+    seq_id = stream.next_event().seq_id
+    worker.register()
+    worker.select()
+    worker.select(running=[seq_id], tokens={seq_id: [5, 6]})
+    decision = worker.select(preempted=[seq_id])         # nothing left to resume
+    assert seq_id not in admitted(decision)
+    info = get_sequence(stub, seq_id)
+    assert (info.state, info.finish_reason) == (FINISHED, MAX_LENGTH)
+    events = stream.rest()
+    assert [t for e in events for t in e.token_ids] == [5, 6]
+    assert events[-1].finished and events[-1].finish_reason == MAX_LENGTH
