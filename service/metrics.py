@@ -5,6 +5,9 @@ values and `worker_id` only registered workers (a worker's series go when it lea
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from service.core import (
@@ -20,6 +23,12 @@ _RPC_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.0
 # Queue waits range from nothing to minutes under overload.
 _WAIT_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                          60.0, 120.0, 300.0)
+# Time to first token and end-to-end latency: LLM requests take milliseconds to minutes.
+_LATENCY_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                            20.0, 40.0, 80.0, 160.0, 320.0)
+# Inter-token latency: one decode iteration, from a few to a few hundred milliseconds.
+_ITL_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
+                        0.3, 0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (0, 1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _SEQ_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -27,8 +36,29 @@ _SEQ_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class SchedulerMetrics(SchedulerObserver):
     """Listens to the core and keeps the metrics an operator reads."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         r = registry
+        self._clock = clock
+        # seq_id -> (submitted at, last token at or None) for the latency histograms;
+        # entries leave when the sequence finishes.
+        self._timings: dict[int, tuple[float, float | None]] = {}
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens_total",
+                                     "Prompt tokens of accepted sequences.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens_total",
+                                         "Generated tokens reported by workers.", registry=r)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "From Submit to the first generated token reported by a worker.",
+            buckets=_LATENCY_SECONDS_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between a sequence's token reports, per token.",
+            buckets=_ITL_SECONDS_BUCKETS, registry=r)
+        self.e2e_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "From Submit to the sequence finishing, whatever the reason.",
+            buckets=_LATENCY_SECONDS_BUCKETS, registry=r)
         self.queue_depth = Gauge(PREFIX + "queue_depth", "Sequences waiting for admission.",
                                  registry=r)
         self.submissions = Counter(PREFIX + "submissions_total",
@@ -96,8 +126,25 @@ class SchedulerMetrics(SchedulerObserver):
 
     # -- SchedulerObserver ----------------------------------------------------------
 
-    def on_submitted(self, seq_id: int, tenant: str) -> None:
+    def on_submitted(self, seq_id: int, tenant: str, prompt_len: int) -> None:
         self.submissions.inc()
+        self.prompt_tokens.inc(prompt_len)
+        self._timings[seq_id] = (self._clock(), None)
+
+    def on_tokens(self, seq_id: int, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+        timing = self._timings.get(seq_id)
+        if timing is None:
+            return
+        submitted_at, last_token_at = timing
+        now = self._clock()
+        if last_token_at is None:
+            self.time_to_first_token.observe(now - submitted_at)
+        else:
+            per_token = (now - last_token_at) / num_tokens
+            for _ in range(num_tokens):
+                self.inter_token_latency.observe(per_token)
+        self._timings[seq_id] = (submitted_at, now)
 
     def on_admitted(self, seq_id: int, worker_id: str, queue_wait_seconds: float) -> None:
         self.admissions.inc()
@@ -108,6 +155,9 @@ class SchedulerMetrics(SchedulerObserver):
 
     def on_finished(self, seq_id: int, reason: FinishReason) -> None:
         self.finished.labels(reason.name.lower()).inc()
+        timing = self._timings.pop(seq_id, None)
+        if timing is not None:
+            self.e2e_latency.observe(self._clock() - timing[0])
 
     def on_evicted(self, seq_id: int, worker_id: str, reason: EvictReason) -> None:
         self.evictions.labels(reason.value).inc()

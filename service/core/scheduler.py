@@ -71,7 +71,7 @@ class Scheduler:
         seq = self._sequences.create(params, self._clock())
         position = len(self._queue)
         self._queue.push_back(seq.seq_id)
-        self._observer.on_submitted(seq.seq_id, params.tenant)
+        self._observer.on_submitted(seq.seq_id, params.tenant, seq.prompt_len)
         self._observer.on_queue_depth(len(self._queue))
         return SubmitResult(seq.seq_id, position)
 
@@ -275,7 +275,9 @@ class Scheduler:
                 # A retried report repeats tokens already applied: keep only the new ones.
                 known = len(seq.output_token_ids) - seq.num_generated_at_admission
                 token_ids = token_ids[max(0, known - update.offset):]
-            seq.output_token_ids.extend(token_ids)
+            if token_ids:
+                seq.output_token_ids.extend(token_ids)
+                self._observer.on_tokens(seq.seq_id, len(token_ids))
 
     def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:
         """Finish what the worker finished; returns ids reported finished as PREEMPTED."""

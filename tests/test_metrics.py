@@ -1,0 +1,55 @@
+"""The metrics observer, driven through the core with a fake clock and its own registry."""
+from prometheus_client import CollectorRegistry
+
+from service.core import FinishReason, Scheduler, TokenUpdate, WorkerReport
+from service.metrics import SchedulerMetrics
+from tests.unit.factories import FakeClock, admit, finished, make_config, register, report, submit
+
+
+def _setup():
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    sched = Scheduler(make_config(), observer=SchedulerMetrics(registry, clock=clock),
+                      clock=clock)
+    return clock, registry, sched
+
+
+def _value(registry, name, **labels):
+    return registry.get_sample_value(name, labels or None)
+
+
+def test_token_latencies_and_counts_follow_the_reports():
+    clock, registry, sched = _setup()
+    register(sched)
+    seq_id = submit(sched, prompt_len=6, max_new_tokens=4)
+    admit(sched)
+    clock.advance_ms(500)
+    sched.select_batch(WorkerReport("w0", running=(seq_id,), kv_free_pages=100,
+                                    gdn_free_slots=8, tokens=(TokenUpdate(seq_id, (1,)),)))
+    clock.advance_ms(200)
+    sched.select_batch(WorkerReport("w0", running=(seq_id,), kv_free_pages=100,
+                                    gdn_free_slots=8, tokens=(TokenUpdate(seq_id, (2, 3)),)))
+    clock.advance_ms(100)
+    sched.select_batch(report(finished=[finished(seq_id, FinishReason.MAX_LENGTH, 3)]))
+    p = "lattice_scheduler_"
+    assert _value(registry, p + "prompt_tokens_total") == 6
+    assert _value(registry, p + "generation_tokens_total") == 3
+    assert _value(registry, p + "time_to_first_token_seconds_count") == 1
+    assert abs(_value(registry, p + "time_to_first_token_seconds_sum") - 0.5) < 1e-9
+    # Two tokens 0.2 s after the previous report: 0.1 s each.
+    assert _value(registry, p + "inter_token_latency_seconds_count") == 2
+    assert abs(_value(registry, p + "inter_token_latency_seconds_sum") - 0.2) < 1e-9
+    assert abs(_value(registry, p + "e2e_request_latency_seconds_sum") - 0.8) < 1e-9
+    assert _value(registry, p + "finished_total", reason="max_length") == 1
+
+
+def test_a_leaving_worker_has_its_series_removed():
+    _, registry, sched = _setup()
+    register(sched, "w9")
+    sched.select_batch(report("w9", kv_free_pages=42))
+    name = "lattice_scheduler_worker_kv_free_pages"
+    assert _value(registry, name, worker_id="w9") == 42
+    assert _value(registry, "lattice_scheduler_workers") == 1
+    sched.deregister_worker("w9")
+    assert _value(registry, name, worker_id="w9") is None
+    assert _value(registry, "lattice_scheduler_workers") == 0
