@@ -1,0 +1,203 @@
+"""The whole system with the real engine: a scheduler, two `lattice-worker` processes running
+the tiny Qwen3.5-architecture model, and 16 concurrent Generate streams.
+
+Greedy outputs must equal sequence-by-sequence generation (engine.reference), also when
+small page pools force preemptions and when a worker is killed mid-run; afterwards every
+page and slot of the surviving workers is free again.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from prometheus_client import CollectorRegistry
+
+from service.core import SchedulerConfig
+from service.server import start
+from service.settings import ServeSettings
+from tests.worker.conftest import generate
+
+torch = pytest.importorskip("torch")
+from worker_client.engine.loading import load_model  # noqa: E402
+from worker_client.engine.reference import generate_reference  # noqa: E402
+
+CHUNK_SIZE = 32
+MAX_NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def reference_model():
+    return load_model("tiny", device="cpu")
+
+
+def _prompts(count: int, seed: int, max_len: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Token ids from 2 up: id 1 is the tiny model's EOS.
+    lengths = [rng.randint(3, CHUNK_SIZE - 1) if i % 2 else rng.randint(CHUNK_SIZE + 1, max_len)
+               for i in range(count)]
+    return [[rng.randrange(2, 500) for _ in range(n)] for n in lengths]
+
+
+class Stack:
+    """An in-process scheduler and worker processes on loopback."""
+
+    def __init__(self, lease_ttl_ms: int = 10_000) -> None:
+        self.registry = CollectorRegistry()
+        self.server = start(ServeSettings(host="127.0.0.1", port=0, metrics_port=0,
+                                          scheduler=SchedulerConfig(chunk_size=CHUNK_SIZE,
+                                                                    lease_ttl_ms=lease_ttl_ms,
+                                                                    prefill_reserve_pages=2)),
+                            self.registry)
+        self.target = f"127.0.0.1:{self.server.port}"
+        self.channel = grpc.insecure_channel(self.target)
+        self.stub = pb_grpc.SchedulerStub(self.channel)
+        self.workers: dict[str, subprocess.Popen] = {}
+
+    def add_worker(self, worker_id: str, kv_pages: int, page_size: int = 4,
+                   gdn_slots: int = 8) -> None:
+        self.workers[worker_id] = subprocess.Popen(
+            [sys.executable, "-m", "worker_client", "--scheduler", self.target,
+             "--worker-id", worker_id, "--model", "tiny", "--device", "cpu",
+             "--kv-pages", str(kv_pages), "--page-size", str(page_size),
+             "--gdn-slots", str(gdn_slots)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    def wait_registered(self, count: int, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for worker_id, proc in self.workers.items():
+                assert proc.poll() is None, f"{worker_id} exited: {proc.stdout.read()}"
+            if len(self.stub.GetStatus(pb.GetStatusRequest()).workers) >= count:
+                return
+            time.sleep(0.2)
+        raise AssertionError("workers did not register in time")
+
+    def generate_all(self, prompts) -> dict[int, tuple[list[int], int]]:
+        results: dict[int, tuple[list[int], int]] = {}
+
+        def one(i: int) -> None:
+            _, tokens, events = generate(self.stub, prompts[i], MAX_NEW_TOKENS, timeout=120)
+            results[i] = (tokens, events[-1].finish_reason)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        return results
+
+    def worker_status(self) -> dict[str, pb.WorkerStatus]:
+        return {w.worker_id: w for w in self.stub.GetStatus(pb.GetStatusRequest()).workers}
+
+    def close(self) -> None:
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.workers.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.channel.close()
+        self.server.stop(0)
+
+
+def _expected(model, prompt) -> tuple[list[int], int]:
+    ref = generate_reference(model, prompt, MAX_NEW_TOKENS)
+    reason = {"eos": pb.FINISH_REASON_EOS, "max_length": pb.FINISH_REASON_MAX_LENGTH,
+              "stop": pb.FINISH_REASON_STOP}[ref.reason.value]
+    return list(ref.token_ids), reason
+
+
+def _assert_all_free(stack: Stack, worker_ids) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        status = stack.worker_status()
+        if all(status[w].kv_free_pages == status[w].total_kv_pages and
+               status[w].gdn_free_slots == status[w].total_gdn_slots for w in worker_ids):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"pages or slots still held: {stack.worker_status()}")
+
+
+def _sample(registry, name, **labels) -> float:
+    return registry.get_sample_value(name, labels or None) or 0.0
+
+
+def test_sixteen_streams_on_two_model_workers_equal_sequential_generation(reference_model):
+    stack = Stack()
+    try:
+        stack.add_worker("model-1", kv_pages=512)
+        stack.add_worker("model-2", kv_pages=512)
+        stack.wait_registered(2)
+        prompts = _prompts(16, seed=11, max_len=90)
+        results = stack.generate_all(prompts)
+        for i, prompt in enumerate(prompts):
+            assert results[i] == _expected(reference_model, prompt), f"stream {i}"
+        served = {w: s.iteration for w, s in stack.worker_status().items()}
+        assert all(n > 1 for n in served.values()), served
+        _assert_all_free(stack, ["model-1", "model-2"])
+    finally:
+        stack.close()
+
+
+def test_small_page_pools_preempt_and_resumed_outputs_are_unchanged(reference_model):
+    stack = Stack()
+    try:
+        # 24 pages of 4 tokens (96 tokens) per worker for up to 8 sequences of up to 70.
+        stack.add_worker("tight-1", kv_pages=24)
+        stack.add_worker("tight-2", kv_pages=24)
+        stack.wait_registered(2)
+        prompts = _prompts(16, seed=12, max_len=60)
+        results = stack.generate_all(prompts)
+        preemptions = _sample(stack.registry, "lattice_scheduler_requeues_total",
+                              reason="preempted")
+        assert preemptions > 0, "the pools were meant to be too small"
+        for i, prompt in enumerate(prompts):
+            assert results[i] == _expected(reference_model, prompt), f"stream {i}"
+        _assert_all_free(stack, ["tight-1", "tight-2"])
+    finally:
+        stack.close()
+
+
+def test_a_worker_killed_mid_run_loses_nothing(reference_model):
+    stack = Stack(lease_ttl_ms=1000)
+    try:
+        stack.add_worker("doomed", kv_pages=512)
+        stack.wait_registered(1)
+        stack.add_worker("survivor", kv_pages=512)
+        stack.wait_registered(2)
+        prompts = _prompts(16, seed=13, max_len=90)
+        killer = threading.Thread(target=_kill_when_busy, args=(stack, "doomed"))
+        killer.start()
+        results = stack.generate_all(prompts)
+        killer.join(30)
+        assert stack.workers["doomed"].returncode == -signal.SIGKILL
+        for i, prompt in enumerate(prompts):
+            assert results[i] == _expected(reference_model, prompt), f"stream {i}"
+        assert _sample(stack.registry, "lattice_scheduler_requeues_total",
+                       reason="lease_expired") > 0
+        _assert_all_free(stack, ["survivor"])
+    finally:
+        stack.close()
+
+
+def _kill_when_busy(stack: Stack, worker_id: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = stack.worker_status().get(worker_id)
+        if status is not None and status.num_assigned >= 2:
+            stack.workers[worker_id].send_signal(signal.SIGKILL)
+            stack.workers[worker_id].wait(10)
+            return
+        time.sleep(0.005)
