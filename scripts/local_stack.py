@@ -50,11 +50,14 @@ def main() -> int:
         _wait_serving(target, procs[0])
         print(f"scheduler: {target}, metrics http://127.0.0.1:{args.metrics_port}/metrics "
               f"(log {logs / 'scheduler.log'})", flush=True)
+        # Each worker gets its share of the cores: oversubscribed torch threads crawl.
+        threads = max(1, (os.cpu_count() or 1) // args.workers)
         for i in range(args.workers):
             worker_id = f"cpu-worker-{i + 1}"
             procs.append(_spawn([sys.executable, "-m", "worker_client", "--scheduler", target,
                                  "--worker-id", worker_id, "--model", args.model,
-                                 "--device", args.device], logs / f"{worker_id}.log", env))
+                                 "--device", args.device, "--threads", str(threads)],
+                                logs / f"{worker_id}.log", env))
         _wait_workers(target, args.workers, procs)
         print(f"workers: {args.workers} registered (model {args.model}, device {args.device}; "
               f"logs in {logs})", flush=True)

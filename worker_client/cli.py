@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
                                                               "127.0.0.1:50051"),
                         help="scheduler address HOST:PORT (env LATTICE_SCHEDULER_TARGET)")
     parser.add_argument("--worker-id", required=True, help="unique name of this worker")
+    from service.credentials import add_client_arguments
+    add_client_arguments(parser)
     parser.add_argument("--model", default="tiny",
                         help="'tiny' (seeded random weights), a Hugging Face checkpoint "
                              "directory (config.json + *.safetensors), or 'scripted' (no model: "
@@ -37,21 +39,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=0,
                         help="most sequences at once (0: the scheduler's default)")
     parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny model")
+    parser.add_argument("--threads", type=int,
+                        help="CPU threads for torch (default: torch's choice); give each of "
+                             "several workers on one host its share of the cores")
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
     args = parser.parse_args(argv)
 
     from service.logs import configure
     configure(args.log_format, "INFO")
-    for name in ("page_size", "kv_pages", "gdn_slots"):
+    for name in ("page_size", "kv_pages", "gdn_slots", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    from service.core import ConfigError
+    from service.credentials import client_args_credentials
+    try:
+        credentials = client_args_credentials(args)
+    except ConfigError as err:
+        print(f"lattice-worker: {err}", file=sys.stderr)
+        return 2
     try:
         engine = _build_engine(args)
     except Exception as err:  # noqa: BLE001 - one clear line, not a traceback
         print(f"lattice-worker: {err}", file=sys.stderr)
         return 2
-    return _run(args, engine)
+    return _run(args, engine, credentials)
 
 
 def _build_engine(args: argparse.Namespace):
@@ -62,6 +74,8 @@ def _build_engine(args: argparse.Namespace):
     import torch
 
     from worker_client.engine.engine import ModelEngine, default_pool_sizes
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from worker_client.engine.loading import load_model
 
     device = args.device
@@ -89,11 +103,11 @@ def _build_engine(args: argparse.Namespace):
     return engine
 
 
-def _run(args: argparse.Namespace, engine) -> int:
+def _run(args: argparse.Namespace, engine, credentials) -> int:
     from worker_client.client import SchedulerCallError, SchedulerClient, WorkerResources
     from worker_client.loop import WorkerLoop
 
-    client = SchedulerClient(args.scheduler)
+    client = SchedulerClient(args.scheduler, credentials=credentials, token=args.token)
     resources = WorkerResources(args.worker_id, engine.total_kv_pages, engine.page_size,
                                 engine.total_gdn_slots, args.max_batch_size)
     loop = WorkerLoop(engine, client, resources)
