@@ -69,6 +69,8 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                                                       "127.0.0.1:50051"),
                    help="scheduler address HOST:PORT (env LATTICE_SCHEDULER_TARGET)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    from service.credentials import add_client_arguments
+    add_client_arguments(p)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -81,6 +83,9 @@ def _serve(args: argparse.Namespace) -> int:
     logs.configure(resolved.log_format, resolved.log_level)
     try:
         server.serve(resolved)
+    except ConfigError as err:
+        print(f"lattice-scheduler serve: {err}", file=sys.stderr)
+        return 2
     except OSError as err:
         print(f"lattice-scheduler serve: {err}", file=sys.stderr)
         return 1

@@ -8,6 +8,9 @@ import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from service.core import ConfigError
+from service.credentials import client_args_credentials, open_channel
+
 # Random prompts stay below this id so that they fit any model's vocabulary, tiny included.
 RANDOM_TOKEN_ID_LIMIT = 200
 
@@ -16,14 +19,24 @@ class CommandError(Exception):
     """A failure to report in one line, without a traceback."""
 
 
-def _stub(args: argparse.Namespace) -> pb_grpc.SchedulerStub:
-    channel = grpc.insecure_channel(args.target)
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    """A ready channel to --target, with the TLS and token flags applied."""
+    try:
+        channel = open_channel(args.target, client_args_credentials(args), args.token)
+    except ConfigError as err:
+        raise CommandError(str(err)) from None
     try:
         grpc.channel_ready_future(channel).result(timeout=args.timeout)
     except grpc.FutureTimeoutError:
+        hint = (" (a TLS scheduler needs --tls-ca; an mTLS one also --tls-cert/--tls-key)"
+                if args.tls_ca is None else "")
         raise CommandError(f"no scheduler answers at {args.target} "
-                           f"(waited {args.timeout:g} s)") from None
-    return pb_grpc.SchedulerStub(channel)
+                           f"(waited {args.timeout:g} s){hint}") from None
+    return channel
+
+
+def _stub(args: argparse.Namespace) -> pb_grpc.SchedulerStub:
+    return pb_grpc.SchedulerStub(_channel(args))
 
 
 def _rpc_error(err: grpc.RpcError) -> CommandError:
@@ -120,14 +133,15 @@ def load(args: argparse.Namespace) -> int:
             raise CommandError(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_prompt_len < args.min_prompt_len:
         raise CommandError("--max-prompt-len must be at least --min-prompt-len")
-    _stub(args)  # fail fast, with a clear message, when nothing answers
+    channel = _channel(args)  # fail fast, with a clear message, when nothing answers
     spec = LoadSpec(num_requests=args.requests, concurrency=args.concurrency,
                     min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,
                     max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(f"load: {spec.num_requests} Generate streams, {spec.concurrency} at a time, prompts "
           f"{spec.min_prompt_len}-{spec.max_prompt_len} tokens, {spec.max_new_tokens} new tokens "
           f"each, against {args.target}", flush=True)
-    report = run_load(args.target, spec)
+    report = run_load(args.target, spec, channel=channel)
+    channel.close()
     for line in report.lines():
         print(line, flush=True)
     return 0 if len(report.ok) == len(report.results) else 1

@@ -66,12 +66,17 @@ class LoadReport:
         return out
 
 
-def run_load(target: str, spec: LoadSpec, progress=sys.stdout) -> LoadReport:
-    """Send spec.num_requests Generate streams, spec.concurrency at a time; print progress."""
+def run_load(target: str, spec: LoadSpec, progress=sys.stdout, *,
+             channel: grpc.Channel | None = None) -> LoadReport:
+    """Send spec.num_requests Generate streams, spec.concurrency at a time; print progress.
+
+    `channel` (the caller's, with its TLS and token; left open) replaces a plaintext one to `target`.
+    """
     rng = random.Random(spec.seed)
     prompts = [[rng.randrange(1, spec.max_token_id) for _ in range(
         rng.randint(spec.min_prompt_len, spec.max_prompt_len))] for _ in range(spec.num_requests)]
-    channel = grpc.insecure_channel(target)
+    own_channel = channel is None
+    channel = grpc.insecure_channel(target) if own_channel else channel
     stub = pb_grpc.SchedulerStub(channel)
     results = [_Result() for _ in prompts]
     next_index = iter(range(len(prompts)))
@@ -98,7 +103,8 @@ def run_load(target: str, spec: LoadSpec, progress=sys.stdout) -> LoadReport:
         t.join()
     done.set()
     reporter.join()
-    channel.close()
+    if own_channel:
+        channel.close()
     return LoadReport(time.perf_counter() - started, results)
 
 

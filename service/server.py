@@ -1,6 +1,7 @@
 """The scheduler process: gRPC server, health, reflection, metrics and graceful shutdown."""
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import threading
@@ -14,6 +15,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from service import auth, credentials
 from service.core import Scheduler
 from service.metrics import SchedulerMetrics
 from service.servicer import SchedulerServicer
@@ -47,7 +49,16 @@ class RunningServer:
 
 
 def start(settings: ServeSettings, registry: CollectorRegistry | None = None) -> RunningServer:
-    """Start serving on settings.host: gRPC on settings.port, metrics on settings.metrics_port."""
+    """Start serving on settings.host: gRPC on settings.port, metrics on settings.metrics_port.
+
+    Raises ConfigError, before listening, when a TLS or tokens file is unreadable or wrong.
+    """
+    tls = credentials.server_credentials(settings.tls_cert, settings.tls_key,
+                                         settings.tls_client_ca)
+    interceptors = []
+    if settings.auth_tokens:
+        interceptors.append(auth.AuthInterceptor(auth.load_tokens(settings.auth_tokens)))
+    _warn_if_exposed(settings)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = SchedulerMetrics(registry)
     core = Scheduler(settings.scheduler, observer=metrics)
@@ -55,6 +66,7 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.max_threads,
                                                     thread_name_prefix="rpc"),
+                         interceptors=interceptors,
                          # gRPC sets SO_REUSEPORT by default: a second scheduler on a port
                          # already in use would bind it too and silently take a share of
                          # the connections (two queues, one address). Fail instead.
@@ -70,7 +82,8 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     address = f"{_bracket(settings.host)}:{settings.port}"
     try:
         # grpcio returns 0 on failure in old releases and raises RuntimeError in new ones.
-        port = server.add_insecure_port(address)
+        port = (server.add_secure_port(address, tls) if tls is not None
+                else server.add_insecure_port(address))
     except RuntimeError:
         port = 0
     if port == 0:
@@ -100,7 +113,7 @@ def serve(settings: ServeSettings) -> None:
     running = start(settings)
     print(f"lattice-scheduler listening on {settings.host}:{running.port} "
           f"(metrics on http://{_bracket(settings.host)}:{running.metrics_port}/metrics, "
-          f"policy {settings.scheduler.policy})", flush=True)
+          f"policy {settings.scheduler.policy}, {_security_summary(settings)})", flush=True)
     log.info("serving", extra={"port": running.port, "metrics_port": running.metrics_port})
     stopping = threading.Event()
 
@@ -115,6 +128,33 @@ def serve(settings: ServeSettings) -> None:
     signal.signal(signal.SIGINT, on_signal)
     running.wait()
     log.info("stopped")
+
+
+def _security_summary(settings: ServeSettings) -> str:
+    transport = ("mTLS" if settings.tls_client_ca else "TLS") if settings.tls_cert else "plaintext"
+    return f"{transport}, {'tokens required' if settings.auth_tokens else 'no authentication'}"
+
+
+def _warn_if_exposed(settings: ServeSettings) -> None:
+    """Plaintext or unauthenticated is fine on loopback; elsewhere, say so (but serve)."""
+    if _is_loopback(settings.host):
+        return
+    if not settings.auth_tokens:
+        log.warning("authentication is off and the scheduler listens beyond loopback: anyone "
+                    "who reaches the port can submit, cancel or act as a worker; see "
+                    "--auth-tokens in docs/security.md", extra={"host": settings.host})
+    elif not settings.tls_cert:
+        log.warning("tokens are required but TLS is off: tokens cross the network in clear "
+                    "text; see --tls-cert in docs/security.md", extra={"host": settings.host})
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _bracket(host: str) -> str:

@@ -29,6 +29,10 @@ class ServeSettings:
     grace_seconds: float = 5.0
     log_format: str = "text"
     log_level: str = "INFO"
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    auth_tokens: str = ""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> "ServeSettings":
@@ -45,6 +49,11 @@ class ServeSettings:
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR, "
                               f"got {self.log_level!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key go together (--tls-cert FILE --tls-key "
+                              "FILE): give both for TLS, or neither for plaintext")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca (mTLS) needs TLS: give --tls-cert and --tls-key too")
         self.scheduler.validate()
         return self
 
@@ -57,6 +66,11 @@ _HELP = {
     "grace_seconds": "on SIGTERM, seconds in-flight calls get to finish",
     "log_format": "text, or json for one JSON object per line",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "tls_cert": "serve TLS with this certificate chain (PEM); needs --tls-key",
+    "tls_key": "private key of --tls-cert (PEM)",
+    "tls_client_ca": "require client certificates signed by this CA (PEM): mutual TLS",
+    "auth_tokens": "require bearer tokens with roles, from this TOML or JSON file "
+                   "(see docs/security.md)",
     "max_batch_size": "most sequences per worker, when a worker registers with 0",
     "chunk_size": "most prompt tokens per prefill chunk",
     "prefill_reserve_pages": "free KV pages below which a non-empty batch admits nothing",
@@ -83,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--" + f.name.replace("_", "-"), dest=f.name, default=None,
             metavar=f.name.upper(),
-            help=f"{_HELP[f.name]} (default {default}; env {ENV_PREFIX}{f.name.upper()})",
+            help=f"{_HELP[f.name]} (default {default if default != '' else 'none'}; "
+                 f"env {ENV_PREFIX}{f.name.upper()})",
         )
 
 

@@ -60,9 +60,16 @@ class SchedulerClient:
 
     def __init__(self, target: str, *, call_timeout_seconds: float = 5.0,
                  retry: RetryPolicy = RetryPolicy(),
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 token: str | None = None) -> None:
+        """`credentials`: TLS (None: plaintext); `token`: sent as `authorization: Bearer`."""
         self.target = target
-        self._channel = grpc.insecure_channel(target)
+        self._channel = (grpc.secure_channel(target, credentials) if credentials is not None
+                         else grpc.insecure_channel(target))
+        # Keyword arguments of every call: the token's metadata, when there is one.
+        self._call_options = ({"metadata": (("authorization", f"Bearer {token}"),)}
+                              if token else {})
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._timeout = call_timeout_seconds
         self._retry = retry
@@ -93,7 +100,7 @@ class SchedulerClient:
         give_up_at = time.monotonic() + self._retry.total_seconds
         while True:
             try:
-                return fn(request, timeout=self._timeout)
+                return fn(request, timeout=self._timeout, **self._call_options)
             except grpc.RpcError as err:
                 code = err.code()
                 if code is grpc.StatusCode.FAILED_PRECONDITION:

@@ -1,0 +1,68 @@
+"""TLS and mutual TLS on the gRPC port, with certificates made at test time."""
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+from service.credentials import channel_credentials
+
+from .conftest import RPC_TIMEOUT_SECONDS
+
+# A failed handshake surfaces as UNAVAILABLE at once; this only bounds a hang.
+FAIL_TIMEOUT_SECONDS = 2.0
+
+
+def _status(stub: pb_grpc.SchedulerStub, timeout: float = RPC_TIMEOUT_SECONDS):
+    return stub.GetStatus(pb.GetStatusRequest(), timeout=timeout)
+
+
+def _fails(stub: pb_grpc.SchedulerStub) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        _status(stub, FAIL_TIMEOUT_SECONDS)
+    return err.value.code()
+
+
+def test_tls_client_trusting_the_ca_is_served(secure_server):
+    server = secure_server(tls=True, auth=False)
+    assert _status(server.stub()).policy == "fifo"
+
+
+def test_plaintext_client_against_a_tls_server_fails(secure_server):
+    server = secure_server(tls=True, auth=False)
+    assert _fails(server.stub(tls=False)) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_tls_client_trusting_another_ca_fails(secure_server, pki):
+    server = secure_server(tls=True, auth=False)
+    # The rogue client certificate is self-consistent but chains to an untrusted CA.
+    wrong_ca = channel_credentials(pki.rogue_client.cert)
+    stub = pb_grpc.SchedulerStub(grpc.secure_channel(server.target, wrong_ca))
+    assert _fails(stub) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_server_refuses_a_client_without_a_certificate(secure_server):
+    server = secure_server(tls=True, mtls=True, auth=False)
+    assert _fails(server.stub(client_cert=False)) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_server_refuses_a_certificate_from_an_untrusted_ca(secure_server, pki):
+    server = secure_server(tls=True, mtls=True, auth=False)
+    rogue = channel_credentials(pki.ca.cert, pki.rogue_client.cert, pki.rogue_client.key)
+    stub = pb_grpc.SchedulerStub(grpc.secure_channel(server.target, rogue))
+    assert _fails(stub) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_server_accepts_a_client_certificate_signed_by_its_ca(secure_server):
+    server = secure_server(tls=True, mtls=True, auth=False)
+    assert _status(server.stub(client_cert=True)).policy == "fifo"
+
+
+def test_health_is_served_over_tls(secure_server):
+    server = secure_server(tls=True, auth=True)
+    health = health_pb2_grpc.HealthStub(server.channel())
+    response = health.Check(health_pb2.HealthCheckRequest(service=""),
+                            timeout=RPC_TIMEOUT_SECONDS)
+    assert response.status == health_pb2.HealthCheckResponse.SERVING
