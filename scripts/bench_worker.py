@@ -1,0 +1,403 @@
+#!/usr/bin/env python3
+"""Generation throughput of the reference worker engine next to transformers' `generate`.
+
+Both sides load the very same checkpoint: for the `tiny` and `small` presets a
+seeded random model is written once with transformers' `save_pretrained` into a
+temporary directory; `--model DIR` uses a real Qwen3.5 checkpoint instead. Every
+prompt is random token ids, decoding is greedy and EOS is ignored on both sides,
+so every sequence generates exactly --max-new-tokens tokens.
+
+    python scripts/bench_worker.py                      # tiny model, fp32 on CPU
+    python scripts/bench_worker.py --preset small       # 8 layers, hidden 512
+    python scripts/bench_worker.py --device cuda --dtype bfloat16 --model DIR \\
+        --num-prompts 64 --max-new-tokens 256           # on a GPU, a real checkpoint
+
+Rows (each timed after a short warm-up run of the same mode; the best of --repeats):
+  hf one-at-a-time   transformers generate, one prompt after another
+  hf static batch    transformers generate on all prompts, left-padded, with attention mask
+  engine direct      ModelEngine.step driven as a worker would: every sequence admitted
+                     at once, prompts prefilled --chunk-size tokens per step, then batched
+                     decode steps until all finish (continuous batching, no gRPC)
+  engine+scheduler   the real scheduler on loopback, a WorkerLoop thread on the same
+                     engine, and one Generate stream per prompt (skip: --no-scheduler)
+
+Tokens/s counts generated tokens over the whole run, prefill included. The greedy
+tokens of every row are compared with `hf one-at-a-time` (fp32 should agree token
+for token; bf16 may drift after a near tie).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+import transformers
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from prometheus_client import CollectorRegistry
+
+from service.core import SchedulerConfig
+from service.server import start
+from service.settings import ServeSettings
+from worker_client.client import SchedulerClient, WorkerResources
+from worker_client.engine.api import ChunkWork, SequenceSpec
+from worker_client.engine.config import LayerType, ModelConfig, tiny_config
+from worker_client.engine.engine import ModelEngine
+from worker_client.engine.loading import load_model, random_model
+from worker_client.engine.model import Qwen35ForCausalLM
+from worker_client.loop import WorkerLoop
+
+PAGE_SIZE = 16
+PAD_TOKEN_ID = 0
+# Prompts use ids from 2 up (0 pads the static batch) and below this bound, so that
+# a real checkpoint's vocabulary tail (special tokens) stays out of them.
+MAX_PROMPT_TOKEN_ID = 50_000
+NUM_WARMUP_PROMPTS = 2
+NUM_WARMUP_TOKENS = 4
+
+Tokens = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Result:
+    """One timed mode: what it generated per prompt and how long it took."""
+
+    mode: str
+    outputs: tuple[Tokens, ...]
+    seconds: float
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(tokens) for tokens in self.outputs)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds
+
+
+@dataclass(frozen=True)
+class Models:
+    """Our model and transformers' model, both loaded from the same checkpoint, EOS off."""
+
+    ours: Qwen35ForCausalLM
+    hf: torch.nn.Module
+    device: torch.device
+
+
+# Models.
+
+
+def small_config() -> ModelConfig:
+    """A ~36M-parameter model: 8 layers (6 Gated DeltaNet, 2 attention), hidden 512."""
+    return ModelConfig(
+        vocab_size=8192, hidden_size=512, intermediate_size=1536,
+        layer_types=((LayerType.LINEAR_ATTENTION,) * 3 + (LayerType.FULL_ATTENTION,)) * 2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        rope_theta=10000.0, partial_rotary_factor=0.25,
+        linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+    )
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {"tiny": tiny_config, "small": small_config}
+
+
+def hf_config(config: ModelConfig) -> transformers.Qwen3_5TextConfig:
+    """transformers' config for `config`, without an EOS id (generation runs to the limit)."""
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        layer_types=[t.value for t in config.layer_types],
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta,
+                         "partial_rotary_factor": config.partial_rotary_factor},
+        linear_num_key_heads=config.linear_num_key_heads,
+        linear_num_value_heads=config.linear_num_value_heads,
+        linear_key_head_dim=config.linear_key_head_dim,
+        linear_value_head_dim=config.linear_value_head_dim,
+        linear_conv_kernel_dim=config.linear_conv_kernel_dim, rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        max_position_embeddings=config.max_position_embeddings, eos_token_id=None,
+    )
+
+
+def write_random_checkpoint(config: ModelConfig, seed: int, model_dir: Path) -> None:
+    """Save the seeded random weights of `config` with transformers' save_pretrained."""
+    hf_model = transformers.Qwen3_5ForCausalLM(hf_config(config))
+    # Our random init perturbs every norm and gate, unlike transformers' identity init.
+    hf_model.load_state_dict(random_model(config, seed).state_dict(), strict=True)
+    hf_model.save_pretrained(model_dir)
+
+
+def load_models(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Models:
+    ours = load_model(model_dir, device=device, dtype=dtype)
+    ours.config = dataclasses.replace(ours.config, eos_token_ids=())  # the engine reads EOS here
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    hf.generation_config.eos_token_id = None
+    return Models(ours=ours, hf=hf, device=device)
+
+
+def random_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int,
+                   seed: int) -> list[Tokens]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (num_prompts,), generator=generator).tolist()
+    high = min(vocab_size, MAX_PROMPT_TOKEN_ID)
+    return [tuple(torch.randint(2, high, (n,), generator=generator).tolist()) for n in lengths]
+
+
+# The modes: each returns the generated tokens of every prompt, in prompt order.
+
+
+def hf_one_at_a_time(models: Models, prompts: Sequence[Tokens], max_new_tokens: int) -> list[Tokens]:
+    outputs = []
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt], device=models.device)
+        generated = models.hf.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=PAD_TOKEN_ID,
+        )
+        outputs.append(tuple(generated[0, len(prompt):].tolist()))
+    return outputs
+
+
+def hf_static_batch(models: Models, prompts: Sequence[Tokens], max_new_tokens: int) -> list[Tokens]:
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), PAD_TOKEN_ID, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):  # left padding
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt):] = 1
+    generated = models.hf.generate(
+        input_ids.to(models.device), attention_mask=attention_mask.to(models.device),
+        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD_TOKEN_ID,
+    )
+    return [tuple(row) for row in generated[:, width:].tolist()]
+
+
+def make_engine(models: Models, prompts: Sequence[Tokens], max_new_tokens: int) -> ModelEngine:
+    """An engine with a slot for every prompt and pages for all of them at full length."""
+    num_pages = sum(math.ceil((len(p) + max_new_tokens) / PAGE_SIZE) + 1 for p in prompts)
+    return ModelEngine(models.ours, num_kv_pages=num_pages, page_size=PAGE_SIZE,
+                       num_gdn_slots=len(prompts), device=models.device, max_batch_size=len(prompts))
+
+
+def engine_direct(models: Models, prompts: Sequence[Tokens], max_new_tokens: int,
+                  chunk_size: int) -> list[Tokens]:
+    """Each step: the next chunk of every prompt not yet prefilled, one decode of all running."""
+    engine = make_engine(models, prompts, max_new_tokens)
+    specs = [SequenceSpec(prompt_token_ids=p, max_new_tokens=max_new_tokens) for p in prompts]
+    num_scheduled = [0] * len(prompts)  # prompt tokens handed to the engine so far
+    generated: list[list[int]] = [[] for _ in prompts]
+    num_finished = 0
+    while num_finished < len(prompts):
+        prefill = []
+        for seq_id, spec in enumerate(specs):
+            start = num_scheduled[seq_id]
+            chunk_len = min(chunk_size, len(spec.prompt_token_ids) - start)
+            if chunk_len > 0:
+                prefill.append(ChunkWork(seq_id, start, chunk_len, spec if start == 0 else None))
+                num_scheduled[seq_id] += chunk_len
+        out = engine.step(prefill, engine.running_ids())
+        if out.preempted:
+            raise SystemExit(f"engine preempted {out.preempted}: the pools are sized too small")
+        for seq_id, token_ids in out.tokens:
+            generated[seq_id].extend(token_ids)
+        num_finished += len(out.finished)
+    return [tuple(tokens) for tokens in generated]
+
+
+class SchedulerStack:
+    """A scheduler on a loopback port and one WorkerLoop thread on a fresh engine."""
+
+    def __init__(self, engine: ModelEngine, chunk_size: int) -> None:
+        config = SchedulerConfig(max_batch_size=engine.max_batch_size, chunk_size=chunk_size)
+        self._server = start(ServeSettings(host="127.0.0.1", port=0, metrics_port=0,
+                                           scheduler=config), CollectorRegistry())
+        target = f"127.0.0.1:{self._server.port}"
+        self._client = SchedulerClient(target)
+        resources = WorkerResources("bench", engine.total_kv_pages, engine.page_size,
+                                    engine.total_gdn_slots, engine.max_batch_size)
+        self._loop = WorkerLoop(engine, self._client, resources, idle_sleep_seconds=0.001)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop.run, args=(self._stop,), daemon=True)
+        self._thread.start()
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+
+    def generate(self, prompt: Tokens, max_new_tokens: int) -> Tokens:
+        request = pb.SubmitRequest(prompt_token_ids=prompt, max_new_tokens=max_new_tokens)
+        return tuple(t for event in self._stub.Generate(request, timeout=600) for t in event.token_ids)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self._channel.close()
+        self._client.close()
+        self._server.stop(0)
+
+
+def engine_via_scheduler(stack: SchedulerStack, prompts: Sequence[Tokens],
+                         max_new_tokens: int) -> list[Tokens]:
+    # One Generate stream per prompt, all open at once, as concurrent clients would be.
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        return list(pool.map(lambda p: stack.generate(p, max_new_tokens), prompts))
+
+
+# Timing and report.
+
+
+def timed(mode: str, run: Callable[[Sequence[Tokens], int], list[Tokens]],
+          prompts: Sequence[Tokens], max_new_tokens: int, device: torch.device,
+          repeats: int) -> Result:
+    """Warm up on a couple of short generations, then the fastest of `repeats` whole runs.
+
+    The fastest, because on a shared host other processes only ever add time.
+    Raises SystemExit if two runs of the same mode generate different tokens.
+    """
+    run(prompts[:NUM_WARMUP_PROMPTS], NUM_WARMUP_TOKENS)
+    best: Result | None = None
+    for _ in range(repeats):
+        _synchronize(device)
+        started = time.perf_counter()
+        outputs = tuple(run(prompts, max_new_tokens))
+        _synchronize(device)
+        result = Result(mode, outputs, time.perf_counter() - started)
+        if best is not None and best.outputs != outputs:
+            raise SystemExit(f"{mode}: two runs of the same greedy workload generated different tokens")
+        if best is None or result.seconds < best.seconds:
+            best = result
+    return best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def print_table(results: Sequence[Result]) -> None:
+    one_at_a_time, static_batch = results[0], results[1]
+    print(f"{'mode':<18} {'seqs':>5} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} "
+          f"{'vs hf 1-by-1':>13} {'vs hf batch':>12}")
+    for r in results:
+        print(f"{r.mode:<18} {len(r.outputs):>5} {r.num_tokens:>7} {r.seconds:>8.2f} "
+              f"{r.tokens_per_second:>9.1f} "
+              f"{r.tokens_per_second / one_at_a_time.tokens_per_second:>12.2f}x "
+              f"{r.tokens_per_second / static_batch.tokens_per_second:>11.2f}x")
+
+
+def describe_agreement(result: Result, baseline: Result) -> str:
+    """'identical' or which prompts differ and where, against the baseline's tokens."""
+    differing = []
+    for index, (ours, theirs) in enumerate(zip(result.outputs, baseline.outputs)):
+        if ours != theirs:
+            position = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                            min(len(ours), len(theirs)))
+            differing.append(f"prompt {index} from token {position} of {len(theirs)}")
+    if not differing:
+        return f"identical token for token ({len(result.outputs)}/{len(result.outputs)} prompts)"
+    return f"{len(differing)}/{len(result.outputs)} prompts differ: " + "; ".join(differing)
+
+
+def check_lengths(results: Sequence[Result], max_new_tokens: int) -> None:
+    for r in results:
+        short = [i for i, tokens in enumerate(r.outputs) if len(tokens) != max_new_tokens]
+        if short:
+            print(f"WARNING: {r.mode}: prompts {short} did not generate exactly {max_new_tokens} tokens")
+
+
+# Entry point.
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                        help="random-weight model to build (ignored with --model)")
+    parser.add_argument("--model", type=Path, help="a Qwen3.5 checkpoint directory instead of a preset")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--min-prompt-len", type=int, default=32)
+    parser.add_argument("--max-prompt-len", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--chunk-size", type=int, default=128,
+                        help="prefill chunk (tokens) of the engine rows, as the scheduler's chunk_size")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode; the fastest counts")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and prompts")
+    parser.add_argument("--no-scheduler", action="store_true",
+                        help="skip the engine+scheduler row (gRPC scheduler and worker loop in-process)")
+    args = parser.parse_args(argv)
+    if args.num_prompts < NUM_WARMUP_PROMPTS or min(args.max_new_tokens, args.repeats) < 1:
+        parser.error(f"--num-prompts must be at least {NUM_WARMUP_PROMPTS}, "
+                     "--max-new-tokens and --repeats at least 1")
+    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
+        parser.error("need 1 <= --min-prompt-len <= --max-prompt-len")
+    return args
+
+
+def run_benchmark(args: argparse.Namespace, model_dir: Path) -> list[Result]:
+    device = torch.device(args.device)
+    models = load_models(model_dir, device, getattr(torch, args.dtype))
+    prompts = random_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
+                             models.ours.config.vocab_size, args.seed)
+    lengths = sorted(len(p) for p in prompts)
+    config = models.ours.config
+    num_params = sum(p.numel() for p in models.ours.parameters())
+    print(f"model: {args.model or args.preset} ({num_params / 1e6:.1f}M params, "
+          f"{config.num_hidden_layers} layers, hidden {config.hidden_size}), {device} {args.dtype}, "
+          f"{torch.get_num_threads()} torch threads, transformers {transformers.__version__}")
+    print(f"workload: {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens "
+          f"({sum(lengths)} in all), greedy, {args.max_new_tokens} new tokens each, EOS ignored, "
+          f"chunk size {args.chunk_size}, best of {args.repeats}")
+    m, n, r = models, args.max_new_tokens, args.repeats
+    results = [
+        timed("hf one-at-a-time", lambda p, k: hf_one_at_a_time(m, p, k), prompts, n, device, r),
+        timed("hf static batch", lambda p, k: hf_static_batch(m, p, k), prompts, n, device, r),
+        timed("engine direct", lambda p, k: engine_direct(m, p, k, args.chunk_size), prompts, n, device, r),
+    ]
+    if not args.no_scheduler:
+        stack = SchedulerStack(make_engine(models, prompts, n), args.chunk_size)
+        try:
+            results.append(timed("engine+scheduler", lambda p, k: engine_via_scheduler(stack, p, k),
+                                 prompts, n, device, r))
+        finally:
+            stack.close()
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()  # the "fast path is not available" notice
+    transformers.logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="bench_worker_") as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            model_dir = Path(tmp)
+            write_random_checkpoint(PRESETS[args.preset](), args.seed, model_dir)
+        results = run_benchmark(args, model_dir)
+    check_lengths(results, args.max_new_tokens)
+    print()
+    print_table(results)
+    print()
+    baseline = results[0]
+    for r in results[1:]:
+        print(f"greedy tokens, {r.mode} vs {baseline.mode}: {describe_agreement(r, baseline)}")
+
+
+if __name__ == "__main__":
+    main()
