@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 
 import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
@@ -74,6 +75,9 @@ def generate(args: argparse.Namespace) -> int:
     stub = _stub(args)
     tokens: list[int] = []
     try:
+        if not stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout).workers:
+            print("note: no worker is registered; the sequence waits in the queue until one "
+                  "joins (Ctrl-C cancels it)", file=sys.stderr, flush=True)
         for event in stub.Generate(_request(args, random.Random(args.seed))):
             if not tokens and not event.token_ids and not event.finished:
                 print(f"seq_id={event.seq_id}", flush=True)
