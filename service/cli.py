@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--seed", type=int, default=0)
         if name == "submit":
             p.add_argument("--count", type=int, default=1, help="how many sequences")
+        else:
+            p.add_argument("--stream-timeout", type=float, default=600.0,
+                           help="seconds the whole stream may take (the sequence is "
+                                "cancelled when it runs out)")
 
     p = sub.add_parser("load", help="a bounded demo load of concurrent Generate streams; "
                                     "prints progress, then throughput and latency")
@@ -62,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except client_commands.CommandError as err:
         print(f"lattice-scheduler {args.command}: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"lattice-scheduler {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:

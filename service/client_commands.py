@@ -78,7 +78,8 @@ def generate(args: argparse.Namespace) -> int:
         if not stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout).workers:
             print("note: no worker is registered; the sequence waits in the queue until one "
                   "joins (Ctrl-C cancels it)", file=sys.stderr, flush=True)
-        for event in stub.Generate(_request(args, random.Random(args.seed))):
+        for event in stub.Generate(_request(args, random.Random(args.seed)),
+                                   timeout=args.stream_timeout):
             if not tokens and not event.token_ids and not event.finished:
                 print(f"seq_id={event.seq_id}", flush=True)
             tokens.extend(event.token_ids)
