@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     from service import client_commands
     try:
-        return getattr(client_commands, args.command)(args)
+        return client_commands.run(args.command, args)
     except client_commands.CommandError as err:
         print(f"lattice-scheduler {args.command}: {err}", file=sys.stderr)
         return 1

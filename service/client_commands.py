@@ -63,10 +63,7 @@ def submit(args: argparse.Namespace) -> int:
     stub = _stub(args)
     rng = random.Random(args.seed)
     for index in range(args.count):
-        try:
-            resp = stub.Submit(_request(args, rng, index), timeout=args.timeout)
-        except grpc.RpcError as err:
-            raise _rpc_error(err) from None
+        resp = stub.Submit(_request(args, rng, index), timeout=args.timeout)
         print(f"seq_id={resp.seq_id} queue_position={resp.queue_position}")
     return 0
 
@@ -74,52 +71,43 @@ def submit(args: argparse.Namespace) -> int:
 def generate(args: argparse.Namespace) -> int:
     stub = _stub(args)
     tokens: list[int] = []
-    try:
-        if not stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout).workers:
-            print("note: no worker is registered; the sequence waits in the queue until one "
-                  "joins (Ctrl-C cancels it)", file=sys.stderr, flush=True)
-        for event in stub.Generate(_request(args, random.Random(args.seed)),
-                                   timeout=args.stream_timeout):
-            if not tokens and not event.token_ids and not event.finished:
-                print(f"seq_id={event.seq_id}", flush=True)
-            tokens.extend(event.token_ids)
-            if event.token_ids:
-                print(" ".join(map(str, event.token_ids)), flush=True)
-            if event.finished:
-                reason = pb.FinishReason.Name(event.finish_reason)
-                print(f"finished: {reason} after {len(tokens)} tokens", flush=True)
-    except grpc.RpcError as err:
-        raise _rpc_error(err) from None
+    if not stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout).workers:
+        print("note: no worker is registered; the sequence waits in the queue until one "
+              "joins (Ctrl-C cancels it)", file=sys.stderr, flush=True)
+    for event in stub.Generate(_request(args, random.Random(args.seed)),
+                               timeout=args.stream_timeout):
+        if not tokens and not event.token_ids and not event.finished:
+            print(f"seq_id={event.seq_id}", flush=True)
+        tokens.extend(event.token_ids)
+        if event.token_ids:
+            print(" ".join(map(str, event.token_ids)), flush=True)
+        if event.finished:
+            reason = pb.FinishReason.Name(event.finish_reason)
+            print(f"finished: {reason} after {len(tokens)} tokens", flush=True)
     return 0
 
 
 def cancel(args: argparse.Namespace) -> int:
     stub = _stub(args)
     for seq_id in args.seq_ids:
-        try:
-            resp = stub.Cancel(pb.CancelRequest(seq_id=seq_id), timeout=args.timeout)
-        except grpc.RpcError as err:
-            raise _rpc_error(err) from None
+        resp = stub.Cancel(pb.CancelRequest(seq_id=seq_id), timeout=args.timeout)
         print(f"seq_id={seq_id} cancelled={str(resp.cancelled).lower()}")
     return 0
 
 
 def status(args: argparse.Namespace) -> int:
     stub = _stub(args)
-    try:
-        if args.seq_ids:
-            for seq_id in args.seq_ids:
-                info = stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id),
-                                        timeout=args.timeout)
-                print(f"seq_id={info.seq_id} state={pb.SequenceState.Name(info.state)} "
-                      f"worker={info.worker_id or '-'} prompt_len={info.prompt_len} "
-                      f"prefilled={info.prefilled_tokens} generated={info.generated_tokens} "
-                      f"queue_position={info.queue_position} "
-                      f"finish_reason={pb.FinishReason.Name(info.finish_reason)}")
-            return 0
-        st = stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout)
-    except grpc.RpcError as err:
-        raise _rpc_error(err) from None
+    if args.seq_ids:
+        for seq_id in args.seq_ids:
+            info = stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id),
+                                    timeout=args.timeout)
+            print(f"seq_id={info.seq_id} state={pb.SequenceState.Name(info.state)} "
+                  f"worker={info.worker_id or '-'} prompt_len={info.prompt_len} "
+                  f"prefilled={info.prefilled_tokens} generated={info.generated_tokens} "
+                  f"queue_position={info.queue_position} "
+                  f"finish_reason={pb.FinishReason.Name(info.finish_reason)}")
+        return 0
+    st = stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout)
     print(f"policy={st.policy} queue_depth={st.queue_depth} assigned={st.num_assigned} "
           f"workers={len(st.workers)}")
     for w in st.workers:
@@ -150,3 +138,15 @@ def load(args: argparse.Namespace) -> int:
     for line in report.lines():
         print(line, flush=True)
     return 0 if len(report.ok) == len(report.results) else 1
+
+
+COMMANDS = {"submit": submit, "generate": generate, "cancel": cancel, "status": status,
+            "load": load}
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    """Run one client command; a failed call becomes one CommandError line."""
+    try:
+        return COMMANDS[command](args)
+    except grpc.RpcError as err:
+        raise _rpc_error(err) from None
