@@ -35,7 +35,8 @@ FROM ${PYTHON_IMAGE} AS runtime
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
-RUN useradd --system --uid 10001 --user-group --home-dir /home/lattice --create-home lattice
+RUN useradd --system --uid 10001 --user-group --home-dir /home/lattice --create-home lattice \
+    && install -d -o 10001 -g 10001 /var/lib/lattice
 COPY deploy/grpc_health_check.py /opt/lattice/grpc_health_check.py
 WORKDIR /home/lattice
 USER 10001:10001
@@ -52,4 +53,6 @@ EXPOSE 50051 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
     CMD ["python", "/opt/lattice/grpc_health_check.py", "--target", "127.0.0.1:50051"]
 ENTRYPOINT ["lattice-scheduler"]
-CMD ["serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400"]
+# The queue survives restarts in /var/lib/lattice: mount a volume there (compose does).
+CMD ["serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400", \
+     "--state-dir", "/var/lib/lattice"]

@@ -36,6 +36,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--exit", action="store_true", help="stop the stack after the demo")
+    parser.add_argument("--state-dir", type=Path, default=ROOT / ".artifacts" / "local-stack" / "state",
+                        help="the scheduler's durable state (a restart on it carries on)")
     args = parser.parse_args()
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -45,11 +47,12 @@ def main() -> int:
     target = f"127.0.0.1:{args.port}"
     try:
         procs.append(_spawn([sys.executable, "-m", "service", "serve", "--port", str(args.port),
-                             "--metrics-port", str(args.metrics_port)],
+                             "--metrics-port", str(args.metrics_port),
+                             "--state-dir", str(args.state_dir)],
                             logs / "scheduler.log", env))
         _wait_serving(target, procs[0])
         print(f"scheduler: {target}, metrics http://127.0.0.1:{args.metrics_port}/metrics "
-              f"(log {logs / 'scheduler.log'})", flush=True)
+              f"(log {logs / 'scheduler.log'}, state in {args.state_dir})", flush=True)
         # Each worker gets its share of the cores: oversubscribed torch threads crawl.
         threads = max(1, (os.cpu_count() or 1) // args.workers)
         for i in range(args.workers):

@@ -20,6 +20,7 @@ from service.core import Scheduler
 from service.metrics import SchedulerMetrics
 from service.servicer import SchedulerServicer
 from service.settings import ServeSettings
+from service.state_sqlite import SqliteStateStore
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class RunningServer:
     port: int
     metrics_port: int
     _stop_sweeper: threading.Event
+    store: SqliteStateStore | None = None
 
     def stop(self, grace_seconds: float) -> None:
         """NOT_SERVING first, so balancers drain us; then stop with a grace period."""
@@ -43,6 +45,8 @@ class RunningServer:
         self._stop_sweeper.set()
         self.grpc_server.stop(grace_seconds).wait()
         self.metrics_http.shutdown()
+        if self.store is not None:
+            self.store.close()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
@@ -61,7 +65,15 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     _warn_if_exposed(settings)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = SchedulerMetrics(registry)
-    core = Scheduler(settings.scheduler, observer=metrics)
+    store = (SqliteStateStore(settings.state_dir, settings.state_fsync)
+             if settings.state_dir else None)
+    core = Scheduler(settings.scheduler, observer=metrics, store=store)
+    if store is not None:
+        recovered = core.status()
+        log.info("state loaded", extra={"state_dir": settings.state_dir,
+                                        "queued": recovered.queue_depth,
+                                        "assigned": recovered.num_assigned,
+                                        "workers": len(recovered.workers)})
     servicer = SchedulerServicer(core, metrics)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.max_threads,
@@ -87,6 +99,8 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     except RuntimeError:
         port = 0
     if port == 0:
+        if store is not None:
+            store.close()
         raise OSError(f"cannot listen on {address}: address in use or not available")
     metrics_http, _ = start_http_server(settings.metrics_port, addr=settings.host,
                                         registry=registry)
@@ -99,7 +113,7 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     threading.Thread(target=_sweep_leases, args=(servicer, stop_sweeper, sweep_seconds),
                      name="lease-sweeper", daemon=True).start()
     return RunningServer(server, health_servicer, metrics_http, port,
-                         metrics_http.server_port, stop_sweeper)
+                         metrics_http.server_port, stop_sweeper, store)
 
 
 def _sweep_leases(servicer: SchedulerServicer, stop: threading.Event, every_seconds: float):
@@ -113,7 +127,8 @@ def serve(settings: ServeSettings) -> None:
     running = start(settings)
     print(f"lattice-scheduler listening on {settings.host}:{running.port} "
           f"(metrics on http://{_bracket(settings.host)}:{running.metrics_port}/metrics, "
-          f"policy {settings.scheduler.policy}, {_security_summary(settings)})", flush=True)
+          f"policy {settings.scheduler.policy}, {_security_summary(settings)}, "
+          f"{_state_summary(settings, running)})", flush=True)
     log.info("serving", extra={"port": running.port, "metrics_port": running.metrics_port})
     stopping = threading.Event()
 
@@ -128,6 +143,12 @@ def serve(settings: ServeSettings) -> None:
     signal.signal(signal.SIGINT, on_signal)
     running.wait()
     log.info("stopped")
+
+
+def _state_summary(settings: ServeSettings, running: RunningServer) -> str:
+    if running.store is None:
+        return "state in memory only (--state-dir keeps it across restarts)"
+    return f"state in {running.store.path}, fsync {settings.state_fsync}"
 
 
 def _security_summary(settings: ServeSettings) -> str:

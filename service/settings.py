@@ -33,6 +33,8 @@ class ServeSettings:
     tls_key: str = ""
     tls_client_ca: str = ""
     auth_tokens: str = ""
+    state_dir: str = ""
+    state_fsync: str = "acks"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> "ServeSettings":
@@ -52,6 +54,9 @@ class ServeSettings:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key go together (--tls-cert FILE --tls-key "
                               "FILE): give both for TLS, or neither for plaintext")
+        if self.state_fsync not in ("acks", "always", "never"):
+            raise ConfigError(f"state_fsync must be acks, always or never, "
+                              f"got {self.state_fsync!r}")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("tls_client_ca (mTLS) needs TLS: give --tls-cert and --tls-key too")
         self.scheduler.validate()
@@ -71,11 +76,17 @@ _HELP = {
     "tls_client_ca": "require client certificates signed by this CA (PEM): mutual TLS",
     "auth_tokens": "require bearer tokens with roles, from this TOML or JSON file "
                    "(see docs/security.md)",
+    "state_dir": "keep the queue and every sequence's progress in DIR (SQLite, WAL); a "
+                 "restart on the same DIR carries on; none: state lives in memory only",
+    "state_fsync": "acks: fsync what clients are told OK (Submit, Cancel) before answering; "
+                   "always: every change; never: none (survives kill -9, not power loss)",
     "max_batch_size": "most sequences per worker, when a worker registers with 0",
     "chunk_size": "most prompt tokens per prefill chunk",
     "prefill_reserve_pages": "free KV pages below which a non-empty batch admits nothing",
     "max_seq_len": "limit on prompt_len + max_new_tokens",
     "max_queue": "most sequences waiting for admission; more get RESOURCE_EXHAUSTED",
+    "max_queue_per_tenant": "most queued sequences per tenant (0: no limit); more get "
+                            "RESOURCE_EXHAUSTED",
     "lease_ttl_ms": "a worker silent this long is dropped and its sequences requeued",
     "policy": "admission policy (fifo)",
 }

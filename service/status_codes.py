@@ -4,12 +4,14 @@ from __future__ import annotations
 import grpc
 
 from service.core import InvalidArgument, NotFound, QueueFull, SchedulerError, UnknownWorker
+from service.core.store import StoreError
 
 _CODES: dict[type[SchedulerError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnknownWorker: grpc.StatusCode.FAILED_PRECONDITION,
+    StoreError: grpc.StatusCode.UNAVAILABLE,  # nothing was acknowledged: retry
 }
 
 

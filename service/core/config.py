@@ -17,6 +17,7 @@ class SchedulerConfig:
     prefill_reserve_pages: int = 8
     max_seq_len: int = 4096
     max_queue: int = 100_000
+    max_queue_per_tenant: int = 0  # 0: no per-tenant limit
     lease_ttl_ms: int = 10_000
     policy: str = "fifo"
 
@@ -32,6 +33,7 @@ class SchedulerConfig:
         _at_least("max_seq_len", self.max_seq_len, 1)
         _at_least("prefill_reserve_pages", self.prefill_reserve_pages, 0)
         _at_least("max_queue", self.max_queue, 1)
+        _at_least("max_queue_per_tenant", self.max_queue_per_tenant, 0)
         _at_least("lease_ttl_ms", self.lease_ttl_ms, 1)
         if self.chunk_size > self.max_seq_len:
             raise ConfigError(

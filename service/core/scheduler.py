@@ -16,6 +16,7 @@ from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.policy import Policy, make_policy
 from service.core.queue import AdmissionQueue
 from service.core.sequences import Sequence, SequenceTable
+from service.core.store import StateChanges, StateStore, StoredState, StoreError, TokenAppend
 from service.core.types import (
     Decision, FinishReason, PrefillChunk, SchedulerStatus, SequenceInfo, SequenceState,
     SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
@@ -37,6 +38,9 @@ class Scheduler:
     Guarantees, whatever the call order: a sequence is queued, on exactly one worker,
     or finished; a sequence that leaves a worker unfinished goes back to the head of
     the queue; no id is ever reused.
+
+    With a `store`, every call that changes state saves the change before it returns,
+    and a new Scheduler over the same store carries on where the old one stopped.
     """
 
     def __init__(
@@ -46,6 +50,7 @@ class Scheduler:
         observer: SchedulerObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_finished_retained: int = 100_000,
+        store: StateStore | None = None,
     ) -> None:
         self.config = config.validate()
         self._policy: Policy = make_policy(config)
@@ -54,6 +59,14 @@ class Scheduler:
         self._queue = AdmissionQueue()
         self._sequences = SequenceTable(max_finished_retained)
         self._ledger = WorkerLedger()
+        self._store = store
+        # What changed since the last save (see _save).
+        self._created: dict[int, SubmitParams] = {}
+        self._touched: dict[int, Sequence] = {}
+        self._forgotten: list[int] = []
+        self._worker_changes: dict[str, WorkerRegistration | None] = {}
+        if store is not None:
+            self._recover(store.load())
 
     # ----------------------------------------------------------------- clients
 
@@ -68,9 +81,25 @@ class Scheduler:
                 f"the admission queue holds max_queue={self.config.max_queue} sequences; "
                 "retry later"
             )
+        per_tenant = self.config.max_queue_per_tenant
+        if per_tenant and self._queue.count(params.tenant) >= per_tenant:
+            raise QueueFull(
+                f"tenant {params.tenant!r} already has {per_tenant} sequences queued "
+                f"(max_queue_per_tenant={per_tenant}); retry later"
+            )
         seq = self._sequences.create(params, self._clock())
         position = len(self._queue)
-        self._queue.push_back(seq.seq_id)
+        self._queue.push_back(seq.seq_id, params.tenant)
+        self._created[seq.seq_id] = params
+        self._touch(seq)
+        try:
+            self._save(sync=True)  # acknowledged to the client: must survive a power loss
+        except StoreError:
+            self._queue.remove(seq.seq_id)
+            self._sequences.discard_new(seq)
+            self._created.pop(seq.seq_id, None)
+            self._touched.pop(seq.seq_id, None)
+            raise
         self._observer.on_submitted(seq.seq_id, params.tenant, seq.prompt_len)
         self._observer.on_queue_depth(len(self._queue))
         return SubmitResult(seq.seq_id, position)
@@ -91,6 +120,7 @@ class Scheduler:
             if worker is not None:
                 worker.assigned.pop(seq_id, None)
         self._finish(seq, FinishReason.CANCELLED)
+        self._save(sync=True)
         return True
 
     def get_sequence(self, seq_id: int) -> SequenceInfo:
@@ -145,38 +175,27 @@ class Scheduler:
         old = self._ledger.remove(registration.worker_id)
         if old is not None:
             self._requeue(old, list(old.assigned), RequeueReason.REREGISTERED)
-        settings = WorkerSettings(
-            chunk_size=self.config.chunk_size,
-            max_batch_size=registration.max_batch_size or self.config.max_batch_size,
-            prefill_reserve_pages=self.config.prefill_reserve_pages,
-            lease_ttl_ms=self.config.lease_ttl_ms,
-        )
-        self._ledger.add(WorkerRecord(registration, settings, last_call_at=self._clock()))
-        self._observer.on_worker_registered(
-            registration.worker_id, registration.total_kv_pages, registration.total_gdn_slots)
-        return settings
+        record = self._add_worker(registration)
+        self._worker_changes[registration.worker_id] = registration
+        self._save()
+        return record.settings
 
     def deregister_worker(self, worker_id: str) -> int:
         """Leave cleanly; returns how many sequences went back to the head of the queue."""
         worker = self._ledger.get(worker_id)
-        self._ledger.remove(worker_id)
-        requeued = self._requeue(worker, list(worker.assigned), RequeueReason.DEREGISTERED)
-        self._observer.on_worker_removed(worker_id)
+        requeued = self._remove_worker(worker, RequeueReason.DEREGISTERED)
+        self._save()
         return len(requeued)
 
     def expire_leases(self) -> list[str]:
         """Drop workers silent for longer than their lease; returns their ids."""
-        dropped = []
-        for worker in self._ledger.expired(self._clock()):
-            self._ledger.remove(worker.worker_id)
-            self._requeue(worker, list(worker.assigned), RequeueReason.LEASE_EXPIRED)
-            self._observer.on_worker_removed(worker.worker_id)
-            dropped.append(worker.worker_id)
+        dropped = self._expire_leases()
+        self._save()
         return dropped
 
     def select_batch(self, report: WorkerReport) -> Decision:
         """Apply one worker's report, then decide its batch (contract rules 1-7)."""
-        self.expire_leases()
+        self.expire_leases()  # saved before anything below can refuse the report
         worker = self._ledger.get(report.worker_id)
         _validate_report(report)
         worker.last_call_at = self._clock()
@@ -205,18 +224,117 @@ class Scheduler:
         for seq_id in report.running:
             if seq_id in worker.assigned:
                 seq = self._sequences.get(seq_id)
-                seq.state = SequenceState.DECODING
-                seq.prefilled_tokens = seq.spec_prompt_len()
+                if seq.state is not SequenceState.DECODING:
+                    seq.state = SequenceState.DECODING
+                    seq.prefilled_tokens = seq.spec_prompt_len()
+                    self._touch(seq)
                 decode.append(seq_id)
         for seq_id in report.waiting:
             if seq_id in worker.assigned:
                 prefill.append(self._continuation(self._sequences.get(seq_id)))
 
         decision = Decision(tuple(prefill), tuple(decode), tuple(evict), worker.iteration)
+        self._save()
         self._observer.on_decision(report, decision)
         return decision
 
     # ----------------------------------------------------------------- internals
+
+    def _add_worker(self, registration: WorkerRegistration) -> WorkerRecord:
+        settings = WorkerSettings(
+            chunk_size=self.config.chunk_size,
+            max_batch_size=registration.max_batch_size or self.config.max_batch_size,
+            prefill_reserve_pages=self.config.prefill_reserve_pages,
+            lease_ttl_ms=self.config.lease_ttl_ms,
+        )
+        record = WorkerRecord(registration, settings, last_call_at=self._clock())
+        self._ledger.add(record)
+        self._observer.on_worker_registered(
+            registration.worker_id, registration.total_kv_pages, registration.total_gdn_slots)
+        return record
+
+    def _remove_worker(self, worker: WorkerRecord, reason: RequeueReason) -> list[int]:
+        self._ledger.remove(worker.worker_id)
+        requeued = self._requeue(worker, list(worker.assigned), reason)
+        self._worker_changes[worker.worker_id] = None
+        self._observer.on_worker_removed(worker.worker_id)
+        return requeued
+
+    def _expire_leases(self) -> list[str]:
+        expired = self._ledger.expired(self._clock())
+        for worker in expired:
+            self._remove_worker(worker, RequeueReason.LEASE_EXPIRED)
+        return [worker.worker_id for worker in expired]
+
+    def _touch(self, seq: Sequence) -> None:
+        """Mark `seq` as changed: the next _save writes its progress and new tokens."""
+        self._touched[seq.seq_id] = seq
+
+    def _save(self, sync: bool = False) -> None:
+        """Hand everything changed since the last save to the store, as one change.
+
+        On StoreError nothing is marked saved, so the next save carries it again.
+        """
+        if self._store is None:
+            self._touched.clear()
+            self._created.clear()
+            self._forgotten.clear()
+            self._worker_changes.clear()
+            return
+        if not (self._touched or self._created or self._forgotten or self._worker_changes):
+            return
+        seqs = list(self._touched.values())
+        changes = StateChanges(
+            created=tuple(self._created.items()),
+            progress=tuple(seq.progress(self._queue.key(seq.seq_id)
+                                        if seq.seq_id in self._queue else None)
+                           for seq in seqs),
+            tokens=tuple(
+                TokenAppend(seq.seq_id, seq.num_saved_tokens,
+                            tuple(seq.output_token_ids[seq.num_saved_tokens:]))
+                for seq in seqs if len(seq.output_token_ids) > seq.num_saved_tokens
+            ),
+            forgotten=tuple(self._forgotten),
+            workers_joined=tuple(r for r in self._worker_changes.values() if r is not None),
+            workers_left=tuple(w for w, r in self._worker_changes.items() if r is None),
+            next_seq_id=self._sequences.next_seq_id,
+            sync=sync,
+        )
+        self._store.save(changes)
+        for seq in seqs:
+            seq.num_saved_tokens = len(seq.output_token_ids)
+        self._touched.clear()
+        self._created.clear()
+        self._forgotten.clear()
+        self._worker_changes.clear()
+
+    def _recover(self, state: StoredState) -> None:
+        """Rebuild from the store: the queue in its order, workers with what they held.
+
+        A recovered worker is registered as it was, with a fresh lease: its next
+        SelectBatch reconciles (what it still holds stays, what it does not mention goes
+        back to the head of the queue), and if it never calls its lease runs out.
+        """
+        for registration in state.workers:
+            self._add_worker(registration)
+        self._sequences.reserve_ids_below(state.next_seq_id)
+        queued, orphans = [], []
+        for stored in state.sequences:
+            seq = self._sequences.restore(stored, self._clock())
+            if seq.state is SequenceState.QUEUED:
+                key = stored.progress.queue_key
+                queued.append((seq.seq_id, seq.params.tenant,
+                               key if key is not None else 2**62 + seq.seq_id))
+            elif not seq.is_finished:
+                worker = self._ledger.find(seq.worker_id or "")
+                if worker is None:
+                    orphans.append(seq.seq_id)
+                else:
+                    worker.assigned[seq.seq_id] = None
+        self._queue.restore(queued)
+        self._back_to_queue(orphans, "", RequeueReason.LOST)
+        self._save()
+        self._observer.on_queue_depth(len(self._queue))
 
     def _admit(self, worker: WorkerRecord, report: WorkerReport,
                exclude: set[int]) -> list[PrefillChunk]:
@@ -253,6 +371,7 @@ class Scheduler:
         seq.num_generated = len(seq.output_token_ids)
         seq.cursor = self._policy.chunk_len(cursor=0, prompt_len=len(spec.prompt_token_ids))
         worker.assigned[seq.seq_id] = None
+        self._touch(seq)
         self._observer.on_admitted(seq.seq_id, worker.worker_id,
                                    max(0.0, self._clock() - seq.enqueued_at))
         return PrefillChunk(seq.seq_id, 0, seq.cursor, spec)
@@ -263,6 +382,7 @@ class Scheduler:
         length = self._policy.chunk_len(cursor=seq.cursor, prompt_len=seq.spec_prompt_len())
         chunk = PrefillChunk(seq.seq_id, seq.cursor, length)
         seq.cursor += length
+        self._touch(seq)
         return chunk
 
     def _apply_tokens(self, worker: WorkerRecord, report: WorkerReport) -> None:
@@ -277,6 +397,7 @@ class Scheduler:
                 token_ids = token_ids[max(0, known - update.offset):]
             if token_ids:
                 seq.output_token_ids.extend(token_ids)
+                self._touch(seq)
                 self._observer.on_tokens(seq.seq_id, len(token_ids))
 
     def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:
@@ -303,29 +424,36 @@ class Scheduler:
         One that already generated max_new_tokens has nothing left to resume: it
         finishes with MAX_LENGTH instead (its resume spec would ask for <= 0 tokens).
         """
-        requeued = []
         for seq_id in seq_ids:
             del worker.assigned[seq_id]
+        return self._back_to_queue(seq_ids, worker.worker_id, reason)
+
+    def _back_to_queue(self, seq_ids: list[int], worker_id: str,
+                       reason: RequeueReason) -> list[int]:
+        requeued = []
+        for seq_id in seq_ids:
             seq = self._sequences.get(seq_id)
             seq.num_generated = len(seq.output_token_ids)
             if seq.num_generated >= seq.params.max_new_tokens:
                 self._finish(seq, FinishReason.MAX_LENGTH)
                 continue
-            requeued.append(seq_id)
+            requeued.append(seq)
             seq.state = SequenceState.QUEUED
             seq.worker_id = None
             seq.cursor = seq.prefilled_tokens = 0
             # Progress known only as a count cannot be resumed: restart from the tokens kept
             # (num_generated was reset to len(output_token_ids) above).
             seq.enqueued_at = self._clock()
-            self._observer.on_requeued(seq_id, worker.worker_id, reason)
+            self._touch(seq)
+            self._observer.on_requeued(seq_id, worker_id, reason)
         if requeued:
-            self._queue.push_front(requeued)
+            self._queue.push_front((seq.seq_id, seq.params.tenant) for seq in requeued)
             self._observer.on_queue_depth(len(self._queue))
-        return requeued
+        return [seq.seq_id for seq in requeued]
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self._sequences.mark_finished(seq, reason)
+        self._forgotten.extend(self._sequences.mark_finished(seq, reason))
+        self._touch(seq)
         self._observer.on_finished(seq.seq_id, reason)
 
     def _evict_reason(self, seq_id: int) -> EvictReason:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from service.core.store import SequenceProgress, StoredSequence
 from service.core.types import FinishReason, SequenceSpec, SequenceState, SubmitParams
 
 
@@ -27,6 +28,8 @@ class Sequence:
     # len(output_token_ids) when the current assignment started (the resume offset).
     num_generated_at_admission: int = 0
     finish_reason: FinishReason | None = None
+    # How many of output_token_ids the store holds.
+    num_saved_tokens: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -48,6 +51,15 @@ class Sequence:
             stop_token_ids=p.stop_token_ids,
         )
 
+    def progress(self, queue_key: int | None) -> SequenceProgress:
+        return SequenceProgress(
+            seq_id=self.seq_id, state=self.state, worker_id=self.worker_id,
+            queue_key=queue_key, cursor=self.cursor, prefilled_tokens=self.prefilled_tokens,
+            num_generated=self.num_generated,
+            num_generated_at_admission=self.num_generated_at_admission,
+            finish_reason=self.finish_reason,
+        )
+
     def spec_prompt_len(self) -> int:
         """Prompt length of the current assignment's spec (tokens decoded since don't count)."""
         return self.prompt_len + self.num_generated_at_admission
@@ -67,6 +79,13 @@ class SequenceTable:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def __iter__(self):
+        return iter(self._by_id.values())
+
+    @property
+    def next_seq_id(self) -> int:
+        return self._next_seq_id
+
     def get(self, seq_id: int) -> Sequence | None:
         return self._by_id.get(seq_id)
 
@@ -78,19 +97,52 @@ class SequenceTable:
         """Add a new QUEUED sequence with the next id (ids are never reused)."""
         seq = Sequence(seq_id=self._next_seq_id, params=params, enqueued_at=now)
         self._next_seq_id += 1
-        self._by_id[seq.seq_id] = seq
-        if params.request_id:
-            self._by_request_id[params.request_id] = seq.seq_id
+        self._add(seq)
         return seq
 
-    def mark_finished(self, seq: Sequence, reason: FinishReason) -> None:
-        """Finish `seq` and forget the oldest finished sequences beyond the limit."""
+    def discard_new(self, seq: Sequence) -> None:
+        """Undo `create` of a sequence the store could not save (its id stays used)."""
+        del self._by_id[seq.seq_id]
+        if seq.params.request_id:
+            self._by_request_id.pop(seq.params.request_id, None)
+
+    def reserve_ids_below(self, next_seq_id: int) -> None:
+        """Never hand out an id below `next_seq_id` (ids used before a restart)."""
+        self._next_seq_id = max(self._next_seq_id, next_seq_id)
+
+    def restore(self, stored: StoredSequence, now: float) -> Sequence:
+        """Add a sequence loaded from the store, as it was saved."""
+        p = stored.progress
+        seq = Sequence(
+            seq_id=stored.seq_id, params=stored.params, enqueued_at=now, state=p.state,
+            worker_id=p.worker_id, cursor=p.cursor, prefilled_tokens=p.prefilled_tokens,
+            output_token_ids=list(stored.output_token_ids), num_generated=p.num_generated,
+            num_generated_at_admission=p.num_generated_at_admission,
+            finish_reason=p.finish_reason, num_saved_tokens=len(stored.output_token_ids),
+        )
+        self._add(seq)
+        if seq.is_finished:
+            self._finished[seq.seq_id] = None
+        self.reserve_ids_below(seq.seq_id + 1)
+        return seq
+
+    def mark_finished(self, seq: Sequence, reason: FinishReason) -> list[int]:
+        """Finish `seq`; forget the oldest finished sequences beyond the limit and
+        return their ids."""
         seq.state = SequenceState.FINISHED
         seq.finish_reason = reason
         seq.worker_id = None
         self._finished[seq.seq_id] = None
+        forgotten = []
         while len(self._finished) > self._max_finished_retained:
             old_id, _ = self._finished.popitem(last=False)
             old = self._by_id.pop(old_id)
             if old.params.request_id:
                 self._by_request_id.pop(old.params.request_id, None)
+            forgotten.append(old_id)
+        return forgotten
+
+    def _add(self, seq: Sequence) -> None:
+        self._by_id[seq.seq_id] = seq
+        if seq.params.request_id:
+            self._by_request_id[seq.params.request_id] = seq.seq_id

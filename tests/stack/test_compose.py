@@ -157,3 +157,13 @@ def test_dashboard_uses_the_provisioned_prometheus_data_source():
     assert used and used <= uids
     provider = load_yaml(GRAFANA_PROVISIONING / "dashboards" / "lattice.yml")["providers"][0]
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_scheduler_keeps_its_state_on_a_named_volume(compose):
+    scheduler = compose["services"]["scheduler"]
+    command = scheduler["command"]
+    state_dir = command[command.index("--state-dir") + 1]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in scheduler["volumes"]}
+    assert mounts[state_dir] in compose["volumes"]
+    # The image creates the directory for its non-root user, so a new volume is writable.
+    assert f"install -d -o 10001 -g 10001 {state_dir}" in (REPO / "Dockerfile").read_text()

@@ -3,6 +3,10 @@
 A reference model tracks, independently of the core, which worker each sequence was
 handed to and what each worker was told; after every step the core must agree with
 it, and every decision must satisfy the contract's rules 3-7.
+
+The core saves to a MemoryStore; a rule replaces it by a new core loaded from that
+store (a restart), which must look exactly as the old one did, and the simulated
+workers carry on against it.
 """
 from __future__ import annotations
 
@@ -14,10 +18,11 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from service.core import (
-    FinishedSequence, FinishReason, QueueFull, SequenceState, UnknownWorker,
+    FinishedSequence, FinishReason, QueueFull, Scheduler, SequenceState, UnknownWorker,
 )
+from service.core.store import MemoryStore
 
-from .factories import FakeClock, make_scheduler, params, registration, report
+from .factories import FakeClock, make_config, params, registration, report
 
 CONFIG = dict(max_batch_size=3, chunk_size=4, prefill_reserve_pages=2, max_seq_len=32,
               max_queue=6, lease_ttl_ms=1000)
@@ -79,7 +84,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize()
     def start(self):
         self.clock = FakeClock()
-        self.sched = make_scheduler(self.clock, **CONFIG)
+        self.store = MemoryStore()
+        self.sched = self.new_core()
         self.sims = {w: SimWorker(w) for w in WORKERS}
         # The reference model.
         self.prompt_len: dict[int, int] = {}
@@ -96,6 +102,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.iteration: dict[str, int] = {}
         for worker_id in WORKERS:
             self.register(worker_id)
+
+    def new_core(self) -> Scheduler:
+        return Scheduler(make_config(**CONFIG), clock=self.clock, store=self.store)
+
+    def observable_state(self):
+        status = self.sched.status()
+        return (
+            [self.sched.get_sequence(s) for s in sorted(self.prompt_len)],
+            [self.sched.read_output(s, 0) for s in sorted(self.prompt_len)],
+            status.queue_depth, status.num_assigned,
+            # (draining is as of the last report; the next report says it again)
+            sorted((w.worker_id, w.num_assigned) for w in status.workers),
+        )
 
     # ------------------------------------------------------------ model helpers
 
@@ -187,6 +206,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_held = sum(1 for owner in self.owner.values() if owner == worker_id)
         assert self.sched.deregister_worker(worker_id) == num_held
         self.model_drop(worker_id)
+
+    @rule()
+    def restart_scheduler(self):
+        before = self.observable_state()
+        self.sched = self.new_core()
+        assert self.observable_state() == before
+        # Recovered workers start a fresh lease and count iterations from 0 again.
+        for worker_id in self.last_call:
+            self.last_call[worker_id] = self.clock()
+            self.iteration[worker_id] = 0
+        # New ids continue after every id used before.
+        next_id = max(self.prompt_len, default=0) + 1
+        assert self.sched._sequences.next_seq_id >= next_id
 
     @rule(milliseconds=st.sampled_from([100, 100, 400, 1200]))
     def advance_clock(self, milliseconds):

@@ -1,0 +1,139 @@
+"""Where the scheduler's state outlives the process: the interface, and an in-memory store.
+
+The core hands a store one `StateChanges` per state-changing call and does not answer
+the call before `save` returns. A store makes each `StateChanges` atomic: all of it
+survives a crash, or none of it does. `load` gives back what was saved, for a restart.
+
+SQLite is the embedded store (service/state_sqlite.py); a replicated store can take its
+place by implementing these three methods, without touching the core.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from service.core.errors import SchedulerError
+from service.core.types import FinishReason, SequenceState, SubmitParams, WorkerRegistration
+
+
+class StoreError(SchedulerError):
+    """The store could not save; the call that needed it fails (UNAVAILABLE)."""
+
+
+@dataclass(frozen=True)
+class SequenceProgress:
+    """The mutable part of a sequence: everything but its params and tokens."""
+
+    seq_id: int
+    state: SequenceState
+    worker_id: str | None
+    queue_key: int | None  # ascending keys are queue order; None when not queued
+    cursor: int
+    prefilled_tokens: int
+    num_generated: int
+    num_generated_at_admission: int
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class TokenAppend:
+    """Tokens a sequence generated, from index `start` of its output on."""
+
+    seq_id: int
+    start: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StateChanges:
+    """What one call changed. `sync`: the caller acknowledges it to a client, so it must
+    survive a power loss too, not only a crash of the process."""
+
+    created: tuple[tuple[int, SubmitParams], ...] = ()
+    progress: tuple[SequenceProgress, ...] = ()
+    tokens: tuple[TokenAppend, ...] = ()
+    forgotten: tuple[int, ...] = ()  # finished sequences dropped from memory and store
+    # Disjoint: a worker that left and joined again within one call is only in joined.
+    workers_joined: tuple[WorkerRegistration, ...] = ()
+    workers_left: tuple[str, ...] = ()
+    next_seq_id: int = 1
+    sync: bool = False
+
+
+@dataclass
+class StoredSequence:
+    seq_id: int
+    params: SubmitParams
+    progress: SequenceProgress
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StoredState:
+    """Everything saved so far, as `load` gives it back."""
+
+    sequences: list[StoredSequence] = field(default_factory=list)  # ascending seq_id
+    workers: list[WorkerRegistration] = field(default_factory=list)
+    next_seq_id: int = 1
+
+
+class StateStore(Protocol):
+    def load(self) -> StoredState: ...
+
+    def save(self, changes: StateChanges) -> None:
+        """Apply `changes` atomically, or raise StoreError and apply none of them."""
+
+    def close(self) -> None: ...
+
+
+class MemoryStore:
+    """Keeps saved state in this process: for tests of recovery, and a reference for the
+    semantics every store must have (tests/unit/test_store_contract.py runs both)."""
+
+    def __init__(self) -> None:
+        self._params: dict[int, SubmitParams] = {}
+        self._progress: dict[int, SequenceProgress] = {}
+        self._tokens: dict[int, list[int]] = {}
+        self._workers: dict[str, WorkerRegistration] = {}
+        self._next_seq_id = 1
+        self.saves = 0
+        self.fail_next_save: StoreError | None = None
+
+    def load(self) -> StoredState:
+        return StoredState(
+            sequences=[
+                StoredSequence(seq_id, self._params[seq_id], self._progress[seq_id],
+                               list(self._tokens.get(seq_id, ())))
+                for seq_id in sorted(self._params)
+            ],
+            workers=list(self._workers.values()),
+            next_seq_id=self._next_seq_id,
+        )
+
+    def save(self, changes: StateChanges) -> None:
+        if self.fail_next_save is not None:
+            error, self.fail_next_save = self.fail_next_save, None
+            raise error
+        for seq_id, params in changes.created:
+            self._params[seq_id] = params
+        for progress in changes.progress:
+            self._progress[progress.seq_id] = progress
+        for append in changes.tokens:
+            tokens = self._tokens.setdefault(append.seq_id, [])
+            if append.start != len(tokens):
+                raise StoreError(f"seq_id {append.seq_id}: tokens from {append.start} "
+                                 f"saved after {len(tokens)} tokens")
+            tokens.extend(append.token_ids)
+        for registration in changes.workers_joined:
+            self._workers[registration.worker_id] = registration
+        for worker_id in changes.workers_left:
+            self._workers.pop(worker_id, None)
+        for seq_id in changes.forgotten:
+            self._params.pop(seq_id, None)
+            self._progress.pop(seq_id, None)
+            self._tokens.pop(seq_id, None)
+        self._next_seq_id = changes.next_seq_id
+        self.saves += 1
+
+    def close(self) -> None:
+        pass

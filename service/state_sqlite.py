@@ -1,0 +1,262 @@
+"""The embedded state store: one SQLite file in WAL mode under --state-dir.
+
+Durability (`--state-fsync`):
+- `acks` (default): a change the scheduler acknowledges to a client (Submit, Cancel) is
+  committed with synchronous=FULL, so the WAL is fsync'd before the client hears OK and
+  survives a power loss. Worker progress (assignments, tokens, finishes) commits with
+  synchronous=NORMAL: the commit is in the WAL file, which survives a crash of the
+  process (kill -9), but the last moments of progress may be lost on a power loss; the
+  sequences then resume from fewer tokens, which seeded sampling regenerates the same.
+- `always`: every commit is fsync'd (slower SelectBatch, nothing lost on power loss).
+- `never`: no commit is fsync'd (survives kill -9, not a power loss).
+
+One scheduler per directory: a lock file held with flock (released by the kernel when
+the process dies, so a restart after kill -9 is never refused).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sqlite3
+import sys
+from array import array
+from pathlib import Path
+
+from service.core import ConfigError, FinishReason, SequenceState, SubmitParams
+from service.core.store import (
+    SequenceProgress, StateChanges, StoredSequence, StoredState, StoreError,
+)
+from service.core.types import SamplingParams, WorkerRegistration
+
+FSYNC_MODES = ("acks", "always", "never")
+DB_NAME = "scheduler.db"
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sequences (
+    seq_id      INTEGER PRIMARY KEY,
+    params      TEXT NOT NULL,     -- JSON: everything submitted but the prompt
+    prompt      BLOB NOT NULL,     -- uint32 little-endian token ids
+    state       INTEGER NOT NULL,  -- SequenceState
+    worker_id   TEXT,
+    queue_key   INTEGER,           -- ascending = queue order; NULL when not queued
+    cursor      INTEGER NOT NULL,
+    prefilled_tokens INTEGER NOT NULL,
+    num_generated    INTEGER NOT NULL,
+    num_generated_at_admission INTEGER NOT NULL,
+    finish_reason    INTEGER       -- FinishReason, NULL until finished
+);
+CREATE TABLE IF NOT EXISTS tokens (
+    seq_id    INTEGER NOT NULL,
+    start     INTEGER NOT NULL,    -- index of the first token in the sequence's output
+    token_ids BLOB NOT NULL,       -- uint32 little-endian
+    PRIMARY KEY (seq_id, start)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS workers (
+    worker_id    TEXT PRIMARY KEY,
+    registration TEXT NOT NULL     -- JSON of RegisterWorkerRequest's fields
+);
+"""
+
+
+class SqliteStateStore:
+    """StateStore on SQLite; see the module docstring for what survives what."""
+
+    def __init__(self, state_dir: str | os.PathLike, fsync: str = "acks") -> None:
+        if fsync not in FSYNC_MODES:
+            raise ConfigError(f"state_fsync must be one of {', '.join(FSYNC_MODES)}, "
+                              f"got {fsync!r}")
+        self.directory = Path(state_dir)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"state_dir {str(self.directory)!r}: cannot create it: "
+                              f"{err.strerror}") from None
+        self._lock_file = _lock(self.directory)
+        self._fsync = fsync
+        self.path = self.directory / DB_NAME
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None,
+                                       check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._synchronous = ""
+            self._set_synchronous("NORMAL")
+            self._db.executescript(_SCHEMA)
+            self._check_version()
+        except sqlite3.Error as err:
+            self._lock_file.close()
+            raise ConfigError(f"state_dir {str(self.directory)!r}: {self.path.name} is not "
+                              f"a usable SQLite database: {err}") from None
+
+    # ------------------------------------------------------------------ StateStore
+
+    def load(self) -> StoredState:
+        db = self._db
+        tokens: dict[int, list[int]] = {}
+        for seq_id, start, blob in db.execute(
+                "SELECT seq_id, start, token_ids FROM tokens ORDER BY seq_id, start"):
+            out = tokens.setdefault(seq_id, [])
+            if start != len(out):
+                raise StoreError(f"{self.path}: seq_id {seq_id} has tokens from {start} "
+                                 f"after {len(out)} tokens; the file is damaged")
+            out.extend(_unpack(blob))
+        sequences = [
+            StoredSequence(
+                seq_id=row[0],
+                params=_params_from_row(row[1], row[2]),
+                progress=SequenceProgress(
+                    seq_id=row[0], state=SequenceState(row[3]), worker_id=row[4],
+                    queue_key=row[5], cursor=row[6], prefilled_tokens=row[7],
+                    num_generated=row[8], num_generated_at_admission=row[9],
+                    finish_reason=None if row[10] is None else FinishReason(row[10]),
+                ),
+                output_token_ids=tokens.get(row[0], []),
+            )
+            for row in db.execute(
+                "SELECT seq_id, params, prompt, state, worker_id, queue_key, cursor, "
+                "prefilled_tokens, num_generated, num_generated_at_admission, finish_reason "
+                "FROM sequences ORDER BY seq_id")
+        ]
+        workers = [_registration_from_json(text) for (text,) in
+                   db.execute("SELECT registration FROM workers ORDER BY worker_id")]
+        row = db.execute("SELECT value FROM meta WHERE key = 'next_seq_id'").fetchone()
+        return StoredState(sequences, workers, row[0] if row else 1)
+
+    def save(self, changes: StateChanges) -> None:
+        db = self._db
+        sync = self._fsync == "always" or (self._fsync == "acks" and changes.sync)
+        try:
+            self._set_synchronous("FULL" if sync else "NORMAL")
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                self._write(changes)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        except sqlite3.Error as err:
+            raise StoreError(f"cannot save scheduler state to {self.path}: {err}") from None
+
+    def close(self) -> None:
+        self._db.close()
+        self._lock_file.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _write(self, changes: StateChanges) -> None:
+        db = self._db
+        if changes.created:
+            db.executemany(
+                "INSERT INTO sequences (seq_id, params, prompt, state, cursor, "
+                "prefilled_tokens, num_generated, num_generated_at_admission) "
+                "VALUES (?, ?, ?, ?, 0, 0, 0, 0)",
+                [(seq_id, _params_json(p), _pack(p.prompt_token_ids),
+                  SequenceState.QUEUED.value) for seq_id, p in changes.created])
+        if changes.progress:
+            db.executemany(
+                "UPDATE sequences SET state = ?, worker_id = ?, queue_key = ?, cursor = ?, "
+                "prefilled_tokens = ?, num_generated = ?, num_generated_at_admission = ?, "
+                "finish_reason = ? WHERE seq_id = ?",
+                [(p.state.value, p.worker_id, p.queue_key, p.cursor, p.prefilled_tokens,
+                  p.num_generated, p.num_generated_at_admission,
+                  None if p.finish_reason is None else p.finish_reason.value, p.seq_id)
+                 for p in changes.progress])
+        if changes.tokens:
+            db.executemany("INSERT INTO tokens (seq_id, start, token_ids) VALUES (?, ?, ?)",
+                           [(t.seq_id, t.start, _pack(t.token_ids)) for t in changes.tokens])
+        if changes.workers_joined:
+            db.executemany("INSERT OR REPLACE INTO workers (worker_id, registration) "
+                           "VALUES (?, ?)",
+                           [(r.worker_id, _registration_json(r))
+                            for r in changes.workers_joined])
+        if changes.workers_left:
+            db.executemany("DELETE FROM workers WHERE worker_id = ?",
+                           [(w,) for w in changes.workers_left])
+        if changes.forgotten:
+            ids = [(seq_id,) for seq_id in changes.forgotten]
+            db.executemany("DELETE FROM sequences WHERE seq_id = ?", ids)
+            db.executemany("DELETE FROM tokens WHERE seq_id = ?", ids)
+        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('next_seq_id', ?)",
+                   (changes.next_seq_id,))
+
+    def _set_synchronous(self, level: str) -> None:
+        if level != self._synchronous:
+            self._db.execute(f"PRAGMA synchronous={level}")
+            self._synchronous = level
+
+    def _check_version(self) -> None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is None:
+            self._db.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
+                             (SCHEMA_VERSION,))
+        elif row[0] != SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(f"schema version {row[0]}, this scheduler reads "
+                                        f"version {SCHEMA_VERSION}")
+
+
+def _lock(directory: Path):
+    lock_file = open(directory / "lock", "a+")  # noqa: SIM115 - held for the store's life
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.close()
+        raise ConfigError(f"state_dir {str(directory)!r} is in use by another scheduler "
+                          "process; give each scheduler its own --state-dir") from None
+    return lock_file
+
+
+def _pack(token_ids) -> bytes:
+    packed = array("I", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(blob: bytes) -> list[int]:
+    packed = array("I")
+    packed.frombytes(blob)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def _params_json(p: SubmitParams) -> str:
+    s = p.sampling
+    return json.dumps({
+        "request_id": p.request_id, "max_new_tokens": p.max_new_tokens,
+        "adapter_id": p.adapter_id, "priority": p.priority, "tenant": p.tenant,
+        "sampling": [s.temperature, s.top_p, s.top_k, s.seed],
+        "stop_token_ids": list(p.stop_token_ids),
+    })
+
+
+def _params_from_row(text: str, prompt: bytes) -> SubmitParams:
+    d = json.loads(text)
+    return SubmitParams(
+        prompt_token_ids=tuple(_unpack(prompt)), max_new_tokens=d["max_new_tokens"],
+        request_id=d["request_id"], adapter_id=d["adapter_id"], priority=d["priority"],
+        tenant=d["tenant"], sampling=SamplingParams(*d["sampling"]),
+        stop_token_ids=tuple(d["stop_token_ids"]),
+    )
+
+
+def _registration_json(r: WorkerRegistration) -> str:
+    return json.dumps({
+        "worker_id": r.worker_id, "total_kv_pages": r.total_kv_pages,
+        "page_size": r.page_size, "total_gdn_slots": r.total_gdn_slots,
+        "max_batch_size": r.max_batch_size, "adapters": list(r.adapters),
+    })
+
+
+def _registration_from_json(text: str) -> WorkerRegistration:
+    d = json.loads(text)
+    return WorkerRegistration(
+        worker_id=d["worker_id"], total_kv_pages=d["total_kv_pages"], page_size=d["page_size"],
+        total_gdn_slots=d["total_gdn_slots"], max_batch_size=d["max_batch_size"],
+        adapters=tuple(d["adapters"]),
+    )
