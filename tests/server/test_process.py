@@ -278,10 +278,18 @@ def test_client_commands_report_rpc_errors_in_one_line_and_exit_non_zero(served)
     assert "INVALID_ARGUMENT" in invalid.stderr and "max_new_tokens" in invalid.stderr
 
 
-def test_client_command_without_a_server_fails_fast_saying_where_it_looked():
+@pytest.mark.parametrize("command", [["status"], ["submit"], ["generate"], ["cancel", "1"],
+                                     ["load"]], ids=lambda command: command[0])
+def test_client_command_without_a_server_fails_fast_saying_where_it_looked(command):
     with socket.socket() as s:          # a loopback port that nobody listens on
         s.bind((LOOPBACK, 0))
         free = s.getsockname()[1]
-    result = _run(*_cli(), "status", "--target", f"{LOOPBACK}:{free}", "--timeout", "1")
-    assert result.returncode != 0
-    assert f"{LOOPBACK}:{free}" in result.stderr and "Traceback" not in result.stderr
+    started = time.monotonic()
+    # A refused connection ends the command at once, not after --timeout.
+    result = _run(*_cli(), command[0], "--target", f"{LOOPBACK}:{free}", "--timeout", "60",
+                  *command[1:], timeout=20)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    assert result.stderr == (f"lattice-scheduler {command[0]}: cannot reach the scheduler at "
+                             f"{LOOPBACK}:{free} (connection refused)\n")
+    assert elapsed < 5.0, elapsed       # the process's start-up, mostly
