@@ -167,17 +167,19 @@ def test_serve_help_documents_every_setting_flag_and_its_env_var():
 
 
 @pytest.mark.parametrize("flags, env, config_text, names", [
-    (["--chunk-size", "0"], {}, None, ["chunk_size", "at least 1"]),
-    (["--chunk-size", "600", "--max-seq-len", "512"], {}, None, ["chunk_size", "max_seq_len"]),
+    (["--chunk-size", "0"], {}, None, ["chunk_size (--chunk-size)", "at least 1"]),
+    (["--chunk-size", "600", "--max-seq-len", "512"], {}, None,
+     ["chunk_size (600, --chunk-size)", "max_seq_len (512, --max-seq-len)"]),
     ([], {"LATTICE_SCHEDULER_MAX_BATCH_SIZE": "abc"}, None,
-     ["max_batch_size", "LATTICE_SCHEDULER_MAX_BATCH_SIZE"]),
+     ["max_batch_size (env LATTICE_SCHEDULER_MAX_BATCH_SIZE)"]),
     ([], {}, "max_batch_size = [", ["--config", "TOML"]),
     ([], {}, "max_batch = 4\n", ["--config", "max_batch"]),
-    (["--policy", "lifo"], {}, None, ["policy", "lifo"]),
-    (["--max-queue", "-1"], {}, None, ["max_queue"]),
+    (["--policy", "lifo"], {}, None, ["policy (--policy)", "lifo"]),
+    (["--max-queue", "-1"], {}, None, ["max_queue (--max-queue)"]),
 ], ids=["flag-out-of-range", "chunk-above-max-seq-len", "env-not-an-integer",
         "config-not-toml", "config-unknown-key", "unknown-policy", "negative-max-queue"])
-def test_serve_rejects_an_invalid_setting_naming_it(tmp_path, flags, env, config_text, names):
+def test_serve_rejects_an_invalid_setting_naming_it_and_its_source(tmp_path, flags, env,
+                                                                   config_text, names):
     if config_text is not None:
         config = tmp_path / "scheduler.toml"
         config.write_text(config_text)
