@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from service.core import ConfigError
 from service.credentials import client_args_credentials, open_channel
 
+# gRPC's reason for a failed connection: "... last error: CODE: ipv4:HOST:PORT: <reason>".
+_LAST_ERROR = re.compile(r"last error: [A-Z_]+: (?:ipv[46]:\S+: )?(.+?)(?:: OK)?$")
 # Random prompts stay below this id so that they fit any model's vocabulary, tiny included.
 RANDOM_TOKEN_ID_LIMIT = 200
 
@@ -21,19 +25,42 @@ class CommandError(Exception):
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
-    """A ready channel to --target, with the TLS and token flags applied."""
+    """A channel to --target, with the TLS and token flags applied, that a scheduler answered on.
+
+    Fails fast: a refused connection or failed handshake is reported at once, not after
+    --timeout (only an address that never answers takes the whole --timeout).
+    """
     try:
         channel = open_channel(args.target, client_args_credentials(args), args.token)
     except ConfigError as err:
         raise CommandError(str(err)) from None
     try:
-        grpc.channel_ready_future(channel).result(timeout=args.timeout)
-    except grpc.FutureTimeoutError:
-        hint = (" (a TLS scheduler needs --tls-ca; an mTLS one also --tls-cert/--tls-key)"
-                if args.tls_ca is None else "")
-        raise CommandError(f"no scheduler answers at {args.target} "
-                           f"(waited {args.timeout:g} s){hint}") from None
+        # Health is open to every caller (no token), and without wait_for_ready a call
+        # fails as soon as the connection does.
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                  timeout=args.timeout)
+    except grpc.RpcError as err:
+        if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return channel  # something answered; the command's own call says what is wrong
+        channel.close()
+        raise CommandError(_unreachable(args, err)) from None
     return channel
+
+
+def _unreachable(args: argparse.Namespace, err: grpc.RpcError) -> str:
+    """One line: the target, why the connection failed, and a TLS hint when it may help."""
+    tls_may_be_why = False  # a connection was made, then failed (closed, reset, handshake)
+    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        reason = f"no answer within {args.timeout:g} s"
+    else:
+        match = _LAST_ERROR.search(err.details() or "")
+        reason = match.group(1) if match else (err.details() or "unavailable")
+        if reason.lower().endswith("connection refused"):
+            reason = "connection refused"
+        tls_may_be_why = match is not None and reason != "connection refused"
+    hint = ("; a TLS scheduler needs --tls-ca, an mTLS one also --tls-cert/--tls-key"
+            if tls_may_be_why and args.tls_ca is None else "")
+    return f"cannot reach the scheduler at {args.target} ({reason}{hint})"
 
 
 def _stub(args: argparse.Namespace) -> pb_grpc.SchedulerStub:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -114,15 +115,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeSettings:
-    """Merge defaults, the config file, the environment and the flags; validate."""
+    """Merge defaults, the config file, the environment and the flags; validate.
+
+    A ConfigError names each setting at fault with where its value came from.
+    """
     values: dict[str, tuple[object, str]] = {}
     if args.config is not None:
         for key, value in _read_config_file(args.config).items():
-            values[key] = (value, f"{args.config}")
+            values[key] = (value, f"from {args.config}")
     for f, _ in _setting_fields():
         env_name = ENV_PREFIX + f.name.upper()
         if env_name in environ:
-            values[f.name] = (environ[env_name], env_name)
+            values[f.name] = (environ[env_name], f"env {env_name}")
         flag_value = getattr(args, f.name)
         if flag_value is not None:
             values[f.name] = (flag_value, "--" + f.name.replace("_", "-"))
@@ -131,7 +135,45 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeSettin
         if f.name in values:
             value, source = values[f.name]
             (scheduler if in_scheduler else own)[f.name] = _coerce(f, value, source)
-    return ServeSettings(**own, scheduler=SchedulerConfig(**scheduler)).validate()
+    try:
+        return ServeSettings(**own, scheduler=SchedulerConfig(**scheduler)).validate()
+    except ConfigError as err:
+        sources = {f.name: values[f.name][1] if f.name in values else "default"
+                   for f, _ in _setting_fields()}
+        raise ConfigError(with_sources(str(err), sources)) from None
+
+
+# A word that may be a setting's name, or a stretch to leave alone: a parenthesised
+# remark, a quoted value, or a word inside a flag, path or file name.
+_WORD_OR_SKIPPED = re.compile(r"""\([^()]*\)|'[^']*'|"[^"]*"|(?<![\w\-/.])\w+(?![\w\-/])""")
+_REMARK = re.compile(r" \(([^()]*)\)")
+
+
+def with_sources(message: str, sources: Mapping[str, str]) -> str:
+    """`message` with the first mention of each setting it names followed by its source.
+
+    `sources` maps setting names to where their values came from. A mention already
+    followed by a parenthesised remark gets the source inside it:
+    "chunk_size (600) must not exceed max_seq_len (512)" becomes
+    "chunk_size (600, --chunk-size) must not exceed max_seq_len (512, default)".
+    Names inside parentheses, quotes, flags and paths are not mentions.
+    """
+    parts, done, seen = [], 0, set()
+    for match in _WORD_OR_SKIPPED.finditer(message):
+        name = match.group()
+        if name not in sources or name in seen:
+            continue
+        seen.add(name)
+        parts.append(message[done:match.end()])
+        remark = _REMARK.match(message, match.end())
+        if remark:
+            parts.append(f" ({remark.group(1)}, {sources[name]})")
+            done = remark.end()
+        else:
+            parts.append(f" ({sources[name]})")
+            done = match.end()
+    parts.append(message[done:])
+    return "".join(parts)
 
 
 def _read_config_file(path: Path) -> dict[str, object]:

@@ -25,6 +25,14 @@ class LoopStats:
     preempted: int = 0
 
 
+@dataclass(frozen=True)
+class _Held:
+    """The engine's sequences at the start of an iteration, read once."""
+
+    waiting: list[int]
+    running: list[int]
+
+
 class WorkerLoop:
     """Register, then once per iteration: report, get a decision, evict, step the engine.
 
@@ -50,27 +58,27 @@ class WorkerLoop:
         try:
             while not stop.is_set():
                 draining = drain.is_set()
-                holds = self.engine.waiting_ids() or self.engine.running_ids()
-                if draining and not holds and not self._pending:
+                held = _Held(self.engine.waiting_ids(), self.engine.running_ids())
+                if draining and not held.waiting and not held.running and not self._pending:
                     break
-                if not self._iterate(draining):
+                if not self._iterate(draining, held):
                     stop.wait(self._idle_sleep_seconds)
         finally:
             self._leave()
         return self.stats
 
-    def _iterate(self, draining: bool) -> bool:
-        """One iteration; False when there was nothing to run."""
+    def _iterate(self, draining: bool, held: _Held) -> bool:
+        """One iteration, from what the engine holds now; False when there was nothing to run."""
         engine = self.engine
         try:
-            decision = self.client.select(self._request(draining))
+            decision = self.client.select(self._request(draining, held))
         except NotRegistered:
             log.warning("scheduler no longer knows this worker; dropping what it holds "
                         "and registering again", extra={"worker_id": self.resources.worker_id})
-            held = engine.waiting_ids() + engine.running_ids()
-            engine.evict(held)
+            held_ids = held.waiting + held.running
+            engine.evict(held_ids)
             self._pending.clear()
-            self._pending.forget(held)
+            self._pending.forget(held_ids)
             self._register()
             return True
         self._pending.delivered()
@@ -92,11 +100,11 @@ class WorkerLoop:
         self.stats.preempted += len(out.preempted)
         return True
 
-    def _request(self, draining: bool):
+    def _request(self, draining: bool, held: _Held):
         engine = self.engine
         return self._pending.request(
-            self.resources.worker_id, waiting=engine.waiting_ids(),
-            running=engine.running_ids(), kv_free_pages=engine.num_free_kv_pages(),
+            self.resources.worker_id, waiting=held.waiting,
+            running=held.running, kv_free_pages=engine.num_free_kv_pages(),
             gdn_free_slots=engine.num_free_gdn_slots(), draining=draining)
 
     def _register(self) -> None:
@@ -111,7 +119,8 @@ class WorkerLoop:
         try:
             if self._pending:
                 # Deliver the last finishes and tokens; the decision is moot, we leave.
-                self.client.select(self._request(draining=True))
+                held = _Held(self.engine.waiting_ids(), self.engine.running_ids())
+                self.client.select(self._request(True, held))
             requeued = self.client.deregister(self.resources.worker_id)
             log.info("deregistered", extra={"worker_id": self.resources.worker_id,
                                             "requeued": requeued})

@@ -40,7 +40,7 @@ def test_cert_without_key_is_refused_naming_both_flags(pki):
 
 
 def test_client_ca_without_a_server_certificate_is_refused(pki):
-    with pytest.raises(ConfigError, match="tls_client_ca .mTLS. needs TLS"):
+    with pytest.raises(ConfigError, match=r"^tls_client_ca \(mTLS, --tls-client-ca\) needs TLS"):
         _resolve("--tls-client-ca", str(pki.ca.cert))
 
 

@@ -1,12 +1,15 @@
 """TLS and mutual TLS on the gRPC port, with certificates made at test time."""
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from service import cli
 from service.credentials import channel_credentials
 
 from .conftest import RPC_TIMEOUT_SECONDS
@@ -66,3 +69,33 @@ def test_health_is_served_over_tls(secure_server):
     response = health.Check(health_pb2.HealthCheckRequest(service=""),
                             timeout=RPC_TIMEOUT_SECONDS)
     assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_plaintext_client_command_against_a_tls_server_fails_at_once_with_a_hint(
+        secure_server, capsys):
+    server = secure_server(tls=True, auth=False)
+    started = time.monotonic()
+    code = cli.main(["status", "--target", server.target, "--timeout", "60"])
+    assert time.monotonic() - started < FAIL_TIMEOUT_SECONDS
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith(f"lattice-scheduler status: cannot reach the scheduler at "
+                          f"{server.target} (")
+    assert "a TLS scheduler needs --tls-ca" in err and err.count("\n") == 1
+
+
+def test_client_command_with_the_ca_and_a_token_is_served(secure_server, pki, tokens,
+                                                          capsys):
+    server = secure_server(tls=True, auth=True)
+    code = cli.main(["status", "--target", server.target, "--tls-ca", str(pki.ca.cert),
+                     "--token", tokens.client])
+    assert code == 0, capsys.readouterr().err
+    assert "policy=fifo" in capsys.readouterr().out
+
+
+def test_client_command_without_a_token_reports_the_schedulers_refusal(secure_server, pki,
+                                                                       capsys):
+    server = secure_server(tls=True, auth=True)
+    code = cli.main(["status", "--target", server.target, "--tls-ca", str(pki.ca.cert)])
+    assert code == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err

@@ -167,17 +167,19 @@ def test_serve_help_documents_every_setting_flag_and_its_env_var():
 
 
 @pytest.mark.parametrize("flags, env, config_text, names", [
-    (["--chunk-size", "0"], {}, None, ["chunk_size", "at least 1"]),
-    (["--chunk-size", "600", "--max-seq-len", "512"], {}, None, ["chunk_size", "max_seq_len"]),
+    (["--chunk-size", "0"], {}, None, ["chunk_size (--chunk-size)", "at least 1"]),
+    (["--chunk-size", "600", "--max-seq-len", "512"], {}, None,
+     ["chunk_size (600, --chunk-size)", "max_seq_len (512, --max-seq-len)"]),
     ([], {"LATTICE_SCHEDULER_MAX_BATCH_SIZE": "abc"}, None,
-     ["max_batch_size", "LATTICE_SCHEDULER_MAX_BATCH_SIZE"]),
+     ["max_batch_size (env LATTICE_SCHEDULER_MAX_BATCH_SIZE)"]),
     ([], {}, "max_batch_size = [", ["--config", "TOML"]),
     ([], {}, "max_batch = 4\n", ["--config", "max_batch"]),
-    (["--policy", "lifo"], {}, None, ["policy", "lifo"]),
-    (["--max-queue", "-1"], {}, None, ["max_queue"]),
+    (["--policy", "lifo"], {}, None, ["policy (--policy)", "lifo"]),
+    (["--max-queue", "-1"], {}, None, ["max_queue (--max-queue)"]),
 ], ids=["flag-out-of-range", "chunk-above-max-seq-len", "env-not-an-integer",
         "config-not-toml", "config-unknown-key", "unknown-policy", "negative-max-queue"])
-def test_serve_rejects_an_invalid_setting_naming_it(tmp_path, flags, env, config_text, names):
+def test_serve_rejects_an_invalid_setting_naming_it_and_its_source(tmp_path, flags, env,
+                                                                   config_text, names):
     if config_text is not None:
         config = tmp_path / "scheduler.toml"
         config.write_text(config_text)
@@ -278,10 +280,18 @@ def test_client_commands_report_rpc_errors_in_one_line_and_exit_non_zero(served)
     assert "INVALID_ARGUMENT" in invalid.stderr and "max_new_tokens" in invalid.stderr
 
 
-def test_client_command_without_a_server_fails_fast_saying_where_it_looked():
+@pytest.mark.parametrize("command", [["status"], ["submit"], ["generate"], ["cancel", "1"],
+                                     ["load"]], ids=lambda command: command[0])
+def test_client_command_without_a_server_fails_fast_saying_where_it_looked(command):
     with socket.socket() as s:          # a loopback port that nobody listens on
         s.bind((LOOPBACK, 0))
         free = s.getsockname()[1]
-    result = _run(*_cli(), "status", "--target", f"{LOOPBACK}:{free}", "--timeout", "1")
-    assert result.returncode != 0
-    assert f"{LOOPBACK}:{free}" in result.stderr and "Traceback" not in result.stderr
+    started = time.monotonic()
+    # A refused connection ends the command at once, not after --timeout.
+    result = _run(*_cli(), command[0], "--target", f"{LOOPBACK}:{free}", "--timeout", "60",
+                  *command[1:], timeout=20)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    assert result.stderr == (f"lattice-scheduler {command[0]}: cannot reach the scheduler at "
+                             f"{LOOPBACK}:{free} (connection refused)\n")
+    assert elapsed < 5.0, elapsed       # the process's start-up, mostly
