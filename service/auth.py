@@ -205,9 +205,11 @@ def _authorize(grant: Grant, service: str, method: str) -> None:
 def _check_worker_id(grant: Grant, request) -> _Denied | None:
     if getattr(request, "worker_id", None) == grant.worker_id:
         return None
+    named = request.worker_id
+    shown = repr(named) if len(named) <= 64 else f"{named[:64]!r}... ({len(named)} characters)"
     return _Denied(grpc.StatusCode.PERMISSION_DENIED,
                    f"this token is bound to worker_id {grant.worker_id!r}; the request "
-                   f"names {request.worker_id!r}")
+                   f"names {shown}")
 
 
 def _guarded(handler: grpc.RpcMethodHandler,

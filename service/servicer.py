@@ -85,7 +85,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     @_unary
     def DeregisterWorker(self, request, context):
-        requeued = self.call(self._core.deregister_worker, request.worker_id)
+        requeued = self.call(self._core.deregister_worker, convert.worker_id(request))
         log.info("worker deregistered", extra={"worker_id": request.worker_id,
                                                "requeued": requeued})
         return pb.DeregisterWorkerResponse(requeued=requeued)

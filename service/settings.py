@@ -16,6 +16,10 @@ from pathlib import Path
 from service.core import ConfigError, SchedulerConfig
 
 ENV_PREFIX = "LATTICE_SCHEDULER_"
+# gRPC's own default for incoming messages (4 MiB), made explicit.
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# grpc takes the option as a C int.
+_MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class ServeSettings:
     tls_key: str = ""
     tls_client_ca: str = ""
     auth_tokens: str = ""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> "ServeSettings":
@@ -54,6 +59,9 @@ class ServeSettings:
                               "FILE): give both for TLS, or neither for plaintext")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("tls_client_ca (mTLS) needs TLS: give --tls-cert and --tls-key too")
+        if not 1024 <= self.max_message_bytes <= _MAX_GRPC_MESSAGE_BYTES:
+            raise ConfigError(f"max_message_bytes must be within 1024-{_MAX_GRPC_MESSAGE_BYTES}, "
+                              f"got {self.max_message_bytes}")
         self.scheduler.validate()
         return self
 
@@ -71,6 +79,8 @@ _HELP = {
     "tls_client_ca": "require client certificates signed by this CA (PEM): mutual TLS",
     "auth_tokens": "require bearer tokens with roles, from this TOML or JSON file "
                    "(see docs/security.md)",
+    "max_message_bytes": "largest incoming gRPC message in bytes; a larger one gets "
+                         "RESOURCE_EXHAUSTED",
     "max_batch_size": "most sequences per worker, when a worker registers with 0",
     "chunk_size": "most prompt tokens per prefill chunk",
     "prefill_reserve_pages": "free KV pages below which a non-empty batch admits nothing",

@@ -98,6 +98,16 @@ def test_worker_token_bound_to_w1_cannot_act_as_w2(secure_server, tokens, method
     assert "bound to worker_id 'w1'" in err.value.details()
 
 
+def test_denial_of_an_absurd_worker_id_does_not_echo_it_whole(secure_server, tokens):
+    server = secure_server()
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub(tokens.w1).SelectBatch(pb.SelectBatchRequest(worker_id="x" * 100_000),
+                                           timeout=RPC_TIMEOUT_SECONDS)
+    assert err.value.code() is DENIED
+    assert "(100000 characters)" in err.value.details()
+    assert len(err.value.details()) < 300
+
+
 def test_worker_w1_cannot_see_or_take_w2s_sequences(secure_server, tokens):
     server = secure_server()
     w2, w1 = server.stub(tokens.w2), server.stub(tokens.w1)

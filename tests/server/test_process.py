@@ -161,7 +161,7 @@ def test_serve_help_documents_every_setting_flag_and_its_env_var():
     assert result.returncode == 0, result.stderr
     for flag in ("--host", "--port", "--metrics-port", "--max-batch-size", "--chunk-size",
                  "--prefill-reserve-pages", "--max-seq-len", "--max-queue", "--policy",
-                 "--lease-ttl-ms", "--config", "--grace-seconds"):
+                 "--lease-ttl-ms", "--config", "--grace-seconds", "--max-message-bytes"):
         assert flag in result.stdout, f"{flag} is not documented in serve --help"
     assert "LATTICE_SCHEDULER_MAX_BATCH_SIZE" in result.stdout
 
@@ -175,8 +175,10 @@ def test_serve_help_documents_every_setting_flag_and_its_env_var():
     ([], {}, "max_batch = 4\n", ["--config", "max_batch"]),
     (["--policy", "lifo"], {}, None, ["policy", "lifo"]),
     (["--max-queue", "-1"], {}, None, ["max_queue"]),
+    (["--max-message-bytes", "4"], {}, None, ["max_message_bytes", "1024", "got 4"]),
 ], ids=["flag-out-of-range", "chunk-above-max-seq-len", "env-not-an-integer",
-        "config-not-toml", "config-unknown-key", "unknown-policy", "negative-max-queue"])
+        "config-not-toml", "config-unknown-key", "unknown-policy", "negative-max-queue",
+        "tiny-max-message-bytes"])
 def test_serve_rejects_an_invalid_setting_naming_it(tmp_path, flags, env, config_text, names):
     if config_text is not None:
         config = tmp_path / "scheduler.toml"
