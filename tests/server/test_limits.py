@@ -89,6 +89,7 @@ def test_register_adapter_name_over_the_limit_is_invalid_argument_naming_its_ind
 @pytest.mark.parametrize("rpc, request_type", [
     ("SelectBatch", pb.SelectBatchRequest),
     ("DeregisterWorker", pb.DeregisterWorkerRequest),
+    ("DrainWorker", pb.DrainWorkerRequest),
 ])
 def test_worker_id_over_the_limit_is_invalid_argument_on_every_worker_rpc(stub, rpc,
                                                                           request_type):
