@@ -280,6 +280,40 @@ def test_client_commands_report_rpc_errors_in_one_line_and_exit_non_zero(served)
     assert "INVALID_ARGUMENT" in invalid.stderr and "max_new_tokens" in invalid.stderr
 
 
+def test_drain_command_drains_and_resumes_a_worker_saying_what_is_still_on_it(served):
+    target = ["--target", served.target, "--timeout", "10"]
+    stub = served.stub
+    stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="cli-drain", total_kv_pages=64,
+                                                 page_size=16, total_gdn_slots=8),
+                        timeout=RPC_TIMEOUT_SECONDS)
+    stub.Submit(pb.SubmitRequest(prompt_token_ids=[1, 2], max_new_tokens=2),
+                timeout=RPC_TIMEOUT_SECONDS)
+    # Ours, or what other tests left queued ahead of it: at most two admissions.
+    held = len(stub.SelectBatch(pb.SelectBatchRequest(worker_id="cli-drain", kv_free_pages=64,
+                                                      gdn_free_slots=2),
+                                timeout=RPC_TIMEOUT_SECONDS).prefill)
+    assert held >= 1
+
+    def draining() -> bool:
+        workers = stub.GetStatus(pb.GetStatusRequest(), timeout=RPC_TIMEOUT_SECONDS).workers
+        return next(w.draining for w in workers if w.worker_id == "cli-drain")
+
+    drained = _run(*_cli(), "drain", *target, "cli-drain")
+    assert drained.returncode == 0, drained.stderr
+    assert drained.stdout.splitlines() == [
+        f"worker=cli-drain drain requested (admits nothing new); sequences still on it: {held}"]
+    assert draining() is True
+    resumed = _run(*_cli(), "drain", *target, "cli-drain", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.splitlines() == [
+        f"worker=cli-drain drain lifted (admits again); sequences still on it: {held}"]
+    assert draining() is False
+
+    unknown = _run(*_cli(), "drain", *target, "no-such-worker")
+    assert unknown.returncode != 0 and "Traceback" not in unknown.stderr
+    assert "FAILED_PRECONDITION" in unknown.stderr and "no-such-worker" in unknown.stderr
+
+
 def test_client_command_without_a_server_fails_fast_saying_where_it_looked():
     with socket.socket() as s:          # a loopback port that nobody listens on
         s.bind((LOOPBACK, 0))
