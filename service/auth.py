@@ -38,7 +38,8 @@ class Role(enum.Enum):
     ADMIN = "admin"
 
 
-# Scheduler methods each role may call; admin may call every method of every service.
+# Scheduler methods each role may call; admin may call every method of every service,
+# and alone may call those in no list here (DrainWorker).
 ROLE_METHODS: dict[Role, frozenset[str]] = {
     Role.CLIENT: frozenset({"Submit", "Cancel", "GetSequence", "Generate", "GetStatus"}),
     Role.WORKER: frozenset({"RegisterWorker", "SelectBatch", "DeregisterWorker"}),
@@ -196,18 +197,22 @@ def _authorize(grant: Grant, service: str, method: str) -> None:
         return
     if service == SCHEDULER_SERVICE and method in ROLE_METHODS[grant.role]:
         return
-    needed = [r.value for r, methods in ROLE_METHODS.items() if method in methods]
+    needed = " or ".join([r.value for r, methods in ROLE_METHODS.items() if method in methods]
+                         + ["admin"])
+    article = "an" if needed.startswith("admin") else "a"
     raise _Denied(grpc.StatusCode.PERMISSION_DENIED,
-                  f"a {grant.role.value} token may not call {method}; it needs a "
-                  f"{' or '.join([*needed, 'admin'])} token")
+                  f"a {grant.role.value} token may not call {method}; it needs {article} "
+                  f"{needed} token")
 
 
 def _check_worker_id(grant: Grant, request) -> _Denied | None:
     if getattr(request, "worker_id", None) == grant.worker_id:
         return None
+    named = request.worker_id
+    shown = repr(named) if len(named) <= 64 else f"{named[:64]!r}... ({len(named)} characters)"
     return _Denied(grpc.StatusCode.PERMISSION_DENIED,
                    f"this token is bound to worker_id {grant.worker_id!r}; the request "
-                   f"names {request.worker_id!r}")
+                   f"names {shown}")
 
 
 def _guarded(handler: grpc.RpcMethodHandler,

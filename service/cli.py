@@ -1,4 +1,4 @@
-"""`lattice-scheduler`: serve, and client conveniences (submit, generate, cancel, status)."""
+"""`lattice-scheduler`: serve, client conveniences (submit, generate, cancel, status), drain."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("status", help="the scheduler's queue and workers, or given sequences")
     _add_target(p)
     p.add_argument("seq_ids", type=int, nargs="*")
+
+    p = sub.add_parser("drain", help="admin: admit nothing new to a worker while what it "
+                                     "runs finishes (needs an admin token under --auth-tokens)")
+    _add_target(p)
+    p.add_argument("worker_id")
+    p.add_argument("--resume", action="store_true", help="lift an earlier drain instead")
 
     args = parser.parse_args(argv)
     if args.command == "serve":

@@ -1,4 +1,4 @@
-"""The client subcommands of `lattice-scheduler` (submit, generate, cancel, status)."""
+"""The client subcommands of `lattice-scheduler` (submit, generate, cancel, status, drain)."""
 from __future__ import annotations
 
 import argparse
@@ -146,6 +146,15 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
+def drain(args: argparse.Namespace) -> int:
+    resp = _stub(args).DrainWorker(pb.DrainWorkerRequest(worker_id=args.worker_id,
+                                                         resume=args.resume),
+                                   timeout=args.timeout)
+    state = "lifted (admits again)" if args.resume else "requested (admits nothing new)"
+    print(f"worker={args.worker_id} drain {state}; sequences still on it: {resp.num_assigned}")
+    return 0
+
+
 def load(args: argparse.Namespace) -> int:
     from service.loadgen import LoadSpec, run_load
     for name in ("requests", "concurrency", "min_prompt_len", "max_new_tokens"):
@@ -168,7 +177,7 @@ def load(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"submit": submit, "generate": generate, "cancel": cancel, "status": status,
-            "load": load}
+            "load": load, "drain": drain}
 
 
 def run(command: str, args: argparse.Namespace) -> int:

@@ -11,16 +11,50 @@ from service.core import (
 
 _FINISH_REASON_NUMBERS = {r.value for r in FinishReason}
 
+# Wire-level limits on what one message may carry, on top of the gRPC message size
+# (--max-message-bytes) and the core's own limits (max_seq_len, max_queue). Each is far
+# above any honest use; each keeps one call from filling memory or the logs. A request
+# beyond one is INVALID_ARGUMENT, naming the field and the limit (docs/operations.md).
+# request_id, tenant, adapter_id, worker_id and each of RegisterWorker.adapters, in UTF-8.
+MAX_STRING_BYTES = 256
+# SubmitRequest.stop_token_ids.
+MAX_STOP_TOKEN_IDS = 1024
+# RegisterWorkerRequest.adapters.
+MAX_ADAPTERS = 1024
+# One SelectBatch: seq ids in waiting, running, finished and preempted together.
+MAX_REPORT_SEQ_IDS = 65536
+# One SelectBatch: entries of tokens, and token ids over all of them.
+MAX_REPORT_TOKENS = 65536
+
+
+def _checked_string(field_name: str, value: str) -> str:
+    num_bytes = len(value.encode())
+    if num_bytes > MAX_STRING_BYTES:
+        raise InvalidArgument(f"{field_name} is {num_bytes} bytes; "
+                              f"the limit is {MAX_STRING_BYTES}")
+    return value
+
+
+def _check_count(what: str, count: int, noun: str, limit: int) -> None:
+    if count > limit:
+        raise InvalidArgument(f"{what} {count} {noun}; the limit is {limit}")
+
+
+def worker_id(msg: pb.DeregisterWorkerRequest | pb.DrainWorkerRequest) -> str:
+    """The worker_id of a request that only names a worker, within MAX_STRING_BYTES."""
+    return _checked_string("worker_id", msg.worker_id)
+
 
 def submit_params(msg: pb.SubmitRequest) -> SubmitParams:
+    _check_count("stop_token_ids holds", len(msg.stop_token_ids), "ids", MAX_STOP_TOKEN_IDS)
     s = msg.sampling
     return SubmitParams(
         prompt_token_ids=tuple(msg.prompt_token_ids),
         max_new_tokens=msg.max_new_tokens,
-        request_id=msg.request_id,
-        adapter_id=msg.adapter_id,
+        request_id=_checked_string("request_id", msg.request_id),
+        adapter_id=_checked_string("adapter_id", msg.adapter_id),
         priority=msg.priority,
-        tenant=msg.tenant,
+        tenant=_checked_string("tenant", msg.tenant),
         sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.seed),
         stop_token_ids=tuple(msg.stop_token_ids),
     )
@@ -44,13 +78,14 @@ def sequence_info(info: SequenceInfo) -> pb.SequenceInfo:
 
 
 def worker_registration(msg: pb.RegisterWorkerRequest) -> WorkerRegistration:
+    _check_count("adapters holds", len(msg.adapters), "names", MAX_ADAPTERS)
     return WorkerRegistration(
-        worker_id=msg.worker_id,
+        worker_id=_checked_string("worker_id", msg.worker_id),
         total_kv_pages=msg.total_kv_pages,
         page_size=msg.page_size,
         total_gdn_slots=msg.total_gdn_slots,
         max_batch_size=msg.max_batch_size,
-        adapters=tuple(msg.adapters),
+        adapters=tuple(_checked_string(f"adapters[{i}]", a) for i, a in enumerate(msg.adapters)),
     )
 
 
@@ -64,8 +99,9 @@ def worker_settings(settings: WorkerSettings) -> pb.RegisterWorkerResponse:
 
 
 def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
+    _check_report_size(msg)
     return WorkerReport(
-        worker_id=msg.worker_id,
+        worker_id=_checked_string("worker_id", msg.worker_id),
         waiting=tuple(msg.waiting),
         running=tuple(msg.running),
         kv_free_pages=msg.kv_free_pages,
@@ -81,6 +117,15 @@ def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
             for t in msg.tokens
         ),
     )
+
+
+def _check_report_size(msg: pb.SelectBatchRequest) -> None:
+    num_seq_ids = len(msg.waiting) + len(msg.running) + len(msg.finished) + len(msg.preempted)
+    _check_count("waiting, running, finished and preempted hold", num_seq_ids,
+                 "seq ids in all", MAX_REPORT_SEQ_IDS)
+    _check_count("tokens holds", len(msg.tokens), "updates", MAX_REPORT_TOKENS)
+    _check_count("tokens carry", sum(len(t.token_ids) for t in msg.tokens),
+                 "token ids in all", MAX_REPORT_TOKENS)
 
 
 def _finish_reason(number: int, index: int) -> FinishReason:

@@ -82,7 +82,9 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
                          # gRPC sets SO_REUSEPORT by default: a second scheduler on a port
                          # already in use would bind it too and silently take a share of
                          # the connections (two queues, one address). Fail instead.
-                         options=[("grpc.so_reuseport", 0)])
+                         options=[("grpc.so_reuseport", 0),
+                                  ("grpc.max_receive_message_length",
+                                   settings.max_message_bytes)])
     pb_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

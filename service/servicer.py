@@ -85,10 +85,18 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     @_unary
     def DeregisterWorker(self, request, context):
-        requeued = self.call(self._core.deregister_worker, request.worker_id)
+        requeued = self.call(self._core.deregister_worker, convert.worker_id(request))
         log.info("worker deregistered", extra={"worker_id": request.worker_id,
                                                "requeued": requeued})
         return pb.DeregisterWorkerResponse(requeued=requeued)
+
+    @_unary
+    def DrainWorker(self, request, context):
+        num_assigned = self.call(self._core.drain_worker, convert.worker_id(request),
+                                 request.resume)
+        log.info("worker drain lifted" if request.resume else "worker drained",
+                 extra={"worker_id": request.worker_id, "num_assigned": num_assigned})
+        return pb.DrainWorkerResponse(num_assigned=num_assigned)
 
     @_unary
     def GetStatus(self, request, context):

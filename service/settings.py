@@ -17,6 +17,10 @@ from pathlib import Path
 from service.core import ConfigError, SchedulerConfig
 
 ENV_PREFIX = "LATTICE_SCHEDULER_"
+# gRPC's own default for incoming messages (4 MiB), made explicit.
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# grpc takes the option as a C int.
+_MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class ServeSettings:
     auth_tokens: str = ""
     state_dir: str = ""
     state_fsync: str = "acks"
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> "ServeSettings":
@@ -60,6 +65,9 @@ class ServeSettings:
                               f"got {self.state_fsync!r}")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("tls_client_ca (mTLS) needs TLS: give --tls-cert and --tls-key too")
+        if not 1024 <= self.max_message_bytes <= _MAX_GRPC_MESSAGE_BYTES:
+            raise ConfigError(f"max_message_bytes must be within 1024-{_MAX_GRPC_MESSAGE_BYTES}, "
+                              f"got {self.max_message_bytes}")
         self.scheduler.validate()
         return self
 
@@ -81,6 +89,8 @@ _HELP = {
                  "restart on the same DIR carries on; none: state lives in memory only",
     "state_fsync": "acks: fsync what clients are told OK (Submit, Cancel) before answering; "
                    "always: every change; never: none (survives kill -9, not power loss)",
+    "max_message_bytes": "largest incoming gRPC message in bytes; a larger one gets "
+                         "RESOURCE_EXHAUSTED",
     "max_batch_size": "most sequences per worker, when a worker registers with 0",
     "chunk_size": "most prompt tokens per prefill chunk",
     "prefill_reserve_pages": "free KV pages below which a non-empty batch admits nothing",

@@ -24,6 +24,9 @@ class WorkerRecord:
     kv_free_pages: int = 0
     gdn_free_slots: int = 0
     draining: bool = False
+    # Set by an operator (Scheduler.drain_worker): admit nothing new, whatever `draining`
+    # (the worker's own last report) says.
+    drain_requested: bool = False
 
     @property
     def worker_id(self) -> str:

@@ -152,7 +152,7 @@ class Scheduler:
                 total_kv_pages=w.registration.total_kv_pages,
                 total_gdn_slots=w.registration.total_gdn_slots,
                 iteration=w.iteration,
-                draining=w.draining,
+                draining=w.draining or w.drain_requested,
                 seconds_since_last_call=max(0.0, now - w.last_call_at),
             )
             for w in self._ledger
@@ -186,6 +186,17 @@ class Scheduler:
         requeued = self._remove_worker(worker, RequeueReason.DEREGISTERED)
         self._save()
         return len(requeued)
+
+    def drain_worker(self, worker_id: str, resume: bool) -> int:
+        """Operator drain: admit nothing new to the worker, or (resume) lift that drain.
+
+        What the worker holds keeps prefilling, decoding and finishing either way; the
+        drain lasts until lifted or until the worker registers again. Returns how many
+        sequences are still assigned to it; UnknownWorker if it is not registered.
+        """
+        worker = self._ledger.get(worker_id)
+        worker.drain_requested = not resume
+        return len(worker.assigned)
 
     def expire_leases(self) -> list[str]:
         """Drop workers silent for longer than their lease; returns their ids."""
@@ -343,7 +354,7 @@ class Scheduler:
             num_active=len(report.waiting) + len(report.running),
             kv_free_pages=report.kv_free_pages,
             gdn_free_slots=report.gdn_free_slots,
-            draining=report.draining,
+            draining=report.draining or worker.drain_requested,
         )
         chunks: list[PrefillChunk] = []
         if budget.max_new_seqs > 0:

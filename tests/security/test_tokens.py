@@ -43,9 +43,11 @@ CALLS = {
         worker_id="w1", kv_free_pages=64, gdn_free_slots=8), timeout=t),
     "DeregisterWorker": lambda s, t: s.DeregisterWorker(
         pb.DeregisterWorkerRequest(worker_id="w1"), timeout=t),
+    "DrainWorker": lambda s, t: s.DrainWorker(pb.DrainWorkerRequest(worker_id="w1"), timeout=t),
 }
 CLIENT_RPCS = {"Submit", "Cancel", "GetSequence", "Generate", "GetStatus"}
 WORKER_RPCS = {"RegisterWorker", "SelectBatch", "DeregisterWorker"}
+ADMIN_ONLY_RPCS = {"DrainWorker"}
 
 
 def _code(call) -> grpc.StatusCode:
@@ -62,7 +64,8 @@ def _auth_outcome(stub, method: str) -> str:
 
 
 @pytest.mark.parametrize("role, allowed", [("client", CLIENT_RPCS), ("w1", WORKER_RPCS),
-                                           ("admin", CLIENT_RPCS | WORKER_RPCS)])
+                                           ("admin", CLIENT_RPCS | WORKER_RPCS
+                                            | ADMIN_ONLY_RPCS)])
 def test_each_role_may_call_its_rpcs_and_is_denied_the_others(secure_server, tokens,
                                                               role, allowed):
     server = secure_server()
@@ -82,6 +85,26 @@ def test_permission_denied_names_what_is_needed_without_echoing_the_token(secure
     assert tokens.w1 not in err.value.details()
 
 
+@pytest.mark.parametrize("role", ["client", "w1"])
+def test_drain_worker_is_admin_only_even_for_a_worker_draining_itself(secure_server, tokens,
+                                                                      role):
+    server = secure_server()
+    register = pb.RegisterWorkerRequest(worker_id="w1", total_kv_pages=64, page_size=16,
+                                        total_gdn_slots=8)
+    server.stub(tokens.w1).RegisterWorker(register, timeout=RPC_TIMEOUT_SECONDS)
+    with pytest.raises(grpc.RpcError) as err:
+        CALLS["DrainWorker"](server.stub(getattr(tokens, role)), RPC_TIMEOUT_SECONDS)
+    assert err.value.code() is DENIED
+    assert "may not call DrainWorker; it needs an admin token" in err.value.details()
+    status = server.stub(tokens.admin).GetStatus(pb.GetStatusRequest(),
+                                                 timeout=RPC_TIMEOUT_SECONDS)
+    assert [w.draining for w in status.workers] == [False]
+    admin = server.stub(tokens.admin)
+    assert CALLS["DrainWorker"](admin, RPC_TIMEOUT_SECONDS).num_assigned == 0
+    status = admin.GetStatus(pb.GetStatusRequest(), timeout=RPC_TIMEOUT_SECONDS)
+    assert [w.draining for w in status.workers] == [True]
+
+
 @pytest.mark.parametrize("method", sorted(WORKER_RPCS))
 def test_worker_token_bound_to_w1_cannot_act_as_w2(secure_server, tokens, method):
     server = secure_server()
@@ -96,6 +119,16 @@ def test_worker_token_bound_to_w1_cannot_act_as_w2(secure_server, tokens, method
         getattr(server.stub(tokens.w1), method)(as_w2, timeout=RPC_TIMEOUT_SECONDS)
     assert err.value.code() is DENIED
     assert "bound to worker_id 'w1'" in err.value.details()
+
+
+def test_denial_of_an_absurd_worker_id_does_not_echo_it_whole(secure_server, tokens):
+    server = secure_server()
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub(tokens.w1).SelectBatch(pb.SelectBatchRequest(worker_id="x" * 100_000),
+                                           timeout=RPC_TIMEOUT_SECONDS)
+    assert err.value.code() is DENIED
+    assert "(100000 characters)" in err.value.details()
+    assert len(err.value.details()) < 300
 
 
 def test_worker_w1_cannot_see_or_take_w2s_sequences(secure_server, tokens):

@@ -715,7 +715,7 @@ def test_reflection_lists_and_describes_the_scheduler_service(server):
     service = DescriptorPool(db).FindServiceByName("lattice.scheduler.v1.Scheduler")
     assert {m.name for m in service.methods} >= {
         "Submit", "Cancel", "GetSequence", "Generate", "RegisterWorker", "SelectBatch",
-        "DeregisterWorker"}
+        "DeregisterWorker", "DrainWorker"}
 
 
 # ===================================================================== metrics

@@ -235,6 +235,20 @@ class DeregisterWorkerResponse(_message.Message):
     requeued: int
     def __init__(self, requeued: _Optional[int] = ...) -> None: ...
 
+class DrainWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "resume")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    resume: bool
+    def __init__(self, worker_id: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
+
+class DrainWorkerResponse(_message.Message):
+    __slots__ = ("num_assigned",)
+    NUM_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    num_assigned: int
+    def __init__(self, num_assigned: _Optional[int] = ...) -> None: ...
+
 class GenerateEvent(_message.Message):
     __slots__ = ("seq_id", "token_ids", "finished", "finish_reason")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]

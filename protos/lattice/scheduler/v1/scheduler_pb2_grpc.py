@@ -75,6 +75,11 @@ class SchedulerStub:
                 request_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.DrainWorker = channel.unary_unary(
+                '/lattice.scheduler.v1.Scheduler/DrainWorker',
+                request_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerRequest.SerializeToString,
+                response_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -137,6 +142,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainWorker(self, request, context):
+        """Operator (admin): admit nothing new to a worker while what it runs finishes; or lift that.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +191,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatusRequest.FromString,
                     response_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.StatusResponse.SerializeToString,
+            ),
+            'DrainWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainWorker,
+                    request_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerRequest.FromString,
+                    response_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +415,33 @@ class Scheduler:
             '/lattice.scheduler.v1.Scheduler/GetStatus',
             lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatusRequest.SerializeToString,
             lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lattice.scheduler.v1.Scheduler/DrainWorker',
+            lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerRequest.SerializeToString,
+            lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,
