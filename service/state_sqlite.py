@@ -12,6 +12,12 @@ Durability (`--state-fsync`):
 
 One scheduler per directory: a lock file held with flock (released by the kernel when
 the process dies, so a restart after kill -9 is never refused).
+
+Tokens: a decode iteration appends one token to each of a worker's running sequences.
+A row per sequence per call would cost an index update each; instead each save appends
+one `token_log` row holding every append of that call. When a sequence finishes, its
+whole output goes to `outputs` in one row, and a log row is deleted once no unfinished
+sequence has tokens in it. A restart reads `outputs`, then replays the log.
 """
 from __future__ import annotations
 
@@ -51,12 +57,14 @@ CREATE TABLE IF NOT EXISTS sequences (
     num_generated_at_admission INTEGER NOT NULL,
     finish_reason    INTEGER       -- FinishReason, NULL until finished
 );
-CREATE TABLE IF NOT EXISTS tokens (
-    seq_id    INTEGER NOT NULL,
-    start     INTEGER NOT NULL,    -- index of the first token in the sequence's output
-    token_ids BLOB NOT NULL,       -- uint32 little-endian
-    PRIMARY KEY (seq_id, start)
-) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS outputs (
+    seq_id    INTEGER PRIMARY KEY, -- a finished sequence
+    token_ids BLOB NOT NULL        -- its whole output, uint32 little-endian
+);
+CREATE TABLE IF NOT EXISTS token_log (
+    id      INTEGER PRIMARY KEY,   -- save order
+    entries BLOB NOT NULL          -- uint64 little-endian: (seq_id, start, n, n tokens)*
+);
 CREATE TABLE IF NOT EXISTS workers (
     worker_id    TEXT PRIMARY KEY,
     registration TEXT NOT NULL     -- JSON of RegisterWorkerRequest's fields
@@ -79,6 +87,10 @@ class SqliteStateStore:
                               f"{err.strerror}") from None
         self._lock_file = _lock(self.directory)
         self._fsync = fsync
+        # Log rows that hold tokens of each unfinished sequence, and how many unfinished
+        # sequences each log row still serves.
+        self._log_rows_of: dict[int, list[int]] = {}
+        self._row_users: dict[int, int] = {}
         self.path = self.directory / DB_NAME
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None,
@@ -97,14 +109,24 @@ class SqliteStateStore:
 
     def load(self) -> StoredState:
         db = self._db
-        tokens: dict[int, list[int]] = {}
-        for seq_id, start, blob in db.execute(
-                "SELECT seq_id, start, token_ids FROM tokens ORDER BY seq_id, start"):
-            out = tokens.setdefault(seq_id, [])
-            if start != len(out):
-                raise StoreError(f"{self.path}: seq_id {seq_id} has tokens from {start} "
-                                 f"after {len(out)} tokens; the file is damaged")
-            out.extend(_unpack(blob))
+        tokens = {seq_id: _unpack(blob) for seq_id, blob in
+                  db.execute("SELECT seq_id, token_ids FROM outputs")}
+        final = set(tokens)
+        self._log_rows_of.clear()
+        self._row_users.clear()
+        for row_id, blob in db.execute("SELECT id, entries FROM token_log ORDER BY id"):
+            users = 0
+            for seq_id, start, token_ids in _log_entries(blob):
+                if seq_id in final:
+                    continue
+                out = tokens.setdefault(seq_id, [])
+                if start != len(out):
+                    raise StoreError(f"{self.path}: seq_id {seq_id} has tokens from {start} "
+                                     f"after {len(out)} tokens; the file is damaged")
+                out.extend(token_ids)
+                self._log_rows_of.setdefault(seq_id, []).append(row_id)
+                users += 1
+            self._row_users[row_id] = users
         sequences = [
             StoredSequence(
                 seq_id=row[0],
@@ -135,12 +157,16 @@ class SqliteStateStore:
             db.execute("BEGIN IMMEDIATE")
             try:
                 self._write(changes)
+                done = {seq_id for seq_id, _ in changes.final_outputs} | set(changes.forgotten)
+                log_row, users = self._append_log(changes, done)
+                freed = self._free_log_rows(done)
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
             db.execute("COMMIT")
         except sqlite3.Error as err:
             raise StoreError(f"cannot save scheduler state to {self.path}: {err}") from None
+        self._note_log_rows(done, freed, log_row, users)
 
     def close(self) -> None:
         self._db.close()
@@ -166,9 +192,9 @@ class SqliteStateStore:
                   p.num_generated, p.num_generated_at_admission,
                   None if p.finish_reason is None else p.finish_reason.value, p.seq_id)
                  for p in changes.progress])
-        if changes.tokens:
-            db.executemany("INSERT INTO tokens (seq_id, start, token_ids) VALUES (?, ?, ?)",
-                           [(t.seq_id, t.start, _pack(t.token_ids)) for t in changes.tokens])
+        if changes.final_outputs:
+            db.executemany("INSERT OR REPLACE INTO outputs (seq_id, token_ids) VALUES (?, ?)",
+                           [(seq_id, _pack(output)) for seq_id, output in changes.final_outputs])
         if changes.workers_joined:
             db.executemany("INSERT OR REPLACE INTO workers (worker_id, registration) "
                            "VALUES (?, ?)",
@@ -180,9 +206,50 @@ class SqliteStateStore:
         if changes.forgotten:
             ids = [(seq_id,) for seq_id in changes.forgotten]
             db.executemany("DELETE FROM sequences WHERE seq_id = ?", ids)
-            db.executemany("DELETE FROM tokens WHERE seq_id = ?", ids)
+            db.executemany("DELETE FROM outputs WHERE seq_id = ?", ids)
         db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('next_seq_id', ?)",
                    (changes.next_seq_id,))
+
+    def _append_log(self, changes: StateChanges, done: set[int]) -> tuple[int | None, set[int]]:
+        """One log row with this save's appends, but those of sequences that finish in
+        it (their whole output goes to `outputs`); returns (its id, the sequences in it)."""
+        entries, users = array("Q"), set()
+        for t in changes.tokens:
+            if t.seq_id not in done:
+                entries.extend((t.seq_id, t.start, len(t.token_ids)))
+                entries.extend(t.token_ids)
+                users.add(t.seq_id)
+        if not users:
+            return None, users
+        if sys.byteorder == "big":
+            entries.byteswap()
+        row = self._db.execute("INSERT INTO token_log (entries) VALUES (?)",
+                               (entries.tobytes(),)).lastrowid
+        return row, users
+
+    def _free_log_rows(self, done: set[int]) -> list[int]:
+        """Delete the log rows that only sequences finished by now used; returns them."""
+        released: dict[int, int] = {}
+        for seq_id in done:
+            for row in self._log_rows_of.get(seq_id, ()):
+                released[row] = released.get(row, 0) + 1
+        freed = [row for row, count in released.items() if count == self._row_users[row]]
+        if freed:
+            self._db.executemany("DELETE FROM token_log WHERE id = ?", [(r,) for r in freed])
+        return freed
+
+    def _note_log_rows(self, done: set[int], freed: list[int], log_row: int | None,
+                       users: set[int]) -> None:
+        """Bring the log bookkeeping up to date once a save has committed."""
+        for seq_id in done:
+            for row in self._log_rows_of.pop(seq_id, ()):
+                self._row_users[row] -= 1
+        for row in freed:
+            del self._row_users[row]
+        if log_row is not None:
+            self._row_users[log_row] = len(users)
+            for seq_id in users:
+                self._log_rows_of.setdefault(seq_id, []).append(log_row)
 
     def _set_synchronous(self, level: str) -> None:
         if level != self._synchronous:
@@ -223,6 +290,19 @@ def _unpack(blob: bytes) -> list[int]:
     if sys.byteorder == "big":
         packed.byteswap()
     return packed.tolist()
+
+
+def _log_entries(blob: bytes):
+    """(seq_id, start, token_ids) of each append in one token_log row."""
+    entries = array("Q")
+    entries.frombytes(blob)
+    if sys.byteorder == "big":
+        entries.byteswap()
+    i = 0
+    while i < len(entries):
+        seq_id, start, count = entries[i], entries[i + 1], entries[i + 2]
+        yield seq_id, start, entries[i + 3:i + 3 + count].tolist()
+        i += 3 + count
 
 
 def _params_json(p: SubmitParams) -> str:

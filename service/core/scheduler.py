@@ -62,8 +62,10 @@ class Scheduler:
         self._store = store
         # What changed since the last save (see _save).
         self._created: dict[int, SubmitParams] = {}
-        self._touched: dict[int, Sequence] = {}
+        self._touched: dict[int, Sequence] = {}  # progress changed
+        self._grown: dict[int, Sequence] = {}  # output tokens added
         self._forgotten: list[int] = []
+        self._finished: dict[int, Sequence] = {}
         self._worker_changes: dict[str, WorkerRegistration | None] = {}
         if store is not None:
             self._recover(store.load())
@@ -287,24 +289,25 @@ class Scheduler:
         On StoreError nothing is marked saved, so the next save carries it again.
         """
         if self._store is None:
-            self._touched.clear()
-            self._created.clear()
-            self._forgotten.clear()
-            self._worker_changes.clear()
+            self._clear_changes()
             return
-        if not (self._touched or self._created or self._forgotten or self._worker_changes):
+        if not (self._touched or self._grown or self._created or self._forgotten
+                or self._worker_changes):
             return
-        seqs = list(self._touched.values())
+        grown = [seq for seq in self._grown.values()
+                 if len(seq.output_token_ids) > seq.num_saved_tokens]
         changes = StateChanges(
             created=tuple(self._created.items()),
             progress=tuple(seq.progress(self._queue.key(seq.seq_id)
                                         if seq.seq_id in self._queue else None)
-                           for seq in seqs),
+                           for seq in self._touched.values()),
             tokens=tuple(
                 TokenAppend(seq.seq_id, seq.num_saved_tokens,
                             tuple(seq.output_token_ids[seq.num_saved_tokens:]))
-                for seq in seqs if len(seq.output_token_ids) > seq.num_saved_tokens
+                for seq in grown
             ),
+            final_outputs=tuple((seq.seq_id, tuple(seq.output_token_ids))
+                                for seq in self._finished.values()),
             forgotten=tuple(self._forgotten),
             workers_joined=tuple(r for r in self._worker_changes.values() if r is not None),
             workers_left=tuple(w for w, r in self._worker_changes.items() if r is None),
@@ -312,10 +315,15 @@ class Scheduler:
             sync=sync,
         )
         self._store.save(changes)
-        for seq in seqs:
+        for seq in grown:
             seq.num_saved_tokens = len(seq.output_token_ids)
+        self._clear_changes()
+
+    def _clear_changes(self) -> None:
         self._touched.clear()
+        self._grown.clear()
         self._created.clear()
+        self._finished.clear()
         self._forgotten.clear()
         self._worker_changes.clear()
 
@@ -408,7 +416,7 @@ class Scheduler:
                 token_ids = token_ids[max(0, known - update.offset):]
             if token_ids:
                 seq.output_token_ids.extend(token_ids)
-                self._touch(seq)
+                self._grown[seq.seq_id] = seq
                 self._observer.on_tokens(seq.seq_id, len(token_ids))
 
     def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:
@@ -465,6 +473,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._forgotten.extend(self._sequences.mark_finished(seq, reason))
         self._touch(seq)
+        self._finished[seq.seq_id] = seq
         self._observer.on_finished(seq.seq_id, reason)
 
     def _evict_reason(self, seq_id: int) -> EvictReason:

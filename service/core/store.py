@@ -52,6 +52,9 @@ class StateChanges:
     created: tuple[tuple[int, SubmitParams], ...] = ()
     progress: tuple[SequenceProgress, ...] = ()
     tokens: tuple[TokenAppend, ...] = ()
+    # The whole output of each sequence that finished in this change (a store may keep
+    # finished outputs in one piece and drop the appends that built them).
+    final_outputs: tuple[tuple[int, tuple[int, ...]], ...] = ()
     forgotten: tuple[int, ...] = ()  # finished sequences dropped from memory and store
     # Disjoint: a worker that left and joined again within one call is only in joined.
     workers_joined: tuple[WorkerRegistration, ...] = ()
@@ -124,6 +127,9 @@ class MemoryStore:
                 raise StoreError(f"seq_id {append.seq_id}: tokens from {append.start} "
                                  f"saved after {len(tokens)} tokens")
             tokens.extend(append.token_ids)
+        for seq_id, output in changes.final_outputs:
+            if tuple(self._tokens.get(seq_id, ())) != output:
+                raise StoreError(f"seq_id {seq_id}: final output differs from its appends")
         for registration in changes.workers_joined:
             self._workers[registration.worker_id] = registration
         for worker_id in changes.workers_left:

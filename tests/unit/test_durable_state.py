@@ -316,3 +316,29 @@ def test_tokens_params_and_registrations_round_trip_exactly(tmp_path):
     assert seq.output_token_ids == [0, 2**32 - 1]
     (worker,) = restored.workers
     assert (worker.worker_id, worker.adapters, worker.max_batch_size) == ("w0", ("a",), 3)
+
+
+def test_the_token_log_is_emptied_as_sequences_finish(tmp_path):
+    store = SqliteStateStore(tmp_path)
+    sched = Scheduler(make_config(), clock=FakeClock(), store=store)
+    a, b = submit(sched, max_new_tokens=3), submit(sched, max_new_tokens=3)
+    register(sched, "w0")
+    admit(sched, "w0")
+
+    def log_rows() -> int:
+        return store._db.execute("SELECT COUNT(*) FROM token_log").fetchone()[0]
+
+    sched.select_batch(report("w0", running=[a, b], tokens={a: [1], b: [2]}))
+    sched.select_batch(report("w0", running=[a, b], tokens={a: [3], b: [4]}))
+    assert log_rows() == 2
+    # a finishes: the rows still hold b's tokens.
+    sched.select_batch(report("w0", running=[b], tokens={a: [5]},
+                              finished=[finished(a, FinishReason.MAX_LENGTH, 3)]))
+    assert log_rows() == 2
+    sched.select_batch(report("w0", tokens={b: [6]},
+                              finished=[finished(b, FinishReason.MAX_LENGTH, 3)]))
+    assert log_rows() == 0
+    store.close()
+    restarted = Scheduler(make_config(), clock=FakeClock(), store=SqliteStateStore(tmp_path))
+    assert restarted.read_output(a, 0).token_ids == (1, 3, 5)
+    assert restarted.read_output(b, 0).token_ids == (2, 4, 6)

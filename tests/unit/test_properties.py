@@ -11,6 +11,8 @@ workers carry on against it.
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 import pytest
@@ -21,6 +23,7 @@ from service.core import (
     FinishedSequence, FinishReason, QueueFull, Scheduler, SequenceState, UnknownWorker,
 )
 from service.core.store import MemoryStore
+from service.state_sqlite import SqliteStateStore
 
 from .factories import FakeClock, make_config, params, registration, report
 
@@ -80,11 +83,13 @@ class SimWorker:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    store_kind = "memory"
 
     @initialize()
     def start(self):
         self.clock = FakeClock()
-        self.store = MemoryStore()
+        self.state_dir = tempfile.mkdtemp(prefix="lattice-sm-")
+        self.store = self.open_store()
         self.sched = self.new_core()
         self.sims = {w: SimWorker(w) for w in WORKERS}
         # The reference model.
@@ -102,6 +107,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.iteration: dict[str, int] = {}
         for worker_id in WORKERS:
             self.register(worker_id)
+
+    def open_store(self):
+        if self.store_kind == "memory":
+            return MemoryStore()
+        return SqliteStateStore(self.state_dir, fsync="never")
+
+    def teardown(self):
+        if hasattr(self, "store"):
+            self.store.close()
+        if hasattr(self, "state_dir"):
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def new_core(self) -> Scheduler:
         return Scheduler(make_config(**CONFIG), clock=self.clock, store=self.store)
@@ -210,6 +226,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def restart_scheduler(self):
         before = self.observable_state()
+        if self.store_kind == "sqlite":  # a new process opens the file afresh
+            self.store.close()
+            self.store = self.open_store()
         self.sched = self.new_core()
         assert self.observable_state() == before
         # Recovered workers start a fresh lease and count iterations from 0 again.
@@ -420,3 +439,16 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+class SqliteSchedulerMachine(SchedulerMachine):
+    """The same, saving to SQLite: the token log and its clean-up replay exactly."""
+
+    store_kind = "sqlite"
+
+
+SqliteSchedulerMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_scheduler_state_machine_on_sqlite = SqliteSchedulerMachine.TestCase
