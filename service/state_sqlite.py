@@ -31,7 +31,7 @@ from pathlib import Path
 
 from service.core import ConfigError, FinishReason, SequenceState, SubmitParams
 from service.core.store import (
-    SequenceProgress, StateChanges, StoredSequence, StoredState, StoreError,
+    SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker, StoreError,
 )
 from service.core.types import SamplingParams, WorkerRegistration
 
@@ -67,7 +67,8 @@ CREATE TABLE IF NOT EXISTS token_log (
 );
 CREATE TABLE IF NOT EXISTS workers (
     worker_id    TEXT PRIMARY KEY,
-    registration TEXT NOT NULL     -- JSON of RegisterWorkerRequest's fields
+    registration TEXT NOT NULL,    -- JSON of RegisterWorkerRequest's fields
+    drain_requested INTEGER NOT NULL DEFAULT 0  -- an operator's DrainWorker
 );
 """
 
@@ -144,8 +145,9 @@ class SqliteStateStore:
                 "prefilled_tokens, num_generated, num_generated_at_admission, finish_reason "
                 "FROM sequences ORDER BY seq_id")
         ]
-        workers = [_registration_from_json(text) for (text,) in
-                   db.execute("SELECT registration FROM workers ORDER BY worker_id")]
+        workers = [StoredWorker(_registration_from_json(text), bool(drain)) for text, drain in
+                   db.execute("SELECT registration, drain_requested FROM workers "
+                              "ORDER BY worker_id")]
         row = db.execute("SELECT value FROM meta WHERE key = 'next_seq_id'").fetchone()
         return StoredState(sequences, workers, row[0] if row else 1)
 
@@ -196,10 +198,10 @@ class SqliteStateStore:
             db.executemany("INSERT OR REPLACE INTO outputs (seq_id, token_ids) VALUES (?, ?)",
                            [(seq_id, _pack(output)) for seq_id, output in changes.final_outputs])
         if changes.workers_joined:
-            db.executemany("INSERT OR REPLACE INTO workers (worker_id, registration) "
-                           "VALUES (?, ?)",
-                           [(r.worker_id, _registration_json(r))
-                            for r in changes.workers_joined])
+            db.executemany("INSERT OR REPLACE INTO workers (worker_id, registration, "
+                           "drain_requested) VALUES (?, ?, ?)",
+                           [(w.registration.worker_id, _registration_json(w.registration),
+                             int(w.drain_requested)) for w in changes.workers_joined])
         if changes.workers_left:
             db.executemany("DELETE FROM workers WHERE worker_id = ?",
                            [(w,) for w in changes.workers_left])

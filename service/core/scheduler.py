@@ -16,7 +16,9 @@ from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.policy import Policy, make_policy
 from service.core.queue import AdmissionQueue
 from service.core.sequences import Sequence, SequenceTable
-from service.core.store import StateChanges, StateStore, StoredState, StoreError, TokenAppend
+from service.core.store import (
+    StateChanges, StateStore, StoredState, StoredWorker, StoreError, TokenAppend,
+)
 from service.core.types import (
     Decision, FinishReason, PrefillChunk, SchedulerStatus, SequenceInfo, SequenceState,
     SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
@@ -66,7 +68,7 @@ class Scheduler:
         self._grown: dict[int, Sequence] = {}  # output tokens added
         self._forgotten: list[int] = []
         self._finished: dict[int, Sequence] = {}
-        self._worker_changes: dict[str, WorkerRegistration | None] = {}
+        self._worker_changes: dict[str, WorkerRecord | None] = {}
         if store is not None:
             self._recover(store.load())
 
@@ -178,7 +180,7 @@ class Scheduler:
         if old is not None:
             self._requeue(old, list(old.assigned), RequeueReason.REREGISTERED)
         record = self._add_worker(registration)
-        self._worker_changes[registration.worker_id] = registration
+        self._worker_changes[registration.worker_id] = record
         self._save()
         return record.settings
 
@@ -198,6 +200,8 @@ class Scheduler:
         """
         worker = self._ledger.get(worker_id)
         worker.drain_requested = not resume
+        self._worker_changes[worker_id] = worker
+        self._save()
         return len(worker.assigned)
 
     def expire_leases(self) -> list[str]:
@@ -309,7 +313,8 @@ class Scheduler:
             final_outputs=tuple((seq.seq_id, tuple(seq.output_token_ids))
                                 for seq in self._finished.values()),
             forgotten=tuple(self._forgotten),
-            workers_joined=tuple(r for r in self._worker_changes.values() if r is not None),
+            workers_joined=tuple(StoredWorker(w.registration, w.drain_requested)
+                                 for w in self._worker_changes.values() if w is not None),
             workers_left=tuple(w for w, r in self._worker_changes.items() if r is None),
             next_seq_id=self._sequences.next_seq_id,
             sync=sync,
@@ -334,8 +339,8 @@ class Scheduler:
         SelectBatch reconciles (what it still holds stays, what it does not mention goes
         back to the head of the queue), and if it never calls its lease runs out.
         """
-        for registration in state.workers:
-            self._add_worker(registration)
+        for stored in state.workers:
+            self._add_worker(stored.registration).drain_requested = stored.drain_requested
         self._sequences.reserve_ids_below(state.next_seq_id)
         queued, orphans = [], []
         for stored in state.sequences:

@@ -45,6 +45,14 @@ class TokenAppend:
 
 
 @dataclass(frozen=True)
+class StoredWorker:
+    """A registered worker as saved: its registration, and whether an operator drained it."""
+
+    registration: WorkerRegistration
+    drain_requested: bool = False
+
+
+@dataclass(frozen=True)
 class StateChanges:
     """What one call changed. `sync`: the caller acknowledges it to a client, so it must
     survive a power loss too, not only a crash of the process."""
@@ -57,7 +65,7 @@ class StateChanges:
     final_outputs: tuple[tuple[int, tuple[int, ...]], ...] = ()
     forgotten: tuple[int, ...] = ()  # finished sequences dropped from memory and store
     # Disjoint: a worker that left and joined again within one call is only in joined.
-    workers_joined: tuple[WorkerRegistration, ...] = ()
+    workers_joined: tuple[StoredWorker, ...] = ()  # joined, or changed
     workers_left: tuple[str, ...] = ()
     next_seq_id: int = 1
     sync: bool = False
@@ -76,7 +84,7 @@ class StoredState:
     """Everything saved so far, as `load` gives it back."""
 
     sequences: list[StoredSequence] = field(default_factory=list)  # ascending seq_id
-    workers: list[WorkerRegistration] = field(default_factory=list)
+    workers: list[StoredWorker] = field(default_factory=list)
     next_seq_id: int = 1
 
 
@@ -97,7 +105,7 @@ class MemoryStore:
         self._params: dict[int, SubmitParams] = {}
         self._progress: dict[int, SequenceProgress] = {}
         self._tokens: dict[int, list[int]] = {}
-        self._workers: dict[str, WorkerRegistration] = {}
+        self._workers: dict[str, StoredWorker] = {}
         self._next_seq_id = 1
         self.saves = 0
         self.fail_next_save: StoreError | None = None
@@ -130,8 +138,8 @@ class MemoryStore:
         for seq_id, output in changes.final_outputs:
             if tuple(self._tokens.get(seq_id, ())) != output:
                 raise StoreError(f"seq_id {seq_id}: final output differs from its appends")
-        for registration in changes.workers_joined:
-            self._workers[registration.worker_id] = registration
+        for worker in changes.workers_joined:
+            self._workers[worker.registration.worker_id] = worker
         for worker_id in changes.workers_left:
             self._workers.pop(worker_id, None)
         for seq_id in changes.forgotten:

@@ -206,6 +206,17 @@ def test_a_re_registration_is_recovered_as_the_new_registration(state):
     assert sched.status().queue_depth == len(ids) - 5
 
 
+def test_an_operator_drain_survives_a_restart_until_resumed(state):
+    register(state.sched, "w0")
+    submit(state.sched)
+    state.sched.drain_worker("w0", resume=False)
+    sched = state.restart()
+    assert [w.draining for w in sched.status().workers] == [True]
+    assert admit(sched, "w0") == ()
+    sched.drain_worker("w0", resume=True)
+    assert len(admit(state.restart(), "w0")) == 1
+
+
 def test_per_tenant_limit_survives_a_restart(kind, tmp_path):
     state = Restartable(kind, tmp_path, max_queue_per_tenant=2)
     submit(state.sched, tenant="a")
@@ -315,7 +326,9 @@ def test_tokens_params_and_registrations_round_trip_exactly(tmp_path):
     assert seq.params == p
     assert seq.output_token_ids == [0, 2**32 - 1]
     (worker,) = restored.workers
-    assert (worker.worker_id, worker.adapters, worker.max_batch_size) == ("w0", ("a",), 3)
+    registration = worker.registration
+    assert (registration.worker_id, registration.adapters, registration.max_batch_size) == (
+        "w0", ("a",), 3)
 
 
 def test_the_token_log_is_emptied_as_sequences_finish(tmp_path):
