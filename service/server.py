@@ -16,7 +16,8 @@ from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from service import auth, credentials
-from service.core import Scheduler
+from service.core import ConfigError, Scheduler
+from service.core.store import StoreError
 from service.metrics import SchedulerMetrics
 from service.servicer import SchedulerServicer
 from service.settings import ServeSettings
@@ -67,7 +68,20 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     metrics = SchedulerMetrics(registry)
     store = (SqliteStateStore(settings.state_dir, settings.state_fsync)
              if settings.state_dir else None)
-    core = Scheduler(settings.scheduler, observer=metrics, store=store)
+    try:
+        return _start(settings, registry, metrics, store, tls, interceptors)
+    except BaseException:
+        if store is not None:
+            store.close()  # and its lock: the caller may try again
+        raise
+
+
+def _start(settings: ServeSettings, registry: CollectorRegistry, metrics: SchedulerMetrics,
+           store: SqliteStateStore | None, tls, interceptors) -> RunningServer:
+    try:
+        core = Scheduler(settings.scheduler, observer=metrics, store=store)
+    except StoreError as err:
+        raise ConfigError(f"state_dir {settings.state_dir!r}: cannot load it: {err}") from None
     if store is not None:
         recovered = core.status()
         log.info("state loaded", extra={"state_dir": settings.state_dir,
@@ -101,8 +115,6 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     except RuntimeError:
         port = 0
     if port == 0:
-        if store is not None:
-            store.close()
         raise OSError(f"cannot listen on {address}: address in use or not available")
     metrics_http, _ = start_http_server(settings.metrics_port, addr=settings.host,
                                         registry=registry)
