@@ -108,7 +108,9 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Client: submit, then stream the sequence's tokens until it finishes.
+        """Client: submit, then stream the sequence's tokens until it finishes. With a
+        request_id the scheduler knows, it attaches to that sequence instead and streams it
+        from its first token (how a client resumes a stream broken by a restart).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
