@@ -39,6 +39,7 @@ class RunningServer:
     metrics_port: int
     _stop_sweeper: threading.Event
     store: SqliteStateStore | None = None
+    servicer: SchedulerServicer | None = None
 
     def stop(self, grace_seconds: float) -> None:
         """NOT_SERVING first, so balancers drain us; then stop with a grace period."""
@@ -47,7 +48,8 @@ class RunningServer:
         self.grpc_server.stop(grace_seconds).wait()
         self.metrics_http.shutdown()
         if self.store is not None:
-            self.store.close()
+            # Under the core's lock: the lease sweeper may be saving right now.
+            self.servicer.call(self.store.close)
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
@@ -127,13 +129,16 @@ def _start(settings: ServeSettings, registry: CollectorRegistry, metrics: Schedu
     threading.Thread(target=_sweep_leases, args=(servicer, stop_sweeper, sweep_seconds),
                      name="lease-sweeper", daemon=True).start()
     return RunningServer(server, health_servicer, metrics_http, port,
-                         metrics_http.server_port, stop_sweeper, store)
+                         metrics_http.server_port, stop_sweeper, store, servicer)
 
 
 def _sweep_leases(servicer: SchedulerServicer, stop: threading.Event, every_seconds: float):
     """Drop silent workers even when no other worker calls (their sequences must move on)."""
     while not stop.wait(every_seconds):
-        servicer.expire_leases()
+        try:
+            servicer.expire_leases()
+        except Exception:  # noqa: BLE001 - keep sweeping; the next call may succeed
+            log.exception("lease sweep failed")
 
 
 def serve(settings: ServeSettings) -> None:
