@@ -10,6 +10,7 @@ from service.core import (
 )
 
 _FINISH_REASON_NUMBERS = {r.value for r in FinishReason}
+_UINT32_MAX = 2**32 - 1
 
 # Wire-level limits on what one message may carry, on top of the gRPC message size
 # (--max-message-bytes) and the core's own limits (max_seq_len, max_queue). Each is far
@@ -71,7 +72,9 @@ def sequence_info(info: SequenceInfo) -> pb.SequenceInfo:
         worker_id=info.worker_id,
         prompt_len=info.prompt_len,
         prefilled_tokens=info.prefilled_tokens,
-        generated_tokens=info.generated_tokens,
+        # Saturated: a worker's finish report may count up to 2**32-1 tokens on top of
+        # those kept from an earlier assignment.
+        generated_tokens=min(info.generated_tokens, _UINT32_MAX),
         finish_reason=info.finish_reason.value if info.finish_reason else 0,
         queue_position=info.queue_position,
     )

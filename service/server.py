@@ -15,7 +15,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from service import auth, credentials
+from service import auth, credentials, decode_errors
 from service.core import ConfigError, Scheduler
 from service.core.store import StoreError
 from service.metrics import SchedulerMetrics
@@ -62,7 +62,7 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     """
     tls = credentials.server_credentials(settings.tls_cert, settings.tls_key,
                                          settings.tls_client_ca)
-    interceptors = []
+    interceptors = [decode_errors.DecodeErrorInterceptor()]
     if settings.auth_tokens:
         interceptors.append(auth.AuthInterceptor(auth.load_tokens(settings.auth_tokens)))
     _warn_if_exposed(settings)

@@ -13,7 +13,7 @@ from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service import convert
 from service.core import NotFound, Scheduler, SchedulerError
 from service.metrics import SchedulerMetrics
-from service.status_codes import status_code
+from service.status_codes import status_code, status_details
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def _unary(method):
         try:
             return method(self, request, context)
         except SchedulerError as err:
-            context.abort(status_code(err), str(err))
+            context.abort(status_code(err), status_details(err))
         except Exception:  # noqa: BLE001 - the last line of defence for one RPC
             log.exception("internal error in %s", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL,
@@ -108,7 +108,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         try:
             seq_id = self.call(self._core.submit, convert.submit_params(request)).seq_id
         except SchedulerError as err:
-            context.abort(status_code(err), str(err))
+            context.abort(status_code(err), status_details(err))
         # A client that goes away cancels its sequence (a no-op once it has finished).
         context.add_callback(lambda: self._cancel_quietly(seq_id))
         yield convert.generate_event(seq_id)
