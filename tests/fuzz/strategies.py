@@ -212,4 +212,6 @@ def requests_for(method: str, known: Callable[[], list[int]]) -> st.SearchStrate
         return st.builds(pb.DeregisterWorkerRequest, worker_id=worker_ids())
     if method == "GetStatus":
         return st.just(pb.GetStatusRequest())
+    if method == "DrainWorker":
+        return st.builds(pb.DrainWorkerRequest, worker_id=worker_ids(), resume=st.booleans())
     raise ValueError(f"no strategy for Scheduler/{method}")

@@ -12,9 +12,7 @@ from tests.server.conftest import Server
 from tests.server.wire import RPC_TIMEOUT_SECONDS
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
-# DrainWorker is fuzzed where it is added (another branch), not here.
-METHODS = tuple(name for name in pb.DESCRIPTOR.services_by_name["Scheduler"].methods_by_name
-                if name != "DrainWorker")
+METHODS = tuple(pb.DESCRIPTOR.services_by_name["Scheduler"].methods_by_name)
 # What the service may answer to any request it could parse; never UNKNOWN or INTERNAL.
 EXPECTED_CODES = frozenset({
     grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
