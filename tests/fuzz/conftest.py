@@ -27,10 +27,12 @@ def fuzz_notes(request) -> list[str]:
     return request.config.stash.setdefault(_NOTES, [])
 
 
-@pytest.fixture
-def target(start_server, codes_seen) -> FuzzTarget:
-    """A fresh scheduler with a few queued sequences and workers "w0" and "w1" registered."""
-    fuzz = FuzzTarget(start_server(), codes_seen)
+@pytest.fixture(params=["memory", "state-dir"])
+def target(request, start_server, codes_seen, tmp_path) -> FuzzTarget:
+    """A fresh scheduler with a few queued sequences and workers "w0" and "w1" registered;
+    once with state in memory, once with --state-dir (SQLite)."""
+    state_dir = str(tmp_path / "state") if request.param == "state-dir" else ""
+    fuzz = FuzzTarget(start_server(state_dir), codes_seen, state_dir=state_dir)
     for _ in range(3):
         fuzz.call("Submit", pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4))
     for worker_id in ("w0", "w1"):

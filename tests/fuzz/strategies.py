@@ -155,10 +155,15 @@ def select_batch_requests(
 
 @st.composite
 def _plausible_reports(draw, ids: st.SearchStrategy[int]) -> pb.SelectBatchRequest:
-    """w0 or w1 reporting disjoint waiting/running/finished/preempted ids, valid reasons."""
-    unique = draw(st.lists(ids, unique=True, max_size=8))
-    a, b, c = sorted(draw(st.integers(0, len(unique))) for _ in range(3))
+    """w0 or w1 reporting disjoint waiting/running/finished/preempted ids, valid reasons.
+
+    Every draw has the same shape whatever the ids turn out to be (ids come from the live
+    server, so a draw shaped by them would make hypothesis' replays inconsistent).
+    """
+    unique = list(dict.fromkeys(draw(st.lists(ids, max_size=8))))
+    a, b, c = sorted(min(draw(st.integers(0, 8)), len(unique)) for _ in range(3))
     running = unique[a:b]
+    picks = draw(st.lists(st.integers(0, 7), max_size=3))
     return pb.SelectBatchRequest(
         worker_id=draw(st.sampled_from(("w0", "w1"))),
         waiting=unique[:a], running=running, preempted=unique[c:],
@@ -166,14 +171,22 @@ def _plausible_reports(draw, ids: st.SearchStrategy[int]) -> pb.SelectBatchReque
                                       generated_tokens=draw(st.one_of(st.integers(0, 8),
                                                                       uint32s())))
                   for s in unique[b:c]],
-        tokens=[pb.TokenUpdate(seq_id=s, token_ids=draw(st.lists(uint32s(), max_size=3)),
-                               offset=draw(st.one_of(st.none(), st.integers(0, 4), uint32s())))
-                for s in (draw(st.lists(st.sampled_from(running), max_size=3)) if running
-                          else [])],
+        tokens=_token_updates(draw, running, picks),
         kv_free_pages=draw(st.one_of(st.just(1_000), uint32s())),
         gdn_free_slots=draw(st.one_of(st.just(64), uint32s())),
         draining=draw(st.booleans()),
     )
+
+
+def _token_updates(draw, running: list[int], picks: list[int]) -> list[pb.TokenUpdate]:
+    updates = []
+    for i in picks:  # drawn whether or not anything runs: the same shape either way
+        token_ids = draw(st.lists(uint32s(), max_size=3))
+        offset = draw(st.one_of(st.none(), st.integers(0, 4), uint32s()))
+        if running:
+            updates.append(pb.TokenUpdate(seq_id=running[i % len(running)],
+                                          token_ids=token_ids, offset=offset))
+    return updates
 
 
 def _wild_reports(ids: st.SearchStrategy[int]) -> st.SearchStrategy[pb.SelectBatchRequest]:

@@ -43,6 +43,7 @@ class FuzzTarget:
 
     server: Server
     codes: Counter
+    state_dir: str = ""
     issued: list[int] = field(default_factory=list)
     held: dict[str, list[int]] = field(default_factory=dict)
 

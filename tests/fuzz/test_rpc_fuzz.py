@@ -52,6 +52,31 @@ def test_random_call_sequences_get_expected_statuses_and_leave_the_server_servin
     target.assert_serving()
 
 
+@pytest.mark.parametrize("target", ["state-dir"], indirect=True)
+@settings(FUZZ, max_examples=15)
+@given(data=st.data())
+def test_random_calls_read_back_the_same_from_a_server_restarted_on_the_state_dir(
+        target, start_server, data):
+    """Whatever was accepted, a server restarted on the same --state-dir answers for each
+    sequence and for the queue exactly as the old one did."""
+    for _ in range(data.draw(st.integers(1, CALLS_PER_SEQUENCE), label="num_calls")):
+        method = data.draw(st.sampled_from(METHODS), label="method")
+        _check(target, method, data.draw(requests_for(method, target.known_ids)))
+
+    def snapshot(server):
+        infos = [server.stub.GetSequence(pb.GetSequenceRequest(seq_id=s),
+                                         timeout=RPC_TIMEOUT_SECONDS) for s in target.issued]
+        status = server.stub.GetStatus(pb.GetStatusRequest(), timeout=RPC_TIMEOUT_SECONDS)
+        workers = sorted((w.worker_id, w.num_assigned, w.total_kv_pages) for w in status.workers)
+        return infos, status.queue_depth, status.num_assigned, workers
+
+    before = snapshot(target.server)
+    target.server.stop()
+    target.server = start_server(target.state_dir)
+    assert snapshot(target.server) == before
+    target.assert_serving()
+
+
 def test_a_finish_report_counting_uint32_max_tokens_after_a_requeue_reads_back(target):
     """Regression (found writing these strategies; too deep for the random sequences to
     reach): tokens kept from a first assignment plus a finish report counting
