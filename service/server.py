@@ -44,6 +44,7 @@ class RunningServer:
     def stop(self, grace_seconds: float) -> None:
         """NOT_SERVING first, so balancers drain us; then stop with a grace period."""
         self.health.enter_graceful_shutdown()
+        self.servicer.stop_streams_without_cancelling()
         self._stop_sweeper.set()
         self.grpc_server.stop(grace_seconds).wait()
         self.metrics_http.shutdown()

@@ -46,6 +46,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._metrics = metrics
         # Guards the core; notified after every call so Generate streams see new tokens.
         self._changed = threading.Condition()
+        # Set when the server stops: streams then end without cancelling their sequences.
+        self._stopping = False
+
+    def stop_streams_without_cancelling(self) -> None:
+        """From now on a Generate stream that ends leaves its sequence alone: the server is
+        going away, not the client (after a restart the client re-attaches)."""
+        with self._changed:
+            self._stopping = True
 
     def call(self, fn, *args):
         """Run fn(*args) on the core under the lock, then wake the streams."""
@@ -127,10 +135,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 return
 
     def _cancel_quietly(self, seq_id: int) -> None:
+        with self._changed:
+            if self._stopping:
+                return
         try:
             self.call(self._core.cancel, seq_id)
         except NotFound:
             pass
+        except SchedulerError:  # e.g. the store failed: the sequence runs on, logged
+            log.exception("could not cancel seq_id %d after its client left", seq_id)
 
     def expire_leases(self) -> list[str]:
         dropped = self.call(self._core.expire_leases)

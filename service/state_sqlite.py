@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS sequences (
     prefilled_tokens INTEGER NOT NULL,
     num_generated    INTEGER NOT NULL,
     num_generated_at_admission INTEGER NOT NULL,
-    finish_reason    INTEGER       -- FinishReason, NULL until finished
+    finish_reason    INTEGER,      -- FinishReason, NULL until finished
+    finish_order     INTEGER NOT NULL DEFAULT 0  -- 1, 2, ... as they finished
 );
 CREATE TABLE IF NOT EXISTS outputs (
     seq_id    INTEGER PRIMARY KEY, -- a finished sequence
@@ -110,24 +111,14 @@ class SqliteStateStore:
 
     def load(self) -> StoredState:
         db = self._db
+        rows = db.execute(
+            "SELECT seq_id, params, prompt, state, worker_id, queue_key, cursor, "
+            "prefilled_tokens, num_generated, num_generated_at_admission, finish_reason, "
+            "finish_order FROM sequences ORDER BY seq_id").fetchall()
+        unfinished = {row[0] for row in rows if row[3] != SequenceState.FINISHED.value}
         tokens = {seq_id: _unpack(blob) for seq_id, blob in
                   db.execute("SELECT seq_id, token_ids FROM outputs")}
-        final = set(tokens)
-        self._log_rows_of.clear()
-        self._row_users.clear()
-        for row_id, blob in db.execute("SELECT id, entries FROM token_log ORDER BY id"):
-            users = 0
-            for seq_id, start, token_ids in _log_entries(blob):
-                if seq_id in final:
-                    continue
-                out = tokens.setdefault(seq_id, [])
-                if start != len(out):
-                    raise StoreError(f"{self.path}: seq_id {seq_id} has tokens from {start} "
-                                     f"after {len(out)} tokens; the file is damaged")
-                out.extend(token_ids)
-                self._log_rows_of.setdefault(seq_id, []).append(row_id)
-                users += 1
-            self._row_users[row_id] = users
+        self._replay_log(tokens, unfinished)
         sequences = [
             StoredSequence(
                 seq_id=row[0],
@@ -137,13 +128,11 @@ class SqliteStateStore:
                     queue_key=row[5], cursor=row[6], prefilled_tokens=row[7],
                     num_generated=row[8], num_generated_at_admission=row[9],
                     finish_reason=None if row[10] is None else FinishReason(row[10]),
+                    finish_order=row[11],
                 ),
                 output_token_ids=tokens.get(row[0], []),
             )
-            for row in db.execute(
-                "SELECT seq_id, params, prompt, state, worker_id, queue_key, cursor, "
-                "prefilled_tokens, num_generated, num_generated_at_admission, finish_reason "
-                "FROM sequences ORDER BY seq_id")
+            for row in rows
         ]
         workers = [StoredWorker(_registration_from_json(text), bool(drain)) for text, drain in
                    db.execute("SELECT registration, drain_requested FROM workers "
@@ -151,23 +140,57 @@ class SqliteStateStore:
         row = db.execute("SELECT value FROM meta WHERE key = 'next_seq_id'").fetchone()
         return StoredState(sequences, workers, row[0] if row else 1)
 
+    def _replay_log(self, tokens: dict[int, list[int]], unfinished: set[int]) -> None:
+        """Append the logged tokens of unfinished sequences to `tokens`, rebuild the log
+        bookkeeping, and delete log rows that no unfinished sequence needs (entries of
+        finished or forgotten sequences are skipped: their outputs are whole, or gone)."""
+        self._log_rows_of.clear()
+        self._row_users.clear()
+        unused = []
+        for row_id, blob in self._db.execute("SELECT id, entries FROM token_log ORDER BY id"):
+            users = 0
+            for seq_id, start, token_ids in _log_entries(blob):
+                if seq_id not in unfinished:
+                    continue
+                out = tokens.setdefault(seq_id, [])
+                if start != len(out):
+                    raise StoreError(f"{self.path}: seq_id {seq_id} has tokens from {start} "
+                                     f"after {len(out)} tokens; the file is damaged")
+                out.extend(token_ids)
+                self._log_rows_of.setdefault(seq_id, []).append(row_id)
+                users += 1
+            if users:
+                self._row_users[row_id] = users
+            else:
+                unused.append((row_id,))
+        if unused:
+            try:
+                self._db.executemany("DELETE FROM token_log WHERE id = ?", unused)
+            except sqlite3.Error as err:
+                raise StoreError(f"cannot clean the token log of {self.path}: {err}") from None
+
     def save(self, changes: StateChanges) -> None:
         db = self._db
         sync = self._fsync == "always" or (self._fsync == "acks" and changes.sync)
         try:
             self._set_synchronous("FULL" if sync else "NORMAL")
             db.execute("BEGIN IMMEDIATE")
-            try:
-                self._write(changes)
-                done = {seq_id for seq_id, _ in changes.final_outputs} | set(changes.forgotten)
-                log_row, users = self._append_log(changes, done)
-                freed = self._free_log_rows(done)
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+            self._write(changes)
+            done = {seq_id for seq_id, _ in changes.final_outputs} | set(changes.forgotten)
+            log_row, users = self._append_log(changes, done)
+            freed = self._free_log_rows(done)
             db.execute("COMMIT")
-        except sqlite3.Error as err:
-            raise StoreError(f"cannot save scheduler state to {self.path}: {err}") from None
+        except BaseException as err:
+            # SQLite rolls back by itself after most errors, maybe not after a failed
+            # COMMIT: leave no transaction open for the next save, whatever failed.
+            if db.in_transaction:
+                try:
+                    db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            if isinstance(err, sqlite3.Error):
+                raise StoreError(f"cannot save scheduler state to {self.path}: {err}") from None
+            raise
         self._note_log_rows(done, freed, log_row, users)
 
     def close(self) -> None:
@@ -189,10 +212,11 @@ class SqliteStateStore:
             db.executemany(
                 "UPDATE sequences SET state = ?, worker_id = ?, queue_key = ?, cursor = ?, "
                 "prefilled_tokens = ?, num_generated = ?, num_generated_at_admission = ?, "
-                "finish_reason = ? WHERE seq_id = ?",
+                "finish_reason = ?, finish_order = ? WHERE seq_id = ?",
                 [(p.state.value, p.worker_id, p.queue_key, p.cursor, p.prefilled_tokens,
                   p.num_generated, p.num_generated_at_admission,
-                  None if p.finish_reason is None else p.finish_reason.value, p.seq_id)
+                  None if p.finish_reason is None else p.finish_reason.value, p.finish_order,
+                  p.seq_id)
                  for p in changes.progress])
         if changes.final_outputs:
             db.executemany("INSERT OR REPLACE INTO outputs (seq_id, token_ids) VALUES (?, ?)",

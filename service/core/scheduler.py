@@ -42,7 +42,9 @@ class Scheduler:
     the queue; no id is ever reused.
 
     With a `store`, every call that changes state saves the change before it returns,
-    and a new Scheduler over the same store carries on where the old one stopped.
+    and a new Scheduler over the same store carries on where the old one stopped. After
+    a failed save, every later state-changing call first saves what is still unsaved (and
+    fails the same way while the store does), so no answer rests on unsaved state.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class Scheduler:
 
         A cancelled sequence on a worker shows up in that worker's next `evict`.
         """
+        self._save(sync=True)  # what an earlier failed save left, before answering from it
         seq = self._require(seq_id)
         if seq.is_finished:
             return False
@@ -176,6 +179,7 @@ class Scheduler:
             raise InvalidArgument("worker_id must not be empty")
         if registration.page_size == 0:
             raise InvalidArgument("page_size must be at least 1 (tokens per KV page), got 0")
+        self._save()
         old = self._ledger.remove(registration.worker_id)
         if old is not None:
             self._requeue(old, list(old.assigned), RequeueReason.REREGISTERED)
@@ -186,6 +190,7 @@ class Scheduler:
 
     def deregister_worker(self, worker_id: str) -> int:
         """Leave cleanly; returns how many sequences went back to the head of the queue."""
+        self._save()
         worker = self._ledger.get(worker_id)
         requeued = self._remove_worker(worker, RequeueReason.DEREGISTERED)
         self._save()
@@ -198,6 +203,7 @@ class Scheduler:
         drain lasts until lifted or until the worker registers again. Returns how many
         sequences are still assigned to it; UnknownWorker if it is not registered.
         """
+        self._save()
         worker = self._ledger.get(worker_id)
         worker.drain_requested = not resume
         self._worker_changes[worker_id] = worker
@@ -355,6 +361,7 @@ class Scheduler:
                     orphans.append(seq.seq_id)
                 else:
                     worker.assigned[seq.seq_id] = None
+        self._sequences.restore_finished_order()
         self._queue.restore(queued)
         self._back_to_queue(orphans, "", RequeueReason.LOST)
         self._save()

@@ -30,6 +30,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     # How many of output_token_ids the store holds.
     num_saved_tokens: int = 0
+    # 1, 2, ... in the order sequences finished (the oldest are forgotten first).
+    finish_order: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -57,7 +59,7 @@ class Sequence:
             queue_key=queue_key, cursor=self.cursor, prefilled_tokens=self.prefilled_tokens,
             num_generated=self.num_generated,
             num_generated_at_admission=self.num_generated_at_admission,
-            finish_reason=self.finish_reason,
+            finish_reason=self.finish_reason, finish_order=self.finish_order,
         )
 
     def spec_prompt_len(self) -> int:
@@ -74,6 +76,7 @@ class SequenceTable:
         # Finished ids, oldest first; beyond the limit the oldest are forgotten.
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._max_finished_retained = max_finished_retained
+        self._num_finished = 0
         self._next_seq_id = 1
 
     def __len__(self) -> int:
@@ -119,12 +122,18 @@ class SequenceTable:
             output_token_ids=list(stored.output_token_ids), num_generated=p.num_generated,
             num_generated_at_admission=p.num_generated_at_admission,
             finish_reason=p.finish_reason, num_saved_tokens=len(stored.output_token_ids),
+            finish_order=p.finish_order,
         )
         self._add(seq)
-        if seq.is_finished:
-            self._finished[seq.seq_id] = None
         self.reserve_ids_below(seq.seq_id + 1)
         return seq
+
+    def restore_finished_order(self) -> None:
+        """After restoring every sequence: forget-oldest order is finish order again."""
+        done = sorted((s for s in self._by_id.values() if s.is_finished),
+                      key=lambda s: s.finish_order)
+        self._finished = OrderedDict((s.seq_id, None) for s in done)
+        self._num_finished = max((s.finish_order for s in done), default=0)
 
     def mark_finished(self, seq: Sequence, reason: FinishReason) -> list[int]:
         """Finish `seq`; forget the oldest finished sequences beyond the limit and
@@ -132,6 +141,8 @@ class SequenceTable:
         seq.state = SequenceState.FINISHED
         seq.finish_reason = reason
         seq.worker_id = None
+        self._num_finished += 1
+        seq.finish_order = self._num_finished
         self._finished[seq.seq_id] = None
         forgotten = []
         while len(self._finished) > self._max_finished_retained:

@@ -33,6 +33,7 @@ class SequenceProgress:
     num_generated: int
     num_generated_at_admission: int
     finish_reason: FinishReason | None
+    finish_order: int = 0  # 1, 2, ... in the order sequences finished; 0 until then
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class StateStore(Protocol):
 
 class MemoryStore:
     """Keeps saved state in this process: for tests of recovery, and a reference for the
-    semantics every store must have (tests/unit/test_store_contract.py runs both)."""
+    semantics every store must have (tests/unit/test_durable_state.py runs both)."""
 
     def __init__(self) -> None:
         self._params: dict[int, SubmitParams] = {}
@@ -125,16 +126,17 @@ class MemoryStore:
         if self.fail_next_save is not None:
             error, self.fail_next_save = self.fail_next_save, None
             raise error
+        for append in changes.tokens:  # check first: a refused save changes nothing
+            known = len(self._tokens.get(append.seq_id, ()))
+            if append.start != known:
+                raise StoreError(f"seq_id {append.seq_id}: tokens from {append.start} "
+                                 f"saved after {known} tokens")
         for seq_id, params in changes.created:
             self._params[seq_id] = params
         for progress in changes.progress:
             self._progress[progress.seq_id] = progress
         for append in changes.tokens:
-            tokens = self._tokens.setdefault(append.seq_id, [])
-            if append.start != len(tokens):
-                raise StoreError(f"seq_id {append.seq_id}: tokens from {append.start} "
-                                 f"saved after {len(tokens)} tokens")
-            tokens.extend(append.token_ids)
+            self._tokens.setdefault(append.seq_id, []).extend(append.token_ids)
         for seq_id, output in changes.final_outputs:
             if tuple(self._tokens.get(seq_id, ())) != output:
                 raise StoreError(f"seq_id {seq_id}: final output differs from its appends")

@@ -37,8 +37,8 @@ class Durable:
 
     def stop(self) -> None:
         if self.running is not None:
+            self.running.stop(0)  # first: closing the channel first would be a client leaving
             self.channel.close()
-            self.running.stop(0)
             self.running = None
 
 
@@ -110,3 +110,16 @@ def test_a_failed_start_releases_the_state_dir(tmp_path):
     again = start(ServeSettings(host=LOOPBACK, port=0, metrics_port=0, state_dir=str(tmp_path)),
                   CollectorRegistry())
     again.stop(0)
+
+
+def test_stopping_the_server_does_not_cancel_what_its_streams_were_watching(durable):
+    events = durable.stub.Generate(pb.SubmitRequest(request_id="watched",
+                                                    prompt_token_ids=[1, 2, 3],
+                                                    max_new_tokens=4),
+                                   timeout=RPC_TIMEOUT_SECONDS)
+    seq_id = next(events).seq_id
+    stub = durable.restart()  # a graceful stop ends the stream from the server's side
+    with pytest.raises(grpc.RpcError):
+        list(events)
+    info = stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=RPC_TIMEOUT_SECONDS)
+    assert info.state == pb.SEQUENCE_STATE_QUEUED

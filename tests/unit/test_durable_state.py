@@ -355,3 +355,53 @@ def test_the_token_log_is_emptied_as_sequences_finish(tmp_path):
     restarted = Scheduler(make_config(), clock=FakeClock(), store=SqliteStateStore(tmp_path))
     assert restarted.read_output(a, 0).token_ids == (1, 3, 5)
     assert restarted.read_output(b, 0).token_ids == (2, 4, 6)
+
+
+def test_log_rows_shared_with_forgotten_sequences_replay_and_free(tmp_path):
+    """A long-running sequence shares log rows with ones that finish and are forgotten;
+    a restart replays only what the unfinished one needs, and frees rows as before."""
+    state = Restartable("sqlite", tmp_path, max_finished_retained=1)
+    long, *short = [submit(state.sched, max_new_tokens=20) for _ in range(4)]
+    register(state.sched, "w0")
+    admit(state.sched, "w0")
+    running = [long, *short]
+    for step in range(3):
+        state.sched.select_batch(report("w0", running=running,
+                                        tokens={s: [100 * step + s] for s in running}))
+    for seq_id in short:  # finish one by one: each forgets the one before
+        running.remove(seq_id)
+        state.sched.select_batch(report("w0", running=running,
+                                        finished=[finished(seq_id, FinishReason.EOS, 3)]))
+    sched = state.restart()
+    assert sched.read_output(long, 0).token_ids == (long, 100 + long, 200 + long)
+    sched.select_batch(report("w0", running=[long], tokens={long: [7]}))
+    sched.select_batch(report("w0", finished=[finished(long, FinishReason.EOS, 4)]))
+    rows = state.store._db.execute("SELECT COUNT(*) FROM token_log").fetchone()[0]
+    assert rows == 0
+    assert state.restart().read_output(long, 0).token_ids == (
+        long, 100 + long, 200 + long, 7)
+
+
+def test_after_a_failed_save_no_answer_rests_on_unsaved_state(tmp_path):
+    state = Restartable("memory", tmp_path)  # failures are injected into the memory store
+    seq_id = submit(state.sched)
+    state.store.fail_next_save = StoreError("disk full")
+    with pytest.raises(StoreError):
+        state.sched.cancel(seq_id)
+    # The retry saves the cancel before it answers (False: it is cancelled already).
+    assert state.sched.cancel(seq_id) is False
+    assert state.restart().get_sequence(seq_id).finish_reason is FinishReason.CANCELLED
+
+
+def test_the_oldest_finished_are_forgotten_first_after_a_restart_too(kind, tmp_path):
+    state = Restartable(kind, tmp_path, max_finished_retained=3)
+    a = state.sched.submit(params(request_id="A")).seq_id
+    b = state.sched.submit(params(request_id="B")).seq_id
+    c = state.sched.submit(params(request_id="C")).seq_id
+    for seq_id in (c, b, a):  # finish order differs from id order
+        state.sched.cancel(seq_id)
+    sched = state.restart()
+    sched.cancel(submit(sched))  # one more finish: forgets c, the first to finish
+    assert sched.submit(params(request_id="A")).seq_id == a
+    assert sched.submit(params(request_id="B")).seq_id == b
+    assert sched.submit(params(request_id="C")).seq_id != c
