@@ -81,8 +81,11 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
 
 def _start(settings: ServeSettings, registry: CollectorRegistry, metrics: SchedulerMetrics,
            store: SqliteStateStore | None, tls, interceptors) -> RunningServer:
+    sweep_seconds = min(1.0, settings.scheduler.lease_ttl_ms / 4000.0)
     try:
-        core = Scheduler(settings.scheduler, observer=metrics, store=store)
+        # The sweeper checks leases every sweep_seconds: a gap of three means we stood still.
+        core = Scheduler(settings.scheduler, observer=metrics, store=store,
+                         stall_seconds=max(3 * sweep_seconds, 0.5))
     except StoreError as err:
         raise ConfigError(f"state_dir {settings.state_dir!r}: cannot load it: {err}") from None
     if store is not None:
@@ -126,7 +129,6 @@ def _start(settings: ServeSettings, registry: CollectorRegistry, metrics: Schedu
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     stop_sweeper = threading.Event()
-    sweep_seconds = min(1.0, settings.scheduler.lease_ttl_ms / 4000.0)
     threading.Thread(target=_sweep_leases, args=(servicer, stop_sweeper, sweep_seconds),
                      name="lease-sweeper", daemon=True).start()
     return RunningServer(server, health_servicer, metrics_http, port,

@@ -55,7 +55,12 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         max_finished_retained: int = 100_000,
         store: StateStore | None = None,
+        stall_seconds: float | None = None,
     ) -> None:
+        """`stall_seconds`: when lease checks (every call, and a caller's sweeper) are this
+        far apart, the scheduler itself stood still (frozen, paused, starved): that time
+        is not counted against the workers' leases. None: every gap counts (tests that
+        move a fake clock by hand)."""
         self.config = config.validate()
         self._policy: Policy = make_policy(config)
         self._observer = observer or SchedulerObserver()
@@ -64,6 +69,8 @@ class Scheduler:
         self._sequences = SequenceTable(max_finished_retained)
         self._ledger = WorkerLedger()
         self._store = store
+        self._stall_seconds = stall_seconds
+        self._last_lease_check: float | None = None
         # What changed since the last save (see _save).
         self._created: dict[int, SubmitParams] = {}
         self._touched: dict[int, Sequence] = {}  # progress changed
@@ -284,10 +291,22 @@ class Scheduler:
         return requeued
 
     def _expire_leases(self) -> list[str]:
-        expired = self._ledger.expired(self._clock())
+        now = self._clock()
+        self._forgive_own_stall(now)
+        expired = self._ledger.expired(now)
         for worker in expired:
             self._remove_worker(worker, RequeueReason.LEASE_EXPIRED)
         return [worker.worker_id for worker in expired]
+
+    def _forgive_own_stall(self, now: float) -> None:
+        """Workers cannot be heard while the scheduler does not run: move their last call
+        on by the time it stood still, so the stall does not expire their leases."""
+        last, self._last_lease_check = self._last_lease_check, now
+        if self._stall_seconds is None or last is None or now - last <= self._stall_seconds:
+            return
+        stalled = now - last
+        for worker in self._ledger:
+            worker.last_call_at = min(now, worker.last_call_at + stalled)
 
     def _touch(self, seq: Sequence) -> None:
         """Mark `seq` as changed: the next _save writes its progress and new tokens."""

@@ -2,12 +2,13 @@
 import pytest
 
 from service.core import (
-    FinishReason, InvalidArgument, NotFound, PrefillChunk, QueueFull, SequenceState,
-    UnknownWorker,
+    FinishReason, InvalidArgument, NotFound, PrefillChunk, QueueFull, Scheduler,
+    SequenceState, UnknownWorker,
 )
 
 from .factories import (
-    FakeClock, admit, finished, make_scheduler, params, prefill_ids, register, report, submit,
+    FakeClock, admit, finished, make_config, make_scheduler, params, prefill_ids, register,
+    report, submit,
 )
 
 
@@ -613,3 +614,30 @@ def test_deregistration_counts_only_what_went_back_to_the_queue():
     assert sched.deregister_worker("w0") == 1
     assert sched.get_sequence(done).finish_reason is FinishReason.MAX_LENGTH
     assert sched.get_sequence(resumable).state is SequenceState.QUEUED
+
+
+def test_a_scheduler_that_stood_still_does_not_count_it_against_the_leases():
+    clock = FakeClock()
+    sched = Scheduler(make_config(lease_ttl_ms=1000), clock=clock, stall_seconds=0.5)
+    register(sched, "w0")
+    register(sched, "w1")
+    seq_id = submit(sched)
+    admit(sched, "w0")
+    sched.expire_leases()
+    clock.advance_ms(3000)  # frozen: no check ran for 3 s, though the workers kept calling
+    assert sched.expire_leases() == []
+    assert sched.get_sequence(seq_id).worker_id == "w0"
+    # Once running again, silence counts as before.
+    for _ in range(3):
+        clock.advance_ms(400)
+        sched.expire_leases()
+    assert [w.worker_id for w in sched.status().workers] == []
+
+
+def test_without_stall_detection_every_gap_counts():
+    clock = FakeClock()
+    sched = Scheduler(make_config(lease_ttl_ms=1000), clock=clock)
+    register(sched, "w0")
+    sched.expire_leases()
+    clock.advance_ms(3000)
+    assert sched.expire_leases() == ["w0"]
