@@ -330,13 +330,14 @@ class Job:
                                 stop_token_ids=self.stop_token_ids)
 
 
-def make_jobs(count: int, seed: int, prefix: str = "job") -> list[Job]:
+def make_jobs(count: int, seed: int, prefix: str = "job",
+              max_new_tokens_range: tuple[int, int] = (8, 40)) -> list[Job]:
     """`count` sequences; about a third stop early on a stop token (finish reason STOP)."""
     rng = random.Random(seed)
     jobs = []
     for i in range(count):
         prompt = [rng.randrange(1000) for _ in range(rng.randint(3, 40))]
-        max_new_tokens = rng.randint(8, 40)
+        max_new_tokens = rng.randint(*max_new_tokens_range)
         stop_token_ids: list[int] = []
         if i % 3 == 2:
             # One of the tokens it would generate, so that it really stops there.
@@ -395,6 +396,10 @@ class Clients:
         for thread in self._threads:
             thread.join(max(0.0, end - time.monotonic()))
         self._channel.close()
+
+    def running(self) -> bool:
+        """Whether the submitter or any collector is still at work."""
+        return any(thread.is_alive() for thread in self._threads)
 
     def wait_acknowledged(self, count: int, timeout: float) -> None:
         wait_until(lambda: self.num_acknowledged >= count, timeout,
