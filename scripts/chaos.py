@@ -99,16 +99,24 @@ class Chaos:
             time.sleep(0.2)
 
     def kill_a_worker(self) -> None:
-        alive = [w for w, p in self.stack.workers.items()
-                 if p.alive() and w not in self._pending_restarts]
-        if len(alive) < 2:
-            self.say("worker kill skipped: keep one worker running")
-            return
+        """Kill a random worker, but never the last one running: if only one runs, wait
+        (at most two leases) for a killed one to come back first."""
+        give_up_at = time.monotonic() + 2 * self.args.lease_ttl_ms / 1000
+        while len(alive := self.alive_workers()) < 2:
+            if time.monotonic() > give_up_at or not self._pending_restarts:
+                self.say("worker kill skipped: it would leave no worker running")
+                return
+            self.start_pending_workers()
+            time.sleep(0.05)
         victim = self.rng.choice(alive)
         pause = self.rng.uniform(0.0, 1.5) * self.args.lease_ttl_ms / 1000
         self.say(f"kill -9 worker {victim}; restarting it in {pause:.2f} s")
         self.stack.kill_worker(victim)
         self._pending_restarts[victim] = time.monotonic() + pause
+
+    def alive_workers(self) -> list[str]:
+        return [w for w, p in self.stack.workers.items()
+                if p.alive() and w not in self._pending_restarts]
 
     def start_pending_workers(self, force: bool = False) -> None:
         for worker_id, at in list(self._pending_restarts.items()):
@@ -133,7 +141,8 @@ class Chaos:
         self._next_progress = now + PROGRESS_EVERY_SECONDS
         finished = sum(j.finish_reason is not None for j in self.jobs)
         self.say(f"acknowledged {self.clients.num_acknowledged}/{len(self.jobs)}, "
-                 f"finished {finished}, in flight {self.unfinished()}, scheduler kills {self.stack.scheduler_kills}, "
+                 f"finished {finished}, in flight {self.unfinished()}, "
+                 f"scheduler kills {self.stack.scheduler_kills}, "
                  f"worker kills {self.stack.worker_kills}")
 
     def say(self, message: str) -> None:
@@ -148,7 +157,8 @@ def table(args: argparse.Namespace, chaos: Chaos, outcome, wall_seconds: float) 
     if recovery:
         recovery_text = f"{statistics.median(recovery):.2f} s / {max(recovery):.2f} s"
         if no_finish:
-            recovery_text += f" ({no_finish} restarts killed before finishing any)"
+            recovery_text += (f" ({no_finish} restart{'s' if no_finish > 1 else ''} killed "
+                              f"before finishing any)")
     else:
         recovery_text = "n/a"
     batch = f", batch {args.max_batch_size}" if args.max_batch_size else ""

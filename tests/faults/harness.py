@@ -218,6 +218,14 @@ class Stack:
         self.all_procs.append(proc)
         self.workers[worker_id] = proc
 
+    def freeze(self, proc: Proc, seconds: float) -> None:
+        """SIGSTOP `proc` for `seconds`, then SIGCONT: a stall (GC, VM pause, slow disk)."""
+        proc.popen.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            proc.popen.send_signal(signal.SIGCONT)
+
     def kill_worker(self, worker_id: str) -> None:
         proc = self.workers[worker_id]
         assert proc.alive(), f"{worker_id} is not running:\n{proc.log_text()}"
