@@ -230,7 +230,7 @@ def test_lost_answers_and_retried_reports_neither_duplicate_nor_lose_tokens(sche
 
 def test_client_channel_reconnects_no_slower_than_its_retry_backoff(monkeypatch):
     # gRPC's default reconnect backoff grows to 120 s: after a one-minute outage a worker
-    # measured 10 s idle beside a restarted scheduler (2 s with the cap).
+    # registered 10 s after the scheduler was back (1.5 s with the cap).
     import grpc as grpc_module
 
     from worker_client import client as client_module
