@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="'tiny' (seeded random weights), a Hugging Face checkpoint "
                              "directory (config.json + *.safetensors), or 'scripted' (no model: "
                              "worker_client.testing.ScriptedEngine, for load-testing a scheduler)")
+    parser.add_argument("--step-ms", type=float,
+                        help="scripted model only: simulated GPU time per step with work, in "
+                             "milliseconds (default 0), so that faults can land mid-run")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16",
                                                             "float16"),
@@ -51,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.step_ms is not None:
+        if args.model != "scripted":
+            parser.error(f"--step-ms simulates step time of the scripted model only; "
+                         f"--model {args.model} runs a real model, drop --step-ms")
+        if args.step_ms < 0:
+            parser.error(f"--step-ms must not be negative, got {args.step_ms:g}")
     from service.core import ConfigError
     from service.credentials import client_args_credentials
     try:
@@ -70,7 +79,8 @@ def _build_engine(args: argparse.Namespace):
     if args.model == "scripted":
         from worker_client.testing import ScriptedEngine
         return ScriptedEngine(num_kv_pages=args.kv_pages or 4096, page_size=args.page_size,
-                              num_gdn_slots=args.gdn_slots or 64)
+                              num_gdn_slots=args.gdn_slots or 64,
+                              step_seconds=(args.step_ms or 0.0) / 1000.0)
     import torch
 
     from worker_client.engine.engine import ModelEngine, default_pool_sizes

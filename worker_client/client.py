@@ -65,8 +65,15 @@ class SchedulerClient:
                  token: str | None = None) -> None:
         """`credentials`: TLS (None: plaintext); `token`: sent as `authorization: Bearer`."""
         self.target = target
-        self._channel = (grpc.secure_channel(target, credentials) if credentials is not None
-                         else grpc.insecure_channel(target))
+        # gRPC's own reconnect backoff grows to 120 s by default: after a long outage the
+        # channel would sit out a restarted scheduler for minutes while our retries fail
+        # fast. Cap it at our retry backoff instead.
+        options = [
+            ("grpc.initial_reconnect_backoff_ms", max(1, int(retry.initial_seconds * 1000))),
+            ("grpc.max_reconnect_backoff_ms", max(1, int(retry.max_seconds * 1000))),
+        ]
+        self._channel = (grpc.secure_channel(target, credentials, options=options)
+                         if credentials is not None else grpc.insecure_channel(target, options))
         # Keyword arguments of every call: the token's metadata, when there is one.
         self._call_options = ({"metadata": (("authorization", f"Bearer {token}"),)}
                               if token else {})

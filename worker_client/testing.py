@@ -2,12 +2,15 @@
 
 Its next token is a fixed function of the whole prefix (`next_token`), so outputs are
 deterministic and a resumed sequence continues exactly as an uninterrupted one would.
-It keeps real page and slot accounting, so the scheduler sees honest free counts.
+It keeps real page and slot accounting, so the scheduler sees honest free counts, and it
+can take simulated GPU time per step (`step_seconds`), so that a test can land a fault
+while sequences are still running.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from worker_client.engine.api import (
@@ -51,11 +54,17 @@ class ScriptedEngine:
     """Implements engine.api.Engine with `next_token` in place of a model."""
 
     def __init__(self, *, num_kv_pages: int = 256, page_size: int = 16,
-                 num_gdn_slots: int = 32, vocab_size: int = 1000) -> None:
+                 num_gdn_slots: int = 32, vocab_size: int = 1000, step_seconds: float = 0.0,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        """`step_seconds`: simulated GPU time, slept once by each step that has work."""
+        if step_seconds < 0:
+            raise ValueError(f"step_seconds must not be negative, got {step_seconds}")
         self.page_size = page_size
         self.total_kv_pages = num_kv_pages
         self.total_gdn_slots = num_gdn_slots
         self._vocab_size = vocab_size
+        self.step_seconds = step_seconds
+        self._sleep = sleep
         self._held: dict[int, _Held] = {}  # admission order
 
     def num_free_kv_pages(self) -> int:
@@ -79,6 +88,8 @@ class ScriptedEngine:
         tokens: list[tuple[int, tuple[int, ...]]] = []
         finished: list[FinishedSequence] = []
         preempted: list[int] = []
+        if self.step_seconds and (prefill or decode):
+            self._sleep(self.step_seconds)
         for chunk in prefill:
             if chunk.spec is not None:
                 self._held.pop(chunk.seq_id, None)

@@ -226,3 +226,23 @@ def test_lost_answers_and_retried_reports_neither_duplicate_nor_lose_tokens(sche
     assert calls["n"] >= 25, "enough answers were lost to matter"
     for i, prompt in enumerate(prompts):
         assert results[i] == reference_output(prompt, 20), f"stream {i}"
+
+
+def test_client_channel_reconnects_no_slower_than_its_retry_backoff(monkeypatch):
+    # gRPC's default reconnect backoff grows to 120 s: after a one-minute outage a worker
+    # registered 10 s after the scheduler was back (1.5 s with the cap).
+    import grpc as grpc_module
+
+    from worker_client import client as client_module
+    seen: dict = {}
+    real_channel = grpc_module.insecure_channel
+
+    def fake_channel(target, options=None):
+        seen.update(options or [])
+        return real_channel(target)
+
+    monkeypatch.setattr(client_module.grpc, "insecure_channel", fake_channel)
+    retry = client_module.RetryPolicy(initial_seconds=0.1, max_seconds=2.0)
+    client_module.SchedulerClient("127.0.0.1:1", retry=retry).close()
+    assert seen["grpc.initial_reconnect_backoff_ms"] == 100
+    assert seen["grpc.max_reconnect_backoff_ms"] == 2000
