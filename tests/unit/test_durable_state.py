@@ -15,7 +15,7 @@ from service.core.store import MemoryStore, StoreError
 from service.state_sqlite import SqliteStateStore
 
 from .factories import (
-    FakeClock, admit, finished, make_config, params, prefill_ids, register, report, submit,
+    FakeClock, admit, finished, make_config, params, register, report, submit,
 )
 
 
