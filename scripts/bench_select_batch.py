@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from service import convert
 from service.core import Scheduler, SchedulerConfig
+from service.loadgen import percentile
 from service.metrics import SchedulerMetrics
 from service.server import start
 from service.settings import ServeSettings
@@ -110,7 +111,7 @@ def bench_in_process(config: SchedulerConfig, sequences: int, batch: int, warmup
 
 def _row(name: str, samples: list[float]) -> str:
     ordered = sorted(samples)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    p99 = percentile(ordered, 99)
     us = 1e6
     return (f"{name:<22}{len(samples):>8}{statistics.median(ordered) * us:>12.1f}"
             f"{p99 * us:>12.1f}{statistics.fmean(ordered) * us:>12.1f}")

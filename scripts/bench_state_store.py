@@ -21,6 +21,7 @@ from collections.abc import Callable
 from service.core import (
     Scheduler, SchedulerConfig, SubmitParams, TokenUpdate, WorkerRegistration, WorkerReport,
 )
+from service.loadgen import percentile
 from service.state_sqlite import FSYNC_MODES, SqliteStateStore
 
 PROMPT = tuple(range(1, 129))
@@ -62,7 +63,7 @@ def bench(store, batch: int, iterations: int, submits: int):
 
 def _stats(samples: list[float]) -> str:
     ordered = sorted(samples)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    p99 = percentile(ordered, 99)
     return f"{statistics.median(ordered) * 1e6:>10.0f}{p99 * 1e6:>10.0f}"
 
 

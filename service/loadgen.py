@@ -57,9 +57,9 @@ class LoadReport:
                f"throughput: {tokens / self.wall_seconds:.1f} generated tokens/s, "
                f"{len(ok) / self.wall_seconds:.2f} requests/s"]
         if ttft:
-            out.append(f"time to first token: p50 {_ms(_pct(ttft, 50))}, p99 {_ms(_pct(ttft, 99))}")
+            out.append(f"time to first token: p50 {_ms(percentile(ttft, 50))}, p99 {_ms(percentile(ttft, 99))}")
         if e2e:
-            out.append(f"end-to-end latency:  p50 {_ms(_pct(e2e, 50))}, p99 {_ms(_pct(e2e, 99))}, "
+            out.append(f"end-to-end latency:  p50 {_ms(percentile(e2e, 50))}, p99 {_ms(percentile(e2e, 99))}, "
                        f"mean {_ms(statistics.fmean(e2e))}")
         errors = sorted({r.error for r in self.results if r.error})
         out += [f"error: {e}" for e in errors[:5]]
@@ -133,7 +133,8 @@ def _report_progress(results, prompts, started, done: threading.Event, out) -> N
               f"done, {tokens} tokens so far", file=out, flush=True)
 
 
-def _pct(sorted_values: list[float], percent: float) -> float:
+def percentile(sorted_values: list[float], percent: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
     index = min(len(sorted_values) - 1, max(0, round(percent / 100 * len(sorted_values) + 0.5) - 1))
     return sorted_values[index]
 

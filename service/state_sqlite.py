@@ -233,8 +233,9 @@ class SqliteStateStore:
             ids = [(seq_id,) for seq_id in changes.forgotten]
             db.executemany("DELETE FROM sequences WHERE seq_id = ?", ids)
             db.executemany("DELETE FROM outputs WHERE seq_id = ?", ids)
-        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('next_seq_id', ?)",
-                   (changes.next_seq_id,))
+        if changes.next_seq_id is not None:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('next_seq_id', ?)",
+                       (changes.next_seq_id,))
 
     def _append_log(self, changes: StateChanges, done: set[int]) -> tuple[int | None, set[int]]:
         """One log row with this save's appends, but those of sequences that finish in

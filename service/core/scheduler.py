@@ -76,7 +76,6 @@ class Scheduler:
         self._touched: dict[int, Sequence] = {}  # progress changed
         self._grown: dict[int, Sequence] = {}  # output tokens added
         self._forgotten: list[int] = []
-        self._finished: dict[int, Sequence] = {}
         self._worker_changes: dict[str, WorkerRecord | None] = {}
         if store is not None:
             self._recover(store.load())
@@ -335,13 +334,14 @@ class Scheduler:
                             tuple(seq.output_token_ids[seq.num_saved_tokens:]))
                 for seq in grown
             ),
+            # Every finish touches its sequence, and nothing touches it after.
             final_outputs=tuple((seq.seq_id, tuple(seq.output_token_ids))
-                                for seq in self._finished.values()),
+                                for seq in self._touched.values() if seq.is_finished),
             forgotten=tuple(self._forgotten),
             workers_joined=tuple(StoredWorker(w.registration, w.drain_requested)
                                  for w in self._worker_changes.values() if w is not None),
             workers_left=tuple(w for w, r in self._worker_changes.items() if r is None),
-            next_seq_id=self._sequences.next_seq_id,
+            next_seq_id=self._sequences.next_seq_id if self._created else None,
             sync=sync,
         )
         self._store.save(changes)
@@ -353,7 +353,6 @@ class Scheduler:
         self._touched.clear()
         self._grown.clear()
         self._created.clear()
-        self._finished.clear()
         self._forgotten.clear()
         self._worker_changes.clear()
 
@@ -504,7 +503,6 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._forgotten.extend(self._sequences.mark_finished(seq, reason))
         self._touch(seq)
-        self._finished[seq.seq_id] = seq
         self._observer.on_finished(seq.seq_id, reason)
 
     def _evict_reason(self, seq_id: int) -> EvictReason:

@@ -68,7 +68,7 @@ class StateChanges:
     # Disjoint: a worker that left and joined again within one call is only in joined.
     workers_joined: tuple[StoredWorker, ...] = ()  # joined, or changed
     workers_left: tuple[str, ...] = ()
-    next_seq_id: int = 1
+    next_seq_id: int | None = None  # set when the change hands out new ids
     sync: bool = False
 
 
@@ -148,7 +148,8 @@ class MemoryStore:
             self._params.pop(seq_id, None)
             self._progress.pop(seq_id, None)
             self._tokens.pop(seq_id, None)
-        self._next_seq_id = changes.next_seq_id
+        if changes.next_seq_id is not None:
+            self._next_seq_id = changes.next_seq_id
         self.saves += 1
 
     def close(self) -> None:
