@@ -12,7 +12,10 @@ from tests.server.conftest import Server
 from tests.server.wire import RPC_TIMEOUT_SECONDS
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
-METHODS = tuple(pb.DESCRIPTOR.services_by_name["Scheduler"].methods_by_name)
+# Request-response RPCs (Generate streams its answer but takes one request); the
+# bidirectional WorkerSession is fuzzed by its own tests.
+METHODS = tuple(m.name for m in pb.DESCRIPTOR.services_by_name["Scheduler"].methods
+                if not m.client_streaming)
 # What the service may answer to any request it could parse; never UNKNOWN or INTERNAL.
 EXPECTED_CODES = frozenset({
     grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,

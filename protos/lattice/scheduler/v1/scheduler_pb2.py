@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$lattice/scheduler/v1/scheduler.proto\x12\x14lattice.scheduler.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xdb\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x12\n\nadapter_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x36\n\x08sampling\x18\x07 \x01(\x0b\x32$.lattice.scheduler.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\"8\n\x0eSubmitResponse\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0equeue_position\x18\x02 \x01(\r\"\x1f\n\rCancelRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"$\n\x12GetSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"\x80\x02\n\x0cSequenceInfo\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x05state\x18\x02 \x01(\x0e\x32#.lattice.scheduler.v1.SequenceState\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x05 \x01(\r\x12\x18\n\x10generated_tokens\x18\x06 \x01(\r\x12\x39\n\rfinish_reason\x18\x07 \x01(\x0e\x32\".lattice.scheduler.v1.FinishReason\x12\x16\n\x0equeue_position\x18\x08 \x01(\r\"\x98\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0etotal_kv_pages\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x17\n\x0ftotal_gdn_slots\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x10\n\x08\x61\x64\x61pters\x18\x06 \x03(\t\"y\n\x16RegisterWorkerResponse\x12\x12\n\nchunk_size\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x1d\n\x15prefill_reserve_pages\x18\x03 \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"\x8a\x02\n\x12SelectBatchRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07waiting\x18\x02 \x03(\x04\x12\x0f\n\x07running\x18\x03 \x03(\x04\x12\x15\n\rkv_free_pages\x18\x04 \x01(\r\x12\x16\n\x0egdn_free_slots\x18\x05 \x01(\r\x12\x38\n\x08\x66inished\x18\x06 \x03(\x0b\x32&.lattice.scheduler.v1.FinishedSequence\x12\x11\n\tpreempted\x18\x07 \x03(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x31\n\x06tokens\x18\t \x03(\x0b\x32!.lattice.scheduler.v1.TokenUpdate\"p\n\x10\x46inishedSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x06reason\x18\x02 \x01(\x0e\x32\".lattice.scheduler.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\"P\n\x0bTokenUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x06offset\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_offset\"z\n\x11SchedulerDecision\x12\x33\n\x07prefill\x18\x01 \x03(\x0b\x32\".lattice.scheduler.v1.PrefillChunk\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x03(\x04\x12\r\n\x05\x65vict\x18\x03 \x03(\x04\x12\x11\n\titeration\x18\x04 \x01(\x04\"x\n\x0cPrefillChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_start\x18\x02 \x01(\r\x12\x11\n\tchunk_len\x18\x03 \x01(\r\x12\x30\n\x04spec\x18\x04 \x01(\x0b\x32\".lattice.scheduler.v1.SequenceSpec\"\xa4\x01\n\x0cSequenceSpec\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x12\n\nadapter_id\x18\x03 \x01(\t\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.lattice.scheduler.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\",\n\x18\x44\x65registerWorkerResponse\x12\x10\n\x08requeued\x18\x01 \x01(\r\"7\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"+\n\x13\x44rainWorkerResponse\x12\x14\n\x0cnum_assigned\x18\x01 \x01(\r\"\x7f\n\rGenerateEvent\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".lattice.scheduler.v1.FinishReason\"\x12\n\x10GetStatusRequest\"\x80\x01\n\x0eStatusResponse\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x14\n\x0cnum_assigned\x18\x02 \x01(\r\x12\x33\n\x07workers\x18\x03 \x03(\x0b\x32\".lattice.scheduler.v1.WorkerStatus\x12\x0e\n\x06policy\x18\x04 \x01(\t\"\xdd\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_assigned\x18\x02 \x01(\r\x12\x15\n\rkv_free_pages\x18\x03 \x01(\r\x12\x16\n\x0egdn_free_slots\x18\x04 \x01(\r\x12\x16\n\x0etotal_kv_pages\x18\x05 \x01(\r\x12\x17\n\x0ftotal_gdn_slots\x18\x06 \x01(\r\x12\x11\n\titeration\x18\x07 \x01(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x1f\n\x17seconds_since_last_call\x18\t \x01(\x01*\xce\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1c\n\x18\x46INISH_REASON_MAX_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1b\n\x17\x46INISH_REASON_PREEMPTED\x10\x05\x12\x18\n\x14\x46INISH_REASON_FAILED\x10\x06*\xa3\x01\n\rSequenceState\x12\x1e\n\x1aSEQUENCE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SEQUENCE_STATE_QUEUED\x10\x01\x12\x1d\n\x19SEQUENCE_STATE_PREFILLING\x10\x02\x12\x1b\n\x17SEQUENCE_STATE_DECODING\x10\x03\x12\x1b\n\x17SEQUENCE_STATE_FINISHED\x10\x04\x32\xeb\x06\n\tScheduler\x12S\n\x06Submit\x12#.lattice.scheduler.v1.SubmitRequest\x1a$.lattice.scheduler.v1.SubmitResponse\x12S\n\x06\x43\x61ncel\x12#.lattice.scheduler.v1.CancelRequest\x1a$.lattice.scheduler.v1.CancelResponse\x12[\n\x0bGetSequence\x12(.lattice.scheduler.v1.GetSequenceRequest\x1a\".lattice.scheduler.v1.SequenceInfo\x12V\n\x08Generate\x12#.lattice.scheduler.v1.SubmitRequest\x1a#.lattice.scheduler.v1.GenerateEvent0\x01\x12k\n\x0eRegisterWorker\x12+.lattice.scheduler.v1.RegisterWorkerRequest\x1a,.lattice.scheduler.v1.RegisterWorkerResponse\x12`\n\x0bSelectBatch\x12(.lattice.scheduler.v1.SelectBatchRequest\x1a\'.lattice.scheduler.v1.SchedulerDecision\x12q\n\x10\x44\x65registerWorker\x12-.lattice.scheduler.v1.DeregisterWorkerRequest\x1a..lattice.scheduler.v1.DeregisterWorkerResponse\x12Y\n\tGetStatus\x12&.lattice.scheduler.v1.GetStatusRequest\x1a$.lattice.scheduler.v1.StatusResponse\x12\x62\n\x0b\x44rainWorker\x12(.lattice.scheduler.v1.DrainWorkerRequest\x1a).lattice.scheduler.v1.DrainWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$lattice/scheduler/v1/scheduler.proto\x12\x14lattice.scheduler.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xdb\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x12\n\nadapter_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x36\n\x08sampling\x18\x07 \x01(\x0b\x32$.lattice.scheduler.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\"8\n\x0eSubmitResponse\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0equeue_position\x18\x02 \x01(\r\"\x1f\n\rCancelRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"$\n\x12GetSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"\x97\x02\n\x0cSequenceInfo\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x05state\x18\x02 \x01(\x0e\x32#.lattice.scheduler.v1.SequenceState\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x05 \x01(\r\x12\x18\n\x10generated_tokens\x18\x06 \x01(\r\x12\x39\n\rfinish_reason\x18\x07 \x01(\x0e\x32\".lattice.scheduler.v1.FinishReason\x12\x16\n\x0equeue_position\x18\x08 \x01(\r\x12\x15\n\rerror_message\x18\t \x01(\t\"\x98\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0etotal_kv_pages\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x17\n\x0ftotal_gdn_slots\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x10\n\x08\x61\x64\x61pters\x18\x06 \x03(\t\"\x8e\x01\n\x16RegisterWorkerResponse\x12\x12\n\nchunk_size\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x1d\n\x15prefill_reserve_pages\x18\x03 \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\"\xb5\x02\n\x12SelectBatchRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07waiting\x18\x02 \x03(\x04\x12\x0f\n\x07running\x18\x03 \x03(\x04\x12\x15\n\rkv_free_pages\x18\x04 \x01(\r\x12\x16\n\x0egdn_free_slots\x18\x05 \x01(\r\x12\x38\n\x08\x66inished\x18\x06 \x03(\x0b\x32&.lattice.scheduler.v1.FinishedSequence\x12\x11\n\tpreempted\x18\x07 \x03(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x31\n\x06tokens\x18\t \x03(\x0b\x32!.lattice.scheduler.v1.TokenUpdate\x12\x13\n\x0bincarnation\x18\n \x01(\x04\x12\x14\n\x0cidle_wait_ms\x18\x0b \x01(\r\"\x87\x01\n\x10\x46inishedSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x06reason\x18\x02 \x01(\x0e\x32\".lattice.scheduler.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x15\n\rerror_message\x18\x04 \x01(\t\"P\n\x0bTokenUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x06offset\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_offset\"\x8b\x01\n\x11SchedulerDecision\x12\x33\n\x07prefill\x18\x01 \x03(\x0b\x32\".lattice.scheduler.v1.PrefillChunk\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x03(\x04\x12\r\n\x05\x65vict\x18\x03 \x03(\x04\x12\x11\n\titeration\x18\x04 \x01(\x04\x12\x0f\n\x07preempt\x18\x05 \x03(\x04\"x\n\x0cPrefillChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_start\x18\x02 \x01(\r\x12\x11\n\tchunk_len\x18\x03 \x01(\r\x12\x30\n\x04spec\x18\x04 \x01(\x0b\x32\".lattice.scheduler.v1.SequenceSpec\"\xa4\x01\n\x0cSequenceSpec\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x12\n\nadapter_id\x18\x03 \x01(\t\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.lattice.scheduler.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"A\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\",\n\x18\x44\x65registerWorkerResponse\x12\x10\n\x08requeued\x18\x01 \x01(\r\"7\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"+\n\x13\x44rainWorkerResponse\x12\x14\n\x0cnum_assigned\x18\x01 \x01(\r\"\x96\x01\n\rGenerateEvent\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".lattice.scheduler.v1.FinishReason\x12\x15\n\rerror_message\x18\x05 \x01(\t\"\x12\n\x10GetStatusRequest\"\x80\x01\n\x0eStatusResponse\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x14\n\x0cnum_assigned\x18\x02 \x01(\r\x12\x33\n\x07workers\x18\x03 \x03(\x0b\x32\".lattice.scheduler.v1.WorkerStatus\x12\x0e\n\x06policy\x18\x04 \x01(\t\"\xf2\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_assigned\x18\x02 \x01(\r\x12\x15\n\rkv_free_pages\x18\x03 \x01(\r\x12\x16\n\x0egdn_free_slots\x18\x04 \x01(\r\x12\x16\n\x0etotal_kv_pages\x18\x05 \x01(\r\x12\x17\n\x0ftotal_gdn_slots\x18\x06 \x01(\r\x12\x11\n\titeration\x18\x07 \x01(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x1f\n\x17seconds_since_last_call\x18\t \x01(\x01\x12\x13\n\x0bincarnation\x18\n \x01(\x04*\xce\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1c\n\x18\x46INISH_REASON_MAX_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1b\n\x17\x46INISH_REASON_PREEMPTED\x10\x05\x12\x18\n\x14\x46INISH_REASON_FAILED\x10\x06*\xa3\x01\n\rSequenceState\x12\x1e\n\x1aSEQUENCE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SEQUENCE_STATE_QUEUED\x10\x01\x12\x1d\n\x19SEQUENCE_STATE_PREFILLING\x10\x02\x12\x1b\n\x17SEQUENCE_STATE_DECODING\x10\x03\x12\x1b\n\x17SEQUENCE_STATE_FINISHED\x10\x04\x32\xd3\x07\n\tScheduler\x12S\n\x06Submit\x12#.lattice.scheduler.v1.SubmitRequest\x1a$.lattice.scheduler.v1.SubmitResponse\x12S\n\x06\x43\x61ncel\x12#.lattice.scheduler.v1.CancelRequest\x1a$.lattice.scheduler.v1.CancelResponse\x12[\n\x0bGetSequence\x12(.lattice.scheduler.v1.GetSequenceRequest\x1a\".lattice.scheduler.v1.SequenceInfo\x12V\n\x08Generate\x12#.lattice.scheduler.v1.SubmitRequest\x1a#.lattice.scheduler.v1.GenerateEvent0\x01\x12k\n\x0eRegisterWorker\x12+.lattice.scheduler.v1.RegisterWorkerRequest\x1a,.lattice.scheduler.v1.RegisterWorkerResponse\x12`\n\x0bSelectBatch\x12(.lattice.scheduler.v1.SelectBatchRequest\x1a\'.lattice.scheduler.v1.SchedulerDecision\x12q\n\x10\x44\x65registerWorker\x12-.lattice.scheduler.v1.DeregisterWorkerRequest\x1a..lattice.scheduler.v1.DeregisterWorkerResponse\x12Y\n\tGetStatus\x12&.lattice.scheduler.v1.GetStatusRequest\x1a$.lattice.scheduler.v1.StatusResponse\x12\x62\n\x0b\x44rainWorker\x12(.lattice.scheduler.v1.DrainWorkerRequest\x1a).lattice.scheduler.v1.DrainWorkerResponse\x12\x66\n\rWorkerSession\x12(.lattice.scheduler.v1.SelectBatchRequest\x1a\'.lattice.scheduler.v1.SchedulerDecision(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lattice.scheduler.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2647
-  _globals['_FINISHREASON']._serialized_end=2853
-  _globals['_SEQUENCESTATE']._serialized_start=2856
-  _globals['_SEQUENCESTATE']._serialized_end=3019
+  _globals['_FINISHREASON']._serialized_start=2843
+  _globals['_FINISHREASON']._serialized_end=3049
+  _globals['_SEQUENCESTATE']._serialized_start=3052
+  _globals['_SEQUENCESTATE']._serialized_end=3215
   _globals['_SAMPLINGPARAMS']._serialized_start=62
   _globals['_SAMPLINGPARAMS']._serialized_end=143
   _globals['_SUBMITREQUEST']._serialized_start=146
@@ -48,39 +48,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSEQUENCEREQUEST']._serialized_start=495
   _globals['_GETSEQUENCEREQUEST']._serialized_end=531
   _globals['_SEQUENCEINFO']._serialized_start=534
-  _globals['_SEQUENCEINFO']._serialized_end=790
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=793
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=945
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=947
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1068
-  _globals['_SELECTBATCHREQUEST']._serialized_start=1071
-  _globals['_SELECTBATCHREQUEST']._serialized_end=1337
-  _globals['_FINISHEDSEQUENCE']._serialized_start=1339
-  _globals['_FINISHEDSEQUENCE']._serialized_end=1451
-  _globals['_TOKENUPDATE']._serialized_start=1453
-  _globals['_TOKENUPDATE']._serialized_end=1533
-  _globals['_SCHEDULERDECISION']._serialized_start=1535
-  _globals['_SCHEDULERDECISION']._serialized_end=1657
-  _globals['_PREFILLCHUNK']._serialized_start=1659
-  _globals['_PREFILLCHUNK']._serialized_end=1779
-  _globals['_SEQUENCESPEC']._serialized_start=1782
-  _globals['_SEQUENCESPEC']._serialized_end=1946
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1948
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1992
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1994
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=2038
-  _globals['_DRAINWORKERREQUEST']._serialized_start=2040
-  _globals['_DRAINWORKERREQUEST']._serialized_end=2095
-  _globals['_DRAINWORKERRESPONSE']._serialized_start=2097
-  _globals['_DRAINWORKERRESPONSE']._serialized_end=2140
-  _globals['_GENERATEEVENT']._serialized_start=2142
-  _globals['_GENERATEEVENT']._serialized_end=2269
-  _globals['_GETSTATUSREQUEST']._serialized_start=2271
-  _globals['_GETSTATUSREQUEST']._serialized_end=2289
-  _globals['_STATUSRESPONSE']._serialized_start=2292
-  _globals['_STATUSRESPONSE']._serialized_end=2420
-  _globals['_WORKERSTATUS']._serialized_start=2423
-  _globals['_WORKERSTATUS']._serialized_end=2644
-  _globals['_SCHEDULER']._serialized_start=3022
-  _globals['_SCHEDULER']._serialized_end=3897
+  _globals['_SEQUENCEINFO']._serialized_end=813
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=816
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=968
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=971
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1113
+  _globals['_SELECTBATCHREQUEST']._serialized_start=1116
+  _globals['_SELECTBATCHREQUEST']._serialized_end=1425
+  _globals['_FINISHEDSEQUENCE']._serialized_start=1428
+  _globals['_FINISHEDSEQUENCE']._serialized_end=1563
+  _globals['_TOKENUPDATE']._serialized_start=1565
+  _globals['_TOKENUPDATE']._serialized_end=1645
+  _globals['_SCHEDULERDECISION']._serialized_start=1648
+  _globals['_SCHEDULERDECISION']._serialized_end=1787
+  _globals['_PREFILLCHUNK']._serialized_start=1789
+  _globals['_PREFILLCHUNK']._serialized_end=1909
+  _globals['_SEQUENCESPEC']._serialized_start=1912
+  _globals['_SEQUENCESPEC']._serialized_end=2076
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=2078
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=2143
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=2145
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=2189
+  _globals['_DRAINWORKERREQUEST']._serialized_start=2191
+  _globals['_DRAINWORKERREQUEST']._serialized_end=2246
+  _globals['_DRAINWORKERRESPONSE']._serialized_start=2248
+  _globals['_DRAINWORKERRESPONSE']._serialized_end=2291
+  _globals['_GENERATEEVENT']._serialized_start=2294
+  _globals['_GENERATEEVENT']._serialized_end=2444
+  _globals['_GETSTATUSREQUEST']._serialized_start=2446
+  _globals['_GETSTATUSREQUEST']._serialized_end=2464
+  _globals['_STATUSRESPONSE']._serialized_start=2467
+  _globals['_STATUSRESPONSE']._serialized_end=2595
+  _globals['_WORKERSTATUS']._serialized_start=2598
+  _globals['_WORKERSTATUS']._serialized_end=2840
+  _globals['_SCHEDULER']._serialized_start=3218
+  _globals['_SCHEDULER']._serialized_end=4197
 # @@protoc_insertion_point(module_scope)

@@ -96,7 +96,7 @@ class GetSequenceRequest(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
 
 class SequenceInfo(_message.Message):
-    __slots__ = ("seq_id", "state", "worker_id", "prompt_len", "prefilled_tokens", "generated_tokens", "finish_reason", "queue_position")
+    __slots__ = ("seq_id", "state", "worker_id", "prompt_len", "prefilled_tokens", "generated_tokens", "finish_reason", "queue_position", "error_message")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class SequenceInfo(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     state: SequenceState
     worker_id: str
@@ -113,7 +114,8 @@ class SequenceInfo(_message.Message):
     generated_tokens: int
     finish_reason: FinishReason
     queue_position: int
-    def __init__(self, seq_id: _Optional[int] = ..., state: _Optional[_Union[SequenceState, str]] = ..., worker_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_position: _Optional[int] = ...) -> None: ...
+    error_message: str
+    def __init__(self, seq_id: _Optional[int] = ..., state: _Optional[_Union[SequenceState, str]] = ..., worker_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_position: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "total_kv_pages", "page_size", "total_gdn_slots", "max_batch_size", "adapters")
@@ -132,19 +134,21 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., total_gdn_slots: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("chunk_size", "max_batch_size", "prefill_reserve_pages", "lease_ttl_ms")
+    __slots__ = ("chunk_size", "max_batch_size", "prefill_reserve_pages", "lease_ttl_ms", "incarnation")
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RESERVE_PAGES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     chunk_size: int
     max_batch_size: int
     prefill_reserve_pages: int
     lease_ttl_ms: int
-    def __init__(self, chunk_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefill_reserve_pages: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, chunk_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefill_reserve_pages: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class SelectBatchRequest(_message.Message):
-    __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens")
+    __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens", "incarnation", "idle_wait_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +158,8 @@ class SelectBatchRequest(_message.Message):
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    IDLE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     waiting: _containers.RepeatedScalarFieldContainer[int]
     running: _containers.RepeatedScalarFieldContainer[int]
@@ -163,17 +169,21 @@ class SelectBatchRequest(_message.Message):
     preempted: _containers.RepeatedScalarFieldContainer[int]
     draining: bool
     tokens: _containers.RepeatedCompositeFieldContainer[TokenUpdate]
-    def __init__(self, worker_id: _Optional[str] = ..., waiting: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[int]] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., preempted: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ...) -> None: ...
+    incarnation: int
+    idle_wait_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., waiting: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[int]] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., preempted: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., incarnation: _Optional[int] = ..., idle_wait_ms: _Optional[int] = ...) -> None: ...
 
 class FinishedSequence(_message.Message):
-    __slots__ = ("seq_id", "reason", "generated_tokens")
+    __slots__ = ("seq_id", "reason", "generated_tokens", "error_message")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     reason: FinishReason
     generated_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    error_message: str
+    def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class TokenUpdate(_message.Message):
     __slots__ = ("seq_id", "token_ids", "offset")
@@ -186,16 +196,18 @@ class TokenUpdate(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class SchedulerDecision(_message.Message):
-    __slots__ = ("prefill", "decode", "evict", "iteration")
+    __slots__ = ("prefill", "decode", "evict", "iteration", "preempt")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_FIELD_NUMBER: _ClassVar[int]
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
     decode: _containers.RepeatedScalarFieldContainer[int]
     evict: _containers.RepeatedScalarFieldContainer[int]
     iteration: int
-    def __init__(self, prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., decode: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., iteration: _Optional[int] = ...) -> None: ...
+    preempt: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., decode: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., iteration: _Optional[int] = ..., preempt: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
     __slots__ = ("seq_id", "chunk_start", "chunk_len", "spec")
@@ -224,10 +236,12 @@ class SequenceSpec(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., adapter_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class DeregisterWorkerResponse(_message.Message):
     __slots__ = ("requeued",)
@@ -250,16 +264,18 @@ class DrainWorkerResponse(_message.Message):
     def __init__(self, num_assigned: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "finished", "finish_reason")
+    __slots__ = ("seq_id", "token_ids", "finished", "finish_reason", "error_message")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: FinishReason
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+    error_message: str
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -278,7 +294,7 @@ class StatusResponse(_message.Message):
     def __init__(self, queue_depth: _Optional[int] = ..., num_assigned: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "num_assigned", "kv_free_pages", "gdn_free_slots", "total_kv_pages", "total_gdn_slots", "iteration", "draining", "seconds_since_last_call")
+    __slots__ = ("worker_id", "num_assigned", "kv_free_pages", "gdn_free_slots", "total_kv_pages", "total_gdn_slots", "iteration", "draining", "seconds_since_last_call", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
     KV_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +304,7 @@ class WorkerStatus(_message.Message):
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_LAST_CALL_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_assigned: int
     kv_free_pages: int
@@ -297,4 +314,5 @@ class WorkerStatus(_message.Message):
     iteration: int
     draining: bool
     seconds_since_last_call: float
-    def __init__(self, worker_id: _Optional[str] = ..., num_assigned: _Optional[int] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., total_gdn_slots: _Optional[int] = ..., iteration: _Optional[int] = ..., draining: _Optional[bool] = ..., seconds_since_last_call: _Optional[float] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_assigned: _Optional[int] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., total_gdn_slots: _Optional[int] = ..., iteration: _Optional[int] = ..., draining: _Optional[bool] = ..., seconds_since_last_call: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...

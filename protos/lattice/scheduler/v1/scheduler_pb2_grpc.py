@@ -80,6 +80,11 @@ class SchedulerStub:
                 request_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
+        self.WorkerSession = channel.stream_stream(
+                '/lattice.scheduler.v1.Scheduler/WorkerSession',
+                request_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SelectBatchRequest.SerializeToString,
+                response_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SchedulerDecision.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -151,6 +156,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WorkerSession(self, request_iterator, context):
+        """Worker: one stream per worker; each request is answered by exactly one decision, in
+        order, with the same meaning as SelectBatch. A session that ends without
+        DeregisterWorker counts as silence (lease rules apply).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +212,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.DrainWorker,
                     request_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerRequest.FromString,
                     response_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'WorkerSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.WorkerSession,
+                    request_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SelectBatchRequest.FromString,
+                    response_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SchedulerDecision.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +463,33 @@ class Scheduler:
             '/lattice.scheduler.v1.Scheduler/DrainWorker',
             lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerRequest.SerializeToString,
             lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WorkerSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/lattice.scheduler.v1.Scheduler/WorkerSession',
+            lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SelectBatchRequest.SerializeToString,
+            lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SchedulerDecision.FromString,
             options,
             channel_credentials,
             insecure,
