@@ -6,6 +6,7 @@ to these types (service/convert.py) and back.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -41,9 +42,13 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SubmitParams:
-    """A client's request for one sequence, as received."""
+    """A client's request for one sequence, as received.
 
-    prompt_token_ids: tuple[int, ...]
+    `prompt_token_ids` may be any sequence of ints; the core keeps it as a compact
+    array('I') (4 bytes a token) once the sequence is accepted.
+    """
+
+    prompt_token_ids: Sequence[int]
     max_new_tokens: int
     request_id: str = ""
     adapter_id: str = ""
@@ -157,6 +162,9 @@ class Decision:
     decode: tuple[int, ...] = ()
     evict: tuple[int, ...] = ()
     iteration: int = 0
+    # Running sequences the scheduler took back (budget and fair, KV pages short): the
+    # worker frees them before stepping; they resume later from their tokens so far.
+    preempt: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from service.core import SchedulerConfig
+
 from .wire import RPC_TIMEOUT_SECONDS
 
 pytestmark = pytest.mark.slow
@@ -257,7 +259,7 @@ def test_client_commands_submit_status_and_cancel_against_a_real_server(served):
 
     overview = _run(*_cli(), "status", *target)
     assert overview.returncode == 0, overview.stderr
-    assert "policy=fifo" in overview.stdout and "queue_depth=" in overview.stdout
+    assert f"policy={SchedulerConfig().policy}" in overview.stdout and "queue_depth=" in overview.stdout
 
     one = _run(*_cli(), "status", *target, first)
     assert one.returncode == 0, one.stderr

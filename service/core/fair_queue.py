@@ -1,0 +1,129 @@
+"""The `fair` policy's queue order (contract, "Policies").
+
+1. Priority bands, most urgent (lowest `priority`) first. A sequence's band improves by
+   one for every `aging_seconds` it has waited since its first submission, so nothing
+   waits forever behind more urgent work.
+2. Inside a band, tenants by least service so far (the caller's counter: the Virtual
+   Token Counter of "Fairness in Serving Large Language Models", OSDI 2024).
+3. Inside a tenant, first come first served by first submission; a requeued sequence
+   keeps its arrival, so it goes back to the head of its place, not to the tail.
+
+Sequences sharing (priority, tenant) sit in one list sorted by arrival. Along such a
+list the sort key (band, counter, arrival, seq_id) never decreases (older means a
+better band; the tenant's counter is one number), so the global order is a k-way merge
+of the lists, produced lazily from a heap: O(groups + k log groups) for k candidates.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Iterator
+
+from sortedcontainers import SortedList
+
+from service.core.queue import Queued, QueueBase, TenantCounter
+
+_Group = tuple[int, str]  # (priority, tenant)
+
+
+class FairQueue(QueueBase):
+    """Queued sequences in the fair order; see the module docstring."""
+
+    def __init__(self, aging_seconds: float) -> None:
+        super().__init__()
+        assert aging_seconds > 0
+        self._aging_seconds = aging_seconds
+        self._groups: dict[_Group, SortedList] = {}  # (arrived_at, seq_id) per group
+        self._seqs: dict[int, Queued] = {}
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def push_back(self, seq: Queued) -> None:
+        self._tail(seq)
+        self._insert(seq)
+
+    def requeue(self, seqs: list[Queued]) -> None:
+        for seq in reversed(seqs):
+            self._head(seq)
+            self._insert(seq)
+
+    def restore(self, seqs: Iterable[Queued]) -> None:
+        assert not self._seqs, "restore into a non-empty queue"
+        for seq in seqs:
+            self._restored(seq)
+            self._insert(seq)
+
+    def remove(self, seq_id: int) -> bool:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        group = (seq.priority, seq.tenant)
+        entries = self._groups[group]
+        entries.remove((seq.arrived_at, seq_id))
+        if not entries:
+            del self._groups[group]
+        self._uncounted(seq)
+        return True
+
+    def band(self, priority: int, arrived_at: float, now: float) -> int:
+        """The effective band: the priority, one better per aging period waited."""
+        return priority - math.floor(max(0.0, now - arrived_at) / self._aging_seconds)
+
+    def candidates(self, now: float, counter: TenantCounter) -> Iterator[int]:
+        groups = list(self._groups.items())
+        iterators = [iter(entries) for _, entries in groups]
+        heap = []
+        for index, ((priority, tenant), _) in enumerate(groups):
+            arrived_at, seq_id = next(iterators[index])
+            heap.append((self.band(priority, arrived_at, now), counter(tenant), arrived_at,
+                         seq_id, index))
+        heapq.heapify(heap)
+        while heap:
+            band, served, arrived_at, seq_id, index = heapq.heappop(heap)
+            (priority, tenant), _ = groups[index]
+            if counter(tenant) != served:
+                # The tenant was served since this entry was keyed: counters only grow,
+                # so re-keying on the way out keeps the merge exact.
+                heapq.heappush(heap, (band, counter(tenant), arrived_at, seq_id, index))
+                continue
+            yield seq_id
+            following = next(iterators[index], None)
+            if following is not None:
+                heapq.heappush(heap, (self.band(priority, following[0], now), counter(tenant),
+                                      following[0], following[1], index))
+
+    def position(self, seq_id: int, now: float, counter: TenantCounter) -> int:
+        seq = self._seqs[seq_id]
+        key = (self.band(seq.priority, seq.arrived_at, now), counter(seq.tenant),
+               seq.arrived_at, seq_id)
+        return sum(self._num_before(priority, tenant, entries, key, now, counter)
+                   for (priority, tenant), entries in self._groups.items())
+
+    def _num_before(self, priority: int, tenant: str, entries: SortedList,
+                    key: tuple, now: float, counter: TenantCounter) -> int:
+        """Entries of one group that sort before `key` (a binary search: keys only grow
+        along a group)."""
+        served = counter(tenant)
+        low, high = 0, len(entries)
+        while low < high:
+            middle = (low + high) // 2
+            arrived_at, seq_id = entries[middle]
+            if (self.band(priority, arrived_at, now), served, arrived_at, seq_id) < key:
+                low = middle + 1
+            else:
+                high = middle
+        return low
+
+    def _insert(self, seq: Queued) -> None:
+        assert seq.seq_id not in self._seqs, f"seq_id {seq.seq_id} queued twice"
+        self._seqs[seq.seq_id] = seq
+        group = (seq.priority, seq.tenant)
+        entries = self._groups.get(group)
+        if entries is None:
+            entries = self._groups[group] = SortedList()
+        entries.add((seq.arrived_at, seq.seq_id))
+        self._counted(seq)
