@@ -491,7 +491,7 @@ class Scheduler:
             seq = self._sequences.restore(stored, now, wall_now)
             self._num_admissions = max(self._num_admissions, seq.admission_order)
             if not seq.is_finished and self._tenants is not None:
-                self._tenants.activate(seq.tenant)
+                self._tenants.restore_active(seq.tenant)
             if seq.state is SequenceState.QUEUED:
                 key = stored.progress.queue_key
                 seq.queue_key = key if key is not None else 2**62 + seq.seq_id

@@ -39,6 +39,11 @@ class TenantLedger:
         self._active[tenant] += 1
         return lifted
 
+    def restore_active(self, tenant: str) -> None:
+        """An unfinished sequence of `tenant` loaded after a restart (its counter was
+        saved as it was, lifted or not)."""
+        self._active[tenant] += 1
+
     def deactivate(self, tenant: str) -> None:
         """A sequence of `tenant` finished."""
         self._active[tenant] -= 1
