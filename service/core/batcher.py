@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from service.core.plan import DecisionView, Plan, PlanError, SequenceView
-from service.core.step_budget import StepBudget, held_pages
+from service.core.step_budget import StepBudget, decode_pages, held_pages
 
 
 def check_plan(view: DecisionView, plan: Plan, budget: StepBudget,
@@ -45,7 +45,7 @@ def check_plan(view: DecisionView, plan: Plan, budget: StepBudget,
                         "preempted, in the order reported")
     for seq_id in plan.decode:
         once(seq_id, "decode")
-        budget.take_decode(running[seq_id])
+        budget.take_decode(decode_pages(running[seq_id], budget.page_size))
     for chunk in plan.continuations:
         once(chunk.seq_id, "continuations")
         seq = waiting.get(chunk.seq_id)

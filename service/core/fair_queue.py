@@ -97,26 +97,37 @@ class FairQueue(QueueBase):
                                       following[0], following[1], index))
 
     def position(self, seq_id: int, now: float, counter: TenantCounter) -> int:
+        """O(groups x log n): in each group, binary searches by arrival find the entries
+        of better bands, and those of the same band that sort before it."""
         seq = self._seqs[seq_id]
-        key = (self.band(seq.priority, seq.arrived_at, now), counter(seq.tenant),
-               seq.arrived_at, seq_id)
-        return sum(self._num_before(priority, tenant, entries, key, now, counter)
-                   for (priority, tenant), entries in self._groups.items())
+        band = self.band(seq.priority, seq.arrived_at, now)
+        served = counter(seq.tenant)
+        ahead = 0
+        for (priority, tenant), entries in self._groups.items():
+            same_band = self._first_of_band(entries, priority, band, now)
+            next_band = self._first_of_band(entries, priority, band + 1, now)
+            ahead += same_band
+            group_served = counter(tenant)
+            if group_served < served:
+                ahead += next_band - same_band
+            elif group_served == served:
+                earlier = entries.bisect_left((seq.arrived_at, seq_id))
+                ahead += min(max(earlier, same_band), next_band) - same_band
+        return ahead
 
-    def _num_before(self, priority: int, tenant: str, entries: SortedList,
-                    key: tuple, now: float, counter: TenantCounter) -> int:
-        """Entries of one group that sort before `key` (a binary search: keys only grow
-        along a group)."""
-        served = counter(tenant)
-        low, high = 0, len(entries)
-        while low < high:
-            middle = (low + high) // 2
-            arrived_at, seq_id = entries[middle]
-            if (self.band(priority, arrived_at, now), served, arrived_at, seq_id) < key:
-                low = middle + 1
-            else:
-                high = middle
-        return low
+    def _first_of_band(self, entries: SortedList, priority: int, band: int,
+                       now: float) -> int:
+        """Index of the first entry whose band is `band` or worse (bands only grow along
+        a group, from the oldest entry)."""
+        # band(a) >= band  <=>  a > now - (priority - band + 1) * aging_seconds; the
+        # bisection by that arrival is then corrected for rounding at the boundary.
+        threshold = now - (priority - band + 1) * self._aging_seconds
+        index = entries.bisect_right((threshold, math.inf))
+        while index > 0 and self.band(priority, entries[index - 1][0], now) >= band:
+            index -= 1
+        while index < len(entries) and self.band(priority, entries[index][0], now) < band:
+            index += 1
+        return index
 
     def _insert(self, seq: Queued) -> None:
         assert seq.seq_id not in self._seqs, f"seq_id {seq.seq_id} queued twice"

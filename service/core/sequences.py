@@ -44,6 +44,7 @@ class Sequence:
     seq_id: int
     params: SubmitParams  # prompt_token_ids is an array('I')
     enqueued_at: float  # scheduler clock: when it last entered the queue
+    prompt_len: int  # len(params.prompt_token_ids), read on every decision
     # Scheduler clock at its first submission (requeues keep it): the fair order's arrival.
     arrived_at: float = 0.0
     # Wall-clock seconds of its first submission: arrived_at again after a restart.
@@ -69,10 +70,6 @@ class Sequence:
     num_saved_tokens: int = 0
     # 1, 2, ... in the order sequences finished (the oldest are forgotten first).
     finish_order: int = 0
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.params.prompt_token_ids)
 
     @property
     def priority(self) -> int:
@@ -166,7 +163,8 @@ class SequenceTable:
                          prompt_token_ids=compact(params.prompt_token_ids, "prompt_token_ids"),
                          stop_token_ids=tuple(params.stop_token_ids))
         seq = Sequence(seq_id=self._next_seq_id, params=params, enqueued_at=now,
-                       arrived_at=now, submitted_at=wall_now)
+                       prompt_len=len(params.prompt_token_ids), arrived_at=now,
+                       submitted_at=wall_now)
         self._next_seq_id += 1
         self._add(seq)
         return seq
@@ -188,6 +186,7 @@ class SequenceTable:
                          prompt_token_ids=compact(stored.params.prompt_token_ids))
         seq = Sequence(
             seq_id=stored.seq_id, params=params, enqueued_at=now,
+            prompt_len=len(params.prompt_token_ids),
             # The time waited before the restart still counts (aging).
             arrived_at=now - max(0.0, wall_now - p.submitted_at),
             submitted_at=p.submitted_at, state=p.state, worker_id=p.worker_id,

@@ -22,9 +22,9 @@ def pages_for(num_positions: int, page_size: int) -> int:
 
 
 def decode_pages(seq: SequenceView, page_size: int) -> int:
-    """New pages one decode of a running `seq` needs (0 or 1)."""
-    num_tokens = seq.num_tokens()
-    return pages_for(num_tokens, page_size) - pages_for(num_tokens - 1, page_size)
+    """New pages one decode of a running `seq` needs: 1 when the position it writes
+    (its token count - 1) starts a page, else 0."""
+    return 0 if (seq.num_tokens() - 1) % page_size else 1
 
 
 def held_pages(seq: SequenceView, page_size: int, running: bool) -> int:
@@ -56,10 +56,12 @@ class StepBudget:
 
     # Decodes and preemptions.
 
-    def take_decode(self, seq: SequenceView) -> None:
+    def take_decode(self, new_pages: int) -> None:
+        """One decode, which needs `new_pages` (decode_pages) new pages."""
         if self.tokens is not None:
             self.tokens -= 1
-        self._take_pages(decode_pages(seq, self.page_size))
+        if new_pages:
+            self._take_pages(new_pages)
 
     def give_back(self, num_pages: int) -> None:
         """Pages a preempted sequence frees before the step."""

@@ -56,11 +56,14 @@ class BudgetPolicy:
 
     def plan(self, view: DecisionView) -> Plan:
         budget = self.budget(view)
-        preempt = _preempt_for_growth(view, budget)
-        decode = tuple(seq.seq_id for seq in view.running if seq.seq_id not in preempt)
-        for seq in view.running:
+        growth = [decode_pages(seq, budget.page_size) for seq in view.running]
+        preempt = _preempt_for_growth(view, budget, growth)
+        decode = []
+        for seq, new_pages in zip(view.running, growth):
             if seq.seq_id not in preempt:
-                budget.take_decode(seq)
+                decode.append(seq.seq_id)
+                budget.take_decode(new_pages)
+        decode = tuple(decode)
         continuations = _continue_prefills(view, budget)
         admissions, blocked = admit(view, budget, self._first_chunk)
         if not (decode or continuations or admissions or preempt):
@@ -88,19 +91,22 @@ class FairPolicy(BudgetPolicy):
         return FairQueue(self._config.aging_seconds)
 
 
-def _preempt_for_growth(view: DecisionView, budget: StepBudget) -> dict[int, None]:
-    """Step 2: running sequences to preempt so that this iteration's decodes fit in the
-    free pages less the watermark (their pages count as freed), in victim order."""
-    page_size = budget.page_size
-    need = sum(decode_pages(seq, page_size) for seq in view.running)
+def _preempt_for_growth(view: DecisionView, budget: StepBudget,
+                        growth: list[int]) -> dict[int, None]:
+    """Step 2: running sequences to preempt so that this iteration's decodes (`growth`:
+    new pages of each) fit in the free pages less the watermark (a victim's pages count
+    as freed), in victim order."""
+    need = sum(growth)
     victims: dict[int, None] = {}
     if need == 0 or budget.kv_pages >= need:
         return victims
     # Lowest urgency first: the highest priority value, then the latest admitted.
-    for seq in sorted(view.running, key=lambda s: (s.priority, s.admission_order), reverse=True):
+    ranked = sorted(zip(view.running, growth),
+                    key=lambda pair: (pair[0].priority, pair[0].admission_order), reverse=True)
+    for seq, new_pages in ranked:
         victims[seq.seq_id] = None
-        need -= decode_pages(seq, page_size)
-        budget.give_back(held_pages(seq, page_size, running=True))
+        need -= new_pages
+        budget.give_back(held_pages(seq, budget.page_size, running=True))
         if need == 0 or budget.kv_pages >= need:
             break
     return victims
