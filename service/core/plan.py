@@ -1,7 +1,7 @@
 """What a policy sees of one SelectBatch, and what it answers: a plan.
 
 A policy gets a read-only `DecisionView` and returns a `Plan`; the mechanism
-(service/core/batcher.py) checks the plan against the invariants and applies it.
+(service/core/plan_check.py, service/core/batcher.py) checks the plan against the invariants and applies it.
 """
 from __future__ import annotations
 

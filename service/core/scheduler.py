@@ -11,32 +11,28 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.core.batcher import check_plan
+from service.core.batcher import DECISION_FIXED_BYTES, Batcher
 from service.core.changes import ChangeSet
 from service.core.config import SchedulerConfig
 from service.core.errors import InvalidArgument, NotFound, QueueFull
 from service.core.ledger import WorkerLedger, WorkerRecord
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
-from service.core.plan import Chunk, DecisionView, Plan, PreemptReason
+from service.core.plan import PreemptReason
 from service.core.policies import make_policy
 from service.core.sequences import Sequence, SequenceTable, spec_wire_bytes
 from service.core.store import StateStore, StoredState, StoredWorker, StoreError
-from service.core.tenants import TenantLedger, TentativeService
+from service.core.tenants import TenantLedger
+from service.core.validation import validate_report
 from service.core.types import (
-    Decision, FinishReason, PrefillChunk, SchedulerStatus, SequenceInfo, SequenceState,
+    Decision, FinishReason, SchedulerStatus, SequenceInfo, SequenceState,
     SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
 
 # gRPC's default message limit; the server passes its --max-message-bytes.
 DEFAULT_MAX_DECISION_BYTES = 4 * 1024 * 1024
-# Upper bounds of a decision's parts other than admissions' specs, in bytes: its fixed
-# fields, one id (a uint64 varint and its share of framing), one continuation chunk.
-_DECISION_FIXED_BYTES = 64
-_ID_BYTES = 11
-_CONTINUATION_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -90,7 +86,9 @@ class Scheduler:
                          if self._policy.uses_tenant_service else None)
         self._changes = ChangeSet(store)
         self._max_decision_bytes = max_decision_bytes
-        self._num_admissions = 0
+        self._batcher = Batcher(self._policy, self._queue, self._sequences, self._changes,
+                                self._observer, self._tenants, clock, max_decision_bytes,
+                                config.max_loras)
         self._stall_seconds = stall_seconds
         self._last_lease_check: float | None = None
         if store is not None:
@@ -244,7 +242,7 @@ class Scheduler:
         mechanism checks and applies; contract rules 1-7 and "Policies")."""
         self.expire_leases()  # saved before anything below can refuse the report
         worker = self._ledger.get(report.worker_id)
-        _validate_report(report, worker.settings.max_batch_size)
+        validate_report(report, worker.settings.max_batch_size)
         worker.last_call_at = self._clock()
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
@@ -268,127 +266,10 @@ class Scheduler:
         for seq_id in evict:
             self._observer.on_evicted(seq_id, worker.worker_id, self._evict_reason(seq_id))
 
-        view = self._view(worker, report, reported, len(evict))
-        plan = self._policy.plan(view)
-        check_plan(view, plan, self._policy.budget(view),
-                   lambda seq_id: self._candidate(worker, reported, seq_id), self._policy.name)
-        decision = self._apply_plan(worker, view, plan, tuple(evict))
+        decision = self._batcher.decide(worker, report, reported, tuple(evict), self._requeue)
         self._save()
         self._observer.on_decision(report, decision)
         return decision
-
-    # ----------------------------------------------------------------- decisions
-
-    def _view(self, worker: WorkerRecord, report: WorkerReport, reported: set[int],
-              num_evict: int) -> DecisionView:
-        sequences = self._sequences
-        assigned = worker.assigned
-        running = tuple(sequences.get(s) for s in report.running if s in assigned)
-        waiting = tuple(sequences.get(s) for s in report.waiting if s in assigned)
-        adapters = (frozenset(a for s in assigned if (a := sequences.get(s).adapter_id))
-                    if self.config.max_loras else frozenset())
-        num_ids = len(running) + len(waiting)
-        decision_bytes = (self._max_decision_bytes - _DECISION_FIXED_BYTES
-                          - _ID_BYTES * (2 * num_ids + num_evict)
-                          - _CONTINUATION_BYTES * len(waiting))
-        service = (self._tenants.tentative() if self._tenants is not None
-                   else TentativeService(None))
-        now = self._clock()
-
-        def queue() -> Iterator[Sequence]:
-            for seq_id in self._queue.candidates(now, service.served):
-                seq = sequences.get(seq_id)
-                if seq_id not in reported and worker.can_run(seq.adapter_id):
-                    yield seq
-
-        return DecisionView(
-            worker_id=worker.worker_id, max_batch_size=worker.settings.max_batch_size,
-            chunk_size=worker.settings.chunk_size,
-            page_size=worker.registration.page_size,
-            total_kv_pages=worker.registration.total_kv_pages,
-            running=running, waiting=waiting,
-            num_active=len(report.waiting) + len(report.running),
-            kv_free_pages=report.kv_free_pages, gdn_free_slots=report.gdn_free_slots,
-            draining=report.draining or worker.drain_requested,
-            adapters_in_use=adapters, decision_bytes=decision_bytes, queue=queue,
-            service=service,
-        )
-
-    def _candidate(self, worker: WorkerRecord, reported: set[int], seq_id: int) -> Sequence | None:
-        """The queued sequence `seq_id` if `worker` may be given it now, else None."""
-        seq = self._sequences.get(seq_id)
-        if (seq is None or seq_id not in self._queue or seq_id in reported
-                or not worker.can_run(seq.adapter_id)):
-            return None
-        return seq
-
-    def _apply_plan(self, worker: WorkerRecord, view: DecisionView, plan: Plan,
-                    evict: tuple[int, ...]) -> Decision:
-        served: Counter[str] = Counter()
-        prefill = []
-        for chunk in plan.admissions:
-            prefill.append(self._first_chunk(worker, self._sequences.get(chunk.seq_id),
-                                             chunk.length))
-            served[self._sequences.get(chunk.seq_id).tenant] += chunk.length
-        if plan.admissions:
-            self._queue_changed()
-        for seq in view.running:
-            if seq.state is not SequenceState.DECODING and seq.seq_id not in plan.preempt:
-                seq.state = SequenceState.DECODING
-                seq.prefilled_tokens = seq.spec_prompt_len()
-                self._changes.touched(seq)
-        for seq in view.waiting:
-            # The worker asks for more, so the chunk handed out before is done.
-            if seq.prefilled_tokens != seq.cursor:
-                seq.prefilled_tokens = seq.cursor
-                self._changes.touched(seq)
-        for chunk in plan.continuations:
-            prefill.append(self._continuation(self._sequences.get(chunk.seq_id), chunk))
-            served[self._sequences.get(chunk.seq_id).tenant] += chunk.length
-        if plan.preempt:
-            requeued = self._requeue(worker, list(plan.preempt), RequeueReason.PREEMPTED)
-            for seq_id in requeued:
-                self._observer.on_preempted(seq_id, worker.worker_id, plan.preempt_reason)
-        if plan.blocked is not None and len(self._queue):
-            self._observer.on_admission_blocked(worker.worker_id, plan.blocked)
-        self._serve(served)
-        if plan.decode or prefill:
-            self._observer.on_plan(worker.worker_id,
-                                   len(plan.decode) + sum(c.chunk_len for c in prefill),
-                                   self._policy.token_budget)
-        return Decision(tuple(prefill), plan.decode, evict, worker.iteration, plan.preempt)
-
-    def _first_chunk(self, worker: WorkerRecord, seq: Sequence, length: int) -> PrefillChunk:
-        spec = seq.spec()
-        self._queue.remove(seq.seq_id)
-        self._num_admissions += 1
-        seq.admission_order = self._num_admissions
-        seq.state = SequenceState.PREFILLING
-        seq.worker_id = worker.worker_id
-        seq.prefilled_tokens = 0
-        seq.num_generated_at_admission = len(seq.output_token_ids)
-        seq.num_generated = len(seq.output_token_ids)
-        seq.cursor = length
-        worker.assigned[seq.seq_id] = None
-        self._changes.touched(seq)
-        self._observer.on_admitted(seq.seq_id, worker.worker_id,
-                                   max(0.0, self._clock() - seq.enqueued_at))
-        return PrefillChunk(seq.seq_id, 0, length, spec)
-
-    def _continuation(self, seq: Sequence, chunk: Chunk) -> PrefillChunk:
-        prefill = PrefillChunk(seq.seq_id, seq.cursor, chunk.length)
-        seq.cursor += chunk.length
-        self._changes.touched(seq)
-        return prefill
-
-    def _serve(self, served: Counter[str]) -> None:
-        """Count tokens served per tenant (the fair order's counters, and metrics)."""
-        for tenant, num_tokens in served.items():
-            if not num_tokens:
-                continue
-            if self._tenants is not None:
-                self._changes.tenant_served(tenant, self._tenants.charge(tenant, num_tokens))
-            self._observer.on_served(tenant, num_tokens)
 
     # ----------------------------------------------------------------- reports
 
@@ -408,7 +289,7 @@ class Scheduler:
                 self._changes.grown(seq)
                 served[seq.tenant] += len(token_ids)
                 self._observer.on_tokens(seq.seq_id, len(token_ids))
-        self._serve(served)
+        self._batcher.serve(served)
 
     def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:
         """Finish what the worker finished; returns ids reported finished as PREEMPTED."""
@@ -489,7 +370,7 @@ class Scheduler:
         queued, orphans = [], []
         for stored in state.sequences:
             seq = self._sequences.restore(stored, now, wall_now)
-            self._num_admissions = max(self._num_admissions, seq.admission_order)
+            self._batcher.restore_admissions(seq.admission_order)
             if not seq.is_finished and self._tenants is not None:
                 self._tenants.restore_active(seq.tenant)
             if seq.state is SequenceState.QUEUED:
@@ -587,7 +468,7 @@ class Scheduler:
         # Its spec, grown by every token it may generate, must fit in one decision.
         num_ids = prompt_len + params.max_new_tokens + len(params.stop_token_ids)
         if (spec_wire_bytes(num_ids, params.adapter_id)
-                > self._max_decision_bytes - _DECISION_FIXED_BYTES):
+                > self._max_decision_bytes - DECISION_FIXED_BYTES):
             raise InvalidArgument(
                 f"prompt_len + max_new_tokens + stop_token_ids = {num_ids} token ids may not "
                 f"fit in one decision of at most {self._max_decision_bytes} bytes "
@@ -597,32 +478,3 @@ class Scheduler:
 
 def _no_service(tenant: str) -> float:
     return 0.0
-
-
-def _validate_report(report: WorkerReport, max_batch_size: int) -> None:
-    """Reject contradictory or oversized reports before any state changes."""
-    limit = 2 * max_batch_size
-    for field_name, num in (("waiting + running", len(report.waiting) + len(report.running)),
-                            ("finished", len(report.finished)),
-                            ("preempted", len(report.preempted)),
-                            ("tokens", len(report.tokens))):
-        if num > limit:
-            raise InvalidArgument(
-                f"{field_name} holds {num} entries; a worker with max_batch_size "
-                f"{max_batch_size} may report at most {limit}"
-            )
-    seen: set[int] = set()
-    for field_name, ids in (("waiting", report.waiting), ("running", report.running)):
-        for seq_id in ids:
-            if seq_id in seen:
-                raise InvalidArgument(
-                    f"seq_id {seq_id} appears more than once in waiting/running "
-                    f"(second time in {field_name})"
-                )
-            seen.add(seq_id)
-    for fin in report.finished:
-        if fin.seq_id in seen:
-            raise InvalidArgument(f"seq_id {fin.seq_id} is reported both finished and active")
-    for seq_id in report.preempted:
-        if seq_id in seen:
-            raise InvalidArgument(f"seq_id {seq_id} is reported both preempted and active")

@@ -2,7 +2,7 @@
 
 Mechanism only: a policy sets the limits (`Policy.budget`), spends them while it plans
 (`fits_*` / `take_*`), and the mechanism replays the finished plan against a fresh
-budget to check it (service/core/batcher.py). Nothing here reads the config.
+budget to check it (service/core/plan_check.py, service/core/batcher.py). Nothing here reads the config.
 
 KV pages follow the reference engine's accounting: a sequence holds
 ceil(positions / page_size) pages; a prefill chunk adds its tokens' positions; a decode

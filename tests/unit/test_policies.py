@@ -177,8 +177,8 @@ def test_preemptions_are_counted_by_reason():
         def on_preempted(self, seq_id, worker_id, reason):
             counted.append(reason)
 
-    sched = budget_scheduler(kv_watermark_pages=1)
-    sched._observer = Listener()
+    sched = Scheduler(make_config(policy="budget", kv_watermark_pages=1), clock=FakeClock(),
+                      observer=Listener())
     register(sched)
     ids = decoding(sched, 2, prompt_len=16)
     sched.select_batch(report(running=ids, kv_free_pages=1, tokens={s: [7] for s in ids}))
