@@ -5,12 +5,16 @@ One worker with --batch running sequences reports every iteration (one token eac
 sequences finish at their max_new_tokens and are replaced by admissions), while
 clients keep --queued sequences queued (prompts of 64-512 tokens, output 32-256 tokens,
 priorities -1..2, 8 tenants). Only `Scheduler.select_batch` is timed, in process; the
-worker's own bookkeeping and the submissions between calls are not.
+worker's own bookkeeping and the submissions between calls are not. Times are the
+thread's CPU time (time.thread_time), so other jobs on a shared machine do not inflate
+them; on a machine of its own the wall time of a call is the same.
 
 Then, for the queue itself: GetSequence of a queued sequence at --positions queued
 (fifo and fair orders), and the memory a queued 4,000-token prompt costs the core,
 next to what the same prompt cost as a tuple of Python ints (how the core held it
-before).
+before). Last, the decisions' quality for tenants: a steady tenant (2 queued) against a
+flooding one (20 queued), equal weights, honest worker; the steady tenant's share of the
+tokens served over every window of 150 decisions, per policy and seed.
 
     .venv/bin/python scripts/bench_policies.py
 """
@@ -23,12 +27,16 @@ import statistics
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
-from service.core import (
-    FinishedSequence, FinishReason, Scheduler, SchedulerConfig, SubmitParams, TokenUpdate,
-    WorkerRegistration, WorkerReport,
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the honest simulated worker of the tests
+
+from service.core import (  # noqa: E402
+    FinishedSequence, FinishReason, Scheduler, SchedulerConfig, SequenceState, SubmitParams,
+    TokenUpdate, WorkerRegistration, WorkerReport,
 )
-from service.loadgen import percentile
+from service.loadgen import percentile  # noqa: E402
 
 POLICIES = ("fifo", "budget", "fair")
 
@@ -60,9 +68,9 @@ def bench_decisions(policy: str, batch: int, queued: int, iterations: int,
         report = WorkerReport("bench", waiting=tuple(waiting), running=tuple(running),
                               kv_free_pages=10**6 // 2, gdn_free_slots=batch - len(waiting)
                               - len(running), finished=tuple(finished), tokens=tuple(tokens))
-        started = time.perf_counter()
+        started = time.thread_time()
         decision = core.select_batch(report)
-        samples.append(time.perf_counter() - started)
+        samples.append(time.thread_time() - started)
         finished, tokens = [], []
         for chunk in decision.prefill:
             if chunk.spec is not None:
@@ -97,9 +105,9 @@ def bench_get_sequence(policy: str, positions: int, calls: int, seed: int) -> li
     samples = []
     for _ in range(calls):
         seq_id = rnd.choice(ids)
-        started = time.perf_counter()
+        started = time.thread_time()
         core.get_sequence(seq_id)
-        samples.append(time.perf_counter() - started)
+        samples.append(time.thread_time() - started)
     return samples
 
 
@@ -123,6 +131,40 @@ def bytes_per_queued_prompt(prompt_len: int, count: int) -> tuple[float, float]:
     return core_bytes, tuple_bytes
 
 
+def tenant_shares(policy: str, seed: int, decisions: int = 600,
+                  window: int = 150) -> tuple[float, float]:
+    """(lowest, mean) share of the steady tenant over the windows of `window` decisions."""
+    from tests.unit.test_policy_properties import HonestWorker, Served
+    rnd = random.Random(seed)
+    served = Served()
+    core = Scheduler(SchedulerConfig(policy=policy, max_batch_size=8, chunk_size=16,
+                                     max_seq_len=64, max_num_batched_tokens=64,
+                                     min_prefill_chunk=4, max_queue=10**6), observer=served)
+    core.register_worker(WorkerRegistration("w0", total_kv_pages=10**4, page_size=16,
+                                            total_gdn_slots=8, max_batch_size=8))
+    worker = HonestWorker("w0", 10**4, 16, 8)
+    queued: dict[str, list[int]] = {"flood": [], "steady": []}
+    target = {"flood": 20, "steady": 2}
+    history = []
+    for _ in range(decisions):
+        for tenant, ids in queued.items():
+            ids[:] = [s for s in ids if core.get_sequence(s).state is SequenceState.QUEUED]
+            while len(ids) < target[tenant]:
+                prompt_len = rnd.randint(4, 24)
+                ids.append(core.submit(SubmitParams(
+                    prompt_token_ids=list(range(1, prompt_len + 1)),
+                    max_new_tokens=rnd.randint(1, 24), tenant=tenant)).seq_id)
+        before = dict(served.tokens)
+        worker.execute(core.select_batch(worker.report()))
+        history.append({t: served.tokens.get(t, 0) - before.get(t, 0) for t in target})
+    shares = []
+    for start in range(0, decisions - window + 1, 10):
+        steady = sum(h["steady"] for h in history[start:start + window])
+        total = steady + sum(h["flood"] for h in history[start:start + window])
+        shares.append(steady / total)
+    return min(shares), statistics.fmean(shares)
+
+
 def _us(samples: list[float]) -> tuple[float, float]:
     ordered = sorted(samples)
     return statistics.median(ordered) * 1e6, percentile(ordered, 99) * 1e6
@@ -140,7 +182,7 @@ def main() -> int:
 
     print(f"Decisions: 1 worker, {args.batch} running, {args.queued} queued, "
           f"{args.iterations} decisions per policy (Scheduler.select_batch only)")
-    print(f"{'policy':<10}{'median us':>12}{'p99 us':>12}{'x fifo (median)':>18}")
+    print(f"{'policy':<10}{'median us':>12}{'p99 us':>12}{'x fifo (median)':>18}  (CPU time)")
     fifo_median = None
     for policy in POLICIES:
         median, p99 = _us(bench_decisions(policy, args.batch, args.queued, args.iterations,
@@ -149,7 +191,7 @@ def main() -> int:
         print(f"{policy:<10}{median:>12.1f}{p99:>12.1f}{median / fifo_median:>18.2f}")
 
     print(f"\nGetSequence of a queued sequence, {args.positions} queued (1,000 calls)")
-    print(f"{'order':<10}{'median us':>12}{'p99 us':>12}")
+    print(f"{'order':<10}{'median us':>12}{'p99 us':>12}  (CPU time)")
     for policy in ("fifo", "fair"):
         median, p99 = _us(bench_get_sequence(policy, args.positions, 1000, args.seed))
         print(f"{policy:<10}{median:>12.1f}{p99:>12.1f}")
@@ -158,6 +200,12 @@ def main() -> int:
     print("\nMemory per queued 4,000-token prompt (tracemalloc, 200 sequences)")
     print(f"{'the core (array of uint32)':<34}{core_bytes / 1024:>8.1f} KiB")
     print(f"{'a tuple of Python ints':<34}{tuple_bytes / 1024:>8.1f} KiB")
+
+    print("\nSteady tenant's share of served tokens against a flooding tenant "
+          "(windows of 150 decisions; lowest / mean)")
+    for policy in POLICIES:
+        cells = [tenant_shares(policy, seed) for seed in (1, 2, 3)]
+        print(f"{policy:<10}" + "".join(f"{low:>8.3f} /{mean:>6.3f}" for low, mean in cells))
     return 0
 
 

@@ -75,26 +75,31 @@ class FairQueue(QueueBase):
 
     def candidates(self, now: float, counter: TenantCounter) -> Iterator[int]:
         groups = list(self._groups.items())
-        iterators = [iter(entries) for _, entries in groups]
+        served_of: dict[str, float] = {}
         heap = []
-        for index, ((priority, tenant), _) in enumerate(groups):
-            arrived_at, seq_id = next(iterators[index])
-            heap.append((self.band(priority, arrived_at, now), counter(tenant), arrived_at,
-                         seq_id, index))
+        for index, ((priority, tenant), entries) in enumerate(groups):
+            served = served_of.get(tenant)
+            if served is None:
+                served = served_of[tenant] = counter(tenant)
+            arrived_at, seq_id = entries[0]
+            heap.append((self.band(priority, arrived_at, now), served, arrived_at, seq_id,
+                         index, 0))
         heapq.heapify(heap)
         while heap:
-            band, served, arrived_at, seq_id, index = heapq.heappop(heap)
-            (priority, tenant), _ = groups[index]
+            band, served, arrived_at, seq_id, index, position = heapq.heappop(heap)
+            (priority, tenant), entries = groups[index]
             if counter(tenant) != served:
                 # The tenant was served since this entry was keyed: counters only grow,
                 # so re-keying on the way out keeps the merge exact.
-                heapq.heappush(heap, (band, counter(tenant), arrived_at, seq_id, index))
+                heapq.heappush(heap, (band, counter(tenant), arrived_at, seq_id, index,
+                                      position))
                 continue
             yield seq_id
-            following = next(iterators[index], None)
-            if following is not None:
-                heapq.heappush(heap, (self.band(priority, following[0], now), counter(tenant),
-                                      following[0], following[1], index))
+            position += 1
+            if position < len(entries):
+                arrived_at, seq_id = entries[position]
+                heapq.heappush(heap, (self.band(priority, arrived_at, now), counter(tenant),
+                                      arrived_at, seq_id, index, position))
 
     def position(self, seq_id: int, now: float, counter: TenantCounter) -> int:
         """O(groups x log n): in each group, binary searches by arrival find the entries

@@ -30,7 +30,7 @@ class SequenceState(enum.Enum):
     FINISHED = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How a worker picks each next token (temperature 0 means greedy)."""
 
@@ -40,7 +40,7 @@ class SamplingParams:
     seed: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SubmitParams:
     """A client's request for one sequence, as received.
 
@@ -58,7 +58,7 @@ class SubmitParams:
     stop_token_ids: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SequenceSpec:
     """Everything a worker needs to (re)start a sequence from token 0.
 
@@ -74,7 +74,7 @@ class SequenceSpec:
     stop_token_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SubmitResult:
     """The accepted sequence and how many sequences were ahead of it."""
 
@@ -82,7 +82,7 @@ class SubmitResult:
     queue_position: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerRegistration:
     """What a worker declares when it joins."""
 
@@ -94,7 +94,7 @@ class WorkerRegistration:
     adapters: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerSettings:
     """The settings a registered worker runs under."""
 
@@ -104,7 +104,7 @@ class WorkerSettings:
     lease_ttl_ms: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FinishedSequence:
     """A sequence that ended on a worker; `generated_tokens` counts this assignment only."""
 
@@ -113,7 +113,7 @@ class FinishedSequence:
     generated_tokens: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TokenUpdate:
     """Tokens one sequence generated since the worker's last call.
 
@@ -126,7 +126,7 @@ class TokenUpdate:
     offset: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerReport:
     """One worker's report at the start of an iteration (the SelectBatch request)."""
 
@@ -141,7 +141,7 @@ class WorkerReport:
     tokens: tuple[TokenUpdate, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PrefillChunk:
     """Prompt tokens [chunk_start, chunk_start + chunk_len) of a sequence.
 
@@ -154,7 +154,7 @@ class PrefillChunk:
     spec: SequenceSpec | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
     """What one worker runs this iteration."""
 
@@ -167,7 +167,7 @@ class Decision:
     preempt: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SequenceInfo:
     """A read-only view of one sequence."""
 
@@ -181,7 +181,7 @@ class SequenceInfo:
     queue_position: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     """A read-only view of one registered worker as of its last report."""
 
@@ -196,7 +196,7 @@ class WorkerStatus:
     seconds_since_last_call: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerStatus:
     """A read-only view of the whole scheduler."""
 

@@ -18,9 +18,12 @@ def admit(view: DecisionView, budget: StepBudget,
           first_chunk: FirstChunk) -> tuple[tuple[Chunk, ...], BlockReason | None]:
     """Admit candidates in queue order while the budget lasts. A candidate that does
     not fit is skipped, not waited for: later ones that fit go ahead of it. Returns the
-    admissions and what stopped them (None: the queue ran out first, nothing skipped)."""
+    admissions and what stopped them (None: the queue ran out first, nothing skipped;
+    the caller reports a reason only while sequences are still queued)."""
     admissions: list[Chunk] = []
-    blocked = None
+    blocked = _stop_reason(budget)
+    if blocked is not None:
+        return (), blocked  # without ordering the queue (a full batch is the common case)
     num_skipped = 0
     for seq in view.queue():
         stop = _stop_reason(budget)
