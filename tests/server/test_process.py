@@ -180,9 +180,19 @@ def test_serve_help_documents_every_setting_flag_and_its_env_var():
     (["--max-queue", "-1"], {}, None, ["max_queue (--max-queue)"]),
     (["--max-message-bytes", "4"], {}, None,
      ["max_message_bytes (--max-message-bytes)", "1024", "got 4"]),
+    (["--max-num-batched-tokens", "16", "--max-batch-size", "32"], {}, None,
+     ["max_num_batched_tokens (16, --max-num-batched-tokens)",
+      "max_batch_size (32, --max-batch-size)"]),
+    (["--min-prefill-chunk", "600"], {}, None,
+     ["min_prefill_chunk (600, --min-prefill-chunk)", "chunk_size (512, default)"]),
+    (["--aging-seconds", "0"], {}, None, ["aging_seconds (--aging-seconds)", "positive"]),
+    (["--tenant-weights", "/nonexistent/weights.toml"], {}, None,
+     ["tenant_weights (--tenant-weights)", "/nonexistent/weights.toml"]),
+    ([], {}, "tenant_weights = { gold = -2 }\n", ["tenant_weights", "'gold'", "positive"]),
 ], ids=["flag-out-of-range", "chunk-above-max-seq-len", "env-not-an-integer",
         "config-not-toml", "config-unknown-key", "unknown-policy", "negative-max-queue",
-        "tiny-max-message-bytes"])
+        "tiny-max-message-bytes", "budget-below-batch", "first-chunk-above-chunk",
+        "no-aging", "missing-tenant-weights", "negative-tenant-weight"])
 def test_serve_rejects_an_invalid_setting_naming_it_and_its_source(tmp_path, flags, env,
                                                                    config_text, names):
     if config_text is not None:
