@@ -1,0 +1,168 @@
+"""Sequences in flight, each read from one Generate stream and followed by HTTP requests.
+
+A request without an idempotency key gets a sequence of its own, cancelled as soon as its
+client leaves. A request with a key (`request_id`) shares the sequence with every retry of
+the same key: a retry that arrives while the first attempt is still in flight follows the
+same stream from the first token, and a sequence whose followers have all left is
+cancelled only after `reattach_grace_seconds`, so that a client retrying after a timeout
+or a dropped connection finds it still running. After the sequence ends, a retry goes to
+the scheduler, which re-attaches `request_id` to the same sequence and streams it again.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from service.gateway.errors import GatewayError
+from service.gateway.scheduler_link import (
+    FinishReason, GenerateStream, GenerationRequest, SchedulerLink,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one HTTP request asks of a sequence; retries of a key must ask the same."""
+
+    generation: GenerationRequest
+    stop: tuple[str, ...] = ()
+
+
+class Generation:
+    """One sequence's stream, read to the end by a task of its own; followers read its
+    tokens from the first one, as often as they like."""
+
+    def __init__(self, stream: GenerateStream, attempt: Attempt) -> None:
+        self.seq_id = stream.seq_id
+        self.attempt = attempt
+        self.token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.error_message = ""
+        self.error: GatewayError | None = None
+        self.num_followers = 0
+        self._stream = stream
+        self._changed = asyncio.Event()
+        self._cancelled = False
+        self.reader = asyncio.create_task(self._read(), name=f"generate-{self.seq_id}")
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    async def _read(self) -> None:
+        try:
+            while self.finish_reason is None:
+                event = await self._stream.next()
+                self.token_ids.extend(event.token_ids)
+                self.finish_reason = event.finish_reason
+                self.error_message = event.error_message
+                self._wake()
+        except GatewayError as err:
+            self.error = err if not self._cancelled else GatewayError(
+                499, f"seq_id {self.seq_id} was cancelled by the gateway")
+        finally:
+            self._stream.cancel()  # a no-op after the last event
+            self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self) -> AsyncIterator[list[int]]:
+        """Token ids from the first one, in batches, until the sequence ends; raises the
+        stream's GatewayError if it broke."""
+        sent = 0
+        while True:
+            changed = self._changed
+            if len(self.token_ids) > sent:
+                batch = self.token_ids[sent:]
+                sent += len(batch)
+                yield batch
+                continue
+            if self.done:
+                if self.error is not None:
+                    raise self.error
+                return
+            await changed.wait()
+
+    def cancel(self) -> None:
+        """Cancel the sequence: the scheduler cancels it when its stream goes away."""
+        if not self.done:
+            self._cancelled = True
+            self._stream.cancel()
+
+
+class Generations:
+    """Opens sequences, lets retries of a key share one, and cancels the unfollowed."""
+
+    def __init__(self, link: SchedulerLink, reattach_grace_seconds: float) -> None:
+        self._link = link
+        self._grace_seconds = reattach_grace_seconds
+        # request_id -> the task opening its sequence, then the open sequence.
+        self._by_request_id: dict[str, asyncio.Task[Generation]] = {}
+
+    @contextlib.asynccontextmanager
+    async def attach(self, attempt: Attempt) -> AsyncIterator[Generation]:
+        """The sequence for `attempt`, followed until the block ends (a client that left,
+        or an answer sent); then cancelled if nobody else follows it and it runs on."""
+        generation = await self._open_or_join(attempt)
+        generation.num_followers += 1
+        try:
+            yield generation
+        finally:
+            generation.num_followers -= 1
+            if generation.num_followers == 0 and not generation.done:
+                if attempt.generation.request_id and self._grace_seconds > 0:
+                    asyncio.get_running_loop().call_later(
+                        self._grace_seconds, self._cancel_if_unfollowed, generation)
+                else:
+                    generation.cancel()
+
+    async def stop(self, generation: Generation) -> None:
+        """A stop string ended the text: cancel the sequence on the scheduler now."""
+        generation.cancel()
+        try:
+            await self._link.cancel(generation.seq_id)
+        except GatewayError as err:  # the stream's end cancels it as well
+            log.warning("could not cancel seq_id %d after its stop string: %s",
+                        generation.seq_id, err)
+
+    async def _open_or_join(self, attempt: Attempt) -> Generation:
+        request_id = attempt.generation.request_id
+        if not request_id:
+            return Generation(await self._link.generate(attempt.generation), attempt)
+        opening = self._by_request_id.get(request_id)
+        if opening is None:
+            opening = asyncio.create_task(self._open(attempt))
+            self._by_request_id[request_id] = opening
+        generation = await asyncio.shield(opening)
+        if generation.attempt != attempt:
+            raise GatewayError(409, f"Idempotency-Key {request_id!r} is in use by a different "
+                                    f"request; a retry must send the same body",
+                               param="Idempotency-Key", retryable=False)
+        return generation
+
+    async def _open(self, attempt: Attempt) -> Generation:
+        request_id = attempt.generation.request_id
+        try:
+            generation = Generation(await self._link.generate(attempt.generation), attempt)
+        except BaseException:
+            self._by_request_id.pop(request_id, None)
+            raise
+        generation.reader.add_done_callback(
+            lambda _: self._forget(request_id, generation))
+        return generation
+
+    def _forget(self, request_id: str, generation: Generation) -> None:
+        opening = self._by_request_id.get(request_id)
+        if opening is not None and opening.done() and not opening.cancelled() \
+                and opening.exception() is None and opening.result() is generation:
+            del self._by_request_id[request_id]
+
+    def _cancel_if_unfollowed(self, generation: Generation) -> None:
+        if generation.num_followers == 0:
+            generation.cancel()
