@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -48,6 +49,7 @@ def main(args: argparse.Namespace) -> int:
     from service.gateway.server import GatewaySettings, run
 
     logs.configure(args.log_format, args.log_level)
+    logging.getLogger().handlers[0].addFilter(_drop_uvicorn_colours)
     for flag, value in (("--reattach-grace-seconds", args.reattach_grace_seconds),
                         ("--grace-seconds", args.grace_seconds)):
         if value < 0:
@@ -74,3 +76,9 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+def _drop_uvicorn_colours(record: logging.LogRecord) -> bool:
+    """uvicorn adds a terminal-coloured copy of some messages; the log has the plain one."""
+    record.__dict__.pop("color_message", None)
+    return True
