@@ -21,7 +21,8 @@ from service.gateway.scheduler_link import FinishReason, GenerationRequest
 # OpenAI's documented default for /v1/completions; chat completions default to the rest
 # of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-MAX_REQUEST_ID_BYTES = 256
+# The scheduler's limit on request_id and tenant (service/convert.py MAX_STRING_BYTES).
+MAX_NAME_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,11 @@ def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: i
         raise bad_request(f"max_tokens is {max_new_tokens} but the prompt is {num_prompt} "
                           f"tokens, and this model takes at most {max_model_len} in all: "
                           f"ask for at most {room}", "max_tokens")
-    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+    if len(request_id.encode()) > MAX_NAME_BYTES:
         raise bad_request(f"the Idempotency-Key / X-Request-Id header is longer than "
-                          f"{MAX_REQUEST_ID_BYTES} bytes", "Idempotency-Key")
+                          f"{MAX_NAME_BYTES} bytes", "Idempotency-Key")
+    if body.user and len(body.user.encode()) > MAX_NAME_BYTES:
+        raise bad_request(f"user is longer than {MAX_NAME_BYTES} bytes", "user")
     defaults = files.sampling_defaults
     temperature = _first(body.temperature, defaults.temperature, 1.0)
     top_p = _first(body.top_p, defaults.top_p, 0.0)
