@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -24,9 +23,10 @@ from service.gateway.answers import (
 from service.gateway.chat_template import ChatTemplateError
 from service.gateway.errors import GatewayError, bad_request
 from service.gateway.generations import Generations
-from service.gateway.metrics import GatewayMetrics, endpoint_label
+from service.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from service.gateway.model_files import ModelFiles
 from service.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from service.gateway.responses import ChatShape, CompletionShape, sse_event
 from service.gateway.scheduler_link import SchedulerLink
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class ClientGone(Exception):
 def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="Lattice Scheduler OpenAI-compatible gateway", docs_url=None,
                   redoc_url=None, openapi_url=None)
-    app.add_middleware(_MetricsMiddleware, metrics=gateway.metrics)
+    app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -90,7 +90,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         work = plan(body, prompt_ids, max_new_tokens=body.max_tokens,
                     default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, files=gateway.files,
                     max_model_len=gateway.max_model_len, request_id=request_id)
-        shape = _CompletionShape(gateway.served_model_name, body.include_usage)
+        shape = CompletionShape(gateway.served_model_name, body.include_usage)
         return await _answer(gateway, request, COMPLETIONS, work, shape, body.stream, request_id)
 
     @app.post(CHAT_COMPLETIONS)
@@ -110,7 +110,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         work = plan(body, prompt_ids, max_new_tokens=body.max_new_tokens,
                     default_max_tokens=None, files=gateway.files,
                     max_model_len=gateway.max_model_len, request_id=request_id)
-        shape = _ChatShape(gateway.served_model_name, body.include_usage)
+        shape = ChatShape(gateway.served_model_name, body.include_usage)
         return await _answer(gateway, request, CHAT_COMPLETIONS, work, shape, body.stream,
                              request_id)
 
@@ -138,76 +138,8 @@ def _request_id(request: Request) -> str:
             or "").strip()
 
 
-class _CompletionShape:
-    """The JSON of /v1/completions answers and chunks."""
-
-    kind = "cmpl"
-
-    def __init__(self, model: str, include_usage: bool) -> None:
-        self.model = model
-        self.include_usage = include_usage
-        self.created = int(time.time())
-
-    def _envelope(self, seq_id: int, choices: list[dict], chunk: bool) -> dict:
-        body = {"id": f"{self.kind}-{seq_id}", "object": "text_completion",
-                "created": self.created, "model": self.model, "choices": choices}
-        if chunk and self.include_usage:
-            body["usage"] = None
-        return body
-
-    def whole(self, seq_id: int, text: str, finish: Finish, num_prompt: int) -> dict:
-        body = self._envelope(seq_id, [{"index": 0, "text": text, "logprobs": None,
-                                        "finish_reason": finish.reason}], chunk=False)
-        body["usage"] = _usage(num_prompt, finish.num_completion_tokens)
-        return body
-
-    def first_chunk(self, seq_id: int) -> dict | None:
-        return None
-
-    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None) -> dict:
-        return self._envelope(seq_id, [{"index": 0, "text": text, "logprobs": None,
-                                        "finish_reason": finish_reason}], chunk=True)
-
-    def usage_chunk(self, seq_id: int, finish: Finish, num_prompt: int) -> dict:
-        body = self._envelope(seq_id, [], chunk=True)
-        body["usage"] = _usage(num_prompt, finish.num_completion_tokens)
-        return body
-
-
-class _ChatShape(_CompletionShape):
-    """The JSON of /v1/chat/completions answers and chunks."""
-
-    kind = "chatcmpl"
-
-    def _envelope(self, seq_id: int, choices: list[dict], chunk: bool) -> dict:
-        body = super()._envelope(seq_id, choices, chunk)
-        body["object"] = "chat.completion.chunk" if chunk else "chat.completion"
-        return body
-
-    def whole(self, seq_id: int, text: str, finish: Finish, num_prompt: int) -> dict:
-        body = self._envelope(seq_id, [{
-            "index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": finish.reason}], chunk=False)
-        body["usage"] = _usage(num_prompt, finish.num_completion_tokens)
-        return body
-
-    def first_chunk(self, seq_id: int) -> dict | None:
-        return self._envelope(seq_id, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], chunk=True)
-
-    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None) -> dict:
-        delta = {"content": text} if text or finish_reason is None else {}
-        return self._envelope(seq_id, [{"index": 0, "delta": delta, "logprobs": None,
-                                        "finish_reason": finish_reason}], chunk=True)
-
-
-def _usage(num_prompt: int, num_completion: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
-
-
 async def _answer(gateway: Gateway, request: Request, endpoint: str, work: Plan,
-                  shape: _CompletionShape, stream: bool, request_id: str) -> Response:
+                  shape: CompletionShape, stream: bool, request_id: str) -> Response:
     arrived = time.perf_counter()
     metrics = gateway.metrics
     headers = {"x-request-id": request_id} if request_id else {}
@@ -248,7 +180,7 @@ async def _answer(gateway: Gateway, request: Request, endpoint: str, work: Plan,
     return JSONResponse(answer, headers=headers)
 
 
-async def _sse(shape: _CompletionShape, seq_id: int, events: AsyncIterator[Delta | Finish],
+async def _sse(shape: CompletionShape, seq_id: int, events: AsyncIterator[Delta | Finish],
                num_prompt: int, on_first_text: Callable[[], None],
                on_finish: Callable[[Finish], None],
                on_disconnect: Callable[[], None]) -> AsyncIterator[str]:
@@ -258,29 +190,25 @@ async def _sse(shape: _CompletionShape, seq_id: int, events: AsyncIterator[Delta
     try:
         first = shape.first_chunk(seq_id)
         if first is not None:
-            yield _event(first)
+            yield sse_event(first)
         async for event in events:
             if isinstance(event, Delta):
                 if not sent_text:
                     on_first_text()
                     sent_text = True
-                yield _event(shape.chunk(seq_id, event.text))
+                yield sse_event(shape.chunk(seq_id, event.text))
             else:
                 on_finish(event)
-                yield _event(shape.chunk(seq_id, "", event.reason))
+                yield sse_event(shape.chunk(seq_id, "", event.reason))
                 if shape.include_usage:
-                    yield _event(shape.usage_chunk(seq_id, event, num_prompt))
+                    yield sse_event(shape.usage_chunk(seq_id, event, num_prompt))
         yield "data: [DONE]\n\n"
     except GatewayError as err:
-        yield _event(err.body())
+        yield sse_event(err.body())
         yield "data: [DONE]\n\n"
     except asyncio.CancelledError:
         on_disconnect()
         raise
-
-
-def _event(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 class _ClosingStream(StreamingResponse):
@@ -345,33 +273,3 @@ def _add_error_handlers(app: FastAPI) -> None:
         log.exception("internal error %s on %s", incident, request.url.path)
         return await gateway_error(request, GatewayError(
             500, f"internal error {incident}; see the gateway log"))
-
-
-class _MetricsMiddleware:
-    """Counts every request by endpoint and status, and times it to its last byte."""
-
-    def __init__(self, app, metrics: GatewayMetrics) -> None:
-        self._app = app
-        self._metrics = metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)
-            return
-        endpoint = endpoint_label(scope["path"])
-        status = {"code": 500}
-
-        async def send_and_note(message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        started = time.perf_counter()
-        in_progress = self._metrics.requests_in_progress.labels(endpoint)
-        in_progress.inc()
-        try:
-            await self._app(scope, receive, send_and_note)
-        finally:
-            in_progress.dec()
-            self._metrics.request_duration.labels(endpoint).observe(time.perf_counter() - started)
-            self._metrics.requests.labels(endpoint, str(status["code"])).inc()

@@ -5,6 +5,8 @@ below or "other", `status_code` an HTTP status the gateway answered with.
 """
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "lattice_gateway_"
@@ -52,3 +54,33 @@ class GatewayMetrics:
         for endpoint in ENDPOINTS[:2]:  # series exist from the start, at zero
             for metric in (self.prompt_tokens, self.completion_tokens, self.client_disconnects):
                 metric.labels(endpoint)
+
+
+class MetricsMiddleware:
+    """Counts every request by endpoint and status, and times it to its last byte."""
+
+    def __init__(self, app, metrics: GatewayMetrics) -> None:
+        self._app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        endpoint = endpoint_label(scope["path"])
+        status = {"code": 500}
+
+        async def send_and_note(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        started = time.perf_counter()
+        in_progress = self._metrics.requests_in_progress.labels(endpoint)
+        in_progress.inc()
+        try:
+            await self._app(scope, receive, send_and_note)
+        finally:
+            in_progress.dec()
+            self._metrics.request_duration.labels(endpoint).observe(time.perf_counter() - started)
+            self._metrics.requests.labels(endpoint, str(status["code"])).inc()

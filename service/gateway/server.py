@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -106,4 +107,7 @@ async def serve(settings: GatewaySettings, files: ModelFiles,
 
 def run(settings: GatewaySettings) -> None:
     files = ModelFiles(settings.model_dir)
+    # uvicorn handles SIGTERM while it serves (graceful shutdown), then raises the signal
+    # again once it has stopped; absorbing that second one lets the process exit 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     asyncio.run(serve(settings, files, on_listening=lambda line: print(line, flush=True)))
