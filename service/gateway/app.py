@@ -177,6 +177,8 @@ async def _answer(gateway: Gateway, request: Request, endpoint: str, work: Plan,
     except ClientGone:
         metrics.client_disconnects.labels(endpoint).inc()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        await attached.aclose()  # also when `collect` was cancelled before it started
     return JSONResponse(answer, headers=headers)
 
 
