@@ -78,7 +78,7 @@ def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: i
         prompt_token_ids=tuple(prompt_token_ids), max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=0.0 if top_p >= 1.0 else top_p, top_k=top_k,
         seed=_seed(body.seed, request_id), stop_token_ids=stop_token_ids,
-        tenant=body.user or "", priority=body.priority, request_id=request_id)
+        tenant=body.user or "", priority=body.priority or 0, request_id=request_id)
     return Plan(Attempt(generation, stop), num_prompt)
 
 

@@ -91,7 +91,8 @@ def create_app(gateway: Gateway) -> FastAPI:
                     default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, files=gateway.files,
                     max_model_len=gateway.max_model_len, request_id=request_id)
         shape = CompletionShape(gateway.served_model_name, body.include_usage)
-        return await _answer(gateway, request, COMPLETIONS, work, shape, body.stream, request_id)
+        return await _answer(gateway, request, COMPLETIONS, work, shape, bool(body.stream),
+                             request_id)
 
     @app.post(CHAT_COMPLETIONS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -111,8 +112,8 @@ def create_app(gateway: Gateway) -> FastAPI:
                     default_max_tokens=None, files=gateway.files,
                     max_model_len=gateway.max_model_len, request_id=request_id)
         shape = ChatShape(gateway.served_model_name, body.include_usage)
-        return await _answer(gateway, request, CHAT_COMPLETIONS, work, shape, body.stream,
-                             request_id)
+        return await _answer(gateway, request, CHAT_COMPLETIONS, work, shape,
+                             bool(body.stream), request_id)
 
     return app
 

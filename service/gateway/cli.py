@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reattach-grace-seconds", type=float, default=30.0,
                         help="how long a sequence with an Idempotency-Key runs on after its "
                              "client left, for a retry to re-attach (0: cancel at once)")
+    parser.add_argument("--reconnect-seconds", type=float, default=30.0,
+                        help="how long a stream with an Idempotency-Key waits for a scheduler "
+                             "that went away (a restart) to re-attach it (0: fail at once)")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="on SIGTERM, how long answers in flight may take to finish")
     parser.add_argument("--log-level", default="info",
@@ -51,6 +54,7 @@ def main(args: argparse.Namespace) -> int:
     logs.configure(args.log_format, args.log_level)
     logging.getLogger().handlers[0].addFilter(_drop_uvicorn_colours)
     for flag, value in (("--reattach-grace-seconds", args.reattach_grace_seconds),
+                        ("--reconnect-seconds", args.reconnect_seconds),
                         ("--grace-seconds", args.grace_seconds)):
         if value < 0:
             print(f"lattice-scheduler gateway: {flag} must not be negative (got {value:g})",
@@ -64,7 +68,8 @@ def main(args: argparse.Namespace) -> int:
         settings = GatewaySettings(
             target=args.target, model_dir=args.model, host=args.host, port=args.port,
             served_model_name=args.served_model_name, max_model_len=args.max_model_len,
-            reattach_grace_seconds=args.reattach_grace_seconds, grace_seconds=args.grace_seconds,
+            reattach_grace_seconds=args.reattach_grace_seconds,
+            reconnect_seconds=args.reconnect_seconds, grace_seconds=args.grace_seconds,
             credentials=client_args_credentials(args), token=args.token)
         run(settings)
     except ConfigError as err:

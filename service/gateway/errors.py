@@ -21,13 +21,17 @@ class GatewayError(Exception):
     """
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, retryable: bool | None = None) -> None:
+                 code: str | None = None, retryable: bool | None = None,
+                 scheduler_went_away: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.retryable = retryable
+        # The scheduler could not be reached, or ended a stream unfinished: it may be
+        # restarting, and a keyed sequence can be re-attached once it is back.
+        self.scheduler_went_away = scheduler_went_away
 
     def body(self) -> dict:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
@@ -66,4 +70,5 @@ def from_grpc(err: grpc.RpcError, target: str) -> GatewayError:
     if code == grpc.StatusCode.UNAVAILABLE:
         meaning = f"cannot reach the scheduler at {target}"
     return GatewayError(status, f"{meaning}: {code.name}: {details}",
-                        code=code.name.lower())
+                        code=code.name.lower(),
+                        scheduler_went_away=code == grpc.StatusCode.UNAVAILABLE)

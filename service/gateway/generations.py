@@ -7,13 +7,17 @@ same stream from the first token, and a sequence whose followers have all left i
 cancelled only after `reattach_grace_seconds`, so that a client retrying after a timeout
 or a dropped connection finds it still running. After the sequence ends, a retry goes to
 the scheduler, which re-attaches `request_id` to the same sequence and streams it again.
+The gateway does the same itself when the scheduler goes away mid-stream (a restart on its
+--state-dir): a keyed sequence's stream is re-opened for up to `reconnect_seconds`, the
+replayed tokens it already has are skipped, and its followers notice nothing.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from service.gateway.errors import GatewayError
@@ -36,7 +40,10 @@ class Generation:
     """One sequence's stream, read to the end by a task of its own; followers read its
     tokens from the first one, as often as they like."""
 
-    def __init__(self, stream: GenerateStream, attempt: Attempt) -> None:
+    def __init__(self, stream: GenerateStream, attempt: Attempt,
+                 reopen: Callable[[Generation], Awaitable[GenerateStream]] | None = None) -> None:
+        """`reopen`: a new stream of the same sequence after this one broke (GatewayError
+        if it cannot); None: a broken stream ends the generation."""
         self.seq_id = stream.seq_id
         self.attempt = attempt
         self.token_ids: list[int] = []
@@ -45,6 +52,8 @@ class Generation:
         self.error: GatewayError | None = None
         self.num_followers = 0
         self._stream = stream
+        self._reopen = reopen
+        self._num_replayed = 0  # tokens a re-opened stream sends again, to skip
         self._changed = asyncio.Event()
         self._cancelled = False
         self.reader = asyncio.create_task(self._read(), name=f"generate-{self.seq_id}")
@@ -56,8 +65,17 @@ class Generation:
     async def _read(self) -> None:
         try:
             while self.finish_reason is None:
-                event = await self._stream.next()
-                self.token_ids.extend(event.token_ids)
+                try:
+                    event = await self._stream.next()
+                except GatewayError as err:
+                    if self._reopen is None or self._cancelled or not err.scheduler_went_away:
+                        raise
+                    self._stream = await self._reopen(self)
+                    self._num_replayed = len(self.token_ids)
+                    continue
+                skip = min(self._num_replayed, len(event.token_ids))
+                self._num_replayed -= skip
+                self.token_ids.extend(event.token_ids[skip:])
                 self.finish_reason = event.finish_reason
                 self.error_message = event.error_message
                 self._wake()
@@ -99,9 +117,11 @@ class Generation:
 class Generations:
     """Opens sequences, lets retries of a key share one, and cancels the unfollowed."""
 
-    def __init__(self, link: SchedulerLink, reattach_grace_seconds: float) -> None:
+    def __init__(self, link: SchedulerLink, reattach_grace_seconds: float,
+                 reconnect_seconds: float = 30.0) -> None:
         self._link = link
         self._grace_seconds = reattach_grace_seconds
+        self._reconnect_seconds = reconnect_seconds
         # request_id -> the task opening its sequence, then the open sequence.
         self._by_request_id: dict[str, asyncio.Task[Generation]] = {}
 
@@ -149,13 +169,41 @@ class Generations:
     async def _open(self, attempt: Attempt) -> Generation:
         request_id = attempt.generation.request_id
         try:
-            generation = Generation(await self._link.generate(attempt.generation), attempt)
+            generation = Generation(await self._link.generate(attempt.generation), attempt,
+                                    self._reopen if self._reconnect_seconds > 0 else None)
         except BaseException:
             self._by_request_id.pop(request_id, None)
             raise
         generation.reader.add_done_callback(
             lambda _: self._forget(request_id, generation))
         return generation
+
+    async def _reopen(self, generation: Generation) -> GenerateStream:
+        """The sequence's stream again, once the scheduler answers (re-attached by its
+        request_id); GatewayError if it does not within reconnect_seconds, or if it knows
+        the key as another sequence (it lost its state)."""
+        request = generation.attempt.generation
+        deadline = time.monotonic() + self._reconnect_seconds
+        pause = 0.1
+        log.warning("the scheduler went away mid-stream; re-attaching seq_id %d",
+                    generation.seq_id)
+        while True:
+            try:
+                stream = await self._link.generate(request)
+                break
+            except GatewayError as err:
+                if not err.scheduler_went_away or time.monotonic() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 2.0)
+        if stream.seq_id != generation.seq_id:
+            stream.cancel()
+            raise GatewayError(502, f"the scheduler came back without seq_id "
+                                    f"{generation.seq_id} (it knows request_id "
+                                    f"{request.request_id!r} as seq_id {stream.seq_id}: was "
+                                    f"it restarted without --state-dir?)")
+        log.info("re-attached seq_id %d", generation.seq_id)
+        return stream
 
     def _forget(self, request_id: str, generation: Generation) -> None:
         opening = self._by_request_id.get(request_id)

@@ -33,11 +33,12 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
-    n: int = 1
-    stream: bool = False
+    # Nullable where clients send null for "the default".
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # becomes the scheduler's tenant
-    priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)  # extension; lower = sooner
+    priority: int | None = Field(default=0, ge=INT32_MIN, le=INT32_MAX)  # extension; lower = sooner
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -51,7 +52,7 @@ class SamplingFields(BaseModel):
 
     def check_supported(self) -> None:
         """400 for a known parameter that the gateway would otherwise silently ignore."""
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise bad_request(f"n={self.n} is not supported: this server returns one choice "
                               f"per request (n=1); send n requests instead", "n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -71,7 +72,7 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -127,7 +128,7 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -70,7 +70,8 @@ class GenerateStream:
             raise from_grpc(err, self._target) from None
         if event is grpc.aio.EOF:
             raise GatewayError(502, f"the scheduler at {self._target} ended the stream of "
-                                    f"seq_id {self.seq_id} before it finished")
+                                    f"seq_id {self.seq_id} before it finished",
+                               scheduler_went_away=True)
         reason = FinishReason(event.finish_reason) if event.finished else None
         return TokenEvent(tuple(event.token_ids), reason, event.error_message)
 

@@ -36,6 +36,7 @@ class GatewaySettings:
     served_model_name: str = ""  # "" = the model directory's name
     max_model_len: int = 0  # 0 = min(config.json max_position_embeddings, 4096)
     reattach_grace_seconds: float = 30.0
+    reconnect_seconds: float = 30.0  # keyed streams re-attach after a scheduler restart
     grace_seconds: float = 10.0
     credentials: grpc.ChannelCredentials | None = None
     token: str | None = None
@@ -79,7 +80,8 @@ async def serve(settings: GatewaySettings, files: ModelFiles,
     registry = CollectorRegistry()
     gateway = Gateway(files=files, served_model_name=settings.model_name,
                       max_model_len=max_model_len, link=link,
-                      generations=Generations(link, settings.reattach_grace_seconds),
+                      generations=Generations(link, settings.reattach_grace_seconds,
+                                              settings.reconnect_seconds),
                       metrics=GatewayMetrics(registry), registry=registry,
                       started_at=int(time.time()))
     app = create_app(gateway)

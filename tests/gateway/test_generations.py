@@ -21,6 +21,8 @@ class FakeStream:
         event = await self.events.get()
         if event is None:
             raise GatewayError(499, "cancelled")
+        if isinstance(event, GatewayError):
+            raise event
         return event
 
     def cancel(self) -> None:
@@ -30,13 +32,21 @@ class FakeStream:
 
 
 class FakeLink:
+    """Hands out streams; a known request_id gets its first seq_id again, as the scheduler
+    does (unless `forget` is set: a scheduler that lost its state)."""
+
     def __init__(self) -> None:
         self.streams: list[FakeStream] = []
         self.cancelled_seq_ids: list[int] = []
+        self.seq_ids: dict[str, int] = {}
+        self.forget = False
 
     async def generate(self, request: GenerationRequest) -> FakeStream:
         await asyncio.sleep(0.01)  # a round trip, so that concurrent attaches overlap
-        self.streams.append(FakeStream(len(self.streams) + 1))
+        seq_id = len(self.streams) + 1
+        if request.request_id and not self.forget:
+            seq_id = self.seq_ids.setdefault(request.request_id, seq_id)
+        self.streams.append(FakeStream(seq_id))
         return self.streams[-1]
 
     async def cancel(self, seq_id: int) -> None:
@@ -127,3 +137,50 @@ def test_stop_cancels_the_stream_and_the_sequence_on_the_scheduler():
             await generations.stop(generation)
         return link.streams[0].cancelled, link.cancelled_seq_ids
     assert run(scenario()) == (True, [1])
+
+
+WENT_AWAY = GatewayError(503, "cannot reach the scheduler", scheduler_went_away=True)
+
+
+def test_a_keyed_stream_broken_by_a_scheduler_restart_is_reopened_and_the_replay_skipped():
+    async def scenario():
+        link = FakeLink()
+        generations = Generations(link, reattach_grace_seconds=30, reconnect_seconds=5)
+        async with generations.attach(attempt("key")) as generation:
+            first = link.streams[0]
+            first.events.put_nowait(TokenEvent((1, 2)))
+            first.events.put_nowait(WENT_AWAY)
+            while len(link.streams) < 2:
+                await asyncio.sleep(0.01)
+            again = link.streams[1]
+            again.events.put_nowait(TokenEvent((1, 2, 3)))  # replayed from the first token
+            again.events.put_nowait(TokenEvent((4,), FinishReason.MAX_LENGTH))
+            tokens = [t async for batch in generation.follow() for t in batch]
+            return tokens, again.seq_id == first.seq_id
+    assert run(scenario()) == ([1, 2, 3, 4], True)
+
+
+def test_a_scheduler_back_without_the_sequence_is_a_502_and_the_new_one_is_cancelled():
+    async def scenario():
+        link = FakeLink()
+        generations = Generations(link, reattach_grace_seconds=30, reconnect_seconds=5)
+        async with generations.attach(attempt("key")) as generation:
+            link.forget = True
+            link.streams[0].events.put_nowait(WENT_AWAY)
+            with pytest.raises(GatewayError) as raised:
+                [t async for batch in generation.follow() for t in batch]
+            return raised.value.status, "--state-dir" in raised.value.message, \
+                link.streams[1].cancelled
+    assert run(scenario()) == (502, True, True)
+
+
+def test_a_stream_without_a_key_is_not_reopened():
+    async def scenario():
+        link = FakeLink()
+        generations = Generations(link, reattach_grace_seconds=30, reconnect_seconds=5)
+        async with generations.attach(attempt()) as generation:
+            link.streams[0].events.put_nowait(WENT_AWAY)
+            with pytest.raises(GatewayError):
+                [t async for batch in generation.follow() for t in batch]
+        return len(link.streams)
+    assert run(scenario()) == 1
