@@ -76,3 +76,11 @@ def test_a_key_or_user_longer_than_the_schedulers_limit_is_a_400(files):
         planned(files, completion(), request_id="k" * 257)
     with pytest.raises(GatewayError, match="user is longer"):
         planned(files, completion(user="u" * 257))
+
+
+def test_null_for_optional_fields_means_their_default(files):
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "n": None,
+                                             "stream": None, "priority": None, "echo": None,
+                                             "stop": None, "max_tokens": None})
+    request = planned(files, body).attempt.generation
+    assert (request.priority, request.max_new_tokens) == (0, 16)
