@@ -15,7 +15,7 @@ from .stack_files import HEALTH_CHECK_SCRIPT, alert_expressions, dashboard_expre
 PROMETHEUS_SERIES = {"up"}
 
 
-@pytest.mark.parametrize("source", ["scheduler", "gateway"])
+@pytest.mark.parametrize("source", ["scheduler", pytest.param("gateway", marks=pytest.mark.slow)])
 def test_promtool_check_metrics_passes_on_the_live_metrics(promtool, source, request):
     text = request.getfixturevalue("metrics_text" if source == "scheduler"
                                    else "gateway_metrics_text")
@@ -40,6 +40,7 @@ def test_health_check_script_fails_for_an_unknown_service(scheduler):
     assert "NOT_FOUND" in result.stderr
 
 
+@pytest.mark.slow  # starts a gateway, a scheduler and a worker process
 @pytest.mark.parametrize("source", ["dashboard", "alerts"])
 def test_every_promql_expression_names_only_metrics_the_scheduler_or_gateway_exposes(
         source, metrics_text, gateway_metrics_text):
@@ -53,6 +54,7 @@ def test_every_promql_expression_names_only_metrics_the_scheduler_or_gateway_exp
         assert not unknown, f"{expression.where} uses {sorted(unknown)}, not in /metrics"
 
 
+@pytest.mark.slow
 def test_the_gateway_metrics_count_the_requests_sent_through_it(gateway_metrics_text):
     lines = set(gateway_metrics_text.splitlines())
     for sample in (
