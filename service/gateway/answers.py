@@ -105,7 +105,7 @@ async def text_events(generations: Generations, generation: Generation, files: M
         if text:
             yield Delta(text)
         if assembler.stopped:
-            await generations.stop(generation)
+            generations.stop(generation)
             yield Finish("stop", assembler.num_tokens)
             return
     text = assembler.finish()

@@ -72,6 +72,8 @@ class Generation:
                         raise
                     self._stream = await self._reopen(self)
                     self._num_replayed = len(self.token_ids)
+                    if self._cancelled:  # cancelled while it waited for the scheduler
+                        raise err from None
                     continue
                 skip = min(self._num_replayed, len(event.token_ids))
                 self._num_replayed -= skip
@@ -82,6 +84,10 @@ class Generation:
         except GatewayError as err:
             self.error = err if not self._cancelled else GatewayError(
                 499, f"seq_id {self.seq_id} was cancelled by the gateway")
+        except Exception:  # noqa: BLE001 - followers must hear of it, not wait forever
+            log.exception("reading the stream of seq_id %d failed", self.seq_id)
+            self.error = GatewayError(500, f"the gateway failed reading seq_id {self.seq_id}; "
+                                           f"see its log")
         finally:
             self._stream.cancel()  # a no-op after the last event
             self._wake()
@@ -124,6 +130,7 @@ class Generations:
         self._reconnect_seconds = reconnect_seconds
         # request_id -> the task opening its sequence, then the open sequence.
         self._by_request_id: dict[str, asyncio.Task[Generation]] = {}
+        self._cancelling: set[asyncio.Task] = set()  # Cancel calls in flight (kept alive)
 
     @contextlib.asynccontextmanager
     async def attach(self, attempt: Attempt) -> AsyncIterator[Generation]:
@@ -142,14 +149,20 @@ class Generations:
                 else:
                     generation.cancel()
 
-    async def stop(self, generation: Generation) -> None:
-        """A stop string ended the text: cancel the sequence on the scheduler now."""
+    def stop(self, generation: Generation) -> None:
+        """A stop string ended the text: cancel the sequence on the scheduler now (the
+        stream's end cancels it too; the Cancel call makes it explicit), without making
+        the answer wait for the call."""
         generation.cancel()
+        task = asyncio.create_task(self._cancel_on_scheduler(generation.seq_id))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
+
+    async def _cancel_on_scheduler(self, seq_id: int) -> None:
         try:
-            await self._link.cancel(generation.seq_id)
-        except GatewayError as err:  # the stream's end cancels it as well
-            log.warning("could not cancel seq_id %d after its stop string: %s",
-                        generation.seq_id, err)
+            await self._link.cancel(seq_id)
+        except GatewayError as err:
+            log.warning("could not cancel seq_id %d after its stop string: %s", seq_id, err)
 
     async def _open_or_join(self, attempt: Attempt) -> Generation:
         request_id = attempt.generation.request_id

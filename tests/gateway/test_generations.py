@@ -134,7 +134,8 @@ def test_stop_cancels_the_stream_and_the_sequence_on_the_scheduler():
         link = FakeLink()
         generations = Generations(link, reattach_grace_seconds=30)
         async with generations.attach(attempt("key")) as generation:
-            await generations.stop(generation)
+            generations.stop(generation)
+        await asyncio.sleep(0.05)  # the Cancel call runs in the background
         return link.streams[0].cancelled, link.cancelled_seq_ids
     assert run(scenario()) == (True, [1])
 
