@@ -53,6 +53,9 @@ class FairQueue(QueueBase):
 
     def restore(self, seqs: Iterable[Queued]) -> None:
         assert not self._seqs, "restore into a non-empty queue"
+        self.adopt(seqs)
+
+    def adopt(self, seqs: Iterable[Queued]) -> None:
         for seq in seqs:
             self._restored(seq)
             self._insert(seq)
