@@ -296,7 +296,10 @@ class Scheduler:
             if self._tenants is not None:
                 self._tenants.restore_active(seq.tenant)
             if seq.state is SequenceState.QUEUED:
-                queued.append(seq)
+                if len(seq.output_token_ids) >= seq.params.max_new_tokens:
+                    self._finish(seq, FinishReason.MAX_LENGTH)  # nothing left to resume
+                else:
+                    queued.append(seq)
             elif worker is not None and seq.worker_id == worker.worker_id:
                 worker.assigned[seq.seq_id] = None
             else:
