@@ -48,6 +48,9 @@ class RunningServer:
         self._stop_sweeper.set()
         self.grpc_server.stop(grace_seconds).wait()
         self.metrics_http.shutdown()
+        if hasattr(self.servicer, "leave"):  # a replica: hand back its claims
+            self.servicer.stop_background()
+            self.servicer.leave()
         if self.store is not None:
             # Under the core's lock: the lease sweeper may be saving right now.
             self.servicer.call(self.store.close)
@@ -70,8 +73,12 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     registry = registry if registry is not None else CollectorRegistry()
     metrics = SchedulerMetrics(registry, named_tenants=(
         tenant for tenant, _ in settings.scheduler.tenant_weights))
-    store = (SqliteStateStore(settings.state_dir, settings.state_fsync)
-             if settings.state_dir else None)
+    if settings.state:
+        from service.replica_server import open_store
+        store = open_store(settings)
+    else:
+        store = (SqliteStateStore(settings.state_dir, settings.state_fsync)
+                 if settings.state_dir else None)
     try:
         return _start(settings, registry, metrics, store, tls, interceptors)
     except BaseException:
@@ -89,14 +96,19 @@ def _start(settings: ServeSettings, registry: CollectorRegistry, metrics: Schedu
                          stall_seconds=max(3 * sweep_seconds, 0.5),
                          max_decision_bytes=settings.max_message_bytes)
     except StoreError as err:
-        raise ConfigError(f"state_dir {settings.state_dir!r}: cannot load it: {err}") from None
+        where = f"state_dir {settings.state_dir!r}" if settings.state_dir else "state"
+        raise ConfigError(f"{where}: cannot load it: {err}") from None
     if store is not None:
         recovered = core.status()
         log.info("state loaded", extra={"state_dir": settings.state_dir,
                                         "queued": recovered.queue_depth,
                                         "assigned": recovered.num_assigned,
                                         "workers": len(recovered.workers)})
-    servicer = SchedulerServicer(core, metrics)
+    if settings.state:
+        from service.replica_server import replica_servicer
+        servicer = replica_servicer(core, store, metrics, settings)
+    else:
+        servicer = SchedulerServicer(core, metrics)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.max_threads,
                                                     thread_name_prefix="rpc"),
@@ -129,6 +141,8 @@ def _start(settings: ServeSettings, registry: CollectorRegistry, metrics: Schedu
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if settings.state:
+        servicer.start_background()
 
     stop_sweeper = threading.Event()
     threading.Thread(target=_sweep_leases, args=(servicer, stop_sweeper, sweep_seconds),
@@ -170,6 +184,9 @@ def serve(settings: ServeSettings) -> None:
 
 
 def _state_summary(settings: ServeSettings, running: RunningServer) -> str:
+    if settings.state:
+        return (f"replica {running.store.replica_id} of the state in {running.store.path}, "
+                f"fsync {settings.state_fsync}")
     if running.store is None:
         return "state in memory only (--state-dir keeps it across restarts)"
     return f"state in {running.store.path}, fsync {settings.state_fsync}"

@@ -332,13 +332,19 @@ class Scheduler:
         """Every unfinished sequence this core holds (queued or assigned)."""
         return {seq.seq_id for seq in self._sequences if not seq.is_finished}
 
-    def prefetch_wanted(self, max_prefetch: int) -> int:
-        """How many more queued sequences this core's workers could take now: their free
-        places (drained workers have none), at most `max_prefetch` in all, less what the
-        local queue holds already."""
-        free = sum(max(0, w.settings.max_batch_size - len(w.assigned)) for w in self._ledger
-                   if not (w.draining or w.drain_requested))
-        return max(0, min(free, max_prefetch) - len(self._queue))
+    def prefetch_wanted(self, depth: int, num_freeing: int = 0) -> int:
+        """How many more queued sequences this core should hold: its workers' free places
+        (drained ones have none; `num_freeing` more are about to be freed by a report)
+        plus `depth` ahead, less what the local queue holds. Nothing without a worker
+        that takes work."""
+        workers = [w for w in self._ledger if not (w.draining or w.drain_requested)]
+        if not workers:
+            return 0
+        free = sum(max(0, w.settings.max_batch_size - len(w.assigned)) for w in workers)
+        return max(0, free + num_freeing + depth - len(self._queue))
+
+    def num_queued(self) -> int:
+        return len(self._queue)
 
     # ----------------------------------------------------------------- reports
 
