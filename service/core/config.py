@@ -13,6 +13,8 @@ class SchedulerConfig:
     """Every setting of the scheduler, with the contract's defaults."""
 
     max_batch_size: int = 32
+    # The most a worker may ask for at registration (its answer says what is in force).
+    max_worker_batch_size: int = 1024
     chunk_size: int = 512
     prefill_reserve_pages: int = 8
     max_seq_len: int = 4096
@@ -29,6 +31,7 @@ class SchedulerConfig:
             if not isinstance(value, expected) or isinstance(value, bool):
                 raise ConfigError(f"{f.name} must be {expected.__name__}, got {value!r}")
         _at_least("max_batch_size", self.max_batch_size, 1)
+        _at_least("max_worker_batch_size", self.max_worker_batch_size, 1)
         _at_least("chunk_size", self.chunk_size, 1)
         _at_least("max_seq_len", self.max_seq_len, 1)
         _at_least("prefill_reserve_pages", self.prefill_reserve_pages, 0)
@@ -39,11 +42,16 @@ class SchedulerConfig:
             raise ConfigError(
                 f"chunk_size ({self.chunk_size}) must not exceed max_seq_len ({self.max_seq_len})"
             )
-        for name in ("max_batch_size", "chunk_size", "max_seq_len", "prefill_reserve_pages",
-                     "max_queue", "lease_ttl_ms"):
+        for name in ("max_batch_size", "max_worker_batch_size", "chunk_size", "max_seq_len",
+                     "prefill_reserve_pages", "max_queue", "lease_ttl_ms"):
             # Every one of these travels in a uint32 field on the wire.
             if getattr(self, name) > 2**32 - 1:
                 raise ConfigError(f"{name} must be at most {2**32 - 1}, got {getattr(self, name)}")
+        if self.max_batch_size > self.max_worker_batch_size:
+            raise ConfigError(
+                f"max_batch_size ({self.max_batch_size}) must not exceed max_worker_batch_size "
+                f"({self.max_worker_batch_size})"
+            )
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         return self

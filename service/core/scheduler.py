@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.core.config import SchedulerConfig
-from service.core.errors import InvalidArgument, NotFound, QueueFull
+from service.core.errors import InvalidArgument, NotFound, QueueFull, Superseded, UnknownWorker
 from service.core.ledger import WorkerLedger, WorkerRecord
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.policy import Policy, make_policy
@@ -32,6 +32,7 @@ class OutputView:
     token_ids: tuple[int, ...]
     finished: bool
     finish_reason: FinishReason | None
+    error_message: str = ""  # why it failed, for FAILED
 
 
 class Scheduler:
@@ -71,6 +72,8 @@ class Scheduler:
         self._store = store
         self._stall_seconds = stall_seconds
         self._last_lease_check: float | None = None
+        # The latest incarnation handed out (saved with every change of the workers).
+        self._last_incarnation = 0
         # What changed since the last save (see _save).
         self._created: dict[int, SubmitParams] = {}
         self._touched: dict[int, Sequence] = {}  # progress changed
@@ -147,12 +150,14 @@ class Scheduler:
             generated_tokens=max(seq.num_generated, len(seq.output_token_ids)),
             finish_reason=seq.finish_reason,
             queue_position=self._position(seq),
+            error_message=seq.error_message,
         )
 
     def read_output(self, seq_id: int, start: int) -> OutputView:
         """Generated tokens from index `start` on (for streaming)."""
         seq = self._require(seq_id)
-        return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished, seq.finish_reason)
+        return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished, seq.finish_reason,
+                          seq.error_message)
 
     def status(self) -> SchedulerStatus:
         now = self._clock()
@@ -167,6 +172,7 @@ class Scheduler:
                 iteration=w.iteration,
                 draining=w.draining or w.drain_requested,
                 seconds_since_last_call=max(0.0, now - w.last_call_at),
+                incarnation=w.incarnation,
             )
             for w in self._ledger
         )
@@ -180,7 +186,11 @@ class Scheduler:
     # ----------------------------------------------------------------- workers
 
     def register_worker(self, registration: WorkerRegistration) -> WorkerSettings:
-        """Join, or start a new incarnation: what the old one held goes back to the queue."""
+        """Join, or start a new incarnation: what the old one held goes back to the queue.
+
+        The answer's `incarnation` is higher than any handed out before; calls naming an
+        older one of this worker_id are refused from now on (Superseded).
+        """
         if not registration.worker_id:
             raise InvalidArgument("worker_id must not be empty")
         if registration.page_size == 0:
@@ -189,15 +199,20 @@ class Scheduler:
         old = self._ledger.remove(registration.worker_id)
         if old is not None:
             self._requeue(old, list(old.assigned), RequeueReason.REREGISTERED)
-        record = self._add_worker(registration)
+        self._last_incarnation += 1
+        record = self._add_worker(registration, self._last_incarnation)
         self._worker_changes[registration.worker_id] = record
         self._save()
         return record.settings
 
-    def deregister_worker(self, worker_id: str) -> int:
-        """Leave cleanly; returns how many sequences went back to the head of the queue."""
+    def deregister_worker(self, worker_id: str, incarnation: int = 0) -> int:
+        """Leave cleanly; returns how many sequences went back to the head of the queue.
+
+        `incarnation` 0 means the latest; an older one is refused (Superseded).
+        """
         self._save()
         worker = self._ledger.get(worker_id)
+        _check_incarnation(worker, incarnation)
         requeued = self._remove_worker(worker, RequeueReason.DEREGISTERED)
         self._save()
         return len(requeued)
@@ -226,7 +241,9 @@ class Scheduler:
         """Apply one worker's report, then decide its batch (contract rules 1-7)."""
         self.expire_leases()  # saved before anything below can refuse the report
         worker = self._ledger.get(report.worker_id)
+        _check_incarnation(worker, report.incarnation)
         _validate_report(report)
+        self._check_token_offsets(worker, report)
         worker.last_call_at = self._clock()
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
@@ -269,12 +286,14 @@ class Scheduler:
 
     # ----------------------------------------------------------------- internals
 
-    def _add_worker(self, registration: WorkerRegistration) -> WorkerRecord:
+    def _add_worker(self, registration: WorkerRegistration, incarnation: int) -> WorkerRecord:
         settings = WorkerSettings(
             chunk_size=self.config.chunk_size,
-            max_batch_size=registration.max_batch_size or self.config.max_batch_size,
+            max_batch_size=min(registration.max_batch_size or self.config.max_batch_size,
+                               self.config.max_worker_batch_size),
             prefill_reserve_pages=self.config.prefill_reserve_pages,
             lease_ttl_ms=self.config.lease_ttl_ms,
+            incarnation=incarnation,
         )
         record = WorkerRecord(registration, settings, last_call_at=self._clock())
         self._ledger.add(record)
@@ -338,10 +357,11 @@ class Scheduler:
             final_outputs=tuple((seq.seq_id, tuple(seq.output_token_ids))
                                 for seq in self._touched.values() if seq.is_finished),
             forgotten=tuple(self._forgotten),
-            workers_joined=tuple(StoredWorker(w.registration, w.drain_requested)
+            workers_joined=tuple(StoredWorker(w.registration, w.drain_requested, w.incarnation)
                                  for w in self._worker_changes.values() if w is not None),
             workers_left=tuple(w for w, r in self._worker_changes.items() if r is None),
             next_seq_id=self._sequences.next_seq_id if self._created else None,
+            last_incarnation=self._last_incarnation if self._worker_changes else None,
             sync=sync,
         )
         self._store.save(changes)
@@ -363,8 +383,11 @@ class Scheduler:
         SelectBatch reconciles (what it still holds stays, what it does not mention goes
         back to the head of the queue), and if it never calls its lease runs out.
         """
+        self._last_incarnation = max([state.last_incarnation,
+                                      *(w.incarnation for w in state.workers)])
         for stored in state.workers:
-            self._add_worker(stored.registration).drain_requested = stored.drain_requested
+            record = self._add_worker(stored.registration, stored.incarnation)
+            record.drain_requested = stored.drain_requested
         self._sequences.reserve_ids_below(state.next_seq_id)
         queued, orphans = [], []
         for stored in state.sequences:
@@ -434,6 +457,25 @@ class Scheduler:
         self._touch(seq)
         return chunk
 
+    def _check_token_offsets(self, worker: WorkerRecord, report: WorkerReport) -> None:
+        """Refuse a report whose token update starts past the tokens known for its sequence
+        (a gap means tokens were lost on the way), before anything is applied."""
+        known: dict[int, int] = {}
+        for index, update in enumerate(report.tokens):
+            if update.seq_id not in worker.assigned:
+                continue  # stale: skipped when applied
+            seq = self._sequences.get(update.seq_id)
+            num_known = known.get(update.seq_id, len(seq.output_token_ids)
+                                  - seq.num_generated_at_admission)
+            start = num_known if update.offset is None else update.offset
+            if start > num_known:
+                raise InvalidArgument(
+                    f"tokens[{index}]: seq_id {update.seq_id} offset {start} is beyond the "
+                    f"{num_known} tokens known for it since its admission to this worker "
+                    f"(tokens {num_known}..{start - 1} were lost); nothing was applied"
+                )
+            known[update.seq_id] = max(num_known, start + len(update.token_ids))
+
     def _apply_tokens(self, worker: WorkerRecord, report: WorkerReport) -> None:
         for update in report.tokens:
             if update.seq_id not in worker.assigned:
@@ -459,8 +501,12 @@ class Scheduler:
                 preempted.append(fin.seq_id)
                 continue
             seq = self._sequences.get(fin.seq_id)
-            seq.num_generated = max(len(seq.output_token_ids),
-                                    seq.num_generated_at_admission + fin.generated_tokens)
+            # A count beyond what this assignment may generate is the worker's error: cap it.
+            num_allowed = max(0, seq.params.max_new_tokens - seq.num_generated_at_admission)
+            seq.num_generated = max(len(seq.output_token_ids), seq.num_generated_at_admission
+                                    + min(fin.generated_tokens, num_allowed))
+            if fin.reason is FinishReason.FAILED:
+                seq.error_message = fin.error_message
             del worker.assigned[fin.seq_id]
             self._finish(seq, fin.reason)
         return preempted
@@ -532,6 +578,23 @@ class Scheduler:
                 f"prompt_len + max_new_tokens = {prompt_len} + {params.max_new_tokens} = "
                 f"{prompt_len + params.max_new_tokens} exceeds max_seq_len={limit}"
             )
+
+
+def _check_incarnation(worker: WorkerRecord, incarnation: int) -> None:
+    """Refuse a call from an incarnation other than the registered one (0: the latest)."""
+    if incarnation in (0, worker.incarnation):
+        return
+    if incarnation < worker.incarnation:
+        raise Superseded(
+            f"superseded: worker_id {worker.worker_id!r} incarnation {incarnation} was "
+            f"replaced by incarnation {worker.incarnation} (a later RegisterWorker with the "
+            "same worker_id: two processes share it); this call changed nothing"
+        )
+    raise UnknownWorker(
+        f"worker_id {worker.worker_id!r} incarnation {incarnation} is unknown here (the "
+        f"registered one is {worker.incarnation}; the scheduler's state is older than that "
+        "registration): call RegisterWorker again"
+    )
 
 
 def _validate_report(report: WorkerReport) -> None:

@@ -34,6 +34,7 @@ class SequenceProgress:
     num_generated_at_admission: int
     finish_reason: FinishReason | None
     finish_order: int = 0  # 1, 2, ... in the order sequences finished; 0 until then
+    error_message: str = ""  # why it failed, for FAILED
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class StoredWorker:
 
     registration: WorkerRegistration
     drain_requested: bool = False
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class StateChanges:
     workers_joined: tuple[StoredWorker, ...] = ()  # joined, or changed
     workers_left: tuple[str, ...] = ()
     next_seq_id: int | None = None  # set when the change hands out new ids
+    last_incarnation: int | None = None  # set when workers changed: the latest handed out
     sync: bool = False
 
 
@@ -87,6 +90,7 @@ class StoredState:
     sequences: list[StoredSequence] = field(default_factory=list)  # ascending seq_id
     workers: list[StoredWorker] = field(default_factory=list)
     next_seq_id: int = 1
+    last_incarnation: int = 0  # never hand out this number or a lower one again
 
 
 class StateStore(Protocol):
@@ -108,6 +112,7 @@ class MemoryStore:
         self._tokens: dict[int, list[int]] = {}
         self._workers: dict[str, StoredWorker] = {}
         self._next_seq_id = 1
+        self._last_incarnation = 0
         self.saves = 0
         self.fail_next_save: StoreError | None = None
 
@@ -120,6 +125,7 @@ class MemoryStore:
             ],
             workers=list(self._workers.values()),
             next_seq_id=self._next_seq_id,
+            last_incarnation=self._last_incarnation,
         )
 
     def save(self, changes: StateChanges) -> None:
@@ -150,6 +156,8 @@ class MemoryStore:
             self._tokens.pop(seq_id, None)
         if changes.next_seq_id is not None:
             self._next_seq_id = changes.next_seq_id
+        if changes.last_incarnation is not None:
+            self._last_incarnation = changes.last_incarnation
         self.saves += 1
 
     def close(self) -> None:

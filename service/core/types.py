@@ -97,6 +97,8 @@ class WorkerSettings:
     max_batch_size: int
     prefill_reserve_pages: int
     lease_ttl_ms: int
+    # This registration's number: grows with every registration of any worker, never reused.
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class FinishedSequence:
     seq_id: int
     reason: FinishReason
     generated_tokens: int = 0
+    error_message: str = ""  # why, for FAILED
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,8 @@ class WorkerReport:
     preempted: tuple[int, ...] = ()
     draining: bool = False
     tokens: tuple[TokenUpdate, ...] = ()
+    # The incarnation the worker registered as; 0: the latest (clients that do not send it).
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,7 @@ class SequenceInfo:
     generated_tokens: int
     finish_reason: FinishReason | None
     queue_position: int
+    error_message: str = ""  # why it failed, for FAILED
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,7 @@ class WorkerStatus:
     iteration: int
     draining: bool
     seconds_since_last_call: float
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
