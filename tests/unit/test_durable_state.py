@@ -405,3 +405,22 @@ def test_the_oldest_finished_are_forgotten_first_after_a_restart_too(kind, tmp_p
     assert sched.submit(params(request_id="A")).seq_id == a
     assert sched.submit(params(request_id="B")).seq_id == b
     assert sched.submit(params(request_id="C")).seq_id != c
+
+
+def test_a_failed_sequences_reason_and_the_last_incarnation_survive_a_restart(state):
+    sched = state.sched
+    seq_id = submit(sched)
+    register(sched, "gone")
+    last = register(sched, "w0").incarnation
+    sched.deregister_worker("gone")
+    admit(sched, "w0")
+    failure = finished(seq_id, FinishReason.FAILED)
+    sched.select_batch(report("w0", finished=[type(failure)(
+        seq_id, FinishReason.FAILED, 0, "token id 600 is outside the model's vocabulary of 512")]))
+    restarted = state.restart()
+    info = restarted.get_sequence(seq_id)
+    assert (info.finish_reason, info.error_message) == (
+        FinishReason.FAILED, "token id 600 is outside the model's vocabulary of 512")
+    assert restarted.read_output(seq_id, 0).error_message == info.error_message
+    assert [w.incarnation for w in restarted.status().workers] == [last]
+    assert register(restarted, "new").incarnation == last + 1
