@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 import sys
@@ -132,7 +133,8 @@ def status(args: argparse.Namespace) -> int:
                   f"prefilled={info.prefilled_tokens} generated={info.generated_tokens} "
                   f"queue_position={info.queue_position} "
                   f"finish_reason={pb.FinishReason.Name(info.finish_reason)}"
-                  + (f" error={info.error_message!r}" if info.error_message else ""))
+                  + (f" error={json.dumps(info.error_message)}" if info.error_message
+                     else ""))
         return 0
     st = stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout)
     print(f"policy={st.policy} queue_depth={st.queue_depth} assigned={st.num_assigned} "
