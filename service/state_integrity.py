@@ -45,27 +45,25 @@ def damaged(path: Path, what: str) -> StateDamaged:
 
 # ------------------------------------------------------------------------ checksums
 
-_NONE, _INT, _FLOAT, _TEXT, _BLOB = b"N", b"I", b"F", b"T", b"B"
-
-
 def row_checksum(*values) -> int:
-    """CRC-32 over a row's values, each with its type and length (so that neither a value
-    moved across columns nor a changed type goes unnoticed)."""
-    crc = 0
+    """CRC-32 over a row's values in order, each with its type (so that neither a value
+    moved across columns nor a changed type goes unnoticed).
+
+    The values are SQLite's: None, int, float, str, bytes. Their repr() is exact and stable
+    (quotes and escapes included) and tells the types apart; a blob enters as its length
+    in the repr, a 1-tuple no other value can be, and its bytes are checksummed as they are
+    (cheap for the large token blobs). Called for every row written, so kept lean.
+    """
+    if bytes not in map(type, values):
+        return zlib.crc32(repr(values).encode())
+    crc, shape = 0, []
     for value in values:
-        if value is None:
-            crc = zlib.crc32(_NONE, crc)
-        elif isinstance(value, int):
-            crc = zlib.crc32(_INT + str(value).encode() + b";", crc)
-        elif isinstance(value, float):
-            crc = zlib.crc32(_FLOAT + repr(value).encode() + b";", crc)
-        elif isinstance(value, str):
-            data = value.encode("utf-8", "surrogatepass")
-            crc = zlib.crc32(data, zlib.crc32(_TEXT + str(len(data)).encode() + b";", crc))
+        if type(value) is bytes:
+            crc = zlib.crc32(value, crc)
+            shape.append((len(value),))
         else:
-            data = bytes(value)
-            crc = zlib.crc32(data, zlib.crc32(_BLOB + str(len(data)).encode() + b";", crc))
-    return crc
+            shape.append(value)
+    return zlib.crc32(repr(shape).encode(), crc)
 
 
 def connect_function(db: sqlite3.Connection) -> None:

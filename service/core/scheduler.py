@@ -243,14 +243,14 @@ class Scheduler:
         worker = self._ledger.get(report.worker_id)
         _check_incarnation(worker, report.incarnation)
         _validate_report(report)
-        self._check_token_offsets(worker, report)
+        new_tokens = self._new_tokens(worker, report)  # refuses a gap before any change
         worker.last_call_at = self._clock()
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots
         worker.draining = report.draining
 
-        self._apply_tokens(worker, report)
+        self._apply_tokens(new_tokens)
         preempted = [*self._apply_finished(worker, report), *report.preempted]
         reported = set(report.waiting) | set(report.running)
         mentioned = reported | {f.seq_id for f in report.finished} | set(report.preempted)
@@ -457,16 +457,21 @@ class Scheduler:
         self._touch(seq)
         return chunk
 
-    def _check_token_offsets(self, worker: WorkerRecord, report: WorkerReport) -> None:
-        """Refuse a report whose token update starts past the tokens known for its sequence
-        (a gap means tokens were lost on the way), before anything is applied."""
-        known: dict[int, int] = {}
+    def _new_tokens(self, worker: WorkerRecord,
+                    report: WorkerReport) -> list[tuple[Sequence, tuple[int, ...]]]:
+        """The tokens each update adds, changing nothing. An update with an offset keeps only
+        what is new (a retried report repeats tokens already applied); one whose offset is
+        past the tokens known for its sequence is refused (a gap means tokens were lost on
+        the way), and with it the whole report."""
+        new_tokens = []
+        known: dict[int, int] = {}  # tokens per sequence since its admission, so far
         for index, update in enumerate(report.tokens):
             if update.seq_id not in worker.assigned:
-                continue  # stale: skipped when applied
+                continue  # stale: the sequence left this worker
             seq = self._sequences.get(update.seq_id)
-            num_known = known.get(update.seq_id, len(seq.output_token_ids)
-                                  - seq.num_generated_at_admission)
+            num_known = known.get(update.seq_id)
+            if num_known is None:
+                num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
             start = num_known if update.offset is None else update.offset
             if start > num_known:
                 raise InvalidArgument(
@@ -474,22 +479,17 @@ class Scheduler:
                     f"{num_known} tokens known for it since its admission to this worker "
                     f"(tokens {num_known}..{start - 1} were lost); nothing was applied"
                 )
-            known[update.seq_id] = max(num_known, start + len(update.token_ids))
-
-    def _apply_tokens(self, worker: WorkerRecord, report: WorkerReport) -> None:
-        for update in report.tokens:
-            if update.seq_id not in worker.assigned:
-                continue  # stale: the sequence left this worker
-            seq = self._sequences.get(update.seq_id)
-            token_ids = update.token_ids
-            if update.offset is not None:
-                # A retried report repeats tokens already applied: keep only the new ones.
-                known = len(seq.output_token_ids) - seq.num_generated_at_admission
-                token_ids = token_ids[max(0, known - update.offset):]
+            token_ids = update.token_ids[num_known - start:]
             if token_ids:
-                seq.output_token_ids.extend(token_ids)
-                self._grown[seq.seq_id] = seq
-                self._observer.on_tokens(seq.seq_id, len(token_ids))
+                new_tokens.append((seq, token_ids))
+                known[update.seq_id] = num_known + len(token_ids)
+        return new_tokens
+
+    def _apply_tokens(self, new_tokens: list[tuple[Sequence, tuple[int, ...]]]) -> None:
+        for seq, token_ids in new_tokens:
+            seq.output_token_ids.extend(token_ids)
+            self._grown[seq.seq_id] = seq
+            self._observer.on_tokens(seq.seq_id, len(token_ids))
 
     def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:
         """Finish what the worker finished; returns ids reported finished as PREEMPTED."""
