@@ -37,11 +37,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from service import state_integrity
 from service.core import ConfigError, FinishReason, SequenceState, SubmitParams
 from service.core.store import (
     SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker, StoreError,
 )
-from service import state_integrity
 from service.core.types import SamplingParams, WorkerRegistration
 from service.state_integrity import damaged
 
