@@ -304,9 +304,10 @@ def test_client_commands_report_rpc_errors_in_one_line_and_exit_non_zero(served)
     assert missing.returncode != 0
     assert "NOT_FOUND" in missing.stderr and "987654" in missing.stderr
     assert "Traceback" not in missing.stderr
-    invalid = _run(*_cli(), "submit", *target, "--prompt-ids", "1", "--max-new-tokens", "0")
-    assert invalid.returncode != 0
-    assert "INVALID_ARGUMENT" in invalid.stderr and "max_new_tokens" in invalid.stderr
+    # Within what the command checks itself, beyond the server's max_seq_len (4096).
+    invalid = _run(*_cli(), "submit", *target, "--prompt-ids", "1", "--max-new-tokens", "5000")
+    assert invalid.returncode == 1
+    assert "INVALID_ARGUMENT" in invalid.stderr and "max_seq_len" in invalid.stderr
 
 
 def test_drain_command_drains_and_resumes_a_worker_saying_what_is_still_on_it(served):
