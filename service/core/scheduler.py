@@ -465,24 +465,27 @@ class Scheduler:
         the way), and with it the whole report."""
         new_tokens = []
         known: dict[int, int] = {}  # tokens per sequence since its admission, so far
+        assigned, sequence = worker.assigned, self._sequences.get  # once per call: hot loop
         for index, update in enumerate(report.tokens):
-            if update.seq_id not in worker.assigned:
+            seq_id = update.seq_id
+            if seq_id not in assigned:
                 continue  # stale: the sequence left this worker
-            seq = self._sequences.get(update.seq_id)
-            num_known = known.get(update.seq_id)
+            seq = sequence(seq_id)
+            num_known = known.get(seq_id)
             if num_known is None:
                 num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
             start = num_known if update.offset is None else update.offset
             if start > num_known:
                 raise InvalidArgument(
-                    f"tokens[{index}]: seq_id {update.seq_id} offset {start} is beyond the "
+                    f"tokens[{index}]: seq_id {seq_id} offset {start} is beyond the "
                     f"{num_known} tokens known for it since its admission to this worker "
                     f"(tokens {num_known}..{start - 1} were lost); nothing was applied"
                 )
+            # Past tokens of a retried report are dropped; a gap was refused above.
             token_ids = update.token_ids[num_known - start:]
             if token_ids:
                 new_tokens.append((seq, token_ids))
-                known[update.seq_id] = num_known + len(token_ids)
+                known[seq_id] = num_known + len(token_ids)
         return new_tokens
 
     def _apply_tokens(self, new_tokens: list[tuple[Sequence, tuple[int, ...]]]) -> None:
