@@ -30,6 +30,7 @@ CHECKSUM_COLUMN = "row_crc"
 COLUMNS_TABLE = "checksummed_columns"
 MARKER_SUFFIX = ".written"
 _FUNCTION = "lattice_row_crc"
+_EVENTS = ("INSERT", "UPDATE")
 _RECOVER = ("restore the directory from a backup, or move it aside to start with empty "
             "state (see docs/operations.md, Durable state)")
 
@@ -121,6 +122,7 @@ def seal(db: sqlite3.Connection) -> None:
                "table_name TEXT PRIMARY KEY, columns TEXT NOT NULL)")
     recorded = _recorded_columns(db)
     for table in data_tables(db):
+        _drop_triggers(db, table)  # made from the old columns, they would undo a reseal
         if CHECKSUM_COLUMN not in _columns(db, table):
             db.execute(f"ALTER TABLE {_quote(table)} ADD COLUMN {CHECKSUM_COLUMN} INTEGER")
         columns = [c for c in _columns(db, table) if c != CHECKSUM_COLUMN]
@@ -137,12 +139,19 @@ def _create_triggers(db: sqlite3.Connection, table: str, columns: list[str]) -> 
     the checksum of each inserted or updated row. Recursive triggers are off (SQLite's
     default), so the trigger's own UPDATE does not fire it again."""
     values = ", ".join(f"NEW.{_quote(c)}" for c in columns)
-    for event in ("INSERT", "UPDATE"):
-        name = _quote(f"{table}_{event.lower()}_{CHECKSUM_COLUMN}")
-        db.execute(f"DROP TRIGGER IF EXISTS temp.{name}")
-        db.execute(f"CREATE TEMP TRIGGER {name} AFTER {event} ON main.{_quote(table)} "
-                   f"BEGIN UPDATE {_quote(table)} SET {CHECKSUM_COLUMN} = "
-                   f"{_FUNCTION}({values}) WHERE rowid = NEW.rowid; END")
+    for event in _EVENTS:
+        db.execute(f"CREATE TEMP TRIGGER {_trigger(table, event)} AFTER {event} ON "
+                   f"main.{_quote(table)} BEGIN UPDATE {_quote(table)} SET {CHECKSUM_COLUMN} "
+                   f"= {_FUNCTION}({values}) WHERE rowid = NEW.rowid; END")
+
+
+def _drop_triggers(db: sqlite3.Connection, table: str) -> None:
+    for event in _EVENTS:
+        db.execute(f"DROP TRIGGER IF EXISTS temp.{_trigger(table, event)}")
+
+
+def _trigger(table: str, event: str) -> str:
+    return _quote(f"{table}_{event.lower()}_{CHECKSUM_COLUMN}")
 
 
 def _recorded_columns(db: sqlite3.Connection) -> dict[str, list[str]]:

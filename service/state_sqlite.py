@@ -127,11 +127,14 @@ class SqliteStateStore:
                 self.path, state_integrity.data_tables(db), required="meta")
             self.num_rows_verified = state_integrity.verify(db, self.path)
             db.executescript(_SCHEMA)
+            # Sealed before the migrations, so that what they write is checksummed, and
+            # after, so that the columns they add are covered.
+            self._seal()
+            self._check_version()
             db.execute("BEGIN IMMEDIATE")
             _add_missing_columns(db)
-            self._check_version()
-            state_integrity.seal(db)
             db.execute("COMMIT")
+            self._seal()
             state_integrity.write_marker(self.path)
             return db
         except sqlite3.Error as err:
@@ -343,6 +346,11 @@ class SqliteStateStore:
             self._row_users[log_row] = len(users)
             for seq_id in users:
                 self._log_rows_of.setdefault(seq_id, []).append(log_row)
+
+    def _seal(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+        state_integrity.seal(self._db)
+        self._db.execute("COMMIT")
 
     def _set_synchronous(self, level: str) -> None:
         if level != self._synchronous:

@@ -277,3 +277,23 @@ def test_state_check_command_exit_codes_and_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the file is empty" in err
     assert main(["state", "check", str(tmp_path / "nowhere")]) == 2
+
+
+def test_rows_a_migration_rewrites_at_start_are_checksummed(tmp_path, monkeypatch):
+    """A schema migration (in _check_version, in its own transaction) that changes values
+    leaves checksums that still verify at the next start."""
+    ids = _written(tmp_path)
+    real = SqliteStateStore._check_version
+
+    def migrating(store):
+        real(store)
+        store._db.execute("BEGIN IMMEDIATE")
+        store._db.execute("UPDATE sequences SET finish_order = finish_order + 100")
+        store._db.execute("COMMIT")
+
+    monkeypatch.setattr(SqliteStateStore, "_check_version", migrating)
+    SqliteStateStore(tmp_path).close()
+    monkeypatch.undo()
+    store = SqliteStateStore(tmp_path)
+    assert len(store.load().sequences) == len(ids)
+    store.close()
