@@ -177,7 +177,10 @@ class ReplicaServicer(SchedulerServicer):
     def RegisterWorker(self, request, context):
         registration = convert.worker_registration(request)
 
+        incarnation = self._state.next_incarnation()
+
         def register_and_adopt():
+            self._core.hand_out_incarnations_from(incarnation)
             settings = self._core.register_worker(registration)
             moved = self._state.adopt_worker(registration.worker_id)
             self._adopt(moved, registration.worker_id)

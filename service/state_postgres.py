@@ -56,6 +56,7 @@ CREATE SEQUENCE IF NOT EXISTS lattice_seq_ids;
 CREATE SEQUENCE IF NOT EXISTS lattice_queue_tail;   -- tail keys: 1, 2, ...
 CREATE SEQUENCE IF NOT EXISTS lattice_queue_head;   -- head keys: -1, -2, ... (negated)
 CREATE SEQUENCE IF NOT EXISTS lattice_replica_ids;
+CREATE SEQUENCE IF NOT EXISTS lattice_incarnations; -- worker registrations, all replicas
 CREATE TABLE IF NOT EXISTS lattice_meta (key text PRIMARY KEY, value bigint NOT NULL);
 CREATE TABLE IF NOT EXISTS replicas (
     replica_id  bigint PRIMARY KEY,
@@ -83,6 +84,7 @@ CREATE TABLE IF NOT EXISTS sequences (
     finish_reason    smallint,
     finish_order     bigint NOT NULL DEFAULT 0,
     admission_order  bigint NOT NULL DEFAULT 0,
+    error_message    text NOT NULL DEFAULT '',  -- why it failed, for FAILED
     cancel_requested boolean NOT NULL DEFAULT false
 );
 CREATE INDEX IF NOT EXISTS sequences_unclaimed ON sequences (queue_key, seq_id)
@@ -159,7 +161,7 @@ END $$;
 # Columns of a sequence row, in the order _stored_sequence reads them.
 _COLUMNS = ("seq_id, params, prompt, state, worker_id, queue_key, cursor, prefilled_tokens, "
             "num_generated, num_generated_at_admission, finish_reason, finish_order, "
-            "submitted_at, admission_order")
+            "submitted_at, admission_order, error_message")
 
 
 @dataclass(frozen=True)
@@ -312,16 +314,16 @@ class PostgresState:
                 "greatest(num_generated, (SELECT coalesce(sum(octet_length(t.token_ids) / 4), "
                 "0) FROM tokens t WHERE t.seq_id = s.seq_id)), finish_reason, "
                 "CASE WHEN state = 1 THEN (SELECT count(*) FROM sequences q WHERE q.state = 1 "
-                "AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id)) ELSE 0 END "
-                "FROM sequences s WHERE seq_id = %s", (seq_id,)).fetchone()
+                "AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id)) ELSE 0 END, "
+                "error_message FROM sequences s WHERE seq_id = %s", (seq_id,)).fetchone()
         if row is None:
             raise NotFound(f"seq_id {seq_id} is unknown (never submitted, or long finished)")
-        state, worker_id, prompt_len, prefilled, generated, reason, position = row
+        state, worker_id, prompt_len, prefilled, generated, reason, position, error = row
         return SequenceInfo(seq_id=seq_id, state=SequenceState(state), worker_id=worker_id or "",
                             prompt_len=prompt_len, prefilled_tokens=prefilled,
                             generated_tokens=int(generated),
                             finish_reason=None if reason is None else FinishReason(reason),
-                            queue_position=int(position))
+                            queue_position=int(position), error_message=error)
 
     def read_output(self, seq_id: int, start: int) -> RemoteOutput:
         """Tokens from index `start` on, committed by whichever replica owns it."""
@@ -384,6 +386,11 @@ class PostgresState:
             sequences = (self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,))
                          if ids else [])
         return Claimed(sequences, {}, [seq_id for seq_id, flag in rows if flag])
+
+    def next_incarnation(self) -> int:
+        """A worker incarnation number no replica has handed out."""
+        with self._connection() as conn:
+            return conn.execute("SELECT nextval('lattice_incarnations')").fetchone()[0]
 
     def cancel_requests(self) -> list[int]:
         """Unfinished sequences of this replica another replica asked to cancel."""
@@ -524,12 +531,12 @@ class PostgresState:
             cur.executemany(
                 "UPDATE sequences SET state = %s, worker_id = %s, queue_key = %s, cursor = %s, "
                 "prefilled_tokens = %s, num_generated = %s, num_generated_at_admission = %s, "
-                "finish_reason = %s, finish_order = %s, admission_order = %s "
-                "WHERE seq_id = %s AND owner = %s",
+                "finish_reason = %s, finish_order = %s, admission_order = %s, "
+                "error_message = %s WHERE seq_id = %s AND owner = %s",
                 [(p.state.value, p.worker_id, p.queue_key, p.cursor, p.prefilled_tokens,
                   p.num_generated, p.num_generated_at_admission,
                   None if p.finish_reason is None else p.finish_reason.value,
-                  p.finish_order, p.admission_order, p.seq_id, me)
+                  p.finish_order, p.admission_order, p.error_message, p.seq_id, me)
                  for p in changes.progress])
         if changes.tokens:
             cur.executemany("INSERT INTO tokens (seq_id, start, token_ids) VALUES (%s, %s, %s)",
@@ -595,7 +602,7 @@ def _store_error(err: psycopg.Error) -> StoreError:
 
 def _stored_sequence(row, output: list[int]) -> StoredSequence:
     (seq_id, params, prompt, state, worker_id, queue_key, cursor, prefilled, num_generated,
-     at_admission, reason, finish_order, submitted_at, admission_order) = row
+     at_admission, reason, finish_order, submitted_at, admission_order, error_message) = row
     return StoredSequence(
         seq_id=seq_id, params=_params_from_row(params, bytes(prompt)),
         progress=SequenceProgress(
@@ -604,7 +611,7 @@ def _stored_sequence(row, output: list[int]) -> StoredSequence:
             num_generated=num_generated, num_generated_at_admission=at_admission,
             finish_reason=None if reason is None else FinishReason(reason),
             finish_order=finish_order, submitted_at=submitted_at,
-            admission_order=admission_order),
+            admission_order=admission_order, error_message=error_message),
         output_token_ids=output)
 
 
