@@ -70,21 +70,24 @@ class SchedulerClient:
                  sleep: Callable[[float], None] = time.sleep,
                  credentials: grpc.ChannelCredentials | None = None,
                  token: str | None = None) -> None:
-        """`credentials`: TLS (None: plaintext); `token`: sent as `authorization: Bearer`."""
-        self.target = target
+        """`target`: HOST:PORT, or several replicas' HOST:PORT,HOST:PORT: the worker talks
+        to one and moves to the next on UNAVAILABLE (`num_moves` counts the moves).
+        `credentials`: TLS (None: plaintext); `token`: sent as `authorization: Bearer`."""
+        self.targets = [part.strip() for part in target.split(",") if part.strip()]
+        self._index = 0
+        self.num_moves = 0
+        self._credentials = credentials
         # gRPC's own reconnect backoff grows to 120 s by default: after a long outage the
         # channel would sit out a restarted scheduler for minutes while our retries fail
         # fast. Cap it at our retry backoff instead.
-        options = [
+        self._options = [
             ("grpc.initial_reconnect_backoff_ms", max(1, int(retry.initial_seconds * 1000))),
             ("grpc.max_reconnect_backoff_ms", max(1, int(retry.max_seconds * 1000))),
         ]
-        self._channel = (grpc.secure_channel(target, credentials, options=options)
-                         if credentials is not None else grpc.insecure_channel(target, options))
+        self._connect()
         # Keyword arguments of every call: the token's metadata, when there is one.
         self._call_options = ({"metadata": (("authorization", f"Bearer {token}"),)}
                               if token else {})
-        self._stub = pb_grpc.SchedulerStub(self._channel)
         self._timeout = call_timeout_seconds
         self._retry = retry
         self._sleep = sleep
@@ -92,8 +95,29 @@ class SchedulerClient:
         # yet, which the scheduler reads as "the latest").
         self.incarnation = 0
 
+    @property
+    def target(self) -> str:
+        """The replica this worker talks to now."""
+        return self.targets[self._index]
+
     def close(self) -> None:
         self._channel.close()
+
+    def _connect(self) -> None:
+        target = self.target
+        self._channel = (grpc.secure_channel(target, self._credentials, options=self._options)
+                         if self._credentials is not None
+                         else grpc.insecure_channel(target, self._options))
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+
+    def _move_on(self) -> None:
+        """To the next replica of the list (after UNAVAILABLE); there, the worker must
+        register again, and that replica takes over what it holds."""
+        self._channel.close()
+        self._index = (self._index + 1) % len(self.targets)
+        self.num_moves += 1
+        self._connect()
+        log.warning("moving to the next scheduler replica", extra={"target": self.target})
 
     def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
         request = pb.RegisterWorkerRequest(
@@ -101,28 +125,30 @@ class SchedulerClient:
             page_size=resources.page_size, total_gdn_slots=resources.total_gdn_slots,
             max_batch_size=resources.max_batch_size, adapters=resources.adapters,
         )
-        response = self._call("RegisterWorker", self._stub.RegisterWorker, request)
+        response = self._call("RegisterWorker", request)
         self.incarnation = response.incarnation
         return response
 
     def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
         """SelectBatch as our latest incarnation (set on `request`)."""
         request.incarnation = self.incarnation
-        return self._call("SelectBatch", self._stub.SelectBatch, request)
+        return self._call("SelectBatch", request)
 
     def deregister(self, worker_id: str) -> int:
         """Leave; returns how many sequences went back to the queue."""
-        response = self._call("DeregisterWorker", self._stub.DeregisterWorker,
+        response = self._call("DeregisterWorker",
                               pb.DeregisterWorkerRequest(worker_id=worker_id,
                                                          incarnation=self.incarnation))
         return response.requeued
 
-    def _call(self, method: str, fn, request):
+    def _call(self, method: str, request):
         delay = self._retry.initial_seconds
         give_up_at = time.monotonic() + self._retry.total_seconds
         while True:
             try:
-                return fn(request, timeout=self._timeout, **self._call_options)
+                # Looked up on each try: a move to the next replica replaces the stub.
+                return getattr(self._stub, method)(request, timeout=self._timeout,
+                                                   **self._call_options)
             except grpc.RpcError as err:
                 code = err.code()
                 if code is grpc.StatusCode.FAILED_PRECONDITION:
@@ -132,6 +158,8 @@ class SchedulerClient:
                         method, code, err.details()) from None
                 if code not in _RETRYABLE or time.monotonic() + delay > give_up_at:
                     raise SchedulerCallError(method, code, err.details()) from None
+                if code is grpc.StatusCode.UNAVAILABLE and len(self.targets) > 1:
+                    self._move_on()
                 log.warning("scheduler call failed; retrying",
                             extra={"method": method, "code": code.name,
                                    "retry_in_seconds": round(delay, 3)})

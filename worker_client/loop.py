@@ -40,7 +40,10 @@ class WorkerLoop:
     - `drain`: take nothing new, finish what is held, report it, then leave.
     A scheduler that forgot this worker (lease expired, restart) answers
     FAILED_PRECONDITION; the loop then drops everything it holds (the scheduler has
-    requeued it) and registers again. A scheduler that says this incarnation was
+    requeued it) and registers again. After a move to another replica (the client's
+    target list), the loop registers there and keeps what it holds: that replica takes
+    the worker's sequences over from the shared database. A scheduler that says this
+    incarnation was
     superseded (another process registered the same worker_id) ends `run` with
     `Superseded`: registering again would only take the id back and fight.
     """
@@ -53,6 +56,7 @@ class WorkerLoop:
         self.stats = LoopStats()
         self._idle_sleep_seconds = idle_sleep_seconds
         self._pending = PendingReport()
+        self._moves_at_registration = 0
 
     def run(self, stop: threading.Event, drain: threading.Event | None = None) -> LoopStats:
         drain = drain or threading.Event()
@@ -75,6 +79,13 @@ class WorkerLoop:
         try:
             decision = self.client.select(self._request(draining, held))
         except NotRegistered:
+            if self._num_moves() != self._moves_at_registration:
+                # Another replica: it adopts what we hold when we register; our next
+                # report carries on (tokens by offset, so nothing is applied twice).
+                log.warning("registering with another scheduler replica, keeping what it "
+                            "holds", extra={"worker_id": self.resources.worker_id})
+                self._register()
+                return True
             log.warning("scheduler no longer knows this worker; dropping what it holds "
                         "and registering again", extra={"worker_id": self.resources.worker_id})
             held_ids = held.waiting + held.running
@@ -113,8 +124,13 @@ class WorkerLoop:
             running=held.running, kv_free_pages=engine.num_free_kv_pages(),
             gdn_free_slots=engine.num_free_gdn_slots(), draining=draining)
 
+    def _num_moves(self) -> int:
+        """How often the client moved to another replica (clients without a list: 0)."""
+        return getattr(self.client, "num_moves", 0)
+
     def _register(self) -> None:
         settings = self.client.register(self.resources)
+        self._moves_at_registration = self._num_moves()
         self.stats.registrations += 1
         log.info("registered", extra={"worker_id": self.resources.worker_id,
                                       "chunk_size": settings.chunk_size,
