@@ -31,7 +31,7 @@ from service.core.store import StoreError
 from service.metrics import SchedulerMetrics
 from service.servicer import SchedulerServicer, _unary
 from service.state_postgres import (
-    CANCEL_CHANNEL, PROGRESS_CHANNEL, SUBMIT_CHANNEL, Claimed, PostgresState,
+    CANCEL_CHANNEL, DISOWN_CHANNEL, PROGRESS_CHANNEL, SUBMIT_CHANNEL, Claimed, PostgresState,
     parse_ids_payload,
 )
 from service.status_codes import status_code, status_details
@@ -342,6 +342,9 @@ class ReplicaServicer(SchedulerServicer):
             except SchedulerError as err:
                 log.warning("prefetch failed; retrying: %s", err)
                 self._stop.wait(0.5)
+            except Exception:  # noqa: BLE001 - the prefetcher must keep going
+                log.exception("prefetch failed; retrying")
+                self._stop.wait(0.5)
 
     def _listen_loop(self) -> None:
         delay = 0.1
@@ -380,6 +383,10 @@ class ReplicaServicer(SchedulerServicer):
             owner, _, seq_id = payload.partition(":")
             if int(owner) == self.replica_id:
                 self._apply_cancels([int(seq_id)])
+        elif channel == DISOWN_CHANNEL:
+            owner, _, ids = payload.partition(":")
+            if int(owner) == self.replica_id:
+                self._give_up(parse_ids_payload(ids))
 
     def _apply_cancels(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -394,20 +401,46 @@ class ReplicaServicer(SchedulerServicer):
         every = self._state.lease_ttl_seconds / 3
         while not self._stop.wait(every):
             try:
-                if not self._state.renew_lease():
-                    self._give_up_lost()
+                self._state.renew_lease()
+                self._give_up(None)  # whatever others took (after our lease ran out, or
+                # a worker moved) and no notification told us of
                 if self._state.reclaim_expired():
                     self._queue_hint.set()
                     self._wake_prefetcher.set()
                 self._apply_cancels(self._state.cancel_requests())
+                self._hand_back_excess()
             except SchedulerError as err:
                 log.warning("replica upkeep failed; retrying: %s", err)
+            except Exception:  # noqa: BLE001 - the keeper must keep going
+                log.exception("replica upkeep failed; retrying")
 
-    def _give_up_lost(self) -> None:
-        """Our lease had run out: others may have taken what we owned; forget it here."""
+    def _hand_back_excess(self) -> None:
+        """Queued sequences beyond what this replica's workers can use (they left, were
+        drained, or took less) go back to the shared queue for the other replicas."""
+        with self._claim_lock, self._changed:
+            excess = self._core.num_queued() - self._core.prefetch_target(self._prefetch)
+            if excess <= 0:
+                return
+            released = self._state.release(self._core.queued_tail(excess))
+            self._core.disown(released)
+        if released:
+            log.info("handed queued sequences back to the shared queue",
+                     extra={"sequences": len(released)})
+
+    def _give_up(self, seq_ids: set[int] | None) -> None:
+        """Forget those of `seq_ids` (None: any) that the database says another replica
+        owns now; streams of them read the database from then on."""
         with self._changed:
-            lost = self._core.owned_seq_ids() - self._state.owned_ids()
-            self._core.disown(lost)
-            self._changed.notify_all()
-        log.warning("this replica's lease had run out; gave up what others took",
-                    extra={"sequences": len(lost)})
+            held = self._core.owned_seq_ids()
+            if seq_ids is not None:
+                held &= seq_ids
+            if not held:
+                return
+            lost = held - self._state.owned_ids()
+            if lost:
+                self._core.disown(lost)
+                self._changed.notify_all()
+        if lost:
+            self._waiters.wake(lost)
+            log.warning("sequences taken over by another replica were given up here",
+                        extra={"sequences": len(lost)})

@@ -47,6 +47,7 @@ SCHEMA_VERSION = 1
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"
 CANCEL_CHANNEL = "lattice_cancel"
+DISOWN_CHANNEL = "lattice_disown"  # "owner:ids": another replica took these over
 _MAX_NOTIFY_PAYLOAD = 7900  # PostgreSQL's limit is 8000 bytes
 _QUEUED, _FINISHED = SequenceState.QUEUED.value, SequenceState.FINISHED.value
 _ASSIGNED = (SequenceState.PREFILLING.value, SequenceState.DECODING.value)
@@ -379,13 +380,22 @@ class PostgresState:
         worker registered here: it moved). Their old owner's saves are refused from now."""
         with self._connection() as conn, conn.transaction():
             rows = conn.execute(
-                "UPDATE sequences SET owner = %s WHERE worker_id = %s AND state IN (2, 3) "
-                "AND owner IS DISTINCT FROM %s RETURNING seq_id, cancel_requested",
-                (self.replica_id, worker_id, self.replica_id)).fetchall()
-            ids = [seq_id for seq_id, _ in rows]
+                "WITH old AS (SELECT seq_id, owner FROM sequences WHERE worker_id = %(w)s "
+                "AND state IN (2, 3) AND owner IS DISTINCT FROM %(me)s FOR UPDATE) "
+                "UPDATE sequences s SET owner = %(me)s FROM old WHERE s.seq_id = old.seq_id "
+                "RETURNING s.seq_id, s.cancel_requested, old.owner",
+                {"w": worker_id, "me": self.replica_id}).fetchall()
+            ids = [seq_id for seq_id, _, _ in rows]
             sequences = (self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,))
                          if ids else [])
-        return Claimed(sequences, {}, [seq_id for seq_id, flag in rows if flag])
+            by_owner: dict[int, list[int]] = {}
+            for seq_id, _, owner in rows:
+                if owner is not None:
+                    by_owner.setdefault(owner, []).append(seq_id)
+            for owner, seq_ids in by_owner.items():  # the old owner forgets them at once
+                conn.execute("SELECT pg_notify(%s, %s)",
+                             (DISOWN_CHANNEL, f"{owner}:{_ids_payload(seq_ids)}"))
+        return Claimed(sequences, {}, [seq_id for seq_id, flag, _ in rows if flag])
 
     def next_incarnation(self) -> int:
         """A worker incarnation number no replica has handed out."""
@@ -456,6 +466,17 @@ class PostgresState:
                                         "assigned": len(assigned), "cancelled": len(cancelled)})
         return len(rows)
 
+    def release(self, seq_ids: list[int]) -> list[int]:
+        """Hand queued sequences back to the shared queue, at their place; returns those
+        released (still this replica's and queued)."""
+        with self._connection() as conn, conn.transaction():
+            released = [row[0] for row in conn.execute(
+                "UPDATE sequences SET owner = NULL WHERE seq_id = ANY(%s) AND owner = %s "
+                "AND state = 1 RETURNING seq_id", (seq_ids, self.replica_id))]
+            if released:
+                conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
+        return released
+
     def leave(self) -> None:
         """A clean stop: claimed but unadmitted sequences go back to the shared queue at
         their place, the lease ends, and others return the rest at once."""
@@ -468,7 +489,7 @@ class PostgresState:
     def listen_connection(self) -> psycopg.Connection:
         """A connection of its own (not pooled) listening on the replicas' channels."""
         conn = psycopg.connect(self.url, autocommit=True, connect_timeout=int(self._timeout))
-        for channel in (SUBMIT_CHANNEL, PROGRESS_CHANNEL, CANCEL_CHANNEL):
+        for channel in (SUBMIT_CHANNEL, PROGRESS_CHANNEL, CANCEL_CHANNEL, DISOWN_CHANNEL):
             conn.execute(f"LISTEN {channel}")
         return conn
 

@@ -350,15 +350,28 @@ class Scheduler:
         return {seq.seq_id for seq in self._sequences if not seq.is_finished}
 
     def prefetch_wanted(self, depth: int, num_freeing: int = 0) -> int:
-        """How many more queued sequences this core should hold: its workers' free places
-        (drained ones have none; `num_freeing` more are about to be freed by a report)
-        plus `depth` ahead, less what the local queue holds. Nothing without a worker
-        that takes work."""
+        """How many more queued sequences this core should hold (`prefetch_target`, with
+        `num_freeing` places a report is about to free) less what its queue holds."""
+        return max(0, self.prefetch_target(depth, num_freeing) - len(self._queue))
+
+    def prefetch_target(self, depth: int, num_freeing: int = 0) -> int:
+        """Queued sequences worth holding: the workers' free places (drained ones have
+        none) plus `depth` ahead; nothing without a worker that takes work."""
         workers = [w for w in self._ledger if not (w.draining or w.drain_requested)]
         if not workers:
             return 0
         free = sum(max(0, w.settings.max_batch_size - len(w.assigned)) for w in workers)
-        return max(0, free + num_freeing + depth - len(self._queue))
+        return free + num_freeing + depth
+
+    def queued_tail(self, count: int) -> list[int]:
+        """The last `count` queued ids in the policy's order (those to hand back first);
+        what is unsaved is saved first, so the store holds them as they are."""
+        self._save()
+        if count <= 0:
+            return []
+        served = self._tenants.served if self._tenants is not None else _no_service
+        order = list(self._queue.candidates(self._clock(), served))
+        return order[-count:]
 
     def num_queued(self) -> int:
         return len(self._queue)

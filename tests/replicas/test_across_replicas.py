@@ -140,3 +140,21 @@ def _submits(stub, request_id: str) -> bool:
     except grpc.RpcError:
         return False
     return True
+
+
+def test_claims_a_replica_can_no_longer_run_go_back_to_the_shared_queue(start_replicas):
+    r0, r1 = start_replicas(2, replica_lease_ms=900)
+    w0 = Worker(r0.stub, "w0")
+    w0.register(max_batch_size=1)
+    ids = [submit(r0.stub).seq_id for _ in range(3)]
+    wait_until(lambda: r0.running.servicer._core.num_queued() == 3, 10,
+               what="r0 to claim all three")
+    w0.deregister()  # r0 has no worker left: its claims must not wait there
+    w1 = Worker(r1.stub, "w1")
+    w1.register(max_batch_size=4)
+    got: list[int] = []
+    deadline = time.monotonic() + 20
+    while len(got) < 3 and time.monotonic() < deadline:
+        got += admitted(w1.select(running=got))
+        time.sleep(0.05)
+    assert got == ids  # in their order
