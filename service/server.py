@@ -77,7 +77,7 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
         tenant for tenant, _ in settings.scheduler.tenant_weights))
     if settings.state:
         from service.replica_server import open_store
-        store = open_store(settings)
+        store = open_store(settings, registry)
     else:
         store = (SqliteStateStore(settings.state_dir, settings.state_fsync)
                  if settings.state_dir else None)

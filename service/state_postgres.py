@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 from array import array
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -201,7 +202,9 @@ class PostgresState:
         self._timeout = connect_timeout_seconds
         # Tenant counters as last saved or read by this replica: saves add the difference.
         self._tenant_base: dict[str, float] = {}
-        self.round_trips = 0  # blocking exchanges with the server (figures)
+        # Blocking exchanges with the server, by purpose (figures; counted where the code
+        # waits for the server: one per statement outside a pipeline, one per pipeline sync).
+        self.round_trips: Counter[str] = Counter()
         try:
             self._pool = ConnectionPool(
                 url, min_size=1, max_size=pool_size, open=True, timeout=connect_timeout_seconds,
@@ -239,21 +242,22 @@ class PostgresState:
                    | {seq_id for seq_id, _ in changes.final_outputs})
         sync = self._fsync == "always" or (self._fsync == "acks" and changes.sync)
         deltas = self._tenant_deltas(changes.tenant_service)
+        # One pipeline: BEGIN, the ownership check (its answer is one round trip), then
+        # the writes and COMMIT (the second).
         with self._connection() as conn:
-            with conn.transaction(), conn.pipeline() as pipe:
+            with conn.pipeline(), conn.transaction():
                 if not sync:
                     conn.execute("SET LOCAL synchronous_commit TO off")
                 if touched:
                     owned = {row[0] for row in conn.execute(
                         "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s "
                         "FOR UPDATE", (list(touched), self.replica_id))}
-                    self.round_trips += 1
+                    self.round_trips["save"] += 1
                     lost = touched - owned
                     if lost:
                         raise Disowned(frozenset(lost))
                 self._write(conn, changes, deltas, touched)
-                pipe.sync()
-            self.round_trips += 1
+            self.round_trips["save"] += 1
         for tenant, served in changes.tenant_service:
             self._tenant_base[tenant] = served
 
@@ -274,7 +278,7 @@ class PostgresState:
                 (params.request_id or None, _params_json(params),
                  _pack(params.prompt_token_ids), params.priority, params.tenant,
                  params.max_new_tokens, max_queue, max_per_tenant)).fetchone()
-            self.round_trips += 1
+            self.round_trips["submit"] += 1
         if status == 2:
             raise QueueFull(f"the admission queue holds max_queue={max_queue} sequences; "
                             "retry later")
@@ -371,7 +375,8 @@ class PostgresState:
             sequences = (self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,))
                          if ids else [])
             served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))
-            self.round_trips += 3
+            # BEGIN, UPDATE, the rows and their tokens (when any), counters, COMMIT.
+            self.round_trips["claim"] += 4 + (2 if ids else 0)
         self._tenant_base.update(served)
         return Claimed(sequences, served, [])
 
