@@ -263,13 +263,16 @@ class ReplicaServicer(SchedulerServicer):
         return True
 
     def _cancel(self, seq_id: int) -> bool:
-        with self._changed:
-            if self._owns(seq_id):
-                cancelled = self._core.cancel(seq_id)
-                self._changed.notify_all()
-                if self._owns(seq_id):  # still ours: the store took it
-                    return cancelled
-        return self._state.cancel(seq_id)
+        # No claim in flight meanwhile: a sequence claimed but not yet in the core would
+        # look like another replica's, and its cancel would wait for the keeper.
+        with self._claim_lock:
+            with self._changed:
+                if self._owns(seq_id):
+                    cancelled = self._core.cancel(seq_id)
+                    self._changed.notify_all()
+                    if self._owns(seq_id):  # still ours: the store took it
+                        return cancelled
+            return self._state.cancel(seq_id)
 
     def _read(self, seq_id: int, sent: int):
         with self._changed:

@@ -118,11 +118,14 @@ CREATE TABLE IF NOT EXISTS tenant_service (
 CREATE OR REPLACE FUNCTION lattice_submit(
     p_request_id text, p_params text, p_prompt bytea, p_priority integer,
     p_tenant text, p_max_new_tokens integer, p_max_queue bigint, p_max_per_tenant bigint,
-    OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
+    p_sync boolean, OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     v_key bigint;
 BEGIN
+    IF p_sync THEN  -- acknowledged: the commit waits for the WAL flush
+        PERFORM set_config('synchronous_commit', 'on', true);
+    END IF;
     IF p_request_id IS NOT NULL THEN
         SELECT s.seq_id INTO seq_id FROM sequences s WHERE s.request_id = p_request_id;
         IF FOUND THEN
@@ -208,7 +211,11 @@ class PostgresState:
         try:
             self._pool = ConnectionPool(
                 url, min_size=1, max_size=pool_size, open=True, timeout=connect_timeout_seconds,
-                kwargs={"autocommit": True, "connect_timeout": int(connect_timeout_seconds)},
+                kwargs={"autocommit": True, "connect_timeout": int(connect_timeout_seconds),
+                        # Worker progress commits without waiting for the WAL flush
+                        # (--state-fsync acks, never); acknowledged commits ask for it.
+                        **({} if fsync == "always"
+                           else {"options": "-c synchronous_commit=off"})},
                 name=f"lattice-{name}")
             self._pool.wait(timeout=connect_timeout_seconds)
             self._create_schema()
@@ -246,8 +253,8 @@ class PostgresState:
         # the writes and COMMIT (the second).
         with self._connection() as conn:
             with conn.pipeline(), conn.transaction():
-                if not sync:
-                    conn.execute("SET LOCAL synchronous_commit TO off")
+                if sync and self._fsync == "acks":
+                    conn.execute("SET LOCAL synchronous_commit TO on")
                 if touched:
                     owned = {row[0] for row in conn.execute(
                         "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s "
@@ -274,10 +281,11 @@ class PostgresState:
         with self._connection() as conn:
             status, seq_id, position = conn.execute(
                 "SELECT status, seq_id, queue_position FROM lattice_submit("
-                "%s, %s, %s, %s, %s, %s, %s, %s)",
+                "%s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (params.request_id or None, _params_json(params),
                  _pack(params.prompt_token_ids), params.priority, params.tenant,
-                 params.max_new_tokens, max_queue, max_per_tenant)).fetchone()
+                 params.max_new_tokens, max_queue, max_per_tenant,
+                 self._fsync != "never")).fetchone()
             self.round_trips["submit"] += 1
         if status == 2:
             raise QueueFull(f"the admission queue holds max_queue={max_queue} sequences; "
@@ -293,6 +301,7 @@ class PostgresState:
         Unclaimed: finished CANCELLED here. Owned by another replica: the request is
         committed (cancel_requested) and the owner is told; it evicts on its worker."""
         with self._connection() as conn, conn.transaction():
+            self._durable(conn)
             row = conn.execute("SELECT state, owner FROM sequences WHERE seq_id = %s "
                                "FOR UPDATE", (seq_id,)).fetchone()
             if row is None:
@@ -367,6 +376,7 @@ class PostgresState:
         else:
             order = "queue_key, seq_id"
         with self._connection() as conn, conn.transaction():
+            self._durable(conn)
             ids = [row[0] for row in conn.execute(
                 f"UPDATE sequences s SET owner = %(me)s FROM (SELECT seq_id FROM sequences q "
                 f"WHERE state = 1 AND owner IS NULL ORDER BY {order} LIMIT %(n)s "
@@ -375,8 +385,9 @@ class PostgresState:
             sequences = (self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,))
                          if ids else [])
             served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))
-            # BEGIN, UPDATE, the rows and their tokens (when any), counters, COMMIT.
-            self.round_trips["claim"] += 4 + (2 if ids else 0)
+            # BEGIN, SET LOCAL, UPDATE, the rows and their tokens (when any), counters,
+            # COMMIT.
+            self.round_trips["claim"] += 5 + (2 if ids else 0)
         self._tenant_base.update(served)
         return Claimed(sequences, served, [])
 
@@ -384,6 +395,7 @@ class PostgresState:
         """Take the sequences assigned to `worker_id` from whichever replica held them (the
         worker registered here: it moved). Their old owner's saves are refused from now."""
         with self._connection() as conn, conn.transaction():
+            self._durable(conn)
             rows = conn.execute(
                 "WITH old AS (SELECT seq_id, owner FROM sequences WHERE worker_id = %(w)s "
                 "AND state IN (2, 3) AND owner IS DISTINCT FROM %(me)s FOR UPDATE) "
@@ -437,6 +449,7 @@ class PostgresState:
         from their saved tokens (asked-to-cancel ones finish CANCELLED). Returns how many
         sequences moved."""
         with self._connection() as conn, conn.transaction():
+            self._durable(conn)
             dead = [row[0] for row in conn.execute(
                 "DELETE FROM replicas WHERE lease_until < now() RETURNING replica_id")]
             rows = conn.execute(
@@ -475,6 +488,7 @@ class PostgresState:
         """Hand queued sequences back to the shared queue, at their place; returns those
         released (still this replica's and queued)."""
         with self._connection() as conn, conn.transaction():
+            self._durable(conn)
             released = [row[0] for row in conn.execute(
                 "UPDATE sequences SET owner = NULL WHERE seq_id = ANY(%s) AND owner = %s "
                 "AND state = 1 RETURNING seq_id", (seq_ids, self.replica_id))]
@@ -486,6 +500,7 @@ class PostgresState:
         """A clean stop: claimed but unadmitted sequences go back to the shared queue at
         their place, the lease ends, and others return the rest at once."""
         with self._connection() as conn, conn.transaction():
+            self._durable(conn)
             conn.execute("UPDATE sequences SET owner = NULL WHERE owner = %s AND state = 1",
                          (self.replica_id,))
             conn.execute("DELETE FROM replicas WHERE replica_id = %s", (self.replica_id,))
@@ -503,6 +518,12 @@ class PostgresState:
     def _connection(self):
         """A pooled connection; a database that cannot be reached is a StoreError."""
         return _PooledConnection(self._pool, self._timeout)
+
+    def _durable(self, conn) -> None:
+        """This transaction's commit waits for the WAL flush (ownership moves and
+        acknowledged changes), unless --state-fsync never."""
+        if self._fsync == "acks":
+            conn.execute("SET LOCAL synchronous_commit TO on")
 
     def _create_schema(self) -> None:
         with self._pool.connection() as conn, conn.transaction():
@@ -564,9 +585,11 @@ class PostgresState:
                   None if p.finish_reason is None else p.finish_reason.value,
                   p.finish_order, p.admission_order, p.error_message, p.seq_id, me)
                  for p in changes.progress])
-        if changes.tokens:
-            cur.executemany("INSERT INTO tokens (seq_id, start, token_ids) VALUES (%s, %s, %s)",
-                            [(t.seq_id, t.start, _pack(t.token_ids)) for t in changes.tokens])
+        if changes.tokens:  # one statement for every sequence's new tokens
+            cur.execute("INSERT INTO tokens (seq_id, start, token_ids) SELECT * FROM "
+                        "unnest(%s::bigint[], %s::integer[], %s::bytea[])",
+                        ([t.seq_id for t in changes.tokens], [t.start for t in changes.tokens],
+                         [_pack(t.token_ids) for t in changes.tokens]), binary=True)
         if changes.workers_joined:
             cur.executemany(
                 "INSERT INTO workers (worker_id, replica_id, registration, drain_requested) "
