@@ -132,9 +132,13 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     )
     from worker_client.loop import WorkerLoop
 
-    from service.targets import expand
-    client = SchedulerClient(",".join(expand(args.scheduler)), credentials=credentials,
-                             token=args.token)
+    from service.targets import TargetError, expand
+    try:
+        targets = expand(args.scheduler)  # a dns:/// name: each of its addresses
+    except TargetError as err:
+        print(f"lattice-worker: --scheduler: {err}", file=sys.stderr)
+        return 2
+    client = SchedulerClient(",".join(targets), credentials=credentials, token=args.token)
     resources = WorkerResources(args.worker_id, engine.total_kv_pages, engine.page_size,
                                 engine.total_gdn_slots, args.max_batch_size)
     loop = WorkerLoop(engine, client, resources)

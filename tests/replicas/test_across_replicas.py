@@ -18,6 +18,7 @@ CANCELLED = pb.FINISH_REASON_CANCELLED
 def _crash(server) -> None:
     """Stop a replica as kill -9 would leave the database: no hand-back, lease left to run out."""
     running = server.running
+    running._stop_sweeper.set()
     running.servicer.stop_background()
     running.grpc_server.stop(0).wait()
     running.store.close()
