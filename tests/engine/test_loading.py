@@ -109,7 +109,7 @@ def test_transformers_default_text_and_composite_configs_read_the_same():
     assert text.rotary_dim == text.head_dim // 4
 
 
-def test_moe_variant_is_a_config_error(tmp_path):
+def test_moe_config_without_its_expert_keys_is_a_config_error_naming_the_key(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**TINY_TEXT_CONFIG, "model_type": "qwen3_5_moe_text"}))
-    with pytest.raises(ConfigError, match="not supported"):
+    with pytest.raises(ConfigError, match="missing the required key 'num_experts'"):
         load_model(tmp_path)

@@ -1,8 +1,9 @@
 """Pure functions of the Gated DeltaNet token mixer: short causal conv and the gated delta rule.
 
 Layout: q, k [B, H, T, Dk], v [B, H, T, Dv], g and beta [B, H, T], state
-[B, H, Dk, Dv], all fp32; q and k already expanded to the value heads,
-L2-normalised, and q scaled by Dk**-0.5. Per head the recurrence is
+[B, H, Dk, Dv], all fp32 (fp64 for a float64 reference model); q and k already
+expanded to the value heads, L2-normalised, and q scaled by Dk**-0.5. Per head
+the recurrence is
 
     S_t = exp(g_t) * S_{t-1}
     S_t = S_t + k_t (beta_t * (v_t - S_t^T k_t))^T       (the delta rule)
@@ -17,17 +18,24 @@ GDN_CHUNK_SIZE = 64
 
 
 def causal_conv1d(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv with SiLU, continuing from `conv_state`.
 
     x [B, C, T]; conv_state [B, C, K-1] holds the K-1 inputs before x (zeros at
-    the start of a sequence); weight [C, K]. Returns (out [B, C, T], the new
-    conv state [B, C, K-1]).
+    the start of a sequence); weight [C, K]. With `lengths` [B], row b's inputs
+    are its first lengths[b] columns and the rest is padding. Returns (out
+    [B, C, T], the new conv state [B, C, K-1]: each row's last K-1 inputs).
     """
     history = torch.cat((conv_state.to(x.dtype), x), dim=-1)
     out = F.conv1d(history.to(weight.dtype), weight[:, None, :], groups=weight.shape[0])
-    new_state = history[:, :, history.shape[-1] - conv_state.shape[-1] :]
+    width = conv_state.shape[-1]
+    if lengths is None:
+        new_state = history[:, :, history.shape[-1] - width :]
+    else:
+        # Row b's last K-1 inputs sit at history columns [lengths[b], lengths[b] + K-1).
+        columns = lengths[:, None] + torch.arange(width, device=x.device)
+        new_state = history.gather(2, columns[:, None, :].expand(-1, history.shape[1], -1))
     return F.silu(out).to(x.dtype), new_state
 
 
