@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     from service.credentials import add_client_arguments
     add_client_arguments(parser)
     parser.add_argument("--model", default="tiny",
-                        help="'tiny' (seeded random weights), a Hugging Face checkpoint "
+                        help="'tiny', 'tiny-moe' or 'tiny-next' (seeded random Qwen3.5, Qwen3.5 MoE "
+                             "or Qwen3-Next weights), a Hugging Face checkpoint "
                              "directory (config.json + *.safetensors), or 'scripted' (no model: "
                              "worker_client.testing.ScriptedEngine, for load-testing a scheduler)")
     parser.add_argument("--step-ms", type=float,
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gdn-slots", type=int, help="GDN state slots (default: sized for the device)")
     parser.add_argument("--max-batch-size", type=int, default=0,
                         help="most sequences at once (0: the scheduler's default)")
-    parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny model")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny models")
     parser.add_argument("--threads", type=int,
                         help="CPU threads for torch (default: torch's choice); give each of "
                              "several workers on one host its share of the cores")
