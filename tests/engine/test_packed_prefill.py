@@ -132,6 +132,17 @@ def test_a_steps_prefill_chunks_run_in_one_forward_or_groups_of_max_prefill_sequ
     assert counter.rows == [2, 2, 1]
 
 
+def test_a_packed_prefill_forward_stays_within_max_prefill_tokens_padded(tiny_model, monkeypatch):
+    counter = ForwardCounter(tiny_model, monkeypatch)
+    lengths = (10, 30, 20, 5, 64, 3)
+    specs = {seq_id: SequenceSpec(random_prompt(n, seed=seq_id), max_new_tokens=3) for seq_id, n in enumerate(lengths)}
+    chunks = [c for seq_id, spec in specs.items() for c in chunks_for(seq_id, spec, [len(spec.prompt_token_ids)])]
+    engine = make_engine(tiny_model, max_prefill_tokens=64)
+    out = engine.step(chunks, [])
+    # Rows x longest row <= 64: [10, 30] (60), [20, 5] (40), [64] alone, [3].
+    assert counter.rows == [2, 2, 1, 1] and len(out.tokens) == 6
+
+
 def test_two_chunks_of_one_sequence_in_a_step_run_as_one_row(tiny_model, monkeypatch):
     spec = SequenceSpec(random_prompt(12, seed=3), max_new_tokens=4)
     expected = tokens_of(make_engine(tiny_model).step(chunks_for(7, spec, [12]), []), 7)

@@ -1,7 +1,7 @@
 """ModelEngine: the reference implementation of api.Engine on a Qwen3.5 model."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -17,12 +17,17 @@ from .state_pool import GdnStatePool
 
 __all__ = ["ModelEngine", "default_pool_sizes"]
 
+# Padded tokens (rows x longest row) of one packed prefill forward: bounds its activations
+# (the attention scores of a row are its chunk x its context) while packing a step's chunks.
+DEFAULT_MAX_PREFILL_TOKENS = 8192
+
 
 class ModelEngine:
     """Runs scheduler decisions on a model with a paged KV cache and a GDN state pool.
 
     `step` first runs the prefill chunks, packed into one forward (several when
-    they are from more than `max_prefill_sequences` sequences), then one batched
+    they are from more than `max_prefill_sequences` sequences or would pad to more
+    than `max_prefill_tokens`), then one batched
     decode forward over the running sequences named (split into forwards of at
     most `max_batch_size` rows). Chunks are read in order: ids the engine does
     not hold and chunks of length 0 are ignored; a chunk overlapping what is
@@ -46,17 +51,20 @@ class ModelEngine:
         device: str | torch.device,
         max_batch_size: int | None = None,
         max_prefill_sequences: int | None = None,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     ) -> None:
         """Allocates the pools on `device` (the model must be there); raises ModelDoesNotFit.
 
         `max_batch_size` (default: num_gdn_slots) bounds the rows of a decode forward,
         `max_prefill_sequences` (default: max_batch_size) the sequences packed into one
-        prefill forward; 1 runs one forward per sequence's chunk.
+        prefill forward (1: one forward per sequence's chunk), and `max_prefill_tokens`
+        its padded size, rows x longest row (a longer single chunk still runs, alone).
         """
-        limits = (num_kv_pages, page_size, num_gdn_slots, max_batch_size or 1, max_prefill_sequences or 1)
+        limits = (num_kv_pages, page_size, num_gdn_slots, max_batch_size or 1, max_prefill_sequences or 1,
+                  max_prefill_tokens)
         if min(limits) < 1:
-            raise ValueError("num_kv_pages, page_size, num_gdn_slots, max_batch_size and "
-                             "max_prefill_sequences must be >= 1")
+            raise ValueError("num_kv_pages, page_size, num_gdn_slots, max_batch_size, "
+                             "max_prefill_sequences and max_prefill_tokens must be >= 1")
         self.device = torch.device(device)
         config = model.config
         self.model = model
@@ -65,6 +73,7 @@ class ModelEngine:
         self.total_gdn_slots = num_gdn_slots
         self.max_batch_size = max_batch_size or num_gdn_slots
         self.max_prefill_sequences = max_prefill_sequences or self.max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         dtype = model.dtype
         check_pools_fit(config, PoolSizes(num_kv_pages, page_size, num_gdn_slots), self.device, dtype)
         self._kv_cache = PagedKVCache(
@@ -133,8 +142,7 @@ class ModelEngine:
 
     def _prefill(self, segments: list[PrefillSegment], recorder: StepRecorder) -> None:
         """Run the planned tokens, packed; sample the first token of every prompt completed."""
-        for first in range(0, len(segments), self.max_prefill_sequences):
-            group = segments[first : first + self.max_prefill_sequences]
+        for group in self._prefill_groups(segments):
             token_ids = [t for s in group for t in s.held.token_ids[s.start : s.end]]
             positions = [p for s in group for p in range(s.start, s.end)]
             logits = self._forward([s.held for s in group], token_ids, [s.num_tokens for s in group], positions)
@@ -161,6 +169,21 @@ class ModelEngine:
             seq_id=seq_id, spec=spec, slot=slot, admission=self._num_admissions,
             sampling=SamplingParams.from_spec(spec), token_ids=list(spec.prompt_token_ids),
         )
+
+    def _prefill_groups(self, segments: list[PrefillSegment]) -> Iterator[list[PrefillSegment]]:
+        """Consecutive segments in groups within max_prefill_sequences and max_prefill_tokens (padded)."""
+        group: list[PrefillSegment] = []
+        longest = 0
+        for segment in segments:
+            longest_with = max(longest, segment.num_tokens)
+            if group and (len(group) == self.max_prefill_sequences
+                          or (len(group) + 1) * longest_with > self.max_prefill_tokens):
+                yield group
+                group, longest_with = [], segment.num_tokens
+            group.append(segment)
+            longest = longest_with
+        if group:
+            yield group
 
     # Decode.
 
