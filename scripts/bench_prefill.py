@@ -21,7 +21,7 @@ in one forward). Two drivers:
 
 Columns: prefill s (until every prompt has its first token), mean TTFT, total s,
 cpu s (this process's CPU time: steadier than wall time on a busy host), generated
-tokens/s, and for `direct` the prefill forwards run. On a loaded CPU host pass
+tokens/s, and the prefill forwards run. On a loaded CPU host pass
 --threads 1: two torch threads waiting on each other's busy core cost far more
 than they save. Each figure is the
 best of --repeats runs after a warm-up (on a shared host others only add time).
@@ -95,7 +95,7 @@ class Run:
     mean_ttft_seconds: float
     total_seconds: float
     cpu_seconds: float  # this process's CPU time over the run: steadier than wall time on a busy host
-    num_prefill_forwards: int  # 0 where not counted (scheduler driver)
+    num_prefill_forwards: int
 
     @property
     def tokens_per_second(self) -> float:
@@ -103,12 +103,19 @@ class Run:
 
 
 class ForwardCounter:
-    """Counts the model's packed forwards of more than one token per row (prefill)."""
+    """Within `with`: counts the model's packed forwards with a row of more than one token (prefill)."""
 
     def __init__(self, model: Qwen35ForCausalLM) -> None:
         self.count = 0
+        self._model = model
         self._original = model.forward_packed
-        model.forward_packed = self._counted  # type: ignore[method-assign]
+
+    def __enter__(self) -> ForwardCounter:
+        self._model.forward_packed = self._counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        del self._model.forward_packed  # back to the class's method
 
     def _counted(self, token_ids, batch, *args, **kwargs):
         if batch.num_tokens > batch.num_rows:
@@ -128,13 +135,12 @@ def make_engine(model: Qwen35ForCausalLM, prompts: Sequence[Tokens], max_new_tok
 def run_direct(model: Qwen35ForCausalLM, prompts: Sequence[Tokens], max_new_tokens: int,
                chunk_size: int, packed: bool) -> Run:
     engine = make_engine(model, prompts, max_new_tokens, packed)
-    counter = ForwardCounter(model)
     specs = [SequenceSpec(prompt_token_ids=p, max_new_tokens=max_new_tokens) for p in prompts]
     num_scheduled = [0] * len(prompts)
     generated: list[list[int]] = [[] for _ in prompts]
     first_token_at: dict[int, float] = {}
     started, cpu_started = time.perf_counter(), time.process_time()
-    try:
+    with ForwardCounter(model) as counter:
         while engine.running_ids() or len(first_token_at) < len(prompts):
             prefill = []
             for seq_id, spec in enumerate(specs):
@@ -151,8 +157,6 @@ def run_direct(model: Qwen35ForCausalLM, prompts: Sequence[Tokens], max_new_toke
             for seq_id, token_ids in out.tokens:
                 first_token_at.setdefault(seq_id, now)
                 generated[seq_id].extend(token_ids)
-    finally:
-        del model.forward_packed  # back to the class's method
     ttfts = [t - started for t in first_token_at.values()]
     return Run(tuple(tuple(g) for g in generated), max(ttfts), sum(ttfts) / len(ttfts),
                time.perf_counter() - started, time.process_time() - cpu_started, counter.count)
@@ -197,13 +201,15 @@ class SchedulerStack:
         self._server.stop(0)
 
 
-def run_scheduler(stack: SchedulerStack, prompts: Sequence[Tokens], max_new_tokens: int) -> Run:
+def run_scheduler(model: Qwen35ForCausalLM, stack: SchedulerStack, prompts: Sequence[Tokens],
+                  max_new_tokens: int) -> Run:
     started, cpu_started = time.perf_counter(), time.process_time()
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+    with ForwardCounter(model) as counter, ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         results = list(pool.map(lambda p: stack.generate(p, max_new_tokens, started), prompts))
     total, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     ttfts = [ttft for _, ttft in results]
-    return Run(tuple(tokens for tokens, _ in results), max(ttfts), sum(ttfts) / len(ttfts), total, cpu, 0)
+    return Run(tuple(tokens for tokens, _ in results), max(ttfts), sum(ttfts) / len(ttfts), total, cpu,
+               counter.count)
 
 
 def best_of(repeats: int, run: Callable[[], Run], warm_up: Callable[[], Run]) -> Run:
@@ -232,7 +238,7 @@ def print_table(rows: Sequence[tuple[str, Run, Run]]) -> None:
           f"{'tokens/s':>9} {'prefill fwds':>12}")
     for driver, before, after in rows:
         for label, run in (("before", before), ("after", after)):
-            forwards = str(run.num_prefill_forwards) if run.num_prefill_forwards else "-"
+            forwards = str(run.num_prefill_forwards)
             print(f"{driver:<10} {label:<7} {run.prefill_seconds:>9.3f} {run.mean_ttft_seconds:>11.3f} "
                   f"{run.total_seconds:>8.3f} {run.cpu_seconds:>7.3f} {run.tokens_per_second:>9.1f} {forwards:>12}")
         print(f"{driver:<10} after vs before: prefill {before.prefill_seconds / after.prefill_seconds:.2f}x "
@@ -294,8 +300,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for packed in (False, True):
             stack = SchedulerStack(make_engine(model, prompts, n, packed), args.chunk_size)
             try:
-                via_scheduler.append(best_of(args.repeats, lambda: run_scheduler(stack, prompts, n),
-                                             lambda: run_scheduler(stack, warm, 2)))
+                via_scheduler.append(best_of(args.repeats, lambda: run_scheduler(model, stack, prompts, n),
+                                             lambda: run_scheduler(model, stack, warm, 2)))
             finally:
                 stack.close()
         rows.append(("scheduler", *via_scheduler))

@@ -43,7 +43,8 @@ class GatedAttention(nn.Module):
         """x [num_tokens, hidden] packed -> [num_tokens, hidden]; this step's keys/values go to `cache`.
 
         Projections and the gate run on the packed tokens; attention runs per row,
-        each row's queries over its own keys (padded view).
+        each row's queries over its own keys: all rows at once when they are of
+        equal length (decode), else row by row (no padding to the longest).
         """
         query, gate = self.q_proj(x).unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, -1)
         key = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -51,7 +52,16 @@ class GatedAttention(nn.Module):
         query = apply_rotary(self.q_norm(query), cos, sin)
         key = apply_rotary(self.k_norm(key), cos, sin)
         keys, values = cache.keys_values(attention_layer, key, value)
-        out = batch.unpad(self.attend(batch.pad(query), keys, values, batch.padded_positions))
+        if batch.is_rectangular:
+            out = batch.unpad(self.attend(batch.pad(query), keys, values, batch.padded_positions))
+        else:
+            # Each row over its own keys only: positions up to its last query's.
+            num_keys = (batch.positions[batch.last_token_index] + 1).tolist()
+            out = torch.cat([
+                self.attend(query[rows][None], keys[b : b + 1, : num_keys[b]], values[b : b + 1, : num_keys[b]],
+                            batch.positions[rows][None])[0]
+                for b, rows in enumerate(batch.row_slices())
+            ])
         return self.o_proj((out * torch.sigmoid(gate)).flatten(1))
 
     def attend(

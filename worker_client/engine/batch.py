@@ -8,6 +8,7 @@ per sequence (the GDN recurrence and its conv, attention) sees a padded view
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -62,6 +63,11 @@ class PackedBatch:
         """[num_rows, max_len, ...] -> [num_tokens, ...], dropping the padding."""
         flat = padded.flatten(0, 1)
         return flat if self.is_rectangular else flat[self._padded_index]
+
+    def row_slices(self) -> list[slice]:
+        """Each row's tokens in the packed order."""
+        ends = list(itertools.accumulate(self.seq_lens))
+        return [slice(end - n, end) for end, n in zip(ends, self.seq_lens)]
 
     def last_tokens(self, packed: torch.Tensor) -> torch.Tensor:
         """[num_tokens, ...] -> [num_rows, ...]: each row's last token."""

@@ -8,7 +8,7 @@ from torch import nn
 from .batch import PackedBatch
 from .config import GdnProjection, ModelConfig
 from .forward_cache import GdnState
-from .gdn_kernels import causal_conv1d, chunked_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
+from .gdn_kernels import causal_conv1d, chunked_gated_delta_rule, gated_delta_step, l2_normalize
 from .layers import GatedRMSNorm, upcast
 
 
@@ -60,29 +60,25 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: GdnState | None, batch: PackedBatch) -> tuple[torch.Tensor, GdnState]:
         """x [num_tokens, hidden] packed, each row continuing from its `state` (None: from token 0).
 
-        Returns (out [num_tokens, hidden], the rows' new state). Projections, norms and
-        gates run on the packed tokens; the conv and the recurrence run per row.
+        Returns (out [num_tokens, hidden], the rows' new state). Everything runs on the
+        packed tokens; the conv and the recurrence keep each row's own state.
         """
         if state is None:
             state = self.initial_state(batch.num_rows, x.device, x.dtype)
         qkv, z, b, a = self._project(x)
-        mixed, new_conv = causal_conv1d(
-            batch.pad(qkv).transpose(1, 2), state.conv, self.conv1d.weight[:, 0, :], batch.lengths
-        )
-        query, key, value = batch.unpad(mixed.transpose(1, 2)).split([self.key_dim, self.key_dim, self.value_dim], -1)
-        q = l2_normalize(upcast(query.unflatten(-1, (self.num_k_heads, self.head_k_dim))))
-        k = l2_normalize(upcast(key.unflatten(-1, (self.num_k_heads, self.head_k_dim))))
+        mixed, new_conv = causal_conv1d(qkv, state.conv, self.conv1d.weight[:, 0, :], batch.seq_lens)
+        query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
+        q = l2_normalize(upcast(self._value_heads(query.unflatten(-1, (self.num_k_heads, self.head_k_dim)))))
+        k = l2_normalize(upcast(self._value_heads(key.unflatten(-1, (self.num_k_heads, self.head_k_dim)))))
         q = q * self.head_k_dim**-0.5
         v = upcast(value.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         beta = upcast(b.sigmoid())
         g = -upcast(self.A_log).exp() * F.softplus(upcast(a) + upcast(self.dt_bias))
-        # Per row from here: [B, H, T, D]; padding (zero k, beta and g) leaves a row's state as it was.
-        q, k = (self._to_value_heads(batch.pad(t)) for t in (q, k))
-        v = batch.pad(v).transpose(1, 2)
-        beta, g = (batch.pad(t).transpose(1, 2) for t in (beta, g))
-        rule = recurrent_gated_delta_rule if batch.max_len == 1 else chunked_gated_delta_rule
-        core, new_recurrent = rule(q, k, v, g, beta, upcast(state.recurrent))
-        core = batch.unpad(core.transpose(1, 2)).to(x.dtype)  # [num_tokens, Hv, Dv]
+        if batch.max_len == 1:  # decode: one token per row
+            core, new_recurrent = gated_delta_step(q, k, v, g, beta, upcast(state.recurrent))
+        else:
+            core, new_recurrent = chunked_gated_delta_rule(q, k, v, g, beta, upcast(state.recurrent), batch.seq_lens)
+        core = core.to(x.dtype)  # [num_tokens, Hv, Dv]
         out = self.norm(core, z.unflatten(-1, (self.num_v_heads, self.head_v_dim))).flatten(1)
         return self.out_proj(out), GdnState(conv=new_conv, recurrent=new_recurrent)
 
@@ -100,9 +96,7 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat((q.flatten(-2), k.flatten(-2), v.flatten(-2)), dim=-1)
         return qkv, z.flatten(-2), b.flatten(-2), a.flatten(-2)
 
-    def _to_value_heads(self, heads: torch.Tensor) -> torch.Tensor:
-        """[B, T, Hk, D] -> [B, Hv, T, D], each key head repeated for its value heads."""
+    def _value_heads(self, heads: torch.Tensor) -> torch.Tensor:
+        """[N, Hk, D] -> [N, Hv, D], each key head repeated for its value heads."""
         repeat = self.num_v_heads // self.num_k_heads
-        if repeat > 1:
-            heads = heads.repeat_interleave(repeat, dim=2)
-        return heads.transpose(1, 2)
+        return heads.repeat_interleave(repeat, dim=1) if repeat > 1 else heads
