@@ -153,9 +153,9 @@ class ModelEngine:
                     self._emit(held, logits[row], recorder)
 
     def _admit(self, seq_id: int, spec: SequenceSpec, recorder: StepRecorder) -> None:
-        vocab_size = self.model.config.vocab_size
-        if not spec.prompt_token_ids or not all(0 <= t < vocab_size for t in spec.prompt_token_ids):
-            recorder.finish(seq_id, FinishReason.FAILED, 0)
+        problem = _prompt_problem(spec.prompt_token_ids, self.model.config.vocab_size)
+        if problem is not None:
+            recorder.finish(seq_id, FinishReason.FAILED, 0, problem)
             return
         if spec.max_new_tokens <= 0:
             recorder.finish(seq_id, FinishReason.MAX_LENGTH, 0)
@@ -227,9 +227,12 @@ class ModelEngine:
     def _reserve(self, held: HeldSequence, num_tokens: int, recorder: StepRecorder) -> bool:
         """Reserve KV room for `num_tokens` more tokens, preempting others; False if `held` itself lost."""
         kv = self._kv_cache
-        if kv.num_pages_for(kv.num_tokens(held.seq_id) + num_tokens) > kv.num_pages:
+        num_pages_needed = kv.num_pages_for(kv.num_tokens(held.seq_id) + num_tokens)
+        if num_pages_needed > kv.num_pages:
             self._release(held.seq_id)
-            recorder.finish(held.seq_id, FinishReason.FAILED, held.num_generated)
+            recorder.finish(held.seq_id, FinishReason.FAILED, held.num_generated,
+                            f"the sequence needs {num_pages_needed} KV pages of {kv.page_size} tokens, "
+                            f"more than the worker's {kv.num_pages} in all")
             return False
         while not kv.can_append(held.seq_id, num_tokens):
             victim = max(
@@ -250,3 +253,13 @@ class ModelEngine:
             return
         self._kv_cache.free(seq_id)
         self._state_pool.release(held.slot)
+
+
+def _prompt_problem(prompt_token_ids: Sequence[int], vocab_size: int) -> str | None:
+    """Why the engine cannot run this prompt, or None (checked before it runs)."""
+    if not prompt_token_ids:
+        return "the prompt is empty"
+    for token_id in prompt_token_ids:
+        if not 0 <= token_id < vocab_size:
+            return f"token id {token_id} is outside the model's vocabulary of {vocab_size}"
+    return None
