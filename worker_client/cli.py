@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     add_client_arguments(parser)
     parser.add_argument("--model", required=True,
                         help="a Hugging Face checkpoint directory (config.json + "
-                             "*.safetensors); 'tiny' (a small model with seeded random "
-                             "weights, for trying things out); or 'scripted' (no model: "
+                             "*.safetensors); 'tiny', 'tiny-moe' or 'tiny-next' (small Qwen3.5, "
+                             "Qwen3.5 MoE or Qwen3-Next models with seeded random weights, for "
+                             "trying things out); or 'scripted' (no model: "
                              "worker_client.testing.ScriptedEngine, for load-testing a scheduler)")
     parser.add_argument("--step-ms", type=float,
                         help="scripted model only: simulated GPU time per step with work, in "
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gdn-slots", type=int, help="GDN state slots (default: sized for the device)")
     parser.add_argument("--max-batch-size", type=int, default=0,
                         help="most sequences at once (0: the scheduler's default)")
-    parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny model")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny models")
     parser.add_argument("--threads", type=int,
                         help="CPU threads for torch (default: torch's choice); give each of "
                              "several workers on one host its share of the cores")
