@@ -35,8 +35,8 @@ def wrap(handler: grpc.RpcMethodHandler, *, on_start: OnStart | None = None,
         if behavior is not None:
             streaming_requests = kind.startswith("stream")
             wrapped = _wrap_behavior(behavior, on_start, on_request, streaming_requests)
-            return factory(wrapped,
-                           request_deserializer=request_deserializer or handler.request_deserializer,
+            deserializer = request_deserializer or handler.request_deserializer
+            return factory(wrapped, request_deserializer=deserializer,
                            response_serializer=handler.response_serializer)
     return handler
 

@@ -74,6 +74,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._loop = asyncio.get_running_loop()
         # Set when the server stops: streams then end without cancelling their sequences.
         self._stopping = False
+        # The tasks serving WorkerSession streams, ended when the server stops.
+        self._sessions: set[asyncio.Task] = set()
 
     def stop_streams_without_cancelling(self) -> None:
         """From now on a Generate stream that ends leaves its sequence alone (the server is
@@ -81,6 +83,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         are answered, and worker sessions end after their current answer."""
         self._stopping = True
         self._wakeups.close()
+        for task in self._sessions:
+            task.cancel()  # the worker retries on a new session, on the next scheduler
 
     # ----------------------------------------------------------------- clients
 
@@ -158,14 +162,19 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         A domain error ends the session with its status (the worker opens a new one). When
         the server stops, the session ends after its current answer.
         """
-        async for request in request_iterator:
-            try:
-                decision = await self._select(request)
-            except SchedulerError as err:
-                await context.abort(status_code(err), status_details(err))
-            yield decision
-            if self._stopping:
-                return
+        if self._stopping:
+            return
+        task = asyncio.current_task()
+        self._sessions.add(task)
+        try:
+            async for request in request_iterator:
+                try:
+                    decision = await self._select(request)
+                except SchedulerError as err:
+                    await context.abort(status_code(err), status_details(err))
+                yield decision
+        finally:
+            self._sessions.discard(task)
 
     @_rpc
     async def DeregisterWorker(self, request, context):

@@ -128,6 +128,27 @@ def stub(server) -> pb_grpc.SchedulerStub:
 
 
 @pytest.fixture
-def worker(stub):
+def transport() -> str:
+    """How fake workers report: "unary" here; test_contract.py runs both transports."""
+    return "unary"
+
+
+@pytest.fixture
+def make_worker(stub, transport) -> Iterator[Callable[[str], Worker]]:
+    """Factory: make_worker(worker_id) -> a fake worker on the `server` fixture, speaking
+    `transport`; their sessions are closed at teardown."""
+    made: list[Worker] = []
+
+    def factory(worker_id: str = "w1") -> Worker:
+        made.append(Worker(stub, worker_id, transport))
+        return made[-1]
+
+    yield factory
+    for w in made:
+        w.close()
+
+
+@pytest.fixture
+def worker(make_worker) -> Worker:
     """A fake worker "w1" on the `server` fixture (not yet registered)."""
-    return Worker(stub, "w1")
+    return make_worker("w1")
