@@ -45,9 +45,16 @@ def _run_concurrently(stub, prompts, max_new_tokens) -> dict[int, list[int]]:
     return results
 
 
+WORKER_MODES = pytest.mark.parametrize("session, overlap", [(True, True), (False, False)],
+                                       ids=["session-overlap", "unary-in-turn"])
+
+
+@WORKER_MODES
 @pytest.mark.parametrize("scheduler", [{"chunk_size": 32, "max_seq_len": 256}], indirect=True)
-def test_sixteen_streams_on_two_workers_equal_sequential_generation(scheduler, stub):
-    workers = [WorkerThread(scheduler.port, f"w{i}", ScriptedEngine(num_gdn_slots=8)).start()
+def test_sixteen_streams_on_two_workers_equal_sequential_generation(scheduler, stub, session,
+                                                                    overlap):
+    workers = [WorkerThread(scheduler.port, f"w{i}", ScriptedEngine(num_gdn_slots=8),
+                            session=session, overlap=overlap).start()
                for i in range(2)]
     prompts = _prompts(16, seed=1, chunk_size=32)
     results = _run_concurrently(stub, prompts, max_new_tokens=12)
@@ -64,10 +71,12 @@ def test_sixteen_streams_on_two_workers_equal_sequential_generation(scheduler, s
 
 @pytest.mark.parametrize("scheduler", [{"chunk_size": 16, "max_seq_len": 256,
                                         "prefill_reserve_pages": 1}], indirect=True)
-def test_preempted_sequences_resume_without_duplicate_tokens(scheduler, stub):
+@WORKER_MODES
+def test_preempted_sequences_resume_without_duplicate_tokens(scheduler, stub, session, overlap):
     # 12 pages of 4 tokens cannot hold 6 sequences of ~40 tokens: the engine preempts.
     engine = ScriptedEngine(num_kv_pages=12, page_size=4, num_gdn_slots=6)
-    worker = WorkerThread(scheduler.port, "small", engine).start()
+    worker = WorkerThread(scheduler.port, "small", engine, session=session,
+                          overlap=overlap).start()
     prompts = _prompts(6, seed=2, chunk_size=16)
     prompts = [p[:20] for p in prompts]
     results = _run_concurrently(stub, prompts, max_new_tokens=10)
