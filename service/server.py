@@ -130,6 +130,11 @@ class RunningServer:
         """Until the server has stopped."""
         self._loop.join()
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop every handler runs on (call into it with call_soon_threadsafe)."""
+        return self._loop.loop
+
 
 def start(settings: ServeSettings, registry: CollectorRegistry | None = None) -> RunningServer:
     """Start serving on settings.host: gRPC on settings.port (and settings.worker_port),

@@ -73,10 +73,10 @@ class Server:
             self.running.stop(grace_seconds)
 
 
-def _start(state_dir: str = "", **scheduler_config) -> Server:
+def _start(state_dir: str = "", serve: dict | None = None, **scheduler_config) -> Server:
     config = SchedulerConfig(**scheduler_config)
-    settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0, max_threads=16,
-                             state_dir=state_dir, scheduler=config)
+    settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0, state_dir=state_dir,
+                             scheduler=config, **(serve or {})).validate()
     registry = CollectorRegistry()
     running = start(settings, registry)
     channel = grpc.insecure_channel(f"{LOOPBACK}:{running.port}")
@@ -96,8 +96,8 @@ def _stoppers() -> Iterator[list[threading.Thread]]:
 
 @pytest.fixture
 def start_server(_stoppers) -> Iterator[Callable[..., Server]]:
-    """Factory: start_server([state_dir], **SchedulerConfig fields) -> Server; all stopped
-    at teardown.
+    """Factory: start_server([state_dir], serve={ServeSettings fields}, **SchedulerConfig
+    fields) -> Server; all stopped at teardown.
 
     Stopping runs in a thread: the gRPC server stops at once, but the metrics HTTP
     server's shutdown() waits out its 0.5 s poll interval, which would otherwise
@@ -105,8 +105,8 @@ def start_server(_stoppers) -> Iterator[Callable[..., Server]]:
     """
     servers: list[Server] = []
 
-    def factory(state_dir: str = "", **scheduler_config) -> Server:
-        servers.append(_start(state_dir, **scheduler_config))
+    def factory(state_dir: str = "", serve: dict | None = None, **scheduler_config) -> Server:
+        servers.append(_start(state_dir, serve, **scheduler_config))
         return servers[-1]
 
     yield factory
