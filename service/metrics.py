@@ -93,6 +93,18 @@ class SchedulerMetrics(SchedulerObserver):
             "How late the server's event loop ran a timer due now (sampled every 10 ms): "
             "what every call waits before its handler starts.",
             buckets=_RPC_SECONDS_BUCKETS, registry=r)
+        self.state_fsyncs = Counter(
+            PREFIX + "state_fsyncs_total",
+            "fsyncs of the state store's WAL behind acknowledgements (group commit).",
+            registry=r)
+        self.state_fsync_duration = Histogram(
+            PREFIX + "state_fsync_duration_seconds",
+            "Time one fsync of the state store's WAL took (off the event loop).",
+            buckets=_RPC_SECONDS_BUCKETS, registry=r)
+        self.state_commits_per_fsync = Histogram(
+            PREFIX + "state_commits_per_fsync",
+            "Commits that one fsync made durable: acknowledgements that shared it.",
+            buckets=_SEQ_BUCKETS, registry=r)
         self.streams_open = Gauge(
             PREFIX + "streams_open",
             "Streams open now, by pool: generate (Generate), open (Health.Watch, reflection).",
@@ -143,6 +155,12 @@ class SchedulerMetrics(SchedulerObserver):
         for kind in STREAM_KINDS:
             self.streams_open.labels(kind)
             self.streams_refused.labels(kind)
+
+    def on_fsync(self, num_commits: int, seconds: float) -> None:
+        """One group-commit fsync (service/group_commit.py)."""
+        self.state_fsyncs.inc()
+        self.state_fsync_duration.observe(seconds)
+        self.state_commits_per_fsync.observe(num_commits)
 
     def on_streams(self, kind: str, num_open: int, refused: bool) -> None:
         """A stream pool changed (service/limits.py): `num_open` now; `refused` one more."""

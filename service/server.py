@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from service import auth, credentials, decode_errors, limits
 from service.core import ConfigError, Scheduler
 from service.core.store import StoreError
+from service.group_commit import GroupCommit
 from service.loop_lag import LoopLag
 from service.metrics import SchedulerMetrics
 from service.observers import FanOut
@@ -53,6 +54,7 @@ class _Serving:
     servicer: SchedulerServicer
     port: int
     worker_port: int | None
+    group_commit: GroupCommit | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def stop(self, grace_seconds: float, store: SqliteStateStore | None) -> None:
@@ -63,6 +65,8 @@ class _Serving:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.group_commit is not None:
+            await self.group_commit.close()
         if store is not None:
             store.close()  # on the loop: nothing else calls the core any more
 
@@ -148,7 +152,7 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     _warn_if_exposed(settings)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = SchedulerMetrics(registry)
-    store = (SqliteStateStore(settings.state_dir, settings.state_fsync)
+    store = (SqliteStateStore(settings.state_dir, settings.state_fsync, defer_fsync=True)
              if settings.state_dir else None)
     loop = _LoopThread()
     try:
@@ -190,7 +194,11 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
                                         "assigned": recovered.num_assigned,
                                         "workers": len(recovered.workers)})
     lag = LoopLag(LOOP_LAG_TICK_SECONDS, observe=metrics.event_loop_lag.observe)
-    servicer = SchedulerServicer(core, wakeups, metrics=metrics, lag=lag)
+    group_commit = GroupCommit(store, metrics.on_fsync) if store is not None else None
+    servicer = SchedulerServicer(
+        core, wakeups, metrics=metrics, lag=lag,
+        durable=group_commit.durable if group_commit is not None else None,
+        durable_worker_progress=settings.state_fsync == "always")
     health_servicer = health.aio.HealthServicer()
     options = [
         # gRPC sets SO_REUSEPORT by default: a second scheduler on a port already in use
@@ -227,7 +235,9 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     tasks = [asyncio.create_task(_sweep_leases(servicer, sweep_seconds), name="lease-sweeper"),
              asyncio.create_task(lag.run(), name="loop-lag")]
-    return _Serving(servers, health_servicer, servicer, port, worker_port, tasks)
+    if group_commit is not None:
+        tasks.append(asyncio.create_task(group_commit.run_checkpoints(), name="checkpoints"))
+    return _Serving(servers, health_servicer, servicer, port, worker_port, group_commit, tasks)
 
 
 def _listen(server: grpc.aio.Server, host: str, port: int, tls) -> int:

@@ -56,9 +56,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     """Serves lattice.scheduler.v1.Scheduler over one core, on one event loop.
 
     `durable()` returns once every change that must survive a power loss is on disk
-    (group commit: service/group_commit.py); each client-facing call awaits it before it
-    answers, and worker iterations too when `durable_worker_progress` (--state-fsync
-    always). `lag` charges a stalled loop to SelectBatch's latency histogram.
+    (group commit: service/group_commit.py). What a client is told OK (Submit, Cancel,
+    Generate's first event) awaits it; worker and admin calls too when
+    `durable_worker_progress` (--state-fsync always). `lag` charges a stalled loop to
+    SelectBatch's latency histogram.
     """
 
     def __init__(self, core: Scheduler, wakeups: Wakeups, *,
@@ -70,7 +71,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._metrics = metrics
         self._lag = lag
         self._durable = durable or _nothing_to_wait_for
-        self._durable_worker_progress = durable_worker_progress
+        self._durable_worker_progress = durable_worker_progress and durable is not None
         self._loop = asyncio.get_running_loop()
         # Set when the server stops: streams then end without cancelling their sequences.
         self._stopping = False
@@ -148,7 +149,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     @_rpc
     async def RegisterWorker(self, request, context):
         settings = self._core.register_worker(convert.worker_registration(request))
-        await self._durable()
+        await self._progress_durable()
         log.info("worker registered", extra={"worker_id": request.worker_id})
         return convert.worker_settings(settings)
 
@@ -179,7 +180,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     @_rpc
     async def DeregisterWorker(self, request, context):
         requeued = self._core.deregister_worker(convert.worker_id(request))
-        await self._durable()
+        await self._progress_durable()
         log.info("worker deregistered", extra={"worker_id": request.worker_id,
                                                "requeued": requeued})
         return pb.DeregisterWorkerResponse(requeued=requeued)
@@ -189,7 +190,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         num_assigned = self._core.drain_worker(convert.worker_id(request), request.resume)
         if request.resume:
             self._wakeups.work_may_have_arrived()  # the worker may admit again
-        await self._durable()
+        await self._progress_durable()
         log.info("worker drain lifted" if request.resume else "worker drained",
                  extra={"worker_id": request.worker_id, "num_assigned": num_assigned})
         return pb.DrainWorkerResponse(num_assigned=num_assigned)
@@ -212,11 +213,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 started = self._arrival()
                 decision = self._core.select_batch(report)
         answer = convert.decision(decision)
-        if self._durable_worker_progress:
-            await self._durable()
+        await self._progress_durable()
         if self._metrics is not None:
             self._metrics.select_batch_duration.observe(time.perf_counter() - started)
         return answer
+
+    async def _progress_durable(self) -> None:
+        """Under --state-fsync always, wait for the fsync of worker and admin changes too."""
+        if self._durable_worker_progress:
+            await self._durable()
 
     def _idle_wait_seconds(self, request: pb.SelectBatchRequest, report: WorkerReport,
                            decision: Decision) -> float:
