@@ -24,7 +24,7 @@ RESOLUTION_SECONDS = 0.002
 class LoopLag:
     """The event loop's lateness; run() on the loop, read delay() from handlers."""
 
-    def __init__(self, tick_seconds: float = 0.01,
+    def __init__(self, tick_seconds: float = 0.025,
                  observe: Callable[[float], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         """`observe(lag_seconds)` is called with each tick's lateness (a histogram)."""

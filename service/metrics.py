@@ -90,7 +90,7 @@ class SchedulerMetrics(SchedulerObserver):
             buckets=_RPC_SECONDS_BUCKETS, registry=r)
         self.event_loop_lag = Histogram(
             PREFIX + "event_loop_lag_seconds",
-            "How late the server's event loop ran a timer due now (sampled every 10 ms): "
+            "How late the server's event loop ran a timer due now (sampled every 25 ms): "
             "what every call waits before its handler starts.",
             buckets=_RPC_SECONDS_BUCKETS, registry=r)
         self.state_fsyncs = Counter(

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # How often the loop-lag clock ticks (service/loop_lag.py).
-LOOP_LAG_TICK_SECONDS = 0.01
+LOOP_LAG_TICK_SECONDS = 0.025
 # How long start() waits for the loop to come up and listen.
 START_TIMEOUT_SECONDS = 60.0
 
