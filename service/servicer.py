@@ -113,18 +113,25 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         """Submit, then stream tokens until the sequence finishes or the client leaves."""
         try:
             seq_id = self._core.submit(convert.submit_params(request)).seq_id
+        except SchedulerError as err:
+            await context.abort(status_code(err), status_details(err))
+        # A client that goes away cancels its sequence (a no-op once it has finished),
+        # also while it waits for the fsync below.
+        context.add_done_callback(lambda _context: self._loop.call_soon_threadsafe(
+            self._cancel_quietly, seq_id))
+        try:
             await self._durable()
         except SchedulerError as err:
             await context.abort(status_code(err), status_details(err))
-        # A client that goes away cancels its sequence (a no-op once it has finished).
-        context.add_done_callback(lambda _context: self._loop.call_soon_threadsafe(
-            self._cancel_quietly, seq_id))
         yield convert.generate_event(seq_id)
         sent = 0
         with self._wakeups.watching(seq_id) as changed:
             while True:
                 changed.clear()
-                view = self._core.read_output(seq_id, sent)
+                try:
+                    view = self._core.read_output(seq_id, sent)
+                except SchedulerError as err:  # forgotten, long finished
+                    await context.abort(status_code(err), status_details(err))
                 if view.token_ids or view.finished:
                     sent += len(view.token_ids)
                     yield convert.generate_event(seq_id, view.token_ids, view.finish_reason,

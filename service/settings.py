@@ -52,6 +52,8 @@ class ServeSettings:
             if not 0 <= value <= 65535:
                 zero = "turns it off" if name == "worker_port" else "picks a free port"
                 raise ConfigError(f"{name} must be within 0-65535 (0 {zero}), got {value}")
+        if self.max_threads < 2:  # no effect any more; still checked as it always was
+            raise ConfigError(f"max_threads must be at least 2, got {self.max_threads}")
         for name in ("max_streams", "max_open_streams"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
