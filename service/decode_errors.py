@@ -40,16 +40,22 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
     on it, as grpc itself does.
     """
 
+    def __init__(self) -> None:
+        self._wrapped = handlers.PerMethod()
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method
+        return self._wrapped.get(method, handler, lambda: _refusing_undecodable(handler, method))
 
-        async def refuse_undecodable(request, context) -> None:
-            if isinstance(request, _Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"the request to {method} does not parse: {request.reason}")
 
-        return handlers.wrap(handler, on_request=refuse_undecodable,
-                             request_deserializer=_tolerant(handler.request_deserializer))
+def _refusing_undecodable(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    async def refuse_undecodable(request, context) -> None:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request to {method} does not parse: {request.reason}")
+
+    return handlers.wrap(handler, on_request=refuse_undecodable,
+                         request_deserializer=_tolerant(handler.request_deserializer))

@@ -25,6 +25,25 @@ _FACTORIES = {
 }
 
 
+class PerMethod:
+    """Wrapped handlers kept per method, so that a wrapper is built once, not per call.
+
+    Keyed by method name (only methods that have a handler: a bounded set), and rebuilt
+    when the handler to wrap is another object than last time (an inner interceptor that
+    wraps per call, such as auth's), so the map never grows past the service's methods.
+    """
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def get(self, method: str, handler: grpc.RpcMethodHandler,
+            build: Callable[[], grpc.RpcMethodHandler]) -> grpc.RpcMethodHandler:
+        known = self._wrapped.get(method)
+        if known is None or known[0] is not handler:
+            known = self._wrapped[method] = (handler, build())
+        return known[1]
+
+
 def wrap(handler: grpc.RpcMethodHandler, *, on_start: OnStart | None = None,
          on_request: OnRequest | None = None,
          request_deserializer: Callable[[bytes], object] | None = None

@@ -57,13 +57,18 @@ class StreamLimitInterceptor(grpc.aio.ServerInterceptor):
         self._pools = {**dict.fromkeys(GENERATE_METHODS, generate),
                        **dict.fromkeys(OPEN_STREAM_METHODS, open_streams)}
         self._on_change = on_change or (lambda kind, num_open, refused: None)
+        self._wrapped = handlers.PerMethod()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        pool = self._pools.get(handler_call_details.method)
+        method = handler_call_details.method
+        pool = self._pools.get(method)
         if handler is None or pool is None:
             return handler
+        return self._wrapped.get(method, handler, lambda: self._admitting(handler, pool))
 
+    def _admitting(self, handler: grpc.RpcMethodHandler,
+                   pool: StreamPool) -> grpc.RpcMethodHandler:
         async def admit(context) -> None:
             if pool.num_open >= pool.max_streams:
                 self._on_change(pool.kind, pool.num_open, True)

@@ -206,6 +206,11 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
         # address). Fail instead.
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", settings.max_message_bytes),
+        # Calls that arrived but wait for the loop to take them: past the soft limit gRPC
+        # cancels new ones at random (its default, 1000, cancelled streams of a burst of a few
+        # thousand clients re-attaching at once). Room for every stream --max-streams allows.
+        ("grpc.server.max_pending_requests", max(1000, settings.max_streams)),
+        ("grpc.server.max_pending_requests_hard_limit", 3 * max(1000, settings.max_streams)),
     ]
     first = [decode_errors.DecodeErrorInterceptor()]
     if tokens is not None:
