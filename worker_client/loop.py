@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
@@ -111,7 +111,9 @@ class WorkerLoop:
     # ------------------------------------------------------------------ overlapped
 
     def _run_overlapped(self, stop: threading.Event, drain: threading.Event) -> None:
-        with ThreadPoolExecutor(1, thread_name_prefix="worker-report") as reporter:
+        # The engine steps on its own thread, so that this one reports meanwhile; the engine
+        # is touched from here only while no step is in flight.
+        with ThreadPoolExecutor(1, thread_name_prefix="engine-step") as stepper:
             decision: pb.SchedulerDecision | None = None  # the next step's, with work
             while not stop.is_set():
                 draining = drain.is_set()
@@ -122,18 +124,19 @@ class WorkerLoop:
                             return
                         continue
                 held = self._holding()
-                after = self._forecast.after_step(held, [chunk_work(c) for c in decision.prefill],
-                                                  decision.decode)
-                answer = reporter.submit(self.client.select,
-                                         self._request(draining, after, idle=False))
-                out = self._step(decision)
+                prefill, decode = [chunk_work(c) for c in decision.prefill], list(decision.decode)
+                stepping = stepper.submit(self.engine.step, prefill, decode)
+                after = self._forecast.after_step(held, prefill, decode)
                 try:
-                    next_decision = answer.result()
+                    next_decision = self.client.select(self._request(draining, after, idle=False))
                 except NotRegistered:
-                    self._count(decision, out)  # its outputs went with the old registration
+                    self._count(decision, stepping.result())  # outputs of the old registration
                     self._register_again(self._holding())
                     decision = None
                     continue
+                finally:
+                    wait([stepping])  # whatever happened, the step ends before anything else
+                out = stepping.result()
                 self._pending.delivered()
                 self.stats.iterations += 1
                 self._record(decision, out)
