@@ -367,8 +367,9 @@ def cmd_honest(args) -> None:
           f"timeout {args.timeout:g} s {load_note()}")
     rows = []
     for label, root, flags in _versions(args):
-        scheduler = start_scheduler("--max-streams", str(args.streams + 100), *flags,
-                                    root=root)
+        if root == ROOT:
+            flags = ("--max-streams", str(args.streams + 100), *flags)
+        scheduler = start_scheduler(*flags, root=root)
         workers = start_scripted_workers(scheduler, args.workers, "--max-batch-size",
                                          str(args.batch), "--gdn-slots", str(args.batch),
                                          "--kv-pages", "100000")
