@@ -21,9 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
-from service import auth, credentials, decode_errors, limits
+from service import auth, credentials, decode_errors, limits, ports
 from service.core import ConfigError, Scheduler
 from service.core.store import StoreError
 from service.group_commit import GroupCommit
@@ -149,9 +149,12 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     tls = credentials.server_credentials(settings.tls_cert, settings.tls_key,
                                          settings.tls_client_ca)
     tokens = auth.load_tokens(settings.auth_tokens) if settings.auth_tokens else None
+    ports.check_free("port", settings.host, settings.port)  # before the state loads
+    ports.check_free("metrics_port", settings.host, settings.metrics_port)
     _warn_if_exposed(settings)
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = SchedulerMetrics(registry)
+    metrics = SchedulerMetrics(registry, named_tenants=(
+        tenant for tenant, _ in settings.scheduler.tenant_weights))
     store = (SqliteStateStore(settings.state_dir, settings.state_fsync, defer_fsync=True)
              if settings.state_dir else None)
     loop = _LoopThread()
@@ -164,8 +167,7 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
             store.close()  # and its lock: the caller may try again
         raise
     try:
-        metrics_http, _ = start_http_server(settings.metrics_port, addr=settings.host,
-                                            registry=registry)
+        metrics_http = ports.start_metrics_http(settings.host, settings.metrics_port, registry)
     except BaseException:
         try:
             loop.run(serving.stop(0, store))
@@ -184,7 +186,8 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
     try:
         # The sweeper checks leases every sweep_seconds: a gap of three means we stood still.
         core = Scheduler(settings.scheduler, observer=FanOut(metrics, wakeups), store=store,
-                         stall_seconds=max(3 * sweep_seconds, 0.5))
+                         stall_seconds=max(3 * sweep_seconds, 0.5),
+                         max_decision_bytes=settings.max_message_bytes)
     except StoreError as err:
         raise ConfigError(f"state_dir {settings.state_dir!r}: cannot load it: {err}") from None
     if store is not None:
@@ -232,7 +235,8 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
             options=options)
         pb_grpc.add_SchedulerServicer_to_server(servicer, workers_only)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, workers_only)
-        worker_port = _listen(workers_only, settings.host, settings.worker_port, tls)
+        worker_port = _listen(workers_only, settings.host, settings.worker_port, tls,
+                              server_role="workers")
         servers.append(workers_only)
     for server in servers:
         await server.start()
@@ -245,7 +249,8 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
     return _Serving(servers, health_servicer, servicer, port, worker_port, group_commit, tasks)
 
 
-def _listen(server: grpc.aio.Server, host: str, port: int, tls) -> int:
+def _listen(server: grpc.aio.Server, host: str, port: int, tls,
+            server_role: str = "main") -> int:
     address = f"{_bracket(host)}:{port}"
     try:
         # grpcio returns 0 on failure in old releases and raises RuntimeError in new ones.
@@ -254,7 +259,9 @@ def _listen(server: grpc.aio.Server, host: str, port: int, tls) -> int:
     except RuntimeError:
         bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {address}: address in use or not available")
+        flag = "--port" if server_role == "main" else "--worker-port"
+        raise ConfigError(f"cannot listen on {address} (--host, {flag}): address in use or "
+                          "not available")
     return bound
 
 

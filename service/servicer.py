@@ -135,7 +135,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 if view.token_ids or view.finished:
                     sent += len(view.token_ids)
                     yield convert.generate_event(seq_id, view.token_ids, view.finish_reason,
-                                                 view.finished)
+                                                 view.finished, view.error_message)
                     if view.finished:
                         return
                 else:
@@ -157,7 +157,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def RegisterWorker(self, request, context):
         settings = self._core.register_worker(convert.worker_registration(request))
         await self._progress_durable()
-        log.info("worker registered", extra={"worker_id": request.worker_id})
+        log.info("worker registered", extra={"worker_id": request.worker_id,
+                                             "incarnation": settings.incarnation})
         return convert.worker_settings(settings)
 
     @_rpc
@@ -186,7 +187,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     @_rpc
     async def DeregisterWorker(self, request, context):
-        requeued = self._core.deregister_worker(convert.worker_id(request))
+        requeued = self._core.deregister_worker(convert.worker_id(request),
+                                                request.incarnation)
         await self._progress_durable()
         log.info("worker deregistered", extra={"worker_id": request.worker_id,
                                                "requeued": requeued})
@@ -257,7 +259,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
 def _is_empty(decision: Decision) -> bool:
     return not (decision.prefill or decision.decode or decision.evict
-                or getattr(decision, "preempt", ()))
+                or decision.preempt)
 
 
 async def _nothing_to_wait_for() -> None:

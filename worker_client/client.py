@@ -7,7 +7,10 @@ gets that much longer to be answered.
 Retries cover the scheduler being unavailable (restarting, not yet up): UNAVAILABLE and
 DEADLINE_EXCEEDED are retried with exponential backoff until `retry_seconds` run out.
 FAILED_PRECONDITION (lease lost, scheduler restarted) surfaces as `NotRegistered` so the
-caller drops what it holds and registers again; other errors surface as `SchedulerCallError`.
+caller drops what it holds and registers again, unless the scheduler says this incarnation
+was superseded (another process registered the same worker_id since): that is `Superseded`,
+and the caller must stop rather than register again and fight over the id. Other errors
+surface as `SchedulerCallError`.
 """
 from __future__ import annotations
 
@@ -40,6 +43,10 @@ class SchedulerCallError(Exception):
 
 class NotRegistered(SchedulerCallError):
     """The scheduler does not know this worker (any more): register again."""
+
+
+class Superseded(SchedulerCallError):
+    """Another process registered this worker_id after us: stop, do not register again."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,9 @@ class SchedulerClient:
         self._sleep = sleep
         self.uses_session = session
         self._session: WorkerSessionStream | None = None
+        # The incarnation of our latest registration, sent with every later call (0: none
+        # yet, which the scheduler reads as "the latest").
+        self.incarnation = 0
 
     def close(self) -> None:
         self._end_session()
@@ -103,10 +113,14 @@ class SchedulerClient:
             page_size=resources.page_size, total_gdn_slots=resources.total_gdn_slots,
             max_batch_size=resources.max_batch_size, adapters=resources.adapters,
         )
-        return self._call("RegisterWorker", self._stub.RegisterWorker, request)
+        response = self._call("RegisterWorker", self._stub.RegisterWorker, request)
+        self.incarnation = response.incarnation
+        return response
 
     def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
-        """One iteration's report and decision (over the session, unless it is off)."""
+        """One iteration's report and decision, as our latest incarnation (set on
+        `request`), over the session unless it is off."""
+        request.incarnation = self.incarnation
         timeout = self._timeout + request.idle_wait_ms / 1000
         if self.uses_session:
             return self._call("WorkerSession", self._exchange, request, timeout)
@@ -116,7 +130,8 @@ class SchedulerClient:
         """Leave; returns how many sequences went back to the queue."""
         self._end_session()
         response = self._call("DeregisterWorker", self._stub.DeregisterWorker,
-                              pb.DeregisterWorkerRequest(worker_id=worker_id))
+                              pb.DeregisterWorkerRequest(worker_id=worker_id,
+                                                         incarnation=self.incarnation))
         return response.requeued
 
     def _exchange(self, request: pb.SelectBatchRequest, timeout: float, **_call_options):
@@ -142,7 +157,10 @@ class SchedulerClient:
             except grpc.RpcError as err:
                 code = err.code()
                 if code is grpc.StatusCode.FAILED_PRECONDITION:
-                    raise NotRegistered(method, code, err.details()) from None
+                    # The contract's message for an older incarnation starts so.
+                    superseded = (err.details() or "").startswith("superseded:")
+                    raise (Superseded if superseded else NotRegistered)(
+                        method, code, err.details()) from None
                 if code not in _RETRYABLE or time.monotonic() + delay > give_up_at:
                     raise SchedulerCallError(method, code, err.details()) from None
                 log.warning("scheduler call failed; retrying",

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from worker_client.client import NotRegistered, SchedulerClient, WorkerResources
+from worker_client.client import NotRegistered, SchedulerClient, Superseded, WorkerResources
 from worker_client.convert import PendingReport, chunk_work
-from worker_client.engine.api import Engine, StepOutput
+from worker_client.engine.api import Engine, FinishReason, StepOutput
 from worker_client.forecast import Forecast, Holding
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,9 @@ class WorkerLoop:
     - `drain`: take nothing new, finish what is held, report it, then leave.
     A scheduler that forgot this worker (lease expired, restart) answers
     FAILED_PRECONDITION; the loop then drops everything it holds (the scheduler has
-    requeued it) and registers again.
+    requeued it) and registers again. A scheduler that says this incarnation was
+    superseded (another process registered the same worker_id) ends `run` with
+    `Superseded`: registering again would only take the id back and fight.
 
     `overlap` (the default for `run`): while the engine runs step n, the report for step
     n+1 (what the engine will hold after step n: worker_client/forecast.py) goes to the
@@ -213,6 +215,7 @@ class WorkerLoop:
         self._count(decision, out)
 
     def _count(self, decision: pb.SchedulerDecision, out: StepOutput) -> None:
+        _log_failures(self.resources.worker_id, out)
         self.stats.prefill_tokens += sum(c.chunk_len for c in decision.prefill)
         self.stats.decode_steps += len(decision.decode)
         self.stats.generated_tokens += sum(len(t) for _, t in out.tokens)
@@ -251,6 +254,16 @@ class WorkerLoop:
             requeued = self.client.deregister(self.resources.worker_id)
             log.info("deregistered", extra={"worker_id": self.resources.worker_id,
                                             "requeued": requeued})
+        except Superseded:
+            pass  # the id is another process's now: nothing of ours left to hand back
         except Exception as err:  # noqa: BLE001 - leaving must not mask the real error
             log.warning("could not deregister cleanly: %s", err,
                         extra={"worker_id": self.resources.worker_id})
+
+
+def _log_failures(worker_id: str, out: StepOutput) -> None:
+    """Say why each sequence that failed in this step failed (the scheduler hears it too)."""
+    for fin in out.finished:
+        if fin.reason is FinishReason.FAILED:
+            log.warning("sequence failed: %s", fin.error_message or "no reason given",
+                        extra={"worker_id": worker_id, "seq_id": fin.seq_id})

@@ -6,6 +6,7 @@ to these types (service/convert.py) and back.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -29,7 +30,7 @@ class SequenceState(enum.Enum):
     FINISHED = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How a worker picks each next token (temperature 0 means greedy)."""
 
@@ -39,11 +40,15 @@ class SamplingParams:
     seed: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SubmitParams:
-    """A client's request for one sequence, as received."""
+    """A client's request for one sequence, as received.
 
-    prompt_token_ids: tuple[int, ...]
+    `prompt_token_ids` may be any sequence of ints; the core keeps it as a compact
+    array('I') (4 bytes a token) once the sequence is accepted.
+    """
+
+    prompt_token_ids: Sequence[int]
     max_new_tokens: int
     request_id: str = ""
     adapter_id: str = ""
@@ -53,7 +58,7 @@ class SubmitParams:
     stop_token_ids: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SequenceSpec:
     """Everything a worker needs to (re)start a sequence from token 0.
 
@@ -69,7 +74,7 @@ class SequenceSpec:
     stop_token_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SubmitResult:
     """The accepted sequence and how many sequences were ahead of it."""
 
@@ -77,7 +82,7 @@ class SubmitResult:
     queue_position: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerRegistration:
     """What a worker declares when it joins."""
 
@@ -89,7 +94,7 @@ class WorkerRegistration:
     adapters: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerSettings:
     """The settings a registered worker runs under."""
 
@@ -97,18 +102,21 @@ class WorkerSettings:
     max_batch_size: int
     prefill_reserve_pages: int
     lease_ttl_ms: int
+    # This registration's number: grows with every registration of any worker, never reused.
+    incarnation: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FinishedSequence:
     """A sequence that ended on a worker; `generated_tokens` counts this assignment only."""
 
     seq_id: int
     reason: FinishReason
     generated_tokens: int = 0
+    error_message: str = ""  # why, for FAILED
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TokenUpdate:
     """Tokens one sequence generated since the worker's last call.
 
@@ -121,7 +129,7 @@ class TokenUpdate:
     offset: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerReport:
     """One worker's report at the start of an iteration (the SelectBatch request)."""
 
@@ -134,9 +142,11 @@ class WorkerReport:
     preempted: tuple[int, ...] = ()
     draining: bool = False
     tokens: tuple[TokenUpdate, ...] = ()
+    # The incarnation the worker registered as; 0: the latest (clients that do not send it).
+    incarnation: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PrefillChunk:
     """Prompt tokens [chunk_start, chunk_start + chunk_len) of a sequence.
 
@@ -149,7 +159,7 @@ class PrefillChunk:
     spec: SequenceSpec | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
     """What one worker runs this iteration."""
 
@@ -157,9 +167,12 @@ class Decision:
     decode: tuple[int, ...] = ()
     evict: tuple[int, ...] = ()
     iteration: int = 0
+    # Running sequences the scheduler took back (budget and fair, KV pages short): the
+    # worker frees them before stepping; they resume later from their tokens so far.
+    preempt: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SequenceInfo:
     """A read-only view of one sequence."""
 
@@ -171,9 +184,10 @@ class SequenceInfo:
     generated_tokens: int
     finish_reason: FinishReason | None
     queue_position: int
+    error_message: str = ""  # why it failed, for FAILED
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     """A read-only view of one registered worker as of its last report."""
 
@@ -186,9 +200,10 @@ class WorkerStatus:
     iteration: int
     draining: bool
     seconds_since_last_call: float
+    incarnation: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerStatus:
     """A read-only view of the whole scheduler."""
 

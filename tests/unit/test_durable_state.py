@@ -34,8 +34,8 @@ class Restartable:
         return MemoryStore() if self.kind == "memory" else SqliteStateStore(self.tmp_path)
 
     def _core(self) -> Scheduler:
-        return Scheduler(make_config(**self.config), clock=self.clock, store=self.store,
-                         max_finished_retained=self.max_finished_retained)
+        return Scheduler(make_config(**self.config), clock=self.clock, wall_clock=self.clock,
+                         store=self.store, max_finished_retained=self.max_finished_retained)
 
     def restart(self) -> Scheduler:
         if self.kind == "sqlite":
@@ -405,3 +405,71 @@ def test_the_oldest_finished_are_forgotten_first_after_a_restart_too(kind, tmp_p
     assert sched.submit(params(request_id="A")).seq_id == a
     assert sched.submit(params(request_id="B")).seq_id == b
     assert sched.submit(params(request_id="C")).seq_id != c
+
+
+def test_the_time_waited_before_a_restart_still_counts_towards_aging(kind, tmp_path):
+    state = Restartable(kind, tmp_path, policy="fair", aging_seconds=10.0)
+    old = submit(state.sched, priority=4)
+    state.clock.advance_ms(25_000)
+    newer = submit(state.sched, priority=1)
+    # Bands: old 4 - 2 = 2, newer 1 - 0 = 1.
+    assert queue_order(state.sched, [old, newer]) == [newer, old]
+    state.restart()
+    assert queue_order(state.sched, [old, newer]) == [newer, old]
+    state.clock.advance_ms(5_000)
+    # old has waited 30 s in all (band 1), newer 5 s (band 1): the older goes first. Had
+    # the restart reset old's wait, it would still be in band 4.
+    assert queue_order(state.sched, [old, newer]) == [old, newer]
+
+
+def test_a_version_1_state_dir_is_migrated_and_its_queue_kept(tmp_path):
+    import json
+    import sqlite3
+    import time
+
+    from service import state_sqlite
+    db = sqlite3.connect(tmp_path / "scheduler.db")
+    db.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+        INSERT INTO meta VALUES ('schema_version', 1), ('next_seq_id', 4);
+        CREATE TABLE sequences (seq_id INTEGER PRIMARY KEY, params TEXT NOT NULL,
+            prompt BLOB NOT NULL, state INTEGER NOT NULL, worker_id TEXT, queue_key INTEGER,
+            cursor INTEGER NOT NULL, prefilled_tokens INTEGER NOT NULL,
+            num_generated INTEGER NOT NULL, num_generated_at_admission INTEGER NOT NULL,
+            finish_reason INTEGER, finish_order INTEGER NOT NULL DEFAULT 0);
+        CREATE TABLE workers (worker_id TEXT PRIMARY KEY, registration TEXT NOT NULL,
+            drain_requested INTEGER NOT NULL DEFAULT 0);
+    """)
+    params = {"request_id": "", "max_new_tokens": 4, "adapter_id": "", "priority": 0,
+              "tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}
+    for seq_id, key in ((1, 3), (2, 1), (3, 2)):  # queue order 2, 3, 1
+        db.execute("INSERT INTO sequences VALUES (?, ?, ?, 1, NULL, ?, 0, 0, 0, 0, NULL, 0)",
+                   (seq_id, json.dumps(params), state_sqlite._pack([5, 6]), key))
+    db.commit()
+    db.close()
+    before = time.time()
+    state = Restartable("sqlite", tmp_path)
+    assert queue_order(state.sched, [1, 2, 3]) == [2, 3, 1]
+    db = sqlite3.connect(tmp_path / "scheduler.db")
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (2,)
+    # Dated at the migration: their waiting counts from then on.
+    assert all(row[0] >= before for row in db.execute("SELECT submitted_at FROM sequences"))
+    db.close()
+
+def test_a_failed_sequences_reason_and_the_last_incarnation_survive_a_restart(state):
+    sched = state.sched
+    seq_id = submit(sched)
+    register(sched, "gone")
+    last = register(sched, "w0").incarnation
+    sched.deregister_worker("gone")
+    admit(sched, "w0")
+    failure = finished(seq_id, FinishReason.FAILED)
+    sched.select_batch(report("w0", finished=[type(failure)(
+        seq_id, FinishReason.FAILED, 0, "token id 600 is outside the model's vocabulary of 512")]))
+    restarted = state.restart()
+    info = restarted.get_sequence(seq_id)
+    assert (info.finish_reason, info.error_message) == (
+        FinishReason.FAILED, "token id 600 is outside the model's vocabulary of 512")
+    assert restarted.read_output(seq_id, 0).error_message == info.error_message
+    assert [w.incarnation for w in restarted.status().workers] == [last]
+    assert register(restarted, "new").incarnation == last + 1

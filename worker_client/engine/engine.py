@@ -121,9 +121,9 @@ class ModelEngine:
             self._emit(held, logits[0], recorder)
 
     def _admit(self, seq_id: int, spec: SequenceSpec, recorder: StepRecorder) -> None:
-        vocab_size = self.model.config.vocab_size
-        if not spec.prompt_token_ids or not all(0 <= t < vocab_size for t in spec.prompt_token_ids):
-            recorder.finish(seq_id, FinishReason.FAILED, 0)
+        problem = _prompt_problem(spec.prompt_token_ids, self.model.config.vocab_size)
+        if problem is not None:
+            recorder.finish(seq_id, FinishReason.FAILED, 0, problem)
             return
         if spec.max_new_tokens <= 0:
             recorder.finish(seq_id, FinishReason.MAX_LENGTH, 0)
@@ -201,3 +201,13 @@ class ModelEngine:
             return
         self._kv_cache.free(seq_id)
         self._state_pool.release(held.slot)
+
+
+def _prompt_problem(prompt_token_ids: Sequence[int], vocab_size: int) -> str | None:
+    """Why the engine cannot run this prompt, or None (checked before it runs)."""
+    if not prompt_token_ids:
+        return "the prompt is empty"
+    for token_id in prompt_token_ids:
+        if not 0 <= token_id < vocab_size:
+            return f"token id {token_id} is outside the model's vocabulary of {vocab_size}"
+    return None
