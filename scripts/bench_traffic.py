@@ -7,13 +7,13 @@ loop (grpc.aio), scripted workers are `lattice-worker --model scripted` processe
 `--before DIR` adds rows from the scheduler of another checkout (e.g. a worktree of the
 commit before this change), started with this interpreter from DIR.
 
-    python scripts/bench_traffic.py streams     # 10,000 idle Generate streams, 16 workers
-    python scripts/bench_traffic.py honest      # 2,000 streams read to the end, 4 workers
-    python scripts/bench_traffic.py watch       # 1,000 unauthenticated Health.Watch, tokens on
-    python scripts/bench_traffic.py decisions   # decisions/s, 64 workers: echo, unary, session
-    python scripts/bench_traffic.py overlap     # 8 scripted workers, --step-ms 10
-    python scripts/bench_traffic.py idle        # 16 idle workers: CPU, Submit to a worker
-    python scripts/bench_traffic.py submits     # acknowledged Submits/s, 16 submitters
+    .venv/bin/python scripts/bench_traffic.py streams     # 10,000 idle Generate streams, 16 workers
+    .venv/bin/python scripts/bench_traffic.py honest      # 2,000 streams read to the end, 4 workers
+    .venv/bin/python scripts/bench_traffic.py watch       # 1,000 unauthenticated Health.Watch, tokens on
+    .venv/bin/python scripts/bench_traffic.py decisions   # decisions/s, 64 workers: echo, unary, session
+    .venv/bin/python scripts/bench_traffic.py overlap     # 8 scripted workers, --step-ms 10
+    .venv/bin/python scripts/bench_traffic.py idle        # 16 idle workers: CPU, Submit to a worker
+    .venv/bin/python scripts/bench_traffic.py submits     # acknowledged Submits/s, 16 submitters
 
 The machine these ran on has 2 cores shared with other work: read ratios within one run.
 """
