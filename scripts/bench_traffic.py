@@ -539,7 +539,9 @@ def _decisions_run(args, root, session: bool) -> tuple[float, float]:
         proc = Proc([sys.executable, __file__, "echo-server"])
         target = f"{LOOPBACK}:{int(proc.wait_for(ECHO_LISTENING).group(1))}"
     else:
-        scheduler = start_scheduler("--max-batch-size", str(args.batch), root=root)
+        # fifo: the policy the scheduler before had, so that the rows compare the transport.
+        policy = ("--policy", "fifo") if root == ROOT else ()
+        scheduler = start_scheduler("--max-batch-size", str(args.batch), *policy, root=root)
         proc, target = scheduler.proc, scheduler.target
     try:
         cpu_before, wall_before = proc.cpu_seconds(), time.perf_counter()
@@ -618,7 +620,7 @@ async def _idle(scheduler: Scheduler, args) -> list[list]:
     async def poll(w: FakeWorker, end: float, idle_wait_ms: int, pause: float) -> int:
         calls = 0
         while time.perf_counter() < end:
-            await w.select(pb.SelectBatchRequest(worker_id=w.worker_id, kv_free_pages=1000,
+            await w.select(pb.SelectBatchRequest(worker_id=w.worker_id, kv_free_pages=1_000_000,
                                                  gdn_free_slots=8, idle_wait_ms=idle_wait_ms))
             calls += 1
             if pause:
@@ -642,13 +644,13 @@ async def _idle(scheduler: Scheduler, args) -> list[list]:
     async def park(w: FakeWorker) -> None:
         while not stop.is_set():
             decision = await w.select(pb.SelectBatchRequest(
-                worker_id=w.worker_id, kv_free_pages=1000, gdn_free_slots=8,
+                worker_id=w.worker_id, kv_free_pages=1_000_000, gdn_free_slots=8,
                 idle_wait_ms=1000, running=w.running))
             if decision.prefill:
                 await got.put(time.perf_counter())
                 w.running = []          # it "finished" at once: report nothing next time
                 await w.select(pb.SelectBatchRequest(
-                    worker_id=w.worker_id, kv_free_pages=1000, gdn_free_slots=8,
+                    worker_id=w.worker_id, kv_free_pages=1_000_000, gdn_free_slots=8,
                     finished=[pb.FinishedSequence(seq_id=c.seq_id, reason=2)
                               for c in decision.prefill]))
 
