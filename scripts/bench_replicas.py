@@ -90,7 +90,7 @@ def start_scheduler(state: list[str], directory: Path, name: str):
     port = free_port()
     log = open(directory / f"{name}.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port),
-                             "--metrics-port", "0", "--max-threads", "64", "--policy", "fifo",
+                             "--metrics-port", "0", "--policy", "fifo",
                              "--lease-ttl-ms", "30000", *state],
                             stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -6,88 +6,60 @@ only what this replica owns:
   Generate work for any sequence: from the core when this replica owns it, else from the
   database (Cancel: the owner is told and applies it).
 - RegisterWorker adopts what the worker held on another replica (it moved here).
-- SelectBatch decides from the local queue; only when that is empty while the worker
-  has room and the shared queue may hold work does it claim in line.
+- SelectBatch decides from the local queue; only when that cannot fill the workers'
+  free places while the shared queue may hold work does it claim in line.
 
-Three threads keep the replica going: the prefetcher claims queued sequences ahead of the
-workers' needs (`prefetch` beyond their free places), the listener turns notifications
-into wake-ups (submits, tokens for streams, cancels for this owner), and the keeper
-renews the lease, returns dead replicas' sequences to the shared queue, and gives up what
-this replica no longer owns after its own lease ran out.
+The core is called on the event loop only, as in SchedulerServicer; the core's own saves
+talk to the database from there (two round trips a decision). Every other database call
+runs in a thread (`asyncio.to_thread`), so the loop serves other calls meanwhile. Two
+tasks keep the replica going: the prefetcher claims queued sequences ahead of the
+workers' needs (`prefetch` beyond their free places), and the keeper renews the lease,
+returns dead replicas' sequences to the shared queue, gives up what others took over and
+hands back claims its workers cannot use. A listener thread turns notifications into
+wake-ups on the loop (submits, tokens for streams, cancels and take-overs for this owner).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-import time
-from collections import defaultdict
 from dataclasses import replace
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service import convert
 from service.core import NotFound, Scheduler, SchedulerError, SequenceState
-from service.core.store import StoreError
+from service.core.types import SubmitParams, SubmitResult
+from service.loop_lag import LoopLag
 from service.metrics import SchedulerMetrics
-from service.servicer import SchedulerServicer, _unary
+from service.servicer import SchedulerServicer, _rpc
 from service.state_postgres import (
     CANCEL_CHANNEL, DISOWN_CHANNEL, PROGRESS_CHANNEL, SUBMIT_CHANNEL, Claimed, PostgresState,
     parse_ids_payload,
 )
 from service.status_codes import status_code, status_details
+from service.wakeups import Wakeups
 
 log = logging.getLogger(__name__)
 
 # A stream of a sequence another replica owns re-reads the database at least this often
-# (notifications wake it sooner; this bounds the wait if one is lost).
+# (notifications wake it sooner; this bounds the wait if one is lost, or when the
+# sequence moves to this replica).
 _REMOTE_POLL_SECONDS = 1.0
-_LOCAL_POLL_SECONDS = 0.25
-
-
-class _Waiters:
-    """Events of streams waiting for sequences other replicas own, by seq_id."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._events: dict[int, set[threading.Event]] = defaultdict(set)
-
-    def wait(self, seq_id: int, timeout: float) -> None:
-        event = threading.Event()
-        with self._lock:
-            self._events[seq_id].add(event)
-        try:
-            event.wait(timeout)
-        finally:
-            with self._lock:
-                events = self._events.get(seq_id)
-                if events is not None:
-                    events.discard(event)
-                    if not events:
-                        del self._events[seq_id]
-
-    def wake(self, seq_ids: set[int] | None) -> None:
-        """Wake the streams of `seq_ids` (None: every stream)."""
-        with self._lock:
-            keys = list(self._events) if seq_ids is None else seq_ids & self._events.keys()
-            for seq_id in keys:
-                for event in self._events[seq_id]:
-                    event.set()
 
 
 class _Hint:
     """"The shared queue may hold unclaimed work": set by submits and returns, cleared
     by a claim that came back short, unless it was set again while that claim ran (a
-    submit committed after the claim's snapshot)."""
+    submit committed after the claim's snapshot). Used on the loop only."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._generation = 0
         self._set = True
 
     def set(self) -> None:
-        with self._lock:
-            self._generation += 1
-            self._set = True
+        self._generation += 1
+        self._set = True
 
     def is_set(self) -> bool:
         return self._set
@@ -96,28 +68,28 @@ class _Hint:
         return self._generation
 
     def clear_unless_set_since(self, generation: int) -> None:
-        with self._lock:
-            if self._generation == generation:
-                self._set = False
+        if self._generation == generation:
+            self._set = False
 
 
 class ReplicaServicer(SchedulerServicer):
     """The Scheduler service of one replica; see the module docstring."""
 
-    def __init__(self, core: Scheduler, state: PostgresState,
-                 metrics: SchedulerMetrics | None = None, *, prefetch: int = 8) -> None:
-        super().__init__(core, metrics)
+    def __init__(self, core: Scheduler, wakeups: Wakeups, state: PostgresState, *,
+                 metrics: SchedulerMetrics | None = None, lag: LoopLag | None = None,
+                 prefetch: int = 8) -> None:
+        super().__init__(core, wakeups, metrics=metrics, lag=lag)
         self._state = state
         self._prefetch = prefetch
-        self._waiters = _Waiters()
-        # The shared queue may hold unclaimed work: set by submits (ours, and others'
-        # notifications) and by returns of dead replicas' sequences; cleared by a claim
-        # that found less than it asked for.
         self._queue_hint = _Hint()
-        self._wake_prefetcher = threading.Event()
-        self._claim_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._wake_prefetcher = asyncio.Event()
+        # One claim at a time, and nothing that compares the core's sequences with the
+        # database's while one is in flight.
+        self._claim_lock = asyncio.Lock()
+        # Streams of sequences another replica owns, woken by notifications.
+        self._remote: dict[int, set[asyncio.Event]] = {}
+        self._listener_stop = threading.Event()
+        self._listener: threading.Thread | None = None
 
     @property
     def replica_id(self) -> int:
@@ -125,128 +97,113 @@ class ReplicaServicer(SchedulerServicer):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start_background(self) -> None:
-        for name, target in (("prefetcher", self._prefetch_loop),
-                             ("listener", self._listen_loop), ("keeper", self._keep_loop)):
-            thread = threading.Thread(target=target, name=f"replica-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+    def background_tasks(self) -> list[asyncio.Task]:
+        """Start the prefetcher, the keeper and the listener thread."""
+        self._listener = threading.Thread(target=self._listen, args=(self._loop,),
+                                          name="replica-listener", daemon=True)
+        self._listener.start()
+        return [asyncio.create_task(self._prefetch_loop(), name="replica-prefetcher"),
+                asyncio.create_task(self._keep_loop(), name="replica-keeper")]
 
-    def stop_background(self) -> None:
-        self._stop.set()
-        self._wake_prefetcher.set()
-        for thread in self._threads:
-            thread.join(5.0)
-
-    def leave(self) -> None:
+    async def leave(self) -> None:
         """A clean stop: unadmitted claims back to the shared queue, the lease ended."""
+        self._listener_stop.set()
         try:
-            self.call(self._state.leave)
-        except StoreError as err:
+            await asyncio.to_thread(self._state.leave)
+        except SchedulerError as err:
             log.warning("could not hand back this replica's claims; they return when its "
                         "lease runs out: %s", err)
+        if self._listener is not None:
+            await asyncio.to_thread(self._listener.join, 5.0)
 
     # ------------------------------------------------------------------ clients
 
-    @_unary
-    def Submit(self, request, context):
-        return convert.submit_response(self._submit(convert.submit_params(request)))
+    @_rpc
+    async def Submit(self, request, context):
+        return convert.submit_response(await self._submit(convert.submit_params(request)))
 
-    @_unary
-    def Cancel(self, request, context):
-        return pb.CancelResponse(cancelled=self._cancel(request.seq_id))
+    @_rpc
+    async def Cancel(self, request, context):
+        return pb.CancelResponse(cancelled=await self._cancel(request.seq_id))
 
-    @_unary
-    def GetSequence(self, request, context):
+    @_rpc
+    async def GetSequence(self, request, context):
         seq_id = request.seq_id
-        with self._changed:
-            if self._owns(seq_id):
-                info = self._core.get_sequence(seq_id)
-                if info.state is not SequenceState.QUEUED:
-                    return convert.sequence_info(info)
+        if self._owns(seq_id):
+            info = self._core.get_sequence(seq_id)
+            if info.state is not SequenceState.QUEUED:
+                return convert.sequence_info(info)
         # Queued (its position is the shared queue's) or another replica's.
-        return convert.sequence_info(self._state.sequence_info(seq_id))
+        return convert.sequence_info(await asyncio.to_thread(self._state.sequence_info,
+                                                             seq_id))
 
-    @_unary
-    def GetStatus(self, request, context):
-        with self._changed:
-            status = self._core.status()
-        return convert.status(replace(status, queue_depth=self._state.queue_depth()))
+    @_rpc
+    async def GetStatus(self, request, context):
+        status = self._core.status()
+        depth = await asyncio.to_thread(self._state.queue_depth)
+        return convert.status(replace(status, queue_depth=depth))
 
-    @_unary
-    def RegisterWorker(self, request, context):
+    @_rpc
+    async def RegisterWorker(self, request, context):
         registration = convert.worker_registration(request)
-
-        incarnation = self._state.next_incarnation()
-
-        def register_and_adopt():
+        incarnation = await asyncio.to_thread(self._state.next_incarnation)
+        async with self._claim_lock:
             self._core.hand_out_incarnations_from(incarnation)
             settings = self._core.register_worker(registration)
-            moved = self._state.adopt_worker(registration.worker_id)
+            moved = await asyncio.to_thread(self._state.adopt_worker, registration.worker_id)
             self._adopt(moved, registration.worker_id)
-            return settings, len(moved.sequences)
-
-        settings, num_adopted = self.call(register_and_adopt)
         log.info("worker registered", extra={"worker_id": request.worker_id,
-                                             "adopted": num_adopted})
+                                             "incarnation": settings.incarnation,
+                                             "adopted": len(moved.sequences)})
         return convert.worker_settings(settings)
 
-    @_unary
-    def SelectBatch(self, request, context):
-        started = time.perf_counter()
-        report = convert.worker_report(request)
-        freeing = len(report.finished)
+    async def _select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
+        freeing = len(request.finished)
         if self._short(freeing):  # the prefetcher fell behind: claim in line
-            self._top_up(only_if_short=True, num_freeing=freeing)
-        with self._changed:
-            decision = self._core.select_batch(report)
-            self._changed.notify_all()
+            await self._top_up(only_if_short=True, num_freeing=freeing)
+        answer = await super()._select(request)
         if self._core.prefetch_wanted(self._prefetch):
             self._wake_prefetcher.set()
-        if self._metrics is not None:
-            self._metrics.select_batch_duration.observe(time.perf_counter() - started)
-        return convert.decision(decision)
+        return answer
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         """Submit to the shared queue, then stream tokens from whoever owns the sequence."""
         try:
-            seq_id = self._submit(convert.submit_params(request)).seq_id
+            seq_id = (await self._submit(convert.submit_params(request))).seq_id
         except SchedulerError as err:
-            context.abort(status_code(err), status_details(err))
-        context.add_callback(lambda: self._cancel_quietly(seq_id))
+            await context.abort(status_code(err), status_details(err))
+        context.add_done_callback(lambda _context: self._loop.call_soon_threadsafe(
+            self._cancel_quietly, seq_id))
         yield convert.generate_event(seq_id)
         sent = 0
-        while context.is_active():
+        while True:
             try:
-                view = self._read(seq_id, sent)
-            except StoreError:
-                # The database is away: keep the stream, try again shortly.
-                self._stop.wait(_REMOTE_POLL_SECONDS)
+                view = await self._read(seq_id, sent)
+            except NotFound as err:
+                await context.abort(status_code(err), status_details(err))
+            except SchedulerError:
+                await asyncio.sleep(_REMOTE_POLL_SECONDS)  # the database is away: retry
                 continue
             if view.token_ids or view.finished:
                 sent += len(view.token_ids)
                 yield convert.generate_event(seq_id, view.token_ids, view.finish_reason,
-                                             view.finished)
-            if view.finished:
-                return
+                                             view.finished, view.error_message)
+                if view.finished:
+                    return
 
     def _cancel_quietly(self, seq_id: int) -> None:
-        with self._changed:
-            if self._stopping:
-                return
-        try:
-            self._cancel(seq_id)
-        except NotFound:
-            pass
-        except SchedulerError:
-            log.exception("could not cancel seq_id %d after its client left", seq_id)
+        if self._stopping:
+            return
+        task = asyncio.ensure_future(self._cancel(seq_id))
+        task.add_done_callback(_log_cancel_failure(seq_id))
 
     # ------------------------------------------------------------------ internals
 
-    def _submit(self, params):
+    async def _submit(self, params: SubmitParams) -> SubmitResult:
         self._core.check_submit(params)  # reads the config only
         config = self._core.config
-        result = self._state.submit(params, config.max_queue, config.max_queue_per_tenant)
+        result = await asyncio.to_thread(self._state.submit, params, config.max_queue,
+                                         config.max_queue_per_tenant)
         self._queue_hint.set()
         self._wake_prefetcher.set()
         if self._metrics is not None:
@@ -255,43 +212,62 @@ class ReplicaServicer(SchedulerServicer):
         return result
 
     def _owns(self, seq_id: int) -> bool:
-        """Whether the core holds `seq_id` (call under the lock)."""
+        """Whether the core holds `seq_id`."""
         try:
             self._core.get_sequence(seq_id)
         except NotFound:
             return False
         return True
 
-    def _cancel(self, seq_id: int) -> bool:
+    async def _cancel(self, seq_id: int) -> bool:
         # No claim in flight meanwhile: a sequence claimed but not yet in the core would
         # look like another replica's, and its cancel would wait for the keeper.
-        with self._claim_lock:
-            with self._changed:
-                if self._owns(seq_id):
-                    cancelled = self._core.cancel(seq_id)
-                    self._changed.notify_all()
-                    if self._owns(seq_id):  # still ours: the store took it
-                        return cancelled
-            return self._state.cancel(seq_id)
-
-    def _read(self, seq_id: int, sent: int):
-        with self._changed:
+        async with self._claim_lock:
             if self._owns(seq_id):
+                cancelled = self._core.cancel(seq_id)
+                if self._owns(seq_id):  # still ours: the store took it
+                    return cancelled
+            return await asyncio.to_thread(self._state.cancel, seq_id)
+
+    async def _read(self, seq_id: int, sent: int):
+        """New output of `seq_id` from `sent` on, waiting for some (or for the end) a while."""
+        if self._owns(seq_id):
+            with self._wakeups.watching(seq_id) as changed:
                 view = self._core.read_output(seq_id, sent)
                 if view.token_ids or view.finished:
                     return view
-                self._changed.wait(_LOCAL_POLL_SECONDS)
-                if self._owns(seq_id):
-                    return self._core.read_output(seq_id, sent)
-        view = self._state.read_output(seq_id, sent)
+                try:
+                    await asyncio.wait_for(changed.wait(), _REMOTE_POLL_SECONDS)
+                except asyncio.TimeoutError:
+                    pass
+            if self._owns(seq_id):
+                return self._core.read_output(seq_id, sent)
+        view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
         if view.token_ids or view.finished:
             return view
-        self._waiters.wait(seq_id, _REMOTE_POLL_SECONDS)
-        return self._state.read_output(seq_id, sent)
+        event = asyncio.Event()
+        self._remote.setdefault(seq_id, set()).add(event)
+        try:
+            await asyncio.wait_for(event.wait(), _REMOTE_POLL_SECONDS)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            events = self._remote.get(seq_id)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._remote[seq_id]
+        return await asyncio.to_thread(self._state.read_output, seq_id, sent)
+
+    def _wake_remote(self, seq_ids: set[int] | None) -> None:
+        keys = list(self._remote) if seq_ids is None else seq_ids & self._remote.keys()
+        for seq_id in keys:
+            for event in self._remote[seq_id]:
+                event.set()
 
     def _adopt(self, claimed: Claimed, worker_id: str = "") -> None:
-        """Put claimed sequences in the core (under the lock), then apply the cancels
-        other replicas asked for while they were elsewhere."""
+        """Put claimed sequences in the core, then apply the cancels other replicas asked
+        for while they were elsewhere."""
         if not claimed.sequences:
             return
         self._core.adopt(claimed.sequences, worker_id)
@@ -300,150 +276,167 @@ class ReplicaServicer(SchedulerServicer):
                 self._core.cancel(seq_id)
             except NotFound:
                 pass
-        self._changed.notify_all()
+        self._wakeups.work_may_have_arrived()
 
     def _short(self, num_freeing: int) -> bool:
         """Whether the local queue cannot fill the workers' free places (with those a
         report is about to free) while the shared queue may hold work."""
-        if not self._queue_hint.is_set():
-            return False
-        with self._changed:
-            return bool(self._core.prefetch_wanted(0, num_freeing))
+        return self._queue_hint.is_set() and bool(self._core.prefetch_wanted(0, num_freeing))
 
-    def _top_up(self, only_if_short: bool, num_freeing: int = 0) -> None:
-        """Claim what the workers could use, plus `prefetch` ahead. One claim at a time
-        (the claim lock is always taken before the core's lock): the database round trip
-        runs outside the core's lock, and a SelectBatch that needs the claim in flight
-        waits for it instead of claiming past it."""
-        with self._claim_lock:
-            with self._changed:
-                if only_if_short and not self._core.prefetch_wanted(0, num_freeing):
-                    return
-                wanted = self._core.prefetch_wanted(self._prefetch, num_freeing)
-            if wanted:
-                claimed = self._claim(wanted)
-                with self._changed:
-                    self._adopt(claimed)
+    async def _top_up(self, only_if_short: bool, num_freeing: int = 0) -> None:
+        """Claim what the workers could use, plus `prefetch` ahead, one claim at a time: a
+        SelectBatch that needs the claim in flight waits for it instead of claiming past."""
+        async with self._claim_lock:
+            if only_if_short and not self._core.prefetch_wanted(0, num_freeing):
+                return
+            wanted = self._core.prefetch_wanted(self._prefetch, num_freeing)
+            if not wanted:
+                return
+            generation = self._queue_hint.generation()
+            claimed = await asyncio.to_thread(self._state.claim, wanted)
+            if len(claimed.sequences) < wanted:
+                self._queue_hint.clear_unless_set_since(generation)
+            self._adopt(claimed)
 
-    def _claim(self, wanted: int) -> Claimed:
-        generation = self._queue_hint.generation()
-        claimed = self._state.claim(wanted)
-        if len(claimed.sequences) < wanted:
-            self._queue_hint.clear_unless_set_since(generation)
-        return claimed
-
-    def _prefetch_loop(self) -> None:
-        while not self._stop.is_set():
-            woken = self._wake_prefetcher.wait(0.5)
+    async def _prefetch_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake_prefetcher.wait(), 0.5)
+                woken = True
+            except asyncio.TimeoutError:
+                woken = False
             self._wake_prefetcher.clear()
             # Woken: only if the shared queue may hold work. Every half second: anyway,
             # in case a hint was cleared just as a submit landed.
-            if self._stop.is_set() or (woken and not self._queue_hint.is_set()):
+            if woken and not self._queue_hint.is_set():
                 continue
             try:
-                self._top_up(only_if_short=False)
+                await self._top_up(only_if_short=False)
             except SchedulerError as err:
                 log.warning("prefetch failed; retrying: %s", err)
-                self._stop.wait(0.5)
+                await asyncio.sleep(0.5)
             except Exception:  # noqa: BLE001 - the prefetcher must keep going
                 log.exception("prefetch failed; retrying")
-                self._stop.wait(0.5)
+                await asyncio.sleep(0.5)
 
-    def _listen_loop(self) -> None:
+    async def _keep_loop(self) -> None:
+        every = self._state.lease_ttl_seconds / 3
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await asyncio.to_thread(self._state.renew_lease)
+                # Whatever others took (after our lease ran out, or a worker moved) and no
+                # notification told us of.
+                await self._give_up(None)
+                if await asyncio.to_thread(self._state.reclaim_expired):
+                    self._queue_hint.set()
+                    self._wake_prefetcher.set()
+                await self._apply_cancels(
+                    await asyncio.to_thread(self._state.cancel_requests))
+                await self._hand_back_excess()
+            except SchedulerError as err:
+                log.warning("replica upkeep failed; retrying: %s", err)
+            except Exception:  # noqa: BLE001 - the keeper must keep going
+                log.exception("replica upkeep failed; retrying")
+
+    async def _apply_cancels(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            try:
+                self._core.cancel(seq_id)
+            except NotFound:
+                pass  # not adopted yet: the keeper finds the request again later
+            except SchedulerError as err:
+                log.warning("could not apply a cancel of seq_id %d: %s", seq_id, err)
+
+    async def _hand_back_excess(self) -> None:
+        """Queued sequences beyond what this replica's workers can use (they left, were
+        drained, or took less) go back to the shared queue for the other replicas."""
+        async with self._claim_lock:
+            excess = self._core.num_queued() - self._core.prefetch_target(self._prefetch)
+            if excess <= 0:
+                return
+            released = await asyncio.to_thread(self._state.release,
+                                               self._core.queued_tail(excess))
+            self._core.disown(released)
+        if released:
+            log.info("handed queued sequences back to the shared queue",
+                     extra={"sequences": len(released)})
+
+    async def _give_up(self, seq_ids: set[int] | None) -> None:
+        """Forget those of `seq_ids` (None: any) that the database says another replica
+        owns now; streams of them read the database from then on."""
+        async with self._claim_lock:
+            held = self._core.owned_seq_ids()
+            if seq_ids is not None:
+                held &= seq_ids
+            if not held:
+                return
+            lost = held - await asyncio.to_thread(self._state.owned_ids)
+            lost &= self._core.owned_seq_ids()  # finished here meanwhile: nothing to give up
+            if lost:
+                self._core.disown(lost)
+        if lost:
+            self._wake_remote(lost)
+            log.warning("sequences taken over by another replica were given up here",
+                        extra={"sequences": len(lost)})
+
+    # ------------------------------------------------------------------ notifications
+
+    def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On its own thread: LISTEN, and hand each notification to the loop."""
         delay = 0.1
-        while not self._stop.is_set():
+        while not self._listener_stop.is_set():
             try:
                 conn = self._state.listen_connection()
             except Exception as err:  # noqa: BLE001 - the database may be away: retry
                 log.warning("cannot listen for notifications; retrying: %s", err)
-                self._stop.wait(delay)
+                self._listener_stop.wait(delay)
                 delay = min(delay * 2, 2.0)
                 continue
             delay = 0.1
             # Anything may have happened while we did not listen.
-            self._queue_hint.set()
-            self._wake_prefetcher.set()
-            self._waiters.wake(None)
+            loop.call_soon_threadsafe(self._on_reconnected)
             try:
-                while not self._stop.is_set():
+                while not self._listener_stop.is_set():
                     for note in conn.notifies(timeout=0.5):
-                        self._on_notification(note.channel, note.payload)
+                        loop.call_soon_threadsafe(self._on_notification, note.channel,
+                                                  note.payload)
             except Exception as err:  # noqa: BLE001
-                log.warning("notification connection lost; reconnecting: %s", err)
+                if not self._listener_stop.is_set():
+                    log.warning("notification connection lost; reconnecting: %s", err)
             finally:
                 try:
                     conn.close()
                 except Exception:  # noqa: BLE001
                     pass
 
+    def _on_reconnected(self) -> None:
+        self._queue_hint.set()
+        self._wake_prefetcher.set()
+        self._wake_remote(None)
+
     def _on_notification(self, channel: str, payload: str) -> None:
+        """On the loop."""
         if channel == SUBMIT_CHANNEL:
             self._queue_hint.set()
             self._wake_prefetcher.set()
         elif channel == PROGRESS_CHANNEL:
-            self._waiters.wake(parse_ids_payload(payload))
-        elif channel == CANCEL_CHANNEL:
-            owner, _, seq_id = payload.partition(":")
-            if int(owner) == self.replica_id:
-                self._apply_cancels([int(seq_id)])
-        elif channel == DISOWN_CHANNEL:
+            self._wake_remote(parse_ids_payload(payload))
+        elif channel in (CANCEL_CHANNEL, DISOWN_CHANNEL):
             owner, _, ids = payload.partition(":")
-            if int(owner) == self.replica_id:
-                self._give_up(parse_ids_payload(ids))
-
-    def _apply_cancels(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            try:
-                self.call(self._core.cancel, seq_id)
-            except NotFound:
-                pass  # not adopted yet: the keeper finds the request later
-            except SchedulerError as err:
-                log.warning("could not apply a cancel of seq_id %d: %s", seq_id, err)
-
-    def _keep_loop(self) -> None:
-        every = self._state.lease_ttl_seconds / 3
-        while not self._stop.wait(every):
-            try:
-                self._state.renew_lease()
-                self._give_up(None)  # whatever others took (after our lease ran out, or
-                # a worker moved) and no notification told us of
-                if self._state.reclaim_expired():
-                    self._queue_hint.set()
-                    self._wake_prefetcher.set()
-                self._apply_cancels(self._state.cancel_requests())
-                self._hand_back_excess()
-            except SchedulerError as err:
-                log.warning("replica upkeep failed; retrying: %s", err)
-            except Exception:  # noqa: BLE001 - the keeper must keep going
-                log.exception("replica upkeep failed; retrying")
-
-    def _hand_back_excess(self) -> None:
-        """Queued sequences beyond what this replica's workers can use (they left, were
-        drained, or took less) go back to the shared queue for the other replicas."""
-        with self._claim_lock, self._changed:
-            excess = self._core.num_queued() - self._core.prefetch_target(self._prefetch)
-            if excess <= 0:
+            if int(owner) != self.replica_id:
                 return
-            released = self._state.release(self._core.queued_tail(excess))
-            self._core.disown(released)
-        if released:
-            log.info("handed queued sequences back to the shared queue",
-                     extra={"sequences": len(released)})
+            if channel == CANCEL_CHANNEL:
+                asyncio.ensure_future(self._apply_cancels([int(ids)]))
+            else:
+                asyncio.ensure_future(self._give_up(parse_ids_payload(ids)))
 
-    def _give_up(self, seq_ids: set[int] | None) -> None:
-        """Forget those of `seq_ids` (None: any) that the database says another replica
-        owns now; streams of them read the database from then on."""
-        with self._changed:
-            held = self._core.owned_seq_ids()
-            if seq_ids is not None:
-                held &= seq_ids
-            if not held:
-                return
-            lost = held - self._state.owned_ids()
-            if lost:
-                self._core.disown(lost)
-                self._changed.notify_all()
-        if lost:
-            self._waiters.wake(lost)
-            log.warning("sequences taken over by another replica were given up here",
-                        extra={"sequences": len(lost)})
+
+def _log_cancel_failure(seq_id: int):
+    def done(task: asyncio.Future) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, NotFound):
+            log.warning("could not cancel seq_id %d after its client left: %s", seq_id, error)
+    return done

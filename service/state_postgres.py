@@ -176,6 +176,7 @@ class RemoteOutput:
     token_ids: tuple[int, ...]
     finished: bool
     finish_reason: FinishReason | None
+    error_message: str = ""
 
 
 @dataclass(frozen=True)
@@ -342,8 +343,8 @@ class PostgresState:
     def read_output(self, seq_id: int, start: int) -> RemoteOutput:
         """Tokens from index `start` on, committed by whichever replica owns it."""
         with self._connection() as conn:
-            row = conn.execute("SELECT state, finish_reason FROM sequences WHERE seq_id = %s",
-                               (seq_id,)).fetchone()
+            row = conn.execute("SELECT state, finish_reason, error_message FROM sequences "
+                               "WHERE seq_id = %s", (seq_id,)).fetchone()
             if row is None:
                 raise NotFound(f"seq_id {seq_id} is unknown (never submitted, or long "
                                "finished)")
@@ -356,9 +357,9 @@ class PostgresState:
             tokens = _unpack(blob)
             out.extend(tokens[max(0, start - first):])
             start = first + len(tokens)
-        state, reason = row
+        state, reason, error = row
         return RemoteOutput(tuple(out), state == _FINISHED,
-                            None if reason is None else FinishReason(reason))
+                            None if reason is None else FinishReason(reason), error)
 
     def queue_depth(self) -> int:
         with self._connection() as conn:

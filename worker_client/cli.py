@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     add_client_arguments(parser)
     parser.add_argument("--model", required=True,
                         help="a Hugging Face checkpoint directory (config.json + "
-                             "*.safetensors); 'tiny' (a small model with seeded random "
-                             "weights, for trying things out); or 'scripted' (no model: "
+                             "*.safetensors); 'tiny', 'tiny-moe' or 'tiny-next' (small Qwen3.5, "
+                             "Qwen3.5 MoE or Qwen3-Next models with seeded random weights, for "
+                             "trying things out); or 'scripted' (no model: "
                              "worker_client.testing.ScriptedEngine, for load-testing a scheduler)")
     parser.add_argument("--step-ms", type=float,
                         help="scripted model only: simulated GPU time per step with work, in "
@@ -54,10 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gdn-slots", type=int, help="GDN state slots (default: sized for the device)")
     parser.add_argument("--max-batch-size", type=int, default=0,
                         help="most sequences at once (0: the scheduler's default)")
-    parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny model")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny models")
     parser.add_argument("--threads", type=int,
                         help="CPU threads for torch (default: torch's choice); give each of "
                              "several workers on one host its share of the cores")
+    parser.add_argument("--no-session", action="store_true",
+                        help="one unary SelectBatch call per iteration instead of one "
+                             "WorkerSession stream (for schedulers without sessions)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="wait for each decision before stepping, instead of reporting for "
+                             "the next step while the engine runs this one")
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
     args = parser.parse_args(argv)
 
@@ -138,10 +145,11 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     except TargetError as err:
         print(f"lattice-worker: --scheduler: {err}", file=sys.stderr)
         return 2
-    client = SchedulerClient(",".join(targets), credentials=credentials, token=args.token)
+    client = SchedulerClient(",".join(targets), credentials=credentials, token=args.token,
+                             session=not args.no_session)
     resources = WorkerResources(args.worker_id, engine.total_kv_pages, engine.page_size,
                                 engine.total_gdn_slots, args.max_batch_size)
-    loop = WorkerLoop(engine, client, resources)
+    loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap)
     stop, drain = threading.Event(), threading.Event()
 
     def on_signal(signum, _frame):

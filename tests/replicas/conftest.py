@@ -65,7 +65,7 @@ def start_replica(database_url: str, *, replica_lease_ms: int = 5000, prefetch: 
     """One in-process replica on `database_url` (gRPC and metrics on free ports)."""
     scheduler_config.setdefault("policy", "fifo")
     config = SchedulerConfig(**scheduler_config)
-    settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0, max_threads=16,
+    settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0,
                              state=database_url, prefetch=prefetch,
                              replica_lease_ms=replica_lease_ms, scheduler=config)
     registry = CollectorRegistry()

@@ -66,7 +66,7 @@ class ReplicaStack:
             sys.executable, "-m", "service", "serve", "--host", LOOPBACK,
             "--port", str(self.ports[index]), "--metrics-port", "0",
             "--state", self.database_url, "--lease-ttl-ms", str(self.lease_ttl_ms),
-            "--replica-lease-ms", str(self.replica_lease_ms), "--max-threads", "128",
+            "--replica-lease-ms", str(self.replica_lease_ms),
         ], self.directory / f"replica{index}.{len(self.all_procs)}.log")
         self.all_procs.append(proc)
         self.replicas[index] = proc

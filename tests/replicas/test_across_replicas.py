@@ -1,6 +1,7 @@
 """Two in-process replicas on one database: what one replica does, the other sees."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -16,14 +17,26 @@ CANCELLED = pb.FINISH_REASON_CANCELLED
 
 
 def _crash(server) -> None:
-    """Stop a replica as kill -9 would leave the database: no hand-back, lease left to run out."""
+    """Stop a replica as kill -9 would leave the database: no hand-back, its lease left to
+    run out (its tasks, listener and servers stop; nothing is written on the way)."""
     running = server.running
-    running._stop_sweeper.set()
-    running.servicer.stop_background()
-    running.grpc_server.stop(0).wait()
+
+    async def halt(serving) -> None:
+        for task in serving.tasks:
+            task.cancel()
+        await asyncio.gather(*serving.tasks, return_exceptions=True)
+        serving.servicer._listener_stop.set()
+        await asyncio.gather(*(s.stop(0) for s in serving.servers))
+
+    running._loop.run(halt(running._serving))
     running.store.close()
-    server._stopped = True  # nothing left to stop at teardown
+    running._loop.close()
     running.metrics_http.shutdown()
+    running._stopped = server._stopped = True  # nothing left to stop at teardown
+
+
+def _core(server):
+    return server.running._serving.servicer._core
 
 
 def test_generate_on_one_replica_streams_tokens_a_worker_reports_to_the_other(start_replicas):
@@ -104,7 +117,7 @@ def test_claims_of_a_crashed_replica_return_after_its_lease_and_run_elsewhere(
     w0.register(max_batch_size=1)
     first, second = submit(r0.stub).seq_id, submit(r0.stub).seq_id
     wait_until(lambda: admitted(w0.select()) == [first], 10, what="admission on r0")
-    wait_until(lambda: r0.running.servicer._core.num_queued() == 1, 10,
+    wait_until(lambda: _core(r0).num_queued() == 1, 10,
                what="r0 to prefetch the second")
     _crash(r0)
     w1 = Worker(r1.stub, "w1")
@@ -148,7 +161,7 @@ def test_claims_a_replica_can_no_longer_run_go_back_to_the_shared_queue(start_re
     w0 = Worker(r0.stub, "w0")
     w0.register(max_batch_size=1)
     ids = [submit(r0.stub).seq_id for _ in range(3)]
-    wait_until(lambda: r0.running.servicer._core.num_queued() == 3, 10,
+    wait_until(lambda: _core(r0).num_queued() == 3, 10,
                what="r0 to claim all three")
     w0.deregister()  # r0 has no worker left: its claims must not wait there
     w1 = Worker(r1.stub, "w1")

@@ -45,6 +45,19 @@ class HeldSequence:
 
 
 @dataclass
+class PrefillSegment:
+    """Prompt tokens [start, start + num_tokens) of `held` planned for this step's prefill forward."""
+
+    held: HeldSequence
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
 class StepRecorder:
     """Accumulates one step's tokens, finished and preempted sequences."""
 
