@@ -34,8 +34,22 @@ def stub(server):
 
 
 @pytest.fixture
-def worker(stub):
-    return Worker(stub, "w1")
+def make_worker(stub, transport):
+    """As tests/server/conftest.py's: fake workers on the replica, speaking `transport`."""
+    made: list[Worker] = []
+
+    def factory(worker_id: str = "w1") -> Worker:
+        made.append(Worker(stub, worker_id, transport))
+        return made[-1]
+
+    yield factory
+    for w in made:
+        w.close()
+
+
+@pytest.fixture
+def worker(make_worker):
+    return make_worker("w1")
 
 
 @pytest.mark.skip(reason="on a replica the queue_depth gauge counts its local queue (claimed, "
