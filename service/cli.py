@@ -1,4 +1,5 @@
-"""`lattice-scheduler`: serve, client conveniences (submit, generate, cancel, status), drain."""
+"""`lattice-scheduler`: serve, client conveniences (submit, generate, cancel, status), drain,
+simulate."""
 from __future__ import annotations
 
 import argparse
@@ -63,9 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("worker_id")
     p.add_argument("--resume", action="store_true", help="lift an earlier drain instead")
 
+    from service.sim import cli as sim_cli
+    sim_cli.add_parser(sub)
+
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "simulate":
+        return sim_cli.run(args)
     from service import client_commands
     try:
         return client_commands.run(args.command, args)

@@ -67,6 +67,11 @@ class WorkerLoop:
             self._leave()
         return self.stats
 
+    def iterate(self, draining: bool = False) -> bool:
+        """One report -> decision -> step cycle, without sleeping (the simulator drives
+        the loop this way); False when the decision had nothing to run."""
+        return self._iterate(draining, _Held(self.engine.waiting_ids(), self.engine.running_ids()))
+
     def _iterate(self, draining: bool, held: _Held) -> bool:
         """One iteration, from what the engine holds now; False when there was nothing to run."""
         engine = self.engine
@@ -86,6 +91,10 @@ class WorkerLoop:
         if decision.evict:
             engine.evict(decision.evict)
             self._pending.forget(decision.evict)
+        if decision.preempt:
+            # Chosen by the scheduler, which has requeued them already: free before stepping.
+            engine.evict(decision.preempt)
+            self._pending.forget(decision.preempt)
         if not decision.prefill and not decision.decode:
             return False
         for chunk in decision.prefill:
