@@ -13,7 +13,8 @@ events were made):
   decision in one `iterate()`, whose step ends `step_seconds` later. A worker holding
   nothing goes idle until an arrival or a requeue gives it work (the longest idle is woken
   first, as a long-poll would serve it); one holding sequences that got nothing polls
-  again after IDLE_POLL_SECONDS; an idle worker calls at least every half lease.
+  again after IDLE_POLL_SECONDS; an idle worker calls at least every half lease. Idle
+  workers are woken by arrivals and by a call that put sequences back in the queue.
 """
 from __future__ import annotations
 
@@ -219,7 +220,8 @@ class Simulation:
         self._wake_idle(scheduler_index)
 
     def _work(self, worker: _Worker) -> None:
-        steps_before = worker.engine.num_steps
+        recorder = self._recorders[worker.scheduler_index]
+        steps_before, depth_before = worker.engine.num_steps, recorder.queue_depth
         ran = worker.loop.iterate()
         if worker.engine.num_steps > steps_before:
             self._schedule(worker, self.now + max(MIN_STEP_SECONDS, worker.engine.last_step_seconds))
@@ -229,7 +231,7 @@ class Simulation:
             self._schedule(worker, self.now + IDLE_POLL_SECONDS)
         else:
             self._go_idle(worker)
-        if self._recorders[worker.scheduler_index].queue_depth > 0:
+        if recorder.queue_depth > depth_before:  # requeued work: idle workers may take it
             self._wake_idle(worker.scheduler_index)
 
     # Workers.
