@@ -133,17 +133,24 @@ class SimEngine:
     # Decode.
 
     def _decode(self, decode: Sequence[int], out: _Recorder) -> None:
-        batch = [self._held[s] for s in decode if s in self._held and self._held[s].is_running]
-        # In admission order (dict order), as the reference engine reserves.
-        order = {s: i for i, s in enumerate(self._held)}
+        held_by_id = self._held
+        batch = [h for s in decode if (h := held_by_id.get(s)) is not None and h.is_running]
+        # Reserve in admission order (dict order), as the reference engine does: the
+        # victims of a page shortage are then the latest admitted, not yet reserved.
+        order = {s: i for i, s in enumerate(held_by_id)}
+        contexts = {}
         for held in sorted(batch, key=lambda h: order[h.seq_id]):
-            if held.seq_id in self._held:
-                context = held.kv_tokens
-                if self._reserve(held, 1, out):
-                    out.decode_context[held.seq_id] = context
+            if held.seq_id not in held_by_id:
+                continue
+            context = held.kv_tokens
+            if context % self.page_size:  # room left in its last page
+                held.kv_tokens += 1
+            elif not self._reserve(held, 1, out):
+                continue
+            contexts[held.seq_id] = context
         for held in batch:
-            if held.seq_id in self._held:
-                out.decodes.append(out.decode_context[held.seq_id])
+            if held.seq_id in held_by_id:
+                out.decodes.append(contexts[held.seq_id])
                 self._emit(held, out)
 
     # Shared.
@@ -194,7 +201,6 @@ class _Recorder:
         self.preempted: list[int] = []
         self.chunks: list[tuple[int, int]] = []
         self.decodes: list[int] = []
-        self.decode_context: dict[int, int] = {}
 
     def output(self) -> StepOutput:
         return StepOutput(tuple(self.tokens), tuple(self.finished), tuple(self.preempted))
