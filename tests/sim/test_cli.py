@@ -8,7 +8,8 @@ import pytest
 from service.cli import main
 from service.sim.metrics import JSON_KEYS
 
-SMALL = ["--trace", "sharegpt", "--num-requests", "40", "--workers", "2", "--no-progress"]
+SMALL = ["--trace", "sharegpt", "--num-requests", "40", "--workers", "2", "--no-progress",
+         "--policy", "fifo"]
 
 
 def simulate(tmp_path, *flags, name="out.json"):

@@ -7,6 +7,7 @@ import functools
 import pytest
 
 from service.core import FinishReason, SchedulerConfig
+from service.core.config import POLICIES
 from service.sim.metrics import JSON_KEYS, summarize
 from service.sim.simulator import RunSpec, Simulation, SimulationStalled, WorkerShape
 from service.sim.workload import Request
@@ -19,8 +20,8 @@ def requests(n: int, *, gap: float = 0.05, prompt: int = 40, output: int = 12) -
 
 
 def run(reqs, *, workers=2, routing="pull", kv_pages=256, gdn_slots=16, config=None):
-    spec = RunSpec(config or SchedulerConfig(chunk_size=32), WorkerShape(kv_pages, 4, gdn_slots),
-                   workers, routing)
+    config = config or SchedulerConfig(chunk_size=32, policy="fifo")
+    spec = RunSpec(config, WorkerShape(kv_pages, 4, gdn_slots), workers, routing)
     return Simulation(spec, LinearCost(), reqs).run()
 
 
@@ -33,16 +34,20 @@ def assert_conserved(outcome, reqs):
         assert record.first_token_at <= record.last_token_at <= record.finished_at
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("routing", ["pull", "round-robin", "least-loaded"])
-def test_every_request_finishes_once_with_its_output_length(routing):
+def test_every_request_finishes_once_with_its_output_length(routing, policy):
     reqs = requests(40)
-    assert_conserved(run(reqs, routing=routing), reqs)
+    config = SchedulerConfig(chunk_size=32, policy=policy)
+    assert_conserved(run(reqs, routing=routing, config=config), reqs)
 
 
-def test_conservation_holds_through_preemptions_when_pages_run_out():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_conservation_holds_through_preemptions_when_pages_run_out(policy):
     reqs = requests(30, gap=0.001, prompt=30, output=40)
-    outcome = run(reqs, kv_pages=40, workers=2)
-    assert outcome.engine_preemptions > 0
+    config = SchedulerConfig(chunk_size=32, policy=policy)
+    outcome = run(reqs, kv_pages=40, workers=2, config=config)
+    assert outcome.engine_preemptions + outcome.scheduler_preemptions > 0
     assert_conserved(outcome, reqs)
 
 
@@ -78,7 +83,7 @@ def test_round_robin_gives_each_worker_its_turn_and_pull_lets_the_free_one_take_
     # on both workers; so does pull (the idle worker takes what the busy one did not).
     reqs = [Request(0, 0.0, 8, 50), Request(1, 0.0, 8, 50)]
     for routing in ("round-robin", "pull"):
-        config = SchedulerConfig(chunk_size=32, max_batch_size=1)
+        config = SchedulerConfig(chunk_size=32, max_batch_size=1, policy="fifo")
         outcome = run(reqs, workers=2, routing=routing, config=config)
         assert outcome.records[0].first_token_at == outcome.records[1].first_token_at
 
@@ -88,7 +93,7 @@ def test_least_loaded_routes_to_the_worker_with_fewest_unfinished_requests():
     # when request 2 arrives. Least-loaded sends 2 to the free worker 1; round-robin sends it
     # to worker 0's queue, behind request 0.
     reqs = [Request(0, 0.0, 8, 200), Request(1, 0.1, 8, 5), Request(2, 0.5, 8, 5)]
-    config = SchedulerConfig(chunk_size=32, max_batch_size=1)
+    config = SchedulerConfig(chunk_size=32, max_batch_size=1, policy="fifo")
     least = run(reqs, workers=2, routing="least-loaded", config=config).records
     assert least[1].finished_at < 0.5
     assert least[2].first_token_at - 0.5 == pytest.approx(0.0108)
@@ -97,13 +102,14 @@ def test_least_loaded_routes_to_the_worker_with_fewest_unfinished_requests():
 
 
 def test_a_request_that_can_never_fit_stops_the_run_with_a_reason():
-    spec = RunSpec(SchedulerConfig(chunk_size=32), WorkerShape(4, 4, 4), 1)
+    spec = RunSpec(SchedulerConfig(chunk_size=32, policy="fifo"), WorkerShape(4, 4, 4), 1)
     # 40 prompt tokens need 10 pages of 4: the engine fails it, which finishes it...
     outcome = Simulation(spec, LinearCost(), [Request(0, 0.0, 40, 2)]).run()
     assert outcome.records[0].finish_reason is FinishReason.FAILED
     # ...while a worker that never admits anything (here: always draining) leaves a run
     # stuck, which is reported rather than looping forever.
-    stuck = Simulation(RunSpec(SchedulerConfig(chunk_size=32), WorkerShape(64, 4, 4), 2),
+    stuck = Simulation(RunSpec(SchedulerConfig(chunk_size=32, policy="fifo"),
+                               WorkerShape(64, 4, 4), 2),
                        LinearCost(), [Request(0, 0.0, 8, 2)])
     for worker in stuck._workers:
         worker.loop.iterate = functools.partial(WorkerLoop.iterate, worker.loop, True)
