@@ -245,7 +245,8 @@ def _run_profile(args: argparse.Namespace) -> int:
         print(profiling.format_held_out(points))
         summary = step_table.summarize_errors(points)
         print(f"held-out accuracy over {summary['num_points']} steps: median |error| "
-              f"{summary['median_abs_error'] * 100:.1f}%, p90 {summary['p90_abs_error'] * 100:.1f}%, "
+              f"{summary['median_abs_error'] * 100:.1f}%, "
+              f"p90 {summary['p90_abs_error'] * 100:.1f}%, "
               f"max {summary['max_abs_error'] * 100:.1f}%, mean signed "
               f"{summary['mean_error'] * 100:+.1f}%")
     step_table.save(table, args.out)

@@ -255,8 +255,8 @@ def format_held_out(points: Sequence[HeldOutPoint]) -> str:
     lines = ["chunks (tokens@cached)          decodes (mean ctx)  measured ms  predicted ms  error"]
     for p in points:
         chunks = " ".join(f"{n}@{c}" for n, c in p.load.prefill_chunks) or "-"
-        decodes = (f"{p.load.num_decodes} ({sum(p.load.decode_context_lens) / p.load.num_decodes:.0f})"
-                   if p.load.num_decodes else "-")
+        mean_context = sum(p.load.decode_context_lens) / max(1, p.load.num_decodes)
+        decodes = f"{p.load.num_decodes} ({mean_context:.0f})" if p.load.num_decodes else "-"
         lines.append(f"{chunks:<32}{decodes:>18}  {p.measured_seconds * 1000:>11.2f}  "
                      f"{p.predicted_seconds * 1000:>12.2f}  {p.error * 100:>+5.0f}%")
     return "\n".join(lines)

@@ -77,8 +77,8 @@ class StepTable:
     prefill_tokens: tuple[int, ...]
     decode_batch: tuple[int, ...]
     context_len: tuple[int, ...]
-    # seconds[i][j][k]: the time (best of the repeats) of a step with prefill_tokens[i] tokens in one
-    # chunk, decode_batch[j] decodes, each at context_len[k] cached tokens.
+    # seconds[i][j][k]: the time (best of the repeats) of a step with prefill_tokens[i]
+    # tokens in one chunk and decode_batch[j] decodes, each at context_len[k] cached tokens.
     seconds: tuple[tuple[tuple[float, ...], ...], ...]
     extra_chunk_seconds: float = 0.0
     # What was measured, with what (model, device, dtype, torch version, repeats) and the

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from service.core import FinishReason, Scheduler, SchedulerConfig, SchedulerObserver, SubmitParams
 from service.sim.client import InProcessClient
@@ -177,7 +176,6 @@ class Simulation:
         self._rr = itertools.cycle(range(spec.num_workers))
 
     def run(self) -> RunOutcome:
-        logging.getLogger("worker_client.loop").setLevel(logging.WARNING)
         for worker in self._workers:
             worker.loop.client.register(worker.loop.resources)
             self._go_idle(worker)
@@ -224,7 +222,8 @@ class Simulation:
         steps_before, depth_before = worker.engine.num_steps, recorder.queue_depth
         ran = worker.loop.iterate()
         if worker.engine.num_steps > steps_before:
-            self._schedule(worker, self.now + max(MIN_STEP_SECONDS, worker.engine.last_step_seconds))
+            step_seconds = max(MIN_STEP_SECONDS, worker.engine.last_step_seconds)
+            self._schedule(worker, self.now + step_seconds)
         elif ran:  # re-registered: call again at once
             self._schedule(worker, self.now + MIN_STEP_SECONDS)
         elif worker.engine.waiting_ids() or worker.engine.running_ids():

@@ -16,8 +16,9 @@ def test_the_shipped_traces_load_with_their_columns():
 
 def test_the_same_seed_gives_the_same_requests_and_another_seed_others():
     trace = load_trace("sharegpt")
-    make = lambda seed: make_requests(trace, num_requests=50, qps=4, arrivals="poisson",  # noqa: E731
-                                      seed=seed, max_seq_len=4096)
+    def make(seed):
+        return make_requests(trace, num_requests=50, qps=4, arrivals="poisson", seed=seed,
+                             max_seq_len=4096)
     assert make(1) == make(1)
     assert make(1) != make(2)
 
