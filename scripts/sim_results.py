@@ -8,7 +8,7 @@ searches make. Prints a markdown table as cells finish, and writes every run to 
 
     python scripts/sim_results.py                       # everything (an hour or more)
     python scripts/sim_results.py --traces sharegpt --workers 1 \\
-        --variants fifo,budget:max_num_batched_tokens=512,fifo@round-robin
+        --variants fifo budget:max_num_batched_tokens=512 fifo@round-robin
 A variant is POLICY[:SETTING=VALUE,...][@ROUTING].
 """
 from __future__ import annotations
@@ -53,7 +53,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", default="sharegpt,splitwise_conv,splitwise_code")
     parser.add_argument("--workers", default="1,4")
-    parser.add_argument("--variants", default="fifo,fifo@round-robin,fifo@least-loaded")
+    parser.add_argument("--variants", nargs="+",
+                        default=["fifo", "fifo@round-robin", "fifo@least-loaded"])
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--tolerance", type=float, default=0.1,
                         help="stop bisecting when passing and failing QPS are this close")
@@ -62,7 +63,7 @@ def main() -> None:
 
     cost = load_cost_source(profile="a30-qwen2-7b", step_table_path=None, page_size=16)
     worker = WorkerShape(cost.default_kv_pages, 16, cost.default_gdn_slots)
-    variants = [parse_variant(v) for v in args.variants.split(",")]
+    variants = [parse_variant(v) for v in args.variants]
     out = []
     print(f"A30 Qwen2-7B profile, {worker.num_kv_pages} KV pages of 16 tokens per worker, "
           f"{args.num_requests} requests per run, Poisson arrivals, seed 0, bisection to "
