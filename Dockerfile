@@ -1,8 +1,9 @@
 # syntax=docker/dockerfile:1
 #
 # One Dockerfile, two images:
-#   --target scheduler (default): the scheduler and the client CLI (load generator); no torch.
-#   --target worker: the same plus torch, for lattice-worker.
+#   --target scheduler (default): the scheduler, the client CLI (load generator) and the
+#     OpenAI-compatible gateway (`lattice-scheduler gateway`); no torch.
+#   --target worker: the same plus torch, for lattice-worker (and the demo checkpoint).
 # Torch comes from TORCH_INDEX_URL: the CPU wheel index by default; for a GPU image use
 # the PyPI index (its Linux wheels bundle CUDA), e.g.
 #   docker build --target worker --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
@@ -19,7 +20,7 @@ RUN python -m venv /opt/venv
 
 FROM venv AS scheduler-build
 COPY . /src
-RUN pip install -c /src/constraints.txt /src
+RUN pip install -c /src/constraints.txt "/src[gateway]"
 
 FROM venv AS worker-build
 ARG TORCH_VERSION=2.13.0
@@ -28,7 +29,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # dependencies are pinned by constraints.txt, as in scripts/setup.sh.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY . /src
-RUN pip install -c /src/constraints.txt "/src[worker]"
+RUN pip install -c /src/constraints.txt "/src[worker,gateway]"
 
 # -- runtime: no compiler, no pip cache, not root ---------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -36,7 +37,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 RUN useradd --system --uid 10001 --user-group --home-dir /home/lattice --create-home lattice \
-    && install -d -o 10001 -g 10001 /var/lib/lattice
+    && install -d -o 10001 -g 10001 /var/lib/lattice \
+    && install -d -o 10001 -g 10001 /models
 COPY deploy/grpc_health_check.py /opt/lattice/grpc_health_check.py
 WORKDIR /home/lattice
 USER 10001:10001
@@ -49,7 +51,7 @@ CMD ["--help"]
 # Last, so that a plain `docker build .` gives the scheduler image.
 FROM runtime AS scheduler
 COPY --from=scheduler-build /opt/venv /opt/venv
-EXPOSE 50051 9400
+EXPOSE 50051 9400 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
     CMD ["python", "/opt/lattice/grpc_health_check.py", "--target", "127.0.0.1:50051"]
 ENTRYPOINT ["lattice-scheduler"]

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""The local stack without Docker: a scheduler, CPU workers with the tiny model, a demo load.
+"""The local stack without Docker: a scheduler, CPU workers, the OpenAI gateway, a demo load.
 
-Starts `lattice-scheduler serve` and N `lattice-worker` processes on loopback, waits until
-every worker has registered, runs a short demo load (progress while it runs, throughput
-and latency at the end), then keeps the stack up until Ctrl-C (or exits with --exit).
+Starts `lattice-scheduler serve`, N `lattice-worker` processes and `lattice-scheduler
+gateway` on loopback, waits until every worker has registered, runs a short demo load of
+streamed chat completions through the gateway with the `openai` client (progress while it
+runs, throughput and latency at the end), then keeps the stack up until Ctrl-C (or exits
+with --exit). The default model is a demo checkpoint (the tiny model with a small BPE
+tokenizer and a chat template), built on the first run under .artifacts/demo-model.
 """
 from __future__ import annotations
 
@@ -15,14 +18,18 @@ import sys
 import time
 from pathlib import Path
 
+import urllib.error
+import urllib.request
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from service.loadgen import LoadSpec, run_load
+from service.gateway.demo_load import HttpLoadSpec, run_http_load
 
 ROOT = Path(__file__).resolve().parent.parent
+DEMO_MODEL = ROOT / ".artifacts" / "demo-model"
 
 
 def main() -> int:
@@ -30,9 +37,15 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=50051, help="scheduler gRPC port")
     parser.add_argument("--metrics-port", type=int, default=9400)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--model", default="tiny", help="tiny, a checkpoint dir, or scripted")
+    parser.add_argument("--gateway-port", type=int, default=8000,
+                        help="the OpenAI-compatible gateway's HTTP port")
+    parser.add_argument("--model", default=str(DEMO_MODEL),
+                        help="a checkpoint dir with its tokenizer (default: the demo checkpoint, "
+                             "built on the first run), or tiny / scripted (the gateway then "
+                             "uses the demo checkpoint's tokenizer)")
     parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--requests", type=int, default=24, help="demo load: Generate streams")
+    parser.add_argument("--requests", type=int, default=24,
+                        help="demo load: streamed chat completions through the gateway")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--exit", action="store_true", help="stop the stack after the demo")
@@ -46,6 +59,7 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     target = f"127.0.0.1:{args.port}"
     try:
+        gateway_model = _model_dirs(args.model)
         procs.append(_spawn([sys.executable, "-m", "service", "serve", "--port", str(args.port),
                              "--metrics-port", str(args.metrics_port),
                              "--state-dir", str(args.state_dir)],
@@ -61,23 +75,38 @@ def main() -> int:
                                  "--worker-id", worker_id, "--model", args.model,
                                  "--device", args.device, "--threads", str(threads)],
                                 logs / f"{worker_id}.log", env))
+        model_name = gateway_model.name
+        base_url = f"http://127.0.0.1:{args.gateway_port}"
+        procs.append(_spawn([sys.executable, "-m", "service", "gateway", "--target", target,
+                             "--model", str(gateway_model), "--host", "127.0.0.1",
+                             "--port", str(args.gateway_port)], logs / "gateway.log", env))
+        _wait_http(f"{base_url}/health", procs[-1])
+        print(f"gateway: {base_url}/v1 (OpenAI API, model {model_name!r}; "
+              f"metrics {base_url}/metrics; log {logs / 'gateway.log'})", flush=True)
         _wait_workers(target, args.workers, procs)
         print(f"workers: {args.workers} registered (model {args.model}, device {args.device}; "
               f"logs in {logs})", flush=True)
-        spec = LoadSpec(num_requests=args.requests, concurrency=args.concurrency,
-                        max_new_tokens=args.max_new_tokens)
-        print(f"demo load: {spec.num_requests} Generate streams, {spec.concurrency} at a time, "
-              f"prompts {spec.min_prompt_len}-{spec.max_prompt_len} tokens, "
-              f"{spec.max_new_tokens} new tokens each", flush=True)
-        report = run_load(target, spec)
+        spec = HttpLoadSpec(num_requests=args.requests, concurrency=args.concurrency,
+                            max_new_tokens=args.max_new_tokens)
+        print(f"demo load: {spec.num_requests} streamed chat completions through the gateway, "
+              f"{spec.concurrency} at a time, up to {spec.max_new_tokens} new tokens each",
+              flush=True)
+        report, results = run_http_load(base_url, model_name, spec)
         for line in report.lines():
             print(line, flush=True)
+        sample = next((r for r in results if not r.error), None)
+        if sample is not None:
+            print(f"a sample answer (random weights: noise, decoded by the checkpoint's "
+                  f"tokenizer): {sample.text[:80]!r}", flush=True)
         if len(report.ok) != len(report.results):
             return 1
         if args.exit:
             return 0
-        print("the stack keeps running; try `lattice-scheduler status` or "
-              "`lattice-scheduler generate`. Ctrl-C stops it.", flush=True)
+        print(f"the stack keeps running; try\n"
+              f"  curl {base_url}/v1/chat/completions -H 'content-type: application/json' "
+              f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", "
+              f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'\n"
+              f"or `lattice-scheduler status`. Ctrl-C stops it.", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         print("a process of the stack exited; see its log", file=sys.stderr)
@@ -89,6 +118,36 @@ def main() -> int:
         return 1
     finally:
         _stop(procs)
+
+
+def _model_dirs(model: str) -> Path:
+    """The directory the gateway reads (the demo checkpoint's for tiny / scripted); builds
+    the demo checkpoint on the first run."""
+    if model not in ("tiny", "scripted") and Path(model) != DEMO_MODEL:
+        if not (Path(model) / "tokenizer.json").is_file():
+            raise RuntimeError(f"--model {model}: no tokenizer.json there; the gateway needs "
+                               f"the checkpoint's tokenizer")
+        return Path(model)
+    if not (DEMO_MODEL / "config.json").is_file():
+        print(f"demo model: building the tiny model (seed 0) with a BPE tokenizer and a chat "
+              f"template in {DEMO_MODEL} (first run only)", flush=True)
+        from service.gateway.demo_model import write_demo_checkpoint
+        write_demo_checkpoint(DEMO_MODEL, seed=0)
+    return DEMO_MODEL
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {proc.returncode}; see "
+                               f".artifacts/local-stack/gateway.log (port in use?)")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.2)
+    raise RuntimeError(f"the gateway did not answer {url} within {timeout:.0f} s")
 
 
 def _spawn(cmd: list[str], log_path: Path, env: dict) -> subprocess.Popen:
@@ -130,7 +189,7 @@ def _wait_workers(target: str, count: int, procs, timeout: float = 180.0) -> Non
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    # Workers first (they drain), then the scheduler.
+    # Gateway and workers first (they drain), then the scheduler.
     for p in reversed(procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)

@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_target(p)
     p.add_argument("seq_ids", type=int, nargs="*")
 
+    from service.gateway import cli as gateway_cli  # light: no fastapi or grpc import
+    p = sub.add_parser("gateway", help="an OpenAI-compatible HTTP server in front of the "
+                                       "scheduler", description=gateway_cli.DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    gateway_cli.add_arguments(p)
+
     p = sub.add_parser("drain", help="admin: admit nothing new to a worker while what it "
                                      "runs finishes (needs an admin token under --auth-tokens)")
     _add_target(p)
@@ -72,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "simulate":
         return sim_cli.run(args)
+    if args.command == "gateway":
+        return gateway_cli.main(args)
     from service import client_commands
     try:
         return client_commands.run(args.command, args)

@@ -146,6 +146,7 @@ def decision(d: Decision) -> pb.SchedulerDecision:
         decode=d.decode,
         evict=d.evict,
         iteration=d.iteration,
+        preempt=d.preempt,
     )
 
 

@@ -6,14 +6,15 @@ values and `worker_id` only registered workers (a worker's series go when it lea
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from service.core import (
-    BlockReason, Decision, EvictReason, FinishReason, RequeueReason, SchedulerObserver,
-    WorkerReport,
+    BlockReason, Decision, EvictReason, FinishReason, PreemptReason, RequeueReason,
+    SchedulerObserver, WorkerReport,
 )
+from service.core.queue import PRIORITY_BANDS
 
 PREFIX = "lattice_scheduler_"
 
@@ -31,15 +32,22 @@ _ITL_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,
                         0.3, 0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (0, 1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _SEQ_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0)
+# Tenants outside --tenant-weights are counted under this label (the label set stays bounded).
+OTHER_TENANT = "other"
 
 
 class SchedulerMetrics(SchedulerObserver):
     """Listens to the core and keeps the metrics an operator reads."""
 
     def __init__(self, registry: CollectorRegistry,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 named_tenants: Iterable[str] = ()) -> None:
+        """`named_tenants`: the tenants of --tenant-weights, each with its own series of
+        served tokens; every other tenant is counted as "other"."""
         r = registry
         self._clock = clock
+        self._named_tenants = frozenset(named_tenants) - {OTHER_TENANT}
         # seq_id -> (submitted at, last token at or None) for the latency histograms;
         # entries leave when the sequence finishes.
         self._timings: dict[int, tuple[float, float | None]] = {}
@@ -90,6 +98,26 @@ class SchedulerMetrics(SchedulerObserver):
         self.decision_decode_sequences = Histogram(
             PREFIX + "decision_decode_sequences", "Sequences to decode per decision.",
             buckets=_SEQ_BUCKETS, registry=r)
+        self.decision_batched_tokens = Histogram(
+            PREFIX + "decision_batched_tokens",
+            "Tokens per decision: one per decode plus the prefill chunks' tokens.",
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.decision_budget_used = Histogram(
+            PREFIX + "decision_budget_used_ratio",
+            "Share of --max-num-batched-tokens a decision spent (budget and fair policies).",
+            buckets=_RATIO_BUCKETS, registry=r)
+        self.preemptions = Counter(
+            PREFIX + "preemptions_total",
+            "Running sequences preempted: kv_growth and no_progress by the scheduler, "
+            "worker by the worker itself.", ["reason"], registry=r)
+        self.tenant_served_tokens = Counter(
+            PREFIX + "tenant_served_tokens_total",
+            "Tokens served per tenant (prompt tokens prefilled, generated tokens); tenants "
+            "not named in --tenant-weights count as other.", ["tenant"], registry=r)
+        self.queue_depth_by_priority = Gauge(
+            PREFIX + "queue_depth_by_priority",
+            "Sequences waiting for admission, per priority band (lower is more urgent).",
+            ["band"], registry=r)
         self.workers = Gauge(PREFIX + "workers", "Registered workers.", registry=r)
         self.worker_kv_free_pages = Gauge(PREFIX + "worker_kv_free_pages",
                                           "Last reported free KV pages.", ["worker_id"],
@@ -120,9 +148,14 @@ class SchedulerMetrics(SchedulerObserver):
         for reason in FinishReason:
             self.finished.labels(reason.name.lower())
         for labelled, enum_type in ((self.evictions, EvictReason), (self.requeues, RequeueReason),
-                                    (self.admissions_blocked, BlockReason)):
+                                    (self.admissions_blocked, BlockReason),
+                                    (self.preemptions, PreemptReason)):
             for member in enum_type:
                 labelled.labels(member.value)
+        for tenant in (*sorted(self._named_tenants), OTHER_TENANT):
+            self.tenant_served_tokens.labels(tenant)
+        for band in PRIORITY_BANDS:
+            self.queue_depth_by_priority.labels(band)
 
     # -- SchedulerObserver ----------------------------------------------------------
 
@@ -194,3 +227,20 @@ class SchedulerMetrics(SchedulerObserver):
 
     def on_queue_depth(self, depth: int) -> None:
         self.queue_depth.set(depth)
+
+    def on_queue_bands(self, depth_by_band: dict[str, int]) -> None:
+        for band, depth in depth_by_band.items():
+            self.queue_depth_by_priority.labels(band).set(depth)
+
+    def on_preempted(self, seq_id: int, worker_id: str, reason: PreemptReason) -> None:
+        self.preemptions.labels(reason.value).inc()
+
+    def on_plan(self, worker_id: str, num_batched_tokens: int,
+                token_budget: int | None) -> None:
+        self.decision_batched_tokens.observe(num_batched_tokens)
+        if token_budget:
+            self.decision_budget_used.observe(num_batched_tokens / token_budget)
+
+    def on_served(self, tenant: str, num_tokens: int) -> None:
+        label = tenant if tenant in self._named_tenants else OTHER_TENANT
+        self.tenant_served_tokens.labels(label).inc(num_tokens)

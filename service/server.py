@@ -68,7 +68,8 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
         interceptors.append(auth.AuthInterceptor(auth.load_tokens(settings.auth_tokens)))
     _warn_if_exposed(settings)
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = SchedulerMetrics(registry)
+    metrics = SchedulerMetrics(registry, named_tenants=(
+        tenant for tenant, _ in settings.scheduler.tenant_weights))
     store = (SqliteStateStore(settings.state_dir, settings.state_fsync)
              if settings.state_dir else None)
     try:
@@ -85,7 +86,8 @@ def _start(settings: ServeSettings, registry: CollectorRegistry, metrics: Schedu
     try:
         # The sweeper checks leases every sweep_seconds: a gap of three means we stood still.
         core = Scheduler(settings.scheduler, observer=metrics, store=store,
-                         stall_seconds=max(3 * sweep_seconds, 0.5))
+                         stall_seconds=max(3 * sweep_seconds, 0.5),
+                         max_decision_bytes=settings.max_message_bytes)
     except StoreError as err:
         raise ConfigError(f"state_dir {settings.state_dir!r}: cannot load it: {err}") from None
     if store is not None:

@@ -99,7 +99,27 @@ _HELP = {
     "max_queue_per_tenant": "most queued sequences per tenant (0: no limit); more get "
                             "RESOURCE_EXHAUSTED",
     "lease_ttl_ms": "a worker silent this long is dropped and its sequences requeued",
-    "policy": "admission policy (fifo)",
+    "policy": "fifo (the seed's), budget (a token budget per iteration, scheduler-chosen "
+              "preemption) or fair (budget, plus priority bands with aging and tenant "
+              "fairness)",
+    "max_num_batched_tokens": "budget, fair: tokens per worker iteration, decodes and prefill "
+                              "chunks together (at least max_batch_size)",
+    "min_prefill_chunk": "budget, fair: no first chunk shorter than this is started "
+                         "(at most chunk_size)",
+    "kv_watermark_pages": "budget, fair: free KV pages kept in reserve on each worker",
+    "aging_seconds": "fair: a queued sequence moves up one priority band per this many "
+                     "seconds waited",
+    "tenant_weights": "fair: TOML file of `tenant = weight` lines; a weight-2 tenant is "
+                      "served twice the tokens of a weight-1 one",
+    "max_loras": "most distinct LoRA adapters active on one worker (0: no limit)",
+}
+
+# How a default that depends on other settings reads in --help.
+_DEFAULT_TEXT = {
+    "max_num_batched_tokens": "2048, or max_batch_size if larger",
+    "min_prefill_chunk": "32, or chunk_size if smaller",
+    "kv_watermark_pages": "1% of the worker's total pages, at least 1",
+    "tenant_weights": "none: every tenant weighs 1",
 }
 
 
@@ -119,11 +139,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, scheduler_only: bool = Fal
         if scheduler_only and not in_scheduler:
             continue
         default = getattr(defaults.scheduler if in_scheduler else defaults, f.name)
+        default_text = _DEFAULT_TEXT.get(f.name, default if default != "" else "none")
         parser.add_argument(
             "--" + f.name.replace("_", "-"), dest=f.name, default=None,
-            metavar=f.name.upper(),
-            help=f"{_HELP[f.name]} (default {default if default != '' else 'none'}; "
-                 f"env {ENV_PREFIX}{f.name.upper()})",
+            metavar="FILE" if f.name == "tenant_weights" else f.name.upper(),
+            help=f"{_HELP[f.name]} (default {default_text}; "
+                 f"env {ENV_PREFIX}{f.name.upper()})".replace("%", "%%"),
         )
 
 
@@ -207,7 +228,33 @@ def _read_config_file(path: Path) -> dict[str, object]:
     return out
 
 
+def read_tenant_weights(value: object, source: str) -> tuple[tuple[str, float], ...]:
+    """--tenant-weights FILE: a TOML table of `tenant = weight`, as (tenant, weight) pairs.
+    A table given inline in a --config file is taken as it is."""
+    if isinstance(value, dict):
+        data = value
+    else:
+        path = Path(str(value))
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as err:
+            raise ConfigError(f"tenant_weights ({source}): cannot read {path}: "
+                              f"{err.strerror}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"tenant_weights ({source}): {path} is not valid TOML: "
+                              f"{err}") from None
+    weights = []
+    for tenant, weight in data.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError(f"tenant_weights ({source}): tenant {tenant!r} has weight "
+                              f"{weight!r}; weights must be positive numbers")
+        weights.append((tenant, float(weight)))
+    return tuple(weights)
+
+
 def _coerce(f: dataclasses.Field, value: object, source: str) -> object:
+    if f.name == "tenant_weights":
+        return read_tenant_weights(value, source)
     kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str)
                                                     else f.type.__name__]
     if kind is str:

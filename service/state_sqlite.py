@@ -26,6 +26,7 @@ import json
 import os
 import sqlite3
 import sys
+import time
 from array import array
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from service.core.types import SamplingParams, WorkerRegistration
 
 FSYNC_MODES = ("acks", "always", "never")
 DB_NAME = "scheduler.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -56,7 +57,9 @@ CREATE TABLE IF NOT EXISTS sequences (
     num_generated    INTEGER NOT NULL,
     num_generated_at_admission INTEGER NOT NULL,
     finish_reason    INTEGER,      -- FinishReason, NULL until finished
-    finish_order     INTEGER NOT NULL DEFAULT 0  -- 1, 2, ... as they finished
+    finish_order     INTEGER NOT NULL DEFAULT 0, -- 1, 2, ... as they finished
+    submitted_at     REAL NOT NULL DEFAULT 0,    -- wall-clock seconds of first submission
+    admission_order  INTEGER NOT NULL DEFAULT 0  -- 1, 2, ... as they were admitted
 );
 CREATE TABLE IF NOT EXISTS outputs (
     seq_id    INTEGER PRIMARY KEY, -- a finished sequence
@@ -65,6 +68,10 @@ CREATE TABLE IF NOT EXISTS outputs (
 CREATE TABLE IF NOT EXISTS token_log (
     id      INTEGER PRIMARY KEY,   -- save order
     entries BLOB NOT NULL          -- uint64 little-endian: (seq_id, start, n, n tokens)*
+);
+CREATE TABLE IF NOT EXISTS tenant_service (
+    tenant TEXT PRIMARY KEY,
+    served REAL NOT NULL               -- weighted tokens served so far (the fair order)
 );
 CREATE TABLE IF NOT EXISTS workers (
     worker_id    TEXT PRIMARY KEY,
@@ -114,7 +121,8 @@ class SqliteStateStore:
         rows = db.execute(
             "SELECT seq_id, params, prompt, state, worker_id, queue_key, cursor, "
             "prefilled_tokens, num_generated, num_generated_at_admission, finish_reason, "
-            "finish_order FROM sequences ORDER BY seq_id").fetchall()
+            "finish_order, submitted_at, admission_order FROM sequences "
+            "ORDER BY seq_id").fetchall()
         unfinished = {row[0] for row in rows if row[3] != SequenceState.FINISHED.value}
         tokens = {seq_id: _unpack(blob) for seq_id, blob in
                   db.execute("SELECT seq_id, token_ids FROM outputs")}
@@ -128,7 +136,7 @@ class SqliteStateStore:
                     queue_key=row[5], cursor=row[6], prefilled_tokens=row[7],
                     num_generated=row[8], num_generated_at_admission=row[9],
                     finish_reason=None if row[10] is None else FinishReason(row[10]),
-                    finish_order=row[11],
+                    finish_order=row[11], submitted_at=row[12], admission_order=row[13],
                 ),
                 output_token_ids=tokens.get(row[0], []),
             )
@@ -138,7 +146,8 @@ class SqliteStateStore:
                    db.execute("SELECT registration, drain_requested FROM workers "
                               "ORDER BY worker_id")]
         row = db.execute("SELECT value FROM meta WHERE key = 'next_seq_id'").fetchone()
-        return StoredState(sequences, workers, row[0] if row else 1)
+        tenant_service = dict(db.execute("SELECT tenant, served FROM tenant_service"))
+        return StoredState(sequences, workers, row[0] if row else 1, tenant_service)
 
     def _replay_log(self, tokens: dict[int, list[int]], unfinished: set[int]) -> None:
         """Append the logged tokens of unfinished sequences to `tokens`, rebuild the log
@@ -212,11 +221,12 @@ class SqliteStateStore:
             db.executemany(
                 "UPDATE sequences SET state = ?, worker_id = ?, queue_key = ?, cursor = ?, "
                 "prefilled_tokens = ?, num_generated = ?, num_generated_at_admission = ?, "
-                "finish_reason = ?, finish_order = ? WHERE seq_id = ?",
+                "finish_reason = ?, finish_order = ?, submitted_at = ?, admission_order = ? "
+                "WHERE seq_id = ?",
                 [(p.state.value, p.worker_id, p.queue_key, p.cursor, p.prefilled_tokens,
                   p.num_generated, p.num_generated_at_admission,
                   None if p.finish_reason is None else p.finish_reason.value, p.finish_order,
-                  p.seq_id)
+                  p.submitted_at, p.admission_order, p.seq_id)
                  for p in changes.progress])
         if changes.final_outputs:
             db.executemany("INSERT OR REPLACE INTO outputs (seq_id, token_ids) VALUES (?, ?)",
@@ -236,6 +246,9 @@ class SqliteStateStore:
         if changes.next_seq_id is not None:
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('next_seq_id', ?)",
                        (changes.next_seq_id,))
+        if changes.tenant_service:
+            db.executemany("INSERT OR REPLACE INTO tenant_service (tenant, served) "
+                           "VALUES (?, ?)", changes.tenant_service)
 
     def _append_log(self, changes: StateChanges, done: set[int]) -> tuple[int | None, set[int]]:
         """One log row with this save's appends, but those of sequences that finish in
@@ -288,9 +301,26 @@ class SqliteStateStore:
         if row is None:
             self._db.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
                              (SCHEMA_VERSION,))
+        elif row[0] == 1:
+            self._migrate_from_version_1()
         elif row[0] != SCHEMA_VERSION:
             raise sqlite3.DatabaseError(f"schema version {row[0]}, this scheduler reads "
                                         f"version {SCHEMA_VERSION}")
+
+    def _migrate_from_version_1(self) -> None:
+        """Version 2 dates first submissions and numbers admissions (the fair order and
+        preemption victims); sequences of version 1 count as submitted now."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        columns = {row[1] for row in db.execute("PRAGMA table_info(sequences)")}
+        if "submitted_at" not in columns:
+            db.execute("ALTER TABLE sequences ADD COLUMN submitted_at REAL NOT NULL DEFAULT 0")
+            db.execute("UPDATE sequences SET submitted_at = ?", (time.time(),))
+        if "admission_order" not in columns:
+            db.execute("ALTER TABLE sequences ADD COLUMN admission_order INTEGER NOT NULL "
+                       "DEFAULT 0")
+        db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
+        db.execute("COMMIT")
 
 
 def _lock(directory: Path):

@@ -88,13 +88,12 @@ class WorkerLoop:
             return True
         self._pending.delivered()
         self.stats.iterations += 1
-        if decision.evict:
-            engine.evict(decision.evict)
-            self._pending.forget(decision.evict)
-        if decision.preempt:
-            # Chosen by the scheduler, which has requeued them already: free before stepping.
-            engine.evict(decision.preempt)
-            self._pending.forget(decision.preempt)
+        # Evicted (cancelled, not ours) and preempted by the scheduler (it requeued them
+        # already): freed before the step, and not reported back.
+        dropped = [*decision.evict, *decision.preempt]
+        if dropped:
+            engine.evict(dropped)
+            self._pending.forget(dropped)
         if not decision.prefill and not decision.decode:
             return False
         for chunk in decision.prefill:

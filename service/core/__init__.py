@@ -4,7 +4,8 @@ from service.core.errors import (
     ConfigError, InvalidArgument, NotFound, QueueFull, SchedulerError, UnknownWorker,
 )
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
-from service.core.policy import BlockReason, FifoPolicy
+from service.core.plan import BlockReason, PreemptReason
+from service.core.policies import FifoPolicy
 from service.core.scheduler import OutputView, Scheduler
 from service.core.types import (
     Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams, SchedulerStatus,
@@ -15,7 +16,7 @@ from service.core.types import (
 __all__ = [
     "BlockReason", "ConfigError", "Decision", "EvictReason", "FifoPolicy", "FinishReason",
     "FinishedSequence", "InvalidArgument", "NotFound", "OutputView", "PrefillChunk",
-    "QueueFull", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
+    "PreemptReason", "QueueFull", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerError", "SchedulerObserver", "SchedulerStatus", "SequenceInfo", "SequenceSpec",
     "SequenceState", "SubmitParams", "SubmitResult", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
     "WorkerReport", "WorkerSettings", "WorkerStatus",

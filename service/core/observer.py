@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-from service.core.policy import BlockReason
+from service.core.plan import BlockReason, PreemptReason
 from service.core.types import Decision, FinishReason, WorkerReport
 
 
@@ -52,3 +52,16 @@ class SchedulerObserver:
     def on_worker_removed(self, worker_id: str) -> None: ...
 
     def on_queue_depth(self, depth: int) -> None: ...
+
+    def on_queue_bands(self, depth_by_band: dict[str, int]) -> None:
+        """Queued sequences per priority band (service.core.queue.PRIORITY_BANDS)."""
+
+    def on_preempted(self, seq_id: int, worker_id: str, reason: PreemptReason) -> None: ...
+
+    def on_plan(self, worker_id: str, num_batched_tokens: int,
+                token_budget: int | None) -> None:
+        """A decision's tokens (decodes + prefill chunks) and the budget it had (None:
+        the policy has no token budget)."""
+
+    def on_served(self, tenant: str, num_tokens: int) -> None:
+        """Tokens served to a tenant: prompt tokens handed out, generated tokens reported."""

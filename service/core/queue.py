@@ -1,88 +1,182 @@
-"""The admission queue: mechanism only, it knows no limits and reads no config."""
+"""The admission queue: mechanism only, it knows no limits and reads no config.
+
+Two orders, as vLLM v1 keeps FCFS and priority order behind one queue interface:
+- `FcfsQueue`: arrival order; requeued sequences go back to the head (fifo, budget).
+- `FairQueue` (service/core/fair_queue.py): priority bands with aging, tenants by
+  least service, first come first served inside a tenant (fair).
+
+Both answer `position` in O(log n) and hand candidates out lazily, so a decision that
+admits k sequences costs O(k log n), not O(queue).
+"""
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
+from sortedcontainers import SortedList
+
+# Queue depth per priority band is reported over these bands (a bounded metric label).
+PRIORITY_BANDS = ("<0", "0", "1-3", "4-9", ">=10")
 
 
-class _Entry(NamedTuple):
-    # Sorting by key gives the queue order back, so the order survives a restart
-    # without rewriting every position: the tail counts up, the head counts down.
-    key: int
-    tenant: str
+def priority_band(priority: int) -> str:
+    """The fixed band `priority` falls in (lower priority values are more urgent)."""
+    if priority < 0:
+        return "<0"
+    if priority == 0:
+        return "0"
+    if priority <= 3:
+        return "1-3"
+    return "4-9" if priority <= 9 else ">=10"
 
 
-class AdmissionQueue:
-    """Sequence ids in admission order, with O(1) push at either end and O(1) removal.
+class Queued(Protocol):
+    """What the queue reads of a sequence (service.core.sequences.Sequence has it)."""
 
-    Each id carries an order key (for storage) and its tenant (for per-tenant counts).
-    """
+    seq_id: int
+    # Ascending keys are FCFS order; assigned by the queue, kept for storage.
+    queue_key: int
+    # Scheduler-clock time of the first submission (requeues keep it).
+    arrived_at: float
 
-    def __init__(self) -> None:
-        # OrderedDict gives O(1) move-to-front and O(1) removal from the middle (cancel).
-        self._ids: OrderedDict[int, _Entry] = OrderedDict()
-        self._per_tenant: Counter[str] = Counter()
-        self._head_key = 0  # key of the last id pushed to the head
-        self._tail_key = 0  # key of the last id pushed to the tail
+    @property
+    def priority(self) -> int: ...
 
-    def __len__(self) -> int:
-        return len(self._ids)
+    @property
+    def tenant(self) -> str: ...
 
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._ids
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ids)
+# How much service a tenant has had so far (weighted tokens), as the fair order reads it.
+TenantCounter = Callable[[str], float]
 
-    def count(self, tenant: str) -> int:
-        """How many queued ids belong to `tenant`."""
-        return self._per_tenant[tenant]
 
-    def key(self, seq_id: int) -> int:
-        """The id's order key: ascending keys are queue order."""
-        return self._ids[seq_id].key
+class AdmissionQueue(Protocol):
+    """Queued sequences in a policy's order."""
 
-    def push_back(self, seq_id: int, tenant: str = "") -> None:
-        """Append at the tail; the id must not be queued already."""
-        self._tail_key += 1
-        self._insert(seq_id, _Entry(self._tail_key, tenant))
+    def __len__(self) -> int: ...
 
-    def push_front(self, items: Iterable[tuple[int, str]]) -> None:
-        """Put (seq_id, tenant) items at the head, in their given order, ahead of all."""
-        for seq_id, tenant in reversed(list(items)):
-            self._head_key -= 1
-            self._insert(seq_id, _Entry(self._head_key, tenant))
-            self._ids.move_to_end(seq_id, last=False)
+    def __contains__(self, seq_id: int) -> bool: ...
 
-    def restore(self, items: Iterable[tuple[int, str, int]]) -> None:
-        """Rebuild from stored (seq_id, tenant, key) items; the queue must be empty."""
-        assert not self._ids, "restore into a non-empty queue"
-        for seq_id, tenant, key in sorted(items, key=lambda item: item[2]):
-            self._insert(seq_id, _Entry(key, tenant))
-        if self._ids:
-            first, last = next(iter(self._ids.values())), next(reversed(self._ids.values()))
-            self._head_key = min(0, first.key)
-            self._tail_key = max(0, last.key)
+    def push_back(self, seq: Queued) -> None:
+        """A new submission: at the tail of its place."""
+
+    def requeue(self, seqs: list[Queued]) -> None:
+        """Sequences back from a worker, in the order given (FCFS: ahead of all)."""
+
+    def restore(self, seqs: Iterable[Queued]) -> None:
+        """Rebuild from stored sequences (their queue_key and arrived_at as saved)."""
 
     def remove(self, seq_id: int) -> bool:
         """Drop an id wherever it is; False if it was not queued."""
-        entry = self._ids.pop(seq_id, None)
-        if entry is None:
+
+    def candidates(self, now: float, counter: TenantCounter) -> Iterator[int]:
+        """Queued ids in admission order, lazily; the queue must not change meanwhile."""
+
+    def position(self, seq_id: int, now: float, counter: TenantCounter) -> int:
+        """How many queued ids come before `seq_id` (KeyError if not queued)."""
+
+    def count(self, tenant: str) -> int:
+        """How many queued ids belong to `tenant`."""
+
+    def depth_by_band(self) -> dict[str, int]:
+        """Queued ids per band of PRIORITY_BANDS."""
+
+
+class QueueBase:
+    """What both orders share: FCFS order keys (kept for storage, so a restart under any
+    policy finds the arrival order) and per-tenant and per-priority counts."""
+
+    def __init__(self) -> None:
+        self._per_tenant: Counter[str] = Counter()
+        self._per_priority: Counter[int] = Counter()
+        self._head_key = 0  # key of the last id pushed to the head
+        self._tail_key = 0  # key of the last id pushed to the tail
+
+    def count(self, tenant: str) -> int:
+        return self._per_tenant[tenant]
+
+    def depth_by_band(self) -> dict[str, int]:
+        depth = dict.fromkeys(PRIORITY_BANDS, 0)
+        for priority, num in self._per_priority.items():
+            depth[priority_band(priority)] += num
+        return depth
+
+    def _tail(self, seq: Queued) -> None:
+        self._tail_key += 1
+        seq.queue_key = self._tail_key
+
+    def _head(self, seq: Queued) -> None:
+        self._head_key -= 1
+        seq.queue_key = self._head_key
+
+    def _restored(self, seq: Queued) -> None:
+        self._head_key = min(self._head_key, seq.queue_key)
+        self._tail_key = max(self._tail_key, seq.queue_key)
+
+    def _counted(self, seq: Queued) -> None:
+        self._per_tenant[seq.tenant] += 1
+        self._per_priority[seq.priority] += 1
+
+    def _uncounted(self, seq: Queued) -> None:
+        for counter, key in ((self._per_tenant, seq.tenant), (self._per_priority, seq.priority)):
+            counter[key] -= 1
+            if not counter[key]:
+                del counter[key]
+
+
+class FcfsQueue(QueueBase):
+    """First come, first served; requeued ids go to the head, in the order given.
+
+    Order keys are integers: the tail counts up, the head counts down, so sorting by key
+    gives the order back after a restart without renumbering anything.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._keys = SortedList()
+        self._by_key: dict[int, Queued] = {}
+        self._key_of: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._key_of)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._key_of
+
+    def push_back(self, seq: Queued) -> None:
+        self._tail(seq)
+        self._insert(seq)
+
+    def requeue(self, seqs: list[Queued]) -> None:
+        for seq in reversed(seqs):
+            self._head(seq)
+            self._insert(seq)
+
+    def restore(self, seqs: Iterable[Queued]) -> None:
+        assert not self._key_of, "restore into a non-empty queue"
+        for seq in seqs:
+            self._restored(seq)
+            self._insert(seq)
+
+    def remove(self, seq_id: int) -> bool:
+        key = self._key_of.pop(seq_id, None)
+        if key is None:
             return False
-        self._per_tenant[entry.tenant] -= 1
-        if not self._per_tenant[entry.tenant]:
-            del self._per_tenant[entry.tenant]
+        self._keys.remove(key)
+        self._uncounted(self._by_key.pop(key))
         return True
 
-    def position(self, seq_id: int) -> int:
-        """Ids ahead of `seq_id` (O(n); for status queries, not the hot path)."""
-        for index, queued in enumerate(self._ids):
-            if queued == seq_id:
-                return index
-        raise KeyError(seq_id)
+    def candidates(self, now: float, counter: TenantCounter) -> Iterator[int]:
+        by_key = self._by_key
+        return (by_key[key].seq_id for key in self._keys)
 
-    def _insert(self, seq_id: int, entry: _Entry) -> None:
-        assert seq_id not in self._ids, f"seq_id {seq_id} queued twice"
-        self._ids[seq_id] = entry
-        self._per_tenant[entry.tenant] += 1
+    def position(self, seq_id: int, now: float, counter: TenantCounter) -> int:
+        return self._keys.bisect_left(self._key_of[seq_id])
+
+    def _insert(self, seq: Queued) -> None:
+        assert seq.seq_id not in self._key_of, f"seq_id {seq.seq_id} queued twice"
+        self._key_of[seq.seq_id] = seq.queue_key
+        self._by_key[seq.queue_key] = seq
+        self._keys.add(seq.queue_key)
+        self._counted(seq)

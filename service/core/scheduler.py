@@ -1,28 +1,38 @@
 """The scheduling core: queue, sequence table, worker ledger and policy behind one API.
 
-Single-threaded by design: the caller serializes calls (the servicer holds one lock).
-No gRPC, no Prometheus: adapters convert messages and listen through an observer.
+Single-threaded by design: the caller serializes calls. No gRPC, no Prometheus:
+adapters convert messages and listen through an observer.
+
+A SelectBatch reads in one direction: the worker's report is applied (contract rule 1),
+a read-only view goes to the policy, the policy returns a plan, the mechanism checks
+the plan (batcher.py) and applies it here, and the change is saved (changes.py).
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from service.core.batcher import DECISION_FIXED_BYTES, Batcher
+from service.core.changes import ChangeSet
 from service.core.config import SchedulerConfig
 from service.core.errors import InvalidArgument, NotFound, QueueFull
 from service.core.ledger import WorkerLedger, WorkerRecord
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
-from service.core.policy import Policy, make_policy
-from service.core.queue import AdmissionQueue
-from service.core.sequences import Sequence, SequenceTable
-from service.core.store import (
-    StateChanges, StateStore, StoredState, StoredWorker, StoreError, TokenAppend,
-)
+from service.core.plan import PreemptReason
+from service.core.policies import make_policy
+from service.core.sequences import Sequence, SequenceTable, spec_wire_bytes
+from service.core.store import StateStore, StoredState, StoredWorker, StoreError
+from service.core.tenants import TenantLedger
+from service.core.validation import validate_report
 from service.core.types import (
-    Decision, FinishReason, PrefillChunk, SchedulerStatus, SequenceInfo, SequenceState,
+    Decision, FinishReason, SchedulerStatus, SequenceInfo, SequenceState,
     SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
+
+# gRPC's default message limit; the server passes its --max-message-bytes.
+DEFAULT_MAX_DECISION_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -38,8 +48,8 @@ class Scheduler:
     """Holds the admission queue and answers each worker's SelectBatch.
 
     Guarantees, whatever the call order: a sequence is queued, on exactly one worker,
-    or finished; a sequence that leaves a worker unfinished goes back to the head of
-    the queue; no id is ever reused.
+    or finished; a sequence that leaves a worker unfinished goes back to the queue
+    (the head, or its place in the fair order); no id is ever reused.
 
     With a `store`, every call that changes state saves the change before it returns,
     and a new Scheduler over the same store carries on where the old one stopped. After
@@ -53,30 +63,34 @@ class Scheduler:
         *,
         observer: SchedulerObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         max_finished_retained: int = 100_000,
         store: StateStore | None = None,
         stall_seconds: float | None = None,
+        max_decision_bytes: int = DEFAULT_MAX_DECISION_BYTES,
     ) -> None:
         """`stall_seconds`: when lease checks (every call, and a caller's sweeper) are this
         far apart, the scheduler itself stood still (frozen, paused, starved): that time
         is not counted against the workers' leases. None: every gap counts (tests that
-        move a fake clock by hand)."""
+        move a fake clock by hand). `wall_clock` dates submissions for the store, so
+        that time waited before a restart still counts towards aging."""
         self.config = config.validate()
-        self._policy: Policy = make_policy(config)
+        self._policy = make_policy(config)
         self._observer = observer or SchedulerObserver()
         self._clock = clock
-        self._queue = AdmissionQueue()
+        self._wall_clock = wall_clock
+        self._queue = self._policy.new_queue()
         self._sequences = SequenceTable(max_finished_retained)
         self._ledger = WorkerLedger()
-        self._store = store
+        self._tenants = (TenantLedger(dict(config.tenant_weights))
+                         if self._policy.uses_tenant_service else None)
+        self._changes = ChangeSet(store)
+        self._max_decision_bytes = max_decision_bytes
+        self._batcher = Batcher(self._policy, self._queue, self._sequences, self._changes,
+                                self._observer, self._tenants, clock, max_decision_bytes,
+                                config.max_loras)
         self._stall_seconds = stall_seconds
         self._last_lease_check: float | None = None
-        # What changed since the last save (see _save).
-        self._created: dict[int, SubmitParams] = {}
-        self._touched: dict[int, Sequence] = {}  # progress changed
-        self._grown: dict[int, Sequence] = {}  # output tokens added
-        self._forgotten: list[int] = []
-        self._worker_changes: dict[str, WorkerRecord | None] = {}
         if store is not None:
             self._recover(store.load())
 
@@ -99,22 +113,23 @@ class Scheduler:
                 f"tenant {params.tenant!r} already has {per_tenant} sequences queued "
                 f"(max_queue_per_tenant={per_tenant}); retry later"
             )
-        seq = self._sequences.create(params, self._clock())
-        position = len(self._queue)
-        self._queue.push_back(seq.seq_id, params.tenant)
-        self._created[seq.seq_id] = params
-        self._touch(seq)
+        seq = self._sequences.create(params, self._clock(), self._wall_clock())
+        if self._tenants is not None and self._tenants.activate(seq.tenant):
+            self._changes.tenant_served(seq.tenant, self._tenants.served(seq.tenant))
+        self._queue.push_back(seq)
+        self._changes.created(seq)
         try:
             self._save(sync=True)  # acknowledged to the client: must survive a power loss
         except StoreError:
             self._queue.remove(seq.seq_id)
+            if self._tenants is not None:
+                self._tenants.deactivate(seq.tenant)
             self._sequences.discard_new(seq)
-            self._created.pop(seq.seq_id, None)
-            self._touched.pop(seq.seq_id, None)
+            self._changes.uncreated(seq)
             raise
-        self._observer.on_submitted(seq.seq_id, params.tenant, seq.prompt_len)
-        self._observer.on_queue_depth(len(self._queue))
-        return SubmitResult(seq.seq_id, position)
+        self._observer.on_submitted(seq.seq_id, seq.tenant, seq.prompt_len)
+        self._queue_changed()
+        return SubmitResult(seq.seq_id, self._position(seq))
 
     def cancel(self, seq_id: int) -> bool:
         """Cancel a queued or assigned sequence; False if it had already finished.
@@ -127,7 +142,7 @@ class Scheduler:
             return False
         if seq.state is SequenceState.QUEUED:
             self._queue.remove(seq_id)
-            self._observer.on_queue_depth(len(self._queue))
+            self._queue_changed()
         else:
             worker = self._ledger.find(seq.worker_id or "")
             if worker is not None:
@@ -190,7 +205,7 @@ class Scheduler:
         if old is not None:
             self._requeue(old, list(old.assigned), RequeueReason.REREGISTERED)
         record = self._add_worker(registration)
-        self._worker_changes[registration.worker_id] = record
+        self._changes.worker_joined(StoredWorker(record.registration, record.drain_requested))
         self._save()
         return record.settings
 
@@ -212,7 +227,7 @@ class Scheduler:
         self._save()
         worker = self._ledger.get(worker_id)
         worker.drain_requested = not resume
-        self._worker_changes[worker_id] = worker
+        self._changes.worker_joined(StoredWorker(worker.registration, worker.drain_requested))
         self._save()
         return len(worker.assigned)
 
@@ -223,10 +238,11 @@ class Scheduler:
         return dropped
 
     def select_batch(self, report: WorkerReport) -> Decision:
-        """Apply one worker's report, then decide its batch (contract rules 1-7)."""
+        """Apply one worker's report, then decide its batch (the policy plans, the
+        mechanism checks and applies; contract rules 1-7 and "Policies")."""
         self.expire_leases()  # saved before anything below can refuse the report
         worker = self._ledger.get(report.worker_id)
-        _validate_report(report)
+        validate_report(report, worker.settings.max_batch_size)
         worker.last_call_at = self._clock()
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
@@ -243,36 +259,64 @@ class Scheduler:
         # Lost first, so the preempted ones end up at the very head, in the order given.
         self._requeue(worker, lost, RequeueReason.LOST)
         self._requeue(worker, requeue_ids, RequeueReason.PREEMPTED)
+        for seq_id in requeue_ids:
+            self._observer.on_preempted(seq_id, worker.worker_id, PreemptReason.WORKER)
 
         evict = [s for s in (*report.waiting, *report.running) if s not in worker.assigned]
         for seq_id in evict:
             self._observer.on_evicted(seq_id, worker.worker_id, self._evict_reason(seq_id))
 
-        prefill = self._admit(worker, report, exclude=reported)
-        decode = []
-        for seq_id in report.running:
-            if seq_id in worker.assigned:
-                seq = self._sequences.get(seq_id)
-                if seq.state is not SequenceState.DECODING:
-                    seq.state = SequenceState.DECODING
-                    seq.prefilled_tokens = seq.spec_prompt_len()
-                    self._touch(seq)
-                decode.append(seq_id)
-        for seq_id in report.waiting:
-            if seq_id in worker.assigned:
-                prefill.append(self._continuation(self._sequences.get(seq_id)))
-
-        decision = Decision(tuple(prefill), tuple(decode), tuple(evict), worker.iteration)
+        decision = self._batcher.decide(worker, report, reported, tuple(evict), self._requeue)
         self._save()
         self._observer.on_decision(report, decision)
         return decision
 
+    # ----------------------------------------------------------------- reports
+
+    def _apply_tokens(self, worker: WorkerRecord, report: WorkerReport) -> None:
+        served: Counter[str] = Counter()
+        for update in report.tokens:
+            if update.seq_id not in worker.assigned:
+                continue  # stale: the sequence left this worker
+            seq = self._sequences.get(update.seq_id)
+            token_ids = update.token_ids
+            if update.offset is not None:
+                # A retried report repeats tokens already applied: keep only the new ones.
+                known = len(seq.output_token_ids) - seq.num_generated_at_admission
+                token_ids = token_ids[max(0, known - update.offset):]
+            if token_ids:
+                seq.output_token_ids.extend(token_ids)
+                self._changes.grown(seq)
+                served[seq.tenant] += len(token_ids)
+                self._observer.on_tokens(seq.seq_id, len(token_ids))
+        self._batcher.serve(served)
+
+    def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:
+        """Finish what the worker finished; returns ids reported finished as PREEMPTED."""
+        preempted = []
+        for fin in report.finished:
+            if fin.seq_id not in worker.assigned:
+                continue  # stale: cancelled, or taken from this worker earlier
+            if fin.reason is FinishReason.PREEMPTED:
+                preempted.append(fin.seq_id)
+                continue
+            seq = self._sequences.get(fin.seq_id)
+            seq.num_generated = max(len(seq.output_token_ids),
+                                    seq.num_generated_at_admission + fin.generated_tokens)
+            del worker.assigned[fin.seq_id]
+            self._finish(seq, fin.reason)
+        return preempted
+
     # ----------------------------------------------------------------- internals
 
     def _add_worker(self, registration: WorkerRegistration) -> WorkerRecord:
+        max_batch_size = registration.max_batch_size or self.config.max_batch_size
+        if self._policy.name != "fifo":
+            # Each running sequence decodes one token of the budget every iteration.
+            max_batch_size = min(max_batch_size, self.config.token_budget)
         settings = WorkerSettings(
             chunk_size=self.config.chunk_size,
-            max_batch_size=registration.max_batch_size or self.config.max_batch_size,
+            max_batch_size=max_batch_size,
             prefill_reserve_pages=self.config.prefill_reserve_pages,
             lease_ttl_ms=self.config.lease_ttl_ms,
         )
@@ -285,7 +329,7 @@ class Scheduler:
     def _remove_worker(self, worker: WorkerRecord, reason: RequeueReason) -> list[int]:
         self._ledger.remove(worker.worker_id)
         requeued = self._requeue(worker, list(worker.assigned), reason)
-        self._worker_changes[worker.worker_id] = None
+        self._changes.worker_left(worker.worker_id)
         self._observer.on_worker_removed(worker.worker_id)
         return requeued
 
@@ -307,54 +351,8 @@ class Scheduler:
         for worker in self._ledger:
             worker.last_call_at = min(now, worker.last_call_at + stalled)
 
-    def _touch(self, seq: Sequence) -> None:
-        """Mark `seq` as changed: the next _save writes its progress and new tokens."""
-        self._touched[seq.seq_id] = seq
-
     def _save(self, sync: bool = False) -> None:
-        """Hand everything changed since the last save to the store, as one change.
-
-        On StoreError nothing is marked saved, so the next save carries it again.
-        """
-        if self._store is None:
-            self._clear_changes()
-            return
-        if not (self._touched or self._grown or self._created or self._forgotten
-                or self._worker_changes):
-            return
-        grown = [seq for seq in self._grown.values()
-                 if len(seq.output_token_ids) > seq.num_saved_tokens]
-        changes = StateChanges(
-            created=tuple(self._created.items()),
-            progress=tuple(seq.progress(self._queue.key(seq.seq_id)
-                                        if seq.seq_id in self._queue else None)
-                           for seq in self._touched.values()),
-            tokens=tuple(
-                TokenAppend(seq.seq_id, seq.num_saved_tokens,
-                            tuple(seq.output_token_ids[seq.num_saved_tokens:]))
-                for seq in grown
-            ),
-            # Every finish touches its sequence, and nothing touches it after.
-            final_outputs=tuple((seq.seq_id, tuple(seq.output_token_ids))
-                                for seq in self._touched.values() if seq.is_finished),
-            forgotten=tuple(self._forgotten),
-            workers_joined=tuple(StoredWorker(w.registration, w.drain_requested)
-                                 for w in self._worker_changes.values() if w is not None),
-            workers_left=tuple(w for w, r in self._worker_changes.items() if r is None),
-            next_seq_id=self._sequences.next_seq_id if self._created else None,
-            sync=sync,
-        )
-        self._store.save(changes)
-        for seq in grown:
-            seq.num_saved_tokens = len(seq.output_token_ids)
-        self._clear_changes()
-
-    def _clear_changes(self) -> None:
-        self._touched.clear()
-        self._grown.clear()
-        self._created.clear()
-        self._forgotten.clear()
-        self._worker_changes.clear()
+        self._changes.save(self._sequences.next_seq_id, sync)
 
     def _recover(self, state: StoredState) -> None:
         """Rebuild from the store: the queue in its order, workers with what they held.
@@ -366,13 +364,19 @@ class Scheduler:
         for stored in state.workers:
             self._add_worker(stored.registration).drain_requested = stored.drain_requested
         self._sequences.reserve_ids_below(state.next_seq_id)
+        if self._tenants is not None:
+            self._tenants.restore(state.tenant_service)
+        now, wall_now = self._clock(), self._wall_clock()
         queued, orphans = [], []
         for stored in state.sequences:
-            seq = self._sequences.restore(stored, self._clock())
+            seq = self._sequences.restore(stored, now, wall_now)
+            self._batcher.restore_admissions(seq.admission_order)
+            if not seq.is_finished and self._tenants is not None:
+                self._tenants.restore_active(seq.tenant)
             if seq.state is SequenceState.QUEUED:
                 key = stored.progress.queue_key
-                queued.append((seq.seq_id, seq.params.tenant,
-                               key if key is not None else 2**62 + seq.seq_id))
+                seq.queue_key = key if key is not None else 2**62 + seq.seq_id
+                queued.append(seq)
             elif not seq.is_finished:
                 worker = self._ledger.find(seq.worker_id or "")
                 if worker is None:
@@ -380,95 +384,15 @@ class Scheduler:
                 else:
                     worker.assigned[seq.seq_id] = None
         self._sequences.restore_finished_order()
-        self._queue.restore(queued)
+        self._queue.restore(sorted(queued, key=lambda s: s.queue_key))
         self._back_to_queue(orphans, "", RequeueReason.LOST)
         self._save()
-        self._observer.on_queue_depth(len(self._queue))
-
-    def _admit(self, worker: WorkerRecord, report: WorkerReport,
-               exclude: set[int]) -> list[PrefillChunk]:
-        budget = self._policy.admission_budget(
-            max_batch_size=worker.settings.max_batch_size,
-            num_active=len(report.waiting) + len(report.running),
-            kv_free_pages=report.kv_free_pages,
-            gdn_free_slots=report.gdn_free_slots,
-            draining=report.draining or worker.drain_requested,
-        )
-        chunks: list[PrefillChunk] = []
-        if budget.max_new_seqs > 0:
-            for seq_id in self._queue:
-                seq = self._sequences.get(seq_id)
-                if seq_id in exclude or not worker.can_run(seq.params.adapter_id):
-                    continue
-                chunks.append(self._first_chunk(worker, seq))
-                if len(chunks) == budget.max_new_seqs:
-                    break
-            for chunk in chunks:
-                self._queue.remove(chunk.seq_id)
-            if chunks:
-                self._observer.on_queue_depth(len(self._queue))
-        if len(self._queue) > 0 and len(chunks) == budget.max_new_seqs:
-            self._observer.on_admission_blocked(worker.worker_id, budget.limited_by)
-        return chunks
-
-    def _first_chunk(self, worker: WorkerRecord, seq: Sequence) -> PrefillChunk:
-        spec = seq.spec()
-        seq.state = SequenceState.PREFILLING
-        seq.worker_id = worker.worker_id
-        seq.prefilled_tokens = 0
-        seq.num_generated_at_admission = len(seq.output_token_ids)
-        seq.num_generated = len(seq.output_token_ids)
-        seq.cursor = self._policy.chunk_len(cursor=0, prompt_len=len(spec.prompt_token_ids))
-        worker.assigned[seq.seq_id] = None
-        self._touch(seq)
-        self._observer.on_admitted(seq.seq_id, worker.worker_id,
-                                   max(0.0, self._clock() - seq.enqueued_at))
-        return PrefillChunk(seq.seq_id, 0, seq.cursor, spec)
-
-    def _continuation(self, seq: Sequence) -> PrefillChunk:
-        # The worker asks for more, so the chunk handed out before is done.
-        seq.prefilled_tokens = seq.cursor
-        length = self._policy.chunk_len(cursor=seq.cursor, prompt_len=seq.spec_prompt_len())
-        chunk = PrefillChunk(seq.seq_id, seq.cursor, length)
-        seq.cursor += length
-        self._touch(seq)
-        return chunk
-
-    def _apply_tokens(self, worker: WorkerRecord, report: WorkerReport) -> None:
-        for update in report.tokens:
-            if update.seq_id not in worker.assigned:
-                continue  # stale: the sequence left this worker
-            seq = self._sequences.get(update.seq_id)
-            token_ids = update.token_ids
-            if update.offset is not None:
-                # A retried report repeats tokens already applied: keep only the new ones.
-                known = len(seq.output_token_ids) - seq.num_generated_at_admission
-                token_ids = token_ids[max(0, known - update.offset):]
-            if token_ids:
-                seq.output_token_ids.extend(token_ids)
-                self._grown[seq.seq_id] = seq
-                self._observer.on_tokens(seq.seq_id, len(token_ids))
-
-    def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:
-        """Finish what the worker finished; returns ids reported finished as PREEMPTED."""
-        preempted = []
-        for fin in report.finished:
-            if fin.seq_id not in worker.assigned:
-                continue  # stale: cancelled, or taken from this worker earlier
-            if fin.reason is FinishReason.PREEMPTED:
-                preempted.append(fin.seq_id)
-                continue
-            seq = self._sequences.get(fin.seq_id)
-            seq.num_generated = max(len(seq.output_token_ids),
-                                    seq.num_generated_at_admission + fin.generated_tokens)
-            del worker.assigned[fin.seq_id]
-            self._finish(seq, fin.reason)
-        return preempted
+        self._queue_changed()
 
     def _requeue(self, worker: WorkerRecord, seq_ids: list[int],
                  reason: RequeueReason) -> list[int]:
-        """Take `seq_ids` from `worker` and put them at the head of the queue, in order;
-        returns the ids that went back to the queue.
+        """Take `seq_ids` from `worker` and put them back in the queue (FCFS: at the head,
+        in order); returns the ids that went back to the queue.
 
         One that already generated max_new_tokens has nothing left to resume: it
         finishes with MAX_LENGTH instead (its resume spec would ask for <= 0 tokens).
@@ -493,17 +417,23 @@ class Scheduler:
             # Progress known only as a count cannot be resumed: restart from the tokens kept
             # (num_generated was reset to len(output_token_ids) above).
             seq.enqueued_at = self._clock()
-            self._touch(seq)
+            self._changes.touched(seq)
             self._observer.on_requeued(seq_id, worker_id, reason)
         if requeued:
-            self._queue.push_front((seq.seq_id, seq.params.tenant) for seq in requeued)
-            self._observer.on_queue_depth(len(self._queue))
+            self._queue.requeue(requeued)
+            self._queue_changed()
         return [seq.seq_id for seq in requeued]
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self._forgotten.extend(self._sequences.mark_finished(seq, reason))
-        self._touch(seq)
+        self._changes.forgotten(self._sequences.mark_finished(seq, reason))
+        self._changes.touched(seq)
+        if self._tenants is not None:
+            self._tenants.deactivate(seq.tenant)
         self._observer.on_finished(seq.seq_id, reason)
+
+    def _queue_changed(self) -> None:
+        self._observer.on_queue_depth(len(self._queue))
+        self._observer.on_queue_bands(self._queue.depth_by_band())
 
     def _evict_reason(self, seq_id: int) -> EvictReason:
         seq = self._sequences.get(seq_id)
@@ -518,7 +448,10 @@ class Scheduler:
         return seq
 
     def _position(self, seq: Sequence) -> int:
-        return self._queue.position(seq.seq_id) if seq.state is SequenceState.QUEUED else 0
+        if seq.state is not SequenceState.QUEUED:
+            return 0
+        served = self._tenants.served if self._tenants is not None else _no_service
+        return self._queue.position(seq.seq_id, self._clock(), served)
 
     def _validate_submit(self, params: SubmitParams) -> None:
         prompt_len = len(params.prompt_token_ids)
@@ -532,22 +465,16 @@ class Scheduler:
                 f"prompt_len + max_new_tokens = {prompt_len} + {params.max_new_tokens} = "
                 f"{prompt_len + params.max_new_tokens} exceeds max_seq_len={limit}"
             )
+        # Its spec, grown by every token it may generate, must fit in one decision.
+        num_ids = prompt_len + params.max_new_tokens + len(params.stop_token_ids)
+        if (spec_wire_bytes(num_ids, params.adapter_id)
+                > self._max_decision_bytes - DECISION_FIXED_BYTES):
+            raise InvalidArgument(
+                f"prompt_len + max_new_tokens + stop_token_ids = {num_ids} token ids may not "
+                f"fit in one decision of at most {self._max_decision_bytes} bytes "
+                "(--max-message-bytes); send a shorter prompt or raise the limit"
+            )
 
 
-def _validate_report(report: WorkerReport) -> None:
-    """Reject contradictory reports before any state changes."""
-    seen: set[int] = set()
-    for field_name, ids in (("waiting", report.waiting), ("running", report.running)):
-        for seq_id in ids:
-            if seq_id in seen:
-                raise InvalidArgument(
-                    f"seq_id {seq_id} appears more than once in waiting/running "
-                    f"(second time in {field_name})"
-                )
-            seen.add(seq_id)
-    for fin in report.finished:
-        if fin.seq_id in seen:
-            raise InvalidArgument(f"seq_id {fin.seq_id} is reported both finished and active")
-    for seq_id in report.preempted:
-        if seq_id in seen:
-            raise InvalidArgument(f"seq_id {seq_id} is reported both preempted and active")
+def _no_service(tenant: str) -> float:
+    return 0.0

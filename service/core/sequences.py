@@ -1,28 +1,66 @@
-"""The sequence table: every sequence the scheduler knows, queued, assigned or finished."""
+"""The sequence table: every sequence the scheduler knows, queued, assigned or finished.
+
+Tokens are held compactly: prompts and outputs are array('I') (4 bytes a token), so a
+queued 4,000-token prompt costs about 16 KB, not a Python int per token.
+"""
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
+from service.core.errors import InvalidArgument
 from service.core.store import SequenceProgress, StoredSequence
 from service.core.types import FinishReason, SequenceSpec, SequenceState, SubmitParams
 
+# Bytes of a decision's PrefillChunk beyond its token ids: tags, lengths, seq_id,
+# chunk bounds, sampling, max_new_tokens (an upper bound; see spec_wire_bytes).
+_CHUNK_OVERHEAD_BYTES = 96
+_MAX_VARINT32_BYTES = 5
 
-@dataclass
+
+def spec_wire_bytes(num_token_ids: int, adapter_id: str) -> int:
+    """An upper bound of the bytes a first chunk whose spec carries `num_token_ids` token
+    ids (prompt and stop tokens) takes in a decision: 5 bytes a uint32 varint at most."""
+    return (_CHUNK_OVERHEAD_BYTES + _MAX_VARINT32_BYTES * num_token_ids
+            + len(adapter_id.encode("utf-8", "surrogatepass")))
+
+
+def compact(token_ids: Iterable[int], field_name: str = "token ids") -> array:
+    """`token_ids` as array('I'); InvalidArgument if one is outside uint32."""
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
+        return token_ids
+    try:
+        return array("I", token_ids)
+    except (OverflowError, TypeError):
+        raise InvalidArgument(f"{field_name} must be integers within 0-{2**32 - 1}") from None
+
+
+@dataclass(slots=True)
 class Sequence:
     """The scheduler's record of one sequence (mutable; owned by the Scheduler)."""
 
     seq_id: int
-    params: SubmitParams
-    enqueued_at: float
+    params: SubmitParams  # prompt_token_ids is an array('I')
+    enqueued_at: float  # scheduler clock: when it last entered the queue
+    prompt_len: int  # len(params.prompt_token_ids), read on every decision
+    # Scheduler clock at its first submission (requeues keep it): the fair order's arrival.
+    arrived_at: float = 0.0
+    # Wall-clock seconds of its first submission: arrived_at again after a restart.
+    submitted_at: float = 0.0
     state: SequenceState = SequenceState.QUEUED
     worker_id: str | None = None
+    # FCFS order key while queued (ascending keys are arrival order); set by the queue.
+    queue_key: int = 0
+    # 1, 2, ... in the order of admissions to workers (the latest admitted is preempted first).
+    admission_order: int = 0
     # Prompt tokens of the current spec handed out to the worker so far.
     cursor: int = 0
     # Prompt tokens of the current spec the worker confirmed by asking for more.
     prefilled_tokens: int = 0
     # Tokens generated so far, in order, across every assignment.
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: array = field(default_factory=lambda: array("I"))
     # Generated tokens counted from finish reports when a worker sends counts only.
     num_generated: int = 0
     # len(output_token_ids) when the current assignment started (the resume offset).
@@ -34,8 +72,16 @@ class Sequence:
     finish_order: int = 0
 
     @property
-    def prompt_len(self) -> int:
-        return len(self.params.prompt_token_ids)
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
+    def tenant(self) -> str:
+        return self.params.tenant
+
+    @property
+    def adapter_id(self) -> str:
+        return self.params.adapter_id
 
     @property
     def is_finished(self) -> bool:
@@ -46,25 +92,40 @@ class Sequence:
         p = self.params
         done = self.output_token_ids
         return SequenceSpec(
-            prompt_token_ids=p.prompt_token_ids + tuple(done),
+            prompt_token_ids=tuple(p.prompt_token_ids + done),
             max_new_tokens=p.max_new_tokens - len(done),
             adapter_id=p.adapter_id,
             sampling=p.sampling,
             stop_token_ids=p.stop_token_ids,
         )
 
-    def progress(self, queue_key: int | None) -> SequenceProgress:
-        return SequenceProgress(
-            seq_id=self.seq_id, state=self.state, worker_id=self.worker_id,
-            queue_key=queue_key, cursor=self.cursor, prefilled_tokens=self.prefilled_tokens,
-            num_generated=self.num_generated,
-            num_generated_at_admission=self.num_generated_at_admission,
-            finish_reason=self.finish_reason, finish_order=self.finish_order,
-        )
+    def resume_len(self) -> int:
+        """Prompt length of the spec its next admission would carry."""
+        return self.prompt_len + len(self.output_token_ids)
 
     def spec_prompt_len(self) -> int:
         """Prompt length of the current assignment's spec (tokens decoded since don't count)."""
         return self.prompt_len + self.num_generated_at_admission
+
+    def num_tokens(self) -> int:
+        """Tokens of the current assignment so far: its spec's prompt plus those reported."""
+        return self.prompt_len + len(self.output_token_ids)
+
+    def spec_wire_bytes(self) -> int:
+        """An upper bound of the bytes its first chunk (with the spec) takes in a decision."""
+        p = self.params
+        return spec_wire_bytes(self.resume_len() + len(p.stop_token_ids), p.adapter_id)
+
+    def progress(self) -> SequenceProgress:
+        return SequenceProgress(
+            seq_id=self.seq_id, state=self.state, worker_id=self.worker_id,
+            queue_key=self.queue_key if self.state is SequenceState.QUEUED else None,
+            cursor=self.cursor, prefilled_tokens=self.prefilled_tokens,
+            num_generated=self.num_generated,
+            num_generated_at_admission=self.num_generated_at_admission,
+            finish_reason=self.finish_reason, finish_order=self.finish_order,
+            submitted_at=self.submitted_at, admission_order=self.admission_order,
+        )
 
 
 class SequenceTable:
@@ -96,9 +157,14 @@ class SequenceTable:
         seq_id = self._by_request_id.get(request_id) if request_id else None
         return None if seq_id is None else self._by_id.get(seq_id)
 
-    def create(self, params: SubmitParams, now: float) -> Sequence:
+    def create(self, params: SubmitParams, now: float, wall_now: float) -> Sequence:
         """Add a new QUEUED sequence with the next id (ids are never reused)."""
-        seq = Sequence(seq_id=self._next_seq_id, params=params, enqueued_at=now)
+        params = replace(params,
+                         prompt_token_ids=compact(params.prompt_token_ids, "prompt_token_ids"),
+                         stop_token_ids=tuple(params.stop_token_ids))
+        seq = Sequence(seq_id=self._next_seq_id, params=params, enqueued_at=now,
+                       prompt_len=len(params.prompt_token_ids), arrived_at=now,
+                       submitted_at=wall_now)
         self._next_seq_id += 1
         self._add(seq)
         return seq
@@ -113,13 +179,20 @@ class SequenceTable:
         """Never hand out an id below `next_seq_id` (ids used before a restart)."""
         self._next_seq_id = max(self._next_seq_id, next_seq_id)
 
-    def restore(self, stored: StoredSequence, now: float) -> Sequence:
+    def restore(self, stored: StoredSequence, now: float, wall_now: float) -> Sequence:
         """Add a sequence loaded from the store, as it was saved."""
         p = stored.progress
+        params = replace(stored.params,
+                         prompt_token_ids=compact(stored.params.prompt_token_ids))
         seq = Sequence(
-            seq_id=stored.seq_id, params=stored.params, enqueued_at=now, state=p.state,
-            worker_id=p.worker_id, cursor=p.cursor, prefilled_tokens=p.prefilled_tokens,
-            output_token_ids=list(stored.output_token_ids), num_generated=p.num_generated,
+            seq_id=stored.seq_id, params=params, enqueued_at=now,
+            prompt_len=len(params.prompt_token_ids),
+            # The time waited before the restart still counts (aging).
+            arrived_at=now - max(0.0, wall_now - p.submitted_at),
+            submitted_at=p.submitted_at, state=p.state, worker_id=p.worker_id,
+            queue_key=p.queue_key or 0, admission_order=p.admission_order,
+            cursor=p.cursor, prefilled_tokens=p.prefilled_tokens,
+            output_token_ids=compact(stored.output_token_ids), num_generated=p.num_generated,
             num_generated_at_admission=p.num_generated_at_admission,
             finish_reason=p.finish_reason, num_saved_tokens=len(stored.output_token_ids),
             finish_order=p.finish_order,

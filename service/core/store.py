@@ -34,6 +34,8 @@ class SequenceProgress:
     num_generated_at_admission: int
     finish_reason: FinishReason | None
     finish_order: int = 0  # 1, 2, ... in the order sequences finished; 0 until then
+    submitted_at: float = 0.0  # wall-clock seconds of the first submission (aging)
+    admission_order: int = 0  # 1, 2, ... in the order of admissions to workers
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class StateChanges:
     workers_joined: tuple[StoredWorker, ...] = ()  # joined, or changed
     workers_left: tuple[str, ...] = ()
     next_seq_id: int | None = None  # set when the change hands out new ids
+    # (tenant, weighted tokens served so far) of the tenants served in this change (fair).
+    tenant_service: tuple[tuple[str, float], ...] = ()
     sync: bool = False
 
 
@@ -87,6 +91,7 @@ class StoredState:
     sequences: list[StoredSequence] = field(default_factory=list)  # ascending seq_id
     workers: list[StoredWorker] = field(default_factory=list)
     next_seq_id: int = 1
+    tenant_service: dict[str, float] = field(default_factory=dict)
 
 
 class StateStore(Protocol):
@@ -107,6 +112,7 @@ class MemoryStore:
         self._progress: dict[int, SequenceProgress] = {}
         self._tokens: dict[int, list[int]] = {}
         self._workers: dict[str, StoredWorker] = {}
+        self._tenant_service: dict[str, float] = {}
         self._next_seq_id = 1
         self.saves = 0
         self.fail_next_save: StoreError | None = None
@@ -120,6 +126,7 @@ class MemoryStore:
             ],
             workers=list(self._workers.values()),
             next_seq_id=self._next_seq_id,
+            tenant_service=dict(self._tenant_service),
         )
 
     def save(self, changes: StateChanges) -> None:
@@ -150,6 +157,7 @@ class MemoryStore:
             self._tokens.pop(seq_id, None)
         if changes.next_seq_id is not None:
             self._next_seq_id = changes.next_seq_id
+        self._tenant_service.update(changes.tenant_service)
         self.saves += 1
 
     def close(self) -> None:

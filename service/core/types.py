@@ -6,6 +6,7 @@ to these types (service/convert.py) and back.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -29,7 +30,7 @@ class SequenceState(enum.Enum):
     FINISHED = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How a worker picks each next token (temperature 0 means greedy)."""
 
@@ -39,11 +40,15 @@ class SamplingParams:
     seed: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SubmitParams:
-    """A client's request for one sequence, as received."""
+    """A client's request for one sequence, as received.
 
-    prompt_token_ids: tuple[int, ...]
+    `prompt_token_ids` may be any sequence of ints; the core keeps it as a compact
+    array('I') (4 bytes a token) once the sequence is accepted.
+    """
+
+    prompt_token_ids: Sequence[int]
     max_new_tokens: int
     request_id: str = ""
     adapter_id: str = ""
@@ -53,7 +58,7 @@ class SubmitParams:
     stop_token_ids: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SequenceSpec:
     """Everything a worker needs to (re)start a sequence from token 0.
 
@@ -69,7 +74,7 @@ class SequenceSpec:
     stop_token_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SubmitResult:
     """The accepted sequence and how many sequences were ahead of it."""
 
@@ -77,7 +82,7 @@ class SubmitResult:
     queue_position: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerRegistration:
     """What a worker declares when it joins."""
 
@@ -89,7 +94,7 @@ class WorkerRegistration:
     adapters: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerSettings:
     """The settings a registered worker runs under."""
 
@@ -99,7 +104,7 @@ class WorkerSettings:
     lease_ttl_ms: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FinishedSequence:
     """A sequence that ended on a worker; `generated_tokens` counts this assignment only."""
 
@@ -108,7 +113,7 @@ class FinishedSequence:
     generated_tokens: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TokenUpdate:
     """Tokens one sequence generated since the worker's last call.
 
@@ -121,7 +126,7 @@ class TokenUpdate:
     offset: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerReport:
     """One worker's report at the start of an iteration (the SelectBatch request)."""
 
@@ -136,7 +141,7 @@ class WorkerReport:
     tokens: tuple[TokenUpdate, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PrefillChunk:
     """Prompt tokens [chunk_start, chunk_start + chunk_len) of a sequence.
 
@@ -149,7 +154,7 @@ class PrefillChunk:
     spec: SequenceSpec | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
     """What one worker runs this iteration."""
 
@@ -157,9 +162,12 @@ class Decision:
     decode: tuple[int, ...] = ()
     evict: tuple[int, ...] = ()
     iteration: int = 0
+    # Running sequences the scheduler took back (budget and fair, KV pages short): the
+    # worker frees them before stepping; they resume later from their tokens so far.
+    preempt: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SequenceInfo:
     """A read-only view of one sequence."""
 
@@ -173,7 +181,7 @@ class SequenceInfo:
     queue_position: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     """A read-only view of one registered worker as of its last report."""
 
@@ -188,7 +196,7 @@ class WorkerStatus:
     seconds_since_last_call: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerStatus:
     """A read-only view of the whole scheduler."""
 

@@ -10,6 +10,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from service import cli
+from service.core import SchedulerConfig
 from service.credentials import channel_credentials
 
 from .conftest import RPC_TIMEOUT_SECONDS
@@ -30,7 +31,7 @@ def _fails(stub: pb_grpc.SchedulerStub) -> grpc.StatusCode:
 
 def test_tls_client_trusting_the_ca_is_served(secure_server):
     server = secure_server(tls=True, auth=False)
-    assert _status(server.stub()).policy == "fifo"
+    assert _status(server.stub()).policy == SchedulerConfig().policy
 
 
 def test_plaintext_client_against_a_tls_server_fails(secure_server):
@@ -60,7 +61,7 @@ def test_mtls_server_refuses_a_certificate_from_an_untrusted_ca(secure_server, p
 
 def test_mtls_server_accepts_a_client_certificate_signed_by_its_ca(secure_server):
     server = secure_server(tls=True, mtls=True, auth=False)
-    assert _status(server.stub(client_cert=True)).policy == "fifo"
+    assert _status(server.stub(client_cert=True)).policy == SchedulerConfig().policy
 
 
 def test_health_is_served_over_tls(secure_server):
@@ -90,7 +91,7 @@ def test_client_command_with_the_ca_and_a_token_is_served(secure_server, pki, to
     code = cli.main(["status", "--target", server.target, "--tls-ca", str(pki.ca.cert),
                      "--token", tokens.client])
     assert code == 0, capsys.readouterr().err
-    assert "policy=fifo" in capsys.readouterr().out
+    assert f"policy={SchedulerConfig().policy}" in capsys.readouterr().out
 
 
 def test_client_command_without_a_token_reports_the_schedulers_refusal(secure_server, pki,

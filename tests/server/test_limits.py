@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from service.convert import (
     MAX_ADAPTERS, MAX_REPORT_SEQ_IDS, MAX_REPORT_TOKENS, MAX_STOP_TOKEN_IDS, MAX_STRING_BYTES,
 )
+from service.core import SchedulerConfig
 from service.server import start
 from service.settings import DEFAULT_MAX_MESSAGE_BYTES, ServeSettings
 
@@ -196,3 +197,27 @@ def test_default_max_message_bytes_is_grpcs_four_mib(stub):
     under = rpc_error(lambda: submit(stub, request_id="r" * (3 * 1024 * 1024)))
     assert_names_limit(under, f"request_id is {3 * 1024 * 1024} bytes")
     assert queue_depth(stub) == 0
+
+
+# ===================================================================== decisions fit
+
+
+@pytest.mark.parametrize("policy", ["fifo", "budget", "fair"])
+def test_a_decision_never_exceeds_the_message_limit_and_the_rest_waits(start_with_settings,
+                                                                        policy):
+    # The outside probe: a worker of max_batch_size 512 and 400 queued 4,000-token
+    # prompts got a 4.8 MB decision on every call, which its channel refused (4 MiB).
+    stub = start_with_settings(scheduler=SchedulerConfig(
+        policy=policy, max_batch_size=512, max_num_batched_tokens=10**7))
+    worker = Worker(stub, "big")
+    worker.register(max_batch_size=512, total_kv_pages=10**6, total_gdn_slots=512)
+    prompt = [1_000_000 + i for i in range(4000)]  # 3 bytes a token id on the wire
+    for _ in range(400):
+        submit(stub, prompt=prompt, max_new_tokens=8)
+    held, rounds = [], 0
+    while queue_depth(stub) and rounds < 10:
+        decision = worker.select(waiting=held, kv_free_pages=10**6, gdn_free_slots=512)
+        assert decision.ByteSize() <= DEFAULT_MAX_MESSAGE_BYTES
+        held += [c.seq_id for c in decision.prefill if c.HasField("spec")]
+        rounds += 1
+    assert len(held) == 400 and rounds >= 2

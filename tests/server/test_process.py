@@ -24,6 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from service.core import SchedulerConfig
+
 from .wire import RPC_TIMEOUT_SECONDS
 
 pytestmark = pytest.mark.slow
@@ -178,9 +180,19 @@ def test_serve_help_documents_every_setting_flag_and_its_env_var():
     (["--max-queue", "-1"], {}, None, ["max_queue (--max-queue)"]),
     (["--max-message-bytes", "4"], {}, None,
      ["max_message_bytes (--max-message-bytes)", "1024", "got 4"]),
+    (["--max-num-batched-tokens", "16", "--max-batch-size", "32"], {}, None,
+     ["max_num_batched_tokens (16, --max-num-batched-tokens)",
+      "max_batch_size (32, --max-batch-size)"]),
+    (["--min-prefill-chunk", "600"], {}, None,
+     ["min_prefill_chunk (600, --min-prefill-chunk)", "chunk_size (512, default)"]),
+    (["--aging-seconds", "0"], {}, None, ["aging_seconds (--aging-seconds)", "positive"]),
+    (["--tenant-weights", "/nonexistent/weights.toml"], {}, None,
+     ["tenant_weights (--tenant-weights)", "/nonexistent/weights.toml"]),
+    ([], {}, "tenant_weights = { gold = -2 }\n", ["tenant_weights", "'gold'", "positive"]),
 ], ids=["flag-out-of-range", "chunk-above-max-seq-len", "env-not-an-integer",
         "config-not-toml", "config-unknown-key", "unknown-policy", "negative-max-queue",
-        "tiny-max-message-bytes"])
+        "tiny-max-message-bytes", "budget-below-batch", "first-chunk-above-chunk",
+        "no-aging", "missing-tenant-weights", "negative-tenant-weight"])
 def test_serve_rejects_an_invalid_setting_naming_it_and_its_source(tmp_path, flags, env,
                                                                    config_text, names):
     if config_text is not None:
@@ -257,7 +269,7 @@ def test_client_commands_submit_status_and_cancel_against_a_real_server(served):
 
     overview = _run(*_cli(), "status", *target)
     assert overview.returncode == 0, overview.stderr
-    assert "policy=fifo" in overview.stdout and "queue_depth=" in overview.stdout
+    assert f"policy={SchedulerConfig().policy}" in overview.stdout and "queue_depth=" in overview.stdout
 
     one = _run(*_cli(), "status", *target, first)
     assert one.returncode == 0, one.stderr

@@ -1,5 +1,6 @@
-"""Fixtures of the stack tests: a real scheduler on loopback, known activity on it, and a
-real Prometheus (the Debian binary) scraping it every second.
+"""Fixtures of the stack tests: a real scheduler on loopback, known activity on it, the
+OpenAI gateway (in front of a second scheduler with a scripted worker) with a few requests
+through it, and a real Prometheus (the Debian binary) scraping both every second.
 
 Prometheus-backed tests skip, saying why, only when the prometheus/promtool binaries are
 missing; scripts/test.sh installs them where it can.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
@@ -23,8 +25,8 @@ from service.server import RunningServer, start
 from service.settings import ServeSettings
 
 from .prometheus_api import (
-    LOOPBACK, SCHEDULER_JOB, PrometheusApi, free_loopback_port, scrape_config_for_test,
-    wait_until,
+    GATEWAY_JOB, LOOPBACK, SCHEDULER_JOB, PrometheusApi, free_loopback_port,
+    scrape_config_for_test, wait_until,
 )
 
 
@@ -108,14 +110,78 @@ def metrics_text(scheduler: RunningServer, activity: KnownActivity) -> str:
     return fetch_metrics_text(scheduler)
 
 
+@dataclass(frozen=True)
+class GatewayActivity:
+    """A gateway that answered one streamed chat completion and one bad request."""
+
+    port: int
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}/metrics"
+
+
+@pytest.fixture(scope="session")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> GatewayActivity:
+    """`lattice-scheduler gateway` in front of its own scheduler and a scripted worker (so
+    that the known activity above stays as it is), after a few requests through it."""
+    from service.gateway.demo_model import build_tokenizer, write_tokenizer_files
+    from tests.gateway.processes import (
+        GATEWAY_LISTENING, SCHEDULER_LISTENING, gateway_argv, scheduler_argv, spawn,
+        wait_for, worker_argv,
+    )
+
+    workdir = tmp_path_factory.mktemp("gateway")
+    model_dir = workdir / "model"
+    write_tokenizer_files(model_dir, build_tokenizer(512))
+    started = []
+    try:
+        scheduler = spawn("gateway-scheduler", scheduler_argv(), workdir, SCHEDULER_LISTENING)
+        started.append(scheduler)
+        target = f"{LOOPBACK}:{scheduler.ports[0]}"
+        started.append(spawn("scripted-worker", worker_argv(target, "scripted"), workdir))
+        gateway = spawn("gateway", gateway_argv(target, model_dir), workdir, GATEWAY_LISTENING)
+        started.append(gateway)
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.SchedulerStub(channel)
+            wait_for(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers,
+                     "the scripted worker to register", process=started[1])
+        base = f"http://{LOOPBACK}:{gateway.ports[0]}"
+        _post(f"{base}/v1/chat/completions", {
+            "model": "model", "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}})
+        with pytest.raises(urllib.error.HTTPError):
+            _post(f"{base}/v1/completions", {"model": "model", "prompt": "hi", "n": 3})
+        yield GatewayActivity(gateway.ports[0])
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+def _post(url: str, body: dict) -> bytes:
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read()
+
+
+@pytest.fixture(scope="session")
+def gateway_metrics_text(gateway: GatewayActivity) -> str:
+    with urllib.request.urlopen(gateway.metrics_url, timeout=5) as response:
+        return response.read().decode()
+
+
 @pytest.fixture(scope="session")
 def prometheus(prometheus_binary: str, scheduler: RunningServer, activity: KnownActivity,
+               gateway: GatewayActivity,
                tmp_path_factory: pytest.TempPathFactory) -> PrometheusApi:
-    """A real Prometheus on loopback whose scheduler target is up (scraped at least twice)."""
+    """A real Prometheus on loopback whose scheduler and gateway targets are up (scraped at
+    least twice each)."""
     workdir = tmp_path_factory.mktemp("prometheus")
     port = free_loopback_port()
     config_file = workdir / "prometheus.yml"
-    config_file.write_text(yaml.safe_dump(scrape_config_for_test(scheduler.metrics_port, port)))
+    config_file.write_text(yaml.safe_dump(
+        scrape_config_for_test(scheduler.metrics_port, port, gateway.port)))
     log_file = (workdir / "prometheus.log").open("w")
     process = subprocess.Popen(
         [prometheus_binary, f"--config.file={config_file}",
@@ -123,19 +189,20 @@ def prometheus(prometheus_binary: str, scheduler: RunningServer, activity: Known
         stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir)
     api = PrometheusApi(f"http://{LOOPBACK}:{port}")
     try:
-        def scheduler_scraped_twice():
+        def targets_scraped_twice():
             if process.poll() is not None:
                 pytest.fail(f"prometheus exited with {process.returncode}:\n"
                             + (workdir / "prometheus.log").read_text()[-3000:])
             try:
                 # count_over_time > 1: rate() in the dashboard needs two samples.
-                value = api.scalar_of(
-                    f'count_over_time(up{{job="{SCHEDULER_JOB}"}}[1m]) > 1 '
-                    f'and up{{job="{SCHEDULER_JOB}"}} == 1')
+                values = [api.scalar_of(f'count_over_time(up{{job="{job}"}}[1m]) > 1 '
+                                        f'and up{{job="{job}"}} == 1')
+                          for job in (SCHEDULER_JOB, GATEWAY_JOB)]
             except (OSError, json.JSONDecodeError):
                 return False  # not listening yet
-            return value is not None
-        wait_until(scheduler_scraped_twice, bool, "Prometheus to scrape the scheduler twice")
+            return None not in values
+        wait_until(targets_scraped_twice, bool,
+                   "Prometheus to scrape the scheduler and the gateway twice")
         yield api
     finally:
         process.terminate()

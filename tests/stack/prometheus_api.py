@@ -17,6 +17,7 @@ from .stack_files import ALERTS, PROMETHEUS_CONFIG
 LOOPBACK = "127.0.0.1"
 PROMETHEUS_READY_SECONDS = 30.0
 SCHEDULER_JOB = "lattice-scheduler"
+GATEWAY_JOB = "lattice-gateway"
 
 
 class PrometheusApi:
@@ -67,13 +68,14 @@ def free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
-def scrape_config_for_test(metrics_port: int, prometheus_port: int) -> dict:
+def scrape_config_for_test(metrics_port: int, prometheus_port: int, gateway_port: int) -> dict:
     """deploy/prometheus/prometheus.yml, aimed at loopback and scraping every second."""
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
     config["rule_files"] = [str(PROMETHEUS_CONFIG.parent / name)
                             for name in config["rule_files"]]
     targets = {SCHEDULER_JOB: f"{LOOPBACK}:{metrics_port}",
+               GATEWAY_JOB: f"{LOOPBACK}:{gateway_port}",
                "prometheus": f"{LOOPBACK}:{prometheus_port}"}
     for job in config["scrape_configs"]:
         job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]

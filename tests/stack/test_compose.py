@@ -11,11 +11,12 @@ import pytest
 
 from .stack_files import (
     COMPOSE_FILE, COMPOSE_GPU_FILE, COMPOSE_SCHEMA, DASHBOARD, DOCKERFILE, DOCKERIGNORE,
-    GRAFANA_PROVISIONING, HEALTH_CHECK_SCRIPT, REPO, compose_ports, documented_ports,
-    load_yaml,
+    GRAFANA_PROVISIONING, HEALTH_CHECK_SCRIPT, PROMETHEUS_CONFIG, REPO, compose_ports,
+    documented_ports, load_yaml,
 )
 
 WORKERS = ("worker-1", "worker-2")
+DEMO_MODEL_DIR = "/models/demo-model"
 HEALTH_SCRIPT_IN_IMAGE = "/opt/lattice/grpc_health_check.py"
 
 
@@ -108,15 +109,53 @@ def test_images_run_as_a_non_root_user():
     assert users and all(not u.split(":")[0] in ("0", "root") for u in users)
 
 
-def test_workers_start_after_the_scheduler_is_healthy_and_use_the_tiny_model_on_cpu(compose):
+def test_workers_start_after_the_scheduler_is_healthy_and_use_the_demo_model_on_cpu(compose):
     for name in WORKERS:
         worker = compose["services"][name]
         assert worker["depends_on"]["scheduler"]["condition"] == "service_healthy"
+        assert worker["depends_on"]["demo-model"]["condition"] == \
+            "service_completed_successfully"
         command = worker["command"]
         assert command[command.index("--scheduler") + 1] == "scheduler:50051"
         assert command[command.index("--worker-id") + 1] == name
-        assert command[command.index("--model") + 1] == "tiny"
+        assert command[command.index("--model") + 1] == DEMO_MODEL_DIR
         assert command[command.index("--device") + 1] == "cpu"
+        assert "models:/models:ro" in worker["volumes"]
+
+
+def test_the_demo_model_is_built_once_into_the_models_volume_by_the_worker_image(compose):
+    service = compose["services"]["demo-model"]
+    assert service["build"]["target"] == "worker"
+    assert service["entrypoint"][-1] == "service.gateway.demo_model"
+    assert service["command"][0] == DEMO_MODEL_DIR
+    assert "models:/models" in service["volumes"] and "models" in compose["volumes"]
+    assert service["restart"] == "no"
+    # The image creates /models for its non-root user, so the new volume is writable.
+    assert "install -d -o 10001 -g 10001 /models" in DOCKERFILE.read_text()
+
+
+def test_the_gateway_serves_the_demo_model_with_exactly_the_documented_flags(compose):
+    gateway = compose["services"]["gateway"]
+    command = gateway["command"]
+    assert command[0] == "gateway"
+    flags = dict(zip(command[1::2], command[2::2]))
+    assert {k: flags[k] for k in ("--target", "--model", "--host", "--port")} == {
+        "--target": "scheduler:50051", "--model": DEMO_MODEL_DIR, "--host": "0.0.0.0",
+        "--port": "8000"}
+    assert gateway["depends_on"]["scheduler"]["condition"] == "service_healthy"
+    assert gateway["depends_on"]["demo-model"]["condition"] == "service_completed_successfully"
+    assert "models:/models:ro" in gateway["volumes"]
+    assert "http://127.0.0.1:8000/health" in " ".join(gateway["healthcheck"]["test"])
+    # The scheduler image holds the gateway's dependencies.
+    assert 'pip install -c /src/constraints.txt "/src[gateway]"' in DOCKERFILE.read_text()
+
+
+def test_prometheus_scrapes_the_gateway_service_on_its_port(compose):
+    config = load_yaml(PROMETHEUS_CONFIG)
+    jobs = {job["job_name"]: job["static_configs"][0]["targets"]
+            for job in config["scrape_configs"]}
+    assert jobs["lattice-gateway"] == ["gateway:8000"]
+    assert "gateway" in compose["services"]["prometheus"]["depends_on"]
 
 
 def test_gpu_override_reserves_an_nvidia_gpu_and_runs_workers_on_cuda(compose, gpu_override):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from .prometheus_api import LOOPBACK, SCHEDULER_JOB, wait_until
+from .prometheus_api import GATEWAY_JOB, LOOPBACK, SCHEDULER_JOB, wait_until
 from .promql import exposed_names, metric_names, substitute_grafana_variables
 from .stack_files import HEALTH_CHECK_SCRIPT, alert_expressions, dashboard_expressions
 
@@ -15,8 +15,11 @@ from .stack_files import HEALTH_CHECK_SCRIPT, alert_expressions, dashboard_expre
 PROMETHEUS_SERIES = {"up"}
 
 
-def test_promtool_check_metrics_passes_on_the_live_metrics(promtool, metrics_text):
-    result = subprocess.run([promtool, "check", "metrics"], input=metrics_text,
+@pytest.mark.parametrize("source", ["scheduler", pytest.param("gateway", marks=pytest.mark.slow)])
+def test_promtool_check_metrics_passes_on_the_live_metrics(promtool, source, request):
+    text = request.getfixturevalue("metrics_text" if source == "scheduler"
+                                   else "gateway_metrics_text")
+    result = subprocess.run([promtool, "check", "metrics"], input=text,
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -37,9 +40,11 @@ def test_health_check_script_fails_for_an_unknown_service(scheduler):
     assert "NOT_FOUND" in result.stderr
 
 
+@pytest.mark.slow  # starts a gateway, a scheduler and a worker process
 @pytest.mark.parametrize("source", ["dashboard", "alerts"])
-def test_every_promql_expression_names_only_metrics_the_scheduler_exposes(source, metrics_text):
-    exposed = exposed_names(metrics_text)
+def test_every_promql_expression_names_only_metrics_the_scheduler_or_gateway_exposes(
+        source, metrics_text, gateway_metrics_text):
+    exposed = exposed_names(metrics_text) | exposed_names(gateway_metrics_text)
     expressions = dashboard_expressions() if source == "dashboard" else alert_expressions()
     assert expressions
     for expression in expressions:
@@ -50,12 +55,26 @@ def test_every_promql_expression_names_only_metrics_the_scheduler_exposes(source
 
 
 @pytest.mark.slow
-def test_prometheus_scrapes_the_scheduler_target_and_it_is_up(prometheus, scheduler):
+def test_the_gateway_metrics_count_the_requests_sent_through_it(gateway_metrics_text):
+    lines = set(gateway_metrics_text.splitlines())
+    for sample in (
+            'lattice_gateway_requests_total{endpoint="/v1/chat/completions",status_code="200"} 1.0',
+            'lattice_gateway_requests_total{endpoint="/v1/completions",status_code="400"} 1.0',
+            'lattice_gateway_time_to_first_token_seconds_count{endpoint="/v1/chat/completions"} 1.0',
+            'lattice_gateway_completion_tokens_total{endpoint="/v1/chat/completions"} 16.0',
+            'lattice_gateway_client_disconnects_total{endpoint="/v1/chat/completions"} 0.0'):
+        assert sample in lines, sample
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_the_scheduler_and_gateway_targets_and_they_are_up(
+        prometheus, scheduler, gateway):
     body = prometheus.get("/api/v1/targets")
-    targets = [t for t in body["data"]["activeTargets"] if t["labels"]["job"] == SCHEDULER_JOB]
-    assert [t["scrapeUrl"] for t in targets] == [
-        f"http://{LOOPBACK}:{scheduler.metrics_port}/metrics"]
-    assert targets[0]["health"] == "up", targets[0]["lastError"]
+    for job, url in ((SCHEDULER_JOB, f"http://{LOOPBACK}:{scheduler.metrics_port}/metrics"),
+                     (GATEWAY_JOB, gateway.metrics_url)):
+        targets = [t for t in body["data"]["activeTargets"] if t["labels"]["job"] == job]
+        assert [t["scrapeUrl"] for t in targets] == [url]
+        assert targets[0]["health"] == "up", targets[0]["lastError"]
 
 
 @pytest.mark.slow

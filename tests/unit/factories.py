@@ -24,6 +24,9 @@ class FakeClock:
 
 
 def make_config(**overrides) -> SchedulerConfig:
+    """A config for the core's tests: the fifo policy (the contract's rules 2-7) unless
+    the test names another."""
+    overrides.setdefault("policy", "fifo")
     return SchedulerConfig(**overrides)
 
 

@@ -8,7 +8,12 @@ def test_defaults_equal_the_contract():
     config = SchedulerConfig()
     assert (config.max_batch_size, config.chunk_size, config.prefill_reserve_pages,
             config.max_seq_len) == (32, 512, 8, 4096)
-    assert config.policy == "fifo"
+    assert (config.token_budget, config.first_chunk_floor, config.aging_seconds,
+            config.max_loras) == (2048, 32, 30.0, 0)
+    # The watermark defaults to 1% of a worker's pages, at least 1.
+    assert (config.kv_watermark(1000), config.kv_watermark(50)) == (10, 1)
+    # Until the simulator chooses, the default policy is budget (issue 11).
+    assert config.policy == "budget"
     assert config.validate() is config
 
 
@@ -66,7 +71,7 @@ def test_non_string_policy_is_rejected():
 
 
 def test_unknown_policy_is_rejected_listing_the_known_ones():
-    with pytest.raises(ConfigError, match=r"^policy must be one of fifo, got 'lifo'"):
+    with pytest.raises(ConfigError, match=r"^policy must be one of fifo, budget, fair, got 'lifo'"):
         SchedulerConfig(policy="lifo").validate()
 
 

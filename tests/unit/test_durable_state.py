@@ -34,8 +34,8 @@ class Restartable:
         return MemoryStore() if self.kind == "memory" else SqliteStateStore(self.tmp_path)
 
     def _core(self) -> Scheduler:
-        return Scheduler(make_config(**self.config), clock=self.clock, store=self.store,
-                         max_finished_retained=self.max_finished_retained)
+        return Scheduler(make_config(**self.config), clock=self.clock, wall_clock=self.clock,
+                         store=self.store, max_finished_retained=self.max_finished_retained)
 
     def restart(self) -> Scheduler:
         if self.kind == "sqlite":
@@ -405,3 +405,42 @@ def test_the_oldest_finished_are_forgotten_first_after_a_restart_too(kind, tmp_p
     assert sched.submit(params(request_id="A")).seq_id == a
     assert sched.submit(params(request_id="B")).seq_id == b
     assert sched.submit(params(request_id="C")).seq_id != c
+
+
+def test_the_time_waited_before_a_restart_still_counts_towards_aging(kind, tmp_path):
+    state = Restartable(kind, tmp_path, policy="fair", aging_seconds=10.0)
+    old = submit(state.sched, priority=4)
+    state.clock.advance_ms(25_000)
+    newer = submit(state.sched, priority=1)
+    # Bands: old 4 - 2 = 2, newer 1 - 0 = 1.
+    assert queue_order(state.sched, [old, newer]) == [newer, old]
+    state.restart()
+    assert queue_order(state.sched, [old, newer]) == [newer, old]
+    state.clock.advance_ms(5_000)
+    # old has waited 30 s in all (band 1), newer 5 s (band 1): the older goes first. Had
+    # the restart reset old's wait, it would still be in band 4.
+    assert queue_order(state.sched, [old, newer]) == [old, newer]
+
+
+def test_a_version_1_state_dir_is_migrated_and_its_queue_kept(tmp_path):
+    import sqlite3
+    state = Restartable("sqlite", tmp_path)
+    ids = [submit(state.sched) for _ in range(3)]
+    state.store.close()
+    db = sqlite3.connect(tmp_path / "scheduler.db")
+    # Version 1: the same table without the two columns version 2 added.
+    columns = [row[1] for row in db.execute("PRAGMA table_info(sequences)")
+               if row[1] not in ("submitted_at", "admission_order")]
+    db.executescript(f"CREATE TABLE v1 AS SELECT {', '.join(columns)} FROM sequences; "
+                     "DROP TABLE sequences; ALTER TABLE v1 RENAME TO sequences; "
+                     "DROP TABLE tenant_service; "
+                     "UPDATE meta SET value = 1 WHERE key = 'schema_version';")
+    db.close()
+    state.store = state._open()
+    state.sched = state._core()
+    assert queue_order(state.sched, ids) == ids
+    db = sqlite3.connect(tmp_path / "scheduler.db")
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (2,)
+    assert {row[1] for row in db.execute("PRAGMA table_info(sequences)")} >= {
+        "submitted_at", "admission_order"}
+    db.close()

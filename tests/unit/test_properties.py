@@ -2,7 +2,10 @@
 
 A reference model tracks, independently of the core, which worker each sequence was
 handed to and what each worker was told; after every step the core must agree with
-it, and every decision must satisfy the contract's rules 3-7.
+it, and every decision must satisfy the contract's rules 3-7 (fifo), or the budget
+policies' rules: the token budget is never exceeded, every running sequence decodes
+unless preempted, admissions' pages fit (the simulated workers count their pages and
+slots honestly and never run out), the LoRA limit holds.
 
 The core saves to a MemoryStore; a rule replaces it by a new core loaded from that
 store (a restart), which must look exactly as the old one did, and the simulated
@@ -16,7 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from service.core import (
@@ -29,12 +32,21 @@ from .factories import FakeClock, make_config, params, registration, report
 
 CONFIG = dict(max_batch_size=3, chunk_size=4, prefill_reserve_pages=2, max_seq_len=32,
               max_queue=6, lease_ttl_ms=1000)
+# The budget policies: a budget that binds, small pages, at most one adapter per worker.
+BUDGET_CONFIG = dict(CONFIG, max_num_batched_tokens=8, min_prefill_chunk=2,
+                     kv_watermark_pages=1, max_loras=1)
 WORKERS = {
     "w0": dict(adapters=()),
     "w1": dict(adapters=("a",), max_batch_size=2),
     "w2": dict(adapters=("a", "b")),
 }
+# What the simulated workers of the budget policies have, counted honestly.
+PAGE_SIZE, TOTAL_PAGES, TOTAL_SLOTS = 4, 8, 3
 ASSIGNED = (SequenceState.PREFILLING, SequenceState.DECODING)
+
+
+def pages_for(num_positions: int) -> int:
+    return -(-num_positions // PAGE_SIZE)
 
 
 def token(seq_id: int, index: int) -> int:
@@ -50,8 +62,15 @@ class Held:
     spec_len: int
     max_new_tokens: int
     first_index: int  # output position of this assignment's first token
+    adapter_id: str = ""
     num_prefilled: int = 0
     num_generated: int = 0
+
+    @property
+    def num_positions(self) -> int:
+        """KV positions written: the prompt as prefilled, then one per decode (the KV of
+        the token sampled before it), as the reference engine counts them."""
+        return self.num_prefilled + max(0, self.num_generated - 1)
 
 
 @dataclass
@@ -71,6 +90,12 @@ class SimWorker:
         self.done.clear()
         self.tokens.clear()
 
+    def held(self) -> list[Held]:
+        return [*self.prefill.values(), *self.running.values()]
+
+    def pages_used(self) -> int:
+        return sum(pages_for(h.num_positions) for h in self.held())
+
     def generate(self, seq_id: int) -> None:
         held = self.running[seq_id]
         self.tokens.setdefault(seq_id, []).append(
@@ -84,6 +109,16 @@ class SimWorker:
 
 class SchedulerMachine(RuleBasedStateMachine):
     store_kind = "memory"
+    policy = "fifo"
+
+    @property
+    def config(self) -> dict:
+        return CONFIG if self.policy == "fifo" else BUDGET_CONFIG
+
+    @property
+    def counts_pages(self) -> bool:
+        """The workers report what they really have free (the budget policies plan with it)."""
+        return self.policy != "fifo"
 
     @initialize()
     def start(self):
@@ -120,7 +155,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def new_core(self) -> Scheduler:
-        return Scheduler(make_config(**CONFIG), clock=self.clock, store=self.store)
+        return Scheduler(make_config(policy=self.policy, **self.config), clock=self.clock,
+                         wall_clock=self.clock, store=self.store)
 
     def observable_state(self):
         status = self.sched.status()
@@ -158,10 +194,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ client rules
 
-    @rule(prompt_len=st.integers(1, 12), max_new_tokens=st.integers(1, 6),
+    @rule(prompt_len=st.integers(1, 12), max_new_tokens=st.integers(1, 10),
           adapter_id=st.sampled_from(["", "", "", "a", "b"]),
-          request=st.sampled_from(["none", "new", "repeat"]))
-    def submit(self, prompt_len, max_new_tokens, adapter_id, request):
+          request=st.sampled_from(["none", "new", "repeat"]),
+          priority=st.sampled_from([0, 0, -1, 2]), tenant=st.sampled_from(["", "t1", "t2"]))
+    def submit(self, prompt_len, max_new_tokens, adapter_id, request, priority, tenant):
         depth = self.sched.status().queue_depth
         if request == "repeat" and self.request_ids:
             request_id = sorted(self.request_ids)[0]
@@ -171,7 +208,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         request_id = f"req-{len(self.prompt_len)}" if request == "new" else ""
         submitted = params(prompt_len, max_new_tokens, adapter_id=adapter_id,
-                           request_id=request_id)
+                           request_id=request_id, priority=priority, tenant=tenant)
         if depth >= CONFIG["max_queue"]:
             with pytest.raises(QueueFull):
                 self.sched.submit(submitted)
@@ -179,7 +216,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         result = self.sched.submit(submitted)
         seq_id = result.seq_id
         assert seq_id not in self.prompt_len
-        assert result.queue_position == depth
+        if self.policy == "fair":  # its place depends on band, tenant and arrival
+            assert 0 <= result.queue_position <= depth
+        else:
+            assert result.queue_position == depth
         self.prompt_len[seq_id] = prompt_len
         self.max_new_tokens[seq_id] = max_new_tokens
         self.adapter[seq_id] = adapter_id
@@ -205,7 +245,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         sim = self.sims[worker_id]
         sim.restart()
         sim.registered = True
-        settings_ = self.sched.register_worker(registration(worker_id, **WORKERS[worker_id]))
+        resources = dict(WORKERS[worker_id])
+        if self.counts_pages:
+            resources.update(total_kv_pages=TOTAL_PAGES, page_size=PAGE_SIZE,
+                             total_gdn_slots=TOTAL_SLOTS)
+        settings_ = self.sched.register_worker(registration(worker_id, **resources))
         assert settings_.max_batch_size == WORKERS[worker_id].get(
             "max_batch_size", CONFIG["max_batch_size"])
         self.model_register(worker_id)
@@ -298,8 +342,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                                                      held.num_generated))
         tokens = dict(sim.tokens)
         sim.tokens.clear()
+        if self.counts_pages:
+            kv_free_pages = TOTAL_PAGES - sim.pages_used()
+            gdn_free_slots = TOTAL_SLOTS - len(sim.held())
+        else:
+            kv_free_pages, gdn_free_slots = rnd.randint(0, 4), rnd.randint(0, 4)
         return report(sim.worker_id, waiting=list(sim.prefill), running=list(sim.running),
-                      kv_free_pages=rnd.randint(0, 4), gdn_free_slots=rnd.randint(0, 4),
+                      kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
                       finished=finished, preempted=preempted, draining=rnd.random() < 0.15,
                       tokens=tokens)
 
@@ -325,38 +374,39 @@ class SchedulerMachine(RuleBasedStateMachine):
         worker_id = worker_report.worker_id
         waiting, running = worker_report.waiting, worker_report.running
         reported = [*waiting, *running]
+        owned = {s for s in reported if owner_before.get(s) == worker_id}
         new = [c for c in decision.prefill if c.spec is not None]
         continuations = [c for c in decision.prefill if c.spec is None]
         prefill_ids = [c.seq_id for c in decision.prefill]
-        # Rules 4-7.
-        assert decision.decode == tuple(s for s in running if owner_before.get(s) == worker_id)
+        # Rules 4-7; every running sequence decodes unless the scheduler preempts it.
+        assert set(decision.preempt) <= owned
+        assert decision.decode == tuple(s for s in running if s in owned
+                                        and s not in decision.preempt)
         assert decision.evict == tuple(s for s in reported if owner_before.get(s) != worker_id)
         assert decision.prefill == (*new, *continuations)
-        assert [c.seq_id for c in continuations] == [
-            s for s in waiting if owner_before.get(s) == worker_id]
         assert len(prefill_ids) == len(set(prefill_ids))
-        assert not set(prefill_ids) & set(decision.decode)
+        assert not set(prefill_ids) & (set(decision.decode) | set(decision.preempt))
         assert not set(decision.evict) & (set(prefill_ids) | set(decision.decode))
         # An honest worker is only ever told to evict what a client cancelled.
         assert all(self.finished.get(s) is FinishReason.CANCELLED for s in decision.evict)
         for seq_id in (*prefill_ids, *decision.decode):
             assert seq_id not in self.finished
+        for seq_id in decision.preempt:
+            self.owner[seq_id] = None
+        event("a decision preempts" if decision.preempt else "no preemption")
+        event("a decision admits" if any(c.spec is not None for c in decision.prefill)
+              else "no admission")
         # Rule 5: continuations pick up at the cursor.
         for chunk in continuations:
-            expected_len = min(CONFIG["chunk_size"],
-                               self.spec_len[chunk.seq_id] - self.cursor[chunk.seq_id])
-            assert (chunk.chunk_start, chunk.chunk_len) == (self.cursor[chunk.seq_id],
-                                                            expected_len)
-            assert chunk.chunk_len >= 1  # an honest worker stops asking once prefilled
+            assert chunk.seq_id in owned and chunk.seq_id in waiting
+            assert chunk.chunk_start == self.cursor[chunk.seq_id]
+            assert 1 <= chunk.chunk_len <= self.spec_len[chunk.seq_id] - chunk.chunk_start
+        if self.policy == "fifo":
+            self.check_fifo_lengths(worker_report, new, continuations, owned)
+        else:
+            self.check_budget(decision, new, continuations)
+        for chunk in continuations:
             self.cursor[chunk.seq_id] += chunk.chunk_len
-        # Rule 3: admissions within budget, and the budget used while anything fits.
-        max_batch_size = WORKERS[worker_id].get("max_batch_size", CONFIG["max_batch_size"])
-        num_active = len(reported)
-        budget = min(max(0, max_batch_size - num_active), worker_report.gdn_free_slots)
-        if worker_report.draining or (
-                worker_report.kv_free_pages < CONFIG["prefill_reserve_pages"] and num_active):
-            budget = 0
-        assert len(new) <= budget
         for chunk in new:
             seq_id = chunk.seq_id
             assert self.owner[seq_id] is None and seq_id not in self.finished
@@ -366,29 +416,64 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert chunk.spec.max_new_tokens == (
                 self.max_new_tokens[seq_id] - len(self.output[seq_id]))
             assert chunk.spec.max_new_tokens >= 1
+            self.owner[seq_id] = worker_id
+            self.spec_len[seq_id] = len(chunk.spec.prompt_token_ids)
+            self.cursor[seq_id] = chunk.chunk_len
+            self.ever_admitted.add(seq_id)
+
+    def check_fifo_lengths(self, worker_report, new, continuations, owned):
+        """fifo: every prefill in progress gets a chunk of chunk_size; admissions take the
+        whole admission budget while anything fits (rule 3)."""
+        worker_id = worker_report.worker_id
+        reported = [*worker_report.waiting, *worker_report.running]
+        assert [c.seq_id for c in continuations] == [
+            s for s in worker_report.waiting if s in owned]
+        for chunk in continuations:
+            assert chunk.chunk_len == min(CONFIG["chunk_size"],
+                                          self.spec_len[chunk.seq_id] - chunk.chunk_start)
+        for chunk in new:
             spec_len = len(chunk.spec.prompt_token_ids)
             assert (chunk.chunk_start, chunk.chunk_len) == (0, min(CONFIG["chunk_size"],
                                                                    spec_len))
-            self.owner[seq_id] = worker_id
-            self.spec_len[seq_id] = spec_len
-            self.cursor[seq_id] = chunk.chunk_len
-            self.ever_admitted.add(seq_id)
+        max_batch_size = WORKERS[worker_id].get("max_batch_size", CONFIG["max_batch_size"])
+        num_active = len(reported)
+        budget = min(max(0, max_batch_size - num_active), worker_report.gdn_free_slots)
+        if worker_report.draining or (
+                worker_report.kv_free_pages < CONFIG["prefill_reserve_pages"] and num_active):
+            budget = 0
+        assert len(new) <= budget
         if len(new) < budget:
             left = [s for s in self.prompt_len
                     if self.owner[s] is None and s not in self.finished
-                    and s not in reported and self.can_run(worker_id, s)]
+                    and s not in reported and self.can_run(worker_id, s)
+                    and s not in [c.seq_id for c in new]]
             assert left == [], f"{left} could have been admitted to {worker_id}"
 
+    def check_budget(self, decision, new, continuations):
+        """budget, fair: the token budget holds; a first chunk takes what is left of it
+        (at most the prompt) and at least min(C, prompt)."""
+        token_budget = BUDGET_CONFIG["max_num_batched_tokens"]
+        used = len(decision.decode) + sum(c.chunk_len for c in continuations)
+        for chunk in new:
+            spec_len = len(chunk.spec.prompt_token_ids)
+            assert chunk.chunk_start == 0
+            assert chunk.chunk_len == min(spec_len, token_budget - used)
+            assert chunk.chunk_len >= min(BUDGET_CONFIG["min_prefill_chunk"], spec_len)
+            used += chunk.chunk_len
+        assert used <= token_budget
+
     def execute(self, sim: SimWorker, decision) -> None:
-        for seq_id in decision.evict:
+        for seq_id in (*decision.evict, *decision.preempt):
             sim.prefill.pop(seq_id, None)
             sim.running.pop(seq_id, None)
+            sim.tokens.pop(seq_id, None)
         for chunk in decision.prefill:
             if chunk.spec is not None:
                 spec = chunk.spec
                 sim.prefill[chunk.seq_id] = Held(
                     spec_len=len(spec.prompt_token_ids), max_new_tokens=spec.max_new_tokens,
-                    first_index=len(spec.prompt_token_ids) - self.prompt_len[chunk.seq_id])
+                    first_index=len(spec.prompt_token_ids) - self.prompt_len[chunk.seq_id],
+                    adapter_id=spec.adapter_id)
             held = sim.prefill[chunk.seq_id]
             assert chunk.chunk_start == held.num_prefilled
             held.num_prefilled += chunk.chunk_len
@@ -397,6 +482,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 sim.generate(chunk.seq_id)  # the first token comes with the last chunk
         for seq_id in decision.decode:
             sim.generate(seq_id)
+        if self.counts_pages:
+            # What the scheduler planned fits in what the worker has.
+            assert sim.pages_used() <= TOTAL_PAGES
+            assert len(sim.held()) <= TOTAL_SLOTS
+            worker_batch = WORKERS[sim.worker_id].get("max_batch_size", CONFIG["max_batch_size"])
+            assert len(sim.held()) <= worker_batch
+            assert len({h.adapter_id for h in sim.held() if h.adapter_id}) <= (
+                BUDGET_CONFIG["max_loras"])
 
     # ------------------------------------------------------------ invariants
 
@@ -452,3 +545,42 @@ SqliteSchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_scheduler_state_machine_on_sqlite = SqliteSchedulerMachine.TestCase
+
+
+class BudgetSchedulerMachine(SchedulerMachine):
+    """The budget policy, with workers that count their pages and slots."""
+
+    policy = "budget"
+
+
+BudgetSchedulerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=80, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_budget_state_machine = BudgetSchedulerMachine.TestCase
+
+
+class FairSchedulerMachine(SchedulerMachine):
+    """The fair policy; its restarts keep the order (arrival, bands, tenant counters)."""
+
+    policy = "fair"
+
+
+FairSchedulerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=80, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_fair_state_machine = FairSchedulerMachine.TestCase
+
+
+class SqliteFairSchedulerMachine(FairSchedulerMachine):
+    """The fair order saved to SQLite and read back."""
+
+    store_kind = "sqlite"
+
+
+SqliteFairSchedulerMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_fair_state_machine_on_sqlite = SqliteFairSchedulerMachine.TestCase

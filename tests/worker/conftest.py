@@ -18,9 +18,13 @@ from worker_client.loop import WorkerLoop
 
 
 def start_scheduler(**config) -> RunningServer:
+    """A scheduler on a free loopback port; its metrics registry is `.registry`."""
     settings = ServeSettings(host="127.0.0.1", port=0, metrics_port=0,
                              scheduler=SchedulerConfig(**config))
-    return start(settings, CollectorRegistry())
+    registry = CollectorRegistry()
+    server = start(settings, registry)
+    server.registry = registry
+    return server
 
 
 @pytest.fixture

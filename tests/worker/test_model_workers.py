@@ -50,13 +50,13 @@ def _prompts(count: int, seed: int, max_len: int) -> list[list[int]]:
 class Stack:
     """An in-process scheduler and worker processes on loopback."""
 
-    def __init__(self, lease_ttl_ms: int = 10_000) -> None:
+    def __init__(self, lease_ttl_ms: int = 10_000, policy: str = "budget") -> None:
         self.registry = CollectorRegistry()
+        config = SchedulerConfig(chunk_size=CHUNK_SIZE, lease_ttl_ms=lease_ttl_ms,
+                                 prefill_reserve_pages=2, policy=policy,
+                                 max_num_batched_tokens=64, min_prefill_chunk=8)
         self.server = start(ServeSettings(host="127.0.0.1", port=0, metrics_port=0,
-                                          scheduler=SchedulerConfig(chunk_size=CHUNK_SIZE,
-                                                                    lease_ttl_ms=lease_ttl_ms,
-                                                                    prefill_reserve_pages=2)),
-                            self.registry)
+                                          scheduler=config), self.registry)
         self.target = f"127.0.0.1:{self.server.port}"
         self.channel = grpc.insecure_channel(self.target)
         self.stub = pb_grpc.SchedulerStub(self.channel)
@@ -151,8 +151,9 @@ def test_sixteen_streams_on_two_model_workers_equal_sequential_generation(refere
         stack.close()
 
 
-def test_small_page_pools_preempt_and_resumed_outputs_are_unchanged(reference_model):
-    stack = Stack()
+@pytest.mark.parametrize("policy", ["fifo", "budget", "fair"])
+def test_small_page_pools_preempt_and_resumed_outputs_are_unchanged(reference_model, policy):
+    stack = Stack(policy=policy)
     try:
         # 24 pages of 4 tokens (96 tokens) per worker for up to 8 sequences of up to 70.
         stack.add_worker("tight-1", kv_pages=24)
@@ -163,6 +164,9 @@ def test_small_page_pools_preempt_and_resumed_outputs_are_unchanged(reference_mo
         preemptions = _sample(stack.registry, "lattice_scheduler_requeues_total",
                               reason="preempted")
         assert preemptions > 0, "the pools were meant to be too small"
+        if policy != "fifo":  # the budget policies see it coming and choose the victims
+            assert _sample(stack.registry, "lattice_scheduler_preemptions_total",
+                           reason="kv_growth") > 0
         for i, prompt in enumerate(prompts):
             assert results[i] == _expected(reference_model, prompt), f"stream {i}"
         _assert_all_free(stack, ["tight-1", "tight-2"])

@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""What the OpenAI gateway costs: the same load as gRPC Generate streams straight to the
+scheduler, and as streamed /v1/completions through the gateway, side by side.
+
+Starts a scheduler, one worker and the gateway on loopback (free ports). The worker is the
+scripted engine by default (no model: the figures are the scheduler's and the gateway's
+own), `--model DIR` runs a real checkpoint instead. Both rows send the very same prompts
+(random token ids, which /v1/completions accepts as a prompt), greedy, with the same stop
+ids, so both generate the same tokens; the HTTP row adds tokenizing nothing, detokenizing
+every token, JSON and server-sent events.
+
+    python scripts/bench_gateway.py                         # 64 requests, 16 at a time
+    python scripts/bench_gateway.py --requests 200 --concurrency 32 --max-new-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+from service.gateway.demo_model import build_tokenizer, write_tokenizer_files
+from service.loadgen import percentile
+
+ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"
+STOP_TOKEN_ID = 1  # the demo tokenizer's EOS, which the gateway always adds
+
+
+@dataclass
+class Row:
+    name: str
+    wall_seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--min-prompt-len", type=int, default=8)
+    parser.add_argument("--max-prompt-len", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--model", default="scripted",
+                        help="the worker's --model; a checkpoint dir also gives the gateway "
+                             "its tokenizer (default: scripted, with the demo tokenizer)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(args.min_prompt_len,
+                                                                 args.max_prompt_len))]
+               for _ in range(args.requests)]
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        model_dir = Path(args.model) if args.model != "scripted" else workdir / "tokenizer"
+        if args.model == "scripted":
+            write_tokenizer_files(model_dir, build_tokenizer(512))
+        procs = []
+        try:
+            port = _free_port()
+            target = f"{LOOPBACK}:{port}"
+            procs.append(_spawn(workdir, "scheduler", [
+                "-m", "service", "serve", "--host", LOOPBACK, "--port", str(port),
+                "--metrics-port", "0"], "listening on"))
+            procs.append(_spawn(workdir, "worker", [
+                "-m", "worker_client", "--scheduler", target, "--worker-id", "bench-worker",
+                "--model", args.model, "--device", "cpu"], None))
+            gateway = _spawn(workdir, "gateway", [
+                "-m", "service", "gateway", "--target", target, "--model", str(model_dir),
+                "--host", LOOPBACK, "--port", "0"], "gateway listening on")
+            procs.append(gateway)
+            base_url = re.search(r"(http://\S+)", gateway.log_text()).group(1)
+            stub = pb_grpc.SchedulerStub(grpc.insecure_channel(target))
+            _wait(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers,
+                  "the worker to register")
+            print(f"{args.requests} requests, {args.concurrency} at a time, prompts "
+                  f"{args.min_prompt_len}-{args.max_prompt_len} tokens, {args.max_new_tokens} "
+                  f"new tokens, worker --model {args.model}", flush=True)
+            rows = []
+            for name, one in (("gRPC Generate", _grpc_one(stub, args.max_new_tokens)),
+                              ("HTTP /v1/completions", _http_one(base_url, model_dir.name,
+                                                                 args.max_new_tokens))):
+                one(prompts[0], Row("warm-up"))
+                rows.append(_run(name, one, prompts, args.concurrency))
+            _print(rows)
+            return 0 if not any(r.errors for r in rows) else 1
+        finally:
+            for proc in reversed(procs):
+                proc.stop()
+
+
+def _grpc_one(stub, max_new_tokens: int) -> Callable[[list[int], Row], None]:
+    def one(prompt: list[int], row: Row) -> None:
+        started = time.perf_counter()
+        first = None
+        request = pb.SubmitRequest(prompt_token_ids=prompt, max_new_tokens=max_new_tokens,
+                                   stop_token_ids=[STOP_TOKEN_ID])
+        try:
+            for event in stub.Generate(request, timeout=300):
+                if event.token_ids and first is None:
+                    first = time.perf_counter() - started
+                row.num_tokens += len(event.token_ids)
+        except grpc.RpcError as err:
+            row.errors.append(f"{err.code().name}: {err.details()}")
+            return
+        row.ttft.append(first or 0.0)
+        row.e2e.append(time.perf_counter() - started)
+    return one
+
+
+def _http_one(base_url: str, model: str, max_new_tokens: int) -> Callable[[list[int], Row], None]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                           timeout=300)
+
+    def one(prompt: list[int], row: Row) -> None:
+        started = time.perf_counter()
+        first = None
+        try:
+            for chunk in client.completions.create(
+                    model=model, prompt=prompt, max_tokens=max_new_tokens, temperature=0,
+                    stream=True, stream_options={"include_usage": True}):
+                if chunk.choices and chunk.choices[0].text and first is None:
+                    first = time.perf_counter() - started
+                if chunk.usage is not None:
+                    row.num_tokens += chunk.usage.completion_tokens
+        except openai.APIError as err:
+            row.errors.append(f"{type(err).__name__}: {err}")
+            return
+        row.ttft.append(first or 0.0)
+        row.e2e.append(time.perf_counter() - started)
+    return one
+
+
+def _run(name: str, one, prompts: list[list[int]], concurrency: int) -> Row:
+    row = Row(name)
+    indices = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                index = next(indices, None)
+            if index is None:
+                return
+            one(prompts[index], row)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    row.wall_seconds = time.perf_counter() - started
+    return row
+
+
+def _print(rows: list[Row]) -> None:
+    print(f"{'path':<22} {'tokens':>7} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'e2e p50':>9} {'e2e p99':>9} {'errors':>6}")
+    for row in rows:
+        ttft, e2e = sorted(row.ttft), sorted(row.e2e)
+        print(f"{row.name:<22} {row.num_tokens:>7} {row.num_tokens / row.wall_seconds:>9.0f} "
+              f"{_ms(ttft, 50):>9} {_ms(ttft, 99):>9} {_ms(e2e, 50):>9} {_ms(e2e, 99):>9} "
+              f"{len(row.errors):>6}")
+    for row in rows:
+        for error in sorted(set(row.errors))[:3]:
+            print(f"{row.name}: {error}")
+
+
+def _ms(values: list[float], pct: float) -> str:
+    return f"{percentile(values, pct) * 1000:.0f} ms" if values else "-"
+
+
+@dataclass
+class _Proc:
+    popen: subprocess.Popen
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+
+
+def _spawn(workdir: Path, name: str, argv: list[str], ready: str | None) -> _Proc:
+    log = workdir / f"{name}.log"
+    with log.open("w") as out:
+        popen = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=out,
+                                 stderr=subprocess.STDOUT)
+    proc = _Proc(popen, log)
+    if ready is not None:
+        _wait(lambda: ready in proc.log_text() or popen.poll() is not None, f"{name} to start")
+        if popen.poll() is not None:
+            raise SystemExit(f"{name} exited: {proc.log_text()[-2000:]}")
+    return proc
+
+
+def _wait(probe, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"waited {timeout:.0f} s for {what}")
+        time.sleep(0.1)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

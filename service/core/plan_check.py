@@ -1,0 +1,67 @@
+"""The mechanism's check of a policy's plan, before the batcher applies it.
+
+Invariants every plan keeps, whatever the policy:
+- contract rule 7: no id twice in the plan;
+- every running sequence decodes, in the order reported, unless preempted;
+- continuations are for the worker's prefills in progress and stay inside the prompt;
+  admissions are queued candidates this worker can run, each with 1..prompt tokens;
+- the policy's own limits (`Policy.budget`): batch capacity, GDN slots, token budget,
+  KV pages, the decision's size, the LoRA limit. A plan may overdraw the pages only
+  when it runs a lone prefill and nothing else (the empty-batch rule: the worker
+  preempts or fails it).
+A broken invariant is a bug in the policy: PlanError, and nothing is applied.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from service.core.plan import DecisionView, Plan, PlanError, SequenceView
+from service.core.step_budget import StepBudget, decode_pages, held_pages
+
+
+def check_plan(view: DecisionView, plan: Plan, budget: StepBudget,
+               candidate: Callable[[int], SequenceView | None], policy_name: str) -> None:
+    """Raise PlanError if `plan` breaks an invariant; `budget` is a fresh one from the
+    policy; `candidate(seq_id)` is the queued sequence if the worker may be given it."""
+    running = {seq.seq_id: seq for seq in view.running}
+    waiting = {seq.seq_id: seq for seq in view.waiting}
+    seen: set[int] = set()
+
+    def once(seq_id: int, where: str) -> None:
+        if seq_id in seen:
+            raise PlanError(f"policy {policy_name}: seq_id {seq_id} twice in the plan ({where})")
+        seen.add(seq_id)
+
+    for seq_id in plan.preempt:
+        once(seq_id, "preempt")
+        if seq_id not in running and seq_id not in waiting:
+            raise PlanError(f"policy {policy_name}: preempts seq_id {seq_id}, which the "
+                            "worker does not hold")
+        budget.give_back(held_pages(running.get(seq_id) or waiting[seq_id], budget.page_size,
+                                    running=seq_id in running))
+    expected = tuple(seq_id for seq_id in running if seq_id not in plan.preempt)
+    if plan.decode != expected:
+        raise PlanError(f"policy {policy_name}: decode must list every running sequence not "
+                        "preempted, in the order reported")
+    for seq_id in plan.decode:
+        once(seq_id, "decode")
+        budget.take_decode(decode_pages(running[seq_id], budget.page_size))
+    for chunk in plan.continuations:
+        once(chunk.seq_id, "continuations")
+        seq = waiting.get(chunk.seq_id)
+        if seq is None or not 0 <= chunk.length <= seq.spec_prompt_len() - seq.cursor:
+            raise PlanError(f"policy {policy_name}: continuation {chunk} is not the next "
+                            "part of a prefill the worker holds")
+        budget.take_chunk(seq.cursor, chunk.length)
+    for chunk in plan.admissions:
+        once(chunk.seq_id, "admissions")
+        seq = candidate(chunk.seq_id)
+        if seq is None or not 1 <= chunk.length <= seq.resume_len():
+            raise PlanError(f"policy {policy_name}: admission {chunk} is not a queued "
+                            "sequence this worker can run, or its length is out of range")
+        budget.take_admission(seq, chunk.length)
+    lone_prefill = (not plan.decode and not plan.admissions and len(plan.continuations) == 1
+                    and view.num_active == 1)
+    problem = budget.overdrawn(pages_may_overdraw=lone_prefill)
+    if problem is not None:
+        raise PlanError(f"policy {policy_name}: the plan takes {problem}")

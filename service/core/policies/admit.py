@@ -1,0 +1,59 @@
+"""Admissions from the queue, in the policy's order: the loop every policy shares."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from service.core.plan import BlockReason, Chunk, DecisionView, SequenceView
+from service.core.step_budget import StepBudget
+
+# Candidates one decision may pass over (adapter limits, too big for what is left)
+# before it stops looking: a decision costs O(admissions + this), never O(queue).
+MAX_SKIPPED = 256
+
+# The first chunk's length for a candidate, given what is left; None: it does not fit.
+FirstChunk = Callable[[SequenceView, StepBudget], "int | None"]
+
+
+def admit(view: DecisionView, budget: StepBudget,
+          first_chunk: FirstChunk) -> tuple[tuple[Chunk, ...], BlockReason | None]:
+    """Admit candidates in queue order while the budget lasts. A candidate that does
+    not fit is skipped, not waited for: later ones that fit go ahead of it. Returns the
+    admissions and what stopped them (None: the queue ran out first, nothing skipped;
+    the caller reports a reason only while sequences are still queued)."""
+    admissions: list[Chunk] = []
+    blocked = _stop_reason(budget)
+    if blocked is not None:
+        return (), blocked  # without ordering the queue (a full batch is the common case)
+    num_skipped = 0
+    for seq in view.queue():
+        stop = _stop_reason(budget)
+        if stop is not None:
+            blocked = stop
+            break
+        if budget.fits_adapter(seq.adapter_id):
+            length = first_chunk(seq, budget)
+            reason = (BlockReason.TOKEN_BUDGET if length is None
+                      else budget.admission_blocker(seq, length))
+            if reason is None:
+                budget.take_admission(seq, length)
+                view.service.charge(seq.tenant, length)
+                admissions.append(Chunk(seq.seq_id, length))
+                continue
+            blocked = reason
+        num_skipped += 1
+        if num_skipped >= MAX_SKIPPED:
+            break
+    return tuple(admissions), blocked
+
+
+def _stop_reason(budget: StepBudget) -> BlockReason | None:
+    """Why nothing more can be admitted, whatever the candidate; None if something can."""
+    if budget.new_seqs <= 0:
+        return budget.new_seqs_reason
+    if budget.gdn_slots <= 0:
+        return BlockReason.GDN_SLOTS
+    if budget.tokens is not None and budget.tokens <= 0:
+        return BlockReason.TOKEN_BUDGET
+    if budget.kv_pages is not None and budget.kv_pages <= 0:
+        return BlockReason.KV_RESERVE
+    return None

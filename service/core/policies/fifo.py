@@ -1,0 +1,57 @@
+"""The seed's FifoScheduler (ADR-048 phase 1), contract rules 2-7."""
+from __future__ import annotations
+
+from service.core.config import SchedulerConfig
+from service.core.plan import BlockReason, Chunk, DecisionView, Plan, SequenceView
+from service.core.policies.admit import admit
+from service.core.queue import AdmissionQueue, FcfsQueue
+from service.core.step_budget import StepBudget
+
+
+class FifoPolicy:
+    """- capacity = max_batch_size - active, never below 0;
+    - each new sequence needs one free GDN slot;
+    - the free-page reserve guard blocks admissions unless the batch is empty;
+    - prompts go out in chunks of at most chunk_size; every running sequence decodes.
+    No token budget and no page accounting: the worker preempts on its own."""
+
+    name = "fifo"
+    uses_tenant_service = False
+    token_budget = None
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self._chunk_size = config.chunk_size
+        self._prefill_reserve_pages = config.prefill_reserve_pages
+        self._max_loras = config.max_loras
+
+    def new_queue(self) -> AdmissionQueue:
+        return FcfsQueue()
+
+    def budget(self, view: DecisionView) -> StepBudget:
+        capacity = max(0, view.max_batch_size - view.num_active)
+        if view.draining:
+            new_seqs, reason = 0, BlockReason.DRAINING
+        elif capacity and view.kv_free_pages < self._prefill_reserve_pages and view.num_active:
+            # The reserve guard: never starve an empty batch, whatever the page count.
+            new_seqs, reason = 0, BlockReason.KV_RESERVE
+        else:
+            new_seqs, reason = capacity, BlockReason.BATCH_FULL
+        return StepBudget(new_seqs=new_seqs, new_seqs_reason=reason,
+                          gdn_slots=view.gdn_free_slots, decision_bytes=view.decision_bytes,
+                          page_size=view.page_size, max_loras=self._max_loras,
+                          adapters=set(view.adapters_in_use))
+
+    def plan(self, view: DecisionView) -> Plan:
+        admissions, blocked = admit(view, self.budget(view), self._first_chunk)
+        return Plan(
+            decode=tuple(seq.seq_id for seq in view.running),
+            continuations=tuple(
+                Chunk(seq.seq_id, max(0, min(self._chunk_size,
+                                             seq.spec_prompt_len() - seq.cursor)))
+                for seq in view.waiting),
+            admissions=admissions,
+            blocked=blocked,
+        )
+
+    def _first_chunk(self, seq: SequenceView, budget: StepBudget) -> int:
+        return min(self._chunk_size, seq.resume_len())

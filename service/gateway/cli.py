@@ -1,0 +1,89 @@
+"""`lattice-scheduler gateway`: its flags, and the process around `server.run`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+DESCRIPTION = """\
+An OpenAI-compatible HTTP server (POST /v1/completions, /v1/chat/completions, streaming
+or not; GET /v1/models, /health, /metrics) in front of the scheduler. It tokenizes with
+the checkpoint's tokenizer.json and chat template, submits over gRPC like any client, and
+streams the text back. An Idempotency-Key (or X-Request-Id) header makes retries attach
+to the same sequence; a client that disconnects cancels its sequence.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=os.environ.get("LATTICE_SCHEDULER_TARGET",
+                                                           "127.0.0.1:50051"),
+                        help="scheduler address HOST:PORT (env LATTICE_SCHEDULER_TARGET)")
+    parser.add_argument("--model", required=True, type=Path, metavar="DIR",
+                        help="the checkpoint directory the workers serve (tokenizer.json, "
+                             "tokenizer_config.json, config.json; weights are not read)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: a free one, printed)")
+    parser.add_argument("--served-model-name", default="",
+                        help="the model name clients send (default: the directory's name)")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="prompt + completion tokens at most; set it to the scheduler's "
+                             "--max-seq-len (default: min(max_position_embeddings, 4096))")
+    parser.add_argument("--reattach-grace-seconds", type=float, default=30.0,
+                        help="how long a sequence with an Idempotency-Key runs on after its "
+                             "client left, for a retry to re-attach (0: cancel at once)")
+    parser.add_argument("--reconnect-seconds", type=float, default=30.0,
+                        help="how long a stream with an Idempotency-Key waits for a scheduler "
+                             "that went away (a restart) to re-attach it (0: fail at once)")
+    parser.add_argument("--grace-seconds", type=float, default=10.0,
+                        help="on SIGTERM, how long answers in flight may take to finish")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--log-format", default="text", choices=("text", "json"))
+    from service.credentials import add_client_arguments
+    add_client_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from service import logs
+    from service.core import ConfigError
+    from service.credentials import client_args_credentials
+    from service.gateway.server import GatewaySettings, run
+
+    logs.configure(args.log_format, args.log_level)
+    logging.getLogger().handlers[0].addFilter(_drop_uvicorn_colours)
+    for flag, value in (("--reattach-grace-seconds", args.reattach_grace_seconds),
+                        ("--reconnect-seconds", args.reconnect_seconds),
+                        ("--grace-seconds", args.grace_seconds)):
+        if value < 0:
+            print(f"lattice-scheduler gateway: {flag} must not be negative (got {value:g})",
+                  file=sys.stderr)
+            return 2
+    if not 0 <= args.port <= 65535:
+        print(f"lattice-scheduler gateway: --port must be 0-65535 (got {args.port})",
+              file=sys.stderr)
+        return 2
+    try:
+        settings = GatewaySettings(
+            target=args.target, model_dir=args.model, host=args.host, port=args.port,
+            served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+            reattach_grace_seconds=args.reattach_grace_seconds,
+            reconnect_seconds=args.reconnect_seconds, grace_seconds=args.grace_seconds,
+            credentials=client_args_credentials(args), token=args.token)
+        run(settings)
+    except ConfigError as err:
+        print(f"lattice-scheduler gateway: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"lattice-scheduler gateway: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def _drop_uvicorn_colours(record: logging.LogRecord) -> bool:
+    """uvicorn adds a terminal-coloured copy of some messages; the log has the plain one."""
+    record.__dict__.pop("color_message", None)
+    return True

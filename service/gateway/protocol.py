@@ -1,0 +1,154 @@
+"""The OpenAI request bodies the gateway accepts (pydantic), and their checks.
+
+Unknown fields are ignored, as OpenAI-compatible servers do; known fields that the gateway
+cannot honour (n > 1, logprobs, tools, echo, penalties, ...) get a 400 that names them.
+Extensions: `top_k`, `priority`, `stop_token_ids`, `chat_template_kwargs`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.gateway.errors import bad_request
+
+MAX_STOP_STRINGS = 16
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # extension; -1 or 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    # Nullable where clients send null for "the default".
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # becomes the scheduler's tenant
+    priority: int | None = Field(default=0, ge=INT32_MIN, le=INT32_MAX)  # extension; lower = sooner
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise bad_request(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS}",
+                              "stop")
+        return tuple(s for s in stop if s)
+
+    def check_supported(self) -> None:
+        """400 for a known parameter that the gateway would otherwise silently ignore."""
+        if self.n not in (None, 1):
+            raise bad_request(f"n={self.n} is not supported: this server returns one choice "
+                              f"per request (n=1); send n requests instead", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported (only 0)", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if any(t < 0 for t in self.stop_token_ids or ()):
+            raise bad_request("stop_token_ids must be token ids (>= 0)", "stop_token_ids")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name, value in (("echo", self.echo), ("logprobs", self.logprobs),
+                            ("suffix", self.suffix)):
+            if value:
+                raise bad_request(f"{name} is not supported", name)
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of is not supported (only 1)", "best_of")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: a string or token ids; 400 for a batch of several."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request(f"prompt holds {len(prompt)} prompts; this server takes one "
+                                  f"per request", "prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        return prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content as one string."""
+        message = self.model_dump(exclude_none=True)
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"a {self.role} message holds a content part of type "
+                                      f"{part.get('type')!r}; only text parts are supported",
+                                      "messages")
+                texts.append(part["text"])
+            message["content"] = "".join(texts)
+        elif content is None:
+            message["content"] = ""
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension, e.g. enable_thinking
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise bad_request("logprobs are not supported", "logprobs")
+        if self.tools:
+            raise bad_request("tools are not supported by this server", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported (only \"none\")", "tool_choice")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise bad_request("response_format is not supported (only {\"type\": \"text\"})",
+                              "response_format")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+

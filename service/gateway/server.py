@@ -1,0 +1,115 @@
+"""The gateway process: settings, the scheduler link, uvicorn on one socket, shutdown.
+
+SIGTERM/SIGINT (uvicorn's handlers): stop accepting, let answers in flight finish for up
+to `grace_seconds`, then cancel the rest (their sequences are cancelled with them).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from service.core import ConfigError
+from service.gateway.generations import Generations
+from service.gateway.metrics import GatewayMetrics
+from service.gateway.model_files import DEFAULT_MAX_MODEL_LEN, ModelFiles
+from service.gateway.scheduler_link import SchedulerLink
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    target: str  # the scheduler, HOST:PORT
+    model_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port (printed)
+    served_model_name: str = ""  # "" = the model directory's name
+    max_model_len: int = 0  # 0 = min(config.json max_position_embeddings, 4096)
+    reattach_grace_seconds: float = 30.0
+    reconnect_seconds: float = 30.0  # keyed streams re-attach after a scheduler restart
+    grace_seconds: float = 10.0
+    credentials: grpc.ChannelCredentials | None = None
+    token: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_dir.resolve().name
+
+
+def resolve_max_model_len(settings: GatewaySettings, files: ModelFiles) -> int:
+    if settings.max_model_len < 0:
+        raise ConfigError(f"--max-model-len must be at least 1 (got {settings.max_model_len})")
+    if settings.max_model_len:
+        return settings.max_model_len
+    return min(files.max_position_embeddings or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (bound before uvicorn starts, so that port 0 can be printed)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    return sock
+
+
+async def serve(settings: GatewaySettings, files: ModelFiles,
+                on_listening: Callable[[str], None] = print) -> None:
+    """Run until SIGTERM/SIGINT. `files` is read before, so a bad model dir fails fast."""
+    import uvicorn
+
+    from service.gateway.app import Gateway, create_app
+
+    max_model_len = resolve_max_model_len(settings, files)
+    sock = bind(settings.host, settings.port)
+    link = SchedulerLink(settings.target, settings.credentials, settings.token)
+    registry = CollectorRegistry()
+    gateway = Gateway(files=files, served_model_name=settings.model_name,
+                      max_model_len=max_model_len, link=link,
+                      generations=Generations(link, settings.reattach_grace_seconds,
+                                              settings.reconnect_seconds),
+                      metrics=GatewayMetrics(registry), registry=registry,
+                      started_at=int(time.time()))
+    app = create_app(gateway)
+    port = sock.getsockname()[1]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        on_listening(f"lattice-scheduler gateway listening on http://{settings.host}:{port} "
+                     f"(model {gateway.served_model_name!r}, scheduler {settings.target})")
+        problem = await link.check_health()
+        if problem is not None:
+            log.warning("the scheduler is not serving yet; requests get 503 until it is: %s",
+                        problem)
+        yield
+
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=settings.grace_seconds)
+    try:
+        await uvicorn.Server(config).serve(sockets=[sock])
+    finally:
+        await link.close()
+        sock.close()
+
+
+def run(settings: GatewaySettings) -> None:
+    files = ModelFiles(settings.model_dir)
+    # uvicorn handles SIGTERM while it serves (graceful shutdown), then raises the signal
+    # again once it has stopped; absorbing that second one lets the process exit 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    asyncio.run(serve(settings, files, on_listening=lambda line: print(line, flush=True)))
