@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 import sys
@@ -72,11 +73,9 @@ def _rpc_error(err: grpc.RpcError) -> CommandError:
 
 
 def _request(args: argparse.Namespace, rng: random.Random, index: int = 0) -> pb.SubmitRequest:
+    """The SubmitRequest of args (their values were checked as they were parsed)."""
     if args.prompt_ids:
-        try:
-            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise CommandError("--prompt-ids must be comma-separated integers") from None
+        prompt = list(args.prompt_ids)
     else:
         prompt = [rng.randrange(1, RANDOM_TOKEN_ID_LIMIT) for _ in range(args.prompt_len)]
     request_id = f"{args.request_id}-{index}" if args.request_id and index else args.request_id
@@ -110,7 +109,8 @@ def generate(args: argparse.Namespace) -> int:
             print(" ".join(map(str, event.token_ids)), flush=True)
         if event.finished:
             reason = pb.FinishReason.Name(event.finish_reason)
-            print(f"finished: {reason} after {len(tokens)} tokens", flush=True)
+            why = f": {event.error_message}" if event.error_message else ""
+            print(f"finished: {reason} after {len(tokens)} tokens{why}", flush=True)
     return 0
 
 
@@ -132,7 +132,9 @@ def status(args: argparse.Namespace) -> int:
                   f"worker={info.worker_id or '-'} prompt_len={info.prompt_len} "
                   f"prefilled={info.prefilled_tokens} generated={info.generated_tokens} "
                   f"queue_position={info.queue_position} "
-                  f"finish_reason={pb.FinishReason.Name(info.finish_reason)}")
+                  f"finish_reason={pb.FinishReason.Name(info.finish_reason)}"
+                  + (f" error={json.dumps(info.error_message)}" if info.error_message
+                     else ""))
         return 0
     st = stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout)
     print(f"policy={st.policy} queue_depth={st.queue_depth} assigned={st.num_assigned} "
@@ -141,7 +143,7 @@ def status(args: argparse.Namespace) -> int:
         print(f"  worker={w.worker_id} assigned={w.num_assigned} "
               f"kv_free={w.kv_free_pages}/{w.total_kv_pages} "
               f"gdn_free={w.gdn_free_slots}/{w.total_gdn_slots} iteration={w.iteration} "
-              f"draining={str(w.draining).lower()} "
+              f"draining={str(w.draining).lower()} incarnation={w.incarnation} "
               f"last_call={w.seconds_since_last_call:.1f}s ago")
     return 0
 
@@ -157,11 +159,6 @@ def drain(args: argparse.Namespace) -> int:
 
 def load(args: argparse.Namespace) -> int:
     from service.loadgen import LoadSpec, run_load
-    for name in ("requests", "concurrency", "min_prompt_len", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            raise CommandError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_prompt_len < args.min_prompt_len:
-        raise CommandError("--max-prompt-len must be at least --min-prompt-len")
     channel = _channel(args)  # fail fast, with a clear message, when nothing answers
     spec = LoadSpec(num_requests=args.requests, concurrency=args.concurrency,
                     min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,

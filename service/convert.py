@@ -10,7 +10,6 @@ from service.core import (
 )
 
 _FINISH_REASON_NUMBERS = {r.value for r in FinishReason}
-_UINT32_MAX = 2**32 - 1
 
 # Wire-level limits on what one message may carry, on top of the gRPC message size
 # (--max-message-bytes) and the core's own limits (max_seq_len, max_queue). Each is far
@@ -26,6 +25,9 @@ MAX_ADAPTERS = 1024
 MAX_REPORT_SEQ_IDS = 65536
 # One SelectBatch: entries of tokens, and token ids over all of them.
 MAX_REPORT_TOKENS = 65536
+# FinishedSequence.error_message: kept up to this many characters (cut, not refused: a
+# worker's long explanation must not cost it its report).
+MAX_ERROR_MESSAGE_CHARS = 1000
 
 
 def _checked_string(field_name: str, value: str) -> str:
@@ -72,11 +74,10 @@ def sequence_info(info: SequenceInfo) -> pb.SequenceInfo:
         worker_id=info.worker_id,
         prompt_len=info.prompt_len,
         prefilled_tokens=info.prefilled_tokens,
-        # Saturated: a worker's finish report may count up to 2**32-1 tokens on top of
-        # those kept from an earlier assignment.
-        generated_tokens=min(info.generated_tokens, _UINT32_MAX),
+        generated_tokens=info.generated_tokens,  # the core caps it at max_new_tokens
         finish_reason=info.finish_reason.value if info.finish_reason else 0,
         queue_position=info.queue_position,
+        error_message=info.error_message,
     )
 
 
@@ -98,6 +99,7 @@ def worker_settings(settings: WorkerSettings) -> pb.RegisterWorkerResponse:
         max_batch_size=settings.max_batch_size,
         prefill_reserve_pages=settings.prefill_reserve_pages,
         lease_ttl_ms=settings.lease_ttl_ms,
+        incarnation=settings.incarnation,
     )
 
 
@@ -110,7 +112,8 @@ def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
         kv_free_pages=msg.kv_free_pages,
         gdn_free_slots=msg.gdn_free_slots,
         finished=tuple(
-            FinishedSequence(f.seq_id, _finish_reason(f.reason, i), f.generated_tokens)
+            FinishedSequence(f.seq_id, _finish_reason(f.reason, i), f.generated_tokens,
+                             _error_message(f.error_message))
             for i, f in enumerate(msg.finished)
         ),
         preempted=tuple(msg.preempted),
@@ -119,6 +122,7 @@ def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
             TokenUpdate(t.seq_id, tuple(t.token_ids), t.offset if t.HasField("offset") else None)
             for t in msg.tokens
         ),
+        incarnation=msg.incarnation,
     )
 
 
@@ -129,6 +133,12 @@ def _check_report_size(msg: pb.SelectBatchRequest) -> None:
     _check_count("tokens holds", len(msg.tokens), "updates", MAX_REPORT_TOKENS)
     _check_count("tokens carry", sum(len(t.token_ids) for t in msg.tokens),
                  "token ids in all", MAX_REPORT_TOKENS)
+
+
+def _error_message(text: str) -> str:
+    if len(text) <= MAX_ERROR_MESSAGE_CHARS:
+        return text
+    return text[:MAX_ERROR_MESSAGE_CHARS - 20] + f"... ({len(text)} chars)"
 
 
 def _finish_reason(number: int, index: int) -> FinishReason:
@@ -182,6 +192,7 @@ def status(st: SchedulerStatus) -> pb.StatusResponse:
                 total_kv_pages=w.total_kv_pages, total_gdn_slots=w.total_gdn_slots,
                 iteration=w.iteration, draining=w.draining,
                 seconds_since_last_call=w.seconds_since_last_call,
+                incarnation=w.incarnation,
             )
             for w in st.workers
         ],
@@ -189,8 +200,9 @@ def status(st: SchedulerStatus) -> pb.StatusResponse:
 
 
 def generate_event(seq_id: int, token_ids=(), finish_reason: FinishReason | None = None,
-                   finished: bool = False) -> pb.GenerateEvent:
+                   finished: bool = False, error_message: str = "") -> pb.GenerateEvent:
     return pb.GenerateEvent(
         seq_id=seq_id, token_ids=token_ids, finished=finished,
         finish_reason=finish_reason.value if finish_reason else 0,
+        error_message=error_message,
     )

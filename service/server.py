@@ -13,9 +13,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
-from service import auth, credentials, decode_errors
+from service import auth, credentials, decode_errors, ports
 from service.core import ConfigError, Scheduler
 from service.core.store import StoreError
 from service.metrics import SchedulerMetrics
@@ -66,6 +66,8 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     interceptors = [decode_errors.DecodeErrorInterceptor()]
     if settings.auth_tokens:
         interceptors.append(auth.AuthInterceptor(auth.load_tokens(settings.auth_tokens)))
+    ports.check_free("port", settings.host, settings.port)  # before the state loads
+    ports.check_free("metrics_port", settings.host, settings.metrics_port)
     _warn_if_exposed(settings)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = SchedulerMetrics(registry, named_tenants=(
@@ -123,9 +125,9 @@ def _start(settings: ServeSettings, registry: CollectorRegistry, metrics: Schedu
     except RuntimeError:
         port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {address}: address in use or not available")
-    metrics_http, _ = start_http_server(settings.metrics_port, addr=settings.host,
-                                        registry=registry)
+        raise ConfigError(f"cannot listen on {address} (--host, --port): address in use or "
+                          "not available")
+    metrics_http = ports.start_metrics_http(settings.host, settings.metrics_port, registry)
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -79,7 +79,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     @_unary
     def RegisterWorker(self, request, context):
         settings = self.call(self._core.register_worker, convert.worker_registration(request))
-        log.info("worker registered", extra={"worker_id": request.worker_id})
+        log.info("worker registered", extra={"worker_id": request.worker_id,
+                                             "incarnation": settings.incarnation})
         return convert.worker_settings(settings)
 
     @_unary
@@ -93,7 +94,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     @_unary
     def DeregisterWorker(self, request, context):
-        requeued = self.call(self._core.deregister_worker, convert.worker_id(request))
+        requeued = self.call(self._core.deregister_worker, convert.worker_id(request),
+                             request.incarnation)
         log.info("worker deregistered", extra={"worker_id": request.worker_id,
                                                "requeued": requeued})
         return pb.DeregisterWorkerResponse(requeued=requeued)
@@ -130,7 +132,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             if view.token_ids or view.finished:
                 sent += len(view.token_ids)
                 yield convert.generate_event(seq_id, view.token_ids, view.finish_reason,
-                                             view.finished)
+                                             view.finished, view.error_message)
             if view.finished:
                 return
 

@@ -92,6 +92,8 @@ _HELP = {
     "max_message_bytes": "largest incoming gRPC message in bytes; a larger one gets "
                          "RESOURCE_EXHAUSTED",
     "max_batch_size": "most sequences per worker, when a worker registers with 0",
+    "max_worker_batch_size": "the most sequences a worker may ask for at registration; a "
+                             "larger max_batch_size is cut to this (the answer says so)",
     "chunk_size": "most prompt tokens per prefill chunk",
     "prefill_reserve_pages": "free KV pages below which a non-empty batch admits nothing",
     "max_seq_len": "limit on prompt_len + max_new_tokens",

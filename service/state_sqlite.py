@@ -18,6 +18,12 @@ A row per sequence per call would cost an index update each; instead each save a
 one `token_log` row holding every append of that call. When a sequence finishes, its
 whole output goes to `outputs` in one row, and a log row is deleted once no unfinished
 sequence has tokens in it. A restart reads `outputs`, then replays the log.
+
+Integrity (service/state_integrity.py): every row carries a checksum over its columns,
+verified at start with everything else a restart reads; a file that fails, cannot be
+decoded, or has gone missing where the directory says state was written is refused with
+StateDamaged (one line: the file, what is wrong, how to recover). Columns added to
+_SCHEMA later are added to older files at start, and covered by the checksums unasked.
 """
 from __future__ import annotations
 
@@ -28,13 +34,17 @@ import sqlite3
 import sys
 import time
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from service import state_integrity
 from service.core import ConfigError, FinishReason, SequenceState, SubmitParams
 from service.core.store import (
     SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker, StoreError,
 )
 from service.core.types import SamplingParams, WorkerRegistration
+from service.state_integrity import damaged
 
 FSYNC_MODES = ("acks", "always", "never")
 DB_NAME = "scheduler.db"
@@ -58,6 +68,7 @@ CREATE TABLE IF NOT EXISTS sequences (
     num_generated_at_admission INTEGER NOT NULL,
     finish_reason    INTEGER,      -- FinishReason, NULL until finished
     finish_order     INTEGER NOT NULL DEFAULT 0, -- 1, 2, ... as they finished
+    error_message    TEXT NOT NULL DEFAULT '',   -- why it failed, for FAILED
     submitted_at     REAL NOT NULL DEFAULT 0,    -- wall-clock seconds of first submission
     admission_order  INTEGER NOT NULL DEFAULT 0  -- 1, 2, ... as they were admitted
 );
@@ -76,7 +87,8 @@ CREATE TABLE IF NOT EXISTS tenant_service (
 CREATE TABLE IF NOT EXISTS workers (
     worker_id    TEXT PRIMARY KEY,
     registration TEXT NOT NULL,    -- JSON of RegisterWorkerRequest's fields
-    drain_requested INTEGER NOT NULL DEFAULT 0  -- an operator's DrainWorker
+    drain_requested INTEGER NOT NULL DEFAULT 0, -- an operator's DrainWorker
+    incarnation  INTEGER NOT NULL DEFAULT 0     -- RegisterWorkerResponse.incarnation
 );
 """
 
@@ -102,52 +114,109 @@ class SqliteStateStore:
         self._row_users: dict[int, int] = {}
         self.path = self.directory / DB_NAME
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None,
-                                       check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db = self._open()
+        except BaseException:
+            self._lock_file.close()
+            raise
+
+    def _open(self) -> sqlite3.Connection:
+        """Connect, verify what is there, then bring the schema and its checksums up to date."""
+        state_integrity.check_file_against_marker(self.path)
+        db = None
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db = db
+            state_integrity.connect_function(db)
+            db.execute("PRAGMA journal_mode=WAL")
             self._synchronous = ""
             self._set_synchronous("NORMAL")
-            self._db.executescript(_SCHEMA)
+            state_integrity.check_tables_against_marker(
+                self.path, state_integrity.data_tables(db), required="meta")
+            self.num_rows_verified = state_integrity.verify(db, self.path)
+            db.executescript(_SCHEMA)
+            # Sealed before the migrations, so that what they write is checksummed, and
+            # after, so that the columns they add are covered.
+            self._seal()
             self._check_version()
+            db.execute("BEGIN IMMEDIATE")
+            _add_missing_columns(db)
+            db.execute("COMMIT")
+            self._seal()
+            state_integrity.write_marker(self.path)
+            return db
         except sqlite3.Error as err:
-            self._lock_file.close()
-            raise ConfigError(f"state_dir {str(self.directory)!r}: {self.path.name} is not "
-                              f"a usable SQLite database: {err}") from None
+            if db is not None:
+                db.close()
+            raise damaged(self.path, f"not a usable SQLite database ({err})") from None
+        except BaseException:
+            if db is not None:
+                db.close()
+            raise
 
     # ------------------------------------------------------------------ StateStore
 
     def load(self) -> StoredState:
+        """Everything saved; StateDamaged (naming the row) for anything that cannot be read."""
+        try:
+            return self._load()
+        except sqlite3.Error as err:
+            raise damaged(self.path, f"cannot be read ({err})") from None
+
+    def _load(self) -> StoredState:
         db = self._db
         rows = db.execute(
             "SELECT seq_id, params, prompt, state, worker_id, queue_key, cursor, "
             "prefilled_tokens, num_generated, num_generated_at_admission, finish_reason, "
-            "finish_order, submitted_at, admission_order FROM sequences "
+            "finish_order, error_message, submitted_at, admission_order FROM sequences "
             "ORDER BY seq_id").fetchall()
         unfinished = {row[0] for row in rows if row[3] != SequenceState.FINISHED.value}
-        tokens = {seq_id: _unpack(blob) for seq_id, blob in
-                  db.execute("SELECT seq_id, token_ids FROM outputs")}
+        tokens = {}
+        for seq_id, blob in db.execute("SELECT seq_id, token_ids FROM outputs"):
+            with self._decoding("outputs", seq_id):
+                tokens[seq_id] = _unpack(blob)
         self._replay_log(tokens, unfinished)
-        sequences = [
-            StoredSequence(
-                seq_id=row[0],
-                params=_params_from_row(row[1], row[2]),
-                progress=SequenceProgress(
-                    seq_id=row[0], state=SequenceState(row[3]), worker_id=row[4],
-                    queue_key=row[5], cursor=row[6], prefilled_tokens=row[7],
-                    num_generated=row[8], num_generated_at_admission=row[9],
-                    finish_reason=None if row[10] is None else FinishReason(row[10]),
-                    finish_order=row[11], submitted_at=row[12], admission_order=row[13],
-                ),
-                output_token_ids=tokens.get(row[0], []),
-            )
-            for row in rows
-        ]
-        workers = [StoredWorker(_registration_from_json(text), bool(drain)) for text, drain in
-                   db.execute("SELECT registration, drain_requested FROM workers "
-                              "ORDER BY worker_id")]
-        row = db.execute("SELECT value FROM meta WHERE key = 'next_seq_id'").fetchone()
-        tenant_service = dict(db.execute("SELECT tenant, served FROM tenant_service"))
-        return StoredState(sequences, workers, row[0] if row else 1, tenant_service)
+        sequences = []
+        for row in rows:
+            with self._decoding("sequences", row[0]):
+                sequences.append(StoredSequence(
+                    seq_id=row[0],
+                    params=_params_from_row(row[1], row[2]),
+                    progress=SequenceProgress(
+                        seq_id=row[0], state=SequenceState(row[3]), worker_id=row[4],
+                        queue_key=row[5], cursor=row[6], prefilled_tokens=row[7],
+                        num_generated=row[8], num_generated_at_admission=row[9],
+                        finish_reason=None if row[10] is None else FinishReason(row[10]),
+                        finish_order=row[11], error_message=row[12],
+                        submitted_at=row[13], admission_order=row[14],
+                    ),
+                    output_token_ids=tokens.get(row[0], []),
+                ))
+        workers = []
+        for worker_id, text, drain, incarnation in db.execute(
+                "SELECT worker_id, registration, drain_requested, incarnation FROM workers "
+                "ORDER BY worker_id"):
+            with self._decoding("workers", worker_id):
+                workers.append(StoredWorker(_registration_from_json(text), bool(drain),
+                                            _integer(incarnation)))
+        meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+        tenant_service = {}
+        for tenant, served in db.execute("SELECT tenant, served FROM tenant_service"):
+            with self._decoding("tenant_service", tenant):
+                tenant_service[tenant] = float(served)
+        with self._decoding("meta", "next_seq_id/last_incarnation"):
+            return StoredState(sequences, workers,
+                               next_seq_id=_integer(meta.get("next_seq_id", 1)),
+                               tenant_service=tenant_service,
+                               last_incarnation=_integer(meta.get("last_incarnation", 0)))
+
+    @contextmanager
+    def _decoding(self, table: str, key) -> Iterator[None]:
+        """Turn a row that cannot be decoded into StateDamaged naming it."""
+        try:
+            yield
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+            raise damaged(self.path, f"the row of table {table} with key {key!r} cannot be "
+                                     f"decoded ({type(err).__name__}: {err})") from None
 
     def _replay_log(self, tokens: dict[int, list[int]], unfinished: set[int]) -> None:
         """Append the logged tokens of unfinished sequences to `tokens`, rebuild the log
@@ -158,13 +227,15 @@ class SqliteStateStore:
         unused = []
         for row_id, blob in self._db.execute("SELECT id, entries FROM token_log ORDER BY id"):
             users = 0
-            for seq_id, start, token_ids in _log_entries(blob):
+            with self._decoding("token_log", row_id):
+                entries = list(_log_entries(blob))
+            for seq_id, start, token_ids in entries:
                 if seq_id not in unfinished:
                     continue
                 out = tokens.setdefault(seq_id, [])
                 if start != len(out):
-                    raise StoreError(f"{self.path}: seq_id {seq_id} has tokens from {start} "
-                                     f"after {len(out)} tokens; the file is damaged")
+                    raise damaged(self.path, f"seq_id {seq_id} has tokens from {start} after "
+                                             f"{len(out)} tokens (token_log row {row_id})")
                 out.extend(token_ids)
                 self._log_rows_of.setdefault(seq_id, []).append(row_id)
                 users += 1
@@ -221,21 +292,22 @@ class SqliteStateStore:
             db.executemany(
                 "UPDATE sequences SET state = ?, worker_id = ?, queue_key = ?, cursor = ?, "
                 "prefilled_tokens = ?, num_generated = ?, num_generated_at_admission = ?, "
-                "finish_reason = ?, finish_order = ?, submitted_at = ?, admission_order = ? "
-                "WHERE seq_id = ?",
+                "finish_reason = ?, finish_order = ?, error_message = ?, submitted_at = ?, "
+                "admission_order = ? WHERE seq_id = ?",
                 [(p.state.value, p.worker_id, p.queue_key, p.cursor, p.prefilled_tokens,
                   p.num_generated, p.num_generated_at_admission,
                   None if p.finish_reason is None else p.finish_reason.value, p.finish_order,
-                  p.submitted_at, p.admission_order, p.seq_id)
+                  p.error_message, p.submitted_at, p.admission_order, p.seq_id)
                  for p in changes.progress])
         if changes.final_outputs:
             db.executemany("INSERT OR REPLACE INTO outputs (seq_id, token_ids) VALUES (?, ?)",
                            [(seq_id, _pack(output)) for seq_id, output in changes.final_outputs])
         if changes.workers_joined:
             db.executemany("INSERT OR REPLACE INTO workers (worker_id, registration, "
-                           "drain_requested) VALUES (?, ?, ?)",
+                           "drain_requested, incarnation) VALUES (?, ?, ?, ?)",
                            [(w.registration.worker_id, _registration_json(w.registration),
-                             int(w.drain_requested)) for w in changes.workers_joined])
+                             int(w.drain_requested), w.incarnation)
+                            for w in changes.workers_joined])
         if changes.workers_left:
             db.executemany("DELETE FROM workers WHERE worker_id = ?",
                            [(w,) for w in changes.workers_left])
@@ -246,6 +318,9 @@ class SqliteStateStore:
         if changes.next_seq_id is not None:
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('next_seq_id', ?)",
                        (changes.next_seq_id,))
+        if changes.last_incarnation is not None:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('last_incarnation', ?)",
+                       (changes.last_incarnation,))
         if changes.tenant_service:
             db.executemany("INSERT OR REPLACE INTO tenant_service (tenant, served) "
                            "VALUES (?, ?)", changes.tenant_service)
@@ -291,6 +366,11 @@ class SqliteStateStore:
             for seq_id in users:
                 self._log_rows_of.setdefault(seq_id, []).append(log_row)
 
+    def _seal(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+        state_integrity.seal(self._db)
+        self._db.execute("COMMIT")
+
     def _set_synchronous(self, level: str) -> None:
         if level != self._synchronous:
             self._db.execute(f"PRAGMA synchronous={level}")
@@ -312,15 +392,35 @@ class SqliteStateStore:
         preemption victims); sequences of version 1 count as submitted now."""
         db = self._db
         db.execute("BEGIN IMMEDIATE")
-        columns = {row[1] for row in db.execute("PRAGMA table_info(sequences)")}
-        if "submitted_at" not in columns:
-            db.execute("ALTER TABLE sequences ADD COLUMN submitted_at REAL NOT NULL DEFAULT 0")
-            db.execute("UPDATE sequences SET submitted_at = ?", (time.time(),))
-        if "admission_order" not in columns:
-            db.execute("ALTER TABLE sequences ADD COLUMN admission_order INTEGER NOT NULL "
-                       "DEFAULT 0")
+        _add_missing_columns(db)
+        db.execute("UPDATE sequences SET submitted_at = ? WHERE submitted_at = 0",
+                   (time.time(),))
         db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
         db.execute("COMMIT")
+
+
+def _add_missing_columns(db: sqlite3.Connection) -> None:
+    """Add to each table the columns _SCHEMA declares that the file's table lacks (a file
+    written by an older scheduler), with their declared defaults."""
+    declared = sqlite3.connect(":memory:")
+    try:
+        declared.executescript(_SCHEMA)
+        for (table,) in declared.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
+            present = {row[1] for row in db.execute(f"PRAGMA main.table_info({table})")}
+            for _, name, kind, not_null, default, _ in declared.execute(
+                    f"PRAGMA table_info({table})"):
+                if name not in present:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}"
+                               f"{' NOT NULL' if not_null else ''}"
+                               f"{f' DEFAULT {default}' if default is not None else ''}")
+    finally:
+        declared.close()
+
+
+def _integer(value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
 
 
 def _lock(directory: Path):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import grpc
 
-from service.core import InvalidArgument, NotFound, QueueFull, SchedulerError, UnknownWorker
+from service.core import (
+    InvalidArgument, NotFound, QueueFull, SchedulerError, Superseded, UnknownWorker,
+)
 from service.core.store import StoreError
 
 _CODES: dict[type[SchedulerError], grpc.StatusCode] = {
@@ -11,6 +13,7 @@ _CODES: dict[type[SchedulerError], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnknownWorker: grpc.StatusCode.FAILED_PRECONDITION,
+    Superseded: grpc.StatusCode.FAILED_PRECONDITION,  # message starts "superseded:"
     StoreError: grpc.StatusCode.UNAVAILABLE,  # nothing was acknowledged: retry
 }
 

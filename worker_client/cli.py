@@ -1,5 +1,11 @@
 """`lattice-worker`: the reference worker process (a real model, driven by the scheduler);
-`lattice-worker profile`: time its engine's steps for `lattice-scheduler simulate`."""
+`lattice-worker profile`: time its engine's steps for `lattice-scheduler simulate`.
+
+Exit codes: 0 left cleanly; 1 the scheduler could not be reached or refused a call; 2 a bad
+flag or a model that cannot be loaded; 3 superseded: another process registered the same
+--worker-id after this one (restarting it would only take the id back: give each worker
+its own id).
+"""
 from __future__ import annotations
 
 import argparse
@@ -12,11 +18,15 @@ import threading
 log = logging.getLogger("lattice_worker")
 
 
+EXIT_SUPERSEDED = 3
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["profile"]:
         return _profile(argv[1:])
-    parser = argparse.ArgumentParser(
+    from service.cli_values import OneLineParser, target
+    parser = OneLineParser(
         prog="lattice-worker",
         epilog="`lattice-worker profile --help`: time the engine's steps for the simulator.",
         description="Reference worker: runs a Qwen3.5-architecture model (GDN + attention) "
@@ -24,15 +34,17 @@ def main(argv: list[str] | None = None) -> int:
                     "SIGTERM drains (finishes what it holds, takes nothing new) and exits; "
                     "a second SIGTERM or SIGINT leaves at once (held sequences are requeued).",
     )
-    parser.add_argument("--scheduler", default=os.environ.get("LATTICE_SCHEDULER_TARGET",
-                                                              "127.0.0.1:50051"),
+    parser.add_argument("--scheduler", type=target,
+                        default=os.environ.get("LATTICE_SCHEDULER_TARGET", "127.0.0.1:50051"),
                         help="scheduler address HOST:PORT (env LATTICE_SCHEDULER_TARGET)")
     parser.add_argument("--worker-id", required=True, help="unique name of this worker")
     from service.credentials import add_client_arguments
     add_client_arguments(parser)
-    parser.add_argument("--model", default="tiny",
-                        help="'tiny' (seeded random weights), a Hugging Face checkpoint "
-                             "directory (config.json + *.safetensors), or 'scripted' (no model: "
+    parser.add_argument("--model", required=True,
+                        help="a Hugging Face checkpoint directory (config.json + "
+                             "*.safetensors); 'tiny', 'tiny-moe' or 'tiny-next' (small Qwen3.5, "
+                             "Qwen3.5 MoE or Qwen3-Next models with seeded random weights, for "
+                             "trying things out); or 'scripted' (no model: "
                              "worker_client.testing.ScriptedEngine, for load-testing a scheduler)")
     parser.add_argument("--step-ms", type=float,
                         help="scripted model only: simulated GPU time per step with work, in "
@@ -46,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gdn-slots", type=int, help="GDN state slots (default: sized for the device)")
     parser.add_argument("--max-batch-size", type=int, default=0,
                         help="most sequences at once (0: the scheduler's default)")
-    parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny model")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny models")
     parser.add_argument("--threads", type=int,
                         help="CPU threads for torch (default: torch's choice); give each of "
                              "several workers on one host its share of the cores")
@@ -119,7 +131,9 @@ def _build_engine(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace, engine, credentials) -> int:
-    from worker_client.client import SchedulerCallError, SchedulerClient, WorkerResources
+    from worker_client.client import (
+        SchedulerCallError, SchedulerClient, Superseded, WorkerResources,
+    )
     from worker_client.loop import WorkerLoop
 
     client = SchedulerClient(args.scheduler, credentials=credentials, token=args.token)
@@ -141,6 +155,11 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         stats = loop.run(stop, drain)
+    except Superseded as err:
+        print(f"lattice-worker: another process registered --worker-id {args.worker_id!r} "
+              f"after this one, so this one stops (two workers must not share an id; "
+              f"scheduler said: {err})", file=sys.stderr)
+        return EXIT_SUPERSEDED
     except SchedulerCallError as err:
         print(f"lattice-worker: {err}", file=sys.stderr)
         return 1
@@ -153,7 +172,8 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
 
 
 def _profile(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    from service.cli_values import OneLineParser
+    parser = OneLineParser(
         prog="lattice-worker profile",
         description="Time the reference engine's steps over a grid of (prefill tokens, decode "
                     "batch, context length) and write the step table that `lattice-scheduler "

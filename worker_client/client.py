@@ -3,7 +3,10 @@
 Retries cover the scheduler being unavailable (restarting, not yet up): UNAVAILABLE and
 DEADLINE_EXCEEDED are retried with exponential backoff until `retry_seconds` run out.
 FAILED_PRECONDITION (lease lost, scheduler restarted) surfaces as `NotRegistered` so the
-caller drops what it holds and registers again; other errors surface as `SchedulerCallError`.
+caller drops what it holds and registers again, unless the scheduler says this incarnation
+was superseded (another process registered the same worker_id since): that is `Superseded`,
+and the caller must stop rather than register again and fight over the id. Other errors
+surface as `SchedulerCallError`.
 """
 from __future__ import annotations
 
@@ -32,6 +35,10 @@ class SchedulerCallError(Exception):
 
 class NotRegistered(SchedulerCallError):
     """The scheduler does not know this worker (any more): register again."""
+
+
+class Superseded(SchedulerCallError):
+    """Another process registered this worker_id after us: stop, do not register again."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,9 @@ class SchedulerClient:
         self._timeout = call_timeout_seconds
         self._retry = retry
         self._sleep = sleep
+        # The incarnation of our latest registration, sent with every later call (0: none
+        # yet, which the scheduler reads as "the latest").
+        self.incarnation = 0
 
     def close(self) -> None:
         self._channel.close()
@@ -91,15 +101,20 @@ class SchedulerClient:
             page_size=resources.page_size, total_gdn_slots=resources.total_gdn_slots,
             max_batch_size=resources.max_batch_size, adapters=resources.adapters,
         )
-        return self._call("RegisterWorker", self._stub.RegisterWorker, request)
+        response = self._call("RegisterWorker", self._stub.RegisterWorker, request)
+        self.incarnation = response.incarnation
+        return response
 
     def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
+        """SelectBatch as our latest incarnation (set on `request`)."""
+        request.incarnation = self.incarnation
         return self._call("SelectBatch", self._stub.SelectBatch, request)
 
     def deregister(self, worker_id: str) -> int:
         """Leave; returns how many sequences went back to the queue."""
         response = self._call("DeregisterWorker", self._stub.DeregisterWorker,
-                              pb.DeregisterWorkerRequest(worker_id=worker_id))
+                              pb.DeregisterWorkerRequest(worker_id=worker_id,
+                                                         incarnation=self.incarnation))
         return response.requeued
 
     def _call(self, method: str, fn, request):
@@ -111,7 +126,10 @@ class SchedulerClient:
             except grpc.RpcError as err:
                 code = err.code()
                 if code is grpc.StatusCode.FAILED_PRECONDITION:
-                    raise NotRegistered(method, code, err.details()) from None
+                    # The contract's message for an older incarnation starts so.
+                    superseded = (err.details() or "").startswith("superseded:")
+                    raise (Superseded if superseded else NotRegistered)(
+                        method, code, err.details()) from None
                 if code not in _RETRYABLE or time.monotonic() + delay > give_up_at:
                     raise SchedulerCallError(method, code, err.details()) from None
                 log.warning("scheduler call failed; retrying",

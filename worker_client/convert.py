@@ -49,7 +49,7 @@ class PendingReport:
         for fin in out.finished:
             self.finished.append(pb.FinishedSequence(
                 seq_id=fin.seq_id, reason=_FINISH_REASON[fin.reason],
-                generated_tokens=fin.generated_tokens))
+                generated_tokens=fin.generated_tokens, error_message=fin.error_message))
         self.preempted.extend(out.preempted)
 
     def admitted(self, seq_id: int) -> None:

@@ -5,9 +5,9 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from worker_client.client import NotRegistered, SchedulerClient, WorkerResources
+from worker_client.client import NotRegistered, SchedulerClient, Superseded, WorkerResources
 from worker_client.convert import PendingReport, chunk_work
-from worker_client.engine.api import Engine
+from worker_client.engine.api import Engine, FinishReason, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,9 @@ class WorkerLoop:
     - `drain`: take nothing new, finish what is held, report it, then leave.
     A scheduler that forgot this worker (lease expired, restart) answers
     FAILED_PRECONDITION; the loop then drops everything it holds (the scheduler has
-    requeued it) and registers again.
+    requeued it) and registers again. A scheduler that says this incarnation was
+    superseded (another process registered the same worker_id) ends `run` with
+    `Superseded`: registering again would only take the id back and fight.
     """
 
     def __init__(self, engine: Engine, client: SchedulerClient, resources: WorkerResources,
@@ -100,6 +102,7 @@ class WorkerLoop:
             if chunk.HasField("spec"):
                 self._pending.admitted(chunk.seq_id)
         out = engine.step([chunk_work(c) for c in decision.prefill], list(decision.decode))
+        _log_failures(self.resources.worker_id, out)
         self._pending.add(out)
         self.stats.prefill_tokens += sum(c.chunk_len for c in decision.prefill)
         self.stats.decode_steps += len(decision.decode)
@@ -132,6 +135,16 @@ class WorkerLoop:
             requeued = self.client.deregister(self.resources.worker_id)
             log.info("deregistered", extra={"worker_id": self.resources.worker_id,
                                             "requeued": requeued})
+        except Superseded:
+            pass  # the id is another process's now: nothing of ours left to hand back
         except Exception as err:  # noqa: BLE001 - leaving must not mask the real error
             log.warning("could not deregister cleanly: %s", err,
                         extra={"worker_id": self.resources.worker_id})
+
+
+def _log_failures(worker_id: str, out: StepOutput) -> None:
+    """Say why each sequence that failed in this step failed (the scheduler hears it too)."""
+    for fin in out.finished:
+        if fin.reason is FinishReason.FAILED:
+            log.warning("sequence failed: %s", fin.error_message or "no reason given",
+                        extra={"worker_id": worker_id, "seq_id": fin.seq_id})

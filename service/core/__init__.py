@@ -1,7 +1,8 @@
 """The scheduling core: no gRPC, no Prometheus; drive it from a test with plain objects."""
 from service.core.config import SchedulerConfig
 from service.core.errors import (
-    ConfigError, InvalidArgument, NotFound, QueueFull, SchedulerError, UnknownWorker,
+    ConfigError, InvalidArgument, NotFound, QueueFull, SchedulerError, Superseded,
+    UnknownWorker,
 )
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.plan import BlockReason, PreemptReason
@@ -18,6 +19,6 @@ __all__ = [
     "FinishedSequence", "InvalidArgument", "NotFound", "OutputView", "PrefillChunk",
     "PreemptReason", "QueueFull", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerError", "SchedulerObserver", "SchedulerStatus", "SequenceInfo", "SequenceSpec",
-    "SequenceState", "SubmitParams", "SubmitResult", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
+    "SequenceState", "SubmitParams", "SubmitResult", "Superseded", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
     "WorkerReport", "WorkerSettings", "WorkerStatus",
 ]

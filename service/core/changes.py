@@ -54,9 +54,10 @@ class ChangeSet:
     def tenant_served(self, tenant: str, served: float) -> None:
         self._tenants[tenant] = served
 
-    def save(self, next_seq_id: int, sync: bool = False) -> None:
+    def save(self, next_seq_id: int, last_incarnation: int, sync: bool = False) -> None:
         """Hand everything changed to the store as one change (StoreError: kept for the
-        next save). `next_seq_id` is saved when the change hands out new ids."""
+        next save). `next_seq_id` is saved when the change hands out new ids,
+        `last_incarnation` when workers changed."""
         if self._store is None:
             self._clear()
             return
@@ -80,6 +81,7 @@ class ChangeSet:
             workers_joined=tuple(w for w in self._workers.values() if w is not None),
             workers_left=tuple(w for w, stored in self._workers.items() if stored is None),
             next_seq_id=next_seq_id if self._created else None,
+            last_incarnation=last_incarnation if self._workers else None,
             tenant_service=tuple(self._tenants.items()),
             sync=sync,
         ))

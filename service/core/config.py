@@ -21,6 +21,8 @@ class SchedulerConfig:
     """Every setting of the scheduler, with the contract's defaults."""
 
     max_batch_size: int = 32
+    # The most a worker may ask for at registration (its answer says what is in force).
+    max_worker_batch_size: int = 1024
     chunk_size: int = 512
     prefill_reserve_pages: int = 8
     max_seq_len: int = 4096
@@ -44,6 +46,7 @@ class SchedulerConfig:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name))
         _at_least("max_batch_size", self.max_batch_size, 1)
+        _at_least("max_worker_batch_size", self.max_worker_batch_size, 1)
         _at_least("chunk_size", self.chunk_size, 1)
         _at_least("max_seq_len", self.max_seq_len, 1)
         _at_least("prefill_reserve_pages", self.prefill_reserve_pages, 0)
@@ -58,9 +61,10 @@ class SchedulerConfig:
             raise ConfigError(
                 f"chunk_size ({self.chunk_size}) must not exceed max_seq_len ({self.max_seq_len})"
             )
-        for name in ("max_batch_size", "chunk_size", "max_seq_len", "prefill_reserve_pages",
-                     "max_queue", "lease_ttl_ms", "max_num_batched_tokens", "min_prefill_chunk",
-                     "kv_watermark_pages", "max_loras"):
+        for name in ("max_batch_size", "max_worker_batch_size", "chunk_size", "max_seq_len",
+                     "prefill_reserve_pages", "max_queue", "lease_ttl_ms",
+                     "max_num_batched_tokens", "min_prefill_chunk", "kv_watermark_pages",
+                     "max_loras"):
             # Every one of these travels in a uint32 field on the wire, or bounds one.
             if getattr(self, name) > _UINT32_MAX:
                 raise ConfigError(f"{name} must be at most {_UINT32_MAX}, got {getattr(self, name)}")
@@ -82,6 +86,11 @@ class SchedulerConfig:
                     and math.isfinite(weight) and weight > 0):
                 raise ConfigError(f"tenant_weights: tenant {tenant!r} has weight {weight!r}; "
                                   "weights must be positive numbers")
+        if self.max_batch_size > self.max_worker_batch_size:
+            raise ConfigError(
+                f"max_batch_size ({self.max_batch_size}) must not exceed max_worker_batch_size "
+                f"({self.max_worker_batch_size})"
+            )
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         return self

@@ -25,5 +25,10 @@ class UnknownWorker(SchedulerError):
     """The worker is not registered, or its lease expired (FAILED_PRECONDITION)."""
 
 
+class Superseded(SchedulerError):
+    """A call names an older incarnation of a registered worker (FAILED_PRECONDITION); the
+    message starts with "superseded:" so that a worker tells it from UnknownWorker."""
+
+
 class ConfigError(ValueError):
     """A setting is out of range; raised before the service starts."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from sortedcontainers import SortedList
 
@@ -41,21 +41,6 @@ class FairQueue(QueueBase):
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
-
-    def push_back(self, seq: Queued) -> None:
-        self._tail(seq)
-        self._insert(seq)
-
-    def requeue(self, seqs: list[Queued]) -> None:
-        for seq in reversed(seqs):
-            self._head(seq)
-            self._insert(seq)
-
-    def restore(self, seqs: Iterable[Queued]) -> None:
-        assert not self._seqs, "restore into a non-empty queue"
-        for seq in seqs:
-            self._restored(seq)
-            self._insert(seq)
 
     def remove(self, seq_id: int) -> bool:
         seq = self._seqs.pop(seq_id, None)

@@ -32,6 +32,10 @@ class WorkerRecord:
     def worker_id(self) -> str:
         return self.registration.worker_id
 
+    @property
+    def incarnation(self) -> int:
+        return self.settings.incarnation
+
     def can_run(self, adapter_id: str) -> bool:
         return not adapter_id or adapter_id in self.registration.adapters
 

@@ -85,13 +85,33 @@ class AdmissionQueue(Protocol):
 
 class QueueBase:
     """What both orders share: FCFS order keys (kept for storage, so a restart under any
-    policy finds the arrival order) and per-tenant and per-priority counts."""
+    policy finds the arrival order: the tail counts up, the head counts down) and
+    per-tenant and per-priority counts. A subclass keeps the order (`_insert`, `remove`,
+    `candidates`, `position`)."""
 
     def __init__(self) -> None:
         self._per_tenant: Counter[str] = Counter()
         self._per_priority: Counter[int] = Counter()
         self._head_key = 0  # key of the last id pushed to the head
         self._tail_key = 0  # key of the last id pushed to the tail
+
+    def push_back(self, seq: Queued) -> None:
+        self._tail_key += 1
+        seq.queue_key = self._tail_key
+        self._insert(seq)
+
+    def requeue(self, seqs: list[Queued]) -> None:
+        for seq in reversed(seqs):
+            self._head_key -= 1
+            seq.queue_key = self._head_key
+            self._insert(seq)
+
+    def restore(self, seqs: Iterable[Queued]) -> None:
+        assert not len(self), "restore into a non-empty queue"
+        for seq in seqs:
+            self._head_key = min(self._head_key, seq.queue_key)
+            self._tail_key = max(self._tail_key, seq.queue_key)
+            self._insert(seq)
 
     def count(self, tenant: str) -> int:
         return self._per_tenant[tenant]
@@ -102,17 +122,12 @@ class QueueBase:
             depth[priority_band(priority)] += num
         return depth
 
-    def _tail(self, seq: Queued) -> None:
-        self._tail_key += 1
-        seq.queue_key = self._tail_key
+    def __len__(self) -> int:
+        raise NotImplementedError
 
-    def _head(self, seq: Queued) -> None:
-        self._head_key -= 1
-        seq.queue_key = self._head_key
-
-    def _restored(self, seq: Queued) -> None:
-        self._head_key = min(self._head_key, seq.queue_key)
-        self._tail_key = max(self._tail_key, seq.queue_key)
+    def _insert(self, seq: Queued) -> None:
+        """Add `seq` (its queue_key set) to the order, and count it."""
+        raise NotImplementedError
 
     def _counted(self, seq: Queued) -> None:
         self._per_tenant[seq.tenant] += 1
@@ -143,21 +158,6 @@ class FcfsQueue(QueueBase):
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._key_of
-
-    def push_back(self, seq: Queued) -> None:
-        self._tail(seq)
-        self._insert(seq)
-
-    def requeue(self, seqs: list[Queued]) -> None:
-        for seq in reversed(seqs):
-            self._head(seq)
-            self._insert(seq)
-
-    def restore(self, seqs: Iterable[Queued]) -> None:
-        assert not self._key_of, "restore into a non-empty queue"
-        for seq in seqs:
-            self._restored(seq)
-            self._insert(seq)
 
     def remove(self, seq_id: int) -> bool:
         key = self._key_of.pop(seq_id, None)

@@ -25,7 +25,7 @@ from service.core.policies import make_policy
 from service.core.sequences import Sequence, SequenceTable, spec_wire_bytes
 from service.core.store import StateStore, StoredState, StoredWorker, StoreError
 from service.core.tenants import TenantLedger
-from service.core.validation import validate_report
+from service.core.validation import check_incarnation, validate_report
 from service.core.types import (
     Decision, FinishReason, SchedulerStatus, SequenceInfo, SequenceState,
     SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
@@ -42,6 +42,7 @@ class OutputView:
     token_ids: tuple[int, ...]
     finished: bool
     finish_reason: FinishReason | None
+    error_message: str = ""  # why it failed, for FAILED
 
 
 class Scheduler:
@@ -91,6 +92,8 @@ class Scheduler:
                                 config.max_loras)
         self._stall_seconds = stall_seconds
         self._last_lease_check: float | None = None
+        # The latest incarnation handed out (saved with every change of the workers).
+        self._last_incarnation = 0
         if store is not None:
             self._recover(store.load())
 
@@ -162,12 +165,14 @@ class Scheduler:
             generated_tokens=max(seq.num_generated, len(seq.output_token_ids)),
             finish_reason=seq.finish_reason,
             queue_position=self._position(seq),
+            error_message=seq.error_message,
         )
 
     def read_output(self, seq_id: int, start: int) -> OutputView:
         """Generated tokens from index `start` on (for streaming)."""
         seq = self._require(seq_id)
-        return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished, seq.finish_reason)
+        return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished, seq.finish_reason,
+                          seq.error_message)
 
     def status(self) -> SchedulerStatus:
         now = self._clock()
@@ -182,6 +187,7 @@ class Scheduler:
                 iteration=w.iteration,
                 draining=w.draining or w.drain_requested,
                 seconds_since_last_call=max(0.0, now - w.last_call_at),
+                incarnation=w.incarnation,
             )
             for w in self._ledger
         )
@@ -195,7 +201,11 @@ class Scheduler:
     # ----------------------------------------------------------------- workers
 
     def register_worker(self, registration: WorkerRegistration) -> WorkerSettings:
-        """Join, or start a new incarnation: what the old one held goes back to the queue."""
+        """Join, or start a new incarnation: what the old one held goes back to the queue.
+
+        The answer's `incarnation` is higher than any handed out before; calls naming an
+        older one of this worker_id are refused from now on (Superseded).
+        """
         if not registration.worker_id:
             raise InvalidArgument("worker_id must not be empty")
         if registration.page_size == 0:
@@ -204,15 +214,20 @@ class Scheduler:
         old = self._ledger.remove(registration.worker_id)
         if old is not None:
             self._requeue(old, list(old.assigned), RequeueReason.REREGISTERED)
-        record = self._add_worker(registration)
-        self._changes.worker_joined(StoredWorker(record.registration, record.drain_requested))
+        self._last_incarnation += 1
+        record = self._add_worker(registration, self._last_incarnation)
+        self._worker_joined(record)
         self._save()
         return record.settings
 
-    def deregister_worker(self, worker_id: str) -> int:
-        """Leave cleanly; returns how many sequences went back to the head of the queue."""
+    def deregister_worker(self, worker_id: str, incarnation: int = 0) -> int:
+        """Leave cleanly; returns how many sequences went back to the head of the queue.
+
+        `incarnation` 0 means the latest; an older one is refused (Superseded).
+        """
         self._save()
         worker = self._ledger.get(worker_id)
+        check_incarnation(worker, incarnation)
         requeued = self._remove_worker(worker, RequeueReason.DEREGISTERED)
         self._save()
         return len(requeued)
@@ -227,7 +242,7 @@ class Scheduler:
         self._save()
         worker = self._ledger.get(worker_id)
         worker.drain_requested = not resume
-        self._changes.worker_joined(StoredWorker(worker.registration, worker.drain_requested))
+        self._worker_joined(worker)
         self._save()
         return len(worker.assigned)
 
@@ -242,14 +257,16 @@ class Scheduler:
         mechanism checks and applies; contract rules 1-7 and "Policies")."""
         self.expire_leases()  # saved before anything below can refuse the report
         worker = self._ledger.get(report.worker_id)
+        check_incarnation(worker, report.incarnation)
         validate_report(report, worker.settings.max_batch_size)
+        new_tokens = self._new_tokens(worker, report)  # refuses a gap before any change
         worker.last_call_at = self._clock()
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots
         worker.draining = report.draining
 
-        self._apply_tokens(worker, report)
+        self._apply_tokens(new_tokens)
         preempted = [*self._apply_finished(worker, report), *report.preempted]
         reported = set(report.waiting) | set(report.running)
         mentioned = reported | {f.seq_id for f in report.finished} | set(report.preempted)
@@ -273,22 +290,44 @@ class Scheduler:
 
     # ----------------------------------------------------------------- reports
 
-    def _apply_tokens(self, worker: WorkerRecord, report: WorkerReport) -> None:
-        served: Counter[str] = Counter()
-        for update in report.tokens:
-            if update.seq_id not in worker.assigned:
+    def _new_tokens(self, worker: WorkerRecord,
+                    report: WorkerReport) -> list[tuple[Sequence, tuple[int, ...]]]:
+        """The tokens each update adds, changing nothing. An update with an offset keeps only
+        what is new (a retried report repeats tokens already applied); one whose offset is
+        past the tokens known for its sequence is refused (a gap means tokens were lost on
+        the way), and with it the whole report."""
+        new_tokens = []
+        known: dict[int, int] = {}  # tokens per sequence since its admission, so far
+        assigned, sequence = worker.assigned, self._sequences.get  # once per call: hot loop
+        for index, update in enumerate(report.tokens):
+            seq_id = update.seq_id
+            if seq_id not in assigned:
                 continue  # stale: the sequence left this worker
-            seq = self._sequences.get(update.seq_id)
-            token_ids = update.token_ids
-            if update.offset is not None:
-                # A retried report repeats tokens already applied: keep only the new ones.
-                known = len(seq.output_token_ids) - seq.num_generated_at_admission
-                token_ids = token_ids[max(0, known - update.offset):]
+            seq = sequence(seq_id)
+            num_known = known.get(seq_id)
+            if num_known is None:
+                num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
+            start = num_known if update.offset is None else update.offset
+            if start > num_known:
+                raise InvalidArgument(
+                    f"tokens[{index}]: seq_id {seq_id} offset {start} is beyond the "
+                    f"{num_known} tokens known for it since its admission to this worker "
+                    f"(tokens {num_known}..{start - 1} were lost); nothing was applied"
+                )
+            # Past tokens of a retried report are dropped; a gap was refused above.
+            token_ids = update.token_ids[num_known - start:]
             if token_ids:
-                seq.output_token_ids.extend(token_ids)
-                self._changes.grown(seq)
-                served[seq.tenant] += len(token_ids)
-                self._observer.on_tokens(seq.seq_id, len(token_ids))
+                new_tokens.append((seq, token_ids))
+                known[seq_id] = num_known + len(token_ids)
+        return new_tokens
+
+    def _apply_tokens(self, new_tokens: list[tuple[Sequence, tuple[int, ...]]]) -> None:
+        served: Counter[str] = Counter()
+        for seq, token_ids in new_tokens:
+            seq.output_token_ids.extend(token_ids)
+            self._changes.grown(seq)
+            served[seq.tenant] += len(token_ids)
+            self._observer.on_tokens(seq.seq_id, len(token_ids))
         self._batcher.serve(served)
 
     def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:
@@ -301,16 +340,21 @@ class Scheduler:
                 preempted.append(fin.seq_id)
                 continue
             seq = self._sequences.get(fin.seq_id)
-            seq.num_generated = max(len(seq.output_token_ids),
-                                    seq.num_generated_at_admission + fin.generated_tokens)
+            # A count beyond what this assignment may generate is the worker's error: cap it.
+            num_allowed = max(0, seq.params.max_new_tokens - seq.num_generated_at_admission)
+            seq.num_generated = max(len(seq.output_token_ids), seq.num_generated_at_admission
+                                    + min(fin.generated_tokens, num_allowed))
+            if fin.reason is FinishReason.FAILED:
+                seq.error_message = fin.error_message
             del worker.assigned[fin.seq_id]
             self._finish(seq, fin.reason)
         return preempted
 
     # ----------------------------------------------------------------- internals
 
-    def _add_worker(self, registration: WorkerRegistration) -> WorkerRecord:
-        max_batch_size = registration.max_batch_size or self.config.max_batch_size
+    def _add_worker(self, registration: WorkerRegistration, incarnation: int) -> WorkerRecord:
+        max_batch_size = min(registration.max_batch_size or self.config.max_batch_size,
+                             self.config.max_worker_batch_size)
         if self._policy.name != "fifo":
             # Each running sequence decodes one token of the budget every iteration.
             max_batch_size = min(max_batch_size, self.config.token_budget)
@@ -319,12 +363,18 @@ class Scheduler:
             max_batch_size=max_batch_size,
             prefill_reserve_pages=self.config.prefill_reserve_pages,
             lease_ttl_ms=self.config.lease_ttl_ms,
+            incarnation=incarnation,
         )
         record = WorkerRecord(registration, settings, last_call_at=self._clock())
         self._ledger.add(record)
         self._observer.on_worker_registered(
             registration.worker_id, registration.total_kv_pages, registration.total_gdn_slots)
         return record
+
+    def _worker_joined(self, worker: WorkerRecord) -> None:
+        """The stored part of a worker changed (a registration, an operator drain)."""
+        self._changes.worker_joined(StoredWorker(worker.registration, worker.drain_requested,
+                                                 worker.incarnation))
 
     def _remove_worker(self, worker: WorkerRecord, reason: RequeueReason) -> list[int]:
         self._ledger.remove(worker.worker_id)
@@ -352,7 +402,7 @@ class Scheduler:
             worker.last_call_at = min(now, worker.last_call_at + stalled)
 
     def _save(self, sync: bool = False) -> None:
-        self._changes.save(self._sequences.next_seq_id, sync)
+        self._changes.save(self._sequences.next_seq_id, self._last_incarnation, sync)
 
     def _recover(self, state: StoredState) -> None:
         """Rebuild from the store: the queue in its order, workers with what they held.
@@ -361,8 +411,11 @@ class Scheduler:
         SelectBatch reconciles (what it still holds stays, what it does not mention goes
         back to the head of the queue), and if it never calls its lease runs out.
         """
+        self._last_incarnation = max([state.last_incarnation,
+                                      *(w.incarnation for w in state.workers)])
         for stored in state.workers:
-            self._add_worker(stored.registration).drain_requested = stored.drain_requested
+            record = self._add_worker(stored.registration, stored.incarnation)
+            record.drain_requested = stored.drain_requested
         self._sequences.reserve_ids_below(state.next_seq_id)
         if self._tenants is not None:
             self._tenants.restore(state.tenant_service)

@@ -70,6 +70,8 @@ class Sequence:
     num_saved_tokens: int = 0
     # 1, 2, ... in the order sequences finished (the oldest are forgotten first).
     finish_order: int = 0
+    # Why it failed, as the worker said (FAILED only).
+    error_message: str = ""
 
     @property
     def priority(self) -> int:
@@ -125,6 +127,7 @@ class Sequence:
             num_generated_at_admission=self.num_generated_at_admission,
             finish_reason=self.finish_reason, finish_order=self.finish_order,
             submitted_at=self.submitted_at, admission_order=self.admission_order,
+            error_message=self.error_message,
         )
 
 
@@ -195,7 +198,7 @@ class SequenceTable:
             output_token_ids=compact(stored.output_token_ids), num_generated=p.num_generated,
             num_generated_at_admission=p.num_generated_at_admission,
             finish_reason=p.finish_reason, num_saved_tokens=len(stored.output_token_ids),
-            finish_order=p.finish_order,
+            finish_order=p.finish_order, error_message=p.error_message,
         )
         self._add(seq)
         self.reserve_ids_below(seq.seq_id + 1)

@@ -36,6 +36,7 @@ class SequenceProgress:
     finish_order: int = 0  # 1, 2, ... in the order sequences finished; 0 until then
     submitted_at: float = 0.0  # wall-clock seconds of the first submission (aging)
     admission_order: int = 0  # 1, 2, ... in the order of admissions to workers
+    error_message: str = ""  # why it failed, for FAILED
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class StoredWorker:
 
     registration: WorkerRegistration
     drain_requested: bool = False
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class StateChanges:
     next_seq_id: int | None = None  # set when the change hands out new ids
     # (tenant, weighted tokens served so far) of the tenants served in this change (fair).
     tenant_service: tuple[tuple[str, float], ...] = ()
+    last_incarnation: int | None = None  # set when workers changed: the latest handed out
     sync: bool = False
 
 
@@ -92,6 +95,7 @@ class StoredState:
     workers: list[StoredWorker] = field(default_factory=list)
     next_seq_id: int = 1
     tenant_service: dict[str, float] = field(default_factory=dict)
+    last_incarnation: int = 0  # never hand out this number or a lower one again
 
 
 class StateStore(Protocol):
@@ -114,6 +118,7 @@ class MemoryStore:
         self._workers: dict[str, StoredWorker] = {}
         self._tenant_service: dict[str, float] = {}
         self._next_seq_id = 1
+        self._last_incarnation = 0
         self.saves = 0
         self.fail_next_save: StoreError | None = None
 
@@ -127,6 +132,7 @@ class MemoryStore:
             workers=list(self._workers.values()),
             next_seq_id=self._next_seq_id,
             tenant_service=dict(self._tenant_service),
+            last_incarnation=self._last_incarnation,
         )
 
     def save(self, changes: StateChanges) -> None:
@@ -158,6 +164,8 @@ class MemoryStore:
         if changes.next_seq_id is not None:
             self._next_seq_id = changes.next_seq_id
         self._tenant_service.update(changes.tenant_service)
+        if changes.last_incarnation is not None:
+            self._last_incarnation = changes.last_incarnation
         self.saves += 1
 
     def close(self) -> None:

@@ -102,6 +102,8 @@ class WorkerSettings:
     max_batch_size: int
     prefill_reserve_pages: int
     lease_ttl_ms: int
+    # This registration's number: grows with every registration of any worker, never reused.
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +113,7 @@ class FinishedSequence:
     seq_id: int
     reason: FinishReason
     generated_tokens: int = 0
+    error_message: str = ""  # why, for FAILED
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,8 @@ class WorkerReport:
     preempted: tuple[int, ...] = ()
     draining: bool = False
     tokens: tuple[TokenUpdate, ...] = ()
+    # The incarnation the worker registered as; 0: the latest (clients that do not send it).
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +184,7 @@ class SequenceInfo:
     generated_tokens: int
     finish_reason: FinishReason | None
     queue_position: int
+    error_message: str = ""  # why it failed, for FAILED
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +200,7 @@ class WorkerStatus:
     iteration: int
     draining: bool
     seconds_since_last_call: float
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,26 @@
-"""Checks of a worker's report, before the core changes anything."""
+"""Checks of a worker's calls, before the core changes anything."""
 from __future__ import annotations
 
-from service.core.errors import InvalidArgument
+from service.core.errors import InvalidArgument, Superseded, UnknownWorker
+from service.core.ledger import WorkerRecord
 from service.core.types import WorkerReport
+
+
+def check_incarnation(worker: WorkerRecord, incarnation: int) -> None:
+    """Refuse a call from an incarnation other than the registered one (0: the latest)."""
+    if incarnation in (0, worker.incarnation):
+        return
+    if incarnation < worker.incarnation:
+        raise Superseded(
+            f"superseded: worker_id {worker.worker_id!r} incarnation {incarnation} was "
+            f"replaced by incarnation {worker.incarnation} (a later RegisterWorker with the "
+            "same worker_id: two processes share it); this call changed nothing"
+        )
+    raise UnknownWorker(
+        f"worker_id {worker.worker_id!r} incarnation {incarnation} is unknown here (the "
+        f"registered one is {worker.incarnation}; the scheduler's state is older than that "
+        "registration): call RegisterWorker again"
+    )
 
 
 def validate_report(report: WorkerReport, max_batch_size: int) -> None:

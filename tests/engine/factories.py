@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from worker_client.engine.api import ChunkWork, SequenceSpec, StepOutput
+from worker_client.engine.batch import PackedBatch
 from worker_client.engine.engine import ModelEngine
 from worker_client.engine.forward_cache import ForwardCache
 from worker_client.engine.kv_cache import PagedKVCache
@@ -19,9 +20,11 @@ def random_prompt(length: int, seed: int, vocab_size: int = 512) -> tuple[int, .
 
 
 def make_engine(model: Qwen35ForCausalLM, *, num_kv_pages: int = 128, page_size: int = 4,
-                num_gdn_slots: int = 8, max_batch_size: int | None = None) -> ModelEngine:
+                num_gdn_slots: int = 8, max_batch_size: int | None = None,
+                max_prefill_sequences: int | None = None, max_prefill_tokens: int = 8192) -> ModelEngine:
     return ModelEngine(model, num_kv_pages=num_kv_pages, page_size=page_size,
-                       num_gdn_slots=num_gdn_slots, device="cpu", max_batch_size=max_batch_size)
+                       num_gdn_slots=num_gdn_slots, device="cpu", max_batch_size=max_batch_size,
+                       max_prefill_sequences=max_prefill_sequences, max_prefill_tokens=max_prefill_tokens)
 
 
 def chunks_for(seq_id: int, spec: SequenceSpec, lengths: list[int]) -> list[ChunkWork]:
@@ -56,16 +59,20 @@ class PagedPools:
         self.kv_cache = PagedKVCache(
             num_layers=config.num_full_attention_layers, num_pages=num_pages, page_size=page_size,
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-            device=torch.device("cpu"), dtype=torch.float32,
+            device=torch.device("cpu"), dtype=model.dtype,
         )
         self.state_pool = GdnStatePool(
             num_layers=config.num_linear_attention_layers, num_slots=num_slots,
             conv_dim=config.linear_conv_dim, conv_kernel=config.linear_conv_kernel_dim,
             num_value_heads=config.linear_num_value_heads, key_head_dim=config.linear_key_head_dim,
-            value_head_dim=config.linear_value_head_dim, device=torch.device("cpu"), dtype=torch.float32,
+            value_head_dim=config.linear_value_head_dim, device=torch.device("cpu"), dtype=model.dtype,
         )
 
     def forward_cache(self, seq_ids: list[int], slots: list[int], positions: torch.Tensor) -> ForwardCache:
-        for seq_id, row in zip(seq_ids, positions):
-            self.kv_cache.append(seq_id, len(row))
-        return PagedForwardCache(self.kv_cache, self.state_pool, seq_ids, slots, positions)
+        """The cache of rows of equal length at `positions` [B, T], reserving those positions first."""
+        return self.packed_cache(seq_ids, slots, PackedBatch.rectangular(positions))
+
+    def packed_cache(self, seq_ids: list[int], slots: list[int], batch: PackedBatch) -> ForwardCache:
+        for seq_id, length in zip(seq_ids, batch.seq_lens):
+            self.kv_cache.append(seq_id, length)
+        return PagedForwardCache(self.kv_cache, self.state_pool, seq_ids, slots, batch)

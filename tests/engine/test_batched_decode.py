@@ -1,17 +1,23 @@
 """One batched decode forward gives each sequence what it would get decoding alone."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from worker_client.engine.api import SequenceSpec
+from worker_client.engine.loading import PRESETS, load_model
 from worker_client.engine.reference import generate_reference
 
 from .factories import PagedPools, chunks_for, make_engine, random_prompt, run_to_completion, tokens_of
+from .tolerance import assert_float64_equal
 
 PROMPT_LENGTHS = (3, 17, 70, 9)
 
 
-def test_batched_decode_logits_equal_each_sequence_decoded_alone(tiny_model):
+@pytest.mark.parametrize("preset", PRESETS)
+def test_batched_decode_logits_equal_each_sequence_decoded_alone_in_float64(preset):
+    # Float64 (tolerance.py): rows batched together must not see each other, whatever the host.
+    tiny_model = load_model(preset, dtype=torch.float64)
     prompts = [list(random_prompt(n, seed=10 + i)) for i, n in enumerate(PROMPT_LENGTHS)]
     together = PagedPools(tiny_model, num_pages=128, page_size=4, num_slots=4)
     alone = PagedPools(tiny_model, num_pages=128, page_size=4, num_slots=4)
@@ -32,7 +38,7 @@ def test_batched_decode_logits_equal_each_sequence_decoded_alone(tiny_model):
                 single = tiny_model(torch.tensor([[next_ids[seq_id]]]), positions[seq_id : seq_id + 1],
                                     alone.forward_cache([seq_id], [alone_slots[seq_id]], positions[seq_id : seq_id + 1]),
                                     last_only=True)
-                torch.testing.assert_close(batched[seq_id], single[0], rtol=1e-5, atol=1e-5)
+                assert_float64_equal(batched[seq_id], single[0])
             next_ids = [int(row.argmax()) for row in batched]
             for prompt, token in zip(prompts, next_ids):
                 prompt.append(token)

@@ -78,4 +78,5 @@ def test_sequence_larger_than_the_whole_pool_fails_and_frees_everything(tiny_mod
     engine = make_engine(tiny_model, num_kv_pages=3, page_size=4, num_gdn_slots=2)
     out = prefill(engine, 1, SequenceSpec(random_prompt(13, seed=1), max_new_tokens=3))
     assert [(f.seq_id, f.reason) for f in out.finished] == [(1, FinishReason.FAILED)]
+    assert out.finished[0].error_message == "the sequence needs 4 KV pages of 4 tokens, more than the worker's 3 in all"
     assert_all_free(engine)

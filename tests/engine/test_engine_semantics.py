@@ -95,3 +95,14 @@ def test_invalid_prompts_fail_instead_of_raising(tiny_model):
     out = engine.step([ChunkWork(1, 0, 0, SequenceSpec((), 5)), ChunkWork(2, 0, 2, SequenceSpec((3, 10_000), 5))], [])
     assert [(f.seq_id, f.reason) for f in out.finished] == [(1, FinishReason.FAILED), (2, FinishReason.FAILED)]
     assert engine.num_free_gdn_slots() == engine.total_gdn_slots
+
+
+def test_a_prompt_outside_the_vocabulary_fails_before_it_runs_saying_which_token(tiny_model):
+    """Regression (outside probe): such a prompt finished FAILED with no reason anywhere."""
+    engine = make_engine(tiny_model)
+    out = engine.step([ChunkWork(1, 0, 3, SequenceSpec((5, 600, 7), 5)),
+                       ChunkWork(2, 0, 0, SequenceSpec((), 5))], [])
+    assert [(f.seq_id, f.reason, f.error_message) for f in out.finished] == [
+        (1, FinishReason.FAILED, "token id 600 is outside the model's vocabulary of 512"),
+        (2, FinishReason.FAILED, "the prompt is empty")]
+    assert out.tokens == () and engine.num_free_kv_pages() == engine.total_kv_pages

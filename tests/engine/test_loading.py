@@ -109,7 +109,136 @@ def test_transformers_default_text_and_composite_configs_read_the_same():
     assert text.rotary_dim == text.head_dim // 4
 
 
-def test_moe_variant_is_a_config_error(tmp_path):
+def test_moe_config_without_its_expert_keys_is_a_config_error_naming_the_key(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**TINY_TEXT_CONFIG, "model_type": "qwen3_5_moe_text"}))
-    with pytest.raises(ConfigError, match="not supported"):
+    with pytest.raises(ConfigError, match="missing the required key 'num_experts'"):
         load_model(tmp_path)
+
+
+def test_moe_presets_are_seeded_and_of_their_family():
+    from worker_client.engine.config import GdnProjection
+
+    moe, next_ = load_model("tiny-moe", seed=1), load_model("tiny-next", seed=1)
+    assert moe.config.moe is not None and moe.config.gdn_projection is GdnProjection.SPLIT
+    assert next_.config.moe is not None and next_.config.gdn_projection is GdnProjection.FUSED
+    again = load_model("tiny-next", seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(next_.state_dict().values(), again.state_dict().values()))
+
+
+def per_expert_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's tensors as transformers' save_pretrained writes them: one tensor per expert and projection."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for index, stacked in enumerate(tensor):
+                gate, up = stacked.chunk(2)
+                tensors[f"{prefix}{index}.gate_proj.weight"] = gate.clone()
+                tensors[f"{prefix}{index}.up_proj.weight"] = up.clone()
+        elif name.endswith("experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for index, stacked in enumerate(tensor):
+                tensors[f"{prefix}{index}.down_proj.weight"] = stacked.clone()
+        else:
+            tensors[name] = tensor.clone()
+    return tensors
+
+
+def moe_text_config(model) -> dict:
+    moe = model.config.moe
+    return {**TINY_TEXT_CONFIG, "model_type": "qwen3_5_moe_text", "num_experts": moe.num_experts,
+            "num_experts_per_tok": moe.num_experts_per_tok, "moe_intermediate_size": moe.moe_intermediate_size,
+            "shared_expert_intermediate_size": moe.shared_expert_intermediate_size}
+
+
+def test_per_expert_and_stacked_expert_checkpoints_load_the_same_weights(tmp_path):
+    source = load_model("tiny-moe", seed=5)
+    for layout, tensors in (("stacked", {k: v.clone() for k, v in source.state_dict().items()}),
+                            ("per_expert", per_expert_tensors(source))):
+        (tmp_path / layout).mkdir()
+        (tmp_path / layout / "config.json").write_text(json.dumps(moe_text_config(source)))
+        save_file(tensors, tmp_path / layout / "model.safetensors")
+        loaded = load_model(tmp_path / layout)
+        assert loaded.config == source.config
+        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in source.state_dict().items()), layout
+
+
+def test_composite_moe_checkpoint_with_language_model_prefix_loads(tmp_path):
+    source = load_model("tiny-moe", seed=6)
+    text_config = moe_text_config(source)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": text_config}))
+    tensors = {(k if k == "lm_head.weight" else k.replace("model.", "model.language_model.", 1)): v
+               for k, v in per_expert_tensors(source).items()}
+    tensors["model.visual.blocks.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(2)  # ignored
+    save_file(tensors, tmp_path / "model.safetensors")
+    torch.testing.assert_close(logits(load_model(tmp_path), list(range(2, 30))), logits(source, list(range(2, 30))),
+                               rtol=0, atol=0)
+
+
+def test_checkpoint_missing_an_expert_is_a_checkpoint_error_naming_it(tmp_path):
+    source = load_model("tiny-moe")
+    (tmp_path / "config.json").write_text(json.dumps(moe_text_config(source)))
+    tensors = per_expert_tensors(source)
+    del tensors["model.layers.2.mlp.experts.6.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"lacks 1 expert tensors.*layers\.2\.mlp\.experts\.6\.up_proj"):
+        load_model(tmp_path)
+
+
+def test_expert_beyond_the_configs_count_is_a_checkpoint_error(tmp_path):
+    source = load_model("tiny-moe")
+    (tmp_path / "config.json").write_text(json.dumps({**moe_text_config(source), "num_experts": 6}))
+    save_file(per_expert_tensors(source), tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="expert 6, config.json has 6 experts"):
+        load_model(tmp_path)
+
+
+def test_transformers_default_moe_configs_read_as_transformers_builds_the_layers():
+    transformers = pytest.importorskip("transformers")
+    from worker_client.engine.config import GdnProjection, ModelConfig
+
+    text = ModelConfig.from_hf_dict(transformers.Qwen3_5MoeTextConfig().to_dict())
+    assert text == ModelConfig.from_hf_dict(transformers.Qwen3_5MoeConfig().to_dict())
+    assert text.moe.num_experts == 256 and text.moe.num_experts_per_tok == 8 and text.moe.dense_layers == ()
+    assert text.intermediate_size == 0 and text.gdn_projection is GdnProjection.SPLIT
+    next_ = ModelConfig.from_hf_dict(transformers.Qwen3NextConfig(decoder_sparse_step=2, mlp_only_layers=[5],
+                                                                  norm_topk_prob=False).to_dict())
+    assert next_.gdn_projection is GdnProjection.FUSED and next_.moe.norm_topk_prob is False
+    assert [i for i in range(8) if next_.is_moe_layer(i)] == [1, 3, 7]
+    dense = ModelConfig.from_hf_dict(transformers.Qwen3NextConfig(num_experts=0).to_dict())
+    assert dense.moe is None and dense.intermediate_size == 5632
+
+
+@pytest.mark.slow
+def test_weight_bytes_count_every_expert_as_transformers_does():
+    transformers = pytest.importorskip("transformers")
+    from worker_client.engine.config import ModelConfig
+    from worker_client.engine.sizing import weight_bytes
+
+    for config_class, model_class in ((transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+                                      (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM)):
+        hf_config = config_class()
+        with torch.device("meta"):
+            expected = sum(p.numel() for p in model_class(hf_config).parameters())  # 35B and 80B
+        assert weight_bytes(ModelConfig.from_hf_dict(hf_config.to_dict()), torch.bfloat16) == 2 * expected
+
+
+def test_default_pool_sizes_before_loading_leave_room_for_the_expert_weights(monkeypatch):
+    from dataclasses import replace
+
+    from worker_client.engine import sizing
+    from worker_client.engine.config import MoeConfig, tiny_config
+
+    gib = 1 << 30
+    monkeypatch.setattr(sizing, "available_bytes", lambda device: 40 * gib)
+    moe = replace(tiny_config(), intermediate_size=0, moe=MoeConfig(64, 4, 256, 64))  # 64 experts of 256 x 64
+    weights = sizing.weight_bytes(moe, torch.bfloat16)
+    assert weights > 4 * 64 * 3 * 256 * 64 * 2  # the experts of 4 layers alone, 2 bytes each
+    loaded = sizing.default_pool_sizes(moe, "cuda")
+    before = sizing.default_pool_sizes(moe, "cuda", weights_on_device=False)
+    assert loaded.num_gdn_slots == before.num_gdn_slots == 256
+    page_bytes = sizing.kv_page_bytes(moe, 16, torch.bfloat16)
+    assert abs((loaded.num_kv_pages - before.num_kv_pages) - 0.9 * weights / page_bytes) <= 1
+    monkeypatch.setattr(sizing, "available_bytes", lambda device: weights)
+    with pytest.raises(ModelDoesNotFit, match="after 0.02 GiB of weights"):
+        sizing.default_pool_sizes(moe, "cuda", weights_on_device=False)

@@ -91,8 +91,9 @@ def test_killed_worker_sequences_finish_on_the_other_worker_after_the_lease(
 
 
 def test_worker_restarted_under_the_same_id_loses_and_doubles_nothing(make_stack, make_clients):
-    # A long lease, so that the new process registers well before the old one's lease ends.
-    stack = make_stack(lease_ttl_ms=8000)
+    # A long lease, so that the new process registers well before the old one's lease ends
+    # (a worker process can take several seconds to start on a loaded machine).
+    stack = make_stack(lease_ttl_ms=30_000)
     jobs = make_jobs(NUM_SEQUENCES, seed=4)
     clients = make_clients(stack, jobs, submit_interval_seconds=0.01)
     victim = _wait_holding(stack, 3)

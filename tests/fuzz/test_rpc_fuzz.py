@@ -81,7 +81,8 @@ def test_a_finish_report_counting_uint32_max_tokens_after_a_requeue_reads_back(t
     """Regression (found writing these strategies; too deep for the random sequences to
     reach): tokens kept from a first assignment plus a finish report counting
     generated_tokens=2**32-1 overflowed SequenceInfo.generated_tokens (uint32), and
-    GetSequence answered INTERNAL."""
+    GetSequence answered INTERNAL. Then it was saturated at 2**32-1; now the core caps a
+    finish's count at what the sequence may generate (max_new_tokens in all)."""
     seq_id = target.call("Submit", pb.SubmitRequest(prompt_token_ids=[1, 2],
                                                     max_new_tokens=8)).response.seq_id
     stub = target.server.stub
@@ -100,7 +101,7 @@ def test_a_finish_report_counting_uint32_max_tokens_after_a_requeue_reads_back(t
 
     info = stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=RPC_TIMEOUT_SECONDS)
     assert info.state == pb.SEQUENCE_STATE_FINISHED
-    assert info.generated_tokens == UINT32_MAX   # saturated, not wrapped or an error
+    assert info.generated_tokens == 8   # max_new_tokens: not 2**32-1, wrapped or an error
     target.assert_serving()
 
 

@@ -206,14 +206,40 @@ def test_serve_rejects_an_invalid_setting_naming_it_and_its_source(tmp_path, fla
         assert name in result.stderr, result.stderr
 
 
-def test_serve_on_a_port_in_use_exits_non_zero_saying_so(served):
+@pytest.mark.parametrize("which", ["port", "metrics-port"])
+def test_serve_on_a_port_in_use_exits_2_with_one_line_naming_the_port(served, which):
+    """Regression (outside probe): a taken gRPC port printed a gRPC core line plus ours and
+    exited 1; a taken metrics port did not say which port."""
+    taken = served.port if which == "port" else served.metrics_port
+    ports = {"port": "0", "metrics-port": "0", which: str(taken)}
     result = _run(sys.executable, "-m", "service", "serve", "--host", LOOPBACK,
-                  "--port", str(served.port), "--metrics-port", "0",
+                  "--port", ports["port"], "--metrics-port", ports["metrics-port"],
                   timeout=EXIT_TIMEOUT_SECONDS)
-    assert result.returncode != 0
-    assert "address in use" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2
+    what = "gRPC port" if which == "port" else "metrics port"
+    assert result.stderr == (f"lattice-scheduler serve: {what} {taken} on {LOOPBACK} is already "
+                             f"in use (--{which}): stop what listens there, or choose another "
+                             f"port (0 picks a free one)\n")
     # The first server is untouched and still the only one answering there.
     assert _health(served.target) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_serve_on_a_zero_length_state_file_exits_2_with_one_line(spawn, tmp_path):
+    """Regression (outside probe): a zero-length scheduler.db started empty, no warning."""
+    state_dir = tmp_path / "state"
+    first = spawn("--state-dir", str(state_dir))
+    first.stub.Submit(pb.SubmitRequest(prompt_token_ids=[1], max_new_tokens=1),
+                      timeout=RPC_TIMEOUT_SECONDS)
+    first.stop()
+    for name in ("scheduler.db-wal", "scheduler.db-shm"):
+        (state_dir / name).unlink(missing_ok=True)
+    (state_dir / "scheduler.db").write_bytes(b"")
+    result = _run(*_serve_command("--state-dir", str(state_dir)), timeout=EXIT_TIMEOUT_SECONDS)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"lattice-scheduler serve: {state_dir / 'scheduler.db'}: "
+                                    "the file is empty (0 bytes)")
+    assert "restore the directory from a backup, or move it aside" in result.stderr
 
 
 def test_settings_precedence_is_defaults_then_config_file_then_env_then_flags(spawn, tmp_path):
@@ -290,9 +316,10 @@ def test_client_commands_report_rpc_errors_in_one_line_and_exit_non_zero(served)
     assert missing.returncode != 0
     assert "NOT_FOUND" in missing.stderr and "987654" in missing.stderr
     assert "Traceback" not in missing.stderr
-    invalid = _run(*_cli(), "submit", *target, "--prompt-ids", "1", "--max-new-tokens", "0")
-    assert invalid.returncode != 0
-    assert "INVALID_ARGUMENT" in invalid.stderr and "max_new_tokens" in invalid.stderr
+    # Within what the command checks itself, beyond the server's max_seq_len (4096).
+    invalid = _run(*_cli(), "submit", *target, "--prompt-ids", "1", "--max-new-tokens", "5000")
+    assert invalid.returncode == 1
+    assert "INVALID_ARGUMENT" in invalid.stderr and "max_seq_len" in invalid.stderr
 
 
 def test_drain_command_drains_and_resumes_a_worker_saying_what_is_still_on_it(served):

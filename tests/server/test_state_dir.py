@@ -102,7 +102,7 @@ def test_a_failed_start_releases_the_state_dir(tmp_path):
     try:
         clash = ServeSettings(host=LOOPBACK, port=first.port, metrics_port=0,
                               state_dir=str(tmp_path))
-        with pytest.raises(OSError, match="cannot listen"):
+        with pytest.raises(ConfigError, match=f"gRPC port {first.port} .* already in use"):
             start(clash, CollectorRegistry())
     finally:
         first.stop(0)

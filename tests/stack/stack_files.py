@@ -9,10 +9,10 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
 COMPOSE_FILE = REPO / "docker-compose.yml"
 COMPOSE_GPU_FILE = REPO / "docker-compose.gpu.yml"
-COMPOSE_SCHEMA = SHARED / "schemas" / "compose-spec.json"
+# Vendored (Apache-2.0, compose-spec/compose-spec; see tests/stack/vendor/README.md).
+COMPOSE_SCHEMA = Path(__file__).resolve().parent / "vendor" / "compose-spec.json"
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"

@@ -48,8 +48,9 @@ def test_chunk_size_equal_to_max_seq_len_is_accepted():
     SchedulerConfig(chunk_size=512, max_seq_len=512).validate()
 
 
-@pytest.mark.parametrize("name", ["max_batch_size", "chunk_size", "max_seq_len",
-                                  "prefill_reserve_pages", "max_queue", "lease_ttl_ms"])
+@pytest.mark.parametrize("name", ["max_batch_size", "max_worker_batch_size", "chunk_size",
+                                  "max_seq_len", "prefill_reserve_pages", "max_queue",
+                                  "lease_ttl_ms"])
 def test_values_beyond_uint32_are_rejected_naming_the_setting(name):
     too_big = 2**32
     overrides = {name: too_big}

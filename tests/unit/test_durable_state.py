@@ -423,24 +423,53 @@ def test_the_time_waited_before_a_restart_still_counts_towards_aging(kind, tmp_p
 
 
 def test_a_version_1_state_dir_is_migrated_and_its_queue_kept(tmp_path):
+    import json
     import sqlite3
-    state = Restartable("sqlite", tmp_path)
-    ids = [submit(state.sched) for _ in range(3)]
-    state.store.close()
+    import time
+
+    from service import state_sqlite
     db = sqlite3.connect(tmp_path / "scheduler.db")
-    # Version 1: the same table without the two columns version 2 added.
-    columns = [row[1] for row in db.execute("PRAGMA table_info(sequences)")
-               if row[1] not in ("submitted_at", "admission_order")]
-    db.executescript(f"CREATE TABLE v1 AS SELECT {', '.join(columns)} FROM sequences; "
-                     "DROP TABLE sequences; ALTER TABLE v1 RENAME TO sequences; "
-                     "DROP TABLE tenant_service; "
-                     "UPDATE meta SET value = 1 WHERE key = 'schema_version';")
+    db.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+        INSERT INTO meta VALUES ('schema_version', 1), ('next_seq_id', 4);
+        CREATE TABLE sequences (seq_id INTEGER PRIMARY KEY, params TEXT NOT NULL,
+            prompt BLOB NOT NULL, state INTEGER NOT NULL, worker_id TEXT, queue_key INTEGER,
+            cursor INTEGER NOT NULL, prefilled_tokens INTEGER NOT NULL,
+            num_generated INTEGER NOT NULL, num_generated_at_admission INTEGER NOT NULL,
+            finish_reason INTEGER, finish_order INTEGER NOT NULL DEFAULT 0);
+        CREATE TABLE workers (worker_id TEXT PRIMARY KEY, registration TEXT NOT NULL,
+            drain_requested INTEGER NOT NULL DEFAULT 0);
+    """)
+    params = {"request_id": "", "max_new_tokens": 4, "adapter_id": "", "priority": 0,
+              "tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}
+    for seq_id, key in ((1, 3), (2, 1), (3, 2)):  # queue order 2, 3, 1
+        db.execute("INSERT INTO sequences VALUES (?, ?, ?, 1, NULL, ?, 0, 0, 0, 0, NULL, 0)",
+                   (seq_id, json.dumps(params), state_sqlite._pack([5, 6]), key))
+    db.commit()
     db.close()
-    state.store = state._open()
-    state.sched = state._core()
-    assert queue_order(state.sched, ids) == ids
+    before = time.time()
+    state = Restartable("sqlite", tmp_path)
+    assert queue_order(state.sched, [1, 2, 3]) == [2, 3, 1]
     db = sqlite3.connect(tmp_path / "scheduler.db")
     assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (2,)
-    assert {row[1] for row in db.execute("PRAGMA table_info(sequences)")} >= {
-        "submitted_at", "admission_order"}
+    # Dated at the migration: their waiting counts from then on.
+    assert all(row[0] >= before for row in db.execute("SELECT submitted_at FROM sequences"))
     db.close()
+
+def test_a_failed_sequences_reason_and_the_last_incarnation_survive_a_restart(state):
+    sched = state.sched
+    seq_id = submit(sched)
+    register(sched, "gone")
+    last = register(sched, "w0").incarnation
+    sched.deregister_worker("gone")
+    admit(sched, "w0")
+    failure = finished(seq_id, FinishReason.FAILED)
+    sched.select_batch(report("w0", finished=[type(failure)(
+        seq_id, FinishReason.FAILED, 0, "token id 600 is outside the model's vocabulary of 512")]))
+    restarted = state.restart()
+    info = restarted.get_sequence(seq_id)
+    assert (info.finish_reason, info.error_message) == (
+        FinishReason.FAILED, "token id 600 is outside the model's vocabulary of 512")
+    assert restarted.read_output(seq_id, 0).error_message == info.error_message
+    assert [w.incarnation for w in restarted.status().workers] == [last]
+    assert register(restarted, "new").incarnation == last + 1

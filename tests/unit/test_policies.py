@@ -351,3 +351,21 @@ def test_queue_positions_follow_the_fair_order():
            [(1, "a"), (0, "b"), (0, "a"), (-1, "c"), (1, "b")]]
     positions = [sched.get_sequence(s).queue_position for s in ids]
     assert positions == [3, 1, 2, 0, 4]
+
+
+def test_a_queued_4000_token_prompt_costs_at_most_20_kib():
+    import random
+    import tracemalloc
+    sched = budget_scheduler(max_queue=1000)
+    rnd = random.Random(3)
+    prompts = [[rnd.randrange(1_000, 150_000) for _ in range(4000)] for _ in range(50)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for prompt in prompts:
+            sched.submit(SubmitParams(prompt_token_ids=prompt, max_new_tokens=8))
+        per_sequence = (tracemalloc.get_traced_memory()[0] - before) / len(prompts)
+    finally:
+        tracemalloc.stop()
+    # 16,000 bytes of token ids, and a small fixed cost per sequence (it was ~158 KB).
+    assert 16_000 <= per_sequence <= 20 * 1024, per_sequence

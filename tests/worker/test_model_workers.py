@@ -63,10 +63,10 @@ class Stack:
         self.workers: dict[str, subprocess.Popen] = {}
 
     def add_worker(self, worker_id: str, kv_pages: int, page_size: int = 4,
-                   gdn_slots: int = 8) -> None:
+                   gdn_slots: int = 8, model: str = "tiny") -> None:
         self.workers[worker_id] = subprocess.Popen(
             [sys.executable, "-m", "worker_client", "--scheduler", self.target,
-             "--worker-id", worker_id, "--model", "tiny", "--device", "cpu",
+             "--worker-id", worker_id, "--model", model, "--device", "cpu",
              "--kv-pages", str(kv_pages), "--page-size", str(page_size),
              "--gdn-slots", str(gdn_slots)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

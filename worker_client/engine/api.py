@@ -59,6 +59,7 @@ class FinishedSequence:
     seq_id: int
     reason: FinishReason
     generated_tokens: int
+    error_message: str = ""  # why, for FAILED: words a person can act on
 
 
 @dataclass(frozen=True)

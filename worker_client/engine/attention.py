@@ -1,11 +1,13 @@
-"""Qwen3.5's gated full attention (the "full_attention" layers)."""
+"""Qwen3.5's gated full attention (the "full_attention" layers; Qwen3-Next's are the same)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .batch import PackedBatch
 from .config import ModelConfig
+from .forward_cache import ForwardCache
 from .layers import RMSNorm, apply_rotary
 
 
@@ -13,7 +15,7 @@ class GatedAttention(nn.Module):
     """GQA attention with per-head q/k RMSNorm, partial RoPE and a sigmoid output gate.
 
     q_proj emits, per head, the query followed by its gate. Parameter names
-    match transformers' Qwen3_5Attention.
+    match transformers' Qwen3_5Attention (and Qwen3NextAttention).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -29,28 +31,45 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, hidden] -> (query, gate, key, value); q/k normed and rotated, [B, T, H, D]."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: PackedBatch,
+        cache: ForwardCache,
+        attention_layer: int,
+    ) -> torch.Tensor:
+        """x [num_tokens, hidden] packed -> [num_tokens, hidden]; this step's keys/values go to `cache`.
+
+        Projections and the gate run on the packed tokens; attention runs per row,
+        each row's queries over its own keys: all rows at once when they are of
+        equal length (decode), else row by row (no padding to the longest).
+        """
         query, gate = self.q_proj(x).unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, -1)
         key = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         value = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         query = apply_rotary(self.q_norm(query), cos, sin)
         key = apply_rotary(self.k_norm(key), cos, sin)
-        return query, gate, key, value
+        keys, values = cache.keys_values(attention_layer, key, value)
+        if batch.is_rectangular:
+            out = batch.unpad(self.attend(batch.pad(query), keys, values, batch.padded_positions))
+        else:
+            # Each row over its own keys only: positions up to its last query's.
+            num_keys = (batch.positions[batch.last_token_index] + 1).tolist()
+            out = torch.cat([
+                self.attend(query[rows][None], keys[b : b + 1, : num_keys[b]], values[b : b + 1, : num_keys[b]],
+                            batch.positions[rows][None])[0]
+                for b, rows in enumerate(batch.row_slices())
+            ])
+        return self.o_proj((out * torch.sigmoid(gate)).flatten(1))
 
     def attend(
-        self,
-        query: torch.Tensor,
-        gate: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        positions: torch.Tensor,
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """Causal attention of query [B, T, H, D] at `positions` [B, T] over keys/values [B, L, Hkv, D].
 
-        Key index j is position j; a query sees keys j <= its position.
+        Key index j is position j; a query sees keys j <= its position. Returns [B, T, H, D].
         """
         key_index = torch.arange(keys.shape[1], device=keys.device)
         mask = key_index[None, None, :] <= positions[:, :, None]  # [B, T, L]
@@ -61,5 +80,4 @@ class GatedAttention(nn.Module):
             query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=mask[:, None], scale=self.head_dim**-0.5,
         )
-        out = out.transpose(1, 2) * torch.sigmoid(gate)
-        return self.o_proj(out.flatten(2))
+        return out.transpose(1, 2)

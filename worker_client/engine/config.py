@@ -1,21 +1,26 @@
-"""The model config of a Qwen3.5 text model (transformers' model_type "qwen3_5_text").
+"""The model config of the Qwen3.5 family's text models, dense and mixture-of-experts.
 
-`ModelConfig.from_hf_dict` reads the dict of a HF `config.json`, either the text
-config itself or a composite config (model_type "qwen3_5") with a `text_config`.
+`ModelConfig.from_hf_dict` reads the dict of a HF `config.json`: a text config
+("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next") or a composite
+(vision-language) config ("qwen3_5", "qwen3_5_moe") with a `text_config`.
 """
 from __future__ import annotations
 
 import enum
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
 
 TEXT_MODEL_TYPE = "qwen3_5_text"
-COMPOSITE_MODEL_TYPE = "qwen3_5"
+MOE_TEXT_MODEL_TYPE = "qwen3_5_moe_text"
+NEXT_MODEL_TYPE = "qwen3_next"
+# Composite (vision-language) model types and the text model type they wrap.
+COMPOSITE_MODEL_TYPES = {"qwen3_5": TEXT_MODEL_TYPE, "qwen3_5_moe": MOE_TEXT_MODEL_TYPE}
+SUPPORTED_MODEL_TYPES = (TEXT_MODEL_TYPE, MOE_TEXT_MODEL_TYPE, NEXT_MODEL_TYPE)
 
 
 class LayerType(enum.Enum):
@@ -25,13 +30,43 @@ class LayerType(enum.Enum):
     FULL_ATTENTION = "full_attention"
 
 
+class GdnProjection(enum.Enum):
+    """How a Gated DeltaNet layer's input projections are stored."""
+
+    # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Qwen3.5, dense and MoE).
+    SPLIT = "split"
+    # in_proj_qkvz and in_proj_ba, rows grouped by key head (Qwen3-Next).
+    FUSED = "fused"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Sparse mixture-of-experts feed-forward blocks with a gated shared expert."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    # Rescale each token's top-k routing weights to sum to 1 (Qwen3.5 MoE always does).
+    norm_topk_prob: bool = True
+    # Layers that keep the dense MLP instead (Qwen3-Next's mlp_only_layers / decoder_sparse_step).
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
+                              f"[1, num_experts {self.num_experts}]")
+        if min(self.moe_intermediate_size, self.shared_expert_intermediate_size) < 1:
+            raise ConfigError("moe_intermediate_size and shared_expert_intermediate_size must be >= 1")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a Qwen3.5 text model; immutable once read."""
+    """Shapes and constants of a Qwen3.5-family text model; immutable once read."""
 
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # of the dense MLP; 0 when every layer is a MoE block
     layer_types: tuple[LayerType, ...]
     # Full (gated) attention layers.
     num_attention_heads: int
@@ -49,6 +84,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 32768
+    moe: MoeConfig | None = None  # None: a dense MLP in every layer
+    gdn_projection: GdnProjection = GdnProjection.SPLIT
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -57,6 +94,8 @@ class ModelConfig:
             raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ConfigError(f"rotary dim {self.rotary_dim} must be even and at most head_dim")
+        if self.intermediate_size < 1 and not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
+            raise ConfigError("intermediate_size must be >= 1 when a layer has a dense MLP")
 
     @property
     def num_hidden_layers(self) -> int:
@@ -88,26 +127,31 @@ class ModelConfig:
         """Channels of the short causal convolution: q, k and v together."""
         return 2 * self.linear_key_dim + self.linear_value_dim
 
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether layer `layer_index` has a sparse MoE block (else the dense MLP)."""
+        return self.moe is not None and layer_index not in self.moe.dense_layers
+
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any]) -> ModelConfig:
-        """Read a HF config dict; raises ConfigError for anything but Qwen3.5 text."""
+        """Read a HF config dict; raises ConfigError for anything but the supported text models."""
         model_type = raw.get("model_type")
         outer: Mapping[str, Any] = {}
-        if model_type == COMPOSITE_MODEL_TYPE or "text_config" in raw:
+        if model_type in COMPOSITE_MODEL_TYPES or "text_config" in raw:
             outer, raw = raw, raw.get("text_config") or {}
-            model_type = raw.get("model_type", TEXT_MODEL_TYPE)
-        if model_type != TEXT_MODEL_TYPE:
+            model_type = raw.get("model_type", COMPOSITE_MODEL_TYPES.get(model_type, TEXT_MODEL_TYPE))
+        if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"model_type {model_type!r} is not supported; this engine runs "
-                f"{TEXT_MODEL_TYPE!r} (or {COMPOSITE_MODEL_TYPE!r} with a text_config)"
+                f"{', '.join(map(repr, SUPPORTED_MODEL_TYPES))} (or "
+                f"{' / '.join(map(repr, COMPOSITE_MODEL_TYPES))} with a text_config)"
             )
         try:
-            return cls._from_text_dict(raw, outer)
+            return cls._from_text_dict(model_type, raw, outer)
         except KeyError as missing:
             raise ConfigError(f"config is missing the required key {missing}") from None
 
     @classmethod
-    def _from_text_dict(cls, raw: Mapping[str, Any], outer: Mapping[str, Any]) -> ModelConfig:
+    def _from_text_dict(cls, model_type: str, raw: Mapping[str, Any], outer: Mapping[str, Any]) -> ModelConfig:
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -128,10 +172,11 @@ class ModelConfig:
             raise ConfigError(f"unknown layer type: {bad}") from None
         eos = raw.get("eos_token_id", outer.get("eos_token_id"))
         tie = raw.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))
+        moe = _moe_config(model_type, raw, num_layers)
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
+            intermediate_size=raw["intermediate_size"] if _needs_dense_mlp(moe) else 0,
             layer_types=parsed_types,
             num_attention_heads=raw["num_attention_heads"],
             num_key_value_heads=raw["num_key_value_heads"],
@@ -149,7 +194,39 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             eos_token_ids=_as_id_tuple(eos),
             max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            moe=moe,
+            gdn_projection=GdnProjection.FUSED if model_type == NEXT_MODEL_TYPE else GdnProjection.SPLIT,
         )
+
+
+def _moe_config(model_type: str, raw: Mapping[str, Any], num_layers: int) -> MoeConfig | None:
+    """The MoE blocks as transformers builds them for `model_type`; None for a dense model."""
+    if model_type == TEXT_MODEL_TYPE:
+        return None
+    if model_type == MOE_TEXT_MODEL_TYPE:
+        # Qwen3_5MoeDecoderLayer: a sparse block in every layer; the router always renormalises.
+        dense_layers: tuple[int, ...] = ()
+        norm_topk_prob = True
+    else:
+        # Qwen3NextDecoderLayer: sparse where not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+        if raw["num_experts"] <= 0:
+            return None
+        step = raw.get("decoder_sparse_step", 1)
+        mlp_only = set(raw.get("mlp_only_layers") or ())
+        dense_layers = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step)
+        norm_topk_prob = bool(raw.get("norm_topk_prob", True))
+    return MoeConfig(
+        num_experts=raw["num_experts"],
+        num_experts_per_tok=raw["num_experts_per_tok"],
+        moe_intermediate_size=raw["moe_intermediate_size"],
+        shared_expert_intermediate_size=raw["shared_expert_intermediate_size"],
+        norm_topk_prob=norm_topk_prob,
+        dense_layers=dense_layers,
+    )
+
+
+def _needs_dense_mlp(moe: MoeConfig | None) -> bool:
+    return moe is None or len(moe.dense_layers) > 0
 
 
 def load_config(model_dir: Path) -> ModelConfig:
@@ -183,6 +260,22 @@ def tiny_config() -> ModelConfig:
         linear_conv_kernel_dim=4,
         eos_token_ids=(1,),
     )
+
+
+def tiny_moe_config() -> ModelConfig:
+    """tiny_config() as a Qwen3.5 MoE: 8 experts, top-2, and a shared expert in every layer."""
+    return _with_moe(tiny_config(), GdnProjection.SPLIT)
+
+
+def tiny_next_config() -> ModelConfig:
+    """tiny_config() as a Qwen3-Next: fused GDN projections, 8 experts, top-2, a shared expert."""
+    return _with_moe(tiny_config(), GdnProjection.FUSED)
+
+
+def _with_moe(config: ModelConfig, gdn_projection: GdnProjection) -> ModelConfig:
+    moe = MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=64)
+    return replace(config, intermediate_size=0, moe=moe, gdn_projection=gdn_projection)
 
 
 def _default_layer_types(num_layers: int, full_attention_interval: int) -> list[str]:

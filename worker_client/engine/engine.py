@@ -1,36 +1,44 @@
 """ModelEngine: the reference implementation of api.Engine on a Qwen3.5 model."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from .api import ChunkWork, FinishReason, SequenceSpec, StepOutput
+from .batch import PackedBatch
 from .kv_cache import PagedKVCache
 from .model import Qwen35ForCausalLM
 from .paged_forward_cache import PagedForwardCache
 from .sampling import SamplingParams, sample_token
-from .sequence import HeldSequence, StepRecorder
+from .sequence import HeldSequence, PrefillSegment, StepRecorder
 from .sizing import PoolSizes, check_pools_fit, default_pool_sizes
+from .state_pool import GdnStatePool
 
 __all__ = ["ModelEngine", "default_pool_sizes"]
-from .state_pool import GdnStatePool
+
+# Padded tokens (rows x longest row) of one packed prefill forward: bounds its activations
+# (the attention scores of a row are its chunk x its context) while packing a step's chunks.
+DEFAULT_MAX_PREFILL_TOKENS = 8192
 
 
 class ModelEngine:
     """Runs scheduler decisions on a model with a paged KV cache and a GDN state pool.
 
-    `step` first runs the prefill chunks in order (one forward each), then one
-    batched decode forward over the running sequences named (split into
-    forwards of at most `max_batch_size` rows). Ids the engine does not hold
-    and chunks of length 0 are ignored; a chunk overlapping what is already
-    prefilled runs only its new tokens; a chunk starting past it (a lost
-    decision) preempts the sequence. When pages run out, the latest admitted sequence that
-    holds pages (possibly the one being extended) is preempted; a chunk with a
-    spec that finds no free GDN slot is preempted too. A sequence that could not
-    fit even in the whole pool, or whose prompt is empty or out of the
-    vocabulary, finishes FAILED. A sequence can appear in `tokens` and
-    `preempted` in the same step (it sampled, then lost its pages).
+    `step` first runs the prefill chunks, packed into one forward (several when
+    they are from more than `max_prefill_sequences` sequences or would pad to more
+    than `max_prefill_tokens`), then one batched
+    decode forward over the running sequences named (split into forwards of at
+    most `max_batch_size` rows). Chunks are read in order: ids the engine does
+    not hold and chunks of length 0 are ignored; a chunk overlapping what is
+    already prefilled (or planned this step) adds only its new tokens; a chunk
+    starting past it (a lost decision) preempts the sequence. When pages run
+    out, the latest admitted sequence that holds pages (possibly the one being
+    extended) is preempted, and its chunks planned this step are dropped; a
+    chunk with a spec that finds no free GDN slot is preempted too. A sequence
+    that could not fit even in the whole pool, or whose prompt is empty or out
+    of the vocabulary, finishes FAILED. A sequence can appear in `tokens` and
+    `preempted` in the same step (it sampled in prefill, then lost its pages in decode).
     """
 
     def __init__(
@@ -42,10 +50,21 @@ class ModelEngine:
         num_gdn_slots: int,
         device: str | torch.device,
         max_batch_size: int | None = None,
+        max_prefill_sequences: int | None = None,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     ) -> None:
-        """Allocates the pools on `device` (the model must be there); raises ModelDoesNotFit."""
-        if min(num_kv_pages, page_size, num_gdn_slots, max_batch_size or 1) < 1:
-            raise ValueError("num_kv_pages, page_size, num_gdn_slots and max_batch_size must be >= 1")
+        """Allocates the pools on `device` (the model must be there); raises ModelDoesNotFit.
+
+        `max_batch_size` (default: num_gdn_slots) bounds the rows of a decode forward,
+        `max_prefill_sequences` (default: max_batch_size) the sequences packed into one
+        prefill forward (1: one forward per sequence's chunk), and `max_prefill_tokens`
+        its padded size, rows x longest row (a longer single chunk still runs, alone).
+        """
+        limits = (num_kv_pages, page_size, num_gdn_slots, max_batch_size or 1, max_prefill_sequences or 1,
+                  max_prefill_tokens)
+        if min(limits) < 1:
+            raise ValueError("num_kv_pages, page_size, num_gdn_slots, max_batch_size, "
+                             "max_prefill_sequences and max_prefill_tokens must be >= 1")
         self.device = torch.device(device)
         config = model.config
         self.model = model
@@ -53,6 +72,8 @@ class ModelEngine:
         self.total_kv_pages = num_kv_pages
         self.total_gdn_slots = num_gdn_slots
         self.max_batch_size = max_batch_size or num_gdn_slots
+        self.max_prefill_sequences = max_prefill_sequences or self.max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         dtype = model.dtype
         check_pools_fit(config, PoolSizes(num_kv_pages, page_size, num_gdn_slots), self.device, dtype)
         self._kv_cache = PagedKVCache(
@@ -88,42 +109,53 @@ class ModelEngine:
     def step(self, prefill: Sequence[ChunkWork], decode: Sequence[int]) -> StepOutput:
         recorder = StepRecorder()
         with torch.inference_mode():
-            for chunk in prefill:
-                self._prefill_chunk(chunk, recorder)
+            self._prefill(self._plan_prefill(prefill, recorder), recorder)
             self._decode(decode, recorder)
         return recorder.output()
 
     # Prefill.
 
-    def _prefill_chunk(self, chunk: ChunkWork, recorder: StepRecorder) -> None:
-        if chunk.spec is not None:
-            self._release(chunk.seq_id)
-            self._admit(chunk.seq_id, chunk.spec, recorder)
-        held = self._held.get(chunk.seq_id)
-        if held is None or held.is_running:
-            return
-        if chunk.chunk_start > held.num_prefilled:
-            # A decision was lost on the way: give the sequence back rather than prefill around a gap.
-            self._release(held.seq_id)
-            recorder.preempt(held.seq_id)
-            return
-        # A chunk overlapping what is already prefilled (a retransmission) only adds its new part.
-        chunk_end = min(chunk.chunk_start + chunk.chunk_len, held.prompt_len)
-        num_tokens = chunk_end - held.num_prefilled
-        if num_tokens <= 0 or not self._reserve(held, num_tokens, recorder):
-            return
-        start = held.num_prefilled
-        token_ids = torch.tensor([held.token_ids[start : start + num_tokens]], device=self.device)
-        positions = torch.arange(start, start + num_tokens, device=self.device)[None]
-        logits = self._forward([held], token_ids, positions)
-        held.num_prefilled += num_tokens
-        if held.is_running:
-            self._emit(held, logits[0], recorder)
+    def _plan_prefill(self, prefill: Sequence[ChunkWork], recorder: StepRecorder) -> list[PrefillSegment]:
+        """Admit, check and reserve KV room for every chunk; the prompt tokens each sequence adds this step."""
+        planned: dict[int, PrefillSegment] = {}
+        for chunk in prefill:
+            if chunk.spec is not None:
+                self._release(chunk.seq_id)
+                self._admit(chunk.seq_id, chunk.spec, recorder)
+            held = self._held.get(chunk.seq_id)
+            if held is None or held.is_running:
+                continue
+            segment = planned.get(chunk.seq_id)
+            if segment is None or segment.held is not held:  # nothing yet, or planned for a restarted one
+                segment = planned[chunk.seq_id] = PrefillSegment(held, held.num_prefilled, 0)
+            if chunk.chunk_start > segment.end:
+                # A decision was lost on the way: give the sequence back rather than prefill around a gap.
+                self._release(held.seq_id)
+                recorder.preempt(held.seq_id)
+                continue
+            # A chunk overlapping what is already prefilled (a retransmission) only adds its new part.
+            num_tokens = min(chunk.chunk_start + chunk.chunk_len, held.prompt_len) - segment.end
+            if num_tokens > 0 and self._reserve(held, num_tokens, recorder):
+                segment.num_tokens += num_tokens
+        # Sequences released while planning (preempted by a later chunk, restarted) run nothing.
+        return [s for s in planned.values() if s.num_tokens > 0 and self._held.get(s.held.seq_id) is s.held]
+
+    def _prefill(self, segments: list[PrefillSegment], recorder: StepRecorder) -> None:
+        """Run the planned tokens, packed; sample the first token of every prompt completed."""
+        for group in self._prefill_groups(segments):
+            token_ids = [t for s in group for t in s.held.token_ids[s.start : s.end]]
+            positions = [p for s in group for p in range(s.start, s.end)]
+            logits = self._forward([s.held for s in group], token_ids, [s.num_tokens for s in group], positions)
+            for row, segment in enumerate(group):
+                held = segment.held
+                held.num_prefilled = segment.end
+                if held.is_running:
+                    self._emit(held, logits[row], recorder)
 
     def _admit(self, seq_id: int, spec: SequenceSpec, recorder: StepRecorder) -> None:
-        vocab_size = self.model.config.vocab_size
-        if not spec.prompt_token_ids or not all(0 <= t < vocab_size for t in spec.prompt_token_ids):
-            recorder.finish(seq_id, FinishReason.FAILED, 0)
+        problem = _prompt_problem(spec.prompt_token_ids, self.model.config.vocab_size)
+        if problem is not None:
+            recorder.finish(seq_id, FinishReason.FAILED, 0, problem)
             return
         if spec.max_new_tokens <= 0:
             recorder.finish(seq_id, FinishReason.MAX_LENGTH, 0)
@@ -138,6 +170,21 @@ class ModelEngine:
             sampling=SamplingParams.from_spec(spec), token_ids=list(spec.prompt_token_ids),
         )
 
+    def _prefill_groups(self, segments: list[PrefillSegment]) -> Iterator[list[PrefillSegment]]:
+        """Consecutive segments in groups within max_prefill_sequences and max_prefill_tokens (padded)."""
+        group: list[PrefillSegment] = []
+        longest = 0
+        for segment in segments:
+            longest_with = max(longest, segment.num_tokens)
+            if group and (len(group) == self.max_prefill_sequences
+                          or (len(group) + 1) * longest_with > self.max_prefill_tokens):
+                yield group
+                group, longest_with = [], segment.num_tokens
+            group.append(segment)
+            longest = longest_with
+        if group:
+            yield group
+
     # Decode.
 
     def _decode(self, decode: Sequence[int], recorder: StepRecorder) -> None:
@@ -149,20 +196,22 @@ class ModelEngine:
         running = [held for held in batch.values() if held.seq_id in self._held]
         for first in range(0, len(running), self.max_batch_size):
             group = running[first : first + self.max_batch_size]
-            token_ids = torch.tensor([[h.token_ids[-1]] for h in group], device=self.device)
-            positions = torch.tensor([[len(h.token_ids) - 1] for h in group], device=self.device)
-            logits = self._forward(group, token_ids, positions)
+            token_ids = [h.token_ids[-1] for h in group]
+            positions = [len(h.token_ids) - 1 for h in group]
+            logits = self._forward(group, token_ids, [1] * len(group), positions)
             for row, held in enumerate(group):
                 self._emit(held, logits[row], recorder)
 
     # Shared.
 
-    def _forward(self, group: list[HeldSequence], token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [B, vocab] of each row's last token; caches updated in place."""
+    def _forward(self, group: list[HeldSequence], token_ids: list[int], seq_lens: list[int],
+                 positions: list[int]) -> torch.Tensor:
+        """Logits [rows, vocab] of each row's last token; row i has seq_lens[i] packed tokens. Caches updated in place."""
+        batch = PackedBatch(seq_lens, torch.tensor(positions, device=self.device))
         cache = PagedForwardCache(
-            self._kv_cache, self._state_pool, [h.seq_id for h in group], [h.slot for h in group], positions
+            self._kv_cache, self._state_pool, [h.seq_id for h in group], [h.slot for h in group], batch
         )
-        return self.model(token_ids, positions, cache, last_only=True)
+        return self.model.forward_packed(torch.tensor(token_ids, device=self.device), batch, cache, last_only=True)
 
     def _emit(self, held: HeldSequence, logits: torch.Tensor, recorder: StepRecorder) -> None:
         """Sample the next token of `held`, report it, and finish the sequence if it ends here."""
@@ -178,9 +227,12 @@ class ModelEngine:
     def _reserve(self, held: HeldSequence, num_tokens: int, recorder: StepRecorder) -> bool:
         """Reserve KV room for `num_tokens` more tokens, preempting others; False if `held` itself lost."""
         kv = self._kv_cache
-        if kv.num_pages_for(kv.num_tokens(held.seq_id) + num_tokens) > kv.num_pages:
+        num_pages_needed = kv.num_pages_for(kv.num_tokens(held.seq_id) + num_tokens)
+        if num_pages_needed > kv.num_pages:
             self._release(held.seq_id)
-            recorder.finish(held.seq_id, FinishReason.FAILED, held.num_generated)
+            recorder.finish(held.seq_id, FinishReason.FAILED, held.num_generated,
+                            f"the sequence needs {num_pages_needed} KV pages of {kv.page_size} tokens, "
+                            f"more than the worker's {kv.num_pages} in all")
             return False
         while not kv.can_append(held.seq_id, num_tokens):
             victim = max(
@@ -201,3 +253,13 @@ class ModelEngine:
             return
         self._kv_cache.free(seq_id)
         self._state_pool.release(held.slot)
+
+
+def _prompt_problem(prompt_token_ids: Sequence[int], vocab_size: int) -> str | None:
+    """Why the engine cannot run this prompt, or None (checked before it runs)."""
+    if not prompt_token_ids:
+        return "the prompt is empty"
+    for token_id in prompt_token_ids:
+        if not 0 <= token_id < vocab_size:
+            return f"token id {token_id} is outside the model's vocabulary of {vocab_size}"
+    return None

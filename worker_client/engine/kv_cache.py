@@ -72,10 +72,10 @@ class PagedKVCache:
         self._free_pages.extend(reversed(self._page_tables.pop(seq_id, [])))
         self._num_tokens.pop(seq_id, None)
 
-    def slot_indices(self, seq_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
-        """Flat indices (page * page_size + offset) of reserved `positions` [B, T] of each row's sequence."""
+    def slot_indices(self, seq_ids: list[int], rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat indices (page * page_size + offset) of reserved `positions` [N]; token i belongs to seq_ids[rows[i]]."""
         tables = self.page_tables(seq_ids, positions.device)
-        pages = torch.gather(tables, 1, positions // self.page_size)
+        pages = tables[rows, positions // self.page_size]
         return pages * self.page_size + positions % self.page_size
 
     def page_tables(self, seq_ids: list[int], device: torch.device) -> torch.Tensor:
@@ -85,10 +85,10 @@ class PagedKVCache:
         return torch.tensor(rows, dtype=torch.long, device=device)
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store keys/values [B, T, H, D] at flat `slots` [B, T] of `layer`."""
+        """Store keys/values [N, H, D] at flat `slots` [N] of `layer`."""
         flat_shape = (-1, *self.keys.shape[-2:])
-        self.keys[layer].view(flat_shape)[slots.flatten()] = keys.flatten(0, 1).to(self.keys.dtype)
-        self.values[layer].view(flat_shape)[slots.flatten()] = values.flatten(0, 1).to(self.values.dtype)
+        self.keys[layer].view(flat_shape)[slots] = keys.to(self.keys.dtype)
+        self.values[layer].view(flat_shape)[slots] = values.to(self.values.dtype)
 
     def gather(self, layer: int, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, length, H, D] of positions [0, length) through page `tables` [B, P]."""

@@ -2,19 +2,23 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .config import ModelConfig, load_config, tiny_config
+from .checkpoint import read_checkpoint
+from .config import ModelConfig, load_config, tiny_config, tiny_moe_config, tiny_next_config
 from .errors import CheckpointError
 from .model import Qwen35ForCausalLM
 
-TINY = "tiny"
-# Tensors of composite (vision-language) checkpoints that a text model does not use.
-_IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.")
-_COMPOSITE_PREFIX = "model.language_model."
+# `--model` names of random-weight models (weights fully determined by the seed).
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny_config,            # dense Qwen3.5 (qwen3_5_text)
+    "tiny-moe": tiny_moe_config,    # Qwen3.5 MoE (qwen3_5_moe_text)
+    "tiny-next": tiny_next_config,  # Qwen3-Next (qwen3_next)
+}
 
 
 def load_model(
@@ -25,12 +29,13 @@ def load_model(
 ) -> Qwen35ForCausalLM:
     """Return an eval-mode model on `device` in `dtype`.
 
-    `source` is "tiny" (tiny_config() with random weights fully determined by
-    `seed`) or a directory with config.json and *.safetensors as transformers
-    writes them. Raises ConfigError / CheckpointError with the reason.
+    `source` is a preset name (PRESETS: "tiny", "tiny-moe", "tiny-next"; random
+    weights fully determined by `seed`) or a directory with config.json and
+    *.safetensors as transformers writes them. Raises ConfigError /
+    CheckpointError with the reason.
     """
-    if str(source) == TINY:
-        model = random_model(tiny_config(), seed)
+    if str(source) in PRESETS:
+        model = random_model(PRESETS[str(source)](), seed)
         return model.to(device=device, dtype=dtype).eval()
     model_dir = Path(source)
     config = load_config(model_dir)
@@ -81,45 +86,17 @@ def _random_init(name: str, param: torch.Tensor, generator: torch.Generator) -> 
 def _load_checkpoint(
     model_dir: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> Qwen35ForCausalLM:
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {model_dir}")
     with torch.device("meta"):
         model = Qwen35ForCausalLM(config)
     expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for raw_name in handle.keys():
-                name = _canonical_name(raw_name)
-                if name is None:
-                    continue
-                if name not in expected:
-                    raise CheckpointError(f"{file.name}: unexpected tensor {raw_name!r}")
-                tensor = handle.get_tensor(raw_name)
-                if tuple(tensor.shape) != tuple(expected[name]):
-                    raise CheckpointError(
-                        f"{file.name}: {raw_name!r} has shape {tuple(tensor.shape)}, "
-                        f"config.json implies {tuple(expected[name])}"
-                    )
-                tensors[name] = tensor.to(device=device, dtype=dtype)
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(tensors) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    tensors = read_checkpoint(model_dir, expected, device, dtype)
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    for name in optional:
+        tensors.pop(name, None)
+    missing = sorted(set(expected) - set(tensors) - optional)
     if missing:
         raise CheckpointError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.load_state_dict(tensors, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
-
-
-def _canonical_name(raw_name: str) -> str | None:
-    """The model's parameter name for a checkpoint tensor; None for tensors a text model ignores."""
-    if raw_name.startswith(_COMPOSITE_PREFIX):
-        return "model." + raw_name[len(_COMPOSITE_PREFIX):]
-    if raw_name.startswith(_IGNORED_PREFIXES):
-        return None
-    return raw_name

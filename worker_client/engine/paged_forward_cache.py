@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import torch
 
+from .batch import PackedBatch
 from .forward_cache import GdnState
 from .kv_cache import PagedKVCache
 from .state_pool import GdnStatePool
 
 
 class PagedForwardCache:
-    """Reads and writes the pages and GDN slots of `seq_ids` for tokens at `positions` [B, T].
+    """Reads and writes the pages and GDN slots of `seq_ids` (one per row of `batch`).
 
-    The positions must already be reserved in `kv_cache` (PagedKVCache.append).
+    The batch's positions must already be reserved in `kv_cache` (PagedKVCache.append).
     """
 
     def __init__(
@@ -20,15 +21,15 @@ class PagedForwardCache:
         state_pool: GdnStatePool,
         seq_ids: list[int],
         slots: list[int],
-        positions: torch.Tensor,
+        batch: PackedBatch,
     ) -> None:
-        device = positions.device
+        device = batch.positions.device
         self._kv_cache = kv_cache
         self._state_pool = state_pool
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
-        self._write_slots = kv_cache.slot_indices(seq_ids, positions)
+        self._write_slots = kv_cache.slot_indices(seq_ids, batch.row_of_token, batch.positions)
         self._page_tables = kv_cache.page_tables(seq_ids, device)
-        self._length = int(positions.max().item()) + 1
+        self._length = int(batch.positions.max().item()) + 1
 
     def gdn_state(self, linear_layer: int) -> GdnState | None:
         return self._state_pool.read(linear_layer, self._slots)

@@ -45,6 +45,19 @@ class HeldSequence:
 
 
 @dataclass
+class PrefillSegment:
+    """Prompt tokens [start, start + num_tokens) of `held` planned for this step's prefill forward."""
+
+    held: HeldSequence
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
 class StepRecorder:
     """Accumulates one step's tokens, finished and preempted sequences."""
 
@@ -55,8 +68,9 @@ class StepRecorder:
     def token(self, seq_id: int, token_id: int) -> None:
         self.tokens.setdefault(seq_id, []).append(token_id)
 
-    def finish(self, seq_id: int, reason: FinishReason, generated_tokens: int) -> None:
-        self.finished.append(FinishedSequence(seq_id, reason, generated_tokens))
+    def finish(self, seq_id: int, reason: FinishReason, generated_tokens: int,
+               error_message: str = "") -> None:
+        self.finished.append(FinishedSequence(seq_id, reason, generated_tokens, error_message))
 
     def preempt(self, seq_id: int) -> None:
         self.preempted.append(seq_id)

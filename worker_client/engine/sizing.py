@@ -8,6 +8,7 @@ import torch
 from .config import ModelConfig
 from .errors import ModelDoesNotFit
 from .kv_cache import PagedKVCache
+from .model import Qwen35ForCausalLM
 from .state_pool import GdnStatePool
 
 DEFAULT_PAGE_SIZE = 16
@@ -45,6 +46,18 @@ def gdn_slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     )
 
 
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Device memory of the model's weights in `dtype`, every expert of every MoE block included."""
+    return num_parameters(config) * torch.empty((), dtype=dtype).element_size()
+
+
+def num_parameters(config: ModelConfig) -> int:
+    """Parameters of the model `config` describes (tied embeddings counted once)."""
+    with torch.device("meta"):
+        model = Qwen35ForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def pool_bytes(config: ModelConfig, sizes: PoolSizes, dtype: torch.dtype) -> int:
     return (sizes.num_kv_pages * kv_page_bytes(config, sizes.page_size, dtype)
             + sizes.num_gdn_slots * gdn_slot_bytes(config, dtype))
@@ -71,33 +84,40 @@ def default_pool_sizes(
     *,
     page_size: int = DEFAULT_PAGE_SIZE,
     dtype: torch.dtype | None = None,
+    weights_on_device: bool = True,
 ) -> PoolSizes:
-    """Sensible pools for `device` (call after the weights are on it).
+    """Sensible pools for `device`.
 
     `dtype` is the model's; None means the usual one for the device (bfloat16
-    on CUDA, float32 on CPU). CPU: 8 slots and pages for 8 x 4096 tokens, within
-    1 GiB or a quarter of free RAM. CUDA: 90% of free memory minus 2 GiB, a
-    quarter of it (at most 256 slots) for GDN slots and the rest for pages.
-    Raises ModelDoesNotFit when not even one slot and one page fit.
+    on CUDA, float32 on CPU). The free memory counted is what the device has
+    now, less the weights (weight_bytes: embeddings, every layer, every expert
+    of every MoE block) when `weights_on_device` is False, i.e. when sizing
+    before loading. CPU: 8 slots and pages for 8 x 4096 tokens, within 1 GiB
+    or a quarter of that memory. CUDA: 90% of it minus 2 GiB, a quarter of it
+    (at most 256 slots) for GDN slots and the rest for pages. Raises
+    ModelDoesNotFit when not even one slot and one page fit.
     """
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     page_bytes = kv_page_bytes(config, page_size, dtype)
     slot_bytes = gdn_slot_bytes(config, dtype)
+    weights = 0 if weights_on_device else weight_bytes(config, dtype)
+    free = available_bytes(device) - weights
     if device.type == "cuda":
-        budget = int(available_bytes(device) * _CUDA_USABLE_FRACTION) - _CUDA_RESERVED_BYTES
+        budget = int(free * _CUDA_USABLE_FRACTION) - _CUDA_RESERVED_BYTES
         num_slots = min(_CUDA_MAX_GDN_SLOTS, int(budget * _CUDA_GDN_SHARE) // max(slot_bytes, 1))
         num_pages = (budget - num_slots * slot_bytes) // max(page_bytes, 1)
     else:
-        budget = min(_CPU_BUDGET_BYTES, available_bytes(device) // 4)
+        budget = min(_CPU_BUDGET_BYTES, free // 4)
         num_slots = _CPU_NUM_GDN_SLOTS
         wanted_pages = num_slots * _CPU_MAX_TOKENS_PER_SEQUENCE // page_size
         num_pages = min(wanted_pages, (budget - num_slots * slot_bytes) // max(page_bytes, 1))
     if num_slots < 1 or num_pages < 1:
+        weights_note = "" if weights_on_device else f" after {weights / _GIB:.2f} GiB of weights"
         raise ModelDoesNotFit(
-            f"{device}: about {max(budget, 0) / _GIB:.2f} GiB left for caches, but one GDN slot takes "
-            f"{slot_bytes / _GIB:.3f} GiB and one KV page {page_bytes / _GIB:.3f} GiB; "
+            f"{device}: about {max(budget, 0) / _GIB:.2f} GiB left for caches{weights_note}, but one GDN slot "
+            f"takes {slot_bytes / _GIB:.3f} GiB and one KV page {page_bytes / _GIB:.3f} GiB; "
             "use a smaller dtype, a larger device or a smaller model"
         )
     return PoolSizes(num_kv_pages=int(num_pages), page_size=page_size, num_gdn_slots=int(num_slots))

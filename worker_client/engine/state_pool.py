@@ -12,7 +12,7 @@ from .forward_cache import GdnState
 
 
 class GdnStatePool:
-    """Slots of conv state [layers, slots, conv_dim, kernel-1] and recurrent state (fp32)."""
+    """Slots of conv state [layers, slots, conv_dim, kernel-1] and recurrent state (at least fp32)."""
 
     def __init__(
         self,
@@ -28,10 +28,10 @@ class GdnStatePool:
         dtype: torch.dtype,
     ) -> None:
         self.conv = torch.zeros(num_layers, num_slots, conv_dim, conv_kernel - 1, device=device, dtype=dtype)
-        # The recurrent state accumulates over the whole sequence: kept in fp32.
+        # The recurrent state accumulates over the whole sequence: kept in fp32 (fp64 for fp64 models).
         self.recurrent = torch.zeros(
             num_layers, num_slots, num_value_heads, key_head_dim, value_head_dim,
-            device=device, dtype=torch.float32,
+            device=device, dtype=torch.promote_types(dtype, torch.float32),
         )
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))  # a stack: pop() gives the lowest
@@ -41,8 +41,9 @@ class GdnStatePool:
                        key_head_dim: int, value_head_dim: int, dtype: torch.dtype) -> int:
         """Device memory of one slot across all linear-attention layers."""
         itemsize = torch.empty((), dtype=dtype).element_size()
+        recurrent_itemsize = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
         conv = conv_dim * (conv_kernel - 1) * itemsize
-        recurrent = num_value_heads * key_head_dim * value_head_dim * 4
+        recurrent = num_value_heads * key_head_dim * value_head_dim * recurrent_itemsize
         return num_layers * (conv + recurrent)
 
     def num_free_slots(self) -> int:
@@ -66,4 +67,4 @@ class GdnStatePool:
 
     def write(self, layer: int, slots: torch.Tensor, state: GdnState) -> None:
         self.conv[layer, slots] = state.conv.to(self.conv.dtype)
-        self.recurrent[layer, slots] = state.recurrent.float()
+        self.recurrent[layer, slots] = state.recurrent.to(self.recurrent.dtype)

@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+"""Batched prefill: one forward per prompt chunk (before) next to chunks of many sequences
+packed into one forward (after), on the same engine, weights and prompts.
+
+    .venv/bin/python scripts/bench_prefill.py                       # tiny dense model, CPU fp32
+    .venv/bin/python scripts/bench_prefill.py --preset tiny-next    # tiny Qwen3-Next (MoE)
+    .venv/bin/python scripts/bench_prefill.py --preset small-moe    # 8 layers, 32 experts, top-4
+    .venv/bin/python scripts/bench_prefill.py --device cuda --dtype bfloat16 --model DIR
+
+Workload: --num-prompts (16) prompts of mixed lengths (seeded, --min-prompt-len to
+--max-prompt-len), greedy, --max-new-tokens each with EOS ignored. "before" is the
+engine with max_prefill_sequences=1 (one forward per chunk, as the engine ran
+before batched prefill); "after" is the default (every sequence's chunk of a step
+in one forward). Two drivers:
+
+  direct     ModelEngine.step as a worker drives it: all prompts admitted at
+             once, each step the next --chunk-size chunk of every prompt not yet
+             prefilled plus one decode of every running sequence.
+  scheduler  the real scheduler on loopback, a WorkerLoop thread on the engine, and
+             --num-prompts concurrent Generate streams (skip: --no-scheduler).
+
+Columns: prefill s (until every prompt has its first token), mean TTFT, total s,
+cpu s (this process's CPU time: steadier than wall time on a busy host), generated
+tokens/s, and the prefill forwards run. On a loaded CPU host pass
+--threads 1: two torch threads waiting on each other's busy core cost far more
+than they save. Each figure is the
+best of --repeats runs after a warm-up (on a shared host others only add time).
+The script exits non-zero unless before and after generate identical tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from prometheus_client import CollectorRegistry
+
+from service.core import SchedulerConfig
+from service.server import start
+from service.settings import ServeSettings
+from worker_client.client import SchedulerClient, WorkerResources
+from worker_client.engine.api import ChunkWork, SequenceSpec
+from worker_client.engine.config import LayerType, ModelConfig, MoeConfig
+from worker_client.engine.engine import ModelEngine
+from worker_client.engine.loading import PRESETS, load_model, random_model
+from worker_client.engine.model import Qwen35ForCausalLM
+from worker_client.loop import WorkerLoop
+
+PAGE_SIZE = 16
+MAX_PROMPT_TOKEN_ID = 50_000  # keeps a real checkpoint's special tokens out of the prompts
+Tokens = tuple[int, ...]
+
+
+def small_config() -> ModelConfig:
+    """~36M parameters: 8 layers (6 Gated DeltaNet, 2 attention), hidden 512 (bench_worker's `small`)."""
+    return ModelConfig(
+        vocab_size=8192, hidden_size=512, intermediate_size=1536,
+        layer_types=((LayerType.LINEAR_ATTENTION,) * 3 + (LayerType.FULL_ATTENTION,)) * 2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        rope_theta=10000.0, partial_rotary_factor=0.25,
+        linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+    )
+
+
+def small_moe_config() -> ModelConfig:
+    """small_config() with a Qwen3.5 MoE block in every layer: 32 experts of 256, top-4, shared 512."""
+    moe = MoeConfig(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
+                    shared_expert_intermediate_size=512)
+    return dataclasses.replace(small_config(), intermediate_size=0, moe=moe)
+
+
+MODELS: dict[str, Callable[[], ModelConfig]] = {
+    **PRESETS, "small": small_config, "small-moe": small_moe_config,
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed run of a mode."""
+
+    outputs: tuple[Tokens, ...]
+    prefill_seconds: float  # until every prompt had its first token
+    mean_ttft_seconds: float
+    total_seconds: float
+    cpu_seconds: float  # this process's CPU time over the run: steadier than wall time on a busy host
+    num_prefill_forwards: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(len(t) for t in self.outputs) / self.total_seconds
+
+
+class ForwardCounter:
+    """Within `with`: counts the model's packed forwards with a row of more than one token (prefill)."""
+
+    def __init__(self, model: Qwen35ForCausalLM) -> None:
+        self.count = 0
+        self._model = model
+        self._original = model.forward_packed
+
+    def __enter__(self) -> ForwardCounter:
+        self._model.forward_packed = self._counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        del self._model.forward_packed  # back to the class's method
+
+    def _counted(self, token_ids, batch, *args, **kwargs):
+        if batch.num_tokens > batch.num_rows:
+            self.count += 1
+        return self._original(token_ids, batch, *args, **kwargs)
+
+
+def make_engine(model: Qwen35ForCausalLM, prompts: Sequence[Tokens], max_new_tokens: int,
+                packed: bool) -> ModelEngine:
+    """A slot for every prompt and pages for all of them at full length: nothing is preempted."""
+    num_pages = sum(math.ceil((len(p) + max_new_tokens) / PAGE_SIZE) + 1 for p in prompts)
+    return ModelEngine(model, num_kv_pages=num_pages, page_size=PAGE_SIZE, num_gdn_slots=len(prompts),
+                       device=model.device, max_batch_size=len(prompts),
+                       max_prefill_sequences=None if packed else 1)
+
+
+def run_direct(model: Qwen35ForCausalLM, prompts: Sequence[Tokens], max_new_tokens: int,
+               chunk_size: int, packed: bool) -> Run:
+    engine = make_engine(model, prompts, max_new_tokens, packed)
+    specs = [SequenceSpec(prompt_token_ids=p, max_new_tokens=max_new_tokens) for p in prompts]
+    num_scheduled = [0] * len(prompts)
+    generated: list[list[int]] = [[] for _ in prompts]
+    first_token_at: dict[int, float] = {}
+    started, cpu_started = time.perf_counter(), time.process_time()
+    with ForwardCounter(model) as counter:
+        while engine.running_ids() or len(first_token_at) < len(prompts):
+            prefill = []
+            for seq_id, spec in enumerate(specs):
+                start = num_scheduled[seq_id]
+                chunk_len = min(chunk_size, len(spec.prompt_token_ids) - start)
+                if chunk_len > 0:
+                    prefill.append(ChunkWork(seq_id, start, chunk_len, spec if start == 0 else None))
+                    num_scheduled[seq_id] += chunk_len
+            out = engine.step(prefill, engine.running_ids())
+            if out.preempted:
+                raise SystemExit(f"engine preempted {out.preempted}: the pools are sized too small")
+            _synchronize(model.device)
+            now = time.perf_counter()
+            for seq_id, token_ids in out.tokens:
+                first_token_at.setdefault(seq_id, now)
+                generated[seq_id].extend(token_ids)
+    ttfts = [t - started for t in first_token_at.values()]
+    return Run(tuple(tuple(g) for g in generated), max(ttfts), sum(ttfts) / len(ttfts),
+               time.perf_counter() - started, time.process_time() - cpu_started, counter.count)
+
+
+class SchedulerStack:
+    """A scheduler on a loopback port and one WorkerLoop thread on an engine."""
+
+    def __init__(self, engine: ModelEngine, chunk_size: int) -> None:
+        # A long lease: one step of a larger model on a busy CPU can outlast the default 10 s.
+        config = SchedulerConfig(max_batch_size=engine.max_batch_size, chunk_size=chunk_size,
+                                 lease_ttl_ms=600_000)
+        self._server = start(ServeSettings(host="127.0.0.1", port=0, metrics_port=0, scheduler=config),
+                             CollectorRegistry())
+        target = f"127.0.0.1:{self._server.port}"
+        self._client = SchedulerClient(target)
+        resources = WorkerResources("bench", engine.total_kv_pages, engine.page_size,
+                                    engine.total_gdn_slots, engine.max_batch_size)
+        self._loop = WorkerLoop(engine, self._client, resources, idle_sleep_seconds=0.001)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop.run, args=(self._stop,), daemon=True)
+        self._thread.start()
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+
+    def generate(self, prompt: Tokens, max_new_tokens: int, started: float) -> tuple[Tokens, float]:
+        """The stream's tokens and the seconds from `started` to its first token."""
+        request = pb.SubmitRequest(prompt_token_ids=prompt, max_new_tokens=max_new_tokens)
+        tokens: list[int] = []
+        first_token_at = math.nan
+        for event in self._stub.Generate(request, timeout=600):
+            if event.token_ids and not tokens:
+                first_token_at = time.perf_counter() - started
+            tokens.extend(event.token_ids)
+        return tuple(tokens), first_token_at
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self._channel.close()
+        self._client.close()
+        self._server.stop(0)
+
+
+def run_scheduler(model: Qwen35ForCausalLM, stack: SchedulerStack, prompts: Sequence[Tokens],
+                  max_new_tokens: int) -> Run:
+    started, cpu_started = time.perf_counter(), time.process_time()
+    with ForwardCounter(model) as counter, ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        results = list(pool.map(lambda p: stack.generate(p, max_new_tokens, started), prompts))
+    total, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    ttfts = [ttft for _, ttft in results]
+    return Run(tuple(tokens for tokens, _ in results), max(ttfts), sum(ttfts) / len(ttfts), total, cpu,
+               counter.count)
+
+
+def best_of(repeats: int, run: Callable[[], Run], warm_up: Callable[[], Run]) -> Run:
+    """The fastest of `repeats` runs after a warm-up; all must generate the same tokens."""
+    warm_up()
+    runs = [run() for _ in range(repeats)]
+    if any(r.outputs != runs[0].outputs for r in runs):
+        raise SystemExit("two runs of the same greedy workload generated different tokens")
+    return min(runs, key=lambda r: r.total_seconds)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[Tokens]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (num_prompts,), generator=generator).tolist()
+    high = min(vocab_size, MAX_PROMPT_TOKEN_ID)
+    return [tuple(torch.randint(2, high, (n,), generator=generator).tolist()) for n in lengths]
+
+
+def print_table(rows: Sequence[tuple[str, Run, Run]]) -> None:
+    print(f"{'driver':<10} {'':<7} {'prefill s':>9} {'mean TTFT s':>11} {'total s':>8} {'cpu s':>7} "
+          f"{'tokens/s':>9} {'prefill fwds':>12}")
+    for driver, before, after in rows:
+        for label, run in (("before", before), ("after", after)):
+            forwards = str(run.num_prefill_forwards)
+            print(f"{driver:<10} {label:<7} {run.prefill_seconds:>9.3f} {run.mean_ttft_seconds:>11.3f} "
+                  f"{run.total_seconds:>8.3f} {run.cpu_seconds:>7.3f} {run.tokens_per_second:>9.1f} {forwards:>12}")
+        print(f"{driver:<10} after vs before: prefill {before.prefill_seconds / after.prefill_seconds:.2f}x "
+              f"as fast, tokens/s {after.tokens_per_second / before.tokens_per_second:.2f}x, "
+              f"cpu {after.cpu_seconds / before.cpu_seconds:.2f}x")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(MODELS), default="tiny",
+                        help="random-weight model (ignored with --model)")
+    parser.add_argument("--model", type=Path, help="a checkpoint directory instead of a preset")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--min-prompt-len", type=int, default=16)
+    parser.add_argument("--max-prompt-len", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--chunk-size", type=int, default=128, help="prefill chunk of each prompt per step")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode; the fastest counts")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and prompts")
+    parser.add_argument("--no-scheduler", action="store_true", help="skip the scheduler driver")
+    args = parser.parse_args(argv)
+    if min(args.num_prompts, args.max_new_tokens, args.repeats, args.chunk_size) < 1:
+        parser.error("--num-prompts, --max-new-tokens, --repeats and --chunk-size must be at least 1")
+    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
+        parser.error("need 1 <= --min-prompt-len <= --max-prompt-len")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.model is not None:
+        model = load_model(args.model, device=device, dtype=dtype)
+    else:
+        model = random_model(MODELS[args.preset](), args.seed).to(device=device, dtype=dtype).eval()
+    model.config = dataclasses.replace(model.config, eos_token_ids=())  # every prompt runs to the limit
+    prompts = random_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
+                             model.config.vocab_size, args.seed)
+    lengths = sorted(len(p) for p in prompts)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {args.model or args.preset} ({num_params / 1e6:.1f}M params, {model.config.num_hidden_layers} "
+          f"layers, {'MoE' if model.config.moe else 'dense'}), {device} {args.dtype}, "
+          f"{torch.get_num_threads()} torch threads")
+    print(f"workload: {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens ({sum(lengths)} in all), "
+          f"greedy, {args.max_new_tokens} new tokens each, chunk size {args.chunk_size}, best of {args.repeats}")
+    n, warm = args.max_new_tokens, prompts[:2]
+    rows = []
+    direct = [best_of(args.repeats, lambda: run_direct(model, prompts, n, args.chunk_size, packed),
+                      lambda: run_direct(model, warm, 2, args.chunk_size, packed)) for packed in (False, True)]
+    rows.append(("direct", *direct))
+    if not args.no_scheduler:
+        via_scheduler = []
+        for packed in (False, True):
+            stack = SchedulerStack(make_engine(model, prompts, n, packed), args.chunk_size)
+            try:
+                via_scheduler.append(best_of(args.repeats, lambda: run_scheduler(model, stack, prompts, n),
+                                             lambda: run_scheduler(model, stack, warm, 2)))
+            finally:
+                stack.close()
+        rows.append(("scheduler", *via_scheduler))
+    print()
+    print_table(rows)
+    print()
+    runs = [run for _, before, after in rows for run in (before, after)]
+    if any(run.outputs != runs[0].outputs for run in runs):
+        raise SystemExit("greedy tokens differ between before and after")
+    print(f"greedy tokens: identical in every row ({len(prompts)} prompts x {n} tokens)")
+
+
+if __name__ == "__main__":
+    main()
