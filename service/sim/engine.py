@@ -5,8 +5,10 @@ It keeps the reference engine's books (worker_client/engine/engine.py, ModelEngi
   sequence holds prompt + generated - 1 positions once decoding (the last token is fed
   by the next decode);
 - one GDN slot per held sequence; a first chunk that finds no free slot is preempted;
-- chunked prefill with a cursor: a chunk overlapping what is prefilled runs only its new
-  tokens, one starting past it preempts the sequence (a lost decision);
+- chunked prefill with a cursor, every chunk of a step planned (and its pages reserved)
+  before any runs, as ModelEngine packs them: a chunk overlapping what is prefilled or
+  planned adds only its new tokens, one starting past it preempts the sequence (a lost
+  decision), and a sequence preempted while planning runs nothing;
 - one token per decode, and the first token right after the last prefill chunk; a
   sequence finishes (MAX_LENGTH) when it has generated its spec's max_new_tokens;
 - when pages run out, the latest admitted sequence holding pages (possibly the one
@@ -88,8 +90,12 @@ class SimEngine:
 
     def step(self, prefill: Sequence[ChunkWork], decode: Sequence[int]) -> StepOutput:
         out = _Recorder()
-        for chunk in prefill:
-            self._prefill_chunk(chunk, out)
+        for segment in self._plan_prefill(prefill, out):
+            held = segment.held
+            out.chunks.append((segment.num_tokens, segment.start))
+            held.num_prefilled = segment.end
+            if held.is_running:
+                self._emit(held, out)
         self._decode(decode, out)
         self.num_steps += 1
         self.last_step_seconds = self.cost_model.step_seconds(
@@ -98,29 +104,36 @@ class SimEngine:
 
     # Prefill.
 
-    def _prefill_chunk(self, chunk: ChunkWork, out: _Recorder) -> None:
-        if chunk.spec is not None:
-            self._release(chunk.seq_id)
-            self._admit(chunk.seq_id, chunk.spec, out)
-        held = self._held.get(chunk.seq_id)
-        if held is None or held.is_running:
-            return
-        if chunk.chunk_start > held.num_prefilled:
-            self._release(held.seq_id)
-            out.preempted.append(held.seq_id)
-            return
-        chunk_end = min(chunk.chunk_start + chunk.chunk_len, held.prompt_len)
-        num_tokens = chunk_end - held.num_prefilled
-        if num_tokens <= 0 or not self._reserve(held, num_tokens, out):
-            return
-        out.chunks.append((num_tokens, held.num_prefilled))
-        held.num_prefilled += num_tokens
-        if held.is_running:
-            self._emit(held, out)
+    def _plan_prefill(self, prefill: Sequence[ChunkWork], out: _Recorder) -> list[_Segment]:
+        """Admit, check and reserve room for every chunk, as ModelEngine plans its packed
+        prefill; the prompt tokens each sequence adds this step."""
+        planned: dict[int, _Segment] = {}
+        for chunk in prefill:
+            if chunk.spec is not None:
+                self._release(chunk.seq_id)
+                self._admit(chunk.seq_id, chunk.spec, out)
+            held = self._held.get(chunk.seq_id)
+            if held is None or held.is_running:
+                continue
+            segment = planned.get(chunk.seq_id)
+            if segment is None or segment.held is not held:  # none yet, or for a restarted one
+                segment = planned[chunk.seq_id] = _Segment(held, held.num_prefilled)
+            if chunk.chunk_start > segment.end:  # a lost decision: give the sequence back
+                self._release(held.seq_id)
+                out.preempted.append(held.seq_id)
+                continue
+            # A chunk overlapping what is prefilled (or planned) adds only its new tokens.
+            num_tokens = min(chunk.chunk_start + chunk.chunk_len, held.prompt_len) - segment.end
+            if num_tokens > 0 and self._reserve(held, num_tokens, out):
+                segment.num_tokens += num_tokens
+        # Sequences released while planning (preempted by a later chunk, restarted) run nothing.
+        return [s for s in planned.values()
+                if s.num_tokens > 0 and self._held.get(s.held.seq_id) is s.held]
 
     def _admit(self, seq_id: int, spec: SequenceSpec, out: _Recorder) -> None:
         if not spec.prompt_token_ids:
-            out.finished.append(FinishedSequence(seq_id, FinishReason.FAILED, 0))
+            out.finished.append(
+                FinishedSequence(seq_id, FinishReason.FAILED, 0, "the prompt is empty"))
             return
         if spec.max_new_tokens <= 0:
             out.finished.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH, 0))
@@ -169,8 +182,10 @@ class SimEngine:
         needed = self._pages(held.kv_tokens + num_tokens)
         if needed > self.total_kv_pages:
             self._release(held.seq_id)
-            out.finished.append(
-                FinishedSequence(held.seq_id, FinishReason.FAILED, held.num_generated))
+            out.finished.append(FinishedSequence(
+                held.seq_id, FinishReason.FAILED, held.num_generated,
+                f"the sequence needs {needed} KV pages of {self.page_size} tokens, more than "
+                f"the worker's {self.total_kv_pages} in all"))
             return False
         while needed - self._pages(held.kv_tokens) > self.num_free_kv_pages():
             victim = next(h for h in reversed(self._held.values())
@@ -190,6 +205,19 @@ class SimEngine:
 
     def _pages(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+
+@dataclass
+class _Segment:
+    """Prompt tokens [start, start + num_tokens) of `held` planned for this step."""
+
+    held: _Held
+    start: int
+    num_tokens: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
 
 
 class _Recorder:

@@ -129,12 +129,17 @@ def test_sim_engine_keeps_the_same_books_as_the_reference_engine():
         ([], [1, 2, 3]),
         ([first_chunk(5, 9, 8, 3)], [1, 2]),
         ([chunk(5, 8, 4)], [1, 2]),
+        ([first_chunk(13, 6, 3, 2), chunk(13, 3, 3)], []),  # two chunks of one prompt, packed
+        ([], [13]),
         ([], [1, 2, 5]),
         ([chunk(3, 0, 0), first_chunk(6, 30, 30, 1)], [1, 2, 5]),
         ([], [1, 2, 5]),
         ([first_chunk(7, 8, 8, 9), first_chunk(8, 8, 8, 9), first_chunk(9, 7, 7, 9)], []),
         ([], [7, 8, 9]),  # 7 needs a page: 9, the latest admitted, gives its pages back
         ([], [7, 8]),
+        ([], [7, 8]),
+        ([first_chunk(10, 9, 4, 3), chunk(10, 4, 5)], [7]),  # two chunks of one sequence
+        ([first_chunk(11, 4, 4, 2), first_chunk(12, 4, 4, 2)], [10]),
     ]
     with torch.inference_mode():
         for n, (prefill, decode) in enumerate(steps):
