@@ -18,8 +18,13 @@ Rows (each timed after a short warm-up run of the same mode; the best of --repea
   engine direct      ModelEngine.step driven as a worker would: every sequence admitted
                      at once, prompts prefilled --chunk-size tokens per step, then batched
                      decode steps until all finish (continuous batching, no gRPC)
-  engine+scheduler   the real scheduler on loopback, a WorkerLoop thread on the same
-                     engine, and one Generate stream per prompt (skip: --no-scheduler)
+  sched in turn      the real scheduler on loopback, a WorkerLoop thread on the same
+                     engine and one Generate stream per prompt; the worker as before
+                     sessions and overlap: a unary SelectBatch, then the step, in turn
+                     (lattice-worker --no-session --no-overlap)
+  sched overlap      the same with lattice-worker's defaults: a WorkerSession stream, and
+                     the next report answered while the engine steps (skip both
+                     scheduler rows: --no-scheduler)
 
 Tokens/s counts generated tokens over the whole run, prefill included. The greedy
 tokens of every row are compared with `hf one-at-a-time` (fp32 should agree token
@@ -206,15 +211,17 @@ def engine_direct(models: Models, prompts: Sequence[Tokens], max_new_tokens: int
 class SchedulerStack:
     """A scheduler on a loopback port and one WorkerLoop thread on a fresh engine."""
 
-    def __init__(self, engine: ModelEngine, chunk_size: int) -> None:
+    def __init__(self, engine: ModelEngine, chunk_size: int, *, session: bool,
+                 overlap: bool) -> None:
         config = SchedulerConfig(max_batch_size=engine.max_batch_size, chunk_size=chunk_size)
         self._server = start(ServeSettings(host="127.0.0.1", port=0, metrics_port=0,
                                            scheduler=config), CollectorRegistry())
         target = f"127.0.0.1:{self._server.port}"
-        self._client = SchedulerClient(target)
+        self._client = SchedulerClient(target, session=session)
         resources = WorkerResources("bench", engine.total_kv_pages, engine.page_size,
                                     engine.total_gdn_slots, engine.max_batch_size)
-        self._loop = WorkerLoop(engine, self._client, resources, idle_sleep_seconds=0.001)
+        self._loop = WorkerLoop(engine, self._client, resources, idle_sleep_seconds=0.001,
+                                overlap=overlap)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop.run, args=(self._stop,), daemon=True)
         self._thread.start()
@@ -272,14 +279,15 @@ def _synchronize(device: torch.device) -> None:
 
 
 def print_table(results: Sequence[Result]) -> None:
-    one_at_a_time, static_batch = results[0], results[1]
+    one_at_a_time, static_batch, direct = results[0], results[1], results[2]
     print(f"{'mode':<18} {'seqs':>5} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} "
-          f"{'vs hf 1-by-1':>13} {'vs hf batch':>12}")
+          f"{'vs hf 1-by-1':>13} {'vs hf batch':>12} {'vs direct':>10}")
     for r in results:
         print(f"{r.mode:<18} {len(r.outputs):>5} {r.num_tokens:>7} {r.seconds:>8.2f} "
               f"{r.tokens_per_second:>9.1f} "
               f"{r.tokens_per_second / one_at_a_time.tokens_per_second:>12.2f}x "
-              f"{r.tokens_per_second / static_batch.tokens_per_second:>11.2f}x")
+              f"{r.tokens_per_second / static_batch.tokens_per_second:>11.2f}x "
+              f"{r.tokens_per_second / direct.tokens_per_second:>9.2f}x")
 
 
 def describe_agreement(result: Result, baseline: Result) -> str:
@@ -323,7 +331,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and prompts")
     parser.add_argument("--no-scheduler", action="store_true",
-                        help="skip the engine+scheduler row (gRPC scheduler and worker loop in-process)")
+                        help="skip the scheduler rows (gRPC scheduler and worker loop in-process)")
     args = parser.parse_args(argv)
     if args.num_prompts < NUM_WARMUP_PROMPTS or min(args.max_new_tokens, args.repeats) < 1:
         parser.error(f"--num-prompts must be at least {NUM_WARMUP_PROMPTS}, "
@@ -353,10 +361,14 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> list[Result]:
         timed("hf static batch", lambda p, k: hf_static_batch(m, p, k), prompts, n, device, r),
         timed("engine direct", lambda p, k: engine_direct(m, p, k, args.chunk_size), prompts, n, device, r),
     ]
-    if not args.no_scheduler:
-        stack = SchedulerStack(make_engine(models, prompts, n), args.chunk_size)
+    for mode, session, overlap in (("sched in turn", False, False),
+                                   ("sched overlap", True, True)):
+        if args.no_scheduler:
+            break
+        stack = SchedulerStack(make_engine(models, prompts, n), args.chunk_size,
+                               session=session, overlap=overlap)
         try:
-            results.append(timed("engine+scheduler", lambda p, k: engine_via_scheduler(stack, p, k),
+            results.append(timed(mode, lambda p, k: engine_via_scheduler(stack, p, k),
                                  prompts, n, device, r))
         finally:
             stack.close()

@@ -13,12 +13,13 @@ import hmac
 import json
 import logging
 import tomllib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from service import handlers
 from service.core import ConfigError
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ class Role(enum.Enum):
 # and alone may call those in no list here (DrainWorker).
 ROLE_METHODS: dict[Role, frozenset[str]] = {
     Role.CLIENT: frozenset({"Submit", "Cancel", "GetSequence", "Generate", "GetStatus"}),
-    Role.WORKER: frozenset({"RegisterWorker", "SelectBatch", "DeregisterWorker"}),
+    Role.WORKER: frozenset({"RegisterWorker", "SelectBatch", "WorkerSession",
+                            "DeregisterWorker"}),
 }
 
 
@@ -149,19 +151,20 @@ class _Denied(Exception):
         self.code = code
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
+class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Checks the bearer token and its role on every call outside OPEN_SERVICES.
 
     No token, or one the table does not know: UNAUTHENTICATED. A role that may not call
-    the method, or a worker token naming another worker_id: PERMISSION_DENIED.
+    the method, or a worker token naming another worker_id: PERMISSION_DENIED. A worker's
+    request stream (WorkerSession) is checked message by message.
     """
 
     def __init__(self, tokens: TokenTable) -> None:
         self._tokens = tokens
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if service in OPEN_SERVICES or handler is None:
             return handler
         try:
@@ -169,9 +172,16 @@ class AuthInterceptor(grpc.ServerInterceptor):
             _authorize(grant, service, method)
         except _Denied as err:
             denied = err  # `err` is unbound when the except block ends
-            return _guarded(handler, lambda _request: denied)
+
+            async def refuse(context) -> None:
+                await _abort(context, denied)
+            return handlers.wrap(handler, on_start=refuse)
         if grant.role is Role.WORKER:
-            return _guarded(handler, lambda request: _check_worker_id(grant, request))
+            async def check_worker_id(request, context) -> None:
+                denied = _check_worker_id(grant, request)
+                if denied is not None:
+                    await _abort(context, denied)
+            return handlers.wrap(handler, on_request=check_worker_id)
         return handler
 
     def _authenticate(self, metadata) -> Grant:
@@ -215,27 +225,7 @@ def _check_worker_id(grant: Grant, request) -> _Denied | None:
                    f"names {shown}")
 
 
-def _guarded(handler: grpc.RpcMethodHandler,
-             check: Callable[[object], _Denied | None]) -> grpc.RpcMethodHandler:
-    """`handler` with `check(request)` run first; a denial aborts the call, logged."""
-
-    def wrap(behavior):
-        def guarded(request, context):
-            denied = check(request)
-            if denied is not None:
-                log.warning("call refused", extra={"code": denied.code.name,
-                                                   "reason": str(denied),
-                                                   "peer": context.peer()})
-                context.abort(denied.code, str(denied))
-            return behavior(request, context)
-        return guarded
-
-    for kind, factory in (("unary_unary", grpc.unary_unary_rpc_method_handler),
-                          ("unary_stream", grpc.unary_stream_rpc_method_handler),
-                          ("stream_unary", grpc.stream_unary_rpc_method_handler),
-                          ("stream_stream", grpc.stream_stream_rpc_method_handler)):
-        behavior = getattr(handler, kind)
-        if behavior is not None:
-            return factory(wrap(behavior), request_deserializer=handler.request_deserializer,
-                           response_serializer=handler.response_serializer)
-    return handler
+async def _abort(context: grpc.aio.ServicerContext, denied: _Denied) -> None:
+    log.warning("call refused", extra={"code": denied.code.name, "reason": str(denied),
+                                       "peer": context.peer()})
+    await context.abort(denied.code, str(denied))

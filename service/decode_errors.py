@@ -8,9 +8,11 @@ raises; the call is then refused like any other invalid request.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
+
+from service import handlers
 
 
 class _Undecodable:
@@ -31,53 +33,29 @@ def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], objec
     return deserialize_or_mark
 
 
-def _refuse(request: _Undecodable, context: grpc.ServicerContext, method: str):
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                  f"the request to {method} does not parse: {request.reason}")
-
-
-def _unary_request(behavior, method: str):
-    def checked(request, context):
-        if isinstance(request, _Undecodable):
-            _refuse(request, context, method)
-        return behavior(request, context)
-    return checked
-
-
-def _stream_request(behavior, method: str):
-    def checked(request_iterator: Iterator, context):
-        def parsed() -> Iterator:
-            for request in request_iterator:
-                if isinstance(request, _Undecodable):
-                    _refuse(request, context, method)
-                yield request
-        return behavior(parsed(), context)
-    return checked
-
-
-_KINDS = (
-    ("unary_unary", grpc.unary_unary_rpc_method_handler, _unary_request),
-    ("unary_stream", grpc.unary_stream_rpc_method_handler, _unary_request),
-    ("stream_unary", grpc.stream_unary_rpc_method_handler, _stream_request),
-    ("stream_stream", grpc.stream_stream_rpc_method_handler, _stream_request),
-)
-
-
-class DecodeErrorInterceptor(grpc.ServerInterceptor):
+class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
     """Answers undecodable requests with INVALID_ARGUMENT, for every service.
 
     Put it first among the interceptors, so a request is parsed before any check runs
     on it, as grpc itself does.
     """
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    def __init__(self) -> None:
+        self._wrapped = handlers.PerMethod()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        for kind, factory, wrap in _KINDS:
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return factory(wrap(behavior, handler_call_details.method),
-                               request_deserializer=_tolerant(handler.request_deserializer),
-                               response_serializer=handler.response_serializer)
-        return handler
+        method = handler_call_details.method
+        return self._wrapped.get(method, handler, lambda: _refusing_undecodable(handler, method))
+
+
+def _refusing_undecodable(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    async def refuse_undecodable(request, context) -> None:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request to {method} does not parse: {request.reason}")
+
+    return handlers.wrap(handler, on_request=refuse_undecodable,
+                         request_deserializer=_tolerant(handler.request_deserializer))

@@ -30,6 +30,8 @@ _LATENCY_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 # Inter-token latency: one decode iteration, from a few to a few hundred milliseconds.
 _ITL_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
                         0.3, 0.5, 1.0, 2.5)
+# The stream pools of service/limits.py (a bounded label).
+STREAM_KINDS = ("generate", "open")
 _TOKEN_BUCKETS = (0, 1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _SEQ_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0)
@@ -90,8 +92,35 @@ class SchedulerMetrics(SchedulerObserver):
                                     "Time from enqueue (or requeue) to admission.",
                                     buckets=_WAIT_SECONDS_BUCKETS, registry=r)
         self.select_batch_duration = Histogram(
-            PREFIX + "select_batch_duration_seconds", "Time to answer one SelectBatch.",
+            PREFIX + "select_batch_duration_seconds",
+            "Time to answer one SelectBatch (or WorkerSession request), from its arrival: "
+            "a stalled event loop counts; time parked in a long poll does not.",
             buckets=_RPC_SECONDS_BUCKETS, registry=r)
+        self.event_loop_lag = Histogram(
+            PREFIX + "event_loop_lag_seconds",
+            "How late the server's event loop ran a timer due now (sampled every 25 ms): "
+            "what every call waits before its handler starts.",
+            buckets=_RPC_SECONDS_BUCKETS, registry=r)
+        self.state_fsyncs = Counter(
+            PREFIX + "state_fsyncs_total",
+            "fsyncs of the state store's WAL behind acknowledgements (group commit).",
+            registry=r)
+        self.state_fsync_duration = Histogram(
+            PREFIX + "state_fsync_duration_seconds",
+            "Time one fsync of the state store's WAL took (off the event loop).",
+            buckets=_RPC_SECONDS_BUCKETS, registry=r)
+        self.state_commits_per_fsync = Histogram(
+            PREFIX + "state_commits_per_fsync",
+            "Commits that one fsync made durable: acknowledgements that shared it.",
+            buckets=_SEQ_BUCKETS, registry=r)
+        self.streams_open = Gauge(
+            PREFIX + "streams_open",
+            "Streams open now, by pool: generate (Generate), open (Health.Watch, reflection).",
+            ["kind"], registry=r)
+        self.streams_refused = Counter(
+            PREFIX + "streams_refused_total",
+            "Streams refused with RESOURCE_EXHAUSTED because their pool was full, by pool.",
+            ["kind"], registry=r)
         self.decision_prefill_tokens = Histogram(
             PREFIX + "decision_prefill_tokens", "Prompt tokens handed out per decision.",
             buckets=_TOKEN_BUCKETS, registry=r)
@@ -156,6 +185,21 @@ class SchedulerMetrics(SchedulerObserver):
             self.tenant_served_tokens.labels(tenant)
         for band in PRIORITY_BANDS:
             self.queue_depth_by_priority.labels(band)
+        for kind in STREAM_KINDS:
+            self.streams_open.labels(kind)
+            self.streams_refused.labels(kind)
+
+    def on_fsync(self, num_commits: int, seconds: float) -> None:
+        """One group-commit fsync (service/group_commit.py)."""
+        self.state_fsyncs.inc()
+        self.state_fsync_duration.observe(seconds)
+        self.state_commits_per_fsync.observe(num_commits)
+
+    def on_streams(self, kind: str, num_open: int, refused: bool) -> None:
+        """A stream pool changed (service/limits.py): `num_open` now; `refused` one more."""
+        self.streams_open.labels(kind).set(num_open)
+        if refused:
+            self.streams_refused.labels(kind).inc()
 
     # -- SchedulerObserver ----------------------------------------------------------
 

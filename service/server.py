@@ -1,12 +1,20 @@
-"""The scheduler process: gRPC server, health, reflection, metrics and graceful shutdown."""
+"""The scheduler process: a grpc.aio server on one event loop, with health, reflection,
+metrics and graceful shutdown.
+
+Concurrency model: one asyncio event loop (on its own thread, "scheduler-loop") runs
+every RPC handler, the lease sweeper and the loop-lag clock; the core is called only from
+that loop, so its calls never overlap. Nothing holds a thread per call or per stream.
+Threads besides the loop: the metrics HTTP server, and the state store's fsync
+(service/group_commit.py). `start` returns a handle usable from any thread.
+"""
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import signal
 import threading
-from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,79 +23,169 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
-from service import auth, credentials, decode_errors, ports
+from service import auth, credentials, decode_errors, limits, ports
 from service.core import ConfigError, Scheduler
 from service.core.store import StoreError
+from service.group_commit import GroupCommit
+from service.loop_lag import LoopLag
 from service.metrics import SchedulerMetrics
+from service.observers import FanOut
 from service.servicer import SchedulerServicer
 from service.settings import ServeSettings
 from service.state_sqlite import SqliteStateStore
+from service.wakeups import Wakeups
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# How often the loop-lag clock ticks (service/loop_lag.py).
+LOOP_LAG_TICK_SECONDS = 0.025
+# How long start() waits for the loop to come up and listen.
+START_TIMEOUT_SECONDS = 60.0
+
+
+@dataclass
+class _Serving:
+    """What runs on the loop: the servers, their servicers and the background tasks."""
+
+    servers: list[grpc.aio.Server]
+    health: health.aio.HealthServicer
+    servicer: SchedulerServicer
+    port: int
+    worker_port: int | None
+    group_commit: GroupCommit | None = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    async def stop(self, grace_seconds: float, store: SqliteStateStore | None) -> None:
+        """NOT_SERVING first, so balancers drain us; then stop with a grace period."""
+        await self.health.enter_graceful_shutdown()
+        self.servicer.stop_streams_without_cancelling()
+        await asyncio.gather(*(server.stop(grace_seconds) for server in self.servers))
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.group_commit is not None:
+            await self.group_commit.close()
+        if store is not None:
+            store.close()  # on the loop: nothing else calls the core any more
+
+
+class _LoopThread:
+    """An asyncio event loop running on its own thread until close()."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="scheduler-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        finally:
+            self.loop.close()
+
+    def run(self, coroutine, timeout: float | None = None):
+        """Run `coroutine` on the loop from another thread; its result or its exception."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 @dataclass
 class RunningServer:
-    """A started scheduler: its ports, and how to stop it."""
+    """A started scheduler: its ports, and how to stop it (from any thread)."""
 
-    grpc_server: grpc.Server
-    health: health.HealthServicer
-    metrics_http: object
     port: int
     metrics_port: int
-    _stop_sweeper: threading.Event
-    store: SqliteStateStore | None = None
-    servicer: SchedulerServicer | None = None
+    worker_port: int | None
+    metrics_http: object
+    store: SqliteStateStore | None
+    _loop: _LoopThread
+    _serving: _Serving
+    _stop_lock: threading.Lock = field(default_factory=threading.Lock)
+    _stopped: bool = False
 
     def stop(self, grace_seconds: float) -> None:
-        """NOT_SERVING first, so balancers drain us; then stop with a grace period."""
-        self.health.enter_graceful_shutdown()
-        self.servicer.stop_streams_without_cancelling()
-        self._stop_sweeper.set()
-        self.grpc_server.stop(grace_seconds).wait()
-        self.metrics_http.shutdown()
-        if self.store is not None:
-            # Under the core's lock: the lease sweeper may be saving right now.
-            self.servicer.call(self.store.close)
+        """NOT_SERVING, then every RPC gets `grace_seconds` to finish; idempotent."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        try:
+            self._loop.run(self._serving.stop(grace_seconds, self.store))
+        finally:
+            self._loop.close()
+            self.metrics_http.shutdown()
 
     def wait(self) -> None:
-        self.grpc_server.wait_for_termination()
+        """Until the server has stopped."""
+        self._loop.join()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop every handler runs on (call into it with call_soon_threadsafe)."""
+        return self._loop.loop
 
 
 def start(settings: ServeSettings, registry: CollectorRegistry | None = None) -> RunningServer:
-    """Start serving on settings.host: gRPC on settings.port, metrics on settings.metrics_port.
+    """Start serving on settings.host: gRPC on settings.port (and settings.worker_port),
+    metrics on settings.metrics_port.
 
     Raises ConfigError, before listening, when a TLS or tokens file is unreadable or wrong.
     """
     tls = credentials.server_credentials(settings.tls_cert, settings.tls_key,
                                          settings.tls_client_ca)
-    interceptors = [decode_errors.DecodeErrorInterceptor()]
-    if settings.auth_tokens:
-        interceptors.append(auth.AuthInterceptor(auth.load_tokens(settings.auth_tokens)))
+    tokens = auth.load_tokens(settings.auth_tokens) if settings.auth_tokens else None
     ports.check_free("port", settings.host, settings.port)  # before the state loads
     ports.check_free("metrics_port", settings.host, settings.metrics_port)
     _warn_if_exposed(settings)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = SchedulerMetrics(registry, named_tenants=(
         tenant for tenant, _ in settings.scheduler.tenant_weights))
-    store = (SqliteStateStore(settings.state_dir, settings.state_fsync)
+    store = (SqliteStateStore(settings.state_dir, settings.state_fsync, defer_fsync=True)
              if settings.state_dir else None)
+    loop = _LoopThread()
     try:
-        return _start(settings, registry, metrics, store, tls, interceptors)
+        serving = loop.run(_serve(settings, metrics, store, tls, tokens),
+                           timeout=START_TIMEOUT_SECONDS)
     except BaseException:
+        loop.close()
         if store is not None:
             store.close()  # and its lock: the caller may try again
         raise
+    try:
+        metrics_http = ports.start_metrics_http(settings.host, settings.metrics_port, registry)
+    except BaseException:
+        try:
+            loop.run(serving.stop(0, store))
+        finally:
+            loop.close()
+        raise
+    return RunningServer(serving.port, metrics_http.server_port, serving.worker_port,
+                         metrics_http, store, loop, serving)
 
 
-def _start(settings: ServeSettings, registry: CollectorRegistry, metrics: SchedulerMetrics,
-           store: SqliteStateStore | None, tls, interceptors) -> RunningServer:
+async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
+                 store: SqliteStateStore | None, tls, tokens) -> _Serving:
+    """On the loop: the core, the servicer, the listening servers and the tasks."""
     sweep_seconds = min(1.0, settings.scheduler.lease_ttl_ms / 4000.0)
+    wakeups = Wakeups()
     try:
         # The sweeper checks leases every sweep_seconds: a gap of three means we stood still.
-        core = Scheduler(settings.scheduler, observer=metrics, store=store,
+        core = Scheduler(settings.scheduler, observer=FanOut(metrics, wakeups), store=store,
                          stall_seconds=max(3 * sweep_seconds, 0.5),
                          max_decision_bytes=settings.max_message_bytes)
     except StoreError as err:
@@ -98,50 +196,79 @@ def _start(settings: ServeSettings, registry: CollectorRegistry, metrics: Schedu
                                         "queued": recovered.queue_depth,
                                         "assigned": recovered.num_assigned,
                                         "workers": len(recovered.workers)})
-    servicer = SchedulerServicer(core, metrics)
+    lag = LoopLag(LOOP_LAG_TICK_SECONDS, observe=metrics.event_loop_lag.observe)
+    group_commit = GroupCommit(store, metrics.on_fsync) if store is not None else None
+    servicer = SchedulerServicer(
+        core, wakeups, metrics=metrics, lag=lag,
+        durable=group_commit.durable if group_commit is not None else None,
+        durable_worker_progress=settings.state_fsync == "always")
+    health_servicer = health.aio.HealthServicer()
+    options = [
+        # gRPC sets SO_REUSEPORT by default: a second scheduler on a port already in use
+        # would bind it too and silently take a share of the connections (two queues, one
+        # address). Fail instead.
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        # Calls that arrived but wait for the loop to take them: past the soft limit gRPC
+        # cancels new ones at random (its default, 1000, cancelled streams of a burst of a few
+        # thousand clients re-attaching at once). Room for every stream --max-streams allows.
+        ("grpc.server.max_pending_requests", max(1000, settings.max_streams)),
+        ("grpc.server.max_pending_requests_hard_limit", 3 * max(1000, settings.max_streams)),
+    ]
+    first = [decode_errors.DecodeErrorInterceptor()]
+    if tokens is not None:
+        first.append(auth.AuthInterceptor(tokens))
+    stream_limits = limits.StreamLimitInterceptor(
+        max_streams=settings.max_streams, max_open_streams=settings.max_open_streams,
+        on_change=metrics.on_streams)
+    main = grpc.aio.server(interceptors=[*first, stream_limits], options=options)
+    pb_grpc.add_SchedulerServicer_to_server(servicer, main)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, main)
+    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME,
+                                         reflection.SERVICE_NAME), main)
+    servers = [main]
+    port = _listen(main, settings.host, settings.port, tls)
+    worker_port = None
+    if settings.worker_port:
+        workers_only = grpc.aio.server(
+            interceptors=[*first, limits.WorkerPortInterceptor(settings.worker_port)],
+            options=options)
+        pb_grpc.add_SchedulerServicer_to_server(servicer, workers_only)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, workers_only)
+        worker_port = _listen(workers_only, settings.host, settings.worker_port, tls,
+                              server_role="workers")
+        servers.append(workers_only)
+    for server in servers:
+        await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    tasks = [asyncio.create_task(_sweep_leases(servicer, sweep_seconds), name="lease-sweeper"),
+             asyncio.create_task(lag.run(), name="loop-lag")]
+    if group_commit is not None:
+        tasks.append(asyncio.create_task(group_commit.run_checkpoints(), name="checkpoints"))
+    return _Serving(servers, health_servicer, servicer, port, worker_port, group_commit, tasks)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.max_threads,
-                                                    thread_name_prefix="rpc"),
-                         interceptors=interceptors,
-                         # gRPC sets SO_REUSEPORT by default: a second scheduler on a port
-                         # already in use would bind it too and silently take a share of
-                         # the connections (two queues, one address). Fail instead.
-                         options=[("grpc.so_reuseport", 0),
-                                  ("grpc.max_receive_message_length",
-                                   settings.max_message_bytes)])
-    pb_grpc.add_SchedulerServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME),
-        server,
-    )
-    address = f"{_bracket(settings.host)}:{settings.port}"
+
+def _listen(server: grpc.aio.Server, host: str, port: int, tls,
+            server_role: str = "main") -> int:
+    address = f"{_bracket(host)}:{port}"
     try:
         # grpcio returns 0 on failure in old releases and raises RuntimeError in new ones.
-        port = (server.add_secure_port(address, tls) if tls is not None
-                else server.add_insecure_port(address))
+        bound = (server.add_secure_port(address, tls) if tls is not None
+                 else server.add_insecure_port(address))
     except RuntimeError:
-        port = 0
-    if port == 0:
-        raise ConfigError(f"cannot listen on {address} (--host, --port): address in use or "
+        bound = 0
+    if bound == 0:
+        flag = "--port" if server_role == "main" else "--worker-port"
+        raise ConfigError(f"cannot listen on {address} (--host, {flag}): address in use or "
                           "not available")
-    metrics_http = ports.start_metrics_http(settings.host, settings.metrics_port, registry)
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-    stop_sweeper = threading.Event()
-    threading.Thread(target=_sweep_leases, args=(servicer, stop_sweeper, sweep_seconds),
-                     name="lease-sweeper", daemon=True).start()
-    return RunningServer(server, health_servicer, metrics_http, port,
-                         metrics_http.server_port, stop_sweeper, store, servicer)
+    return bound
 
 
-def _sweep_leases(servicer: SchedulerServicer, stop: threading.Event, every_seconds: float):
+async def _sweep_leases(servicer: SchedulerServicer, every_seconds: float) -> None:
     """Drop silent workers even when no other worker calls (their sequences must move on)."""
-    while not stop.wait(every_seconds):
+    while True:
+        await asyncio.sleep(every_seconds)
         try:
             servicer.expire_leases()
         except Exception:  # noqa: BLE001 - keep sweeping; the next call may succeed
@@ -154,7 +281,7 @@ def serve(settings: ServeSettings) -> None:
     print(f"lattice-scheduler listening on {settings.host}:{running.port} "
           f"(metrics on http://{_bracket(settings.host)}:{running.metrics_port}/metrics, "
           f"policy {settings.scheduler.policy}, {_security_summary(settings)}, "
-          f"{_state_summary(settings, running)})", flush=True)
+          f"{_state_summary(settings, running)}{_worker_port_summary(running)})", flush=True)
     log.info("serving", extra={"port": running.port, "metrics_port": running.metrics_port})
     stopping = threading.Event()
 
@@ -169,6 +296,10 @@ def serve(settings: ServeSettings) -> None:
     signal.signal(signal.SIGINT, on_signal)
     running.wait()
     log.info("stopped")
+
+
+def _worker_port_summary(running: RunningServer) -> str:
+    return "" if running.worker_port is None else f", worker port {running.worker_port}"
 
 
 def _state_summary(settings: ServeSettings, running: RunningServer) -> str:

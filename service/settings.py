@@ -30,7 +30,10 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9400
-    max_threads: int = 64
+    worker_port: int = 0  # 0: no separate listener for worker traffic
+    max_streams: int = 10_000
+    max_open_streams: int = 100
+    max_threads: int = 64  # no effect since the server runs on one event loop
     grace_seconds: float = 5.0
     log_format: str = "text"
     log_level: str = "INFO"
@@ -44,12 +47,19 @@ class ServeSettings:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> "ServeSettings":
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "worker_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
-                raise ConfigError(f"{name} must be within 0-65535 (0 picks a free port), got {value}")
-        if self.max_threads < 2:
+                zero = "turns it off" if name == "worker_port" else "picks a free port"
+                raise ConfigError(f"{name} must be within 0-65535 (0 {zero}), got {value}")
+        if self.max_threads < 2:  # no effect any more; still checked as it always was
             raise ConfigError(f"max_threads must be at least 2, got {self.max_threads}")
+        for name in ("max_streams", "max_open_streams"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.worker_port and self.worker_port == self.port:
+            raise ConfigError(f"worker_port must differ from port ({self.port}); 0 turns the "
+                              f"separate worker listener off")
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
         if self.log_format not in ("text", "json"):
@@ -76,7 +86,13 @@ _HELP = {
     "host": "address to listen on (gRPC and metrics)",
     "port": "gRPC port; 0 picks a free port and prints it",
     "metrics_port": "Prometheus /metrics port; 0 picks a free port and prints it",
-    "max_threads": "gRPC handler threads (each open Generate stream holds one)",
+    "worker_port": "also serve the worker RPCs (and health) on this port, apart from "
+                   "client traffic; 0: none (every RPC is always served on --port)",
+    "max_streams": "most Generate streams open at once; more get RESOURCE_EXHAUSTED at once",
+    "max_open_streams": "most Health.Watch and reflection streams (which need no token) open "
+                        "at once; more get RESOURCE_EXHAUSTED at once",
+    "max_threads": "no effect: the server runs on one event loop, with no thread per call "
+                   "(kept so that older configs still start)",
     "grace_seconds": "on SIGTERM, seconds in-flight calls get to finish",
     "log_format": "text, or json for one JSON object per line",
     "log_level": "DEBUG, INFO, WARNING or ERROR",

@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int,
                         help="CPU threads for torch (default: torch's choice); give each of "
                              "several workers on one host its share of the cores")
+    parser.add_argument("--no-session", action="store_true",
+                        help="one unary SelectBatch call per iteration instead of one "
+                             "WorkerSession stream (for schedulers without sessions)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="wait for each decision before stepping, instead of reporting for "
+                             "the next step while the engine runs this one")
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
     args = parser.parse_args(argv)
 
@@ -136,10 +142,11 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     )
     from worker_client.loop import WorkerLoop
 
-    client = SchedulerClient(args.scheduler, credentials=credentials, token=args.token)
+    client = SchedulerClient(args.scheduler, credentials=credentials, token=args.token,
+                             session=not args.no_session)
     resources = WorkerResources(args.worker_id, engine.total_kv_pages, engine.page_size,
                                 engine.total_gdn_slots, args.max_batch_size)
-    loop = WorkerLoop(engine, client, resources)
+    loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap)
     stop, drain = threading.Event(), threading.Event()
 
     def on_signal(signum, _frame):

@@ -1,5 +1,9 @@
 """A typed client of the scheduler for workers: deadlines on every call, retry with backoff.
 
+Iterations go over one WorkerSession stream by default (`session=False`: unary SelectBatch
+calls, as before sessions existed). A request that asks for a long poll (`idle_wait_ms`)
+gets that much longer to be answered.
+
 Retries cover the scheduler being unavailable (restarting, not yet up): UNAVAILABLE and
 DEADLINE_EXCEEDED are retried with exponential backoff until `retry_seconds` run out.
 FAILED_PRECONDITION (lease lost, scheduler restarted) surfaces as `NotRegistered` so the
@@ -20,9 +24,13 @@ import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from worker_client.session import WorkerSessionStream
+
 log = logging.getLogger(__name__)
 
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED, for a call this client did not cancel: the scheduler went away mid-call.
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.CANCELLED)
 
 
 class SchedulerCallError(Exception):
@@ -69,8 +77,9 @@ class SchedulerClient:
                  retry: RetryPolicy = RetryPolicy(),
                  sleep: Callable[[float], None] = time.sleep,
                  credentials: grpc.ChannelCredentials | None = None,
-                 token: str | None = None) -> None:
-        """`credentials`: TLS (None: plaintext); `token`: sent as `authorization: Bearer`."""
+                 token: str | None = None, session: bool = True) -> None:
+        """`credentials`: TLS (None: plaintext); `token`: sent as `authorization: Bearer`;
+        `session`: iterate over one WorkerSession stream (False: unary SelectBatch)."""
         self.target = target
         # gRPC's own reconnect backoff grows to 120 s by default: after a long outage the
         # channel would sit out a restarted scheduler for minutes while our retries fail
@@ -88,11 +97,14 @@ class SchedulerClient:
         self._timeout = call_timeout_seconds
         self._retry = retry
         self._sleep = sleep
+        self.uses_session = session
+        self._session: WorkerSessionStream | None = None
         # The incarnation of our latest registration, sent with every later call (0: none
         # yet, which the scheduler reads as "the latest").
         self.incarnation = 0
 
     def close(self) -> None:
+        self._end_session()
         self._channel.close()
 
     def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
@@ -106,23 +118,42 @@ class SchedulerClient:
         return response
 
     def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
-        """SelectBatch as our latest incarnation (set on `request`)."""
+        """One iteration's report and decision, as our latest incarnation (set on
+        `request`), over the session unless it is off."""
         request.incarnation = self.incarnation
-        return self._call("SelectBatch", self._stub.SelectBatch, request)
+        timeout = self._timeout + request.idle_wait_ms / 1000
+        if self.uses_session:
+            return self._call("WorkerSession", self._exchange, request, timeout)
+        return self._call("SelectBatch", self._stub.SelectBatch, request, timeout)
 
     def deregister(self, worker_id: str) -> int:
         """Leave; returns how many sequences went back to the queue."""
+        self._end_session()
         response = self._call("DeregisterWorker", self._stub.DeregisterWorker,
                               pb.DeregisterWorkerRequest(worker_id=worker_id,
                                                          incarnation=self.incarnation))
         return response.requeued
 
-    def _call(self, method: str, fn, request):
+    def _exchange(self, request: pb.SelectBatchRequest, timeout: float, **_call_options):
+        if self._session is None:
+            self._session = WorkerSessionStream(self._stub, **self._call_options)
+        try:
+            return self._session.exchange(request, timeout)
+        except grpc.RpcError:
+            self._session = None  # closed by now; the next try opens a new one
+            raise
+
+    def _end_session(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    def _call(self, method: str, fn, request, timeout: float | None = None):
         delay = self._retry.initial_seconds
         give_up_at = time.monotonic() + self._retry.total_seconds
         while True:
             try:
-                return fn(request, timeout=self._timeout, **self._call_options)
+                return fn(request, timeout=timeout or self._timeout, **self._call_options)
             except grpc.RpcError as err:
                 code = err.code()
                 if code is grpc.StatusCode.FAILED_PRECONDITION:

@@ -3,13 +3,22 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from worker_client.client import NotRegistered, SchedulerClient, Superseded, WorkerResources
 from worker_client.convert import PendingReport, chunk_work
 from worker_client.engine.api import Engine, FinishReason, StepOutput
+from worker_client.forecast import Forecast, Holding
 
 log = logging.getLogger(__name__)
+
+# With nothing held and nothing to report, a worker asks the scheduler to hold its answer
+# until work arrives (a long poll), at most this long and at most a quarter of its lease.
+DEFAULT_IDLE_WAIT_SECONDS = 1.0
 
 
 @dataclass
@@ -25,14 +34,6 @@ class LoopStats:
     preempted: int = 0
 
 
-@dataclass(frozen=True)
-class _Held:
-    """The engine's sequences at the start of an iteration, read once."""
-
-    waiting: list[int]
-    running: list[int]
-
-
 class WorkerLoop:
     """Register, then once per iteration: report, get a decision, evict, step the engine.
 
@@ -43,84 +44,203 @@ class WorkerLoop:
     requeued it) and registers again. A scheduler that says this incarnation was
     superseded (another process registered the same worker_id) ends `run` with
     `Superseded`: registering again would only take the id back and fight.
+
+    `overlap` (the default for `run`): while the engine runs step n, the report for step
+    n+1 (what the engine will hold after step n: worker_client/forecast.py) goes to the
+    scheduler, and its decision is there when step n ends, so the engine never waits for
+    a round trip. A sequence that ends in step n may be scheduled for step n+1; the
+    engine drops it without a token. Step outputs are reported one iteration later.
+
+    With nothing held and nothing to report, the loop asks for a long poll
+    (`idle_wait_seconds`) instead of polling.
     """
 
     def __init__(self, engine: Engine, client: SchedulerClient, resources: WorkerResources,
-                 *, idle_sleep_seconds: float = 0.01) -> None:
+                 *, idle_sleep_seconds: float = 0.01,
+                 idle_wait_seconds: float = DEFAULT_IDLE_WAIT_SECONDS,
+                 overlap: bool = True) -> None:
+        """`idle_sleep_seconds`: the pause after a decision with nothing to run, when the
+        scheduler did not hold its answer (it holds none for a worker that holds work)."""
         self.engine = engine
         self.client = client
         self.resources = resources
+        self.overlap = overlap
         self.stats = LoopStats()
         self._idle_sleep_seconds = idle_sleep_seconds
+        self._idle_wait_seconds = idle_wait_seconds
+        self._lease_seconds = 0.0
         self._pending = PendingReport()
+        self._forecast = Forecast(engine.page_size)
 
     def run(self, stop: threading.Event, drain: threading.Event | None = None) -> LoopStats:
         drain = drain or threading.Event()
         self._register()
         try:
-            while not stop.is_set():
-                draining = drain.is_set()
-                held = _Held(self.engine.waiting_ids(), self.engine.running_ids())
-                if draining and not held.waiting and not held.running and not self._pending:
-                    break
-                if not self._iterate(draining, held):
-                    stop.wait(self._idle_sleep_seconds)
+            if self.overlap:
+                self._run_overlapped(stop, drain)
+            else:
+                self._run_in_turn(stop, drain)
         finally:
             self._leave()
         return self.stats
 
     def iterate(self, draining: bool = False) -> bool:
-        """One report -> decision -> step cycle, without sleeping (the simulator drives
-        the loop this way); False when the decision had nothing to run."""
-        return self._iterate(draining, _Held(self.engine.waiting_ids(), self.engine.running_ids()))
+        """One report -> decision -> step cycle, from what the engine holds now: no sleep,
+        no long poll, no overlap. False when the decision had nothing to run."""
+        return self._iterate(draining, self._holding(), long_poll=False)
 
-    def _iterate(self, draining: bool, held: _Held) -> bool:
-        """One iteration, from what the engine holds now; False when there was nothing to run."""
+    # ------------------------------------------------------------------ in turn
+
+    def _run_in_turn(self, stop: threading.Event, drain: threading.Event) -> None:
+        while not stop.is_set():
+            draining = drain.is_set()
+            held = self._holding()
+            if draining and held.is_empty and not self._pending:
+                return
+            started = time.monotonic()
+            if not self._iterate(draining, held, long_poll=True):
+                self._pause_if_not_held(stop, started)
+
+    def _iterate(self, draining: bool, held: Holding, long_poll: bool) -> bool:
+        """One iteration, from `held`; False when there was nothing to run."""
+        idle = long_poll and not draining and held.is_empty and not self._pending
+        decision = self._exchange(self._request(draining, held, idle), held)
+        if decision is None or not self._apply(decision):
+            return decision is None
+        self._record(decision, self._step(decision))
+        return True
+
+    # ------------------------------------------------------------------ overlapped
+
+    def _run_overlapped(self, stop: threading.Event, drain: threading.Event) -> None:
+        # The engine steps on its own thread, so that this one reports meanwhile; the engine
+        # is touched from here only while no step is in flight.
+        with ThreadPoolExecutor(1, thread_name_prefix="engine-step") as stepper:
+            decision: pb.SchedulerDecision | None = None  # the next step's, with work
+            while not stop.is_set():
+                draining = drain.is_set()
+                if decision is None:
+                    decision = self._decide_in_turn(stop, draining)
+                    if decision is None:
+                        if draining and self._holding().is_empty and not self._pending:
+                            return
+                        continue
+                held = self._holding()
+                prefill, decode = [chunk_work(c) for c in decision.prefill], list(decision.decode)
+                stepping = stepper.submit(self.engine.step, prefill, decode)
+                after = self._forecast.after_step(held, prefill, decode)
+                try:
+                    next_decision = self.client.select(self._request(draining, after, idle=False))
+                except NotRegistered:
+                    self._count(decision, stepping.result())  # outputs of the old registration
+                    self._register_again(self._holding())
+                    decision = None
+                    continue
+                finally:
+                    wait([stepping])  # whatever happened, the step ends before anything else
+                out = stepping.result()
+                self._pending.delivered()
+                self.stats.iterations += 1
+                self._record(decision, out)
+                decision = next_decision if self._apply(next_decision) else None
+
+    def _decide_in_turn(self, stop: threading.Event,
+                        draining: bool) -> pb.SchedulerDecision | None:
+        """Report what is held now and wait for the answer (nothing in flight); the decision
+        if it has work, else None (after a pause when the scheduler did not hold it)."""
+        held = self._holding()
+        if draining and held.is_empty and not self._pending:
+            return None
+        idle = not draining and held.is_empty and not self._pending
+        started = time.monotonic()
+        decision = self._exchange(self._request(draining, held, idle), held)
+        if decision is not None and self._apply(decision):
+            return decision
+        if decision is not None:
+            self._pause_if_not_held(stop, started)
+        return None
+
+    # ------------------------------------------------------------------ shared
+
+    def _holding(self) -> Holding:
         engine = self.engine
+        return Holding(tuple(engine.waiting_ids()), tuple(engine.running_ids()),
+                       engine.num_free_kv_pages(), engine.num_free_gdn_slots())
+
+    def _request(self, draining: bool, held: Holding, idle: bool) -> pb.SelectBatchRequest:
+        request = self._pending.request(
+            self.resources.worker_id, waiting=held.waiting, running=held.running,
+            kv_free_pages=held.kv_free_pages, gdn_free_slots=held.gdn_free_slots,
+            draining=draining)
+        if idle:
+            request.idle_wait_ms = int(self._idle_wait() * 1000)
+        return request
+
+    def _idle_wait(self) -> float:
+        if self._lease_seconds <= 0:
+            return self._idle_wait_seconds
+        return min(self._idle_wait_seconds, self._lease_seconds / 4)
+
+    def _exchange(self, request: pb.SelectBatchRequest,
+                  held: Holding) -> pb.SchedulerDecision | None:
+        """Report and get the decision; None when the scheduler forgot us (registered again)."""
         try:
-            decision = self.client.select(self._request(draining, held))
+            decision = self.client.select(request)
         except NotRegistered:
-            log.warning("scheduler no longer knows this worker; dropping what it holds "
-                        "and registering again", extra={"worker_id": self.resources.worker_id})
-            held_ids = held.waiting + held.running
-            engine.evict(held_ids)
-            self._pending.clear()
-            self._pending.forget(held_ids)
-            self._register()
-            return True
+            self._register_again(held)
+            return None
         self._pending.delivered()
         self.stats.iterations += 1
-        # Evicted (cancelled, not ours) and preempted by the scheduler (it requeued them
-        # already): freed before the step, and not reported back.
+        return decision
+
+    def _apply(self, decision: pb.SchedulerDecision) -> bool:
+        """Evict and preempt what the decision says, note new admissions; whether it has
+        anything to run."""
         dropped = [*decision.evict, *decision.preempt]
         if dropped:
-            engine.evict(dropped)
+            # Preempted ones were requeued by the scheduler already: freed, not reported.
+            self.engine.evict(dropped)
             self._pending.forget(dropped)
-        if not decision.prefill and not decision.decode:
-            return False
         for chunk in decision.prefill:
             if chunk.HasField("spec"):
                 self._pending.admitted(chunk.seq_id)
-        out = engine.step([chunk_work(c) for c in decision.prefill], list(decision.decode))
-        _log_failures(self.resources.worker_id, out)
+        return bool(decision.prefill or decision.decode)
+
+    def _step(self, decision: pb.SchedulerDecision) -> StepOutput:
+        return self.engine.step([chunk_work(c) for c in decision.prefill], list(decision.decode))
+
+    def _record(self, decision: pb.SchedulerDecision, out: StepOutput) -> None:
+        """Keep a step's outputs for the next report, and count them."""
         self._pending.add(out)
+        self._count(decision, out)
+
+    def _count(self, decision: pb.SchedulerDecision, out: StepOutput) -> None:
+        _log_failures(self.resources.worker_id, out)
         self.stats.prefill_tokens += sum(c.chunk_len for c in decision.prefill)
         self.stats.decode_steps += len(decision.decode)
         self.stats.generated_tokens += sum(len(t) for _, t in out.tokens)
         self.stats.finished += len(out.finished)
         self.stats.preempted += len(out.preempted)
-        return True
 
-    def _request(self, draining: bool, held: _Held):
-        engine = self.engine
-        return self._pending.request(
-            self.resources.worker_id, waiting=held.waiting,
-            running=held.running, kv_free_pages=engine.num_free_kv_pages(),
-            gdn_free_slots=engine.num_free_gdn_slots(), draining=draining)
+    def _pause_if_not_held(self, stop: threading.Event, started: float) -> None:
+        """After a decision with nothing to run: pause, unless the scheduler held the
+        answer (a long poll) for at least half of what was asked."""
+        if time.monotonic() - started < self._idle_wait() / 2:
+            stop.wait(self._idle_sleep_seconds)
+
+    def _register_again(self, held: Holding) -> None:
+        log.warning("scheduler no longer knows this worker; dropping what it holds "
+                    "and registering again", extra={"worker_id": self.resources.worker_id})
+        held_ids = [*held.waiting, *held.running]
+        self.engine.evict(held_ids)
+        self._pending.clear()
+        self._pending.forget(held_ids)
+        self._register()
 
     def _register(self) -> None:
         settings = self.client.register(self.resources)
         self.stats.registrations += 1
+        self._lease_seconds = settings.lease_ttl_ms / 1000
         log.info("registered", extra={"worker_id": self.resources.worker_id,
                                       "chunk_size": settings.chunk_size,
                                       "max_batch_size": settings.max_batch_size,
@@ -130,8 +250,7 @@ class WorkerLoop:
         try:
             if self._pending:
                 # Deliver the last finishes and tokens; the decision is moot, we leave.
-                held = _Held(self.engine.waiting_ids(), self.engine.running_ids())
-                self.client.select(self._request(True, held))
+                self.client.select(self._request(True, self._holding(), idle=False))
             requeued = self.client.deregister(self.resources.worker_id)
             log.info("deregistered", extra={"worker_id": self.resources.worker_id,
                                             "requeued": requeued})

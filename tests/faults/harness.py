@@ -161,7 +161,7 @@ class Stack:
                 sys.executable, "-m", "service", "serve", "--host", LOOPBACK,
                 "--port", str(self.port), "--metrics-port", "0",
                 "--state-dir", str(self.state_dir), "--lease-ttl-ms", str(self.lease_ttl_ms),
-                "--max-threads", "128", *self._scheduler_flags,
+                *self._scheduler_flags,
             ], self.directory / f"scheduler.{number}.{attempt}.log")
             self.all_procs.append(proc)
             self.scheduler = proc
@@ -365,7 +365,8 @@ def make_jobs(count: int, seed: int, prefix: str = "job",
 
 
 class Clients:
-    """One submitting thread and `num_collectors` collecting threads, over one channel.
+    """`num_submitters` submitting threads (taking jobs in turn) and `num_collectors`
+    collecting threads, over one channel.
 
     Submit retries the same request_id on UNAVAILABLE or DEADLINE_EXCEEDED with backoff;
     a job counts as acknowledged only once Submit returned OK. Each acknowledged job is
@@ -375,7 +376,8 @@ class Clients:
     """
 
     def __init__(self, target: str, jobs: list[Job], *, submit_interval_seconds: float = 0.02,
-                 num_collectors: int = 16, deadline_seconds: float = 60.0) -> None:
+                 num_collectors: int = 16, deadline_seconds: float = 60.0,
+                 num_submitters: int = 1) -> None:
         self.jobs = jobs
         self.deadline = time.monotonic() + deadline_seconds
         self._interval = submit_interval_seconds
@@ -388,10 +390,13 @@ class Clients:
         self.num_reattachments = 0
         self._stop = threading.Event()
         self._streams: set = set()  # open Generate calls, cancelled by close()
-        self._threads = [threading.Thread(target=self._submit_all, name="submitter",
-                                          daemon=True)]
-        self._threads += [threading.Thread(target=self._collect_all, name=f"collector-{i}",
-                                           daemon=True) for i in range(num_collectors)]
+        self._to_submit = iter(jobs)
+        self._submitters_left = num_submitters
+        self._threads = [threading.Thread(target=self._submit_all, name=f"submitter-{i}",
+                                          daemon=True) for i in range(num_submitters)]
+        self._collectors = [threading.Thread(target=self._collect_all, name=f"collector-{i}",
+                                             daemon=True) for i in range(num_collectors)]
+        self._threads += self._collectors
 
     def start(self) -> "Clients":
         for thread in self._threads:
@@ -433,14 +438,20 @@ class Clients:
 
     def _submit_all(self) -> None:
         try:
-            for job in self.jobs:
-                if self._stop.wait(self._interval):
+            while not self._stop.wait(self._interval):
+                with self._lock:
+                    job = next(self._to_submit, None)
+                if job is None:
                     return
                 if self._submit(job):
                     self._acked.put(job)
         finally:
-            for _ in self._threads[1:]:
-                self._acked.put(None)
+            with self._lock:
+                self._submitters_left -= 1
+                last = self._submitters_left == 0
+            if last:
+                for _ in self._collectors:
+                    self._acked.put(None)
 
     def _submit(self, job: Job) -> bool:
         job.first_sent_at = time.monotonic()

@@ -175,7 +175,13 @@ def _plausible_reports(draw, ids: st.SearchStrategy[int]) -> pb.SelectBatchReque
         kv_free_pages=draw(st.one_of(st.just(1_000), uint32s())),
         gdn_free_slots=draw(st.one_of(st.just(64), uint32s())),
         draining=draw(st.booleans()),
+        idle_wait_ms=draw(idle_waits()),
     )
+
+
+def idle_waits() -> st.SearchStrategy[int]:
+    """Long polls short enough that a parked call ends well within RPC_TIMEOUT_SECONDS."""
+    return st.one_of(st.just(0), st.integers(1, 50))
 
 
 def _token_updates(draw, running: list[int], picks: list[int]) -> list[pb.TokenUpdate]:
@@ -206,6 +212,7 @@ def _wild_reports(ids: st.SearchStrategy[int]) -> st.SearchStrategy[pb.SelectBat
         preempted=st.one_of(st.just([]), id_lists(ids)),
         draining=st.booleans(),
         tokens=st.lists(tokens, max_size=3),
+        idle_wait_ms=idle_waits(),
     )
 
 
@@ -219,7 +226,7 @@ def requests_for(method: str, known: Callable[[], list[int]]) -> st.SearchStrate
         return st.builds(pb.GetSequenceRequest, seq_id=seq_ids(known))
     if method == "RegisterWorker":
         return register_requests()
-    if method == "SelectBatch":
+    if method in ("SelectBatch", "WorkerSession"):
         return select_batch_requests(known)
     if method == "DeregisterWorker":
         return st.builds(pb.DeregisterWorkerRequest, worker_id=worker_ids())

@@ -10,10 +10,11 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from tests.server.conftest import Server
 from tests.server.wire import RPC_TIMEOUT_SECONDS
+from worker_client.session import WorkerSessionStream
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 # Request-response RPCs (Generate streams its answer but takes one request); the
-# bidirectional WorkerSession is fuzzed by its own tests.
+# bidirectional WorkerSession is fuzzed by test_session_fuzz.py, through `session_calls`.
 METHODS = tuple(m.name for m in pb.DESCRIPTOR.services_by_name["Scheduler"].methods
                 if not m.client_streaming)
 # What the service may answer to any request it could parse; never UNKNOWN or INTERNAL.
@@ -76,6 +77,26 @@ class FuzzTarget:
         self.codes[method, outcome.code.name] += 1
         self._remember(method, request, outcome.response)
         return outcome
+
+    def session_calls(self, requests: list) -> list[Outcome]:
+        """Send `requests` over WorkerSession streams, one at a time: an answer is OK; an
+        error ends the stream (its outcome), and the next request opens a new one."""
+        outcomes, session = [], None
+        try:
+            for request in requests:
+                session = session or WorkerSessionStream(self.server.stub)
+                try:
+                    outcome = Outcome(grpc.StatusCode.OK,
+                                      session.exchange(request, RPC_TIMEOUT_SECONDS))
+                except grpc.RpcError as err:
+                    outcome, session = Outcome(err.code(), None, err.details() or ""), None
+                self.codes["WorkerSession", outcome.code.name] += 1
+                self._remember("SelectBatch", request, outcome.response)
+                outcomes.append(outcome)
+        finally:
+            if session is not None:
+                session.close()
+        return outcomes
 
     def _remember(self, method: str, request, response) -> None:
         if response is None:

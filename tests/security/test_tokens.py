@@ -11,6 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.logs import JsonFormatter, TextFormatter
+from worker_client.session import WorkerSessionStream
 
 from .conftest import RPC_TIMEOUT_SECONDS
 
@@ -27,6 +28,14 @@ def _generate_first_event(stub, request, timeout):
         call.cancel()
 
 
+def _session_answer(stub, request, timeout):
+    session = WorkerSessionStream(stub)
+    try:
+        return session.exchange(request, timeout)
+    finally:
+        session.close()
+
+
 # One call per Scheduler RPC; worker calls name w1. Allowed calls may still fail on
 # their merits (NOT_FOUND for an unknown seq_id): only the auth codes matter here.
 CALLS = {
@@ -41,12 +50,14 @@ CALLS = {
         worker_id="w1", total_kv_pages=64, page_size=16, total_gdn_slots=8), timeout=t),
     "SelectBatch": lambda s, t: s.SelectBatch(pb.SelectBatchRequest(
         worker_id="w1", kv_free_pages=64, gdn_free_slots=8), timeout=t),
+    "WorkerSession": lambda s, t: _session_answer(s, pb.SelectBatchRequest(
+        worker_id="w1", kv_free_pages=64, gdn_free_slots=8), t),
     "DeregisterWorker": lambda s, t: s.DeregisterWorker(
         pb.DeregisterWorkerRequest(worker_id="w1"), timeout=t),
     "DrainWorker": lambda s, t: s.DrainWorker(pb.DrainWorkerRequest(worker_id="w1"), timeout=t),
 }
 CLIENT_RPCS = {"Submit", "Cancel", "GetSequence", "Generate", "GetStatus"}
-WORKER_RPCS = {"RegisterWorker", "SelectBatch", "DeregisterWorker"}
+WORKER_RPCS = {"RegisterWorker", "SelectBatch", "WorkerSession", "DeregisterWorker"}
 ADMIN_ONLY_RPCS = {"DrainWorker"}
 
 
@@ -113,10 +124,32 @@ def test_worker_token_bound_to_w1_cannot_act_as_w2(secure_server, tokens, method
                                                    page_size=16, total_gdn_slots=8),
         "SelectBatch": pb.SelectBatchRequest(worker_id="w2", kv_free_pages=64,
                                              gdn_free_slots=8),
+        "WorkerSession": pb.SelectBatchRequest(worker_id="w2", kv_free_pages=64,
+                                               gdn_free_slots=8),
         "DeregisterWorker": pb.DeregisterWorkerRequest(worker_id="w2"),
     }[method]
+    call = (_session_answer if method == "WorkerSession"
+            else lambda stub, request, timeout: getattr(stub, method)(request, timeout=timeout))
     with pytest.raises(grpc.RpcError) as err:
-        getattr(server.stub(tokens.w1), method)(as_w2, timeout=RPC_TIMEOUT_SECONDS)
+        call(server.stub(tokens.w1), as_w2, RPC_TIMEOUT_SECONDS)
+    assert err.value.code() is DENIED
+    assert "bound to worker_id 'w1'" in err.value.details()
+
+
+def test_a_session_of_w1_is_refused_at_the_first_report_naming_w2(secure_server, tokens):
+    server = secure_server()
+    stub = server.stub(tokens.w1)
+    stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="w1", total_kv_pages=64,
+                                                 page_size=16, total_gdn_slots=8),
+                        timeout=RPC_TIMEOUT_SECONDS)
+    session = WorkerSessionStream(stub)
+    try:
+        as_w1 = pb.SelectBatchRequest(worker_id="w1", kv_free_pages=64, gdn_free_slots=8)
+        assert session.exchange(as_w1, RPC_TIMEOUT_SECONDS).iteration == 1
+        with pytest.raises(grpc.RpcError) as err:
+            session.exchange(pb.SelectBatchRequest(worker_id="w2"), RPC_TIMEOUT_SECONDS)
+    finally:
+        session.close()
     assert err.value.code() is DENIED
     assert "bound to worker_id 'w1'" in err.value.details()
 

@@ -73,12 +73,12 @@ class Server:
             self.running.stop(grace_seconds)
 
 
-def _start(state_dir: str = "", **scheduler_config) -> Server:
+def _start(state_dir: str = "", serve: dict | None = None, **scheduler_config) -> Server:
     # The contract's numbered rules are fifo's: tests name another policy when they mean it.
     scheduler_config.setdefault("policy", "fifo")
     config = SchedulerConfig(**scheduler_config)
-    settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0, max_threads=16,
-                             state_dir=state_dir, scheduler=config)
+    settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0, state_dir=state_dir,
+                             scheduler=config, **(serve or {})).validate()
     registry = CollectorRegistry()
     running = start(settings, registry)
     channel = grpc.insecure_channel(f"{LOOPBACK}:{running.port}")
@@ -98,8 +98,8 @@ def _stoppers() -> Iterator[list[threading.Thread]]:
 
 @pytest.fixture
 def start_server(_stoppers) -> Iterator[Callable[..., Server]]:
-    """Factory: start_server([state_dir], **SchedulerConfig fields) -> Server; all stopped
-    at teardown.
+    """Factory: start_server([state_dir], serve={ServeSettings fields}, **SchedulerConfig
+    fields) -> Server; all stopped at teardown.
 
     Stopping runs in a thread: the gRPC server stops at once, but the metrics HTTP
     server's shutdown() waits out its 0.5 s poll interval, which would otherwise
@@ -107,8 +107,8 @@ def start_server(_stoppers) -> Iterator[Callable[..., Server]]:
     """
     servers: list[Server] = []
 
-    def factory(state_dir: str = "", **scheduler_config) -> Server:
-        servers.append(_start(state_dir, **scheduler_config))
+    def factory(state_dir: str = "", serve: dict | None = None, **scheduler_config) -> Server:
+        servers.append(_start(state_dir, serve, **scheduler_config))
         return servers[-1]
 
     yield factory
@@ -130,6 +130,27 @@ def stub(server) -> pb_grpc.SchedulerStub:
 
 
 @pytest.fixture
-def worker(stub):
+def transport() -> str:
+    """How fake workers report: "unary" here; test_contract.py runs both transports."""
+    return "unary"
+
+
+@pytest.fixture
+def make_worker(stub, transport) -> Iterator[Callable[[str], Worker]]:
+    """Factory: make_worker(worker_id) -> a fake worker on the `server` fixture, speaking
+    `transport`; their sessions are closed at teardown."""
+    made: list[Worker] = []
+
+    def factory(worker_id: str = "w1") -> Worker:
+        made.append(Worker(stub, worker_id, transport))
+        return made[-1]
+
+    yield factory
+    for w in made:
+        w.close()
+
+
+@pytest.fixture
+def worker(make_worker) -> Worker:
     """A fake worker "w1" on the `server` fixture (not yet registered)."""
-    return Worker(stub, "w1")
+    return make_worker("w1")

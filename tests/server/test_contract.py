@@ -1,6 +1,9 @@
 """The wire contract (shared/contract.md), pinned against a real server on loopback.
 
-Each test name says which rule it pins. Small configs (chunk_size, max_queue,
+Every test runs twice: fake workers report by unary SelectBatch calls, then over
+WorkerSession streams (same meaning, one decision per request, in order); a
+FAILED_PRECONDITION or INVALID_ARGUMENT then ends the session, and the next report opens
+a new one. Each test name says which rule it pins. Small configs (chunk_size, max_queue,
 lease_ttl_ms) are passed to the `server` fixture by indirect parametrization.
 """
 from __future__ import annotations
@@ -17,8 +20,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from .wire import (
-    RPC_TIMEOUT_SECONDS, Stream, Worker, admitted, continued, get_sequence, rpc_error, submit,
-    submit_many, wait_until,
+    RPC_TIMEOUT_SECONDS, TRANSPORTS, Stream, Worker, admitted, continued, get_sequence,
+    rpc_error, submit, submit_many, wait_until,
 )
 
 EOS = pb.FINISH_REASON_EOS
@@ -29,6 +32,11 @@ QUEUED = pb.SEQUENCE_STATE_QUEUED
 PREFILLING = pb.SEQUENCE_STATE_PREFILLING
 DECODING = pb.SEQUENCE_STATE_DECODING
 FINISHED = pb.SEQUENCE_STATE_FINISHED
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    return request.param
 
 
 def config(**overrides):
@@ -87,11 +95,12 @@ def test_register_worker_answers_the_scheduler_defaults(stub, worker):
 
 
 @config(max_batch_size=3, chunk_size=7, prefill_reserve_pages=2, lease_ttl_ms=4321)
-def test_register_worker_answers_configured_settings_and_its_own_max_batch_size(stub):
-    default = Worker(stub, "a").register(max_batch_size=0)
+def test_register_worker_answers_configured_settings_and_its_own_max_batch_size(
+        stub, make_worker):
+    default = make_worker("a").register(max_batch_size=0)
     assert (default.chunk_size, default.max_batch_size, default.prefill_reserve_pages,
             default.lease_ttl_ms) == (7, 3, 2, 4321)
-    assert Worker(stub, "b").register(max_batch_size=5).max_batch_size == 5
+    assert make_worker("b").register(max_batch_size=5).max_batch_size == 5
 
 
 def test_select_batch_iteration_counts_from_one_per_registration(worker):
@@ -198,8 +207,8 @@ def test_unknown_seq_id_is_not_found_naming_the_id(stub, rpc):
     assert "424242" in err.details()
 
 
-def test_select_batch_from_unregistered_worker_is_failed_precondition(stub):
-    err = rpc_error(lambda: Worker(stub, "ghost").select())
+def test_select_batch_from_unregistered_worker_is_failed_precondition(stub, make_worker):
+    err = rpc_error(lambda: make_worker("ghost").select())
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "ghost" in err.details() and "RegisterWorker" in err.details()
 
@@ -227,9 +236,9 @@ def test_id_twice_in_waiting_running_is_invalid_argument_and_changes_nothing(
     ("", 16, "worker_id"),
     ("w1", 0, "page_size"),
 ])
-def test_register_worker_invalid_argument_names_the_field(stub, worker_id, page_size,
+def test_register_worker_invalid_argument_names_the_field(stub, make_worker, worker_id, page_size,
                                                            field_name):
-    err = rpc_error(lambda: Worker(stub, worker_id).register(page_size=page_size))
+    err = rpc_error(lambda: make_worker(worker_id).register(page_size=page_size))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_name in err.details()
 
@@ -413,8 +422,8 @@ def test_rule6_cancelled_sequences_are_evicted_and_neither_prefilled_nor_decoded
     assert get_sequence(stub, running_id).finish_reason == CANCELLED
 
 
-def test_rule6_ids_reported_but_not_assigned_to_this_worker_are_evicted(stub):
-    a, b = Worker(stub, "a"), Worker(stub, "b")
+def test_rule6_ids_reported_but_not_assigned_to_this_worker_are_evicted(stub, make_worker):
+    a, b = make_worker("a"), make_worker("b")
     a.register(), b.register()
     on_b = submit(stub).seq_id
     b.select()
@@ -661,8 +670,8 @@ def test_requeued_sequence_resumes_from_prompt_plus_generated_and_never_repeats_
 
 
 @config(lease_ttl_ms=SHORT_LEASE_MS)
-def test_sequence_requeued_by_lease_expiry_resumes_with_generated_tokens(stub):
-    silent, other = Worker(stub, "silent"), Worker(stub, "other")
+def test_sequence_requeued_by_lease_expiry_resumes_with_generated_tokens(stub, make_worker):
+    silent, other = make_worker("silent"), make_worker("other")
     silent.register()
     seq_id = submit(stub, prompt=(1, 2), max_new_tokens=4).seq_id
     silent.select()
@@ -754,8 +763,8 @@ def test_metric_select_batch_duration_counts_each_answered_call(server, worker):
     assert server.metric("select_batch_duration_seconds_sum") > 0
 
 
-def test_metric_worker_free_pages_and_slots_are_last_reported_per_worker(server, stub):
-    a, b = Worker(stub, "a"), Worker(stub, "b")
+def test_metric_worker_free_pages_and_slots_are_last_reported_per_worker(make_worker, server, stub):
+    a, b = make_worker("a"), make_worker("b")
     a.register(), b.register()
     a.select(kv_free_pages=100, gdn_free_slots=7)
     a.select(kv_free_pages=90, gdn_free_slots=6)
@@ -766,8 +775,8 @@ def test_metric_worker_free_pages_and_slots_are_last_reported_per_worker(server,
     assert server.metric("worker_gdn_free_slots", worker_id="b") == 1
 
 
-def test_metric_worker_series_are_removed_when_the_worker_deregisters(server, stub):
-    leaving, staying = Worker(stub, "leaving"), Worker(stub, "staying")
+def test_metric_worker_series_are_removed_when_the_worker_deregisters(make_worker, server, stub):
+    leaving, staying = make_worker("leaving"), make_worker("staying")
     for w in (leaving, staying):
         w.register()
         w.select(kv_free_pages=50, gdn_free_slots=4)
@@ -816,10 +825,9 @@ def test_token_update_with_offset_adds_no_token_twice_when_a_report_is_retried(s
     worker.select()
 
     def report(offset, token_ids):
-        return stub.SelectBatch(pb.SelectBatchRequest(
+        return worker.send(pb.SelectBatchRequest(
             worker_id="w1", running=[seq_id], kv_free_pages=1000, gdn_free_slots=64,
-            tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=token_ids, offset=offset)]),
-            timeout=RPC_TIMEOUT_SECONDS)
+            tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=token_ids, offset=offset)]))
 
     report(0, [5, 6])
     report(0, [5, 6])            # the same report again (the worker retried)

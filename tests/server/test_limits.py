@@ -162,7 +162,7 @@ def start_with_settings(_stoppers) -> Iterator:
     running_servers, channels = [], []
 
     def factory(**overrides) -> pb_grpc.SchedulerStub:
-        settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0, max_threads=4,
+        settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0,
                                  **overrides).validate()
         running_servers.append(start(settings, CollectorRegistry()))
         channels.append(grpc.insecure_channel(f"{LOOPBACK}:{running_servers[-1].port}"))

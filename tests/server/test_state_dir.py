@@ -28,7 +28,7 @@ class Durable:
 
     def restart(self) -> pb_grpc.SchedulerStub:
         self.stop()
-        settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0, max_threads=8,
+        settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0,
                                  state_dir=self.state_dir)
         self.running = start(settings, CollectorRegistry())
         self.channel = grpc.insecure_channel(f"{LOOPBACK}:{self.running.port}")

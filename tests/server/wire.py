@@ -11,14 +11,28 @@ import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from worker_client.session import WorkerSessionStream
+
 # Every RPC a test makes is bounded by this; a hung server fails the test, not the run.
 RPC_TIMEOUT_SECONDS = 5.0
-class Worker:
-    """A fake worker that speaks the wire protocol: register, report, read decisions."""
+# How a fake worker sends its reports: unary SelectBatch calls, or one WorkerSession stream.
+TRANSPORTS = ("unary", "session")
 
-    def __init__(self, stub: pb_grpc.SchedulerStub, worker_id: str = "w1") -> None:
+
+class Worker:
+    """A fake worker that speaks the wire protocol: register, report, read decisions.
+
+    `transport` "session" sends each report over one WorkerSession stream (reopened after
+    an error ends it); "unary" makes a SelectBatch call of each.
+    """
+
+    def __init__(self, stub: pb_grpc.SchedulerStub, worker_id: str = "w1",
+                 transport: str = "unary") -> None:
+        assert transport in TRANSPORTS, transport
         self.stub = stub
         self.worker_id = worker_id
+        self.transport = transport
+        self._session: WorkerSessionStream | None = None
 
     def register(self, *, total_kv_pages: int = 1000, page_size: int = 16,
                  total_gdn_slots: int = 64, max_batch_size: int = 0,
@@ -32,7 +46,7 @@ class Worker:
                gdn_free_slots: int = 64, finished=(), preempted=(), draining: bool = False,
                tokens: dict[int, list[int]] | None = None) -> pb.SchedulerDecision:
         """One SelectBatch. `finished` items are (seq_id, reason[, generated_tokens])."""
-        return self.stub.SelectBatch(pb.SelectBatchRequest(
+        return self.send(pb.SelectBatchRequest(
             worker_id=self.worker_id, waiting=list(waiting), running=list(running),
             kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
             finished=[pb.FinishedSequence(seq_id=f[0], reason=f[1],
@@ -40,11 +54,31 @@ class Worker:
                       for f in finished],
             preempted=list(preempted), draining=draining,
             tokens=[pb.TokenUpdate(seq_id=s, token_ids=t) for s, t in (tokens or {}).items()],
-        ), timeout=RPC_TIMEOUT_SECONDS)
+        ))
+
+    def send(self, request: pb.SelectBatchRequest,
+             timeout_seconds: float = RPC_TIMEOUT_SECONDS) -> pb.SchedulerDecision:
+        """One report as it is, over this worker's transport."""
+        if self.transport == "unary":
+            return self.stub.SelectBatch(request, timeout=timeout_seconds)
+        if self._session is None:
+            self._session = WorkerSessionStream(self.stub)
+        try:
+            return self._session.exchange(request, timeout_seconds)
+        except grpc.RpcError:
+            self._session = None  # the error ended it; the next report opens another
+            raise
 
     def deregister(self) -> pb.DeregisterWorkerResponse:
+        self.close()
         return self.stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id=self.worker_id),
                                           timeout=RPC_TIMEOUT_SECONDS)
+
+    def close(self) -> None:
+        """End the session, if there is one (a worker leaving its stream, not the scheduler)."""
+        if self._session is not None:
+            self._session.close()
+            self._session = None
 
 
 def submit(stub: pb_grpc.SchedulerStub, prompt=(1, 2, 3), max_new_tokens: int = 4,

@@ -46,12 +46,15 @@ class WorkerThread:
     """A WorkerLoop on its own thread, with its stop and drain switches."""
 
     def __init__(self, port: int, worker_id: str, engine, *, max_batch_size: int = 0,
-                 retry: RetryPolicy = RetryPolicy(total_seconds=5.0)) -> None:
+                 retry: RetryPolicy = RetryPolicy(total_seconds=5.0), session: bool = True,
+                 overlap: bool = True) -> None:
         self.engine = engine
-        self.client = SchedulerClient(f"127.0.0.1:{port}", call_timeout_seconds=5.0, retry=retry)
+        self.client = SchedulerClient(f"127.0.0.1:{port}", call_timeout_seconds=5.0, retry=retry,
+                                      session=session)
         resources = WorkerResources(worker_id, engine.total_kv_pages, engine.page_size,
                                     engine.total_gdn_slots, max_batch_size)
-        self.loop = WorkerLoop(engine, self.client, resources, idle_sleep_seconds=0.002)
+        self.loop = WorkerLoop(engine, self.client, resources, idle_sleep_seconds=0.002,
+                               overlap=overlap)
         self.stop = threading.Event()
         self.drain = threading.Event()
         self.error: BaseException | None = None

@@ -60,7 +60,8 @@ def test_each_iteration_reads_the_engines_held_ids_once_and_reports_them():
     resources = WorkerResources("w", engine.total_kv_pages, engine.page_size,
                                 engine.total_gdn_slots)
 
-    stats = WorkerLoop(engine, client, resources, idle_sleep_seconds=0.001).run(stop)
+    stats = WorkerLoop(engine, client, resources, idle_sleep_seconds=0.001,
+                       overlap=False).run(stop)
 
     assert stats.iterations == len(decisions)
     # One read of each per iteration; leaving with nothing pending reads nothing.

@@ -1,9 +1,11 @@
 """The whole system with the real engine: a scheduler, two `lattice-worker` processes running
 the tiny Qwen3.5-architecture model, and 16 concurrent Generate streams.
 
-Greedy outputs must equal sequence-by-sequence generation (engine.reference), also when
-small page pools force preemptions and when a worker is killed mid-run; afterwards every
-page and slot of the surviving workers is free again.
+Greedy outputs must equal sequence-by-sequence generation (engine.reference, itself pinned
+to transformers by tests/engine), also when small page pools force preemptions and when a
+worker is killed mid-run; afterwards every page and slot of the surviving workers is free
+again. The workers run as `lattice-worker` does by default: over a WorkerSession, with
+overlapped iterations (the engine steps while the next report is answered).
 """
 from __future__ import annotations
 

@@ -45,9 +45,16 @@ def _run_concurrently(stub, prompts, max_new_tokens) -> dict[int, list[int]]:
     return results
 
 
+WORKER_MODES = pytest.mark.parametrize("session, overlap", [(True, True), (False, False)],
+                                       ids=["session-overlap", "unary-in-turn"])
+
+
+@WORKER_MODES
 @pytest.mark.parametrize("scheduler", [{"chunk_size": 32, "max_seq_len": 256}], indirect=True)
-def test_sixteen_streams_on_two_workers_equal_sequential_generation(scheduler, stub):
-    workers = [WorkerThread(scheduler.port, f"w{i}", ScriptedEngine(num_gdn_slots=8)).start()
+def test_sixteen_streams_on_two_workers_equal_sequential_generation(scheduler, stub, session,
+                                                                    overlap):
+    workers = [WorkerThread(scheduler.port, f"w{i}", ScriptedEngine(num_gdn_slots=8),
+                            session=session, overlap=overlap).start()
                for i in range(2)]
     prompts = _prompts(16, seed=1, chunk_size=32)
     results = _run_concurrently(stub, prompts, max_new_tokens=12)
@@ -65,11 +72,13 @@ def test_sixteen_streams_on_two_workers_equal_sequential_generation(scheduler, s
 @pytest.mark.parametrize("scheduler", [
     {"chunk_size": 16, "max_seq_len": 256, "prefill_reserve_pages": 1, "policy": policy}
     for policy in ("fifo", "budget")], indirect=True, ids=["fifo", "budget"])
-def test_preempted_sequences_resume_without_duplicate_tokens(scheduler, stub):
+@WORKER_MODES
+def test_preempted_sequences_resume_without_duplicate_tokens(scheduler, stub, session, overlap):
     # 12 pages of 4 tokens cannot hold 6 sequences of ~40 tokens: under fifo the engine
     # preempts; under budget the scheduler sees the pages run out and preempts first.
     engine = ScriptedEngine(num_kv_pages=12, page_size=4, num_gdn_slots=6)
-    worker = WorkerThread(scheduler.port, "small", engine).start()
+    worker = WorkerThread(scheduler.port, "small", engine, session=session,
+                          overlap=overlap).start()
     prompts = _prompts(6, seed=2, chunk_size=16)
     prompts = [p[:20] for p in prompts]
     results = _run_concurrently(stub, prompts, max_new_tokens=10)
@@ -197,9 +206,14 @@ def _wait(predicate, timeout: float = 10.0) -> None:
     raise AssertionError("condition not reached in time")
 
 
+@pytest.mark.parametrize("session, overlap", [(False, False), (False, True), (True, False),
+                                             (True, True)],
+                         ids=["unary", "unary-overlap", "session", "session-overlap"])
 @pytest.mark.parametrize("scheduler", [{"chunk_size": 8, "max_seq_len": 256}], indirect=True)
-def test_lost_answers_and_retried_reports_neither_duplicate_nor_lose_tokens(scheduler, stub):
-    """Every 5th SelectBatch is applied by the scheduler but its answer never arrives."""
+def test_lost_answers_and_retried_reports_neither_duplicate_nor_lose_tokens(scheduler, stub,
+                                                                            session, overlap):
+    """One SelectBatch in five (seeded) is applied by the scheduler but its answer never
+    arrives: a unary call fails, or the session breaks after the answer was sent."""
     import grpc
 
     class LostAnswer(grpc.RpcError):
@@ -210,25 +224,33 @@ def test_lost_answers_and_retried_reports_neither_duplicate_nor_lose_tokens(sche
             return "answer lost (test)"
 
     engine = ScriptedEngine(num_gdn_slots=8)
-    worker = WorkerThread(scheduler.port, "flaky", engine)
-    real = worker.client._stub.SelectBatch
-    calls = {"n": 0}
+    worker = WorkerThread(scheduler.port, "flaky", engine, session=session, overlap=overlap)
+    client = worker.client
+    rng = random.Random(5)
+    calls = {"n": 0, "lost": 0}
 
-    def flaky_select(request, timeout=None):
-        calls["n"] += 1
-        answer = real(request, timeout=timeout)
-        if calls["n"] % 5 == 0:
-            raise LostAnswer()
-        return answer
+    def losing(real):
+        def call(request, timeout=None, **options):
+            calls["n"] += 1
+            answer = real(request, timeout=timeout, **options)
+            if rng.random() < 0.2:
+                calls["lost"] += 1
+                client._end_session()  # a session does not survive a lost answer
+                raise LostAnswer()
+            return answer
+        return call
 
-    worker.client._stub.SelectBatch = flaky_select
-    worker.client._retry = type(worker.client._retry)(initial_seconds=0.001, total_seconds=5)
+    if session:
+        client._exchange = losing(client._exchange)
+    else:
+        client._stub.SelectBatch = losing(client._stub.SelectBatch)
+    client._retry = type(client._retry)(initial_seconds=0.001, total_seconds=5)
     worker.start()
     prompts = _prompts(8, seed=5, chunk_size=8)
     results = _run_concurrently(stub, prompts, max_new_tokens=20)
     worker.stop.set()
     worker.join()
-    assert calls["n"] >= 25, "enough answers were lost to matter"
+    assert calls["lost"] >= 5, f"enough answers were lost to matter: {calls}"
     for i, prompt in enumerate(prompts):
         assert results[i] == reference_output(prompt, 20), f"stream {i}"
 

@@ -1,0 +1,777 @@
+#!/usr/bin/env python3
+"""The scheduler under a fleet's traffic: each subcommand prints its comparison side by side.
+
+Every scheduler here is a real `lattice-scheduler serve` process on loopback (its RSS and
+CPU time read from /proc); clients and fake workers run in this process on one asyncio
+loop (grpc.aio), scripted workers are `lattice-worker --model scripted` processes.
+`--before DIR` adds rows from the scheduler of another checkout (e.g. a worktree of the
+commit before this change), started with this interpreter from DIR.
+
+    .venv/bin/python scripts/bench_traffic.py streams     # 10,000 idle Generate streams, 16 workers
+    .venv/bin/python scripts/bench_traffic.py honest      # 2,000 streams read to the end, 4 workers
+    .venv/bin/python scripts/bench_traffic.py watch       # 1,000 unauthenticated Health.Watch, tokens on
+    .venv/bin/python scripts/bench_traffic.py decisions   # decisions/s, 64 workers: echo, unary, session
+    .venv/bin/python scripts/bench_traffic.py overlap     # 8 scripted workers, --step-ms 10
+    .venv/bin/python scripts/bench_traffic.py idle        # 16 idle workers: CPU, Submit to a worker
+    .venv/bin/python scripts/bench_traffic.py submits     # acknowledged Submits/s, 16 submitters
+
+The machine these ran on has 2 cores shared with other work: read ratios within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = "127.0.0.1"
+LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+) \(metrics on http://127\.0\.0\.1:(\d+)/")
+ECHO_LISTENING = re.compile(r"echo listening on (\d+)")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PROMPT = list(range(1, 17))
+RPC_TIMEOUT = 30.0
+
+
+# ====================================================================== processes
+
+
+class Proc:
+    """A started process, its output in a file, and /proc readings of it."""
+
+    def __init__(self, argv: list[str], cwd: Path = ROOT, env: dict | None = None) -> None:
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench_traffic_", suffix=".log")
+        self.popen = subprocess.Popen(argv, cwd=cwd, env=env or _env(), stdout=self.log,
+                                      stderr=subprocess.STDOUT)
+
+    def wait_for(self, pattern: re.Pattern, timeout: float = 60.0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.log.seek(0)
+            match = pattern.search(self.log.read())
+            if match:
+                return match
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.log.seek(0)
+        raise SystemExit(f"{self.popen.args[:4]} did not start:\n{self.log.read()[-3000:]}")
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.popen.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self.log.close()
+
+
+def _env(root: Path = ROOT) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LATTICE_SCHEDULER_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    if root != ROOT:
+        env["PYTHONPATH"] = f"{root}{os.pathsep}{root / 'protos'}"
+    return env
+
+
+@dataclass
+class Scheduler:
+    proc: Proc
+    port: int
+    metrics_port: int
+
+    @property
+    def target(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def metric(self, name: str) -> float:
+        return sum(self.samples(name).values())
+
+    def samples(self, name: str) -> dict[tuple, float]:
+        url = f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        return {tuple(sorted(s.labels.items())): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == name}
+
+    def histogram(self) -> dict[float, float]:
+        """SelectBatch's histogram now: cumulative count per upper bound (seconds)."""
+        return {float(dict(labels)["le"]): value for labels, value in
+                self.samples("lattice_scheduler_select_batch_duration_seconds_bucket").items()}
+
+
+def histogram_p99(before: dict[float, float], after: dict[float, float]) -> str:
+    """The upper bound of the bucket holding the 99th percentile of what came in between."""
+    total = after[float("inf")] - before.get(float("inf"), 0.0)
+    for bound in sorted(after):
+        if after[bound] - before.get(bound, 0.0) >= 0.99 * total:
+            return "> 1000" if bound == float("inf") else f"<= {bound * 1000:g}"
+    return "-"
+
+
+def start_scheduler(*flags: str, root: Path = ROOT) -> Scheduler:
+    """A scheduler process; leases of 10 minutes, as the fake workers pause between phases."""
+    proc = Proc([sys.executable, "-m", "service", "serve", "--host", LOOPBACK, "--port", "0",
+                 "--metrics-port", "0", "--log-level", "WARNING", "--lease-ttl-ms", "600000",
+                 *flags],
+                cwd=root, env=_env(root))
+    match = proc.wait_for(LISTENING)
+    return Scheduler(proc, int(match.group(1)), int(match.group(2)))
+
+
+def start_scripted_workers(scheduler: Scheduler, count: int, *flags: str) -> list[Proc]:
+    return [Proc([sys.executable, "-m", "worker_client", "--scheduler", scheduler.target,
+                  "--worker-id", f"scripted-{i}", "--model", "scripted", "--log-format",
+                  "json", *flags]) for i in range(count)]
+
+
+def stop_all(*procs) -> None:
+    for p in procs:
+        p.stop()
+
+
+# ====================================================================== fake workers
+
+
+class FakeWorker:
+    """A worker speaking the wire protocol from this process: unary calls or one session."""
+
+    def __init__(self, channel: grpc.aio.Channel, worker_id: str, session: bool,
+                 metadata=()) -> None:
+        self.stub = pb_grpc.SchedulerStub(channel)
+        self.worker_id = worker_id
+        self.session = session
+        self._metadata = metadata
+        self._call = None
+        self.running: list[int] = []
+
+    async def register(self, max_batch_size: int, slots: int) -> None:
+        await self.stub.RegisterWorker(pb.RegisterWorkerRequest(
+            worker_id=self.worker_id, total_kv_pages=1_000_000, page_size=16,
+            total_gdn_slots=slots, max_batch_size=max_batch_size),
+            timeout=RPC_TIMEOUT, metadata=self._metadata)
+
+    async def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
+        if not self.session:
+            return await self.stub.SelectBatch(request, timeout=RPC_TIMEOUT + 5,
+                                               metadata=self._metadata)
+        if self._call is None:
+            self._call = self.stub.WorkerSession(metadata=self._metadata)
+        await self._call.write(request)
+        return await self._call.read()
+
+    def report(self, slots: int, tokens: bool = True, idle_wait_ms: int = 0,
+               ) -> pb.SelectBatchRequest:
+        """What it holds (running, one new token each when `tokens`), and free slots."""
+        return pb.SelectBatchRequest(
+            worker_id=self.worker_id, running=self.running, kv_free_pages=1_000_000,
+            gdn_free_slots=max(0, slots - len(self.running)), idle_wait_ms=idle_wait_ms,
+            tokens=[pb.TokenUpdate(seq_id=s, token_ids=[7]) for s in self.running]
+            if tokens else [])
+
+    async def admit(self, slots: int) -> None:
+        """One call that fills its batch from the queue."""
+        decision = await self.select(self.report(slots, tokens=False))
+        self.running += [c.seq_id for c in decision.prefill if c.HasField("spec")]
+
+    async def close(self) -> None:
+        if self._call is not None:
+            await self._call.done_writing()
+            self._call.cancel()
+
+
+async def iterate_for(workers: list[FakeWorker], seconds: float, slots: int,
+                      tokens: bool = True) -> list[float]:
+    """Every worker reports and reads its decision back to back; each round trip's seconds."""
+    latencies: list[float] = []
+    end = time.perf_counter() + seconds
+
+    async def one(worker: FakeWorker) -> None:
+        while time.perf_counter() < end:
+            started = time.perf_counter()
+            await worker.select(worker.report(slots, tokens))
+            latencies.append(time.perf_counter() - started)
+
+    await asyncio.gather(*(one(w) for w in workers))
+    return latencies
+
+
+def channels(target: str, count: int) -> list[grpc.aio.Channel]:
+    return [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(count)]
+
+
+# ====================================================================== figures
+
+
+def pct(values: list[float], percent: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(percent / 100 * len(ordered) + 0.5) - 1))
+    return ordered[index]
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f}"
+
+
+def table(header: list[str], rows: list[list[object]]) -> None:
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
+    for row in [header, *rows]:
+        print("  ".join(str(x).rjust(w) if i else str(x).ljust(w)
+                        for i, (x, w) in enumerate(zip(row, widths))))
+
+
+def load_note() -> str:
+    one, five, _ = os.getloadavg()
+    return f"({os.cpu_count()} cores, load average {one:.1f} / {five:.1f} over 1 / 5 min)"
+
+
+async def submit_many(stub, count: int, max_new_tokens: int = 3000) -> list[int]:
+    request = pb.SubmitRequest(prompt_token_ids=PROMPT, max_new_tokens=max_new_tokens)
+    ids = []
+    for start in range(0, count, 200):
+        answers = await asyncio.gather(*(stub.Submit(request, timeout=RPC_TIMEOUT)
+                                         for _ in range(min(200, count - start))))
+        ids += [a.seq_id for a in answers]
+    return ids
+
+
+# ====================================================================== streams
+
+
+async def _streams(scheduler: Scheduler, args) -> list[list[object]]:
+    """Idle Generate streams next to iterating workers: SelectBatch before and after."""
+    [ch] = channels(scheduler.target, 1)
+    stub = pb_grpc.SchedulerStub(ch)
+    await submit_many(stub, args.workers * args.batch)
+    workers = [FakeWorker(ch, f"w{i}", session=True) for i in range(args.workers)]
+    for w in workers:
+        await w.register(args.batch, args.batch)
+        await w.admit(args.batch)
+    await iterate_for(workers, 1.0, args.batch)                     # warm-up
+    histogram_0 = scheduler.histogram()
+    before = await iterate_for(workers, args.seconds, args.batch)
+    histogram_1 = scheduler.histogram()
+    rss_before = scheduler.proc.rss_bytes()
+
+    stream_channels = channels(scheduler.target, max(1, args.streams // 500))
+    request = pb.SubmitRequest(prompt_token_ids=PROMPT, max_new_tokens=16)
+    calls = [pb_grpc.SchedulerStub(stream_channels[i % len(stream_channels)]).Generate(
+        request, timeout=3600) for i in range(args.streams)]
+    opened = time.perf_counter()
+    firsts = await asyncio.gather(*(c.read() for c in calls), return_exceptions=True)
+    open_seconds = time.perf_counter() - opened
+    num_open = sum(isinstance(f, pb.GenerateEvent) for f in firsts)
+    await asyncio.sleep(1.0)
+    rss_after = scheduler.proc.rss_bytes()
+    histogram_2 = scheduler.histogram()
+    during = await iterate_for(workers, args.seconds, args.batch)
+    histogram_3 = scheduler.histogram()
+    for c in calls:
+        c.cancel()
+    for w in workers:
+        await w.close()
+    for c in [ch, *stream_channels]:
+        await c.close()
+    per_stream = (rss_after - rss_before) / max(1, num_open)
+    return [
+        ["no streams", 0, len(before), ms(statistics.median(before)), ms(pct(before, 99)),
+         histogram_p99(histogram_0, histogram_1), f"{rss_before / 2**20:.0f}", "-"],
+        [f"{num_open} idle streams", num_open, len(during), ms(statistics.median(during)),
+         ms(pct(during, 99)), histogram_p99(histogram_2, histogram_3),
+         f"{rss_after / 2**20:.0f}", f"{per_stream / 1024:.1f} (opened in {open_seconds:.1f} s)"],
+    ]
+
+
+def cmd_streams(args) -> None:
+    print(f"{args.streams} idle Generate streams on one scheduler, {args.workers} workers "
+          f"(sessions) iterating back to back, each with {args.batch} running sequences and "
+          f"one new token each per iteration; {args.seconds:g} s per row {load_note()}")
+    scheduler = start_scheduler("--max-streams", str(args.streams + 100),
+                                "--max-batch-size", str(args.batch))
+    try:
+        rows = asyncio.run(_streams(scheduler, args))
+    finally:
+        scheduler.proc.stop()
+    table(["", "streams", "SelectBatch calls", "p50 ms", "p99 ms", "server p99 ms",
+           "server RSS MiB", "RSS per stream KiB"], rows)
+    print("p50, p99: round trips timed by the workers; server p99: the bucket of the "
+          "scheduler's own histogram (from arrival, loop lag included)")
+
+
+# ====================================================================== honest streams
+
+
+async def _honest(target: str, num_streams: int, max_new_tokens: int,
+                  timeout: float) -> tuple[int, int, float, list[float], list[str]]:
+    chans = channels(target, max(1, num_streams // 500))
+    request = pb.SubmitRequest(prompt_token_ids=PROMPT, max_new_tokens=max_new_tokens)
+    e2e: list[float] = []
+    errors: list[str] = []
+    tokens = 0
+
+    async def one(i: int) -> None:
+        nonlocal tokens
+        started = time.perf_counter()
+        try:
+            call = pb_grpc.SchedulerStub(chans[i % len(chans)]).Generate(request,
+                                                                        timeout=timeout)
+            async for event in call:
+                tokens += len(event.token_ids)
+                if event.finished:
+                    e2e.append(time.perf_counter() - started)
+        except grpc.RpcError as err:
+            errors.append(err.code().name)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(num_streams)))
+    wall = time.perf_counter() - started
+    for c in chans:
+        await c.close()
+    return len(e2e), tokens, wall, e2e, errors
+
+
+def cmd_honest(args) -> None:
+    print(f"{args.streams} Generate streams at once, read to the end ({args.max_new_tokens} "
+          f"tokens each), {args.workers} scripted worker processes (batch {args.batch}); "
+          f"timeout {args.timeout:g} s {load_note()}")
+    rows = []
+    for label, root, flags in _versions(args):
+        if root == ROOT:
+            flags = ("--max-streams", str(args.streams + 100), *flags)
+        scheduler = start_scheduler(*flags, root=root)
+        workers = start_scripted_workers(scheduler, args.workers, "--max-batch-size",
+                                         str(args.batch), "--gdn-slots", str(args.batch),
+                                         "--kv-pages", "100000")
+        try:
+            time.sleep(2.0)
+            done, tokens, wall, e2e, errors = asyncio.run(
+                _honest(scheduler.target, args.streams, args.max_new_tokens, args.timeout))
+        finally:
+            stop_all(*workers, scheduler.proc)
+        rows.append([label, f"{done}/{args.streams}", tokens, f"{wall:.1f}",
+                     f"{tokens / wall:.0f}", f"{pct(e2e, 99):.2f}" if e2e else "-",
+                     ", ".join(f"{e} x{errors.count(e)}" for e in sorted(set(errors))) or "-"])
+    table(["", "finished", "tokens", "wall s", "tokens/s", "e2e p99 s", "errors"], rows)
+
+
+def _versions(args) -> list[tuple[str, Path, tuple[str, ...]]]:
+    versions = [("this scheduler", ROOT, ())]
+    if args.before:
+        versions.insert(0, ("before", Path(args.before).resolve(), ()))
+    return versions
+
+
+# ====================================================================== watch
+
+
+async def _watch(scheduler: Scheduler, args, worker_tokens: dict[str, str]) -> list[list]:
+    [ch] = channels(scheduler.target, 1)
+    workers = [FakeWorker(ch, w, session=True, metadata=(("authorization", f"Bearer {t}"),))
+               for w, t in worker_tokens.items() if w != "admin"]
+    client = pb_grpc.SchedulerStub(ch)
+    admin = (("authorization", f"Bearer {worker_tokens['admin']}"),)
+    for w in workers:
+        await w.register(args.batch, args.batch)
+    await submit_many_with(client, len(workers) * args.batch, admin)
+    for w in workers:
+        await w.admit(args.batch)
+    await iterate_for(workers, 1.0, args.batch)
+    quiet = await iterate_for(workers, args.seconds, args.batch)
+    watch_channels = channels(scheduler.target, max(1, args.watchers // 250))
+    watches = [health_pb2_grpc.HealthStub(watch_channels[i % len(watch_channels)]).Watch(
+        health_pb2.HealthCheckRequest(service=""), timeout=3600) for i in range(args.watchers)]
+    firsts = await asyncio.gather(*(w.read() for w in watches), return_exceptions=True)
+    accepted = sum(isinstance(f, health_pb2.HealthCheckResponse) for f in firsts)
+    refused = sum(isinstance(f, grpc.RpcError)
+                  and f.code() is grpc.StatusCode.RESOURCE_EXHAUSTED for f in firsts)
+    loaded = await iterate_for(workers, args.seconds, args.batch)
+    for w in watches:
+        w.cancel()
+    for w in workers:
+        await w.close()
+    for c in [ch, *watch_channels]:
+        await c.close()
+    return [["no watchers", "-", len(quiet), ms(statistics.median(quiet)), ms(pct(quiet, 99)),
+             "1.00"],
+            [f"{args.watchers} Health.Watch, no token", f"{accepted} open, {refused} refused",
+             len(loaded), ms(statistics.median(loaded)), ms(pct(loaded, 99)),
+             f"{pct(loaded, 99) / pct(quiet, 99):.2f}"]]
+
+
+async def submit_many_with(stub, count: int, metadata) -> None:
+    request = pb.SubmitRequest(prompt_token_ids=PROMPT, max_new_tokens=3000)
+    for start in range(0, count, 200):
+        await asyncio.gather(*(stub.Submit(request, timeout=RPC_TIMEOUT, metadata=metadata)
+                               for _ in range(min(200, count - start))))
+
+
+def cmd_watch(args) -> None:
+    print(f"{args.watchers} Health.Watch streams without a token against a scheduler with "
+          f"--auth-tokens, next to {args.workers} workers (tokens, sessions) iterating with "
+          f"{args.batch} running each; {args.seconds:g} s per row {load_note()}")
+    names = [f"w{i}" for i in range(args.workers)]
+    tokens = {name: secrets.token_urlsafe(24) for name in [*names, "admin"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tokens.toml"
+        path.write_text("".join(
+            f'[[tokens]]\ntoken = "{t}"\nrole = "worker"\nworker_id = "{n}"\n\n'
+            for n, t in tokens.items() if n != "admin")
+            + f'[[tokens]]\ntoken = "{tokens["admin"]}"\nrole = "admin"\n')
+        scheduler = start_scheduler("--auth-tokens", str(path), "--max-batch-size",
+                                    str(args.batch))
+        try:
+            rows = asyncio.run(_watch(scheduler, args, tokens))
+        finally:
+            scheduler.proc.stop()
+    table(["", "watch streams", "SelectBatch calls", "p50 ms", "p99 ms", "p99 vs none"], rows)
+
+
+# ====================================================================== decisions
+
+
+class EchoServicer(pb_grpc.SchedulerServicer):
+    """The floor: answers each report with a decision naming its running ids, nothing else."""
+
+    async def SelectBatch(self, request, context):
+        return pb.SchedulerDecision(decode=request.running, iteration=1)
+
+    async def WorkerSession(self, request_iterator, context):
+        async for request in request_iterator:
+            yield pb.SchedulerDecision(decode=request.running, iteration=1)
+
+    async def RegisterWorker(self, request, context):
+        return pb.RegisterWorkerResponse(max_batch_size=request.max_batch_size)
+
+
+async def _echo_server(port: int) -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_SchedulerServicer_to_server(EchoServicer(), server)
+    bound = server.add_insecure_port(f"{LOOPBACK}:{port}")
+    await server.start()
+    print(f"echo listening on {bound}", flush=True)
+    await server.wait_for_termination()
+
+
+def cmd_echo_server(args) -> None:
+    asyncio.run(_echo_server(args.port))
+
+
+async def _decisions(target: str, args, session: bool, echo: bool) -> tuple[int, float]:
+    chans = channels(target, 4)
+    workers = [FakeWorker(chans[i % len(chans)], f"d{i}", session)
+               for i in range(args.workers)]
+    for w in workers:
+        await w.register(args.batch, args.batch)
+    if echo:
+        for i, w in enumerate(workers):
+            w.running = list(range(i * args.batch + 1, (i + 1) * args.batch + 1))
+    else:
+        await submit_many(pb_grpc.SchedulerStub(chans[0]), args.workers * args.batch)
+        for w in workers:
+            await w.admit(args.batch)
+    await iterate_for(workers, 1.0, args.batch)
+    started = time.process_time()
+    latencies = await iterate_for(workers, args.seconds, args.batch)
+    client_cpu = time.process_time() - started
+    for w in workers:
+        await w.close()
+    for c in chans:
+        await c.close()
+    return len(latencies), client_cpu
+
+
+def cmd_decisions(args) -> None:
+    print(f"decisions/s: {args.workers} workers in this process, each reporting "
+          f"{args.batch} running sequences with a token each and waiting for its decision, "
+          f"back to back, {args.seconds:g} s per run; {args.rounds} rounds, each running "
+          f"every row once in turn, so that the machine's load falls on all rows alike "
+          f"{load_note()}")
+    runs = [("bare echo servicer, unary", "echo", False),
+            ("bare echo servicer, session", "echo", True)]
+    runs += [(f"{label}, unary", root, False) for label, root, _ in _versions(args)]
+    runs += [("this scheduler, session", ROOT, True)]
+    rates: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+    cores: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+    for _ in range(args.rounds):
+        for label, root, session in runs:
+            rate, server_cores = _decisions_run(args, root, session)
+            rates[label].append(rate)
+            cores[label].append(server_cores)
+    rows = [[label, " ".join(f"{r:.0f}" for r in rates[label]),
+             f"{statistics.median(rates[label]):.0f}", f"{max(rates[label]):.0f}",
+             f"{statistics.median(cores[label]):.2f}"] for label, _, _ in runs]
+    table(["", "decisions/s per round", "median", "best", "server cores (median)"], rows)
+
+
+def _decisions_run(args, root, session: bool) -> tuple[float, float]:
+    if root == "echo":
+        proc = Proc([sys.executable, __file__, "echo-server"])
+        target = f"{LOOPBACK}:{int(proc.wait_for(ECHO_LISTENING).group(1))}"
+    else:
+        # fifo: the policy the scheduler before had, so that the rows compare the transport.
+        policy = ("--policy", "fifo") if root == ROOT else ()
+        scheduler = start_scheduler("--max-batch-size", str(args.batch), *policy, root=root)
+        proc, target = scheduler.proc, scheduler.target
+    try:
+        cpu_before, wall_before = proc.cpu_seconds(), time.perf_counter()
+        count, _ = asyncio.run(_decisions(target, args, session, root == "echo"))
+        server_cores = (proc.cpu_seconds() - cpu_before) / (time.perf_counter() - wall_before)
+    finally:
+        proc.stop()
+    return count / args.seconds, server_cores
+
+
+# ====================================================================== overlap
+
+
+def _overlap_run(args, overlap: bool) -> tuple[float, float, int]:
+    scheduler = start_scheduler("--max-batch-size", str(args.batch))
+    flags = ["--step-ms", str(args.step_ms), "--max-batch-size", str(args.batch),
+             "--gdn-slots", str(args.batch), "--kv-pages", "100000"]
+    workers = start_scripted_workers(scheduler, args.workers,
+                                     *flags, *([] if overlap else ["--no-overlap"]))
+    try:
+        channel = grpc.insecure_channel(scheduler.target)
+        stub = pb_grpc.SchedulerStub(channel)
+        deadline = time.monotonic() + 60
+        while len(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers) < args.workers:
+            if time.monotonic() > deadline:
+                raise SystemExit("the scripted workers did not register")
+            time.sleep(0.2)
+        request = pb.SubmitRequest(prompt_token_ids=PROMPT, max_new_tokens=args.max_new_tokens)
+        total = args.workers * args.batch
+        for _ in range(total):
+            stub.Submit(request, timeout=RPC_TIMEOUT)
+        # Steady state: every worker full and decoding; measure the middle of the run.
+        time.sleep(args.max_new_tokens * args.step_ms / 1000 * 0.2)
+        tokens_0, at_0 = scheduler.metric("lattice_scheduler_generation_tokens_total"), \
+            time.perf_counter()
+        time.sleep(args.max_new_tokens * args.step_ms / 1000 * 0.5)
+        tokens_1, at_1 = scheduler.metric("lattice_scheduler_generation_tokens_total"), \
+            time.perf_counter()
+        while stub.GetStatus(pb.GetStatusRequest(), timeout=10).queue_depth or \
+                scheduler.metric("lattice_scheduler_finished_total") < total:
+            time.sleep(0.1)
+        channel.close()
+        return (tokens_1 - tokens_0) / (at_1 - at_0), at_1 - at_0, int(tokens_1 - tokens_0)
+    finally:
+        stop_all(*workers, scheduler.proc)
+
+
+def cmd_overlap(args) -> None:
+    ideal = args.workers * args.batch / (args.step_ms / 1000)
+    print(f"{args.workers} scripted worker processes, --step-ms {args.step_ms:g}, "
+          f"{args.batch} sequences each ({args.max_new_tokens} new tokens); steady-state "
+          f"tokens/s from the scheduler's generation_tokens_total over the middle half of "
+          f"the run; engine-only ideal: {args.workers} x {args.batch} tokens every "
+          f"{args.step_ms:g} ms = {ideal:.0f} tokens/s {load_note()}")
+    rows = []
+    for label, overlap in (("in turn (--no-overlap)", False), ("overlapped (default)", True)):
+        rate, seconds, tokens = _overlap_run(args, overlap)
+        rows.append([label, tokens, f"{seconds:.2f}", f"{rate:.0f}", f"{rate / ideal:.2f}"])
+    table(["", "tokens measured", "over s", "tokens/s", "vs ideal"], rows)
+
+
+# ====================================================================== idle
+
+
+async def _idle(scheduler: Scheduler, args) -> list[list]:
+    [ch] = channels(scheduler.target, 1)
+    stub = pb_grpc.SchedulerStub(ch)
+    workers = [FakeWorker(ch, f"idle{i}", session=True) for i in range(args.workers)]
+    for w in workers:
+        await w.register(8, 8)
+    rows = []
+    cpu, wall = scheduler.proc.cpu_seconds(), time.perf_counter()
+    await asyncio.sleep(args.seconds)
+    rows.append(["no workers calling", "-", _cores(scheduler, cpu, wall), "-", "-"])
+
+    async def poll(w: FakeWorker, end: float, idle_wait_ms: int, pause: float) -> int:
+        calls = 0
+        while time.perf_counter() < end:
+            await w.select(pb.SelectBatchRequest(worker_id=w.worker_id, kv_free_pages=1_000_000,
+                                                 gdn_free_slots=8, idle_wait_ms=idle_wait_ms))
+            calls += 1
+            if pause:
+                await asyncio.sleep(pause)
+        return calls
+
+    for label, idle_wait_ms, pause in (("polling every 10 ms (before)", 0, 0.01),
+                                       ("long poll, idle_wait_ms 1000", 1000, 0.0)):
+        cpu, wall = scheduler.proc.cpu_seconds(), time.perf_counter()
+        end = wall + args.seconds
+        calls = await asyncio.gather(*(poll(w, end, idle_wait_ms, pause) for w in workers))
+        rows.append([f"{args.workers} idle workers, {label}",
+                     f"{sum(calls) / (time.perf_counter() - wall):.0f}",
+                     _cores(scheduler, cpu, wall), "-", "-"])
+
+    # A Submit reaching one of the parked workers: from sending it to a worker holding it.
+    latencies = []
+    got: asyncio.Queue = asyncio.Queue()
+    stop = asyncio.Event()
+
+    async def park(w: FakeWorker) -> None:
+        while not stop.is_set():
+            decision = await w.select(pb.SelectBatchRequest(
+                worker_id=w.worker_id, kv_free_pages=1_000_000, gdn_free_slots=8,
+                idle_wait_ms=1000, running=w.running))
+            if decision.prefill:
+                await got.put(time.perf_counter())
+                w.running = []          # it "finished" at once: report nothing next time
+                await w.select(pb.SelectBatchRequest(
+                    worker_id=w.worker_id, kv_free_pages=1_000_000, gdn_free_slots=8,
+                    finished=[pb.FinishedSequence(seq_id=c.seq_id, reason=2)
+                              for c in decision.prefill]))
+
+    parked = [asyncio.create_task(park(w)) for w in workers]
+    await asyncio.sleep(0.5)
+    request = pb.SubmitRequest(prompt_token_ids=PROMPT, max_new_tokens=1)
+    for _ in range(args.submits):
+        sent = time.perf_counter()
+        await stub.Submit(request, timeout=RPC_TIMEOUT)
+        latencies.append(await asyncio.wait_for(got.get(), RPC_TIMEOUT) - sent)
+        await asyncio.sleep(0.02)
+    stop.set()
+    await asyncio.gather(*parked, return_exceptions=True)
+    rows.append([f"Submit -> a parked worker holds it ({args.submits} submits)", "-", "-",
+                 ms(statistics.median(latencies)), ms(pct(latencies, 99))])
+    for w in workers:
+        await w.close()
+    await ch.close()
+    return rows
+
+
+def _cores(scheduler: Scheduler, cpu_before: float, wall_before: float) -> str:
+    used = scheduler.proc.cpu_seconds() - cpu_before
+    return f"{100 * used / (time.perf_counter() - wall_before):.1f}%"
+
+
+def cmd_idle(args) -> None:
+    print(f"idle cost: {args.workers} workers with nothing to run (sessions), the "
+          f"scheduler's CPU from /proc over {args.seconds:g} s per row {load_note()}")
+    scheduler = start_scheduler()
+    try:
+        rows = asyncio.run(_idle(scheduler, args))
+    finally:
+        scheduler.proc.stop()
+    table(["", "calls/s", "scheduler CPU (of one core)", "p50 ms", "p99 ms"], rows)
+
+
+# ====================================================================== submits
+
+
+async def _submits(target: str, submitters: int, seconds: float) -> tuple[int, list[float]]:
+    chans = channels(target, 2)
+    request = pb.SubmitRequest(prompt_token_ids=PROMPT, max_new_tokens=4)
+    latencies: list[float] = []
+    end = time.perf_counter() + seconds
+
+    async def one(i: int) -> None:
+        stub = pb_grpc.SchedulerStub(chans[i % len(chans)])
+        while time.perf_counter() < end:
+            started = time.perf_counter()
+            await stub.Submit(request, timeout=RPC_TIMEOUT)
+            latencies.append(time.perf_counter() - started)
+
+    await asyncio.gather(*(one(i) for i in range(submitters)))
+    for c in chans:
+        await c.close()
+    return len(latencies), latencies
+
+
+def cmd_submits(args) -> None:
+    tmp_root = Path(args.tmp_dir).resolve()
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    print(f"acknowledged Submits/s: {args.submitters} concurrent submitters for "
+          f"{args.seconds:g} s, --state-dir on {tmp_root} (ext4 here) {load_note()}")
+    rows = []
+    runs = [(label, root, fsync) for label, root, _ in _versions(args) for fsync in ("acks",)]
+    runs += [("this scheduler", ROOT, "never"), ("this scheduler, no --state-dir", ROOT, "")]
+    for label, root, fsync in runs:
+        with tempfile.TemporaryDirectory(dir=tmp_root) as state:
+            flags = ("--state-dir", state, "--state-fsync", fsync) if fsync else ()
+            scheduler = start_scheduler("--max-queue", "10000000", *flags, root=root)
+            try:
+                count, latencies = asyncio.run(_submits(scheduler.target, args.submitters,
+                                                        args.seconds))
+                fsyncs = scheduler.metric("lattice_scheduler_state_fsyncs_total")
+            finally:
+                scheduler.proc.stop()
+        rows.append([label, fsync or "-", count, f"{count / args.seconds:.0f}",
+                     ms(statistics.median(latencies)), ms(pct(latencies, 99)),
+                     f"{fsyncs:.0f}" if fsyncs else "-"])
+    table(["", "fsync", "acknowledged", "per s", "p50 ms", "p99 ms", "fsyncs"], rows)
+
+
+# ====================================================================== entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn: Callable, help_text: str, **defaults) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(fn=fn)
+        for key, value in defaults.items():
+            p.add_argument("--" + key.replace("_", "-"), type=type(value), default=value)
+        p.add_argument("--before", metavar="DIR",
+                       help="also run the scheduler of another checkout (rows 'before')")
+        return p
+
+    add("streams", cmd_streams, "idle Generate streams next to iterating workers",
+        streams=10_000, workers=16, batch=32, seconds=10.0)
+    add("honest", cmd_honest, "streams read to the end with scripted workers",
+        streams=2000, workers=4, batch=256, max_new_tokens=32, timeout=120.0)
+    add("watch", cmd_watch, "unauthenticated Health.Watch streams, tokens on",
+        watchers=1000, workers=4, batch=32, seconds=10.0)
+    add("decisions", cmd_decisions, "decisions/s: echo floor, unary, session",
+        workers=64, batch=4, seconds=5.0, rounds=3)
+    add("overlap", cmd_overlap, "scripted workers with step time: overlap on and off",
+        workers=8, batch=16, step_ms=10.0, max_new_tokens=300)
+    add("idle", cmd_idle, "idle workers: scheduler CPU, Submit to a parked worker",
+        workers=16, seconds=20.0, submits=200)
+    add("submits", cmd_submits, "acknowledged Submits/s with concurrent submitters",
+        submitters=16, seconds=10.0, tmp_dir=".artifacts")
+    echo = sub.add_parser("echo-server", help="(internal) the bare echo servicer")
+    echo.add_argument("--port", type=int, default=0)
+    echo.set_defaults(fn=cmd_echo_server)
+    args = parser.parse_args(argv)
+    args.fn(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
