@@ -211,8 +211,9 @@ class FakeWorker:
 
 
 async def iterate_for(workers: list[FakeWorker], seconds: float, slots: int,
-                      tokens: bool = True) -> list[float]:
-    """Every worker reports and reads its decision back to back; each round trip's seconds."""
+                      tokens: bool = True, step_seconds: float = 0.0) -> list[float]:
+    """Every worker reports and reads its decision, then spends `step_seconds` on its step
+    (0: back to back, the scheduler saturated); each round trip's seconds."""
     latencies: list[float] = []
     end = time.perf_counter() + seconds
 
@@ -221,6 +222,8 @@ async def iterate_for(workers: list[FakeWorker], seconds: float, slots: int,
             started = time.perf_counter()
             await worker.select(worker.report(slots, tokens))
             latencies.append(time.perf_counter() - started)
+            if step_seconds:
+                await asyncio.sleep(step_seconds)
 
     await asyncio.gather(*(one(w) for w in workers))
     return latencies
@@ -278,9 +281,10 @@ async def _streams(scheduler: Scheduler, args) -> list[list[object]]:
     for w in workers:
         await w.register(args.batch, args.batch)
         await w.admit(args.batch)
-    await iterate_for(workers, 1.0, args.batch)                     # warm-up
+    step = args.step_ms / 1000
+    await iterate_for(workers, 1.0, args.batch, step_seconds=step)  # warm-up
     histogram_0 = scheduler.histogram()
-    before = await iterate_for(workers, args.seconds, args.batch)
+    before = await iterate_for(workers, args.seconds, args.batch, step_seconds=step)
     histogram_1 = scheduler.histogram()
     rss_before = scheduler.proc.rss_bytes()
 
@@ -295,7 +299,7 @@ async def _streams(scheduler: Scheduler, args) -> list[list[object]]:
     await asyncio.sleep(1.0)
     rss_after = scheduler.proc.rss_bytes()
     histogram_2 = scheduler.histogram()
-    during = await iterate_for(workers, args.seconds, args.batch)
+    during = await iterate_for(workers, args.seconds, args.batch, step_seconds=step)
     histogram_3 = scheduler.histogram()
     for c in calls:
         c.cancel()
@@ -314,8 +318,10 @@ async def _streams(scheduler: Scheduler, args) -> list[list[object]]:
 
 
 def cmd_streams(args) -> None:
+    pace = (f"each step taking {args.step_ms:g} ms (as a GPU would)" if args.step_ms
+            else "back to back (the scheduler saturated)")
     print(f"{args.streams} idle Generate streams on one scheduler, {args.workers} workers "
-          f"(sessions) iterating back to back, each with {args.batch} running sequences and "
+          f"(sessions) iterating {pace}, each with {args.batch} running sequences and "
           f"one new token each per iteration; {args.seconds:g} s per row {load_note()}")
     scheduler = start_scheduler("--max-streams", str(args.streams + 100),
                                 "--max-batch-size", str(args.batch))
@@ -752,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
         return p
 
     add("streams", cmd_streams, "idle Generate streams next to iterating workers",
-        streams=10_000, workers=16, batch=32, seconds=10.0)
+        streams=10_000, workers=16, batch=32, seconds=10.0, step_ms=0.0)
     add("honest", cmd_honest, "streams read to the end with scripted workers",
         streams=2000, workers=4, batch=256, max_new_tokens=32, timeout=120.0)
     add("watch", cmd_watch, "unauthenticated Health.Watch streams, tokens on",

@@ -56,11 +56,12 @@ from service.server import start
 from service.settings import ServeSettings
 from worker_client.client import SchedulerClient, WorkerResources
 from worker_client.engine.api import ChunkWork, SequenceSpec
-from worker_client.engine.config import LayerType, ModelConfig, tiny_config
+from worker_client.engine.config import ModelConfig
 from worker_client.engine.engine import ModelEngine
 from worker_client.engine.loading import load_model, random_model
 from worker_client.engine.model import Qwen35ForCausalLM
 from worker_client.loop import WorkerLoop
+from worker_client.profiling import PRESETS
 
 PAGE_SIZE = 16
 PAD_TOKEN_ID = 0
@@ -100,21 +101,6 @@ class Models:
 
 
 # Models.
-
-
-def small_config() -> ModelConfig:
-    """A ~36M-parameter model: 8 layers (6 Gated DeltaNet, 2 attention), hidden 512."""
-    return ModelConfig(
-        vocab_size=8192, hidden_size=512, intermediate_size=1536,
-        layer_types=((LayerType.LINEAR_ATTENTION,) * 3 + (LayerType.FULL_ATTENTION,)) * 2,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-        rope_theta=10000.0, partial_rotary_factor=0.25,
-        linear_num_key_heads=4, linear_num_value_heads=8,
-        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
-    )
-
-
-PRESETS: dict[str, Callable[[], ModelConfig]] = {"tiny": tiny_config, "small": small_config}
 
 
 def hf_config(config: ModelConfig) -> transformers.Qwen3_5TextConfig:

@@ -1,5 +1,5 @@
 """`lattice-scheduler`: serve, client conveniences (submit, generate, cancel, status), drain,
-and `state check`.
+`state check`, and `simulate`.
 
 Exit codes: 0 done; 1 a call failed (or `state check` found damage); 2 a bad value on the
 command line or in the settings (one line, before any call), or a state directory the
@@ -92,12 +92,17 @@ def main(argv: list[str] | None = None) -> int:
                       "1 damaged, 2 not checkable (no such directory, or in use)")
     p.add_argument("state_dir", metavar="DIR")
 
+    from service.sim import cli as sim_cli
+    sim_cli.add_parser(sub)
+
     args = parser.parse_args(argv)
     if args.command == "load" and args.max_prompt_len < args.min_prompt_len:
         load_parser.error(f"argument --max-prompt-len: must be at least --min-prompt-len "
                           f"({args.min_prompt_len}), got {args.max_prompt_len}")
     if args.command == "serve":
         return _serve(args)
+    if args.command == "simulate":
+        return sim_cli.run(args)
     if args.command == "gateway":
         return gateway_cli.main(args)
     if args.command == "state":

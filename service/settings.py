@@ -170,12 +170,15 @@ def _setting_fields() -> list[tuple[dataclasses.Field, bool]]:
     return own + [(f, True) for f in fields(SchedulerConfig)]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per setting, plus --config."""
+def add_arguments(parser: argparse.ArgumentParser, *, scheduler_only: bool = False) -> None:
+    """Add one flag per setting, plus --config; `scheduler_only`: flags for the settings of
+    SchedulerConfig only (the policy's, for `simulate`)."""
     parser.add_argument("--config", type=Path, metavar="FILE",
                         help="TOML file of settings (keys as the flags, with _ or -)")
     defaults = ServeSettings()
     for f, in_scheduler in _setting_fields():
+        if scheduler_only and not in_scheduler:
+            continue
         default = getattr(defaults.scheduler if in_scheduler else defaults, f.name)
         default_text = _DEFAULT_TEXT.get(f.name, default if default != "" else "none")
         parser.add_argument(
@@ -199,7 +202,7 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeSettin
         env_name = ENV_PREFIX + f.name.upper()
         if env_name in environ:
             values[f.name] = (environ[env_name], f"env {env_name}")
-        flag_value = getattr(args, f.name)
+        flag_value = getattr(args, f.name, None)  # None: a parser with scheduler flags only
         if flag_value is not None:
             values[f.name] = (flag_value, "--" + f.name.replace("_", "-"))
     own, scheduler = {}, {}

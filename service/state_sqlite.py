@@ -349,24 +349,22 @@ class SqliteStateStore:
 
     def _write(self, changes: StateChanges) -> None:
         db = self._db
-        if changes.created:
+        # A sequence created in this change goes in with its progress in one INSERT.
+        created = {seq_id: params for seq_id, params in changes.created}
+        if created:
+            progress_of = {p.seq_id: p for p in changes.progress if p.seq_id in created}
             db.executemany(
-                "INSERT INTO sequences (seq_id, params, prompt, state, cursor, "
-                "prefilled_tokens, num_generated, num_generated_at_admission) "
-                "VALUES (?, ?, ?, ?, 0, 0, 0, 0)",
-                [(seq_id, _params_json(p), _pack(p.prompt_token_ids),
-                  SequenceState.QUEUED.value) for seq_id, p in changes.created])
-        if changes.progress:
+                f"INSERT INTO sequences (seq_id, params, prompt, {_PROGRESS_COLUMNS}) "
+                f"VALUES (?, ?, ?, {', '.join('?' * len(_PROGRESS_FIELDS))})",
+                [(seq_id, _params_json(params), _pack(params.prompt_token_ids),
+                  *_progress_values(progress_of.get(seq_id) or SequenceProgress(
+                      seq_id, SequenceState.QUEUED, None, None, 0, 0, 0, 0, None)))
+                 for seq_id, params in created.items()])
+        updated = [p for p in changes.progress if p.seq_id not in created]
+        if updated:
             db.executemany(
-                "UPDATE sequences SET state = ?, worker_id = ?, queue_key = ?, cursor = ?, "
-                "prefilled_tokens = ?, num_generated = ?, num_generated_at_admission = ?, "
-                "finish_reason = ?, finish_order = ?, error_message = ?, submitted_at = ?, "
-                "admission_order = ? WHERE seq_id = ?",
-                [(p.state.value, p.worker_id, p.queue_key, p.cursor, p.prefilled_tokens,
-                  p.num_generated, p.num_generated_at_admission,
-                  None if p.finish_reason is None else p.finish_reason.value, p.finish_order,
-                  p.error_message, p.submitted_at, p.admission_order, p.seq_id)
-                 for p in changes.progress])
+                f"UPDATE sequences SET {' = ?, '.join(_PROGRESS_FIELDS)} = ? WHERE seq_id = ?",
+                [(*_progress_values(p), p.seq_id) for p in updated])
         if changes.final_outputs:
             db.executemany("INSERT OR REPLACE INTO outputs (seq_id, token_ids) VALUES (?, ?)",
                            [(seq_id, _pack(output)) for seq_id, output in changes.final_outputs])
@@ -531,6 +529,20 @@ def _log_entries(blob: bytes):
         seq_id, start, count = entries[i], entries[i + 1], entries[i + 2]
         yield seq_id, start, entries[i + 3:i + 3 + count].tolist()
         i += 3 + count
+
+
+# The columns of a sequence's progress (SequenceProgress, but for its seq_id), in order.
+_PROGRESS_FIELDS = ("state", "worker_id", "queue_key", "cursor", "prefilled_tokens",
+                    "num_generated", "num_generated_at_admission", "finish_reason",
+                    "finish_order", "error_message", "submitted_at", "admission_order")
+_PROGRESS_COLUMNS = ", ".join(_PROGRESS_FIELDS)
+
+
+def _progress_values(p: SequenceProgress) -> tuple:
+    return (p.state.value, p.worker_id, p.queue_key, p.cursor, p.prefilled_tokens,
+            p.num_generated, p.num_generated_at_admission,
+            None if p.finish_reason is None else p.finish_reason.value, p.finish_order,
+            p.error_message, p.submitted_at, p.admission_order)
 
 
 def _params_json(p: SubmitParams) -> str:

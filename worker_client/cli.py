@@ -1,4 +1,5 @@
-"""`lattice-worker`: the reference worker process (a real model, driven by the scheduler).
+"""`lattice-worker`: the reference worker process (a real model, driven by the scheduler);
+`lattice-worker profile`: time its engine's steps for `lattice-scheduler simulate`.
 
 Exit codes: 0 left cleanly; 1 the scheduler could not be reached or refused a call; 2 a bad
 flag or a model that cannot be loaded; 3 superseded: another process registered the same
@@ -21,9 +22,13 @@ EXIT_SUPERSEDED = 3
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["profile"]:
+        return _profile(argv[1:])
     from service.cli_values import OneLineParser, target
     parser = OneLineParser(
         prog="lattice-worker",
+        epilog="`lattice-worker profile --help`: time the engine's steps for the simulator.",
         description="Reference worker: runs a Qwen3.5-architecture model (GDN + attention) "
                     "with a paged KV cache and a GDN state pool, as the scheduler decides. "
                     "SIGTERM drains (finishes what it holds, takes nothing new) and exits; "
@@ -179,6 +184,116 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
           f"{stats.generated_tokens} tokens generated, {stats.finished} sequences finished, "
           f"{stats.preempted} preempted", flush=True)
     return 0
+
+
+def _profile(argv: list[str]) -> int:
+    from service.cli_values import OneLineParser
+    parser = OneLineParser(
+        prog="lattice-worker profile",
+        description="Time the reference engine's steps over a grid of (prefill tokens, decode "
+                    "batch, context length) and write the step table that `lattice-scheduler "
+                    "simulate --step-table FILE` reads; then time held-out steps off the grid "
+                    "and print how well the table predicts them.",
+    )
+    parser.add_argument("--model", default="tiny",
+                        help="'tiny' or 'small' (seeded random weights) or a Hugging Face "
+                             "checkpoint directory")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16",
+                                                            "float16"),
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--out", required=True, help="the step table to write (JSON)")
+    parser.add_argument("--prefill-tokens", type=_int_list, metavar="N,N,...",
+                        help="grid axis: prefill tokens of a step (default per device)")
+    parser.add_argument("--decode-batch", type=_int_list, metavar="N,N,...",
+                        help="grid axis: decoding sequences of a step (default per device)")
+    parser.add_argument("--context-lens", type=_int_list, metavar="N,N,...",
+                        help="grid axis: tokens already cached per sequence (default per device)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed steps per point; the shortest counts (default 5)")
+    parser.add_argument("--clock", default="auto", choices=("auto", "wall", "cpu"),
+                        help="what a step's time is: wall time, or the process's CPU time "
+                             "(not inflated by other processes; exact for one torch thread); "
+                             "auto: cpu on a CPU with --threads 1, wall otherwise")
+    parser.add_argument("--held-out", type=int, default=24,
+                        help="random off-grid steps to check the table against (0: none)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--seed", type=int, default=0, help="weights and held-out steps")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch")
+    args = parser.parse_args(argv)
+    for name in ("repeats", "page_size", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.held_out < 0:
+        parser.error(f"--held-out must not be negative, got {args.held_out}")
+    try:
+        return _run_profile(args)
+    except Exception as err:  # noqa: BLE001 - one clear line, not a traceback
+        print(f"lattice-worker profile: {err}", file=sys.stderr)
+        return 2
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+
+    from worker_client import profiling, step_table
+    from worker_client.engine.engine import ModelEngine, default_pool_sizes
+    from worker_client.engine.loading import load_model, random_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda, but torch sees no CUDA device")
+    dtype = getattr(torch, args.dtype if args.dtype != "auto" else
+                    "bfloat16" if args.device == "cuda" else "float32")
+    default = profiling.DEFAULT_GRIDS[args.device]
+    grid = profiling.Grid(args.prefill_tokens or default.prefill_tokens,
+                          args.decode_batch or default.decode_batch,
+                          args.context_lens or default.context_len)
+    if args.model in profiling.PRESETS:
+        model = random_model(profiling.PRESETS[args.model](), args.seed)
+        model = model.to(device=args.device, dtype=dtype).eval()
+    else:
+        model = load_model(args.model, device=args.device, dtype=dtype)
+    pages_per_sequence = -(-grid.max_tokens_per_sequence // args.page_size)
+    engine = ModelEngine(model, num_kv_pages=grid.max_sequences * pages_per_sequence,
+                         page_size=args.page_size, num_gdn_slots=grid.max_sequences,
+                         device=args.device, max_batch_size=grid.max_sequences)
+    # What a worker would run with on this device: the simulator's default pools.
+    pools = default_pool_sizes(model.config, args.device, page_size=args.page_size, dtype=dtype)
+    clock = profiling.pick_clock(args.clock, engine.device)
+    meta = profiling.machine_meta(str(args.model), engine.device, dtype, args.repeats, clock)
+    meta.update(page_size=args.page_size, num_kv_pages=pools.num_kv_pages,
+                num_gdn_slots=pools.num_gdn_slots)
+    print(f"profiling {args.model} on {meta['device_name']} ({dtype}, {meta['threads']} threads): "
+          f"{len(grid.prefill_tokens)} x {len(grid.decode_batch)} x {len(grid.context_len)} "
+          f"grid points, best of {args.repeats} on the {clock} clock", flush=True)
+    table = profiling.measure_table(engine, grid, repeats=args.repeats, clock=clock, meta=meta,
+                                    on_point=profiling.progress_printer("profile"))
+    if args.held_out:
+        points = profiling.held_out_points(engine, table, grid, count=args.held_out,
+                                           repeats=args.repeats, clock=clock, seed=args.seed)
+        table = dataclasses.replace(table, held_out=points)
+        print(profiling.format_held_out(points))
+        summary = step_table.summarize_errors(points)
+        print(f"held-out accuracy over {summary['num_points']} steps: median |error| "
+              f"{summary['median_abs_error'] * 100:.1f}%, "
+              f"p90 {summary['p90_abs_error'] * 100:.1f}%, "
+              f"max {summary['max_abs_error'] * 100:.1f}%, mean signed "
+              f"{summary['mean_error'] * 100:+.1f}%")
+    step_table.save(table, args.out)
+    print(f"extra per chunk: {table.extra_chunk_seconds * 1000:.2f} ms; wrote {args.out}")
+    return 0
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
 
 
 if __name__ == "__main__":

@@ -130,7 +130,9 @@ def test_a_kill_during_a_burst_of_concurrent_submits_loses_no_acknowledged_one(
         make_stack, make_clients, fsync):
     """Group commit: 16 submitters at once, each Submit answered only after an fsync that
     covers it; kill -9 mid-burst; every acknowledged sequence is there after the restart
-    and finishes once with its reference tokens, and fsyncs were shared."""
+    and finishes once with its reference tokens. (That one fsync answers several waiting
+    Submits is shown with a slow fsync in tests/server/test_group_commit.py: here, on a
+    fast disk, the restarted scheduler's retried Submits may each get their own.)"""
     stack = make_stack(scheduler_flags=("--state-fsync", fsync))
     jobs = make_jobs(160, seed=9, max_new_tokens_range=(4, 12))
     clients = make_clients(stack, jobs, submit_interval_seconds=0.0, num_submitters=16)
@@ -144,7 +146,7 @@ def test_a_kill_during_a_burst_of_concurrent_submits_loses_no_acknowledged_one(
     metrics = stack.metrics()
     fsyncs = metrics[("lattice_scheduler_state_fsyncs_total", ())]
     commits = metrics[("lattice_scheduler_state_commits_per_fsync_sum", ())]
-    assert commits > fsyncs > 0, (commits, fsyncs)  # one fsync answered several
+    assert commits >= fsyncs > 0, (commits, fsyncs)  # every fsync answered a commit
 
 
 def _wait_holding(stack, count: int, timeout: float = 20.0) -> str:

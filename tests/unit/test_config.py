@@ -12,7 +12,7 @@ def test_defaults_equal_the_contract():
             config.max_loras) == (2048, 32, 30.0, 0)
     # The watermark defaults to 1% of a worker's pages, at least 1.
     assert (config.kv_watermark(1000), config.kv_watermark(50)) == (10, 1)
-    # Until the simulator chooses, the default policy is budget (issue 11).
+    # The simulator's figures chose budget (docs/policies.md, "The default").
     assert config.policy == "budget"
     assert config.validate() is config
 

@@ -5,14 +5,28 @@ dense MLP or sparse MoE blocks with a shared expert). Entry points: load_model()
 builds a model, default_pool_sizes() sizes the caches, ModelEngine implements
 api.Engine for the worker loop (packed prefill, batched decode).
 """
+import importlib
+
 from .api import ChunkWork, Engine, FinishedSequence, FinishReason, SequenceSpec, StepOutput
 from .config import LayerType, ModelConfig, MoeConfig, load_config, tiny_config
-from .engine import ModelEngine
 from .errors import CheckpointError, ConfigError, EngineError, ModelDoesNotFit
-from .loading import PRESETS, load_model, load_tokenizer
-from .reference import GeneratedSequence, generate_reference
-from .sampling import SamplingParams, sample_token
-from .sizing import PoolSizes, default_pool_sizes, weight_bytes
+
+# Names whose modules import torch, loaded on first use: a worker that runs no model
+# (`--model scripted`) or only reads api.py does not pay torch's import.
+_TORCH_NAMES = {
+    "ModelEngine": ".engine", "PRESETS": ".loading", "load_model": ".loading",
+    "load_tokenizer": ".loading", "GeneratedSequence": ".reference",
+    "generate_reference": ".reference", "SamplingParams": ".sampling",
+    "sample_token": ".sampling", "PoolSizes": ".sizing", "default_pool_sizes": ".sizing",
+    "weight_bytes": ".sizing",
+}
+
+
+def __getattr__(name: str):
+    module = _TORCH_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)
 
 __all__ = [
     "CheckpointError", "ChunkWork", "ConfigError", "Engine", "EngineError", "FinishReason",

@@ -1,0 +1,235 @@
+"""`lattice-scheduler simulate`: the subcommand's flags and what it prints and writes."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DESCRIPTION = """\
+Simulate the scheduler's own core (the same Scheduler and policy objects `serve` runs,
+and the workers' WorkerLoop) on a virtual clock, against simulated workers whose step
+times come from a cost model: a Vidur operator profile (--profile) or a step table from
+`lattice-worker profile` (--step-table). Requests come from a trace at a given rate.
+
+  lattice-scheduler simulate --trace sharegpt --qps 8 --num-requests 2000 --workers 4
+  lattice-scheduler simulate --qps 2,4,8,16 --compare fifo,budget --plot cmp.png
+  lattice-scheduler simulate --find-capacity --slo-ttft-p99 2 --slo-tpot-p99 0.1
+
+The policy flags are serve's (same names, defaults and --config file). See
+docs/simulation.md."""
+
+DEFAULT_PLOT = "simulate-compare.png"
+
+
+def add_parser(sub) -> None:
+    """Add the `simulate` subcommand to the lattice-scheduler parser."""
+    from service import settings  # light: no grpc import
+
+    p = sub.add_parser("simulate", help="trace-driven simulation of a policy on a virtual "
+                                        "clock (no GPU, no network)",
+                       description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    work = p.add_argument_group("workload")
+    work.add_argument("--trace", default="sharegpt",
+                      help="a shipped trace (sharegpt, splitwise_conv, splitwise_code) or a "
+                           "CSV file (num_prefill_tokens, num_decode_tokens[, arrived_at]) "
+                           "(default sharegpt)")
+    work.add_argument("--qps", type=_qps_list, metavar="Q[,Q...]",
+                      help="mean arrival rate(s), requests per second; a list runs each "
+                           "(with --find-capacity: where the search starts, default 1)")
+    work.add_argument("--num-requests", type=int, default=1000, metavar="N",
+                      help="requests per run (default 1000)")
+    work.add_argument("--arrivals", choices=("poisson", "trace"), default="poisson",
+                      help="poisson: exponential gaps; trace: the trace's own arrival times "
+                           "scaled to --qps (default poisson)")
+    work.add_argument("--seed", type=int, default=0,
+                      help="seed of arrivals and lengths: the same seed, the same output")
+    fleet = p.add_argument_group("workers and cost model")
+    fleet.add_argument("--workers", type=int, default=1, metavar="W", help="(default 1)")
+    fleet.add_argument("--routing", choices=("pull", "round-robin", "least-loaded"),
+                       default="pull",
+                       help="pull: one queue, workers take work when they ask (this "
+                            "scheduler); round-robin / least-loaded: a queue per worker, each "
+                            "request routed on arrival, as gateways do (default pull)")
+    fleet.add_argument("--profile", metavar="NAME|DIR",
+                       help="Vidur operator profile: a shipped one (a30-qwen2-7b, the "
+                            "default) or a directory with attention.csv, mlp.csv and "
+                            "model.toml or config.json")
+    fleet.add_argument("--step-table", metavar="FILE",
+                       help="a step-time table from `lattice-worker profile` instead")
+    fleet.add_argument("--kv-pages", type=int, metavar="N",
+                       help="KV pages per worker (default: what fits beside the weights in the "
+                            "profile's device memory, or the step table's engine)")
+    fleet.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    fleet.add_argument("--gdn-slots", type=int, metavar="N",
+                       help="GDN state slots per worker (default 256, or the step table's)")
+    modes = p.add_argument_group("modes and output")
+    modes.add_argument("--find-capacity", action="store_true",
+                       help="search the highest QPS that meets --slo-ttft-p99 and "
+                            "--slo-tpot-p99, printing each step")
+    modes.add_argument("--slo-ttft-p99", type=float, metavar="S", help="seconds")
+    modes.add_argument("--slo-tpot-p99", type=float, metavar="S", help="seconds")
+    modes.add_argument("--compare", type=_name_list, metavar="POLICY[,POLICY...]",
+                       help="run each policy (instead of --policy) and show them side by "
+                            "side, with a plot of TTFT p99 and TPOT p99 against QPS")
+    modes.add_argument("--plot", default=DEFAULT_PLOT, metavar="FILE.png",
+                       help=f"where --compare writes its plot (default {DEFAULT_PLOT})")
+    modes.add_argument("--json", metavar="FILE", help="write every run's figures, one object "
+                                                      "per run, as a JSON array")
+    modes.add_argument("--no-progress", action="store_true", help="no progress bar")
+    policy = p.add_argument_group("scheduler settings (as `serve` takes them)")
+    settings.add_arguments(policy, scheduler_only=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from service.core import ConfigError
+    from service.sim.simulator import SimulationStalled
+    from service.sim.vidur import ProfileError
+    from service.sim.workload import WorkloadError
+
+    try:
+        return _run(args)
+    except (ConfigError, ProfileError, WorkloadError, ValueError) as err:
+        print(f"lattice-scheduler simulate: {err}", file=sys.stderr)
+        return 2
+    except SimulationStalled as err:
+        print(f"lattice-scheduler simulate: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from service import settings
+    from service.sim import experiments, report
+    from service.sim.costs import load_cost_source
+    from service.sim.simulator import WorkerShape
+    from service.sim.workload import load_trace
+
+    _check_flags(args)
+    base = settings.resolve(args, os.environ).scheduler
+    policies = args.compare or [base.policy]
+    configs = [experiments.with_policy(base, policy) for policy in policies]
+    cost = load_cost_source(profile=args.profile, step_table_path=args.step_table,
+                            page_size=args.page_size)
+    kv_pages = args.kv_pages or cost.default_kv_pages
+    if kv_pages is None:
+        raise ValueError(f"the cost model {cost.name} does not say how much memory a worker "
+                         f"has: give --kv-pages")
+    worker = WorkerShape(kv_pages, args.page_size, args.gdn_slots or cost.default_gdn_slots)
+    trace = load_trace(args.trace)
+    setup = experiments.Setup(trace, cost, worker, args.workers, args.num_requests,
+                              args.arrivals, args.seed, args.routing,
+                              progress=not args.no_progress)
+    _print_header(setup, configs, cost)
+
+    if args.find_capacity:
+        objects, results = _capacity(args, setup, configs)
+    else:
+        runs = [experiments.simulate(setup, config, qps) for config in configs for qps in args.qps]
+        for run in runs:
+            _warn_failed(run)
+        results = [run.result for run in runs]
+        objects = [r.to_json() for r in results]
+        print(report.results_table(results))
+        print(f"\n{len(runs)} run(s), {sum(r.wall_seconds for r in runs):.1f} s wall "
+              f"({', '.join(f'{r.wall_seconds:.1f}' for r in runs)})")
+    if args.compare:
+        report.plot_comparison(args.plot, results, slo_ttft_p99=args.slo_ttft_p99,
+                               slo_tpot_p99=args.slo_tpot_p99,
+                               title=f"{trace.name}, {setup.num_workers} worker(s), {cost.name}")
+        print(f"plot: {args.plot}")
+    if args.json:
+        report.write_json(args.json, objects)
+        print(f"json: {args.json}")
+    return 0
+
+
+def _capacity(args, setup, configs):
+    from service.sim import experiments, report
+
+    slo = experiments.Slo(args.slo_ttft_p99, args.slo_tpot_p99)
+    start = args.qps[0] if args.qps else 1.0
+    objects, results, summary = [], [], [["policy", "routing", "capacity QPS", "probes",
+                                          "TTFT p99 s", "TPOT p99 ms", "out tok/s"]]
+    for config in configs:
+        print(f"\nfind capacity: {config.policy}, {setup.routing}, SLO TTFT p99 <= "
+              f"{slo.ttft_p99:g} s and TPOT p99 <= {slo.tpot_p99 * 1000:g} ms")
+
+        def on_step(n, run, meets):
+            r = run.result
+            _warn_failed(run)
+            print(f"  step {n}: {r.qps:.3f} QPS -> TTFT p99 {r.ttft_p99:.3f} s, TPOT p99 "
+                  f"{r.tpot_p99 * 1000:.1f} ms: {'meets' if meets else 'misses'} the SLO "
+                  f"({run.wall_seconds:.1f} s wall)", flush=True)
+
+        capacity = experiments.find_capacity(
+            lambda qps, config=config: experiments.simulate(setup, config, qps), slo,
+            start_qps=start, on_step=on_step)
+        print(f"  capacity: {capacity.capacity_qps:.3f} QPS")
+        at = [run.result for run in capacity.runs if run.result.qps == capacity.capacity_qps]
+        summary.append([config.policy, setup.routing, f"{capacity.capacity_qps:.3f}",
+                        str(len(capacity.runs)),
+                        f"{at[0].ttft_p99:.3f}" if at else "-",
+                        f"{at[0].tpot_p99 * 1000:.1f}" if at else "-",
+                        f"{at[0].output_tokens_per_s:.0f}" if at else "-"])
+        for run in capacity.runs:
+            results.append(run.result)
+            objects.append({**run.result.to_json(), "capacity_qps": capacity.capacity_qps})
+    print()
+    print(report.format_table(summary))
+    return objects, results
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if args.profile and args.step_table:
+        raise ValueError("give --profile or --step-table, not both")
+    for name in ("workers", "num_requests", "page_size", "kv_pages", "gdn_slots"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.find_capacity:
+        if args.slo_ttft_p99 is None or args.slo_tpot_p99 is None:
+            raise ValueError("--find-capacity needs --slo-ttft-p99 S and --slo-tpot-p99 S")
+        if args.slo_ttft_p99 <= 0 or args.slo_tpot_p99 <= 0:
+            raise ValueError("--slo-ttft-p99 and --slo-tpot-p99 must be above 0 seconds")
+        if args.qps and len(args.qps) > 1:
+            raise ValueError("--find-capacity takes one --qps (where the search starts)")
+    elif not args.qps:
+        raise ValueError("give --qps Q[,Q...] (or --find-capacity with SLOs)")
+
+
+def _print_header(setup, configs, cost) -> None:
+    from dataclasses import asdict
+
+    w = setup.worker
+    print(f"trace {setup.trace.name} ({len(setup.trace.rows)} rows): {setup.num_requests} "
+          f"requests, {setup.arrivals} arrivals, seed {setup.seed}")
+    print(f"cost model {cost.name}; {setup.num_workers} worker(s), routing {setup.routing}, "
+          f"each {w.num_kv_pages} KV pages of {w.page_size} tokens, {w.num_gdn_slots} GDN slots")
+    for config in configs:
+        settings = ", ".join(f"{k} {v}" for k, v in asdict(config).items() if k != "policy")
+        print(f"policy {config.policy}: {settings}")
+    print(flush=True)
+
+
+def _warn_failed(run) -> None:
+    if run.num_failed:
+        print(f"warning: {run.num_failed} request(s) at {run.result.qps:g} QPS finished "
+              f"FAILED (longer than a worker's whole KV pool); the figures leave them out",
+              file=sys.stderr)
+
+
+def _qps_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"every QPS must be above 0, got {text!r}")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("an empty list")
+    return names

@@ -1,0 +1,59 @@
+"""The worker's side of the wire, in process: WorkerLoop's client calling a Scheduler directly.
+
+Every call goes through service/convert.py, the same message mapping the servicer uses,
+so a simulation exercises the wire mapping too; only the network and its retries are
+left out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+
+from service import convert
+from service.core import Scheduler, UnknownWorker
+from worker_client.client import NotRegistered, WorkerResources
+
+
+@dataclass
+class ClientCounts:
+    """What crossed this client, for the simulator's report."""
+
+    engine_preemptions: int = 0  # reported by the worker (out of pages or slots)
+    scheduler_preemptions: int = 0  # chosen by the scheduler (decision.preempt)
+
+
+class InProcessClient:
+    """Offers SchedulerClient's interface (register, select, deregister) to a WorkerLoop."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.counts = ClientCounts()
+
+    def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
+        request = pb.RegisterWorkerRequest(
+            worker_id=resources.worker_id, total_kv_pages=resources.total_kv_pages,
+            page_size=resources.page_size, total_gdn_slots=resources.total_gdn_slots,
+            max_batch_size=resources.max_batch_size, adapters=resources.adapters,
+        )
+        settings = self.scheduler.register_worker(convert.worker_registration(request))
+        return convert.worker_settings(settings)
+
+    def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
+        report = convert.worker_report(request)
+        self.counts.engine_preemptions += len(report.preempted) + sum(
+            1 for f in report.finished if f.reason.name == "PREEMPTED")
+        try:
+            decision = convert.decision(self.scheduler.select_batch(report))
+        except UnknownWorker as err:
+            raise NotRegistered("SelectBatch", grpc.StatusCode.FAILED_PRECONDITION,
+                                str(err)) from None
+        self.counts.scheduler_preemptions += len(decision.preempt)
+        return decision
+
+    def deregister(self, worker_id: str) -> int:
+        return self.scheduler.deregister_worker(worker_id)
+
+    def close(self) -> None:
+        """Nothing to close (SchedulerClient's interface)."""

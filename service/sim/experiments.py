@@ -1,0 +1,145 @@
+"""Runs, capacity searches and policy comparisons built from single simulations."""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from service.core import FinishReason, SchedulerConfig
+from service.sim.costs import CostSource
+from service.sim.metrics import RunResult, summarize
+from service.sim.simulator import RunOutcome, RunSpec, Simulation, WorkerShape
+from service.sim.workload import Trace, make_requests
+
+# A capacity search stops when the highest passing and lowest failing QPS are this close.
+CAPACITY_TOLERANCE = 0.05
+MAX_DOUBLINGS = 12
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every run of one command shares."""
+
+    trace: Trace
+    cost: CostSource
+    worker: WorkerShape
+    num_workers: int
+    num_requests: int
+    arrivals: str
+    seed: int
+    routing: str
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Run:
+    """One simulation's figures, its raw outcome and what it cost to compute."""
+
+    result: RunResult
+    outcome: RunOutcome
+    wall_seconds: float
+
+    @property
+    def num_failed(self) -> int:
+        return sum(r.finish_reason is FinishReason.FAILED for r in self.outcome.records)
+
+
+def simulate(setup: Setup, config: SchedulerConfig, qps: float) -> Run:
+    """Simulate setup.num_requests requests at `qps` under `config`."""
+    requests = make_requests(setup.trace, num_requests=setup.num_requests, qps=qps,
+                             arrivals=setup.arrivals, seed=setup.seed,
+                             max_seq_len=config.max_seq_len)
+    spec = RunSpec(config, setup.worker, setup.num_workers, setup.routing)
+    bar = _progress_bar(setup, f"{config.policy} {setup.routing} {qps:g} QPS")
+    started = time.perf_counter()
+    try:
+        outcome = Simulation(spec, setup.cost.model, requests,
+                             on_finish=bar.update if bar else None).run()
+    finally:
+        if bar is not None:
+            bar.close()
+    wall = time.perf_counter() - started
+    result = summarize(outcome, policy=config.policy, qps=qps, workers=setup.num_workers,
+                       routing=setup.routing)
+    return Run(result, outcome, wall)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives on the 99th percentiles, in seconds."""
+
+    ttft_p99: float
+    tpot_p99: float
+
+    def met_by(self, result: RunResult) -> bool:
+        return result.ttft_p99 <= self.ttft_p99 and result.tpot_p99 <= self.tpot_p99
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The highest QPS found to meet the SLO, and every run the search made, in order."""
+
+    capacity_qps: float
+    runs: tuple[Run, ...] = field(default=())
+
+
+def find_capacity(run_at: Callable[[float], Run], slo: Slo, *, start_qps: float,
+                  on_step: Callable[[int, Run, bool], None] | None = None,
+                  tolerance: float = CAPACITY_TOLERANCE) -> Capacity:
+    """Double (or halve) the QPS from start_qps until the SLO flips, then bisect until the
+    passing and failing rates are within `tolerance` of each other.
+
+    Capacity 0 when even start_qps / 2**MAX_DOUBLINGS misses the SLO; the search stops at
+    start_qps * 2**MAX_DOUBLINGS if nothing misses it.
+    """
+    runs: list[Run] = []
+
+    def probe(qps: float) -> bool:
+        run = run_at(qps)
+        runs.append(run)
+        meets = slo.met_by(run.result)
+        if on_step:
+            on_step(len(runs), run, meets)
+        return meets
+
+    passing, failing = None, None
+    qps = start_qps
+    for _ in range(MAX_DOUBLINGS + 1):
+        if probe(qps):
+            passing = qps
+            if failing is not None:
+                break
+            qps *= 2
+        else:
+            failing = qps
+            if passing is not None:
+                break
+            qps /= 2
+    if passing is None:
+        return Capacity(0.0, tuple(runs))
+    if failing is None:
+        return Capacity(passing, tuple(runs))
+    while failing / passing > 1 + tolerance:
+        middle = (passing * failing) ** 0.5
+        if probe(middle):
+            passing = middle
+        else:
+            failing = middle
+    return Capacity(passing, tuple(runs))
+
+
+def with_policy(config: SchedulerConfig, policy: str) -> SchedulerConfig:
+    return replace(config, policy=policy).validate()
+
+
+def _progress_bar(setup: Setup, description: str):
+    """A tqdm bar over finished requests, shown once a run takes over a second on a TTY."""
+    if not setup.progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the sim extra is not installed: run without a bar
+        return None
+    return tqdm(total=setup.num_requests, desc=description, unit="req", leave=False,
+                delay=1.0, file=sys.stderr, disable=None)

@@ -1,0 +1,80 @@
+"""A run's figures: latency percentiles, throughput, preemptions (seconds and counts).
+
+- TTFT: arrival to the first output token reaching the scheduler;
+- TPOT: each request's mean time between its output tokens, (last - first) / (n - 1), for
+  requests with at least 2 tokens; percentiles over requests;
+- end-to-end: arrival to finish; queueing delay: arrival to first admission;
+- output tokens/s: all output tokens over the makespan (first arrival to last finish);
+- preemptions: sequences evicted for lack of room, by the workers or by the scheduler.
+Percentiles are nearest-rank (service.loadgen.percentile).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from service.loadgen import percentile
+from service.sim.simulator import RunOutcome
+
+# The JSON keys of one run, in order (the issue's interface: fixed).
+JSON_KEYS = (
+    "policy", "qps", "num_requests", "workers", "routing",
+    "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
+    "e2e_p50", "e2e_p99", "queue_p50", "queue_p99",
+    "output_tokens_per_s", "preemptions", "makespan",
+)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The figures of one run, as the JSON output holds them."""
+
+    policy: str
+    qps: float
+    num_requests: int
+    workers: int
+    routing: str
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p90: float
+    tpot_p99: float
+    e2e_p50: float
+    e2e_p99: float
+    queue_p50: float
+    queue_p99: float
+    output_tokens_per_s: float
+    preemptions: int
+    makespan: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def summarize(outcome: RunOutcome, *, policy: str, qps: float, workers: int,
+              routing: str) -> RunResult:
+    records = outcome.records
+    served = [r for r in records if r.first_token_at is not None]  # FAILED ones may have none
+    ttft = sorted(r.first_token_at - r.request.arrival_seconds for r in served)
+    tpot = sorted((r.last_token_at - r.first_token_at) / (r.num_tokens - 1)
+                  for r in served if r.num_tokens > 1)
+    e2e = sorted(r.finished_at - r.request.arrival_seconds for r in records)
+    queue = sorted(r.admitted_at - r.request.arrival_seconds
+                   for r in records if r.admitted_at is not None)
+    start = min(r.request.arrival_seconds for r in records)
+    makespan = max(r.finished_at for r in records) - start
+    num_tokens = sum(r.num_tokens for r in records)
+    return RunResult(
+        policy=policy, qps=qps, num_requests=len(records), workers=workers, routing=routing,
+        ttft_p50=_p(ttft, 50), ttft_p90=_p(ttft, 90), ttft_p99=_p(ttft, 99),
+        tpot_p50=_p(tpot, 50), tpot_p90=_p(tpot, 90), tpot_p99=_p(tpot, 99),
+        e2e_p50=_p(e2e, 50), e2e_p99=_p(e2e, 99),
+        queue_p50=_p(queue, 50), queue_p99=_p(queue, 99),
+        output_tokens_per_s=num_tokens / makespan if makespan > 0 else 0.0,
+        preemptions=outcome.engine_preemptions + outcome.scheduler_preemptions,
+        makespan=makespan,
+    )
+
+
+def _p(sorted_values: list[float], percent: float) -> float:
+    return percentile(sorted_values, percent) if sorted_values else 0.0

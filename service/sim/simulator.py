@@ -1,0 +1,311 @@
+"""A discrete-event simulation of the scheduler and its workers on a virtual clock.
+
+The production pieces run unchanged: service.core.Scheduler with its policy, WorkerLoop
+(one `iterate()` per worker iteration) and service/convert.py's message mapping (through
+InProcessClient). Only the model is simulated (SimEngine, timed by a cost model) and time
+is virtual: no gRPC, no sleeping.
+
+Events, earliest first (at equal times arrivals first, then workers in the order their
+events were made):
+- an arrival submits its request (pull: to the one scheduler; routing: to the scheduler of
+  the worker the router picks) and wakes idle workers;
+- a worker's event is the end of its step: it reports (tokens, finishes) and gets its next
+  decision in one `iterate()`, whose step ends `step_seconds` later. A worker holding
+  nothing goes idle until an arrival or a requeue gives it work (the longest idle is woken
+  first, as a long-poll would serve it); one holding sequences that got nothing polls
+  again after IDLE_POLL_SECONDS; an idle worker calls at least every half lease. Idle
+  workers are woken by arrivals and by a call that put sequences back in the queue.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from service.core import FinishReason, Scheduler, SchedulerConfig, SchedulerObserver, SubmitParams
+from service.sim.client import InProcessClient
+from service.sim.engine import CostModel, SimEngine
+from service.sim.workload import Request
+from worker_client.client import WorkerResources
+from worker_client.loop import WorkerLoop
+
+ROUTINGS = ("pull", "round-robin", "least-loaded")
+# WorkerLoop's default pause after an iteration with nothing to run.
+IDLE_POLL_SECONDS = 0.01
+# No step is shorter than this: keeps a zero-cost step from looping at one instant.
+MIN_STEP_SECONDS = 1e-6
+# Virtual seconds without any token, admission or finish (and no arrival left) after which
+# a run is declared stuck.
+STALL_SECONDS = 3600.0
+# Every simulated prompt token has this id (only lengths matter).
+PROMPT_TOKEN_ID = 2
+
+_ARRIVAL, _WORKER = 0, 1
+
+
+class SimulationStalled(RuntimeError):
+    """Requests that can never finish (e.g. a prompt larger than a worker's KV pool)."""
+
+
+@dataclass(frozen=True)
+class WorkerShape:
+    """The resources every simulated worker registers with."""
+
+    num_kv_pages: int
+    page_size: int
+    num_gdn_slots: int
+    max_batch_size: int = 0  # 0: the scheduler's --max-batch-size
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One simulation: the scheduler's settings, the fleet and how requests reach it."""
+
+    scheduler: SchedulerConfig
+    worker: WorkerShape
+    num_workers: int
+    routing: str = "pull"
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {self.num_workers}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, "
+                             f"got {self.routing!r}")
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request, in virtual seconds."""
+
+    request: Request
+    admitted_at: float | None = None  # first admission
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    num_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    num_finishes: int = 0
+
+
+@dataclass
+class RunOutcome:
+    """Every request's record and the run's counts."""
+
+    records: list[RequestRecord]
+    engine_preemptions: int
+    scheduler_preemptions: int
+    num_iterations: int
+    num_steps: int
+    end_seconds: float
+
+
+@dataclass
+class _Worker:
+    index: int
+    loop: WorkerLoop
+    engine: SimEngine
+    scheduler_index: int
+    generation: int = 0  # events of older generations are stale
+
+
+class _Recorder(SchedulerObserver):
+    """Stamps what one scheduler reports with the virtual clock."""
+
+    def __init__(self, now: Callable[[], float], on_progress: Callable[[], None],
+                 on_finish: Callable[[RequestRecord], None]) -> None:
+        self.by_seq_id: dict[int, RequestRecord] = {}
+        self.queue_depth = 0
+        self._now = now
+        self._on_progress = on_progress
+        self._on_finish = on_finish
+
+    def on_tokens(self, seq_id: int, num_tokens: int) -> None:
+        record = self.by_seq_id[seq_id]
+        now = self._now()
+        if record.first_token_at is None:
+            record.first_token_at = now
+        record.last_token_at = now
+        record.num_tokens += num_tokens
+        self._on_progress()
+
+    def on_admitted(self, seq_id: int, worker_id: str, queue_wait_seconds: float) -> None:
+        record = self.by_seq_id[seq_id]
+        if record.admitted_at is None:
+            record.admitted_at = self._now()
+        self._on_progress()
+
+    def on_finished(self, seq_id: int, reason: FinishReason) -> None:
+        record = self.by_seq_id[seq_id]
+        record.finished_at = self._now()
+        record.finish_reason = reason
+        record.num_finishes += 1
+        self._on_progress()
+        self._on_finish(record)
+
+    def on_queue_depth(self, depth: int) -> None:
+        self.queue_depth = depth
+
+
+class Simulation:
+    """Runs `requests` through `spec`'s fleet; `run()` once."""
+
+    def __init__(self, spec: RunSpec, cost_model: CostModel, requests: list[Request],
+                 *, on_finish: Callable[[], None] | None = None) -> None:
+        self.spec = spec
+        self.now = 0.0
+        self._requests = requests
+        self._records = [RequestRecord(r) for r in requests]
+        self._last_progress = 0.0
+        self._num_finished = 0
+        self._num_arrivals_left = len(requests)
+        self._on_finish_hook = on_finish or (lambda: None)
+        num_schedulers = 1 if spec.routing == "pull" else spec.num_workers
+        self._recorders = [_Recorder(self._clock, self._progress, self._finished)
+                           for _ in range(num_schedulers)]
+        self._schedulers = [Scheduler(spec.scheduler, clock=self._clock, observer=recorder)
+                            for recorder in self._recorders]
+        self._clients = [InProcessClient(s) for s in self._schedulers]
+        self._workers = [self._make_worker(i, cost_model) for i in range(spec.num_workers)]
+        self._idle: dict[int, None] = {}  # idle worker indexes, longest idle first
+        self._outstanding = [0] * spec.num_workers  # routing: unfinished requests per worker
+        self._owner: dict[int, int] = {}  # request index -> worker (routing)
+        self._events: list[tuple[float, int, int, int, int]] = []
+        self._order = itertools.count()
+        self._rr = itertools.cycle(range(spec.num_workers))
+
+    def run(self) -> RunOutcome:
+        for worker in self._workers:
+            worker.loop.client.register(worker.loop.resources)
+            self._go_idle(worker)
+        for request in self._requests:
+            self._push(request.arrival_seconds, _ARRIVAL, request.index)
+        while self._events and self._num_finished < len(self._requests):
+            time, kind, _, index, generation = heapq.heappop(self._events)
+            self.now = max(self.now, time)
+            if kind == _ARRIVAL:
+                self._num_arrivals_left -= 1
+                self._arrive(self._requests[index])
+            elif generation == self._workers[index].generation:
+                self._work(self._workers[index])
+            self._check_stall()
+        if self._num_finished < len(self._requests):
+            self._stalled()
+        for worker in self._workers:
+            worker.loop.client.deregister(worker.loop.resources.worker_id)
+        return RunOutcome(
+            records=self._records,
+            engine_preemptions=sum(c.counts.engine_preemptions for c in self._clients),
+            scheduler_preemptions=sum(c.counts.scheduler_preemptions for c in self._clients),
+            num_iterations=sum(w.loop.stats.iterations for w in self._workers),
+            num_steps=sum(w.engine.num_steps for w in self._workers),
+            end_seconds=self.now,
+        )
+
+    # Events.
+
+    def _arrive(self, request: Request) -> None:
+        worker_index = self._route(request)
+        scheduler_index = 0 if worker_index is None else worker_index
+        result = self._schedulers[scheduler_index].submit(SubmitParams(
+            prompt_token_ids=(PROMPT_TOKEN_ID,) * request.prompt_len,
+            max_new_tokens=request.output_len,
+            request_id=f"r{request.index}",
+        ))
+        self._recorders[scheduler_index].by_seq_id[result.seq_id] = self._records[request.index]
+        self._last_progress = self.now
+        self._wake_idle(scheduler_index)
+
+    def _work(self, worker: _Worker) -> None:
+        recorder = self._recorders[worker.scheduler_index]
+        steps_before, depth_before = worker.engine.num_steps, recorder.queue_depth
+        ran = worker.loop.iterate()
+        if worker.engine.num_steps > steps_before:
+            step_seconds = max(MIN_STEP_SECONDS, worker.engine.last_step_seconds)
+            self._schedule(worker, self.now + step_seconds)
+        elif ran:  # re-registered: call again at once
+            self._schedule(worker, self.now + MIN_STEP_SECONDS)
+        elif worker.engine.waiting_ids() or worker.engine.running_ids():
+            self._schedule(worker, self.now + IDLE_POLL_SECONDS)
+        else:
+            self._go_idle(worker)
+        if recorder.queue_depth > depth_before:  # requeued work: idle workers may take it
+            self._wake_idle(worker.scheduler_index)
+
+    # Workers.
+
+    def _make_worker(self, index: int, cost_model: CostModel) -> _Worker:
+        shape = self.spec.worker
+        engine = SimEngine(cost_model, num_kv_pages=shape.num_kv_pages,
+                           page_size=shape.page_size, num_gdn_slots=shape.num_gdn_slots)
+        scheduler_index = 0 if self.spec.routing == "pull" else index
+        resources = WorkerResources(f"sim-{index}", shape.num_kv_pages, shape.page_size,
+                                    shape.num_gdn_slots, shape.max_batch_size)
+        loop = WorkerLoop(engine, self._clients[scheduler_index], resources,
+                          idle_sleep_seconds=IDLE_POLL_SECONDS)
+        return _Worker(index, loop, engine, scheduler_index)
+
+    def _schedule(self, worker: _Worker, time: float, *, idle: bool = False) -> None:
+        """Make `time` the worker's next event (its earlier one goes stale)."""
+        worker.generation += 1
+        if idle:
+            self._idle[worker.index] = None
+        else:
+            self._idle.pop(worker.index, None)
+        self._push(time, _WORKER, worker.index, worker.generation)
+
+    def _go_idle(self, worker: _Worker) -> None:
+        """Wait for work; call at least every half lease so the lease never runs out."""
+        self._schedule(worker, self.now + self.spec.scheduler.lease_ttl_ms / 2000.0, idle=True)
+
+    def _wake_idle(self, scheduler_index: int) -> None:
+        for index in list(self._idle):
+            worker = self._workers[index]
+            if worker.scheduler_index == scheduler_index:
+                self._schedule(worker, self.now)
+
+    def _route(self, request: Request) -> int | None:
+        """The worker whose queue takes the request; None for the pull design."""
+        routing = self.spec.routing
+        if routing == "pull":
+            return None
+        if routing == "round-robin":
+            index = next(self._rr)
+        else:
+            index = min(range(self.spec.num_workers), key=lambda i: (self._outstanding[i], i))
+        self._outstanding[index] += 1
+        self._owner[request.index] = index
+        return index
+
+    # Bookkeeping.
+
+    def _push(self, time: float, kind: int, index: int, generation: int = 0) -> None:
+        heapq.heappush(self._events, (time, kind, next(self._order), index, generation))
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _progress(self) -> None:
+        self._last_progress = self.now
+
+    def _finished(self, record: RequestRecord) -> None:
+        self._num_finished += 1
+        owner = self._owner.get(record.request.index)
+        if owner is not None:
+            self._outstanding[owner] -= 1
+        self._on_finish_hook()
+
+    def _check_stall(self) -> None:
+        if self._num_arrivals_left == 0 and self.now - self._last_progress > STALL_SECONDS:
+            self._stalled()
+
+    def _stalled(self) -> None:
+        stuck = [r for r in self._records if r.finished_at is None]
+        worst = max(stuck, key=lambda r: r.request.prompt_len + r.request.output_len)
+        raise SimulationStalled(
+            f"{len(stuck)} of {len(self._records)} requests made no progress for "
+            f"{STALL_SECONDS:.0f} simulated seconds (e.g. request {worst.request.index}: "
+            f"prompt {worst.request.prompt_len} + output {worst.request.output_len} tokens); "
+            f"a worker has {self.spec.worker.num_kv_pages} KV pages of "
+            f"{self.spec.worker.page_size} tokens: check --kv-pages and the policy's limits")
