@@ -38,7 +38,7 @@ from service.state_postgres import (
     parse_ids_payload,
 )
 from service.status_codes import status_code, status_details
-from service.wakeups import Wakeups
+from service.wakeups import Wakeups, wait_event
 
 log = logging.getLogger(__name__)
 
@@ -236,10 +236,7 @@ class ReplicaServicer(SchedulerServicer):
                 view = self._core.read_output(seq_id, sent)
                 if view.token_ids or view.finished:
                     return view
-                try:
-                    await asyncio.wait_for(changed.wait(), _REMOTE_POLL_SECONDS)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(changed, _REMOTE_POLL_SECONDS)
             if self._owns(seq_id):
                 return self._core.read_output(seq_id, sent)
         view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
@@ -248,9 +245,7 @@ class ReplicaServicer(SchedulerServicer):
         event = asyncio.Event()
         self._remote.setdefault(seq_id, set()).add(event)
         try:
-            await asyncio.wait_for(event.wait(), _REMOTE_POLL_SECONDS)
-        except asyncio.TimeoutError:
-            pass
+            await wait_event(event, _REMOTE_POLL_SECONDS)
         finally:
             events = self._remote.get(seq_id)
             if events is not None:
@@ -300,11 +295,7 @@ class ReplicaServicer(SchedulerServicer):
 
     async def _prefetch_loop(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._wake_prefetcher.wait(), 0.5)
-                woken = True
-            except asyncio.TimeoutError:
-                woken = False
+            woken = await wait_event(self._wake_prefetcher, 0.5)
             self._wake_prefetcher.clear()
             # Woken: only if the shared queue may hold work. Every half second: anyway,
             # in case a hint was cleared just as a submit landed.

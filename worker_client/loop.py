@@ -136,7 +136,9 @@ class WorkerLoop:
                 try:
                     next_decision = self.client.select(self._request(draining, after, idle=False))
                 except NotRegistered:
-                    self._count(decision, stepping.result())  # outputs of the old registration
+                    # The step ran: its outputs are reported next if the worker keeps what
+                    # it holds (it moved to another replica), dropped with it otherwise.
+                    self._record(decision, stepping.result())
                     self._register_again(self._holding())
                     decision = None
                     continue

@@ -28,7 +28,7 @@ def _crash(server) -> None:
         serving.servicer._listener_stop.set()
         await asyncio.gather(*(s.stop(0) for s in serving.servers))
 
-    running._loop.run(halt(running._serving))
+    running._loop.run(halt(running._serving), timeout=30)  # fails, not hangs
     running.store.close()
     running._loop.close()
     running.metrics_http.shutdown()
