@@ -389,7 +389,7 @@ class ReplicaServicer(SchedulerServicer):
             loop.call_soon_threadsafe(self._on_reconnected)
             try:
                 while not self._listener_stop.is_set():
-                    for note in conn.notifies(timeout=0.5):
+                    for note in conn.notifies(timeout=0.1):
                         loop.call_soon_threadsafe(self._on_notification, note.channel,
                                                   note.payload)
             except Exception as err:  # noqa: BLE001

@@ -131,6 +131,7 @@ class RunningServer:
         finally:
             self._loop.close()
             self.metrics_http.shutdown()
+            self.metrics_http.server_close()
 
     def wait(self) -> None:
         """Until the server has stopped."""
