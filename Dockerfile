@@ -20,7 +20,7 @@ RUN python -m venv /opt/venv
 
 FROM venv AS scheduler-build
 COPY . /src
-RUN pip install -c /src/constraints.txt "/src[gateway]"
+RUN pip install -c /src/constraints.txt "/src[gateway,postgres]"
 
 FROM venv AS worker-build
 ARG TORCH_VERSION=2.13.0

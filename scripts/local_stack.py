@@ -7,6 +7,11 @@ streamed chat completions through the gateway with the `openai` client (progress
 runs, throughput and latency at the end), then keeps the stack up until Ctrl-C (or exits
 with --exit). The default model is a demo checkpoint (the tiny model with a small BPE
 tokenizer and a chat template), built on the first run under .artifacts/demo-model.
+
+`--replicas N` runs N scheduler replicas on ports PORT, PORT+1, ... sharing a private
+PostgreSQL cluster (initdb and pg_ctl under .artifacts/local-stack/postgres, or a
+temporary directory where the postgres user cannot reach .artifacts, on a free port);
+workers are spread over them, each listing its own replica first; the gateway lists all.
 """
 from __future__ import annotations
 
@@ -51,27 +56,45 @@ def main() -> int:
     parser.add_argument("--exit", action="store_true", help="stop the stack after the demo")
     parser.add_argument("--state-dir", type=Path, default=ROOT / ".artifacts" / "local-stack" / "state",
                         help="the scheduler's durable state (a restart on it carries on)")
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="N scheduler replicas on a private PostgreSQL cluster instead of "
+                             "one scheduler on --state-dir (docs/replicas.md)")
     args = parser.parse_args()
+    if args.replicas < 0:
+        parser.error(f"--replicas must not be negative, got {args.replicas}")
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     logs = ROOT / ".artifacts" / "local-stack"
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
-    target = f"127.0.0.1:{args.port}"
+    cluster = None
+    num_schedulers = max(1, args.replicas)
+    targets = [f"127.0.0.1:{args.port + i}" for i in range(num_schedulers)]
+    target = ",".join(targets)
     try:
         gateway_model = _model_dirs(args.model)
-        procs.append(_spawn([sys.executable, "-m", "service", "serve", "--port", str(args.port),
-                             "--metrics-port", str(args.metrics_port),
-                             "--state-dir", str(args.state_dir)],
-                            logs / "scheduler.log", env))
-        _wait_serving(target, procs[0])
-        print(f"scheduler: {target}, metrics http://127.0.0.1:{args.metrics_port}/metrics "
-              f"(log {logs / 'scheduler.log'}, state in {args.state_dir})", flush=True)
+        if args.replicas:
+            cluster = _start_cluster(logs)
+            state = ["--state", cluster.url]
+        else:
+            state = ["--state-dir", str(args.state_dir)]
+        for i in range(num_schedulers):
+            name = "scheduler" if num_schedulers == 1 else f"scheduler-{i + 1}"
+            procs.append(_spawn([sys.executable, "-m", "service", "serve",
+                                 "--port", str(args.port + i),
+                                 "--metrics-port", str(args.metrics_port + i), *state],
+                                logs / f"{name}.log", env))
+            _wait_serving(targets[i], procs[-1])
+            print(f"{name}: {targets[i]}, metrics http://127.0.0.1:{args.metrics_port + i}"
+                  f"/metrics (log {logs / (name + '.log')}, state in "
+                  f"{cluster.url if cluster else args.state_dir})", flush=True)
         # Each worker gets its share of the cores: oversubscribed torch threads crawl.
         threads = max(1, (os.cpu_count() or 1) // args.workers)
         for i in range(args.workers):
             worker_id = f"cpu-worker-{i + 1}"
-            procs.append(_spawn([sys.executable, "-m", "worker_client", "--scheduler", target,
+            home = i % num_schedulers  # its own replica first, then the others
+            order = ",".join(targets[home:] + targets[:home])
+            procs.append(_spawn([sys.executable, "-m", "worker_client", "--scheduler", order,
                                  "--worker-id", worker_id, "--model", args.model,
                                  "--device", args.device, "--threads", str(threads)],
                                 logs / f"{worker_id}.log", env))
@@ -83,7 +106,7 @@ def main() -> int:
         _wait_http(f"{base_url}/health", procs[-1])
         print(f"gateway: {base_url}/v1 (OpenAI API, model {model_name!r}; "
               f"metrics {base_url}/metrics; log {logs / 'gateway.log'})", flush=True)
-        _wait_workers(target, args.workers, procs)
+        _wait_workers(targets, args.workers, procs)
         print(f"workers: {args.workers} registered (model {args.model}, device {args.device}; "
               f"logs in {logs})", flush=True)
         spec = HttpLoadSpec(num_requests=args.requests, concurrency=args.concurrency,
@@ -118,6 +141,29 @@ def main() -> int:
         return 1
     finally:
         _stop(procs)
+        if cluster is not None:
+            cluster.stop()
+            print(f"PostgreSQL stopped (its data stays in {cluster.directory})", flush=True)
+
+
+def _start_cluster(logs: Path):
+    """A private PostgreSQL cluster for the replicas: under .artifacts when the postgres
+    user can reach it, else in a temporary directory (as root, PostgreSQL runs as postgres)."""
+    import tempfile
+
+    from service.pg_cluster import ClusterError, PrivateCluster
+
+    try:
+        cluster = PrivateCluster(logs / "postgres")
+        cluster.start()
+    except ClusterError as err:
+        if "cannot reach it" not in str(err):
+            raise RuntimeError(str(err)) from None
+        cluster = PrivateCluster(Path(tempfile.mkdtemp(prefix="lattice-local-pg-")))
+        cluster.start()
+    print(f"postgres: {cluster.url} (data in {cluster.directory}, log {cluster.log_path})",
+          flush=True)
+    return cluster
 
 
 def _model_dirs(model: str) -> Path:
@@ -174,15 +220,17 @@ def _wait_serving(target: str, proc: subprocess.Popen, timeout: float = 30.0) ->
     raise RuntimeError(f"the scheduler did not become healthy within {timeout:.0f} s")
 
 
-def _wait_workers(target: str, count: int, procs, timeout: float = 180.0) -> None:
-    stub = pb_grpc.SchedulerStub(grpc.insecure_channel(target))
+def _wait_workers(targets: list[str], count: int, procs, timeout: float = 180.0) -> None:
+    """Until `count` workers are registered, over every replica."""
+    stubs = [pb_grpc.SchedulerStub(grpc.insecure_channel(t)) for t in targets]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
                 raise RuntimeError(f"{' '.join(p.args[2:5])} exited with {p.returncode}; "
                                    "see its log in .artifacts/local-stack/")
-        if len(stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers) >= count:
+        if sum(len(stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers)
+               for stub in stubs) >= count:
             return
         time.sleep(0.5)
     raise RuntimeError(f"{count} workers did not register within {timeout:.0f} s")

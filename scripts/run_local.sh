@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run the local stack: scheduler + 2 CPU workers (tiny model
-# with a tokenizer, built on the first run) + the OpenAI-compatible gateway
-# + a demo load through the gateway. Arguments go to scripts/local_stack.py (--help lists them).
+# Set up (scripts/setup.sh), then run the local stack: scheduler (or `--replicas N` on a
+# private PostgreSQL cluster) + 2 CPU workers (tiny model with a tokenizer, built on the
+# first run) + the OpenAI-compatible gateway + a demo load through the gateway. Arguments go to scripts/local_stack.py (--help lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

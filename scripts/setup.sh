@@ -22,7 +22,7 @@ if [ "${LATTICE_KEEP_TORCH:-0}" != 1 ]; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-  -c constraints.txt -e '.[worker,gateway,test,reference,sim]'
+  -c constraints.txt -e '.[worker,gateway,postgres,test,reference,sim]'
 rm -f .venv/.setup-*
 touch "$stamp"
 echo "setup: done"

@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=values.target,
                    default=os.environ.get("LATTICE_SCHEDULER_TARGET", "127.0.0.1:50051"),
-                   help="scheduler address HOST:PORT (env LATTICE_SCHEDULER_TARGET)")
+                   help="scheduler address HOST:PORT, or replicas HOST:PORT,HOST:PORT or "
+                        "dns:///NAME:PORT (calls go to those up; env "
+                        "LATTICE_SCHEDULER_TARGET)")
     p.add_argument("--timeout", type=_POSITIVE_SECONDS, default=10.0, help="seconds per call")
     from service.credentials import add_client_arguments
     add_client_arguments(p)

@@ -101,7 +101,17 @@ def name(what: str, *, allow_empty: bool) -> Callable[[str], str]:
 
 def target(text: str) -> str:
     """A scheduler address: HOST:PORT ([V6ADDR]:PORT), or a gRPC target with a scheme
-    (dns:, unix:, ...), which gRPC checks itself."""
+    (dns:, unix:, ...), which gRPC checks itself; or replicas' addresses, comma-separated
+    (service/targets.py)."""
+    if "," in text:
+        for entry in text.split(","):
+            if entry.strip():
+                _one_target(entry.strip())
+        return text
+    return _one_target(text)
+
+
+def _one_target(text: str) -> str:
     if text.startswith(_TARGET_SCHEMES):
         return text
     example = "e.g. 127.0.0.1:50051"

@@ -70,9 +70,15 @@ def client_args_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials
 
 def open_channel(target: str, credentials: grpc.ChannelCredentials | None,
                  token: str | None) -> grpc.Channel:
-    """A channel to `target`, TLS when `credentials` are given, sending `token` on every call."""
-    channel = (grpc.secure_channel(target, credentials) if credentials is not None
-               else grpc.insecure_channel(target))
+    """A channel to `target`, TLS when `credentials` are given, sending `token` on every call.
+
+    `target` may list several replicas (HOST:PORT,HOST:PORT or dns:///NAME:PORT): calls
+    then go round robin to those that are up (service/targets.py)."""
+    from service.targets import channel_target
+
+    target, options = channel_target(target)
+    channel = (grpc.secure_channel(target, credentials, options=options)
+               if credentials is not None else grpc.insecure_channel(target, options))
     # Metadata rather than call credentials: gRPC sends call credentials over TLS only,
     # and a token on a private plaintext network is a supported (if weaker) set-up.
     return grpc.intercept_channel(channel, _BearerToken(token)) if token else channel

@@ -67,6 +67,8 @@ class _Serving:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.group_commit is not None:
             await self.group_commit.close()
+        if hasattr(self.servicer, "leave"):  # a replica: hand back its claims
+            await self.servicer.leave()
         if store is not None:
             store.close()  # on the loop: nothing else calls the core any more
 
@@ -129,6 +131,7 @@ class RunningServer:
         finally:
             self._loop.close()
             self.metrics_http.shutdown()
+            self.metrics_http.server_close()
 
     def wait(self) -> None:
         """Until the server has stopped."""
@@ -155,8 +158,12 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     registry = registry if registry is not None else CollectorRegistry()
     metrics = SchedulerMetrics(registry, named_tenants=(
         tenant for tenant, _ in settings.scheduler.tenant_weights))
-    store = (SqliteStateStore(settings.state_dir, settings.state_fsync, defer_fsync=True)
-             if settings.state_dir else None)
+    if settings.state:
+        from service.replica_server import open_store
+        store = open_store(settings, registry)
+    else:
+        store = (SqliteStateStore(settings.state_dir, settings.state_fsync, defer_fsync=True)
+                 if settings.state_dir else None)
     loop = _LoopThread()
     try:
         serving = loop.run(_serve(settings, metrics, store, tls, tokens),
@@ -189,7 +196,8 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
                          stall_seconds=max(3 * sweep_seconds, 0.5),
                          max_decision_bytes=settings.max_message_bytes)
     except StoreError as err:
-        raise ConfigError(f"state_dir {settings.state_dir!r}: cannot load it: {err}") from None
+        where = f"state_dir {settings.state_dir!r}" if settings.state_dir else "state"
+        raise ConfigError(f"{where}: cannot load it: {err}") from None
     if store is not None:
         recovered = core.status()
         log.info("state loaded", extra={"state_dir": settings.state_dir,
@@ -197,11 +205,17 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
                                         "assigned": recovered.num_assigned,
                                         "workers": len(recovered.workers)})
     lag = LoopLag(LOOP_LAG_TICK_SECONDS, observe=metrics.event_loop_lag.observe)
-    group_commit = GroupCommit(store, metrics.on_fsync) if store is not None else None
-    servicer = SchedulerServicer(
-        core, wakeups, metrics=metrics, lag=lag,
-        durable=group_commit.durable if group_commit is not None else None,
-        durable_worker_progress=settings.state_fsync == "always")
+    if settings.state:  # a replica: PostgreSQL commits in each save, no group commit
+        from service.replica import ReplicaServicer
+        group_commit = None
+        servicer = ReplicaServicer(core, wakeups, store, metrics=metrics, lag=lag,
+                                   prefetch=settings.prefetch)
+    else:
+        group_commit = GroupCommit(store, metrics.on_fsync) if store is not None else None
+        servicer = SchedulerServicer(
+            core, wakeups, metrics=metrics, lag=lag,
+            durable=group_commit.durable if group_commit is not None else None,
+            durable_worker_progress=settings.state_fsync == "always")
     health_servicer = health.aio.HealthServicer()
     options = [
         # gRPC sets SO_REUSEPORT by default: a second scheduler on a port already in use
@@ -246,6 +260,8 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
              asyncio.create_task(lag.run(), name="loop-lag")]
     if group_commit is not None:
         tasks.append(asyncio.create_task(group_commit.run_checkpoints(), name="checkpoints"))
+    if settings.state:
+        tasks.extend(servicer.background_tasks())
     return _Serving(servers, health_servicer, servicer, port, worker_port, group_commit, tasks)
 
 
@@ -303,6 +319,9 @@ def _worker_port_summary(running: RunningServer) -> str:
 
 
 def _state_summary(settings: ServeSettings, running: RunningServer) -> str:
+    if settings.state:
+        return (f"replica {running.store.replica_id} of the state in {running.store.path}, "
+                f"fsync {settings.state_fsync}")
     if running.store is None:
         return "state in memory only (--state-dir keeps it across restarts)"
     return f"state in {running.store.path}, fsync {settings.state_fsync}"

@@ -43,6 +43,9 @@ class ServeSettings:
     auth_tokens: str = ""
     state_dir: str = ""
     state_fsync: str = "acks"
+    state: str = ""
+    prefetch: int = 8
+    replica_lease_ms: int = 5000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -73,6 +76,19 @@ class ServeSettings:
         if self.state_fsync not in ("acks", "always", "never"):
             raise ConfigError(f"state_fsync must be acks, always or never, "
                               f"got {self.state_fsync!r}")
+        if self.state:
+            if not self.state.startswith(("postgresql://", "postgres://")):
+                raise ConfigError(f"state must be a PostgreSQL URL (postgresql://USER@HOST:"
+                                  f"PORT/DB), got {self.state!r}; for one process on local "
+                                  "files use --state-dir DIR")
+            if self.state_dir:
+                raise ConfigError("state (PostgreSQL, replicas) and state_dir (SQLite, one "
+                                  "process) exclude each other: give one")
+        if self.prefetch < 0:
+            raise ConfigError(f"prefetch must not be negative, got {self.prefetch}")
+        if self.replica_lease_ms < 300:
+            raise ConfigError(f"replica_lease_ms must be at least 300, "
+                              f"got {self.replica_lease_ms}")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("tls_client_ca (mTLS) needs TLS: give --tls-cert and --tls-key too")
         if not 1024 <= self.max_message_bytes <= _MAX_GRPC_MESSAGE_BYTES:
@@ -105,6 +121,13 @@ _HELP = {
                  "restart on the same DIR carries on; none: state lives in memory only",
     "state_fsync": "acks: fsync what clients are told OK (Submit, Cancel) before answering; "
                    "always: every change; never: none (survives kill -9, not power loss)",
+    "state": "share state with other replicas in this PostgreSQL database "
+             "(postgresql://USER@HOST:PORT/DB); every replica serves every RPC, workers "
+             "belong to the replica they talk to (docs/replicas.md)",
+    "prefetch": "replicas: queued sequences each replica claims beyond its workers' free "
+                "places (how far admission may drift from the global order)",
+    "replica_lease_ms": "replicas: a replica silent this long is presumed dead; another "
+                        "returns its sequences to the shared queue",
     "max_message_bytes": "largest incoming gRPC message in bytes; a larger one gets "
                          "RESOURCE_EXHAUSTED",
     "max_batch_size": "most sequences per worker, when a worker registers with 0",

@@ -13,6 +13,20 @@ from contextlib import contextmanager
 from service.core import FinishReason, SchedulerObserver
 
 
+async def wait_event(event: asyncio.Event, timeout_seconds: float) -> bool:
+    """Whether `event` was set within `timeout_seconds`.
+
+    Not asyncio.wait_for: before Python 3.12 it can lose a cancel that arrives as the event
+    is set (it returns as if nothing happened), and a task looping on it then never ends,
+    so a server stop that cancels its tasks and awaits them hangs."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait((waiter,), timeout=timeout_seconds)
+    finally:
+        waiter.cancel()
+    return bool(done)
+
+
 class Wakeups(SchedulerObserver):
     """Per-sequence events for streams, and one shared "work may have arrived" signal."""
 
@@ -42,10 +56,7 @@ class Wakeups(SchedulerObserver):
         """Until work may have arrived (True) or the time ran out or wake-ups closed (False)."""
         if self._closed:
             return False
-        event = self._work_arrived
-        try:
-            await asyncio.wait_for(event.wait(), timeout_seconds)
-        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+        if not await wait_event(self._work_arrived, timeout_seconds):
             return False
         return not self._closed
 

@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--scheduler", type=target,
                         default=os.environ.get("LATTICE_SCHEDULER_TARGET", "127.0.0.1:50051"),
-                        help="scheduler address HOST:PORT (env LATTICE_SCHEDULER_TARGET)")
+                        help="scheduler address HOST:PORT, or replicas HOST:PORT,HOST:PORT or "
+                             "dns:///NAME:PORT: the worker talks to one and moves to the next "
+                             "when it is unavailable (env LATTICE_SCHEDULER_TARGET)")
     parser.add_argument("--worker-id", required=True, help="unique name of this worker")
     from service.credentials import add_client_arguments
     add_client_arguments(parser)
@@ -142,7 +144,13 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     )
     from worker_client.loop import WorkerLoop
 
-    client = SchedulerClient(args.scheduler, credentials=credentials, token=args.token,
+    from service.targets import TargetError, expand
+    try:
+        targets = expand(args.scheduler)  # a dns:/// name: each of its addresses
+    except TargetError as err:
+        print(f"lattice-worker: --scheduler: {err}", file=sys.stderr)
+        return 2
+    client = SchedulerClient(",".join(targets), credentials=credentials, token=args.token,
                              session=not args.no_session)
     resources = WorkerResources(args.worker_id, engine.total_kv_pages, engine.page_size,
                                 engine.total_gdn_slots, args.max_batch_size)

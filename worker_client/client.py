@@ -78,22 +78,25 @@ class SchedulerClient:
                  sleep: Callable[[float], None] = time.sleep,
                  credentials: grpc.ChannelCredentials | None = None,
                  token: str | None = None, session: bool = True) -> None:
-        """`credentials`: TLS (None: plaintext); `token`: sent as `authorization: Bearer`;
+        """`target`: HOST:PORT, or several replicas' HOST:PORT,HOST:PORT: the worker talks
+        to one and moves to the next on UNAVAILABLE (`num_moves` counts the moves).
+        `credentials`: TLS (None: plaintext); `token`: sent as `authorization: Bearer`;
         `session`: iterate over one WorkerSession stream (False: unary SelectBatch)."""
-        self.target = target
+        self.targets = [part.strip() for part in target.split(",") if part.strip()]
+        self._index = 0
+        self.num_moves = 0
+        self._credentials = credentials
         # gRPC's own reconnect backoff grows to 120 s by default: after a long outage the
         # channel would sit out a restarted scheduler for minutes while our retries fail
         # fast. Cap it at our retry backoff instead.
-        options = [
+        self._options = [
             ("grpc.initial_reconnect_backoff_ms", max(1, int(retry.initial_seconds * 1000))),
             ("grpc.max_reconnect_backoff_ms", max(1, int(retry.max_seconds * 1000))),
         ]
-        self._channel = (grpc.secure_channel(target, credentials, options=options)
-                         if credentials is not None else grpc.insecure_channel(target, options))
+        self._connect()
         # Keyword arguments of every call: the token's metadata, when there is one.
         self._call_options = ({"metadata": (("authorization", f"Bearer {token}"),)}
                               if token else {})
-        self._stub = pb_grpc.SchedulerStub(self._channel)
         self._timeout = call_timeout_seconds
         self._retry = retry
         self._sleep = sleep
@@ -103,9 +106,31 @@ class SchedulerClient:
         # yet, which the scheduler reads as "the latest").
         self.incarnation = 0
 
+    @property
+    def target(self) -> str:
+        """The replica this worker talks to now."""
+        return self.targets[self._index]
+
     def close(self) -> None:
         self._end_session()
         self._channel.close()
+
+    def _connect(self) -> None:
+        target = self.target
+        self._channel = (grpc.secure_channel(target, self._credentials, options=self._options)
+                         if self._credentials is not None
+                         else grpc.insecure_channel(target, self._options))
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+
+    def _move_on(self) -> None:
+        """To the next replica of the list (after UNAVAILABLE); there, the worker must
+        register again, and that replica takes over what it holds."""
+        self._end_session()
+        self._channel.close()
+        self._index = (self._index + 1) % len(self.targets)
+        self.num_moves += 1
+        self._connect()
+        log.warning("moving to the next scheduler replica", extra={"target": self.target})
 
     def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
         request = pb.RegisterWorkerRequest(
@@ -163,6 +188,10 @@ class SchedulerClient:
                         method, code, err.details()) from None
                 if code not in _RETRYABLE or time.monotonic() + delay > give_up_at:
                     raise SchedulerCallError(method, code, err.details()) from None
+                if code is grpc.StatusCode.UNAVAILABLE and len(self.targets) > 1:
+                    self._move_on()
+                    if method != "WorkerSession":  # a session opens on the new stub
+                        fn = getattr(self._stub, method)
                 log.warning("scheduler call failed; retrying",
                             extra={"method": method, "code": code.name,
                                    "retry_in_seconds": round(delay, 3)})

@@ -41,7 +41,10 @@ class WorkerLoop:
     - `drain`: take nothing new, finish what is held, report it, then leave.
     A scheduler that forgot this worker (lease expired, restart) answers
     FAILED_PRECONDITION; the loop then drops everything it holds (the scheduler has
-    requeued it) and registers again. A scheduler that says this incarnation was
+    requeued it) and registers again. After a move to another replica (the client's
+    target list), the loop registers there and keeps what it holds: that replica takes
+    the worker's sequences over from the shared database. A scheduler that says this
+    incarnation was
     superseded (another process registered the same worker_id) ends `run` with
     `Superseded`: registering again would only take the id back and fight.
 
@@ -70,6 +73,7 @@ class WorkerLoop:
         self._idle_wait_seconds = idle_wait_seconds
         self._lease_seconds = 0.0
         self._pending = PendingReport()
+        self._moves_at_registration = 0
         self._forecast = Forecast(engine.page_size)
 
     def run(self, stop: threading.Event, drain: threading.Event | None = None) -> LoopStats:
@@ -132,7 +136,9 @@ class WorkerLoop:
                 try:
                     next_decision = self.client.select(self._request(draining, after, idle=False))
                 except NotRegistered:
-                    self._count(decision, stepping.result())  # outputs of the old registration
+                    # The step ran: its outputs are reported next if the worker keeps what
+                    # it holds (it moved to another replica), dropped with it otherwise.
+                    self._record(decision, stepping.result())
                     self._register_again(self._holding())
                     decision = None
                     continue
@@ -229,6 +235,13 @@ class WorkerLoop:
             stop.wait(self._idle_sleep_seconds)
 
     def _register_again(self, held: Holding) -> None:
+        if self._num_moves() != self._moves_at_registration:
+            # Another replica: it adopts what we hold when we register; our next report
+            # carries on (tokens by offset, so nothing is applied twice).
+            log.warning("registering with another scheduler replica, keeping what it holds",
+                        extra={"worker_id": self.resources.worker_id})
+            self._register()
+            return
         log.warning("scheduler no longer knows this worker; dropping what it holds "
                     "and registering again", extra={"worker_id": self.resources.worker_id})
         held_ids = [*held.waiting, *held.running]
@@ -237,8 +250,13 @@ class WorkerLoop:
         self._pending.forget(held_ids)
         self._register()
 
+    def _num_moves(self) -> int:
+        """How often the client moved to another replica (clients without a list: 0)."""
+        return getattr(self.client, "num_moves", 0)
+
     def _register(self) -> None:
         settings = self.client.register(self.resources)
+        self._moves_at_registration = self._num_moves()
         self.stats.registrations += 1
         self._lease_seconds = settings.lease_ttl_ms / 1000
         log.info("registered", extra={"worker_id": self.resources.worker_id,

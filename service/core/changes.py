@@ -33,6 +33,12 @@ class ChangeSet:
         self._created.pop(seq.seq_id, None)
         self._touched.pop(seq.seq_id, None)
 
+    def discard(self, seq_ids: frozenset[int]) -> None:
+        """Drop unsaved changes of sequences this core gave up (another replica owns them)."""
+        for marks in (self._created, self._touched, self._grown):
+            for seq_id in seq_ids & marks.keys():
+                del marks[seq_id]
+
     def touched(self, seq: Sequence) -> None:
         """Its progress (state, worker, cursor, ...) changed."""
         self._touched[seq.seq_id] = seq

@@ -67,6 +67,11 @@ class AdmissionQueue(Protocol):
     def restore(self, seqs: Iterable[Queued]) -> None:
         """Rebuild from stored sequences (their queue_key and arrived_at as saved)."""
 
+    def adopt(self, seqs: Iterable[Queued]) -> None:
+        """Add sequences this queue did not hold, at their place by queue_key and
+        arrived_at as saved (a replica claiming from a shared queue). Keys may repeat
+        those of queued ids: ties go by seq_id."""
+
     def remove(self, seq_id: int) -> bool:
         """Drop an id wherever it is; False if it was not queued."""
 
@@ -108,6 +113,9 @@ class QueueBase:
 
     def restore(self, seqs: Iterable[Queued]) -> None:
         assert not len(self), "restore into a non-empty queue"
+        self.adopt(seqs)
+
+    def adopt(self, seqs: Iterable[Queued]) -> None:
         for seq in seqs:
             self._head_key = min(self._head_key, seq.queue_key)
             self._tail_key = max(self._tail_key, seq.queue_key)
@@ -144,14 +152,15 @@ class FcfsQueue(QueueBase):
     """First come, first served; requeued ids go to the head, in the order given.
 
     Order keys are integers: the tail counts up, the head counts down, so sorting by key
-    gives the order back after a restart without renumbering anything.
+    gives the order back after a restart without renumbering anything. Sequences adopted
+    from a shared queue may bring keys already in use; (key, seq_id) orders them.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._keys = SortedList()
-        self._by_key: dict[int, Queued] = {}
-        self._key_of: dict[int, int] = {}
+        self._keys = SortedList()  # (queue_key, seq_id)
+        self._by_key: dict[tuple[int, int], Queued] = {}
+        self._key_of: dict[int, tuple[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._key_of)
@@ -168,15 +177,15 @@ class FcfsQueue(QueueBase):
         return True
 
     def candidates(self, now: float, counter: TenantCounter) -> Iterator[int]:
-        by_key = self._by_key
-        return (by_key[key].seq_id for key in self._keys)
+        return (key[1] for key in self._keys)
 
     def position(self, seq_id: int, now: float, counter: TenantCounter) -> int:
         return self._keys.bisect_left(self._key_of[seq_id])
 
     def _insert(self, seq: Queued) -> None:
         assert seq.seq_id not in self._key_of, f"seq_id {seq.seq_id} queued twice"
-        self._key_of[seq.seq_id] = seq.queue_key
-        self._by_key[seq.queue_key] = seq
-        self._keys.add(seq.queue_key)
+        key = (seq.queue_key, seq.seq_id)
+        self._key_of[seq.seq_id] = key
+        self._by_key[key] = seq
+        self._keys.add(key)
         self._counted(seq)

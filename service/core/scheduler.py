@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
 from service.core.batcher import DECISION_FIXED_BYTES, Batcher
 from service.core.changes import ChangeSet
@@ -23,7 +23,9 @@ from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.plan import PreemptReason
 from service.core.policies import make_policy
 from service.core.sequences import Sequence, SequenceTable, spec_wire_bytes
-from service.core.store import StateStore, StoredState, StoredWorker, StoreError
+from service.core.store import (
+    Disowned, StateStore, StoredSequence, StoredState, StoredWorker, StoreError,
+)
 from service.core.tenants import TenantLedger
 from service.core.validation import check_incarnation, validate_report
 from service.core.types import (
@@ -104,7 +106,7 @@ class Scheduler:
         known = self._sequences.by_request_id(params.request_id)
         if known is not None:
             return SubmitResult(known.seq_id, self._position(known))
-        self._validate_submit(params)
+        self.check_submit(params)
         if len(self._queue) >= self.config.max_queue:
             raise QueueFull(
                 f"the admission queue holds max_queue={self.config.max_queue} sequences; "
@@ -284,9 +286,100 @@ class Scheduler:
             self._observer.on_evicted(seq_id, worker.worker_id, self._evict_reason(seq_id))
 
         decision = self._batcher.decide(worker, report, reported, tuple(evict), self._requeue)
-        self._save()
+        disowned = self._save()
+        if disowned:
+            decision = _without(decision, disowned, reported)
         self._observer.on_decision(report, decision)
         return decision
+
+    # ----------------------------------------------------------------- replicas
+
+    def adopt(self, stored: Iterable[StoredSequence], worker_id: str = "") -> list[int]:
+        """Take over sequences from a shared store (replicas, docs/replicas.md): queued
+        ones join the local queue at their place (queue_key, arrival); with `worker_id`,
+        assigned ones become that registered worker's, and its next report reconciles
+        them as after a restart. Ids already known are skipped; returns those adopted."""
+        worker = self._ledger.find(worker_id) if worker_id else None
+        now, wall_now = self._clock(), self._wall_clock()
+        queued, orphans, adopted = [], [], []
+        for item in stored:
+            if self._sequences.get(item.seq_id) is not None:
+                continue
+            seq = self._sequences.restore(item, now, wall_now)
+            adopted.append(seq.seq_id)
+            self._batcher.restore_admissions(seq.admission_order)
+            if seq.is_finished:
+                continue
+            if self._tenants is not None:
+                self._tenants.restore_active(seq.tenant)
+            if seq.state is SequenceState.QUEUED:
+                if len(seq.output_token_ids) >= seq.params.max_new_tokens:
+                    self._finish(seq, FinishReason.MAX_LENGTH)  # nothing left to resume
+                else:
+                    queued.append(seq)
+            elif worker is not None and seq.worker_id == worker.worker_id:
+                worker.assigned[seq.seq_id] = None
+            else:
+                orphans.append(seq.seq_id)
+        self._queue.adopt(queued)
+        self._back_to_queue(orphans, "", RequeueReason.LOST)
+        self._save()
+        self._queue_changed()
+        return adopted
+
+    def disown(self, seq_ids: Iterable[int]) -> None:
+        """Forget sequences another replica owns now: off the local queue and workers, out
+        of the table, unsaved changes dropped. Nothing is finished or requeued; a worker
+        that still reports one is told to evict it."""
+        ids = frozenset(seq_ids)
+        for seq_id in ids:
+            seq = self._sequences.drop(seq_id)
+            if seq is None:
+                continue
+            self._queue.remove(seq_id)
+            worker = self._ledger.find(seq.worker_id or "")
+            if worker is not None:
+                worker.assigned.pop(seq_id, None)
+            if not seq.is_finished and self._tenants is not None:
+                self._tenants.deactivate(seq.tenant)
+        self._changes.discard(ids)
+        self._queue_changed()
+
+    def owned_seq_ids(self) -> set[int]:
+        """Every unfinished sequence this core holds (queued or assigned)."""
+        return {seq.seq_id for seq in self._sequences if not seq.is_finished}
+
+    def prefetch_wanted(self, depth: int, num_freeing: int = 0) -> int:
+        """How many more queued sequences this core should hold (`prefetch_target`, with
+        `num_freeing` places a report is about to free) less what its queue holds."""
+        return max(0, self.prefetch_target(depth, num_freeing) - len(self._queue))
+
+    def prefetch_target(self, depth: int, num_freeing: int = 0) -> int:
+        """Queued sequences worth holding: the workers' free places (drained ones have
+        none) plus `depth` ahead; nothing without a worker that takes work."""
+        workers = [w for w in self._ledger if not (w.draining or w.drain_requested)]
+        if not workers:
+            return 0
+        free = sum(max(0, w.settings.max_batch_size - len(w.assigned)) for w in workers)
+        return free + num_freeing + depth
+
+    def queued_tail(self, count: int) -> list[int]:
+        """The last `count` queued ids in the policy's order (those to hand back first);
+        what is unsaved is saved first, so the store holds them as they are."""
+        self._save()
+        if count <= 0:
+            return []
+        served = self._tenants.served if self._tenants is not None else _no_service
+        order = list(self._queue.candidates(self._clock(), served))
+        return order[-count:]
+
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def hand_out_incarnations_from(self, incarnation: int) -> None:
+        """The next registration gets `incarnation` or more (replicas draw it from a
+        database sequence, so numbers never repeat across replicas)."""
+        self._last_incarnation = max(self._last_incarnation, incarnation - 1)
 
     # ----------------------------------------------------------------- reports
 
@@ -401,8 +494,19 @@ class Scheduler:
         for worker in self._ledger:
             worker.last_call_at = min(now, worker.last_call_at + stalled)
 
-    def _save(self, sync: bool = False) -> None:
-        self._changes.save(self._sequences.next_seq_id, self._last_incarnation, sync)
+    def _save(self, sync: bool = False) -> frozenset[int]:
+        """Save what changed; returns the ids a shared store said are another replica's
+        now (forgotten here, the rest saved)."""
+        disowned: frozenset[int] = frozenset()
+        while True:
+            try:
+                self._changes.save(self._sequences.next_seq_id, self._last_incarnation, sync)
+                return disowned
+            except Disowned as err:
+                if err.seq_ids <= disowned:
+                    raise  # the store insists on ids already given up: a store bug
+                disowned |= err.seq_ids
+                self.disown(err.seq_ids)
 
     def _recover(self, state: StoredState) -> None:
         """Rebuild from the store: the queue in its order, workers with what they held.
@@ -506,7 +610,9 @@ class Scheduler:
         served = self._tenants.served if self._tenants is not None else _no_service
         return self._queue.position(seq.seq_id, self._clock(), served)
 
-    def _validate_submit(self, params: SubmitParams) -> None:
+    def check_submit(self, params: SubmitParams) -> None:
+        """InvalidArgument if `params` could never run under this config (a replica checks
+        before it writes a submission to the shared queue)."""
         prompt_len = len(params.prompt_token_ids)
         if prompt_len == 0:
             raise InvalidArgument("prompt_token_ids must not be empty")
@@ -531,3 +637,15 @@ class Scheduler:
 
 def _no_service(tenant: str) -> float:
     return 0.0
+
+
+def _without(decision: Decision, disowned: frozenset[int], reported: set[int]) -> Decision:
+    """`decision` less the sequences given up while it was saved (another replica owns
+    them): not run here, and evicted if the worker holds them."""
+    return replace(
+        decision,
+        prefill=tuple(c for c in decision.prefill if c.seq_id not in disowned),
+        decode=tuple(s for s in decision.decode if s not in disowned),
+        preempt=tuple(s for s in decision.preempt if s not in disowned),
+        evict=tuple(dict.fromkeys([*decision.evict, *(disowned & reported)])),
+    )

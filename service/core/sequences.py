@@ -178,6 +178,15 @@ class SequenceTable:
         if seq.params.request_id:
             self._by_request_id.pop(seq.params.request_id, None)
 
+    def drop(self, seq_id: int) -> Sequence | None:
+        """Forget a sequence this core no longer owns (not a finish: nothing is recorded)."""
+        seq = self._by_id.pop(seq_id, None)
+        if seq is not None:
+            self._finished.pop(seq_id, None)
+            if seq.params.request_id:
+                self._by_request_id.pop(seq.params.request_id, None)
+        return seq
+
     def reserve_ids_below(self, next_seq_id: int) -> None:
         """Never hand out an id below `next_seq_id` (ids used before a restart)."""
         self._next_seq_id = max(self._next_seq_id, next_seq_id)

@@ -4,8 +4,10 @@ The core hands a store one `StateChanges` per state-changing call and does not a
 the call before `save` returns. A store makes each `StateChanges` atomic: all of it
 survives a crash, or none of it does. `load` gives back what was saved, for a restart.
 
-SQLite is the embedded store (service/state_sqlite.py); a replicated store can take its
-place by implementing these three methods, without touching the core.
+SQLite is the embedded store (service/state_sqlite.py). PostgreSQL holds the state of
+several replicas (service/state_postgres.py): each replica's core owns some sequences,
+and a save that touches one another replica took over is refused whole with `Disowned`;
+the core then forgets those sequences (`Scheduler.disown`) and saves the rest.
 """
 from __future__ import annotations
 
@@ -18,6 +20,15 @@ from service.core.types import FinishReason, SequenceState, SubmitParams, Worker
 
 class StoreError(SchedulerError):
     """The store could not save; the call that needed it fails (UNAVAILABLE)."""
+
+
+class Disowned(StoreError):
+    """A shared store refused a save: these sequences belong to another replica now
+    (this one's lease ran out, or their worker moved). Nothing of the save was applied."""
+
+    def __init__(self, seq_ids: frozenset[int]) -> None:
+        super().__init__(f"{len(seq_ids)} sequences belong to another replica now")
+        self.seq_ids = seq_ids
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ to the same sequence; a client that disconnects cancels its sequence.
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=os.environ.get("LATTICE_SCHEDULER_TARGET",
                                                            "127.0.0.1:50051"),
-                        help="scheduler address HOST:PORT (env LATTICE_SCHEDULER_TARGET)")
+                        help="scheduler address HOST:PORT, or replicas HOST:PORT,HOST:PORT or "
+                             "dns:///NAME:PORT (env LATTICE_SCHEDULER_TARGET)")
     parser.add_argument("--model", required=True, type=Path, metavar="DIR",
                         help="the checkpoint directory the workers serve (tokenizer.json, "
                              "tokenizer_config.json, config.json; weights are not read)")

@@ -84,9 +84,13 @@ class SchedulerLink:
 
     def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None,
                  token: str | None = None) -> None:
+        from service.targets import channel_target  # replicas: round robin over a list
+
         self.target = target
-        self._channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
-                         else grpc.aio.insecure_channel(target))
+        address, options = channel_target(target)
+        self._channel = (grpc.aio.secure_channel(address, credentials, options=options)
+                         if credentials is not None
+                         else grpc.aio.insecure_channel(address, options=options))
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = token_metadata(token)

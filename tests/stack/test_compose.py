@@ -146,8 +146,8 @@ def test_the_gateway_serves_the_demo_model_with_exactly_the_documented_flags(com
     assert gateway["depends_on"]["demo-model"]["condition"] == "service_completed_successfully"
     assert "models:/models:ro" in gateway["volumes"]
     assert "http://127.0.0.1:8000/health" in " ".join(gateway["healthcheck"]["test"])
-    # The scheduler image holds the gateway's dependencies.
-    assert 'pip install -c /src/constraints.txt "/src[gateway]"' in DOCKERFILE.read_text()
+    # The scheduler image holds the gateway's dependencies (and PostgreSQL's, for replicas).
+    assert 'pip install -c /src/constraints.txt "/src[gateway,postgres]"' in DOCKERFILE.read_text()
 
 
 def test_prometheus_scrapes_the_gateway_service_on_its_port(compose):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from worker_client.client import WorkerResources
+from worker_client.client import NotRegistered, WorkerResources
 from worker_client.engine.api import ChunkWork, SequenceSpec
 from worker_client.forecast import Forecast, Holding
 from worker_client.loop import WorkerLoop
@@ -163,6 +164,50 @@ def test_overlapped_loop_frees_preempted_and_evicted_ids_before_the_next_step():
     assert all(1 not in r.running and 3 not in r.running for r in later[1:])
     assert not any(r.preempted for r in client.requests)
     assert _tokens(client.requests, 2) == reference_output(PROMPT, 50)[:4]
+
+
+class MovingClient(ScriptedClient):
+    """A ScriptedClient whose report number `fail_at` finds the scheduler gone: the client
+    moved to another replica, which does not know the worker yet (NotRegistered)."""
+
+    def __init__(self, decisions, stop: threading.Event, fail_at: int) -> None:
+        super().__init__(decisions, stop)
+        self.num_moves = 0
+        self.failed: list[pb.SelectBatchRequest] = []
+        self._fail_at = fail_at
+
+    def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
+        if len(self.requests) == self._fail_at and not self.failed:
+            self.failed.append(request)
+            self.num_moves += 1
+            raise NotRegistered("SelectBatch", grpc.StatusCode.FAILED_PRECONDITION,
+                                "unknown worker_id")
+        return super().select(request)
+
+
+def _delivered_tokens(requests, seq_id: int) -> list[int]:
+    """The tokens of `seq_id` as the scheduler would store them, by offset: a gap fails."""
+    stored: list[int] = []
+    for request in requests:
+        for update in request.tokens:
+            if update.seq_id != seq_id:
+                continue
+            assert update.offset <= len(stored), f"gap: offset {update.offset} after {stored}"
+            stored[update.offset:] = list(update.token_ids)
+    return stored
+
+
+def test_overlapped_loop_moving_replicas_mid_step_reports_that_steps_tokens_next():
+    """The report sent while a step runs fails (the worker moved to a replica that adopts
+    what it holds): the step's tokens are not lost, the next report carries them."""
+    engine, stop = ScriptedEngine(), threading.Event()
+    decisions = [pb.SchedulerDecision(prefill=[_admit(1, max_new_tokens=6)])]
+    decisions += [pb.SchedulerDecision(decode=[1]) for _ in range(5)]
+    client = MovingClient(decisions, stop, fail_at=2)
+    stats = _loop(engine, client, overlap=True).run(stop)
+    assert client.failed and stats.registrations == 2
+    assert _delivered_tokens(client.requests, 1) == reference_output(PROMPT, 6)
+    assert [f.seq_id for r in client.requests for f in r.finished] == [1]
 
 
 # ===================================================================== forecast

@@ -1,0 +1,433 @@
+"""One scheduler replica among several sharing a PostgreSQL database (docs/replicas.md).
+
+`ReplicaServicer` serves the same RPCs as `SchedulerServicer` over a core that holds
+only what this replica owns:
+- Submit writes to the shared queue (service/state_postgres.py); Cancel, GetSequence and
+  Generate work for any sequence: from the core when this replica owns it, else from the
+  database (Cancel: the owner is told and applies it).
+- RegisterWorker adopts what the worker held on another replica (it moved here).
+- SelectBatch decides from the local queue; only when that cannot fill the workers'
+  free places while the shared queue may hold work does it claim in line.
+
+The core is called on the event loop only, as in SchedulerServicer; the core's own saves
+talk to the database from there (two round trips a decision). Every other database call
+runs in a thread (`asyncio.to_thread`), so the loop serves other calls meanwhile. Two
+tasks keep the replica going: the prefetcher claims queued sequences ahead of the
+workers' needs (`prefetch` beyond their free places), and the keeper renews the lease,
+returns dead replicas' sequences to the shared queue, gives up what others took over and
+hands back claims its workers cannot use. A listener thread turns notifications into
+wake-ups on the loop (submits, tokens for streams, cancels and take-overs for this owner).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import replace
+
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+
+from service import convert
+from service.core import NotFound, Scheduler, SchedulerError, SequenceState
+from service.core.types import SubmitParams, SubmitResult
+from service.loop_lag import LoopLag
+from service.metrics import SchedulerMetrics
+from service.servicer import SchedulerServicer, _rpc
+from service.state_postgres import (
+    CANCEL_CHANNEL, DISOWN_CHANNEL, PROGRESS_CHANNEL, SUBMIT_CHANNEL, Claimed, PostgresState,
+    parse_ids_payload,
+)
+from service.status_codes import status_code, status_details
+from service.wakeups import Wakeups, wait_event
+
+log = logging.getLogger(__name__)
+
+# A stream of a sequence another replica owns re-reads the database at least this often
+# (notifications wake it sooner; this bounds the wait if one is lost, or when the
+# sequence moves to this replica).
+_REMOTE_POLL_SECONDS = 1.0
+
+
+class _Hint:
+    """"The shared queue may hold unclaimed work": set by submits and returns, cleared
+    by a claim that came back short, unless it was set again while that claim ran (a
+    submit committed after the claim's snapshot). Used on the loop only."""
+
+    def __init__(self) -> None:
+        self._generation = 0
+        self._set = True
+
+    def set(self) -> None:
+        self._generation += 1
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def generation(self) -> int:
+        return self._generation
+
+    def clear_unless_set_since(self, generation: int) -> None:
+        if self._generation == generation:
+            self._set = False
+
+
+class ReplicaServicer(SchedulerServicer):
+    """The Scheduler service of one replica; see the module docstring."""
+
+    def __init__(self, core: Scheduler, wakeups: Wakeups, state: PostgresState, *,
+                 metrics: SchedulerMetrics | None = None, lag: LoopLag | None = None,
+                 prefetch: int = 8) -> None:
+        super().__init__(core, wakeups, metrics=metrics, lag=lag)
+        self._state = state
+        self._prefetch = prefetch
+        self._queue_hint = _Hint()
+        self._wake_prefetcher = asyncio.Event()
+        # One claim at a time, and nothing that compares the core's sequences with the
+        # database's while one is in flight.
+        self._claim_lock = asyncio.Lock()
+        # Streams of sequences another replica owns, woken by notifications.
+        self._remote: dict[int, set[asyncio.Event]] = {}
+        self._listener_stop = threading.Event()
+        self._listener: threading.Thread | None = None
+
+    @property
+    def replica_id(self) -> int:
+        return self._state.replica_id
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def background_tasks(self) -> list[asyncio.Task]:
+        """Start the prefetcher, the keeper and the listener thread."""
+        self._listener = threading.Thread(target=self._listen, args=(self._loop,),
+                                          name="replica-listener", daemon=True)
+        self._listener.start()
+        return [asyncio.create_task(self._prefetch_loop(), name="replica-prefetcher"),
+                asyncio.create_task(self._keep_loop(), name="replica-keeper")]
+
+    async def leave(self) -> None:
+        """A clean stop: unadmitted claims back to the shared queue, the lease ended."""
+        self._listener_stop.set()
+        try:
+            await asyncio.to_thread(self._state.leave)
+        except SchedulerError as err:
+            log.warning("could not hand back this replica's claims; they return when its "
+                        "lease runs out: %s", err)
+        if self._listener is not None:
+            await asyncio.to_thread(self._listener.join, 5.0)
+
+    # ------------------------------------------------------------------ clients
+
+    @_rpc
+    async def Submit(self, request, context):
+        return convert.submit_response(await self._submit(convert.submit_params(request)))
+
+    @_rpc
+    async def Cancel(self, request, context):
+        return pb.CancelResponse(cancelled=await self._cancel(request.seq_id))
+
+    @_rpc
+    async def GetSequence(self, request, context):
+        seq_id = request.seq_id
+        if self._owns(seq_id):
+            info = self._core.get_sequence(seq_id)
+            if info.state is not SequenceState.QUEUED:
+                return convert.sequence_info(info)
+        # Queued (its position is the shared queue's) or another replica's.
+        return convert.sequence_info(await asyncio.to_thread(self._state.sequence_info,
+                                                             seq_id))
+
+    @_rpc
+    async def GetStatus(self, request, context):
+        status = self._core.status()
+        depth = await asyncio.to_thread(self._state.queue_depth)
+        return convert.status(replace(status, queue_depth=depth))
+
+    @_rpc
+    async def RegisterWorker(self, request, context):
+        registration = convert.worker_registration(request)
+        incarnation = await asyncio.to_thread(self._state.next_incarnation)
+        async with self._claim_lock:
+            self._core.hand_out_incarnations_from(incarnation)
+            settings = self._core.register_worker(registration)
+            moved = await asyncio.to_thread(self._state.adopt_worker, registration.worker_id)
+            self._adopt(moved, registration.worker_id)
+        log.info("worker registered", extra={"worker_id": request.worker_id,
+                                             "incarnation": settings.incarnation,
+                                             "adopted": len(moved.sequences)})
+        return convert.worker_settings(settings)
+
+    async def _select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
+        freeing = len(request.finished)
+        if self._short(freeing):  # the prefetcher fell behind: claim in line
+            await self._top_up(only_if_short=True, num_freeing=freeing)
+        answer = await super()._select(request)
+        if self._core.prefetch_wanted(self._prefetch):
+            self._wake_prefetcher.set()
+        return answer
+
+    async def Generate(self, request, context):
+        """Submit to the shared queue, then stream tokens from whoever owns the sequence."""
+        try:
+            seq_id = (await self._submit(convert.submit_params(request))).seq_id
+        except SchedulerError as err:
+            await context.abort(status_code(err), status_details(err))
+        context.add_done_callback(lambda _context: self._loop.call_soon_threadsafe(
+            self._cancel_quietly, seq_id))
+        yield convert.generate_event(seq_id)
+        sent = 0
+        while True:
+            try:
+                view = await self._read(seq_id, sent)
+            except NotFound as err:
+                await context.abort(status_code(err), status_details(err))
+            except SchedulerError:
+                await asyncio.sleep(_REMOTE_POLL_SECONDS)  # the database is away: retry
+                continue
+            if view.token_ids or view.finished:
+                sent += len(view.token_ids)
+                yield convert.generate_event(seq_id, view.token_ids, view.finish_reason,
+                                             view.finished, view.error_message)
+                if view.finished:
+                    return
+
+    def _cancel_quietly(self, seq_id: int) -> None:
+        if self._stopping:
+            return
+        task = asyncio.ensure_future(self._cancel(seq_id))
+        task.add_done_callback(_log_cancel_failure(seq_id))
+
+    # ------------------------------------------------------------------ internals
+
+    async def _submit(self, params: SubmitParams) -> SubmitResult:
+        self._core.check_submit(params)  # reads the config only
+        config = self._core.config
+        result = await asyncio.to_thread(self._state.submit, params, config.max_queue,
+                                         config.max_queue_per_tenant)
+        self._queue_hint.set()
+        self._wake_prefetcher.set()
+        if self._metrics is not None:
+            self._metrics.on_submitted(result.seq_id, params.tenant,
+                                       len(params.prompt_token_ids))
+        return result
+
+    def _owns(self, seq_id: int) -> bool:
+        """Whether the core holds `seq_id`."""
+        try:
+            self._core.get_sequence(seq_id)
+        except NotFound:
+            return False
+        return True
+
+    async def _cancel(self, seq_id: int) -> bool:
+        # No claim in flight meanwhile: a sequence claimed but not yet in the core would
+        # look like another replica's, and its cancel would wait for the keeper.
+        async with self._claim_lock:
+            if self._owns(seq_id):
+                cancelled = self._core.cancel(seq_id)
+                if self._owns(seq_id):  # still ours: the store took it
+                    return cancelled
+            return await asyncio.to_thread(self._state.cancel, seq_id)
+
+    async def _read(self, seq_id: int, sent: int):
+        """New output of `seq_id` from `sent` on, waiting for some (or for the end) a while."""
+        if self._owns(seq_id):
+            with self._wakeups.watching(seq_id) as changed:
+                view = self._core.read_output(seq_id, sent)
+                if view.token_ids or view.finished:
+                    return view
+                await wait_event(changed, _REMOTE_POLL_SECONDS)
+            if self._owns(seq_id):
+                return self._core.read_output(seq_id, sent)
+        view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
+        if view.token_ids or view.finished:
+            return view
+        event = asyncio.Event()
+        self._remote.setdefault(seq_id, set()).add(event)
+        try:
+            await wait_event(event, _REMOTE_POLL_SECONDS)
+        finally:
+            events = self._remote.get(seq_id)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._remote[seq_id]
+        return await asyncio.to_thread(self._state.read_output, seq_id, sent)
+
+    def _wake_remote(self, seq_ids: set[int] | None) -> None:
+        keys = list(self._remote) if seq_ids is None else seq_ids & self._remote.keys()
+        for seq_id in keys:
+            for event in self._remote[seq_id]:
+                event.set()
+
+    def _adopt(self, claimed: Claimed, worker_id: str = "") -> None:
+        """Put claimed sequences in the core, then apply the cancels other replicas asked
+        for while they were elsewhere."""
+        if not claimed.sequences:
+            return
+        self._core.adopt(claimed.sequences, worker_id)
+        for seq_id in claimed.cancel_requested:
+            try:
+                self._core.cancel(seq_id)
+            except NotFound:
+                pass
+        self._wakeups.work_may_have_arrived()
+
+    def _short(self, num_freeing: int) -> bool:
+        """Whether the local queue cannot fill the workers' free places (with those a
+        report is about to free) while the shared queue may hold work."""
+        return self._queue_hint.is_set() and bool(self._core.prefetch_wanted(0, num_freeing))
+
+    async def _top_up(self, only_if_short: bool, num_freeing: int = 0) -> None:
+        """Claim what the workers could use, plus `prefetch` ahead, one claim at a time: a
+        SelectBatch that needs the claim in flight waits for it instead of claiming past."""
+        async with self._claim_lock:
+            if only_if_short and not self._core.prefetch_wanted(0, num_freeing):
+                return
+            wanted = self._core.prefetch_wanted(self._prefetch, num_freeing)
+            if not wanted:
+                return
+            generation = self._queue_hint.generation()
+            claimed = await asyncio.to_thread(self._state.claim, wanted)
+            if len(claimed.sequences) < wanted:
+                self._queue_hint.clear_unless_set_since(generation)
+            self._adopt(claimed)
+
+    async def _prefetch_loop(self) -> None:
+        while True:
+            woken = await wait_event(self._wake_prefetcher, 0.5)
+            self._wake_prefetcher.clear()
+            # Woken: only if the shared queue may hold work. Every half second: anyway,
+            # in case a hint was cleared just as a submit landed.
+            if woken and not self._queue_hint.is_set():
+                continue
+            try:
+                await self._top_up(only_if_short=False)
+            except SchedulerError as err:
+                log.warning("prefetch failed; retrying: %s", err)
+                await asyncio.sleep(0.5)
+            except Exception:  # noqa: BLE001 - the prefetcher must keep going
+                log.exception("prefetch failed; retrying")
+                await asyncio.sleep(0.5)
+
+    async def _keep_loop(self) -> None:
+        every = self._state.lease_ttl_seconds / 3
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await asyncio.to_thread(self._state.renew_lease)
+                # Whatever others took (after our lease ran out, or a worker moved) and no
+                # notification told us of.
+                await self._give_up(None)
+                if await asyncio.to_thread(self._state.reclaim_expired):
+                    self._queue_hint.set()
+                    self._wake_prefetcher.set()
+                await self._apply_cancels(
+                    await asyncio.to_thread(self._state.cancel_requests))
+                await self._hand_back_excess()
+            except SchedulerError as err:
+                log.warning("replica upkeep failed; retrying: %s", err)
+            except Exception:  # noqa: BLE001 - the keeper must keep going
+                log.exception("replica upkeep failed; retrying")
+
+    async def _apply_cancels(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            try:
+                self._core.cancel(seq_id)
+            except NotFound:
+                pass  # not adopted yet: the keeper finds the request again later
+            except SchedulerError as err:
+                log.warning("could not apply a cancel of seq_id %d: %s", seq_id, err)
+
+    async def _hand_back_excess(self) -> None:
+        """Queued sequences beyond what this replica's workers can use (they left, were
+        drained, or took less) go back to the shared queue for the other replicas."""
+        async with self._claim_lock:
+            excess = self._core.num_queued() - self._core.prefetch_target(self._prefetch)
+            if excess <= 0:
+                return
+            released = await asyncio.to_thread(self._state.release,
+                                               self._core.queued_tail(excess))
+            self._core.disown(released)
+        if released:
+            log.info("handed queued sequences back to the shared queue",
+                     extra={"sequences": len(released)})
+
+    async def _give_up(self, seq_ids: set[int] | None) -> None:
+        """Forget those of `seq_ids` (None: any) that the database says another replica
+        owns now; streams of them read the database from then on."""
+        async with self._claim_lock:
+            held = self._core.owned_seq_ids()
+            if seq_ids is not None:
+                held &= seq_ids
+            if not held:
+                return
+            lost = held - await asyncio.to_thread(self._state.owned_ids)
+            lost &= self._core.owned_seq_ids()  # finished here meanwhile: nothing to give up
+            if lost:
+                self._core.disown(lost)
+        if lost:
+            self._wake_remote(lost)
+            log.warning("sequences taken over by another replica were given up here",
+                        extra={"sequences": len(lost)})
+
+    # ------------------------------------------------------------------ notifications
+
+    def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On its own thread: LISTEN, and hand each notification to the loop."""
+        delay = 0.1
+        while not self._listener_stop.is_set():
+            try:
+                conn = self._state.listen_connection()
+            except Exception as err:  # noqa: BLE001 - the database may be away: retry
+                log.warning("cannot listen for notifications; retrying: %s", err)
+                self._listener_stop.wait(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            delay = 0.1
+            # Anything may have happened while we did not listen.
+            loop.call_soon_threadsafe(self._on_reconnected)
+            try:
+                while not self._listener_stop.is_set():
+                    for note in conn.notifies(timeout=0.1):
+                        loop.call_soon_threadsafe(self._on_notification, note.channel,
+                                                  note.payload)
+            except Exception as err:  # noqa: BLE001
+                if not self._listener_stop.is_set():
+                    log.warning("notification connection lost; reconnecting: %s", err)
+            finally:
+                try:
+                    conn.close()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def _on_reconnected(self) -> None:
+        self._queue_hint.set()
+        self._wake_prefetcher.set()
+        self._wake_remote(None)
+
+    def _on_notification(self, channel: str, payload: str) -> None:
+        """On the loop."""
+        if channel == SUBMIT_CHANNEL:
+            self._queue_hint.set()
+            self._wake_prefetcher.set()
+        elif channel == PROGRESS_CHANNEL:
+            self._wake_remote(parse_ids_payload(payload))
+        elif channel in (CANCEL_CHANNEL, DISOWN_CHANNEL):
+            owner, _, ids = payload.partition(":")
+            if int(owner) != self.replica_id:
+                return
+            if channel == CANCEL_CHANNEL:
+                asyncio.ensure_future(self._apply_cancels([int(ids)]))
+            else:
+                asyncio.ensure_future(self._give_up(parse_ids_payload(ids)))
+
+
+def _log_cancel_failure(seq_id: int):
+    def done(task: asyncio.Future) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, NotFound):
+            log.warning("could not cancel seq_id %d after its client left: %s", seq_id, error)
+    return done

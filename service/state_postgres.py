@@ -1,0 +1,706 @@
+"""The shared state store of scheduler replicas: one PostgreSQL database (docs/replicas.md).
+
+The database is the source of truth. Each replica's core holds only the sequences it
+owns (`sequences.owner` is its replica_id): those it claimed from the shared queue and
+those assigned to its workers. Ownership moves only inside a transaction that locks the
+rows, and every save of a replica first locks the rows it touches and checks that it
+still owns them (`Disowned` otherwise), so two replicas never both write one sequence.
+
+- Submit (any replica): `lattice_submit()`, one statement and one synchronous commit:
+  request_id idempotency (a unique index), the queue limits, a new seq_id and tail key
+  from database sequences, the queue position, and NOTIFY lattice_submit.
+- Claim: the replica's prefetcher takes the head of the unclaimed queue in the policy's
+  order with FOR UPDATE SKIP LOCKED.
+- Leases: a replica renews its row in `replicas`; a live replica returns the sequences
+  of replicas whose lease ran out to the shared queue (`reclaim_expired`).
+- Tokens: one row per sequence per save in `tokens`; saves NOTIFY lattice_progress with
+  the ids whose output or state changed, so streams on other replicas wake within one
+  commit.
+- Cancel of a sequence another replica owns: `cancel_requested` is set and committed,
+  then NOTIFY lattice_cancel tells the owner, which cancels it in its core.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from array import array
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from service.core import ConfigError, FinishReason, SequenceState, SubmitParams
+from service.core.errors import NotFound, QueueFull
+from service.core.store import (
+    Disowned, SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker,
+    StoreError,
+)
+from service.core.types import SequenceInfo, SubmitResult
+from service.state_sqlite import (
+    _params_from_row, _params_json, _registration_from_json, _registration_json,
+)
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+SUBMIT_CHANNEL = "lattice_submit"
+PROGRESS_CHANNEL = "lattice_progress"
+CANCEL_CHANNEL = "lattice_cancel"
+DISOWN_CHANNEL = "lattice_disown"  # "owner:ids": another replica took these over
+_MAX_NOTIFY_PAYLOAD = 7900  # PostgreSQL's limit is 8000 bytes
+_QUEUED, _FINISHED = SequenceState.QUEUED.value, SequenceState.FINISHED.value
+_ASSIGNED = (SequenceState.PREFILLING.value, SequenceState.DECODING.value)
+
+_SCHEMA = """
+CREATE SEQUENCE IF NOT EXISTS lattice_seq_ids;
+CREATE SEQUENCE IF NOT EXISTS lattice_queue_tail;   -- tail keys: 1, 2, ...
+CREATE SEQUENCE IF NOT EXISTS lattice_queue_head;   -- head keys: -1, -2, ... (negated)
+CREATE SEQUENCE IF NOT EXISTS lattice_replica_ids;
+CREATE SEQUENCE IF NOT EXISTS lattice_incarnations; -- worker registrations, all replicas
+CREATE TABLE IF NOT EXISTS lattice_meta (key text PRIMARY KEY, value bigint NOT NULL);
+CREATE TABLE IF NOT EXISTS replicas (
+    replica_id  bigint PRIMARY KEY,
+    name        text NOT NULL,          -- host:port, for people
+    started_at  timestamptz NOT NULL DEFAULT now(),
+    lease_until timestamptz NOT NULL    -- renewed while it lives
+);
+CREATE TABLE IF NOT EXISTS sequences (
+    seq_id      bigint PRIMARY KEY,
+    request_id  text UNIQUE,            -- NULL when the client sent none
+    params      text NOT NULL,          -- JSON: everything submitted but the prompt
+    prompt      bytea NOT NULL,         -- uint32 little-endian token ids
+    priority    integer NOT NULL,
+    tenant      text NOT NULL,
+    max_new_tokens integer NOT NULL,
+    submitted_at double precision NOT NULL, -- epoch seconds (database clock)
+    state       smallint NOT NULL,      -- SequenceState
+    owner       bigint,                 -- replica_id; NULL: unclaimed (or finished)
+    worker_id   text,
+    queue_key   bigint,                 -- ascending = FCFS order; NULL when not queued
+    cursor      integer NOT NULL DEFAULT 0,
+    prefilled_tokens integer NOT NULL DEFAULT 0,
+    num_generated    integer NOT NULL DEFAULT 0,
+    num_generated_at_admission integer NOT NULL DEFAULT 0,
+    finish_reason    smallint,
+    finish_order     bigint NOT NULL DEFAULT 0,
+    admission_order  bigint NOT NULL DEFAULT 0,
+    error_message    text NOT NULL DEFAULT '',  -- why it failed, for FAILED
+    cancel_requested boolean NOT NULL DEFAULT false
+);
+CREATE INDEX IF NOT EXISTS sequences_unclaimed ON sequences (queue_key, seq_id)
+    WHERE state = 1 AND owner IS NULL;
+CREATE INDEX IF NOT EXISTS sequences_queued ON sequences (queue_key, seq_id)
+    WHERE state = 1;
+CREATE INDEX IF NOT EXISTS sequences_owner ON sequences (owner) WHERE owner IS NOT NULL;
+CREATE INDEX IF NOT EXISTS sequences_worker ON sequences (worker_id)
+    WHERE worker_id IS NOT NULL;
+CREATE TABLE IF NOT EXISTS tokens (
+    seq_id    bigint NOT NULL,
+    start     integer NOT NULL,         -- index of the first token in the output
+    token_ids bytea NOT NULL,           -- uint32 little-endian
+    PRIMARY KEY (seq_id, start)
+);
+CREATE TABLE IF NOT EXISTS workers (
+    worker_id    text PRIMARY KEY,
+    replica_id   bigint NOT NULL,
+    registration text NOT NULL,
+    drain_requested boolean NOT NULL DEFAULT false
+);
+CREATE TABLE IF NOT EXISTS tenant_service (
+    tenant text PRIMARY KEY,
+    served double precision NOT NULL    -- weighted tokens served, all replicas together
+);
+
+-- Submit in one statement: idempotency, limits, ids, position, wake-up.
+-- status: 0 new, 1 known request_id, 2 queue full, 3 tenant's queue full.
+CREATE OR REPLACE FUNCTION lattice_submit(
+    p_request_id text, p_params text, p_prompt bytea, p_priority integer,
+    p_tenant text, p_max_new_tokens integer, p_max_queue bigint, p_max_per_tenant bigint,
+    p_sync boolean, OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_key bigint;
+BEGIN
+    IF p_sync THEN  -- acknowledged: the commit waits for the WAL flush
+        PERFORM set_config('synchronous_commit', 'on', true);
+    END IF;
+    IF p_request_id IS NOT NULL THEN
+        SELECT s.seq_id INTO seq_id FROM sequences s WHERE s.request_id = p_request_id;
+        IF FOUND THEN
+            status := 1;
+            SELECT count(*) INTO queue_position FROM sequences q, sequences s
+             WHERE s.seq_id = lattice_submit.seq_id AND s.state = 1 AND q.state = 1
+               AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id);
+            queue_position := coalesce(queue_position, 0);
+            RETURN;
+        END IF;
+    END IF;
+    IF (SELECT count(*) FROM sequences s WHERE s.state = 1) >= p_max_queue THEN
+        status := 2; RETURN;
+    END IF;
+    IF p_max_per_tenant > 0 AND (SELECT count(*) FROM sequences s
+                                  WHERE s.state = 1 AND s.tenant = p_tenant)
+                                >= p_max_per_tenant THEN
+        status := 3; RETURN;
+    END IF;
+    v_key := nextval('lattice_queue_tail');
+    INSERT INTO sequences AS s (seq_id, request_id, params, prompt, priority, tenant,
+                                max_new_tokens, submitted_at, state, queue_key)
+    VALUES (nextval('lattice_seq_ids'), p_request_id, p_params, p_prompt, p_priority,
+            p_tenant, p_max_new_tokens, extract(epoch from clock_timestamp()), 1, v_key)
+    ON CONFLICT (request_id) DO NOTHING
+    RETURNING s.seq_id INTO seq_id;
+    IF NOT FOUND THEN  -- another replica took this request_id a moment ago
+        SELECT s.seq_id INTO seq_id FROM sequences s WHERE s.request_id = p_request_id;
+        status := 1; queue_position := 0; RETURN;
+    END IF;
+    SELECT count(*) INTO queue_position FROM sequences q
+     WHERE q.state = 1 AND (q.queue_key, q.seq_id) < (v_key, lattice_submit.seq_id);
+    PERFORM pg_notify('lattice_submit', '');
+    status := 0;
+END $$;
+"""
+
+# Columns of a sequence row, in the order _stored_sequence reads them.
+_COLUMNS = ("seq_id, params, prompt, state, worker_id, queue_key, cursor, prefilled_tokens, "
+            "num_generated, num_generated_at_admission, finish_reason, finish_order, "
+            "submitted_at, admission_order, error_message")
+
+
+@dataclass(frozen=True)
+class RemoteOutput:
+    """A sequence's tokens from some offset on, as the database holds them."""
+
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    error_message: str = ""
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """Sequences a claim gave this replica, and the tenants' counters at that moment."""
+
+    sequences: list[StoredSequence]
+    tenant_service: dict[str, float]
+    cancel_requested: list[int]
+
+
+class PostgresState:
+    """StateStore of one replica over the shared database, plus what replicas need."""
+
+    def __init__(self, url: str, *, name: str, lease_ttl_seconds: float = 5.0,
+                 fsync: str = "acks", policy: str = "budget",
+                 aging_seconds: float = 30.0, pool_size: int = 8,
+                 connect_timeout_seconds: float = 5.0) -> None:
+        if not url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError(f"state {url!r}: a PostgreSQL URL starts with postgresql://")
+        self.url = url
+        self.name = name
+        self.lease_ttl_seconds = lease_ttl_seconds
+        self._fsync = fsync
+        self._fair = policy == "fair"
+        self._aging_seconds = aging_seconds
+        self._timeout = connect_timeout_seconds
+        # Tenant counters as last saved or read by this replica: saves add the difference.
+        self._tenant_base: dict[str, float] = {}
+        # Blocking exchanges with the server, by purpose (figures; counted where the code
+        # waits for the server: one per statement outside a pipeline, one per pipeline sync).
+        self.round_trips: Counter[str] = Counter()
+        try:
+            self._pool = ConnectionPool(
+                url, min_size=1, max_size=pool_size, open=True, timeout=connect_timeout_seconds,
+                kwargs={"autocommit": True, "connect_timeout": int(connect_timeout_seconds),
+                        # Worker progress commits without waiting for the WAL flush
+                        # (--state-fsync acks, never); acknowledged commits ask for it.
+                        **({} if fsync == "always"
+                           else {"options": "-c synchronous_commit=off"})},
+                name=f"lattice-{name}")
+            self._pool.wait(timeout=connect_timeout_seconds)
+            self._create_schema()
+            self.replica_id = self._join()
+        except (psycopg.Error, PoolTimeout) as err:
+            self.close()
+            raise ConfigError(f"state {_redacted(url)}: cannot use the database: "
+                              f"{_first_line(err)}") from None
+
+    @property
+    def path(self) -> str:
+        return _redacted(self.url)
+
+    # ------------------------------------------------------------------ StateStore
+
+    def load(self) -> StoredState:
+        """What this replica owns: nothing for a new replica_id (a restarted process is a
+        new replica; its old sequences come back through the lease rules)."""
+        with self._connection() as conn:
+            sequences = self._read_sequences(
+                conn, "WHERE owner = %s AND state <> 4", (self.replica_id,))
+            served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))
+        self._tenant_base = dict(served)
+        return StoredState(sequences=sequences, workers=[], next_seq_id=1,
+                           tenant_service=served)
+
+    def save(self, changes: StateChanges) -> None:
+        if changes.created:
+            raise StoreError("replicas submit through the shared queue, not the core")
+        touched = ({p.seq_id for p in changes.progress} | {t.seq_id for t in changes.tokens}
+                   | {seq_id for seq_id, _ in changes.final_outputs})
+        sync = self._fsync == "always" or (self._fsync == "acks" and changes.sync)
+        deltas = self._tenant_deltas(changes.tenant_service)
+        # One pipeline: BEGIN, the ownership check (its answer is one round trip), then
+        # the writes and COMMIT (the second).
+        with self._connection() as conn:
+            with conn.pipeline(), conn.transaction():
+                if sync and self._fsync == "acks":
+                    conn.execute("SET LOCAL synchronous_commit TO on")
+                if touched:
+                    owned = {row[0] for row in conn.execute(
+                        "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s "
+                        "FOR UPDATE", (list(touched), self.replica_id))}
+                    self.round_trips["save"] += 1
+                    lost = touched - owned
+                    if lost:
+                        raise Disowned(frozenset(lost))
+                self._write(conn, changes, deltas, touched)
+            self.round_trips["save"] += 1
+        for tenant, served in changes.tenant_service:
+            self._tenant_base[tenant] = served
+
+    def close(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close(timeout=1.0)
+
+    # ------------------------------------------------------------------ clients
+
+    def submit(self, params: SubmitParams, max_queue: int, max_per_tenant: int) -> SubmitResult:
+        """Commit a new sequence to the shared queue (synchronous commit) before answering;
+        a known request_id answers its first seq_id."""
+        with self._connection() as conn:
+            status, seq_id, position = conn.execute(
+                "SELECT status, seq_id, queue_position FROM lattice_submit("
+                "%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                (params.request_id or None, _params_json(params),
+                 _pack(params.prompt_token_ids), params.priority, params.tenant,
+                 params.max_new_tokens, max_queue, max_per_tenant,
+                 self._fsync != "never")).fetchone()
+            self.round_trips["submit"] += 1
+        if status == 2:
+            raise QueueFull(f"the admission queue holds max_queue={max_queue} sequences; "
+                            "retry later")
+        if status == 3:
+            raise QueueFull(f"tenant {params.tenant!r} already has {max_per_tenant} sequences "
+                            f"queued (max_queue_per_tenant={max_per_tenant}); retry later")
+        return SubmitResult(seq_id, position)
+
+    def cancel(self, seq_id: int) -> bool:
+        """Cancel a sequence this replica does not own; False if it had finished.
+
+        Unclaimed: finished CANCELLED here. Owned by another replica: the request is
+        committed (cancel_requested) and the owner is told; it evicts on its worker."""
+        with self._connection() as conn, conn.transaction():
+            self._durable(conn)
+            row = conn.execute("SELECT state, owner FROM sequences WHERE seq_id = %s "
+                               "FOR UPDATE", (seq_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"seq_id {seq_id} is unknown (never submitted, or long "
+                               "finished)")
+            state, owner = row
+            if state == _FINISHED:
+                return False
+            if owner is None:
+                conn.execute("UPDATE sequences SET state = 4, finish_reason = %s, "
+                             "queue_key = NULL, worker_id = NULL WHERE seq_id = %s",
+                             (FinishReason.CANCELLED.value, seq_id))
+                conn.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, str(seq_id)))
+            else:
+                conn.execute("UPDATE sequences SET cancel_requested = true WHERE seq_id = %s",
+                             (seq_id,))
+                conn.execute("SELECT pg_notify(%s, %s)", (CANCEL_CHANNEL, f"{owner}:{seq_id}"))
+        return True
+
+    def sequence_info(self, seq_id: int) -> SequenceInfo:
+        with self._connection() as conn:
+            row = conn.execute(
+                "SELECT state, worker_id, octet_length(prompt) / 4, prefilled_tokens, "
+                "greatest(num_generated, (SELECT coalesce(sum(octet_length(t.token_ids) / 4), "
+                "0) FROM tokens t WHERE t.seq_id = s.seq_id)), finish_reason, "
+                "CASE WHEN state = 1 THEN (SELECT count(*) FROM sequences q WHERE q.state = 1 "
+                "AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id)) ELSE 0 END, "
+                "error_message FROM sequences s WHERE seq_id = %s", (seq_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"seq_id {seq_id} is unknown (never submitted, or long finished)")
+        state, worker_id, prompt_len, prefilled, generated, reason, position, error = row
+        return SequenceInfo(seq_id=seq_id, state=SequenceState(state), worker_id=worker_id or "",
+                            prompt_len=prompt_len, prefilled_tokens=prefilled,
+                            generated_tokens=int(generated),
+                            finish_reason=None if reason is None else FinishReason(reason),
+                            queue_position=int(position), error_message=error)
+
+    def read_output(self, seq_id: int, start: int) -> RemoteOutput:
+        """Tokens from index `start` on, committed by whichever replica owns it."""
+        with self._connection() as conn:
+            row = conn.execute("SELECT state, finish_reason, error_message FROM sequences "
+                               "WHERE seq_id = %s", (seq_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"seq_id {seq_id} is unknown (never submitted, or long "
+                               "finished)")
+            out: list[int] = []
+            rows = conn.execute(
+                "SELECT start, token_ids FROM tokens WHERE seq_id = %s "
+                "AND start + octet_length(token_ids) / 4 > %s ORDER BY start",
+                (seq_id, start)).fetchall()
+        for first, blob in rows:
+            tokens = _unpack(blob)
+            out.extend(tokens[max(0, start - first):])
+            start = first + len(tokens)
+        state, reason, error = row
+        return RemoteOutput(tuple(out), state == _FINISHED,
+                            None if reason is None else FinishReason(reason), error)
+
+    def queue_depth(self) -> int:
+        with self._connection() as conn:
+            return conn.execute("SELECT count(*) FROM sequences WHERE state = 1").fetchone()[0]
+
+    # ------------------------------------------------------------------ ownership
+
+    def claim(self, count: int) -> Claimed:
+        """Take up to `count` unclaimed queued sequences, head first in the policy's order
+        (FOR UPDATE SKIP LOCKED: two replicas never take the same one, nor wait)."""
+        if self._fair:
+            order = ("(priority - floor(greatest(0, extract(epoch from clock_timestamp()) - "
+                     "submitted_at) / %(aging)s)), coalesce((SELECT t.served FROM "
+                     "tenant_service t WHERE t.tenant = q.tenant), 0), submitted_at, seq_id")
+        else:
+            order = "queue_key, seq_id"
+        with self._connection() as conn, conn.transaction():
+            self._durable(conn)
+            ids = [row[0] for row in conn.execute(
+                f"UPDATE sequences s SET owner = %(me)s FROM (SELECT seq_id FROM sequences q "
+                f"WHERE state = 1 AND owner IS NULL ORDER BY {order} LIMIT %(n)s "
+                f"FOR UPDATE SKIP LOCKED) c WHERE s.seq_id = c.seq_id RETURNING s.seq_id",
+                {"me": self.replica_id, "n": count, "aging": self._aging_seconds})]
+            sequences = (self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,))
+                         if ids else [])
+            served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))
+            # BEGIN, SET LOCAL, UPDATE, the rows and their tokens (when any), counters,
+            # COMMIT.
+            self.round_trips["claim"] += 5 + (2 if ids else 0)
+        self._tenant_base.update(served)
+        return Claimed(sequences, served, [])
+
+    def adopt_worker(self, worker_id: str) -> Claimed:
+        """Take the sequences assigned to `worker_id` from whichever replica held them (the
+        worker registered here: it moved). Their old owner's saves are refused from now."""
+        with self._connection() as conn, conn.transaction():
+            self._durable(conn)
+            rows = conn.execute(
+                "WITH old AS (SELECT seq_id, owner FROM sequences WHERE worker_id = %(w)s "
+                "AND state IN (2, 3) AND owner IS DISTINCT FROM %(me)s FOR UPDATE) "
+                "UPDATE sequences s SET owner = %(me)s FROM old WHERE s.seq_id = old.seq_id "
+                "RETURNING s.seq_id, s.cancel_requested, old.owner",
+                {"w": worker_id, "me": self.replica_id}).fetchall()
+            ids = [seq_id for seq_id, _, _ in rows]
+            sequences = (self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,))
+                         if ids else [])
+            by_owner: dict[int, list[int]] = {}
+            for seq_id, _, owner in rows:
+                if owner is not None:
+                    by_owner.setdefault(owner, []).append(seq_id)
+            for owner, seq_ids in by_owner.items():  # the old owner forgets them at once
+                conn.execute("SELECT pg_notify(%s, %s)",
+                             (DISOWN_CHANNEL, f"{owner}:{_ids_payload(seq_ids)}"))
+        return Claimed(sequences, {}, [seq_id for seq_id, flag, _ in rows if flag])
+
+    def next_incarnation(self) -> int:
+        """A worker incarnation number no replica has handed out."""
+        with self._connection() as conn:
+            return conn.execute("SELECT nextval('lattice_incarnations')").fetchone()[0]
+
+    def cancel_requests(self) -> list[int]:
+        """Unfinished sequences of this replica another replica asked to cancel."""
+        with self._connection() as conn:
+            return [row[0] for row in conn.execute(
+                "SELECT seq_id FROM sequences WHERE owner = %s AND cancel_requested "
+                "AND state <> 4", (self.replica_id,))]
+
+    def owned_ids(self) -> set[int]:
+        with self._connection() as conn:
+            return {row[0] for row in conn.execute(
+                "SELECT seq_id FROM sequences WHERE owner = %s AND state <> 4",
+                (self.replica_id,))}
+
+    def renew_lease(self) -> bool:
+        """Extend this replica's lease; False if it had run out and others took what it
+        owned (the row is written again: the caller must give up what it no longer owns)."""
+        with self._connection() as conn:
+            renewed = conn.execute(
+                "UPDATE replicas SET lease_until = now() + make_interval(secs => %s) "
+                "WHERE replica_id = %s", (self.lease_ttl_seconds, self.replica_id)).rowcount
+            if not renewed:
+                self._insert_lease(conn, self.replica_id)
+        return bool(renewed)
+
+    def reclaim_expired(self) -> int:
+        """Return what replicas whose lease ran out owned to the shared queue: claimed
+        but unadmitted sequences keep their place, assigned ones go to the head and resume
+        from their saved tokens (asked-to-cancel ones finish CANCELLED). Returns how many
+        sequences moved."""
+        with self._connection() as conn, conn.transaction():
+            self._durable(conn)
+            dead = [row[0] for row in conn.execute(
+                "DELETE FROM replicas WHERE lease_until < now() RETURNING replica_id")]
+            rows = conn.execute(
+                "SELECT seq_id, state, cancel_requested FROM sequences s WHERE "
+                "owner IS NOT NULL AND state <> 4 AND NOT EXISTS (SELECT 1 FROM replicas r "
+                "WHERE r.replica_id = s.owner) ORDER BY seq_id FOR UPDATE").fetchall()
+            if not rows and not dead:
+                return 0
+            queued = [seq_id for seq_id, state, cancel in rows if state == _QUEUED and not cancel]
+            cancelled = [seq_id for seq_id, state, cancel in rows if cancel]
+            assigned = [seq_id for seq_id, state, cancel in rows
+                        if state != _QUEUED and not cancel]
+            conn.execute("UPDATE sequences SET owner = NULL WHERE seq_id = ANY(%s)", (queued,))
+            conn.execute("UPDATE sequences SET owner = NULL, state = 4, finish_reason = %s, "
+                         "worker_id = NULL, queue_key = NULL WHERE seq_id = ANY(%s)",
+                         (FinishReason.CANCELLED.value, cancelled))
+            for seq_id in assigned:  # in seq_id order, each ahead of all
+                conn.execute(
+                    "UPDATE sequences s SET owner = NULL, state = 1, worker_id = NULL, "
+                    "cursor = 0, prefilled_tokens = 0, queue_key = -nextval('lattice_queue_head'), "
+                    "num_generated = (SELECT coalesce(sum(octet_length(t.token_ids) / 4), 0) "
+                    "FROM tokens t WHERE t.seq_id = s.seq_id) WHERE seq_id = %s", (seq_id,))
+            conn.execute("DELETE FROM workers w WHERE NOT EXISTS (SELECT 1 FROM replicas r "
+                         "WHERE r.replica_id = w.replica_id)")
+            if rows:
+                conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
+                conn.execute("SELECT pg_notify(%s, %s)",
+                             (PROGRESS_CHANNEL, _ids_payload(cancelled)))
+        if rows:
+            log.warning("replicas' leases ran out; their sequences went back to the shared "
+                        "queue", extra={"replicas": dead, "queued": len(queued),
+                                        "assigned": len(assigned), "cancelled": len(cancelled)})
+        return len(rows)
+
+    def release(self, seq_ids: list[int]) -> list[int]:
+        """Hand queued sequences back to the shared queue, at their place; returns those
+        released (still this replica's and queued)."""
+        with self._connection() as conn, conn.transaction():
+            self._durable(conn)
+            released = [row[0] for row in conn.execute(
+                "UPDATE sequences SET owner = NULL WHERE seq_id = ANY(%s) AND owner = %s "
+                "AND state = 1 RETURNING seq_id", (seq_ids, self.replica_id))]
+            if released:
+                conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
+        return released
+
+    def leave(self) -> None:
+        """A clean stop: claimed but unadmitted sequences go back to the shared queue at
+        their place, the lease ends, and others return the rest at once."""
+        with self._connection() as conn, conn.transaction():
+            self._durable(conn)
+            conn.execute("UPDATE sequences SET owner = NULL WHERE owner = %s AND state = 1",
+                         (self.replica_id,))
+            conn.execute("DELETE FROM replicas WHERE replica_id = %s", (self.replica_id,))
+            conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
+
+    def listen_connection(self) -> psycopg.Connection:
+        """A connection of its own (not pooled) listening on the replicas' channels."""
+        conn = psycopg.connect(self.url, autocommit=True, connect_timeout=int(self._timeout))
+        for channel in (SUBMIT_CHANNEL, PROGRESS_CHANNEL, CANCEL_CHANNEL, DISOWN_CHANNEL):
+            conn.execute(f"LISTEN {channel}")
+        return conn
+
+    # ------------------------------------------------------------------ internals
+
+    def _connection(self):
+        """A pooled connection; a database that cannot be reached is a StoreError."""
+        return _PooledConnection(self._pool, self._timeout)
+
+    def _durable(self, conn) -> None:
+        """This transaction's commit waits for the WAL flush (ownership moves and
+        acknowledged changes), unless --state-fsync never."""
+        if self._fsync == "acks":
+            conn.execute("SET LOCAL synchronous_commit TO on")
+
+    def _create_schema(self) -> None:
+        with self._pool.connection() as conn, conn.transaction():
+            # One replica creates the schema at a time (CREATE ... IF NOT EXISTS races).
+            conn.execute("SELECT pg_advisory_xact_lock(7254112)")
+            conn.execute(_SCHEMA)
+            row = conn.execute("SELECT value FROM lattice_meta WHERE key = 'schema_version'"
+                               ).fetchone()
+            if row is None:
+                conn.execute("INSERT INTO lattice_meta VALUES ('schema_version', %s)",
+                             (SCHEMA_VERSION,))
+            elif row[0] != SCHEMA_VERSION:
+                raise ConfigError(f"the database holds schema version {row[0]}; this "
+                                  f"scheduler reads version {SCHEMA_VERSION}")
+
+    def _join(self) -> int:
+        with self._pool.connection() as conn:
+            replica_id = conn.execute("SELECT nextval('lattice_replica_ids')").fetchone()[0]
+            self._insert_lease(conn, replica_id)
+        return replica_id
+
+    def _insert_lease(self, conn, replica_id: int) -> None:
+        conn.execute("INSERT INTO replicas (replica_id, name, lease_until) VALUES "
+                     "(%s, %s, now() + make_interval(secs => %s)) ON CONFLICT (replica_id) "
+                     "DO UPDATE SET lease_until = excluded.lease_until",
+                     (replica_id, self.name, self.lease_ttl_seconds))
+
+    def _read_sequences(self, conn, where: str, args: tuple) -> list[StoredSequence]:
+        rows = conn.execute(f"SELECT {_COLUMNS} FROM sequences {where} ORDER BY seq_id",
+                            args).fetchall()
+        if not rows:
+            return []
+        tokens: dict[int, list[int]] = {}
+        for seq_id, start, blob in conn.execute(
+                "SELECT seq_id, start, token_ids FROM tokens WHERE seq_id = ANY(%s) "
+                "ORDER BY seq_id, start", ([row[0] for row in rows],)):
+            out = tokens.setdefault(seq_id, [])
+            if start != len(out):
+                raise StoreError(f"seq_id {seq_id}: tokens from {start} after {len(out)} "
+                                 "tokens; the database is damaged")
+            out.extend(_unpack(blob))
+        return [_stored_sequence(row, tokens.get(row[0], [])) for row in rows]
+
+    def _tenant_deltas(self, service: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
+        return [(tenant, served - self._tenant_base.get(tenant, 0.0))
+                for tenant, served in service]
+
+    def _write(self, conn, changes: StateChanges, deltas, touched: set[int]) -> None:
+        me = self.replica_id
+        cur = conn.cursor()
+        if changes.progress:
+            cur.executemany(
+                "UPDATE sequences SET state = %s, worker_id = %s, queue_key = %s, cursor = %s, "
+                "prefilled_tokens = %s, num_generated = %s, num_generated_at_admission = %s, "
+                "finish_reason = %s, finish_order = %s, admission_order = %s, "
+                "error_message = %s WHERE seq_id = %s AND owner = %s",
+                [(p.state.value, p.worker_id, p.queue_key, p.cursor, p.prefilled_tokens,
+                  p.num_generated, p.num_generated_at_admission,
+                  None if p.finish_reason is None else p.finish_reason.value,
+                  p.finish_order, p.admission_order, p.error_message, p.seq_id, me)
+                 for p in changes.progress])
+        if changes.tokens:  # one statement for every sequence's new tokens
+            cur.execute("INSERT INTO tokens (seq_id, start, token_ids) SELECT * FROM "
+                        "unnest(%s::bigint[], %s::integer[], %s::bytea[])",
+                        ([t.seq_id for t in changes.tokens], [t.start for t in changes.tokens],
+                         [_pack(t.token_ids) for t in changes.tokens]), binary=True)
+        if changes.workers_joined:
+            cur.executemany(
+                "INSERT INTO workers (worker_id, replica_id, registration, drain_requested) "
+                "VALUES (%s, %s, %s, %s) ON CONFLICT (worker_id) DO UPDATE SET "
+                "replica_id = excluded.replica_id, registration = excluded.registration, "
+                "drain_requested = excluded.drain_requested",
+                [(w.registration.worker_id, me, _registration_json(w.registration),
+                  w.drain_requested) for w in changes.workers_joined])
+        if changes.workers_left:
+            cur.execute("DELETE FROM workers WHERE worker_id = ANY(%s) AND replica_id = %s",
+                        (list(changes.workers_left), me))
+        if changes.forgotten:
+            forgotten = list(changes.forgotten)
+            cur.execute("DELETE FROM tokens WHERE seq_id = ANY(%s) AND seq_id IN (SELECT "
+                        "seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s)",
+                        (forgotten, forgotten, me))
+            cur.execute("DELETE FROM sequences WHERE seq_id = ANY(%s) AND owner = %s",
+                        (forgotten, me))
+        if deltas:
+            cur.executemany("INSERT INTO tenant_service (tenant, served) VALUES (%s, %s) "
+                            "ON CONFLICT (tenant) DO UPDATE SET served = "
+                            "tenant_service.served + excluded.served", deltas)
+        if touched:
+            cur.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(touched)))
+
+
+class _PooledConnection:
+    """`with store._connection() as conn`: a pooled connection; psycopg's errors become
+    StoreError (UNAVAILABLE), except Disowned, NotFound and QueueFull, which pass."""
+
+    def __init__(self, pool: ConnectionPool, timeout: float) -> None:
+        self._pool = pool
+        self._timeout = timeout
+        self._context = None
+
+    def __enter__(self) -> psycopg.Connection:
+        try:
+            self._context = self._pool.connection(timeout=self._timeout)
+            return self._context.__enter__()
+        except (psycopg.Error, PoolTimeout) as err:
+            raise StoreError(f"the database is unavailable: {_first_line(err)}") from None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        try:
+            self._context.__exit__(kind, error, traceback)
+        except psycopg.Error as err:
+            if error is None:
+                raise _store_error(err) from None
+        if isinstance(error, psycopg.Error):
+            raise _store_error(error) from None
+        return False
+
+
+def _store_error(err: psycopg.Error) -> StoreError:
+    if isinstance(err, psycopg.OperationalError):
+        return StoreError(f"the database is unavailable: {_first_line(err)}")
+    return StoreError(f"database error: {_first_line(err)}")
+
+
+def _stored_sequence(row, output: list[int]) -> StoredSequence:
+    (seq_id, params, prompt, state, worker_id, queue_key, cursor, prefilled, num_generated,
+     at_admission, reason, finish_order, submitted_at, admission_order, error_message) = row
+    return StoredSequence(
+        seq_id=seq_id, params=_params_from_row(params, bytes(prompt)),
+        progress=SequenceProgress(
+            seq_id=seq_id, state=SequenceState(state), worker_id=worker_id,
+            queue_key=queue_key, cursor=cursor, prefilled_tokens=prefilled,
+            num_generated=num_generated, num_generated_at_admission=at_admission,
+            finish_reason=None if reason is None else FinishReason(reason),
+            finish_order=finish_order, submitted_at=submitted_at,
+            admission_order=admission_order, error_message=error_message),
+        output_token_ids=output)
+
+
+def _ids_payload(seq_ids: Iterable[int]) -> str:
+    payload = ",".join(str(s) for s in sorted(seq_ids))
+    return payload if len(payload) <= _MAX_NOTIFY_PAYLOAD else "*"
+
+
+def parse_ids_payload(payload: str) -> set[int] | None:
+    """The ids of a lattice_progress notification; None means every sequence."""
+    if payload == "*":
+        return None
+    return {int(part) for part in payload.split(",") if part}
+
+
+def _pack(token_ids) -> bytes:
+    packed = array("I", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(blob) -> list[int]:
+    packed = array("I")
+    packed.frombytes(bytes(blob))
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _redacted(url: str) -> str:
+    """The URL without a password, for logs and messages."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if at and ":" in userinfo:
+        userinfo = userinfo.split(":", 1)[0] + ":***"
+    return f"{scheme}{sep}{userinfo}{at}{host}"

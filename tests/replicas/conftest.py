@@ -1,0 +1,93 @@
+"""A private PostgreSQL cluster for the replica tests, and a fresh database per test.
+
+The cluster is started once per session (initdb and pg_ctl under a temporary directory,
+on a free loopback port; as root, as the `postgres` user). Every test that asks for
+`database_url` gets a database of its own. Tests skip, saying why, only where this
+machine has no PostgreSQL binaries.
+"""
+from __future__ import annotations
+
+import itertools
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from service.pg_cluster import DATABASE, ROLE, PrivateCluster, find_binaries
+
+_names = itertools.count(1)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PrivateCluster]:
+    if find_binaries() is None:
+        pytest.skip("no PostgreSQL binaries (initdb, pg_ctl) on this machine: install "
+                    "postgresql (scripts/test.sh does as root) to run the replica tests")
+    directory = tempfile.mkdtemp(prefix="lattice-pg-")
+    cluster = PrivateCluster(directory, fsync=False).start()
+    try:
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def database_url(pg_cluster: PrivateCluster) -> str:
+    """A new, empty database on the session's cluster."""
+    import psycopg
+
+    name = f"test_{next(_names)}"
+    admin = pg_cluster.url.rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name}")
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE template0")
+    assert DATABASE and ROLE
+    return pg_cluster.url.rsplit("/", 1)[0] + f"/{name}"
+
+
+# ------------------------------------------------------------------ in-process replicas
+
+import threading  # noqa: E402
+
+import grpc  # noqa: E402
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from service.core import SchedulerConfig  # noqa: E402
+from service.server import start  # noqa: E402
+from service.settings import ServeSettings  # noqa: E402
+from tests.server.conftest import LOOPBACK, Server  # noqa: E402
+from tests.server.wire import RPC_TIMEOUT_SECONDS  # noqa: E402
+
+
+def start_replica(database_url: str, *, replica_lease_ms: int = 5000, prefetch: int = 8,
+                  **scheduler_config) -> Server:
+    """One in-process replica on `database_url` (gRPC and metrics on free ports)."""
+    scheduler_config.setdefault("policy", "fifo")
+    config = SchedulerConfig(**scheduler_config)
+    settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0,
+                             state=database_url, prefetch=prefetch,
+                             replica_lease_ms=replica_lease_ms, scheduler=config)
+    registry = CollectorRegistry()
+    running = start(settings, registry)
+    channel = grpc.insecure_channel(f"{LOOPBACK}:{running.port}")
+    grpc.channel_ready_future(channel).result(timeout=RPC_TIMEOUT_SECONDS)
+    return Server(running, registry, config, channel, pb_grpc.SchedulerStub(channel))
+
+
+@pytest.fixture
+def start_replicas(database_url):
+    """Factory: start_replicas(n, **config) -> [Server]; every one stopped at teardown."""
+    started: list[Server] = []
+
+    def factory(count: int = 2, **config) -> list[Server]:
+        new = [start_replica(database_url, **config) for _ in range(count)]
+        started.extend(new)
+        return new
+
+    yield factory
+    stoppers = [threading.Thread(target=s.stop) for s in started]
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join(15)

@@ -1,0 +1,174 @@
+"""Two in-process replicas on one database: what one replica does, the other sees."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+
+from tests.server.wire import RPC_TIMEOUT_SECONDS, Stream, Worker, admitted, get_sequence, \
+    submit, wait_until
+from worker_client.client import NotRegistered, RetryPolicy, SchedulerClient, WorkerResources
+
+EOS = pb.FINISH_REASON_EOS
+CANCELLED = pb.FINISH_REASON_CANCELLED
+
+
+def _crash(server) -> None:
+    """Stop a replica as kill -9 would leave the database: no hand-back, its lease left to
+    run out (its tasks, listener and servers stop; nothing is written on the way)."""
+    running = server.running
+
+    async def halt(serving) -> None:
+        for task in serving.tasks:
+            task.cancel()
+        await asyncio.gather(*serving.tasks, return_exceptions=True)
+        serving.servicer._listener_stop.set()
+        await asyncio.gather(*(s.stop(0) for s in serving.servers))
+
+    running._loop.run(halt(running._serving), timeout=30)  # fails, not hangs
+    running.store.close()
+    running._loop.close()
+    running.metrics_http.shutdown()
+    running._stopped = server._stopped = True  # nothing left to stop at teardown
+
+
+def _core(server):
+    return server.running._serving.servicer._core
+
+
+def test_generate_on_one_replica_streams_tokens_a_worker_reports_to_the_other(start_replicas):
+    r0, r1 = start_replicas(2)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=3))
+    seq_id = stream.next_event().seq_id
+    wait_until(lambda: admitted(worker.select()) == [seq_id], 10, what="admission on r0")
+    worker.select(running=[seq_id], tokens={seq_id: [7, 8]})
+    assert stream.tokens_until(2, 10) == [7, 8]
+    info = get_sequence(r1.stub, seq_id)
+    assert (info.state, info.worker_id, info.generated_tokens) == (
+        pb.SEQUENCE_STATE_DECODING, "w", 2)
+    worker.select(tokens={seq_id: [9]}, finished=[(seq_id, EOS, 3)])
+    events = stream.rest(10)
+    assert [t for e in events for t in e.token_ids] == [9]
+    assert events[-1].finished and events[-1].finish_reason == EOS
+
+
+def test_submit_on_either_replica_is_idempotent_by_request_id(start_replicas):
+    r0, r1 = start_replicas(2)
+    first = submit(r0.stub, request_id="same")
+    again = submit(r1.stub, request_id="same")
+    assert again.seq_id == first.seq_id
+    status = r1.stub.GetStatus(pb.GetStatusRequest(), timeout=RPC_TIMEOUT_SECONDS)
+    assert status.queue_depth == 1
+
+
+def test_cancel_on_another_replica_reaches_the_owner_and_its_worker_evicts(start_replicas):
+    r0, r1 = start_replicas(2)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    seq_id = submit(r1.stub).seq_id
+    wait_until(lambda: admitted(worker.select()) == [seq_id], 10, what="admission on r0")
+    response = r1.stub.Cancel(pb.CancelRequest(seq_id=seq_id), timeout=RPC_TIMEOUT_SECONDS)
+    assert response.cancelled
+    wait_until(lambda: seq_id in worker.select(running=[seq_id]).evict, 10,
+               what="the owner to evict the cancelled sequence")
+    info = get_sequence(r1.stub, seq_id)
+    assert (info.state, info.finish_reason) == (pb.SEQUENCE_STATE_FINISHED, CANCELLED)
+
+
+def test_a_worker_moving_on_unavailable_keeps_its_sequences_on_the_next_replica(
+        start_replicas):
+    r0, r1 = start_replicas(2)
+    client = SchedulerClient(f"{r0.target},{r1.target}", call_timeout_seconds=2.0,
+                             retry=RetryPolicy(0.05, 0.2, 20.0))
+    resources = WorkerResources("w", 1000, 16, 64)
+    client.register(resources)
+    seq_id = submit(r0.stub, max_new_tokens=8).seq_id
+
+    def report(**fields):
+        return pb.SelectBatchRequest(worker_id="w", kv_free_pages=1000, gdn_free_slots=64,
+                                     **fields)
+
+    wait_until(lambda: [c.seq_id for c in client.select(report()).prefill] == [seq_id], 10,
+               what="admission on r0")
+    client.select(report(running=[seq_id], tokens=[pb.TokenUpdate(
+        seq_id=seq_id, token_ids=[5], offset=0)]))
+    _crash(r0)
+    with pytest.raises(NotRegistered):  # r1 does not know the worker yet
+        client.select(report(running=[seq_id]))
+    assert client.target == r1.target and client.num_moves == 1
+    client.register(resources)  # r1 adopts what the worker holds, at once
+    decision = client.select(report(running=[seq_id], tokens=[pb.TokenUpdate(
+        seq_id=seq_id, token_ids=[6], offset=1)]))
+    assert list(decision.decode) == [seq_id] and not decision.evict
+    info = get_sequence(r1.stub, seq_id)
+    assert (info.worker_id, info.generated_tokens) == ("w", 2)
+    client.close()
+
+
+def test_claims_of_a_crashed_replica_return_after_its_lease_and_run_elsewhere(
+        start_replicas):
+    r0, r1 = start_replicas(2, replica_lease_ms=600)
+    w0 = Worker(r0.stub, "w0")
+    w0.register(max_batch_size=1)
+    first, second = submit(r0.stub).seq_id, submit(r0.stub).seq_id
+    wait_until(lambda: admitted(w0.select()) == [first], 10, what="admission on r0")
+    wait_until(lambda: _core(r0).num_queued() == 1, 10,
+               what="r0 to prefetch the second")
+    _crash(r0)
+    w1 = Worker(r1.stub, "w1")
+    w1.register(max_batch_size=4)
+    got: list[int] = []
+    deadline = time.monotonic() + 20
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += admitted(w1.select(running=got))
+        time.sleep(0.05)
+    assert sorted(got) == [first, second]
+    # The one that was running went to the head of the shared queue.
+    assert got[0] == first
+
+
+def test_a_replica_without_the_database_answers_unavailable_and_acknowledges_nothing(
+        start_replicas, pg_cluster):
+    (r0,) = start_replicas(1)
+    pg_cluster.stop()
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            submit(r0.stub, request_id="during-outage")
+        assert raised.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        pg_cluster.start()
+    # Back: the same request_id is new (nothing was committed), and the service works.
+    wait_until(lambda: _submits(r0.stub, "after-outage"), 30, what="submits to work again")
+    seq_id = submit(r0.stub, request_id="during-outage").seq_id
+    assert get_sequence(r0.stub, seq_id).state == pb.SEQUENCE_STATE_QUEUED
+
+
+def _submits(stub, request_id: str) -> bool:
+    try:
+        submit(stub, request_id=request_id)
+    except grpc.RpcError:
+        return False
+    return True
+
+
+def test_claims_a_replica_can_no_longer_run_go_back_to_the_shared_queue(start_replicas):
+    r0, r1 = start_replicas(2, replica_lease_ms=900)
+    w0 = Worker(r0.stub, "w0")
+    w0.register(max_batch_size=1)
+    ids = [submit(r0.stub).seq_id for _ in range(3)]
+    wait_until(lambda: _core(r0).num_queued() == 3, 10,
+               what="r0 to claim all three")
+    w0.deregister()  # r0 has no worker left: its claims must not wait there
+    w1 = Worker(r1.stub, "w1")
+    w1.register(max_batch_size=4)
+    got: list[int] = []
+    deadline = time.monotonic() + 20
+    while len(got) < 3 and time.monotonic() < deadline:
+        got += admitted(w1.select(running=got))
+        time.sleep(0.05)
+    assert got == ids  # in their order

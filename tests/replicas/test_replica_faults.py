@@ -1,0 +1,71 @@
+"""Replica processes under load, killed or cut off from the database on purpose.
+
+Two replicas on one database, two scripted workers each (--step-ms 10), four clients
+submitting with unique request_ids over a round_robin channel and collecting every
+acknowledged sequence by re-attaching Generate streams. tests/faults' `check` then asks
+of each: known, FINISHED once with the reference finish reason, exactly the reference
+tokens (none missing, none twice), one seq_id for its request_id.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.faults.harness import check, make_jobs, wait_until
+
+from .harness import ReplicaClients, ReplicaStack, wait_all_done
+
+pytestmark = pytest.mark.slow
+
+NUM_CLIENTS = 4
+JOBS_PER_CLIENT = 15
+DONE_TIMEOUT_SECONDS = 90.0
+
+
+@pytest.fixture
+def stack(tmp_path, database_url):
+    made = ReplicaStack(tmp_path, database_url)
+    try:
+        yield made.start()
+    finally:
+        made.close()
+        print(made.log_tails())
+
+
+@pytest.fixture
+def clients(stack):
+    started = [ReplicaClients(stack.targets, make_jobs(JOBS_PER_CLIENT, seed=i,
+                                                       prefix=f"client{i}"),
+                              submit_interval_seconds=0.05).start()
+               for i in range(NUM_CLIENTS)]
+    yield started
+    for c in started:
+        c.close()
+
+
+def _assert_all_good(stack: ReplicaStack, clients: list[ReplicaClients]) -> None:
+    jobs = [job for c in clients for job in c.jobs]
+    outcome = check(stack.stub, jobs)
+    assert outcome.problems == [], "\n".join(outcome.problems[:20])
+    assert outcome.acknowledged == len(jobs)
+    assert (outcome.lost, outcome.duplicated_tokens, outcome.missing_tokens,
+            outcome.wrong_outputs) == (0, 0, 0, 0)
+
+
+def _acknowledged(clients) -> int:
+    return sum(c.num_acknowledged for c in clients)
+
+
+def test_a_replica_killed_under_load_loses_nothing_and_each_sequence_finishes_once(
+        stack, clients):
+    wait_until(lambda: _acknowledged(clients) >= 20, 30, "20 acknowledged submits")
+    stack.kill_replica(0)
+    assert _acknowledged(clients) < NUM_CLIENTS * JOBS_PER_CLIENT  # the kill landed mid-run
+    wait_all_done(clients, DONE_TIMEOUT_SECONDS)
+    _assert_all_good(stack, clients)
+
+
+def test_a_postgresql_restart_under_load_loses_nothing(stack, clients, pg_cluster):
+    wait_until(lambda: _acknowledged(clients) >= 20, 30, "20 acknowledged submits")
+    pg_cluster.restart()  # fast shutdown: open transactions roll back, connections drop
+    wait_all_done(clients, DONE_TIMEOUT_SECONDS)
+    _assert_all_good(stack, clients)
