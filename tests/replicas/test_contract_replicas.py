@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.server.test_contract import *  # noqa: F401,F403 - the same tests, re-collected
-from tests.server.wire import Worker
+# The fake-worker fixtures, here on the replica's `stub` below.
+from tests.server.conftest import make_worker, worker  # noqa: F401
 
 
 @pytest.fixture(params=[0, 1], ids=["replica0", "replica1"])
@@ -31,25 +32,6 @@ def server(request, start_replicas, replica_index):
 @pytest.fixture
 def stub(server):
     return server.stub
-
-
-@pytest.fixture
-def make_worker(stub, transport):
-    """As tests/server/conftest.py's: fake workers on the replica, speaking `transport`."""
-    made: list[Worker] = []
-
-    def factory(worker_id: str = "w1") -> Worker:
-        made.append(Worker(stub, worker_id, transport))
-        return made[-1]
-
-    yield factory
-    for w in made:
-        w.close()
-
-
-@pytest.fixture
-def worker(make_worker):
-    return make_worker("w1")
 
 
 @pytest.mark.skip(reason="on a replica the queue_depth gauge counts its local queue (claimed, "
