@@ -10,12 +10,24 @@ from __future__ import annotations
 import itertools
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from service.pg_cluster import DATABASE, ROLE, PrivateCluster, find_binaries
 
 _names = itertools.count(1)
+_HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test here runs against a PostgreSQL cluster (a process of its own): `slow`,
+    so `pytest -m "not slow"` leaves them out. The compose file's schema check needs no
+    cluster and stays in the fast loop."""
+    for item in items:
+        path = Path(item.fspath).resolve()
+        if path.parent == _HERE and path.name != "test_compose_replicas.py":
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
