@@ -24,7 +24,7 @@ async def wait_event(event: asyncio.Event, timeout_seconds: float) -> bool:
         done, _ = await asyncio.wait((waiter,), timeout=timeout_seconds)
     finally:
         waiter.cancel()
-    return bool(done)
+    return bool(done) and not waiter.cancelled()
 
 
 class Wakeups(SchedulerObserver):

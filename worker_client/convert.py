@@ -71,6 +71,11 @@ class PendingReport:
         for seq_id in seq_ids:
             self._delivered.pop(seq_id, None)
 
+    def reset(self) -> None:
+        """Nothing to report and nothing delivered: the scheduler forgot this worker."""
+        self.clear()
+        self._delivered.clear()
+
     def clear(self) -> None:
         self.finished.clear()
         self.preempted.clear()

@@ -246,8 +246,7 @@ class WorkerLoop:
                     "and registering again", extra={"worker_id": self.resources.worker_id})
         held_ids = [*held.waiting, *held.running]
         self.engine.evict(held_ids)
-        self._pending.clear()
-        self._pending.forget(held_ids)
+        self._pending.reset()
         self._register()
 
     def _num_moves(self) -> int:

@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
     so `pytest -m "not slow"` leaves them out. The compose file's schema check needs no
     cluster and stays in the fast loop."""
     for item in items:
-        path = Path(item.fspath).resolve()
+        path = Path(item.path).resolve()
         if path.parent == _HERE and path.name != "test_compose_replicas.py":
             item.add_marker(pytest.mark.slow)
 

@@ -32,6 +32,7 @@ def _crash(server) -> None:
     running.store.close()
     running._loop.close()
     running.metrics_http.shutdown()
+    running.metrics_http.server_close()
     running._stopped = server._stopped = True  # nothing left to stop at teardown
 
 

@@ -170,16 +170,18 @@ class MovingClient(ScriptedClient):
     """A ScriptedClient whose report number `fail_at` finds the scheduler gone: the client
     moved to another replica, which does not know the worker yet (NotRegistered)."""
 
-    def __init__(self, decisions, stop: threading.Event, fail_at: int) -> None:
+    def __init__(self, decisions, stop: threading.Event, fail_at: int,
+                 moved: bool = True) -> None:
         super().__init__(decisions, stop)
         self.num_moves = 0
         self.failed: list[pb.SelectBatchRequest] = []
         self._fail_at = fail_at
+        self._moved = moved  # False: the same scheduler forgot the worker
 
     def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
         if len(self.requests) == self._fail_at and not self.failed:
             self.failed.append(request)
-            self.num_moves += 1
+            self.num_moves += self._moved
             raise NotRegistered("SelectBatch", grpc.StatusCode.FAILED_PRECONDITION,
                                 "unknown worker_id")
         return super().select(request)
@@ -208,6 +210,20 @@ def test_overlapped_loop_moving_replicas_mid_step_reports_that_steps_tokens_next
     assert client.failed and stats.registrations == 2
     assert _delivered_tokens(client.requests, 1) == reference_output(PROMPT, 6)
     assert [f.seq_id for r in client.requests for f in r.finished] == [1]
+
+
+def test_overlapped_loop_forgotten_mid_step_drops_what_it_holds_and_reports_none_of_it():
+    """The same scheduler forgot the worker (no move): the sequence is dropped, its
+    tokens are not reported to the new registration, its pages are free again."""
+    engine, stop = ScriptedEngine(), threading.Event()
+    decisions = [pb.SchedulerDecision(prefill=[_admit(1, max_new_tokens=6)]),
+                 pb.SchedulerDecision(decode=[1])]
+    client = MovingClient(decisions, stop, fail_at=2, moved=False)
+    stats = _loop(engine, client, overlap=True).run(stop)
+    assert client.failed and stats.registrations == 2
+    after = client.requests[2:]
+    assert after and all(not r.tokens and not r.running and not r.waiting for r in after)
+    assert engine.num_free_kv_pages() == engine.total_kv_pages
 
 
 # ===================================================================== forecast
