@@ -12,6 +12,7 @@ happened. Each process logs to its own file under the stack's directory.
 """
 from __future__ import annotations
 
+import http.client
 import os
 import queue
 import random
@@ -197,7 +198,7 @@ class Stack:
                 if self._finished_count(metrics_port) > 0:
                     restart.first_finish_at = time.monotonic()
                     return
-            except OSError:
+            except (OSError, http.client.HTTPException):  # killed mid-answer
                 pass
             time.sleep(0.02)
 
