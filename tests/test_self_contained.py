@@ -1,7 +1,8 @@
 """The repository stands alone: nothing it runs or tests reads beside the clone.
 
-Regression (outside probe): tests/stack read the Compose schema from ../shared, so a fresh
-`git clone` followed by `scripts/test.sh` failed with 3 errors.
+Regression (outside probe): tests/stack read the Compose schema from the shared folder
+beside the clone, so a fresh `git clone` followed by `scripts/test.sh` failed with 3
+errors.
 """
 from __future__ import annotations
 
