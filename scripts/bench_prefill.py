@@ -50,28 +50,17 @@ from service.core import SchedulerConfig
 from service.server import start
 from service.settings import ServeSettings
 from worker_client.client import SchedulerClient, WorkerResources
-from worker_client.engine.api import ChunkWork, SequenceSpec
-from worker_client.engine.config import LayerType, ModelConfig, MoeConfig
+from worker_client.engine.api import SequenceSpec
+from worker_client.engine.config import ModelConfig, MoeConfig
 from worker_client.engine.engine import ModelEngine
 from worker_client.engine.loading import PRESETS, load_model, random_model
 from worker_client.engine.model import Qwen35ForCausalLM
 from worker_client.loop import WorkerLoop
+from worker_client.profiling import next_prefill_chunks, small_config
 
 PAGE_SIZE = 16
 MAX_PROMPT_TOKEN_ID = 50_000  # keeps a real checkpoint's special tokens out of the prompts
 Tokens = tuple[int, ...]
-
-
-def small_config() -> ModelConfig:
-    """~36M parameters: 8 layers (6 Gated DeltaNet, 2 attention), hidden 512 (bench_worker's `small`)."""
-    return ModelConfig(
-        vocab_size=8192, hidden_size=512, intermediate_size=1536,
-        layer_types=((LayerType.LINEAR_ATTENTION,) * 3 + (LayerType.FULL_ATTENTION,)) * 2,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-        rope_theta=10000.0, partial_rotary_factor=0.25,
-        linear_num_key_heads=4, linear_num_value_heads=8,
-        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
-    )
 
 
 def small_moe_config() -> ModelConfig:
@@ -142,13 +131,7 @@ def run_direct(model: Qwen35ForCausalLM, prompts: Sequence[Tokens], max_new_toke
     started, cpu_started = time.perf_counter(), time.process_time()
     with ForwardCounter(model) as counter:
         while engine.running_ids() or len(first_token_at) < len(prompts):
-            prefill = []
-            for seq_id, spec in enumerate(specs):
-                start = num_scheduled[seq_id]
-                chunk_len = min(chunk_size, len(spec.prompt_token_ids) - start)
-                if chunk_len > 0:
-                    prefill.append(ChunkWork(seq_id, start, chunk_len, spec if start == 0 else None))
-                    num_scheduled[seq_id] += chunk_len
+            prefill = next_prefill_chunks(specs, num_scheduled, chunk_size)
             out = engine.step(prefill, engine.running_ids())
             if out.preempted:
                 raise SystemExit(f"engine preempted {out.preempted}: the pools are sized too small")

@@ -55,13 +55,13 @@ from service.core import SchedulerConfig
 from service.server import start
 from service.settings import ServeSettings
 from worker_client.client import SchedulerClient, WorkerResources
-from worker_client.engine.api import ChunkWork, SequenceSpec
+from worker_client.engine.api import SequenceSpec
 from worker_client.engine.config import ModelConfig
 from worker_client.engine.engine import ModelEngine
 from worker_client.engine.loading import load_model, random_model
 from worker_client.engine.model import Qwen35ForCausalLM
 from worker_client.loop import WorkerLoop
-from worker_client.profiling import PRESETS
+from worker_client.profiling import PRESETS, next_prefill_chunks
 
 PAGE_SIZE = 16
 PAD_TOKEN_ID = 0
@@ -192,13 +192,7 @@ def engine_direct(models: Models, prompts: Sequence[Tokens], max_new_tokens: int
     generated: list[list[int]] = [[] for _ in prompts]
     num_finished = 0
     while num_finished < len(prompts):
-        prefill = []
-        for seq_id, spec in enumerate(specs):
-            start = num_scheduled[seq_id]
-            chunk_len = min(chunk_size, len(spec.prompt_token_ids) - start)
-            if chunk_len > 0:
-                prefill.append(ChunkWork(seq_id, start, chunk_len, spec if start == 0 else None))
-                num_scheduled[seq_id] += chunk_len
+        prefill = next_prefill_chunks(specs, num_scheduled, chunk_size)
         out = engine.step(prefill, engine.running_ids())
         if out.preempted:
             raise SystemExit(f"engine preempted {out.preempted}: the pools are sized too small")

@@ -48,6 +48,21 @@ def small_config() -> ModelConfig:
 
 
 # Seeded random-weight models by name (`--model tiny|small`).
+def next_prefill_chunks(specs: Sequence[SequenceSpec], num_scheduled: list[int],
+                        chunk_size: int) -> list[ChunkWork]:
+    """The next chunk (up to `chunk_size` tokens) of every prompt not yet handed to the
+    engine, as a worker driven directly would get them; `num_scheduled[i]` (prompt tokens
+    of specs[i] handed so far) moves on. The spec goes with a prompt's first chunk."""
+    chunks = []
+    for seq_id, spec in enumerate(specs):
+        start = num_scheduled[seq_id]
+        chunk_len = min(chunk_size, len(spec.prompt_token_ids) - start)
+        if chunk_len > 0:
+            chunks.append(ChunkWork(seq_id, start, chunk_len, spec if start == 0 else None))
+            num_scheduled[seq_id] += chunk_len
+    return chunks
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {"tiny": tiny_config, "small": small_config}
 
 
