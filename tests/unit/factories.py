@@ -83,3 +83,32 @@ def admit(sched: Scheduler, worker_id: str = "w0", **report_overrides) -> tuple[
 
 def prefill_ids(decision) -> list[int]:
     return [chunk.seq_id for chunk in decision.prefill]
+
+
+def write_version_1_state_dir(directory, queue_keys: dict[int, int], request_id: str = "") -> None:
+    """A state dir as schema version 1 wrote it (no checksums, no submission times): one
+    queued sequence per seq_id in `queue_keys` (with its queue key), prompt [5, 6]."""
+    import json
+    import sqlite3
+    from pathlib import Path
+
+    from service import state_sqlite
+    db = sqlite3.connect(Path(directory) / "scheduler.db")
+    db.executescript(f"""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+        INSERT INTO meta VALUES ('schema_version', 1), ('next_seq_id', {max(queue_keys) + 1});
+        CREATE TABLE sequences (seq_id INTEGER PRIMARY KEY, params TEXT NOT NULL,
+            prompt BLOB NOT NULL, state INTEGER NOT NULL, worker_id TEXT, queue_key INTEGER,
+            cursor INTEGER NOT NULL, prefilled_tokens INTEGER NOT NULL,
+            num_generated INTEGER NOT NULL, num_generated_at_admission INTEGER NOT NULL,
+            finish_reason INTEGER, finish_order INTEGER NOT NULL DEFAULT 0);
+        CREATE TABLE workers (worker_id TEXT PRIMARY KEY, registration TEXT NOT NULL,
+            drain_requested INTEGER NOT NULL DEFAULT 0);
+    """)
+    params = {"request_id": request_id, "max_new_tokens": 4, "adapter_id": "", "priority": 0,
+              "tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}
+    for seq_id, key in queue_keys.items():
+        db.execute("INSERT INTO sequences VALUES (?, ?, ?, 1, NULL, ?, 0, 0, 0, 0, NULL, 0)",
+                   (seq_id, json.dumps(params), state_sqlite._pack([5, 6]), key))
+    db.commit()
+    db.close()

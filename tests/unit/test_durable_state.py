@@ -16,6 +16,7 @@ from service.state_sqlite import SqliteStateStore
 
 from .factories import (
     FakeClock, admit, finished, make_config, params, register, report, submit,
+    write_version_1_state_dir,
 )
 
 
@@ -423,30 +424,10 @@ def test_the_time_waited_before_a_restart_still_counts_towards_aging(kind, tmp_p
 
 
 def test_a_version_1_state_dir_is_migrated_and_its_queue_kept(tmp_path):
-    import json
     import sqlite3
     import time
 
-    from service import state_sqlite
-    db = sqlite3.connect(tmp_path / "scheduler.db")
-    db.executescript("""
-        CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-        INSERT INTO meta VALUES ('schema_version', 1), ('next_seq_id', 4);
-        CREATE TABLE sequences (seq_id INTEGER PRIMARY KEY, params TEXT NOT NULL,
-            prompt BLOB NOT NULL, state INTEGER NOT NULL, worker_id TEXT, queue_key INTEGER,
-            cursor INTEGER NOT NULL, prefilled_tokens INTEGER NOT NULL,
-            num_generated INTEGER NOT NULL, num_generated_at_admission INTEGER NOT NULL,
-            finish_reason INTEGER, finish_order INTEGER NOT NULL DEFAULT 0);
-        CREATE TABLE workers (worker_id TEXT PRIMARY KEY, registration TEXT NOT NULL,
-            drain_requested INTEGER NOT NULL DEFAULT 0);
-    """)
-    params = {"request_id": "", "max_new_tokens": 4, "adapter_id": "", "priority": 0,
-              "tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}
-    for seq_id, key in ((1, 3), (2, 1), (3, 2)):  # queue order 2, 3, 1
-        db.execute("INSERT INTO sequences VALUES (?, ?, ?, 1, NULL, ?, 0, 0, 0, 0, NULL, 0)",
-                   (seq_id, json.dumps(params), state_sqlite._pack([5, 6]), key))
-    db.commit()
-    db.close()
+    write_version_1_state_dir(tmp_path, {1: 3, 2: 1, 3: 2})  # queue order 2, 3, 1
     before = time.time()
     state = Restartable("sqlite", tmp_path)
     assert queue_order(state.sched, [1, 2, 3]) == [2, 3, 1]

@@ -6,7 +6,6 @@ enum value, bytes changed inside stored values), or its neighbour.
 """
 from __future__ import annotations
 
-import json
 import re
 import os
 import sqlite3
@@ -19,7 +18,9 @@ from service.state_check import CannotCheck, check
 from service.state_integrity import StateDamaged, row_checksum
 from service.state_sqlite import SqliteStateStore
 
-from .factories import FakeClock, admit, finished, make_config, register, report, submit
+from .factories import (
+    FakeClock, admit, finished, make_config, register, report, submit, write_version_1_state_dir,
+)
 
 RECOVERY = "restore the directory from a backup, or move it aside to start with empty state"
 
@@ -177,24 +178,7 @@ def test_an_empty_directory_starts_fresh_and_says_so_with_a_marker(tmp_path):
 def test_a_file_written_before_checksums_is_adopted_and_covered_from_then_on(tmp_path):
     """A state dir of an older scheduler (no row_crc, no marker, fewer columns) starts, and
     from then on its rows are checked."""
-    db = sqlite3.connect(tmp_path / "scheduler.db")
-    db.executescript("""
-        CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-        INSERT INTO meta VALUES ('schema_version', 1), ('next_seq_id', 2);
-        CREATE TABLE sequences (seq_id INTEGER PRIMARY KEY, params TEXT NOT NULL,
-            prompt BLOB NOT NULL, state INTEGER NOT NULL, worker_id TEXT, queue_key INTEGER,
-            cursor INTEGER NOT NULL, prefilled_tokens INTEGER NOT NULL,
-            num_generated INTEGER NOT NULL, num_generated_at_admission INTEGER NOT NULL,
-            finish_reason INTEGER, finish_order INTEGER NOT NULL DEFAULT 0);
-        CREATE TABLE workers (worker_id TEXT PRIMARY KEY, registration TEXT NOT NULL,
-            drain_requested INTEGER NOT NULL DEFAULT 0);
-    """)
-    params = {"request_id": "r", "max_new_tokens": 4, "adapter_id": "", "priority": 0,
-              "tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}
-    db.execute("INSERT INTO sequences VALUES (1, ?, ?, 1, NULL, 0, 0, 0, 0, 0, NULL, 0)",
-               (json.dumps(params), state_sqlite._pack([5, 6])))
-    db.commit()
-    db.close()
+    write_version_1_state_dir(tmp_path, {1: 0}, request_id="r")
     (seq,) = SqliteStateStore(tmp_path).load().sequences
     assert (seq.params.prompt_token_ids, seq.progress.error_message) == ((5, 6), "")
     _sql(tmp_path, "UPDATE sequences SET cursor = 3")
