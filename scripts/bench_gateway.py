@@ -21,7 +21,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from service.gateway.demo_model import build_tokenizer, write_tokenizer_files
-from service.loadgen import percentile
+from service.loadgen import percentile, run_concurrently
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -151,24 +150,8 @@ def _http_one(base_url: str, model: str, max_new_tokens: int) -> Callable[[list[
 
 def _run(name: str, one, prompts: list[list[int]], concurrency: int) -> Row:
     row = Row(name)
-    indices = iter(range(len(prompts)))
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                index = next(indices, None)
-            if index is None:
-                return
-            one(prompts[index], row)
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    row.wall_seconds = time.perf_counter() - started
+    row.wall_seconds = run_concurrently(len(prompts), concurrency,
+                                        lambda index: one(prompts[index], row))
     return row
 
 

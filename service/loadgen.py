@@ -4,8 +4,9 @@ from __future__ import annotations
 import random
 import statistics
 import sys
-import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import grpc
@@ -79,33 +80,12 @@ def run_load(target: str, spec: LoadSpec, progress=sys.stdout, *,
     channel = grpc.insecure_channel(target) if own_channel else channel
     stub = pb_grpc.SchedulerStub(channel)
     results = [_Result() for _ in prompts]
-    next_index = iter(range(len(prompts)))
-    lock = threading.Lock()
-    done = threading.Event()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                index = next(next_index, None)
-            if index is None:
-                return
-            _one(stub, prompts[index], spec, results[index])
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True)
-               for _ in range(min(spec.concurrency, len(prompts)))]
-    for t in threads:
-        t.start()
-    reporter = threading.Thread(target=_report_progress,
-                                args=(results, prompts, started, done, progress), daemon=True)
-    reporter.start()
-    for t in threads:
-        t.join()
-    done.set()
-    reporter.join()
+    wall = run_concurrently(len(prompts), spec.concurrency,
+                            lambda index: _one(stub, prompts[index], spec, results[index]),
+                            lambda elapsed: print_progress(results, elapsed, progress))
     if own_channel:
         channel.close()
-    return LoadReport(time.perf_counter() - started, results)
+    return LoadReport(wall, results)
 
 
 def _one(stub: pb_grpc.SchedulerStub, prompt: list[int], spec: LoadSpec,
@@ -125,12 +105,30 @@ def _one(stub: pb_grpc.SchedulerStub, prompt: list[int], spec: LoadSpec,
     result.e2e_seconds = time.perf_counter() - started
 
 
-def _report_progress(results, prompts, started, done: threading.Event, out) -> None:
-    while not done.wait(1.0):
-        finished = sum(1 for r in results if r.e2e_seconds)
-        tokens = sum(r.num_tokens for r in results)
-        print(f"  [{time.perf_counter() - started:5.1f} s] {finished}/{len(prompts)} requests "
-              f"done, {tokens} tokens so far", file=out, flush=True)
+def run_concurrently(count: int, concurrency: int, one: Callable[[int], None],
+                     progress: Callable[[float], None] | None = None,
+                     every_seconds: float = 1.0) -> float:
+    """Call one(0) ... one(count - 1), `concurrency` at a time, and `progress(elapsed)`
+    every `every_seconds` and once at the end; the wall seconds. An exception `one` did
+    not handle is raised here once all calls ended."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max(1, min(concurrency, count)), thread_name_prefix="load") as pool:
+        futures = [pool.submit(one, index) for index in range(count)]
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=every_seconds)
+            if progress is not None:
+                progress(time.perf_counter() - started)
+    for future in futures:
+        future.result()
+    return time.perf_counter() - started
+
+
+def print_progress(results, elapsed: float, out) -> None:
+    finished = sum(1 for r in results if r.e2e_seconds)
+    tokens = sum(r.num_tokens for r in results)
+    print(f"  [{elapsed:5.1f} s] {finished}/{len(results)} requests done, {tokens} tokens "
+          "so far", file=out, flush=True)
 
 
 def percentile(sorted_values: list[float], percent: float) -> float:

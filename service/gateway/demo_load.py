@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
-from service.loadgen import LoadReport
+from service.loadgen import LoadReport, print_progress, run_concurrently
 
 _QUESTIONS = ["What does the scheduler do?", "Explain paged attention in one line.",
               "Say hello in Japanese: こんにちは?", "Why do hybrid models keep a recurrent state?",
@@ -49,31 +48,12 @@ def run_http_load(base_url: str, model: str, spec: HttpLoadSpec,
     rng = random.Random(spec.seed)
     questions = [rng.choice(_QUESTIONS) for _ in range(spec.num_requests)]
     results = [HttpResult() for _ in questions]
-    indices = iter(range(len(questions)))
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                index = next(indices, None)
-            if index is None:
-                return
-            _one(client, model, questions[index], index, spec, results[index])
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True)
-               for _ in range(min(spec.concurrency, len(questions)))]
-    for thread in threads:
-        thread.start()
-    while any(t.is_alive() for t in threads):
-        for thread in threads:
-            thread.join(timeout=1.0 / len(threads))
-        done = sum(1 for r in results if r.e2e_seconds)
-        tokens = sum(r.num_tokens for r in results)
-        print(f"  [{time.perf_counter() - started:5.1f} s] {done}/{len(results)} requests done, "
-              f"{tokens} tokens so far", file=progress, flush=True)
+    wall = run_concurrently(
+        len(questions), spec.concurrency,
+        lambda index: _one(client, model, questions[index], index, spec, results[index]),
+        lambda elapsed: print_progress(results, elapsed, progress))
     client.close()
-    return LoadReport(time.perf_counter() - started, results), results
+    return LoadReport(wall, results), results
 
 
 def _one(client, model: str, question: str, index: int, spec: HttpLoadSpec,
