@@ -30,8 +30,8 @@ import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from service.gateway.demo_model import build_tokenizer, write_tokenizer_files
-from service.loadgen import percentile, run_concurrently
+from worker_client.demo_model import build_tokenizer, write_tokenizer_files
+from common.loadgen import percentile, run_concurrently
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"

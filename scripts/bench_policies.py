@@ -36,7 +36,7 @@ from service.core import (  # noqa: E402
     FinishedSequence, FinishReason, Scheduler, SchedulerConfig, SequenceState, SubmitParams,
     TokenUpdate, WorkerRegistration, WorkerReport,
 )
-from service.loadgen import percentile  # noqa: E402
+from common.loadgen import percentile  # noqa: E402
 
 POLICIES = ("fifo", "budget", "fair")
 

@@ -39,8 +39,8 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.loadgen import percentile  # noqa: E402
-from service.pg_cluster import PrivateCluster, free_port  # noqa: E402
+from common.loadgen import percentile  # noqa: E402
+from service.state.pg_cluster import PrivateCluster, free_port  # noqa: E402
 
 LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+) \(metrics on http://127\.0\.0\.1:(\d+)/")
 _TICKS = os.sysconf("SC_CLK_TCK")

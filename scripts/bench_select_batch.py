@@ -26,11 +26,11 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
-from service import convert
+from service.server import convert
 from service.core import Scheduler, SchedulerConfig
-from service.loadgen import percentile
-from service.metrics import SchedulerMetrics
-from service.server import start
+from common.loadgen import percentile
+from service.server.metrics import SchedulerMetrics
+from service.server.app import start
 from service.settings import ServeSettings
 
 WORKER_ID = "bench"

@@ -4,7 +4,7 @@
 The issue's target: 2,000 requests on 4 workers with the A30 profile in <= 60 s. For each
 QPS this prints the wall time of one simulation (the `simulate` path: Scheduler, WorkerLoop,
 convert.py both ways, SimEngine, cost model), the worker iterations it made, the time per
-iteration, and the share spent in service/convert.py's mapping (worker_report and
+iteration, and the share spent in service/server/convert.py's mapping (worker_report and
 decision, timed around each call).
 
     python scripts/bench_sim.py                          # sharegpt, 2000 requests, 4 workers
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from service import convert
+from service.server import convert
 from service.core import SchedulerConfig
 from service.sim import experiments
 from service.sim.costs import load_cost_source
@@ -24,7 +24,7 @@ from service.sim.workload import load_trace
 
 
 class _Timed:
-    """Wraps a function of service.convert and adds up the seconds spent in it."""
+    """Wraps a function of service.server.convert and adds up the seconds spent in it."""
 
     def __init__(self, name: str) -> None:
         self.name = name

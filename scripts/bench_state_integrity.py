@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service import state_integrity  # noqa: E402
-from service.state_sqlite import _SCHEMA, SqliteStateStore  # noqa: E402
+from service.state import integrity as state_integrity  # noqa: E402
+from service.state.sqlite import _SCHEMA, SqliteStateStore  # noqa: E402
 
 PARAMS = ('{"request_id": "", "max_new_tokens": 30, "adapter_id": "", "priority": 0, '
           '"tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}')

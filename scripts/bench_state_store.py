@@ -21,8 +21,8 @@ from collections.abc import Callable
 from service.core import (
     Scheduler, SchedulerConfig, SubmitParams, TokenUpdate, WorkerRegistration, WorkerReport,
 )
-from service.loadgen import percentile
-from service.state_sqlite import FSYNC_MODES, SqliteStateStore
+from common.loadgen import percentile
+from service.state.sqlite import FSYNC_MODES, SqliteStateStore
 
 PROMPT = tuple(range(1, 129))
 

@@ -52,7 +52,7 @@ from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
 from service.core import SchedulerConfig
-from service.server import start
+from service.server.app import start
 from service.settings import ServeSettings
 from worker_client.client import SchedulerClient, WorkerResources
 from worker_client.engine.api import SequenceSpec

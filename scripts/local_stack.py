@@ -151,7 +151,7 @@ def _start_cluster(logs: Path):
     user can reach it, else in a temporary directory (as root, PostgreSQL runs as postgres)."""
     import tempfile
 
-    from service.pg_cluster import ClusterError, PrivateCluster
+    from service.state.pg_cluster import ClusterError, PrivateCluster
 
     try:
         cluster = PrivateCluster(logs / "postgres")
@@ -177,7 +177,7 @@ def _model_dirs(model: str) -> Path:
     if not (DEMO_MODEL / "config.json").is_file():
         print(f"demo model: building the tiny model (seed 0) with a BPE tokenizer and a chat "
               f"template in {DEMO_MODEL} (first run only)", flush=True)
-        from service.gateway.demo_model import write_demo_checkpoint
+        from worker_client.demo_model import write_demo_checkpoint
         write_demo_checkpoint(DEMO_MODEL, seed=0)
     return DEMO_MODEL
 

@@ -1,5 +1,5 @@
 import sys
 
-from service.cli import main
+from service.cli.main import main
 
 sys.exit(main())

@@ -2,7 +2,7 @@
 from prometheus_client import CollectorRegistry
 
 from service.core import FinishReason, Scheduler, TokenUpdate, WorkerReport
-from service.metrics import SchedulerMetrics
+from service.server.metrics import SchedulerMetrics
 from tests.unit.factories import FakeClock, admit, finished, make_config, register, report, submit
 
 

@@ -14,7 +14,7 @@ def test_every_python_package_of_the_project_is_in_pyproject():
     listed = set(config["packages"])
     roots = {name: ROOT / path for name, path in config.get("package-dir", {}).items()}
     found = set()
-    for top in ("service", "worker_client", "lattice"):
+    for top in ("common", "service", "worker_client", "lattice"):
         base = roots.get(top, ROOT / top)
         for init in base.rglob("__init__.py"):
             relative = init.parent.relative_to(base)

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["profile"]:
         return _profile(argv[1:])
-    from service.cli_values import OneLineParser, target
+    from common.cli_values import OneLineParser, target
     parser = OneLineParser(
         prog="lattice-worker",
         epilog="`lattice-worker profile --help`: time the engine's steps for the simulator.",
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                              "dns:///NAME:PORT: the worker talks to one and moves to the next "
                              "when it is unavailable (env LATTICE_SCHEDULER_TARGET)")
     parser.add_argument("--worker-id", required=True, help="unique name of this worker")
-    from service.credentials import add_client_arguments
+    from common.credentials import add_client_arguments
     add_client_arguments(parser)
     parser.add_argument("--model", required=True,
                         help="a Hugging Face checkpoint directory (config.json + "
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
     args = parser.parse_args(argv)
 
-    from service.logs import configure
+    from common.logs import configure
     configure(args.log_format, "INFO")
     for name in ("page_size", "kv_pages", "gdn_slots", "threads"):
         value = getattr(args, name)
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"--model {args.model} runs a real model, drop --step-ms")
         if args.step_ms < 0:
             parser.error(f"--step-ms must not be negative, got {args.step_ms:g}")
-    from service.core import ConfigError
-    from service.credentials import client_args_credentials
+    from common.errors import ConfigError
+    from common.credentials import client_args_credentials
     try:
         credentials = client_args_credentials(args)
     except ConfigError as err:
@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     )
     from worker_client.loop import WorkerLoop
 
-    from service.targets import TargetError, expand
+    from common.targets import TargetError, expand
     try:
         targets = expand(args.scheduler)  # a dns:/// name: each of its addresses
     except TargetError as err:
@@ -187,7 +187,7 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
 
 
 def _profile(argv: list[str]) -> int:
-    from service.cli_values import OneLineParser
+    from common.cli_values import OneLineParser
     parser = OneLineParser(
         prog="lattice-worker profile",
         description="Time the reference engine's steps over a grid of (prefill tokens, decode "

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from service.loadgen import percentile
+from common.loadgen import percentile
 from worker_client.interp import MonotoneGrid
 
 FORMAT = "lattice-step-table/1"

@@ -1,8 +1,9 @@
 """Domain errors of the scheduling core.
 
-Each maps to one gRPC status code in service/status.py; the message names the
+Each maps to one gRPC status code in service/server/status_codes.py; the message names the
 field and the limit, so a person can act on it.
 """
+from common.errors import ConfigError  # noqa: F401  (re-exported: settings errors of the core)
 
 
 class SchedulerError(Exception):
@@ -30,5 +31,3 @@ class Superseded(SchedulerError):
     message starts with "superseded:" so that a worker tells it from UnknownWorker."""
 
 
-class ConfigError(ValueError):
-    """A setting is out of range; raised before the service starts."""

@@ -4,8 +4,8 @@ The core hands a store one `StateChanges` per state-changing call and does not a
 the call before `save` returns. A store makes each `StateChanges` atomic: all of it
 survives a crash, or none of it does. `load` gives back what was saved, for a restart.
 
-SQLite is the embedded store (service/state_sqlite.py). PostgreSQL holds the state of
-several replicas (service/state_postgres.py): each replica's core owns some sequences,
+SQLite is the embedded store (service/state/sqlite.py). PostgreSQL holds the state of
+several replicas (service/state/postgres.py): each replica's core owns some sequences,
 and a save that touches one another replica took over is refused whole with `Disowned`;
 the core then forgets those sequences (`Scheduler.disown`) and saves the rest.
 """

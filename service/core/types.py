@@ -1,7 +1,7 @@
 """Plain domain types shared by the scheduling core and its adapters.
 
 Nothing here knows about gRPC or Prometheus: the servicer converts wire messages
-to these types (service/convert.py) and back.
+to these types (service/server/convert.py) and back.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from service.gateway.scheduler_link import FinishReason, GenerationRequest
 # OpenAI's documented default for /v1/completions; chat completions default to the rest
 # of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-# The scheduler's limit on request_id and tenant (service/convert.py MAX_STRING_BYTES).
+# The scheduler's limit on request_id and tenant (service/server/convert.py MAX_STRING_BYTES).
 MAX_NAME_BYTES = 256
 
 

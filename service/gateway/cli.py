@@ -42,14 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
-    from service.credentials import add_client_arguments
+    from common.credentials import add_client_arguments
     add_client_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    from service import logs
+    from common import logs
     from service.core import ConfigError
-    from service.credentials import client_args_credentials
+    from common.credentials import client_args_credentials
     from service.gateway.server import GatewaySettings, run
 
     logs.configure(args.log_format, args.log_level)

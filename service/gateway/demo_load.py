@@ -1,6 +1,6 @@
 """A bounded demo load through the gateway: concurrent streamed chat completions sent with
 the official `openai` client, progress while it runs, figures at the end (the same lines
-as the gRPC load: service/loadgen.py)."""
+as the gRPC load: common/loadgen.py)."""
 from __future__ import annotations
 
 import random
@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from service.loadgen import LoadReport, print_progress, run_concurrently
+from common.loadgen import LoadReport, print_progress, run_concurrently
 
 _QUESTIONS = ["What does the scheduler do?", "Explain paged attention in one line.",
               "Say hello in Japanese: こんにちは?", "Why do hybrid models keep a recurrent state?",

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from service.credentials import token_metadata
+from common.credentials import token_metadata
 from service.gateway.errors import GatewayError, from_grpc
 
 
@@ -84,7 +84,7 @@ class SchedulerLink:
 
     def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None,
                  token: str | None = None) -> None:
-        from service.targets import channel_target  # replicas: round robin over a list
+        from common.targets import channel_target  # replicas: round robin over a list
 
         self.target = target
         address, options = channel_target(target)

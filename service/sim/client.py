@@ -1,6 +1,6 @@
 """The worker's side of the wire, in process: WorkerLoop's client calling a Scheduler directly.
 
-Every call goes through service/convert.py, the same message mapping the servicer uses,
+Every call goes through service/server/convert.py, the same message mapping the servicer uses,
 so a simulation exercises the wire mapping too; only the network and its retries are
 left out.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from service import convert
+from service.server import convert
 from service.core import Scheduler, UnknownWorker
 from worker_client.client import NotRegistered, WorkerResources
 

@@ -6,13 +6,13 @@
 - end-to-end: arrival to finish; queueing delay: arrival to first admission;
 - output tokens/s: all output tokens over the makespan (first arrival to last finish);
 - preemptions: sequences evicted for lack of room, by the workers or by the scheduler.
-Percentiles are nearest-rank (service.loadgen.percentile).
+Percentiles are nearest-rank (common.loadgen.percentile).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from service.loadgen import percentile
+from common.loadgen import percentile
 from service.sim.simulator import RunOutcome
 
 # The JSON keys of one run, in order (the issue's interface: fixed).

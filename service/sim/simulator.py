@@ -1,7 +1,7 @@
 """A discrete-event simulation of the scheduler and its workers on a virtual clock.
 
 The production pieces run unchanged: service.core.Scheduler with its policy, WorkerLoop
-(one `iterate()` per worker iteration) and service/convert.py's message mapping (through
+(one `iterate()` per worker iteration) and service/server/convert.py's message mapping (through
 InProcessClient). Only the model is simulated (SimEngine, timed by a cost model) and time
 is virtual: no gRPC, no sleeping.
 

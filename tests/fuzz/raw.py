@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from tests.server.wire import RPC_TIMEOUT_SECONDS
 
-# How grpc itself answers a request whose bytes do not parse (service/decode_errors.py
+# How grpc itself answers a request whose bytes do not parse (service/server/interceptors/decode_errors.py
 # answers those first, with INVALID_ARGUMENT): this answer should never be seen.
 GRPC_DECODE_FAILURE = "Exception deserializing request!"
-# In the details of service/decode_errors.py's answer.
+# In the details of service/server/interceptors/decode_errors.py's answer.
 DOES_NOT_PARSE = "does not parse"
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 

@@ -5,7 +5,7 @@ import growth is behind us, then around a block of calls of each kind (NUM_BAD_C
 all). Growth over all of them must stay under MAX_RSS_GROWTH_BYTES, and over each
 kind's block under MAX_KIND_GROWTH_BYTES: ~7 KiB a call, so a leak of one kind of call
 shows even where the total stays small (grpc's own answer to undecodable requests kept
-~16 KiB a call: service/decode_errors.py).
+~16 KiB a call: service/server/interceptors/decode_errors.py).
 """
 from __future__ import annotations
 

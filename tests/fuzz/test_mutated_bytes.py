@@ -2,7 +2,7 @@
 
 Every call ends with an expected status within its deadline (no hang), and the server
 keeps serving valid calls. Bytes that do not parse are INVALID_ARGUMENT, answered by
-service/decode_errors.py: grpc's own answer (INTERNAL) leaks memory per call.
+service/server/interceptors/decode_errors.py: grpc's own answer (INTERNAL) leaks memory per call.
 """
 from __future__ import annotations
 

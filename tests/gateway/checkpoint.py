@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.gateway.demo_model import build_tokenizer, write_tokenizer_files
+from worker_client.demo_model import build_tokenizer, write_tokenizer_files
 
 EOS_TOKEN_ID = 1  # "<|im_end|>" in build_tokenizer's vocabulary
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from service.gateway.answers import plan
-from service.gateway.demo_model import build_tokenizer, write_tokenizer_files
+from worker_client.demo_model import build_tokenizer, write_tokenizer_files
 from service.gateway.errors import GatewayError
 from service.gateway.model_files import ModelFiles
 from service.gateway.protocol import ChatCompletionRequest, CompletionRequest

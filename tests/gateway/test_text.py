@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from service.core import ConfigError
 from service.gateway.chat_template import ChatTemplate, ChatTemplateError
-from service.gateway.demo_model import CHAT_TEMPLATE, build_tokenizer, write_tokenizer_files
+from worker_client.demo_model import CHAT_TEMPLATE, build_tokenizer, write_tokenizer_files
 from service.gateway.detokenize import IncrementalDetokenizer, StopStrings, TextAssembler
 from service.gateway.model_files import ModelFiles
 

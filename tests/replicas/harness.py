@@ -15,7 +15,7 @@ import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from service.targets import ROUND_ROBIN
+from common.targets import ROUND_ROBIN
 from tests.faults.harness import (
     CHANNEL_OPTIONS, LISTENING, LOOPBACK, START_TIMEOUT_SECONDS, Clients, Proc, _wait_for_line,
     free_port, wait_until,

@@ -12,7 +12,7 @@ import pytest
 from service.core import FinishReason, QueueFull, Scheduler, SequenceState
 from service.core.store import Disowned, SequenceProgress, StateChanges
 from service.core.types import TokenUpdate
-from service.state_postgres import PostgresState
+from service.state.postgres import PostgresState
 from tests.unit.factories import (
     FakeClock, finished, make_config, params, register, report,
 )

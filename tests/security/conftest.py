@@ -18,8 +18,8 @@ from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
 from service.core import SchedulerConfig
-from service.credentials import channel_credentials, open_channel
-from service.server import RunningServer, start
+from common.credentials import channel_credentials, open_channel
+from service.server.app import RunningServer, start
 from service.settings import ServeSettings
 
 from .pki import Pki, make_pki

@@ -10,11 +10,13 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry
 
-from service import cli, settings
-from service.auth import Role, load_tokens
+from service import settings
+
+from service.cli import main as cli
+from service.server.interceptors.auth import Role, load_tokens
 from service.core import ConfigError
-from service.credentials import channel_credentials
-from service.server import start
+from common.credentials import channel_credentials
+from service.server.app import start
 from service.settings import ServeSettings
 
 TOKEN = "a-long-enough-test-token-0123456789"
@@ -28,7 +30,7 @@ def _resolve(*flags: str, environ=None) -> ServeSettings:
 
 def _serve(capsys, monkeypatch, *flags: str) -> tuple[int, str]:
     """`lattice-scheduler serve FLAGS` that is expected to fail before listening."""
-    monkeypatch.setattr("service.logs.configure", lambda *args: None)  # keep pytest's logging
+    monkeypatch.setattr("common.logs.configure", lambda *args: None)  # keep pytest's logging
     code = cli.main(["serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
                      *flags])
     return code, capsys.readouterr().err
@@ -122,7 +124,7 @@ def test_client_command_with_a_missing_ca_file_says_which_flag(tmp_path, capsys)
 
 
 def _start_logged(caplog, **fields) -> None:
-    caplog.set_level(logging.WARNING, logger="service.server")
+    caplog.set_level(logging.WARNING, logger="service.server.app")
     running = start(ServeSettings(port=0, metrics_port=0, **fields), CollectorRegistry())
     # stop() waits out the metrics server's 0.5 s poll; nothing here needs to wait for it.
     threading.Thread(target=running.stop, args=(0.0,), daemon=True).start()

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from service import cli
-from service.credentials import channel_credentials
+from service.cli import main as cli
+from common.credentials import channel_credentials
 from worker_client.client import SchedulerCallError, SchedulerClient, WorkerResources
 from worker_client.loop import WorkerLoop
 from worker_client.testing import ScriptedEngine, reference_output

@@ -9,9 +9,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from service import cli
+from service.cli import main as cli
 from service.core import SchedulerConfig
-from service.credentials import channel_credentials
+from common.credentials import channel_credentials
 
 from .conftest import RPC_TIMEOUT_SECONDS
 

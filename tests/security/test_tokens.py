@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from service.logs import JsonFormatter, TextFormatter
+from common.logs import JsonFormatter, TextFormatter
 from worker_client.session import WorkerSessionStream
 
 from .conftest import RPC_TIMEOUT_SECONDS

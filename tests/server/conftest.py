@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.core import SchedulerConfig
-from service.server import RunningServer, start
+from service.server.app import RunningServer, start
 from service.settings import ServeSettings
 
 from .wire import RPC_TIMEOUT_SECONDS, Worker

@@ -15,7 +15,7 @@ import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.core.store import StoreError
-from service.state_sqlite import SqliteStateStore
+from service.state.sqlite import SqliteStateStore
 
 from .wire import RPC_TIMEOUT_SECONDS, Worker, submit
 
@@ -150,7 +150,7 @@ def test_a_failed_fsync_acknowledges_nothing_then_or_later(start_server, tmp_pat
 
 def test_acknowledged_submits_are_there_after_a_restart_with_checkpoints_off_the_loop(
         start_server, tmp_path, monkeypatch):
-    from service import group_commit
+    from service.state import group_commit
     monkeypatch.setattr(group_commit, "CHECKPOINT_WAL_BYTES", 1)
     monkeypatch.setattr(group_commit, "CHECKPOINT_CHECK_SECONDS", 0.05)
     state = str(tmp_path / "state")

@@ -1,7 +1,7 @@
 """Input limits against a real server: message size, strings and repeated fields.
 
 Each limit answers with a status naming the field and the limit, and the rejected call
-changes nothing. The limits are the named constants of service/convert.py.
+changes nothing. The limits are the named constants of service/server/convert.py.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
-from service.convert import (
+from service.server.convert import (
     MAX_ADAPTERS, MAX_REPORT_SEQ_IDS, MAX_REPORT_TOKENS, MAX_STOP_TOKEN_IDS, MAX_STRING_BYTES,
 )
 from service.core import SchedulerConfig
-from service.server import start
+from service.server.app import start
 from service.settings import DEFAULT_MAX_MESSAGE_BYTES, ServeSettings
 
 from .conftest import LOOPBACK

@@ -12,7 +12,7 @@ import sys
 import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from service.logs import JsonFormatter, TextFormatter, escape
+from common.logs import JsonFormatter, TextFormatter, escape
 
 from .wire import RPC_TIMEOUT_SECONDS
 
@@ -23,7 +23,7 @@ HOSTILE_IDS = [f"w\n{FORGED}", f"w\r{FORGED}", f"w\u2028{FORGED}", f"w\x85{FORGE
 
 def _record(**extra) -> logging.LogRecord:
     return logging.makeLogRecord({"msg": "worker registered", "levelname": "INFO",
-                                  "levelno": logging.INFO, "name": "service.servicer",
+                                  "levelno": logging.INFO, "name": "service.server.servicer",
                                   **extra})
 
 

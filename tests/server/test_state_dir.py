@@ -8,7 +8,7 @@ from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
 from service.core import ConfigError
-from service.server import RunningServer, start
+from service.server.app import RunningServer, start
 from service.settings import ServeSettings
 
 from .conftest import LOOPBACK

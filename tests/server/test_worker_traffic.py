@@ -19,7 +19,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from service.core import ConfigError
-from service.loadgen import percentile
+from common.loadgen import percentile
 from service.settings import ServeSettings
 
 from .conftest import LOOPBACK

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from service.cli import main
+from service.cli.main import main
 from service.sim.metrics import JSON_KEYS
 
 SMALL = ["--trace", "sharegpt", "--num-requests", "40", "--workers", "2", "--no-progress",

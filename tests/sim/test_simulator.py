@@ -118,7 +118,7 @@ def test_a_request_that_can_never_fit_stops_the_run_with_a_reason():
 
 
 def test_workers_run_the_production_worker_loop_through_the_wire_mapping(monkeypatch):
-    from service import convert
+    from service.server import convert
 
     calls = {"iterate": 0, "worker_report": 0, "decision": 0}
     for owner, name in ((WorkerLoop, "iterate"), (convert, "worker_report"),

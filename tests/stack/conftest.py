@@ -21,7 +21,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from service.core import SchedulerConfig
-from service.server import RunningServer, start
+from service.server.app import RunningServer, start
 from service.settings import ServeSettings
 
 from .prometheus_api import (
@@ -125,7 +125,7 @@ class GatewayActivity:
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> GatewayActivity:
     """`lattice-scheduler gateway` in front of its own scheduler and a scripted worker (so
     that the known activity above stays as it is), after a few requests through it."""
-    from service.gateway.demo_model import build_tokenizer, write_tokenizer_files
+    from worker_client.demo_model import build_tokenizer, write_tokenizer_files
     from tests.gateway.processes import (
         GATEWAY_LISTENING, SCHEDULER_LISTENING, gateway_argv, scheduler_argv, spawn,
         wait_for, worker_argv,

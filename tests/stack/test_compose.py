@@ -84,7 +84,7 @@ def _excluded_by_dockerignore(path: str, patterns: list[str]) -> bool:
 def test_build_context_holds_what_the_images_install_and_not_the_rest():
     patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    needed = ["pyproject.toml", "constraints.txt", "service/server.py", "service/core/__init__.py",
+    needed = ["pyproject.toml", "constraints.txt", "service/server/app.py", "service/core/__init__.py",
               "protos/lattice/scheduler/v1/scheduler_pb2.py", "worker_client/__init__.py",
               "deploy/grpc_health_check.py"]
     for path in needed:
@@ -126,7 +126,7 @@ def test_workers_start_after_the_scheduler_is_healthy_and_use_the_demo_model_on_
 def test_the_demo_model_is_built_once_into_the_models_volume_by_the_worker_image(compose):
     service = compose["services"]["demo-model"]
     assert service["build"]["target"] == "worker"
-    assert service["entrypoint"][-1] == "service.gateway.demo_model"
+    assert service["entrypoint"][-1] == "worker_client.demo_model"
     assert service["command"][0] == DEMO_MODEL_DIR
     assert "models:/models" in service["volumes"] and "models" in compose["volumes"]
     assert service["restart"] == "no"

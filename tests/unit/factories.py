@@ -92,7 +92,7 @@ def write_version_1_state_dir(directory, queue_keys: dict[int, int], request_id:
     import sqlite3
     from pathlib import Path
 
-    from service import state_sqlite
+    from service.state import sqlite as state_sqlite
     db = sqlite3.connect(Path(directory) / "scheduler.db")
     db.executescript(f"""
         CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service import cli
+from service.cli import main as cli
 from worker_client import cli as worker_cli
 
 NOWHERE = ["--target", "127.0.0.1:1"]
@@ -72,7 +72,7 @@ def test_a_target_without_a_usable_port_names_the_expected_host_port(capsys, tar
 @pytest.mark.parametrize("target", ["127.0.0.1:50051", "[::1]:50051", "sched.example:443",
                                     "dns:///sched.example:443", "unix:/run/lattice.sock"])
 def test_well_formed_targets_are_accepted(target):
-    from service.cli_values import target as parse_target
+    from common.cli_values import target as parse_target
     assert parse_target(target) == target
 
 

@@ -12,7 +12,7 @@ from service.core import (
     ConfigError, FinishReason, QueueFull, Scheduler, SequenceState, UnknownWorker,
 )
 from service.core.store import MemoryStore, StoreError
-from service.state_sqlite import SqliteStateStore
+from service.state.sqlite import SqliteStateStore
 
 from .factories import (
     FakeClock, admit, finished, make_config, params, register, report, submit,

@@ -26,7 +26,7 @@ from service.core import (
     FinishedSequence, FinishReason, QueueFull, Scheduler, SequenceState, UnknownWorker,
 )
 from service.core.store import MemoryStore
-from service.state_sqlite import SqliteStateStore
+from service.state.sqlite import SqliteStateStore
 
 from .factories import FakeClock, make_config, params, registration, report
 

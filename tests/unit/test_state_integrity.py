@@ -12,11 +12,13 @@ import sqlite3
 
 import pytest
 
-from service import state_integrity, state_sqlite
+from service.state import integrity as state_integrity
+
+from service.state import sqlite as state_sqlite
 from service.core import ConfigError, FinishReason, Scheduler, SequenceState
-from service.state_check import CannotCheck, check
-from service.state_integrity import StateDamaged, row_checksum
-from service.state_sqlite import SqliteStateStore
+from service.state.check import CannotCheck, check
+from service.state.integrity import StateDamaged, row_checksum
+from service.state.sqlite import SqliteStateStore
 
 from .factories import (
     FakeClock, admit, finished, make_config, register, report, submit, write_version_1_state_dir,
@@ -250,7 +252,7 @@ def test_state_check_of_something_that_is_not_a_state_directory_cannot_check(tmp
 
 
 def test_state_check_command_exit_codes_and_one_line(tmp_path, capsys):
-    from service.cli import main
+    from service.cli.main import main
     _written(tmp_path / "good")
     assert main(["state", "check", str(tmp_path / "good")]) == 0
     out = capsys.readouterr().out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.targets import ROUND_ROBIN, TargetError, channel_target, expand, split
+from common.targets import ROUND_ROBIN, TargetError, channel_target, expand, split
 
 
 def test_a_single_address_is_used_as_it_is():

@@ -1,4 +1,4 @@
-"""service/wakeups.py: waiting on an event with a timeout never loses a cancel.
+"""service/server/wakeups.py: waiting on an event with a timeout never loses a cancel.
 
 asyncio.wait_for before Python 3.12 returns normally when its task is cancelled in the
 same loop iteration as the event is set; a background loop built on it then survives the
@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from service.wakeups import Wakeups, wait_event
+from service.server.wakeups import Wakeups, wait_event
 
 
 async def _cancel_after(event_set_iterations: int) -> tuple[bool, str]:

@@ -11,7 +11,7 @@ from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
 from service.core import SchedulerConfig
-from service.server import RunningServer, start
+from service.server.app import RunningServer, start
 from service.settings import ServeSettings
 from worker_client.client import RetryPolicy, SchedulerClient, WorkerResources
 from worker_client.loop import WorkerLoop

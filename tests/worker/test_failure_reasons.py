@@ -25,7 +25,7 @@ def tiny_engine() -> ModelEngine:
 def test_an_out_of_vocabulary_prompt_fails_with_its_reason_at_the_client_and_in_the_log(
         scheduler, stub, tiny_engine, caplog, capsys):
     caplog.set_level(logging.WARNING, logger="worker_client.loop")
-    from service.cli import main
+    from service.cli.main import main
     target = ["--target", f"127.0.0.1:{scheduler.port}"]
     worker = WorkerThread(scheduler.port, "tiny", tiny_engine).start()
     try:

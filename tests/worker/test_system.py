@@ -191,7 +191,7 @@ def start_scheduler_on(port: int):
     from prometheus_client import CollectorRegistry
 
     from service.core import SchedulerConfig
-    from service.server import start
+    from service.server.app import start
     from service.settings import ServeSettings
     return start(ServeSettings(host="127.0.0.1", port=port, metrics_port=0,
                                scheduler=SchedulerConfig()), CollectorRegistry())

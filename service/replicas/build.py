@@ -9,10 +9,10 @@ import socket
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
-from service.metrics import SchedulerMetrics
-from service.replica import ReplicaServicer
+from service.server.metrics import SchedulerMetrics
+from service.replicas.servicer import ReplicaServicer
 from service.settings import ServeSettings
-from service.state_postgres import PostgresState
+from service.state.postgres import PostgresState
 
 
 def open_store(settings: ServeSettings, registry: CollectorRegistry) -> PostgresState:

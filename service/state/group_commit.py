@@ -9,7 +9,7 @@ the caller waits for it and then for the next one, which starts as soon as it en
 covers every commit made until then. So while one fsync runs, every Submit that arrives
 commits and waits, and the next single fsync answers all of them.
 
-Why this keeps every acknowledged change (service/state_sqlite.py has the details):
+Why this keeps every acknowledged change (service/state/sqlite.py has the details):
 - SQLite's synchronous=FULL differs from NORMAL in WAL mode only by an fsync of the WAL
   file after each commit. A commit's frames are written (write(2)) before COMMIT returns,
   so an fsync of the WAL that starts after the commit covers it: the change is then as

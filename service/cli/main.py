@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from service import cli_values as values
+from common import cli_values as values
 from service.core import ConfigError
 
 _POSITIVE_SECONDS = values.number(0.0, low_open=True)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return gateway_cli.main(args)
     if args.command == "state":
         return _state_check(args.state_dir)
-    from service import client_commands
+    from service.cli import client_commands
     try:
         return client_commands.run(args.command, args)
     except client_commands.CommandError as err:
@@ -125,12 +125,14 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                         "dns:///NAME:PORT (calls go to those up; env "
                         "LATTICE_SCHEDULER_TARGET)")
     p.add_argument("--timeout", type=_POSITIVE_SECONDS, default=10.0, help="seconds per call")
-    from service.credentials import add_client_arguments
+    from common.credentials import add_client_arguments
     add_client_arguments(p)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from service import logs, server, settings
+    from service import settings
+    from common import logs
+    from service.server import app as server
     try:
         resolved = settings.resolve(args, os.environ)
     except ConfigError as err:
@@ -149,8 +151,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _state_check(state_dir: str) -> int:
-    from service.state_check import CannotCheck, check
-    from service.state_integrity import StateDamaged
+    from service.state.check import CannotCheck, check
+    from service.state.integrity import StateDamaged
     try:
         report = check(state_dir)
     except CannotCheck as err:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from service import handlers
+from service.server.interceptors import handlers
 
 GENERATE_METHODS = frozenset({"/lattice.scheduler.v1.Scheduler/Generate"})
 OPEN_STREAM_METHODS = frozenset({

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from service.core.errors import ConfigError
+from common.errors import ConfigError
 
 ROUND_ROBIN = ("grpc.lb_policy_name", "round_robin")
 

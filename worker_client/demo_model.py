@@ -2,7 +2,7 @@
 Qwen3.5-architecture model with random weights plus a small byte-level BPE tokenizer
 (trained on text written below) and a ChatML chat template.
 
-    python -m service.gateway.demo_model DIR [--seed N]
+    python -m worker_client.demo_model DIR [--seed N]
 
 `write_tokenizer_files` needs only `tokenizers`; `write_demo_checkpoint` also needs torch
 and safetensors (the worker's dependencies). The model's answers are noise; the point is

@@ -30,7 +30,7 @@ _LATENCY_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 # Inter-token latency: one decode iteration, from a few to a few hundred milliseconds.
 _ITL_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
                         0.3, 0.5, 1.0, 2.5)
-# The stream pools of service/limits.py (a bounded label).
+# The stream pools of service/server/interceptors/limits.py (a bounded label).
 STREAM_KINDS = ("generate", "open")
 _TOKEN_BUCKETS = (0, 1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _SEQ_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -190,13 +190,13 @@ class SchedulerMetrics(SchedulerObserver):
             self.streams_refused.labels(kind)
 
     def on_fsync(self, num_commits: int, seconds: float) -> None:
-        """One group-commit fsync (service/group_commit.py)."""
+        """One group-commit fsync (service/state/group_commit.py)."""
         self.state_fsyncs.inc()
         self.state_fsync_duration.observe(seconds)
         self.state_commits_per_fsync.observe(num_commits)
 
     def on_streams(self, kind: str, num_open: int, refused: bool) -> None:
-        """A stream pool changed (service/limits.py): `num_open` now; `refused` one more."""
+        """A stream pool changed (service/server/interceptors/limits.py): `num_open` now; `refused` one more."""
         self.streams_open.labels(kind).set(num_open)
         if refused:
             self.streams_refused.labels(kind).inc()

@@ -18,13 +18,13 @@ import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from service import convert
+from service.server import convert
 from service.core import NotFound, Scheduler, SchedulerError, WorkerReport
 from service.core.types import Decision
-from service.loop_lag import LoopLag
-from service.metrics import SchedulerMetrics
-from service.status_codes import status_code, status_details
-from service.wakeups import Wakeups
+from service.server.loop_lag import LoopLag
+from service.server.metrics import SchedulerMetrics
+from service.server.status_codes import status_code, status_details
+from service.server.wakeups import Wakeups
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     """Serves lattice.scheduler.v1.Scheduler over one core, on one event loop.
 
     `durable()` returns once every change that must survive a power loss is on disk
-    (group commit: service/group_commit.py). What a client is told OK (Submit, Cancel,
+    (group commit: service/state/group_commit.py). What a client is told OK (Submit, Cancel,
     Generate's first event) awaits it; worker and admin calls too when
     `durable_worker_progress` (--state-fsync always). `lag` charges a stalled loop to
     SelectBatch's latency histogram.

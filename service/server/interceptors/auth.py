@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from service import handlers
+from service.server.interceptors import handlers
 from service.core import ConfigError
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
-# Strings a scheduler refuses beyond this many UTF-8 bytes (service.convert.MAX_STRING_BYTES).
+# Strings a scheduler refuses beyond this many UTF-8 bytes (service.server.convert.MAX_STRING_BYTES).
 MAX_STRING_BYTES = 256
 # gRPC name-resolver schemes a target may start with instead of HOST:PORT.
 _TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
@@ -102,7 +102,7 @@ def name(what: str, *, allow_empty: bool) -> Callable[[str], str]:
 def target(text: str) -> str:
     """A scheduler address: HOST:PORT ([V6ADDR]:PORT), or a gRPC target with a scheme
     (dns:, unix:, ...), which gRPC checks itself; or replicas' addresses, comma-separated
-    (service/targets.py)."""
+    (common/targets.py)."""
     if "," in text:
         for entry in text.split(","):
             if entry.strip():

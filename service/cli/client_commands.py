@@ -13,7 +13,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from service.core import ConfigError
-from service.credentials import client_args_credentials, open_channel
+from common.credentials import client_args_credentials, open_channel
 
 # gRPC's reason for a failed connection: "... last error: CODE: ipv4:HOST:PORT: <reason>".
 _LAST_ERROR = re.compile(r"last error: [A-Z_]+: (?:ipv[46]:\S+: )?(.+?)(?:: OK)?$")
@@ -158,7 +158,7 @@ def drain(args: argparse.Namespace) -> int:
 
 
 def load(args: argparse.Namespace) -> int:
-    from service.loadgen import LoadSpec, run_load
+    from common.loadgen import LoadSpec, run_load
     channel = _channel(args)  # fail fast, with a clear message, when nothing answers
     spec = LoadSpec(num_requests=args.requests, concurrency=args.concurrency,
                     min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,

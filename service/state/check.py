@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.core import SequenceState
-from service.state_integrity import StateDamaged, marker_path
-from service.state_sqlite import DB_NAME, SqliteStateStore
+from service.state.integrity import StateDamaged, marker_path
+from service.state.sqlite import DB_NAME, SqliteStateStore
 
 
 class CannotCheck(Exception):

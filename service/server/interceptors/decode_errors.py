@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import grpc
 
-from service import handlers
+from service.server.interceptors import handlers
 
 
 class _Undecodable:

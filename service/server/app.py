@@ -5,7 +5,7 @@ Concurrency model: one asyncio event loop (on its own thread, "scheduler-loop") 
 every RPC handler, the lease sweeper and the loop-lag clock; the core is called only from
 that loop, so its calls never overlap. Nothing holds a thread per call or per stream.
 Threads besides the loop: the metrics HTTP server, and the state store's fsync
-(service/group_commit.py). `start` returns a handle usable from any thread.
+(service/state/group_commit.py). `start` returns a handle usable from any thread.
 """
 from __future__ import annotations
 
@@ -23,23 +23,31 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
-from service import auth, credentials, decode_errors, limits, ports
+from service.server.interceptors import auth
+
+from common import credentials
+
+from service.server.interceptors import decode_errors
+
+from service.server.interceptors import limits
+
+from service.server import ports
 from service.core import ConfigError, Scheduler
 from service.core.store import StoreError
-from service.group_commit import GroupCommit
-from service.loop_lag import LoopLag
-from service.metrics import SchedulerMetrics
-from service.observers import FanOut
-from service.servicer import SchedulerServicer
+from service.state.group_commit import GroupCommit
+from service.server.loop_lag import LoopLag
+from service.server.metrics import SchedulerMetrics
+from service.server.observers import FanOut
+from service.server.servicer import SchedulerServicer
 from service.settings import ServeSettings
-from service.state_sqlite import SqliteStateStore
-from service.wakeups import Wakeups
+from service.state.sqlite import SqliteStateStore
+from service.server.wakeups import Wakeups
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-# How often the loop-lag clock ticks (service/loop_lag.py).
+# How often the loop-lag clock ticks (service/server/loop_lag.py).
 LOOP_LAG_TICK_SECONDS = 0.025
 # How long start() waits for the loop to come up and listen.
 START_TIMEOUT_SECONDS = 60.0
@@ -159,7 +167,7 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     metrics = SchedulerMetrics(registry, named_tenants=(
         tenant for tenant, _ in settings.scheduler.tenant_weights))
     if settings.state:
-        from service.replica_server import open_store
+        from service.replicas.build import open_store
         store = open_store(settings, registry)
     else:
         store = (SqliteStateStore(settings.state_dir, settings.state_fsync, defer_fsync=True)
@@ -206,7 +214,7 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
                                         "workers": len(recovered.workers)})
     lag = LoopLag(LOOP_LAG_TICK_SECONDS, observe=metrics.event_loop_lag.observe)
     if settings.state:  # a replica: PostgreSQL commits in each save, no group commit
-        from service.replica import ReplicaServicer
+        from service.replicas.servicer import ReplicaServicer
         group_commit = None
         servicer = ReplicaServicer(core, wakeups, store, metrics=metrics, lag=lag,
                                    prefetch=settings.prefetch)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from service.core import ConfigError
+from common.errors import ConfigError
 
 TOKEN_ENV = "LATTICE_SCHEDULER_TOKEN"
 
@@ -73,8 +73,8 @@ def open_channel(target: str, credentials: grpc.ChannelCredentials | None,
     """A channel to `target`, TLS when `credentials` are given, sending `token` on every call.
 
     `target` may list several replicas (HOST:PORT,HOST:PORT or dns:///NAME:PORT): calls
-    then go round robin to those that are up (service/targets.py)."""
-    from service.targets import channel_target
+    then go round robin to those that are up (common/targets.py)."""
+    from common.targets import channel_target
 
     target, options = channel_target(target)
     channel = (grpc.secure_channel(target, credentials, options=options)

@@ -2,7 +2,7 @@
 
 `ReplicaServicer` serves the same RPCs as `SchedulerServicer` over a core that holds
 only what this replica owns:
-- Submit writes to the shared queue (service/state_postgres.py); Cancel, GetSequence and
+- Submit writes to the shared queue (service/state/postgres.py); Cancel, GetSequence and
   Generate work for any sequence: from the core when this replica owns it, else from the
   database (Cancel: the owner is told and applies it).
 - RegisterWorker adopts what the worker held on another replica (it moved here).
@@ -27,18 +27,18 @@ from dataclasses import replace
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from service import convert
+from service.server import convert
 from service.core import NotFound, Scheduler, SchedulerError, SequenceState
 from service.core.types import SubmitParams, SubmitResult
-from service.loop_lag import LoopLag
-from service.metrics import SchedulerMetrics
-from service.servicer import SchedulerServicer, _rpc
-from service.state_postgres import (
+from service.server.loop_lag import LoopLag
+from service.server.metrics import SchedulerMetrics
+from service.server.servicer import SchedulerServicer, _rpc
+from service.state.postgres import (
     CANCEL_CHANNEL, DISOWN_CHANNEL, PROGRESS_CHANNEL, SUBMIT_CHANNEL, Claimed, PostgresState,
     parse_ids_payload,
 )
-from service.status_codes import status_code, status_details
-from service.wakeups import Wakeups, wait_event
+from service.server.status_codes import status_code, status_details
+from service.server.wakeups import Wakeups, wait_event
 
 log = logging.getLogger(__name__)
 

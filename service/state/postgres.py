@@ -38,7 +38,7 @@ from service.core.store import (
     StoreError,
 )
 from service.core.types import SequenceInfo, SubmitResult
-from service.state_sqlite import (
+from service.state.sqlite import (
     _params_from_row, _params_json, _registration_from_json, _registration_json,
 )
 

@@ -15,7 +15,7 @@ thread. Every commit is made with synchronous=NORMAL; those the mode wants durab
 counted (`num_commits_to_sync`), and `sync_wal()`, run on another thread, fsyncs the WAL
 file: every commit counted before it started is then durable, exactly as if it had been
 made with synchronous=FULL (which only adds that fsync of the WAL to each commit).
-service/group_commit.py shares one fsync among every commit waiting for it. Automatic
+service/state/group_commit.py shares one fsync among every commit waiting for it. Automatic
 checkpoints are off (they would fsync on the caller's thread); `checkpoint()`, on the
 fsync thread, copies the WAL into the database file (SQLite syncs the WAL before and the
 database after), and SQLite starts the WAL over from its beginning at a later commit.
@@ -29,7 +29,7 @@ one `token_log` row holding every append of that call. When a sequence finishes,
 whole output goes to `outputs` in one row, and a log row is deleted once no unfinished
 sequence has tokens in it. A restart reads `outputs`, then replays the log.
 
-Integrity (service/state_integrity.py): every row carries a checksum over its columns,
+Integrity (service/state/integrity.py): every row carries a checksum over its columns,
 verified at start with everything else a restart reads; a file that fails, cannot be
 decoded, or has gone missing where the directory says state was written is refused with
 StateDamaged (one line: the file, what is wrong, how to recover). Columns added to
@@ -48,13 +48,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from service import state_integrity
+from service.state import integrity as state_integrity
 from service.core import ConfigError, FinishReason, SequenceState, SubmitParams
 from service.core.store import (
     SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker, StoreError,
 )
 from service.core.types import SamplingParams, WorkerRegistration
-from service.state_integrity import damaged
+from service.state.integrity import damaged
 
 FSYNC_MODES = ("acks", "always", "never")
 DB_NAME = "scheduler.db"

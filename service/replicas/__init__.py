@@ -1,0 +1,1 @@
+"""Scheduler replicas sharing one PostgreSQL database (docs/replicas.md)."""

@@ -1,0 +1,1 @@
+"""Server interceptors: authentication and roles, undecodable requests, stream caps."""
