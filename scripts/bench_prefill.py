@@ -116,7 +116,7 @@ def make_engine(model: Qwen35ForCausalLM, prompts: Sequence[Tokens], max_new_tok
                 packed: bool) -> ModelEngine:
     """A slot for every prompt and pages for all of them at full length: nothing is preempted."""
     num_pages = sum(math.ceil((len(p) + max_new_tokens) / PAGE_SIZE) + 1 for p in prompts)
-    return ModelEngine(model, num_kv_pages=num_pages, page_size=PAGE_SIZE, num_gdn_slots=len(prompts),
+    return ModelEngine(model, total_kv_pages=num_pages, page_size=PAGE_SIZE, total_gdn_slots=len(prompts),
                        device=model.device, max_batch_size=len(prompts),
                        max_prefill_sequences=None if packed else 1)
 

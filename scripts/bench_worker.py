@@ -179,8 +179,8 @@ def hf_static_batch(models: Models, prompts: Sequence[Tokens], max_new_tokens: i
 def make_engine(models: Models, prompts: Sequence[Tokens], max_new_tokens: int) -> ModelEngine:
     """An engine with a slot for every prompt and pages for all of them at full length."""
     num_pages = sum(math.ceil((len(p) + max_new_tokens) / PAGE_SIZE) + 1 for p in prompts)
-    return ModelEngine(models.ours, num_kv_pages=num_pages, page_size=PAGE_SIZE,
-                       num_gdn_slots=len(prompts), device=models.device, max_batch_size=len(prompts))
+    return ModelEngine(models.ours, total_kv_pages=num_pages, page_size=PAGE_SIZE,
+                       total_gdn_slots=len(prompts), device=models.device, max_batch_size=len(prompts))
 
 
 def engine_direct(models: Models, prompts: Sequence[Tokens], max_new_tokens: int,

@@ -65,7 +65,7 @@ def main() -> None:
     worker = WorkerShape(cost.default_kv_pages, 16, cost.default_gdn_slots)
     variants = [parse_variant(v) for v in args.variants]
     out = []
-    print(f"A30 Qwen2-7B profile, {worker.num_kv_pages} KV pages of 16 tokens per worker, "
+    print(f"A30 Qwen2-7B profile, {worker.total_kv_pages} KV pages of 16 tokens per worker, "
           f"{args.num_requests} requests per run, Poisson arrivals, seed 0, bisection to "
           f"{args.tolerance:.0%}")
     print("| trace | workers | policy | routing | QPS at 2 s / 100 ms | QPS at 5 s / 200 ms "

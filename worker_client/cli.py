@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 def _build_engine(args: argparse.Namespace):
     if args.model == "scripted":
         from worker_client.testing import ScriptedEngine
-        return ScriptedEngine(num_kv_pages=args.kv_pages or 4096, page_size=args.page_size,
-                              num_gdn_slots=args.gdn_slots or 64,
+        return ScriptedEngine(total_kv_pages=args.kv_pages or 4096, page_size=args.page_size,
+                              total_gdn_slots=args.gdn_slots or 64,
                               step_seconds=(args.step_ms or 0.0) / 1000.0)
     import torch
 
@@ -125,9 +125,9 @@ def _build_engine(args: argparse.Namespace):
     pools = default_pool_sizes(model.config, device, page_size=args.page_size)
     engine = ModelEngine(
         model,
-        num_kv_pages=args.kv_pages or pools.num_kv_pages,
+        total_kv_pages=args.kv_pages or pools.total_kv_pages,
         page_size=args.page_size,
-        num_gdn_slots=args.gdn_slots or pools.num_gdn_slots,
+        total_gdn_slots=args.gdn_slots or pools.total_gdn_slots,
         device=device,
     )
     log.info("engine ready", extra={"worker_id": args.worker_id, "model": str(args.model),
@@ -259,15 +259,15 @@ def _run_profile(args: argparse.Namespace) -> int:
     else:
         model = load_model(args.model, device=args.device, dtype=dtype)
     pages_per_sequence = -(-grid.max_tokens_per_sequence // args.page_size)
-    engine = ModelEngine(model, num_kv_pages=grid.max_sequences * pages_per_sequence,
-                         page_size=args.page_size, num_gdn_slots=grid.max_sequences,
+    engine = ModelEngine(model, total_kv_pages=grid.max_sequences * pages_per_sequence,
+                         page_size=args.page_size, total_gdn_slots=grid.max_sequences,
                          device=args.device, max_batch_size=grid.max_sequences)
     # What a worker would run with on this device: the simulator's default pools.
     pools = default_pool_sizes(model.config, args.device, page_size=args.page_size, dtype=dtype)
     clock = profiling.pick_clock(args.clock, engine.device)
     meta = profiling.machine_meta(str(args.model), engine.device, dtype, args.repeats, clock)
-    meta.update(page_size=args.page_size, num_kv_pages=pools.num_kv_pages,
-                num_gdn_slots=pools.num_gdn_slots)
+    meta.update(page_size=args.page_size, total_kv_pages=pools.total_kv_pages,
+                total_gdn_slots=pools.total_gdn_slots)
     print(f"profiling {args.model} on {meta['device_name']} ({dtype}, {meta['threads']} threads): "
           f"{len(grid.prefill_tokens)} x {len(grid.decode_batch)} x {len(grid.context_len)} "
           f"grid points, best of {args.repeats} on the {clock} clock", flush=True)

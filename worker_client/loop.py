@@ -171,7 +171,7 @@ class WorkerLoop:
     def _holding(self) -> Holding:
         engine = self.engine
         return Holding(tuple(engine.waiting_ids()), tuple(engine.running_ids()),
-                       engine.num_free_kv_pages(), engine.num_free_gdn_slots())
+                       engine.kv_free_pages(), engine.gdn_free_slots())
 
     def _request(self, draining: bool, held: Holding, idle: bool) -> pb.SelectBatchRequest:
         request = self._pending.request(

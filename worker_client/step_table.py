@@ -82,7 +82,7 @@ class StepTable:
     seconds: tuple[tuple[tuple[float, ...], ...], ...]
     extra_chunk_seconds: float = 0.0
     # What was measured, with what (model, device, dtype, torch version, repeats) and the
-    # engine's pools (page_size, num_kv_pages, num_gdn_slots): defaults for a simulator.
+    # engine's pools (page_size, total_kv_pages, total_gdn_slots): defaults for a simulator.
     meta: dict = field(default_factory=dict)
     held_out: tuple[HeldOutPoint, ...] = ()
 

@@ -53,24 +53,24 @@ class _Held:
 class ScriptedEngine:
     """Implements engine.api.Engine with `next_token` in place of a model."""
 
-    def __init__(self, *, num_kv_pages: int = 256, page_size: int = 16,
-                 num_gdn_slots: int = 32, vocab_size: int = 1000, step_seconds: float = 0.0,
+    def __init__(self, *, total_kv_pages: int = 256, page_size: int = 16,
+                 total_gdn_slots: int = 32, vocab_size: int = 1000, step_seconds: float = 0.0,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         """`step_seconds`: simulated GPU time, slept once by each step that has work."""
         if step_seconds < 0:
             raise ValueError(f"step_seconds must not be negative, got {step_seconds}")
         self.page_size = page_size
-        self.total_kv_pages = num_kv_pages
-        self.total_gdn_slots = num_gdn_slots
+        self.total_kv_pages = total_kv_pages
+        self.total_gdn_slots = total_gdn_slots
         self._vocab_size = vocab_size
         self.step_seconds = step_seconds
         self._sleep = sleep
         self._held: dict[int, _Held] = {}  # admission order
 
-    def num_free_kv_pages(self) -> int:
+    def kv_free_pages(self) -> int:
         return self.total_kv_pages - sum(self._pages(h.cached_tokens) for h in self._held.values())
 
-    def num_free_gdn_slots(self) -> int:
+    def gdn_free_slots(self) -> int:
         return self.total_gdn_slots - len(self._held)
 
     def waiting_ids(self) -> list[int]:
@@ -93,7 +93,7 @@ class ScriptedEngine:
         for chunk in prefill:
             if chunk.spec is not None:
                 self._held.pop(chunk.seq_id, None)
-                if self.num_free_gdn_slots() == 0:
+                if self.gdn_free_slots() == 0:
                     preempted.append(chunk.seq_id)
                     continue
                 self._held[chunk.seq_id] = _Held(chunk.spec)
@@ -141,7 +141,7 @@ class ScriptedEngine:
 
     def _grow(self, held: _Held, num_tokens: int) -> bool:
         extra = self._pages(held.cached_tokens + num_tokens) - self._pages(held.cached_tokens)
-        if extra > self.num_free_kv_pages():
+        if extra > self.kv_free_pages():
             return False
         held.cached_tokens += num_tokens
         return True

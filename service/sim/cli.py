@@ -204,7 +204,7 @@ def _print_header(setup, configs, cost) -> None:
     print(f"trace {setup.trace.name} ({len(setup.trace.rows)} rows): {setup.num_requests} "
           f"requests, {setup.arrivals} arrivals, seed {setup.seed}")
     print(f"cost model {cost.name}; {setup.num_workers} worker(s), routing {setup.routing}, "
-          f"each {w.num_kv_pages} KV pages of {w.page_size} tokens, {w.num_gdn_slots} GDN slots")
+          f"each {w.total_kv_pages} KV pages of {w.page_size} tokens, {w.total_gdn_slots} GDN slots")
     for config in configs:
         settings = ", ".join(f"{k} {v}" for k, v in asdict(config).items() if k != "policy")
         print(f"policy {config.policy}: {settings}")

@@ -54,9 +54,9 @@ def _from_step_table(path: str, page_size: int) -> CostSource:
         raise ProfileError(str(err)) from None
     meta = table.meta
     kv_pages = None
-    if meta.get("num_kv_pages") and meta.get("page_size"):
+    if meta.get("total_kv_pages") and meta.get("page_size"):
         # The same KV memory in pages of the simulated size.
-        kv_pages = int(meta["num_kv_pages"]) * int(meta["page_size"]) // page_size
+        kv_pages = int(meta["total_kv_pages"]) * int(meta["page_size"]) // page_size
     return CostSource(step_table.StepTableModel(table), str(path), kv_pages,
-                      int(meta.get("num_gdn_slots") or DEFAULT_GDN_SLOTS),
+                      int(meta.get("total_gdn_slots") or DEFAULT_GDN_SLOTS),
                       meta.get("page_size"))

@@ -55,23 +55,23 @@ class _Held:
 class SimEngine:
     """Implements engine.api.Engine: page, slot and progress accounting, and a step time."""
 
-    def __init__(self, cost_model: CostModel, *, num_kv_pages: int, page_size: int,
-                 num_gdn_slots: int) -> None:
-        if min(num_kv_pages, page_size, num_gdn_slots) < 1:
-            raise ValueError("num_kv_pages, page_size and num_gdn_slots must be >= 1")
+    def __init__(self, cost_model: CostModel, *, total_kv_pages: int, page_size: int,
+                 total_gdn_slots: int) -> None:
+        if min(total_kv_pages, page_size, total_gdn_slots) < 1:
+            raise ValueError("total_kv_pages, page_size and total_gdn_slots must be >= 1")
         self.cost_model = cost_model
         self.page_size = page_size
-        self.total_kv_pages = num_kv_pages
-        self.total_gdn_slots = num_gdn_slots
+        self.total_kv_pages = total_kv_pages
+        self.total_gdn_slots = total_gdn_slots
         self.last_step_seconds = 0.0
         self.num_steps = 0
         self._held: dict[int, _Held] = {}  # in admission order
         self._used_pages = 0
 
-    def num_free_kv_pages(self) -> int:
+    def kv_free_pages(self) -> int:
         return self.total_kv_pages - self._used_pages
 
-    def num_free_gdn_slots(self) -> int:
+    def gdn_free_slots(self) -> int:
         return self.total_gdn_slots - len(self._held)
 
     def waiting_ids(self) -> list[int]:
@@ -138,7 +138,7 @@ class SimEngine:
         if spec.max_new_tokens <= 0:
             out.finished.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH, 0))
             return
-        if self.num_free_gdn_slots() == 0:
+        if self.gdn_free_slots() == 0:
             out.preempted.append(seq_id)
             return
         self._held[seq_id] = _Held(seq_id, len(spec.prompt_token_ids), spec.max_new_tokens)
@@ -187,7 +187,7 @@ class SimEngine:
                 f"the sequence needs {needed} KV pages of {self.page_size} tokens, more than "
                 f"the worker's {self.total_kv_pages} in all"))
             return False
-        while needed - self._pages(held.kv_tokens) > self.num_free_kv_pages():
+        while needed - self._pages(held.kv_tokens) > self.kv_free_pages():
             victim = next(h for h in reversed(self._held.values())
                           if h is held or h.kv_tokens > 0)
             self._release(victim.seq_id)

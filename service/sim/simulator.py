@@ -52,9 +52,9 @@ class SimulationStalled(RuntimeError):
 class WorkerShape:
     """The resources every simulated worker registers with."""
 
-    num_kv_pages: int
+    total_kv_pages: int
     page_size: int
-    num_gdn_slots: int
+    total_gdn_slots: int
     max_batch_size: int = 0  # 0: the scheduler's --max-batch-size
 
 
@@ -237,11 +237,11 @@ class Simulation:
 
     def _make_worker(self, index: int, cost_model: CostModel) -> _Worker:
         shape = self.spec.worker
-        engine = SimEngine(cost_model, num_kv_pages=shape.num_kv_pages,
-                           page_size=shape.page_size, num_gdn_slots=shape.num_gdn_slots)
+        engine = SimEngine(cost_model, total_kv_pages=shape.total_kv_pages,
+                           page_size=shape.page_size, total_gdn_slots=shape.total_gdn_slots)
         scheduler_index = 0 if self.spec.routing == "pull" else index
-        resources = WorkerResources(f"sim-{index}", shape.num_kv_pages, shape.page_size,
-                                    shape.num_gdn_slots, shape.max_batch_size)
+        resources = WorkerResources(f"sim-{index}", shape.total_kv_pages, shape.page_size,
+                                    shape.total_gdn_slots, shape.max_batch_size)
         loop = WorkerLoop(engine, self._clients[scheduler_index], resources,
                           idle_sleep_seconds=IDLE_POLL_SECONDS)
         return _Worker(index, loop, engine, scheduler_index)
@@ -307,5 +307,5 @@ class Simulation:
             f"{len(stuck)} of {len(self._records)} requests made no progress for "
             f"{STALL_SECONDS:.0f} simulated seconds (e.g. request {worst.request.index}: "
             f"prompt {worst.request.prompt_len} + output {worst.request.output_len} tokens); "
-            f"a worker has {self.spec.worker.num_kv_pages} KV pages of "
+            f"a worker has {self.spec.worker.total_kv_pages} KV pages of "
             f"{self.spec.worker.page_size} tokens: check --kv-pages and the policy's limits")

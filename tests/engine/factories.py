@@ -19,11 +19,11 @@ def random_prompt(length: int, seed: int, vocab_size: int = 512) -> tuple[int, .
     return tuple(torch.randint(2, vocab_size, (length,), generator=generator).tolist())
 
 
-def make_engine(model: Qwen35ForCausalLM, *, num_kv_pages: int = 128, page_size: int = 4,
-                num_gdn_slots: int = 8, max_batch_size: int | None = None,
+def make_engine(model: Qwen35ForCausalLM, *, total_kv_pages: int = 128, page_size: int = 4,
+                total_gdn_slots: int = 8, max_batch_size: int | None = None,
                 max_prefill_sequences: int | None = None, max_prefill_tokens: int = 8192) -> ModelEngine:
-    return ModelEngine(model, num_kv_pages=num_kv_pages, page_size=page_size,
-                       num_gdn_slots=num_gdn_slots, device="cpu", max_batch_size=max_batch_size,
+    return ModelEngine(model, total_kv_pages=total_kv_pages, page_size=page_size,
+                       total_gdn_slots=total_gdn_slots, device="cpu", max_batch_size=max_batch_size,
                        max_prefill_sequences=max_prefill_sequences, max_prefill_tokens=max_prefill_tokens)
 
 

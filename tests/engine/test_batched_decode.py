@@ -58,7 +58,7 @@ def test_engine_decoding_several_sequences_together_generates_what_each_generate
         out = engine.step([], engine.running_ids())
         for seq_id in specs:
             generated[seq_id] += tokens_of(out, seq_id)
-    assert engine.num_free_kv_pages() == engine.total_kv_pages
+    assert engine.kv_free_pages() == engine.total_kv_pages
     for seq_id, spec in specs.items():
         alone = run_to_completion(make_engine(tiny_model), seq_id, spec)
         reference = generate_reference(tiny_model, spec.prompt_token_ids, spec.max_new_tokens)

@@ -24,7 +24,7 @@ def test_max_new_tokens_of_one_finishes_right_after_prefill(tiny_model):
     out = engine.step(chunks_for(5, SequenceSpec(random_prompt(10, seed=1), max_new_tokens=1), [10]), [])
     assert len(tokens_of(out, 5)) == 1
     assert [(f.seq_id, f.reason, f.generated_tokens) for f in out.finished] == [(5, FinishReason.MAX_LENGTH, 1)]
-    assert engine.running_ids() == [] and engine.num_free_kv_pages() == engine.total_kv_pages
+    assert engine.running_ids() == [] and engine.kv_free_pages() == engine.total_kv_pages
 
 
 def test_stop_token_finishes_with_stop(tiny_model):
@@ -58,7 +58,7 @@ def test_chunk_with_a_spec_for_a_held_id_restarts_it(tiny_model):
     engine.step(chunks_for(5, SequenceSpec(random_prompt(30, seed=3), 50), [30]), [])
     engine.step([], [5])
     assert run_to_completion(engine, 5, spec) == expected
-    assert engine.num_free_kv_pages() == engine.total_kv_pages
+    assert engine.kv_free_pages() == engine.total_kv_pages
 
 
 def test_unknown_ids_and_empty_chunks_are_ignored(tiny_model):
@@ -66,7 +66,7 @@ def test_unknown_ids_and_empty_chunks_are_ignored(tiny_model):
     spec = SequenceSpec(random_prompt(12, seed=2), max_new_tokens=5)
     out = engine.step([ChunkWork(7, 3, 4, None), ChunkWork(5, 0, 0, spec), ChunkWork(5, 0, 0, None)], [8, 5])
     assert out.tokens == () and out.finished == () and out.preempted == ()
-    assert engine.waiting_ids() == [5] and engine.num_free_kv_pages() == engine.total_kv_pages
+    assert engine.waiting_ids() == [5] and engine.kv_free_pages() == engine.total_kv_pages
 
 
 def test_overlapping_chunk_runs_only_its_new_tokens(tiny_model):
@@ -86,15 +86,15 @@ def test_chunk_starting_past_the_prefilled_tokens_preempts_the_sequence(tiny_mod
     engine.step([ChunkWork(5, 0, 4, SequenceSpec(random_prompt(12, seed=2), max_new_tokens=5))], [])
     out = engine.step([ChunkWork(5, 8, 4, None)], [])  # chunk 4..8 never arrived
     assert out.preempted == (5,) and out.tokens == ()
-    assert engine.waiting_ids() == [] and engine.num_free_kv_pages() == engine.total_kv_pages
-    assert engine.num_free_gdn_slots() == engine.total_gdn_slots
+    assert engine.waiting_ids() == [] and engine.kv_free_pages() == engine.total_kv_pages
+    assert engine.gdn_free_slots() == engine.total_gdn_slots
 
 
 def test_invalid_prompts_fail_instead_of_raising(tiny_model):
     engine = make_engine(tiny_model)
     out = engine.step([ChunkWork(1, 0, 0, SequenceSpec((), 5)), ChunkWork(2, 0, 2, SequenceSpec((3, 10_000), 5))], [])
     assert [(f.seq_id, f.reason) for f in out.finished] == [(1, FinishReason.FAILED), (2, FinishReason.FAILED)]
-    assert engine.num_free_gdn_slots() == engine.total_gdn_slots
+    assert engine.gdn_free_slots() == engine.total_gdn_slots
 
 
 def test_a_prompt_outside_the_vocabulary_fails_before_it_runs_saying_which_token(tiny_model):
@@ -105,4 +105,4 @@ def test_a_prompt_outside_the_vocabulary_fails_before_it_runs_saying_which_token
     assert [(f.seq_id, f.reason, f.error_message) for f in out.finished] == [
         (1, FinishReason.FAILED, "token id 600 is outside the model's vocabulary of 512"),
         (2, FinishReason.FAILED, "the prompt is empty")]
-    assert out.tokens == () and engine.num_free_kv_pages() == engine.total_kv_pages
+    assert out.tokens == () and engine.kv_free_pages() == engine.total_kv_pages

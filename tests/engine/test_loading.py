@@ -79,10 +79,10 @@ def test_tokenizer_is_exposed_only_when_tokenizer_json_exists(tmp_path):
 
 def test_default_pool_sizes_on_cpu_fit_and_build_an_engine(tiny_model):
     sizes = default_pool_sizes(tiny_model.config, "cpu")
-    assert sizes.num_kv_pages > 0 and sizes.num_gdn_slots > 0
-    engine = ModelEngine(tiny_model, num_kv_pages=sizes.num_kv_pages, page_size=sizes.page_size,
-                         num_gdn_slots=sizes.num_gdn_slots, device="cpu")
-    assert engine.num_free_kv_pages() == sizes.num_kv_pages
+    assert sizes.total_kv_pages > 0 and sizes.total_gdn_slots > 0
+    engine = ModelEngine(tiny_model, total_kv_pages=sizes.total_kv_pages, page_size=sizes.page_size,
+                         total_gdn_slots=sizes.total_gdn_slots, device="cpu")
+    assert engine.kv_free_pages() == sizes.total_kv_pages
 
 
 def test_default_pool_sizes_use_the_page_size_asked_for(tiny_model):
@@ -90,12 +90,12 @@ def test_default_pool_sizes_use_the_page_size_asked_for(tiny_model):
 
     small, large = (from_engine_module(tiny_model.config, "cpu", page_size=n) for n in (8, 32))
     assert (small.page_size, large.page_size) == (8, 32)
-    assert small.num_kv_pages == 4 * large.num_kv_pages
+    assert small.total_kv_pages == 4 * large.total_kv_pages
 
 
 def test_pools_larger_than_memory_raise_model_does_not_fit(tiny_model):
     with pytest.raises(ModelDoesNotFit, match="KV pages"):
-        ModelEngine(tiny_model, num_kv_pages=10**12, page_size=16, num_gdn_slots=4, device="cpu")
+        ModelEngine(tiny_model, total_kv_pages=10**12, page_size=16, total_gdn_slots=4, device="cpu")
 
 
 def test_transformers_default_text_and_composite_configs_read_the_same():
@@ -236,9 +236,9 @@ def test_default_pool_sizes_before_loading_leave_room_for_the_expert_weights(mon
     assert weights > 4 * 64 * 3 * 256 * 64 * 2  # the experts of 4 layers alone, 2 bytes each
     loaded = sizing.default_pool_sizes(moe, "cuda")
     before = sizing.default_pool_sizes(moe, "cuda", weights_on_device=False)
-    assert loaded.num_gdn_slots == before.num_gdn_slots == 256
+    assert loaded.total_gdn_slots == before.total_gdn_slots == 256
     page_bytes = sizing.kv_page_bytes(moe, 16, torch.bfloat16)
-    assert abs((loaded.num_kv_pages - before.num_kv_pages) - 0.9 * weights / page_bytes) <= 1
+    assert abs((loaded.total_kv_pages - before.total_kv_pages) - 0.9 * weights / page_bytes) <= 1
     monkeypatch.setattr(sizing, "available_bytes", lambda device: weights)
     with pytest.raises(ModelDoesNotFit, match="after 0.02 GiB of weights"):
         sizing.default_pool_sizes(moe, "cuda", weights_on_device=False)

@@ -116,8 +116,8 @@ def test_engine_packing_a_steps_chunks_generates_what_one_forward_per_chunk_gene
     lengths = (3, 40, 17, 90, 1, 64, 33, 8)
     specs = {seq_id: SequenceSpec(random_prompt(n, seed=60 + seq_id), max_new_tokens=5)
              for seq_id, n in enumerate(lengths)}
-    packed = generate_all(make_engine(model, num_gdn_slots=8), specs, chunk_size=32)
-    one_by_one = generate_all(make_engine(model, num_gdn_slots=8, max_prefill_sequences=1), specs, chunk_size=32)
+    packed = generate_all(make_engine(model, total_gdn_slots=8), specs, chunk_size=32)
+    one_by_one = generate_all(make_engine(model, total_gdn_slots=8, max_prefill_sequences=1), specs, chunk_size=32)
     assert packed == one_by_one and all(len(tokens) == 5 for tokens in packed.values())
 
 
@@ -155,13 +155,13 @@ def test_two_chunks_of_one_sequence_in_a_step_run_as_one_row(tiny_model, monkeyp
 def test_a_sequence_preempted_by_a_later_chunk_of_the_step_runs_nothing(tiny_model):
     # 6 pages of 4 tokens: sequence 1 takes 3, sequence 2 (admitted later) takes 2, then
     # sequence 1's next chunk needs 2 more and preempts sequence 2, the latest admitted.
-    engine = make_engine(tiny_model, num_kv_pages=6, page_size=4, num_gdn_slots=2)
+    engine = make_engine(tiny_model, total_kv_pages=6, page_size=4, total_gdn_slots=2)
     first = SequenceSpec(random_prompt(20, seed=1), max_new_tokens=3)
     second = SequenceSpec(random_prompt(8, seed=2), max_new_tokens=3)
     out = engine.step([ChunkWork(1, 0, 12, first), ChunkWork(2, 0, 8, second), ChunkWork(1, 12, 8, None)], [])
     assert out.preempted == (2,) and tokens_of(out, 2) == []
     assert len(tokens_of(out, 1)) == 1 and engine.running_ids() == [1]
-    assert engine.num_free_kv_pages() == 1 and engine.num_free_gdn_slots() == 1
+    assert engine.kv_free_pages() == 1 and engine.gdn_free_slots() == 1
     rest = tokens_of(out, 1)
     while engine.running_ids():
         rest += tokens_of(engine.step([], [1]), 1)

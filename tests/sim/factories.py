@@ -17,10 +17,10 @@ class LinearCost:
         return 0.01 + 0.0001 * (load.num_prefill_tokens + load.num_decodes)
 
 
-def sim_engine(*, num_kv_pages: int = 64, page_size: int = 4, num_gdn_slots: int = 8,
+def sim_engine(*, total_kv_pages: int = 64, page_size: int = 4, total_gdn_slots: int = 8,
                cost=None) -> SimEngine:
-    return SimEngine(cost or LinearCost(), num_kv_pages=num_kv_pages, page_size=page_size,
-                     num_gdn_slots=num_gdn_slots)
+    return SimEngine(cost or LinearCost(), total_kv_pages=total_kv_pages, page_size=page_size,
+                     total_gdn_slots=total_gdn_slots)
 
 
 def first_chunk(seq_id: int, prompt_len: int, chunk_len: int, max_new_tokens: int) -> ChunkWork:

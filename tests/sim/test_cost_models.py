@@ -62,7 +62,7 @@ def table() -> StepTable:
                                 else 0.0 for c in (0, 512, 2048)) for d in (0, 1, 8))
                     for p in (0, 64, 512))
     return StepTable((0, 64, 512), (0, 1, 8), (0, 512, 2048), seconds, 0.002,
-                     {"page_size": 16, "num_kv_pages": 1000, "num_gdn_slots": 8})
+                     {"page_size": 16, "total_kv_pages": 1000, "total_gdn_slots": 8})
 
 
 def test_a_step_table_round_trips_through_its_file(tmp_path):

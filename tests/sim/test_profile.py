@@ -27,7 +27,7 @@ def test_profile_writes_a_table_with_held_out_checks_that_simulate_reads(tmp_pat
     assert table.seconds[0][0] == (0.0, 0.0)
     assert all(v > 0 for plane in table.seconds[1:] for row in plane for v in row)
     assert len(table.held_out) == 3 and table.meta["clock"] == "cpu"
-    assert table.meta["model"] == "tiny" and table.meta["num_gdn_slots"] >= 1
+    assert table.meta["model"] == "tiny" and table.meta["total_gdn_slots"] >= 1
 
     json_path = tmp_path / "sim.json"
     assert scheduler_main(["simulate", "--step-table", str(table_path), "--qps", "20",

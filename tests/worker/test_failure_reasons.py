@@ -19,7 +19,7 @@ REASON = "token id 600 is outside the model's vocabulary of 512"
 @pytest.fixture(scope="module")
 def tiny_engine() -> ModelEngine:
     model = load_model("tiny", device="cpu", dtype=torch.float32, seed=0)
-    return ModelEngine(model, num_kv_pages=64, page_size=16, num_gdn_slots=4, device="cpu")
+    return ModelEngine(model, total_kv_pages=64, page_size=16, total_gdn_slots=4, device="cpu")
 
 
 def test_an_out_of_vocabulary_prompt_fails_with_its_reason_at_the_client_and_in_the_log(

@@ -85,12 +85,12 @@ def test_iterate_frees_a_preempted_sequence_before_stepping_and_does_not_report_
                  pb.SchedulerDecision(decode=[8])]
     client = ScriptedClient(decisions, stop)
     loop = _loop(engine, client, overlap=False)
-    free_slots = engine.num_free_gdn_slots()
+    free_slots = engine.gdn_free_slots()
     assert loop.iterate() is True
     assert engine.running_ids() == [7, 8]
     assert loop.iterate() is True
     assert engine.running_ids() == [8]              # 7 freed, 8 decoded
-    assert engine.num_free_gdn_slots() == free_slots - 1
+    assert engine.gdn_free_slots() == free_slots - 1
     assert loop.iterate() is True
     last = client.requests[-1]
     assert list(last.running) == [8]
@@ -147,7 +147,7 @@ def test_overlapped_loop_reports_the_next_step_while_the_engine_runs_this_one():
     finished = [(r, f.seq_id) for r, req in enumerate(client.requests) for f in req.finished]
     assert len(finished) == 1 and finished[0][1] == 5
     assert stats.generated_tokens == 3 and stats.finished == 1
-    assert engine.num_free_kv_pages() == engine.total_kv_pages
+    assert engine.kv_free_pages() == engine.total_kv_pages
 
 
 def test_overlapped_loop_frees_preempted_and_evicted_ids_before_the_next_step():
@@ -223,7 +223,7 @@ def test_overlapped_loop_forgotten_mid_step_drops_what_it_holds_and_reports_none
     assert client.failed and stats.registrations == 2
     after = client.requests[2:]
     assert after and all(not r.tokens and not r.running and not r.waiting for r in after)
-    assert engine.num_free_kv_pages() == engine.total_kv_pages
+    assert engine.kv_free_pages() == engine.total_kv_pages
 
 
 # ===================================================================== forecast

@@ -14,7 +14,7 @@ from worker_client.testing import ScriptedEngine, reference_output
 
 @pytest.mark.parametrize("scheduler", [{"chunk_size": 16, "max_seq_len": 256}], indirect=True)
 def test_the_older_of_two_loops_with_one_worker_id_stops_and_the_newer_serves(scheduler, stub):
-    first = WorkerThread(scheduler.port, "twin", ScriptedEngine(num_gdn_slots=4,
+    first = WorkerThread(scheduler.port, "twin", ScriptedEngine(total_gdn_slots=4,
                                                                 step_seconds=0.002)).start()
     prompts = [[i + 1, i + 2, i + 3] for i in range(30)]
     results: dict[int, list[int]] = {}
@@ -28,7 +28,7 @@ def test_the_older_of_two_loops_with_one_worker_id_stops_and_the_newer_serves(sc
     deadline = time.monotonic() + 10
     while first.loop.stats.generated_tokens < 10 and time.monotonic() < deadline:
         time.sleep(0.005)
-    second = WorkerThread(scheduler.port, "twin", ScriptedEngine(num_gdn_slots=4)).start()
+    second = WorkerThread(scheduler.port, "twin", ScriptedEngine(total_gdn_slots=4)).start()
     with pytest.raises(Superseded, match="superseded: worker_id 'twin'"):
         first.join()
     for t in streams:

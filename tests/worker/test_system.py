@@ -53,7 +53,7 @@ WORKER_MODES = pytest.mark.parametrize("session, overlap", [(True, True), (False
 @pytest.mark.parametrize("scheduler", [{"chunk_size": 32, "max_seq_len": 256}], indirect=True)
 def test_sixteen_streams_on_two_workers_equal_sequential_generation(scheduler, stub, session,
                                                                     overlap):
-    workers = [WorkerThread(scheduler.port, f"w{i}", ScriptedEngine(num_gdn_slots=8),
+    workers = [WorkerThread(scheduler.port, f"w{i}", ScriptedEngine(total_gdn_slots=8),
                             session=session, overlap=overlap).start()
                for i in range(2)]
     prompts = _prompts(16, seed=1, chunk_size=32)
@@ -65,8 +65,8 @@ def test_sixteen_streams_on_two_workers_equal_sequential_generation(scheduler, s
         assert results[i] == reference_output(prompt, 12), f"stream {i}"
     assert all(w.loop.stats.finished > 0 for w in workers), "both workers should serve"
     for w in workers:
-        assert w.engine.num_free_kv_pages() == w.engine.total_kv_pages
-        assert w.engine.num_free_gdn_slots() == w.engine.total_gdn_slots
+        assert w.engine.kv_free_pages() == w.engine.total_kv_pages
+        assert w.engine.gdn_free_slots() == w.engine.total_gdn_slots
 
 
 @pytest.mark.parametrize("scheduler", [
@@ -76,7 +76,7 @@ def test_sixteen_streams_on_two_workers_equal_sequential_generation(scheduler, s
 def test_preempted_sequences_resume_without_duplicate_tokens(scheduler, stub, session, overlap):
     # 12 pages of 4 tokens cannot hold 6 sequences of ~40 tokens: under fifo the engine
     # preempts; under budget the scheduler sees the pages run out and preempts first.
-    engine = ScriptedEngine(num_kv_pages=12, page_size=4, num_gdn_slots=6)
+    engine = ScriptedEngine(total_kv_pages=12, page_size=4, total_gdn_slots=6)
     worker = WorkerThread(scheduler.port, "small", engine, session=session,
                           overlap=overlap).start()
     prompts = _prompts(6, seed=2, chunk_size=16)
@@ -90,12 +90,12 @@ def test_preempted_sequences_resume_without_duplicate_tokens(scheduler, stub, se
     assert worker.loop.stats.preempted + by_scheduler > 0, "the pool was meant to be too small"
     for i, prompt in enumerate(prompts):
         assert results[i] == reference_output(prompt, 10), f"stream {i}"
-    assert engine.num_free_kv_pages() == engine.total_kv_pages
+    assert engine.kv_free_pages() == engine.total_kv_pages
 
 
 @pytest.mark.parametrize("scheduler", [{"chunk_size": 32, "max_seq_len": 512}], indirect=True)
 def test_stopping_a_worker_mid_run_moves_its_sequences_to_the_other(scheduler, stub):
-    slow = WorkerThread(scheduler.port, "leaving", ScriptedEngine(num_gdn_slots=16)).start()
+    slow = WorkerThread(scheduler.port, "leaving", ScriptedEngine(total_gdn_slots=16)).start()
     prompts = _prompts(8, seed=3, chunk_size=32)
     results: dict[int, list[int]] = {}
     runner = threading.Thread(target=lambda: results.update(
@@ -106,7 +106,7 @@ def test_stopping_a_worker_mid_run_moves_its_sequences_to_the_other(scheduler, s
         time.sleep(0.01)
     slow.stop.set()           # leaves with sequences half done: they go back to the queue
     slow.join()
-    other = WorkerThread(scheduler.port, "staying", ScriptedEngine(num_gdn_slots=16)).start()
+    other = WorkerThread(scheduler.port, "staying", ScriptedEngine(total_gdn_slots=16)).start()
     runner.join(60)
     other.stop.set()
     other.join()
@@ -142,7 +142,7 @@ def test_silent_worker_loses_its_sequences_after_the_lease_and_registers_again(s
 
 @pytest.mark.parametrize("scheduler", [{"chunk_size": 32}], indirect=True)
 def test_draining_worker_finishes_what_it_holds_and_takes_nothing_new(scheduler, stub):
-    engine = ScriptedEngine(num_gdn_slots=4)
+    engine = ScriptedEngine(total_gdn_slots=4)
     worker = WorkerThread(scheduler.port, "drainer", engine, max_batch_size=2).start()
     ids = [stub.Submit(pb.SubmitRequest(prompt_token_ids=[i + 1] * 5, max_new_tokens=50)).seq_id
            for i in range(4)]
@@ -152,7 +152,7 @@ def test_draining_worker_finishes_what_it_holds_and_takes_nothing_new(scheduler,
     states = [stub.GetSequence(pb.GetSequenceRequest(seq_id=s)).state for s in ids]
     assert states.count(pb.SEQUENCE_STATE_FINISHED) == 2
     assert states.count(pb.SEQUENCE_STATE_QUEUED) == 2
-    assert engine.num_free_gdn_slots() == engine.total_gdn_slots
+    assert engine.gdn_free_slots() == engine.total_gdn_slots
 
 
 def test_client_retries_until_the_scheduler_comes_up():
@@ -223,7 +223,7 @@ def test_lost_answers_and_retried_reports_neither_duplicate_nor_lose_tokens(sche
         def details(self):
             return "answer lost (test)"
 
-    engine = ScriptedEngine(num_gdn_slots=8)
+    engine = ScriptedEngine(total_gdn_slots=8)
     worker = WorkerThread(scheduler.port, "flaky", engine, session=session, overlap=overlap)
     client = worker.client
     rng = random.Random(5)

@@ -45,9 +45,9 @@ class ModelEngine:
         self,
         model: Qwen35ForCausalLM,
         *,
-        num_kv_pages: int,
+        total_kv_pages: int,
         page_size: int,
-        num_gdn_slots: int,
+        total_gdn_slots: int,
         device: str | torch.device,
         max_batch_size: int | None = None,
         max_prefill_sequences: int | None = None,
@@ -55,34 +55,34 @@ class ModelEngine:
     ) -> None:
         """Allocates the pools on `device` (the model must be there); raises ModelDoesNotFit.
 
-        `max_batch_size` (default: num_gdn_slots) bounds the rows of a decode forward,
+        `max_batch_size` (default: total_gdn_slots) bounds the rows of a decode forward,
         `max_prefill_sequences` (default: max_batch_size) the sequences packed into one
         prefill forward (1: one forward per sequence's chunk), and `max_prefill_tokens`
         its padded size, rows x longest row (a longer single chunk still runs, alone).
         """
-        limits = (num_kv_pages, page_size, num_gdn_slots, max_batch_size or 1, max_prefill_sequences or 1,
+        limits = (total_kv_pages, page_size, total_gdn_slots, max_batch_size or 1, max_prefill_sequences or 1,
                   max_prefill_tokens)
         if min(limits) < 1:
-            raise ValueError("num_kv_pages, page_size, num_gdn_slots, max_batch_size, "
+            raise ValueError("total_kv_pages, page_size, total_gdn_slots, max_batch_size, "
                              "max_prefill_sequences and max_prefill_tokens must be >= 1")
         self.device = torch.device(device)
         config = model.config
         self.model = model
         self.page_size = page_size
-        self.total_kv_pages = num_kv_pages
-        self.total_gdn_slots = num_gdn_slots
-        self.max_batch_size = max_batch_size or num_gdn_slots
+        self.total_kv_pages = total_kv_pages
+        self.total_gdn_slots = total_gdn_slots
+        self.max_batch_size = max_batch_size or total_gdn_slots
         self.max_prefill_sequences = max_prefill_sequences or self.max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         dtype = model.dtype
-        check_pools_fit(config, PoolSizes(num_kv_pages, page_size, num_gdn_slots), self.device, dtype)
+        check_pools_fit(config, PoolSizes(total_kv_pages, page_size, total_gdn_slots), self.device, dtype)
         self._kv_cache = PagedKVCache(
-            num_layers=config.num_full_attention_layers, num_pages=num_kv_pages, page_size=page_size,
+            num_layers=config.num_full_attention_layers, num_pages=total_kv_pages, page_size=page_size,
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
             device=self.device, dtype=dtype,
         )
         self._state_pool = GdnStatePool(
-            num_layers=config.num_linear_attention_layers, num_slots=num_gdn_slots,
+            num_layers=config.num_linear_attention_layers, num_slots=total_gdn_slots,
             conv_dim=config.linear_conv_dim, conv_kernel=config.linear_conv_kernel_dim,
             num_value_heads=config.linear_num_value_heads, key_head_dim=config.linear_key_head_dim,
             value_head_dim=config.linear_value_head_dim, device=self.device, dtype=dtype,
@@ -90,10 +90,10 @@ class ModelEngine:
         self._held: dict[int, HeldSequence] = {}  # in admission order
         self._num_admissions = 0
 
-    def num_free_kv_pages(self) -> int:
+    def kv_free_pages(self) -> int:
         return self._kv_cache.num_free_pages()
 
-    def num_free_gdn_slots(self) -> int:
+    def gdn_free_slots(self) -> int:
         return self._state_pool.num_free_slots()
 
     def waiting_ids(self) -> list[int]:

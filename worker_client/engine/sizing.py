@@ -28,9 +28,9 @@ _CUDA_GDN_SHARE = 0.25
 class PoolSizes:
     """The engine's pools: KV pages of `page_size` tokens and GDN state slots."""
 
-    num_kv_pages: int
+    total_kv_pages: int
     page_size: int
-    num_gdn_slots: int
+    total_gdn_slots: int
 
 
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -59,8 +59,8 @@ def num_parameters(config: ModelConfig) -> int:
 
 
 def pool_bytes(config: ModelConfig, sizes: PoolSizes, dtype: torch.dtype) -> int:
-    return (sizes.num_kv_pages * kv_page_bytes(config, sizes.page_size, dtype)
-            + sizes.num_gdn_slots * gdn_slot_bytes(config, dtype))
+    return (sizes.total_kv_pages * kv_page_bytes(config, sizes.page_size, dtype)
+            + sizes.total_gdn_slots * gdn_slot_bytes(config, dtype))
 
 
 def available_bytes(device: torch.device) -> int:
@@ -120,7 +120,7 @@ def default_pool_sizes(
             f"takes {slot_bytes / _GIB:.3f} GiB and one KV page {page_bytes / _GIB:.3f} GiB; "
             "use a smaller dtype, a larger device or a smaller model"
         )
-    return PoolSizes(num_kv_pages=int(num_pages), page_size=page_size, num_gdn_slots=int(num_slots))
+    return PoolSizes(total_kv_pages=int(num_pages), page_size=page_size, total_gdn_slots=int(num_slots))
 
 
 def check_pools_fit(config: ModelConfig, sizes: PoolSizes, device: torch.device, dtype: torch.dtype) -> None:
@@ -129,7 +129,7 @@ def check_pools_fit(config: ModelConfig, sizes: PoolSizes, device: torch.device,
     free = available_bytes(device)
     if needed > free:
         raise ModelDoesNotFit(
-            f"{sizes.num_kv_pages} KV pages of {sizes.page_size} tokens and {sizes.num_gdn_slots} GDN "
+            f"{sizes.total_kv_pages} KV pages of {sizes.page_size} tokens and {sizes.total_gdn_slots} GDN "
             f"slots need {needed / _GIB:.2f} GiB on {device}, only {free / _GIB:.2f} GiB is free; "
             "ask for fewer (see default_pool_sizes)"
         )
