@@ -5,8 +5,9 @@ from service.core.errors import (
     UnknownWorker,
 )
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
-from service.core.plan import BlockReason, PreemptReason
+from service.core.vocabulary import BlockReason, PreemptReason
 from service.core.policies import FifoPolicy
+from service.core.replica import ReplicaScheduler
 from service.core.scheduler import OutputView, Scheduler
 from service.core.types import (
     Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams, SchedulerStatus,
@@ -17,7 +18,7 @@ from service.core.types import (
 __all__ = [
     "BlockReason", "ConfigError", "Decision", "EvictReason", "FifoPolicy", "FinishReason",
     "FinishedSequence", "InvalidArgument", "NotFound", "OutputView", "PrefillChunk",
-    "PreemptReason", "QueueFull", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
+    "PreemptReason", "QueueFull", "ReplicaScheduler", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerError", "SchedulerObserver", "SchedulerStatus", "SequenceInfo", "SequenceSpec",
     "SequenceState", "SubmitParams", "SubmitResult", "Superseded", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
     "WorkerReport", "WorkerSettings", "WorkerStatus",

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 from service.core.changes import ChangeSet
 from service.core.ledger import WorkerRecord
+from service.core.lifecycle import Lifecycle
 from service.core.observer import RequeueReason, SchedulerObserver
 from service.core.plan import Chunk, DecisionView, Plan, Policy
 from service.core.plan_check import check_plan
@@ -26,57 +27,43 @@ DECISION_FIXED_BYTES = 64
 _ID_BYTES = 11
 _CONTINUATION_BYTES = 32
 
-# Puts a worker's sequences back in the queue (the Scheduler's requeue); returns those
-# that went back (one with nothing left to generate finishes instead).
-Requeue = Callable[[WorkerRecord, list[int], RequeueReason], list[int]]
-
 
 class Batcher:
     """Turns a policy's plans into decisions, over the Scheduler's tables."""
 
-    def __init__(self, policy: Policy, queue: AdmissionQueue, sequences: SequenceTable,
-                 changes: ChangeSet, observer: SchedulerObserver,
-                 tenants: TenantLedger | None, clock: Callable[[], float],
-                 max_decision_bytes: int, max_loras: int) -> None:
+    def __init__(self, policy: Policy, policy_name: str, queue: AdmissionQueue,
+                 sequences: SequenceTable, changes: ChangeSet, observer: SchedulerObserver,
+                 lifecycle: Lifecycle, tenants: TenantLedger | None,
+                 clock: Callable[[], float], max_decision_bytes: int, max_loras: int) -> None:
         self._policy = policy
+        self._policy_name = policy_name  # config.policy, for PlanError's message
         self._queue = queue
         self._sequences = sequences
         self._changes = changes
         self._observer = observer
+        self._lifecycle = lifecycle
         self._tenants = tenants
         self._clock = clock
         self._max_decision_bytes = max_decision_bytes
         self._tracks_adapters = max_loras > 0
-        self._num_admissions = 0
 
-    def restore_admissions(self, num_admissions: int) -> None:
-        """Admissions numbered before a restart: later ones are numbered after them."""
-        self._num_admissions = max(self._num_admissions, num_admissions)
-
-    def decide(self, worker: WorkerRecord, report: WorkerReport, reported: set[int],
-               evict: tuple[int, ...], requeue: Requeue) -> Decision:
+    def decide(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
+               evict: tuple[int, ...]) -> Decision:
         """The decision for `worker`, whose report was applied (contract rule 1)."""
-        view = self._view(worker, report, reported, len(evict))
+        assigned, sequence = worker.assigned, self._sequences.get
+        running = tuple(sequence(s) for s in report.running if s in assigned)
+        waiting = tuple(sequence(s) for s in report.waiting if s in assigned)
+        view = self._view(worker, report, reported, running, waiting, len(evict))
         plan = self._policy.plan(view)
         check_plan(view, plan, self._policy.budget(view),
-                   lambda seq_id: self._candidate(worker, reported, seq_id), self._policy.name)
-        return self._apply(worker, view, plan, evict, requeue)
+                   lambda seq_id: self._candidate(worker, reported, seq_id), self._policy_name)
+        return self._apply(worker, running, waiting, plan, evict)
 
-    def serve(self, served: Counter[str]) -> None:
-        """Count tokens served per tenant (the fair order's counters, and metrics)."""
-        for tenant, num_tokens in served.items():
-            if not num_tokens:
-                continue
-            if self._tenants is not None:
-                self._changes.tenant_served(tenant, self._tenants.charge(tenant, num_tokens))
-            self._observer.on_served(tenant, num_tokens)
-
-    def _view(self, worker: WorkerRecord, report: WorkerReport, reported: set[int],
+    def _view(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
+              running: tuple[Sequence, ...], waiting: tuple[Sequence, ...],
               num_evict: int) -> DecisionView:
         sequences = self._sequences
         assigned = worker.assigned
-        running = tuple(sequences.get(s) for s in report.running if s in assigned)
-        waiting = tuple(sequences.get(s) for s in report.waiting if s in assigned)
         adapters = (frozenset(a for s in assigned if (a := sequences.get(s).adapter_id))
                     if self._tracks_adapters else frozenset())
         num_ids = len(running) + len(waiting)
@@ -105,7 +92,7 @@ class Batcher:
             service=service,
         )
 
-    def _candidate(self, worker: WorkerRecord, reported: set[int],
+    def _candidate(self, worker: WorkerRecord, reported: frozenset[int],
                    seq_id: int) -> Sequence | None:
         """The queued sequence `seq_id` if `worker` may be given it now, else None."""
         seq = self._sequences.get(seq_id)
@@ -114,20 +101,22 @@ class Batcher:
             return None
         return seq
 
-    def _apply(self, worker: WorkerRecord, view: DecisionView, plan: Plan,
-               evict: tuple[int, ...], requeue: Requeue) -> Decision:
+    def _apply(self, worker: WorkerRecord, running: tuple[Sequence, ...],
+               waiting: tuple[Sequence, ...], plan: Plan, evict: tuple[int, ...]) -> Decision:
+        """Carry out a checked plan; `running` and `waiting` are the view's, as the
+        sequence table's records (written here, read-only to the policy)."""
         served: Counter[str] = Counter()
         prefill = []
         for chunk in plan.admissions:
             seq = self._sequences.get(chunk.seq_id)
-            prefill.append(self._first_chunk(worker, seq, chunk.length))
-            served[seq.tenant] += chunk.length
-        for seq in view.running:
+            prefill.append(self._first_chunk(worker, seq, chunk.chunk_len))
+            served[seq.tenant] += chunk.chunk_len
+        for seq in running:
             if seq.state is not SequenceState.DECODING and seq.seq_id not in plan.preempt:
                 seq.state = SequenceState.DECODING
                 seq.prefilled_tokens = seq.spec_prompt_len()
                 self._changes.touched(seq)
-        for seq in view.waiting:
+        for seq in waiting:
             # The worker asks for more, so the chunk handed out before is done.
             if seq.prefilled_tokens != seq.cursor:
                 seq.prefilled_tokens = seq.cursor
@@ -135,40 +124,39 @@ class Batcher:
         for chunk in plan.continuations:
             seq = self._sequences.get(chunk.seq_id)
             prefill.append(self._continuation(seq, chunk))
-            served[seq.tenant] += chunk.length
+            served[seq.tenant] += chunk.chunk_len
         if plan.admissions:
-            self._observer.on_queue_depth(len(self._queue))
-            self._observer.on_queue_bands(self._queue.depth_by_band())
-        for seq_id in requeue(worker, list(plan.preempt), RequeueReason.PREEMPTED):
+            self._lifecycle.queue_changed()
+        for seq_id in self._lifecycle.requeue(worker, list(plan.preempt),
+                                              RequeueReason.PREEMPTED):
             self._observer.on_preempted(seq_id, worker.worker_id, plan.preempt_reason)
         if plan.blocked is not None and len(self._queue):
             self._observer.on_admission_blocked(worker.worker_id, plan.blocked)
-        self.serve(served)
+        self._lifecycle.serve(served)
         if plan.decode or prefill:
             self._observer.on_plan(worker.worker_id,
                                    len(plan.decode) + sum(c.chunk_len for c in prefill),
                                    self._policy.token_budget)
         return Decision(tuple(prefill), plan.decode, evict, worker.iteration, plan.preempt)
 
-    def _first_chunk(self, worker: WorkerRecord, seq: Sequence, length: int) -> PrefillChunk:
+    def _first_chunk(self, worker: WorkerRecord, seq: Sequence, chunk_len: int) -> PrefillChunk:
         spec = seq.spec()
         self._queue.remove(seq.seq_id)
-        self._num_admissions += 1
-        seq.admission_order = self._num_admissions
+        seq.admission_order = self._sequences.next_admission_order()
         seq.state = SequenceState.PREFILLING
         seq.worker_id = worker.worker_id
         seq.prefilled_tokens = 0
         seq.num_generated_at_admission = len(seq.output_token_ids)
         seq.num_generated = len(seq.output_token_ids)
-        seq.cursor = length
+        seq.cursor = chunk_len
         worker.assigned[seq.seq_id] = None
         self._changes.touched(seq)
         self._observer.on_admitted(seq.seq_id, worker.worker_id,
                                    max(0.0, self._clock() - seq.enqueued_at))
-        return PrefillChunk(seq.seq_id, 0, length, spec)
+        return PrefillChunk(seq.seq_id, 0, chunk_len, spec)
 
     def _continuation(self, seq: Sequence, chunk: Chunk) -> PrefillChunk:
-        prefill = PrefillChunk(seq.seq_id, seq.cursor, chunk.length)
-        seq.cursor += chunk.length
+        prefill = PrefillChunk(seq.seq_id, seq.cursor, chunk.chunk_len)
+        seq.cursor += chunk.chunk_len
         self._changes.touched(seq)
         return prefill

@@ -1,12 +1,13 @@
 """Hooks through which the core reports what it does (metrics and logs listen here).
 
-The core calls these synchronously while it holds the scheduler lock: keep them cheap.
+The core calls these synchronously, inside the call that made the change (one event
+loop serializes every call, so a slow hook delays every worker): keep them cheap.
 """
 from __future__ import annotations
 
 import enum
 
-from service.core.plan import BlockReason, PreemptReason
+from service.core.vocabulary import BlockReason, PreemptReason
 from service.core.types import Decision, FinishReason, WorkerReport
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from service.core.plan import DecisionView, Plan, PlanError, SequenceView
+from service.core.plan import DecisionView, Plan, PlanError
 from service.core.step_budget import StepBudget, decode_pages, held_pages
+from service.core.vocabulary import SequenceView
 
 
 def check_plan(view: DecisionView, plan: Plan, budget: StepBudget,
@@ -49,17 +50,17 @@ def check_plan(view: DecisionView, plan: Plan, budget: StepBudget,
     for chunk in plan.continuations:
         once(chunk.seq_id, "continuations")
         seq = waiting.get(chunk.seq_id)
-        if seq is None or not 0 <= chunk.length <= seq.spec_prompt_len() - seq.cursor:
+        if seq is None or not 0 <= chunk.chunk_len <= seq.spec_prompt_len() - seq.cursor:
             raise PlanError(f"policy {policy_name}: continuation {chunk} is not the next "
                             "part of a prefill the worker holds")
-        budget.take_chunk(seq.cursor, chunk.length)
+        budget.take_chunk(seq.cursor, chunk.chunk_len)
     for chunk in plan.admissions:
         once(chunk.seq_id, "admissions")
         seq = candidate(chunk.seq_id)
-        if seq is None or not 1 <= chunk.length <= seq.resume_len():
+        if seq is None or not 1 <= chunk.chunk_len <= seq.num_tokens():
             raise PlanError(f"policy {policy_name}: admission {chunk} is not a queued "
                             "sequence this worker can run, or its length is out of range")
-        budget.take_admission(seq, chunk.length)
+        budget.take_admission(seq, chunk.chunk_len)
     lone_prefill = (not plan.decode and not plan.admissions and len(plan.continuations) == 1
                     and view.num_active == 1)
     problem = budget.overdrawn(pages_may_overdraw=lone_prefill)

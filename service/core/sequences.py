@@ -101,22 +101,20 @@ class Sequence:
             stop_token_ids=p.stop_token_ids,
         )
 
-    def resume_len(self) -> int:
-        """Prompt length of the spec its next admission would carry."""
-        return self.prompt_len + len(self.output_token_ids)
-
     def spec_prompt_len(self) -> int:
         """Prompt length of the current assignment's spec (tokens decoded since don't count)."""
         return self.prompt_len + self.num_generated_at_admission
 
     def num_tokens(self) -> int:
-        """Tokens of the current assignment so far: its spec's prompt plus those reported."""
+        """Its prompt plus every token generated so far: the tokens of its current
+        assignment while running (spec prompt plus those reported since), the prompt
+        length of the spec its next admission carries while queued."""
         return self.prompt_len + len(self.output_token_ids)
 
     def spec_wire_bytes(self) -> int:
         """An upper bound of the bytes its first chunk (with the spec) takes in a decision."""
         p = self.params
-        return spec_wire_bytes(self.resume_len() + len(p.stop_token_ids), p.adapter_id)
+        return spec_wire_bytes(self.num_tokens() + len(p.stop_token_ids), p.adapter_id)
 
     def progress(self) -> SequenceProgress:
         return SequenceProgress(
@@ -141,6 +139,7 @@ class SequenceTable:
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._max_finished_retained = max_finished_retained
         self._num_finished = 0
+        self._num_admissions = 0
         self._next_seq_id = 1
 
     def __len__(self) -> int:
@@ -152,6 +151,11 @@ class SequenceTable:
     @property
     def next_seq_id(self) -> int:
         return self._next_seq_id
+
+    def next_admission_order(self) -> int:
+        """The number of the next admission to a worker (1, 2, ...; a restart goes on)."""
+        self._num_admissions += 1
+        return self._num_admissions
 
     def get(self, seq_id: int) -> Sequence | None:
         return self._by_id.get(seq_id)
@@ -211,6 +215,7 @@ class SequenceTable:
         )
         self._add(seq)
         self.reserve_ids_below(seq.seq_id + 1)
+        self._num_admissions = max(self._num_admissions, seq.admission_order)
         return seq
 
     def restore_finished_order(self) -> None:

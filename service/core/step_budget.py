@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.core.plan import BlockReason, SequenceView
+from service.core.vocabulary import BlockReason, SequenceView
 
 
 def pages_for(num_positions: int, page_size: int) -> int:

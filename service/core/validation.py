@@ -1,9 +1,36 @@
-"""Checks of a worker's calls, before the core changes anything."""
+"""Checks of clients' and workers' calls, before the core changes anything."""
 from __future__ import annotations
 
+from service.core.batcher import DECISION_FIXED_BYTES
+from service.core.config import SchedulerConfig
 from service.core.errors import InvalidArgument, Superseded, UnknownWorker
 from service.core.ledger import WorkerRecord
-from service.core.types import WorkerReport
+from service.core.sequences import spec_wire_bytes
+from service.core.types import SubmitParams, WorkerReport
+
+
+def check_submit(params: SubmitParams, config: SchedulerConfig,
+                 max_decision_bytes: int) -> None:
+    """InvalidArgument if `params` could never run under `config`."""
+    prompt_len = len(params.prompt_token_ids)
+    if prompt_len == 0:
+        raise InvalidArgument("prompt_token_ids must not be empty")
+    if params.max_new_tokens == 0:
+        raise InvalidArgument("max_new_tokens must be at least 1, got 0")
+    limit = config.max_seq_len
+    if prompt_len + params.max_new_tokens > limit:
+        raise InvalidArgument(
+            f"prompt_len + max_new_tokens = {prompt_len} + {params.max_new_tokens} = "
+            f"{prompt_len + params.max_new_tokens} exceeds max_seq_len={limit}"
+        )
+    # Its spec, grown by every token it may generate, must fit in one decision.
+    num_ids = prompt_len + params.max_new_tokens + len(params.stop_token_ids)
+    if spec_wire_bytes(num_ids, params.adapter_id) > max_decision_bytes - DECISION_FIXED_BYTES:
+        raise InvalidArgument(
+            f"prompt_len + max_new_tokens + stop_token_ids = {num_ids} token ids may not "
+            f"fit in one decision of at most {max_decision_bytes} bytes "
+            "(--max-message-bytes); send a shorter prompt or raise the limit"
+        )
 
 
 def check_incarnation(worker: WorkerRecord, incarnation: int) -> None:

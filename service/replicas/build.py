@@ -9,6 +9,7 @@ import socket
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
+from service.core.orders import queue_order
 from service.server.metrics import SchedulerMetrics
 from service.replicas.servicer import ReplicaServicer
 from service.settings import ServeSettings
@@ -21,7 +22,7 @@ def open_store(settings: ServeSettings, registry: CollectorRegistry) -> Postgres
     store = PostgresState(
         settings.state, name=f"{socket.gethostname()}:{settings.port}",
         lease_ttl_seconds=settings.replica_lease_ms / 1000.0, fsync=settings.state_fsync,
-        policy=settings.scheduler.policy, aging_seconds=settings.scheduler.aging_seconds)
+        order=queue_order(settings.scheduler))
     registry.register(_RoundTrips(store))
     return store
 

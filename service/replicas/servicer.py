@@ -28,7 +28,7 @@ from dataclasses import replace
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.server import convert
-from service.core import NotFound, Scheduler, SchedulerError, SequenceState
+from service.core import NotFound, ReplicaScheduler, SchedulerError, SequenceState
 from service.core.types import SubmitParams, SubmitResult
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
@@ -75,7 +75,7 @@ class _Hint:
 class ReplicaServicer(SchedulerServicer):
     """The Scheduler service of one replica; see the module docstring."""
 
-    def __init__(self, core: Scheduler, wakeups: Wakeups, state: PostgresState, *,
+    def __init__(self, core: ReplicaScheduler, wakeups: Wakeups, state: PostgresState, *,
                  metrics: SchedulerMetrics | None = None, lag: LoopLag | None = None,
                  prefetch: int = 8) -> None:
         super().__init__(core, wakeups, metrics=metrics, lag=lag)

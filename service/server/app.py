@@ -32,7 +32,7 @@ from service.server.interceptors import decode_errors
 from service.server.interceptors import limits
 
 from service.server import ports
-from service.core import ConfigError, Scheduler
+from service.core import ConfigError, ReplicaScheduler, Scheduler
 from service.core.store import StoreError
 from service.state.group_commit import GroupCommit
 from service.server.loop_lag import LoopLag
@@ -200,9 +200,11 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
     wakeups = Wakeups()
     try:
         # The sweeper checks leases every sweep_seconds: a gap of three means we stood still.
-        core = Scheduler(settings.scheduler, observer=FanOut(metrics, wakeups), store=store,
-                         stall_seconds=max(3 * sweep_seconds, 0.5),
-                         max_decision_bytes=settings.max_message_bytes)
+        # A replica's core also takes and gives up sequences of the shared store.
+        core_class = ReplicaScheduler if settings.state else Scheduler
+        core = core_class(settings.scheduler, observer=FanOut(metrics, wakeups), store=store,
+                          stall_seconds=max(3 * sweep_seconds, 0.5),
+                          max_decision_bytes=settings.max_message_bytes)
     except StoreError as err:
         where = f"state_dir {settings.state_dir!r}" if settings.state_dir else "state"
         raise ConfigError(f"{where}: cannot load it: {err}") from None

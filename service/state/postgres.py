@@ -9,8 +9,8 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
 - Submit (any replica): `lattice_submit()`, one statement and one synchronous commit:
   request_id idempotency (a unique index), the queue limits, a new seq_id and tail key
   from database sequences, the queue position, and NOTIFY lattice_submit.
-- Claim: the replica's prefetcher takes the head of the unclaimed queue in the policy's
-  order with FOR UPDATE SKIP LOCKED.
+- Claim: the replica's prefetcher takes the head of the unclaimed queue in the queue
+  order's sort key (service/core/orders.py) with FOR UPDATE SKIP LOCKED.
 - Leases: a replica renews its row in `replicas`; a live replica returns the sequences
   of replicas whose lease ran out to the shared queue (`reclaim_expired`).
 - Tokens: one row per sequence per save in `tokens`; saves NOTIFY lattice_progress with
@@ -33,6 +33,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from service.core import ConfigError, FinishReason, SequenceState, SubmitParams
 from service.core.errors import NotFound, QueueFull
+from service.core.orders import ArrivalOrder, QueueOrder, SortTerm
 from service.core.store import (
     Disowned, SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker,
     StoreError,
@@ -164,6 +165,18 @@ END $$;
 """
 
 # Columns of a sequence row, in the order _stored_sequence reads them.
+# Each term of a queue order's sort key, as SQL over `sequences q` (%(aging)s: the
+# order's aging_seconds).
+_ORDER_SQL = {
+    SortTerm.QUEUE_KEY: "queue_key",
+    SortTerm.AGED_PRIORITY: ("(priority - floor(greatest(0, extract(epoch from "
+                             "clock_timestamp()) - submitted_at) / %(aging)s))"),
+    SortTerm.TENANT_SERVICE: ("coalesce((SELECT t.served FROM tenant_service t "
+                              "WHERE t.tenant = q.tenant), 0)"),
+    SortTerm.SUBMITTED_AT: "submitted_at",
+    SortTerm.SEQ_ID: "seq_id",
+}
+
 _COLUMNS = ("seq_id, params, prompt, state, worker_id, queue_key, cursor, prefilled_tokens, "
             "num_generated, num_generated_at_admission, finish_reason, finish_order, "
             "submitted_at, admission_order, error_message")
@@ -192,8 +205,7 @@ class PostgresState:
     """StateStore of one replica over the shared database, plus what replicas need."""
 
     def __init__(self, url: str, *, name: str, lease_ttl_seconds: float = 5.0,
-                 fsync: str = "acks", policy: str = "budget",
-                 aging_seconds: float = 30.0, pool_size: int = 8,
+                 fsync: str = "acks", order: QueueOrder = ArrivalOrder(), pool_size: int = 8,
                  connect_timeout_seconds: float = 5.0) -> None:
         if not url.startswith(("postgresql://", "postgres://")):
             raise ConfigError(f"state {url!r}: a PostgreSQL URL starts with postgresql://")
@@ -201,8 +213,9 @@ class PostgresState:
         self.name = name
         self.lease_ttl_seconds = lease_ttl_seconds
         self._fsync = fsync
-        self._fair = policy == "fair"
-        self._aging_seconds = aging_seconds
+        # Claims take the head of the shared queue in this order (the cores' own).
+        self._claim_order = ", ".join(_ORDER_SQL[term] for term in order.sort_key)
+        self._aging_seconds = order.aging_seconds
         self._timeout = connect_timeout_seconds
         # Tenant counters as last saved or read by this replica: saves add the difference.
         self._tenant_base: dict[str, float] = {}
@@ -368,14 +381,9 @@ class PostgresState:
     # ------------------------------------------------------------------ ownership
 
     def claim(self, count: int) -> Claimed:
-        """Take up to `count` unclaimed queued sequences, head first in the policy's order
+        """Take up to `count` unclaimed queued sequences, head first in the queue order
         (FOR UPDATE SKIP LOCKED: two replicas never take the same one, nor wait)."""
-        if self._fair:
-            order = ("(priority - floor(greatest(0, extract(epoch from clock_timestamp()) - "
-                     "submitted_at) / %(aging)s)), coalesce((SELECT t.served FROM "
-                     "tenant_service t WHERE t.tenant = q.tenant), 0), submitted_at, seq_id")
-        else:
-            order = "queue_key, seq_id"
+        order = self._claim_order
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
             ids = [row[0] for row in conn.execute(

@@ -9,8 +9,9 @@ from dataclasses import replace
 import psycopg
 import pytest
 
-from service.core import FinishReason, QueueFull, Scheduler, SequenceState
+from service.core import FinishReason, QueueFull, ReplicaScheduler, SequenceState
 from service.core.store import Disowned, SequenceProgress, StateChanges
+from service.core.orders import queue_order
 from service.core.types import TokenUpdate
 from service.state.postgres import PostgresState
 from tests.unit.factories import (
@@ -23,9 +24,11 @@ class Replica:
 
     def __init__(self, url: str, name: str, policy: str = "fifo", lease_ttl: float = 5.0,
                  **config) -> None:
-        self.state = PostgresState(url, name=name, lease_ttl_seconds=lease_ttl, policy=policy)
+        config = make_config(policy=policy, **config)
+        self.state = PostgresState(url, name=name, lease_ttl_seconds=lease_ttl,
+                                   order=queue_order(config))
         self.clock = FakeClock()
-        self.core = Scheduler(make_config(policy=policy, **config), clock=self.clock,
+        self.core = ReplicaScheduler(config, clock=self.clock,
                               wall_clock=lambda: self.clock() + 1.7e9, store=self.state)
 
     def submit(self, **overrides) -> int:

@@ -1,18 +1,20 @@
-"""The policies: `fifo` (the seed's), `budget` and `fair` (contract, "Policies")."""
+"""The batching policies: `fifo` (the seed's) and `budget`; the `fair` policy is
+`budget` batching over the fair queue order (contract, "Policies"; service/core/orders.py)."""
 from __future__ import annotations
 
 from service.core.config import SchedulerConfig
-from service.core.policies.budget import BudgetPolicy, FairPolicy
+from service.core.policies.budget import BudgetPolicy
 from service.core.policies.fifo import FifoPolicy
 from service.core.plan import Policy
 
-__all__ = ["BudgetPolicy", "FairPolicy", "FifoPolicy", "make_policy"]
+__all__ = ["BudgetPolicy", "FifoPolicy", "make_policy"]
 
-_POLICIES = {"fifo": FifoPolicy, "budget": BudgetPolicy, "fair": FairPolicy}
+_POLICIES = {"fifo": FifoPolicy, "budget": BudgetPolicy, "fair": BudgetPolicy}
 
 
 def make_policy(config: SchedulerConfig) -> Policy:
-    """The policy named by config.policy (validated beforehand)."""
+    """The batching policy config.policy names (validated beforehand); its queue order
+    is service.core.orders.queue_order(config)."""
     try:
         return _POLICIES[config.policy](config)
     except KeyError:

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from service.core.plan import BlockReason, Chunk, DecisionView, SequenceView
+from service.core.plan import Chunk, DecisionView
 from service.core.step_budget import StepBudget
+from service.core.vocabulary import BlockReason, SequenceView
 
 # Candidates one decision may pass over (adapter limits, too big for what is left)
 # before it stops looking: a decision costs O(admissions + this), never O(queue).

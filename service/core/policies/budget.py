@@ -14,33 +14,27 @@ no chunk) because prefills in progress hold the pages the others need, the lates
 admitted of them is preempted; a lone sequence gets its chunk whatever the pages (the
 worker then preempts or fails it, as with fifo's empty-batch rule).
 
-`fair` spends the budget the same way; only its queue order differs (fair_queue.py).
+`fair` is this batching over the fair queue order (service/core/orders.py): the order
+and the batching are chosen apart, so there is no policy class of its own.
 """
 from __future__ import annotations
 
 from service.core.config import SchedulerConfig
-from service.core.fair_queue import FairQueue
-from service.core.plan import (
-    BlockReason, Chunk, DecisionView, Plan, PreemptReason, SequenceView,
-)
+from service.core.plan import Chunk, DecisionView, Plan
 from service.core.policies.admit import admit
-from service.core.queue import AdmissionQueue, FcfsQueue
 from service.core.step_budget import StepBudget, decode_pages, held_pages
+from service.core.vocabulary import BlockReason, PreemptReason, SequenceView
 
 
 class BudgetPolicy:
-    """Arrival order (requeued sequences at the head), token-budget batching."""
+    """Token-budget batching, over whichever queue order it is given candidates in."""
 
     name = "budget"
-    uses_tenant_service = False
 
     def __init__(self, config: SchedulerConfig) -> None:
         self._config = config
         self.token_budget = config.token_budget
         self._min_prefill_chunk = config.first_chunk_floor
-
-    def new_queue(self) -> AdmissionQueue:
-        return FcfsQueue()
 
     def budget(self, view: DecisionView) -> StepBudget:
         if view.draining:
@@ -75,20 +69,9 @@ class BudgetPolicy:
                     blocked=blocked)
 
     def _first_chunk(self, seq: SequenceView, budget: StepBudget) -> int | None:
-        prompt_len = seq.resume_len()
+        prompt_len = seq.num_tokens()
         length = min(prompt_len, budget.tokens)
         return length if length >= min(self._min_prefill_chunk, prompt_len) else None
-
-
-class FairPolicy(BudgetPolicy):
-    """The budget policy's batching over the fair order: priority bands with aging,
-    tenants by least weighted service, first come first served inside a tenant."""
-
-    name = "fair"
-    uses_tenant_service = True
-
-    def new_queue(self) -> AdmissionQueue:
-        return FairQueue(self._config.aging_seconds)
 
 
 def _preempt_for_growth(view: DecisionView, budget: StepBudget,

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from service.core.config import SchedulerConfig
-from service.core.plan import BlockReason, Chunk, DecisionView, Plan, SequenceView
+from service.core.plan import Chunk, DecisionView, Plan
 from service.core.policies.admit import admit
-from service.core.queue import AdmissionQueue, FcfsQueue
 from service.core.step_budget import StepBudget
+from service.core.vocabulary import BlockReason, SequenceView
 
 
 class FifoPolicy:
@@ -16,16 +16,12 @@ class FifoPolicy:
     No token budget and no page accounting: the worker preempts on its own."""
 
     name = "fifo"
-    uses_tenant_service = False
     token_budget = None
 
     def __init__(self, config: SchedulerConfig) -> None:
         self._chunk_size = config.chunk_size
         self._prefill_reserve_pages = config.prefill_reserve_pages
         self._max_loras = config.max_loras
-
-    def new_queue(self) -> AdmissionQueue:
-        return FcfsQueue()
 
     def budget(self, view: DecisionView) -> StepBudget:
         capacity = max(0, view.max_batch_size - view.num_active)
@@ -54,4 +50,4 @@ class FifoPolicy:
         )
 
     def _first_chunk(self, seq: SequenceView, budget: StepBudget) -> int:
-        return min(self._chunk_size, seq.resume_len())
+        return min(self._chunk_size, seq.num_tokens())

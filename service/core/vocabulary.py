@@ -1,0 +1,63 @@
+"""The words policies and the mechanism share: why admissions stopped, why a sequence
+was preempted, and what a policy may read of a sequence.
+
+A leaf: it imports nothing of the core, so plan.py, step_budget.py, the policies and
+the observer all read it without importing each other.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+
+class BlockReason(enum.Enum):
+    """What limited admissions to a worker in one decision (a bounded metric label)."""
+
+    BATCH_FULL = "batch_full"
+    KV_RESERVE = "kv_reserve"  # fifo's reserve guard; the budget policies' page check
+    GDN_SLOTS = "gdn_slots"
+    DRAINING = "draining"
+    TOKEN_BUDGET = "token_budget"
+    MESSAGE_SIZE = "message_size"
+
+
+class PreemptReason(enum.Enum):
+    """Why a running sequence was preempted (a bounded metric label)."""
+
+    KV_GROWTH = "kv_growth"  # the scheduler: this iteration's decodes need more pages
+    NO_PROGRESS = "no_progress"  # the scheduler: prefills stuck on pages, nothing else ran
+    WORKER = "worker"  # the worker evicted it on its own and reported it
+
+
+class SequenceView(Protocol):
+    """What a policy may read of a sequence (service.core.sequences.Sequence)."""
+
+    @property
+    def seq_id(self) -> int: ...
+
+    @property
+    def priority(self) -> int: ...
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def adapter_id(self) -> str: ...
+
+    @property
+    def cursor(self) -> int:
+        """Prompt tokens of the current spec handed out so far."""
+
+    @property
+    def admission_order(self) -> int:
+        """Larger: admitted later."""
+
+    def spec_prompt_len(self) -> int:
+        """Prompt length of its current assignment's spec."""
+
+    def num_tokens(self) -> int:
+        """Its prompt plus every token generated so far: the tokens of its current
+        assignment while running, the prompt length of its next spec while queued."""
+
+    def spec_wire_bytes(self) -> int:
+        """Upper bound of the bytes its first chunk takes in a decision."""
