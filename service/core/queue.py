@@ -1,6 +1,7 @@
 """The admission queue: mechanism only, it knows no limits and reads no config.
 
-Two orders, as vLLM v1 keeps FCFS and priority order behind one queue interface:
+Two orders, as vLLM v1 keeps FCFS and priority order behind one queue interface
+(chosen by service/core/orders.py, apart from the batching policy):
 - `FcfsQueue`: arrival order; requeued sequences go back to the head (fifo, budget).
 - `FairQueue` (service/core/fair_queue.py): priority bands with aging, tenants by
   least service, first come first served inside a tenant (fair).
@@ -52,7 +53,7 @@ TenantCounter = Callable[[str], float]
 
 
 class AdmissionQueue(Protocol):
-    """Queued sequences in a policy's order."""
+    """Queued sequences in one queue order (service/core/orders.py)."""
 
     def __len__(self) -> int: ...
 

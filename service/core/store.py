@@ -7,7 +7,7 @@ survives a crash, or none of it does. `load` gives back what was saved, for a re
 SQLite is the embedded store (service/state/sqlite.py). PostgreSQL holds the state of
 several replicas (service/state/postgres.py): each replica's core owns some sequences,
 and a save that touches one another replica took over is refused whole with `Disowned`;
-the core then forgets those sequences (`Scheduler.disown`) and saves the rest.
+the core then forgets those sequences (`Lifecycle.forget`) and saves the rest.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Admissions from the queue, in the policy's order: the loop every policy shares."""
+"""Admissions from the queue, in the queue order: the loop every policy shares."""
 from __future__ import annotations
 
 from collections.abc import Callable
