@@ -74,7 +74,7 @@ class Process:
         out without one."""
         try:
             return wait_until(lambda: pattern.search(self.log_text()), f"{self.name}: {pattern}",
-                              timeout_seconds, every_seconds=0.02, gone=self._exited)
+                              timeout_seconds, every_seconds=0.02, gone=self.exit_reason)
         except WaitFailed:
             return pattern.search(self.log_text())  # it may have printed it as it exited
 
@@ -106,8 +106,12 @@ class Process:
                 self.popen.kill()
                 self.popen.wait(timeout_seconds)
 
-    def _exited(self) -> str | None:
-        return None if self.alive() else f"exited with {self.popen.returncode}"
+    def exit_reason(self) -> str | None:
+        """None while it runs; once it has exited, its code and the tail of its log (for
+        `wait_until(..., gone=process.exit_reason)`)."""
+        if self.alive():
+            return None
+        return f"{self.name} exited with {self.popen.returncode}:\n{self.log_text()[-3000:]}"
 
 
 def spawn(name: str, argv: list[str], log_dir: Path, listening: re.Pattern | None = None, *,

@@ -30,7 +30,7 @@ import tracemalloc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the honest simulated worker of the tests
+sys.path.insert(0, str(ROOT))
 
 from service.core import (  # noqa: E402
     FinishedSequence, FinishReason, Scheduler, SchedulerConfig, SequenceState, SubmitParams,
