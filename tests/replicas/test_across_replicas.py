@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -35,6 +34,18 @@ def _crash(server) -> None:
     running.metrics_http.shutdown()
     running.metrics_http.server_close()
     running._stopped = server._stopped = True  # nothing left to stop at teardown
+
+
+def _admit_on(worker: Worker, count: int) -> list[int]:
+    """The ids `worker` is given, in order, until it holds `count` (each call reports
+    what it holds)."""
+    got: list[int] = []
+
+    def more() -> bool:
+        got.extend(admitted(worker.select(running=got)))
+        return len(got) >= count
+    wait_until(more, f"{count} admissions on {worker.worker_id}", 20)
+    return got
 
 
 def _core(server):
@@ -123,11 +134,7 @@ def test_claims_of_a_crashed_replica_return_after_its_lease_and_run_elsewhere(
     _crash(r0)
     w1 = Worker(r1.stub, "w1")
     w1.register(max_batch_size=4)
-    got: list[int] = []
-    deadline = time.monotonic() + 20
-    while len(got) < 2 and time.monotonic() < deadline:
-        got += admitted(w1.select(running=got))
-        time.sleep(0.05)
+    got = _admit_on(w1, 2)
     assert sorted(got) == [first, second]
     # The one that was running went to the head of the shared queue.
     assert got[0] == first
@@ -166,9 +173,5 @@ def test_claims_a_replica_can_no_longer_run_go_back_to_the_shared_queue(start_re
     w0.deregister()  # r0 has no worker left: its claims must not wait there
     w1 = Worker(r1.stub, "w1")
     w1.register(max_batch_size=4)
-    got: list[int] = []
-    deadline = time.monotonic() + 20
-    while len(got) < 3 and time.monotonic() < deadline:
-        got += admitted(w1.select(running=got))
-        time.sleep(0.05)
+    got = _admit_on(w1, 3)
     assert got == ids  # in their order
