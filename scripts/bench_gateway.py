@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,11 +27,13 @@ import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from worker_client.demo_model import build_tokenizer, write_tokenizer_files
 from common.loadgen import percentile, run_concurrently
+from common.processes import GATEWAY_LISTENING, LOOPBACK, spawn, spawn_scheduler
+from common.waiting import wait_until
+from worker_client.demo_model import build_tokenizer, write_tokenizer_files
 
 ROOT = Path(__file__).resolve().parent.parent
-LOOPBACK = "127.0.0.1"
+START_SECONDS = 120.0  # a worker imports torch and loads its model
 STOP_TOKEN_ID = 1  # the demo tokenizer's EOS, which the gateway always adds
 
 
@@ -72,22 +71,25 @@ def main() -> int:
             write_tokenizer_files(model_dir, build_tokenizer(512))
         procs = []
         try:
-            port = _free_port()
-            target = f"{LOOPBACK}:{port}"
-            procs.append(_spawn(workdir, "scheduler", [
-                "-m", "service", "serve", "--host", LOOPBACK, "--port", str(port),
-                "--metrics-port", "0"], "listening on"))
-            procs.append(_spawn(workdir, "worker", [
-                "-m", "worker_client", "--scheduler", target, "--worker-id", "bench-worker",
-                "--model", args.model, "--device", "cpu"], None))
-            gateway = _spawn(workdir, "gateway", [
-                "-m", "service", "gateway", "--target", target, "--model", str(model_dir),
-                "--host", LOOPBACK, "--port", "0"], "gateway listening on")
+            scheduler = spawn_scheduler("scheduler", workdir, cwd=ROOT,
+                                        timeout_seconds=START_SECONDS)
+            procs.append(scheduler)
+            target = f"{LOOPBACK}:{scheduler.ports[0]}"
+            worker = spawn("worker", [
+                sys.executable, "-m", "worker_client", "--scheduler", target,
+                "--worker-id", "bench-worker", "--model", args.model, "--device", "cpu"],
+                workdir, cwd=ROOT)
+            procs.append(worker)
+            gateway = spawn("gateway", [
+                sys.executable, "-m", "service", "gateway", "--target", target, "--model",
+                str(model_dir), "--host", LOOPBACK, "--port", "0"], workdir, GATEWAY_LISTENING,
+                cwd=ROOT, timeout_seconds=START_SECONDS)
             procs.append(gateway)
-            base_url = re.search(r"(http://\S+)", gateway.log_text()).group(1)
+            base_url = f"http://{LOOPBACK}:{gateway.ports[0]}"
             stub = pb_grpc.SchedulerStub(grpc.insecure_channel(target))
-            _wait(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers,
-                  "the worker to register")
+            wait_until(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers,
+                       "the worker to register", START_SECONDS, every_seconds=0.1,
+                       gone=worker.exit_reason)
             print(f"{args.requests} requests, {args.concurrency} at a time, prompts "
                   f"{args.min_prompt_len}-{args.max_prompt_len} tokens, {args.max_new_tokens} "
                   f"new tokens, worker --model {args.model}", flush=True)
@@ -170,50 +172,6 @@ def _print(rows: list[Row]) -> None:
 
 def _ms(values: list[float], pct: float) -> str:
     return f"{percentile(values, pct) * 1000:.0f} ms" if values else "-"
-
-
-@dataclass
-class _Proc:
-    popen: subprocess.Popen
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(20)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-
-
-def _spawn(workdir: Path, name: str, argv: list[str], ready: str | None) -> _Proc:
-    log = workdir / f"{name}.log"
-    with log.open("w") as out:
-        popen = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=out,
-                                 stderr=subprocess.STDOUT)
-    proc = _Proc(popen, log)
-    if ready is not None:
-        _wait(lambda: ready in proc.log_text() or popen.poll() is not None, f"{name} to start")
-        if popen.poll() is not None:
-            raise SystemExit(f"{name} exited: {proc.log_text()[-2000:]}")
-    return proc
-
-
-def _wait(probe, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"waited {timeout:.0f} s for {what}")
-        time.sleep(0.1)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":

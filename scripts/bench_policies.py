@@ -30,7 +30,7 @@ import tracemalloc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the honest simulated worker of the tests
+sys.path.insert(0, str(ROOT))
 
 from service.core import (  # noqa: E402
     FinishedSequence, FinishReason, Scheduler, SchedulerConfig, SequenceState, SubmitParams,
@@ -134,7 +134,7 @@ def bytes_per_queued_prompt(prompt_len: int, count: int) -> tuple[float, float]:
 def tenant_shares(policy: str, seed: int, decisions: int = 600,
                   window: int = 150) -> tuple[float, float]:
     """(lowest, mean) share of the steady tenant over the windows of `window` decisions."""
-    from tests.unit.test_policy_properties import HonestWorker, Served
+    from service.devtools.honest_worker import HonestWorker, Served
     rnd = random.Random(seed)
     served = Served()
     core = Scheduler(SchedulerConfig(policy=policy, max_batch_size=8, chunk_size=16,

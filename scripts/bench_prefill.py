@@ -31,36 +31,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
-import grpc
 import torch
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from prometheus_client import CollectorRegistry
 
-from service.core import SchedulerConfig
-from service.server.app import start
-from service.settings import ServeSettings
-from worker_client.client import SchedulerClient, WorkerResources
-from worker_client.engine.api import SequenceSpec
+from service.devtools.engine_bench import (
+    SchedulerStack, Tokens, add_workload_arguments, check_workload_arguments, make_engine,
+    random_prompts, run_directly, synchronize,
+)
 from worker_client.engine.config import ModelConfig, MoeConfig
-from worker_client.engine.engine import ModelEngine
 from worker_client.engine.loading import PRESETS, load_model, random_model
 from worker_client.engine.model import Qwen35ForCausalLM
-from worker_client.loop import WorkerLoop
-from worker_client.profiling import next_prefill_chunks, small_config
-
-PAGE_SIZE = 16
-MAX_PROMPT_TOKEN_ID = 50_000  # keeps a real checkpoint's special tokens out of the prompts
-Tokens = tuple[int, ...]
+from worker_client.profiling import small_config
 
 
 def small_moe_config() -> ModelConfig:
@@ -112,76 +98,25 @@ class ForwardCounter:
         return self._original(token_ids, batch, *args, **kwargs)
 
 
-def make_engine(model: Qwen35ForCausalLM, prompts: Sequence[Tokens], max_new_tokens: int,
-                packed: bool) -> ModelEngine:
-    """A slot for every prompt and pages for all of them at full length: nothing is preempted."""
-    num_pages = sum(math.ceil((len(p) + max_new_tokens) / PAGE_SIZE) + 1 for p in prompts)
-    return ModelEngine(model, total_kv_pages=num_pages, page_size=PAGE_SIZE, total_gdn_slots=len(prompts),
-                       device=model.device, max_batch_size=len(prompts),
-                       max_prefill_sequences=None if packed else 1)
-
-
 def run_direct(model: Qwen35ForCausalLM, prompts: Sequence[Tokens], max_new_tokens: int,
                chunk_size: int, packed: bool) -> Run:
-    engine = make_engine(model, prompts, max_new_tokens, packed)
-    specs = [SequenceSpec(prompt_token_ids=p, max_new_tokens=max_new_tokens) for p in prompts]
-    num_scheduled = [0] * len(prompts)
-    generated: list[list[int]] = [[] for _ in prompts]
+    engine = make_engine(model, prompts, max_new_tokens,
+                         max_prefill_sequences=None if packed else 1)
     first_token_at: dict[int, float] = {}
+
+    def record_first_tokens(out) -> None:
+        synchronize(model.device)
+        now = time.perf_counter()
+        for seq_id, _ in out.tokens:
+            first_token_at.setdefault(seq_id, now)
+
     started, cpu_started = time.perf_counter(), time.process_time()
     with ForwardCounter(model) as counter:
-        while engine.running_ids() or len(first_token_at) < len(prompts):
-            prefill = next_prefill_chunks(specs, num_scheduled, chunk_size)
-            out = engine.step(prefill, engine.running_ids())
-            if out.preempted:
-                raise SystemExit(f"engine preempted {out.preempted}: the pools are sized too small")
-            _synchronize(model.device)
-            now = time.perf_counter()
-            for seq_id, token_ids in out.tokens:
-                first_token_at.setdefault(seq_id, now)
-                generated[seq_id].extend(token_ids)
+        outputs = run_directly(engine, prompts, max_new_tokens, chunk_size,
+                               after_step=record_first_tokens)
     ttfts = [t - started for t in first_token_at.values()]
-    return Run(tuple(tuple(g) for g in generated), max(ttfts), sum(ttfts) / len(ttfts),
+    return Run(tuple(outputs), max(ttfts), sum(ttfts) / len(ttfts),
                time.perf_counter() - started, time.process_time() - cpu_started, counter.count)
-
-
-class SchedulerStack:
-    """A scheduler on a loopback port and one WorkerLoop thread on an engine."""
-
-    def __init__(self, engine: ModelEngine, chunk_size: int) -> None:
-        # A long lease: one step of a larger model on a busy CPU can outlast the default 10 s.
-        config = SchedulerConfig(max_batch_size=engine.max_batch_size, chunk_size=chunk_size,
-                                 lease_ttl_ms=600_000)
-        self._server = start(ServeSettings(host="127.0.0.1", port=0, metrics_port=0, scheduler=config),
-                             CollectorRegistry())
-        target = f"127.0.0.1:{self._server.port}"
-        self._client = SchedulerClient(target)
-        resources = WorkerResources("bench", engine.total_kv_pages, engine.page_size,
-                                    engine.total_gdn_slots, engine.max_batch_size)
-        self._loop = WorkerLoop(engine, self._client, resources, idle_sleep_seconds=0.001)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop.run, args=(self._stop,), daemon=True)
-        self._thread.start()
-        self._channel = grpc.insecure_channel(target)
-        self._stub = pb_grpc.SchedulerStub(self._channel)
-
-    def generate(self, prompt: Tokens, max_new_tokens: int, started: float) -> tuple[Tokens, float]:
-        """The stream's tokens and the seconds from `started` to its first token."""
-        request = pb.SubmitRequest(prompt_token_ids=prompt, max_new_tokens=max_new_tokens)
-        tokens: list[int] = []
-        first_token_at = math.nan
-        for event in self._stub.Generate(request, timeout=600):
-            if event.token_ids and not tokens:
-                first_token_at = time.perf_counter() - started
-            tokens.extend(event.token_ids)
-        return tuple(tokens), first_token_at
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        self._channel.close()
-        self._client.close()
-        self._server.stop(0)
 
 
 def run_scheduler(model: Qwen35ForCausalLM, stack: SchedulerStack, prompts: Sequence[Tokens],
@@ -204,18 +139,6 @@ def best_of(repeats: int, run: Callable[[], Run], warm_up: Callable[[], Run]) ->
     return min(runs, key=lambda r: r.total_seconds)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def random_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[Tokens]:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (num_prompts,), generator=generator).tolist()
-    high = min(vocab_size, MAX_PROMPT_TOKEN_ID)
-    return [tuple(torch.randint(2, high, (n,), generator=generator).tolist()) for n in lengths]
-
-
 def print_table(rows: Sequence[tuple[str, Run, Run]]) -> None:
     print(f"{'driver':<10} {'':<7} {'prefill s':>9} {'mean TTFT s':>11} {'total s':>8} {'cpu s':>7} "
           f"{'tokens/s':>9} {'prefill fwds':>12}")
@@ -231,25 +154,10 @@ def print_table(rows: Sequence[tuple[str, Run, Run]]) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(MODELS), default="tiny",
-                        help="random-weight model (ignored with --model)")
-    parser.add_argument("--model", type=Path, help="a checkpoint directory instead of a preset")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--min-prompt-len", type=int, default=16)
-    parser.add_argument("--max-prompt-len", type=int, default=512)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--chunk-size", type=int, default=128, help="prefill chunk of each prompt per step")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode; the fastest counts")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and prompts")
-    parser.add_argument("--no-scheduler", action="store_true", help="skip the scheduler driver")
+    add_workload_arguments(parser, MODELS, num_prompts=16, min_prompt_len=16, max_prompt_len=512,
+                           max_new_tokens=16)
     args = parser.parse_args(argv)
-    if min(args.num_prompts, args.max_new_tokens, args.repeats, args.chunk_size) < 1:
-        parser.error("--num-prompts, --max-new-tokens, --repeats and --chunk-size must be at least 1")
-    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
-        parser.error("need 1 <= --min-prompt-len <= --max-prompt-len")
+    check_workload_arguments(parser, args)
     return args
 
 
@@ -281,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.no_scheduler:
         via_scheduler = []
         for packed in (False, True):
-            stack = SchedulerStack(make_engine(model, prompts, n, packed), args.chunk_size)
+            engine = make_engine(model, prompts, n, max_prefill_sequences=None if packed else 1)
+            stack = SchedulerStack(engine, args.chunk_size)
             try:
                 via_scheduler.append(best_of(args.repeats, lambda: run_scheduler(model, stack, prompts, n),
                                              lambda: run_scheduler(model, stack, warm, 2)))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -40,9 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.loadgen import percentile  # noqa: E402
+from common.processes import spawn_scheduler  # noqa: E402
 from service.state.pg_cluster import PrivateCluster, free_port  # noqa: E402
 
-LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+) \(metrics on http://127\.0\.0\.1:(\d+)/")
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -87,22 +86,10 @@ def database_pids(cluster: PrivateCluster) -> list[int]:
 
 
 def start_scheduler(state: list[str], directory: Path, name: str):
-    port = free_port()
-    log = open(directory / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port),
-                             "--metrics-port", "0", "--policy", "fifo",
-                             "--lease-ttl-ms", "30000", *state],
-                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        match = LISTENING.search(line or "")
-        if match:
-            return proc, f"127.0.0.1:{match.group(1)}", int(match.group(2))
-        if proc.poll() is not None:
-            break
-    raise RuntimeError(f"{name} did not start; see {directory / (name + '.log')}")
+    """(Popen, target, metrics port) of a scheduler that printed its banner."""
+    process = spawn_scheduler(name, directory, "--policy", "fifo", "--lease-ttl-ms", "30000",
+                              *state, port=free_port(), cwd=ROOT)
+    return process.popen, f"127.0.0.1:{process.ports[0]}", process.ports[1]
 
 
 def scrape(metrics_port: int) -> dict[tuple[str, tuple], float]:

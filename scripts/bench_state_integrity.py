@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.state import integrity as state_integrity  # noqa: E402
-from service.state.sqlite import _SCHEMA, SqliteStateStore  # noqa: E402
+from service.state.sqlite import SCHEMA, SqliteStateStore  # noqa: E402
 
 PARAMS = ('{"request_id": "", "max_new_tokens": 30, "adapter_id": "", "priority": 0, '
           '"tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}')
@@ -36,7 +36,7 @@ def _database(directory: str, checksums: bool, num_rows: int) -> sqlite3.Connect
     db = sqlite3.connect(os.path.join(directory, "bench.db"), isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
-    db.executescript(_SCHEMA)
+    db.executescript(SCHEMA)
     if checksums:
         state_integrity.connect_function(db)
         db.execute("BEGIN")

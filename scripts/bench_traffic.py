@@ -24,9 +24,7 @@ import asyncio
 import os
 import re
 import secrets
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,9 +39,10 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.processes import LOOPBACK, SCHEDULER_LISTENING, Process, clean_env, scheduler_argv
+from common.waiting import wait_until
+
 ROOT = Path(__file__).resolve().parents[1]
-LOOPBACK = "127.0.0.1"
-LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+) \(metrics on http://127\.0\.0\.1:(\d+)/")
 ECHO_LISTENING = re.compile(r"echo listening on (\d+)")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PROMPT = list(range(1, 17))
@@ -53,26 +52,14 @@ RPC_TIMEOUT = 30.0
 # ====================================================================== processes
 
 
-class Proc:
-    """A started process, its output in a file, and /proc readings of it."""
+class Proc(Process):
+    """A started process, its output in a temporary file, and /proc readings of it."""
 
     def __init__(self, argv: list[str], cwd: Path = ROOT, env: dict | None = None) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench_traffic_", suffix=".log")
-        self.popen = subprocess.Popen(argv, cwd=cwd, env=env or _env(), stdout=self.log,
-                                      stderr=subprocess.STDOUT)
-
-    def wait_for(self, pattern: re.Pattern, timeout: float = 60.0) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.log.seek(0)
-            match = pattern.search(self.log.read())
-            if match:
-                return match
-            if self.popen.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.log.seek(0)
-        raise SystemExit(f"{self.popen.args[:4]} did not start:\n{self.log.read()[-3000:]}")
+        log = tempfile.NamedTemporaryFile(prefix="bench_traffic_", suffix=".log", delete=False)
+        log.close()
+        super().__init__(" ".join(argv[1:4]), argv, Path(log.name), cwd=cwd,
+                         env=env or _env())
 
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.popen.pid}/status").read_text().splitlines():
@@ -85,19 +72,12 @@ class Proc:
         return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        self.log.close()
+        super().stop(10)
+        self.log_path.unlink(missing_ok=True)
 
 
 def _env(root: Path = ROOT) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LATTICE_SCHEDULER_")}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = clean_env()
     if root != ROOT:
         env["PYTHONPATH"] = f"{root}{os.pathsep}{root / 'protos'}"
     return env
@@ -141,12 +121,10 @@ def histogram_p99(before: dict[float, float], after: dict[float, float]) -> str:
 
 def start_scheduler(*flags: str, root: Path = ROOT) -> Scheduler:
     """A scheduler process; leases of 10 minutes, as the fake workers pause between phases."""
-    proc = Proc([sys.executable, "-m", "service", "serve", "--host", LOOPBACK, "--port", "0",
-                 "--metrics-port", "0", "--log-level", "WARNING", "--lease-ttl-ms", "600000",
-                 *flags],
+    proc = Proc(scheduler_argv("--log-level", "WARNING", "--lease-ttl-ms", "600000", *flags),
                 cwd=root, env=_env(root))
-    match = proc.wait_for(LISTENING)
-    return Scheduler(proc, int(match.group(1)), int(match.group(2)))
+    proc.wait_listening(SCHEDULER_LISTENING)
+    return Scheduler(proc, *proc.ports)
 
 
 def start_scripted_workers(scheduler: Scheduler, count: int, *flags: str) -> list[Proc]:
@@ -543,7 +521,7 @@ def cmd_decisions(args) -> None:
 def _decisions_run(args, root, session: bool) -> tuple[float, float]:
     if root == "echo":
         proc = Proc([sys.executable, __file__, "echo-server"])
-        target = f"{LOOPBACK}:{int(proc.wait_for(ECHO_LISTENING).group(1))}"
+        target = f"{LOOPBACK}:{proc.wait_listening(ECHO_LISTENING).group(1)}"
     else:
         # fifo: the policy the scheduler before had, so that the rows compare the transport.
         policy = ("--policy", "fifo") if root == ROOT else ()
@@ -570,11 +548,8 @@ def _overlap_run(args, overlap: bool) -> tuple[float, float, int]:
     try:
         channel = grpc.insecure_channel(scheduler.target)
         stub = pb_grpc.SchedulerStub(channel)
-        deadline = time.monotonic() + 60
-        while len(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers) < args.workers:
-            if time.monotonic() > deadline:
-                raise SystemExit("the scripted workers did not register")
-            time.sleep(0.2)
+        wait_until(lambda: len(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers)
+                   >= args.workers, "the scripted workers to register", 60, every_seconds=0.2)
         request = pb.SubmitRequest(prompt_token_ids=PROMPT, max_new_tokens=args.max_new_tokens)
         total = args.workers * args.batch
         for _ in range(total):

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -44,34 +42,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import torch
 import transformers
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from prometheus_client import CollectorRegistry
 
-from service.core import SchedulerConfig
-from service.server.app import start
-from service.settings import ServeSettings
-from worker_client.client import SchedulerClient, WorkerResources
-from worker_client.engine.api import SequenceSpec
+from service.devtools.engine_bench import (
+    SchedulerStack, Tokens, add_workload_arguments, check_workload_arguments, make_engine,
+    random_prompts, run_directly, synchronize,
+)
 from worker_client.engine.config import ModelConfig
-from worker_client.engine.engine import ModelEngine
 from worker_client.engine.loading import load_model, random_model
 from worker_client.engine.model import Qwen35ForCausalLM
-from worker_client.loop import WorkerLoop
-from worker_client.profiling import PRESETS, next_prefill_chunks
+from worker_client.profiling import PRESETS
 
-PAGE_SIZE = 16
-PAD_TOKEN_ID = 0
-# Prompts use ids from 2 up (0 pads the static batch) and below this bound, so that
-# a real checkpoint's vocabulary tail (special tokens) stays out of them.
-MAX_PROMPT_TOKEN_ID = 50_000
+PAD_TOKEN_ID = 0  # pads the static batch; random_prompts' ids start at 2
 NUM_WARMUP_PROMPTS = 2
 NUM_WARMUP_TOKENS = 4
-
-Tokens = tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -139,14 +124,6 @@ def load_models(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Mo
     return Models(ours=ours, hf=hf, device=device)
 
 
-def random_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int,
-                   seed: int) -> list[Tokens]:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (num_prompts,), generator=generator).tolist()
-    high = min(vocab_size, MAX_PROMPT_TOKEN_ID)
-    return [tuple(torch.randint(2, high, (n,), generator=generator).tolist()) for n in lengths]
-
-
 # The modes: each returns the generated tokens of every prompt, in prompt order.
 
 
@@ -176,69 +153,19 @@ def hf_static_batch(models: Models, prompts: Sequence[Tokens], max_new_tokens: i
     return [tuple(row) for row in generated[:, width:].tolist()]
 
 
-def make_engine(models: Models, prompts: Sequence[Tokens], max_new_tokens: int) -> ModelEngine:
-    """An engine with a slot for every prompt and pages for all of them at full length."""
-    num_pages = sum(math.ceil((len(p) + max_new_tokens) / PAGE_SIZE) + 1 for p in prompts)
-    return ModelEngine(models.ours, total_kv_pages=num_pages, page_size=PAGE_SIZE,
-                       total_gdn_slots=len(prompts), device=models.device, max_batch_size=len(prompts))
-
-
 def engine_direct(models: Models, prompts: Sequence[Tokens], max_new_tokens: int,
                   chunk_size: int) -> list[Tokens]:
     """Each step: the next chunk of every prompt not yet prefilled, one decode of all running."""
-    engine = make_engine(models, prompts, max_new_tokens)
-    specs = [SequenceSpec(prompt_token_ids=p, max_new_tokens=max_new_tokens) for p in prompts]
-    num_scheduled = [0] * len(prompts)  # prompt tokens handed to the engine so far
-    generated: list[list[int]] = [[] for _ in prompts]
-    num_finished = 0
-    while num_finished < len(prompts):
-        prefill = next_prefill_chunks(specs, num_scheduled, chunk_size)
-        out = engine.step(prefill, engine.running_ids())
-        if out.preempted:
-            raise SystemExit(f"engine preempted {out.preempted}: the pools are sized too small")
-        for seq_id, token_ids in out.tokens:
-            generated[seq_id].extend(token_ids)
-        num_finished += len(out.finished)
-    return [tuple(tokens) for tokens in generated]
-
-
-class SchedulerStack:
-    """A scheduler on a loopback port and one WorkerLoop thread on a fresh engine."""
-
-    def __init__(self, engine: ModelEngine, chunk_size: int, *, session: bool,
-                 overlap: bool) -> None:
-        config = SchedulerConfig(max_batch_size=engine.max_batch_size, chunk_size=chunk_size)
-        self._server = start(ServeSettings(host="127.0.0.1", port=0, metrics_port=0,
-                                           scheduler=config), CollectorRegistry())
-        target = f"127.0.0.1:{self._server.port}"
-        self._client = SchedulerClient(target, session=session)
-        resources = WorkerResources("bench", engine.total_kv_pages, engine.page_size,
-                                    engine.total_gdn_slots, engine.max_batch_size)
-        self._loop = WorkerLoop(engine, self._client, resources, idle_sleep_seconds=0.001,
-                                overlap=overlap)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop.run, args=(self._stop,), daemon=True)
-        self._thread.start()
-        self._channel = grpc.insecure_channel(target)
-        self._stub = pb_grpc.SchedulerStub(self._channel)
-
-    def generate(self, prompt: Tokens, max_new_tokens: int) -> Tokens:
-        request = pb.SubmitRequest(prompt_token_ids=prompt, max_new_tokens=max_new_tokens)
-        return tuple(t for event in self._stub.Generate(request, timeout=600) for t in event.token_ids)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        self._channel.close()
-        self._client.close()
-        self._server.stop(0)
+    return run_directly(make_engine(models.ours, prompts, max_new_tokens), prompts,
+                        max_new_tokens, chunk_size)
 
 
 def engine_via_scheduler(stack: SchedulerStack, prompts: Sequence[Tokens],
                          max_new_tokens: int) -> list[Tokens]:
     # One Generate stream per prompt, all open at once, as concurrent clients would be.
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        return list(pool.map(lambda p: stack.generate(p, max_new_tokens), prompts))
+        return [tokens for tokens, _ in pool.map(lambda p: stack.generate(p, max_new_tokens),
+                                                 prompts)]
 
 
 # Timing and report.
@@ -255,21 +182,16 @@ def timed(mode: str, run: Callable[[Sequence[Tokens], int], list[Tokens]],
     run(prompts[:NUM_WARMUP_PROMPTS], NUM_WARMUP_TOKENS)
     best: Result | None = None
     for _ in range(repeats):
-        _synchronize(device)
+        synchronize(device)
         started = time.perf_counter()
         outputs = tuple(run(prompts, max_new_tokens))
-        _synchronize(device)
+        synchronize(device)
         result = Result(mode, outputs, time.perf_counter() - started)
         if best is not None and best.outputs != outputs:
             raise SystemExit(f"{mode}: two runs of the same greedy workload generated different tokens")
         if best is None or result.seconds < best.seconds:
             best = result
     return best
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def print_table(results: Sequence[Result]) -> None:
@@ -310,28 +232,10 @@ def check_lengths(results: Sequence[Result], max_new_tokens: int) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="random-weight model to build (ignored with --model)")
-    parser.add_argument("--model", type=Path, help="a Qwen3.5 checkpoint directory instead of a preset")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--min-prompt-len", type=int, default=32)
-    parser.add_argument("--max-prompt-len", type=int, default=256)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--chunk-size", type=int, default=128,
-                        help="prefill chunk (tokens) of the engine rows, as the scheduler's chunk_size")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode; the fastest counts")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and prompts")
-    parser.add_argument("--no-scheduler", action="store_true",
-                        help="skip the scheduler rows (gRPC scheduler and worker loop in-process)")
+    add_workload_arguments(parser, PRESETS, num_prompts=8, min_prompt_len=32, max_prompt_len=256,
+                           max_new_tokens=64)
     args = parser.parse_args(argv)
-    if args.num_prompts < NUM_WARMUP_PROMPTS or min(args.max_new_tokens, args.repeats) < 1:
-        parser.error(f"--num-prompts must be at least {NUM_WARMUP_PROMPTS}, "
-                     "--max-new-tokens and --repeats at least 1")
-    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
-        parser.error("need 1 <= --min-prompt-len <= --max-prompt-len")
+    check_workload_arguments(parser, args, min_num_prompts=NUM_WARMUP_PROMPTS)
     return args
 
 
@@ -359,7 +263,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> list[Result]:
                                    ("sched overlap", True, True)):
         if args.no_scheduler:
             break
-        stack = SchedulerStack(make_engine(models, prompts, n), args.chunk_size,
+        stack = SchedulerStack(make_engine(models.ours, prompts, n), args.chunk_size,
                                session=session, overlap=overlap)
         try:
             results.append(timed(mode, lambda p, k: engine_via_scheduler(stack, p, k),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Chaos run: the fault-test harness (tests/faults/harness.py) driven for longer.
+"""Chaos run: the fault tests' stack (service/devtools/fault_stack.py) driven for longer.
 
 A real scheduler process (--state-dir, fixed loopback port) and scripted worker
 processes run while one client thread submits sequences with unique request_ids and
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "protos"))
 
-from tests.faults.harness import Clients, Stack, check, make_jobs  # noqa: E402
+from service.devtools.fault_stack import Clients, Stack, check, make_jobs  # noqa: E402
 
 PROGRESS_EVERY_SECONDS = 2.0
 
@@ -80,7 +80,7 @@ class Chaos:
                                num_collectors=args.collectors,
                                deadline_seconds=args.seconds + args.drain_seconds).start()
         for fault in fault_schedule(args, self.rng):
-            self.wait_until(fault.at_seconds)
+            self.run_until(fault.at_seconds)
             if fault.kind == "scheduler":
                 self.unfinished_at_kills.append(self.unfinished())
                 self.say(f"kill -9 scheduler ({self.unfinished_at_kills[-1]} acknowledged "
@@ -91,7 +91,7 @@ class Chaos:
                          f"{restart.listening_at - restart.started_at:.2f} s)")
             else:
                 self.kill_a_worker()
-        self.wait_until(args.seconds)
+        self.run_until(args.seconds)
         self.start_pending_workers(force=True)
         self.say("fault window over; waiting for every sequence to finish")
         while self.clients.running():
@@ -125,7 +125,8 @@ class Chaos:
                 self.stack.start_worker(worker_id)
                 self.say(f"worker {worker_id} started again under the same id")
 
-    def wait_until(self, at_seconds: float) -> None:
+    def run_until(self, at_seconds: float) -> None:
+        """Restart pending workers and print progress until `at_seconds` into the run."""
         while (left := self.started_at + at_seconds - time.monotonic()) > 0:
             self.start_pending_workers()
             self.progress()

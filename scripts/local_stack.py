@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from common.waiting import WaitFailed, wait_until
 from service.gateway.demo_load import HttpLoadSpec, run_http_load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,7 +137,7 @@ def main() -> int:
         return 1
     except KeyboardInterrupt:
         return 0
-    except RuntimeError as err:
+    except (RuntimeError, WaitFailed) as err:
         print(f"local stack: {err}", file=sys.stderr)
         return 1
     finally:
@@ -183,17 +184,13 @@ def _model_dirs(model: str) -> Path:
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {proc.returncode}; see "
-                               f".artifacts/local-stack/gateway.log (port in use?)")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.2)
-    raise RuntimeError(f"the gateway did not answer {url} within {timeout:.0f} s")
+    def answers() -> bool:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    wait_until(answers, f"the gateway to answer {url}", timeout, every_seconds=0.2,
+               retry_on=(urllib.error.URLError, OSError),
+               gone=_exited(proc, "the gateway", "see .artifacts/local-stack/gateway.log "
+                                                 "(port in use?)"))
 
 
 def _spawn(cmd: list[str], log_path: Path, env: dict) -> subprocess.Popen:
@@ -203,37 +200,31 @@ def _spawn(cmd: list[str], log_path: Path, env: dict) -> subprocess.Popen:
 
 
 def _wait_serving(target: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    channel = grpc.insecure_channel(target)
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the scheduler exited with {proc.returncode}; "
-                               "see .artifacts/local-stack/scheduler.log (port in use?)")
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                    health_pb2.HealthCheckResponse.SERVING:
-                channel.close()
-                return
-        except grpc.RpcError:
-            time.sleep(0.2)
-    raise RuntimeError(f"the scheduler did not become healthy within {timeout:.0f} s")
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        wait_until(lambda: stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status ==
+                   health_pb2.HealthCheckResponse.SERVING, "the scheduler to be healthy",
+                   timeout, every_seconds=0.2, retry_on=(grpc.RpcError,),
+                   gone=_exited(proc, "the scheduler", "see .artifacts/local-stack/"
+                                                       "scheduler.log (port in use?)"))
 
 
 def _wait_workers(targets: list[str], count: int, procs, timeout: float = 180.0) -> None:
     """Until `count` workers are registered, over every replica."""
     stubs = [pb_grpc.SchedulerStub(grpc.insecure_channel(t)) for t in targets]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{' '.join(p.args[2:5])} exited with {p.returncode}; "
-                                   "see its log in .artifacts/local-stack/")
-        if sum(len(stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers)
-               for stub in stubs) >= count:
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"{count} workers did not register within {timeout:.0f} s")
+
+    def any_exited() -> str | None:
+        return next((f"{' '.join(p.args[2:5])} exited with {p.returncode}; see its log in "
+                     ".artifacts/local-stack/" for p in procs if p.poll() is not None), None)
+    wait_until(lambda: sum(len(stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers)
+                           for stub in stubs) >= count,
+               f"{count} workers to register", timeout, every_seconds=0.5, gone=any_exited)
+
+
+def _exited(proc: subprocess.Popen, what: str, hint: str):
+    """For wait_until's `gone`: why waiting is over once `proc` has exited."""
+    return lambda: (None if proc.poll() is None
+                    else f"{what} exited with {proc.returncode}; {hint}")
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

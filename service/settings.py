@@ -164,7 +164,7 @@ _DEFAULT_TEXT = {
 }
 
 
-def _setting_fields() -> list[tuple[dataclasses.Field, bool]]:
+def setting_fields() -> list[tuple[dataclasses.Field, bool]]:
     """(field, belongs to SchedulerConfig) for every setting."""
     own = [(f, False) for f in fields(ServeSettings) if f.name != "scheduler"]
     return own + [(f, True) for f in fields(SchedulerConfig)]
@@ -176,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, scheduler_only: bool = Fal
     parser.add_argument("--config", type=Path, metavar="FILE",
                         help="TOML file of settings (keys as the flags, with _ or -)")
     defaults = ServeSettings()
-    for f, in_scheduler in _setting_fields():
+    for f, in_scheduler in setting_fields():
         if scheduler_only and not in_scheduler:
             continue
         default = getattr(defaults.scheduler if in_scheduler else defaults, f.name)
@@ -198,7 +198,7 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeSettin
     if args.config is not None:
         for key, value in _read_config_file(args.config).items():
             values[key] = (value, f"from {args.config}")
-    for f, _ in _setting_fields():
+    for f, _ in setting_fields():
         env_name = ENV_PREFIX + f.name.upper()
         if env_name in environ:
             values[f.name] = (environ[env_name], f"env {env_name}")
@@ -206,7 +206,7 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeSettin
         if flag_value is not None:
             values[f.name] = (flag_value, "--" + f.name.replace("_", "-"))
     own, scheduler = {}, {}
-    for f, in_scheduler in _setting_fields():
+    for f, in_scheduler in setting_fields():
         if f.name in values:
             value, source = values[f.name]
             (scheduler if in_scheduler else own)[f.name] = _coerce(f, value, source)
@@ -214,7 +214,7 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeSettin
         return ServeSettings(**own, scheduler=SchedulerConfig(**scheduler)).validate()
     except ConfigError as err:
         sources = {f.name: values[f.name][1] if f.name in values else "default"
-                   for f, _ in _setting_fields()}
+                   for f, _ in setting_fields()}
         raise ConfigError(with_sources(str(err), sources)) from None
 
 
@@ -258,7 +258,7 @@ def _read_config_file(path: Path) -> dict[str, object]:
         raise ConfigError(f"--config {path}: no such file") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"--config {path}: not valid TOML: {err}") from None
-    known = {f.name for f, _ in _setting_fields()}
+    known = {f.name for f, _ in setting_fields()}
     out = {}
     for key, value in data.items():
         name = key.replace("-", "_")

@@ -1,4 +1,4 @@
-"""How `serve --state postgresql://...` builds a replica: its store and its servicer.
+"""How `serve --state postgresql://...` builds a replica's store (app.py builds its servicer).
 
 Kept apart from server.py so the server only asks "a replica?" at two places.
 """
@@ -10,8 +10,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
 from service.core.orders import queue_order
-from service.server.metrics import SchedulerMetrics
-from service.replicas.servicer import ReplicaServicer
 from service.settings import ServeSettings
 from service.state.postgres import PostgresState
 
@@ -42,7 +40,3 @@ class _RoundTrips:
             family.add_metric([purpose], self._store.round_trips[purpose])
         yield family
 
-
-def replica_servicer(core, store: PostgresState, metrics: SchedulerMetrics,
-                     settings: ServeSettings) -> ReplicaServicer:
-    return ReplicaServicer(core, store, metrics, prefetch=settings.prefetch)

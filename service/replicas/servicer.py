@@ -32,7 +32,7 @@ from service.core import NotFound, ReplicaScheduler, SchedulerError, SequenceSta
 from service.core.types import SubmitParams, SubmitResult
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
-from service.server.servicer import SchedulerServicer, _rpc
+from service.server.servicer import SchedulerServicer, rpc
 from service.state.postgres import (
     CANCEL_CHANNEL, DISOWN_CHANNEL, PROGRESS_CHANNEL, SUBMIT_CHANNEL, Claimed, PostgresState,
     parse_ids_payload,
@@ -90,6 +90,9 @@ class ReplicaServicer(SchedulerServicer):
         self._remote: dict[int, set[asyncio.Event]] = {}
         self._listener_stop = threading.Event()
         self._listener: threading.Thread | None = None
+        # Tasks started from callbacks (cancels, notifications): the loop keeps only weak
+        # references to tasks, so these are held here until they are done.
+        self._side_tasks: set[asyncio.Task] = set()
 
     @property
     def replica_id(self) -> int:
@@ -118,15 +121,15 @@ class ReplicaServicer(SchedulerServicer):
 
     # ------------------------------------------------------------------ clients
 
-    @_rpc
+    @rpc
     async def Submit(self, request, context):
         return convert.submit_response(await self._submit(convert.submit_params(request)))
 
-    @_rpc
+    @rpc
     async def Cancel(self, request, context):
         return pb.CancelResponse(cancelled=await self._cancel(request.seq_id))
 
-    @_rpc
+    @rpc
     async def GetSequence(self, request, context):
         seq_id = request.seq_id
         if self._owns(seq_id):
@@ -137,13 +140,13 @@ class ReplicaServicer(SchedulerServicer):
         return convert.sequence_info(await asyncio.to_thread(self._state.sequence_info,
                                                              seq_id))
 
-    @_rpc
+    @rpc
     async def GetStatus(self, request, context):
         status = self._core.status()
         depth = await asyncio.to_thread(self._state.queue_depth)
         return convert.status(replace(status, queue_depth=depth))
 
-    @_rpc
+    @rpc
     async def RegisterWorker(self, request, context):
         registration = convert.worker_registration(request)
         incarnation = await asyncio.to_thread(self._state.next_incarnation)
@@ -194,8 +197,16 @@ class ReplicaServicer(SchedulerServicer):
     def _cancel_quietly(self, seq_id: int) -> None:
         if self._stopping:
             return
-        task = asyncio.ensure_future(self._cancel(seq_id))
+        task = self._start_side_task(self._cancel(seq_id))
         task.add_done_callback(_log_cancel_failure(seq_id))
+
+    def _start_side_task(self, coro) -> asyncio.Task:
+        """Run `coro` as a task held until it is done (a task nobody holds may be
+        collected mid-way)."""
+        task = asyncio.ensure_future(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+        return task
 
     # ------------------------------------------------------------------ internals
 
@@ -418,9 +429,9 @@ class ReplicaServicer(SchedulerServicer):
             if int(owner) != self.replica_id:
                 return
             if channel == CANCEL_CHANNEL:
-                asyncio.ensure_future(self._apply_cancels([int(ids)]))
+                self._start_side_task(self._apply_cancels([int(ids)]))
             else:
-                asyncio.ensure_future(self._give_up(parse_ids_payload(ids)))
+                self._start_side_task(self._give_up(parse_ids_payload(ids)))
 
 
 def _log_cancel_failure(seq_id: int):

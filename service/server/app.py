@@ -33,7 +33,7 @@ from service.server.interceptors import limits
 
 from service.server import ports
 from service.core import ConfigError, ReplicaScheduler, Scheduler
-from service.core.store import StoreError
+from service.core.store import StateStore, StoreError
 from service.state.group_commit import GroupCommit
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
@@ -65,7 +65,7 @@ class _Serving:
     group_commit: GroupCommit | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
 
-    async def stop(self, grace_seconds: float, store: SqliteStateStore | None) -> None:
+    async def stop(self, grace_seconds: float, store: StateStore | None) -> None:
         """NOT_SERVING first, so balancers drain us; then stop with a grace period."""
         await self.health.enter_graceful_shutdown()
         self.servicer.stop_streams_without_cancelling()
@@ -122,7 +122,7 @@ class RunningServer:
     metrics_port: int
     worker_port: int | None
     metrics_http: object
-    store: SqliteStateStore | None
+    store: StateStore | None  # SqliteStateStore, or PostgresState for a replica
     _loop: _LoopThread
     _serving: _Serving
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -194,7 +194,7 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
 
 
 async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
-                 store: SqliteStateStore | None, tls, tokens) -> _Serving:
+                 store: StateStore | None, tls, tokens) -> _Serving:
     """On the loop: the core, the servicer, the listening servers and the tasks."""
     sweep_seconds = min(1.0, settings.scheduler.lease_ttl_ms / 4000.0)
     wakeups = Wakeups()

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 MAX_IDLE_WAIT_LEASE_FRACTION = 0.5
 
 
-def _rpc(method):
+def rpc(method):
     """Map domain errors to status codes; anything else is INTERNAL, logged once."""
 
     @functools.wraps(method)
@@ -89,23 +89,23 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     # ----------------------------------------------------------------- clients
 
-    @_rpc
+    @rpc
     async def Submit(self, request, context):
         result = self._core.submit(convert.submit_params(request))
         await self._durable()
         return convert.submit_response(result)
 
-    @_rpc
+    @rpc
     async def Cancel(self, request, context):
         cancelled = self._core.cancel(request.seq_id)
         await self._durable()
         return pb.CancelResponse(cancelled=cancelled)
 
-    @_rpc
+    @rpc
     async def GetSequence(self, request, context):
         return convert.sequence_info(self._core.get_sequence(request.seq_id))
 
-    @_rpc
+    @rpc
     async def GetStatus(self, request, context):
         return convert.status(self._core.status())
 
@@ -153,7 +153,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     # ----------------------------------------------------------------- workers
 
-    @_rpc
+    @rpc
     async def RegisterWorker(self, request, context):
         settings = self._core.register_worker(convert.worker_registration(request))
         await self._progress_durable()
@@ -161,7 +161,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                                              "incarnation": settings.incarnation})
         return convert.worker_settings(settings)
 
-    @_rpc
+    @rpc
     async def SelectBatch(self, request, context):
         return await self._select(request)
 
@@ -185,7 +185,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         finally:
             self._sessions.discard(task)
 
-    @_rpc
+    @rpc
     async def DeregisterWorker(self, request, context):
         requeued = self._core.deregister_worker(convert.worker_id(request),
                                                 request.incarnation)
@@ -194,7 +194,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                                                "requeued": requeued})
         return pb.DeregisterWorkerResponse(requeued=requeued)
 
-    @_rpc
+    @rpc
     async def DrainWorker(self, request, context):
         num_assigned = self._core.drain_worker(convert.worker_id(request), request.resume)
         if request.resume:

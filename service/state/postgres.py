@@ -22,8 +22,6 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
 from __future__ import annotations
 
 import logging
-import sys
-from array import array
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,8 +37,9 @@ from service.core.store import (
     StoreError,
 )
 from service.core.types import SequenceInfo, SubmitResult
-from service.state.sqlite import (
-    _params_from_row, _params_json, _registration_from_json, _registration_json,
+from service.state.rows import (
+    pack_token_ids, params_from_row, params_json, registration_from_json, registration_json,
+    unpack_token_ids,
 )
 
 log = logging.getLogger(__name__)
@@ -296,8 +295,8 @@ class PostgresState:
             status, seq_id, position = conn.execute(
                 "SELECT status, seq_id, queue_position FROM lattice_submit("
                 "%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                (params.request_id or None, _params_json(params),
-                 _pack(params.prompt_token_ids), params.priority, params.tenant,
+                (params.request_id or None, params_json(params),
+                 pack_token_ids(params.prompt_token_ids), params.priority, params.tenant,
                  params.max_new_tokens, max_queue, max_per_tenant,
                  self._fsync != "never")).fetchone()
             self.round_trips["submit"] += 1
@@ -367,7 +366,7 @@ class PostgresState:
                 "AND start + octet_length(token_ids) / 4 > %s ORDER BY start",
                 (seq_id, start)).fetchall()
         for first, blob in rows:
-            tokens = _unpack(blob)
+            tokens = unpack_token_ids(blob)
             out.extend(tokens[max(0, start - first):])
             start = first + len(tokens)
         state, reason, error = row
@@ -573,7 +572,7 @@ class PostgresState:
             if start != len(out):
                 raise StoreError(f"seq_id {seq_id}: tokens from {start} after {len(out)} "
                                  "tokens; the database is damaged")
-            out.extend(_unpack(blob))
+            out.extend(unpack_token_ids(blob))
         return [_stored_sequence(row, tokens.get(row[0], [])) for row in rows]
 
     def _tenant_deltas(self, service: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
@@ -598,14 +597,14 @@ class PostgresState:
             cur.execute("INSERT INTO tokens (seq_id, start, token_ids) SELECT * FROM "
                         "unnest(%s::bigint[], %s::integer[], %s::bytea[])",
                         ([t.seq_id for t in changes.tokens], [t.start for t in changes.tokens],
-                         [_pack(t.token_ids) for t in changes.tokens]), binary=True)
+                         [pack_token_ids(t.token_ids) for t in changes.tokens]), binary=True)
         if changes.workers_joined:
             cur.executemany(
                 "INSERT INTO workers (worker_id, replica_id, registration, drain_requested) "
                 "VALUES (%s, %s, %s, %s) ON CONFLICT (worker_id) DO UPDATE SET "
                 "replica_id = excluded.replica_id, registration = excluded.registration, "
                 "drain_requested = excluded.drain_requested",
-                [(w.registration.worker_id, me, _registration_json(w.registration),
+                [(w.registration.worker_id, me, registration_json(w.registration),
                   w.drain_requested) for w in changes.workers_joined])
         if changes.workers_left:
             cur.execute("DELETE FROM workers WHERE worker_id = ANY(%s) AND replica_id = %s",
@@ -662,7 +661,7 @@ def _stored_sequence(row, output: list[int]) -> StoredSequence:
     (seq_id, params, prompt, state, worker_id, queue_key, cursor, prefilled, num_generated,
      at_admission, reason, finish_order, submitted_at, admission_order, error_message) = row
     return StoredSequence(
-        seq_id=seq_id, params=_params_from_row(params, bytes(prompt)),
+        seq_id=seq_id, params=params_from_row(params, bytes(prompt)),
         progress=SequenceProgress(
             seq_id=seq_id, state=SequenceState(state), worker_id=worker_id,
             queue_key=queue_key, cursor=cursor, prefilled_tokens=prefilled,
@@ -683,21 +682,6 @@ def parse_ids_payload(payload: str) -> set[int] | None:
     if payload == "*":
         return None
     return {int(part) for part in payload.split(",") if part}
-
-
-def _pack(token_ids) -> bytes:
-    packed = array("I", token_ids)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def _unpack(blob) -> list[int]:
-    packed = array("I")
-    packed.frombytes(bytes(blob))
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tolist()
 
 
 def _first_line(err: BaseException) -> str:

@@ -33,12 +33,11 @@ Integrity (service/state/integrity.py): every row carries a checksum over its co
 verified at start with everything else a restart reads; a file that fails, cannot be
 decoded, or has gone missing where the directory says state was written is refused with
 StateDamaged (one line: the file, what is wrong, how to recover). Columns added to
-_SCHEMA later are added to older files at start, and covered by the checksums unasked.
+SCHEMA later are added to older files at start, and covered by the checksums unasked.
 """
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import sqlite3
 import sys
@@ -49,18 +48,21 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from service.state import integrity as state_integrity
-from service.core import ConfigError, FinishReason, SequenceState, SubmitParams
+from service.core import ConfigError, FinishReason, SequenceState
 from service.core.store import (
     SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker, StoreError,
 )
-from service.core.types import SamplingParams, WorkerRegistration
 from service.state.integrity import damaged
+from service.state.rows import (
+    pack_token_ids, params_from_row, params_json, registration_from_json, registration_json,
+    unpack_token_ids,
+)
 
 FSYNC_MODES = ("acks", "always", "never")
 DB_NAME = "scheduler.db"
 SCHEMA_VERSION = 2
 
-_SCHEMA = """
+SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
     value INTEGER NOT NULL
@@ -150,7 +152,7 @@ class SqliteStateStore:
             state_integrity.check_tables_against_marker(
                 self.path, state_integrity.data_tables(db), required="meta")
             self.num_rows_verified = state_integrity.verify(db, self.path)
-            db.executescript(_SCHEMA)
+            db.executescript(SCHEMA)
             # Sealed before the migrations, so that what they write is checksummed, and
             # after, so that the columns they add are covered.
             self._seal()
@@ -190,14 +192,14 @@ class SqliteStateStore:
         tokens = {}
         for seq_id, blob in db.execute("SELECT seq_id, token_ids FROM outputs"):
             with self._decoding("outputs", seq_id):
-                tokens[seq_id] = _unpack(blob)
+                tokens[seq_id] = unpack_token_ids(blob)
         self._replay_log(tokens, unfinished)
         sequences = []
         for row in rows:
             with self._decoding("sequences", row[0]):
                 sequences.append(StoredSequence(
                     seq_id=row[0],
-                    params=_params_from_row(row[1], row[2]),
+                    params=params_from_row(row[1], row[2]),
                     progress=SequenceProgress(
                         seq_id=row[0], state=SequenceState(row[3]), worker_id=row[4],
                         queue_key=row[5], cursor=row[6], prefilled_tokens=row[7],
@@ -213,7 +215,7 @@ class SqliteStateStore:
                 "SELECT worker_id, registration, drain_requested, incarnation FROM workers "
                 "ORDER BY worker_id"):
             with self._decoding("workers", worker_id):
-                workers.append(StoredWorker(_registration_from_json(text), bool(drain),
+                workers.append(StoredWorker(registration_from_json(text), bool(drain),
                                             _integer(incarnation)))
         meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
         tenant_service = {}
@@ -356,7 +358,7 @@ class SqliteStateStore:
             db.executemany(
                 f"INSERT INTO sequences (seq_id, params, prompt, {_PROGRESS_COLUMNS}) "
                 f"VALUES (?, ?, ?, {', '.join('?' * len(_PROGRESS_FIELDS))})",
-                [(seq_id, _params_json(params), _pack(params.prompt_token_ids),
+                [(seq_id, params_json(params), pack_token_ids(params.prompt_token_ids),
                   *_progress_values(progress_of.get(seq_id) or SequenceProgress(
                       seq_id, SequenceState.QUEUED, None, None, 0, 0, 0, 0, None)))
                  for seq_id, params in created.items()])
@@ -367,11 +369,11 @@ class SqliteStateStore:
                 [(*_progress_values(p), p.seq_id) for p in updated])
         if changes.final_outputs:
             db.executemany("INSERT OR REPLACE INTO outputs (seq_id, token_ids) VALUES (?, ?)",
-                           [(seq_id, _pack(output)) for seq_id, output in changes.final_outputs])
+                           [(seq_id, pack_token_ids(output)) for seq_id, output in changes.final_outputs])
         if changes.workers_joined:
             db.executemany("INSERT OR REPLACE INTO workers (worker_id, registration, "
                            "drain_requested, incarnation) VALUES (?, ?, ?, ?)",
-                           [(w.registration.worker_id, _registration_json(w.registration),
+                           [(w.registration.worker_id, registration_json(w.registration),
                              int(w.drain_requested), w.incarnation)
                             for w in changes.workers_joined])
         if changes.workers_left:
@@ -466,11 +468,11 @@ class SqliteStateStore:
 
 
 def _add_missing_columns(db: sqlite3.Connection) -> None:
-    """Add to each table the columns _SCHEMA declares that the file's table lacks (a file
+    """Add to each table the columns SCHEMA declares that the file's table lacks (a file
     written by an older scheduler), with their declared defaults."""
     declared = sqlite3.connect(":memory:")
     try:
-        declared.executescript(_SCHEMA)
+        declared.executescript(SCHEMA)
         for (table,) in declared.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
             present = {row[1] for row in db.execute(f"PRAGMA main.table_info({table})")}
             for _, name, kind, not_null, default, _ in declared.execute(
@@ -503,21 +505,6 @@ def _lock(directory: Path):
     return lock_file
 
 
-def _pack(token_ids) -> bytes:
-    packed = array("I", token_ids)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def _unpack(blob: bytes) -> list[int]:
-    packed = array("I")
-    packed.frombytes(blob)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tolist()
-
-
 def _log_entries(blob: bytes):
     """(seq_id, start, token_ids) of each append in one token_log row."""
     entries = array("Q")
@@ -543,40 +530,3 @@ def _progress_values(p: SequenceProgress) -> tuple:
             p.num_generated, p.num_generated_at_admission,
             None if p.finish_reason is None else p.finish_reason.value, p.finish_order,
             p.error_message, p.submitted_at, p.admission_order)
-
-
-def _params_json(p: SubmitParams) -> str:
-    s = p.sampling
-    return json.dumps({
-        "request_id": p.request_id, "max_new_tokens": p.max_new_tokens,
-        "adapter_id": p.adapter_id, "priority": p.priority, "tenant": p.tenant,
-        "sampling": [s.temperature, s.top_p, s.top_k, s.seed],
-        "stop_token_ids": list(p.stop_token_ids),
-    })
-
-
-def _params_from_row(text: str, prompt: bytes) -> SubmitParams:
-    d = json.loads(text)
-    return SubmitParams(
-        prompt_token_ids=tuple(_unpack(prompt)), max_new_tokens=d["max_new_tokens"],
-        request_id=d["request_id"], adapter_id=d["adapter_id"], priority=d["priority"],
-        tenant=d["tenant"], sampling=SamplingParams(*d["sampling"]),
-        stop_token_ids=tuple(d["stop_token_ids"]),
-    )
-
-
-def _registration_json(r: WorkerRegistration) -> str:
-    return json.dumps({
-        "worker_id": r.worker_id, "total_kv_pages": r.total_kv_pages,
-        "page_size": r.page_size, "total_gdn_slots": r.total_gdn_slots,
-        "max_batch_size": r.max_batch_size, "adapters": list(r.adapters),
-    })
-
-
-def _registration_from_json(text: str) -> WorkerRegistration:
-    d = json.loads(text)
-    return WorkerRegistration(
-        worker_id=d["worker_id"], total_kv_pages=d["total_kv_pages"], page_size=d["page_size"],
-        total_gdn_slots=d["total_gdn_slots"], max_batch_size=d["max_batch_size"],
-        adapters=tuple(d["adapters"]),
-    )

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from .harness import Clients, Stack
+from service.devtools.fault_stack import Clients, Stack
 
 
 @pytest.fixture

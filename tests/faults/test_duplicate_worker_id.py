@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import check, make_jobs, wait_until
+from common.waiting import wait_until
+from service.devtools.fault_stack import check, make_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,7 @@ def test_a_second_process_with_the_same_worker_id_supersedes_the_first_without_a
     clients.wait_acknowledged(20, timeout=20)
     stack.start_worker("w1", beside_the_running_one=True)
 
-    wait_until(lambda: not first.alive(), 30, "the superseded worker to exit")
+    wait_until(lambda: not first.alive(), "the superseded worker to exit", 30)
     clients.wait_done(60)
 
     assert first.popen.returncode == EXIT_SUPERSEDED, first.log_text()

@@ -14,7 +14,8 @@ import time
 import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from .harness import Job, check, check_known, make_jobs
+from common.waiting import wait_until
+from service.devtools.fault_stack import Job, check, check_known, make_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -151,13 +152,11 @@ def test_a_kill_during_a_burst_of_concurrent_submits_loses_no_acknowledged_one(
 
 def _wait_holding(stack, count: int, timeout: float = 20.0) -> str:
     """The id of a worker that holds at least `count` sequences, once one does."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        busiest = max(stack.worker_status().values(), key=lambda w: w.num_assigned)
-        if busiest.num_assigned >= count:
-            return busiest.worker_id
-        time.sleep(0.01)
-    raise AssertionError(f"no worker ever held {count} sequences: {stack.worker_status()}")
+    busiest = wait_until(
+        lambda: max(stack.worker_status().values(), key=lambda w: w.num_assigned),
+        f"a worker holding {count} sequences", timeout,
+        done=lambda w: w.num_assigned >= count, every_seconds=0.01)
+    return busiest.worker_id
 
 
 def _held_by(stack, jobs: list[Job], worker_id: str) -> list[Job]:

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from tests.server.conftest import _stoppers, start_server  # noqa: F401 (fixtures)
+from tests.server.conftest import server_stoppers, start_server  # noqa: F401 (fixtures)
 
 from .target import FuzzTarget
 

@@ -11,10 +11,13 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from .checkpoint import Checkpoint, build_checkpoint
-from .processes import (
-    GATEWAY_LISTENING, LOOPBACK, SCHEDULER_LISTENING, Process, gateway_argv, scheduler_argv,
-    spawn, wait_for, worker_argv,
+from common.processes import (
+    GATEWAY_LISTENING, LOOPBACK, SCHEDULER_LISTENING, START_TIMEOUT_SECONDS, Process,
+    scheduler_argv, spawn,
 )
+from common.waiting import wait_until
+
+from .processes import gateway_argv, worker_argv
 
 # How long a keyed sequence outlives its last client in these tests: long enough for a
 # retry on a loaded machine, short enough to watch it lapse.
@@ -72,8 +75,8 @@ def stack(checkpoint: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> I
         started.append(gateway)
         channel = grpc.insecure_channel(target)
         stub = pb_grpc.SchedulerStub(channel)
-        wait_for(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers,
-                 "the worker to register", process=started[1])
+        wait_until(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers,
+                   "the worker to register", START_TIMEOUT_SECONDS, gone=started[1].exit_reason)
         yield Stack(checkpoint, scheduler, gateway, channel, checkpoint.path.name)
         channel.close()
     finally:

@@ -6,11 +6,12 @@ import secrets
 
 import pytest
 
+from common.processes import (
+    GATEWAY_LISTENING, LOOPBACK, SCHEDULER_LISTENING, scheduler_argv, spawn,
+)
 from tests.security.pki import make_pki
 
-from .processes import (
-    GATEWAY_LISTENING, LOOPBACK, SCHEDULER_LISTENING, gateway_argv, scheduler_argv, spawn,
-)
+from .processes import gateway_argv
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -51,7 +52,7 @@ def test_gateway_reaches_a_tls_scheduler_with_its_token_and_a_wrong_token_is_a_5
             client(bad).completions.create(model=checkpoint.path.name, prompt="hi", max_tokens=4)
         assert raised.value.status_code == 502
         assert "credentials" in raised.value.body["message"]
-        assert token not in good.log() + bad.log()
+        assert token not in good.log_text() + bad.log_text()
     finally:
         for process in reversed(started):
             process.stop()

@@ -11,7 +11,10 @@ import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from .conftest import REATTACH_GRACE_SECONDS, Stack
-from .processes import GATEWAY_LISTENING, LOOPBACK, gateway_argv, spawn, wait_for
+from common.processes import GATEWAY_LISTENING, LOOPBACK, spawn
+from common.waiting import wait_until
+
+from .processes import gateway_argv
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -109,8 +112,8 @@ def test_stop_string_ends_the_text_before_it_and_cancels_the_sequence(stack: Sta
         assert "".join(c.choices[0].text for c in chunks) == expected
         assert chunks[-1].choices[0].finish_reason == "stop"
         seq_id = seq_id_of(chunks[0].id)
-        info = wait_for(lambda: (lambda i: i if i.state == pb.SEQUENCE_STATE_FINISHED else None)(
-            stack.sequence(seq_id)), f"seq_id {seq_id} to end", timeout=30)
+        info = wait_until(lambda: stack.sequence(seq_id), f"seq_id {seq_id} to end", 30,
+                          done=lambda i: i.state == pb.SEQUENCE_STATE_FINISHED)
         assert info.finish_reason == pb.FINISH_REASON_CANCELLED
         assert info.generated_tokens < 2000
 
@@ -194,9 +197,9 @@ def test_a_keyed_sequence_nobody_retries_is_cancelled_after_the_grace_period(sta
         stream=True, extra_headers={"Idempotency-Key": "test-nobody-retries"})
     seq_id = seq_id_of(next(iter(stream)).id)
     stream.close()
-    info = wait_for(lambda: (lambda i: i if i.state == pb.SEQUENCE_STATE_FINISHED else None)(
-        stack.sequence(seq_id)), f"seq_id {seq_id} to be cancelled",
-        timeout=REATTACH_GRACE_SECONDS + 30)
+    info = wait_until(lambda: stack.sequence(seq_id), f"seq_id {seq_id} to be cancelled",
+                      REATTACH_GRACE_SECONDS + 30,
+                      done=lambda i: i.state == pb.SEQUENCE_STATE_FINISHED)
     assert info.finish_reason == pb.FINISH_REASON_CANCELLED
 
 
@@ -205,8 +208,8 @@ def test_a_client_that_disconnects_from_a_stream_cancels_its_sequence(stack: Sta
                                                max_tokens=3500, temperature=0, stream=True)
     seq_id = seq_id_of(next(iter(stream)).id)
     stream.close()
-    info = wait_for(lambda: (lambda i: i if i.state == pb.SEQUENCE_STATE_FINISHED else None)(
-        stack.sequence(seq_id)), f"seq_id {seq_id} to be cancelled", timeout=30)
+    info = wait_until(lambda: stack.sequence(seq_id), f"seq_id {seq_id} to be cancelled", 30,
+                      done=lambda i: i.state == pb.SEQUENCE_STATE_FINISHED)
     assert info.finish_reason == pb.FINISH_REASON_CANCELLED
     assert info.generated_tokens < 3500
 
@@ -219,12 +222,12 @@ def test_a_client_that_times_out_on_a_plain_request_cancels_its_sequence(stack: 
     with pytest.raises(openai.APITimeoutError):
         stack.client(timeout=1.0).completions.create(
             model=stack.model_name, prompt=LONG_PROMPT, max_tokens=3500, temperature=0)
-    wait_for(lambda: metric_value(stack.scheduler_metrics_url, cancelled) >= before + 1,
-             "the scheduler to count one more cancelled sequence", timeout=30)
+    wait_until(lambda: metric_value(stack.scheduler_metrics_url, cancelled) >= before + 1,
+               "the scheduler to count one more cancelled sequence", 30)
     assert metric_value(f"{stack.base_url}/metrics", disconnects) == disconnects_before + 1
     # Nothing runs on: the 3500-token sequence would keep the worker busy for a long while.
-    wait_for(lambda: stack.stub.GetStatus(pb.GetStatusRequest(), timeout=10).num_assigned == 0,
-             "no sequence to be assigned", timeout=30)
+    wait_until(lambda: stack.stub.GetStatus(pb.GetStatusRequest(), timeout=10).num_assigned,
+               "no sequence to be assigned", 30, done=lambda num_assigned: num_assigned == 0)
 
 
 def test_a_full_queue_is_a_429_naming_resource_exhausted(idle_stack: Stack):
@@ -238,8 +241,9 @@ def test_a_full_queue_is_a_429_naming_resource_exhausted(idle_stack: Stack):
         assert "RESOURCE_EXHAUSTED" in raised.value.body["message"]
     finally:
         holder.close()
-    wait_for(lambda: idle_stack.stub.GetStatus(pb.GetStatusRequest(), timeout=10).queue_depth == 0,
-             "the holder's sequence to be cancelled when it left", timeout=30)
+    wait_until(
+        lambda: idle_stack.stub.GetStatus(pb.GetStatusRequest(), timeout=10).queue_depth == 0,
+        "the holder's sequence to be cancelled when it left", 30)
 
 
 def test_an_unreachable_scheduler_is_a_503_on_requests_and_on_health(checkpoint, tmp_path):

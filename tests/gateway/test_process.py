@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from .processes import GATEWAY_LISTENING, LOOPBACK, ROOT, clean_env, gateway_argv, spawn
+from common.processes import GATEWAY_LISTENING, LOOPBACK, clean_env, spawn
+
+from .processes import ROOT, gateway_argv
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +29,6 @@ def test_a_model_directory_without_a_tokenizer_exits_2_with_one_line_naming_it(t
 def test_sigterm_stops_the_gateway_with_exit_code_0(checkpoint, tmp_path):
     gateway = spawn("gateway", gateway_argv(f"{LOOPBACK}:1", checkpoint.path,
                                             "--grace-seconds", "2"), tmp_path, GATEWAY_LISTENING)
-    gateway.proc.send_signal(signal.SIGTERM)
-    assert gateway.proc.wait(timeout=30) == 0
-    assert "Application shutdown complete" in gateway.log()
+    gateway.popen.send_signal(signal.SIGTERM)
+    assert gateway.popen.wait(timeout=30) == 0
+    assert "Application shutdown complete" in gateway.log_text()

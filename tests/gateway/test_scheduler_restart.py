@@ -7,10 +7,11 @@ import socket
 
 import pytest
 
-from .processes import (
-    GATEWAY_LISTENING, LOOPBACK, SCHEDULER_LISTENING, gateway_argv, scheduler_argv, spawn,
-    worker_argv,
+from common.processes import (
+    GATEWAY_LISTENING, LOOPBACK, SCHEDULER_LISTENING, scheduler_argv, spawn,
 )
+
+from .processes import gateway_argv, worker_argv
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -47,14 +48,14 @@ def test_a_keyed_stream_reads_on_across_a_scheduler_kill_and_restart(checkpoint,
                                            extra_headers={"Idempotency-Key": "restart-1"})
         chunks = iter(stream)
         pieces = [next(chunks).choices[0].text]
-        started[0].proc.kill()  # kill -9, mid-answer
-        started[0].proc.wait(10)
+        started[0].popen.kill()  # kill -9, mid-answer
+        started[0].popen.wait(10)
         started[0] = spawn("scheduler-again", argv, tmp_path, SCHEDULER_LISTENING)
         rest = list(chunks)
         pieces += [c.choices[0].text for c in rest if c.choices]
         assert "".join(pieces) == expected
         assert rest[-1].usage.completion_tokens == MAX_TOKENS
-        assert "re-attached seq_id" in gateway.log()
+        assert "re-attached seq_id" in gateway.log_text()
     finally:
         for process in reversed(started):
             process.stop()

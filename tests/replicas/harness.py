@@ -2,7 +2,7 @@
 
 `ReplicaStack` runs N `lattice-scheduler serve --state URL` processes and scripted
 worker processes (each worker lists its own replica first, then the others, so it
-moves on when its replica goes away). `ReplicaClients` are tests/faults' Clients over
+moves on when its replica goes away). `ReplicaClients` are the fault stack's Clients over
 one round_robin channel to every replica. Every process is killed at close.
 """
 from __future__ import annotations
@@ -15,11 +15,10 @@ import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from common.processes import LOOPBACK, SCHEDULER_LISTENING, free_port, scheduler_argv
 from common.targets import ROUND_ROBIN
-from tests.faults.harness import (
-    CHANNEL_OPTIONS, LISTENING, LOOPBACK, START_TIMEOUT_SECONDS, Clients, Proc, _wait_for_line,
-    free_port, wait_until,
-)
+from common.waiting import wait_until
+from service.devtools.fault_stack import CHANNEL_OPTIONS, START_TIMEOUT_SECONDS, Clients, Proc
 
 
 class ReplicaStack:
@@ -49,8 +48,8 @@ class ReplicaStack:
             self.start_replica(index)
         for worker_id in self.worker_home:
             self.start_worker(worker_id)
-        wait_until(lambda: self.num_workers() == len(self.worker_home), START_TIMEOUT_SECONDS,
-                   "every worker registered")
+        wait_until(lambda: self.num_workers() == len(self.worker_home),
+                   "every worker registered", START_TIMEOUT_SECONDS, retry_on=(grpc.RpcError,))
         return self
 
     def close(self) -> None:
@@ -62,15 +61,13 @@ class ReplicaStack:
         self.channel.close()
 
     def start_replica(self, index: int) -> None:
-        proc = Proc(f"replica{index}", [
-            sys.executable, "-m", "service", "serve", "--host", LOOPBACK,
-            "--port", str(self.ports[index]), "--metrics-port", "0",
+        proc = Proc(f"replica{index}", scheduler_argv(
             "--state", self.database_url, "--lease-ttl-ms", str(self.lease_ttl_ms),
-            "--replica-lease-ms", str(self.replica_lease_ms),
-        ], self.directory / f"replica{index}.{len(self.all_procs)}.log")
+            "--replica-lease-ms", str(self.replica_lease_ms), port=self.ports[index],
+        ), self.directory / f"replica{index}.{len(self.all_procs)}.log")
         self.all_procs.append(proc)
         self.replicas[index] = proc
-        if _wait_for_line(proc, LISTENING, START_TIMEOUT_SECONDS) is None:
+        if proc.wait_for_line(SCHEDULER_LISTENING, START_TIMEOUT_SECONDS) is None:
             raise AssertionError(f"replica {index} did not start:\n{proc.log_text()}")
 
     def kill_replica(self, index: int) -> None:

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from common.waiting import wait_until
 from tests.server.wire import RPC_TIMEOUT_SECONDS, Stream, Worker, admitted, get_sequence, \
-    submit, wait_until
+    submit
 from worker_client.client import NotRegistered, RetryPolicy, SchedulerClient, WorkerResources
 
 EOS = pb.FINISH_REASON_EOS
@@ -36,6 +36,18 @@ def _crash(server) -> None:
     running._stopped = server._stopped = True  # nothing left to stop at teardown
 
 
+def _admit_on(worker: Worker, count: int) -> list[int]:
+    """The ids `worker` is given, in order, until it holds `count` (each call reports
+    what it holds)."""
+    got: list[int] = []
+
+    def more() -> bool:
+        got.extend(admitted(worker.select(running=got)))
+        return len(got) >= count
+    wait_until(more, f"{count} admissions on {worker.worker_id}", 20)
+    return got
+
+
 def _core(server):
     return server.running._serving.servicer._core
 
@@ -46,7 +58,7 @@ def test_generate_on_one_replica_streams_tokens_a_worker_reports_to_the_other(st
     worker.register()
     stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=3))
     seq_id = stream.next_event().seq_id
-    wait_until(lambda: admitted(worker.select()) == [seq_id], 10, what="admission on r0")
+    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
     worker.select(running=[seq_id], tokens={seq_id: [7, 8]})
     assert stream.tokens_until(2, 10) == [7, 8]
     info = get_sequence(r1.stub, seq_id)
@@ -72,11 +84,11 @@ def test_cancel_on_another_replica_reaches_the_owner_and_its_worker_evicts(start
     worker = Worker(r0.stub, "w")
     worker.register()
     seq_id = submit(r1.stub).seq_id
-    wait_until(lambda: admitted(worker.select()) == [seq_id], 10, what="admission on r0")
+    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
     response = r1.stub.Cancel(pb.CancelRequest(seq_id=seq_id), timeout=RPC_TIMEOUT_SECONDS)
     assert response.cancelled
-    wait_until(lambda: seq_id in worker.select(running=[seq_id]).evict, 10,
-               what="the owner to evict the cancelled sequence")
+    wait_until(lambda: seq_id in worker.select(running=[seq_id]).evict,
+               "the owner to evict the cancelled sequence", 10)
     info = get_sequence(r1.stub, seq_id)
     assert (info.state, info.finish_reason) == (pb.SEQUENCE_STATE_FINISHED, CANCELLED)
 
@@ -94,8 +106,8 @@ def test_a_worker_moving_on_unavailable_keeps_its_sequences_on_the_next_replica(
         return pb.SelectBatchRequest(worker_id="w", kv_free_pages=1000, gdn_free_slots=64,
                                      **fields)
 
-    wait_until(lambda: [c.seq_id for c in client.select(report()).prefill] == [seq_id], 10,
-               what="admission on r0")
+    wait_until(lambda: [c.seq_id for c in client.select(report()).prefill] == [seq_id],
+               "admission on r0", 10)
     client.select(report(running=[seq_id], tokens=[pb.TokenUpdate(
         seq_id=seq_id, token_ids=[5], offset=0)]))
     _crash(r0)
@@ -117,17 +129,12 @@ def test_claims_of_a_crashed_replica_return_after_its_lease_and_run_elsewhere(
     w0 = Worker(r0.stub, "w0")
     w0.register(max_batch_size=1)
     first, second = submit(r0.stub).seq_id, submit(r0.stub).seq_id
-    wait_until(lambda: admitted(w0.select()) == [first], 10, what="admission on r0")
-    wait_until(lambda: _core(r0).num_queued() == 1, 10,
-               what="r0 to prefetch the second")
+    wait_until(lambda: admitted(w0.select()) == [first], "admission on r0", 10)
+    wait_until(lambda: _core(r0).num_queued() == 1, "r0 to prefetch the second", 10)
     _crash(r0)
     w1 = Worker(r1.stub, "w1")
     w1.register(max_batch_size=4)
-    got: list[int] = []
-    deadline = time.monotonic() + 20
-    while len(got) < 2 and time.monotonic() < deadline:
-        got += admitted(w1.select(running=got))
-        time.sleep(0.05)
+    got = _admit_on(w1, 2)
     assert sorted(got) == [first, second]
     # The one that was running went to the head of the shared queue.
     assert got[0] == first
@@ -144,7 +151,7 @@ def test_a_replica_without_the_database_answers_unavailable_and_acknowledges_not
     finally:
         pg_cluster.start()
     # Back: the same request_id is new (nothing was committed), and the service works.
-    wait_until(lambda: _submits(r0.stub, "after-outage"), 30, what="submits to work again")
+    wait_until(lambda: _submits(r0.stub, "after-outage"), "submits to work again", 30)
     seq_id = submit(r0.stub, request_id="during-outage").seq_id
     assert get_sequence(r0.stub, seq_id).state == pb.SEQUENCE_STATE_QUEUED
 
@@ -162,14 +169,9 @@ def test_claims_a_replica_can_no_longer_run_go_back_to_the_shared_queue(start_re
     w0 = Worker(r0.stub, "w0")
     w0.register(max_batch_size=1)
     ids = [submit(r0.stub).seq_id for _ in range(3)]
-    wait_until(lambda: _core(r0).num_queued() == 3, 10,
-               what="r0 to claim all three")
+    wait_until(lambda: _core(r0).num_queued() == 3, "r0 to claim all three", 10)
     w0.deregister()  # r0 has no worker left: its claims must not wait there
     w1 = Worker(r1.stub, "w1")
     w1.register(max_batch_size=4)
-    got: list[int] = []
-    deadline = time.monotonic() + 20
-    while len(got) < 3 and time.monotonic() < deadline:
-        got += admitted(w1.select(running=got))
-        time.sleep(0.05)
+    got = _admit_on(w1, 3)
     assert got == ids  # in their order

@@ -4,10 +4,13 @@ other runs beside it on the same database."""
 from __future__ import annotations
 
 import pytest
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from tests.server.test_contract import queue_depth, submit_many
 from tests.server.test_contract import *  # noqa: F401,F403 - the same tests, re-collected
 # The fake-worker fixtures, here on the replica's `stub` below.
 from tests.server.conftest import make_worker, worker  # noqa: F401
+from tests.server.wire import RPC_TIMEOUT_SECONDS
 
 
 @pytest.fixture(params=[0, 1], ids=["replica0", "replica1"])
@@ -34,8 +37,17 @@ def stub(server):
     return server.stub
 
 
-@pytest.mark.skip(reason="on a replica the queue_depth gauge counts its local queue (claimed, "
-                         "not yet admitted); the shared queue's depth is GetStatus's "
-                         "queue_depth (docs/replicas.md)")
-def test_metric_queue_depth_follows_submit_admission_and_cancel():
-    """Replaced: see the skip reason."""
+# Replaces the suite's test of the same name: on a replica the queue_depth gauge counts
+# its local queue (claimed, not yet admitted), so the shared queue's depth that the
+# original follows is GetStatus's queue_depth (docs/replicas.md).
+def test_metric_queue_depth_follows_submit_admission_and_cancel(stub, worker):
+    assert queue_depth(stub) == 0
+    ids = submit_many(stub, 3)
+    assert queue_depth(stub) == 3
+    worker.register(max_batch_size=2)
+    worker.select()
+    assert queue_depth(stub) == 1
+    stub.Cancel(pb.CancelRequest(seq_id=ids[2]), timeout=RPC_TIMEOUT_SECONDS)
+    assert queue_depth(stub) == 0
+    worker.select(draining=True)                 # both lost: back in the queue
+    assert queue_depth(stub) == 2

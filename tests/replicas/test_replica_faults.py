@@ -2,7 +2,7 @@
 
 Two replicas on one database, two scripted workers each (--step-ms 10), four clients
 submitting with unique request_ids over a round_robin channel and collecting every
-acknowledged sequence by re-attaching Generate streams. tests/faults' `check` then asks
+acknowledged sequence by re-attaching Generate streams. The fault stack's `check` asks
 of each: known, FINISHED once with the reference finish reason, exactly the reference
 tokens (none missing, none twice), one seq_id for its request_id.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.faults.harness import check, make_jobs, wait_until
+from common.waiting import wait_until
+from service.devtools.fault_stack import check, make_jobs
 
 from .harness import ReplicaClients, ReplicaStack, wait_all_done
 
@@ -57,7 +58,7 @@ def _acknowledged(clients) -> int:
 
 def test_a_replica_killed_under_load_loses_nothing_and_each_sequence_finishes_once(
         stack, clients):
-    wait_until(lambda: _acknowledged(clients) >= 20, 30, "20 acknowledged submits")
+    wait_until(lambda: _acknowledged(clients) >= 20, "20 acknowledged submits", 30)
     stack.kill_replica(0)
     assert _acknowledged(clients) < NUM_CLIENTS * JOBS_PER_CLIENT  # the kill landed mid-run
     wait_all_done(clients, DONE_TIMEOUT_SECONDS)
@@ -65,7 +66,7 @@ def test_a_replica_killed_under_load_loses_nothing_and_each_sequence_finishes_on
 
 
 def test_a_postgresql_restart_under_load_loses_nothing(stack, clients, pg_cluster):
-    wait_until(lambda: _acknowledged(clients) >= 20, 30, "20 acknowledged submits")
+    wait_until(lambda: _acknowledged(clients) >= 20, "20 acknowledged submits", 30)
     pg_cluster.restart()  # fast shutdown: open transactions roll back, connections drop
     wait_all_done(clients, DONE_TIMEOUT_SECONDS)
     _assert_all_good(stack, clients)

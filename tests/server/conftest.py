@@ -87,7 +87,7 @@ def _start(state_dir: str = "", serve: dict | None = None, **scheduler_config) -
 
 
 @pytest.fixture(scope="session")
-def _stoppers() -> Iterator[list[threading.Thread]]:
+def server_stoppers() -> Iterator[list[threading.Thread]]:
     """Threads stopping servers; the session waits for every one of them at its end."""
     threads: list[threading.Thread] = []
     yield threads
@@ -97,7 +97,7 @@ def _stoppers() -> Iterator[list[threading.Thread]]:
 
 
 @pytest.fixture
-def start_server(_stoppers) -> Iterator[Callable[..., Server]]:
+def start_server(server_stoppers) -> Iterator[Callable[..., Server]]:
     """Factory: start_server([state_dir], serve={ServeSettings fields}, **SchedulerConfig
     fields) -> Server; all stopped at teardown.
 
@@ -115,7 +115,7 @@ def start_server(_stoppers) -> Iterator[Callable[..., Server]]:
     for s in servers:
         stopper = threading.Thread(target=s.stop, name="stop-test-server")
         stopper.start()
-        _stoppers.append(stopper)
+        server_stoppers.append(stopper)
 
 
 @pytest.fixture

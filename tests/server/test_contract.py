@@ -19,9 +19,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from common.waiting import wait_until
+
 from .wire import (
     RPC_TIMEOUT_SECONDS, TRANSPORTS, Stream, Worker, admitted, continued, get_sequence,
-    rpc_error, submit, submit_many, wait_until,
+    rpc_error, submit, submit_many,
 )
 
 EOS = pb.FINISH_REASON_EOS
@@ -495,8 +497,8 @@ def test_lease_expiry_requeues_and_fails_precondition_until_registered_again(stu
     worker.register()
     seq_id = submit(stub).seq_id
     worker.select()
-    wait_until(lambda: get_sequence(stub, seq_id).state == QUEUED, timeout_seconds=5,
-               what="the silent worker's sequence to go back to the queue")
+    wait_until(lambda: get_sequence(stub, seq_id).state == QUEUED,
+               "the silent worker's sequence to go back to the queue", 5)
     err = rpc_error(lambda: worker.select(waiting=[seq_id]))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "w1" in err.details()
@@ -611,8 +613,8 @@ def test_generate_call_cancelled_by_its_client_cancels_the_sequence(stub, worker
     seq_id = stream.next_event().seq_id
     worker.select()
     stream.call.cancel()
-    wait_until(lambda: get_sequence(stub, seq_id).state == FINISHED, timeout_seconds=5,
-               what="the abandoned sequence to be cancelled")
+    wait_until(lambda: get_sequence(stub, seq_id).state == FINISHED,
+               "the abandoned sequence to be cancelled", 5)
     assert get_sequence(stub, seq_id).finish_reason == CANCELLED
     assert list(worker.select(waiting=[seq_id]).evict) == [seq_id]
 
@@ -676,8 +678,7 @@ def test_sequence_requeued_by_lease_expiry_resumes_with_generated_tokens(stub, m
     seq_id = submit(stub, prompt=(1, 2), max_new_tokens=4).seq_id
     silent.select()
     silent.select(running=[seq_id], tokens={seq_id: [7, 8]})
-    wait_until(lambda: get_sequence(stub, seq_id).state == QUEUED, timeout_seconds=5,
-               what="lease expiry")
+    wait_until(lambda: get_sequence(stub, seq_id).state == QUEUED, "lease expiry", 5)
     other.register()
     (chunk,) = other.select().prefill
     assert list(chunk.spec.prompt_token_ids) == [1, 2, 7, 8]
@@ -793,7 +794,7 @@ def test_metric_worker_series_are_removed_when_the_lease_expires(server, worker)
     worker.register()
     worker.select(kv_free_pages=50, gdn_free_slots=4)
     wait_until(lambda: server.metric("worker_kv_free_pages", worker_id="w1") is None,
-               timeout_seconds=5, what="the expired worker's series to go")
+               "the expired worker's series to go", 5)
     assert server.metric("worker_gdn_free_slots", worker_id="w1") is None
 
 

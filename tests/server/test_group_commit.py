@@ -14,6 +14,7 @@ import grpc
 import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from common.waiting import wait_until
 from service.core.store import StoreError
 from service.state.sqlite import SqliteStateStore
 
@@ -85,9 +86,8 @@ def test_submits_wait_for_the_fsync_and_one_more_fsync_answers_all_that_came_mea
     gate = FsyncGate(monkeypatch, tmp_path)
     server = start_server(str(tmp_path / "state"))
     threads, answers = _submit_in_threads(server.stub, NUM_SUBMITS)
-    deadline = time.monotonic() + RPC_TIMEOUT_SECONDS
-    while _queue_depth(server.stub) < NUM_SUBMITS and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: _queue_depth(server.stub), f"{NUM_SUBMITS} submits committed",
+               RPC_TIMEOUT_SECONDS, done=lambda depth: depth >= NUM_SUBMITS, every_seconds=0.01)
     # Every submit is committed and the loop answers other calls, but none is acknowledged.
     assert _queue_depth(server.stub) == NUM_SUBMITS
     assert answers == [] and gate.calls == 1

@@ -157,7 +157,7 @@ def test_select_batch_with_too_many_tokens_is_invalid_argument(stub, worker, upd
 
 
 @pytest.fixture
-def start_with_settings(_stoppers) -> Iterator:
+def start_with_settings(server_stoppers) -> Iterator:
     """Factory: a scheduler with these ServeSettings overrides, and a stub to it."""
     running_servers, channels = [], []
 
@@ -174,7 +174,7 @@ def start_with_settings(_stoppers) -> Iterator:
     for running in running_servers:  # stopped on threads, as in conftest.start_server
         stopper = threading.Thread(target=running.stop, args=(0.0,), name="stop-test-server")
         stopper.start()
-        _stoppers.append(stopper)
+        server_stoppers.append(stopper)
 
 
 def test_message_over_max_message_bytes_is_resource_exhausted_and_the_server_carries_on(

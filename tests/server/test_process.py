@@ -4,14 +4,11 @@ Every process runs on loopback with free ports, and every wait is bounded.
 """
 from __future__ import annotations
 
-import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from common.processes import LOOPBACK, Process, clean_env, scheduler_argv, spawn_scheduler
 from service.core import SchedulerConfig
 
 from .wire import RPC_TIMEOUT_SECONDS
@@ -31,18 +29,8 @@ from .wire import RPC_TIMEOUT_SECONDS
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-LOOPBACK = "127.0.0.1"
 START_TIMEOUT_SECONDS = 20.0
 EXIT_TIMEOUT_SECONDS = 20.0
-LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+) \(metrics on http://127\.0\.0\.1:(\d+)/")
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    """This environment without LATTICE_SCHEDULER_* settings, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LATTICE_SCHEDULER_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
 
 
 def _cli() -> list[str]:
@@ -51,20 +39,24 @@ def _cli() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "service"]
 
 
-def _serve_command(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "service", "serve", "--host", LOOPBACK, "--port", "0",
-            "--metrics-port", "0", *flags]
-
-
 @dataclass
 class ServeProcess:
     """A `serve` process that printed its ports, with a channel to it."""
 
-    proc: subprocess.Popen
-    port: int
-    metrics_port: int
+    process: Process
     channel: grpc.Channel
-    lines: queue.Queue
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.process.popen
+
+    @property
+    def port(self) -> int:
+        return self.process.ports[0]
+
+    @property
+    def metrics_port(self) -> int:
+        return self.process.ports[1]
 
     @property
     def target(self) -> str:
@@ -76,48 +68,25 @@ class ServeProcess:
 
     def stop(self) -> None:
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=EXIT_TIMEOUT_SECONDS)
+        self.process.kill()
 
 
-def _spawn(*flags: str, env: dict[str, str] | None = None) -> ServeProcess:
-    proc = subprocess.Popen(_serve_command(*flags), cwd=ROOT, env=env or _clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + START_TIMEOUT_SECONDS
-    seen = []
-    while True:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            proc.kill()
-            pytest.fail(f"serve printed no port within {START_TIMEOUT_SECONDS:g} s: {seen}")
-        if line is None:
-            pytest.fail(f"serve exited with {proc.wait()} before listening: {''.join(seen)}")
-        seen.append(line)
-        match = LISTENING.search(line)
-        if match:
-            break
-    channel = grpc.insecure_channel(f"{LOOPBACK}:{match.group(1)}")
+def _spawn(log_dir: Path, *flags: str, env: dict[str, str] | None = None) -> ServeProcess:
+    name = f"serve-{len(list(log_dir.glob('serve-*.log')))}"
+    process = spawn_scheduler(name, log_dir, *flags, cwd=ROOT, env=env or clean_env(),
+                              timeout_seconds=START_TIMEOUT_SECONDS)
+    channel = grpc.insecure_channel(f"{LOOPBACK}:{process.ports[0]}")
     grpc.channel_ready_future(channel).result(timeout=RPC_TIMEOUT_SECONDS)
-    return ServeProcess(proc, int(match.group(1)), int(match.group(2)), channel, lines)
+    return ServeProcess(process, channel)
 
 
 @pytest.fixture
-def spawn() -> Iterator:
+def spawn(tmp_path) -> Iterator:
     """Factory for `serve` processes; each is killed at teardown if still running."""
     started: list[ServeProcess] = []
 
     def factory(*flags: str, env: dict[str, str] | None = None) -> ServeProcess:
-        started.append(_spawn(*flags, env=env))
+        started.append(_spawn(tmp_path, *flags, env=env))
         return started[-1]
 
     yield factory
@@ -126,16 +95,16 @@ def spawn() -> Iterator:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[ServeProcess]:
+def served(tmp_path_factory) -> Iterator[ServeProcess]:
     """One `serve` process shared by the tests that only read from it or add to it."""
-    p = _spawn()
+    p = _spawn(tmp_path_factory.mktemp("served"))
     yield p
     p.stop()
 
 
 def _run(*args: str, env: dict[str, str] | None = None,
          timeout: float = 30.0) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), cwd=ROOT, env=env or _clean_env(), capture_output=True,
+    return subprocess.run(list(args), cwd=ROOT, env=env or clean_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -199,7 +168,7 @@ def test_serve_rejects_an_invalid_setting_naming_it_and_its_source(tmp_path, fla
         config = tmp_path / "scheduler.toml"
         config.write_text(config_text)
         flags = [*flags, "--config", str(config)]
-    result = _run(*_serve_command(*flags), env=_clean_env(**env), timeout=EXIT_TIMEOUT_SECONDS)
+    result = _run(*scheduler_argv(*flags), env=clean_env(**env), timeout=EXIT_TIMEOUT_SECONDS)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     for name in names:
@@ -234,7 +203,7 @@ def test_serve_on_a_zero_length_state_file_exits_2_with_one_line(spawn, tmp_path
     for name in ("scheduler.db-wal", "scheduler.db-shm"):
         (state_dir / name).unlink(missing_ok=True)
     (state_dir / "scheduler.db").write_bytes(b"")
-    result = _run(*_serve_command("--state-dir", str(state_dir)), timeout=EXIT_TIMEOUT_SECONDS)
+    result = _run(*scheduler_argv("--state-dir", str(state_dir)), timeout=EXIT_TIMEOUT_SECONDS)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"lattice-scheduler serve: {state_dir / 'scheduler.db'}: "
@@ -246,7 +215,7 @@ def test_settings_precedence_is_defaults_then_config_file_then_env_then_flags(sp
     config = tmp_path / "scheduler.toml"
     config.write_text("max_batch_size = 3\nchunk-size = 7\nprefill_reserve_pages = 5\n"
                       "lease_ttl_ms = 60000\n")
-    env = _clean_env(LATTICE_SCHEDULER_CHUNK_SIZE="9",
+    env = clean_env(LATTICE_SCHEDULER_CHUNK_SIZE="9",
                      LATTICE_SCHEDULER_PREFILL_RESERVE_PAGES="6")
     p = spawn("--config", str(config), "--prefill-reserve-pages", "4", env=env)
     resp = p.stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="w", page_size=16),

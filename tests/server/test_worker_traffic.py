@@ -18,12 +18,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from service.core import ConfigError
 from common.loadgen import percentile
+from common.waiting import wait_until
+from service.core import ConfigError
 from service.settings import ServeSettings
 
 from .conftest import LOOPBACK
-from .wire import RPC_TIMEOUT_SECONDS, TRANSPORTS, Stream, Worker, admitted, submit, wait_until
+from .wire import RPC_TIMEOUT_SECONDS, TRANSPORTS, Stream, Worker, admitted, submit
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 # A worker iteration that takes longer than this under load means it waited behind clients.
@@ -69,7 +70,7 @@ def test_generate_beyond_max_streams_is_resource_exhausted_at_once_naming_the_fl
     assert server.metric("streams_open", kind="generate") == 3
     open_streams[0].call.cancel()       # a stream that ends frees its place
     wait_until(lambda: server.metric("streams_open", kind="generate") == 2,
-               what="the cancelled stream to leave its pool")
+               "the cancelled stream to leave its pool", 5)
     again = Stream(server.stub, pb.SubmitRequest(prompt_token_ids=[1], max_new_tokens=2))
     assert again.next_event().seq_id > 0
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable
 
 import grpc
@@ -104,16 +103,6 @@ def admitted(decision: pb.SchedulerDecision) -> list[int]:
 def continued(decision: pb.SchedulerDecision) -> list[int]:
     """Ids of the continuation chunks in a decision, in order."""
     return [c.seq_id for c in decision.prefill if not c.HasField("spec")]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_seconds: float = 5.0,
-               every_seconds: float = 0.02, what: str = "condition") -> None:
-    """Poll until predicate() is true; fail the test after timeout_seconds."""
-    deadline = time.monotonic() + timeout_seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_seconds:g} s waiting for {what}")
-        time.sleep(every_seconds)
 
 
 def rpc_error(call: Callable[[], object]) -> grpc.RpcError:

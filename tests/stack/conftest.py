@@ -20,13 +20,15 @@ import yaml
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from common.processes import free_port
+from common.waiting import wait_until
 from service.core import SchedulerConfig
 from service.server.app import RunningServer, start
 from service.settings import ServeSettings
 
 from .prometheus_api import (
-    GATEWAY_JOB, LOOPBACK, SCHEDULER_JOB, PrometheusApi, free_loopback_port,
-    scrape_config_for_test, wait_until,
+    GATEWAY_JOB, LOOPBACK, PROMETHEUS_READY_SECONDS, SCHEDULER_JOB, PrometheusApi,
+    scrape_config_for_test,
 )
 
 
@@ -126,10 +128,10 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> GatewayActivity:
     """`lattice-scheduler gateway` in front of its own scheduler and a scripted worker (so
     that the known activity above stays as it is), after a few requests through it."""
     from worker_client.demo_model import build_tokenizer, write_tokenizer_files
-    from tests.gateway.processes import (
-        GATEWAY_LISTENING, SCHEDULER_LISTENING, gateway_argv, scheduler_argv, spawn,
-        wait_for, worker_argv,
+    from common.processes import (
+        GATEWAY_LISTENING, SCHEDULER_LISTENING, START_TIMEOUT_SECONDS, scheduler_argv, spawn,
     )
+    from tests.gateway.processes import gateway_argv, worker_argv
 
     workdir = tmp_path_factory.mktemp("gateway")
     model_dir = workdir / "model"
@@ -144,8 +146,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> GatewayActivity:
         started.append(gateway)
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.SchedulerStub(channel)
-            wait_for(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers,
-                     "the scripted worker to register", process=started[1])
+            wait_until(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers,
+                       "the scripted worker to register", START_TIMEOUT_SECONDS,
+                       gone=started[1].exit_reason)
         base = f"http://{LOOPBACK}:{gateway.ports[0]}"
         _post(f"{base}/v1/chat/completions", {
             "model": "model", "messages": [{"role": "user", "content": "hello"}],
@@ -178,7 +181,7 @@ def prometheus(prometheus_binary: str, scheduler: RunningServer, activity: Known
     """A real Prometheus on loopback whose scheduler and gateway targets are up (scraped at
     least twice each)."""
     workdir = tmp_path_factory.mktemp("prometheus")
-    port = free_loopback_port()
+    port = free_port()
     config_file = workdir / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(
         scrape_config_for_test(scheduler.metrics_port, port, gateway.port)))
@@ -201,8 +204,9 @@ def prometheus(prometheus_binary: str, scheduler: RunningServer, activity: Known
             except (OSError, json.JSONDecodeError):
                 return False  # not listening yet
             return None not in values
-        wait_until(targets_scraped_twice, bool,
-                   "Prometheus to scrape the scheduler and the gateway twice")
+        wait_until(targets_scraped_twice,
+                   "Prometheus to scrape the scheduler and the gateway twice",
+                   PROMETHEUS_READY_SECONDS, every_seconds=0.25)
         yield api
     finally:
         process.terminate()

@@ -1,15 +1,12 @@
-"""A Prometheus started by the tests: its HTTP API, its config, and bounded polling."""
+"""A Prometheus started by the tests: its HTTP API and its config."""
 from __future__ import annotations
 
 import json
-import socket
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pytest
 import yaml
 
 from .stack_files import ALERTS, PROMETHEUS_CONFIG
@@ -46,26 +43,6 @@ class PrometheusApi:
         assert body["status"] == "success", f"{expr!r}: {body.get('error')}"
         result = body["data"]["result"]
         return float(result[0]["value"][1]) if len(result) == 1 else None
-
-
-def wait_until(probe, done, what: str, timeout_seconds: float = PROMETHEUS_READY_SECONDS,
-               every_seconds: float = 0.25):
-    """Call probe() until done(its value); return that value, or fail naming `what` and
-    showing the last value after timeout_seconds."""
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        value = probe()
-        if done(value):
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout_seconds:g} s for {what}; last saw {value!r}")
-        time.sleep(every_seconds)
-
-
-def free_loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def scrape_config_for_test(metrics_port: int, prometheus_port: int, gateway_port: int) -> dict:

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from .prometheus_api import GATEWAY_JOB, LOOPBACK, SCHEDULER_JOB, wait_until
+from common.waiting import wait_until
+
+from .prometheus_api import GATEWAY_JOB, LOOPBACK, SCHEDULER_JOB
 from .promql import exposed_names, metric_names, substitute_grafana_variables
 from .stack_files import HEALTH_CHECK_SCRIPT, alert_expressions, dashboard_expressions
 
@@ -94,8 +96,8 @@ def test_prometheus_shows_the_queue_admissions_and_worker_gauges_the_test_caused
     }
     # The fixture waited for two scrapes after the activity; poll anyway, bounded.
     wait_until(lambda: {expr: prometheus.scalar_of(expr) for expr in expected},
-               lambda seen: seen == expected, "Prometheus to show the values the test caused",
-               timeout_seconds=15)
+               "Prometheus to show the values the test caused", 15,
+               done=lambda seen: seen == expected, every_seconds=0.25)
 
 
 @pytest.mark.slow
@@ -109,8 +111,8 @@ def test_every_dashboard_expression_evaluates_to_data_in_prometheus(prometheus):
             elif not body["data"]["result"]:
                 found[expression.where] = "no data"
         return found
-    wait_until(problems, lambda found: found == {}, "every dashboard query to return data",
-               timeout_seconds=15)
+    wait_until(problems, "every dashboard query to return data", 15,
+               done=lambda found: found == {}, every_seconds=0.25)
 
 
 @pytest.mark.slow
@@ -129,8 +131,8 @@ def test_prometheus_loads_the_alert_rules_and_evaluates_them_cleanly(prometheus)
     def all_evaluated(found: list[dict]) -> bool:
         # A rule never evaluated reports the zero time, 0001-01-01T00:00:00Z.
         return bool(found) and all(not r["lastEvaluation"].startswith("0001") for r in found)
-    found = wait_until(rules, all_evaluated, "every alert rule to be evaluated once",
-                       timeout_seconds=15)
+    found = wait_until(rules, "every alert rule to be evaluated once", 15,
+                       done=all_evaluated, every_seconds=0.25)
     assert {r["name"] for r in found} == {e.where.removeprefix("alert ")
                                           for e in alert_expressions()}
     assert [(r["name"], r["lastError"]) for r in found if r["health"] != "ok"] == []

@@ -92,7 +92,7 @@ def write_version_1_state_dir(directory, queue_keys: dict[int, int], request_id:
     import sqlite3
     from pathlib import Path
 
-    from service.state import sqlite as state_sqlite
+    from service.state.rows import pack_token_ids
     db = sqlite3.connect(Path(directory) / "scheduler.db")
     db.executescript(f"""
         CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -109,6 +109,6 @@ def write_version_1_state_dir(directory, queue_keys: dict[int, int], request_id:
               "tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}
     for seq_id, key in queue_keys.items():
         db.execute("INSERT INTO sequences VALUES (?, ?, ?, 1, NULL, ?, 0, 0, 0, 0, NULL, 0)",
-                   (seq_id, json.dumps(params), state_sqlite._pack([5, 6]), key))
+                   (seq_id, json.dumps(params), pack_token_ids([5, 6]), key))
     db.commit()
     db.close()

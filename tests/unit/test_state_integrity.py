@@ -189,10 +189,10 @@ def test_a_file_written_before_checksums_is_adopted_and_covered_from_then_on(tmp
 
 def test_a_column_added_to_the_schema_later_is_covered_without_checksum_code(tmp_path,
                                                                              monkeypatch):
-    """Another developer adds a column (and a table) to _SCHEMA: an existing file gets them,
+    """Another developer adds a column (and a table) to SCHEMA: an existing file gets them,
     its old checksums are verified first, and the new column is covered from then on."""
     ids = _written(tmp_path)
-    monkeypatch.setattr(state_sqlite, "_SCHEMA", state_sqlite._SCHEMA.replace(
+    monkeypatch.setattr(state_sqlite, "SCHEMA", state_sqlite.SCHEMA.replace(
         "error_message    TEXT NOT NULL DEFAULT ''",
         "error_message    TEXT NOT NULL DEFAULT '',\n    first_submitted_at REAL NOT NULL "
         "DEFAULT 0") + "\nCREATE TABLE IF NOT EXISTS tenants (tenant TEXT PRIMARY KEY, "

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -23,6 +22,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
+from common.waiting import wait_until
 from service.core import SchedulerConfig
 from service.server.app import start
 from service.settings import ServeSettings
@@ -41,7 +41,7 @@ def reference_model():
     return load_model("tiny", device="cpu")
 
 
-def _prompts(count: int, seed: int, max_len: int) -> list[list[int]]:
+def random_prompts(count: int, seed: int, max_len: int) -> list[list[int]]:
     rng = random.Random(seed)
     # Token ids from 2 up: id 1 is the tiny model's EOS.
     lengths = [rng.randint(3, CHUNK_SIZE - 1) if i % 2 else rng.randint(CHUNK_SIZE + 1, max_len)
@@ -75,14 +75,12 @@ class Stack:
             env=dict(os.environ, OMP_NUM_THREADS="1"))
 
     def wait_registered(self, count: int, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for worker_id, proc in self.workers.items():
-                assert proc.poll() is None, f"{worker_id} exited: {proc.stdout.read()}"
-            if len(self.stub.GetStatus(pb.GetStatusRequest()).workers) >= count:
-                return
-            time.sleep(0.2)
-        raise AssertionError("workers did not register in time")
+        def exited() -> str | None:
+            return next((f"{worker_id} exited: {proc.stdout.read()}"
+                         for worker_id, proc in self.workers.items() if proc.poll() is not None),
+                        None)
+        wait_until(lambda: len(self.stub.GetStatus(pb.GetStatusRequest()).workers) >= count,
+                   f"{count} workers to register", timeout, every_seconds=0.2, gone=exited)
 
     def generate_all(self, prompts) -> dict[int, tuple[list[int], int]]:
         results: dict[int, tuple[list[int], int]] = {}
@@ -121,15 +119,11 @@ def _expected(model, prompt) -> tuple[list[int], int]:
     return list(ref.token_ids), reason
 
 
-def _assert_all_free(stack: Stack, worker_ids) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        status = stack.worker_status()
-        if all(status[w].kv_free_pages == status[w].total_kv_pages and
-               status[w].gdn_free_slots == status[w].total_gdn_slots for w in worker_ids):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"pages or slots still held: {stack.worker_status()}")
+def assert_all_free(stack: Stack, worker_ids) -> None:
+    wait_until(stack.worker_status, "every page and slot to be free", 10, every_seconds=0.1,
+               done=lambda status: all(
+                   status[w].kv_free_pages == status[w].total_kv_pages and
+                   status[w].gdn_free_slots == status[w].total_gdn_slots for w in worker_ids))
 
 
 def _sample(registry, name, **labels) -> float:
@@ -142,13 +136,13 @@ def test_sixteen_streams_on_two_model_workers_equal_sequential_generation(refere
         stack.add_worker("model-1", kv_pages=512)
         stack.add_worker("model-2", kv_pages=512)
         stack.wait_registered(2)
-        prompts = _prompts(16, seed=11, max_len=90)
+        prompts = random_prompts(16, seed=11, max_len=90)
         results = stack.generate_all(prompts)
         for i, prompt in enumerate(prompts):
             assert results[i] == _expected(reference_model, prompt), f"stream {i}"
         served = {w: s.iteration for w, s in stack.worker_status().items()}
         assert all(n > 1 for n in served.values()), served
-        _assert_all_free(stack, ["model-1", "model-2"])
+        assert_all_free(stack, ["model-1", "model-2"])
     finally:
         stack.close()
 
@@ -161,7 +155,7 @@ def test_small_page_pools_preempt_and_resumed_outputs_are_unchanged(reference_mo
         stack.add_worker("tight-1", kv_pages=24)
         stack.add_worker("tight-2", kv_pages=24)
         stack.wait_registered(2)
-        prompts = _prompts(16, seed=12, max_len=60)
+        prompts = random_prompts(16, seed=12, max_len=60)
         results = stack.generate_all(prompts)
         preemptions = _sample(stack.registry, "lattice_scheduler_requeues_total",
                               reason="preempted")
@@ -171,7 +165,7 @@ def test_small_page_pools_preempt_and_resumed_outputs_are_unchanged(reference_mo
                            reason="kv_growth") > 0
         for i, prompt in enumerate(prompts):
             assert results[i] == _expected(reference_model, prompt), f"stream {i}"
-        _assert_all_free(stack, ["tight-1", "tight-2"])
+        assert_all_free(stack, ["tight-1", "tight-2"])
     finally:
         stack.close()
 
@@ -183,7 +177,7 @@ def test_a_worker_killed_mid_run_loses_nothing(reference_model):
         stack.wait_registered(1)
         stack.add_worker("survivor", kv_pages=512)
         stack.wait_registered(2)
-        prompts = _prompts(16, seed=13, max_len=90)
+        prompts = random_prompts(16, seed=13, max_len=90)
         killer = threading.Thread(target=_kill_when_busy, args=(stack, "doomed"))
         killer.start()
         results = stack.generate_all(prompts)
@@ -193,17 +187,14 @@ def test_a_worker_killed_mid_run_loses_nothing(reference_model):
             assert results[i] == _expected(reference_model, prompt), f"stream {i}"
         assert _sample(stack.registry, "lattice_scheduler_requeues_total",
                        reason="lease_expired") > 0
-        _assert_all_free(stack, ["survivor"])
+        assert_all_free(stack, ["survivor"])
     finally:
         stack.close()
 
 
 def _kill_when_busy(stack: Stack, worker_id: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        status = stack.worker_status().get(worker_id)
-        if status is not None and status.num_assigned >= 2:
-            stack.workers[worker_id].send_signal(signal.SIGKILL)
-            stack.workers[worker_id].wait(10)
-            return
-        time.sleep(0.005)
+    wait_until(lambda: stack.worker_status().get(worker_id), f"{worker_id} to hold two", 60,
+               done=lambda status: status is not None and status.num_assigned >= 2,
+               every_seconds=0.005)
+    stack.workers[worker_id].send_signal(signal.SIGKILL)
+    stack.workers[worker_id].wait(10)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from tests.worker.test_model_workers import MAX_NEW_TOKENS, Stack, _assert_all_free, _prompts
+from tests.worker.test_model_workers import MAX_NEW_TOKENS, Stack, assert_all_free, random_prompts
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -36,10 +36,10 @@ def test_sixteen_streams_on_moe_checkpoint_workers_equal_transformers_greedy(tmp
         for worker_id in ("moe-1", "moe-2"):
             stack.add_worker(worker_id, kv_pages=512, model=str(checkpoint.path))
         stack.wait_registered(2)
-        prompts = _prompts(16, seed=21, max_len=90)
+        prompts = random_prompts(16, seed=21, max_len=90)
         results = stack.generate_all(prompts)
         for i, prompt in enumerate(prompts):
             assert results[i] == transformers_greedy(checkpoint.reference, prompt), f"stream {i}"
-        _assert_all_free(stack, ["moe-1", "moe-2"])
+        assert_all_free(stack, ["moe-1", "moe-2"])
     finally:
         stack.close()

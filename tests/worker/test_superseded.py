@@ -3,10 +3,10 @@ never registers again; the newer one serves every sequence to its reference outp
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
+from common.waiting import wait_until
 from tests.worker.conftest import WorkerThread, generate
 from worker_client.client import Superseded
 from worker_client.testing import ScriptedEngine, reference_output
@@ -25,9 +25,8 @@ def test_the_older_of_two_loops_with_one_worker_id_stops_and_the_newer_serves(sc
     streams = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in streams:
         t.start()
-    deadline = time.monotonic() + 10
-    while first.loop.stats.generated_tokens < 10 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_until(lambda: first.loop.stats.generated_tokens >= 10, "ten tokens generated", 10,
+               every_seconds=0.005)
     second = WorkerThread(scheduler.port, "twin", ScriptedEngine(total_gdn_slots=4)).start()
     with pytest.raises(Superseded, match="superseded: worker_id 'twin'"):
         first.join()

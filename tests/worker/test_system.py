@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from common.waiting import wait_until
 from tests.worker.conftest import WorkerThread, generate, start_scheduler
 from worker_client.testing import ScriptedEngine, reference_output
 
@@ -101,9 +101,8 @@ def test_stopping_a_worker_mid_run_moves_its_sequences_to_the_other(scheduler, s
     runner = threading.Thread(target=lambda: results.update(
         _run_concurrently(stub, prompts, max_new_tokens=200)))
     runner.start()
-    deadline = time.monotonic() + 10
-    while slow.loop.stats.generated_tokens < 20 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: slow.loop.stats.generated_tokens >= 20, "twenty tokens generated", 10,
+               every_seconds=0.01)
     slow.stop.set()           # leaves with sequences half done: they go back to the queue
     slow.join()
     other = WorkerThread(scheduler.port, "staying", ScriptedEngine(total_gdn_slots=16)).start()
@@ -121,21 +120,18 @@ def test_silent_worker_loses_its_sequences_after_the_lease_and_registers_again(s
     worker = WorkerThread(scheduler.port, "sleepy", engine).start()
     seq_id = stub.Submit(pb.SubmitRequest(prompt_token_ids=[1, 2, 3],
                                           max_new_tokens=4000)).seq_id
-    _wait(lambda: stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id)).state
-          == pb.SEQUENCE_STATE_DECODING)
+    wait_until(lambda: _state(stub, seq_id) == pb.SEQUENCE_STATE_DECODING, "decoding", 10)
     # Freeze the worker past its lease by holding up its next SelectBatch.
     gate = threading.Event()
     real_select = worker.client.select
     worker.client.select = lambda req: (gate.wait(), real_select(req))[1]
-    _wait(lambda: stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id)).state
-          == pb.SEQUENCE_STATE_QUEUED, timeout=5)
+    wait_until(lambda: _state(stub, seq_id) == pb.SEQUENCE_STATE_QUEUED, "back in the queue", 5)
     gate.set()
     # Its next call is refused; the loop drops what it held, re-registers and re-admits.
-    _wait(lambda: worker.loop.stats.registrations == 2)
-    _wait(lambda: stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id)).state
-          == pb.SEQUENCE_STATE_DECODING)
+    wait_until(lambda: worker.loop.stats.registrations == 2, "a second registration", 10)
+    wait_until(lambda: _state(stub, seq_id) == pb.SEQUENCE_STATE_DECODING, "decoding again", 10)
     stub.Cancel(pb.CancelRequest(seq_id=seq_id))
-    _wait(lambda: not engine.running_ids())
+    wait_until(lambda: not engine.running_ids(), "the engine to drop it", 10)
     worker.stop.set()
     worker.join()
 
@@ -146,7 +142,7 @@ def test_draining_worker_finishes_what_it_holds_and_takes_nothing_new(scheduler,
     worker = WorkerThread(scheduler.port, "drainer", engine, max_batch_size=2).start()
     ids = [stub.Submit(pb.SubmitRequest(prompt_token_ids=[i + 1] * 5, max_new_tokens=50)).seq_id
            for i in range(4)]
-    _wait(lambda: len(engine.running_ids()) == 2)
+    wait_until(lambda: len(engine.running_ids()) == 2, "two running", 10)
     worker.drain.set()
     worker.join()
     states = [stub.GetSequence(pb.GetSequenceRequest(seq_id=s)).state for s in ids]
@@ -197,13 +193,8 @@ def start_scheduler_on(port: int):
                                scheduler=SchedulerConfig()), CollectorRegistry())
 
 
-def _wait(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not reached in time")
+def _state(stub, seq_id: int) -> int:
+    return stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id)).state
 
 
 @pytest.mark.parametrize("session, overlap", [(False, False), (False, True), (True, False),

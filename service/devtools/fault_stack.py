@@ -8,23 +8,19 @@ and collects every acknowledged sequence's output by re-attaching with `Generate
 `check` says what went wrong, counted.
 
 Every wait is bounded, and `Stack.close` kills every process it started, whatever
-happened. Each process logs to its own file under the stack's directory.
+happened. Each process logs to its own file under the stack's directory. Used by
+tests/faults, tests/replicas and scripts/chaos.py.
 """
 from __future__ import annotations
 
 import http.client
-import os
 import queue
 import random
-import re
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,11 +29,12 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.processes import (
+    LOOPBACK, SCHEDULER_LISTENING, Process, clean_env, free_port, scheduler_argv,
+)
+from common.waiting import wait_until
 from worker_client.testing import reference_output
 
-ROOT = Path(__file__).resolve().parents[2]
-LOOPBACK = "127.0.0.1"
-LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+) \(metrics on http://127\.0\.0\.1:(\d+)/")
 START_TIMEOUT_SECONDS = 30.0
 RPC_TIMEOUT_SECONDS = 5.0
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -47,45 +44,12 @@ CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 500)]
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on now (another process may take it; rarely does)."""
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LATTICE_SCHEDULER_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-class Proc:
-    """One started process, its log file, and how it ended."""
+class Proc(Process):
+    """A process of the stack: in its own session (the harness's signals do not reach it),
+    killed with SIGKILL."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
-        self.name, self.log_path = name, log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in kill()
-        self.popen = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL (no cleanup of any kind), then reap."""
-        if self.alive():
-            self.popen.send_signal(signal.SIGKILL)
-        try:
-            self.popen.wait(timeout=10)
-        finally:
-            self._log.close()
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError as err:
-            return f"<cannot read {self.log_path}: {err}>"
+        super().__init__(name, argv, log_path, env=clean_env(), new_session=True)
 
 
 @dataclass
@@ -158,15 +122,13 @@ class Stack:
         self.restarts.append(restart)
         for attempt in range(3):
             number = len(self.restarts) - 1
-            proc = Proc(f"scheduler.{number}.{attempt}", [
-                sys.executable, "-m", "service", "serve", "--host", LOOPBACK,
-                "--port", str(self.port), "--metrics-port", "0",
+            proc = Proc(f"scheduler.{number}.{attempt}", scheduler_argv(
                 "--state-dir", str(self.state_dir), "--lease-ttl-ms", str(self.lease_ttl_ms),
-                *self._scheduler_flags,
-            ], self.directory / f"scheduler.{number}.{attempt}.log")
+                *self._scheduler_flags, port=self.port,
+            ), self.directory / f"scheduler.{number}.{attempt}.log")
             self.all_procs.append(proc)
             self.scheduler = proc
-            match = _wait_for_line(proc, LISTENING, START_TIMEOUT_SECONDS)
+            match = proc.wait_for_line(SCHEDULER_LISTENING, START_TIMEOUT_SECONDS)
             if match is not None:
                 break
             proc.kill()
@@ -252,7 +214,8 @@ class Stack:
             workers = self.stub.GetStatus(pb.GetStatusRequest(),
                                           timeout=RPC_TIMEOUT_SECONDS).workers
             return sum(w.iteration > 0 for w in workers) >= count
-        wait_until(ready, timeout, f"{count} workers calling SelectBatch")
+        wait_until(ready, f"{count} workers calling SelectBatch", timeout,
+                   retry_on=(grpc.RpcError,))
 
     def worker_status(self) -> dict[str, pb.WorkerStatus]:
         status = self.stub.GetStatus(pb.GetStatusRequest(), timeout=RPC_TIMEOUT_SECONDS)
@@ -284,35 +247,6 @@ def _scrape(metrics_port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
         text = response.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def _wait_for_line(proc: Proc, pattern: re.Pattern, timeout: float) -> re.Match | None:
-    """The first match of `pattern` in proc's log, or None if it exits or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = pattern.search(proc.log_text())
-        if match is not None:
-            return match
-        if not proc.alive():
-            return pattern.search(proc.log_text())
-        time.sleep(0.02)
-    return None
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str,
-               every_seconds: float = 0.05) -> None:
-    """Poll `predicate` (RPC errors count as not yet) until true; AssertionError on timeout."""
-    deadline = time.monotonic() + timeout
-    last_error = None
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except grpc.RpcError as err:
-            last_error = f"{err.code().name}: {err.details()}"
-        time.sleep(every_seconds)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}"
-                         + (f" (last error {last_error})" if last_error else ""))
 
 
 # ====================================================================== clients
@@ -421,8 +355,8 @@ class Clients:
         return any(thread.is_alive() for thread in self._threads)
 
     def wait_acknowledged(self, count: int, timeout: float) -> None:
-        wait_until(lambda: self.num_acknowledged >= count, timeout,
-                   f"{count} acknowledged submits ({self.num_acknowledged} so far)")
+        wait_until(lambda: self.num_acknowledged >= count,
+                   f"{count} acknowledged submits ({self.num_acknowledged} so far)", timeout)
 
     def wait_done(self, timeout: float) -> None:
         """Until the submitter and every collector have ended (done, failed or timed out)."""
