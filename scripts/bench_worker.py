@@ -54,7 +54,8 @@ from prometheus_client import CollectorRegistry
 from service.core import SchedulerConfig
 from service.server.app import start
 from service.settings import ServeSettings
-from worker_client.client import SchedulerClient, WorkerResources
+from worker_client.client import SchedulerClient
+from worker_client.resources import WorkerResources
 from worker_client.engine.api import SequenceSpec
 from worker_client.engine.config import ModelConfig
 from worker_client.engine.engine import ModelEngine
