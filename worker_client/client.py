@@ -167,7 +167,7 @@ class SchedulerClient:
             except grpc.RpcError as err:
                 code = err.code()
                 if code is grpc.StatusCode.FAILED_PRECONDITION:
-                    # The contract's message for an older incarnation starts so.
+                    # docs/contract.md, "Errors": an older incarnation's message starts so.
                     superseded = (err.details() or "").startswith("superseded:")
                     raise (Superseded if superseded else NotRegistered)(
                         method, code, err.details()) from None
