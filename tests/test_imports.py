@@ -99,11 +99,13 @@ def _edges(modules: dict[str, Path]) -> list[Edge]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            where = f"{_shown(path)}:{getattr(node, 'lineno', 0)}"
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            where = f"{_shown(path)}:{node.lineno}"
             if isinstance(node, ast.Import):
                 edges.extend(Edge(name, _module_of(alias.name, modules), where)
                              for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
+            else:
                 base = node.module or ""
                 if node.level:
                     parent = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -139,7 +141,6 @@ def package_of(module: str) -> str | None:
         return None
     matches = [p for p in ALLOWED if module == p or module.startswith(p + ".")]
     return max(matches, key=len)
-
 
 
 def test_every_product_module_belongs_to_a_package_of_the_design():
