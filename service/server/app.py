@@ -221,7 +221,7 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
     try:
         # The sweeper checks leases every sweep_seconds: a gap of three means we stood still.
         # A replica's core also takes and gives up sequences of the shared store.
-        core_class = ReplicaScheduler if settings.state else Scheduler
+        core_class = ReplicaScheduler if shared is not None else Scheduler
         core = core_class(settings.scheduler, observer=FanOut(metrics, wakeups), store=store,
                           stall_seconds=max(3 * sweep_seconds, 0.5),
                           max_decision_bytes=settings.max_message_bytes)
