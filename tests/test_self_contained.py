@@ -6,6 +6,7 @@ errors.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -34,3 +35,29 @@ def test_the_compose_schema_is_vendored_with_its_licence_note():
     assert ROOT in COMPOSE_SCHEMA.resolve().parents and COMPOSE_SCHEMA.is_file()
     note = (COMPOSE_SCHEMA.parent / "README.md").read_text()
     assert "Apache License 2.0" in note and "compose-spec/compose-spec" in note
+
+
+# The folder of shared notes beside the working copies: a clone does not have it.
+NAMES_SHARED = re.compile(r"\.\./shared|\bshared/(?:contract|style)\.md")
+
+
+def test_nothing_in_the_repository_names_the_shared_folder():
+    """The contract lives in docs/contract.md; README, docs, protos and code point there."""
+    hits = []
+    for folder, dirs, files in os.walk(ROOT):
+        # Not the repository's: git, the virtual environment, build and run outputs.
+        dirs[:] = [d for d in dirs if d not in (".git", ".venv", ".artifacts", "__pycache__",
+                                                "build", "dist")
+                   and not d.endswith(".egg-info")]
+        for name in files:
+            path = Path(folder) / name
+            if path.suffix not in _TEXT or path == Path(__file__).resolve():
+                continue
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if NAMES_SHARED.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert hits == []
+
+
+_TEXT = (".py", ".md", ".proto", ".pyi", ".sh", ".toml", ".yml", ".yaml", ".txt", ".json",
+         ".cfg", "")

@@ -139,9 +139,8 @@ def _build_engine(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace, engine, credentials) -> int:
-    from worker_client.client import (
-        SchedulerCallError, SchedulerClient, Superseded, WorkerResources,
-    )
+    from worker_client.client import SchedulerCallError, SchedulerClient, Superseded
+    from worker_client.resources import WorkerResources
     from worker_client.loop import WorkerLoop
 
     from common.targets import TargetError, expand

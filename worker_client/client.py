@@ -24,6 +24,8 @@ import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from worker_client import convert
+from worker_client.resources import WorkerResources  # (tests import it from here too)
 from worker_client.session import WorkerSessionStream
 
 log = logging.getLogger(__name__)
@@ -56,18 +58,6 @@ class RetryPolicy:
     initial_seconds: float = 0.05
     max_seconds: float = 2.0
     total_seconds: float = 60.0
-
-
-@dataclass(frozen=True)
-class WorkerResources:
-    """What a worker registers with."""
-
-    worker_id: str
-    total_kv_pages: int
-    page_size: int
-    total_gdn_slots: int
-    max_batch_size: int = 0
-    adapters: tuple[str, ...] = ()
 
 
 class SchedulerClient:
@@ -133,12 +123,8 @@ class SchedulerClient:
         log.warning("moving to the next scheduler replica", extra={"target": self.target})
 
     def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
-        request = pb.RegisterWorkerRequest(
-            worker_id=resources.worker_id, total_kv_pages=resources.total_kv_pages,
-            page_size=resources.page_size, total_gdn_slots=resources.total_gdn_slots,
-            max_batch_size=resources.max_batch_size, adapters=resources.adapters,
-        )
-        response = self._call("RegisterWorker", self._stub.RegisterWorker, request)
+        response = self._call("RegisterWorker", self._stub.RegisterWorker,
+                              convert.register_request(resources))
         self.incarnation = response.incarnation
         return response
 
@@ -155,8 +141,7 @@ class SchedulerClient:
         """Leave; returns how many sequences went back to the queue."""
         self._end_session()
         response = self._call("DeregisterWorker", self._stub.DeregisterWorker,
-                              pb.DeregisterWorkerRequest(worker_id=worker_id,
-                                                         incarnation=self.incarnation))
+                              convert.deregister_request(worker_id, self.incarnation))
         return response.requeued
 
     def _exchange(self, request: pb.SelectBatchRequest, timeout: float, **_call_options):
@@ -182,7 +167,7 @@ class SchedulerClient:
             except grpc.RpcError as err:
                 code = err.code()
                 if code is grpc.StatusCode.FAILED_PRECONDITION:
-                    # The contract's message for an older incarnation starts so.
+                    # docs/contract.md, "Errors": an older incarnation's message starts so.
                     superseded = (err.details() or "").startswith("superseded:")
                     raise (Superseded if superseded else NotRegistered)(
                         method, code, err.details()) from None

@@ -1,9 +1,17 @@
-"""Mapping between wire messages and the engine's types (worker side)."""
+"""Mapping between wire messages and the worker's and engine's own types (worker side).
+
+The one place where the worker reads or builds a `lattice.scheduler.v1` message: the
+registration (`register_request`), a decision (`work`: what the loop evicts and steps) and
+the report (`PendingReport`: what the engine produced, with token offsets).
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from worker_client.engine.api import ChunkWork, FinishReason, SequenceSpec, StepOutput
+from worker_client.resources import WorkerResources
 
 _FINISH_REASON = {
     FinishReason.EOS: pb.FINISH_REASON_EOS,
@@ -11,6 +19,45 @@ _FINISH_REASON = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.FAILED: pb.FINISH_REASON_FAILED,
 }
+
+
+@dataclass(frozen=True)
+class Work:
+    """One SchedulerDecision in the worker's terms."""
+
+    # Ids to free before stepping: evicted (cancelled, not ours) and preempted by the
+    # scheduler (already requeued there); neither is reported back.
+    drop: tuple[int, ...]
+    # Ids of the chunks that carry a spec: new admissions (their token count restarts).
+    admitted: tuple[int, ...]
+    # The engine step: prefill chunks (admissions first), then one decode per id.
+    prefill: tuple[ChunkWork, ...]
+    decode: tuple[int, ...]
+
+    @property
+    def has_step(self) -> bool:
+        """Whether the engine has anything to run."""
+        return bool(self.prefill or self.decode)
+
+
+def work(decision: pb.SchedulerDecision) -> Work:
+    """What the loop does with `decision`."""
+    return Work(drop=(*decision.evict, *decision.preempt),
+                admitted=tuple(c.seq_id for c in decision.prefill if c.HasField("spec")),
+                prefill=tuple(chunk_work(c) for c in decision.prefill),
+                decode=tuple(decision.decode))
+
+
+def register_request(resources: WorkerResources) -> pb.RegisterWorkerRequest:
+    return pb.RegisterWorkerRequest(
+        worker_id=resources.worker_id, total_kv_pages=resources.total_kv_pages,
+        page_size=resources.page_size, total_gdn_slots=resources.total_gdn_slots,
+        max_batch_size=resources.max_batch_size, adapters=resources.adapters,
+    )
+
+
+def deregister_request(worker_id: str, incarnation: int) -> pb.DeregisterWorkerRequest:
+    return pb.DeregisterWorkerRequest(worker_id=worker_id, incarnation=incarnation)
 
 
 def chunk_work(chunk: pb.PrefillChunk) -> ChunkWork:
@@ -82,11 +129,14 @@ class PendingReport:
         self.tokens.clear()
 
     def request(self, worker_id: str, *, waiting, running, kv_free_pages: int,
-                gdn_free_slots: int, draining: bool) -> pb.SelectBatchRequest:
+                gdn_free_slots: int, draining: bool,
+                idle_wait_seconds: float = 0.0) -> pb.SelectBatchRequest:
+        """The report; `idle_wait_seconds` > 0 asks for a long poll."""
         return pb.SelectBatchRequest(
             worker_id=worker_id, waiting=waiting, running=running,
             kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
             finished=self.finished, preempted=self.preempted, draining=draining,
+            idle_wait_ms=int(idle_wait_seconds * 1000),
             tokens=[pb.TokenUpdate(seq_id=s, token_ids=t, offset=self._delivered.get(s, 0))
                     for s, t in self.tokens.items()],
         )

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from worker_client.client import NotRegistered, SchedulerClient, Superseded, WorkerResources
-from worker_client.convert import PendingReport, chunk_work
+from worker_client import convert
+from worker_client.client import NotRegistered, SchedulerClient, Superseded
+from worker_client.convert import PendingReport, Work
 from worker_client.engine.api import Engine, FinishReason, StepOutput
 from worker_client.forecast import Forecast, Holding
+from worker_client.resources import WorkerResources
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +110,10 @@ class WorkerLoop:
     def _iterate(self, draining: bool, held: Holding, long_poll: bool) -> bool:
         """One iteration, from `held`; False when there was nothing to run."""
         idle = long_poll and not draining and held.is_empty and not self._pending
-        decision = self._exchange(self._request(draining, held, idle), held)
-        if decision is None or not self._apply(decision):
-            return decision is None
-        self._record(decision, self._step(decision))
+        work = self._exchange(self._request(draining, held, idle), held)
+        if work is None or not self._apply(work):
+            return work is None
+        self._record(work, self.engine.step(work.prefill, work.decode))
         return True
 
     # ------------------------------------------------------------------ overlapped
@@ -120,49 +122,48 @@ class WorkerLoop:
         # The engine steps on its own thread, so that this one reports meanwhile; the engine
         # is touched from here only while no step is in flight.
         with ThreadPoolExecutor(1, thread_name_prefix="engine-step") as stepper:
-            decision: pb.SchedulerDecision | None = None  # the next step's, with work
+            work: Work | None = None  # the next step's, with something to run
             while not stop.is_set():
                 draining = drain.is_set()
-                if decision is None:
-                    decision = self._decide_in_turn(stop, draining)
-                    if decision is None:
+                if work is None:
+                    work = self._decide_in_turn(stop, draining)
+                    if work is None:
                         if draining and self._holding().is_empty and not self._pending:
                             return
                         continue
                 held = self._holding()
-                prefill, decode = [chunk_work(c) for c in decision.prefill], list(decision.decode)
-                stepping = stepper.submit(self.engine.step, prefill, decode)
-                after = self._forecast.after_step(held, prefill, decode)
+                stepping = stepper.submit(self.engine.step, work.prefill, work.decode)
+                after = self._forecast.after_step(held, work.prefill, work.decode)
                 try:
-                    next_decision = self.client.select(self._request(draining, after, idle=False))
+                    decision = self.client.select(self._request(draining, after, idle=False))
                 except NotRegistered:
                     # The step ran: its outputs are reported next if the worker keeps what
                     # it holds (it moved to another replica), dropped with it otherwise.
-                    self._record(decision, stepping.result())
+                    self._record(work, stepping.result())
                     self._register_again(self._holding())
-                    decision = None
+                    work = None
                     continue
                 finally:
                     wait([stepping])  # whatever happened, the step ends before anything else
                 out = stepping.result()
                 self._pending.delivered()
                 self.stats.iterations += 1
-                self._record(decision, out)
-                decision = next_decision if self._apply(next_decision) else None
+                self._record(work, out)
+                next_work = convert.work(decision)
+                work = next_work if self._apply(next_work) else None
 
-    def _decide_in_turn(self, stop: threading.Event,
-                        draining: bool) -> pb.SchedulerDecision | None:
+    def _decide_in_turn(self, stop: threading.Event, draining: bool) -> Work | None:
         """Report what is held now and wait for the answer (nothing in flight); the decision
-        if it has work, else None (after a pause when the scheduler did not hold it)."""
+        if it has a step, else None (after a pause when the scheduler did not hold it)."""
         held = self._holding()
         if draining and held.is_empty and not self._pending:
             return None
         idle = not draining and held.is_empty and not self._pending
         started = time.monotonic()
-        decision = self._exchange(self._request(draining, held, idle), held)
-        if decision is not None and self._apply(decision):
-            return decision
-        if decision is not None:
+        work = self._exchange(self._request(draining, held, idle), held)
+        if work is not None and self._apply(work):
+            return work
+        if work is not None:
             self._pause_if_not_held(stop, started)
         return None
 
@@ -174,21 +175,17 @@ class WorkerLoop:
                        engine.kv_free_pages(), engine.gdn_free_slots())
 
     def _request(self, draining: bool, held: Holding, idle: bool) -> pb.SelectBatchRequest:
-        request = self._pending.request(
+        return self._pending.request(
             self.resources.worker_id, waiting=held.waiting, running=held.running,
             kv_free_pages=held.kv_free_pages, gdn_free_slots=held.gdn_free_slots,
-            draining=draining)
-        if idle:
-            request.idle_wait_ms = int(self._idle_wait() * 1000)
-        return request
+            draining=draining, idle_wait_seconds=self._idle_wait() if idle else 0.0)
 
     def _idle_wait(self) -> float:
         if self._lease_seconds <= 0:
             return self._idle_wait_seconds
         return min(self._idle_wait_seconds, self._lease_seconds / 4)
 
-    def _exchange(self, request: pb.SelectBatchRequest,
-                  held: Holding) -> pb.SchedulerDecision | None:
+    def _exchange(self, request: pb.SelectBatchRequest, held: Holding) -> Work | None:
         """Report and get the decision; None when the scheduler forgot us (registered again)."""
         try:
             decision = self.client.select(request)
@@ -197,33 +194,28 @@ class WorkerLoop:
             return None
         self._pending.delivered()
         self.stats.iterations += 1
-        return decision
+        return convert.work(decision)
 
-    def _apply(self, decision: pb.SchedulerDecision) -> bool:
+    def _apply(self, work: Work) -> bool:
         """Evict and preempt what the decision says, note new admissions; whether it has
         anything to run."""
-        dropped = [*decision.evict, *decision.preempt]
-        if dropped:
+        if work.drop:
             # Preempted ones were requeued by the scheduler already: freed, not reported.
-            self.engine.evict(dropped)
-            self._pending.forget(dropped)
-        for chunk in decision.prefill:
-            if chunk.HasField("spec"):
-                self._pending.admitted(chunk.seq_id)
-        return bool(decision.prefill or decision.decode)
+            self.engine.evict(work.drop)
+            self._pending.forget(work.drop)
+        for seq_id in work.admitted:
+            self._pending.admitted(seq_id)
+        return work.has_step
 
-    def _step(self, decision: pb.SchedulerDecision) -> StepOutput:
-        return self.engine.step([chunk_work(c) for c in decision.prefill], list(decision.decode))
-
-    def _record(self, decision: pb.SchedulerDecision, out: StepOutput) -> None:
+    def _record(self, work: Work, out: StepOutput) -> None:
         """Keep a step's outputs for the next report, and count them."""
         self._pending.add(out)
-        self._count(decision, out)
+        self._count(work, out)
 
-    def _count(self, decision: pb.SchedulerDecision, out: StepOutput) -> None:
+    def _count(self, work: Work, out: StepOutput) -> None:
         _log_failures(self.resources.worker_id, out)
-        self.stats.prefill_tokens += sum(c.chunk_len for c in decision.prefill)
-        self.stats.decode_steps += len(decision.decode)
+        self.stats.prefill_tokens += sum(c.chunk_len for c in work.prefill)
+        self.stats.decode_steps += len(work.decode)
         self.stats.generated_tokens += sum(len(t) for _, t in out.tokens)
         self.stats.finished += len(out.finished)
         self.stats.preempted += len(out.preempted)

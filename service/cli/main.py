@@ -140,7 +140,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logs.configure(resolved.log_format, resolved.log_level)
     try:
-        server.serve(resolved)
+        if resolved.state:  # a replica; psycopg is imported only then
+            from service.replicas import build as replica
+            replica.serve(resolved)
+        else:
+            server.serve(resolved)
     except ConfigError as err:
         print(f"lattice-scheduler serve: {err}", file=sys.stderr)
         return 2

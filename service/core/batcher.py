@@ -49,7 +49,7 @@ class Batcher:
 
     def decide(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
                evict: tuple[int, ...]) -> Decision:
-        """The decision for `worker`, whose report was applied (contract rule 1)."""
+        """The decision for `worker`, whose report was applied (docs/contract.md rule 1)."""
         assigned, sequence = worker.assigned, self._sequences.get
         running = tuple(sequence(s) for s in report.running if s in assigned)
         waiting = tuple(sequence(s) for s in report.waiting if s in assigned)

@@ -18,7 +18,7 @@ TenantWeights = tuple[tuple[str, float], ...]
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Every setting of the scheduler, with the contract's defaults."""
+    """Every setting of the scheduler, with the defaults of docs/contract.md."""
 
     max_batch_size: int = 32
     # The most a worker may ask for at registration (its answer says what is in force).
@@ -30,7 +30,7 @@ class SchedulerConfig:
     max_queue_per_tenant: int = 0  # 0: no per-tenant limit
     lease_ttl_ms: int = 10_000
     policy: str = DEFAULT_POLICY
-    # The budget and fair policies (contract, "Policies"). 0 means the default:
+    # The budget and fair policies (docs/contract.md, "Policies"). 0 means the default:
     # 2048 tokens (or max_batch_size if larger); a first chunk of at least 32 tokens (or
     # chunk_size if smaller); a watermark of 1% of the worker's total pages, at least 1.
     max_num_batched_tokens: int = 0

@@ -1,4 +1,4 @@
-"""The `fair` policy's queue order (contract, "Policies").
+"""The `fair` policy's queue order (docs/contract.md, "Policies").
 
 1. Priority bands, most urgent (lowest `priority`) first. A sequence's band improves by
    one for every `aging_seconds` it has waited since its first submission, so nothing

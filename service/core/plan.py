@@ -16,7 +16,8 @@ from service.core.vocabulary import BlockReason, PreemptReason, SequenceView
 
 @dataclass(frozen=True)
 class DecisionView:
-    """One worker's SelectBatch, after its report was applied (contract rule 1)."""
+    """One worker's SelectBatch, after its report was applied (docs/contract.md
+    rule 1)."""
 
     worker_id: str
     max_batch_size: int

@@ -1,7 +1,7 @@
 """The mechanism's check of a policy's plan, before the batcher applies it.
 
 Invariants every plan keeps, whatever the policy:
-- contract rule 7: no id twice in the plan;
+- docs/contract.md rule 7: no id twice in the plan;
 - every running sequence decodes, in the order reported, unless preempted;
 - continuations are for the worker's prefills in progress and stay inside the prompt;
   admissions are queued candidates this worker can run, each with 1..prompt tokens;

@@ -1,4 +1,4 @@
-"""Report reconciliation (contract rule 1): a worker's report applied to the core's
+"""Report reconciliation (docs/contract.md rule 1): a worker's report applied to the core's
 tables before its batch is decided.
 
 New tokens are appended (a retried report's repeats dropped, a gap refused before any

@@ -4,7 +4,7 @@ Single-threaded by design: the caller serializes calls (one event loop). No gRPC
 Prometheus: adapters convert messages and listen through an observer.
 
 A SelectBatch reads in one direction: the worker's report is applied (reconcile.py,
-contract rule 1), a read-only view goes to the policy, the policy returns a plan, the
+docs/contract.md rule 1), a read-only view goes to the policy, the policy returns a plan, the
 mechanism checks the plan and applies it (batcher.py), and the change is saved
 (changes.py) before the call returns: every state-changing call runs in one
 persistence bracket (`_saved`).
@@ -272,7 +272,7 @@ class Scheduler:
 
     def select_batch(self, report: WorkerReport) -> Decision:
         """Apply one worker's report, then decide its batch (the policy plans, the
-        mechanism checks and applies; contract rules 1-7 and "Policies")."""
+        mechanism checks and applies; docs/contract.md rules 1-7 and "Policies")."""
         with self._saved() as saved:  # saved even when the report is refused below
             self._workers.expire()
             worker = self._ledger.get(report.worker_id)

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from common import logs
-    from service.core import ConfigError
+    from common.errors import ConfigError
     from common.credentials import client_args_credentials
     from service.gateway.server import GatewaySettings, run
 

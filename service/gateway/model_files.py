@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.core import ConfigError
+from common.errors import ConfigError
 from service.gateway.chat_template import ChatTemplate
 
 # Used when neither config.json nor the flag says how long a sequence may be: the

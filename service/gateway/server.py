@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import CollectorRegistry
 
-from service.core import ConfigError
+from common.errors import ConfigError
 from service.gateway.generations import Generations
 from service.gateway.metrics import GatewayMetrics
 from service.gateway.model_files import DEFAULT_MAX_MODEL_LEN, ModelFiles

@@ -1,6 +1,5 @@
-"""How `serve --state postgresql://...` builds a replica's store (app.py builds its servicer).
-
-Kept apart from server.py so the server only asks "a replica?" at two places.
+"""How `serve --state postgresql://...` builds a replica: its store and its servicer,
+handed to the server's start as a `Shared` (the server package does not import this one).
 """
 from __future__ import annotations
 
@@ -9,7 +8,13 @@ import socket
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
+from service.core import Scheduler
 from service.core.orders import queue_order
+from service.server import app
+from service.server.loop_lag import LoopLag
+from service.server.metrics import SchedulerMetrics
+from service.server.wakeups import Wakeups
+from service.replicas.servicer import ReplicaServicer
 from service.settings import ServeSettings
 from service.state.postgres import PostgresState
 
@@ -40,3 +45,24 @@ class _RoundTrips:
             family.add_metric([purpose], self._store.round_trips[purpose])
         yield family
 
+
+def make_servicer(core: Scheduler, wakeups: Wakeups, store: PostgresState,
+                  metrics: SchedulerMetrics, lag: LoopLag,
+                  settings: ServeSettings) -> ReplicaServicer:
+    """The replica's servicer over `core`, claiming `settings.prefetch` ahead."""
+    return ReplicaServicer(core, wakeups, store, metrics=metrics, lag=lag,
+                           prefetch=settings.prefetch)
+
+
+SHARED = app.Shared(open_store=open_store, make_servicer=make_servicer)
+
+
+def start(settings: ServeSettings,
+          registry: CollectorRegistry | None = None) -> app.RunningServer:
+    """Start a replica on the database settings.state names (as service.server.app.start)."""
+    return app.start(settings, registry, shared=SHARED)
+
+
+def serve(settings: ServeSettings) -> None:
+    """Run a replica until SIGTERM or SIGINT (as service.server.app.serve)."""
+    app.serve(settings, shared=SHARED)

@@ -14,7 +14,9 @@ import ipaddress
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -51,6 +53,19 @@ HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 LOOP_LAG_TICK_SECONDS = 0.025
 # How long start() waits for the loop to come up and listen.
 START_TIMEOUT_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class Shared:
+    """How a replica on a shared database differs from a lone scheduler: its store and its
+    servicer. service/replicas/build.py makes one; that package imports this one, never the
+    reverse (tests/test_imports.py)."""
+
+    # (settings, registry) -> the store the core saves through; it counts into registry.
+    open_store: Callable[[ServeSettings, CollectorRegistry], Any]
+    # (core, wakeups, store, metrics, lag, settings) -> the servicer; it also offers
+    # background_tasks() (started with the server) and leave() (awaited at shutdown).
+    make_servicer: Callable[..., SchedulerServicer]
 
 
 @dataclass
@@ -151,12 +166,17 @@ class RunningServer:
         return self._loop.loop
 
 
-def start(settings: ServeSettings, registry: CollectorRegistry | None = None) -> RunningServer:
+def start(settings: ServeSettings, registry: CollectorRegistry | None = None,
+          shared: Shared | None = None) -> RunningServer:
     """Start serving on settings.host: gRPC on settings.port (and settings.worker_port),
-    metrics on settings.metrics_port.
+    metrics on settings.metrics_port. A replica (settings.state set) needs `shared`:
+    service.replicas.build.start passes it.
 
     Raises ConfigError, before listening, when a TLS or tokens file is unreadable or wrong.
     """
+    if settings.state and shared is None:
+        raise ConfigError("state: a shared database is served by a replica; start it with "
+                          "service.replicas.build.start (lattice-scheduler serve --state does)")
     tls = credentials.server_credentials(settings.tls_cert, settings.tls_key,
                                          settings.tls_client_ca)
     tokens = auth.load_tokens(settings.auth_tokens) if settings.auth_tokens else None
@@ -166,15 +186,14 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     registry = registry if registry is not None else CollectorRegistry()
     metrics = SchedulerMetrics(registry, named_tenants=(
         tenant for tenant, _ in settings.scheduler.tenant_weights))
-    if settings.state:
-        from service.replicas.build import open_store
-        store = open_store(settings, registry)
+    if shared is not None:
+        store = shared.open_store(settings, registry)
     else:
         store = (SqliteStateStore(settings.state_dir, settings.state_fsync, defer_fsync=True)
                  if settings.state_dir else None)
     loop = _LoopThread()
     try:
-        serving = loop.run(_serve(settings, metrics, store, tls, tokens),
+        serving = loop.run(_serve(settings, metrics, store, tls, tokens, shared),
                            timeout=START_TIMEOUT_SECONDS)
     except BaseException:
         loop.close()
@@ -194,14 +213,15 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
 
 
 async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
-                 store: StateStore | None, tls, tokens) -> _Serving:
+                 store: StateStore | None, tls, tokens,
+                 shared: Shared | None) -> _Serving:
     """On the loop: the core, the servicer, the listening servers and the tasks."""
     sweep_seconds = min(1.0, settings.scheduler.lease_ttl_ms / 4000.0)
     wakeups = Wakeups()
     try:
         # The sweeper checks leases every sweep_seconds: a gap of three means we stood still.
         # A replica's core also takes and gives up sequences of the shared store.
-        core_class = ReplicaScheduler if settings.state else Scheduler
+        core_class = ReplicaScheduler if shared is not None else Scheduler
         core = core_class(settings.scheduler, observer=FanOut(metrics, wakeups), store=store,
                           stall_seconds=max(3 * sweep_seconds, 0.5),
                           max_decision_bytes=settings.max_message_bytes)
@@ -215,11 +235,9 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
                                         "assigned": recovered.num_assigned,
                                         "workers": len(recovered.workers)})
     lag = LoopLag(LOOP_LAG_TICK_SECONDS, observe=metrics.event_loop_lag.observe)
-    if settings.state:  # a replica: PostgreSQL commits in each save, no group commit
-        from service.replicas.servicer import ReplicaServicer
+    if shared is not None:  # a replica: PostgreSQL commits in each save, no group commit
         group_commit = None
-        servicer = ReplicaServicer(core, wakeups, store, metrics=metrics, lag=lag,
-                                   prefetch=settings.prefetch)
+        servicer = shared.make_servicer(core, wakeups, store, metrics, lag, settings)
     else:
         group_commit = GroupCommit(store, metrics.on_fsync) if store is not None else None
         servicer = SchedulerServicer(
@@ -270,7 +288,7 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
              asyncio.create_task(lag.run(), name="loop-lag")]
     if group_commit is not None:
         tasks.append(asyncio.create_task(group_commit.run_checkpoints(), name="checkpoints"))
-    if settings.state:
+    if shared is not None:
         tasks.extend(servicer.background_tasks())
     return _Serving(servers, health_servicer, servicer, port, worker_port, group_commit, tasks)
 
@@ -301,9 +319,9 @@ async def _sweep_leases(servicer: SchedulerServicer, every_seconds: float) -> No
             log.exception("lease sweep failed")
 
 
-def serve(settings: ServeSettings) -> None:
-    """Run until SIGTERM or SIGINT, then shut down gracefully."""
-    running = start(settings)
+def serve(settings: ServeSettings, shared: Shared | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully (`shared`: as for start)."""
+    running = start(settings, shared=shared)
     print(f"lattice-scheduler listening on {settings.host}:{running.port} "
           f"(metrics on http://{_bracket(settings.host)}:{running.metrics_port}/metrics, "
           f"policy {settings.scheduler.policy}, {_security_summary(settings)}, "

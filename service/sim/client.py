@@ -13,7 +13,9 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.server import convert
 from service.core import Scheduler, UnknownWorker
-from worker_client.client import NotRegistered, WorkerResources
+from worker_client import convert as worker_convert
+from worker_client.client import NotRegistered
+from worker_client.resources import WorkerResources
 
 
 @dataclass
@@ -32,11 +34,7 @@ class InProcessClient:
         self.counts = ClientCounts()
 
     def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
-        request = pb.RegisterWorkerRequest(
-            worker_id=resources.worker_id, total_kv_pages=resources.total_kv_pages,
-            page_size=resources.page_size, total_gdn_slots=resources.total_gdn_slots,
-            max_batch_size=resources.max_batch_size, adapters=resources.adapters,
-        )
+        request = worker_convert.register_request(resources)
         settings = self.scheduler.register_worker(convert.worker_registration(request))
         return convert.worker_settings(settings)
 

@@ -27,7 +27,7 @@ from service.core import FinishReason, Scheduler, SchedulerConfig, SchedulerObse
 from service.sim.client import InProcessClient
 from service.sim.engine import CostModel, SimEngine
 from service.sim.workload import Request
-from worker_client.client import WorkerResources
+from worker_client.resources import WorkerResources
 from worker_client.loop import WorkerLoop
 
 ROUTINGS = ("pull", "round-robin", "least-loaded")

@@ -66,7 +66,7 @@ from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from service.core import SchedulerConfig  # noqa: E402
-from service.server.app import start  # noqa: E402
+from service.replicas.build import start  # noqa: E402
 from service.settings import ServeSettings  # noqa: E402
 from tests.server.conftest import LOOPBACK, Server  # noqa: E402
 from tests.server.wire import RPC_TIMEOUT_SECONDS  # noqa: E402

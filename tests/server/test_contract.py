@@ -1,4 +1,4 @@
-"""The wire contract (shared/contract.md), pinned against a real server on loopback.
+"""The wire contract (docs/contract.md), pinned against a real server on loopback.
 
 Every test runs twice: fake workers report by unary SelectBatch calls, then over
 WorkerSession streams (same meaning, one decision per request, in order); a

@@ -1,4 +1,4 @@
-"""The contract's fifo rules 1-7, the core's errors, and the worker lifecycle."""
+"""The fifo rules 1-7 of docs/contract.md, the core's errors, and the worker lifecycle."""
 import pytest
 
 from service.core import (

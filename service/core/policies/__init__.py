@@ -1,5 +1,6 @@
 """The batching policies: `fifo` (the seed's) and `budget`; the `fair` policy is
-`budget` batching over the fair queue order (contract, "Policies"; service/core/orders.py)."""
+`budget` batching over the fair queue order (docs/contract.md, "Policies";
+service/core/orders.py)."""
 from __future__ import annotations
 
 from service.core.config import SchedulerConfig

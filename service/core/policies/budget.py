@@ -1,5 +1,5 @@
 """The `budget` and `fair` policies: a token budget per worker iteration, spent in the
-manner of Sarathi-Serve's stall-free batching and vLLM's scheduler (contract,
+manner of Sarathi-Serve's stall-free batching and vLLM's scheduler (docs/contract.md,
 "Policies"):
 
 1. every running sequence decodes, one token of the budget each;

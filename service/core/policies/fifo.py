@@ -1,4 +1,4 @@
-"""The seed's FifoScheduler (ADR-048 phase 1), contract rules 2-7."""
+"""The seed's FifoScheduler (ADR-048 phase 1), docs/contract.md rules 2-7."""
 from __future__ import annotations
 
 from service.core.config import SchedulerConfig
