@@ -52,6 +52,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     # The simulator: the real core and the real worker loop on a virtual clock.
     "service.sim": frozenset({"common", "lattice", "service.core", "service.settings",
                               "service.server", "worker_client", "worker_client.engine"}),
+    # Tooling for tests and benchmark scripts (fault stacks, engine benchmarks, an honest
+    # fake worker): never imported by a product process, so it may join core and worker.
+    "service.devtools": frozenset({"common", "lattice", "service.core", "service.settings",
+                                   "service.server", "worker_client", "worker_client.engine"}),
     # The lattice-scheduler command line: starts any of the above.
     "service.cli": frozenset({"common", "lattice", "service.core", "service.settings",
                               "service.state", "service.server", "service.replicas",
@@ -67,8 +71,9 @@ FORBIDDEN_THIRD_PARTY = {
     "common": frozenset({"torch"}),
 }
 
-# Only the simulator joins the scheduling core and the worker loop.
-BOTH_CORE_AND_WORKER = frozenset({"service.sim"})
+# Only the simulator joins the scheduling core and the worker loop (and the tooling of tests
+# and benchmarks, which no product process imports: checked below).
+BOTH_CORE_AND_WORKER = frozenset({"service.sim", "service.devtools"})
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,7 @@ def test_only_the_simulator_imports_both_the_core_and_the_worker_loop():
     assert both <= BOTH_CORE_AND_WORKER, both
     service_to_worker = [str(e) for e in EDGES
                          if package_of(e.importer).startswith("service")
-                         and package_of(e.importer) != "service.sim"
+                         and package_of(e.importer) not in BOTH_CORE_AND_WORKER
                          and (package_of(e.imported) or "").startswith("worker_client")]
     assert not service_to_worker, "\n".join(service_to_worker)
 
@@ -251,3 +256,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return sorted(found)
+
+
+def test_no_product_package_imports_the_tooling_of_tests_and_benchmarks():
+    importers = {package_of(e.importer) for e in EDGES
+                 if package_of(e.imported) == "service.devtools"}
+    assert importers <= {"service.devtools"}, importers

@@ -32,6 +32,9 @@ torch = pytest.importorskip("torch")
 from worker_client.engine.loading import load_model  # noqa: E402
 from worker_client.engine.reference import generate_reference  # noqa: E402
 
+# Two worker processes with the real model: minutes on a loaded machine.
+pytestmark = pytest.mark.slow
+
 CHUNK_SIZE = 32
 MAX_NEW_TOKENS = 10
 
