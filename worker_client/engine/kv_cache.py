@@ -4,6 +4,11 @@ A fixed pool of pages of `page_size` tokens. Page p holds the same token
 positions in every full-attention layer, so one page table per sequence covers
 all layers and "a page" is counted once, whatever the number of layers.
 Pages are taken on demand as a sequence grows and returned when it is freed.
+
+A page may be mapped by several holders (sequences' page tables, and the prefix cache's
+index through `hold`/`unhold`): each page counts its holders and goes back to the free
+list when the last lets go. Shared pages are only ever read: they hold full blocks of
+tokens before any position a sharing sequence writes.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ class PagedKVCache:
         self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest
         self._page_tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
+        self._num_holders = [0] * num_pages
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -64,12 +70,46 @@ class PagedKVCache:
         if num_new_pages > len(self._free_pages):
             raise RuntimeError(f"seq {seq_id}: {num_new_pages} pages needed, {len(self._free_pages)} free")
         table = self._page_tables.setdefault(seq_id, [])
-        table.extend(self._free_pages.pop() for _ in range(num_new_pages))
+        for _ in range(num_new_pages):
+            page = self._free_pages.pop()
+            self._num_holders[page] = 1
+            table.append(page)
         self._num_tokens[seq_id] = self.num_tokens(seq_id) + num_new_tokens
 
+    def map_shared(self, seq_id: int, pages: list[int], num_tokens: int) -> None:
+        """Start `seq_id`'s (empty) table with held `pages`, filled up to `num_tokens`."""
+        if seq_id in self._page_tables:
+            raise RuntimeError(f"seq {seq_id} has a page table already")
+        self.hold(pages)
+        self._page_tables[seq_id] = list(pages)
+        self._num_tokens[seq_id] = num_tokens
+
+    def pages_of(self, seq_id: int, first: int, num_pages: int) -> tuple[int, ...]:
+        """Pages [first, first + num_pages) of `seq_id`'s table."""
+        return tuple(self._page_tables[seq_id][first : first + num_pages])
+
+    def replace_pages(self, seq_id: int, first: int, pages: tuple[int, ...]) -> None:
+        """Map held `pages` (same contents) in place of `seq_id`'s pages from index `first`."""
+        table = self._page_tables[seq_id]
+        self.hold(pages)
+        self.unhold(table[first : first + len(pages)])
+        table[first : first + len(pages)] = pages
+
+    def hold(self, pages) -> None:
+        """One more holder of each of `pages` (taken pages only)."""
+        for page in pages:
+            self._num_holders[page] += 1
+
+    def unhold(self, pages) -> None:
+        """One holder fewer of each of `pages`; a page nobody holds goes back to the pool."""
+        for page in pages:
+            self._num_holders[page] -= 1
+            if self._num_holders[page] == 0:
+                self._free_pages.append(page)
+
     def free(self, seq_id: int) -> None:
-        """Return every page of `seq_id` to the pool; unknown ids are ignored."""
-        self._free_pages.extend(reversed(self._page_tables.pop(seq_id, [])))
+        """Let go of every page of `seq_id`; unknown ids are ignored."""
+        self.unhold(reversed(self._page_tables.pop(seq_id, [])))
         self._num_tokens.pop(seq_id, None)
 
     def slot_indices(self, seq_ids: list[int], rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -95,6 +135,10 @@ class PagedKVCache:
         keys = self.keys[layer][tables].flatten(1, 2)[:, :length]
         values = self.values[layer][tables].flatten(1, 2)[:, :length]
         return keys, values
+
+    def num_new_pages(self, seq_id: int, num_new_tokens: int) -> int:
+        """Pages `seq_id` must take to grow by `num_new_tokens`."""
+        return self._num_new_pages(seq_id, num_new_tokens)
 
     def _num_new_pages(self, seq_id: int, num_new_tokens: int) -> int:
         needed = self.num_pages_for(self.num_tokens(seq_id) + num_new_tokens)

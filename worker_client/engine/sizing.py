@@ -31,6 +31,7 @@ class PoolSizes:
     total_kv_pages: int
     page_size: int
     total_gdn_slots: int
+    total_snapshot_slots: int = 0  # GDN snapshots of the prefix cache, sized as GDN slots
 
 
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -60,7 +61,7 @@ def num_parameters(config: ModelConfig) -> int:
 
 def pool_bytes(config: ModelConfig, sizes: PoolSizes, dtype: torch.dtype) -> int:
     return (sizes.total_kv_pages * kv_page_bytes(config, sizes.page_size, dtype)
-            + sizes.total_gdn_slots * gdn_slot_bytes(config, dtype))
+            + (sizes.total_gdn_slots + sizes.total_snapshot_slots) * gdn_slot_bytes(config, dtype))
 
 
 def available_bytes(device: torch.device) -> int:
