@@ -24,6 +24,7 @@ import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from worker_client.engine.api import Engine
 from worker_client.session import WorkerSessionStream
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,15 @@ class WorkerResources:
     total_gdn_slots: int
     max_batch_size: int = 0
     adapters: tuple[str, ...] = ()
+    cache_block_tokens: int = 0  # tokens per prefix-cache block; 0 = no prefix cache
+    total_snapshot_slots: int = 0  # GDN snapshots for resume points, besides the GDN slots
+
+    @classmethod
+    def of(cls, worker_id: str, engine: Engine, max_batch_size: int = 0,
+           adapters: tuple[str, ...] = ()) -> WorkerResources:
+        """What `engine` has, registered as `worker_id`."""
+        return cls(worker_id, engine.total_kv_pages, engine.page_size, engine.total_gdn_slots,
+                   max_batch_size, adapters, engine.cache_block_tokens, engine.total_snapshot_slots)
 
 
 class SchedulerClient:
@@ -137,6 +147,8 @@ class SchedulerClient:
             worker_id=resources.worker_id, total_kv_pages=resources.total_kv_pages,
             page_size=resources.page_size, total_gdn_slots=resources.total_gdn_slots,
             max_batch_size=resources.max_batch_size, adapters=resources.adapters,
+            cache_block_tokens=resources.cache_block_tokens,
+            total_snapshot_slots=resources.total_snapshot_slots,
         )
         response = self._call("RegisterWorker", self._stub.RegisterWorker, request)
         self.incarnation = response.incarnation

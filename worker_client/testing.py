@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from worker_client.engine.api import (
-    ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
+    CacheDelta, ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
 )
 
 
@@ -62,6 +62,8 @@ class ScriptedEngine:
         self.page_size = page_size
         self.total_kv_pages = total_kv_pages
         self.total_gdn_slots = total_gdn_slots
+        self.cache_block_tokens = 0  # no prefix cache: a first chunk with cached_tokens misses
+        self.total_snapshot_slots = 0
         self._vocab_size = vocab_size
         self.step_seconds = step_seconds
         self._sleep = sleep
@@ -72,6 +74,12 @@ class ScriptedEngine:
 
     def gdn_free_slots(self) -> int:
         return self.total_gdn_slots - len(self._held)
+
+    def kv_cached_pages(self) -> int:
+        return 0
+
+    def cache_delta(self, full: bool = False) -> CacheDelta:
+        return CacheDelta(reset=full)
 
     def waiting_ids(self) -> list[int]:
         return [s for s, h in self._held.items() if h.cached_tokens < len(h.spec.prompt_token_ids)]
@@ -88,11 +96,15 @@ class ScriptedEngine:
         tokens: list[tuple[int, tuple[int, ...]]] = []
         finished: list[FinishedSequence] = []
         preempted: list[int] = []
+        misses: list[int] = []
         if self.step_seconds and (prefill or decode):
             self._sleep(self.step_seconds)
         for chunk in prefill:
             if chunk.spec is not None:
                 self._held.pop(chunk.seq_id, None)
+                if chunk.cached_tokens:
+                    misses.append(chunk.seq_id)
+                    continue
                 if self.gdn_free_slots() == 0:
                     preempted.append(chunk.seq_id)
                     continue
@@ -124,7 +136,7 @@ class ScriptedEngine:
                 preempted.append(seq_id)
                 continue
             self._sample(seq_id, held, tokens, finished)
-        return StepOutput(tuple(tokens), tuple(finished), tuple(preempted))
+        return StepOutput(tuple(tokens), tuple(finished), tuple(preempted), tuple(misses))
 
     def _sample(self, seq_id: int, held: _Held, tokens, finished) -> None:
         token = next_token(held.prefix, self._vocab_size)

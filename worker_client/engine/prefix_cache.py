@@ -20,35 +20,10 @@ from common.block_hash import ROOT_HASH, block_hashes, next_block_hash
 from .api import CacheDelta
 from .block_index import BlockIndex
 from .kv_cache import PagedKVCache
+from .resume_points import ResumePointLog
 from .sequence import HeldSequence
 from .snapshots import SnapshotPool
 from .state_pool import GdnStatePool
-
-
-class ResumePointLog:
-    """Resume points added and removed since the last `take`, each change once."""
-
-    def __init__(self) -> None:
-        self._added: dict[int, None] = {}  # ordered sets
-        self._removed: dict[int, None] = {}
-
-    def add(self, block_hash: int) -> None:
-        if block_hash in self._removed:  # gone and back since the last take: no change
-            del self._removed[block_hash]
-        else:
-            self._added[block_hash] = None
-
-    def remove(self, block_hash: int) -> None:
-        if block_hash in self._added:  # new and gone since the last take: no change
-            del self._added[block_hash]
-        else:
-            self._removed[block_hash] = None
-
-    def take(self) -> CacheDelta:
-        delta = CacheDelta(tuple(self._added), tuple(self._removed))
-        self._added.clear()
-        self._removed.clear()
-        return delta
 
 
 class PrefixCache:
