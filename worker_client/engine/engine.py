@@ -108,7 +108,8 @@ class ModelEngine:
         )
         self._cache = None if cache_block_tokens == 0 else PrefixCache(
             self._kv_cache, self._state_pool, block_tokens=cache_block_tokens,
-            num_snapshot_slots=total_snapshot_slots, max_unused_blocks=max_cached_blocks)
+            num_snapshot_slots=total_snapshot_slots,
+            needs_snapshots=config.num_linear_attention_layers > 0, max_unused_blocks=max_cached_blocks)
         self._held: dict[int, HeldSequence] = {}  # in admission order
         self._num_admissions = 0
 

@@ -15,27 +15,43 @@ The books (what the scheduler sees through kv_free_pages and kv_cached_pages):
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 from common.block_hash import ROOT_HASH, block_hashes, next_block_hash
 
-from .api import CacheDelta
+from .api import CacheDelta, SequenceSpec
 from .block_index import BlockIndex
-from .kv_cache import PagedKVCache
+from .page_tables import PageTables
 from .resume_points import ResumePointLog
-from .sequence import HeldSequence
-from .snapshots import SnapshotPool
-from .state_pool import GdnStatePool
+from .snapshots import SlotStates, SnapshotPool
+
+
+class CachingSequence(Protocol):
+    """What the cache reads of a held sequence (engine.sequence.HeldSequence, or an
+    engine's own), and `block_hashes`, which it keeps: the hashes of the leading blocks
+    the sequence maps from the index, in order."""
+
+    seq_id: int
+    slot: int
+    spec: SequenceSpec
+    token_ids: list[int]
+    block_hashes: list[int]
 
 
 class PrefixCache:
-    """Blocks and snapshots over the engine's KV pages and GDN slots."""
+    """Blocks and snapshots over the engine's KV pages and GDN slots (torch-free: the
+    engines without a model keep the same books with it).
 
-    def __init__(self, kv: PagedKVCache, states: GdnStatePool, *, block_tokens: int,
-                 num_snapshot_slots: int, max_unused_blocks: int | None = None) -> None:
+    `needs_snapshots`: the model has GDN layers (resume points need a snapshot)."""
+
+    def __init__(self, kv: PageTables, states: SlotStates, *, block_tokens: int,
+                 num_snapshot_slots: int, needs_snapshots: bool,
+                 max_unused_blocks: int | None = None) -> None:
         if block_tokens < 1 or block_tokens % kv.page_size:
             raise ValueError(f"cache_block_tokens must be a positive multiple of the page size "
                              f"({kv.page_size}), got {block_tokens}")
         self.block_tokens = block_tokens
-        self.needs_snapshots = states.conv.shape[0] > 0  # the model has GDN layers
+        self.needs_snapshots = needs_snapshots
         self._kv = kv
         self._pages_per_block = block_tokens // kv.page_size
         self._index = BlockIndex(self._pages_per_block)
@@ -61,7 +77,7 @@ class PrefixCache:
             return CacheDelta(added=tuple(self.resume_points()), reset=True)
         return delta
 
-    def resume(self, held: HeldSequence, num_tokens: int) -> bool:
+    def resume(self, held: CachingSequence, num_tokens: int) -> bool:
         """Start `held` (no pages yet) at `num_tokens` (a multiple of block_tokens) from
         the cache: map the blocks' pages and copy the snapshot into its GDN slot; False if
         that resume point is gone (nothing changed)."""
@@ -77,7 +93,7 @@ class PrefixCache:
         held.block_hashes = hashes
         return True
 
-    def computed(self, held: HeldSequence, num_computed: int) -> None:
+    def computed(self, held: CachingSequence, num_computed: int) -> None:
         """After a forward that wrote `held`'s KV up to `num_computed` and left its GDN
         slot at the state after token num_computed - 1: register its new full blocks, and
         snapshot the slot if that is a block boundary."""
@@ -109,7 +125,7 @@ class PrefixCache:
             if is_new and h in self._snapshots:
                 self._log.add(h)
 
-    def release(self, held: HeldSequence) -> None:
+    def release(self, held: CachingSequence) -> None:
         """The sequence lets go of its blocks (last first: its first block stays the most
         recently used); trims unused blocks beyond the limit."""
         for h in reversed(held.block_hashes):

@@ -1,4 +1,4 @@
-"""GDN state snapshots of the prefix cache: a pool of its own, by block hash, LRU.
+"""GDN state snapshots of the prefix cache: a pool of its own, by block hash, LRU (torch-free).
 
 A snapshot of block hash h_i is every linear-attention layer's state (conv and
 recurrent) after the last token of block i, copied out of a sequence's GDN slot right
@@ -7,14 +7,21 @@ after a forward that ended exactly there. Resuming copies it into a new sequence
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
-from .state_pool import GdnStatePool
+
+class SlotStates(Protocol):
+    """Where GDN states live: engine.state_pool.GdnStatePool, or a stand-in with no tensors."""
+
+    def empty_like(self, num_slots: int) -> SlotStates: ...
+
+    def copy_slot(self, source: SlotStates, source_slot: int, slot: int) -> None: ...
 
 
 class SnapshotPool:
     """`num_slots` snapshots in slots shaped as `states`' slots; least recently used first out."""
 
-    def __init__(self, states: GdnStatePool, num_slots: int) -> None:
+    def __init__(self, states: SlotStates, num_slots: int) -> None:
         self.num_slots = num_slots
         self._states = states
         self._storage = states.empty_like(num_slots) if num_slots else None
