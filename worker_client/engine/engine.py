@@ -10,7 +10,7 @@ from .batch import PackedBatch
 from .kv_cache import PagedKVCache
 from .model import Qwen35ForCausalLM
 from .paged_forward_cache import PagedForwardCache
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, cached_tokens_problem
 from .sampling import SamplingParams, sample_token
 from .sequence import HeldSequence, PrefillSegment, StepRecorder
 from .sizing import PoolSizes, check_pools_fit, default_pool_sizes
@@ -197,7 +197,7 @@ class ModelEngine:
 
     def _admit(self, seq_id: int, spec: SequenceSpec, cached_tokens: int, recorder: StepRecorder) -> None:
         problem = (_prompt_problem(spec.prompt_token_ids, self.model.config.vocab_size)
-                   or _cached_tokens_problem(cached_tokens, len(spec.prompt_token_ids), self.cache_block_tokens))
+                   or cached_tokens_problem(cached_tokens, len(spec.prompt_token_ids), self.cache_block_tokens))
         if problem is not None:
             recorder.finish(seq_id, FinishReason.FAILED, 0, problem)
             return
@@ -322,12 +322,3 @@ def _prompt_problem(prompt_token_ids: Sequence[int], vocab_size: int) -> str | N
             return f"token id {token_id} is outside the model's vocabulary of {vocab_size}"
     return None
 
-
-def _cached_tokens_problem(cached_tokens: int, prompt_len: int, block_tokens: int) -> str | None:
-    """Why a first chunk's cached_tokens can name no resume point, or None."""
-    if cached_tokens == 0 or block_tokens == 0:  # no cache: a miss, not a mistake
-        return None
-    if cached_tokens % block_tokens or cached_tokens >= prompt_len:
-        return (f"cached_tokens {cached_tokens} must be a multiple of the cache block "
-                f"({block_tokens} tokens) below the prompt's length ({prompt_len})")
-    return None

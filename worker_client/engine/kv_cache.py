@@ -63,7 +63,3 @@ class PagedKVCache(PageTables):
         keys = self.keys[layer][tables].flatten(1, 2)[:, :length]
         values = self.values[layer][tables].flatten(1, 2)[:, :length]
         return keys, values
-
-    def num_new_pages(self, seq_id: int, num_new_tokens: int) -> int:
-        """Pages `seq_id` must take to grow by `num_new_tokens`."""
-        return self._num_new_pages(seq_id, num_new_tokens)

@@ -86,6 +86,10 @@ class PageTables:
         self.unhold(reversed(self._page_tables.pop(seq_id, [])))
         self._num_tokens.pop(seq_id, None)
 
+    def num_new_pages(self, seq_id: int, num_new_tokens: int) -> int:
+        """Pages `seq_id` must take to grow by `num_new_tokens`."""
+        return self._num_new_pages(seq_id, num_new_tokens)
+
     def _num_new_pages(self, seq_id: int, num_new_tokens: int) -> int:
         needed = self.num_pages_for(self.num_tokens(seq_id) + num_new_tokens)
         return max(0, needed - self.num_pages_held(seq_id))

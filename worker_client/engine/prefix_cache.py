@@ -151,3 +151,13 @@ class PrefixCache:
             self._kv.unhold(block.pages)
             if not self.needs_snapshots or self._snapshots.drop(block.block_hash):
                 self._log.remove(block.block_hash)
+
+
+def cached_tokens_problem(cached_tokens: int, prompt_len: int, block_tokens: int) -> str | None:
+    """Why a first chunk's cached_tokens can name no resume point, or None."""
+    if cached_tokens == 0 or block_tokens == 0:  # no cache: a miss, not a mistake
+        return None
+    if cached_tokens % block_tokens or cached_tokens >= prompt_len:
+        return (f"cached_tokens {cached_tokens} must be a multiple of the cache block "
+                f"({block_tokens} tokens) below the prompt's length ({prompt_len})")
+    return None
