@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gdn-slots", type=int, help="GDN state slots (default: sized for the device)")
     parser.add_argument("--cache-block-tokens", type=int,
                         help="tokens per prefix-cache block, a multiple of --page-size "
-                             "(default: 4 pages)")
+                             "(default: 4 pages; the scripted model keeps a cache only "
+                             "with this flag)")
     parser.add_argument("--prefix-cache-blocks", type=int,
                         help="most cached blocks no running sequence uses (their pages count "
                              "as free and are reclaimed least recently used first; default: "
@@ -123,9 +124,13 @@ def main(argv: list[str] | None = None) -> int:
 def _build_engine(args: argparse.Namespace):
     if args.model == "scripted":
         from worker_client.testing import ScriptedEngine
+        # The scripted model keeps a prefix cache only when asked (--cache-block-tokens).
         return ScriptedEngine(total_kv_pages=args.kv_pages or 4096, page_size=args.page_size,
                               total_gdn_slots=args.gdn_slots or 64,
-                              step_seconds=(args.step_ms or 0.0) / 1000.0)
+                              step_seconds=(args.step_ms or 0.0) / 1000.0,
+                              cache_block_tokens=0 if args.no_prefix_cache else (args.cache_block_tokens or 0),
+                              total_snapshot_slots=64 if args.snapshot_slots is None else args.snapshot_slots,
+                              max_cached_blocks=args.prefix_cache_blocks)
     import torch
 
     from worker_client.engine.engine import ModelEngine, default_pool_sizes
