@@ -123,6 +123,10 @@ def test_a_conversation_gets_the_same_greedy_tokens_and_computes_only_the_new_pa
 
 
 def test_a_shared_system_prompt_is_computed_once_and_tokens_do_not_change(tiny_model):
+    _a_shared_system_prompt_is_computed_once_and_tokens_do_not_change(tiny_model)
+
+
+def _a_shared_system_prompt_is_computed_once_and_tokens_do_not_change(tiny_model):
     system = random_prompt(24, seed=2)
     specs = {i: _spec([*system, *random_prompt(5 + i, seed=20 + i)]) for i in range(4)}
     off, on = Driver(make_engine(tiny_model)), Driver(_cached_engine(tiny_model))
@@ -147,6 +151,10 @@ def test_sequences_computing_the_same_blocks_at_once_share_one_copy(tiny_model):
 
 
 def test_prompts_diverging_inside_a_block_resume_at_the_block_before(tiny_model):
+    _prompts_diverging_inside_a_block_resume_at_the_block_before(tiny_model)
+
+
+def _prompts_diverging_inside_a_block_resume_at_the_block_before(tiny_model):
     first = list(random_prompt(40, seed=4))
     second = [*first[:13], *random_prompt(20, seed=5)]  # equal up to token 13: block 1 differs
     # Chunks of one block: every block boundary of the first prompt gets a snapshot.
@@ -160,6 +168,10 @@ def test_prompts_diverging_inside_a_block_resume_at_the_block_before(tiny_model)
 
 
 def test_another_adapter_never_resumes_from_the_base_models_blocks(tiny_model):
+    _another_adapter_never_resumes_from_the_base_models_blocks(tiny_model)
+
+
+def _another_adapter_never_resumes_from_the_base_models_blocks(tiny_model):
     prompt = list(random_prompt(40, seed=6))
     on = Driver(_cached_engine(tiny_model))
     on.run({1: _spec(prompt)})
@@ -170,6 +182,10 @@ def test_another_adapter_never_resumes_from_the_base_models_blocks(tiny_model):
 
 
 def test_eviction_between_turns_and_a_miss_still_give_the_same_tokens(tiny_model):
+    _eviction_between_turns_and_a_miss_still_give_the_same_tokens(tiny_model)
+
+
+def _eviction_between_turns_and_a_miss_still_give_the_same_tokens(tiny_model):
     prompt = list(random_prompt(40, seed=7))
     off = Driver(make_engine(tiny_model, total_kv_pages=16))
     on = Driver(_cached_engine(tiny_model, total_kv_pages=16))
@@ -190,6 +206,10 @@ def test_eviction_between_turns_and_a_miss_still_give_the_same_tokens(tiny_model
 
 
 def test_preempting_a_sequence_that_shares_pages_leaves_the_others_whole(tiny_model):
+    _preempting_a_sequence_that_shares_pages_leaves_the_others_whole(tiny_model)
+
+
+def _preempting_a_sequence_that_shares_pages_leaves_the_others_whole(tiny_model):
     system = list(random_prompt(16, seed=9))
     specs = {i: _spec([*system, *random_prompt(3, seed=30 + i)], max_new_tokens=20) for i in range(3)}
     off = Driver(make_engine(tiny_model, total_kv_pages=14))
@@ -228,3 +248,15 @@ def test_after_everything_ends_and_the_cache_is_cleared_the_pools_are_whole(tiny
     assert engine._kv_cache.num_free_pages() == engine.total_kv_pages
     assert engine.prefix_cache.num_snapshots() == 0
     assert engine.gdn_free_slots() == engine.total_gdn_slots
+
+
+@pytest.mark.slow
+def test_every_scenario_gives_the_same_tokens_with_the_cache_on_and_off_in_each_family(family):
+    # The fast tests above run them on the dense tiny model; here on each family's
+    # transformers-written checkpoint (dense, MoE, Qwen3-Next).
+    for scenario in (_a_shared_system_prompt_is_computed_once_and_tokens_do_not_change,
+                     _prompts_diverging_inside_a_block_resume_at_the_block_before,
+                     _another_adapter_never_resumes_from_the_base_models_blocks,
+                     _eviction_between_turns_and_a_miss_still_give_the_same_tokens,
+                     _preempting_a_sequence_that_shares_pages_leaves_the_others_whole):
+        scenario(family.ours)
