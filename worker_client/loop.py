@@ -170,15 +170,19 @@ class WorkerLoop:
     # ------------------------------------------------------------------ shared
 
     def _holding(self) -> Holding:
+        """What the engine holds now (no step in flight); its cache changes since it was
+        last asked go to the next report."""
         engine = self.engine
+        self._pending.add_cache(engine.cache_delta())
         return Holding(tuple(engine.waiting_ids()), tuple(engine.running_ids()),
-                       engine.kv_free_pages(), engine.gdn_free_slots())
+                       engine.kv_free_pages(), engine.gdn_free_slots(), engine.kv_cached_pages())
 
     def _request(self, draining: bool, held: Holding, idle: bool) -> pb.SelectBatchRequest:
         return self._pending.request(
             self.resources.worker_id, waiting=held.waiting, running=held.running,
             kv_free_pages=held.kv_free_pages, gdn_free_slots=held.gdn_free_slots,
-            draining=draining, idle_wait_seconds=self._idle_wait() if idle else 0.0)
+            draining=draining, idle_wait_seconds=self._idle_wait() if idle else 0.0,
+            kv_cached_pages=held.kv_cached_pages)
 
     def _idle_wait(self) -> float:
         if self._lease_seconds <= 0:
@@ -247,6 +251,9 @@ class WorkerLoop:
 
     def _register(self) -> None:
         settings = self.client.register(self.resources)
+        # The first report after a registration lists every resume point (a reset); if the
+        # engine is stepping (an overlapped move), what it changes after this comes next.
+        self._pending.add_cache(self.engine.cache_delta(full=True))
         self._moves_at_registration = self._num_moves()
         self.stats.registrations += 1
         self._lease_seconds = settings.lease_ttl_ms / 1000

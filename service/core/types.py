@@ -92,6 +92,10 @@ class WorkerRegistration:
     total_gdn_slots: int
     max_batch_size: int = 0  # 0: the scheduler's default
     adapters: tuple[str, ...] = ()
+    # Tokens per prefix-cache block (a multiple of page_size); 0: the worker keeps none.
+    cache_block_tokens: int = 0
+    # GDN state snapshots it keeps for resume points, besides total_gdn_slots.
+    total_snapshot_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +134,16 @@ class TokenUpdate:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheReport:
+    """A worker's prefix-cache resume points (block hashes) added and removed since its
+    last call; `reset`: forget its earlier reports first (`added` then lists all)."""
+
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    reset: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerReport:
     """One worker's report at the start of an iteration (the SelectBatch request)."""
 
@@ -144,6 +158,12 @@ class WorkerReport:
     tokens: tuple[TokenUpdate, ...] = ()
     # The incarnation the worker registered as; 0: the latest (clients that do not send it).
     incarnation: int = 0
+    # Prefix cache (phase 2 of issue 18 reads these; until then they change nothing).
+    cache: CacheReport = CacheReport()
+    # How many of kv_free_pages hold reusable prefix cache.
+    kv_cached_pages: int = 0
+    # First chunks whose resume point was gone: nothing ran, admit each again.
+    cache_misses: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

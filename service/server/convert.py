@@ -8,6 +8,7 @@ from service.core import (
     SchedulerStatus, SequenceInfo, SequenceSpec, SubmitParams, SubmitResult, TokenUpdate, WorkerRegistration,
     WorkerReport, WorkerSettings,
 )
+from service.core.types import CacheReport
 
 _FINISH_REASON_NUMBERS = {r.value for r in FinishReason}
 
@@ -25,6 +26,9 @@ MAX_ADAPTERS = 1024
 MAX_REPORT_SEQ_IDS = 65536
 # One SelectBatch: entries of tokens, and token ids over all of them.
 MAX_REPORT_TOKENS = 65536
+# One SelectBatch: block hashes in cache.added and cache.removed together (a reset lists
+# every resume point of the worker).
+MAX_REPORT_CACHE_HASHES = 1 << 20
 # FinishedSequence.error_message: kept up to this many characters (cut, not refused: a
 # worker's long explanation must not cost it its report).
 MAX_ERROR_MESSAGE_CHARS = 1000
@@ -90,7 +94,16 @@ def worker_registration(msg: pb.RegisterWorkerRequest) -> WorkerRegistration:
         total_gdn_slots=msg.total_gdn_slots,
         max_batch_size=msg.max_batch_size,
         adapters=tuple(_checked_string(f"adapters[{i}]", a) for i, a in enumerate(msg.adapters)),
+        cache_block_tokens=_cache_block_tokens(msg),
+        total_snapshot_slots=msg.total_snapshot_slots,
     )
+
+
+def _cache_block_tokens(msg: pb.RegisterWorkerRequest) -> int:
+    if msg.page_size and msg.cache_block_tokens % msg.page_size:
+        raise InvalidArgument(f"cache_block_tokens must be a multiple of page_size "
+                              f"({msg.page_size}), got {msg.cache_block_tokens}")
+    return msg.cache_block_tokens
 
 
 def worker_settings(settings: WorkerSettings) -> pb.RegisterWorkerResponse:
@@ -123,6 +136,9 @@ def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
             for t in msg.tokens
         ),
         incarnation=msg.incarnation,
+        cache=CacheReport(tuple(msg.cache.added), tuple(msg.cache.removed), msg.cache.reset),
+        kv_cached_pages=msg.kv_cached_pages,
+        cache_misses=tuple(msg.cache_misses),
     )
 
 
@@ -130,6 +146,9 @@ def _check_report_size(msg: pb.SelectBatchRequest) -> None:
     num_seq_ids = len(msg.waiting) + len(msg.running) + len(msg.finished) + len(msg.preempted)
     _check_count("waiting, running, finished and preempted hold", num_seq_ids,
                  "seq ids in all", MAX_REPORT_SEQ_IDS)
+    _check_count("cache_misses holds", len(msg.cache_misses), "seq ids", MAX_REPORT_SEQ_IDS)
+    _check_count("cache.added and cache.removed hold", len(msg.cache.added) + len(msg.cache.removed),
+                 "block hashes in all", MAX_REPORT_CACHE_HASHES)
     _check_count("tokens holds", len(msg.tokens), "updates", MAX_REPORT_TOKENS)
     _check_count("tokens carry", sum(len(t.token_ids) for t in msg.tokens),
                  "token ids in all", MAX_REPORT_TOKENS)

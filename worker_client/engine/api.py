@@ -37,19 +37,28 @@ class SequenceSpec:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     adapter_id: str = ""
+    # False: never resume this sequence from a prefix cache (a sequence that asks for
+    # prompt_logprobs needs every prompt position's logits); its blocks are still cached.
+    use_prefix_cache: bool = True
 
 
 @dataclass(frozen=True)
 class ChunkWork:
     """Prefill prompt tokens [chunk_start, chunk_start + chunk_len) of one sequence.
 
-    `spec` is set on the first chunk (chunk_start 0) and None on continuations.
+    `spec` is set on the first chunk and None on continuations. A first chunk starts at
+    0, or at `cached_tokens` > 0: a resume point the engine reported (a multiple of its
+    `cache_block_tokens`, below the prompt's length), whose KV pages and GDN snapshot it
+    maps instead of computing tokens [0, cached_tokens). An engine that no longer holds
+    that resume point runs nothing for the sequence, holds nothing of it, and lists it in
+    `StepOutput.cache_misses`.
     """
 
     seq_id: int
     chunk_start: int
     chunk_len: int
     spec: SequenceSpec | None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,21 @@ class StepOutput:
     # a chunk that skipped ahead of what was prefilled); their pages and slot
     # are freed and the scheduler should requeue them.
     preempted: tuple[int, ...]
+    # First chunks whose resume point (cached_tokens) was gone: nothing ran for them and
+    # the engine holds nothing of them; the scheduler hands each a first chunk again.
+    cache_misses: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheDelta:
+    """How an engine's prefix-cache resume points (block hashes) changed.
+
+    `reset`: forget every earlier delta first; `added` then lists every current one.
+    """
+
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    reset: bool = False
 
 
 class Engine(Protocol):
@@ -83,8 +107,22 @@ class Engine(Protocol):
     page_size: int
     total_kv_pages: int
     total_gdn_slots: int
+    cache_block_tokens: int  # tokens per prefix-cache block; 0 = no prefix cache
+    total_snapshot_slots: int  # GDN state snapshots it can keep besides total_gdn_slots
 
-    def kv_free_pages(self) -> int: ...
+    def kv_free_pages(self) -> int:
+        """Pages a new sequence can take: unused ones and those holding cache no held
+        sequence uses (reclaimed on demand, least recently used first)."""
+        ...
+
+    def kv_cached_pages(self) -> int:
+        """How many of kv_free_pages() hold reusable prefix cache."""
+        ...
+
+    def cache_delta(self, full: bool = False) -> CacheDelta:
+        """Resume points added and removed since the last call; with `full`, a reset
+        delta listing every current resume point instead."""
+        ...
 
     def gdn_free_slots(self) -> int: ...
 

@@ -24,6 +24,8 @@ class HeldSequence:
     token_ids: list[int] = field(default_factory=list)  # prompt, then generated tokens
     num_prefilled: int = 0
     num_generated: int = 0
+    # Hashes of its leading full blocks that it maps from the prefix cache, in order.
+    block_hashes: list[int] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
@@ -64,6 +66,7 @@ class StepRecorder:
     tokens: dict[int, list[int]] = field(default_factory=dict)
     finished: list[FinishedSequence] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
+    cache_misses: list[int] = field(default_factory=list)
 
     def token(self, seq_id: int, token_id: int) -> None:
         self.tokens.setdefault(seq_id, []).append(token_id)
@@ -75,9 +78,13 @@ class StepRecorder:
     def preempt(self, seq_id: int) -> None:
         self.preempted.append(seq_id)
 
+    def cache_miss(self, seq_id: int) -> None:
+        self.cache_misses.append(seq_id)
+
     def output(self) -> StepOutput:
         return StepOutput(
             tokens=tuple((seq_id, tuple(ids)) for seq_id, ids in self.tokens.items()),
             finished=tuple(self.finished),
             preempted=tuple(self.preempted),
+            cache_misses=tuple(self.cache_misses),
         )
