@@ -106,6 +106,8 @@ def _build_engine(args: argparse.Namespace):
         return ScriptedEngine(total_kv_pages=args.kv_pages or 4096, page_size=args.page_size,
                               total_gdn_slots=args.gdn_slots or 64,
                               step_seconds=(args.step_ms or 0.0) / 1000.0)
+    from common import extras
+    extras.require("worker", f"--model {args.model}")
     import torch
 
     from worker_client.engine.engine import ModelEngine, default_pool_sizes
@@ -237,6 +239,8 @@ def _profile(argv: list[str]) -> int:
 def _run_profile(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from common import extras
+    extras.require("worker", "lattice-worker profile")
     import torch
 
     from worker_client import profiling, step_table
