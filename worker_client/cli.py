@@ -152,18 +152,23 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     except TargetError as err:
         print(f"lattice-worker: --scheduler: {err}", file=sys.stderr)
         return 2
+    stop, drain = threading.Event(), threading.Event()
     client = SchedulerClient(",".join(targets), credentials=credentials, token=args.token,
-                             session=not args.no_session)
+                             session=not args.no_session, stop=stop)
     resources = WorkerResources(args.worker_id, engine.total_kv_pages, engine.page_size,
                                 engine.total_gdn_slots, args.max_batch_size)
     loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap)
-    stop, drain = threading.Event(), threading.Event()
 
     def on_signal(signum, _frame):
-        if signum == signal.SIGTERM and not drain.is_set():
+        if signum == signal.SIGTERM and not drain.is_set() and loop.stats.registrations:
             log.info("draining: finishing held sequences, taking nothing new",
                      extra={"worker_id": args.worker_id})
             drain.set()
+        elif signum == signal.SIGTERM and not drain.is_set():
+            # Not registered yet (the scheduler is not answering): nothing to finish.
+            log.info("stopping: not registered, nothing held", extra={"worker_id": args.worker_id})
+            drain.set()
+            stop.set()
         else:
             log.info("stopping now", extra={"worker_id": args.worker_id})
             stop.set()
