@@ -9,7 +9,7 @@ from common.errors import ConfigError
 
 # Each extra and the modules of it that our code imports, as pyproject.toml lists them.
 MODULES_BY_EXTRA: dict[str, tuple[str, ...]] = {
-    "worker": ("torch", "safetensors"),
+    "worker": ("torch", "safetensors", "numpy"),
     "gateway": ("fastapi", "uvicorn", "tokenizers", "jinja2"),
     "postgres": ("psycopg", "psycopg_pool"),
     "sim": ("matplotlib",),
