@@ -17,8 +17,7 @@ import threading
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
@@ -31,7 +30,7 @@ from service.server.interceptors import decode_errors
 
 from service.server.interceptors import limits
 
-from service.server import ports
+from service.server import health_reflection, ports
 from service.core import ConfigError, Scheduler
 from service.core.store import StoreError
 from service.state.group_commit import GroupCommit
@@ -58,7 +57,7 @@ class _Serving:
     """What runs on the loop: the servers, their servicers and the background tasks."""
 
     servers: list[grpc.aio.Server]
-    health: health.aio.HealthServicer
+    health: health_reflection.HealthServicer
     servicer: SchedulerServicer
     port: int
     worker_port: int | None
@@ -224,7 +223,7 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
             core, wakeups, metrics=metrics, lag=lag,
             durable=group_commit.durable if group_commit is not None else None,
             durable_worker_progress=settings.state_fsync == "always")
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health_reflection.HealthServicer()
     options = [
         # gRPC sets SO_REUSEPORT by default: a second scheduler on a port already in use
         # would bind it too and silently take a share of the connections (two queues, one
@@ -246,8 +245,7 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
     main = grpc.aio.server(interceptors=[*first, stream_limits], options=options)
     pb_grpc.add_SchedulerServicer_to_server(servicer, main)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, main)
-    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME,
-                                         reflection.SERVICE_NAME), main)
+    health_reflection.enable_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME), main)
     servers = [main]
     port = _listen(main, settings.host, settings.port, tls)
     worker_port = None
