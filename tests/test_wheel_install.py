@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -74,6 +75,27 @@ def test_serve_listens_then_stops_on_sigterm(clean_venv, tmp_path):
         assert "listening on" in line
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_scripted_worker_starts_without_torch_and_leaves_on_sigterm(clean_venv):
+    with socket.socket() as s:  # nobody listens there: the worker retries its registration
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [str(clean_venv / "bin" / "lattice-worker"), "--scheduler", f"127.0.0.1:{port}",
+         "--worker-id", "w1", "--model", "scripted"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = process.stdout.readline()
+        while line and "retrying" not in line:
+            line = process.stdout.readline()
+        assert "retrying" in line, "the worker did not start"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=5) == 0
     finally:
         if process.poll() is None:
             process.kill()

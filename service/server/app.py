@@ -300,11 +300,6 @@ async def _sweep_leases(servicer: SchedulerServicer, every_seconds: float) -> No
 def serve(settings: ServeSettings) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
     running = start(settings)
-    print(f"lattice-scheduler listening on {settings.host}:{running.port} "
-          f"(metrics on http://{_bracket(settings.host)}:{running.metrics_port}/metrics, "
-          f"policy {settings.scheduler.policy}, {_security_summary(settings)}, "
-          f"{_state_summary(settings, running)}{_worker_port_summary(running)})", flush=True)
-    log.info("serving", extra={"port": running.port, "metrics_port": running.metrics_port})
     stopping = threading.Event()
 
     def on_signal(signum, _frame):
@@ -316,6 +311,12 @@ def serve(settings: ServeSettings) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # Only now: whoever reads this line may signal at once, and the shutdown is graceful.
+    print(f"lattice-scheduler listening on {settings.host}:{running.port} "
+          f"(metrics on http://{_bracket(settings.host)}:{running.metrics_port}/metrics, "
+          f"policy {settings.scheduler.policy}, {_security_summary(settings)}, "
+          f"{_state_summary(settings, running)}{_worker_port_summary(running)})", flush=True)
+    log.info("serving", extra={"port": running.port, "metrics_port": running.metrics_port})
     running.wait()
     log.info("stopped")
 
