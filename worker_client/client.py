@@ -233,5 +233,5 @@ class SchedulerClient:
         while not future.done():
             if self._stop.wait(_POLL_SECONDS):
                 future.cancel()
-                break
+                raise Stopped(method, grpc.StatusCode.CANCELLED, "the worker is stopping")
         return future.result()

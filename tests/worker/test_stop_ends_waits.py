@@ -78,6 +78,7 @@ def _time_until_return(target, stop: threading.Event) -> float:
     stop.set()
     thread.join(timeout=10)
     assert not thread.is_alive(), "still waiting 10 s after the stop"
+    assert outcome == [None], outcome  # returned, raised nothing
     return time.monotonic() - stopped_at
 
 
