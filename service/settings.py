@@ -100,7 +100,8 @@ class ServeSettings:
 
 _HELP = {
     "host": "address to listen on (gRPC and metrics)",
-    "port": "gRPC port; 0 picks a free port and prints it",
+    "port": "gRPC port; 0 picks a free port and prints it (the metrics port is apart: "
+            "--port 0 --metrics-port 0 takes no fixed port)",
     "metrics_port": "Prometheus /metrics port; 0 picks a free port and prints it",
     "worker_port": "also serve the worker RPCs (and health) on this port, apart from "
                    "client traffic; 0: none (every RPC is always served on --port)",

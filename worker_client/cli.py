@@ -133,6 +133,8 @@ def _build_engine(args: argparse.Namespace):
                               total_snapshot_slots=(64 if args.snapshot_slots is None
                                                     else args.snapshot_slots),
                               max_cached_blocks=args.prefix_cache_blocks)
+    from common import extras
+    extras.require("worker", f"--model {args.model}")
     import torch
 
     from worker_client.engine.engine import ModelEngine, default_pool_sizes
@@ -186,17 +188,22 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     except TargetError as err:
         print(f"lattice-worker: --scheduler: {err}", file=sys.stderr)
         return 2
+    stop, drain = threading.Event(), threading.Event()
     client = SchedulerClient(",".join(targets), credentials=credentials, token=args.token,
-                             session=not args.no_session)
+                             session=not args.no_session, stop=stop)
     resources = WorkerResources.of(args.worker_id, engine, args.max_batch_size)
     loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap)
-    stop, drain = threading.Event(), threading.Event()
 
     def on_signal(signum, _frame):
-        if signum == signal.SIGTERM and not drain.is_set():
+        if signum == signal.SIGTERM and not drain.is_set() and loop.stats.registrations:
             log.info("draining: finishing held sequences, taking nothing new",
                      extra={"worker_id": args.worker_id})
             drain.set()
+        elif signum == signal.SIGTERM and not drain.is_set():
+            # Not registered yet (the scheduler is not answering): nothing to finish.
+            log.info("stopping: not registered, nothing held", extra={"worker_id": args.worker_id})
+            drain.set()
+            stop.set()
         else:
             log.info("stopping now", extra={"worker_id": args.worker_id})
             stop.set()
@@ -272,6 +279,8 @@ def _profile(argv: list[str]) -> int:
 def _run_profile(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from common import extras
+    extras.require("worker", "lattice-worker profile")
     import torch
 
     from worker_client import profiling, step_table

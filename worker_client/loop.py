@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from worker_client import convert
-from worker_client.client import NotRegistered, SchedulerClient, Superseded
+from worker_client.client import NotRegistered, SchedulerClient, Stopped, Superseded
 from worker_client.convert import PendingReport, Work
 from worker_client.engine.api import Engine, FinishReason, StepOutput
 from worker_client.forecast import Forecast, Holding
@@ -79,13 +79,20 @@ class WorkerLoop:
         self._forecast = Forecast(engine.page_size)
 
     def run(self, stop: threading.Event, drain: threading.Event | None = None) -> LoopStats:
+        """Until `stop`, or the end of a `drain`. A client built with the same stop event
+        ends its waits (registration and other retries included) within a second of it."""
         drain = drain or threading.Event()
-        self._register()
+        try:
+            self._register()
+        except Stopped:
+            return self.stats  # stopped before the scheduler answered: nothing held
         try:
             if self.overlap:
                 self._run_overlapped(stop, drain)
             else:
                 self._run_in_turn(stop, drain)
+        except Stopped:
+            pass  # what is held goes back in _leave
         finally:
             self._leave()
         return self.stats

@@ -47,8 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from common import logs
+    from common import extras, logs
     from common.errors import ConfigError
+    try:
+        extras.require("gateway", "lattice-scheduler gateway")
+    except extras.MissingExtra as err:
+        print(f"lattice-scheduler gateway: {err}", file=sys.stderr)
+        return 2
     from common.credentials import client_args_credentials
     from service.gateway.server import GatewaySettings, run
 

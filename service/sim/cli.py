@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from common import extras
     from service import settings
     from service.sim import experiments, report
     from service.sim.costs import load_cost_source
@@ -105,6 +106,8 @@ def _run(args: argparse.Namespace) -> int:
     from service.sim.workload import load_trace
 
     _check_flags(args)
+    if args.compare:  # before the runs, not after them
+        extras.require("sim", "simulate --compare (its plot)")
     base = settings.resolve(args, os.environ).scheduler
     policies = args.compare or [base.policy]
     configs = [experiments.with_policy(base, policy) for policy in policies]

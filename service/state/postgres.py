@@ -222,6 +222,9 @@ class PostgresState:
         # waits for the server: one per statement outside a pipeline, one per pipeline sync).
         self.round_trips: Counter[str] = Counter()
         try:
+            # One connection first: where it fails (refused, bad password, no database),
+            # psycopg says why, while the pool only logs it and times out.
+            psycopg.connect(url, connect_timeout=max(1, int(connect_timeout_seconds))).close()
             self._pool = ConnectionPool(
                 url, min_size=1, max_size=pool_size, open=True, timeout=connect_timeout_seconds,
                 kwargs={"autocommit": True, "connect_timeout": int(connect_timeout_seconds),
