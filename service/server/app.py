@@ -219,13 +219,14 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
         from service.replicas.servicer import ReplicaServicer
         group_commit = None
         servicer = ReplicaServicer(core, wakeups, store, metrics=metrics, lag=lag,
-                                   prefetch=settings.prefetch)
+                                   prefetch=settings.prefetch, callers=auth.Callers(tokens))
     else:
         group_commit = GroupCommit(store, metrics.on_fsync) if store is not None else None
         servicer = SchedulerServicer(
             core, wakeups, metrics=metrics, lag=lag,
             durable=group_commit.durable if group_commit is not None else None,
-            durable_worker_progress=settings.state_fsync == "always")
+            durable_worker_progress=settings.state_fsync == "always",
+            callers=auth.Callers(tokens))
     health_servicer = health.aio.HealthServicer()
     options = [
         # gRPC sets SO_REUSEPORT by default: a second scheduler on a port already in use
