@@ -351,7 +351,7 @@ class Scheduler:
     def _require(self, seq_id: int, caller: Caller = ANYONE) -> Sequence:
         seq = self._sequences.get(seq_id)
         if seq is None or not caller.may_see(seq.params.principal):
-            raise NotFound(unknown_seq_id(seq_id))
+            raise NotFound.seq_id(seq_id)
         return seq
 
     def _position(self, seq: Sequence) -> int:
@@ -359,12 +359,6 @@ class Scheduler:
             return 0
         return self._queue.position(seq.seq_id, self._clock(), self._served)
 
-
-
-def unknown_seq_id(seq_id: int) -> str:
-    """The one NotFound message for an id that is unknown, or another principal's: the
-    answer says nothing of whether it exists."""
-    return f"seq_id {seq_id} is unknown (never submitted, or long finished)"
 
 
 def _no_service(tenant: str) -> float:

@@ -3,8 +3,9 @@
 `ReplicaServicer` serves the same RPCs as `SchedulerServicer` over a core that holds
 only what this replica owns:
 - Submit writes to the shared queue (service/state/postgres.py); Cancel, GetSequence and
-  Generate work for any sequence: from the core when this replica owns it, else from the
-  database (Cancel: the owner is told and applies it).
+  Generate work for any sequence of the caller's principal (admin: any): from the core
+  when this replica owns it, else from the database (Cancel: the owner is told and
+  applies it).
 - RegisterWorker adopts what the worker held on another replica (it moved here).
 - SelectBatch decides from the local queue; only when that cannot fill the workers'
   free places while the shared queue may hold work does it claim in line.
@@ -28,10 +29,11 @@ from dataclasses import replace
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.server import convert
-from service.core import NotFound, ReplicaScheduler, SchedulerError, SequenceState
+from service.core import ANYONE, Caller, NotFound, ReplicaScheduler, SchedulerError, SequenceState
 from service.core.types import SubmitParams, SubmitResult
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
+from service.server.interceptors.auth import Callers
 from service.server.servicer import SchedulerServicer, _rpc
 from service.state.postgres import (
     CANCEL_CHANNEL, DISOWN_CHANNEL, PROGRESS_CHANNEL, SUBMIT_CHANNEL, Claimed, PostgresState,
@@ -77,8 +79,8 @@ class ReplicaServicer(SchedulerServicer):
 
     def __init__(self, core: ReplicaScheduler, wakeups: Wakeups, state: PostgresState, *,
                  metrics: SchedulerMetrics | None = None, lag: LoopLag | None = None,
-                 prefetch: int = 8) -> None:
-        super().__init__(core, wakeups, metrics=metrics, lag=lag)
+                 prefetch: int = 8, callers: Callers | None = None) -> None:
+        super().__init__(core, wakeups, metrics=metrics, lag=lag, callers=callers)
         self._state = state
         self._prefetch = prefetch
         self._queue_hint = _Hint()
@@ -120,22 +122,24 @@ class ReplicaServicer(SchedulerServicer):
 
     @_rpc
     async def Submit(self, request, context):
-        return convert.submit_response(await self._submit(convert.submit_params(request)))
+        return convert.submit_response(
+            await self._submit(self._submit_params(request, context)))
 
     @_rpc
     async def Cancel(self, request, context):
-        return pb.CancelResponse(cancelled=await self._cancel(request.seq_id))
+        caller = self._callers.caller(context)
+        return pb.CancelResponse(cancelled=await self._cancel(request.seq_id, caller))
 
     @_rpc
     async def GetSequence(self, request, context):
-        seq_id = request.seq_id
+        seq_id, caller = request.seq_id, self._callers.caller(context)
         if self._owns(seq_id):
-            info = self._core.get_sequence(seq_id)
+            info = self._core.get_sequence(seq_id, caller)
             if info.state is not SequenceState.QUEUED:
                 return convert.sequence_info(info)
         # Queued (its position is the shared queue's) or another replica's.
         return convert.sequence_info(await asyncio.to_thread(self._state.sequence_info,
-                                                             seq_id))
+                                                             seq_id, caller))
 
     @_rpc
     async def GetStatus(self, request, context):
@@ -169,7 +173,7 @@ class ReplicaServicer(SchedulerServicer):
     async def Generate(self, request, context):
         """Submit to the shared queue, then stream tokens from whoever owns the sequence."""
         try:
-            seq_id = (await self._submit(convert.submit_params(request))).seq_id
+            seq_id = (await self._submit(self._submit_params(request, context))).seq_id
         except SchedulerError as err:
             await context.abort(status_code(err), status_details(err))
         context.add_done_callback(lambda _context: self._loop.call_soon_threadsafe(
@@ -219,15 +223,16 @@ class ReplicaServicer(SchedulerServicer):
             return False
         return True
 
-    async def _cancel(self, seq_id: int) -> bool:
+    async def _cancel(self, seq_id: int, caller: Caller = ANYONE) -> bool:
+        """Cancel `seq_id` for `caller` (NotFound for another principal's, wherever it is)."""
         # No claim in flight meanwhile: a sequence claimed but not yet in the core would
         # look like another replica's, and its cancel would wait for the keeper.
         async with self._claim_lock:
             if self._owns(seq_id):
-                cancelled = self._core.cancel(seq_id)
+                cancelled = self._core.cancel(seq_id, caller)
                 if self._owns(seq_id):  # still ours: the store took it
                     return cancelled
-            return await asyncio.to_thread(self._state.cancel, seq_id)
+            return await asyncio.to_thread(self._state.cancel, seq_id, caller)
 
     async def _read(self, seq_id: int, sent: int):
         """New output of `seq_id` from `sent` on, waiting for some (or for the end) a while."""
