@@ -39,6 +39,18 @@ class WorkerRecord:
     def can_run(self, adapter_id: str) -> bool:
         return not adapter_id or adapter_id in self.registration.adapters
 
+    @property
+    def takes_work(self) -> bool:
+        """Whether it admits new sequences (not drained, by itself or an operator)."""
+        return not (self.draining or self.drain_requested)
+
+
+def no_worker_has(adapter_id: str) -> str:
+    """Why a queued sequence waits although workers may be idle: none that takes work has
+    its adapter (SequenceInfo.error_message of such a sequence)."""
+    return (f"waiting for a worker with adapter_id {adapter_id!r}: no live worker that "
+            f"takes work has it")
+
 
 class WorkerLedger:
     """Registered workers by id, and which worker each assigned sequence is on."""

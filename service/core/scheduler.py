@@ -20,7 +20,7 @@ from service.core.batcher import Batcher
 from service.core.changes import ChangeSet
 from service.core.config import SchedulerConfig
 from service.core.errors import InvalidArgument, NotFound, QueueFull
-from service.core.ledger import WorkerLedger
+from service.core.ledger import WorkerLedger, no_worker_has
 from service.core.lifecycle import Lifecycle
 from service.core.observer import RequeueReason, SchedulerObserver
 from service.core.orders import queue_order
@@ -191,7 +191,7 @@ class Scheduler:
             generated_tokens=max(seq.num_generated, len(seq.output_token_ids)),
             finish_reason=seq.finish_reason,
             queue_position=self._position(seq),
-            error_message=seq.error_message,
+            error_message=seq.error_message or self._why_waiting(seq),
         )
 
     def read_output(self, seq_id: int, start: int, caller: Caller = ANYONE) -> OutputView:
@@ -353,6 +353,14 @@ class Scheduler:
         if seq is None or not caller.may_see(seq.params.principal):
             raise NotFound.seq_id(seq_id)
         return seq
+
+    def _why_waiting(self, seq: Sequence) -> str:
+        """For a queued sequence no worker here can run (its adapter), why; else ""."""
+        if seq.state is not SequenceState.QUEUED or not seq.adapter_id:
+            return ""
+        if any(w.takes_work and w.can_run(seq.adapter_id) for w in self._ledger):
+            return ""
+        return no_worker_has(seq.adapter_id)
 
     def _position(self, seq: Sequence) -> int:
         if seq.state is not SequenceState.QUEUED:

@@ -156,6 +156,9 @@ class ReplicaServicer(SchedulerServicer):
             settings = self._core.register_worker(registration)
             moved = await asyncio.to_thread(self._state.adopt_worker, registration.worker_id)
             self._adopt(moved, registration.worker_id)
+        # Its adapters may serve sequences no claim here could take before.
+        self._queue_hint.set()
+        self._wake_prefetcher.set()
         log.info("worker registered", extra={"worker_id": request.worker_id,
                                              "incarnation": settings.incarnation,
                                              "adopted": len(moved.sequences)})
@@ -293,7 +296,8 @@ class ReplicaServicer(SchedulerServicer):
             if not wanted:
                 return
             generation = self._queue_hint.generation()
-            claimed = await asyncio.to_thread(self._state.claim, wanted)
+            claimed = await asyncio.to_thread(self._state.claim, wanted,
+                                              self._core.servable_adapters())
             if len(claimed.sequences) < wanted:
                 self._queue_hint.clear_unless_set_since(generation)
             self._adopt(claimed)
@@ -330,6 +334,7 @@ class ReplicaServicer(SchedulerServicer):
                 await self._apply_cancels(
                     await asyncio.to_thread(self._state.cancel_requests))
                 await self._hand_back_excess()
+                await self._count_unservable()
             except SchedulerError as err:
                 log.warning("replica upkeep failed; retrying: %s", err)
             except Exception:  # noqa: BLE001 - the keeper must keep going
@@ -346,17 +351,27 @@ class ReplicaServicer(SchedulerServicer):
 
     async def _hand_back_excess(self) -> None:
         """Queued sequences beyond what this replica's workers can use (they left, were
-        drained, or took less) go back to the shared queue for the other replicas."""
+        drained, or took less), and those whose adapter none of them has (any more), go
+        back to the shared queue for the other replicas."""
         async with self._claim_lock:
-            excess = self._core.num_queued() - self._core.prefetch_target(self._prefetch)
-            if excess <= 0:
+            unservable = self._core.unservable_queued()
+            excess = (self._core.num_queued() - len(unservable)
+                      - self._core.prefetch_target(self._prefetch))
+            handed_back = unservable + self._core.queued_tail(max(0, excess))
+            if not handed_back:
                 return
             released = await asyncio.to_thread(self._state.release,
-                                               self._core.queued_tail(excess))
+                                               list(dict.fromkeys(handed_back)))
             self._core.disown(released)
         if released:
             log.info("handed queued sequences back to the shared queue",
                      extra={"sequences": len(released)})
+
+    async def _count_unservable(self) -> None:
+        """lattice_scheduler_unservable_queued, fleet-wide, from the database."""
+        if self._metrics is not None:
+            self._metrics.unservable_queued.set(
+                await asyncio.to_thread(self._state.unservable_queued))
 
     async def _give_up(self, seq_ids: set[int] | None) -> None:
         """Forget those of `seq_ids` (None: any) that the database says another replica

@@ -10,7 +10,10 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
   request_id idempotency per principal (a unique index on both), the queue limits, a new seq_id and tail key
   from database sequences, the queue position, and NOTIFY lattice_submit.
 - Claim: the replica's prefetcher takes the head of the unclaimed queue in the queue
-  order's sort key (service/core/orders.py) with FOR UPDATE SKIP LOCKED.
+  order's sort key (service/core/orders.py) with FOR UPDATE SKIP LOCKED, of the sequences
+  its workers can run (no adapter, or one of theirs): an adapter's sequence waits in the
+  shared queue for a replica with a worker that has it, and says so (`unservable_queued`,
+  `sequence_info`) while no live worker anywhere has it.
 - Leases: a replica renews its row in `replicas`; a live replica returns the sequences
   of replicas whose lease ran out to the shared queue (`reclaim_expired`).
 - Tokens: one row per sequence per save in `tokens`; saves NOTIFY lattice_progress with
@@ -25,7 +28,7 @@ import logging
 import sys
 from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import psycopg
@@ -33,6 +36,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from service.core import ANYONE, Caller, ConfigError, FinishReason, SequenceState, SubmitParams
 from service.core.errors import NotFound, QueueFull
+from service.core.ledger import no_worker_has
 from service.core.orders import ArrivalOrder, QueueOrder, SortTerm
 from service.core.store import (
     Disowned, SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker,
@@ -45,7 +49,7 @@ from service.state.sqlite import (
 
 log = logging.getLogger(__name__)
 
-# 2: sequences.principal, and request_id unique per principal (issue 23).
+# 2: sequences.principal, request_id unique per principal, sequences.adapter_id (issue 23).
 SCHEMA_VERSION = 2
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"
@@ -72,6 +76,7 @@ CREATE TABLE IF NOT EXISTS sequences (
     seq_id      bigint PRIMARY KEY,
     request_id  text,                   -- NULL when the client sent none
     principal   text NOT NULL DEFAULT '',  -- who submitted it ('' without tokens)
+    adapter_id  text NOT NULL DEFAULT '',  -- its LoRA adapter ('' for the base model)
     params      text NOT NULL,          -- JSON: everything submitted but the prompt
     prompt      bytea NOT NULL,         -- uint32 little-endian token ids
     priority    integer NOT NULL,
@@ -120,7 +125,7 @@ CREATE TABLE IF NOT EXISTS tenant_service (
 -- Submit in one statement: idempotency, limits, ids, position, wake-up.
 -- status: 0 new, 1 request_id known for this principal, 2 queue full, 3 tenant's queue full.
 CREATE OR REPLACE FUNCTION lattice_submit(
-    p_principal text, p_request_id text, p_params text, p_prompt bytea, p_priority integer,
+    p_principal text, p_adapter_id text, p_request_id text, p_params text, p_prompt bytea, p_priority integer,
     p_tenant text, p_max_new_tokens integer, p_max_queue bigint, p_max_per_tenant bigint,
     p_sync boolean, OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
 LANGUAGE plpgsql AS $$
@@ -151,11 +156,12 @@ BEGIN
         status := 3; RETURN;
     END IF;
     v_key := nextval('lattice_queue_tail');
-    INSERT INTO sequences AS s (seq_id, request_id, principal, params, prompt, priority,
-                                tenant, max_new_tokens, submitted_at, state, queue_key)
-    VALUES (nextval('lattice_seq_ids'), p_request_id, p_principal, p_params, p_prompt,
-            p_priority, p_tenant, p_max_new_tokens, extract(epoch from clock_timestamp()),
-            1, v_key)
+    INSERT INTO sequences AS s (seq_id, request_id, principal, adapter_id, params, prompt,
+                                priority, tenant, max_new_tokens, submitted_at, state,
+                                queue_key)
+    VALUES (nextval('lattice_seq_ids'), p_request_id, p_principal, p_adapter_id, p_params,
+            p_prompt, p_priority, p_tenant, p_max_new_tokens,
+            extract(epoch from clock_timestamp()), 1, v_key)
     ON CONFLICT (principal, request_id) DO NOTHING
     RETURNING s.seq_id INTO seq_id;
     IF NOT FOUND THEN  -- another replica took this request_id a moment ago
@@ -175,11 +181,21 @@ END $$;
 # principals are the anonymous principal's ('', as without tokens).
 _FROM_VERSION_1 = """
 ALTER TABLE sequences ADD COLUMN principal text NOT NULL DEFAULT '';
+ALTER TABLE sequences ADD COLUMN adapter_id text NOT NULL DEFAULT '';
+UPDATE sequences SET adapter_id = coalesce(params::jsonb ->> 'adapter_id', '')
+ WHERE state <> 4;
 ALTER TABLE sequences DROP CONSTRAINT IF EXISTS sequences_request_id_key;
 DROP FUNCTION IF EXISTS lattice_submit(text, text, bytea, integer, text, integer, bigint,
                                        bigint, boolean);
 UPDATE lattice_meta SET value = 2 WHERE key = 'schema_version';
 """
+
+# Whether a live worker that takes work has the adapter of `sequences s`: registered on a
+# replica whose lease runs, not drained by an operator, its registration listing it.
+_SERVED_BY_A_LIVE_WORKER = (
+    "EXISTS (SELECT 1 FROM workers w JOIN replicas r ON r.replica_id = w.replica_id "
+    "WHERE r.lease_until > now() AND NOT w.drain_requested "
+    "AND (w.registration::jsonb -> 'adapters') ? s.adapter_id)")
 
 # Columns of a sequence row, in the order _stored_sequence reads them.
 # Each term of a queue order's sort key, as SQL over `sequences q` (%(aging)s: the
@@ -312,8 +328,9 @@ class PostgresState:
         with self._connection() as conn:
             status, seq_id, position = conn.execute(
                 "SELECT status, seq_id, queue_position FROM lattice_submit("
-                "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                (params.principal, params.request_id or None, _params_json(params),
+                "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                (params.principal, params.adapter_id, params.request_id or None,
+                 _params_json(params),
                  _pack(params.prompt_token_ids), params.priority, params.tenant,
                  params.max_new_tokens, max_queue, max_per_tenant,
                  self._fsync != "never")).fetchone()
@@ -361,11 +378,15 @@ class PostgresState:
                 "0) FROM tokens t WHERE t.seq_id = s.seq_id)), finish_reason, "
                 "CASE WHEN state = 1 THEN (SELECT count(*) FROM sequences q WHERE q.state = 1 "
                 "AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id)) ELSE 0 END, "
-                "error_message, principal FROM sequences s WHERE seq_id = %s",
-                (seq_id,)).fetchone()
-        if row is None or not caller.may_see(row[-1]):
+                "error_message, principal, CASE WHEN state = 1 AND adapter_id <> '' AND NOT "
+                f"{_SERVED_BY_A_LIVE_WORKER} THEN adapter_id END "
+                "FROM sequences s WHERE seq_id = %s", (seq_id,)).fetchone()
+        if row is None or not caller.may_see(row[-2]):
             raise NotFound.seq_id(seq_id)
-        state, worker_id, prompt_len, prefilled, generated, reason, position, error, _ = row
+        (state, worker_id, prompt_len, prefilled, generated, reason, position, error, _,
+         unserved_adapter) = row
+        if unserved_adapter is not None:
+            error = no_worker_has(unserved_adapter)
         return SequenceInfo(seq_id=seq_id, state=SequenceState(state), worker_id=worker_id or "",
                             prompt_len=prompt_len, prefilled_tokens=prefilled,
                             generated_tokens=int(generated),
@@ -393,23 +414,34 @@ class PostgresState:
         return RemoteOutput(tuple(out), state == _FINISHED,
                             None if reason is None else FinishReason(reason), error)
 
+    def unservable_queued(self) -> int:
+        """Queued sequences, fleet-wide, whose adapter no live worker that takes work has
+        (lattice_scheduler_unservable_queued)."""
+        with self._connection() as conn:
+            return conn.execute(
+                "SELECT count(*) FROM sequences s WHERE state = 1 AND adapter_id <> '' "
+                f"AND NOT {_SERVED_BY_A_LIVE_WORKER}").fetchone()[0]
+
     def queue_depth(self) -> int:
         with self._connection() as conn:
             return conn.execute("SELECT count(*) FROM sequences WHERE state = 1").fetchone()[0]
 
     # ------------------------------------------------------------------ ownership
 
-    def claim(self, count: int) -> Claimed:
-        """Take up to `count` unclaimed queued sequences, head first in the queue order
-        (FOR UPDATE SKIP LOCKED: two replicas never take the same one, nor wait)."""
+    def claim(self, count: int, adapters: Collection[str] = ()) -> Claimed:
+        """Take up to `count` unclaimed queued sequences that need no adapter or one of
+        `adapters` (those of the workers that will run them), head first in the queue
+        order (FOR UPDATE SKIP LOCKED: two replicas never take the same one, nor wait)."""
         order = self._claim_order
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
             ids = [row[0] for row in conn.execute(
                 f"UPDATE sequences s SET owner = %(me)s FROM (SELECT seq_id FROM sequences q "
-                f"WHERE state = 1 AND owner IS NULL ORDER BY {order} LIMIT %(n)s "
-                f"FOR UPDATE SKIP LOCKED) c WHERE s.seq_id = c.seq_id RETURNING s.seq_id",
-                {"me": self.replica_id, "n": count, "aging": self._aging_seconds})]
+                f"WHERE state = 1 AND owner IS NULL AND (adapter_id = '' OR adapter_id = "
+                f"ANY(%(adapters)s)) ORDER BY {order} LIMIT %(n)s FOR UPDATE SKIP LOCKED) c "
+                f"WHERE s.seq_id = c.seq_id RETURNING s.seq_id",
+                {"me": self.replica_id, "n": count, "aging": self._aging_seconds,
+                 "adapters": sorted(adapters)})]
             sequences = (self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,))
                          if ids else [])
             served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))

@@ -1,6 +1,7 @@
 """Principals on PostgreSQL replicas (issue 23, finding 2): the principal is saved with the
 sequence, request_id is unique per principal, and a Cancel, GetSequence or Generate
 re-attach on another replica than the one submitted to sees only the principal's own.
+Also the schema change this needs (version 2), from a version 1 database.
 """
 from __future__ import annotations
 
@@ -56,13 +57,14 @@ def test_another_principals_sequence_is_not_found_in_the_database(store):
 
 def test_a_version_1_database_is_migrated_and_its_sequences_are_anonymous(database_url):
     first = PostgresState(database_url, name="a")
-    old = first.submit(params(request_id="old"), 1000, 0).seq_id
+    old = first.submit(params(request_id="old", adapter_id="lora-x"), 1000, 0).seq_id
     first.close()
     with psycopg.connect(database_url, autocommit=True) as conn:  # back to version 1
         conn.execute("DROP INDEX sequences_request")
-        conn.execute("DROP FUNCTION lattice_submit(text, text, text, bytea, integer, text, "
-                     "integer, bigint, bigint, boolean)")
+        conn.execute("DROP FUNCTION lattice_submit(text, text, text, text, bytea, integer, "
+                     "text, integer, bigint, bigint, boolean)")
         conn.execute("ALTER TABLE sequences DROP COLUMN principal")
+        conn.execute("ALTER TABLE sequences DROP COLUMN adapter_id")
         conn.execute("ALTER TABLE sequences ADD CONSTRAINT sequences_request_id_key "
                      "UNIQUE (request_id)")
         conn.execute("CREATE FUNCTION lattice_submit(p_request_id text, p_params text, "
@@ -83,6 +85,9 @@ def test_a_version_1_database_is_migrated_and_its_sequences_are_anonymous(databa
                                 "'schema_version'").fetchone() == (SCHEMA_VERSION,)
             assert conn.execute("SELECT count(*) FROM pg_proc WHERE proname = "
                                 "'lattice_submit'").fetchone() == (1,)
+            # The adapter of a sequence saved before the column is copied out of params.
+            assert conn.execute("SELECT adapter_id FROM sequences WHERE seq_id = %s",
+                                (old,)).fetchone() == ("lora-x",)
     finally:
         migrated.close()
 
