@@ -50,11 +50,13 @@ class ReplicaScheduler(Scheduler):
     def servable_adapters(self) -> frozenset[str]:
         """The adapters of this core's workers that take work: a claim takes a sequence
         with an adapter only when one of them has it."""
-        return frozenset(a for w in self._ledger if w.takes_work for a in w.registration.adapters)
+        return self._servable_adapters()
 
     def unservable_queued(self) -> list[int]:
         """Queued ids whose adapter none of this core's workers that take work has (to
         hand back to the shared queue, for a replica whose worker has it)."""
+        if not self.num_unservable_queued():
+            return []
         servable = self.servable_adapters()
         return [seq.seq_id for seq in self._sequences
                 if seq.state is SequenceState.QUEUED and seq.adapter_id

@@ -200,6 +200,12 @@ class Scheduler:
         return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished, seq.finish_reason,
                           seq.error_message)
 
+    def num_unservable_queued(self) -> int:
+        """Queued sequences whose adapter none of the workers that take work has."""
+        servable = self._servable_adapters()
+        return sum(n for adapter_id, n in self._queue.count_by_adapter().items()
+                   if adapter_id not in servable)
+
     def status(self) -> SchedulerStatus:
         now = self._clock()
         workers = tuple(
@@ -358,9 +364,13 @@ class Scheduler:
         """For a queued sequence no worker here can run (its adapter), why; else ""."""
         if seq.state is not SequenceState.QUEUED or not seq.adapter_id:
             return ""
-        if any(w.takes_work and w.can_run(seq.adapter_id) for w in self._ledger):
+        if seq.adapter_id in self._servable_adapters():
             return ""
         return no_worker_has(seq.adapter_id)
+
+    def _servable_adapters(self) -> frozenset[str]:
+        """The adapters of the workers that take work (not drained)."""
+        return frozenset(a for w in self._ledger if w.takes_work for a in w.registration.adapters)
 
     def _position(self, seq: Sequence) -> int:
         if seq.state is not SequenceState.QUEUED:

@@ -334,7 +334,7 @@ class ReplicaServicer(SchedulerServicer):
                 await self._apply_cancels(
                     await asyncio.to_thread(self._state.cancel_requests))
                 await self._hand_back_excess()
-                await self._count_unservable()
+                await self._count_unservable_fleet_wide()
             except SchedulerError as err:
                 log.warning("replica upkeep failed; retrying: %s", err)
             except Exception:  # noqa: BLE001 - the keeper must keep going
@@ -367,7 +367,10 @@ class ReplicaServicer(SchedulerServicer):
             log.info("handed queued sequences back to the shared queue",
                      extra={"sequences": len(released)})
 
-    async def _count_unservable(self) -> None:
+    def _count_unservable(self) -> None:
+        """Not from the sweeper: a replica counts fleet-wide, in its keeper."""
+
+    async def _count_unservable_fleet_wide(self) -> None:
         """lattice_scheduler_unservable_queued, fleet-wide, from the database."""
         if self._metrics is not None:
             self._metrics.unservable_queued.set(

@@ -267,11 +267,18 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     # ----------------------------------------------------------------- the server's own
 
     def expire_leases(self) -> list[str]:
+        """The sweeper's call: drop silent workers, and count what no worker can run."""
         dropped = self._core.expire_leases()
         for worker_id in dropped:
             log.warning("worker lease expired; its sequences went back to the queue",
                         extra={"worker_id": worker_id})
+        self._count_unservable()
         return dropped
+
+    def _count_unservable(self) -> None:
+        """lattice_scheduler_unservable_queued as of this sweep."""
+        if self._metrics is not None:
+            self._metrics.unservable_queued.set(self._core.num_unservable_queued())
 
 
 def _is_empty(decision: Decision) -> bool:

@@ -16,10 +16,15 @@ def test_get_sequence_says_no_worker_has_the_adapter_until_one_registers_with_it
     info = sched.get_sequence(seq_id)
     assert "lora-x" in info.error_message and "no live worker" in info.error_message
     assert sched.get_sequence(plain_seq).error_message == ""
+    assert sched.num_unservable_queued() == 1
     register(sched, "lora", adapters=("lora-x",))
     assert sched.get_sequence(seq_id).error_message == ""
+    assert sched.num_unservable_queued() == 0
     sched.drain_worker("lora", resume=False)  # drained: it takes no new work
     assert "lora-x" in sched.get_sequence(seq_id).error_message
+    assert sched.num_unservable_queued() == 1
+    sched.cancel(seq_id)
+    assert sched.num_unservable_queued() == 0
 
 
 def test_a_replica_core_names_the_queued_sequences_its_workers_cannot_run():
