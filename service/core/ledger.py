@@ -40,16 +40,16 @@ class WorkerRecord:
         return not adapter_id or adapter_id in self.registration.adapters
 
     @property
-    def takes_work(self) -> bool:
-        """Whether it admits new sequences (not drained, by itself or an operator)."""
+    def admitting(self) -> bool:
+        """Whether it admits new sequences now (not drained, by itself or an operator)."""
         return not (self.draining or self.drain_requested)
 
 
 def no_worker_has(adapter_id: str) -> str:
-    """Why a queued sequence waits although workers may be idle: none that takes work has
-    its adapter (SequenceInfo.error_message of such a sequence)."""
-    return (f"waiting for a worker with adapter_id {adapter_id!r}: no live worker that "
-            f"takes work has it")
+    """Why a queued sequence waits although workers may be idle: no registered worker
+    that an operator has not drained has its adapter (SequenceInfo.error_message)."""
+    return (f"waiting for a worker with adapter_id {adapter_id!r}: no live worker has it "
+            f"(none registered with it, or every one drained by an operator)")
 
 
 class WorkerLedger:

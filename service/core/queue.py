@@ -155,13 +155,17 @@ class QueueBase:
             self._per_adapter[seq.adapter_id] += 1
 
     def _uncounted(self, seq: Queued) -> None:
-        counted = [(self._per_tenant, seq.tenant), (self._per_priority, seq.priority)]
+        _decrement(self._per_tenant, seq.tenant)
+        _decrement(self._per_priority, seq.priority)
         if seq.adapter_id:
-            counted.append((self._per_adapter, seq.adapter_id))
-        for counter, key in counted:
-            counter[key] -= 1
-            if not counter[key]:
-                del counter[key]
+            _decrement(self._per_adapter, seq.adapter_id)
+
+
+def _decrement(counter: Counter, key) -> None:
+    """One fewer of `key`; a key counted to 0 is deleted (the counters stay bounded)."""
+    counter[key] -= 1
+    if not counter[key]:
+        del counter[key]
 
 
 class FcfsQueue(QueueBase):

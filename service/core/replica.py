@@ -48,16 +48,16 @@ class ReplicaScheduler(Scheduler):
         return free + num_freeing + depth
 
     def servable_adapters(self) -> frozenset[str]:
-        """The adapters of this core's workers that take work: a claim takes a sequence
+        """The adapters of this core's workers that admit now: a claim takes a sequence
         with an adapter only when one of them has it."""
-        return self._servable_adapters()
+        return self._servable_adapters(admitting_only=True)
 
     def unservable_queued(self) -> list[int]:
-        """Queued ids whose adapter none of this core's workers that take work has (to
+        """Queued ids whose adapter none of this core's workers that admit now has (to
         hand back to the shared queue, for a replica whose worker has it)."""
-        if not self.num_unservable_queued():
-            return []
         servable = self.servable_adapters()
+        if not self._num_unservable(servable):
+            return []
         return [seq.seq_id for seq in self._sequences
                 if seq.state is SequenceState.QUEUED and seq.adapter_id
                 and seq.adapter_id not in servable]

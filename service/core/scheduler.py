@@ -201,10 +201,8 @@ class Scheduler:
                           seq.error_message)
 
     def num_unservable_queued(self) -> int:
-        """Queued sequences whose adapter none of the workers that take work has."""
-        servable = self._servable_adapters()
-        return sum(n for adapter_id, n in self._queue.count_by_adapter().items()
-                   if adapter_id not in servable)
+        """Queued sequences whose adapter no live worker has (`_servable_adapters`)."""
+        return self._num_unservable(self._servable_adapters())
 
     def status(self) -> SchedulerStatus:
         now = self._clock()
@@ -368,9 +366,17 @@ class Scheduler:
             return ""
         return no_worker_has(seq.adapter_id)
 
-    def _servable_adapters(self) -> frozenset[str]:
-        """The adapters of the workers that take work (not drained)."""
-        return frozenset(a for w in self._ledger if w.takes_work for a in w.registration.adapters)
+    def _servable_adapters(self, admitting_only: bool = False) -> frozenset[str]:
+        """The adapters of the registered workers an operator has not drained (what is
+        saved, so a restart tells the same); `admitting_only`: of those that admit now,
+        not draining by their own report either."""
+        return frozenset(a for w in self._ledger
+                         if not w.drain_requested and (w.admitting or not admitting_only)
+                         for a in w.registration.adapters)
+
+    def _num_unservable(self, servable: frozenset[str]) -> int:
+        return sum(n for adapter_id, n in self._queue.count_by_adapter().items()
+                   if adapter_id not in servable)
 
     def _position(self, seq: Sequence) -> int:
         if seq.state is not SequenceState.QUEUED:
