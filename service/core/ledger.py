@@ -39,6 +39,18 @@ class WorkerRecord:
     def can_run(self, adapter_id: str) -> bool:
         return not adapter_id or adapter_id in self.registration.adapters
 
+    @property
+    def admitting(self) -> bool:
+        """Whether it admits new sequences now (not drained, by itself or an operator)."""
+        return not (self.draining or self.drain_requested)
+
+
+def no_worker_has(adapter_id: str) -> str:
+    """Why a queued sequence waits although workers may be idle: no registered worker
+    that an operator has not drained has its adapter (SequenceInfo.error_message)."""
+    return (f"waiting for a worker with adapter_id {adapter_id!r}: no live worker has it "
+            f"(none registered with it, or every one drained by an operator)")
+
 
 class WorkerLedger:
     """Registered workers by id, and which worker each assigned sequence is on."""

@@ -47,6 +47,9 @@ class Queued(Protocol):
     @property
     def tenant(self) -> str: ...
 
+    @property
+    def adapter_id(self) -> str: ...
+
 
 # How much service a tenant has had so far (weighted tokens), as the fair order reads it.
 TenantCounter = Callable[[str], float]
@@ -88,6 +91,9 @@ class AdmissionQueue(Protocol):
     def depth_by_band(self) -> dict[str, int]:
         """Queued ids per band of PRIORITY_BANDS."""
 
+    def count_by_adapter(self) -> dict[str, int]:
+        """Queued ids per adapter_id, of those that have one."""
+
 
 class QueueBase:
     """What both orders share: FCFS order keys (kept for storage, so a restart under any
@@ -98,6 +104,7 @@ class QueueBase:
     def __init__(self) -> None:
         self._per_tenant: Counter[str] = Counter()
         self._per_priority: Counter[int] = Counter()
+        self._per_adapter: Counter[str] = Counter()  # adapters other than ""
         self._head_key = 0  # key of the last id pushed to the head
         self._tail_key = 0  # key of the last id pushed to the tail
 
@@ -125,6 +132,9 @@ class QueueBase:
     def count(self, tenant: str) -> int:
         return self._per_tenant[tenant]
 
+    def count_by_adapter(self) -> dict[str, int]:
+        return dict(self._per_adapter)
+
     def depth_by_band(self) -> dict[str, int]:
         depth = dict.fromkeys(PRIORITY_BANDS, 0)
         for priority, num in self._per_priority.items():
@@ -141,12 +151,21 @@ class QueueBase:
     def _counted(self, seq: Queued) -> None:
         self._per_tenant[seq.tenant] += 1
         self._per_priority[seq.priority] += 1
+        if seq.adapter_id:
+            self._per_adapter[seq.adapter_id] += 1
 
     def _uncounted(self, seq: Queued) -> None:
-        for counter, key in ((self._per_tenant, seq.tenant), (self._per_priority, seq.priority)):
-            counter[key] -= 1
-            if not counter[key]:
-                del counter[key]
+        _decrement(self._per_tenant, seq.tenant)
+        _decrement(self._per_priority, seq.priority)
+        if seq.adapter_id:
+            _decrement(self._per_adapter, seq.adapter_id)
+
+
+def _decrement(counter: Counter, key) -> None:
+    """One fewer of `key`; a key counted to 0 is deleted (the counters stay bounded)."""
+    counter[key] -= 1
+    if not counter[key]:
+        del counter[key]
 
 
 class FcfsQueue(QueueBase):

@@ -20,7 +20,7 @@ from service.core.batcher import Batcher
 from service.core.changes import ChangeSet
 from service.core.config import SchedulerConfig
 from service.core.errors import InvalidArgument, NotFound, QueueFull
-from service.core.ledger import WorkerLedger
+from service.core.ledger import WorkerLedger, no_worker_has
 from service.core.lifecycle import Lifecycle
 from service.core.observer import RequeueReason, SchedulerObserver
 from service.core.orders import queue_order
@@ -31,7 +31,7 @@ from service.core.sequences import Sequence, SequenceTable
 from service.core.store import Disowned, StateStore, StoredState, StoreError
 from service.core.tenants import TenantLedger
 from service.core.types import (
-    Decision, FinishReason, SchedulerStatus, SequenceInfo, SequenceState,
+    ANYONE, Caller, Decision, FinishReason, SchedulerStatus, SequenceInfo, SequenceState,
     SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
 from service.core.validation import check_incarnation, check_submit, validate_report
@@ -125,8 +125,9 @@ class Scheduler:
     # ----------------------------------------------------------------- clients
 
     def submit(self, params: SubmitParams) -> SubmitResult:
-        """Enqueue a sequence at the tail; a known request_id returns its first seq_id."""
-        known = self._sequences.by_request_id(params.request_id)
+        """Enqueue a sequence at the tail; a request_id its principal used before returns
+        that first seq_id (another principal's use of the same request_id is no match)."""
+        known = self._sequences.by_request_id(params.principal, params.request_id)
         if known is not None:
             return SubmitResult(known.seq_id, self._position(known))
         self.check_submit(params)
@@ -158,13 +159,14 @@ class Scheduler:
         before it writes a submission to the shared queue)."""
         check_submit(params, self.config, self._max_decision_bytes)
 
-    def cancel(self, seq_id: int) -> bool:
+    def cancel(self, seq_id: int, caller: Caller = ANYONE) -> bool:
         """Cancel a queued or assigned sequence; False if it had already finished.
 
-        A cancelled sequence on a worker shows up in that worker's next `evict`.
+        A cancelled sequence on a worker shows up in that worker's next `evict`. Another
+        principal's sequence is NotFound to `caller`, exactly as an unknown id.
         """
         with self._saved(sync=True):
-            seq = self._require(seq_id)
+            seq = self._require(seq_id, caller)
             if seq.is_finished:
                 return False
             if seq.state is SequenceState.QUEUED:
@@ -177,8 +179,9 @@ class Scheduler:
             self._lifecycle.finish(seq, FinishReason.CANCELLED)
             return True
 
-    def get_sequence(self, seq_id: int) -> SequenceInfo:
-        seq = self._require(seq_id)
+    def get_sequence(self, seq_id: int, caller: Caller = ANYONE) -> SequenceInfo:
+        """A view of `seq_id`; NotFound if unknown, or another principal's to `caller`."""
+        seq = self._require(seq_id, caller)
         return SequenceInfo(
             seq_id=seq.seq_id,
             state=seq.state,
@@ -188,14 +191,18 @@ class Scheduler:
             generated_tokens=max(seq.num_generated, len(seq.output_token_ids)),
             finish_reason=seq.finish_reason,
             queue_position=self._position(seq),
-            error_message=seq.error_message,
+            error_message=seq.error_message or self._why_waiting(seq),
         )
 
-    def read_output(self, seq_id: int, start: int) -> OutputView:
-        """Generated tokens from index `start` on (for streaming)."""
-        seq = self._require(seq_id)
+    def read_output(self, seq_id: int, start: int, caller: Caller = ANYONE) -> OutputView:
+        """Generated tokens from index `start` on (for streaming); NotFound as get_sequence."""
+        seq = self._require(seq_id, caller)
         return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished, seq.finish_reason,
                           seq.error_message)
+
+    def num_unservable_queued(self) -> int:
+        """Queued sequences whose adapter no live worker has (`_servable_adapters`)."""
+        return self._num_unservable(self._servable_adapters())
 
     def status(self) -> SchedulerStatus:
         now = self._clock()
@@ -345,11 +352,31 @@ class Scheduler:
         self._sequences.discard_new(seq)
         self._changes.uncreated(seq)
 
-    def _require(self, seq_id: int) -> Sequence:
+    def _require(self, seq_id: int, caller: Caller = ANYONE) -> Sequence:
         seq = self._sequences.get(seq_id)
-        if seq is None:
-            raise NotFound(f"seq_id {seq_id} is unknown (never submitted, or long finished)")
+        if seq is None or not caller.may_see(seq.params.principal):
+            raise NotFound.seq_id(seq_id)
         return seq
+
+    def _why_waiting(self, seq: Sequence) -> str:
+        """For a queued sequence no worker here can run (its adapter), why; else ""."""
+        if seq.state is not SequenceState.QUEUED or not seq.adapter_id:
+            return ""
+        if seq.adapter_id in self._servable_adapters():
+            return ""
+        return no_worker_has(seq.adapter_id)
+
+    def _servable_adapters(self, admitting_only: bool = False) -> frozenset[str]:
+        """The adapters of the registered workers an operator has not drained (what is
+        saved, so a restart tells the same); `admitting_only`: of those that admit now,
+        not draining by their own report either."""
+        return frozenset(a for w in self._ledger
+                         if not w.drain_requested and (w.admitting or not admitting_only)
+                         for a in w.registration.adapters)
+
+    def _num_unservable(self, servable: frozenset[str]) -> int:
+        return sum(n for adapter_id, n in self._queue.count_by_adapter().items()
+                   if adapter_id not in servable)
 
     def _position(self, seq: Sequence) -> int:
         if seq.state is not SequenceState.QUEUED:

@@ -56,6 +56,27 @@ class SubmitParams:
     tenant: str = ""
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()
+    # Who submitted it (the edge's principal; "" without authentication): request_id is
+    # scoped by it, and only it (or a caller that sees all) may read or cancel it.
+    principal: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who makes a client call, as the edge authenticated it: the principal whose
+    sequences it may read, stream and cancel, or (`sees_all`: admin, the scheduler's own
+    calls, a scheduler without authentication) every sequence."""
+
+    principal: str = ""
+    sees_all: bool = False
+
+    def may_see(self, principal: str) -> bool:
+        """Whether a sequence submitted by `principal` exists for this caller."""
+        return self.sees_all or principal == self.principal
+
+
+# The scheduler's own calls (a client that left, a cancel another replica asked for).
+ANYONE = Caller(sees_all=True)
 
 
 @dataclass(frozen=True, slots=True)

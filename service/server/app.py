@@ -62,7 +62,7 @@ class Shared:
 
     # (settings, registry) -> the store the core saves through; it counts into registry.
     open_store: Callable[[ServeSettings, CollectorRegistry], Any]
-    # (core, wakeups, store, metrics, lag, settings) -> the servicer; it also offers
+    # (core, wakeups, store, metrics, lag, settings, callers) -> the servicer; it also offers
     # background_tasks() (started with the server) and leave() (awaited at shutdown).
     make_servicer: Callable[..., SchedulerServicer]
 
@@ -236,13 +236,15 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
     lag = LoopLag(LOOP_LAG_TICK_SECONDS, observe=metrics.event_loop_lag.observe)
     if shared is not None:  # a replica: PostgreSQL commits in each save, no group commit
         group_commit = None
-        servicer = shared.make_servicer(core, wakeups, store, metrics, lag, settings)
+        servicer = shared.make_servicer(core, wakeups, store, metrics, lag, settings,
+                                        auth.Callers(tokens))
     else:
         group_commit = GroupCommit(store, metrics.on_fsync) if store is not None else None
         servicer = SchedulerServicer(
             core, wakeups, metrics=metrics, lag=lag,
             durable=group_commit.durable if group_commit is not None else None,
-            durable_worker_progress=settings.state_fsync == "always")
+            durable_worker_progress=settings.state_fsync == "always",
+            callers=auth.Callers(tokens))
     health_servicer = health_reflection.HealthServicer()
     options = [
         # gRPC sets SO_REUSEPORT by default: a second scheduler on a port already in use

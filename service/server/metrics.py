@@ -148,6 +148,11 @@ class SchedulerMetrics(SchedulerObserver):
             "Sequences waiting for admission, per priority band (lower is more urgent).",
             ["band"], registry=r)
         self.workers = Gauge(PREFIX + "workers", "Registered workers.", registry=r)
+        self.unservable_queued = Gauge(
+            PREFIX + "unservable_queued",
+            "Queued sequences whose adapter no live worker that takes work has (replicas: "
+            "fleet-wide, as of the replica's latest upkeep); they wait until one registers.",
+            registry=r)
         self.worker_kv_free_pages = Gauge(PREFIX + "worker_kv_free_pages",
                                           "Last reported free KV pages.", ["worker_id"],
                                           registry=r)

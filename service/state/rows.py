@@ -32,7 +32,7 @@ def params_json(p: SubmitParams) -> str:
         "request_id": p.request_id, "max_new_tokens": p.max_new_tokens,
         "adapter_id": p.adapter_id, "priority": p.priority, "tenant": p.tenant,
         "sampling": [s.temperature, s.top_p, s.top_k, s.seed],
-        "stop_token_ids": list(p.stop_token_ids),
+        "stop_token_ids": list(p.stop_token_ids), "principal": p.principal,
     })
 
 
@@ -43,6 +43,9 @@ def params_from_row(text: str, prompt: bytes) -> SubmitParams:
         request_id=d["request_id"], adapter_id=d["adapter_id"], priority=d["priority"],
         tenant=d["tenant"], sampling=SamplingParams(*d["sampling"]),
         stop_token_ids=tuple(d["stop_token_ids"]),
+        # Saved before principals (issue 23): the one principal of a scheduler without
+        # authentication; with tokens on, only admin sees them.
+        principal=d.get("principal", ""),
     )
 
 

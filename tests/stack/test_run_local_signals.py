@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .prometheus_api import free_loopback_port
+from common.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # starts a scheduler, a worker and a gateway
@@ -44,7 +44,7 @@ def _alive(pid: int) -> bool:
                          ids=lambda s: signal.Signals(s).name)
 def test_run_local_started_in_the_background_stops_everything_on_a_signal(signum, tmp_path):
     log = tmp_path / "stack.log"
-    ports = [str(free_loopback_port()) for _ in range(3)]
+    ports = [str(free_port()) for _ in range(3)]
     # A script that starts the stack in the background, as CI or a wrapper would.
     launcher = subprocess.run(
         ["bash", "-c", f"scripts/run_local.sh --model scripted --workers 1 --requests 1 "

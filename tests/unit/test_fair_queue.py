@@ -17,6 +17,7 @@ class Item:
     tenant: str
     arrived_at: float
     queue_key: int = 0
+    adapter_id: str = ""
 
 
 def brute_key(item: Item, now: float, aging: float, served: dict[str, float]):
