@@ -11,6 +11,7 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from service.gateway.api_keys import ANONYMOUS, Principal
 from service.gateway.detokenize import TextAssembler
 from service.gateway.errors import GatewayError, bad_request
 from service.gateway.generations import Attempt, Generation, Generations
@@ -48,8 +49,10 @@ class Finish:
 
 def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: int | None,
          default_max_tokens: int | None, files: ModelFiles, max_model_len: int,
-         request_id: str) -> Plan:
-    """The sequence to submit for `body`; 400 when it cannot fit in `max_model_len`."""
+         request_id: str, principal: Principal = ANONYMOUS) -> Plan:
+    """The sequence to submit for `body` from `principal`; 400 when it cannot fit in
+    `max_model_len`. `request_id` is the client's idempotency key (it seeds sampling);
+    service/gateway/idempotency.py turns it into the scheduler's request_id."""
     body.check_supported()
     stop = body.stop_strings()
     num_prompt = len(prompt_token_ids)
@@ -64,10 +67,10 @@ def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: i
         raise bad_request(f"max_tokens is {max_new_tokens} but the prompt is {num_prompt} "
                           f"tokens, and this model takes at most {max_model_len} in all: "
                           f"ask for at most {room}", "max_tokens")
-    if len(request_id.encode()) > MAX_NAME_BYTES:
+    if len(request_id.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
         raise bad_request(f"the Idempotency-Key / X-Request-Id header is longer than "
                           f"{MAX_NAME_BYTES} bytes", "Idempotency-Key")
-    if body.user and len(body.user.encode()) > MAX_NAME_BYTES:
+    if body.user and len(body.user.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
         raise bad_request(f"user is longer than {MAX_NAME_BYTES} bytes", "user")
     defaults = files.sampling_defaults
     temperature = _first(body.temperature, defaults.temperature, 1.0)
@@ -78,7 +81,9 @@ def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: i
         prompt_token_ids=tuple(prompt_token_ids), max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=0.0 if top_p >= 1.0 else top_p, top_k=top_k,
         seed=_seed(body.seed, request_id), stop_token_ids=stop_token_ids,
-        tenant=body.user or "", priority=body.priority or 0, request_id=request_id)
+        tenant=principal.tenant_for(body.user), priority=body.priority or 0,
+        request_id=request_id, principal=principal.name,
+        scheduler_token=principal.scheduler_token)
     return Plan(Attempt(generation, stop), num_prompt)
 
 
@@ -92,7 +97,8 @@ def _seed(seed: int | None, request_id: str) -> int:
     if seed is not None:
         return seed % 2 ** 64
     if request_id:
-        return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big")
+        return int.from_bytes(hashlib.sha256(request_id.encode("utf-8", "surrogateescape")
+                                             ).digest()[:8], "big")
     return secrets.randbits(63)
 
 

@@ -1,6 +1,8 @@
 """The HTTP routes (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics. Each route checks and plans (answers.py), follows the sequence (generations.py)
-and shapes the OpenAI response; errors leave as OpenAI error JSON (errors.py)."""
+/metrics (its path is a setting; it may be off). Each /v1 route authenticates (api_keys.py,
+with --api-keys), checks and plans (answers.py), binds an idempotency key to its body
+(idempotency.py), follows the sequence (generations.py) and shapes the OpenAI response;
+errors leave as OpenAI error JSON (errors.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,12 +19,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.gateway.api_keys import ANONYMOUS, ApiKeys, Principal, bearer_key
 from service.gateway.answers import (
     COMPLETIONS_DEFAULT_MAX_TOKENS, Delta, Finish, Plan, plan, text_events,
 )
 from service.gateway.chat_template import ChatTemplateError
 from service.gateway.errors import GatewayError, bad_request
 from service.gateway.generations import Generations
+from service.gateway.idempotency import IdempotencyKeys
 from service.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from service.gateway.model_files import ModelFiles
 from service.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -49,6 +53,22 @@ class Gateway:
     metrics: GatewayMetrics
     registry: CollectorRegistry
     started_at: int
+    api_keys: ApiKeys | None = None  # None: no keys checked, one anonymous principal
+    idempotency: IdempotencyKeys = field(default_factory=IdempotencyKeys)
+    metrics_path: str | None = "/metrics"  # None: no metrics route
+
+    def principal(self, request: Request) -> Principal:
+        """Who sent `request`; 401 unless it carries a known key (with --api-keys)."""
+        if self.api_keys is None:
+            return ANONYMOUS
+        key = bearer_key(request.headers.get("authorization"))
+        principal = self.api_keys.lookup(key) if key is not None else None
+        if principal is None:
+            raise GatewayError(401, "a valid API key is required: send "
+                                    "'Authorization: Bearer <key>'" if key is None else
+                               "the API key is not known to this gateway",
+                               code="invalid_api_key", retryable=False)
+        return principal
 
 
 class ClientGone(Exception):
@@ -68,18 +88,21 @@ def create_app(gateway: Gateway) -> FastAPI:
             return JSONResponse({"status": "unavailable", "reason": problem}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
+    if gateway.metrics_path is not None:
+        @app.get(gateway.metrics_path)
+        async def metrics() -> Response:
+            return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        gateway.principal(request)
         return {"object": "list", "data": [{
             "id": gateway.served_model_name, "object": "model", "created": gateway.started_at,
             "owned_by": "lattice-scheduler", "max_model_len": gateway.max_model_len}]}
 
     @app.post(COMPLETIONS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        principal = gateway.principal(request)
         _check_model(gateway, body.model)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
@@ -89,13 +112,16 @@ def create_app(gateway: Gateway) -> FastAPI:
         request_id = _request_id(request)
         work = plan(body, prompt_ids, max_new_tokens=body.max_tokens,
                     default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, files=gateway.files,
-                    max_model_len=gateway.max_model_len, request_id=request_id)
+                    max_model_len=gateway.max_model_len, request_id=request_id,
+                    principal=principal)
+        work = _keyed(gateway, work, principal, request_id)
         shape = CompletionShape(gateway.served_model_name, body.include_usage)
         return await _answer(gateway, request, COMPLETIONS, work, shape, bool(body.stream),
                              request_id)
 
     @app.post(CHAT_COMPLETIONS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        principal = gateway.principal(request)
         _check_model(gateway, body.model)
         template = gateway.files.chat_template
         if template is None:
@@ -110,7 +136,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         request_id = _request_id(request)
         work = plan(body, prompt_ids, max_new_tokens=body.max_new_tokens,
                     default_max_tokens=None, files=gateway.files,
-                    max_model_len=gateway.max_model_len, request_id=request_id)
+                    max_model_len=gateway.max_model_len, request_id=request_id,
+                    principal=principal)
+        work = _keyed(gateway, work, principal, request_id)
         shape = ChatShape(gateway.served_model_name, body.include_usage)
         return await _answer(gateway, request, CHAT_COMPLETIONS, work, shape,
                              bool(body.stream), request_id)
@@ -131,6 +159,12 @@ def _checked_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:
         raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
                           f"(0..{vocab_size - 1})", "prompt")
     return token_ids
+
+
+def _keyed(gateway: Gateway, work: Plan, principal: Principal, key: str) -> Plan:
+    """`work` under the scheduler request_id of `key` (scoped by principal, bound to the
+    body: a 422 for another body under a known key)."""
+    return replace(work, attempt=gateway.idempotency.keyed(work.attempt, principal.name, key))
 
 
 def _request_id(request: Request) -> str:
