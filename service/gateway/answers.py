@@ -72,6 +72,12 @@ def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: i
                           f"{MAX_NAME_BYTES} bytes", "Idempotency-Key")
     if body.user and len(body.user.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
         raise bad_request(f"user is longer than {MAX_NAME_BYTES} bytes", "user")
+    if body.user and "\x00" in body.user:
+        raise bad_request("user must not contain NUL (it names the scheduler tenant)", "user")
+    bad_stop = [t for t in body.stop_token_ids or () if t >= files.vocab_size]
+    if bad_stop:
+        raise bad_request(f"stop token id {bad_stop[0]} is outside the vocabulary "
+                          f"(0..{files.vocab_size - 1})", "stop_token_ids")
     defaults = files.sampling_defaults
     temperature = _first(body.temperature, defaults.temperature, 1.0)
     top_p = _first(body.top_p, defaults.top_p, 0.0)

@@ -29,7 +29,7 @@ from service.gateway.generations import Generations
 from service.gateway.idempotency import IdempotencyKeys
 from service.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from service.gateway.model_files import ModelFiles
-from service.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from service.gateway.protocol import ChatCompletionRequest, CompletionRequest, TextError
 from service.gateway.responses import ChatShape, CompletionShape, sse_event
 from service.gateway.scheduler_link import SchedulerLink
 
@@ -295,6 +295,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, err: RequestValidationError) -> Response:
         first = err.errors()[0] if err.errors() else {}
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, TextError):
+            return await gateway_error(request, bad_request(str(cause), cause.param))
+        if first.get("type") == "json_invalid":
+            position = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+            where = f" at character {position}" if position is not None else ""
+            return await gateway_error(request, bad_request(
+                f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'JSON decode error')}{where})"))
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg', 'invalid')}" if where else \
             first.get("msg", "invalid request body")

@@ -8,12 +8,41 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.gateway.errors import bad_request
 
 MAX_STOP_STRINGS = 16
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+UINT32_MAX = 2 ** 32 - 1
+# OpenAI's documented ranges.
+MAX_TEMPERATURE = 2.0
+
+
+class TextError(ValueError):
+    """A string of the body that is not text UTF-8 can carry (a lone surrogate, which JSON
+    can spell as an escape); `param` names where it is."""
+
+    def __init__(self, param: str) -> None:
+        super().__init__(f"{param} is not valid text: it holds a lone surrogate "
+                         "(U+D800-U+DFFF), which UTF-8 cannot encode")
+        self.param = param
+
+
+def check_text(value: Any, path: str) -> None:
+    """TextError naming the first string under `value` (keys too) with a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TextError(path) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, path)
+            check_text(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_text(item, f"{path}[{index}]")
 
 
 class StreamOptions(BaseModel):
@@ -27,9 +56,10 @@ class SamplingFields(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # extension; -1 or 0 = off
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE,
+                                      allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=-1, le=UINT32_MAX)  # extension; -1 or 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
@@ -42,6 +72,13 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """Every string of the body, at any depth, is text (400 naming it otherwise)."""
+        check_text(data, "")
+        return data
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -60,8 +97,9 @@ class SamplingFields(BaseModel):
                 raise bad_request(f"{name} is not supported (only 0)", name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
-        if any(t < 0 for t in self.stop_token_ids or ()):
-            raise bad_request("stop_token_ids must be token ids (>= 0)", "stop_token_ids")
+        if any(not 0 <= t <= UINT32_MAX for t in self.stop_token_ids or ()):
+            raise bad_request(f"stop_token_ids must be token ids (0..{UINT32_MAX})",
+                              "stop_token_ids")
 
     @property
     def include_usage(self) -> bool:

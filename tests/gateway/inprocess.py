@@ -14,7 +14,9 @@ from pathlib import Path
 
 from service.gateway.errors import GatewayError
 from service.gateway.model_files import ModelFiles
-from service.gateway.scheduler_link import FinishReason, GenerationRequest, TokenEvent
+from service.gateway.scheduler_link import (
+    FinishReason, GenerationRequest, TokenEvent, _submit_request,
+)
 from service.gateway.server import GatewaySettings, bind, build_gateway, uvicorn_config
 from worker_client.demo_model import build_tokenizer, write_tokenizer_files
 
@@ -56,6 +58,7 @@ class FakeScheduler:
     seq_ids: dict[str, int] = field(default_factory=dict)
 
     async def generate(self, request: GenerationRequest) -> _Stream:
+        _submit_request(request)  # what the real link sends: out of range raises here too
         self.requests.append(request)
         seq_id = len(self.requests)
         if request.request_id:
