@@ -23,6 +23,7 @@ from service.gateway.api_keys import ANONYMOUS, ApiKeys, Principal, bearer_key
 from service.gateway.answers import (
     COMPLETIONS_DEFAULT_MAX_TOKENS, Delta, Finish, Plan, plan, text_events,
 )
+from service.gateway.chat_prompt import chat_prompt_ids
 from service.gateway.chat_template import ChatTemplateError
 from service.gateway.errors import GatewayError, bad_request
 from service.gateway.generations import Generations
@@ -128,11 +129,11 @@ def create_app(gateway: Gateway) -> FastAPI:
             raise bad_request("this model has no chat template (tokenizer_config.json "
                               "chat_template); use /v1/completions", "messages")
         try:
-            text = template.render([m.for_template() for m in body.messages],
-                                   extra=body.chat_template_kwargs)
+            prompt_ids = chat_prompt_ids(gateway.files, template,
+                                         [m.for_template() for m in body.messages],
+                                         body.chat_template_kwargs)
         except ChatTemplateError as err:
             raise bad_request(str(err), "messages") from None
-        prompt_ids = gateway.files.encode(text, add_special_tokens=False)
         request_id = _request_id(request)
         work = plan(body, prompt_ids, max_new_tokens=body.max_new_tokens,
                     default_max_tokens=None, files=gateway.files,
