@@ -35,7 +35,8 @@ def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], objec
         except Exception as err:  # noqa: BLE001 - DecodeError, or whatever a parser raises
             field_path = bad_utf8_field(descriptor, data) if descriptor is not None else None
             if field_path is not None:
-                return _Undecodable(f"{field_path} is not valid UTF-8")
+                return _Undecodable(
+                    f"{field_path} is not valid UTF-8 (a {descriptor.full_name})")
             return _Undecodable(str(err)[:300])
     return deserialize_or_mark
 
