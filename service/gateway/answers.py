@@ -81,6 +81,8 @@ def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: i
     defaults = files.sampling_defaults
     temperature = _first(body.temperature, defaults.temperature, 1.0)
     top_p = _first(body.top_p, defaults.top_p, 0.0)
+    if body.top_p == 0:  # nucleus of mass 0: the most likely token alone (the wire's 0 is "off")
+        temperature, top_p = 0.0, 0.0
     top_k = max(0, _first(body.top_k, defaults.top_k, 0))
     stop_token_ids = tuple(dict.fromkeys([*(body.stop_token_ids or ()), *files.eos_token_ids]))
     generation = GenerationRequest(

@@ -23,6 +23,7 @@ from service.gateway.api_keys import ANONYMOUS, ApiKeys, Principal, bearer_key
 from service.gateway.answers import (
     COMPLETIONS_DEFAULT_MAX_TOKENS, Delta, Finish, Plan, plan, text_events,
 )
+from service.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from service.gateway.chat_prompt import chat_prompt_ids
 from service.gateway.chat_template import ChatTemplateError
 from service.gateway.errors import GatewayError, bad_request
@@ -57,6 +58,7 @@ class Gateway:
     api_keys: ApiKeys | None = None  # None: no keys checked, one anonymous principal
     idempotency: IdempotencyKeys = field(default_factory=IdempotencyKeys)
     metrics_path: str | None = "/metrics"  # None: no metrics route
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def principal(self, request: Request) -> Principal:
         """Who sent `request`; 401 unless it carries a known key (with --api-keys)."""
@@ -79,10 +81,11 @@ class ClientGone(Exception):
 def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="Lattice Scheduler OpenAI-compatible gateway", docs_url=None,
                   redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
     _add_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         problem = await gateway.link.check_health()
         if problem is not None:
@@ -90,24 +93,34 @@ def create_app(gateway: Gateway) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     if gateway.metrics_path is not None:
-        @app.get(gateway.metrics_path)
+        @app.api_route(gateway.metrics_path, methods=["GET", "HEAD"])
         async def metrics() -> Response:
             return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    def model_card() -> dict:
+        return {"id": gateway.served_model_name, "object": "model",
+                "created": gateway.started_at, "owned_by": "lattice-scheduler",
+                "max_model_len": gateway.max_model_len}
+
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> dict:
         gateway.principal(request)
-        return {"object": "list", "data": [{
-            "id": gateway.served_model_name, "object": "model", "created": gateway.started_at,
-            "owned_by": "lattice-scheduler", "max_model_len": gateway.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    async def model(model_id: str, request: Request) -> dict:
+        gateway.principal(request)
+        _check_model(gateway, model_id)
+        return model_card()
 
     @app.post(COMPLETIONS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         principal = gateway.principal(request)
         _check_model(gateway, body.model)
         prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            prompt_ids = gateway.files.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, str):  # off the loop: a long prompt delays nobody else
+            prompt_ids = await asyncio.to_thread(gateway.files.encode, prompt,
+                                                 add_special_tokens=True)
         else:
             prompt_ids = _checked_token_ids(prompt, gateway.files.vocab_size)
         request_id = _request_id(request)
@@ -129,9 +142,9 @@ def create_app(gateway: Gateway) -> FastAPI:
             raise bad_request("this model has no chat template (tokenizer_config.json "
                               "chat_template); use /v1/completions", "messages")
         try:
-            prompt_ids = chat_prompt_ids(gateway.files, template,
-                                         [m.for_template() for m in body.messages],
-                                         body.chat_template_kwargs)
+            prompt_ids = await asyncio.to_thread(  # off the loop, as for completions
+                chat_prompt_ids, gateway.files, template,
+                [m.for_template() for m in body.messages], body.chat_template_kwargs)
         except ChatTemplateError as err:
             raise bad_request(str(err), "messages") from None
         request_id = _request_id(request)
@@ -288,6 +301,22 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _param(loc: tuple) -> str:
+    """A pydantic error location as the body's path (`messages[0].role`), without the
+    union members pydantic names on the way (`str`, `list[int]`, `function-after[...]`)."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "float", "bool", "dict", "list", "none"):
+            continue
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, err: GatewayError) -> Response:
@@ -304,7 +333,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             where = f" at character {position}" if position is not None else ""
             return await gateway_error(request, bad_request(
                 f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'JSON decode error')}{where})"))
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        where = _param(first.get("loc", ()))
         message = f"{where}: {first.get('msg', 'invalid')}" if where else \
             first.get("msg", "invalid request body")
         return await gateway_error(request, bad_request(message, where or None))

@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "connection opening (or the previous answer), else it is closed")
     parser.add_argument("--body-timeout-seconds", type=float, default=30.0,
                         help="a request's body must arrive within this long of its headers")
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                        help="a larger request body is refused with 413 before it is read "
+                             "(default 8 MiB)")
     parser.add_argument("--keep-alive-seconds", type=float, default=5.0,
                         help="an idle connection between requests is closed after this long")
     parser.add_argument("--log-level", default="info",
@@ -83,6 +86,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"lattice-scheduler gateway: {flag} must be positive (got {value:g})",
                   file=sys.stderr)
             return 2
+    if args.max_body_bytes < 1:
+        print(f"lattice-scheduler gateway: --max-body-bytes must be at least 1 "
+              f"(got {args.max_body_bytes})", file=sys.stderr)
+        return 2
     metrics_path = None if args.metrics_path == "off" else args.metrics_path
     if metrics_path is not None and (not metrics_path.startswith("/")
                                      or metrics_path.startswith("/v1/")):
@@ -103,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
             api_keys_file=args.api_keys, metrics_path=metrics_path,
             header_timeout_seconds=args.header_timeout_seconds,
             body_timeout_seconds=args.body_timeout_seconds,
-            keep_alive_seconds=args.keep_alive_seconds)
+            keep_alive_seconds=args.keep_alive_seconds, max_body_bytes=args.max_body_bytes)
         run(settings)
     except ConfigError as err:
         print(f"lattice-scheduler gateway: {err}", file=sys.stderr)

@@ -73,13 +73,16 @@ class ModelFiles:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    # Both through encode_batch: tokenizers' encode holds the GIL for the whole call (a
+    # long prompt stalled every other request), encode_batch releases it; the ids are
+    # the same.
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of `text`, added tokens' text in it parsed as those tokens."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` as plain text: `<|im_end|>` in it is its characters."""
-        return self._text_tokenizer.encode(text, add_special_tokens=False).ids
+        return self._text_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of `token_ids`, special tokens left out (what transformers' decode gives with

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.gateway.errors import bad_request
 
@@ -58,19 +58,20 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE,
                                       allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    # 0 is OpenAI's too: only the most likely token (greedy; answers.py).
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1, le=UINT32_MAX)  # extension; -1 or 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
     # Nullable where clients send null for "the default".
-    n: int | None = 1
+    n: int | None = Field(default=1, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # becomes the scheduler's tenant
     priority: int | None = Field(default=0, ge=INT32_MIN, le=INT32_MAX)  # extension; lower = sooner
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="before")
@@ -137,15 +138,29 @@ class CompletionRequest(SamplingFields):
         return prompt
 
 
+# The roles OpenAI documents (less the deprecated "function"); "developer" is its newer
+# name for "system", which is what chat templates know.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role[:40]!r}")
+        return role
+
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: content as one string."""
         message = self.model_dump(exclude_none=True)
+        if message["role"] == "developer":
+            message["role"] = "system"
         content = self.content
         if isinstance(content, list):
             texts = []

@@ -50,6 +50,7 @@ class GatewaySettings:
     header_timeout_seconds: float = 10.0
     body_timeout_seconds: float = 30.0
     keep_alive_seconds: float = 5.0
+    max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: 413 before they are read
 
     @property
     def model_name(self) -> str:
@@ -91,7 +92,8 @@ def build_gateway(settings: GatewaySettings, files: ModelFiles, link) -> Gateway
                    started_at=int(time.time()),
                    api_keys=(load_api_keys(settings.api_keys_file)
                              if settings.api_keys_file is not None else None),
-                   metrics_path=settings.metrics_path)
+                   metrics_path=settings.metrics_path,
+                   max_body_bytes=settings.max_body_bytes)
 
 
 def uvicorn_config(app, settings: GatewaySettings):

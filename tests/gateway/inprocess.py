@@ -133,10 +133,11 @@ class InProcessGateway:
         return Answer(status, parsed if isinstance(parsed, dict) else None,
                       {k.lower(): v for k, v in got.items()}, text)
 
-    def complete(self, headers: dict[str, str] | None = None, **fields) -> Answer:
+    def complete(self, headers: dict[str, str] | None = None, timeout: float = 10.0,
+                 **fields) -> Answer:
         return self.request("POST", "/v1/completions",
                             {"model": MODEL, "prompt": "hello", "max_tokens": 4, **fields},
-                            headers=headers)
+                            headers=headers, timeout=timeout)
 
     def chat(self, messages, headers: dict[str, str] | None = None, **fields) -> Answer:
         return self.request("POST", "/v1/chat/completions",
