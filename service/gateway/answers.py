@@ -49,10 +49,11 @@ class Finish:
 
 def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: int | None,
          default_max_tokens: int | None, files: ModelFiles, max_model_len: int,
-         request_id: str, principal: Principal = ANONYMOUS) -> Plan:
+         request_id: str, principal: Principal = ANONYMOUS, choice: int = 0) -> Plan:
     """The sequence to submit for `body` from `principal`; 400 when it cannot fit in
     `max_model_len`. `request_id` is the client's idempotency key (it seeds sampling);
-    service/gateway/idempotency.py turns it into the scheduler's request_id."""
+    service/gateway/idempotency.py turns it into the scheduler's request_id. `choice` is
+    the index among the request's `n` choices: each samples with a seed of its own."""
     body.check_supported()
     stop = body.stop_strings()
     num_prompt = len(prompt_token_ids)
@@ -88,7 +89,7 @@ def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: i
     generation = GenerationRequest(
         prompt_token_ids=tuple(prompt_token_ids), max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=0.0 if top_p >= 1.0 else top_p, top_k=top_k,
-        seed=_seed(body.seed, request_id), stop_token_ids=stop_token_ids,
+        seed=_seed(body.seed, request_id, choice), stop_token_ids=stop_token_ids,
         tenant=principal.tenant_for(body.user), priority=body.priority or 0,
         request_id=request_id, principal=principal.name,
         scheduler_token=principal.scheduler_token)
@@ -99,13 +100,15 @@ def _first(*values):
     return next(v for v in values if v is not None)
 
 
-def _seed(seed: int | None, request_id: str) -> int:
-    """The client's seed (any integer, folded into 64 bits); without one, a seed of the
-    idempotency key (retries sample alike), else a fresh random one."""
+def _seed(seed: int | None, request_id: str, choice: int = 0) -> int:
+    """The client's seed (any integer, folded into 64 bits; choice i of `n` gets seed + i);
+    without one, a seed of the idempotency key (retries sample alike), else a fresh random
+    one."""
     if seed is not None:
-        return seed % 2 ** 64
+        return (seed + choice) % 2 ** 64
     if request_id:
-        return int.from_bytes(hashlib.sha256(request_id.encode("utf-8", "surrogateescape")
+        key = request_id if choice == 0 else f"{request_id}#{choice}"
+        return int.from_bytes(hashlib.sha256(key.encode("utf-8", "surrogateescape")
                                              ).digest()[:8], "big")
     return secrets.randbits(63)
 

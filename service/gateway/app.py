@@ -124,13 +124,14 @@ def create_app(gateway: Gateway) -> FastAPI:
         else:
             prompt_ids = _checked_token_ids(prompt, gateway.files.vocab_size)
         request_id = _request_id(request)
-        work = plan(body, prompt_ids, max_new_tokens=body.max_tokens,
-                    default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, files=gateway.files,
-                    max_model_len=gateway.max_model_len, request_id=request_id,
-                    principal=principal)
-        work = _keyed(gateway, work, principal, request_id)
+        works = [plan(body, prompt_ids, max_new_tokens=body.max_tokens,
+                      default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, files=gateway.files,
+                      max_model_len=gateway.max_model_len, request_id=request_id,
+                      principal=principal, choice=choice)
+                 for choice in range(body.num_choices)]
+        works = _keyed(gateway, works, principal, request_id)
         shape = CompletionShape(gateway.served_model_name, body.include_usage)
-        return await _answer(gateway, request, COMPLETIONS, work, shape, bool(body.stream),
+        return await _answer(gateway, request, COMPLETIONS, works, shape, bool(body.stream),
                              request_id)
 
     @app.post(CHAT_COMPLETIONS)
@@ -148,13 +149,14 @@ def create_app(gateway: Gateway) -> FastAPI:
         except ChatTemplateError as err:
             raise bad_request(str(err), "messages") from None
         request_id = _request_id(request)
-        work = plan(body, prompt_ids, max_new_tokens=body.max_new_tokens,
-                    default_max_tokens=None, files=gateway.files,
-                    max_model_len=gateway.max_model_len, request_id=request_id,
-                    principal=principal)
-        work = _keyed(gateway, work, principal, request_id)
+        works = [plan(body, prompt_ids, max_new_tokens=body.max_new_tokens,
+                      default_max_tokens=None, files=gateway.files,
+                      max_model_len=gateway.max_model_len, request_id=request_id,
+                      principal=principal, choice=choice)
+                 for choice in range(body.num_choices)]
+        works = _keyed(gateway, works, principal, request_id)
         shape = ChatShape(gateway.served_model_name, body.include_usage)
-        return await _answer(gateway, request, CHAT_COMPLETIONS, work, shape,
+        return await _answer(gateway, request, CHAT_COMPLETIONS, works, shape,
                              bool(body.stream), request_id)
 
     return app
@@ -175,10 +177,11 @@ def _checked_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:
     return token_ids
 
 
-def _keyed(gateway: Gateway, work: Plan, principal: Principal, key: str) -> Plan:
-    """`work` under the scheduler request_id of `key` (scoped by principal, bound to the
-    body: a 422 for another body under a known key)."""
-    return replace(work, attempt=gateway.idempotency.keyed(work.attempt, principal.name, key))
+def _keyed(gateway: Gateway, works: list[Plan], principal: Principal, key: str) -> list[Plan]:
+    """`works` (one per choice) under the scheduler request_ids of `key` (scoped by
+    principal, bound to the body: a 422 for another body under a known key)."""
+    attempts = gateway.idempotency.keyed([w.attempt for w in works], principal.name, key)
+    return [replace(work, attempt=attempt) for work, attempt in zip(works, attempts)]
 
 
 def _request_id(request: Request) -> str:
@@ -187,39 +190,55 @@ def _request_id(request: Request) -> str:
             or "").strip()
 
 
-async def _answer(gateway: Gateway, request: Request, endpoint: str, work: Plan,
+async def _answer(gateway: Gateway, request: Request, endpoint: str, works: list[Plan],
                   shape: CompletionShape, stream: bool, request_id: str) -> Response:
+    """Follow one sequence per choice (`n`), and answer them as one response."""
     arrived = time.perf_counter()
     metrics = gateway.metrics
     headers = {"x-request-id": request_id} if request_id else {}
+    num_prompt = works[0].num_prompt_tokens
     attached = contextlib.AsyncExitStack()
-    generation = await attached.enter_async_context(gateway.generations.attach(work.attempt))
-    metrics.prompt_tokens.labels(endpoint).inc(work.num_prompt_tokens)
-    events = text_events(gateway.generations, generation, gateway.files, work.attempt.stop)
+    try:
+        generations = [await attached.enter_async_context(gateway.generations.attach(w.attempt))
+                       for w in works]
+    except BaseException:
+        await attached.aclose()  # the choices opened so far
+        raise
+    metrics.prompt_tokens.labels(endpoint).inc(num_prompt)
+    events = [text_events(gateway.generations, generation, gateway.files, work.attempt.stop)
+              for generation, work in zip(generations, works)]
+    seq_id = generations[0].seq_id
+    timed_first = False
 
     def first_text() -> None:
-        metrics.time_to_first_token.labels(endpoint).observe(time.perf_counter() - arrived)
+        nonlocal timed_first
+        if not timed_first:
+            timed_first = True
+            metrics.time_to_first_token.labels(endpoint).observe(time.perf_counter() - arrived)
 
     if stream:
-        body = _sse(shape, generation.seq_id, events, work.num_prompt_tokens, first_text,
-                    lambda finish: metrics.completion_tokens.labels(endpoint).inc(
-                        finish.num_completion_tokens),
+        body = _sse(shape, seq_id, events, num_prompt, first_text,
+                    lambda num_tokens: metrics.completion_tokens.labels(endpoint).inc(num_tokens),
                     lambda: metrics.client_disconnects.labels(endpoint).inc())
         return _ClosingStream(body, attached.aclose, media_type="text/event-stream",
                               headers={**headers, "cache-control": "no-cache"})
 
+    async def collect_one(choice_events: AsyncIterator[Delta | Finish]) -> tuple[str, Finish]:
+        pieces, finish = [], None
+        async for event in choice_events:
+            if isinstance(event, Delta):
+                first_text()
+                pieces.append(event.text)
+            else:
+                finish = event
+        return "".join(pieces), finish
+
     async def collect() -> dict:
         async with attached:
-            pieces, finish = [], None
-            async for event in events:
-                if isinstance(event, Delta):
-                    if not pieces:
-                        first_text()
-                    pieces.append(event.text)
-                else:
-                    finish = event
-        metrics.completion_tokens.labels(endpoint).inc(finish.num_completion_tokens)
-        return shape.whole(generation.seq_id, "".join(pieces), finish, work.num_prompt_tokens)
+            choices = await asyncio.gather(*(collect_one(e) for e in events))
+        metrics.completion_tokens.labels(endpoint).inc(
+            sum(finish.num_completion_tokens for _, finish in choices))
+        return shape.whole(seq_id, list(choices), num_prompt)
 
     try:
         answer = await _unless_disconnected(request, collect())
@@ -231,28 +250,60 @@ async def _answer(gateway: Gateway, request: Request, endpoint: str, work: Plan,
     return JSONResponse(answer, headers=headers)
 
 
-async def _sse(shape: CompletionShape, seq_id: int, events: AsyncIterator[Delta | Finish],
-               num_prompt: int, on_first_text: Callable[[], None],
-               on_finish: Callable[[Finish], None],
-               on_disconnect: Callable[[], None]) -> AsyncIterator[str]:
-    """Server-sent events: chunks, the finish chunk, usage if asked, then [DONE]; an error
-    after the first byte is an `error` event (OpenAI clients raise it)."""
-    sent_text = False
+async def _merged(streams: list[AsyncIterator[Delta | Finish]]
+                  ) -> AsyncIterator[tuple[int, Delta | Finish]]:
+    """(choice index, event) from every stream, as they come; the first GatewayError of any
+    of them is raised. The readers stop when the consumer does."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, events: AsyncIterator[Delta | Finish]) -> None:
+        try:
+            async for event in events:
+                await queue.put((index, event))
+            await queue.put((index, done))
+        except GatewayError as err:
+            await queue.put((index, err))
+
+    readers = [asyncio.create_task(pump(i, events)) for i, events in enumerate(streams)]
     try:
-        first = shape.first_chunk(seq_id)
-        if first is not None:
-            yield sse_event(first)
-        async for event in events:
-            if isinstance(event, Delta):
-                if not sent_text:
-                    on_first_text()
-                    sent_text = True
-                yield sse_event(shape.chunk(seq_id, event.text))
+        remaining = len(readers)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, GatewayError):
+                raise item
             else:
-                on_finish(event)
-                yield sse_event(shape.chunk(seq_id, "", event.reason))
-                if shape.include_usage:
-                    yield sse_event(shape.usage_chunk(seq_id, event, num_prompt))
+                yield index, item
+    finally:
+        for reader in readers:
+            reader.cancel()
+
+
+async def _sse(shape: CompletionShape, seq_id: int,
+               events: list[AsyncIterator[Delta | Finish]], num_prompt: int,
+               on_first_text: Callable[[], None], on_finished: Callable[[int], None],
+               on_disconnect: Callable[[], None]) -> AsyncIterator[str]:
+    """Server-sent events: chunks of every choice as they come, each choice's finish chunk,
+    usage if asked (all choices), then [DONE]; an error after the first byte is an
+    `error` event (OpenAI clients raise it)."""
+    num_completion = 0
+    try:
+        for index in range(len(events)):
+            first = shape.first_chunk(seq_id, index)
+            if first is not None:
+                yield sse_event(first)
+        async for index, event in _merged(events):
+            if isinstance(event, Delta):
+                on_first_text()
+                yield sse_event(shape.chunk(seq_id, event.text, index=index))
+            else:
+                num_completion += event.num_completion_tokens
+                yield sse_event(shape.chunk(seq_id, "", event.reason, index=index))
+        on_finished(num_completion)
+        if shape.include_usage:
+            yield sse_event(shape.usage_chunk(seq_id, num_completion, num_prompt))
         yield "data: [DONE]\n\n"
     except GatewayError as err:
         yield sse_event(err.body())

@@ -58,12 +58,12 @@ class IdempotencyKeys:
     def __len__(self) -> int:
         return len(self._bound)
 
-    def keyed(self, attempt: Attempt, principal: str, key: str) -> Attempt:
-        """`attempt` with the scheduler request_id of `key`; a 422 if the key came with
-        another body before."""
+    def keyed(self, attempts: list[Attempt], principal: str, key: str) -> list[Attempt]:
+        """`attempts` (a request's choices) with the scheduler request_ids of `key`; a 422
+        if the key came with another body before."""
         if not key:
-            return attempt
-        body = fingerprint(attempt)
+            return attempts
+        body = hashlib.sha256(" ".join(fingerprint(a) for a in attempts).encode()).hexdigest()
         now = self._clock()
         self._forget_expired(now)
         known = self._bound.get((principal, key))
@@ -76,9 +76,10 @@ class IdempotencyKeys:
             self._bound[(principal, key)] = (body, now)
             while len(self._bound) > self._max_keys:
                 self._bound.popitem(last=False)
-        generation = replace(attempt.generation,
-                             request_id=scheduler_request_id(principal, key, body))
-        return replace(attempt, generation=generation)
+        return [replace(attempt, generation=replace(
+                    attempt.generation,
+                    request_id=scheduler_request_id(principal, key, f"{body}:{index}")))
+                for index, attempt in enumerate(attempts)]
 
     def _forget_expired(self, now: float) -> None:
         while self._bound:

@@ -1,7 +1,7 @@
 """The OpenAI request bodies the gateway accepts (pydantic), and their checks.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields that the gateway
-cannot honour (n > 1, logprobs, tools, echo, penalties, ...) get a 400 that names them.
+cannot honour (n > 8, logprobs, tools, echo, penalties, ...) get a 400 that names them.
 Extensions: `top_k`, `priority`, `stop_token_ids`, `chat_template_kwargs`.
 """
 from __future__ import annotations
@@ -17,6 +17,8 @@ INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 UINT32_MAX = 2 ** 32 - 1
 # OpenAI's documented ranges.
 MAX_TEMPERATURE = 2.0
+# Choices (`n`) per request at most: each is a sequence of its own.
+MAX_CHOICES = 8
 
 
 class TextError(ValueError):
@@ -90,9 +92,9 @@ class SamplingFields(BaseModel):
 
     def check_supported(self) -> None:
         """400 for a known parameter that the gateway would otherwise silently ignore."""
-        if self.n not in (None, 1):
-            raise bad_request(f"n={self.n} is not supported: this server returns one choice "
-                              f"per request (n=1); send n requests instead", "n")
+        if self.n is not None and self.n > MAX_CHOICES:
+            raise bad_request(f"n={self.n}: this server returns at most {MAX_CHOICES} choices "
+                              f"per request", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported (only 0)", name)
@@ -101,6 +103,10 @@ class SamplingFields(BaseModel):
         if any(not 0 <= t <= UINT32_MAX for t in self.stop_token_ids or ()):
             raise bad_request(f"stop_token_ids must be token ids (0..{UINT32_MAX})",
                               "stop_token_ids")
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
