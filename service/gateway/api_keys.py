@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.core import ConfigError
+from common.errors import ConfigError
 
 # The scheduler's limit on a tenant (service/server/convert.py MAX_STRING_BYTES).
 MAX_NAME_BYTES = 256

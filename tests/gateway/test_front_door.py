@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from service.core import ConfigError
+from common.errors import ConfigError
 from service.gateway.api_keys import PRINCIPAL_METADATA, load_api_keys
 from service.gateway.scheduler_link import SchedulerLink
-
-from tests.server.conftest import _stoppers, start_server  # noqa: F401 - fixtures
 
 from .inprocess import FakeScheduler, InProcessGateway, write_model
 
@@ -174,16 +172,29 @@ def test_metrics_can_move_or_be_off(start, metrics_path):
         assert answer.status == 200 and "lattice_gateway_" in answer.text
 
 
-def test_the_links_health_check_says_when_the_scheduler_refuses_its_token(start_server,
-                                                                          tmp_path):
-    import asyncio
+def test_the_links_health_check_says_when_the_scheduler_refuses_its_token(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from service.core import SchedulerConfig
+    from service.server.app import start
+    from service.settings import ServeSettings
 
     tokens = tmp_path / "tokens.toml"
     tokens.write_text('[[tokens]]\ntoken = "the-gateway-token-123"\nrole = "client"\n')
-    server = start_server(serve={"auth_tokens": str(tokens)})
+    server = start(ServeSettings(host="127.0.0.1", port=0, metrics_port=0,
+                                 auth_tokens=str(tokens), scheduler=SchedulerConfig()),
+                   CollectorRegistry())
+    try:
+        _check_health_answers(server.port)
+    finally:
+        server.stop(0)
+
+
+def _check_health_answers(port: int) -> None:
+    import asyncio
 
     async def check(token: str | None) -> str | None:
-        link = SchedulerLink(server.target, token=token)
+        link = SchedulerLink(f"127.0.0.1:{port}", token=token)
         try:
             return await link.check_health()
         finally:
