@@ -62,7 +62,7 @@ def start_metrics_http(host: str, port: int, registry: CollectorRegistry, *,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-        sock.listen(128)
+        sock.listen(max_connections)
     except OSError as err:
         sock.close()
         if err.errno == errno.EADDRINUSE:
