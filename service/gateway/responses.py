@@ -24,22 +24,29 @@ class CompletionShape:
             body["usage"] = None
         return body
 
-    def whole(self, seq_id: int, text: str, finish: Finish, num_prompt: int) -> dict:
-        body = self._envelope(seq_id, [{"index": 0, "text": text, "logprobs": None,
-                                        "finish_reason": finish.reason}], chunk=False)
-        body["usage"] = _usage(num_prompt, finish.num_completion_tokens)
+    def whole(self, seq_id: int, choices: list[tuple[str, Finish]], num_prompt: int) -> dict:
+        """The whole answer: one choice per (text, finish), in index order."""
+        body = self._envelope(seq_id, [self._whole_choice(index, text, finish)
+                                       for index, (text, finish) in enumerate(choices)],
+                              chunk=False)
+        body["usage"] = _usage(num_prompt, sum(f.num_completion_tokens for _, f in choices))
         return body
 
-    def first_chunk(self, seq_id: int) -> dict | None:
+    def _whole_choice(self, index: int, text: str, finish: Finish) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish.reason}
+
+    def first_chunk(self, seq_id: int, index: int = 0) -> dict | None:
         return None
 
-    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None) -> dict:
-        return self._envelope(seq_id, [{"index": 0, "text": text, "logprobs": None,
+    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None,
+              index: int = 0) -> dict:
+        return self._envelope(seq_id, [{"index": index, "text": text, "logprobs": None,
                                         "finish_reason": finish_reason}], chunk=True)
 
-    def usage_chunk(self, seq_id: int, finish: Finish, num_prompt: int) -> dict:
+    def usage_chunk(self, seq_id: int, num_completion: int, num_prompt: int) -> dict:
+        """The last chunk with `stream_options.include_usage`: every choice's tokens."""
         body = self._envelope(seq_id, [], chunk=True)
-        body["usage"] = _usage(num_prompt, finish.num_completion_tokens)
+        body["usage"] = _usage(num_prompt, num_completion)
         return body
 
 
@@ -53,20 +60,19 @@ class ChatShape(CompletionShape):
         body["object"] = "chat.completion.chunk" if chunk else "chat.completion"
         return body
 
-    def whole(self, seq_id: int, text: str, finish: Finish, num_prompt: int) -> dict:
-        body = self._envelope(seq_id, [{
-            "index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": finish.reason}], chunk=False)
-        body["usage"] = _usage(num_prompt, finish.num_completion_tokens)
-        return body
+    def _whole_choice(self, index: int, text: str, finish: Finish) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish.reason}
 
-    def first_chunk(self, seq_id: int) -> dict | None:
-        return self._envelope(seq_id, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+    def first_chunk(self, seq_id: int, index: int = 0) -> dict | None:
+        return self._envelope(seq_id, [{"index": index,
+                                        "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], chunk=True)
 
-    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None) -> dict:
+    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None,
+              index: int = 0) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
-        return self._envelope(seq_id, [{"index": 0, "delta": delta, "logprobs": None,
+        return self._envelope(seq_id, [{"index": index, "delta": delta, "logprobs": None,
                                         "finish_reason": finish_reason}], chunk=True)
 
 

@@ -32,13 +32,28 @@ MAX_REPORT_CACHE_HASHES = 1 << 20
 # FinishedSequence.error_message: kept up to this many characters (cut, not refused: a
 # worker's long explanation must not cost it its report).
 MAX_ERROR_MESSAGE_CHARS = 1000
+# What error_message may not hold as is, escaped as \xNN / \uNNNN: control characters
+# (NUL among them, which PostgreSQL text cannot hold) and line or paragraph separators.
+_ESCAPED_IN_MESSAGES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))} | {
+    c: f"\\u{c:04x}" for c in (0x2028, 0x2029)}
 
 
 def _checked_string(field_name: str, value: str) -> str:
+    """`value` if every store can hold it as is: within MAX_STRING_BYTES and without NUL.
+
+    (It is valid UTF-8: a request whose strings are not does not parse, and is refused by
+    service/server/interceptors/decode_errors.py, naming the field.) One rule for every
+    store: SQLite would keep a NUL, PostgreSQL cannot, and a replica must not learn at its
+    save that a value it already took cannot be kept.
+    """
     num_bytes = len(value.encode())
     if num_bytes > MAX_STRING_BYTES:
         raise InvalidArgument(f"{field_name} is {num_bytes} bytes; "
                               f"the limit is {MAX_STRING_BYTES}")
+    nul_at = value.find("\x00")
+    if nul_at >= 0:
+        raise InvalidArgument(f"{field_name} holds a NUL character (0x00) at index {nul_at}; "
+                              "ids and names must not contain NUL")
     return value
 
 
@@ -155,9 +170,12 @@ def _check_report_size(msg: pb.SelectBatchRequest) -> None:
 
 
 def _error_message(text: str) -> str:
-    if len(text) <= MAX_ERROR_MESSAGE_CHARS:
-        return text
-    return text[:MAX_ERROR_MESSAGE_CHARS - 20] + f"... ({len(text)} chars)"
+    """A worker's explanation as it is stored and shown: control characters escaped, then
+    cut to MAX_ERROR_MESSAGE_CHARS, saying how long it was."""
+    cleaned = text[:MAX_ERROR_MESSAGE_CHARS].translate(_ESCAPED_IN_MESSAGES)
+    if len(text) <= MAX_ERROR_MESSAGE_CHARS and len(cleaned) <= MAX_ERROR_MESSAGE_CHARS:
+        return cleaned
+    return cleaned[:MAX_ERROR_MESSAGE_CHARS - 20] + f"... ({len(text)} chars)"
 
 
 def _finish_reason(number: int, index: int) -> FinishReason:

@@ -33,7 +33,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from service.core import ANYONE, Caller, ConfigError, FinishReason, SequenceState, SubmitParams
-from service.core.errors import NotFound, QueueFull
+from service.core.errors import InvalidArgument, NotFound, QueueFull
 from service.core.ledger import no_worker_has
 from service.core.orders import ArrivalOrder, QueueOrder, SortTerm
 from service.core.store import (
@@ -328,14 +328,20 @@ class PostgresState:
         """Commit a new sequence to the shared queue (synchronous commit) before answering;
         a known request_id answers its first seq_id."""
         with self._connection() as conn:
-            status, seq_id, position = conn.execute(
-                "SELECT status, seq_id, queue_position FROM lattice_submit("
-                "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                (params.principal, params.adapter_id, params.request_id or None,
-                 params_json(params),
-                 pack_token_ids(params.prompt_token_ids), params.priority, params.tenant,
-                 params.max_new_tokens, max_queue, max_per_tenant,
-                 self._fsync != "never")).fetchone()
+            try:
+                status, seq_id, position = conn.execute(
+                    "SELECT status, seq_id, queue_position FROM lattice_submit("
+                    "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    (params.principal, params.adapter_id, params.request_id or None,
+                     params_json(params),
+                     pack_token_ids(params.prompt_token_ids), params.priority, params.tenant,
+                     params.max_new_tokens, max_queue, max_per_tenant,
+                     self._fsync != "never")).fetchone()
+            except psycopg.DataError as err:
+                # This request's own values (the edge refuses every one known to do this:
+                # service/server/convert.py): a retry cannot help, and nothing was written.
+                raise InvalidArgument(f"the shared queue cannot hold this request: "
+                                      f"{_first_line(err)}") from None
             self.round_trips["submit"] += 1
         if status == 2:
             raise QueueFull(f"the admission queue holds max_queue={max_queue} sequences; "
