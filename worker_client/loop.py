@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from worker_client.client import NotRegistered, SchedulerClient, Superseded, WorkerResources
 from worker_client.convert import PendingReport, chunk_work
-from worker_client.engine.api import Engine, FinishReason, StepOutput
+from worker_client.engine.api import ChunkWork, Engine, FinishReason, StepOutput
 from worker_client.forecast import Forecast, Holding
 
 log = logging.getLogger(__name__)
@@ -19,6 +20,8 @@ log = logging.getLogger(__name__)
 # With nothing held and nothing to report, a worker asks the scheduler to hold its answer
 # until work arrives (a long poll), at most this long and at most a quarter of its lease.
 DEFAULT_IDLE_WAIT_SECONDS = 1.0
+# SelectBatchRequest.last_step_us is a uint32.
+_MAX_STEP_US = 2**32 - 1
 
 
 @dataclass
@@ -56,6 +59,12 @@ class WorkerLoop:
 
     With nothing held and nothing to report, the loop asks for a long poll
     (`idle_wait_seconds`) instead of polling.
+
+    Every report carries `last_step_us`: the time of the latest step not yet reported
+    (0 when none), each step's time reported once. Steps are timed on the host around
+    `Engine.step`; an engine on a clock of its own (the simulator's) says how long its
+    step took in `last_step_seconds`. With `overlap`, the report sent while step n runs
+    carries step n-1's time, as it carries step n-1's outputs.
     """
 
     def __init__(self, engine: Engine, client: SchedulerClient, resources: WorkerResources,
@@ -75,6 +84,7 @@ class WorkerLoop:
         self._pending = PendingReport()
         self._moves_at_registration = 0
         self._forecast = Forecast(engine.page_size)
+        self._step_us = 0  # the latest step's time, until a report carries it
 
     def run(self, stop: threading.Event, drain: threading.Event | None = None) -> LoopStats:
         drain = drain or threading.Event()
@@ -131,21 +141,22 @@ class WorkerLoop:
                         continue
                 held = self._holding()
                 prefill, decode = [chunk_work(c) for c in decision.prefill], list(decision.decode)
-                stepping = stepper.submit(self.engine.step, prefill, decode)
+                stepping = stepper.submit(self._timed_step, prefill, decode)
                 after = self._forecast.after_step(held, prefill, decode)
                 try:
                     next_decision = self.client.select(self._request(draining, after, idle=False))
                 except NotRegistered:
                     # The step ran: its outputs are reported next if the worker keeps what
                     # it holds (it moved to another replica), dropped with it otherwise.
-                    self._record(decision, stepping.result())
+                    self._record(decision, stepping.result()[0])
                     self._register_again(self._holding())
                     decision = None
                     continue
                 finally:
                     wait([stepping])  # whatever happened, the step ends before anything else
-                out = stepping.result()
-                self._pending.delivered()
+                out, step_us = stepping.result()
+                self._delivered()
+                self._step_us = step_us  # reported with the next report, as its outputs
                 self.stats.iterations += 1
                 self._record(decision, out)
                 decision = next_decision if self._apply(next_decision) else None
@@ -178,6 +189,7 @@ class WorkerLoop:
             self.resources.worker_id, waiting=held.waiting, running=held.running,
             kv_free_pages=held.kv_free_pages, gdn_free_slots=held.gdn_free_slots,
             draining=draining)
+        request.last_step_us = self._step_us
         if idle:
             request.idle_wait_ms = int(self._idle_wait() * 1000)
         return request
@@ -195,9 +207,15 @@ class WorkerLoop:
         except NotRegistered:
             self._register_again(held)
             return None
-        self._pending.delivered()
+        self._delivered()
         self.stats.iterations += 1
         return decision
+
+    def _delivered(self) -> None:
+        """The last request was answered: its outputs and step time reached the scheduler
+        (a step that ended meanwhile keeps its own time for the next report)."""
+        self._pending.delivered()
+        self._step_us = 0
 
     def _apply(self, decision: pb.SchedulerDecision) -> bool:
         """Evict and preempt what the decision says, note new admissions; whether it has
@@ -213,7 +231,19 @@ class WorkerLoop:
         return bool(decision.prefill or decision.decode)
 
     def _step(self, decision: pb.SchedulerDecision) -> StepOutput:
-        return self.engine.step([chunk_work(c) for c in decision.prefill], list(decision.decode))
+        out, self._step_us = self._timed_step([chunk_work(c) for c in decision.prefill],
+                                              list(decision.decode))
+        return out
+
+    def _timed_step(self, prefill: Sequence[ChunkWork],
+                    decode: list[int]) -> tuple[StepOutput, int]:
+        """One engine step and its time in microseconds (at least 1: 0 means unknown)."""
+        started = time.perf_counter()
+        out = self.engine.step(prefill, decode)
+        seconds = getattr(self.engine, "last_step_seconds", None)
+        if seconds is None:
+            seconds = time.perf_counter() - started
+        return out, min(_MAX_STEP_US, max(1, round(seconds * 1e6)))
 
     def _record(self, decision: pb.SchedulerDecision, out: StepOutput) -> None:
         """Keep a step's outputs for the next report, and count them."""
@@ -255,6 +285,7 @@ class WorkerLoop:
 
     def _register(self) -> None:
         settings = self.client.register(self.resources)
+        self._step_us = 0  # a step before the registration is not the new one's to learn from
         self._moves_at_registration = self._num_moves()
         self.stats.registrations += 1
         self._lease_seconds = settings.lease_ttl_ms / 1000

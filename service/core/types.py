@@ -144,6 +144,9 @@ class WorkerReport:
     tokens: tuple[TokenUpdate, ...] = ()
     # The incarnation the worker registered as; 0: the latest (clients that do not send it).
     incarnation: int = 0
+    # Wall time of the worker's last engine step not reported before, in microseconds
+    # (0: unknown, or no step since the last report).
+    last_step_us: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,7 @@ def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
             for t in msg.tokens
         ),
         incarnation=msg.incarnation,
+        last_step_us=msg.last_step_us,
     )
 
 
