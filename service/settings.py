@@ -153,6 +153,13 @@ _HELP = {
     "tenant_weights": "fair: TOML file of `tenant = weight` lines; a weight-2 tenant is "
                       "served twice the tokens of a weight-1 one",
     "max_loras": "most distinct LoRA adapters active on one worker (0: no limit)",
+    "tpot_target_ms": "budget, fair: time per output token to keep each step within; each "
+                      "decision's token budget is then chosen from the worker's learned step "
+                      "times, up to max_num_batched_tokens if set (0: off, the fixed budget)",
+    "ttft_target_ms": "budget, fair: time to first token; each priority band is served "
+                      "earliest deadline (arrival + target) first, and a request of negative "
+                      "priority that no worker can start in time is refused with "
+                      "RESOURCE_EXHAUSTED (0: off)",
 }
 
 # How a default that depends on other settings reads in --help.

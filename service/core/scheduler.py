@@ -28,6 +28,7 @@ from service.core.policies import make_policy
 from service.core.reconcile import Reconciler
 from service.core.recovery import Recovery
 from service.core.sequences import Sequence, SequenceTable
+from service.core.step_times import StepTimes
 from service.core.store import Disowned, StateStore, StoredState, StoreError
 from service.core.tenants import TenantLedger
 from service.core.types import (
@@ -115,6 +116,8 @@ class Scheduler:
                                        self._lifecycle, self._changes, self._observer, clock,
                                        stall_seconds)
         self._wall_clock = wall_clock
+        # Each worker's step times, learned while a latency target is set.
+        self._step_times = StepTimes() if config.learns_step_times else None
         # The tenant's service so far, as the queue order reads it (0 without counters).
         self._served = self._tenants.served if self._tenants is not None else _no_service
         # The latest incarnation handed out (saved with every change of the workers).
@@ -240,6 +243,8 @@ class Scheduler:
             self._last_incarnation += 1
             record = self._workers.add(registration, self._last_incarnation)
             self._workers.joined(record)
+        if self._step_times is not None:
+            self._step_times.registered(registration.worker_id)
         return record.settings
 
     def deregister_worker(self, worker_id: str, incarnation: int = 0) -> int:
@@ -279,14 +284,29 @@ class Scheduler:
             check_incarnation(worker, report.incarnation)
             validate_report(report, worker.settings.max_batch_size)
             reconciled = self._reconciler.apply(worker, report)
+            step_model = self._learn_step_time(report)
             decision = self._batcher.decide(worker, report, reconciled.reported,
-                                            reconciled.evict)
+                                            reconciled.evict, step_model)
         if saved.disowned:
             decision = _without(decision, saved.disowned, reconciled.reported)
+        if self._step_times is not None and (decision.prefill or decision.decode):
+            self._step_times.decided(report.worker_id, self._batcher.shape(decision))
         self._observer.on_decision(report, decision)
         return decision
 
     # ----------------------------------------------------------------- internals
+
+    def _learn_step_time(self, report: WorkerReport):
+        """Learn from the step time `report` carries; the worker's model (None: none
+        is learned)."""
+        if self._step_times is None:
+            return None
+        worker_id = report.worker_id
+        measured = self._step_times.measured(worker_id, report.last_step_us)
+        if measured is not None:
+            shape, predicted, seconds = measured
+            self._observer.on_step_time(worker_id, predicted, seconds)
+        return self._step_times.model(worker_id)
 
     @contextmanager
     def _saved(self, sync: bool = False) -> Iterator[Saved]:
