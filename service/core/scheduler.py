@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from service.core.batcher import Batcher
 from service.core.changes import ChangeSet
 from service.core.config import SchedulerConfig
-from service.core.errors import InvalidArgument, NotFound, QueueFull
+from service.core.deadlines import prefill_rate, start_seconds
+from service.core.errors import DeadlineUnreachable, InvalidArgument, NotFound, QueueFull
 from service.core.ledger import WorkerLedger
 from service.core.lifecycle import Lifecycle
 from service.core.observer import RequeueReason, SchedulerObserver
@@ -144,6 +145,7 @@ class Scheduler:
                 f"tenant {params.tenant!r} already has {per_tenant} sequences queued "
                 f"(max_queue_per_tenant={per_tenant}); retry later"
             )
+        self._shed_if_late(params)
         # Acknowledged to the client: the save must survive a power loss.
         with self._saved(sync=True) as saved:
             seq = self._sequences.create(params, self._clock(), self._wall_clock())
@@ -295,6 +297,28 @@ class Scheduler:
         return decision
 
     # ----------------------------------------------------------------- internals
+
+    def _shed_if_late(self, params: SubmitParams) -> None:
+        """DeadlineUnreachable for a sheddable request (negative priority, a TTFT target
+        set) that no worker could start before its deadline (service/core/deadlines.py)."""
+        target_seconds = self.config.ttft_target_ms / 1000.0
+        if not target_seconds or params.priority >= 0 or self._step_times is None:
+            return
+        workers = [w for w in self._ledger if not (w.draining or w.drain_requested)]
+        tokens_ahead = self._queue.tokens_up_to(params.priority)
+        rate = prefill_rate((model, self._policy.step_tokens(model))
+                            for model in map(self._step_times.model,
+                                             (w.worker_id for w in workers)))
+        wait = start_seconds(tokens_ahead, rate)
+        if wait is not None and wait <= target_seconds:
+            return
+        why = ("no worker is registered to start it" if not workers else
+               f"{tokens_ahead} prompt tokens of as urgent requests are queued ahead of it, "
+               f"about {wait:.2f} s of prefill on the {len(workers)} worker(s)")
+        raise DeadlineUnreachable(
+            f"shed: priority {params.priority} is sheddable and cannot start before its "
+            f"deadline (--ttft-target-ms {self.config.ttft_target_ms:g}): {why}; retry "
+            "later or elsewhere, or submit with priority >= 0 to queue it anyway")
 
     def _learn_step_time(self, report: WorkerReport):
         """Learn from the step time `report` carries; the worker's model (None: none

@@ -165,7 +165,8 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None) ->
     _warn_if_exposed(settings)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = SchedulerMetrics(registry, named_tenants=(
-        tenant for tenant, _ in settings.scheduler.tenant_weights))
+        tenant for tenant, _ in settings.scheduler.tenant_weights),
+        ttft_target_seconds=settings.scheduler.ttft_target_ms / 1000.0)
     if settings.state:
         from service.replicas.build import open_store
         store = open_store(settings, registry)

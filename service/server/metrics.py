@@ -46,10 +46,12 @@ class SchedulerMetrics(SchedulerObserver):
 
     def __init__(self, registry: CollectorRegistry,
                  clock: Callable[[], float] = time.monotonic,
-                 named_tenants: Iterable[str] = ()) -> None:
+                 named_tenants: Iterable[str] = (), ttft_target_seconds: float = 0.0) -> None:
         """`named_tenants`: the tenants of --tenant-weights, each with its own series of
-        served tokens; every other tenant is counted as "other"."""
+        served tokens; every other tenant is counted as "other". `ttft_target_seconds`:
+        --ttft-target-ms, for the deadline misses (0: none counted)."""
         r = registry
+        self._ttft_target_seconds = ttft_target_seconds
         self._clock = clock
         self._named_tenants = frozenset(named_tenants) - {OTHER_TENANT}
         # seq_id -> (submitted at, last token at or None) for the latency histograms;
@@ -137,6 +139,10 @@ class SchedulerMetrics(SchedulerObserver):
             PREFIX + "decision_budget_used_ratio",
             "Share of its token budget a decision spent (budget and fair policies).",
             buckets=_RATIO_BUCKETS, registry=r)
+        self.deadline_misses = Counter(
+            PREFIX + "deadline_misses_total",
+            "Sequences whose first token came after their deadline (submission + "
+            "--ttft-target-ms); late ones are served, not dropped.", registry=r)
         self.worker_token_budget = Gauge(
             PREFIX + "worker_token_budget",
             "The token budget of the worker's latest decision with work (with "
@@ -237,6 +243,8 @@ class SchedulerMetrics(SchedulerObserver):
         now = self._clock()
         if last_token_at is None:
             self.time_to_first_token.observe(now - submitted_at)
+            if self._ttft_target_seconds and now - submitted_at > self._ttft_target_seconds:
+                self.deadline_misses.inc()
         else:
             per_token = (now - last_token_at) / num_tokens
             for _ in range(num_tokens):

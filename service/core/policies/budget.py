@@ -34,6 +34,7 @@ from service.core.config import SchedulerConfig
 from service.core.plan import Chunk, DecisionView, Plan
 from service.core.policies.admit import admit
 from service.core.step_budget import StepBudget, decode_pages, held_pages
+from service.core.step_model import StepTimeModel
 from service.core.vocabulary import BlockReason, PreemptReason, SequenceView
 
 # The most tokens a learned budget may give one decision without --max-num-batched-tokens.
@@ -73,6 +74,15 @@ class BudgetPolicy:
                              if waiting else 0.0))
         prefill = max(self._min_prefill_chunk, min(prefill, self.token_budget))
         return min(self.token_budget, len(running) + math.floor(prefill))
+
+    def step_tokens(self, model: StepTimeModel) -> int:
+        """Prefill tokens of a step of this policy's budget, alone on the worker (what
+        the deadline estimate counts a step as)."""
+        if not self._tpot_seconds:
+            return self.token_budget
+        prefill = model.prefill_budget(self._tpot_seconds * (1.0 - MIN_MARGIN), num_decodes=0,
+                                       decode_context=0, prefill_context=0.0)
+        return math.floor(max(self._min_prefill_chunk, min(prefill, self.token_budget)))
 
     def budget(self, view: DecisionView) -> StepBudget:
         if view.draining:
