@@ -47,6 +47,7 @@ class ServeSettings:
     prefetch: int = 8
     replica_lease_ms: int = 5000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    step_table: str = ""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> "ServeSettings":
@@ -130,6 +131,9 @@ _HELP = {
                         "returns its sequences to the shared queue",
     "max_message_bytes": "largest incoming gRPC message in bytes; a larger one gets "
                          "RESOURCE_EXHAUSTED",
+    "step_table": "with a latency target: a `lattice-worker profile` step table (JSON) that "
+                  "each worker's learned step time starts from; none: a cautious default "
+                  "that steps are measured against from the first one",
     "max_batch_size": "most sequences per worker, when a worker registers with 0",
     "max_worker_batch_size": "the most sequences a worker may ask for at registration; a "
                              "larger max_batch_size is cut to this (the answer says so)",

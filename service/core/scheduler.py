@@ -29,6 +29,7 @@ from service.core.policies import make_policy
 from service.core.reconcile import Reconciler
 from service.core.recovery import Recovery
 from service.core.sequences import Sequence, SequenceTable
+from service.core.step_model import StepTimeModel
 from service.core.step_times import StepTimes
 from service.core.store import Disowned, StateStore, StoredState, StoreError
 from service.core.tenants import TenantLedger
@@ -86,12 +87,15 @@ class Scheduler:
         store: StateStore | None = None,
         stall_seconds: float | None = None,
         max_decision_bytes: int = DEFAULT_MAX_DECISION_BYTES,
+        step_prior: StepTimeModel | None = None,
     ) -> None:
         """`stall_seconds`: when lease checks (every call, and a caller's sweeper) are this
         far apart, the scheduler itself stood still (frozen, paused, starved): that time
         is not counted against the workers' leases. None: every gap counts (tests that
         move a fake clock by hand). `wall_clock` dates submissions for the store, so
-        that time waited before a restart still counts towards aging."""
+        that time waited before a restart still counts towards aging. `step_prior`: the
+        step-time model each worker's learning starts from (fitted to a step table);
+        None: the cautious default."""
         self.config = config.validate()
         self._policy = make_policy(config)
         order = queue_order(config)
@@ -118,7 +122,8 @@ class Scheduler:
                                        stall_seconds)
         self._wall_clock = wall_clock
         # Each worker's step times, learned while a latency target is set.
-        self._step_times = StepTimes() if config.learns_step_times else None
+        self._step_times = (StepTimes(step_prior.copy if step_prior else StepTimeModel)
+                            if config.learns_step_times else None)
         # The tenant's service so far, as the queue order reads it (0 without counters).
         self._served = self._tenants.served if self._tenants is not None else _no_service
         # The latest incarnation handed out (saved with every change of the workers).

@@ -38,6 +38,8 @@ _PRIOR_VARIANCE = 1e4
 # excited: a run of decode-only steps must not make the prefill weights jump later).
 _MAX_COVARIANCE_TRACE = 1e6
 DEFAULT_FORGETTING = 0.99
+# The error a model fitted to a table starts with: the table's own, until steps are measured.
+_FITTED_ERROR = 0.1
 # How fast the error estimate follows (about the last 1 / _ERROR_RATE steps).
 _ERROR_RATE = 0.05
 
@@ -89,6 +91,14 @@ class StepTimeModel:
             model.observe(shape, seconds)
         model.forgetting = forgetting
         model.num_steps = 0
+        model.recent_error = _FITTED_ERROR
+        return model
+
+    def copy(self) -> StepTimeModel:
+        """An independent model that starts where this one is (a prior for each worker)."""
+        model = StepTimeModel(self.weights, forgetting=self.forgetting)
+        model._cov = [row[:] for row in self._cov]
+        model.num_steps, model.recent_error = self.num_steps, self.recent_error
         return model
 
     def predict(self, shape: StepShape) -> float:

@@ -37,6 +37,7 @@ from service.core.store import StoreError
 from service.state.group_commit import GroupCommit
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
+from service.server.step_prior import load_step_prior
 from service.server.observers import FanOut
 from service.server.servicer import SchedulerServicer
 from service.settings import ServeSettings
@@ -205,7 +206,9 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
         core_class = ReplicaScheduler if settings.state else Scheduler
         core = core_class(settings.scheduler, observer=FanOut(metrics, wakeups), store=store,
                           stall_seconds=max(3 * sweep_seconds, 0.5),
-                          max_decision_bytes=settings.max_message_bytes)
+                          max_decision_bytes=settings.max_message_bytes,
+                          step_prior=(load_step_prior(settings.step_table)
+                                      if settings.step_table else None))
     except StoreError as err:
         where = f"state_dir {settings.state_dir!r}" if settings.state_dir else "state"
         raise ConfigError(f"{where}: cannot load it: {err}") from None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.core import FinishReason, Scheduler, SchedulerConfig, SchedulerObserver, SubmitParams
 from service.sim.client import InProcessClient
@@ -99,6 +99,9 @@ class RunOutcome:
     num_iterations: int
     num_steps: int
     end_seconds: float
+    # Per worker id, |predicted - measured| / measured of every step time the scheduler
+    # learned from, in order (empty without a latency target).
+    step_time_errors: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +120,7 @@ class _Recorder(SchedulerObserver):
                  on_finish: Callable[[RequestRecord], None]) -> None:
         self.by_seq_id: dict[int, RequestRecord] = {}
         self.queue_depth = 0
+        self.step_time_errors: dict[str, list[float]] = {}
         self._now = now
         self._on_progress = on_progress
         self._on_finish = on_finish
@@ -146,6 +150,11 @@ class _Recorder(SchedulerObserver):
 
     def on_queue_depth(self, depth: int) -> None:
         self.queue_depth = depth
+
+    def on_step_time(self, worker_id: str, predicted_seconds: float,
+                     measured_seconds: float) -> None:
+        self.step_time_errors.setdefault(worker_id, []).append(
+            abs(predicted_seconds - measured_seconds) / measured_seconds)
 
 
 class Simulation:
@@ -201,6 +210,8 @@ class Simulation:
             num_iterations=sum(w.loop.stats.iterations for w in self._workers),
             num_steps=sum(w.engine.num_steps for w in self._workers),
             end_seconds=self.now,
+            step_time_errors={w: e for r in self._recorders
+                              for w, e in r.step_time_errors.items()},
         )
 
     # Events.
