@@ -37,6 +37,7 @@ from service.core import (  # noqa: E402
     TokenUpdate, WorkerRegistration, WorkerReport,
 )
 from common.loadgen import percentile  # noqa: E402
+from service.core.errors import DeadlineUnreachable  # noqa: E402
 
 POLICIES = ("fifo", "budget", "fair")
 
@@ -55,13 +56,14 @@ def bench_decisions(policy: str, batch: int, queued: int, iterations: int,
     rnd = random.Random(seed)
     latency = dict(tpot_target_ms=100.0, ttft_target_ms=2000.0) if targets else {}
     config = SchedulerConfig(policy=policy, max_batch_size=batch, chunk_size=512,
-                             max_num_batched_tokens=4096, max_queue=queued + batch, **latency)
+                             max_num_batched_tokens=4096, max_queue=queued + batch,
+                             lease_ttl_ms=3_600_000, **latency)  # slow fills keep the lease
     core = Scheduler(config)
     pool = [_params(rnd) for _ in range(256)]  # reused: building prompts is not timed
-    for i in range(queued):
-        core.submit(pool[i % len(pool)])
     core.register_worker(WorkerRegistration("bench", total_kv_pages=10**6, page_size=16,
                                             total_gdn_slots=batch, max_batch_size=batch))
+    for i in range(queued):
+        _offer(core, pool[i % len(pool)])  # with a TTFT target, the fleet sheds some
     waiting: dict[int, tuple[int, int]] = {}  # seq_id -> (prompt length, tokens to generate)
     running: dict[int, int] = {}  # seq_id -> tokens left to generate
     finished: list[FinishedSequence] = []
@@ -96,9 +98,20 @@ def bench_decisions(policy: str, batch: int, queued: int, iterations: int,
             if running[seq_id] == 0:
                 del running[seq_id]
                 finished.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH))
+        offered = i
         while core.status().queue_depth < queued:
-            core.submit(pool[i % len(pool)])
+            if not _offer(core, pool[offered % len(pool)]):
+                offered += 1  # shed: offer the next one
     return samples
+
+
+def _offer(core: Scheduler, params: SubmitParams) -> bool:
+    """Submit; False if shed (with a TTFT target, a priority -1 request may be)."""
+    try:
+        core.submit(params)
+    except DeadlineUnreachable:
+        return False
+    return True
 
 
 def bench_get_sequence(policy: str, positions: int, calls: int, seed: int) -> list[float]:

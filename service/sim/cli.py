@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                        help="pull: one queue, workers take work when they ask (this "
                             "scheduler); round-robin / least-loaded: a queue per worker, each "
                             "request routed on arrival, as gateways do (default pull)")
+    fleet.add_argument("--worker-speeds", type=_speed_list, default=(), metavar="S[,S...]",
+                       help="each worker's speed relative to the cost model, one per worker "
+                            "(0.5: its steps take twice as long): a mixed fleet (default all 1)")
     fleet.add_argument("--profile", metavar="NAME|DIR",
                        help="Vidur operator profile: a shipped one (a30-qwen2-7b, the "
                             "default) or a directory with attention.csv, mlp.csv and "
@@ -123,7 +126,8 @@ def _run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     setup = experiments.Setup(trace, cost, worker, args.workers, args.num_requests,
                               args.arrivals, args.seed, args.routing,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress,
+                              worker_speeds=tuple(args.worker_speeds))
     _print_header(setup, configs, cost)
 
     if args.find_capacity:
@@ -261,6 +265,13 @@ def _qps_list(text: str) -> list[float]:
     if not values or any(not v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"every QPS must be above 0, got {text!r}")
     return values
+
+
+def _speed_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
 
 
 def _name_list(text: str) -> list[str]:

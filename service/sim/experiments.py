@@ -33,6 +33,7 @@ class Setup:
     seed: int
     routing: str
     progress: bool = True
+    worker_speeds: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def simulate(setup: Setup, config: SchedulerConfig, qps: float) -> Run:
     requests = make_requests(setup.trace, num_requests=setup.num_requests, qps=qps,
                              arrivals=setup.arrivals, seed=setup.seed,
                              max_seq_len=config.max_seq_len)
-    spec = RunSpec(config, setup.worker, setup.num_workers, setup.routing)
+    spec = RunSpec(config, setup.worker, setup.num_workers, setup.routing, setup.worker_speeds)
     bar = _progress_bar(setup, f"{config.policy} {setup.routing} {qps:g} QPS")
     started = time.perf_counter()
     try:
