@@ -110,7 +110,9 @@ class StepTimeModel:
         predicted = self.predict(shape)
         if seconds > 0:
             error = abs(predicted - seconds) / seconds
-            self.recent_error += _ERROR_RATE * (min(error, 10.0) - self.recent_error)
+            # The mean of the errors so far while there are few, then a moving average.
+            rate = max(_ERROR_RATE, 1.0 / (self.num_steps + 1))
+            self.recent_error += rate * (min(error, 10.0) - self.recent_error)
         self._update(shape.features(), seconds * 1000.0)
         self.num_steps += 1
         return predicted
