@@ -47,6 +47,7 @@ class Batcher:
         self._clock = clock
         self._max_decision_bytes = max_decision_bytes
         self._tracks_adapters = max_loras > 0
+        self._decode_context = 0  # of the latest decision made with a step model
 
     def decide(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
                evict: tuple[int, ...], step_model: StepTimeModel | None = None) -> Decision:
@@ -60,17 +61,18 @@ class Batcher:
         token_budget = limits.tokens
         check_plan(view, plan, limits,
                    lambda seq_id: self._candidate(worker, reported, seq_id), self._policy_name)
+        if step_model is not None:
+            self._decode_context = _decode_context(view, plan)
         return self._apply(worker, running, waiting, plan, evict, token_budget)
 
     def shape(self, decision: Decision) -> StepShape:
-        """What the step of `decision` holds, for its step time."""
-        sequence = self._sequences.get
+        """What the step of the latest `decision` (made with a step model) holds."""
         return StepShape(
             num_prefill_tokens=sum(c.chunk_len for c in decision.prefill),
             prefill_attention=sum(chunk_attention(c.chunk_start, c.chunk_len)
                                   for c in decision.prefill),
             num_decodes=len(decision.decode),
-            decode_context=sum(sequence(s).num_tokens() for s in decision.decode))
+            decode_context=self._decode_context)
 
     def _view(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
               running: tuple[Sequence, ...], waiting: tuple[Sequence, ...],
@@ -103,6 +105,8 @@ class Batcher:
             draining=report.draining or worker.drain_requested,
             adapters_in_use=adapters, decision_bytes=decision_bytes, queue=queue,
             service=service, step_model=step_model,
+            running_context=(sum(map(Sequence.num_tokens, running))
+                             if step_model is not None else 0),
         )
 
     def _candidate(self, worker: WorkerRecord, reported: frozenset[int],
@@ -174,3 +178,12 @@ class Batcher:
         seq.cursor += chunk.chunk_len
         self._changes.touched(seq)
         return prefill
+
+
+def _decode_context(view: DecisionView, plan: Plan) -> int:
+    """The tokens of the sequences `plan` decodes (before its decodes), from the view's
+    sum over the running ones less those that do not decode."""
+    if len(plan.decode) == len(view.running):
+        return view.running_context
+    decoding = set(plan.decode)
+    return sum(seq.num_tokens() for seq in view.running if seq.seq_id in decoding)

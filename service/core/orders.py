@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from service.core.config import SchedulerConfig
-from service.core.fair_queue import FairQueue
+from service.core.fair_queue import DeadlineQueue, FairQueue
 from service.core.queue import AdmissionQueue, FcfsQueue
 
 
@@ -63,8 +63,8 @@ class DeadlineOrder:
     (first submission + target) first inside a band. A sequence past its deadline keeps
     its place (it is late, not dropped); one back from a worker keeps its deadline.
 
-    The fair queue without tenant counters is this order: every tenant counts 0, and
-    with one target for all, deadlines sort as first submissions."""
+    The fair queue with all tenants in one group (DeadlineQueue) is this order: with
+    one target for all, deadlines sort as first submissions."""
 
     aging_seconds: float
     uses_tenant_service: ClassVar[bool] = False
@@ -72,7 +72,7 @@ class DeadlineOrder:
         SortTerm.AGED_PRIORITY, SortTerm.DEADLINE, SortTerm.SEQ_ID)
 
     def new_queue(self) -> AdmissionQueue:
-        return FairQueue(self.aging_seconds)
+        return DeadlineQueue(self.aging_seconds)
 
 
 QueueOrder = ArrivalOrder | FairOrder | DeadlineOrder

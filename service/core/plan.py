@@ -42,6 +42,8 @@ class DecisionView:
     service: TentativeService
     # The worker's learned step time (None: not learned, no latency target is set).
     step_model: StepTimeModel | None = None
+    # With a step model: the tokens of the running sequences, summed (their decode context).
+    running_context: int = 0
 
 
 @dataclass(frozen=True)

@@ -138,16 +138,12 @@ class StepTimeModel:
 
     def _update(self, x: tuple[float, ...], y_ms: float) -> None:
         cov, w = self._cov, self.weights
-        n = _NUM_FEATURES
-        px = [sum(cov[i][j] * x[j] for j in range(n)) for i in range(n)]
-        trace = sum(cov[i][i] for i in range(n))
+        px = [sum([a * b for a, b in zip(row, x)]) for row in cov]
+        trace = cov[0][0] + cov[1][1] + cov[2][2] + cov[3][3] + cov[4][4]
         forgetting = self.forgetting if trace < _MAX_COVARIANCE_TRACE else 1.0
-        denom = forgetting + sum(x[i] * px[i] for i in range(n))
+        denom = forgetting + sum([a * b for a, b in zip(x, px)])
         gain = [v / denom for v in px]
-        error = y_ms - sum(w[i] * x[i] for i in range(n))
-        for i in range(n):
-            w[i] += gain[i] * error
-        for i in range(n):
-            row, gi = cov[i], gain[i]
-            for j in range(n):
-                row[j] = (row[j] - gi * px[j]) / forgetting
+        error = y_ms - sum([a * b for a, b in zip(w, x)])
+        self.weights = [wi + gi * error for wi, gi in zip(w, gain)]
+        self._cov = [[(c - gi * p) / forgetting for c, p in zip(row, px)]
+                     for row, gi in zip(cov, gain)]

@@ -59,21 +59,30 @@ class BudgetPolicy:
         self._config = config
         self._min_prefill_chunk = config.first_chunk_floor
         self._tpot_seconds = config.tpot_target_ms / 1000.0
+        self._tokens_of: tuple[DecisionView | None, int] = (None, 0)  # the last view's
         if self._tpot_seconds:
             self.token_budget = config.max_num_batched_tokens or MAX_LEARNED_TOKEN_BUDGET
         else:
             self.token_budget = config.token_budget
 
     def tokens(self, view: DecisionView) -> int:
-        """This decision's token budget: the fixed one, or the TPOT target's."""
+        """This decision's token budget: the fixed one, or the TPOT target's (worked out
+        once per view: the mechanism asks again to check the plan)."""
         model = view.step_model
         if not self._tpot_seconds or model is None:
             return self.token_budget
+        if self._tokens_of[0] is view:
+            return self._tokens_of[1]
+        tokens = self._learned_tokens(view, model)
+        self._tokens_of = (view, tokens)
+        return tokens
+
+    def _learned_tokens(self, view: DecisionView, model: StepTimeModel) -> int:
         running, waiting = view.running, view.waiting
         margin = min(MAX_MARGIN, max(MIN_MARGIN, model.recent_error))
         prefill = model.prefill_budget(
             self._tpot_seconds * (1.0 - margin), num_decodes=len(running),
-            decode_context=sum(seq.num_tokens() for seq in running),
+            decode_context=view.running_context,
             prefill_context=(sum(seq.cursor for seq in waiting) / len(waiting)
                              if waiting else 0.0))
         prefill = max(self._min_prefill_chunk, min(prefill, self.token_budget))
