@@ -102,8 +102,10 @@ class StepTimeModel:
         return model
 
     def predict(self, shape: StepShape) -> float:
-        """Predicted seconds; never below zero (each weight counts as at least zero)."""
-        return sum(max(0.0, w) * x for w, x in zip(self.weights, shape.features())) / 1000.0
+        """Predicted seconds; never below zero. The weights are used as fitted: features
+        that move together (decodes and their context) may share the cost with one weight
+        below zero, and zeroing it would overpredict every step that has them."""
+        return max(0.0, sum([w * x for w, x in zip(self.weights, shape.features())])) / 1000.0
 
     def observe(self, shape: StepShape, seconds: float) -> float:
         """Learn one measured step; returns the prediction it had before (seconds)."""
@@ -123,13 +125,15 @@ class StepTimeModel:
         most `max_seconds`, counting each prefill token's attention as `prefill_context`
         + P / 2 tokens (a chunk from that context on: an upper bound for several chunks).
         0 when the decodes alone take that long; math.inf when prefill costs nothing."""
-        w = [max(0.0, v) for v in self.weights]
-        fixed_ms = (w[0] + w[3] * num_decodes * _DECODE_SCALE
-                    + w[4] * decode_context * _CONTEXT_SCALE)
+        w = self.weights
+        fixed_ms = max(0.0, w[0] + w[3] * num_decodes * _DECODE_SCALE
+                       + w[4] * decode_context * _CONTEXT_SCALE)
         room_ms = max_seconds * 1000.0 - fixed_ms
         if room_ms <= 0:
             return 0.0
-        # room = b P + a P^2, with a from the attention's P/2 and b per token.
+        # room = b P + a P^2, with a from the attention's P/2 and b per token (a prefill
+        # token never counts as free or negative: then the budget is the ceiling).
+        w = [max(0.0, v) for v in w]
         a = w[2] * _ATTENTION_SCALE / 2
         b = w[1] * _PREFILL_SCALE + w[2] * _ATTENTION_SCALE * prefill_context
         if a <= 0:
