@@ -46,3 +46,19 @@ def test_the_simulated_scheduler_learns_the_cost_model_from_reported_step_times(
         shape = StepShape(prefill, chunk_attention(0, prefill), decodes, decodes * 70)
         assert abs(model.predict(shape) - truth) / truth < 0.05
     assert result.tpot_p99 <= 0.04
+
+
+def test_worker_speeds_need_one_positive_speed_per_worker():
+    import pytest
+    with pytest.raises(ValueError, match="--worker-speeds lists 2 speeds for 3 workers"):
+        RunSpec(SchedulerConfig(), WorkerShape(64, 4, 8), 3, worker_speeds=(1.0, 0.5))
+    with pytest.raises(ValueError, match="--worker-speeds must all be above 0"):
+        RunSpec(SchedulerConfig(), WorkerShape(64, 4, 8), 2, worker_speeds=(1.0, 0.0))
+
+
+def test_a_half_speed_worker_takes_twice_as_long():
+    config = SchedulerConfig(policy="budget", max_batch_size=8)
+    full = experiments.saturation(_setup(1), config)
+    slow = experiments.saturation(
+        experiments.Setup(**{**_setup(1).__dict__, "worker_speeds": (0.5,)}), config)
+    assert 0.45 < slow.requests_per_second / full.requests_per_second < 0.55
