@@ -53,3 +53,24 @@ def test_a_leaving_worker_has_its_series_removed():
     sched.deregister_worker("w9")
     assert _value(registry, name, worker_id="w9") is None
     assert _value(registry, "lattice_scheduler_workers") == 0
+
+
+def test_step_times_budgets_and_deadline_misses_are_metrics():
+    clock, registry = FakeClock(), CollectorRegistry()
+    sched = Scheduler(make_config(policy="budget", tpot_target_ms=100.0, ttft_target_ms=300.0),
+                      observer=SchedulerMetrics(registry, clock=clock, ttft_target_seconds=0.3),
+                      clock=clock)
+    register(sched)
+    seq_id = submit(sched, prompt_len=40, max_new_tokens=4)
+    sched.select_batch(report())  # the first chunk: a decision with work
+    clock.advance_ms(400)  # past the 300 ms deadline
+    sched.select_batch(WorkerReport("w0", running=(seq_id,), kv_free_pages=100,
+                                    gdn_free_slots=8, tokens=(TokenUpdate(seq_id, (1,)),),
+                                    last_step_us=25_000))
+    p = "lattice_scheduler_"
+    assert _value(registry, p + "worker_step_measured_seconds", worker_id="w0") == 0.025
+    predicted = _value(registry, p + "worker_step_predicted_seconds", worker_id="w0")
+    assert predicted > 0.025  # the cautious default
+    assert _value(registry, p + "step_time_error_ratio_count", worker_id="w0") == 1
+    assert _value(registry, p + "worker_token_budget", worker_id="w0") > 40
+    assert _value(registry, p + "deadline_misses_total") == 1

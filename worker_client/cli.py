@@ -283,7 +283,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     extras.require("worker", "lattice-worker profile")
     import torch
 
-    from worker_client import profiling, step_table
+    from common import step_table
+    from worker_client import profiling
     from worker_client.engine.engine import ModelEngine, default_pool_sizes
     from worker_client.engine.loading import load_model, random_model
 

@@ -147,9 +147,10 @@ class PendingReport:
 
     def request(self, worker_id: str, *, waiting, running, kv_free_pages: int,
                 gdn_free_slots: int, draining: bool,
-                idle_wait_seconds: float = 0.0,
-                kv_cached_pages: int = 0) -> pb.SelectBatchRequest:
-        """The report; `idle_wait_seconds` > 0 asks for a long poll."""
+                idle_wait_seconds: float = 0.0, kv_cached_pages: int = 0,
+                last_step_us: int = 0) -> pb.SelectBatchRequest:
+        """The report; `idle_wait_seconds` > 0 asks for a long poll; `last_step_us` is the
+        latest step's time not yet reported (0: none)."""
         request = pb.SelectBatchRequest(
             worker_id=worker_id, waiting=waiting, running=running,
             kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
@@ -158,6 +159,7 @@ class PendingReport:
             tokens=[pb.TokenUpdate(seq_id=s, token_ids=t, offset=self._delivered.get(s, 0))
                     for s, t in self.tokens.items()],
             kv_cached_pages=kv_cached_pages, cache_misses=self.cache_misses,
+            last_step_us=last_step_us,
         )
         if self.cache:
             delta = self.cache.peek()

@@ -18,6 +18,7 @@ from service.core.plan import Chunk, DecisionView, Plan, Policy
 from service.core.plan_check import check_plan
 from service.core.queue import AdmissionQueue
 from service.core.sequences import Sequence, SequenceTable
+from service.core.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.tenants import TenantLedger, TentativeService
 from service.core.types import Decision, PrefillChunk, SequenceState, WorkerReport
 
@@ -46,22 +47,36 @@ class Batcher:
         self._clock = clock
         self._max_decision_bytes = max_decision_bytes
         self._tracks_adapters = max_loras > 0
+        self._decode_context = 0  # of the latest decision made with a step model
 
     def decide(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
-               evict: tuple[int, ...]) -> Decision:
+               evict: tuple[int, ...], step_model: StepTimeModel | None = None) -> Decision:
         """The decision for `worker`, whose report was applied (docs/contract.md rule 1)."""
         assigned, sequence = worker.assigned, self._sequences.get
         running = tuple(sequence(s) for s in report.running if s in assigned)
         waiting = tuple(sequence(s) for s in report.waiting if s in assigned)
-        view = self._view(worker, report, reported, running, waiting, len(evict))
+        view = self._view(worker, report, reported, running, waiting, len(evict), step_model)
         plan = self._policy.plan(view)
-        check_plan(view, plan, self._policy.budget(view),
+        limits = self._policy.budget(view)
+        token_budget = limits.tokens
+        check_plan(view, plan, limits,
                    lambda seq_id: self._candidate(worker, reported, seq_id), self._policy_name)
-        return self._apply(worker, running, waiting, plan, evict)
+        if step_model is not None:
+            self._decode_context = _decode_context(view, plan)
+        return self._apply(worker, running, waiting, plan, evict, token_budget)
+
+    def shape(self, decision: Decision) -> StepShape:
+        """What the step of the latest `decision` (made with a step model) holds."""
+        return StepShape(
+            num_prefill_tokens=sum(c.chunk_len for c in decision.prefill),
+            prefill_attention=sum(chunk_attention(c.chunk_start, c.chunk_len)
+                                  for c in decision.prefill),
+            num_decodes=len(decision.decode),
+            decode_context=self._decode_context)
 
     def _view(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
               running: tuple[Sequence, ...], waiting: tuple[Sequence, ...],
-              num_evict: int) -> DecisionView:
+              num_evict: int, step_model: StepTimeModel | None) -> DecisionView:
         sequences = self._sequences
         assigned = worker.assigned
         adapters = (frozenset(a for s in assigned if (a := sequences.get(s).adapter_id))
@@ -89,7 +104,9 @@ class Batcher:
             kv_free_pages=report.kv_free_pages, gdn_free_slots=report.gdn_free_slots,
             draining=report.draining or worker.drain_requested,
             adapters_in_use=adapters, decision_bytes=decision_bytes, queue=queue,
-            service=service,
+            service=service, step_model=step_model,
+            running_context=(sum(map(Sequence.num_tokens, running))
+                             if step_model is not None else 0),
         )
 
     def _candidate(self, worker: WorkerRecord, reported: frozenset[int],
@@ -102,7 +119,8 @@ class Batcher:
         return seq
 
     def _apply(self, worker: WorkerRecord, running: tuple[Sequence, ...],
-               waiting: tuple[Sequence, ...], plan: Plan, evict: tuple[int, ...]) -> Decision:
+               waiting: tuple[Sequence, ...], plan: Plan, evict: tuple[int, ...],
+               token_budget: int | None) -> Decision:
         """Carry out a checked plan; `running` and `waiting` are the view's, as the
         sequence table's records (written here, read-only to the policy)."""
         served: Counter[str] = Counter()
@@ -136,7 +154,7 @@ class Batcher:
         if plan.decode or prefill:
             self._observer.on_plan(worker.worker_id,
                                    len(plan.decode) + sum(c.chunk_len for c in prefill),
-                                   self._policy.token_budget)
+                                   token_budget)
         return Decision(tuple(prefill), plan.decode, evict, worker.iteration, plan.preempt)
 
     def _first_chunk(self, worker: WorkerRecord, seq: Sequence, chunk_len: int) -> PrefillChunk:
@@ -160,3 +178,12 @@ class Batcher:
         seq.cursor += chunk.chunk_len
         self._changes.touched(seq)
         return prefill
+
+
+def _decode_context(view: DecisionView, plan: Plan) -> int:
+    """The tokens of the sequences `plan` decodes (before its decodes), from the view's
+    sum over the running ones less those that do not decode."""
+    if len(plan.decode) == len(view.running):
+        return view.running_context
+    decoding = set(plan.decode)
+    return sum(seq.num_tokens() for seq in view.running if seq.seq_id in decoding)

@@ -28,6 +28,11 @@ class QueueFull(SchedulerError):
     """The admission queue is at its limit (RESOURCE_EXHAUSTED)."""
 
 
+class DeadlineUnreachable(QueueFull):
+    """A sheddable request (negative priority) that no worker could start before its TTFT
+    deadline (RESOURCE_EXHAUSTED, as a full queue: the client may go elsewhere)."""
+
+
 class UnknownWorker(SchedulerError):
     """The worker is not registered, or its lease expired (FAILED_PRECONDITION)."""
 

@@ -64,5 +64,9 @@ class SchedulerObserver:
         """A decision's tokens (decodes + prefill chunks) and the budget it had (None:
         the policy has no token budget)."""
 
+    def on_step_time(self, worker_id: str, predicted_seconds: float,
+                     measured_seconds: float) -> None:
+        """A worker's measured step and what its model predicted for it beforehand."""
+
     def on_served(self, tenant: str, num_tokens: int) -> None:
         """Tokens served to a tenant: prompt tokens handed out, generated tokens reported."""

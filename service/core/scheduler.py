@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from service.core.batcher import Batcher
 from service.core.changes import ChangeSet
 from service.core.config import SchedulerConfig
-from service.core.errors import InvalidArgument, NotFound, QueueFull
+from service.core.deadlines import prefill_rate, start_seconds
+from service.core.errors import DeadlineUnreachable, InvalidArgument, NotFound, QueueFull
 from service.core.ledger import WorkerLedger, no_worker_has
 from service.core.lifecycle import Lifecycle
 from service.core.observer import RequeueReason, SchedulerObserver
@@ -28,6 +29,8 @@ from service.core.policies import make_policy
 from service.core.reconcile import Reconciler
 from service.core.recovery import Recovery
 from service.core.sequences import Sequence, SequenceTable
+from service.core.step_model import StepTimeModel
+from service.core.step_times import StepTimes
 from service.core.store import Disowned, StateStore, StoredState, StoreError
 from service.core.tenants import TenantLedger
 from service.core.types import (
@@ -84,12 +87,15 @@ class Scheduler:
         store: StateStore | None = None,
         stall_seconds: float | None = None,
         max_decision_bytes: int = DEFAULT_MAX_DECISION_BYTES,
+        step_prior: StepTimeModel | None = None,
     ) -> None:
         """`stall_seconds`: when lease checks (every call, and a caller's sweeper) are this
         far apart, the scheduler itself stood still (frozen, paused, starved): that time
         is not counted against the workers' leases. None: every gap counts (tests that
         move a fake clock by hand). `wall_clock` dates submissions for the store, so
-        that time waited before a restart still counts towards aging."""
+        that time waited before a restart still counts towards aging. `step_prior`: the
+        step-time model each worker's learning starts from (fitted to a step table);
+        None: the cautious default."""
         self.config = config.validate()
         self._policy = make_policy(config)
         order = queue_order(config)
@@ -115,6 +121,9 @@ class Scheduler:
                                        self._lifecycle, self._changes, self._observer, clock,
                                        stall_seconds)
         self._wall_clock = wall_clock
+        # Each worker's step times, learned while a latency target is set.
+        self._step_times = (StepTimes(step_prior.copy if step_prior else StepTimeModel)
+                            if config.learns_step_times else None)
         # The tenant's service so far, as the queue order reads it (0 without counters).
         self._served = self._tenants.served if self._tenants is not None else _no_service
         # The latest incarnation handed out (saved with every change of the workers).
@@ -142,6 +151,7 @@ class Scheduler:
                 f"tenant {params.tenant!r} already has {per_tenant} sequences queued "
                 f"(max_queue_per_tenant={per_tenant}); retry later"
             )
+        self._shed_if_late(params)
         # Acknowledged to the client: the save must survive a power loss.
         with self._saved(sync=True) as saved:
             seq = self._sequences.create(params, self._clock(), self._wall_clock())
@@ -247,6 +257,8 @@ class Scheduler:
             self._last_incarnation += 1
             record = self._workers.add(registration, self._last_incarnation)
             self._workers.joined(record)
+        if self._step_times is not None:
+            self._step_times.registered(registration.worker_id)
         return record.settings
 
     def deregister_worker(self, worker_id: str, incarnation: int = 0) -> int:
@@ -286,14 +298,51 @@ class Scheduler:
             check_incarnation(worker, report.incarnation)
             validate_report(report, worker.settings.max_batch_size)
             reconciled = self._reconciler.apply(worker, report)
+            step_model = self._learn_step_time(report)
             decision = self._batcher.decide(worker, report, reconciled.reported,
-                                            reconciled.evict)
+                                            reconciled.evict, step_model)
         if saved.disowned:
             decision = _without(decision, saved.disowned, reconciled.reported)
+        if self._step_times is not None and (decision.prefill or decision.decode):
+            self._step_times.decided(report.worker_id, self._batcher.shape(decision))
         self._observer.on_decision(report, decision)
         return decision
 
     # ----------------------------------------------------------------- internals
+
+    def _shed_if_late(self, params: SubmitParams) -> None:
+        """DeadlineUnreachable for a sheddable request (negative priority, a TTFT target
+        set) that no worker could start before its deadline (service/core/deadlines.py)."""
+        target_seconds = self.config.ttft_target_ms / 1000.0
+        if not target_seconds or params.priority >= 0 or self._step_times is None:
+            return
+        workers = [w for w in self._ledger if not (w.draining or w.drain_requested)]
+        tokens_ahead = self._queue.tokens_up_to(params.priority)
+        rate = prefill_rate((model, self._policy.step_tokens(model))
+                            for model in map(self._step_times.model,
+                                             (w.worker_id for w in workers)))
+        wait = start_seconds(tokens_ahead, rate)
+        if wait is not None and wait <= target_seconds:
+            return
+        why = ("no worker is registered to start it" if not workers else
+               f"{tokens_ahead} prompt tokens of as urgent requests are queued ahead of it, "
+               f"about {wait:.2f} s of prefill on the {len(workers)} worker(s)")
+        raise DeadlineUnreachable(
+            f"shed: priority {params.priority} is sheddable and cannot start before its "
+            f"deadline (--ttft-target-ms {self.config.ttft_target_ms:g}): {why}; retry "
+            "later or elsewhere, or submit with priority >= 0 to queue it anyway")
+
+    def _learn_step_time(self, report: WorkerReport):
+        """Learn from the step time `report` carries; the worker's model (None: none
+        is learned)."""
+        if self._step_times is None:
+            return None
+        worker_id = report.worker_id
+        measured = self._step_times.measured(worker_id, report.last_step_us)
+        if measured is not None:
+            shape, predicted, seconds = measured
+            self._observer.on_step_time(worker_id, predicted, seconds)
+        return self._step_times.model(worker_id)
 
     @contextmanager
     def _saved(self, sync: bool = False) -> Iterator[Saved]:

@@ -185,6 +185,9 @@ class WorkerReport:
     kv_cached_pages: int = 0
     # First chunks whose resume point was gone: nothing ran, admit each again.
     cache_misses: tuple[int, ...] = ()
+    # Wall time of the worker's last engine step not reported before, in microseconds
+    # (0: unknown, or no step since the last report).
+    last_step_us: int = 0
 
 
 @dataclass(frozen=True, slots=True)

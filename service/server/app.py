@@ -38,6 +38,7 @@ from service.core.store import StateStore, StoreError
 from service.state.group_commit import GroupCommit
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
+from service.server.step_prior import load_step_prior
 from service.server.observers import FanOut
 from service.server.servicer import SchedulerServicer
 from service.settings import ServeSettings
@@ -184,7 +185,8 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None,
     _warn_if_exposed(settings)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = SchedulerMetrics(registry, named_tenants=(
-        tenant for tenant, _ in settings.scheduler.tenant_weights))
+        tenant for tenant, _ in settings.scheduler.tenant_weights),
+        ttft_target_seconds=settings.scheduler.ttft_target_ms / 1000.0)
     if shared is not None:
         store = shared.open_store(settings, registry)
     else:
@@ -223,7 +225,9 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
         core_class = ReplicaScheduler if shared is not None else Scheduler
         core = core_class(settings.scheduler, observer=FanOut(metrics, wakeups), store=store,
                           stall_seconds=max(3 * sweep_seconds, 0.5),
-                          max_decision_bytes=settings.max_message_bytes)
+                          max_decision_bytes=settings.max_message_bytes,
+                          step_prior=(load_step_prior(settings.step_table)
+                                      if settings.step_table else None))
     except StoreError as err:
         where = f"state_dir {settings.state_dir!r}" if settings.state_dir else "state"
         raise ConfigError(f"{where}: cannot load it: {err}") from None

@@ -154,6 +154,7 @@ def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
         cache=CacheReport(tuple(msg.cache.added), tuple(msg.cache.removed), msg.cache.reset),
         kv_cached_pages=msg.kv_cached_pages,
         cache_misses=tuple(msg.cache_misses),
+        last_step_us=msg.last_step_us,
     )
 
 

@@ -26,7 +26,7 @@ from typing import Protocol
 from worker_client.engine.api import (
     CacheDelta, ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
 )
-from worker_client.step_table import StepLoad
+from common.step_table import StepLoad
 
 # Every simulated token has this id: the simulator counts tokens, it does not read them.
 TOKEN_ID = 1

@@ -206,6 +206,8 @@ _ORDER_SQL = {
     SortTerm.TENANT_SERVICE: ("coalesce((SELECT t.served FROM tenant_service t "
                               "WHERE t.tenant = q.tenant), 0)"),
     SortTerm.SUBMITTED_AT: "submitted_at",
+    # Submission + the one TTFT target: the same order as the submissions.
+    SortTerm.DEADLINE: "submitted_at",
     SortTerm.SEQ_ID: "seq_id",
 }
 

@@ -16,14 +16,38 @@ worker then preempts or fails it, as with fifo's empty-batch rule).
 
 `fair` is this batching over the fair queue order (service/core/orders.py): the order
 and the batching are chosen apart, so there is no policy class of its own.
+
+The budget B is --max-num-batched-tokens, or, with a TPOT target, chosen per decision
+from the worker's learned step time (service/core/step_model.py): B = the decodes plus
+the most prefill tokens whose predicted step, with those decodes and their context,
+takes at most target x (1 - margin), the margin being the model's recent relative error
+(within [MIN_MARGIN, MAX_MARGIN]). Never fewer prefill tokens than one first chunk
+(--min-prefill-chunk), so that prefill keeps moving when the decodes alone take the
+target; never more tokens in all than --max-num-batched-tokens when it is set, else
+MAX_LEARNED_TOKEN_BUDGET.
 """
 from __future__ import annotations
+
+import math
 
 from service.core.config import SchedulerConfig
 from service.core.plan import Chunk, DecisionView, Plan
 from service.core.policies.admit import admit
 from service.core.step_budget import StepBudget, decode_pages, held_pages
+from service.core.step_model import StepTimeModel
 from service.core.vocabulary import BlockReason, PreemptReason, SequenceView
+
+# The most tokens a learned budget may give one decision without --max-num-batched-tokens.
+MAX_LEARNED_TOKEN_BUDGET = 16384
+# The share of the TPOT target kept back for the model's error: its recent relative
+# error, at least MIN_MARGIN (a model that fits perfectly still sees noise), at most
+# MAX_MARGIN (a model still learning must not starve prefill).
+MIN_MARGIN = 0.05
+MAX_MARGIN = 0.5
+# A learned budget of more than this many tokens is rounded down to a multiple of it: a
+# step's cost jumps where its token count crosses a GEMM tile or CUDA-graph size (the A30
+# profile: 512 tokens take 72 ms, 519 take 79 ms), which a linear model does not see.
+TOKEN_ALIGNMENT = 256
 
 
 class BudgetPolicy:
@@ -33,8 +57,49 @@ class BudgetPolicy:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self._config = config
-        self.token_budget = config.token_budget
         self._min_prefill_chunk = config.first_chunk_floor
+        self._tpot_seconds = config.tpot_target_ms / 1000.0
+        self._tokens_of: tuple[DecisionView | None, int] = (None, 0)  # the last view's
+        if self._tpot_seconds:
+            self.token_budget = config.max_num_batched_tokens or MAX_LEARNED_TOKEN_BUDGET
+        else:
+            self.token_budget = config.token_budget
+
+    def tokens(self, view: DecisionView) -> int:
+        """This decision's token budget: the fixed one, or the TPOT target's (worked out
+        once per view: the mechanism asks again to check the plan)."""
+        model = view.step_model
+        if not self._tpot_seconds or model is None:
+            return self.token_budget
+        if self._tokens_of[0] is view:
+            return self._tokens_of[1]
+        tokens = self._learned_tokens(view, model)
+        self._tokens_of = (view, tokens)
+        return tokens
+
+    def _learned_tokens(self, view: DecisionView, model: StepTimeModel) -> int:
+        running, waiting = view.running, view.waiting
+        margin = min(MAX_MARGIN, max(MIN_MARGIN, model.recent_error))
+        prefill = model.prefill_budget(
+            self._tpot_seconds * (1.0 - margin), num_decodes=len(running),
+            decode_context=view.running_context,
+            prefill_context=(sum(seq.cursor for seq in waiting) / len(waiting)
+                             if waiting else 0.0))
+        prefill = max(self._min_prefill_chunk, min(prefill, self.token_budget))
+        tokens = len(running) + math.floor(prefill)
+        if tokens > TOKEN_ALIGNMENT:
+            tokens = max(tokens // TOKEN_ALIGNMENT * TOKEN_ALIGNMENT,
+                         len(running) + self._min_prefill_chunk)
+        return min(self.token_budget, tokens)
+
+    def step_tokens(self, model: StepTimeModel) -> int:
+        """Prefill tokens of a step of this policy's budget, alone on the worker (what
+        the deadline estimate counts a step as)."""
+        if not self._tpot_seconds:
+            return self.token_budget
+        prefill = model.prefill_budget(self._tpot_seconds * (1.0 - MIN_MARGIN), num_decodes=0,
+                                       decode_context=0, prefill_context=0.0)
+        return math.floor(max(self._min_prefill_chunk, min(prefill, self.token_budget)))
 
     def budget(self, view: DecisionView) -> StepBudget:
         if view.draining:
@@ -44,7 +109,7 @@ class BudgetPolicy:
         watermark = self._config.kv_watermark(view.total_kv_pages)
         return StepBudget(new_seqs=new_seqs, new_seqs_reason=reason,
                           gdn_slots=view.gdn_free_slots, decision_bytes=view.decision_bytes,
-                          page_size=view.page_size, tokens=self.token_budget,
+                          page_size=view.page_size, tokens=self.tokens(view),
                           kv_pages=view.kv_free_pages - watermark,
                           max_loras=self._config.max_loras, adapters=set(view.adapters_in_use))
 
