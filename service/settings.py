@@ -153,6 +153,8 @@ _HELP = {
     "tenant_weights": "fair: TOML file of `tenant = weight` lines; a weight-2 tenant is "
                       "served twice the tokens of a weight-1 one",
     "max_loras": "most distinct LoRA adapters active on one worker (0: no limit)",
+    "prefix_caching": "on: first chunks start from the asking worker's longest resume "
+                      "point (its prefix cache); off: ignore every cache report",
 }
 
 # How a default that depends on other settings reads in --help.

@@ -189,6 +189,7 @@ class Scheduler:
             finish_reason=seq.finish_reason,
             queue_position=self._position(seq),
             error_message=seq.error_message,
+            cached_tokens=seq.cached_tokens,
         )
 
     def read_output(self, seq_id: int, start: int) -> OutputView:

@@ -49,5 +49,7 @@ class FifoPolicy:
             blocked=blocked,
         )
 
-    def _first_chunk(self, seq: SequenceView, budget: StepBudget) -> int:
-        return min(self._chunk_size, seq.num_tokens())
+    def _first_chunk(self, seq: SequenceView, budget: StepBudget, cached: int) -> int:
+        # From the worker's resume point when it reported one (docs/prefix-caching.md):
+        # a worker that reports no cache gets exactly rule 5's chunks.
+        return min(self._chunk_size, seq.num_tokens() - cached)
