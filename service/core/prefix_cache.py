@@ -86,12 +86,14 @@ def longest_resume(hashes: list[int], num_tokens: int, block_tokens: int,
     return 0
 
 
-def align_chunk(start: int, length: int, remaining: int, block_tokens: int) -> int:
-    """`length` shortened so that a chunk from `start` ends on a block boundary, when it
-    ends before the prompt does and a boundary lies inside it (vLLM's align rule: the
-    worker can only snapshot GDN state where a forward ends on a block). Unchanged with
-    `block_tokens` 0 (no cache) or when no boundary is reachable."""
-    if not block_tokens or length >= remaining:
+def align_chunk(start: int, length: int, block_tokens: int) -> int:
+    """`length` shortened so that a chunk from `start` ends on its last block boundary,
+    when one lies inside it (vLLM's align rule: the worker can only snapshot GDN state
+    where a forward ends on a block). The prompt's last chunk too: its full blocks then
+    get a resume point (a conversation's next turn starts there), and the tokens after
+    the last boundary follow in the next step. Unchanged with `block_tokens` 0 (no
+    cache) or when no boundary lies inside."""
+    if not block_tokens:
         return length
     end = start + length
     aligned = end - end % block_tokens

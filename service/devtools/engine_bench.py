@@ -147,6 +147,7 @@ class SchedulerStack:
         self._thread.start()
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.SchedulerStub(self._channel)
+        self.last_seq_id = 0  # the seq_id of the latest generate's stream
 
     def generate(self, prompt: Tokens, max_new_tokens: int,
                  started: float | None = None) -> tuple[Tokens, float]:
@@ -157,10 +158,14 @@ class SchedulerStack:
         tokens: list[int] = []
         first_token_seconds = math.nan
         for event in self._stub.Generate(request, timeout=600):
+            self.last_seq_id = event.seq_id
             if event.token_ids and not tokens:
                 first_token_seconds = time.perf_counter() - started
             tokens.extend(event.token_ids)
         return tuple(tokens), first_token_seconds
+
+    def get_sequence(self, seq_id: int) -> pb.SequenceInfo:
+        return self._stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=30)
 
     def metric(self, name: str, **labels: str) -> float:
         """A scheduler metric's value now (0 if it has no sample yet)."""

@@ -68,8 +68,9 @@ def test_a_reported_resume_point_gives_the_admission_cached_tokens(policy):
     sched = cached_scheduler(policy)
     seq = submit(sched, prompt_len=100)
     decision = sched.select_batch(cache_report(added=hashes(100)[:4], reset=True))
-    # Four blocks (64 tokens) cached: the chunk computes the 36 after them.
-    assert first_chunks(decision) == [(seq, 64, 64, 36)]
+    # Four blocks (64 tokens) cached: the chunk computes after them, up to the last
+    # block boundary (96), so that block 5 gets a snapshot; the 4 after it follow.
+    assert first_chunks(decision) == [(seq, 64, 64, 32)]
     assert decision.prefill[0].spec.prompt_token_ids == prompt(100)  # the whole prompt
     assert sched.get_sequence(seq).cached_tokens == 64
 
@@ -82,7 +83,7 @@ def test_the_longest_resume_point_strictly_below_the_prompt_is_taken():
     decision = sched.select_batch(cache_report(added=[points[0], points[1], points[3]],
                                                reset=True))
     # 64 tokens: block 3 would leave nothing to compute; block 2 is not a resume point.
-    assert first_chunks(decision) == [(whole, 32, 32, 32), (gap, 64, 64, 36)]
+    assert first_chunks(decision) == [(whole, 32, 32, 32), (gap, 64, 64, 32)]
 
 
 def test_a_worker_without_points_or_with_another_adapter_gets_no_cached_tokens():
@@ -115,20 +116,22 @@ def test_a_requeued_sequence_resumes_from_points_over_its_generated_tokens():
 
 def test_only_computed_tokens_count_against_the_token_budget():
     sched = cached_scheduler("budget", max_num_batched_tokens=64)
-    ids = [submit(sched, prompt_len=100) for _ in range(2)]
+    ids = [submit(sched, prompt_len=100) for _ in range(3)]
     decision = sched.select_batch(cache_report(added=hashes(100)[:4], reset=True))
-    # 36 computed for the first; 28 left for the second, cut to end on the block at 80.
-    assert first_chunks(decision) == [(ids[0], 64, 64, 36), (ids[1], 64, 64, 16)]
+    # 32 computed for each of two (to the block at 96): the budget of 64 is spent, the
+    # cached 2 x 64 do not count.
+    assert first_chunks(decision) == [(ids[0], 64, 64, 32), (ids[1], 64, 64, 32)]
+    assert sched.get_sequence(ids[2]).state is SequenceState.QUEUED
 
 
 def test_cached_tokens_pages_count_as_taken():
     sched = cached_scheduler("budget")
-    seq = submit(sched, prompt_len=100)  # 7 pages of 16 for all 100 positions
+    seq = submit(sched, prompt_len=100)  # cached 64 + chunk 32: 6 pages of 16
     points = hashes(100)[:4]
-    blocked = sched.select_batch(cache_report(added=points, reset=True, kv_free_pages=7))
-    assert blocked.prefill == ()  # 7 free less the watermark of 1 hold 6 pages
-    decision = sched.select_batch(cache_report(kv_free_pages=8))
-    assert first_chunks(decision) == [(seq, 64, 64, 36)]
+    blocked = sched.select_batch(cache_report(added=points, reset=True, kv_free_pages=6))
+    assert blocked.prefill == ()  # 6 free less the watermark of 1 hold 5 pages
+    decision = sched.select_batch(cache_report(kv_free_pages=7))
+    assert first_chunks(decision) == [(seq, 64, 64, 32)]
 
 
 def test_budget_chunks_end_on_block_boundaries_where_the_budget_allows():
@@ -139,7 +142,17 @@ def test_budget_chunks_end_on_block_boundaries_where_the_budget_allows():
     second = sched.select_batch(report(waiting=[seq]))
     assert [(c.chunk_start, c.chunk_len) for c in second.prefill] == [(32, 32)]  # to 64
     third = sched.select_batch(report(waiting=[seq]))
-    assert [(c.chunk_start, c.chunk_len) for c in third.prefill] == [(64, 36)]  # the rest
+    assert [(c.chunk_start, c.chunk_len) for c in third.prefill] == [(64, 32)]  # to 96
+    last = sched.select_batch(report(waiting=[seq]))
+    assert [(c.chunk_start, c.chunk_len) for c in last.prefill] == [(96, 4)]  # the rest
+
+
+def test_fifo_chunks_end_on_block_boundaries_for_a_worker_with_a_cache():
+    sched = cached_scheduler(chunk_size=40)
+    seq = submit(sched, prompt_len=70)
+    assert first_chunks(sched.select_batch(report())) == [(seq, 0, 0, 32)]
+    chunks = [sched.select_batch(report(waiting=[seq])).prefill[0] for _ in range(2)]
+    assert [(c.chunk_start, c.chunk_len) for c in chunks] == [(32, 32), (64, 6)]
 
 
 @pytest.mark.parametrize("setting", ["off", "no cache"])
@@ -161,16 +174,16 @@ def test_a_miss_is_admitted_again_from_a_point_still_known_and_is_not_lost():
     seq = submit(sched, prompt_len=100)
     points = hashes(100)
     decision = sched.select_batch(cache_report(added=[points[1], points[3]], reset=True))
-    assert first_chunks(decision) == [(seq, 64, 64, 36)]
+    assert first_chunks(decision) == [(seq, 64, 64, 32)]
     # The worker no longer holds block 3's point: nothing ran; the same call admits the
     # sequence again from the point it still knows (block 1: 32 tokens).
     again = sched.select_batch(cache_report(misses=[seq]))
-    assert first_chunks(again) == [(seq, 32, 32, 68)]
+    assert first_chunks(again) == [(seq, 32, 32, 64)]
     assert recorder.requeued == [(seq, RequeueReason.CACHE_MISS)]
     assert recorder.misses == [seq]
     # Missed again: no point left, so from token 0.
     last = sched.select_batch(cache_report(misses=[seq]))
-    assert first_chunks(last) == [(seq, 0, 0, 100)]
+    assert first_chunks(last) == [(seq, 0, 0, 96)]
     # Its tokens then arrive once, as for any sequence.
     sched.select_batch(report(running=[seq], tokens={seq: [7, 8]}))
     assert sched.read_output(seq, 0).token_ids == (7, 8)
@@ -218,8 +231,8 @@ def test_a_retried_report_gives_the_same_decision_as_one():
     twice.select_batch(cache_report(**delta))
     twice.select_batch(cache_report(**delta))
     # Points 1, 2, 3 either way: the admission resumes after block 3.
-    assert first_chunks(once.select_batch(report())) == [(1, 64, 64, 36)]
-    assert first_chunks(twice.select_batch(report())) == [(1, 64, 64, 36)]
+    assert first_chunks(once.select_batch(report())) == [(1, 64, 64, 32)]
+    assert first_chunks(twice.select_batch(report())) == [(1, 64, 64, 32)]
 
 
 def test_a_new_registration_forgets_the_old_incarnations_points():
@@ -229,7 +242,7 @@ def test_a_new_registration_forgets_the_old_incarnations_points():
     assert recorder.points == [6]
     register(sched, cache_block_tokens=B)
     seq = submit(sched, prompt_len=100)
-    assert first_chunks(sched.select_batch(report())) == [(seq, 0, 0, 100)]
+    assert first_chunks(sched.select_batch(report())) == [(seq, 0, 0, 96)]
 
 
 def test_prefix_caching_off_ignores_every_cache_report():
@@ -270,10 +283,10 @@ def test_the_observer_hears_computed_and_cached_prefill_tokens():
     sched = cached_scheduler("budget", observer=recorder)
     seq = submit(sched, prompt_len=100)
     sched.select_batch(cache_report(added=hashes(100)[:4], reset=True))
-    assert recorder.prefill == [(36, 64)]
+    assert recorder.prefill == [(32, 64)]
     assert recorder.points == [4]
     sched.select_batch(report(running=[seq]))
-    assert recorder.prefill == [(36, 64)]  # a decode only: no prefill tokens
+    assert recorder.prefill == [(32, 64)]  # a decode only: no prefill tokens
 
 
 # ----------------------------------------------------------------- helpers
@@ -283,7 +296,8 @@ def test_longest_resume_and_align_chunk():
     assert longest_resume([1, 2, 3], 49, B, {1, 3}) == 48
     assert longest_resume([1, 2, 3], 48, B, {1, 3}) == 16  # strictly below the prompt
     assert longest_resume([1, 2, 3], 48, B, set()) == 0
-    assert align_chunk(0, 40, 100, B) == 32
-    assert align_chunk(0, 40, 40, B) == 40  # the prompt's end
-    assert align_chunk(0, 10, 100, B) == 10  # no boundary inside
-    assert align_chunk(32, 40, 100, 0) == 40  # no cache
+    assert align_chunk(0, 40, B) == 32
+    assert align_chunk(64, 36, B) == 32  # a prompt's last chunk too
+    assert align_chunk(32, 32, B) == 32  # ends on a boundary
+    assert align_chunk(0, 10, B) == 10  # no boundary inside
+    assert align_chunk(32, 40, 0) == 40  # no cache

@@ -79,7 +79,7 @@ class BudgetPolicy:
         prompt_len = seq.num_tokens() - cached
         floor = min(self._min_prefill_chunk, prompt_len)
         length = min(prompt_len, budget.tokens)
-        aligned = align_chunk(cached, length, prompt_len, block_tokens)
+        aligned = align_chunk(cached, length, block_tokens)
         if aligned >= floor:
             return aligned
         return length if length >= floor else None
@@ -112,8 +112,8 @@ def _continue_prefills(view: DecisionView, budget: StepBudget) -> tuple[Chunk, .
     for seq in sorted(view.waiting, key=lambda s: s.admission_order):
         if budget.tokens <= 0:
             break
-        remaining = seq.spec_prompt_len() - seq.cursor
-        length = align_chunk(seq.cursor, budget.max_chunk(seq.cursor, remaining), remaining,
+        length = align_chunk(seq.cursor,
+                             budget.max_chunk(seq.cursor, seq.spec_prompt_len() - seq.cursor),
                              view.cache_block_tokens)
         if length > 0:
             budget.take_chunk(seq.cursor, length)
