@@ -301,3 +301,73 @@ def test_longest_resume_and_align_chunk():
     assert align_chunk(32, 32, B) == 32  # ends on a boundary
     assert align_chunk(0, 10, B) == 10  # no boundary inside
     assert align_chunk(32, 40, 0) == 40  # no cache
+
+
+@pytest.mark.parametrize("policy", ["fifo", "budget", "fair"])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_cache_reports_and_misses_keep_every_plan_valid_and_lose_nothing(policy, seed):
+    """Random submits (prompts sharing prefixes), reports with random resume points,
+    misses, progress and finishes: no PlanError, every first chunk starts at its cached
+    tokens (a multiple of the block below the prompt), and every sequence ends finished."""
+    import random
+
+    from service.core import FinishReason
+
+    from .factories import finished
+
+    rng = random.Random(seed)
+    sched = cached_scheduler(policy, max_batch_size=4, max_num_batched_tokens=96,
+                             chunk_size=48, min_prefill_chunk=8)
+    base = [rng.randrange(1, 500) for _ in range(200)]
+    prompts: dict[int, tuple[int, ...]] = {}
+    for _ in range(10):
+        tokens = tuple(base[:rng.randrange(10, 160)]) + (rng.randrange(500, 600),)
+        seq = sched.submit(replace(params_for(tokens))).seq_id
+        prompts[seq] = tokens
+    cursor: dict[int, int] = {}
+    held: dict[int, int] = {}  # seq_id -> prompt length of its spec
+    num_cached = num_missed = 0
+    just_admitted: list[int] = []
+    for _ in range(200):
+        all_points = [h for t in prompts.values() for h in block_hashes(t, "", B)]
+        added = rng.sample(all_points, min(len(all_points), rng.randrange(0, 8)))
+        removed = rng.sample(all_points, min(len(all_points), rng.randrange(0, 4)))
+        # A first chunk from a cache may miss: the worker reports it in neither list.
+        missing = [s for s in just_admitted if cursor[("cached", s)] and rng.random() < 0.4]
+        just_admitted = []
+        for s in missing:
+            del held[s]
+        num_missed += len(missing)
+        waiting = [s for s in held if cursor[s] < held[s]]
+        running = [s for s in held if cursor[s] >= held[s]]
+        done = [s for s in running if rng.random() < 0.3]
+        running = [s for s in running if s not in done]
+        for s in done:
+            del held[s]
+        decision = sched.select_batch(cache_report(
+            added=added, removed=removed, reset=rng.random() < 0.05, misses=missing,
+            waiting=waiting, running=running,
+            finished=[finished(s, FinishReason.EOS, 0) for s in done]))
+        for chunk in decision.prefill:
+            if chunk.spec is not None:
+                n = len(chunk.spec.prompt_token_ids)
+                assert chunk.chunk_start == chunk.cached_tokens
+                assert chunk.cached_tokens % B == 0 and chunk.cached_tokens < n
+                held[chunk.seq_id] = n
+                cursor[("cached", chunk.seq_id)] = chunk.cached_tokens
+                num_cached += chunk.cached_tokens > 0
+                just_admitted.append(chunk.seq_id)
+                cursor[chunk.seq_id] = chunk.chunk_start + chunk.chunk_len
+            else:
+                assert chunk.chunk_start == cursor[chunk.seq_id]
+                cursor[chunk.seq_id] += chunk.chunk_len
+        if not held and all(sched.get_sequence(s).state is SequenceState.FINISHED
+                            for s in prompts):
+            break
+    assert all(sched.get_sequence(s).state is SequenceState.FINISHED for s in prompts)
+    assert num_cached > 0 and num_missed > 0  # the run exercised hits and misses
+
+
+def params_for(tokens):
+    from service.core import SubmitParams
+    return SubmitParams(prompt_token_ids=tokens, max_new_tokens=4)
