@@ -165,6 +165,8 @@ _HELP = {
                       "earliest deadline (arrival + target) first, and a request of negative "
                       "priority that no worker can start in time is refused with "
                       "RESOURCE_EXHAUSTED (0: off)",
+    "prefix_caching": "on: first chunks start from the asking worker's longest resume "
+                      "point (its prefix cache); off: ignore every cache report",
 }
 
 # How a default that depends on other settings reads in --help.

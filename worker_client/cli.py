@@ -225,6 +225,9 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     print(f"lattice-worker {args.worker_id}: {stats.iterations} iterations, "
           f"{stats.generated_tokens} tokens generated, {stats.finished} sequences finished, "
           f"{stats.preempted} preempted", flush=True)
+    cache = getattr(engine, "prefix_cache", None)
+    if cache is not None:
+        print(f"lattice-worker {args.worker_id}: {cache.stats_line()}", flush=True)
     return 0
 
 

@@ -96,6 +96,11 @@ class ScriptedEngine:
     def kv_free_pages(self) -> int:
         return self._pages.num_free_pages() + self.kv_cached_pages()
 
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """Its cache's counts (as ModelEngine.prefix_cache); None without one."""
+        return self._cache
+
     def kv_cached_pages(self) -> int:
         return 0 if self._cache is None else self._cache.num_unused_pages()
 

@@ -45,6 +45,9 @@ class SchedulerConfig:
     # TTFT target orders each priority band by deadline and sheds late urgent requests.
     tpot_target_ms: float = 0.0
     ttft_target_ms: float = 0.0
+    # Every policy: "on" uses the workers' prefix caches (resume points, cached_tokens on
+    # first chunks); "off" ignores every cache report and never sets cached_tokens.
+    prefix_caching: str = "on"
 
     def validate(self) -> "SchedulerConfig":
         """Return self, or raise ConfigError naming the first bad setting and its limit."""
@@ -104,6 +107,8 @@ class SchedulerConfig:
                 f"max_batch_size ({self.max_batch_size}) must not exceed max_worker_batch_size "
                 f"({self.max_worker_batch_size})"
             )
+        if self.prefix_caching not in ("on", "off"):
+            raise ConfigError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         return self
@@ -136,7 +141,7 @@ class SchedulerConfig:
 
 
 def _check_type(name: str, value: object) -> None:
-    if name == "policy":
+    if name in ("policy", "prefix_caching"):
         ok, expected = isinstance(value, str), "str"
     elif name in ("aging_seconds", "tpot_target_ms", "ttft_target_ms"):
         ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"

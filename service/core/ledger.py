@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from service.core.errors import UnknownWorker
+from service.core.prefix_cache import ResumePoints
 from service.core.types import WorkerRegistration, WorkerSettings
 
 
@@ -27,6 +28,8 @@ class WorkerRecord:
     # Set by an operator (Scheduler.drain_worker): admit nothing new, whatever `draining`
     # (the worker's own last report) says.
     drain_requested: bool = False
+    # Its prefix cache's resume points, from its reports (block_tokens 0: none are kept).
+    resume_points: ResumePoints = field(default_factory=lambda: ResumePoints(0))
 
     @property
     def worker_id(self) -> str:

@@ -45,6 +45,12 @@ class DecisionView:
     step_model: StepTimeModel | None = None
     # With a step model: the tokens of the running sequences, summed (their decode context).
     running_context: int = 0
+    # The worker's prefix-cache block (0: no cache, or --prefix-caching off): chunks that
+    # can end on a multiple of it should (docs/contract.md, "Prefix caching").
+    cache_block_tokens: int = 0
+    # Prompt tokens a queued sequence may take from this worker's cache: its longest
+    # resume point here strictly below its prompt's length (0: none).
+    cached_tokens: Callable[[SequenceView], int] = lambda seq: 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,9 @@ class Chunk:
 
     seq_id: int
     chunk_len: int
+    # Admissions only: prompt tokens taken from the worker's cache before the chunk
+    # (DecisionView.cached_tokens of the sequence, or 0); the chunk starts there.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,7 @@ class Scheduler:
             finish_reason=seq.finish_reason,
             queue_position=self._position(seq),
             error_message=seq.error_message or self._why_waiting(seq),
+            cached_tokens=seq.cached_tokens,
         )
 
     def read_output(self, seq_id: int, start: int, caller: Caller = ANYONE) -> OutputView:

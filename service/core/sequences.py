@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from service.core.errors import InvalidArgument
+from service.core.prefix_cache import PromptHashes
 from service.core.store import SequenceProgress, StoredSequence
 from service.core.types import FinishReason, SequenceSpec, SequenceState, SubmitParams
 
@@ -72,6 +73,10 @@ class Sequence:
     finish_order: int = 0
     # Why it failed, as the worker said (FAILED only).
     error_message: str = ""
+    # Prompt tokens taken from the worker's cache at its latest admission (not saved).
+    cached_tokens: int = 0
+    # Block hashes of its resume prompt, computed at its first cached lookup (not saved).
+    prompt_hashes: PromptHashes | None = None
 
     @property
     def priority(self) -> int:
@@ -110,6 +115,16 @@ class Sequence:
         assignment while running (spec prompt plus those reported since), the prompt
         length of the spec its next admission carries while queued."""
         return self.prompt_len + len(self.output_token_ids)
+
+    def resume_token_ids(self) -> array:
+        """The prompt its next spec carries: the prompt plus what was generated so far."""
+        return self.params.prompt_token_ids + self.output_token_ids
+
+    def may_use_prefix_cache(self) -> bool:
+        """False for a sequence that needs every prompt position's logits
+        (`prompt_logprobs`, docs/contract.md): its prompt is never taken from a cache."""
+        # The core's SamplingParams has no prompt_logprobs until the logprobs issue adds it.
+        return not getattr(self.params.sampling, "prompt_logprobs", 0)
 
     def spec_wire_bytes(self) -> int:
         """An upper bound of the bytes its first chunk (with the spec) takes in a decision."""

@@ -179,7 +179,7 @@ class WorkerReport:
     tokens: tuple[TokenUpdate, ...] = ()
     # The incarnation the worker registered as; 0: the latest (clients that do not send it).
     incarnation: int = 0
-    # Prefix cache (phase 2 of issue 18 reads these; until then they change nothing).
+    # Prefix cache (service/core/prefix_cache.py; ignored with --prefix-caching off).
     cache: CacheReport = CacheReport()
     # How many of kv_free_pages hold reusable prefix cache.
     kv_cached_pages: int = 0
@@ -201,6 +201,9 @@ class PrefillChunk:
     chunk_start: int
     chunk_len: int
     spec: SequenceSpec | None = None
+    # First chunks only: prompt tokens the worker takes from its prefix cache (a resume
+    # point it reported; then chunk_start == cached_tokens). 0: computed from token 0.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +232,9 @@ class SequenceInfo:
     finish_reason: FinishReason | None
     queue_position: int
     error_message: str = ""  # why it failed, for FAILED
+    # Prompt tokens taken from a worker's prefix cache at its latest admission (kept in
+    # memory only: 0 after a restart of the scheduler).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

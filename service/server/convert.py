@@ -97,6 +97,7 @@ def sequence_info(info: SequenceInfo) -> pb.SequenceInfo:
         finish_reason=info.finish_reason.value if info.finish_reason else 0,
         queue_position=info.queue_position,
         error_message=info.error_message,
+        cached_tokens=info.cached_tokens,
     )
 
 
@@ -200,7 +201,7 @@ def decision(d: Decision) -> pb.SchedulerDecision:
 
 def _prefill_chunk(chunk: PrefillChunk) -> pb.PrefillChunk:
     msg = pb.PrefillChunk(seq_id=chunk.seq_id, chunk_start=chunk.chunk_start,
-                          chunk_len=chunk.chunk_len)
+                          chunk_len=chunk.chunk_len, cached_tokens=chunk.cached_tokens)
     if chunk.spec is not None:
         msg.spec.CopyFrom(_spec(chunk.spec))
     return msg

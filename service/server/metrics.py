@@ -198,12 +198,27 @@ class SchedulerMetrics(SchedulerObserver):
         self.worker_iterations = Counter(PREFIX + "worker_iterations_total",
                                          "SelectBatch calls answered for the worker.",
                                          ["worker_id"], registry=r)
+        self.prefill_tokens = Counter(
+            PREFIX + "prefill_tokens_total",
+            "Prompt tokens of first and later prefill chunks: computed by the worker, or "
+            "cached (taken from its prefix cache at admission).", ["source"], registry=r)
+        self.cache_misses = Counter(
+            PREFIX + "cache_misses_total",
+            "First chunks whose resume point the worker no longer held (admitted again).",
+            registry=r)
+        self.worker_resume_points = Gauge(
+            PREFIX + "worker_resume_points",
+            "Prefix-cache resume points the scheduler knows for the worker.", ["worker_id"],
+            registry=r)
+        for source in ("computed", "cached"):
+            self.prefill_tokens.labels(source)
         self._worker_ids: set[str] = set()
         self._per_worker = (self.worker_kv_free_pages, self.worker_gdn_free_slots,
                             self.worker_kv_total_pages, self.worker_gdn_total_slots,
                             self.worker_running, self.worker_prefilling, self.worker_iterations,
                             self.worker_token_budget, self.worker_step_predicted,
-                            self.worker_step_measured, self.step_time_error)
+                            self.worker_step_measured, self.step_time_error,
+                            self.worker_resume_points)
         # Every reason shows from the start at 0, so rate() works before the first event.
         for reason in FinishReason:
             self.finished.labels(reason.name.lower())
@@ -325,6 +340,17 @@ class SchedulerMetrics(SchedulerObserver):
         self.worker_step_measured.labels(worker_id).set(measured_seconds)
         self.step_time_error.labels(worker_id).observe(
             abs(predicted_seconds - measured_seconds) / measured_seconds)
+
+    def on_prefill_tokens(self, worker_id: str, computed: int, cached: int) -> None:
+        self.prefill_tokens.labels("computed").inc(computed)
+        if cached:
+            self.prefill_tokens.labels("cached").inc(cached)
+
+    def on_cache_miss(self, seq_id: int, worker_id: str) -> None:
+        self.cache_misses.inc()
+
+    def on_resume_points(self, worker_id: str, num_points: int) -> None:
+        self.worker_resume_points.labels(worker_id).set(num_points)
 
     def on_served(self, tenant: str, num_tokens: int) -> None:
         label = tenant if tenant in self._named_tenants else OTHER_TENANT

@@ -41,3 +41,33 @@ def test_the_model_worker_caches_by_default_and_not_with_no_prefix_cache():
     assert engine.cache_block_tokens == 16 and engine.total_snapshot_slots > 0  # 4 pages of 4
     off = cli._build_engine(_args(**common, no_prefix_cache=True))
     assert (off.cache_block_tokens, off.total_snapshot_slots) == (0, 0)
+
+
+def test_the_prefix_cache_counts_resumes_misses_and_evictions_for_its_stats_line():
+    from worker_client.engine.api import ChunkWork, SequenceSpec
+    from worker_client.testing import ScriptedEngine
+
+    engine = ScriptedEngine(total_kv_pages=16, page_size=4, total_gdn_slots=4,
+                            cache_block_tokens=4)
+    prompt = tuple(range(2, 14))  # 3 blocks of 4
+    first = SequenceSpec(prompt_token_ids=prompt, max_new_tokens=1)
+    engine.step([ChunkWork(1, 0, 8, first)], [])  # ends on the block at 8: a snapshot
+    engine.step([ChunkWork(1, 8, 4, None)], [])  # and at 12
+    for _ in range(3):
+        out = engine.step([], engine.running_ids())
+        if out.finished:
+            break
+    cache = engine.prefix_cache
+    second = SequenceSpec(prompt_token_ids=prompt + (20,), max_new_tokens=1)
+    engine.step([ChunkWork(2, 8, 5, second, cached_tokens=8)], engine.running_ids())
+    gone = SequenceSpec(prompt_token_ids=(99,) * 9, max_new_tokens=1)
+    out = engine.step([ChunkWork(3, 4, 5, gone, cached_tokens=4)], engine.running_ids())
+    assert out.cache_misses == (3,)
+    assert (cache.num_resumes, cache.num_resumed_tokens, cache.num_resume_misses) == (1, 8, 1)
+    assert "hit rate 50.0%" in cache.stats_line()
+    while engine.running_ids():
+        engine.step([], engine.running_ids())
+    cached_blocks = cache.num_cached_blocks()
+    cache.clear()
+    assert cached_blocks > 0 and cache.num_evicted_blocks == cached_blocks
+    assert f"{cached_blocks} blocks evicted" in cache.stats_line()

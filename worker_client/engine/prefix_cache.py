@@ -58,6 +58,20 @@ class PrefixCache:
         self._snapshots = SnapshotPool(states, num_snapshot_slots if self.needs_snapshots else 0)
         self._max_unused_blocks = max_unused_blocks
         self._log = ResumePointLog()
+        # The worker's own hit rate and evictions (lattice-worker prints them at exit).
+        self.num_resumes = 0  # first chunks started from a resume point
+        self.num_resume_misses = 0  # first chunks whose resume point was gone
+        self.num_resumed_tokens = 0  # prompt tokens those resumes did not compute
+        self.num_evicted_blocks = 0
+
+    def stats_line(self) -> str:
+        """The counters in words: resumes, misses, hit rate, evictions."""
+        asked = self.num_resumes + self.num_resume_misses
+        rate = f"{100.0 * self.num_resumes / asked:.1f}%" if asked else "n/a"
+        return (f"prefix cache: {self.num_resumes} resumes ({self.num_resumed_tokens} prompt "
+                f"tokens not computed), {self.num_resume_misses} misses, hit rate {rate}, "
+                f"{self.num_evicted_blocks} blocks evicted, {self.num_cached_blocks()} cached "
+                f"and {self.num_snapshots()} snapshots now")
 
     def num_unused_pages(self) -> int:
         return self._index.num_unused_pages()
@@ -84,7 +98,10 @@ class PrefixCache:
         hashes = block_hashes(held.token_ids[:num_tokens], held.spec.adapter_id, self.block_tokens)
         last = hashes[-1]
         if last not in self._index or (self.needs_snapshots and last not in self._snapshots):
+            self.num_resume_misses += 1
             return False
+        self.num_resumes += 1
+        self.num_resumed_tokens += num_tokens
         # A cached block's ancestors are cached (evictions take whole subtrees).
         pages = [page for h in hashes for page in self._index.use(h)]
         self._kv.map_shared(held.seq_id, pages, num_tokens)
@@ -148,6 +165,7 @@ class PrefixCache:
 
     def _evict_lru(self) -> None:
         for block in self._index.evict_lru():
+            self.num_evicted_blocks += 1
             self._kv.unhold(block.pages)
             if not self.needs_snapshots or self._snapshots.drop(block.block_hash):
                 self._log.remove(block.block_hash)

@@ -33,6 +33,7 @@ import math
 from service.core.config import SchedulerConfig
 from service.core.plan import Chunk, DecisionView, Plan
 from service.core.policies.admit import admit
+from service.core.prefix_cache import align_chunk
 from service.core.step_budget import StepBudget, decode_pages, held_pages
 from service.core.step_model import StepTimeModel
 from service.core.vocabulary import BlockReason, PreemptReason, SequenceView
@@ -124,7 +125,10 @@ class BudgetPolicy:
                 budget.take_decode(new_pages)
         decode = tuple(decode)
         continuations = _continue_prefills(view, budget)
-        admissions, blocked = admit(view, budget, self._first_chunk)
+        admissions, blocked = admit(
+            view, budget,
+            lambda seq, left, cached: self._first_chunk(seq, left, cached,
+                                                        view.cache_block_tokens))
         if not (decode or continuations or admissions or preempt):
             stuck = _unstick(view, budget)
             if stuck is not None:
@@ -133,10 +137,17 @@ class BudgetPolicy:
                     preempt=tuple(preempt), preempt_reason=PreemptReason.KV_GROWTH,
                     blocked=blocked)
 
-    def _first_chunk(self, seq: SequenceView, budget: StepBudget) -> int | None:
-        prompt_len = seq.num_tokens()
+    def _first_chunk(self, seq: SequenceView, budget: StepBudget, cached: int,
+                     block_tokens: int) -> int | None:
+        """Tokens after the `cached` ones, within the budget, ending on a block where
+        the budget allows (computed tokens only count against the budget and floor)."""
+        prompt_len = seq.num_tokens() - cached
+        floor = min(self._min_prefill_chunk, prompt_len)
         length = min(prompt_len, budget.tokens)
-        return length if length >= min(self._min_prefill_chunk, prompt_len) else None
+        aligned = align_chunk(cached, length, block_tokens)
+        if aligned >= floor:
+            return aligned
+        return length if length >= floor else None
 
 
 def _preempt_for_growth(view: DecisionView, budget: StepBudget,
@@ -166,7 +177,9 @@ def _continue_prefills(view: DecisionView, budget: StepBudget) -> tuple[Chunk, .
     for seq in sorted(view.waiting, key=lambda s: s.admission_order):
         if budget.tokens <= 0:
             break
-        length = budget.max_chunk(seq.cursor, seq.spec_prompt_len() - seq.cursor)
+        length = align_chunk(seq.cursor,
+                             budget.max_chunk(seq.cursor, seq.spec_prompt_len() - seq.cursor),
+                             view.cache_block_tokens)
         if length > 0:
             budget.take_chunk(seq.cursor, length)
             view.service.charge(seq.tenant, length)
