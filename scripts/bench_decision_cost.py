@@ -18,7 +18,9 @@ Cells, for R in 32, 128, 256:
 
 Instructions per decision: each cell runs in its own process under
 `valgrind --tool=callgrind` twice, with N1 and N2 decisions after the same set-up, and
-the figure is (Ir(N2) - Ir(N1)) / (N2 - N1): start-up, imports and set-up cancel. The
+the figure is (Ir(N2) - Ir(N1)) / (N2 - N1): start-up, imports and set-up cancel (what
+the set-up built is frozen out of the garbage collector first: a full collection in one
+run of the pair and not the other would otherwise land in the figure). The
 second column is time.process_time() per decision, measured in this process (no
 valgrind) over the same steady state: it moves with the machine's load, instructions
 do not.
@@ -42,6 +44,9 @@ queued head (a 512-token prompt) once per decision: the same work, in the same c
 
     .venv/bin/python scripts/bench_decision_cost.py --nano-vllm /tmp/nano-vllm
     .venv/bin/python scripts/bench_decision_cost.py --quick       # R = 32 only, short
+    .venv/bin/python scripts/bench_decision_cost.py --kinds nano --n2 68 --nano-vllm DIR
+
+Figures and the commit they ran at: docs/operations.md, "The cost of a decision".
 """
 from __future__ import annotations
 
@@ -313,6 +318,8 @@ def main() -> int:
     parser.add_argument("--n2", type=int, default=40, help="decisions of the long run")
     parser.add_argument("--cpu-decisions", type=int, default=200,
                         help="decisions timed with process_time per cell (default 200)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="cells to run (default all; nano only with --nano-vllm)")
     parser.add_argument("--cell", nargs=3, metavar=("KIND", "R", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cell:
@@ -325,7 +332,7 @@ def main() -> int:
         parser.error("need 0 <= --n1 < --n2")
     if min(args.running) < 1:
         parser.error("--running: each must be >= 1")
-    kinds = [k for k in KINDS if k != "nano" or args.nano_vllm is not None]
+    kinds = [k for k in args.kinds if k != "nano" or args.nano_vllm is not None]
     started = time.monotonic()
     rows: list[Row] = []
     for running in args.running:
