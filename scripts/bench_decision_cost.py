@@ -314,8 +314,9 @@ def main() -> int:
                         help="R = 32 only, N1 = 4, N2 = 20 (a check that it runs)")
     parser.add_argument("--running", type=int, nargs="+", default=[32, 128, 256],
                         help="running sequences per cell (default 32 128 256)")
-    parser.add_argument("--n1", type=int, default=8, help="decisions of the short run")
-    parser.add_argument("--n2", type=int, default=40, help="decisions of the long run")
+    parser.add_argument("--n1", type=int, default=4, help="decisions of the short run")
+    # 16 decisions between the pair was too few for nano-vllm (docs/operations.md).
+    parser.add_argument("--n2", type=int, default=68, help="decisions of the long run")
     parser.add_argument("--cpu-decisions", type=int, default=200,
                         help="decisions timed with process_time per cell (default 200)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
