@@ -56,6 +56,10 @@ class WorkerShape:
     page_size: int
     total_gdn_slots: int
     max_batch_size: int = 0  # 0: the scheduler's --max-batch-size
+    cache_block_tokens: int = 0  # tokens per prefix-cache block; 0: no prefix cache
+    # GDN snapshot slots of a hybrid model (a resume point needs one); None: a model
+    # without GDN layers, every cached block is a resume point.
+    snapshot_slots: int | None = None
 
 
 @dataclass(frozen=True)
@@ -273,10 +277,11 @@ class Simulation:
         if speed != 1.0:
             cost_model = _Scaled(cost_model, 1.0 / speed)
         engine = SimEngine(cost_model, total_kv_pages=shape.total_kv_pages,
-                           page_size=shape.page_size, total_gdn_slots=shape.total_gdn_slots)
+                           page_size=shape.page_size, total_gdn_slots=shape.total_gdn_slots,
+                           cache_block_tokens=shape.cache_block_tokens,
+                           snapshot_slots=shape.snapshot_slots)
         scheduler_index = 0 if self.spec.routing == "pull" else index
-        resources = WorkerResources(f"sim-{index}", shape.total_kv_pages, shape.page_size,
-                                    shape.total_gdn_slots, shape.max_batch_size)
+        resources = WorkerResources.of(f"sim-{index}", engine, shape.max_batch_size)
         loop = WorkerLoop(engine, self._clients[scheduler_index], resources,
                           idle_sleep_seconds=IDLE_POLL_SECONDS)
         return _Worker(index, loop, engine, scheduler_index)
