@@ -190,7 +190,7 @@ def _capacity(args, setup, configs):
     start = args.qps[0] if args.qps else 1.0
     objects, results, summary = [], [], [["policy", "routing", "capacity QPS", "probes",
                                           "TTFT p99 s", "TPOT p99 ms", "out tok/s",
-                                          "saturation req/s"]]
+                                          "hit rate", "max share/mean", "saturation req/s"]]
     for config in configs:
         print(f"\nfind capacity: {config.policy}, {setup.routing}, SLO TTFT p99 <= "
               f"{slo.ttft_p99:g} s and TPOT p99 <= {slo.tpot_p99 * 1000:g} ms")
@@ -217,6 +217,8 @@ def _capacity(args, setup, configs):
                         f"{at[0].ttft_p99:.3f}" if at else "-",
                         f"{at[0].tpot_p99 * 1000:.1f}" if at else "-",
                         f"{at[0].output_tokens_per_s:.0f}" if at else "-",
+                        f"{at[0].prefix_hit_rate:.3f}" if at else "-",
+                        f"{at[0].max_share_over_mean:.2f}" if at else "-",
                         f"{rate:.3f}" + (" (capacity above it!)" if above else "")])
         for run in capacity.runs:
             results.append(run.result)
