@@ -226,9 +226,13 @@ class SimEngine:
         batch = {s: h for s in decode if (h := held_by_id.get(s)) is not None and h.is_running}
         # Earliest admitted first, as the reference engine reserves: the victims of a page
         # shortage are then the latest admitted, not yet reserved.
+        pages, page_size = self._pages, self.page_size
         for held in sorted(batch.values(), key=lambda h: h.admission):
             if held.seq_id in held_by_id:
-                self._reserve(held, 1, out)
+                if pages.num_tokens(held.seq_id) % page_size:  # room left in its last page
+                    pages.append(held.seq_id, 1)
+                else:
+                    self._reserve(held, 1, out)
         cache = self._cache
         for held in batch.values():
             if held.seq_id in held_by_id:
