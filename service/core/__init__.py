@@ -11,7 +11,7 @@ from service.core.replica import ReplicaScheduler
 from service.core.scheduler import OutputView, Scheduler
 from service.core.types import (
     Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams, SchedulerStatus,
-    SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult, TokenUpdate,
+    SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult, TokenLogprobs, TokenUpdate,
     WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
 
@@ -20,6 +20,6 @@ __all__ = [
     "FinishedSequence", "InvalidArgument", "NotFound", "OutputView", "PrefillChunk",
     "PreemptReason", "QueueFull", "ReplicaScheduler", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerError", "SchedulerObserver", "SchedulerStatus", "SequenceInfo", "SequenceSpec",
-    "SequenceState", "SubmitParams", "SubmitResult", "Superseded", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
+    "SequenceState", "SubmitParams", "SubmitResult", "Superseded", "TokenLogprobs", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
     "WorkerReport", "WorkerSettings", "WorkerStatus",
 ]

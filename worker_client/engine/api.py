@@ -37,6 +37,31 @@ class SequenceSpec:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     adapter_id: str = ""
+    # Log-probabilities of each generated token and of its `logprobs` most likely
+    # alternatives (0 = none). Taken from the model's raw distribution (log_softmax of the
+    # logits, temperature, top-k and top-p NOT applied), as OpenAI and vLLM report them.
+    logprobs: int = 0
+    # The same for every prompt token after the first, reported with the first token.
+    # Such a sequence needs every prompt position's logits: it must not take its prompt
+    # from a prefix cache (see `needs_all_prompt_logits`).
+    prompt_logprobs: int = 0
+    ignore_eos: bool = False  # EOS does not end it (max_new_tokens or a stop token does)
+    min_new_tokens: int = 0  # EOS and stop tokens do not end it before this many tokens
+
+    @property
+    def needs_all_prompt_logits(self) -> bool:
+        """Whether prefill must keep every prompt position's logits (and so the prompt
+        cannot come from a prefix cache)."""
+        return self.prompt_logprobs > 0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability of one token, and the most likely tokens at its position."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()  # most likely first
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,6 +100,11 @@ class StepOutput:
     # a chunk that skipped ahead of what was prefilled); their pages and slot
     # are freed and the scheduler should requeue them.
     preempted: tuple[int, ...]
+    # (seq_id, one TokenLogprobs per token of its `tokens` entry), for sequences that asked.
+    logprobs: tuple[tuple[int, tuple[TokenLogprobs, ...]], ...] = ()
+    # (seq_id, one TokenLogprobs per prompt token after the first), in the step that
+    # produced the sequence's first token, for sequences that asked.
+    prompt_logprobs: tuple[tuple[int, tuple[TokenLogprobs, ...]], ...] = ()
 
 
 class Engine(Protocol):
