@@ -23,6 +23,7 @@ from service.gateway.answers import (
 from service.gateway.chat_template import ChatTemplateError
 from service.gateway.errors import GatewayError, bad_request
 from service.gateway.generations import Generations
+from service.gateway.logprobs import merge
 from service.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from service.gateway.model_files import ModelFiles
 from service.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -91,8 +92,11 @@ def create_app(gateway: Gateway) -> FastAPI:
                     default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, files=gateway.files,
                     max_model_len=gateway.max_model_len, request_id=request_id)
         shape = CompletionShape(gateway.served_model_name, body.include_usage)
+        echo_text = None
+        if work.echo or body.echo:
+            echo_text = prompt if isinstance(prompt, str) else gateway.files.decode(prompt_ids)
         return await _answer(gateway, request, COMPLETIONS, work, shape, bool(body.stream),
-                             request_id)
+                             request_id, echo_text)
 
     @app.post(CHAT_COMPLETIONS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -140,14 +144,30 @@ def _request_id(request: Request) -> str:
 
 
 async def _answer(gateway: Gateway, request: Request, endpoint: str, work: Plan,
-                  shape: CompletionShape, stream: bool, request_id: str) -> Response:
+                  shape: CompletionShape, stream: bool, request_id: str,
+                  echo_text: str | None = None) -> Response:
+    """`echo_text`: the prompt as the answer starts with it (completions' echo), or None."""
     arrived = time.perf_counter()
     metrics = gateway.metrics
     headers = {"x-request-id": request_id} if request_id else {}
     attached = contextlib.AsyncExitStack()
     generation = await attached.enter_async_context(gateway.generations.attach(work.attempt))
     metrics.prompt_tokens.labels(endpoint).inc(work.num_prompt_tokens)
-    events = text_events(gateway.generations, generation, gateway.files, work.attempt.stop)
+    events = text_events(gateway.generations, generation, gateway.files, work.attempt.stop,
+                         with_logprobs=work.num_top_logprobs is not None,
+                         discard_generated=work.discard_generated)
+    builder = (None if work.num_top_logprobs is None
+               else shape.logprobs_builder(gateway.files.decode, work.num_top_logprobs))
+
+    def prompt_logprobs() -> dict | None:
+        """The echoed prompt's logprobs (call once the first token has arrived)."""
+        if builder is None:
+            return None
+        prompt_ids = work.attempt.generation.prompt_token_ids
+        entries = list(generation.prompt_logprobs)
+        if len(entries) != len(prompt_ids) - 1:  # lost in a scheduler restart
+            entries = [None] * (len(prompt_ids) - 1)
+        return builder.block(prompt_ids, [None, *entries])
 
     def first_text() -> None:
         metrics.time_to_first_token.labels(endpoint).observe(time.perf_counter() - arrived)
@@ -156,22 +176,29 @@ async def _answer(gateway: Gateway, request: Request, endpoint: str, work: Plan,
         body = _sse(shape, generation.seq_id, events, work.num_prompt_tokens, first_text,
                     lambda finish: metrics.completion_tokens.labels(endpoint).inc(
                         finish.num_completion_tokens),
-                    lambda: metrics.client_disconnects.labels(endpoint).inc())
+                    lambda: metrics.client_disconnects.labels(endpoint).inc(),
+                    builder, echo_text, prompt_logprobs)
         return _ClosingStream(body, attached.aclose, media_type="text/event-stream",
                               headers={**headers, "cache-control": "no-cache"})
 
     async def collect() -> dict:
         async with attached:
-            pieces, finish = [], None
+            pieces, taken, finish = [], [], None
             async for event in events:
                 if isinstance(event, Delta):
                     if not pieces:
                         first_text()
                     pieces.append(event.text)
+                    taken.append(event)
                 else:
                     finish = event
         metrics.completion_tokens.labels(endpoint).inc(finish.num_completion_tokens)
-        return shape.whole(generation.seq_id, "".join(pieces), finish, work.num_prompt_tokens)
+        blocks = [] if echo_text is None or builder is None else [prompt_logprobs()]
+        if builder is not None:
+            blocks += [builder.block(d.token_ids, d.logprobs) for d in taken if d.token_ids]
+        text = "".join(pieces) if echo_text is None else echo_text + "".join(pieces)
+        logprobs = None if builder is None else merge(blocks) or builder.block((), ())
+        return shape.whole(generation.seq_id, text, finish, work.num_prompt_tokens, logprobs)
 
     try:
         answer = await _unless_disconnected(request, collect())
@@ -186,20 +213,27 @@ async def _answer(gateway: Gateway, request: Request, endpoint: str, work: Plan,
 async def _sse(shape: CompletionShape, seq_id: int, events: AsyncIterator[Delta | Finish],
                num_prompt: int, on_first_text: Callable[[], None],
                on_finish: Callable[[Finish], None],
-               on_disconnect: Callable[[], None]) -> AsyncIterator[str]:
+               on_disconnect: Callable[[], None], builder=None, echo_text: str | None = None,
+               prompt_logprobs: Callable[[], dict | None] = lambda: None) -> AsyncIterator[str]:
     """Server-sent events: chunks, the finish chunk, usage if asked, then [DONE]; an error
-    after the first byte is an `error` event (OpenAI clients raise it)."""
+    after the first byte is an `error` event (OpenAI clients raise it). With `echo_text`,
+    the first chunk is the prompt (with its logprobs when asked for)."""
     sent_text = False
     try:
         first = shape.first_chunk(seq_id)
         if first is not None:
             yield sse_event(first)
         async for event in events:
+            if echo_text is not None:  # the first token arrived: the prompt's logprobs too
+                yield sse_event(shape.chunk(seq_id, echo_text, None, prompt_logprobs()))
+                echo_text = None
             if isinstance(event, Delta):
                 if not sent_text:
                     on_first_text()
                     sent_text = True
-                yield sse_event(shape.chunk(seq_id, event.text))
+                logprobs = None if builder is None else builder.block(event.token_ids,
+                                                                      event.logprobs)
+                yield sse_event(shape.chunk(seq_id, event.text, None, logprobs))
             else:
                 on_finish(event)
                 yield sse_event(shape.chunk(seq_id, "", event.reason))

@@ -5,6 +5,7 @@ import json
 import time
 
 from service.gateway.answers import Finish
+from service.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 
 
 class CompletionShape:
@@ -24,8 +25,12 @@ class CompletionShape:
             body["usage"] = None
         return body
 
-    def whole(self, seq_id: int, text: str, finish: Finish, num_prompt: int) -> dict:
-        body = self._envelope(seq_id, [{"index": 0, "text": text, "logprobs": None,
+    def logprobs_builder(self, decode, num_top: int) -> CompletionLogprobs:
+        return CompletionLogprobs(decode, num_top)
+
+    def whole(self, seq_id: int, text: str, finish: Finish, num_prompt: int,
+              logprobs: dict | None = None) -> dict:
+        body = self._envelope(seq_id, [{"index": 0, "text": text, "logprobs": logprobs,
                                         "finish_reason": finish.reason}], chunk=False)
         body["usage"] = _usage(num_prompt, finish.num_completion_tokens)
         return body
@@ -33,8 +38,9 @@ class CompletionShape:
     def first_chunk(self, seq_id: int) -> dict | None:
         return None
 
-    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None) -> dict:
-        return self._envelope(seq_id, [{"index": 0, "text": text, "logprobs": None,
+    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None,
+              logprobs: dict | None = None) -> dict:
+        return self._envelope(seq_id, [{"index": 0, "text": text, "logprobs": logprobs,
                                         "finish_reason": finish_reason}], chunk=True)
 
     def usage_chunk(self, seq_id: int, finish: Finish, num_prompt: int) -> dict:
@@ -53,10 +59,14 @@ class ChatShape(CompletionShape):
         body["object"] = "chat.completion.chunk" if chunk else "chat.completion"
         return body
 
-    def whole(self, seq_id: int, text: str, finish: Finish, num_prompt: int) -> dict:
+    def logprobs_builder(self, decode, num_top: int) -> ChatLogprobs:
+        return ChatLogprobs(decode, num_top)
+
+    def whole(self, seq_id: int, text: str, finish: Finish, num_prompt: int,
+              logprobs: dict | None = None) -> dict:
         body = self._envelope(seq_id, [{
             "index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": finish.reason}], chunk=False)
+            "logprobs": logprobs, "finish_reason": finish.reason}], chunk=False)
         body["usage"] = _usage(num_prompt, finish.num_completion_tokens)
         return body
 
@@ -64,9 +74,10 @@ class ChatShape(CompletionShape):
         return self._envelope(seq_id, [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], chunk=True)
 
-    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None) -> dict:
+    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None,
+              logprobs: dict | None = None) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
-        return self._envelope(seq_id, [{"index": 0, "delta": delta, "logprobs": None,
+        return self._envelope(seq_id, [{"index": 0, "delta": delta, "logprobs": logprobs,
                                         "finish_reason": finish_reason}], chunk=True)
 
 
