@@ -54,10 +54,11 @@ def _assert_matches(expected_logprobs: torch.Tensor, targets: list[int], got) ->
         assert_float64_equal(torch.tensor(lp.top_logprobs, dtype=torch.float64), top.values[:NUM_TOP])
 
 
-@pytest.mark.parametrize("chunk_lengths", [[23], [5, 1, 9, 8]], ids=["one-chunk", "four-chunks"])
+@pytest.mark.parametrize("chunk_lengths", [[23], [5, 1, 9, 8], [70, 30]],
+                         ids=["one-chunk", "four-chunks", "over-64-rows"])
 def test_prompt_and_generated_logprobs_equal_transformers_log_softmax(models, chunk_lengths):
     hf64, ours64 = models
-    prompt = random_prompt(23, seed=5)
+    prompt = random_prompt(sum(chunk_lengths), seed=5)
     spec = SequenceSpec(prompt, max_new_tokens=4, logprobs=NUM_TOP, prompt_logprobs=NUM_TOP, ignore_eos=True)
     # Another sequence packed into the first prefill forward, without logprobs.
     other = (7, SequenceSpec(random_prompt(11, seed=6), max_new_tokens=2))
