@@ -114,7 +114,8 @@ class Sequence:
             stop_token_ids=p.stop_token_ids,
         )
 
-    def add_tokens(self, token_ids, logprobs=(), prompt_logprobs=()) -> None:
+    def add_tokens(self, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...] = (),
+                   prompt_logprobs: tuple[TokenLogprobs, ...] = ()) -> None:
         """Append generated tokens, with their logprobs for a sequence that asked for them
         (None for each token the worker sent none for)."""
         if self.output_logprobs is not None:
