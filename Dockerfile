@@ -7,7 +7,8 @@
 # Torch comes from TORCH_INDEX_URL: the CPU wheel index by default; for a GPU image use
 # the PyPI index (its Linux wheels bundle CUDA), e.g.
 #   docker build --target worker --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
-# docker-compose.gpu.yml does exactly that.
+# docker-compose.gpu.yml does exactly that. A torch wheel in .cache/compose/wheels/ is used
+# instead of any index (offline builds: scripts/compose_check.sh, docs/operations.md).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -18,8 +19,16 @@ ENV PIP_NO_CACHE_DIR=1 \
     PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
 
+# The sources only (not the wheels of an offline build).
+FROM venv AS sources
+COPY pyproject.toml constraints.txt README.md /src/
+COPY protos /src/protos
+COPY common /src/common
+COPY service /src/service
+COPY worker_client /src/worker_client
+
 FROM venv AS scheduler-build
-COPY . /src
+COPY --from=sources /src /src
 RUN pip install -c /src/constraints.txt "/src[gateway,postgres]"
 
 FROM venv AS worker-build
@@ -27,8 +36,12 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # Before the sources, so that a code change does not download torch again. The other
 # dependencies are pinned by constraints.txt, as in scripts/setup.sh.
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
-COPY . /src
+# The glob copies the wheels folder when there is one and nothing otherwise.
+COPY constraints.txt .cache/compose/wheel[s] /tmp/wheels/
+RUN if ls /tmp/wheels/torch-*.whl > /dev/null 2>&1; then pip install /tmp/wheels/torch-*.whl; \
+    else pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"; fi \
+    && rm -rf /tmp/wheels
+COPY --from=sources /src /src
 RUN pip install -c /src/constraints.txt "/src[worker,gateway]"
 
 # -- runtime: no compiler, no pip cache, not root ---------------------------------------

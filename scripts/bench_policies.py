@@ -37,6 +37,7 @@ from service.core import (  # noqa: E402
     TokenUpdate, WorkerRegistration, WorkerReport,
 )
 from common.loadgen import percentile  # noqa: E402
+from service.core.errors import DeadlineUnreachable  # noqa: E402
 
 POLICIES = ("fifo", "budget", "fair")
 
@@ -49,29 +50,37 @@ def _params(rnd: random.Random) -> SubmitParams:
 
 
 def bench_decisions(policy: str, batch: int, queued: int, iterations: int,
-                    seed: int) -> list[float]:
+                    seed: int, targets: bool = False) -> list[float]:
+    """`targets`: --tpot-target-ms 100 and --ttft-target-ms 2000, the worker reporting
+    each step's time (20 ms + 20 us a prefill token + 0.1 ms a decode)."""
     rnd = random.Random(seed)
+    latency = dict(tpot_target_ms=100.0, ttft_target_ms=2000.0) if targets else {}
     config = SchedulerConfig(policy=policy, max_batch_size=batch, chunk_size=512,
-                             max_num_batched_tokens=4096, max_queue=queued + batch)
+                             max_num_batched_tokens=4096, max_queue=queued + batch,
+                             lease_ttl_ms=3_600_000, **latency)  # slow fills keep the lease
     core = Scheduler(config)
     pool = [_params(rnd) for _ in range(256)]  # reused: building prompts is not timed
-    for i in range(queued):
-        core.submit(pool[i % len(pool)])
     core.register_worker(WorkerRegistration("bench", total_kv_pages=10**6, page_size=16,
                                             total_gdn_slots=batch, max_batch_size=batch))
+    for i in range(queued):
+        _offer(core, pool[i % len(pool)])  # with a TTFT target, the fleet sheds some
     waiting: dict[int, tuple[int, int]] = {}  # seq_id -> (prompt length, tokens to generate)
     running: dict[int, int] = {}  # seq_id -> tokens left to generate
     finished: list[FinishedSequence] = []
     tokens: list[TokenUpdate] = []
     samples = []
+    step_us = 0
     for i in range(iterations):
         report = WorkerReport("bench", waiting=tuple(waiting), running=tuple(running),
                               kv_free_pages=10**6 // 2, gdn_free_slots=batch - len(waiting)
-                              - len(running), finished=tuple(finished), tokens=tuple(tokens))
+                              - len(running), finished=tuple(finished), tokens=tuple(tokens),
+                              last_step_us=step_us if targets else 0)
         started = time.thread_time()
         decision = core.select_batch(report)
         samples.append(time.thread_time() - started)
         finished, tokens = [], []
+        step_us = (20_000 + 20 * sum(c.chunk_len for c in decision.prefill)
+                   + 100 * len(decision.decode))
         for chunk in decision.prefill:
             if chunk.spec is not None:
                 waiting[chunk.seq_id] = (len(chunk.spec.prompt_token_ids),
@@ -89,9 +98,20 @@ def bench_decisions(policy: str, batch: int, queued: int, iterations: int,
             if running[seq_id] == 0:
                 del running[seq_id]
                 finished.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH))
+        offered = i
         while core.status().queue_depth < queued:
-            core.submit(pool[i % len(pool)])
+            if not _offer(core, pool[offered % len(pool)]):
+                offered += 1  # shed: offer the next one
     return samples
+
+
+def _offer(core: Scheduler, params: SubmitParams) -> bool:
+    """Submit; False if shed (with a TTFT target, a priority -1 request may be)."""
+    try:
+        core.submit(params)
+    except DeadlineUnreachable:
+        return False
+    return True
 
 
 def bench_get_sequence(policy: str, positions: int, calls: int, seed: int) -> list[float]:
@@ -189,6 +209,15 @@ def main() -> int:
                                           args.seed))
         fifo_median = fifo_median or median
         print(f"{policy:<10}{median:>12.1f}{p99:>12.1f}{median / fifo_median:>18.2f}")
+    print("With --tpot-target-ms 100 --ttft-target-ms 2000 (a learned budget, the deadline "
+          "order), against the same policy without:")
+    for policy in ("budget", "fair"):
+        off, _ = _us(bench_decisions(policy, args.batch, args.queued, args.iterations,
+                                     args.seed))
+        median, p99 = _us(bench_decisions(policy, args.batch, args.queued, args.iterations,
+                                          args.seed, targets=True))
+        print(f"{policy + ' +T':<10}{median:>12.1f}{p99:>12.1f}{median / fifo_median:>18.2f}"
+              f"  ({median / off:.2f} x {policy} without targets, {off:.1f} us)")
 
     print(f"\nGetSequence of a queued sequence, {args.positions} queued (1,000 calls)")
     print(f"{'order':<10}{'median us':>12}{'p99 us':>12}  (CPU time)")

@@ -4,9 +4,10 @@
 Starts `lattice-scheduler serve`, N `lattice-worker` processes and `lattice-scheduler
 gateway` on loopback, waits until every worker has registered, runs a short demo load of
 streamed chat completions through the gateway with the `openai` client (progress while it
-runs, throughput and latency at the end), then keeps the stack up until Ctrl-C (or exits
-with --exit). The default model is a demo checkpoint (the tiny model with a small BPE
-tokenizer and a chat template), built on the first run under .artifacts/demo-model.
+runs, throughput and latency at the end), then keeps the stack up until Ctrl-C, SIGTERM or
+SIGHUP (or exits with --exit), and stops every process it started. The default model is
+a demo checkpoint (the tiny model with a small BPE tokenizer and a chat template), built on
+the first run under .artifacts/demo-model.
 
 `--replicas N` runs N scheduler replicas on ports PORT, PORT+1, ... sharing a private
 PostgreSQL cluster (initdb and pg_ctl under .artifacts/local-stack/postgres, or a
@@ -63,6 +64,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.replicas < 0:
         parser.error(f"--replicas must not be negative, got {args.replicas}")
+    _stop_on_signals()
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     logs = ROOT / ".artifacts" / "local-stack"
@@ -227,15 +229,35 @@ def _exited(proc: subprocess.Popen, what: str, hint: str):
                     else f"{what} exited with {proc.returncode}; {hint}")
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_hurry = []  # a signal came while stopping: kill what is left instead of waiting
+
+
+def _stop_on_signals() -> None:
+    """SIGINT, SIGTERM and SIGHUP stop the stack (the `finally` of main). Set explicitly:
+    a shell starts a background job with SIGINT ignored, and Python keeps it so."""
+    def on_signal(signum, _frame):
+        for other in _STOP_SIGNALS:
+            signal.signal(other, lambda *_: _hurry.append(True))
+        print(f"local stack: {signal.Signals(signum).name}, stopping", file=sys.stderr,
+              flush=True)
+        raise KeyboardInterrupt
+
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, on_signal)
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     # Gateway and workers first (they drain), then the scheduler.
     for p in reversed(procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
+            deadline = time.monotonic() + 20
+            while p.poll() is None and time.monotonic() < deadline and not _hurry:
+                time.sleep(0.1)
+            if p.poll() is None:
                 p.kill()
+                p.wait()
 
 
 if __name__ == "__main__":

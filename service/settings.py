@@ -47,6 +47,7 @@ class ServeSettings:
     prefetch: int = 8
     replica_lease_ms: int = 5000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    step_table: str = ""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> "ServeSettings":
@@ -100,7 +101,8 @@ class ServeSettings:
 
 _HELP = {
     "host": "address to listen on (gRPC and metrics)",
-    "port": "gRPC port; 0 picks a free port and prints it",
+    "port": "gRPC port; 0 picks a free port and prints it (the metrics port is apart: "
+            "--port 0 --metrics-port 0 takes no fixed port)",
     "metrics_port": "Prometheus /metrics port; 0 picks a free port and prints it",
     "worker_port": "also serve the worker RPCs (and health) on this port, apart from "
                    "client traffic; 0: none (every RPC is always served on --port)",
@@ -130,6 +132,9 @@ _HELP = {
                         "returns its sequences to the shared queue",
     "max_message_bytes": "largest incoming gRPC message in bytes; a larger one gets "
                          "RESOURCE_EXHAUSTED",
+    "step_table": "with a latency target: a `lattice-worker profile` step table (JSON) that "
+                  "each worker's learned step time starts from; none: a cautious default "
+                  "that steps are measured against from the first one",
     "max_batch_size": "most sequences per worker, when a worker registers with 0",
     "max_worker_batch_size": "the most sequences a worker may ask for at registration; a "
                              "larger max_batch_size is cut to this (the answer says so)",
@@ -153,6 +158,15 @@ _HELP = {
     "tenant_weights": "fair: TOML file of `tenant = weight` lines; a weight-2 tenant is "
                       "served twice the tokens of a weight-1 one",
     "max_loras": "most distinct LoRA adapters active on one worker (0: no limit)",
+    "tpot_target_ms": "budget, fair: time per output token to keep each step within; each "
+                      "decision's token budget is then chosen from the worker's learned step "
+                      "times, up to max_num_batched_tokens if set (0: off, the fixed budget)",
+    "ttft_target_ms": "budget, fair: time to first token; each priority band is served "
+                      "earliest deadline (arrival + target) first, and a request of negative "
+                      "priority that no worker can start in time is refused with "
+                      "RESOURCE_EXHAUSTED (0: off)",
+    "prefix_caching": "on: first chunks start from the asking worker's longest resume "
+                      "point (its prefix cache); off: ignore every cache report",
 }
 
 # How a default that depends on other settings reads in --help.

@@ -53,3 +53,69 @@ def test_a_leaving_worker_has_its_series_removed():
     sched.deregister_worker("w9")
     assert _value(registry, name, worker_id="w9") is None
     assert _value(registry, "lattice_scheduler_workers") == 0
+
+
+def test_step_times_budgets_and_deadline_misses_are_metrics():
+    clock, registry = FakeClock(), CollectorRegistry()
+    sched = Scheduler(make_config(policy="budget", tpot_target_ms=100.0, ttft_target_ms=300.0),
+                      observer=SchedulerMetrics(registry, clock=clock, ttft_target_seconds=0.3),
+                      clock=clock)
+    register(sched)
+    seq_id = submit(sched, prompt_len=40, max_new_tokens=4)
+    sched.select_batch(report())  # the first chunk: a decision with work
+    clock.advance_ms(400)  # past the 300 ms deadline
+    sched.select_batch(WorkerReport("w0", running=(seq_id,), kv_free_pages=100,
+                                    gdn_free_slots=8, tokens=(TokenUpdate(seq_id, (1,)),),
+                                    last_step_us=25_000))
+    p = "lattice_scheduler_"
+    assert _value(registry, p + "worker_step_measured_seconds", worker_id="w0") == 0.025
+    predicted = _value(registry, p + "worker_step_predicted_seconds", worker_id="w0")
+    assert predicted > 0.025  # the cautious default
+    assert _value(registry, p + "step_time_error_ratio_count", worker_id="w0") == 1
+    assert _value(registry, p + "worker_token_budget", worker_id="w0") > 40
+    assert _value(registry, p + "deadline_misses_total") == 1
+
+
+def test_prefix_cache_metrics_count_computed_and_cached_tokens_misses_and_points():
+    from dataclasses import replace
+
+    from common.block_hash import block_hashes
+    from service.core.types import CacheReport
+    from tests.unit.factories import prompt
+
+    _, registry, sched = _setup()
+    register(sched, cache_block_tokens=16)
+    seq_id = submit(sched, prompt_len=100)
+    points = tuple(block_hashes(prompt(100), "", 16)[:4])
+    sched.select_batch(replace(report(), cache=CacheReport(added=points, reset=True)))
+    p = "lattice_scheduler_"
+    assert _value(registry, p + "prefill_tokens_total", source="cached") == 64
+    assert _value(registry, p + "prefill_tokens_total", source="computed") == 32  # to 96
+    assert _value(registry, p + "worker_resume_points", worker_id="w0") == 4
+    # A miss: counted, and the sequence is admitted again from the 3 points left.
+    sched.select_batch(replace(report(), cache_misses=(seq_id,)))
+    assert _value(registry, p + "cache_misses_total") == 1
+    assert _value(registry, p + "prefill_tokens_total", source="cached") == 64 + 48
+    assert _value(registry, p + "worker_resume_points", worker_id="w0") == 3
+    sched.deregister_worker("w0")
+    assert _value(registry, p + "worker_resume_points", worker_id="w0") is None
+
+
+def test_the_dashboard_shows_cached_against_computed_prefill_tokens():
+    import json
+    from pathlib import Path
+
+    from tests.stack.promql import metric_names
+
+    _, registry, _ = _setup()
+    dashboard = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" / "dashboards"
+                            / "lattice.json").read_text())
+    exprs = {t["expr"] for panel in dashboard["panels"] for t in panel["targets"]}
+    prefill = [e for e in exprs if "lattice_scheduler_prefill_tokens_total" in e]
+    assert prefill and all("by (source)" in e for e in prefill)
+    exposed = {m.name for m in registry.collect()} | {
+        s.name for m in registry.collect() for s in m.samples}
+    for expr in exprs:
+        for name in metric_names(expr):
+            if any(word in name for word in ("prefill_tokens", "cache_misses", "resume_points")):
+                assert name in exposed, f"{name} (dashboard) is not a scheduler metric"

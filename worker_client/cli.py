@@ -58,6 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-pages", type=int, help="KV-cache pages (default: sized for the device)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--gdn-slots", type=int, help="GDN state slots (default: sized for the device)")
+    parser.add_argument("--cache-block-tokens", type=int,
+                        help="tokens per prefix-cache block, a multiple of --page-size "
+                             "(default: 4 pages; the scripted model keeps a cache only "
+                             "with this flag)")
+    parser.add_argument("--prefix-cache-blocks", type=int,
+                        help="most cached blocks no running sequence uses (their pages count "
+                             "as free and are reclaimed least recently used first; default: "
+                             "as many as the free pages hold)")
+    parser.add_argument("--snapshot-slots", type=int,
+                        help="GDN state snapshots the prefix cache keeps, one per resume point "
+                             "(default: sized for the device: CPU 4 per GDN slot, CUDA a tenth "
+                             "of the free memory)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="keep no prefix cache (every prompt is computed from token 0)")
     parser.add_argument("--max-batch-size", type=int, default=0,
                         help="most sequences at once (0: the scheduler's default)")
     parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny models")
@@ -75,10 +89,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from common.logs import configure
     configure(args.log_format, "INFO")
-    for name in ("page_size", "kv_pages", "gdn_slots", "threads"):
+    for name in ("page_size", "kv_pages", "gdn_slots", "threads", "cache_block_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("prefix_cache_blocks", "snapshot_slots"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative, got {value}")
+    if args.cache_block_tokens is not None and args.cache_block_tokens % args.page_size:
+        parser.error(f"--cache-block-tokens must be a multiple of --page-size "
+                     f"({args.page_size}), got {args.cache_block_tokens}")
     if args.step_ms is not None:
         if args.model != "scripted":
             parser.error(f"--step-ms simulates step time of the scripted model only; "
@@ -103,9 +124,17 @@ def main(argv: list[str] | None = None) -> int:
 def _build_engine(args: argparse.Namespace):
     if args.model == "scripted":
         from worker_client.testing import ScriptedEngine
+        # The scripted model keeps a prefix cache only when asked (--cache-block-tokens).
         return ScriptedEngine(total_kv_pages=args.kv_pages or 4096, page_size=args.page_size,
                               total_gdn_slots=args.gdn_slots or 64,
-                              step_seconds=(args.step_ms or 0.0) / 1000.0)
+                              step_seconds=(args.step_ms or 0.0) / 1000.0,
+                              cache_block_tokens=(0 if args.no_prefix_cache
+                                                  else args.cache_block_tokens or 0),
+                              total_snapshot_slots=(64 if args.snapshot_slots is None
+                                                    else args.snapshot_slots),
+                              max_cached_blocks=args.prefix_cache_blocks)
+    from common import extras
+    extras.require("worker", f"--model {args.model}")
     import torch
 
     from worker_client.engine.engine import ModelEngine, default_pool_sizes
@@ -122,19 +151,29 @@ def _build_engine(args: argparse.Namespace):
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device == "cuda" else "float32"
     model = load_model(args.model, device=device, dtype=getattr(torch, dtype_name), seed=args.seed)
-    pools = default_pool_sizes(model.config, device, page_size=args.page_size)
+    prefix_cache = not args.no_prefix_cache
+    pools = default_pool_sizes(model.config, device, page_size=args.page_size,
+                               prefix_cache=prefix_cache)
+    from worker_client.engine.sizing import DEFAULT_CACHE_BLOCK_PAGES
+    block_tokens = args.cache_block_tokens or DEFAULT_CACHE_BLOCK_PAGES * args.page_size
     engine = ModelEngine(
         model,
         total_kv_pages=args.kv_pages or pools.total_kv_pages,
         page_size=args.page_size,
         total_gdn_slots=args.gdn_slots or pools.total_gdn_slots,
         device=device,
+        cache_block_tokens=block_tokens if prefix_cache else 0,
+        total_snapshot_slots=(pools.total_snapshot_slots if args.snapshot_slots is None
+                              else args.snapshot_slots),
+        max_cached_blocks=args.prefix_cache_blocks,
     )
     log.info("engine ready", extra={"worker_id": args.worker_id, "model": str(args.model),
                                     "device": device, "dtype": dtype_name,
                                     "kv_pages": engine.total_kv_pages,
                                     "page_size": engine.page_size,
-                                    "gdn_slots": engine.total_gdn_slots})
+                                    "gdn_slots": engine.total_gdn_slots,
+                                    "cache_block_tokens": engine.cache_block_tokens,
+                                    "snapshot_slots": engine.total_snapshot_slots})
     return engine
 
 
@@ -149,18 +188,22 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     except TargetError as err:
         print(f"lattice-worker: --scheduler: {err}", file=sys.stderr)
         return 2
-    client = SchedulerClient(",".join(targets), credentials=credentials, token=args.token,
-                             session=not args.no_session)
-    resources = WorkerResources(args.worker_id, engine.total_kv_pages, engine.page_size,
-                                engine.total_gdn_slots, args.max_batch_size)
-    loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap)
     stop, drain = threading.Event(), threading.Event()
+    client = SchedulerClient(",".join(targets), credentials=credentials, token=args.token,
+                             session=not args.no_session, stop=stop)
+    resources = WorkerResources.of(args.worker_id, engine, args.max_batch_size)
+    loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap)
 
     def on_signal(signum, _frame):
-        if signum == signal.SIGTERM and not drain.is_set():
+        if signum == signal.SIGTERM and not drain.is_set() and loop.stats.registrations:
             log.info("draining: finishing held sequences, taking nothing new",
                      extra={"worker_id": args.worker_id})
             drain.set()
+        elif signum == signal.SIGTERM and not drain.is_set():
+            # Not registered yet (the scheduler is not answering): nothing to finish.
+            log.info("stopping: not registered, nothing held", extra={"worker_id": args.worker_id})
+            drain.set()
+            stop.set()
         else:
             log.info("stopping now", extra={"worker_id": args.worker_id})
             stop.set()
@@ -182,6 +225,9 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     print(f"lattice-worker {args.worker_id}: {stats.iterations} iterations, "
           f"{stats.generated_tokens} tokens generated, {stats.finished} sequences finished, "
           f"{stats.preempted} preempted", flush=True)
+    cache = getattr(engine, "prefix_cache", None)
+    if cache is not None:
+        print(f"lattice-worker {args.worker_id}: {cache.stats_line()}", flush=True)
     return 0
 
 
@@ -236,9 +282,12 @@ def _profile(argv: list[str]) -> int:
 def _run_profile(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from common import extras
+    extras.require("worker", "lattice-worker profile")
     import torch
 
-    from worker_client import profiling, step_table
+    from common import step_table
+    from worker_client import profiling
     from worker_client.engine.engine import ModelEngine, default_pool_sizes
     from worker_client.engine.loading import load_model, random_model
 

@@ -11,13 +11,17 @@ caller drops what it holds and registers again, unless the scheduler says this i
 was superseded (another process registered the same worker_id since): that is `Superseded`,
 and the caller must stop rather than register again and fight over the id. Other errors
 surface as `SchedulerCallError`.
+
+`stop` (the worker's stop event) ends every wait within a second: a retry's backoff, a call
+in flight (cancelled), a session's answer; the call then raises `Stopped`. A call made after
+the stop (leaving: the last report, DeregisterWorker) gets one try of at most a second.
 """
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -51,6 +55,16 @@ class Superseded(SchedulerCallError):
     """Another process registered this worker_id after us: stop, do not register again."""
 
 
+class Stopped(SchedulerCallError):
+    """The worker's stop event was set while this call waited (retrying or in flight)."""
+
+
+# How long a wait may go on after the stop event is set; and how often a call in flight
+# looks at the event.
+_STOPPING_SECONDS = 1.0
+_POLL_SECONDS = 0.1
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Exponential backoff with jitter: initial, doubling up to max, for at most total seconds."""
@@ -65,7 +79,7 @@ class SchedulerClient:
 
     def __init__(self, target: str, *, call_timeout_seconds: float = 5.0,
                  retry: RetryPolicy = RetryPolicy(),
-                 sleep: Callable[[float], None] = time.sleep,
+                 stop: threading.Event | None = None,
                  credentials: grpc.ChannelCredentials | None = None,
                  token: str | None = None, session: bool = True) -> None:
         """`target`: HOST:PORT, or several replicas' HOST:PORT,HOST:PORT: the worker talks
@@ -89,7 +103,7 @@ class SchedulerClient:
                               if token else {})
         self._timeout = call_timeout_seconds
         self._retry = retry
-        self._sleep = sleep
+        self._stop = stop or threading.Event()
         self.uses_session = session
         self._session: WorkerSessionStream | None = None
         # The incarnation of our latest registration, sent with every later call (0: none
@@ -144,11 +158,12 @@ class SchedulerClient:
                               convert.deregister_request(worker_id, self.incarnation))
         return response.requeued
 
-    def _exchange(self, request: pb.SelectBatchRequest, timeout: float, **_call_options):
+    def _exchange(self, request: pb.SelectBatchRequest, timeout: float,
+                  stop: threading.Event | None = None, **_call_options):
         if self._session is None:
             self._session = WorkerSessionStream(self._stub, **self._call_options)
         try:
-            return self._session.exchange(request, timeout)
+            return self._session.exchange(request, timeout, stop=stop)
         except grpc.RpcError:
             self._session = None  # closed by now; the next try opens a new one
             raise
@@ -161,17 +176,25 @@ class SchedulerClient:
     def _call(self, method: str, fn, request, timeout: float | None = None):
         delay = self._retry.initial_seconds
         give_up_at = time.monotonic() + self._retry.total_seconds
+        leaving = self._stop.is_set()  # one short try, nothing to interrupt
+        timeout = timeout or self._timeout
         while True:
             try:
-                return fn(request, timeout=timeout or self._timeout, **self._call_options)
+                if leaving:
+                    return fn(request, timeout=min(timeout, _STOPPING_SECONDS),
+                              **self._call_options)
+                return self._interruptible(method, fn, request, timeout)
             except grpc.RpcError as err:
                 code = err.code()
+                if not leaving and self._stop.is_set():
+                    raise Stopped(method, code, "the worker is stopping") from None
                 if code is grpc.StatusCode.FAILED_PRECONDITION:
                     # docs/contract.md, "Errors": an older incarnation's message starts so.
                     superseded = (err.details() or "").startswith("superseded:")
                     raise (Superseded if superseded else NotRegistered)(
                         method, code, err.details()) from None
-                if code not in _RETRYABLE or time.monotonic() + delay > give_up_at:
+                if (leaving or code not in _RETRYABLE
+                        or time.monotonic() + delay > give_up_at):
                     raise SchedulerCallError(method, code, err.details()) from None
                 if code is grpc.StatusCode.UNAVAILABLE and len(self.targets) > 1:
                     self._move_on()
@@ -180,5 +203,20 @@ class SchedulerClient:
                 log.warning("scheduler call failed; retrying",
                             extra={"method": method, "code": code.name,
                                    "retry_in_seconds": round(delay, 3)})
-                self._sleep(delay * (0.5 + random.random() / 2))
+                if self._stop.wait(delay * (0.5 + random.random() / 2)):
+                    raise Stopped(method, code, "the worker is stopping") from None
                 delay = min(delay * 2, self._retry.max_seconds)
+
+    def _interruptible(self, method: str, fn, request, timeout: float):
+        """`fn(request)`, cancelled when the stop event is set (a unary call runs as a
+        future; the session's exchange watches the event itself)."""
+        if method == "WorkerSession":
+            return fn(request, timeout=timeout, stop=self._stop, **self._call_options)
+        if not hasattr(fn, "future"):  # not a stub's method (a test's stand-in)
+            return fn(request, timeout=timeout, **self._call_options)
+        future = fn.future(request, timeout=timeout, **self._call_options)
+        while not future.done():
+            if self._stop.wait(_POLL_SECONDS):
+                future.cancel()
+                raise Stopped(method, grpc.StatusCode.CANCELLED, "the worker is stopping")
+        return future.result()

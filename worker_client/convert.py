@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from worker_client.engine.api import ChunkWork, FinishReason, SequenceSpec, StepOutput, TokenLogprobs
+from worker_client.engine.api import (
+    CacheDelta, ChunkWork, FinishReason, SequenceSpec, StepOutput, TokenLogprobs,
+)
+from worker_client.engine.resume_points import ResumePointLog
 from worker_client.resources import WorkerResources
 
 _FINISH_REASON = {
@@ -53,6 +56,8 @@ def register_request(resources: WorkerResources) -> pb.RegisterWorkerRequest:
         worker_id=resources.worker_id, total_kv_pages=resources.total_kv_pages,
         page_size=resources.page_size, total_gdn_slots=resources.total_gdn_slots,
         max_batch_size=resources.max_batch_size, adapters=resources.adapters,
+        cache_block_tokens=resources.cache_block_tokens,
+        total_snapshot_slots=resources.total_snapshot_slots,
     )
 
 
@@ -72,14 +77,18 @@ def chunk_work(chunk: pb.PrefillChunk) -> ChunkWork:
             logprobs=s.sampling.logprobs, prompt_logprobs=s.sampling.prompt_logprobs,
             ignore_eos=s.sampling.ignore_eos, min_new_tokens=s.sampling.min_new_tokens,
         )
-    return ChunkWork(chunk.seq_id, chunk.chunk_start, chunk.chunk_len, spec)
+    return ChunkWork(chunk.seq_id, chunk.chunk_start, chunk.chunk_len, spec,
+                     cached_tokens=chunk.cached_tokens if spec is not None else 0)
 
 
 class PendingReport:
     """What the engine produced since the last successful SelectBatch, to report next.
 
     Token updates carry their offset (tokens of the sequence already delivered in this
-    admission), so a report retried after a lost answer adds no token twice.
+    admission), so a report retried after a lost answer adds no token twice. Prefix-cache
+    changes (`add_cache`) are kept, folded together, until delivered; a retried report
+    repeats them, which changes nothing twice (adds and removes of a set). They alone do
+    not make the report worth sending.
     """
 
     def __init__(self) -> None:
@@ -91,11 +100,17 @@ class PendingReport:
         self.logprobs: dict[int, list[pb.TokenLogprobs]] = {}
         # seq_id -> its prompt's logprobs, reported with its first token (and retried with it).
         self.prompt_logprobs: dict[int, list[pb.TokenLogprobs]] = {}
+        self.cache_misses: list[int] = []
+        self.cache = ResumePointLog()
         # seq_id -> tokens delivered to the scheduler since its admission here
         self._delivered: dict[int, int] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.finished or self.preempted or self.tokens)
+        return bool(self.finished or self.preempted or self.tokens or self.cache_misses)
+
+    def add_cache(self, delta: CacheDelta) -> None:
+        """The engine's cache changes since it was last asked (a reset starts over)."""
+        self.cache.apply(delta)
 
     def add(self, out: StepOutput) -> None:
         for seq_id, token_ids in out.tokens:
@@ -109,6 +124,7 @@ class PendingReport:
                 seq_id=fin.seq_id, reason=_FINISH_REASON[fin.reason],
                 generated_tokens=fin.generated_tokens, error_message=fin.error_message))
         self.preempted.extend(out.preempted)
+        self.cache_misses.extend(out.cache_misses)
 
     def admitted(self, seq_id: int) -> None:
         """A new admission (a chunk with a spec): its token count starts again."""
@@ -126,13 +142,15 @@ class PendingReport:
         for seq_id in self.preempted:
             self._delivered.pop(seq_id, None)
         self.clear()
+        self.cache.take()
 
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:
             self._delivered.pop(seq_id, None)
 
     def reset(self) -> None:
-        """Nothing to report and nothing delivered: the scheduler forgot this worker."""
+        """Nothing to report and nothing delivered: the scheduler forgot this worker (the
+        cache is reported in full after the next registration: add_cache with a reset)."""
         self.clear()
         self._delivered.clear()
 
@@ -142,12 +160,15 @@ class PendingReport:
         self.tokens.clear()
         self.logprobs.clear()
         self.prompt_logprobs.clear()
+        self.cache_misses.clear()
 
     def request(self, worker_id: str, *, waiting, running, kv_free_pages: int,
                 gdn_free_slots: int, draining: bool,
-                idle_wait_seconds: float = 0.0) -> pb.SelectBatchRequest:
-        """The report; `idle_wait_seconds` > 0 asks for a long poll."""
-        return pb.SelectBatchRequest(
+                idle_wait_seconds: float = 0.0, kv_cached_pages: int = 0,
+                last_step_us: int = 0) -> pb.SelectBatchRequest:
+        """The report; `idle_wait_seconds` > 0 asks for a long poll; `last_step_us` is the
+        latest step's time not yet reported (0: none)."""
+        request = pb.SelectBatchRequest(
             worker_id=worker_id, waiting=waiting, running=running,
             kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
             finished=self.finished, preempted=self.preempted, draining=draining,
@@ -155,7 +176,15 @@ class PendingReport:
             tokens=[pb.TokenUpdate(seq_id=s, token_ids=t, offset=self._delivered.get(s, 0),
                                    logprobs=self.logprobs.get(s), prompt_logprobs=self.prompt_logprobs.get(s))
                     for s, t in self.tokens.items()],
+            kv_cached_pages=kv_cached_pages, cache_misses=self.cache_misses,
+            last_step_us=last_step_us,
         )
+        if self.cache:
+            delta = self.cache.peek()
+            request.cache.added.extend(delta.added)
+            request.cache.removed.extend(delta.removed)
+            request.cache.reset = delta.reset
+        return request
 
 
 def _token_logprobs(lp: TokenLogprobs) -> pb.TokenLogprobs:

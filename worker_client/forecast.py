@@ -7,7 +7,9 @@ runs iteration n, so the report describes the engine as it will be after step n:
 - a new admission (a chunk with a spec) is held from then on and takes a GDN slot;
 - the KV pages step n fills are taken off the free count, from the tokens each held
   sequence has in cache: its prompt as far as prefilled, plus one per decode (how a paged
-  KV cache grows, in the reference engine and the scripted one alike).
+  KV cache grows, in the reference engine and the scripted one alike); an admission that
+  resumes from the prefix cache is counted as if it computed from 0 (its shared pages
+  may have been free), which errs low.
 
 What only the step can tell is not foreseen: a sequence that finishes (EOS, a stop token,
 its last token) or that the engine preempts is reported as held one iteration longer; the
@@ -32,6 +34,7 @@ class Holding:
     running: tuple[int, ...]
     kv_free_pages: int
     gdn_free_slots: int
+    kv_cached_pages: int = 0  # of kv_free_pages, those holding reusable prefix cache
 
     @property
     def is_empty(self) -> bool:
@@ -86,7 +89,10 @@ class Forecast:
             if seq_id in running:
                 length = self._lengths.get(seq_id)
                 kv_free -= 1 if length is None else self._grow(length, 1)
-        return Holding(tuple(waiting), tuple(running), max(0, kv_free), max(0, gdn_free))
+        # Pages a step takes may be cached ones (reclaimed): never more cached than free.
+        kv_free = max(0, kv_free)
+        return Holding(tuple(waiting), tuple(running), kv_free, max(0, gdn_free),
+                       min(now.kv_cached_pages, kv_free))
 
     def _grow(self, length: _Length, num_tokens: int) -> int:
         """Pages `num_tokens` more tokens take; the length is updated."""

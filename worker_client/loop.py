@@ -4,15 +4,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from worker_client import convert
-from worker_client.client import NotRegistered, SchedulerClient, Superseded
+from worker_client.client import NotRegistered, SchedulerClient, Stopped, Superseded
 from worker_client.convert import PendingReport, Work
-from worker_client.engine.api import Engine, FinishReason, StepOutput
+from worker_client.engine.api import ChunkWork, Engine, FinishReason, StepOutput
 from worker_client.forecast import Forecast, Holding
 from worker_client.resources import WorkerResources
 
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 # With nothing held and nothing to report, a worker asks the scheduler to hold its answer
 # until work arrives (a long poll), at most this long and at most a quarter of its lease.
 DEFAULT_IDLE_WAIT_SECONDS = 1.0
+# SelectBatchRequest.last_step_us is a uint32.
+_MAX_STEP_US = 2**32 - 1
 
 
 @dataclass
@@ -58,6 +61,12 @@ class WorkerLoop:
 
     With nothing held and nothing to report, the loop asks for a long poll
     (`idle_wait_seconds`) instead of polling.
+
+    Every report carries `last_step_us`: the time of the latest step not yet reported
+    (0 when none), each step's time reported once. Steps are timed on the host around
+    `Engine.step`; an engine on a clock of its own (the simulator's) says how long its
+    step took in `last_step_seconds`. With `overlap`, the report sent while step n runs
+    carries step n-1's time, as it carries step n-1's outputs.
     """
 
     def __init__(self, engine: Engine, client: SchedulerClient, resources: WorkerResources,
@@ -77,15 +86,23 @@ class WorkerLoop:
         self._pending = PendingReport()
         self._moves_at_registration = 0
         self._forecast = Forecast(engine.page_size)
+        self._step_us = 0  # the latest step's time, until a report carries it
 
     def run(self, stop: threading.Event, drain: threading.Event | None = None) -> LoopStats:
+        """Until `stop`, or the end of a `drain`. A client built with the same stop event
+        ends its waits (registration and other retries included) within a second of it."""
         drain = drain or threading.Event()
-        self._register()
+        try:
+            self._register()
+        except Stopped:
+            return self.stats  # stopped before the scheduler answered: nothing held
         try:
             if self.overlap:
                 self._run_overlapped(stop, drain)
             else:
                 self._run_in_turn(stop, drain)
+        except Stopped:
+            pass  # what is held goes back in _leave
         finally:
             self._leave()
         return self.stats
@@ -113,7 +130,8 @@ class WorkerLoop:
         work = self._exchange(self._request(draining, held, idle), held)
         if work is None or not self._apply(work):
             return work is None
-        self._record(work, self.engine.step(work.prefill, work.decode))
+        out, self._step_us = self._timed_step(work.prefill, work.decode)
+        self._record(work, out)
         return True
 
     # ------------------------------------------------------------------ overlapped
@@ -132,21 +150,22 @@ class WorkerLoop:
                             return
                         continue
                 held = self._holding()
-                stepping = stepper.submit(self.engine.step, work.prefill, work.decode)
+                stepping = stepper.submit(self._timed_step, work.prefill, work.decode)
                 after = self._forecast.after_step(held, work.prefill, work.decode)
                 try:
                     decision = self.client.select(self._request(draining, after, idle=False))
                 except NotRegistered:
                     # The step ran: its outputs are reported next if the worker keeps what
                     # it holds (it moved to another replica), dropped with it otherwise.
-                    self._record(work, stepping.result())
+                    self._record(work, stepping.result()[0])
                     self._register_again(self._holding())
                     work = None
                     continue
                 finally:
                     wait([stepping])  # whatever happened, the step ends before anything else
-                out = stepping.result()
-                self._pending.delivered()
+                out, step_us = stepping.result()
+                self._delivered()
+                self._step_us = step_us  # reported with the next report, as its outputs
                 self.stats.iterations += 1
                 self._record(work, out)
                 next_work = convert.work(decision)
@@ -170,15 +189,19 @@ class WorkerLoop:
     # ------------------------------------------------------------------ shared
 
     def _holding(self) -> Holding:
+        """What the engine holds now (no step in flight); its cache changes since it was
+        last asked go to the next report."""
         engine = self.engine
+        self._pending.add_cache(engine.cache_delta())
         return Holding(tuple(engine.waiting_ids()), tuple(engine.running_ids()),
-                       engine.kv_free_pages(), engine.gdn_free_slots())
+                       engine.kv_free_pages(), engine.gdn_free_slots(), engine.kv_cached_pages())
 
     def _request(self, draining: bool, held: Holding, idle: bool) -> pb.SelectBatchRequest:
         return self._pending.request(
             self.resources.worker_id, waiting=held.waiting, running=held.running,
             kv_free_pages=held.kv_free_pages, gdn_free_slots=held.gdn_free_slots,
-            draining=draining, idle_wait_seconds=self._idle_wait() if idle else 0.0)
+            draining=draining, idle_wait_seconds=self._idle_wait() if idle else 0.0,
+            kv_cached_pages=held.kv_cached_pages, last_step_us=self._step_us)
 
     def _idle_wait(self) -> float:
         if self._lease_seconds <= 0:
@@ -192,9 +215,25 @@ class WorkerLoop:
         except NotRegistered:
             self._register_again(held)
             return None
-        self._pending.delivered()
+        self._delivered()
         self.stats.iterations += 1
         return convert.work(decision)
+
+    def _delivered(self) -> None:
+        """The last request was answered: its outputs and step time reached the scheduler
+        (a step that ended meanwhile keeps its own time for the next report)."""
+        self._pending.delivered()
+        self._step_us = 0
+
+    def _timed_step(self, prefill: Sequence[ChunkWork],
+                    decode: Sequence[int]) -> tuple[StepOutput, int]:
+        """One engine step and its time in microseconds (at least 1: 0 means unknown)."""
+        started = time.perf_counter()
+        out = self.engine.step(prefill, decode)
+        seconds = getattr(self.engine, "last_step_seconds", None)
+        if seconds is None:
+            seconds = time.perf_counter() - started
+        return out, min(_MAX_STEP_US, max(1, round(seconds * 1e6)))
 
     def _apply(self, work: Work) -> bool:
         """Evict and preempt what the decision says, note new admissions; whether it has
@@ -247,6 +286,10 @@ class WorkerLoop:
 
     def _register(self) -> None:
         settings = self.client.register(self.resources)
+        # The first report after a registration lists every resume point (a reset); if the
+        # engine is stepping (an overlapped move), what it changes after this comes next.
+        self._pending.add_cache(self.engine.cache_delta(full=True))
+        self._step_us = 0  # a step before the registration is not the new one's to learn from
         self._moves_at_registration = self._num_moves()
         self.stats.registrations += 1
         self._lease_seconds = settings.lease_ttl_ms / 1000

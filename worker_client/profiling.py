@@ -2,7 +2,7 @@
 
 Each measured step is what `ModelEngine.step` runs for a worker: one prefill chunk of P
 tokens whose first C prompt tokens are cached, plus D decodes of sequences holding C
-tokens each (worker_client/step_table.py has the grid's semantics). The cached tokens are
+tokens each (common/step_table.py has the grid's semantics). The cached tokens are
 reserved without being computed (their values do not change a step's time), so a grid
 reaching long contexts takes minutes, not hours, on a CPU.
 
@@ -26,7 +26,7 @@ import torch
 from worker_client.engine.api import ChunkWork, SequenceSpec
 from worker_client.engine.config import LayerType, ModelConfig, tiny_config
 from worker_client.engine.engine import ModelEngine
-from worker_client.step_table import HeldOutPoint, StepLoad, StepTable, StepTableModel
+from common.step_table import HeldOutPoint, StepLoad, StepTable, StepTableModel
 
 # Token id of every profiled prompt (ids do not change a step's time).
 _TOKEN_ID = 3

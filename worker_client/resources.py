@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker_client.engine.api import Engine
+
 
 @dataclass(frozen=True)
 class WorkerResources:
@@ -14,3 +16,12 @@ class WorkerResources:
     total_gdn_slots: int
     max_batch_size: int = 0
     adapters: tuple[str, ...] = ()
+    cache_block_tokens: int = 0  # tokens per prefix-cache block; 0 = no prefix cache
+    total_snapshot_slots: int = 0  # GDN snapshots for resume points, besides the GDN slots
+
+    @classmethod
+    def of(cls, worker_id: str, engine: Engine, max_batch_size: int = 0,
+           adapters: tuple[str, ...] = ()) -> WorkerResources:
+        """What `engine` has, registered as `worker_id`."""
+        return cls(worker_id, engine.total_kv_pages, engine.page_size, engine.total_gdn_slots,
+                   max_batch_size, adapters, engine.cache_block_tokens, engine.total_snapshot_slots)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 _END = object()
+# How often a wait for an answer looks at the stop event.
+_POLL_SECONDS = 0.1
 
 
 class SessionBroken(grpc.RpcError):
@@ -50,22 +53,33 @@ class WorkerSessionStream:
         except grpc.RpcError as err:
             self._answers.put(err)
 
-    def exchange(self, request: pb.SelectBatchRequest,
-                 timeout_seconds: float) -> pb.SchedulerDecision:
-        """The decision for `request`; raises grpc.RpcError (the session is then closed)."""
+    def exchange(self, request: pb.SelectBatchRequest, timeout_seconds: float, *,
+                 stop: threading.Event | None = None) -> pb.SchedulerDecision:
+        """The decision for `request`; raises grpc.RpcError (the session is then closed),
+        CANCELLED within a tenth of a second of `stop` being set."""
         if self._broken is not None:
             raise self._broken
         self._requests.put(request)
-        try:
-            answer = self._answers.get(timeout=timeout_seconds)
-        except queue.Empty:
-            answer = SessionBroken(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"no answer within {timeout_seconds:g} s")
+        answer = self._answer(time.monotonic() + timeout_seconds, timeout_seconds, stop)
         if isinstance(answer, pb.SchedulerDecision):
             return answer
         self._broken = answer
         self.close()
         raise answer
+
+    def _answer(self, deadline: float, timeout_seconds: float,
+                stop: threading.Event | None):
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return SessionBroken(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"no answer within {timeout_seconds:g} s")
+            if stop is not None and stop.is_set():
+                return SessionBroken(grpc.StatusCode.CANCELLED, "the worker is stopping")
+            try:
+                return self._answers.get(timeout=min(left, _POLL_SECONDS))
+            except queue.Empty:
+                continue
 
     def close(self) -> None:
         """End the stream (the scheduler sees the worker leave the session, not the lease)."""

@@ -4,7 +4,10 @@ Its next token is a fixed function of the whole prefix (`next_token`), so output
 deterministic and a resumed sequence continues exactly as an uninterrupted one would.
 It keeps real page and slot accounting, so the scheduler sees honest free counts, and it
 can take simulated GPU time per step (`step_seconds`), so that a test can land a fault
-while sequences are still running.
+while sequences are still running. With `cache_block_tokens` it keeps a prefix cache with
+the reference engine's books (engine/prefix_cache.py over the same PageTables); the
+scripted model counts as a hybrid one (`recurrent`): a resume point needs a step that
+ended on its block boundary.
 
 Log-probabilities are fake but deterministic (`scripted_logprobs`): the scripted token is
 the most likely one, its log-probability a hash of the prefix in [-0.98, -0.01], each
@@ -13,14 +16,16 @@ alternative one nat below the previous. It has no EOS: `ignore_eos` changes noth
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from worker_client.engine.api import (
-    ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput, TokenLogprobs,
+    CacheDelta, ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
+    TokenLogprobs,
 )
+from worker_client.engine.page_tables import PageTables
+from worker_client.engine.prefix_cache import PrefixCache, cached_tokens_problem
 
 
 def next_token(prefix: Sequence[int], vocab_size: int = 1000) -> int:
@@ -61,13 +66,23 @@ def reference_output(prompt: Sequence[int], max_new_tokens: int,
 
 @dataclass
 class _Held:
+    seq_id: int
     spec: SequenceSpec
-    cached_tokens: int = 0
-    generated: list[int] = field(default_factory=list)
+    token_ids: list[int]  # prompt, then generated tokens
+    cached_tokens: int = 0  # tokens with KV positions: its progress
+    num_generated: int = 0
+    slot: int = 0  # GDN slots are counted, not numbered: the scripted model has no state
+    block_hashes: list[int] = field(default_factory=list)  # kept by the prefix cache
 
-    @property
-    def prefix(self) -> list[int]:
-        return [*self.spec.prompt_token_ids, *self.generated]
+
+class _NoStates:
+    """GDN states of a model that has none: snapshots are bookkeeping only."""
+
+    def empty_like(self, num_slots: int) -> _NoStates:
+        return self
+
+    def copy_slot(self, source: _NoStates, source_slot: int, slot: int) -> None:
+        pass
 
 
 class ScriptedEngine:
@@ -75,20 +90,47 @@ class ScriptedEngine:
 
     def __init__(self, *, total_kv_pages: int = 256, page_size: int = 16,
                  total_gdn_slots: int = 32, vocab_size: int = 1000, step_seconds: float = 0.0,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        """`step_seconds`: simulated GPU time, slept once by each step that has work."""
+                 sleep: Callable[[float], None] = time.sleep, cache_block_tokens: int = 0,
+                 total_snapshot_slots: int = 64, recurrent: bool = True,
+                 max_cached_blocks: int | None = None) -> None:
+        """`step_seconds`: simulated GPU time, slept once by each step that has work.
+        `cache_block_tokens` (0: no prefix cache), `total_snapshot_slots`, `recurrent`
+        (False: every cached block is a resume point) and `max_cached_blocks` as for
+        ModelEngine."""
         if step_seconds < 0:
             raise ValueError(f"step_seconds must not be negative, got {step_seconds}")
         self.page_size = page_size
         self.total_kv_pages = total_kv_pages
         self.total_gdn_slots = total_gdn_slots
+        self.cache_block_tokens = cache_block_tokens
+        self.total_snapshot_slots = total_snapshot_slots if cache_block_tokens and recurrent else 0
         self._vocab_size = vocab_size
         self.step_seconds = step_seconds
         self._sleep = sleep
+        self._pages = PageTables(num_pages=total_kv_pages, page_size=page_size)
+        self._cache = None if not cache_block_tokens else PrefixCache(
+            self._pages, _NoStates(), block_tokens=cache_block_tokens,
+            num_snapshot_slots=self.total_snapshot_slots, needs_snapshots=recurrent,
+            max_unused_blocks=max_cached_blocks)
         self._held: dict[int, _Held] = {}  # admission order
 
     def kv_free_pages(self) -> int:
-        return self.total_kv_pages - sum(self._pages(h.cached_tokens) for h in self._held.values())
+        return self._pages.num_free_pages() + self.kv_cached_pages()
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """Its cache's counts (as ModelEngine.prefix_cache); None without one."""
+        return self._cache
+
+    def kv_cached_pages(self) -> int:
+        return 0 if self._cache is None else self._cache.num_unused_pages()
+
+    def cache_delta(self, full: bool = False) -> CacheDelta:
+        return CacheDelta(reset=full) if self._cache is None else self._cache.delta(full)
+
+    def clear_prefix_cache(self) -> None:
+        if self._cache is not None:
+            self._cache.clear()
 
     def gdn_free_slots(self) -> int:
         return self.total_gdn_slots - len(self._held)
@@ -102,7 +144,7 @@ class ScriptedEngine:
 
     def evict(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
-            self._held.pop(seq_id, None)
+            self._release(seq_id)
 
     def step(self, prefill: Sequence[ChunkWork], decode: Sequence[int]) -> StepOutput:
         tokens: list[tuple[int, tuple[int, ...]]] = []
@@ -110,29 +152,31 @@ class ScriptedEngine:
         preempted: list[int] = []
         logprobs: list[tuple[int, tuple[TokenLogprobs, ...]]] = []
         prompt_logprobs: list[tuple[int, tuple[TokenLogprobs, ...]]] = []
+        misses: list[int] = []
         if self.step_seconds and (prefill or decode):
             self._sleep(self.step_seconds)
         for chunk in prefill:
             if chunk.spec is not None:
-                self._held.pop(chunk.seq_id, None)
+                self._release(chunk.seq_id)
                 if self.gdn_free_slots() == 0:
                     preempted.append(chunk.seq_id)
                     continue
-                self._held[chunk.seq_id] = _Held(chunk.spec)
+                if not self._admit(chunk, finished, misses):
+                    continue
             held = self._held.get(chunk.seq_id)
             if held is None:
                 continue
             # A chunk that starts past our progress means a decision was lost on the way:
             # give the sequence back rather than prefill around a gap.
             if chunk.chunk_start > held.cached_tokens:
-                self._held.pop(chunk.seq_id)
+                self._release(chunk.seq_id)
                 preempted.append(chunk.seq_id)
                 continue
-            num_new = chunk.chunk_start + chunk.chunk_len - held.cached_tokens
+            num_new = min(chunk.chunk_start + chunk.chunk_len, len(held.spec.prompt_token_ids)) - held.cached_tokens
             if num_new <= 0:
                 continue
             if not self._grow(held, num_new):
-                self._held.pop(chunk.seq_id)
+                self._release(chunk.seq_id)
                 preempted.append(chunk.seq_id)
                 continue
             if held.cached_tokens >= len(held.spec.prompt_token_ids):
@@ -142,41 +186,70 @@ class ScriptedEngine:
             if held is None or held.cached_tokens < len(held.spec.prompt_token_ids):
                 continue
             if not self._grow(held, 1):
-                self._held.pop(seq_id)
+                self._release(seq_id)
                 preempted.append(seq_id)
                 continue
             self._sample(seq_id, held, tokens, finished, logprobs, prompt_logprobs)
-        return StepOutput(tuple(tokens), tuple(finished), tuple(preempted), tuple(logprobs),
-                          tuple(prompt_logprobs))
+        return StepOutput(tuple(tokens), tuple(finished), tuple(preempted), tuple(misses),
+                          tuple(logprobs), tuple(prompt_logprobs))
+
+    def _admit(self, chunk: ChunkWork, finished, misses) -> bool:
+        """Hold a new admission, from its resume point if it names one; False if not held."""
+        spec, cached = chunk.spec, chunk.cached_tokens
+        held = _Held(chunk.seq_id, spec, list(spec.prompt_token_ids))
+        if cached:
+            problem = cached_tokens_problem(cached, len(spec.prompt_token_ids), self.cache_block_tokens)
+            if problem is not None:
+                finished.append(FinishedSequence(chunk.seq_id, FinishReason.FAILED, 0, problem))
+                return False
+            if self._cache is None or not spec.may_resume_from_cache or not self._cache.resume(held, cached):
+                misses.append(chunk.seq_id)
+                return False
+            held.cached_tokens = cached
+        self._held[chunk.seq_id] = held
+        return True
 
     def _sample(self, seq_id: int, held: _Held, tokens, finished, logprobs, prompt_logprobs) -> None:
         spec = held.spec
-        prefix = held.prefix
-        token = next_token(prefix, self._vocab_size)
-        if spec.prompt_logprobs and not held.generated:
+        token = next_token(held.token_ids, self._vocab_size)
+        if spec.prompt_logprobs and not held.num_generated:
             prompt = spec.prompt_token_ids
             prompt_logprobs.append((seq_id, tuple(
                 scripted_logprobs(prompt[:p], prompt[p], spec.prompt_logprobs, self._vocab_size)
                 for p in range(1, len(prompt)))))
         if spec.logprobs:
-            logprobs.append((seq_id, (scripted_logprobs(prefix, token, spec.logprobs, self._vocab_size),)))
-        held.generated.append(token)
+            logprobs.append((seq_id, (scripted_logprobs(held.token_ids, token, spec.logprobs,
+                                                        self._vocab_size),)))
+        held.token_ids.append(token)
+        held.num_generated += 1
         tokens.append((seq_id, (token,)))
         reason = None
-        if token in spec.stop_token_ids and len(held.generated) >= spec.min_new_tokens:
+        if token in spec.stop_token_ids and held.num_generated >= spec.min_new_tokens:
             reason = FinishReason.STOP
-        elif len(held.generated) >= held.spec.max_new_tokens:
+        elif held.num_generated >= held.spec.max_new_tokens:
             reason = FinishReason.MAX_LENGTH
         if reason is not None:
-            self._held.pop(seq_id)
-            finished.append(FinishedSequence(seq_id, reason, len(held.generated)))
+            self._release(seq_id)
+            finished.append(FinishedSequence(seq_id, reason, held.num_generated))
 
     def _grow(self, held: _Held, num_tokens: int) -> bool:
-        extra = self._pages(held.cached_tokens + num_tokens) - self._pages(held.cached_tokens)
-        if extra > self.kv_free_pages():
+        """Take the pages of `num_tokens` more positions (reclaiming cache); the tokens
+        are "computed" at once, so the cache registers its blocks."""
+        num_new_pages = self._pages.num_new_pages(held.seq_id, num_tokens)
+        if num_new_pages > self.kv_free_pages():
             return False
+        if self._cache is not None:
+            self._cache.reclaim(num_new_pages)
+        self._pages.append(held.seq_id, num_tokens)
         held.cached_tokens += num_tokens
+        if self._cache is not None:
+            self._cache.computed(held, held.cached_tokens)
         return True
 
-    def _pages(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.page_size)
+    def _release(self, seq_id: int) -> None:
+        held = self._held.pop(seq_id, None)
+        if held is None:
+            return
+        self._pages.free(seq_id)
+        if self._cache is not None:
+            self._cache.release(held)

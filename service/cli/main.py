@@ -131,10 +131,12 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from service import settings
-    from common import logs
+    from common import extras, logs
     from service.server import app as server
     try:
         resolved = settings.resolve(args, os.environ)
+        if resolved.state:
+            extras.require("postgres", "serve --state postgresql://...")
     except ConfigError as err:
         print(f"lattice-scheduler serve: {err}", file=sys.stderr)
         return 2

@@ -10,13 +10,14 @@ from service.core.policies import FifoPolicy
 from service.core.replica import ReplicaScheduler
 from service.core.scheduler import OutputView, Scheduler
 from service.core.types import (
-    Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams, SchedulerStatus,
-    SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult, TokenLogprobs, TokenUpdate,
+    ANYONE, Caller, Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams,
+    SchedulerStatus, SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult,
+    TokenLogprobs, TokenUpdate,
     WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
 
 __all__ = [
-    "BlockReason", "ConfigError", "Decision", "EvictReason", "FifoPolicy", "FinishReason",
+    "ANYONE", "BlockReason", "Caller", "ConfigError", "Decision", "EvictReason", "FifoPolicy", "FinishReason",
     "FinishedSequence", "InvalidArgument", "NotFound", "OutputView", "PrefillChunk",
     "PreemptReason", "QueueFull", "ReplicaScheduler", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerError", "SchedulerObserver", "SchedulerStatus", "SequenceInfo", "SequenceSpec",

@@ -16,8 +16,10 @@ from service.core.lifecycle import Lifecycle
 from service.core.observer import RequeueReason, SchedulerObserver
 from service.core.plan import Chunk, DecisionView, Plan, Policy
 from service.core.plan_check import check_plan
+from service.core.prefix_cache import longest_resume, prompt_hashes
 from service.core.queue import AdmissionQueue
 from service.core.sequences import Sequence, SequenceTable
+from service.core.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.tenants import TenantLedger, TentativeService
 from service.core.types import Decision, PrefillChunk, SequenceState, WorkerReport
 
@@ -46,22 +48,36 @@ class Batcher:
         self._clock = clock
         self._max_decision_bytes = max_decision_bytes
         self._tracks_adapters = max_loras > 0
+        self._decode_context = 0  # of the latest decision made with a step model
 
     def decide(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
-               evict: tuple[int, ...]) -> Decision:
+               evict: tuple[int, ...], step_model: StepTimeModel | None = None) -> Decision:
         """The decision for `worker`, whose report was applied (docs/contract.md rule 1)."""
         assigned, sequence = worker.assigned, self._sequences.get
         running = tuple(sequence(s) for s in report.running if s in assigned)
         waiting = tuple(sequence(s) for s in report.waiting if s in assigned)
-        view = self._view(worker, report, reported, running, waiting, len(evict))
+        view = self._view(worker, report, reported, running, waiting, len(evict), step_model)
         plan = self._policy.plan(view)
-        check_plan(view, plan, self._policy.budget(view),
+        limits = self._policy.budget(view)
+        token_budget = limits.tokens
+        check_plan(view, plan, limits,
                    lambda seq_id: self._candidate(worker, reported, seq_id), self._policy_name)
-        return self._apply(worker, running, waiting, plan, evict)
+        if step_model is not None:
+            self._decode_context = _decode_context(view, plan)
+        return self._apply(worker, running, waiting, plan, evict, token_budget)
+
+    def shape(self, decision: Decision) -> StepShape:
+        """What the step of the latest `decision` (made with a step model) holds."""
+        return StepShape(
+            num_prefill_tokens=sum(c.chunk_len for c in decision.prefill),
+            prefill_attention=sum(chunk_attention(c.chunk_start, c.chunk_len)
+                                  for c in decision.prefill),
+            num_decodes=len(decision.decode),
+            decode_context=self._decode_context)
 
     def _view(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
               running: tuple[Sequence, ...], waiting: tuple[Sequence, ...],
-              num_evict: int) -> DecisionView:
+              num_evict: int, step_model: StepTimeModel | None) -> DecisionView:
         sequences = self._sequences
         assigned = worker.assigned
         adapters = (frozenset(a for s in assigned if (a := sequences.get(s).adapter_id))
@@ -81,6 +97,8 @@ class Batcher:
                     yield seq
 
         return DecisionView(
+            cache_block_tokens=worker.resume_points.block_tokens,
+            cached_tokens=self._cache_lookup(worker),
             worker_id=worker.worker_id, max_batch_size=worker.settings.max_batch_size,
             chunk_size=worker.settings.chunk_size, page_size=worker.registration.page_size,
             total_kv_pages=worker.registration.total_kv_pages,
@@ -89,8 +107,33 @@ class Batcher:
             kv_free_pages=report.kv_free_pages, gdn_free_slots=report.gdn_free_slots,
             draining=report.draining or worker.drain_requested,
             adapters_in_use=adapters, decision_bytes=decision_bytes, queue=queue,
-            service=service,
+            service=service, step_model=step_model,
+            running_context=(sum(map(Sequence.num_tokens, running))
+                             if step_model is not None else 0),
         )
+
+    @staticmethod
+    def _cache_lookup(worker: WorkerRecord) -> Callable[[Sequence], int]:
+        """DecisionView.cached_tokens for `worker`: each sequence's longest resume point
+        there strictly below its prompt's length, looked up once per decision (its
+        hashes are kept on the sequence, computed once for its prompt)."""
+        resume = worker.resume_points
+        block_tokens, points = resume.block_tokens, resume.points
+        found: dict[int, int] = {}
+
+        def cached_tokens(seq: Sequence) -> int:
+            if not points or not seq.may_use_prefix_cache():
+                return 0
+            known = found.get(seq.seq_id)
+            if known is None:
+                num_tokens = seq.num_tokens()
+                seq.prompt_hashes = prompt_hashes(seq.prompt_hashes, seq.resume_token_ids,
+                                                  num_tokens, seq.adapter_id, block_tokens)
+                known = found[seq.seq_id] = longest_resume(
+                    seq.prompt_hashes.hashes, num_tokens, block_tokens, points)
+            return known
+
+        return cached_tokens
 
     def _candidate(self, worker: WorkerRecord, reported: frozenset[int],
                    seq_id: int) -> Sequence | None:
@@ -102,14 +145,15 @@ class Batcher:
         return seq
 
     def _apply(self, worker: WorkerRecord, running: tuple[Sequence, ...],
-               waiting: tuple[Sequence, ...], plan: Plan, evict: tuple[int, ...]) -> Decision:
+               waiting: tuple[Sequence, ...], plan: Plan, evict: tuple[int, ...],
+               token_budget: int | None) -> Decision:
         """Carry out a checked plan; `running` and `waiting` are the view's, as the
         sequence table's records (written here, read-only to the policy)."""
         served: Counter[str] = Counter()
         prefill = []
         for chunk in plan.admissions:
             seq = self._sequences.get(chunk.seq_id)
-            prefill.append(self._first_chunk(worker, seq, chunk.chunk_len))
+            prefill.append(self._first_chunk(worker, seq, chunk.chunk_len, chunk.cached_tokens))
             served[seq.tenant] += chunk.chunk_len
         for seq in running:
             if seq.state is not SequenceState.DECODING and seq.seq_id not in plan.preempt:
@@ -133,13 +177,18 @@ class Batcher:
         if plan.blocked is not None and len(self._queue):
             self._observer.on_admission_blocked(worker.worker_id, plan.blocked)
         self._lifecycle.serve(served)
+        if prefill:
+            self._observer.on_prefill_tokens(worker.worker_id,
+                                             sum(c.chunk_len for c in prefill),
+                                             sum(c.cached_tokens for c in prefill))
         if plan.decode or prefill:
             self._observer.on_plan(worker.worker_id,
                                    len(plan.decode) + sum(c.chunk_len for c in prefill),
-                                   self._policy.token_budget)
+                                   token_budget)
         return Decision(tuple(prefill), plan.decode, evict, worker.iteration, plan.preempt)
 
-    def _first_chunk(self, worker: WorkerRecord, seq: Sequence, chunk_len: int) -> PrefillChunk:
+    def _first_chunk(self, worker: WorkerRecord, seq: Sequence, chunk_len: int,
+                     cached_tokens: int) -> PrefillChunk:
         spec = seq.spec()
         self._queue.remove(seq.seq_id)
         seq.admission_order = self._sequences.next_admission_order()
@@ -148,15 +197,25 @@ class Batcher:
         seq.prefilled_tokens = 0
         seq.num_generated_at_admission = len(seq.output_token_ids)
         seq.num_generated = len(seq.output_token_ids)
-        seq.cursor = chunk_len
+        seq.cursor = cached_tokens + chunk_len
+        seq.cached_tokens = cached_tokens
         worker.assigned[seq.seq_id] = None
         self._changes.touched(seq)
         self._observer.on_admitted(seq.seq_id, worker.worker_id,
                                    max(0.0, self._clock() - seq.enqueued_at))
-        return PrefillChunk(seq.seq_id, 0, chunk_len, spec)
+        return PrefillChunk(seq.seq_id, cached_tokens, chunk_len, spec, cached_tokens)
 
     def _continuation(self, seq: Sequence, chunk: Chunk) -> PrefillChunk:
         prefill = PrefillChunk(seq.seq_id, seq.cursor, chunk.chunk_len)
         seq.cursor += chunk.chunk_len
         self._changes.touched(seq)
         return prefill
+
+
+def _decode_context(view: DecisionView, plan: Plan) -> int:
+    """The tokens of the sequences `plan` decodes (before its decodes), from the view's
+    sum over the running ones less those that do not decode."""
+    if len(plan.decode) == len(view.running):
+        return view.running_context
+    decoding = set(plan.decode)
+    return sum(seq.num_tokens() for seq in view.running if seq.seq_id in decoding)

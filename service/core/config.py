@@ -40,6 +40,14 @@ class SchedulerConfig:
     tenant_weights: TenantWeights = ()
     # Every policy: distinct adapters per worker (0: no limit).
     max_loras: int = 0
+    # Latency targets of the budget and fair policies, in milliseconds (0: off). A TPOT
+    # target sizes each decision's token budget from the worker's learned step times; a
+    # TTFT target orders each priority band by deadline and sheds late urgent requests.
+    tpot_target_ms: float = 0.0
+    ttft_target_ms: float = 0.0
+    # Every policy: "on" uses the workers' prefix caches (resume points, cached_tokens on
+    # first chunks); "off" ignores every cache report and never sets cached_tokens.
+    prefix_caching: str = "on"
 
     def validate(self) -> "SchedulerConfig":
         """Return self, or raise ConfigError naming the first bad setting and its limit."""
@@ -78,6 +86,14 @@ class SchedulerConfig:
             if self.min_prefill_chunk and self.min_prefill_chunk > getattr(self, name):
                 raise ConfigError(f"min_prefill_chunk ({self.min_prefill_chunk}) must not "
                                   f"exceed {name} ({getattr(self, name)})")
+        for name in ("tpot_target_ms", "ttft_target_ms"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a number of milliseconds >= 0 (0: off), "
+                                  f"got {value!r}")
+            if value and self.policy == "fifo":
+                raise ConfigError(f"{name} needs the budget or fair policy: fifo has no "
+                                  "token budget to size and keeps arrival order")
         if not (math.isfinite(self.aging_seconds) and self.aging_seconds > 0):
             raise ConfigError(f"aging_seconds must be a positive number of seconds, "
                               f"got {self.aging_seconds!r}")
@@ -91,6 +107,8 @@ class SchedulerConfig:
                 f"max_batch_size ({self.max_batch_size}) must not exceed max_worker_batch_size "
                 f"({self.max_worker_batch_size})"
             )
+        if self.prefix_caching not in ("on", "off"):
+            raise ConfigError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         return self
@@ -106,6 +124,11 @@ class SchedulerConfig:
         return self.min_prefill_chunk or min(DEFAULT_MIN_PREFILL_CHUNK, self.chunk_size,
                                              self.max_seq_len)
 
+    @property
+    def learns_step_times(self) -> bool:
+        """Whether the scheduler learns each worker's step times (a target is set)."""
+        return bool(self.tpot_target_ms or self.ttft_target_ms)
+
     def tenant_weight(self, tenant: str) -> float:
         """A tenant's weight (1 unless --tenant-weights names it)."""
         return dict(self.tenant_weights).get(tenant, 1.0)
@@ -118,9 +141,9 @@ class SchedulerConfig:
 
 
 def _check_type(name: str, value: object) -> None:
-    if name == "policy":
+    if name in ("policy", "prefix_caching"):
         ok, expected = isinstance(value, str), "str"
-    elif name == "aging_seconds":
+    elif name in ("aging_seconds", "tpot_target_ms", "ttft_target_ms"):
         ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
     elif name == "tenant_weights":
         ok = isinstance(value, tuple) and all(

@@ -17,9 +17,20 @@ class InvalidArgument(SchedulerError):
 class NotFound(SchedulerError):
     """No such sequence (NOT_FOUND)."""
 
+    @classmethod
+    def seq_id(cls, seq_id: int) -> "NotFound":
+        """The one error for an id that is unknown, or another principal's: the answer
+        says nothing of whether it exists."""
+        return cls(f"seq_id {seq_id} is unknown (never submitted, or long finished)")
+
 
 class QueueFull(SchedulerError):
     """The admission queue is at its limit (RESOURCE_EXHAUSTED)."""
+
+
+class DeadlineUnreachable(QueueFull):
+    """A sheddable request (negative priority) that no worker could start before its TTFT
+    deadline (RESOURCE_EXHAUSTED, as a full queue: the client may go elsewhere)."""
 
 
 class UnknownWorker(SchedulerError):

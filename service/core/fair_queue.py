@@ -46,13 +46,16 @@ class FairQueue(QueueBase):
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return False
-        group = (seq.priority, seq.tenant)
+        group = self._group(seq)
         entries = self._groups[group]
         entries.remove((seq.arrived_at, seq_id))
         if not entries:
             del self._groups[group]
         self._uncounted(seq)
         return True
+
+    def _group(self, seq: Queued) -> _Group:
+        return (seq.priority, seq.tenant)
 
     def band(self, priority: int, arrived_at: float, now: float) -> int:
         """The effective band: the priority, one better per aging period waited."""
@@ -122,9 +125,18 @@ class FairQueue(QueueBase):
     def _insert(self, seq: Queued) -> None:
         assert seq.seq_id not in self._seqs, f"seq_id {seq.seq_id} queued twice"
         self._seqs[seq.seq_id] = seq
-        group = (seq.priority, seq.tenant)
+        group = self._group(seq)
         entries = self._groups.get(group)
         if entries is None:
             entries = self._groups[group] = SortedList()
         entries.add((seq.arrived_at, seq.seq_id))
         self._counted(seq)
+
+
+class DeadlineQueue(FairQueue):
+    """Priority bands with aging, earliest deadline first inside a band (the deadline
+    order, service/core/orders.py): the fair order with every tenant in one group, so
+    a decision merges one list per priority, not one per priority and tenant."""
+
+    def _group(self, seq: Queued) -> _Group:
+        return (seq.priority, "")

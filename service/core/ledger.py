@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from service.core.errors import UnknownWorker
+from service.core.prefix_cache import ResumePoints
 from service.core.types import WorkerRegistration, WorkerSettings
 
 
@@ -27,6 +28,8 @@ class WorkerRecord:
     # Set by an operator (Scheduler.drain_worker): admit nothing new, whatever `draining`
     # (the worker's own last report) says.
     drain_requested: bool = False
+    # Its prefix cache's resume points, from its reports (block_tokens 0: none are kept).
+    resume_points: ResumePoints = field(default_factory=lambda: ResumePoints(0))
 
     @property
     def worker_id(self) -> str:
@@ -38,6 +41,18 @@ class WorkerRecord:
 
     def can_run(self, adapter_id: str) -> bool:
         return not adapter_id or adapter_id in self.registration.adapters
+
+    @property
+    def admitting(self) -> bool:
+        """Whether it admits new sequences now (not drained, by itself or an operator)."""
+        return not (self.draining or self.drain_requested)
+
+
+def no_worker_has(adapter_id: str) -> str:
+    """Why a queued sequence waits although workers may be idle: no registered worker
+    that an operator has not drained has its adapter (SequenceInfo.error_message)."""
+    return (f"waiting for a worker with adapter_id {adapter_id!r}: no live worker has it "
+            f"(none registered with it, or every one drained by an operator)")
 
 
 class WorkerLedger:

@@ -19,6 +19,7 @@ class RequeueReason(enum.Enum):
     REREGISTERED = "reregistered"
     LEASE_EXPIRED = "lease_expired"
     DEREGISTERED = "deregistered"
+    CACHE_MISS = "cache_miss"  # its first chunk's resume point was gone: admitted again
 
 
 class EvictReason(enum.Enum):
@@ -63,6 +64,20 @@ class SchedulerObserver:
                 token_budget: int | None) -> None:
         """A decision's tokens (decodes + prefill chunks) and the budget it had (None:
         the policy has no token budget)."""
+
+    def on_step_time(self, worker_id: str, predicted_seconds: float,
+                     measured_seconds: float) -> None:
+        """A worker's measured step and what its model predicted for it beforehand."""
+
+    def on_prefill_tokens(self, worker_id: str, computed: int, cached: int) -> None:
+        """Prompt tokens of one decision's chunks: to compute, and taken from the
+        worker's prefix cache (first chunks' cached_tokens)."""
+
+    def on_cache_miss(self, seq_id: int, worker_id: str) -> None:
+        """A first chunk's resume point was gone on the worker (it will be admitted again)."""
+
+    def on_resume_points(self, worker_id: str, num_points: int) -> None:
+        """The resume points the core now knows for the worker (after each report)."""
 
     def on_served(self, tenant: str, num_tokens: int) -> None:
         """Tokens served to a tenant: prompt tokens handed out, generated tokens reported."""

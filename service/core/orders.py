@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from service.core.config import SchedulerConfig
-from service.core.fair_queue import FairQueue
+from service.core.fair_queue import DeadlineQueue, FairQueue
 from service.core.queue import AdmissionQueue, FcfsQueue
 
 
@@ -24,6 +24,9 @@ class SortTerm(enum.Enum):
     AGED_PRIORITY = "aged_priority"
     TENANT_SERVICE = "tenant_service"  # the tenant's weighted tokens served so far
     SUBMITTED_AT = "submitted_at"  # the first submission (requeues keep it)
+    # The TTFT deadline: the first submission plus --ttft-target-ms (one target for every
+    # sequence, so deadlines sort as submissions do).
+    DEADLINE = "deadline"
     SEQ_ID = "seq_id"
 
 
@@ -54,9 +57,32 @@ class FairOrder:
         return FairQueue(self.aging_seconds)
 
 
-QueueOrder = ArrivalOrder | FairOrder
+@dataclass(frozen=True)
+class DeadlineOrder:
+    """With a TTFT target (`budget`): priority bands with aging, earliest deadline
+    (first submission + target) first inside a band. A sequence past its deadline keeps
+    its place (it is late, not dropped); one back from a worker keeps its deadline.
+
+    The fair queue with all tenants in one group (DeadlineQueue) is this order: with
+    one target for all, deadlines sort as first submissions."""
+
+    aging_seconds: float
+    uses_tenant_service: ClassVar[bool] = False
+    sort_key: ClassVar[tuple[SortTerm, ...]] = (
+        SortTerm.AGED_PRIORITY, SortTerm.DEADLINE, SortTerm.SEQ_ID)
+
+    def new_queue(self) -> AdmissionQueue:
+        return DeadlineQueue(self.aging_seconds)
+
+
+QueueOrder = ArrivalOrder | FairOrder | DeadlineOrder
 
 
 def queue_order(config: SchedulerConfig) -> QueueOrder:
-    """The order config.policy names: `fair` its own, `fifo` and `budget` arrival order."""
-    return FairOrder(config.aging_seconds) if config.policy == "fair" else ArrivalOrder()
+    """The order config.policy names: `fair` its own, `budget` arrival order, or with a
+    TTFT target the deadline order; `fifo` arrival order."""
+    if config.policy == "fair":
+        return FairOrder(config.aging_seconds)
+    if config.policy == "budget" and config.ttft_target_ms:
+        return DeadlineOrder(config.aging_seconds)
+    return ArrivalOrder()

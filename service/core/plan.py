@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from service.core.step_budget import StepBudget
+from service.core.step_model import StepTimeModel
 from service.core.tenants import TentativeService
 from service.core.vocabulary import BlockReason, PreemptReason, SequenceView
 
@@ -40,6 +41,16 @@ class DecisionView:
     queue: Callable[[], Iterator[SequenceView]]
     # The fair policy's tenant counters, with this plan's own charges on top.
     service: TentativeService
+    # The worker's learned step time (None: not learned, no latency target is set).
+    step_model: StepTimeModel | None = None
+    # With a step model: the tokens of the running sequences, summed (their decode context).
+    running_context: int = 0
+    # The worker's prefix-cache block (0: no cache, or --prefix-caching off): chunks that
+    # can end on a multiple of it should (docs/contract.md, "Prefix caching").
+    cache_block_tokens: int = 0
+    # Prompt tokens a queued sequence may take from this worker's cache: its longest
+    # resume point here strictly below its prompt's length (0: none).
+    cached_tokens: Callable[[SequenceView], int] = lambda seq: 0
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,9 @@ class Chunk:
 
     seq_id: int
     chunk_len: int
+    # Admissions only: prompt tokens taken from the worker's cache before the chunk
+    # (DecisionView.cached_tokens of the sequence, or 0); the chunk starts there.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,9 +88,9 @@ class Policy(Protocol):
     sequence comes first is the queue order's (service/core/orders.py)."""
 
     name: str
-    # Tokens per iteration (decodes + prefill chunks); None: no token budget. Each
-    # running sequence decodes one token of it every iteration, so a worker's batch
-    # is capped at it.
+    # The most tokens per iteration (decodes + prefill chunks); None: no token budget.
+    # Each running sequence decodes one token of it every iteration, so a worker's batch
+    # is capped at it. A decision's own may be less (`budget(view).tokens`).
     token_budget: int | None
 
     def budget(self, view: DecisionView) -> StepBudget:

@@ -4,7 +4,8 @@ Invariants every plan keeps, whatever the policy:
 - docs/contract.md rule 7: no id twice in the plan;
 - every running sequence decodes, in the order reported, unless preempted;
 - continuations are for the worker's prefills in progress and stay inside the prompt;
-  admissions are queued candidates this worker can run, each with 1..prompt tokens;
+  admissions are queued candidates this worker can run, each with 1..prompt tokens
+  after its cached tokens (0, or the worker's resume point for it);
 - the policy's own limits (`Policy.budget`): batch capacity, GDN slots, token budget,
   KV pages, the decision's size, the LoRA limit. A plan may overdraw the pages only
   when it runs a lone prefill and nothing else (the empty-batch rule: the worker
@@ -57,10 +58,13 @@ def check_plan(view: DecisionView, plan: Plan, budget: StepBudget,
     for chunk in plan.admissions:
         once(chunk.seq_id, "admissions")
         seq = candidate(chunk.seq_id)
-        if seq is None or not 1 <= chunk.chunk_len <= seq.num_tokens():
+        if seq is None or not 1 <= chunk.chunk_len <= seq.num_tokens() - chunk.cached_tokens:
             raise PlanError(f"policy {policy_name}: admission {chunk} is not a queued "
                             "sequence this worker can run, or its length is out of range")
-        budget.take_admission(seq, chunk.chunk_len)
+        if chunk.cached_tokens not in (0, view.cached_tokens(seq)):
+            raise PlanError(f"policy {policy_name}: admission {chunk} takes cached tokens "
+                            "that are not the worker's resume point for it")
+        budget.take_admission(seq, chunk.chunk_len, chunk.cached_tokens)
     lone_prefill = (not plan.decode and not plan.admissions and len(plan.continuations) == 1
                     and view.num_active == 1)
     problem = budget.overdrawn(pages_may_overdraw=lone_prefill)

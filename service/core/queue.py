@@ -47,6 +47,12 @@ class Queued(Protocol):
     @property
     def tenant(self) -> str: ...
 
+    @property
+    def adapter_id(self) -> str: ...
+
+    def num_tokens(self) -> int:
+        """Tokens a worker prefills to (re)start it (unchanged while queued)."""
+
 
 # How much service a tenant has had so far (weighted tokens), as the fair order reads it.
 TenantCounter = Callable[[str], float]
@@ -88,6 +94,12 @@ class AdmissionQueue(Protocol):
     def depth_by_band(self) -> dict[str, int]:
         """Queued ids per band of PRIORITY_BANDS."""
 
+    def count_by_adapter(self) -> dict[str, int]:
+        """Queued ids per adapter_id, of those that have one."""
+
+    def tokens_up_to(self, priority: int) -> int:
+        """Prefill tokens of the queued ids of this priority or a more urgent one."""
+
 
 class QueueBase:
     """What both orders share: FCFS order keys (kept for storage, so a restart under any
@@ -98,6 +110,8 @@ class QueueBase:
     def __init__(self) -> None:
         self._per_tenant: Counter[str] = Counter()
         self._per_priority: Counter[int] = Counter()
+        self._per_adapter: Counter[str] = Counter()  # adapters other than ""
+        self._tokens_per_priority: Counter[int] = Counter()
         self._head_key = 0  # key of the last id pushed to the head
         self._tail_key = 0  # key of the last id pushed to the tail
 
@@ -125,11 +139,17 @@ class QueueBase:
     def count(self, tenant: str) -> int:
         return self._per_tenant[tenant]
 
+    def count_by_adapter(self) -> dict[str, int]:
+        return dict(self._per_adapter)
+
     def depth_by_band(self) -> dict[str, int]:
         depth = dict.fromkeys(PRIORITY_BANDS, 0)
         for priority, num in self._per_priority.items():
             depth[priority_band(priority)] += num
         return depth
+
+    def tokens_up_to(self, priority: int) -> int:
+        return sum(n for p, n in self._tokens_per_priority.items() if p <= priority)
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -141,12 +161,26 @@ class QueueBase:
     def _counted(self, seq: Queued) -> None:
         self._per_tenant[seq.tenant] += 1
         self._per_priority[seq.priority] += 1
+        if seq.adapter_id:
+            self._per_adapter[seq.adapter_id] += 1
+        self._tokens_per_priority[seq.priority] += seq.num_tokens()
 
     def _uncounted(self, seq: Queued) -> None:
-        for counter, key in ((self._per_tenant, seq.tenant), (self._per_priority, seq.priority)):
-            counter[key] -= 1
-            if not counter[key]:
-                del counter[key]
+        _decrement(self._per_tenant, seq.tenant)
+        _decrement(self._per_priority, seq.priority)
+        if seq.adapter_id:
+            _decrement(self._per_adapter, seq.adapter_id)
+        tokens = self._tokens_per_priority
+        tokens[seq.priority] -= seq.num_tokens()
+        if not self._per_priority.get(seq.priority):
+            del tokens[seq.priority]
+
+
+def _decrement(counter: Counter, key) -> None:
+    """One fewer of `key`; a key counted to 0 is deleted (the counters stay bounded)."""
+    counter[key] -= 1
+    if not counter[key]:
+        del counter[key]
 
 
 class FcfsQueue(QueueBase):

@@ -3,7 +3,9 @@ tables before its batch is decided.
 
 New tokens are appended (a retried report's repeats dropped, a gap refused before any
 change), finished sequences finish, preempted and lost ones go back to the head of the
-queue, and ids the worker holds that are no longer its are listed for eviction.
+queue, the worker's resume points take the report's cache delta, cache misses go back
+to the queue to be admitted again, and ids the worker holds that are no longer its are
+listed for eviction.
 """
 from __future__ import annotations
 
@@ -54,12 +56,17 @@ class Reconciler:
         self._apply_tokens(new_tokens)
         preempted = [*self._apply_finished(worker, report), *report.preempted]
         reported = frozenset(report.waiting) | frozenset(report.running)
-        mentioned = reported | {f.seq_id for f in report.finished} | set(report.preempted)
+        mentioned = (reported | {f.seq_id for f in report.finished} | set(report.preempted)
+                     | set(report.cache_misses))
         # An id may be named twice, or finished after being preempted: requeue each once.
         requeue_ids = [s for s in dict.fromkeys(preempted) if s in worker.assigned]
+        misses = self._apply_cache(worker, report, reported, frozenset(requeue_ids))
         lost = [s for s in worker.assigned if s not in mentioned]
-        # Lost first, so the preempted ones end up at the very head, in the order given.
+        # Lost first, so the preempted ones end up at the very head, in the order given;
+        # a cache miss goes back where an admitted sequence goes, the head, to be offered
+        # a first chunk again.
         self._lifecycle.requeue(worker, lost, RequeueReason.LOST)
+        self._lifecycle.requeue(worker, misses, RequeueReason.CACHE_MISS)
         self._lifecycle.requeue(worker, requeue_ids, RequeueReason.PREEMPTED)
         for seq_id in requeue_ids:
             self._observer.on_preempted(seq_id, worker.worker_id, PreemptReason.WORKER)
@@ -68,6 +75,27 @@ class Reconciler:
         for seq_id in evict:
             self._observer.on_evicted(seq_id, worker.worker_id, self._evict_reason(seq_id))
         return Reconciled(reported, evict)
+
+    def _apply_cache(self, worker: WorkerRecord, report: WorkerReport,
+                     reported: frozenset[int], preempted: frozenset[int]) -> list[int]:
+        """Apply the report's resume-point delta; returns its cache misses (assigned ids
+        the worker holds no longer: nothing ran for them), whose resume points are
+        forgotten so that the next first chunk starts from another one, or from 0."""
+        resume = worker.resume_points
+        resume.apply(report.cache)
+        misses = []
+        for seq_id in dict.fromkeys(report.cache_misses):
+            if seq_id not in worker.assigned or seq_id in reported or seq_id in preempted:
+                continue  # stale (a retried report), or the worker holds it after all
+            seq = self._sequences.get(seq_id)
+            if seq.cached_tokens and seq.prompt_hashes is not None and resume.block_tokens:
+                block = seq.cached_tokens // resume.block_tokens - 1
+                resume.forget(seq.prompt_hashes.hashes[block])
+            misses.append(seq_id)
+            self._observer.on_cache_miss(seq_id, worker.worker_id)
+        if resume.block_tokens:
+            self._observer.on_resume_points(worker.worker_id, len(resume))
+        return misses
 
     def _new_tokens(self, worker: WorkerRecord,
                     report: WorkerReport) -> list[tuple[Sequence, tuple[int, ...], TokenUpdate]]:

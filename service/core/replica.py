@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from service.core.scheduler import Scheduler
 from service.core.store import StoredSequence
+from service.core.types import SequenceState
 
 
 class ReplicaScheduler(Scheduler):
@@ -45,6 +46,21 @@ class ReplicaScheduler(Scheduler):
             return 0
         free = sum(max(0, w.settings.max_batch_size - len(w.assigned)) for w in workers)
         return free + num_freeing + depth
+
+    def servable_adapters(self) -> frozenset[str]:
+        """The adapters of this core's workers that admit now: a claim takes a sequence
+        with an adapter only when one of them has it."""
+        return self._servable_adapters(admitting_only=True)
+
+    def unservable_queued(self) -> list[int]:
+        """Queued ids whose adapter none of this core's workers that admit now has (to
+        hand back to the shared queue, for a replica whose worker has it)."""
+        servable = self.servable_adapters()
+        if not self._num_unservable(servable):
+            return []
+        return [seq.seq_id for seq in self._sequences
+                if seq.state is SequenceState.QUEUED and seq.adapter_id
+                and seq.adapter_id not in servable]
 
     def queued_tail(self, count: int) -> list[int]:
         """The last `count` queued ids in the queue order (those to hand back first);

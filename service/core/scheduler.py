@@ -19,8 +19,9 @@ from dataclasses import dataclass, field, replace
 from service.core.batcher import Batcher
 from service.core.changes import ChangeSet
 from service.core.config import SchedulerConfig
-from service.core.errors import InvalidArgument, NotFound, QueueFull
-from service.core.ledger import WorkerLedger
+from service.core.deadlines import prefill_rate, start_seconds
+from service.core.errors import DeadlineUnreachable, InvalidArgument, NotFound, QueueFull
+from service.core.ledger import WorkerLedger, no_worker_has
 from service.core.lifecycle import Lifecycle
 from service.core.observer import RequeueReason, SchedulerObserver
 from service.core.orders import queue_order
@@ -28,10 +29,12 @@ from service.core.policies import make_policy
 from service.core.reconcile import Reconciler
 from service.core.recovery import Recovery
 from service.core.sequences import Sequence, SequenceTable
+from service.core.step_model import StepTimeModel
+from service.core.step_times import StepTimes
 from service.core.store import Disowned, StateStore, StoredState, StoreError
 from service.core.tenants import TenantLedger
 from service.core.types import (
-    Decision, FinishReason, SchedulerStatus, SequenceInfo, SequenceState,
+    ANYONE, Caller, Decision, FinishReason, SchedulerStatus, SequenceInfo, SequenceState,
     SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
 from service.core.validation import check_incarnation, check_submit, validate_report
@@ -90,12 +93,15 @@ class Scheduler:
         store: StateStore | None = None,
         stall_seconds: float | None = None,
         max_decision_bytes: int = DEFAULT_MAX_DECISION_BYTES,
+        step_prior: StepTimeModel | None = None,
     ) -> None:
         """`stall_seconds`: when lease checks (every call, and a caller's sweeper) are this
         far apart, the scheduler itself stood still (frozen, paused, starved): that time
         is not counted against the workers' leases. None: every gap counts (tests that
         move a fake clock by hand). `wall_clock` dates submissions for the store, so
-        that time waited before a restart still counts towards aging."""
+        that time waited before a restart still counts towards aging. `step_prior`: the
+        step-time model each worker's learning starts from (fitted to a step table);
+        None: the cautious default."""
         self.config = config.validate()
         self._policy = make_policy(config)
         order = queue_order(config)
@@ -121,6 +127,9 @@ class Scheduler:
                                        self._lifecycle, self._changes, self._observer, clock,
                                        stall_seconds)
         self._wall_clock = wall_clock
+        # Each worker's step times, learned while a latency target is set.
+        self._step_times = (StepTimes(step_prior.copy if step_prior else StepTimeModel)
+                            if config.learns_step_times else None)
         # The tenant's service so far, as the queue order reads it (0 without counters).
         self._served = self._tenants.served if self._tenants is not None else _no_service
         # The latest incarnation handed out (saved with every change of the workers).
@@ -131,8 +140,9 @@ class Scheduler:
     # ----------------------------------------------------------------- clients
 
     def submit(self, params: SubmitParams) -> SubmitResult:
-        """Enqueue a sequence at the tail; a known request_id returns its first seq_id."""
-        known = self._sequences.by_request_id(params.request_id)
+        """Enqueue a sequence at the tail; a request_id its principal used before returns
+        that first seq_id (another principal's use of the same request_id is no match)."""
+        known = self._sequences.by_request_id(params.principal, params.request_id)
         if known is not None:
             return SubmitResult(known.seq_id, self._position(known))
         self.check_submit(params)
@@ -147,6 +157,7 @@ class Scheduler:
                 f"tenant {params.tenant!r} already has {per_tenant} sequences queued "
                 f"(max_queue_per_tenant={per_tenant}); retry later"
             )
+        self._shed_if_late(params)
         # Acknowledged to the client: the save must survive a power loss.
         with self._saved(sync=True) as saved:
             seq = self._sequences.create(params, self._clock(), self._wall_clock())
@@ -164,13 +175,14 @@ class Scheduler:
         before it writes a submission to the shared queue)."""
         check_submit(params, self.config, self._max_decision_bytes)
 
-    def cancel(self, seq_id: int) -> bool:
+    def cancel(self, seq_id: int, caller: Caller = ANYONE) -> bool:
         """Cancel a queued or assigned sequence; False if it had already finished.
 
-        A cancelled sequence on a worker shows up in that worker's next `evict`.
+        A cancelled sequence on a worker shows up in that worker's next `evict`. Another
+        principal's sequence is NotFound to `caller`, exactly as an unknown id.
         """
         with self._saved(sync=True):
-            seq = self._require(seq_id)
+            seq = self._require(seq_id, caller)
             if seq.is_finished:
                 return False
             if seq.state is SequenceState.QUEUED:
@@ -183,8 +195,9 @@ class Scheduler:
             self._lifecycle.finish(seq, FinishReason.CANCELLED)
             return True
 
-    def get_sequence(self, seq_id: int) -> SequenceInfo:
-        seq = self._require(seq_id)
+    def get_sequence(self, seq_id: int, caller: Caller = ANYONE) -> SequenceInfo:
+        """A view of `seq_id`; NotFound if unknown, or another principal's to `caller`."""
+        seq = self._require(seq_id, caller)
         return SequenceInfo(
             seq_id=seq.seq_id,
             state=seq.state,
@@ -194,16 +207,21 @@ class Scheduler:
             generated_tokens=max(seq.num_generated, len(seq.output_token_ids)),
             finish_reason=seq.finish_reason,
             queue_position=self._position(seq),
-            error_message=seq.error_message,
+            error_message=seq.error_message or self._why_waiting(seq),
+            cached_tokens=seq.cached_tokens,
         )
 
-    def read_output(self, seq_id: int, start: int) -> OutputView:
-        """Generated tokens from index `start` on (for streaming)."""
-        seq = self._require(seq_id)
+    def read_output(self, seq_id: int, start: int, caller: Caller = ANYONE) -> OutputView:
+        """Generated tokens from index `start` on (for streaming); NotFound as get_sequence."""
+        seq = self._require(seq_id, caller)
         if seq.output_logprobs is None:
             return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished,
                               seq.finish_reason, seq.error_message)
         return _view_with_logprobs(seq, start)
+
+    def num_unservable_queued(self) -> int:
+        """Queued sequences whose adapter no live worker has (`_servable_adapters`)."""
+        return self._num_unservable(self._servable_adapters())
 
     def status(self) -> SchedulerStatus:
         now = self._clock()
@@ -248,6 +266,8 @@ class Scheduler:
             self._last_incarnation += 1
             record = self._workers.add(registration, self._last_incarnation)
             self._workers.joined(record)
+        if self._step_times is not None:
+            self._step_times.registered(registration.worker_id)
         return record.settings
 
     def deregister_worker(self, worker_id: str, incarnation: int = 0) -> int:
@@ -287,14 +307,51 @@ class Scheduler:
             check_incarnation(worker, report.incarnation)
             validate_report(report, worker.settings.max_batch_size)
             reconciled = self._reconciler.apply(worker, report)
+            step_model = self._learn_step_time(report)
             decision = self._batcher.decide(worker, report, reconciled.reported,
-                                            reconciled.evict)
+                                            reconciled.evict, step_model)
         if saved.disowned:
             decision = _without(decision, saved.disowned, reconciled.reported)
+        if self._step_times is not None and (decision.prefill or decision.decode):
+            self._step_times.decided(report.worker_id, self._batcher.shape(decision))
         self._observer.on_decision(report, decision)
         return decision
 
     # ----------------------------------------------------------------- internals
+
+    def _shed_if_late(self, params: SubmitParams) -> None:
+        """DeadlineUnreachable for a sheddable request (negative priority, a TTFT target
+        set) that no worker could start before its deadline (service/core/deadlines.py)."""
+        target_seconds = self.config.ttft_target_ms / 1000.0
+        if not target_seconds or params.priority >= 0 or self._step_times is None:
+            return
+        workers = [w for w in self._ledger if not (w.draining or w.drain_requested)]
+        tokens_ahead = self._queue.tokens_up_to(params.priority)
+        rate = prefill_rate((model, self._policy.step_tokens(model))
+                            for model in map(self._step_times.model,
+                                             (w.worker_id for w in workers)))
+        wait = start_seconds(tokens_ahead, rate)
+        if wait is not None and wait <= target_seconds:
+            return
+        why = ("no worker is registered to start it" if not workers else
+               f"{tokens_ahead} prompt tokens of as urgent requests are queued ahead of it, "
+               f"about {wait:.2f} s of prefill on the {len(workers)} worker(s)")
+        raise DeadlineUnreachable(
+            f"shed: priority {params.priority} is sheddable and cannot start before its "
+            f"deadline (--ttft-target-ms {self.config.ttft_target_ms:g}): {why}; retry "
+            "later or elsewhere, or submit with priority >= 0 to queue it anyway")
+
+    def _learn_step_time(self, report: WorkerReport):
+        """Learn from the step time `report` carries; the worker's model (None: none
+        is learned)."""
+        if self._step_times is None:
+            return None
+        worker_id = report.worker_id
+        measured = self._step_times.measured(worker_id, report.last_step_us)
+        if measured is not None:
+            shape, predicted, seconds = measured
+            self._observer.on_step_time(worker_id, predicted, seconds)
+        return self._step_times.model(worker_id)
 
     @contextmanager
     def _saved(self, sync: bool = False) -> Iterator[Saved]:
@@ -353,11 +410,31 @@ class Scheduler:
         self._sequences.discard_new(seq)
         self._changes.uncreated(seq)
 
-    def _require(self, seq_id: int) -> Sequence:
+    def _require(self, seq_id: int, caller: Caller = ANYONE) -> Sequence:
         seq = self._sequences.get(seq_id)
-        if seq is None:
-            raise NotFound(f"seq_id {seq_id} is unknown (never submitted, or long finished)")
+        if seq is None or not caller.may_see(seq.params.principal):
+            raise NotFound.seq_id(seq_id)
         return seq
+
+    def _why_waiting(self, seq: Sequence) -> str:
+        """For a queued sequence no worker here can run (its adapter), why; else ""."""
+        if seq.state is not SequenceState.QUEUED or not seq.adapter_id:
+            return ""
+        if seq.adapter_id in self._servable_adapters():
+            return ""
+        return no_worker_has(seq.adapter_id)
+
+    def _servable_adapters(self, admitting_only: bool = False) -> frozenset[str]:
+        """The adapters of the registered workers an operator has not drained (what is
+        saved, so a restart tells the same); `admitting_only`: of those that admit now,
+        not draining by their own report either."""
+        return frozenset(a for w in self._ledger
+                         if not w.drain_requested and (w.admitting or not admitting_only)
+                         for a in w.registration.adapters)
+
+    def _num_unservable(self, servable: frozenset[str]) -> int:
+        return sum(n for adapter_id, n in self._queue.count_by_adapter().items()
+                   if adapter_id not in servable)
 
     def _position(self, seq: Sequence) -> int:
         if seq.state is not SequenceState.QUEUED:

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from service.core.errors import InvalidArgument
+from service.core.prefix_cache import PromptHashes
 from service.core.store import SequenceProgress, StoredSequence
 from service.core.types import FinishReason, SequenceSpec, SequenceState, SubmitParams, TokenLogprobs
 
@@ -79,6 +80,10 @@ class Sequence:
     # For a sequence that asked for prompt_logprobs: those of its prompt tokens after the
     # first, once its first token arrived (not persisted either).
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # Prompt tokens taken from the worker's cache at its latest admission (not saved).
+    cached_tokens: int = 0
+    # Block hashes of its resume prompt, computed at its first cached lookup (not saved).
+    prompt_hashes: PromptHashes | None = None
 
     @property
     def priority(self) -> int:
@@ -137,6 +142,15 @@ class Sequence:
         length of the spec its next admission carries while queued."""
         return self.prompt_len + len(self.output_token_ids)
 
+    def resume_token_ids(self) -> array:
+        """The prompt its next spec carries: the prompt plus what was generated so far."""
+        return self.params.prompt_token_ids + self.output_token_ids
+
+    def may_use_prefix_cache(self) -> bool:
+        """False for a sequence that needs every prompt position's logits
+        (`prompt_logprobs`, docs/contract.md): its prompt is never taken from a cache."""
+        return not self.params.sampling.prompt_logprobs
+
     def spec_wire_bytes(self) -> int:
         """An upper bound of the bytes its first chunk (with the spec) takes in a decision."""
         p = self.params
@@ -160,7 +174,8 @@ class SequenceTable:
 
     def __init__(self, max_finished_retained: int) -> None:
         self._by_id: dict[int, Sequence] = {}
-        self._by_request_id: dict[str, int] = {}
+        # (principal, request_id) to seq_id: idempotency is per principal.
+        self._by_request_id: dict[tuple[str, str], int] = {}
         # Finished ids, oldest first; beyond the limit the oldest are forgotten.
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._max_finished_retained = max_finished_retained
@@ -186,8 +201,9 @@ class SequenceTable:
     def get(self, seq_id: int) -> Sequence | None:
         return self._by_id.get(seq_id)
 
-    def by_request_id(self, request_id: str) -> Sequence | None:
-        seq_id = self._by_request_id.get(request_id) if request_id else None
+    def by_request_id(self, principal: str, request_id: str) -> Sequence | None:
+        """The sequence `principal` submitted with `request_id`, if one is known."""
+        seq_id = self._by_request_id.get((principal, request_id)) if request_id else None
         return None if seq_id is None else self._by_id.get(seq_id)
 
     def create(self, params: SubmitParams, now: float, wall_now: float) -> Sequence:
@@ -205,16 +221,14 @@ class SequenceTable:
     def discard_new(self, seq: Sequence) -> None:
         """Undo `create` of a sequence the store could not save (its id stays used)."""
         del self._by_id[seq.seq_id]
-        if seq.params.request_id:
-            self._by_request_id.pop(seq.params.request_id, None)
+        self._unindex(seq)
 
     def drop(self, seq_id: int) -> Sequence | None:
         """Forget a sequence this core no longer owns (not a finish: nothing is recorded)."""
         seq = self._by_id.pop(seq_id, None)
         if seq is not None:
             self._finished.pop(seq_id, None)
-            if seq.params.request_id:
-                self._by_request_id.pop(seq.params.request_id, None)
+            self._unindex(seq)
         return seq
 
     def reserve_ids_below(self, next_seq_id: int) -> None:
@@ -266,16 +280,18 @@ class SequenceTable:
         forgotten = []
         while len(self._finished) > self._max_finished_retained:
             old_id, _ = self._finished.popitem(last=False)
-            old = self._by_id.pop(old_id)
-            if old.params.request_id:
-                self._by_request_id.pop(old.params.request_id, None)
+            self._unindex(self._by_id.pop(old_id))
             forgotten.append(old_id)
         return forgotten
 
     def _add(self, seq: Sequence) -> None:
         self._by_id[seq.seq_id] = seq
         if seq.params.request_id:
-            self._by_request_id[seq.params.request_id] = seq.seq_id
+            self._by_request_id[(seq.params.principal, seq.params.request_id)] = seq.seq_id
+
+    def _unindex(self, seq: Sequence) -> None:
+        if seq.params.request_id:
+            self._by_request_id.pop((seq.params.principal, seq.params.request_id), None)
 
 
 def _logprobs_list(params: SubmitParams) -> list | None:

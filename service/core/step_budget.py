@@ -89,16 +89,23 @@ class StepBudget:
 
     # Admissions.
 
-    def admission_blocker(self, seq: SequenceView, chunk_len: int) -> BlockReason | None:
-        """What keeps `seq` from being admitted with a first chunk of `chunk_len`; None
-        if it fits. A LoRA limit is not a blocker: check `fits_adapter`."""
+    def admission_blocker(self, seq: SequenceView, chunk_len: int,
+                          cached_tokens: int = 0) -> BlockReason | None:
+        """What keeps `seq` from being admitted with a first chunk of `chunk_len` after
+        `cached_tokens` from the worker's cache; None if it fits. A LoRA limit is not a
+        blocker: check `fits_adapter`.
+
+        Only `chunk_len` counts against the token budget. The cached tokens' pages count
+        as taken: the worker counts unused cache pages as free, and the sequence maps
+        them (pages another running sequence maps already were not free: over-counted,
+        which is safe)."""
         if self.new_seqs <= 0:
             return self.new_seqs_reason
         if self.gdn_slots <= 0:
             return BlockReason.GDN_SLOTS
         if self.tokens is not None and chunk_len > self.tokens:
             return BlockReason.TOKEN_BUDGET
-        pages = self.chunk_pages(0, chunk_len)
+        pages = self.chunk_pages(0, cached_tokens + chunk_len)
         if self.kv_pages is not None and pages > 0 and pages > self.kv_pages:
             return BlockReason.KV_RESERVE
         if seq.spec_wire_bytes() > self.decision_bytes:
@@ -109,13 +116,15 @@ class StepBudget:
         return (not adapter_id or not self.max_loras or adapter_id in self.adapters
                 or len(self.adapters) < self.max_loras)
 
-    def take_admission(self, seq: SequenceView, chunk_len: int) -> None:
+    def take_admission(self, seq: SequenceView, chunk_len: int, cached_tokens: int = 0) -> None:
         self.new_seqs -= 1
         self.gdn_slots -= 1
         self.decision_bytes -= seq.spec_wire_bytes()
         if seq.adapter_id:
             self.adapters.add(seq.adapter_id)
-        self.take_chunk(0, chunk_len)
+        if self.tokens is not None:
+            self.tokens -= chunk_len  # computed tokens only
+        self._take_pages(self.chunk_pages(0, cached_tokens + chunk_len))
 
     # Checking.
 

@@ -75,6 +75,27 @@ class SubmitParams:
     tenant: str = ""
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()
+    # Who submitted it (the edge's principal; "" without authentication): request_id is
+    # scoped by it, and only it (or a caller that sees all) may read or cancel it.
+    principal: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who makes a client call, as the edge authenticated it: the principal whose
+    sequences it may read, stream and cancel, or (`sees_all`: admin, the scheduler's own
+    calls, a scheduler without authentication) every sequence."""
+
+    principal: str = ""
+    sees_all: bool = False
+
+    def may_see(self, principal: str) -> bool:
+        """Whether a sequence submitted by `principal` exists for this caller."""
+        return self.sees_all or principal == self.principal
+
+
+# The scheduler's own calls (a client that left, a cancel another replica asked for).
+ANYONE = Caller(sees_all=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +132,10 @@ class WorkerRegistration:
     total_gdn_slots: int
     max_batch_size: int = 0  # 0: the scheduler's default
     adapters: tuple[str, ...] = ()
+    # Tokens per prefix-cache block (a multiple of page_size); 0: the worker keeps none.
+    cache_block_tokens: int = 0
+    # GDN state snapshots it keeps for resume points, besides total_gdn_slots.
+    total_snapshot_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +178,16 @@ class TokenUpdate:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheReport:
+    """A worker's prefix-cache resume points (block hashes) added and removed since its
+    last call; `reset`: forget its earlier reports first (`added` then lists all)."""
+
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    reset: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerReport:
     """One worker's report at the start of an iteration (the SelectBatch request)."""
 
@@ -167,6 +202,15 @@ class WorkerReport:
     tokens: tuple[TokenUpdate, ...] = ()
     # The incarnation the worker registered as; 0: the latest (clients that do not send it).
     incarnation: int = 0
+    # Prefix cache (service/core/prefix_cache.py; ignored with --prefix-caching off).
+    cache: CacheReport = CacheReport()
+    # How many of kv_free_pages hold reusable prefix cache.
+    kv_cached_pages: int = 0
+    # First chunks whose resume point was gone: nothing ran, admit each again.
+    cache_misses: tuple[int, ...] = ()
+    # Wall time of the worker's last engine step not reported before, in microseconds
+    # (0: unknown, or no step since the last report).
+    last_step_us: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +224,9 @@ class PrefillChunk:
     chunk_start: int
     chunk_len: int
     spec: SequenceSpec | None = None
+    # First chunks only: prompt tokens the worker takes from its prefix cache (a resume
+    # point it reported; then chunk_start == cached_tokens). 0: computed from token 0.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +255,9 @@ class SequenceInfo:
     finish_reason: FinishReason | None
     queue_position: int
     error_message: str = ""  # why it failed, for FAILED
+    # Prompt tokens taken from a worker's prefix cache at its latest admission (kept in
+    # memory only: 0 after a restart of the scheduler).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from service.core.config import SchedulerConfig
 from service.core.ledger import WorkerLedger, WorkerRecord
 from service.core.lifecycle import Lifecycle
 from service.core.observer import RequeueReason, SchedulerObserver
+from service.core.prefix_cache import ResumePoints
 from service.core.store import StoredWorker
 from service.core.types import WorkerRegistration, WorkerSettings
 
@@ -48,7 +49,10 @@ class WorkerRegistry:
             lease_ttl_ms=config.lease_ttl_ms,
             incarnation=incarnation,
         )
-        record = WorkerRecord(registration, settings, last_call_at=self._clock())
+        # A new incarnation knows no resume points until its first report (a reset).
+        block_tokens = registration.cache_block_tokens if config.prefix_caching == "on" else 0
+        record = WorkerRecord(registration, settings, last_call_at=self._clock(),
+                              resume_points=ResumePoints(block_tokens))
         self._ledger.add(record)
         self._observer.on_worker_registered(
             registration.worker_id, registration.total_kv_pages, registration.total_gdn_slots)

@@ -123,19 +123,23 @@ class SchedulerStack:
     """A scheduler on a loopback port and one WorkerLoop thread on `engine`.
 
     `session`, `overlap`: the worker's (lattice-worker's defaults: both on). The lease is
-    long: one step of a larger model on a busy CPU can outlast the default 10 s.
+    long: one step of a larger model on a busy CPU can outlast the default 10 s. The worker
+    registers the engine's prefix cache (if it keeps one); `config` overrides the
+    scheduler's settings (e.g. prefix_caching="off", policy="budget"). `registry` holds
+    the scheduler's metrics (read them with `metric`).
     """
 
     def __init__(self, engine: ModelEngine, chunk_size: int, *, session: bool = True,
-                 overlap: bool = True, lease_ttl_ms: int = 600_000) -> None:
-        config = SchedulerConfig(max_batch_size=engine.max_batch_size, chunk_size=chunk_size,
-                                 lease_ttl_ms=lease_ttl_ms)
+                 overlap: bool = True, lease_ttl_ms: int = 600_000, **config) -> None:
+        config = SchedulerConfig(**{"max_batch_size": engine.max_batch_size,
+                                    "chunk_size": chunk_size, "lease_ttl_ms": lease_ttl_ms,
+                                    **config})
+        self.registry = CollectorRegistry()
         self._server = start(ServeSettings(host="127.0.0.1", port=0, metrics_port=0,
-                                           scheduler=config), CollectorRegistry())
+                                           scheduler=config), self.registry)
         target = f"127.0.0.1:{self._server.port}"
         self._client = SchedulerClient(target, session=session)
-        resources = WorkerResources("bench", engine.total_kv_pages, engine.page_size,
-                                    engine.total_gdn_slots, engine.max_batch_size)
+        resources = WorkerResources.of("bench", engine, engine.max_batch_size)
         self._loop = WorkerLoop(engine, self._client, resources, idle_sleep_seconds=0.001,
                                 overlap=overlap)
         self._stop = threading.Event()
@@ -143,6 +147,7 @@ class SchedulerStack:
         self._thread.start()
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.SchedulerStub(self._channel)
+        self.last_seq_id = 0  # the seq_id of the latest generate's stream
 
     def generate(self, prompt: Tokens, max_new_tokens: int,
                  started: float | None = None) -> tuple[Tokens, float]:
@@ -153,10 +158,18 @@ class SchedulerStack:
         tokens: list[int] = []
         first_token_seconds = math.nan
         for event in self._stub.Generate(request, timeout=600):
+            self.last_seq_id = event.seq_id
             if event.token_ids and not tokens:
                 first_token_seconds = time.perf_counter() - started
             tokens.extend(event.token_ids)
         return tuple(tokens), first_token_seconds
+
+    def get_sequence(self, seq_id: int) -> pb.SequenceInfo:
+        return self._stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=30)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A scheduler metric's value now (0 if it has no sample yet)."""
+        return self.registry.get_sample_value(name, labels or None) or 0.0
 
     def close(self) -> None:
         self._stop.set()

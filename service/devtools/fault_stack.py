@@ -279,12 +279,16 @@ class Job:
 
 
 def make_jobs(count: int, seed: int, prefix: str = "job",
-              max_new_tokens_range: tuple[int, int] = (8, 40)) -> list[Job]:
-    """`count` sequences; about a third stop early on a stop token (finish reason STOP)."""
+              max_new_tokens_range: tuple[int, int] = (8, 40),
+              shared_prefix: int = 0) -> list[Job]:
+    """`count` sequences; about a third stop early on a stop token (finish reason STOP).
+    `shared_prefix`: every prompt starts with the same this many tokens (a system prompt
+    a worker's prefix cache shares)."""
     rng = random.Random(seed)
+    common = [rng.randrange(1000) for _ in range(shared_prefix)]
     jobs = []
     for i in range(count):
-        prompt = [rng.randrange(1000) for _ in range(rng.randint(3, 40))]
+        prompt = common + [rng.randrange(1000) for _ in range(rng.randint(3, 40))]
         max_new_tokens = rng.randint(*max_new_tokens_range)
         stop_token_ids: list[int] = []
         if i % 3 == 2:

@@ -11,6 +11,7 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from service.gateway.api_keys import ANONYMOUS, Principal
 from service.gateway.detokenize import TextAssembler
 from service.gateway.errors import GatewayError, bad_request
 from service.gateway.generations import Attempt, Generation, Generations
@@ -57,8 +58,11 @@ class Finish:
 
 def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: int | None,
          default_max_tokens: int | None, files: ModelFiles, max_model_len: int,
-         request_id: str) -> Plan:
-    """The sequence to submit for `body`; 400 when it cannot fit in `max_model_len`."""
+         request_id: str, principal: Principal = ANONYMOUS, choice: int = 0) -> Plan:
+    """The sequence to submit for `body` from `principal`; 400 when it cannot fit in
+    `max_model_len`. `request_id` is the client's idempotency key (it seeds sampling);
+    service/gateway/idempotency.py turns it into the scheduler's request_id. `choice` is
+    the index among the request's `n` choices: each samples with a seed of its own."""
     body.check_supported()
     stop = body.stop_strings()
     num_prompt = len(prompt_token_ids)
@@ -76,14 +80,22 @@ def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: i
         raise bad_request(f"max_tokens is {max_new_tokens} but the prompt is {num_prompt} "
                           f"tokens, and this model takes at most {max_model_len} in all: "
                           f"ask for at most {room}", "max_tokens")
-    if len(request_id.encode()) > MAX_NAME_BYTES:
+    if len(request_id.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
         raise bad_request(f"the Idempotency-Key / X-Request-Id header is longer than "
                           f"{MAX_NAME_BYTES} bytes", "Idempotency-Key")
-    if body.user and len(body.user.encode()) > MAX_NAME_BYTES:
+    if body.user and len(body.user.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
         raise bad_request(f"user is longer than {MAX_NAME_BYTES} bytes", "user")
+    if body.user and "\x00" in body.user:
+        raise bad_request("user must not contain NUL (it names the scheduler tenant)", "user")
+    bad_stop = [t for t in body.stop_token_ids or () if t >= files.vocab_size]
+    if bad_stop:
+        raise bad_request(f"stop token id {bad_stop[0]} is outside the vocabulary "
+                          f"(0..{files.vocab_size - 1})", "stop_token_ids")
     defaults = files.sampling_defaults
     temperature = _first(body.temperature, defaults.temperature, 1.0)
     top_p = _first(body.top_p, defaults.top_p, 0.0)
+    if body.top_p == 0:  # nucleus of mass 0: the most likely token alone (the wire's 0 is "off")
+        temperature, top_p = 0.0, 0.0
     top_k = max(0, _first(body.top_k, defaults.top_k, 0))
     min_tokens = body.min_tokens or 0
     if min_tokens > max_new_tokens and not discard_generated:
@@ -97,8 +109,10 @@ def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: i
     generation = GenerationRequest(
         prompt_token_ids=tuple(prompt_token_ids), max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=0.0 if top_p >= 1.0 else top_p, top_k=top_k,
-        seed=_seed(body.seed, request_id), stop_token_ids=stop_token_ids,
-        tenant=body.user or "", priority=body.priority or 0, request_id=request_id,
+        seed=_seed(body.seed, request_id, choice), stop_token_ids=stop_token_ids,
+        tenant=principal.tenant_for(body.user), priority=body.priority or 0,
+        request_id=request_id, principal=principal.name,
+        scheduler_token=principal.scheduler_token,
         # The scheduler's 0 means "no logprobs": ask for one alternative at least, and
         # show the client the number it asked for.
         logprobs=0 if num_top is None or discard_generated else max(1, num_top),
@@ -112,13 +126,16 @@ def _first(*values):
     return next(v for v in values if v is not None)
 
 
-def _seed(seed: int | None, request_id: str) -> int:
-    """The client's seed (any integer, folded into 64 bits); without one, a seed of the
-    idempotency key (retries sample alike), else a fresh random one."""
+def _seed(seed: int | None, request_id: str, choice: int = 0) -> int:
+    """The client's seed (any integer, folded into 64 bits; choice i of `n` gets seed + i);
+    without one, a seed of the idempotency key (retries sample alike), else a fresh random
+    one."""
     if seed is not None:
-        return seed % 2 ** 64
+        return (seed + choice) % 2 ** 64
     if request_id:
-        return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big")
+        key = request_id if choice == 0 else f"{request_id}#{choice}"
+        return int.from_bytes(hashlib.sha256(key.encode("utf-8", "surrogateescape")
+                                             ).digest()[:8], "big")
     return secrets.randbits(63)
 
 

@@ -39,6 +39,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that went away (a restart) to re-attach it (0: fail at once)")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="on SIGTERM, how long answers in flight may take to finish")
+    parser.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
+                        help="the gateway's own API keys (TOML, or JSON ending in .json; "
+                             "docs/security.md): /v1 requests then need "
+                             "'Authorization: Bearer <key>', and each key is a principal "
+                             "(default: no keys checked)")
+    parser.add_argument("--metrics-path", default="/metrics",
+                        help="where GET serves Prometheus metrics; 'off' serves none "
+                             "(default /metrics)")
+    parser.add_argument("--header-timeout-seconds", type=float, default=10.0,
+                        help="a request's headers must arrive within this long of the "
+                             "connection opening (or the previous answer), else it is closed")
+    parser.add_argument("--body-timeout-seconds", type=float, default=30.0,
+                        help="a request's body must arrive within this long of its headers")
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                        help="a larger request body is refused with 413 before it is read "
+                             "(default 8 MiB)")
+    parser.add_argument("--keep-alive-seconds", type=float, default=5.0,
+                        help="an idle connection between requests is closed after this long")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
@@ -47,8 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from common import logs
+    from common import extras, logs
     from common.errors import ConfigError
+    try:
+        extras.require("gateway", "lattice-scheduler gateway")
+    except extras.MissingExtra as err:
+        print(f"lattice-scheduler gateway: {err}", file=sys.stderr)
+        return 2
     from common.credentials import client_args_credentials
     from service.gateway.server import GatewaySettings, run
 
@@ -61,6 +84,23 @@ def main(args: argparse.Namespace) -> int:
             print(f"lattice-scheduler gateway: {flag} must not be negative (got {value:g})",
                   file=sys.stderr)
             return 2
+    for flag, value in (("--header-timeout-seconds", args.header_timeout_seconds),
+                        ("--body-timeout-seconds", args.body_timeout_seconds),
+                        ("--keep-alive-seconds", args.keep_alive_seconds)):
+        if not value > 0:
+            print(f"lattice-scheduler gateway: {flag} must be positive (got {value:g})",
+                  file=sys.stderr)
+            return 2
+    if args.max_body_bytes < 1:
+        print(f"lattice-scheduler gateway: --max-body-bytes must be at least 1 "
+              f"(got {args.max_body_bytes})", file=sys.stderr)
+        return 2
+    metrics_path = None if args.metrics_path == "off" else args.metrics_path
+    if metrics_path is not None and (not metrics_path.startswith("/")
+                                     or metrics_path.startswith("/v1/")):
+        print(f"lattice-scheduler gateway: --metrics-path must be a path starting with / "
+              f"outside /v1/, or off (got {args.metrics_path!r})", file=sys.stderr)
+        return 2
     if not 0 <= args.port <= 65535:
         print(f"lattice-scheduler gateway: --port must be 0-65535 (got {args.port})",
               file=sys.stderr)
@@ -71,7 +111,11 @@ def main(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name, max_model_len=args.max_model_len,
             reattach_grace_seconds=args.reattach_grace_seconds,
             reconnect_seconds=args.reconnect_seconds, grace_seconds=args.grace_seconds,
-            credentials=client_args_credentials(args), token=args.token)
+            credentials=client_args_credentials(args), token=args.token,
+            api_keys_file=args.api_keys, metrics_path=metrics_path,
+            header_timeout_seconds=args.header_timeout_seconds,
+            body_timeout_seconds=args.body_timeout_seconds,
+            keep_alive_seconds=args.keep_alive_seconds, max_body_bytes=args.max_body_bytes)
         run(settings)
     except ConfigError as err:
         print(f"lattice-scheduler gateway: {err}", file=sys.stderr)

@@ -39,9 +39,10 @@ class GatewayError(Exception):
                           "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        if self.retryable is None:
-            return {}
-        return {"x-should-retry": "true" if self.retryable else "false"}
+        headers = {"www-authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retryable is not None:
+            headers["x-should-retry"] = "true" if self.retryable else "false"
+        return headers
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:

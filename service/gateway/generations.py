@@ -162,13 +162,14 @@ class Generations:
         stream's end cancels it too; the Cancel call makes it explicit), without making
         the answer wait for the call."""
         generation.cancel()
-        task = asyncio.create_task(self._cancel_on_scheduler(generation.seq_id))
+        task = asyncio.create_task(self._cancel_on_scheduler(generation))
         self._cancelling.add(task)
         task.add_done_callback(self._cancelling.discard)
 
-    async def _cancel_on_scheduler(self, seq_id: int) -> None:
+    async def _cancel_on_scheduler(self, generation: Generation) -> None:
+        seq_id = generation.seq_id
         try:
-            await self._link.cancel(seq_id)
+            await self._link.cancel(seq_id, generation.attempt.generation)
         except GatewayError as err:
             log.warning("could not cancel seq_id %d after its stop string: %s", seq_id, err)
 

@@ -45,6 +45,14 @@ class ModelFiles:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as err:  # tokenizers raises plain Exception for a bad file
             raise ConfigError(f"{tokenizer_file}: not a tokenizers file ({err})") from None
+        # The same tokenizer, reading added tokens' text as plain text (its setting is
+        # per instance: two instances, so that no call changes it under another).
+        self._text_tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
+        self._text_tokenizer.encode_special_tokens = True
+        # Texts the tokenizer turns into added tokens (special ones among them).
+        self.added_token_texts = tuple(
+            token.content for token in self.tokenizer.get_added_tokens_decoder().values()
+            if token.content)
         tokenizer_config = _read_json(self.model_dir / "tokenizer_config.json")
         generation_config = _read_json(self.model_dir / "generation_config.json")
         config = _read_json(self.model_dir / "config.json")
@@ -65,8 +73,16 @@ class ModelFiles:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    # Both through encode_batch: tokenizers' encode holds the GIL for the whole call (a
+    # long prompt stalled every other request), encode_batch releases it; the ids are
+    # the same.
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`, added tokens' text in it parsed as those tokens."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` as plain text: `<|im_end|>` in it is its characters."""
+        return self._text_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of `token_ids`, special tokens left out (what transformers' decode gives with

@@ -3,9 +3,19 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 from service.gateway.answers import Finish
 from service.gateway.logprobs import ChatLogprobs, CompletionLogprobs
+
+
+@dataclass(frozen=True)
+class WholeChoice:
+    """One choice of a whole (not streamed) answer; logprobs in the shape's form, or None."""
+
+    text: str
+    finish: Finish
+    logprobs: dict | None = None
 
 
 class CompletionShape:
@@ -28,24 +38,29 @@ class CompletionShape:
     def logprobs_builder(self, decode, num_top: int) -> CompletionLogprobs:
         return CompletionLogprobs(decode, num_top)
 
-    def whole(self, seq_id: int, text: str, finish: Finish, num_prompt: int,
-              logprobs: dict | None = None) -> dict:
-        body = self._envelope(seq_id, [{"index": 0, "text": text, "logprobs": logprobs,
-                                        "finish_reason": finish.reason}], chunk=False)
-        body["usage"] = _usage(num_prompt, finish.num_completion_tokens)
+    def whole(self, seq_id: int, choices: list[WholeChoice], num_prompt: int) -> dict:
+        """The whole answer: one choice per WholeChoice, in index order."""
+        body = self._envelope(seq_id, [self._whole_choice(index, choice)
+                                       for index, choice in enumerate(choices)], chunk=False)
+        body["usage"] = _usage(num_prompt, sum(c.finish.num_completion_tokens for c in choices))
         return body
 
-    def first_chunk(self, seq_id: int) -> dict | None:
+    def _whole_choice(self, index: int, choice: WholeChoice) -> dict:
+        return {"index": index, "text": choice.text, "logprobs": choice.logprobs,
+                "finish_reason": choice.finish.reason}
+
+    def first_chunk(self, seq_id: int, index: int = 0) -> dict | None:
         return None
 
     def chunk(self, seq_id: int, text: str, finish_reason: str | None = None,
-              logprobs: dict | None = None) -> dict:
-        return self._envelope(seq_id, [{"index": 0, "text": text, "logprobs": logprobs,
+              logprobs: dict | None = None, index: int = 0) -> dict:
+        return self._envelope(seq_id, [{"index": index, "text": text, "logprobs": logprobs,
                                         "finish_reason": finish_reason}], chunk=True)
 
-    def usage_chunk(self, seq_id: int, finish: Finish, num_prompt: int) -> dict:
+    def usage_chunk(self, seq_id: int, num_completion: int, num_prompt: int) -> dict:
+        """The last chunk with `stream_options.include_usage`: every choice's tokens."""
         body = self._envelope(seq_id, [], chunk=True)
-        body["usage"] = _usage(num_prompt, finish.num_completion_tokens)
+        body["usage"] = _usage(num_prompt, num_completion)
         return body
 
 
@@ -62,22 +77,19 @@ class ChatShape(CompletionShape):
     def logprobs_builder(self, decode, num_top: int) -> ChatLogprobs:
         return ChatLogprobs(decode, num_top)
 
-    def whole(self, seq_id: int, text: str, finish: Finish, num_prompt: int,
-              logprobs: dict | None = None) -> dict:
-        body = self._envelope(seq_id, [{
-            "index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish.reason}], chunk=False)
-        body["usage"] = _usage(num_prompt, finish.num_completion_tokens)
-        return body
+    def _whole_choice(self, index: int, choice: WholeChoice) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": choice.logprobs, "finish_reason": choice.finish.reason}
 
-    def first_chunk(self, seq_id: int) -> dict | None:
-        return self._envelope(seq_id, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+    def first_chunk(self, seq_id: int, index: int = 0) -> dict | None:
+        return self._envelope(seq_id, [{"index": index,
+                                        "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], chunk=True)
 
     def chunk(self, seq_id: int, text: str, finish_reason: str | None = None,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, index: int = 0) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
-        return self._envelope(seq_id, [{"index": 0, "delta": delta, "logprobs": logprobs,
+        return self._envelope(seq_id, [{"index": index, "delta": delta, "logprobs": logprobs,
                                         "finish_reason": finish_reason}], chunk=True)
 
 

@@ -14,6 +14,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from common.credentials import token_metadata
+from service.gateway.api_keys import PRINCIPAL_METADATA
 from service.gateway.errors import GatewayError, from_grpc
 
 
@@ -41,7 +42,9 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...]
     tenant: str = ""
     priority: int = 0
-    request_id: str = ""  # the client's idempotency key; "" = none
+    request_id: str = ""  # the scheduler's request_id (service/gateway/idempotency.py); "" = none
+    principal: str = ""  # who asked (service/gateway/api_keys.py); "" = anonymous
+    scheduler_token: str | None = None  # the principal's own scheduler token; None: the gateway's
     logprobs: int = 0  # alternatives per generated token's logprob; 0 = no logprobs
     prompt_logprobs: int = 0  # the same for the prompt tokens after the first
     ignore_eos: bool = False
@@ -114,9 +117,21 @@ class SchedulerLink:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = token_metadata(token)
 
+    def _metadata_for(self, request: GenerationRequest | None) -> tuple:
+        """The call's metadata: the principal's scheduler token (else the gateway's), and
+        the principal's name."""
+        if request is None:
+            return self._metadata
+        metadata = (self._metadata if request.scheduler_token is None
+                    else token_metadata(request.scheduler_token))
+        if request.principal:
+            metadata = (*metadata, (PRINCIPAL_METADATA, request.principal))
+        return tuple(metadata)
+
     async def generate(self, request: GenerationRequest) -> GenerateStream:
         """Submit (or re-attach to `request_id`'s sequence) and return its open stream."""
-        call = self._stub.Generate(_submit_request(request), metadata=self._metadata)
+        call = self._stub.Generate(_submit_request(request),
+                                   metadata=self._metadata_for(request))
         try:
             first = await call.read()
         except grpc.RpcError as err:
@@ -126,9 +141,12 @@ class SchedulerLink:
                                     f"before naming its seq_id")
         return GenerateStream(call, first.seq_id, self.target)
 
-    async def cancel(self, seq_id: int, timeout_seconds: float = 10.0) -> None:
+    async def cancel(self, seq_id: int, request: GenerationRequest | None = None,
+                     timeout_seconds: float = 10.0) -> None:
+        """Cancel `seq_id`, as the principal of `request` (None: as the gateway)."""
         try:
-            await self._stub.Cancel(pb.CancelRequest(seq_id=seq_id), metadata=self._metadata,
+            await self._stub.Cancel(pb.CancelRequest(seq_id=seq_id),
+                                    metadata=self._metadata_for(request),
                                     timeout=timeout_seconds)
         except grpc.RpcError as err:
             raise from_grpc(err, self.target) from None
@@ -143,6 +161,15 @@ class SchedulerLink:
         if response.status != health_pb2.HealthCheckResponse.SERVING:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
             return f"the scheduler at {self.target} is {status}"
+        # Health is open to all; a call the gateway's clients need says whether the
+        # scheduler accepts the gateway's credentials (GetStatus: the client role has it).
+        try:
+            await self._stub.GetStatus(pb.GetStatusRequest(), metadata=self._metadata,
+                                       timeout=timeout_seconds)
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                              grpc.StatusCode.PERMISSION_DENIED):
+                return from_grpc(err, self.target).message
         return None
 
     async def close(self) -> None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -23,6 +24,9 @@ from service.gateway.generations import Generations
 from service.gateway.metrics import GatewayMetrics
 from service.gateway.model_files import DEFAULT_MAX_MODEL_LEN, ModelFiles
 from service.gateway.scheduler_link import SchedulerLink
+
+if TYPE_CHECKING:
+    from service.gateway.app import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,13 @@ class GatewaySettings:
     grace_seconds: float = 10.0
     credentials: grpc.ChannelCredentials | None = None
     token: str | None = None
+    api_keys_file: Path | None = None  # None: no keys checked (one anonymous principal)
+    metrics_path: str | None = "/metrics"  # None: no metrics route
+    # Connection deadlines (service/gateway/timeouts.py; keep-alive: uvicorn's own).
+    header_timeout_seconds: float = 10.0
+    body_timeout_seconds: float = 30.0
+    keep_alive_seconds: float = 5.0
+    max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: 413 before they are read
 
     @property
     def model_name(self) -> str:
@@ -67,30 +78,61 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def build_gateway(settings: GatewaySettings, files: ModelFiles, link) -> Gateway:
+    """Everything the routes use, over `link` (a SchedulerLink, or a test's fake)."""
+    from service.gateway.api_keys import load_api_keys
+    from service.gateway.app import Gateway
+
+    registry = CollectorRegistry()
+    return Gateway(files=files, served_model_name=settings.model_name,
+                   max_model_len=resolve_max_model_len(settings, files), link=link,
+                   generations=Generations(link, settings.reattach_grace_seconds,
+                                           settings.reconnect_seconds),
+                   metrics=GatewayMetrics(registry), registry=registry,
+                   started_at=int(time.time()),
+                   api_keys=(load_api_keys(settings.api_keys_file)
+                             if settings.api_keys_file is not None else None),
+                   metrics_path=settings.metrics_path,
+                   max_body_bytes=settings.max_body_bytes)
+
+
+def uvicorn_config(app, settings: GatewaySettings):
+    """uvicorn's settings for the gateway: no access log, graceful stop, deadlines."""
+    import uvicorn
+
+    from service.gateway.timeouts import guarded_h11
+
+    return uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=settings.grace_seconds,
+                          timeout_keep_alive=settings.keep_alive_seconds,
+                          http=guarded_h11(settings.header_timeout_seconds,
+                                           settings.body_timeout_seconds))
+
+
 async def serve(settings: GatewaySettings, files: ModelFiles,
                 on_listening: Callable[[str], None] = print) -> None:
     """Run until SIGTERM/SIGINT. `files` is read before, so a bad model dir fails fast."""
     import uvicorn
 
-    from service.gateway.app import Gateway, create_app
+    from service.gateway.app import create_app
 
-    max_model_len = resolve_max_model_len(settings, files)
-    sock = bind(settings.host, settings.port)
     link = SchedulerLink(settings.target, settings.credentials, settings.token)
-    registry = CollectorRegistry()
-    gateway = Gateway(files=files, served_model_name=settings.model_name,
-                      max_model_len=max_model_len, link=link,
-                      generations=Generations(link, settings.reattach_grace_seconds,
-                                              settings.reconnect_seconds),
-                      metrics=GatewayMetrics(registry), registry=registry,
-                      started_at=int(time.time()))
+    try:
+        gateway = build_gateway(settings, files, link)
+    except BaseException:
+        await link.close()
+        raise
+    sock = bind(settings.host, settings.port)
     app = create_app(gateway)
     port = sock.getsockname()[1]
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        keys = (f"{len(gateway.api_keys)} API keys" if gateway.api_keys is not None
+                else "no API keys")
         on_listening(f"lattice-scheduler gateway listening on http://{settings.host}:{port} "
-                     f"(model {gateway.served_model_name!r}, scheduler {settings.target})")
+                     f"(model {gateway.served_model_name!r}, scheduler {settings.target}, "
+                     f"{keys})")
         problem = await link.check_health()
         if problem is not None:
             log.warning("the scheduler is not serving yet; requests get 503 until it is: %s",
@@ -98,10 +140,8 @@ async def serve(settings: GatewaySettings, files: ModelFiles,
         yield
 
     app.router.lifespan_context = lifespan
-    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=settings.grace_seconds)
     try:
-        await uvicorn.Server(config).serve(sockets=[sock])
+        await uvicorn.Server(uvicorn_config(app, settings)).serve(sockets=[sock])
     finally:
         await link.close()
         sock.close()

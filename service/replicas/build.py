@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily
 from service.core import Scheduler
 from service.core.orders import queue_order
 from service.server import app
+from service.server.interceptors.auth import Callers
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
 from service.server.wakeups import Wakeups
@@ -48,10 +49,10 @@ class _RoundTrips:
 
 def make_servicer(core: Scheduler, wakeups: Wakeups, store: PostgresState,
                   metrics: SchedulerMetrics, lag: LoopLag,
-                  settings: ServeSettings) -> ReplicaServicer:
+                  settings: ServeSettings, callers: Callers) -> ReplicaServicer:
     """The replica's servicer over `core`, claiming `settings.prefetch` ahead."""
     return ReplicaServicer(core, wakeups, store, metrics=metrics, lag=lag,
-                           prefetch=settings.prefetch)
+                           prefetch=settings.prefetch, callers=callers)
 
 
 SHARED = app.Shared(open_store=open_store, make_servicer=make_servicer)

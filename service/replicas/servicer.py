@@ -3,8 +3,9 @@
 `ReplicaServicer` serves the same RPCs as `SchedulerServicer` over a core that holds
 only what this replica owns:
 - Submit writes to the shared queue (service/state/postgres.py); Cancel, GetSequence and
-  Generate work for any sequence: from the core when this replica owns it, else from the
-  database (Cancel: the owner is told and applies it).
+  Generate work for any sequence of the caller's principal (admin: any): from the core
+  when this replica owns it, else from the database (Cancel: the owner is told and
+  applies it).
 - RegisterWorker adopts what the worker held on another replica (it moved here).
 - SelectBatch decides from the local queue; only when that cannot fill the workers'
   free places while the shared queue may hold work does it claim in line.
@@ -28,10 +29,11 @@ from dataclasses import replace
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.server import convert
-from service.core import NotFound, ReplicaScheduler, SchedulerError, SequenceState
+from service.core import ANYONE, Caller, NotFound, ReplicaScheduler, SchedulerError, SequenceState
 from service.core.types import SubmitParams, SubmitResult
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
+from service.server.interceptors.auth import Callers
 from service.server.servicer import SchedulerServicer, rpc
 from service.state.postgres import (
     CANCEL_CHANNEL, DISOWN_CHANNEL, PROGRESS_CHANNEL, SUBMIT_CHANNEL, Claimed, PostgresState,
@@ -77,8 +79,8 @@ class ReplicaServicer(SchedulerServicer):
 
     def __init__(self, core: ReplicaScheduler, wakeups: Wakeups, state: PostgresState, *,
                  metrics: SchedulerMetrics | None = None, lag: LoopLag | None = None,
-                 prefetch: int = 8) -> None:
-        super().__init__(core, wakeups, metrics=metrics, lag=lag)
+                 prefetch: int = 8, callers: Callers | None = None) -> None:
+        super().__init__(core, wakeups, metrics=metrics, lag=lag, callers=callers)
         self._state = state
         self._prefetch = prefetch
         self._queue_hint = _Hint()
@@ -123,22 +125,24 @@ class ReplicaServicer(SchedulerServicer):
 
     @rpc
     async def Submit(self, request, context):
-        return convert.submit_response(await self._submit(convert.submit_params(request)))
+        return convert.submit_response(
+            await self._submit(self._submit_params(request, context)))
 
     @rpc
     async def Cancel(self, request, context):
-        return pb.CancelResponse(cancelled=await self._cancel(request.seq_id))
+        caller = self._callers.caller(context)
+        return pb.CancelResponse(cancelled=await self._cancel(request.seq_id, caller))
 
     @rpc
     async def GetSequence(self, request, context):
-        seq_id = request.seq_id
+        seq_id, caller = request.seq_id, self._callers.caller(context)
         if self._owns(seq_id):
-            info = self._core.get_sequence(seq_id)
+            info = self._core.get_sequence(seq_id, caller)
             if info.state is not SequenceState.QUEUED:
                 return convert.sequence_info(info)
         # Queued (its position is the shared queue's) or another replica's.
         return convert.sequence_info(await asyncio.to_thread(self._state.sequence_info,
-                                                             seq_id))
+                                                             seq_id, caller))
 
     @rpc
     async def GetStatus(self, request, context):
@@ -155,6 +159,9 @@ class ReplicaServicer(SchedulerServicer):
             settings = self._core.register_worker(registration)
             moved = await asyncio.to_thread(self._state.adopt_worker, registration.worker_id)
             self._adopt(moved, registration.worker_id)
+        # Its adapters may serve sequences no claim here could take before.
+        self._queue_hint.set()
+        self._wake_prefetcher.set()
         log.info("worker registered", extra={"worker_id": request.worker_id,
                                              "incarnation": settings.incarnation,
                                              "adopted": len(moved.sequences)})
@@ -172,7 +179,7 @@ class ReplicaServicer(SchedulerServicer):
     async def Generate(self, request, context):
         """Submit to the shared queue, then stream tokens from whoever owns the sequence."""
         try:
-            seq_id = (await self._submit(convert.submit_params(request))).seq_id
+            seq_id = (await self._submit(self._submit_params(request, context))).seq_id
         except SchedulerError as err:
             await context.abort(status_code(err), status_details(err))
         context.add_done_callback(lambda _context: self._loop.call_soon_threadsafe(
@@ -230,15 +237,16 @@ class ReplicaServicer(SchedulerServicer):
             return False
         return True
 
-    async def _cancel(self, seq_id: int) -> bool:
+    async def _cancel(self, seq_id: int, caller: Caller = ANYONE) -> bool:
+        """Cancel `seq_id` for `caller` (NotFound for another principal's, wherever it is)."""
         # No claim in flight meanwhile: a sequence claimed but not yet in the core would
         # look like another replica's, and its cancel would wait for the keeper.
         async with self._claim_lock:
             if self._owns(seq_id):
-                cancelled = self._core.cancel(seq_id)
+                cancelled = self._core.cancel(seq_id, caller)
                 if self._owns(seq_id):  # still ours: the store took it
                     return cancelled
-            return await asyncio.to_thread(self._state.cancel, seq_id)
+            return await asyncio.to_thread(self._state.cancel, seq_id, caller)
 
     async def _read(self, seq_id: int, sent: int):
         """New output of `seq_id` from `sent` on, waiting for some (or for the end) a while."""
@@ -299,7 +307,8 @@ class ReplicaServicer(SchedulerServicer):
             if not wanted:
                 return
             generation = self._queue_hint.generation()
-            claimed = await asyncio.to_thread(self._state.claim, wanted)
+            claimed = await asyncio.to_thread(self._state.claim, wanted,
+                                              self._core.servable_adapters())
             if len(claimed.sequences) < wanted:
                 self._queue_hint.clear_unless_set_since(generation)
             self._adopt(claimed)
@@ -336,6 +345,7 @@ class ReplicaServicer(SchedulerServicer):
                 await self._apply_cancels(
                     await asyncio.to_thread(self._state.cancel_requests))
                 await self._hand_back_excess()
+                await self._count_unservable_fleet_wide()
             except SchedulerError as err:
                 log.warning("replica upkeep failed; retrying: %s", err)
             except Exception:  # noqa: BLE001 - the keeper must keep going
@@ -352,17 +362,30 @@ class ReplicaServicer(SchedulerServicer):
 
     async def _hand_back_excess(self) -> None:
         """Queued sequences beyond what this replica's workers can use (they left, were
-        drained, or took less) go back to the shared queue for the other replicas."""
+        drained, or took less), and those whose adapter none of them has (any more), go
+        back to the shared queue for the other replicas."""
         async with self._claim_lock:
-            excess = self._core.num_queued() - self._core.prefetch_target(self._prefetch)
-            if excess <= 0:
+            unservable = self._core.unservable_queued()
+            excess = (self._core.num_queued() - len(unservable)
+                      - self._core.prefetch_target(self._prefetch))
+            handed_back = unservable + self._core.queued_tail(max(0, excess))
+            if not handed_back:
                 return
             released = await asyncio.to_thread(self._state.release,
-                                               self._core.queued_tail(excess))
+                                               list(dict.fromkeys(handed_back)))
             self._core.disown(released)
         if released:
             log.info("handed queued sequences back to the shared queue",
                      extra={"sequences": len(released)})
+
+    def _count_unservable(self) -> None:
+        """Not from the sweeper: a replica counts fleet-wide, in its keeper."""
+
+    async def _count_unservable_fleet_wide(self) -> None:
+        """lattice_scheduler_unservable_queued, fleet-wide, from the database."""
+        if self._metrics is not None:
+            self._metrics.unservable_queued.set(
+                await asyncio.to_thread(self._state.unservable_queued))
 
     async def _give_up(self, seq_ids: set[int] | None) -> None:
         """Forget those of `seq_ids` (None: any) that the database says another replica

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
@@ -33,12 +32,13 @@ from service.server.interceptors import decode_errors
 
 from service.server.interceptors import limits
 
-from service.server import ports
+from service.server import health_reflection, ports
 from service.core import ConfigError, ReplicaScheduler, Scheduler
 from service.core.store import StateStore, StoreError
 from service.state.group_commit import GroupCommit
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
+from service.server.step_prior import load_step_prior
 from service.server.observers import FanOut
 from service.server.servicer import SchedulerServicer
 from service.settings import ServeSettings
@@ -63,7 +63,7 @@ class Shared:
 
     # (settings, registry) -> the store the core saves through; it counts into registry.
     open_store: Callable[[ServeSettings, CollectorRegistry], Any]
-    # (core, wakeups, store, metrics, lag, settings) -> the servicer; it also offers
+    # (core, wakeups, store, metrics, lag, settings, callers) -> the servicer; it also offers
     # background_tasks() (started with the server) and leave() (awaited at shutdown).
     make_servicer: Callable[..., SchedulerServicer]
 
@@ -73,7 +73,7 @@ class _Serving:
     """What runs on the loop: the servers, their servicers and the background tasks."""
 
     servers: list[grpc.aio.Server]
-    health: health.aio.HealthServicer
+    health: health_reflection.HealthServicer
     servicer: SchedulerServicer
     port: int
     worker_port: int | None
@@ -185,7 +185,8 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None,
     _warn_if_exposed(settings)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = SchedulerMetrics(registry, named_tenants=(
-        tenant for tenant, _ in settings.scheduler.tenant_weights))
+        tenant for tenant, _ in settings.scheduler.tenant_weights),
+        ttft_target_seconds=settings.scheduler.ttft_target_ms / 1000.0)
     if shared is not None:
         store = shared.open_store(settings, registry)
     else:
@@ -224,7 +225,9 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
         core_class = ReplicaScheduler if shared is not None else Scheduler
         core = core_class(settings.scheduler, observer=FanOut(metrics, wakeups), store=store,
                           stall_seconds=max(3 * sweep_seconds, 0.5),
-                          max_decision_bytes=settings.max_message_bytes)
+                          max_decision_bytes=settings.max_message_bytes,
+                          step_prior=(load_step_prior(settings.step_table)
+                                      if settings.step_table else None))
     except StoreError as err:
         where = f"state_dir {settings.state_dir!r}" if settings.state_dir else "state"
         raise ConfigError(f"{where}: cannot load it: {err}") from None
@@ -237,14 +240,16 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
     lag = LoopLag(LOOP_LAG_TICK_SECONDS, observe=metrics.event_loop_lag.observe)
     if shared is not None:  # a replica: PostgreSQL commits in each save, no group commit
         group_commit = None
-        servicer = shared.make_servicer(core, wakeups, store, metrics, lag, settings)
+        servicer = shared.make_servicer(core, wakeups, store, metrics, lag, settings,
+                                        auth.Callers(tokens))
     else:
         group_commit = GroupCommit(store, metrics.on_fsync) if store is not None else None
         servicer = SchedulerServicer(
             core, wakeups, metrics=metrics, lag=lag,
             durable=group_commit.durable if group_commit is not None else None,
-            durable_worker_progress=settings.state_fsync == "always")
-    health_servicer = health.aio.HealthServicer()
+            durable_worker_progress=settings.state_fsync == "always",
+            callers=auth.Callers(tokens))
+    health_servicer = health_reflection.HealthServicer()
     options = [
         # gRPC sets SO_REUSEPORT by default: a second scheduler on a port already in use
         # would bind it too and silently take a share of the connections (two queues, one
@@ -266,8 +271,7 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
     main = grpc.aio.server(interceptors=[*first, stream_limits], options=options)
     pb_grpc.add_SchedulerServicer_to_server(servicer, main)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, main)
-    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME,
-                                         reflection.SERVICE_NAME), main)
+    health_reflection.enable_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME), main)
     servers = [main]
     port = _listen(main, settings.host, settings.port, tls)
     worker_port = None
@@ -322,11 +326,6 @@ async def _sweep_leases(servicer: SchedulerServicer, every_seconds: float) -> No
 def serve(settings: ServeSettings, shared: Shared | None = None) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully (`shared`: as for start)."""
     running = start(settings, shared=shared)
-    print(f"lattice-scheduler listening on {settings.host}:{running.port} "
-          f"(metrics on http://{_bracket(settings.host)}:{running.metrics_port}/metrics, "
-          f"policy {settings.scheduler.policy}, {_security_summary(settings)}, "
-          f"{_state_summary(settings, running)}{_worker_port_summary(running)})", flush=True)
-    log.info("serving", extra={"port": running.port, "metrics_port": running.metrics_port})
     stopping = threading.Event()
 
     def on_signal(signum, _frame):
@@ -338,6 +337,12 @@ def serve(settings: ServeSettings, shared: Shared | None = None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # Only now: whoever reads this line may signal at once, and the shutdown is graceful.
+    print(f"lattice-scheduler listening on {settings.host}:{running.port} "
+          f"(metrics on http://{_bracket(settings.host)}:{running.metrics_port}/metrics, "
+          f"policy {settings.scheduler.policy}, {_security_summary(settings)}, "
+          f"{_state_summary(settings, running)}{_worker_port_summary(running)})", flush=True)
+    log.info("serving", extra={"port": running.port, "metrics_port": running.metrics_port})
     running.wait()
     log.info("stopped")
 

@@ -8,6 +8,7 @@ from service.core import (
     SchedulerStatus, SequenceInfo, SequenceSpec, SubmitParams, SubmitResult, TokenLogprobs, TokenUpdate, WorkerRegistration,
     WorkerReport, WorkerSettings,
 )
+from service.core.types import CacheReport
 
 _FINISH_REASON_NUMBERS = {r.value for r in FinishReason}
 
@@ -27,16 +28,34 @@ MAX_REPORT_SEQ_IDS = 65536
 MAX_REPORT_TOKENS = 65536
 # SamplingParams.logprobs and prompt_logprobs (the contract's limit).
 MAX_LOGPROBS = 20
+# One SelectBatch: block hashes in cache.added and cache.removed together (a reset lists
+# every resume point of the worker).
+MAX_REPORT_CACHE_HASHES = 1 << 20
 # FinishedSequence.error_message: kept up to this many characters (cut, not refused: a
 # worker's long explanation must not cost it its report).
 MAX_ERROR_MESSAGE_CHARS = 1000
+# What error_message may not hold as is, escaped as \xNN / \uNNNN: control characters
+# (NUL among them, which PostgreSQL text cannot hold) and line or paragraph separators.
+_ESCAPED_IN_MESSAGES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))} | {
+    c: f"\\u{c:04x}" for c in (0x2028, 0x2029)}
 
 
 def _checked_string(field_name: str, value: str) -> str:
+    """`value` if every store can hold it as is: within MAX_STRING_BYTES and without NUL.
+
+    (It is valid UTF-8: a request whose strings are not does not parse, and is refused by
+    service/server/interceptors/decode_errors.py, naming the field.) One rule for every
+    store: SQLite would keep a NUL, PostgreSQL cannot, and a replica must not learn at its
+    save that a value it already took cannot be kept.
+    """
     num_bytes = len(value.encode())
     if num_bytes > MAX_STRING_BYTES:
         raise InvalidArgument(f"{field_name} is {num_bytes} bytes; "
                               f"the limit is {MAX_STRING_BYTES}")
+    nul_at = value.find("\x00")
+    if nul_at >= 0:
+        raise InvalidArgument(f"{field_name} holds a NUL character (0x00) at index {nul_at}; "
+                              "ids and names must not contain NUL")
     return value
 
 
@@ -98,6 +117,7 @@ def sequence_info(info: SequenceInfo) -> pb.SequenceInfo:
         finish_reason=info.finish_reason.value if info.finish_reason else 0,
         queue_position=info.queue_position,
         error_message=info.error_message,
+        cached_tokens=info.cached_tokens,
     )
 
 
@@ -110,7 +130,16 @@ def worker_registration(msg: pb.RegisterWorkerRequest) -> WorkerRegistration:
         total_gdn_slots=msg.total_gdn_slots,
         max_batch_size=msg.max_batch_size,
         adapters=tuple(_checked_string(f"adapters[{i}]", a) for i, a in enumerate(msg.adapters)),
+        cache_block_tokens=_cache_block_tokens(msg),
+        total_snapshot_slots=msg.total_snapshot_slots,
     )
+
+
+def _cache_block_tokens(msg: pb.RegisterWorkerRequest) -> int:
+    if msg.page_size and msg.cache_block_tokens % msg.page_size:
+        raise InvalidArgument(f"cache_block_tokens must be a multiple of page_size "
+                              f"({msg.page_size}), got {msg.cache_block_tokens}")
+    return msg.cache_block_tokens
 
 
 def worker_settings(settings: WorkerSettings) -> pb.RegisterWorkerResponse:
@@ -140,6 +169,10 @@ def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
         draining=msg.draining,
         tokens=tuple(_token_update(t) for t in msg.tokens),
         incarnation=msg.incarnation,
+        cache=CacheReport(tuple(msg.cache.added), tuple(msg.cache.removed), msg.cache.reset),
+        kv_cached_pages=msg.kv_cached_pages,
+        cache_misses=tuple(msg.cache_misses),
+        last_step_us=msg.last_step_us,
     )
 
 
@@ -155,15 +188,21 @@ def _check_report_size(msg: pb.SelectBatchRequest) -> None:
     num_seq_ids = len(msg.waiting) + len(msg.running) + len(msg.finished) + len(msg.preempted)
     _check_count("waiting, running, finished and preempted hold", num_seq_ids,
                  "seq ids in all", MAX_REPORT_SEQ_IDS)
+    _check_count("cache_misses holds", len(msg.cache_misses), "seq ids", MAX_REPORT_SEQ_IDS)
+    _check_count("cache.added and cache.removed hold", len(msg.cache.added) + len(msg.cache.removed),
+                 "block hashes in all", MAX_REPORT_CACHE_HASHES)
     _check_count("tokens holds", len(msg.tokens), "updates", MAX_REPORT_TOKENS)
     _check_count("tokens carry", sum(len(t.token_ids) for t in msg.tokens),
                  "token ids in all", MAX_REPORT_TOKENS)
 
 
 def _error_message(text: str) -> str:
-    if len(text) <= MAX_ERROR_MESSAGE_CHARS:
-        return text
-    return text[:MAX_ERROR_MESSAGE_CHARS - 20] + f"... ({len(text)} chars)"
+    """A worker's explanation as it is stored and shown: control characters escaped, then
+    cut to MAX_ERROR_MESSAGE_CHARS, saying how long it was."""
+    cleaned = text[:MAX_ERROR_MESSAGE_CHARS].translate(_ESCAPED_IN_MESSAGES)
+    if len(text) <= MAX_ERROR_MESSAGE_CHARS and len(cleaned) <= MAX_ERROR_MESSAGE_CHARS:
+        return cleaned
+    return cleaned[:MAX_ERROR_MESSAGE_CHARS - 20] + f"... ({len(text)} chars)"
 
 
 def _finish_reason(number: int, index: int) -> FinishReason:
@@ -187,7 +226,7 @@ def decision(d: Decision) -> pb.SchedulerDecision:
 
 def _prefill_chunk(chunk: PrefillChunk) -> pb.PrefillChunk:
     msg = pb.PrefillChunk(seq_id=chunk.seq_id, chunk_start=chunk.chunk_start,
-                          chunk_len=chunk.chunk_len)
+                          chunk_len=chunk.chunk_len, cached_tokens=chunk.cached_tokens)
     if chunk.spec is not None:
         msg.spec.CopyFrom(_spec(chunk.spec))
     return msg

@@ -35,6 +35,8 @@ STREAM_KINDS = ("generate", "open")
 _TOKEN_BUCKETS = (0, 1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _SEQ_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0)
+# Relative errors of a prediction: 1% to 10x.
+_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 10.0)
 # Tenants outside --tenant-weights are counted under this label (the label set stays bounded).
 OTHER_TENANT = "other"
 
@@ -44,10 +46,12 @@ class SchedulerMetrics(SchedulerObserver):
 
     def __init__(self, registry: CollectorRegistry,
                  clock: Callable[[], float] = time.monotonic,
-                 named_tenants: Iterable[str] = ()) -> None:
+                 named_tenants: Iterable[str] = (), ttft_target_seconds: float = 0.0) -> None:
         """`named_tenants`: the tenants of --tenant-weights, each with its own series of
-        served tokens; every other tenant is counted as "other"."""
+        served tokens; every other tenant is counted as "other". `ttft_target_seconds`:
+        --ttft-target-ms, for the deadline misses (0: none counted)."""
         r = registry
+        self._ttft_target_seconds = ttft_target_seconds
         self._clock = clock
         self._named_tenants = frozenset(named_tenants) - {OTHER_TENANT}
         # seq_id -> (submitted at, last token at or None) for the latency histograms;
@@ -133,8 +137,28 @@ class SchedulerMetrics(SchedulerObserver):
             buckets=_TOKEN_BUCKETS, registry=r)
         self.decision_budget_used = Histogram(
             PREFIX + "decision_budget_used_ratio",
-            "Share of --max-num-batched-tokens a decision spent (budget and fair policies).",
+            "Share of its token budget a decision spent (budget and fair policies).",
             buckets=_RATIO_BUCKETS, registry=r)
+        self.deadline_misses = Counter(
+            PREFIX + "deadline_misses_total",
+            "Sequences whose first token came after their deadline (submission + "
+            "--ttft-target-ms); late ones are served, not dropped.", registry=r)
+        self.worker_token_budget = Gauge(
+            PREFIX + "worker_token_budget",
+            "The token budget of the worker's latest decision with work (with "
+            "--tpot-target-ms: chosen from its learned step times).", ["worker_id"], registry=r)
+        self.worker_step_predicted = Gauge(
+            PREFIX + "worker_step_predicted_seconds",
+            "The learned model's prediction of the worker's latest measured step.",
+            ["worker_id"], registry=r)
+        self.worker_step_measured = Gauge(
+            PREFIX + "worker_step_measured_seconds",
+            "The worker's latest measured step (SelectBatchRequest.last_step_us).",
+            ["worker_id"], registry=r)
+        self.step_time_error = Histogram(
+            PREFIX + "step_time_error_ratio",
+            "|predicted - measured| / measured of each step time the scheduler learned from.",
+            ["worker_id"], buckets=_ERROR_BUCKETS, registry=r)
         self.preemptions = Counter(
             PREFIX + "preemptions_total",
             "Running sequences preempted: kv_growth and no_progress by the scheduler, "
@@ -148,6 +172,11 @@ class SchedulerMetrics(SchedulerObserver):
             "Sequences waiting for admission, per priority band (lower is more urgent).",
             ["band"], registry=r)
         self.workers = Gauge(PREFIX + "workers", "Registered workers.", registry=r)
+        self.unservable_queued = Gauge(
+            PREFIX + "unservable_queued",
+            "Queued sequences whose adapter no live worker that takes work has (replicas: "
+            "fleet-wide, as of the replica's latest upkeep); they wait until one registers.",
+            registry=r)
         self.worker_kv_free_pages = Gauge(PREFIX + "worker_kv_free_pages",
                                           "Last reported free KV pages.", ["worker_id"],
                                           registry=r)
@@ -169,10 +198,27 @@ class SchedulerMetrics(SchedulerObserver):
         self.worker_iterations = Counter(PREFIX + "worker_iterations_total",
                                          "SelectBatch calls answered for the worker.",
                                          ["worker_id"], registry=r)
+        self.prefill_tokens = Counter(
+            PREFIX + "prefill_tokens_total",
+            "Prompt tokens of first and later prefill chunks: computed by the worker, or "
+            "cached (taken from its prefix cache at admission).", ["source"], registry=r)
+        self.cache_misses = Counter(
+            PREFIX + "cache_misses_total",
+            "First chunks whose resume point the worker no longer held (admitted again).",
+            registry=r)
+        self.worker_resume_points = Gauge(
+            PREFIX + "worker_resume_points",
+            "Prefix-cache resume points the scheduler knows for the worker.", ["worker_id"],
+            registry=r)
+        for source in ("computed", "cached"):
+            self.prefill_tokens.labels(source)
         self._worker_ids: set[str] = set()
         self._per_worker = (self.worker_kv_free_pages, self.worker_gdn_free_slots,
                             self.worker_kv_total_pages, self.worker_gdn_total_slots,
-                            self.worker_running, self.worker_prefilling, self.worker_iterations)
+                            self.worker_running, self.worker_prefilling, self.worker_iterations,
+                            self.worker_token_budget, self.worker_step_predicted,
+                            self.worker_step_measured, self.step_time_error,
+                            self.worker_resume_points)
         # Every reason shows from the start at 0, so rate() works before the first event.
         for reason in FinishReason:
             self.finished.labels(reason.name.lower())
@@ -217,6 +263,8 @@ class SchedulerMetrics(SchedulerObserver):
         now = self._clock()
         if last_token_at is None:
             self.time_to_first_token.observe(now - submitted_at)
+            if self._ttft_target_seconds and now - submitted_at > self._ttft_target_seconds:
+                self.deadline_misses.inc()
         else:
             per_token = (now - last_token_at) / num_tokens
             for _ in range(num_tokens):
@@ -284,6 +332,25 @@ class SchedulerMetrics(SchedulerObserver):
         self.decision_batched_tokens.observe(num_batched_tokens)
         if token_budget:
             self.decision_budget_used.observe(num_batched_tokens / token_budget)
+            self.worker_token_budget.labels(worker_id).set(token_budget)
+
+    def on_step_time(self, worker_id: str, predicted_seconds: float,
+                     measured_seconds: float) -> None:
+        self.worker_step_predicted.labels(worker_id).set(predicted_seconds)
+        self.worker_step_measured.labels(worker_id).set(measured_seconds)
+        self.step_time_error.labels(worker_id).observe(
+            abs(predicted_seconds - measured_seconds) / measured_seconds)
+
+    def on_prefill_tokens(self, worker_id: str, computed: int, cached: int) -> None:
+        self.prefill_tokens.labels("computed").inc(computed)
+        if cached:
+            self.prefill_tokens.labels("cached").inc(cached)
+
+    def on_cache_miss(self, seq_id: int, worker_id: str) -> None:
+        self.cache_misses.inc()
+
+    def on_resume_points(self, worker_id: str, num_points: int) -> None:
+        self.worker_resume_points.labels(worker_id).set(num_points)
 
     def on_served(self, tenant: str, num_tokens: int) -> None:
         label = tenant if tenant in self._named_tenants else OTHER_TENANT

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import errno
 import socket
-import threading
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client import CollectorRegistry
 
 from service.core import ConfigError
+from service.server.metrics_http import (
+    DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_SECONDS, MetricsHttpServer,
+)
 
 _FLAGS = {"port": "--port", "metrics_port": "--metrics-port"}
 
@@ -50,30 +50,24 @@ def check_free(setting: str, host: str, port: int) -> None:
                     raise _in_use(setting, host, port) from None
 
 
-def start_metrics_http(host: str, port: int, registry: CollectorRegistry):
-    """prometheus_client's WSGI app on host:port, on a thread; PortInUse names the port if
-    taken. Its `shutdown()` returns within 50 ms (prometheus_client's start_http_server
-    polls for it every 0.5 s, which every stop of the server waited for)."""
+def start_metrics_http(host: str, port: int, registry: CollectorRegistry, *,
+                       read_timeout_seconds: float = DEFAULT_READ_TIMEOUT_SECONDS,
+                       max_connections: int = DEFAULT_MAX_CONNECTIONS) -> MetricsHttpServer:
+    """The registry's /metrics on host:port, served from a loop on a thread of its own
+    (service/server/metrics_http.py); PortInUse names the port if taken."""
     check_free("metrics_port", host, port)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                flags=socket.AI_PASSIVE)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        server = make_server(host, port, make_wsgi_app(registry), _server_class(host, port),
-                             handler_class=_QuietHandler)
+        sock.bind((host, port))
+        sock.listen(max_connections)
     except OSError as err:
+        sock.close()
         if err.errno == errno.EADDRINUSE:
             raise _in_use("metrics_port", host, port) from None
         raise
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                     name="metrics-http", daemon=True).start()
-    return server
-
-
-def _server_class(host: str, port: int) -> type[ThreadingWSGIServer]:
-    """ThreadingWSGIServer in the address family of `host` (IPv4 or IPv6)."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                flags=socket.AI_PASSIVE)[0][0]
-    return type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
-        """Nothing per request on stderr (scrapes come every few seconds)."""
+    sock.setblocking(False)
+    return MetricsHttpServer(sock, registry, read_timeout_seconds=read_timeout_seconds,
+                             max_connections=max_connections)

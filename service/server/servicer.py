@@ -13,6 +13,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
@@ -20,7 +21,8 @@ from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from service.server import convert
 from service.core import NotFound, Scheduler, SchedulerError, WorkerReport
-from service.core.types import Decision
+from service.core.types import Decision, SubmitParams
+from service.server.interceptors.auth import Callers
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
 from service.server.status_codes import status_code, status_details
@@ -59,14 +61,18 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     (group commit: service/state/group_commit.py). What a client is told OK (Submit, Cancel,
     Generate's first event) awaits it; worker and admin calls too when
     `durable_worker_progress` (--state-fsync always). `lag` charges a stalled loop to
-    SelectBatch's latency histogram.
+    SelectBatch's latency histogram. `callers` says whose a client call is (its token's
+    principal): what it submits is that principal's, and it sees only that principal's
+    sequences (admin, and a scheduler without tokens, see all).
     """
 
     def __init__(self, core: Scheduler, wakeups: Wakeups, *,
                  metrics: SchedulerMetrics | None = None, lag: LoopLag | None = None,
                  durable: Callable[[], Awaitable[None]] | None = None,
-                 durable_worker_progress: bool = False) -> None:
+                 durable_worker_progress: bool = False,
+                 callers: Callers | None = None) -> None:
         self._core = core
+        self._callers = callers or Callers(None)
         self._wakeups = wakeups
         self._metrics = metrics
         self._lag = lag
@@ -91,19 +97,20 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     @rpc
     async def Submit(self, request, context):
-        result = self._core.submit(convert.submit_params(request))
+        result = self._core.submit(self._submit_params(request, context))
         await self._durable()
         return convert.submit_response(result)
 
     @rpc
     async def Cancel(self, request, context):
-        cancelled = self._core.cancel(request.seq_id)
+        cancelled = self._core.cancel(request.seq_id, self._callers.caller(context))
         await self._durable()
         return pb.CancelResponse(cancelled=cancelled)
 
     @rpc
     async def GetSequence(self, request, context):
-        return convert.sequence_info(self._core.get_sequence(request.seq_id))
+        return convert.sequence_info(
+            self._core.get_sequence(request.seq_id, self._callers.caller(context)))
 
     @rpc
     async def GetStatus(self, request, context):
@@ -112,7 +119,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Generate(self, request, context):
         """Submit, then stream tokens until the sequence finishes or the client leaves."""
         try:
-            seq_id = self._core.submit(convert.submit_params(request)).seq_id
+            seq_id = self._core.submit(self._submit_params(request, context)).seq_id
         except SchedulerError as err:
             await context.abort(status_code(err), status_details(err))
         # A client that goes away cancels its sequence (a no-op once it has finished),
@@ -142,7 +149,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 else:
                     await changed.wait()
 
+    def _submit_params(self, request, context) -> SubmitParams:
+        """The request as its principal's, with the tenant its token is bound to, if any."""
+        params = convert.submit_params(request)
+        grant = self._callers.grant(context)
+        if grant is None:
+            return params
+        return replace(params, principal=grant.principal,
+                       tenant=params.tenant if grant.tenant is None else grant.tenant)
+
     def _cancel_quietly(self, seq_id: int) -> None:
+        """The sequence of a Generate whose client left (the caller's own, by its id)."""
         if self._stopping:
             return
         try:
@@ -251,11 +268,18 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     # ----------------------------------------------------------------- the server's own
 
     def expire_leases(self) -> list[str]:
+        """The sweeper's call: drop silent workers, and count what no worker can run."""
         dropped = self._core.expire_leases()
         for worker_id in dropped:
             log.warning("worker lease expired; its sequences went back to the queue",
                         extra={"worker_id": worker_id})
+        self._count_unservable()
         return dropped
+
+    def _count_unservable(self) -> None:
+        """lattice_scheduler_unservable_queued as of this sweep."""
+        if self._metrics is not None:
+            self._metrics.unservable_queued.set(self._core.num_unservable_queued())
 
 
 def _is_empty(decision: Decision) -> bool:

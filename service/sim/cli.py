@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                        help="pull: one queue, workers take work when they ask (this "
                             "scheduler); round-robin / least-loaded: a queue per worker, each "
                             "request routed on arrival, as gateways do (default pull)")
+    fleet.add_argument("--worker-speeds", type=_speed_list, default=(), metavar="S[,S...]",
+                       help="each worker's speed relative to the cost model, one per worker "
+                            "(0.5: its steps take twice as long): a mixed fleet (default all 1)")
     fleet.add_argument("--profile", metavar="NAME|DIR",
                        help="Vidur operator profile: a shipped one (a30-qwen2-7b, the "
                             "default) or a directory with attention.csv, mlp.csv and "
@@ -67,6 +70,11 @@ def add_parser(sub) -> None:
     modes.add_argument("--find-capacity", action="store_true",
                        help="search the highest QPS that meets --slo-ttft-p99 and "
                             "--slo-tpot-p99, printing each step")
+    modes.add_argument("--saturation", action="store_true",
+                       help="the fleet's steady-state completion rate: --num-requests N over "
+                            "the difference of the makespans of N and 2N requests arriving "
+                            "at 1,000 QPS; with --find-capacity, printed beside each capacity "
+                            "(a capacity above it only held because the run was too short)")
     modes.add_argument("--slo-ttft-p99", type=float, metavar="S", help="seconds")
     modes.add_argument("--slo-tpot-p99", type=float, metavar="S", help="seconds")
     modes.add_argument("--compare", type=_name_list, metavar="POLICY[,POLICY...]",
@@ -98,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from common import extras
     from service import settings
     from service.sim import experiments, report
     from service.sim.costs import load_cost_source
@@ -105,6 +114,8 @@ def _run(args: argparse.Namespace) -> int:
     from service.sim.workload import load_trace
 
     _check_flags(args)
+    if args.compare:  # before the runs, not after them
+        extras.require("sim", "simulate --compare (its plot)")
     base = settings.resolve(args, os.environ).scheduler
     policies = args.compare or [base.policy]
     configs = [experiments.with_policy(base, policy) for policy in policies]
@@ -118,11 +129,14 @@ def _run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     setup = experiments.Setup(trace, cost, worker, args.workers, args.num_requests,
                               args.arrivals, args.seed, args.routing,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress,
+                              worker_speeds=tuple(args.worker_speeds))
     _print_header(setup, configs, cost)
 
     if args.find_capacity:
         objects, results = _capacity(args, setup, configs)
+    elif args.saturation:
+        objects, results = _saturation(setup, configs), []
     else:
         runs = [experiments.simulate(setup, config, qps) for config in configs for qps in args.qps]
         for run in runs:
@@ -149,7 +163,8 @@ def _capacity(args, setup, configs):
     slo = experiments.Slo(args.slo_ttft_p99, args.slo_tpot_p99)
     start = args.qps[0] if args.qps else 1.0
     objects, results, summary = [], [], [["policy", "routing", "capacity QPS", "probes",
-                                          "TTFT p99 s", "TPOT p99 ms", "out tok/s"]]
+                                          "TTFT p99 s", "TPOT p99 ms", "out tok/s",
+                                          "saturation req/s"]]
     for config in configs:
         print(f"\nfind capacity: {config.policy}, {setup.routing}, SLO TTFT p99 <= "
               f"{slo.ttft_p99:g} s and TPOT p99 <= {slo.tpot_p99 * 1000:g} ms")
@@ -165,18 +180,45 @@ def _capacity(args, setup, configs):
             lambda qps, config=config: experiments.simulate(setup, config, qps), slo,
             start_qps=start, on_step=on_step)
         print(f"  capacity: {capacity.capacity_qps:.3f} QPS")
+        rate = experiments.saturation(setup, config).requests_per_second
+        above = capacity.capacity_qps > rate
+        print(f"  saturation: {rate:.3f} requests/s"
+              + (" -- the capacity is ABOVE it: the probes were too short for the queue to "
+                 "grow; give more --num-requests" if above else ""), flush=True)
         at = [run.result for run in capacity.runs if run.result.qps == capacity.capacity_qps]
         summary.append([config.policy, setup.routing, f"{capacity.capacity_qps:.3f}",
                         str(len(capacity.runs)),
                         f"{at[0].ttft_p99:.3f}" if at else "-",
                         f"{at[0].tpot_p99 * 1000:.1f}" if at else "-",
-                        f"{at[0].output_tokens_per_s:.0f}" if at else "-"])
+                        f"{at[0].output_tokens_per_s:.0f}" if at else "-",
+                        f"{rate:.3f}" + (" (capacity above it!)" if above else "")])
         for run in capacity.runs:
             results.append(run.result)
-            objects.append({**run.result.to_json(), "capacity_qps": capacity.capacity_qps})
+            objects.append({**run.result.to_json(), "capacity_qps": capacity.capacity_qps,
+                            "saturation_requests_per_s": rate})
     print()
     print(report.format_table(summary))
     return objects, results
+
+
+def _saturation(setup, configs):
+    from service.sim import experiments, report
+
+    n = setup.num_requests
+    summary = [["policy", "routing", f"makespan {n} s", f"makespan {2 * n} s",
+                "saturation req/s"]]
+    objects = []
+    for config in configs:
+        found = experiments.saturation(setup, config)
+        small, large = (run.outcome.end_seconds for run in found.runs)
+        summary.append([config.policy, setup.routing, f"{small:.1f}", f"{large:.1f}",
+                        f"{found.requests_per_second:.3f}"])
+        objects.append({"policy": config.policy, "routing": setup.routing,
+                        "num_requests": n, "qps": experiments.SATURATION_QPS,
+                        "makespan_s": [small, large],
+                        "saturation_requests_per_s": found.requests_per_second})
+    print(report.format_table(summary))
+    return objects
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -193,8 +235,8 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ValueError("--slo-ttft-p99 and --slo-tpot-p99 must be above 0 seconds")
         if args.qps and len(args.qps) > 1:
             raise ValueError("--find-capacity takes one --qps (where the search starts)")
-    elif not args.qps:
-        raise ValueError("give --qps Q[,Q...] (or --find-capacity with SLOs)")
+    elif not args.qps and not args.saturation:
+        raise ValueError("give --qps Q[,Q...] (or --find-capacity with SLOs, or --saturation)")
 
 
 def _print_header(setup, configs, cost) -> None:
@@ -226,6 +268,13 @@ def _qps_list(text: str) -> list[float]:
     if not values or any(not v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"every QPS must be above 0, got {text!r}")
     return values
+
+
+def _speed_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
 
 
 def _name_list(text: str) -> list[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from service.sim.engine import CostModel
 from service.sim.vidur import ProfileError, VidurCostModel
-from worker_client import step_table
+from common import step_table
 
 # A model without Gated DeltaNet layers keeps no GDN state: its slots limit nothing but
 # the batch, so they default to the reference engine's most on CUDA.

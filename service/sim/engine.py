@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from worker_client.engine.api import (
-    ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
+    CacheDelta, ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
 )
-from worker_client.step_table import StepLoad
+from common.step_table import StepLoad
 
 # Every simulated token has this id: the simulator counts tokens, it does not read them.
 TOKEN_ID = 1
@@ -66,6 +66,9 @@ class SimEngine:
         self.page_size = page_size
         self.total_kv_pages = total_kv_pages
         self.total_gdn_slots = total_gdn_slots
+        # No prefix cache yet (its tokens are all TOKEN_ID): a cached first chunk misses.
+        self.cache_block_tokens = 0
+        self.total_snapshot_slots = 0
         self.last_step_seconds = 0.0
         self.num_steps = 0
         self._held: dict[int, _Held] = {}  # in admission order
@@ -76,6 +79,12 @@ class SimEngine:
 
     def gdn_free_slots(self) -> int:
         return self.total_gdn_slots - len(self._held)
+
+    def kv_cached_pages(self) -> int:
+        return 0
+
+    def cache_delta(self, full: bool = False) -> CacheDelta:
+        return CacheDelta(reset=full)
 
     def waiting_ids(self) -> list[int]:
         return [s for s, held in self._held.items() if not held.is_running]
@@ -114,6 +123,9 @@ class SimEngine:
         for chunk in prefill:
             if chunk.spec is not None:
                 self._release(chunk.seq_id)
+                if chunk.cached_tokens:
+                    out.cache_misses.append(chunk.seq_id)
+                    continue
                 self._admit(chunk.seq_id, chunk.spec, out)
             held = self._held.get(chunk.seq_id)
             if held is None or held.is_running:
@@ -230,8 +242,10 @@ class _Recorder:
         self.tokens: list[tuple[int, tuple[int, ...]]] = []
         self.finished: list[FinishedSequence] = []
         self.preempted: list[int] = []
+        self.cache_misses: list[int] = []
         self.chunks: list[tuple[int, int]] = []
         self.decodes: list[int] = []
 
     def output(self) -> StepOutput:
-        return StepOutput(tuple(self.tokens), tuple(self.finished), tuple(self.preempted))
+        return StepOutput(tuple(self.tokens), tuple(self.finished), tuple(self.preempted),
+                          tuple(self.cache_misses))

@@ -15,6 +15,9 @@ from service.sim.workload import Trace, make_requests
 # A capacity search stops when the highest passing and lowest failing QPS are this close.
 CAPACITY_TOLERANCE = 0.05
 MAX_DOUBLINGS = 12
+# The arrival rate of a saturation run: far above what any simulated fleet completes, so
+# that the queue never runs dry before the last arrival.
+SATURATION_QPS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Setup:
     seed: int
     routing: str
     progress: bool = True
+    worker_speeds: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ def simulate(setup: Setup, config: SchedulerConfig, qps: float) -> Run:
     requests = make_requests(setup.trace, num_requests=setup.num_requests, qps=qps,
                              arrivals=setup.arrivals, seed=setup.seed,
                              max_seq_len=config.max_seq_len)
-    spec = RunSpec(config, setup.worker, setup.num_workers, setup.routing)
+    spec = RunSpec(config, setup.worker, setup.num_workers, setup.routing, setup.worker_speeds)
     bar = _progress_bar(setup, f"{config.policy} {setup.routing} {qps:g} QPS")
     started = time.perf_counter()
     try:
@@ -127,6 +131,25 @@ def find_capacity(run_at: Callable[[float], Run], slo: Slo, *, start_qps: float,
         else:
             failing = middle
     return Capacity(passing, tuple(runs))
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """The steady-state completion rate of an overloaded fleet: N requests over the
+    difference of the makespans of runs of N and 2N requests at SATURATION_QPS (the
+    start-up and drain, alike in both, cancel out)."""
+
+    requests_per_second: float
+    runs: tuple[Run, Run]
+
+
+def saturation(setup: Setup, config: SchedulerConfig, qps: float = SATURATION_QPS) -> Saturation:
+    """Measure `config`'s saturation rate with setup.num_requests (N) and 2N requests."""
+    small = simulate(setup, config, qps)
+    large = simulate(replace(setup, num_requests=2 * setup.num_requests), config, qps)
+    extra = large.outcome.end_seconds - small.outcome.end_seconds
+    rate = setup.num_requests / extra if extra > 0 else float("inf")
+    return Saturation(rate, (small, large))
 
 
 def with_policy(config: SchedulerConfig, policy: str) -> SchedulerConfig:

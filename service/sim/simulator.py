@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.core import FinishReason, Scheduler, SchedulerConfig, SchedulerObserver, SubmitParams
 from service.sim.client import InProcessClient
@@ -66,10 +66,18 @@ class RunSpec:
     worker: WorkerShape
     num_workers: int
     routing: str = "pull"
+    # Each worker's speed relative to the cost model (2: steps take half as long); empty:
+    # all 1. A mixed fleet: --worker-speeds 1,1,0.5,0.5.
+    worker_speeds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.num_workers}")
+        if self.worker_speeds and len(self.worker_speeds) != self.num_workers:
+            raise ValueError(f"--worker-speeds lists {len(self.worker_speeds)} speeds for "
+                             f"{self.num_workers} workers: give one per worker")
+        if any(not speed > 0 for speed in self.worker_speeds):
+            raise ValueError(f"--worker-speeds must all be above 0, got {self.worker_speeds}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, "
                              f"got {self.routing!r}")
@@ -87,6 +95,7 @@ class RequestRecord:
     num_tokens: int = 0
     finish_reason: FinishReason | None = None
     num_finishes: int = 0
+    worker_id: str = ""  # of its latest admission
 
 
 @dataclass
@@ -99,6 +108,9 @@ class RunOutcome:
     num_iterations: int
     num_steps: int
     end_seconds: float
+    # Per worker id, |predicted - measured| / measured of every step time the scheduler
+    # learned from, in order (empty without a latency target).
+    step_time_errors: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -110,6 +122,17 @@ class _Worker:
     generation: int = 0  # events of older generations are stale
 
 
+class _Scaled:
+    """A cost model whose every step takes `factor` times as long."""
+
+    def __init__(self, model: CostModel, factor: float) -> None:
+        self._model = model
+        self._factor = factor
+
+    def step_seconds(self, load) -> float:
+        return self._model.step_seconds(load) * self._factor
+
+
 class _Recorder(SchedulerObserver):
     """Stamps what one scheduler reports with the virtual clock."""
 
@@ -117,6 +140,7 @@ class _Recorder(SchedulerObserver):
                  on_finish: Callable[[RequestRecord], None]) -> None:
         self.by_seq_id: dict[int, RequestRecord] = {}
         self.queue_depth = 0
+        self.step_time_errors: dict[str, list[float]] = {}
         self._now = now
         self._on_progress = on_progress
         self._on_finish = on_finish
@@ -132,6 +156,7 @@ class _Recorder(SchedulerObserver):
 
     def on_admitted(self, seq_id: int, worker_id: str, queue_wait_seconds: float) -> None:
         record = self.by_seq_id[seq_id]
+        record.worker_id = worker_id
         if record.admitted_at is None:
             record.admitted_at = self._now()
         self._on_progress()
@@ -146,6 +171,11 @@ class _Recorder(SchedulerObserver):
 
     def on_queue_depth(self, depth: int) -> None:
         self.queue_depth = depth
+
+    def on_step_time(self, worker_id: str, predicted_seconds: float,
+                     measured_seconds: float) -> None:
+        self.step_time_errors.setdefault(worker_id, []).append(
+            abs(predicted_seconds - measured_seconds) / measured_seconds)
 
 
 class Simulation:
@@ -201,6 +231,8 @@ class Simulation:
             num_iterations=sum(w.loop.stats.iterations for w in self._workers),
             num_steps=sum(w.engine.num_steps for w in self._workers),
             end_seconds=self.now,
+            step_time_errors={w: e for r in self._recorders
+                              for w, e in r.step_time_errors.items()},
         )
 
     # Events.
@@ -237,6 +269,9 @@ class Simulation:
 
     def _make_worker(self, index: int, cost_model: CostModel) -> _Worker:
         shape = self.spec.worker
+        speed = self.spec.worker_speeds[index] if self.spec.worker_speeds else 1.0
+        if speed != 1.0:
+            cost_model = _Scaled(cost_model, 1.0 / speed)
         engine = SimEngine(cost_model, total_kv_pages=shape.total_kv_pages,
                            page_size=shape.page_size, total_gdn_slots=shape.total_gdn_slots)
         scheduler_index = 0 if self.spec.routing == "pull" else index

@@ -9,7 +9,7 @@ batch's time from them. The same composition here, from the profile's median tim
 - decode attention from (number of decodes, their mean cached tokens);
 - step = layers x (per-layer sum) + embedding(T) + `step_overhead_ms` (0 unless the
   shape file sets it: the LM head, sampling and CPU overheads are not in these profiles).
-Each operator's table is made monotone and interpolated (worker_client.interp).
+Each operator's table is made monotone and interpolated (common.interp).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker_client.interp import MonotoneCurve, MonotoneGrid
-from worker_client.step_table import StepLoad
+from common.interp import MonotoneCurve, MonotoneGrid
+from common.step_table import StepLoad
 
 ATTENTION_CSV = "attention.csv"
 MLP_CSV = "mlp.csv"

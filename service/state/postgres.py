@@ -7,10 +7,13 @@ rows, and every save of a replica first locks the rows it touches and checks tha
 still owns them (`Disowned` otherwise), so two replicas never both write one sequence.
 
 - Submit (any replica): `lattice_submit()`, one statement and one synchronous commit:
-  request_id idempotency (a unique index), the queue limits, a new seq_id and tail key
+  request_id idempotency per principal (a unique index on both), the queue limits, a new seq_id and tail key
   from database sequences, the queue position, and NOTIFY lattice_submit.
 - Claim: the replica's prefetcher takes the head of the unclaimed queue in the queue
-  order's sort key (service/core/orders.py) with FOR UPDATE SKIP LOCKED.
+  order's sort key (service/core/orders.py) with FOR UPDATE SKIP LOCKED, of the sequences
+  its workers can run (no adapter, or one of theirs): an adapter's sequence waits in the
+  shared queue for a replica with a worker that has it, and says so (`unservable_queued`,
+  `sequence_info`) while no live worker anywhere has it.
 - Leases: a replica renews its row in `replicas`; a live replica returns the sequences
   of replicas whose lease ran out to the shared queue (`reclaim_expired`).
 - Tokens: one row per sequence per save in `tokens`; saves NOTIFY lattice_progress with
@@ -23,14 +26,15 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from service.core import ConfigError, FinishReason, SequenceState, SubmitParams
-from service.core.errors import NotFound, QueueFull
+from service.core import ANYONE, Caller, ConfigError, FinishReason, SequenceState, SubmitParams
+from service.core.errors import InvalidArgument, NotFound, QueueFull
+from service.core.ledger import no_worker_has
 from service.core.orders import ArrivalOrder, QueueOrder, SortTerm
 from service.core.store import (
     Disowned, SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker,
@@ -44,7 +48,8 @@ from service.state.rows import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+# 2: sequences.principal, request_id unique per principal, sequences.adapter_id (issue 23).
+SCHEMA_VERSION = 2
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"
 CANCEL_CHANNEL = "lattice_cancel"
@@ -68,7 +73,9 @@ CREATE TABLE IF NOT EXISTS replicas (
 );
 CREATE TABLE IF NOT EXISTS sequences (
     seq_id      bigint PRIMARY KEY,
-    request_id  text UNIQUE,            -- NULL when the client sent none
+    request_id  text,                   -- NULL when the client sent none
+    principal   text NOT NULL DEFAULT '',  -- who submitted it ('' without tokens)
+    adapter_id  text NOT NULL DEFAULT '',  -- its LoRA adapter ('' for the base model)
     params      text NOT NULL,          -- JSON: everything submitted but the prompt
     prompt      bytea NOT NULL,         -- uint32 little-endian token ids
     priority    integer NOT NULL,
@@ -89,6 +96,7 @@ CREATE TABLE IF NOT EXISTS sequences (
     error_message    text NOT NULL DEFAULT '',  -- why it failed, for FAILED
     cancel_requested boolean NOT NULL DEFAULT false
 );
+CREATE UNIQUE INDEX IF NOT EXISTS sequences_request ON sequences (principal, request_id);
 CREATE INDEX IF NOT EXISTS sequences_unclaimed ON sequences (queue_key, seq_id)
     WHERE state = 1 AND owner IS NULL;
 CREATE INDEX IF NOT EXISTS sequences_queued ON sequences (queue_key, seq_id)
@@ -114,9 +122,9 @@ CREATE TABLE IF NOT EXISTS tenant_service (
 );
 
 -- Submit in one statement: idempotency, limits, ids, position, wake-up.
--- status: 0 new, 1 known request_id, 2 queue full, 3 tenant's queue full.
+-- status: 0 new, 1 request_id known for this principal, 2 queue full, 3 tenant's queue full.
 CREATE OR REPLACE FUNCTION lattice_submit(
-    p_request_id text, p_params text, p_prompt bytea, p_priority integer,
+    p_principal text, p_adapter_id text, p_request_id text, p_params text, p_prompt bytea, p_priority integer,
     p_tenant text, p_max_new_tokens integer, p_max_queue bigint, p_max_per_tenant bigint,
     p_sync boolean, OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
 LANGUAGE plpgsql AS $$
@@ -127,7 +135,8 @@ BEGIN
         PERFORM set_config('synchronous_commit', 'on', true);
     END IF;
     IF p_request_id IS NOT NULL THEN
-        SELECT s.seq_id INTO seq_id FROM sequences s WHERE s.request_id = p_request_id;
+        SELECT s.seq_id INTO seq_id FROM sequences s
+         WHERE s.request_id = p_request_id AND s.principal = p_principal;
         IF FOUND THEN
             status := 1;
             SELECT count(*) INTO queue_position FROM sequences q, sequences s
@@ -146,14 +155,17 @@ BEGIN
         status := 3; RETURN;
     END IF;
     v_key := nextval('lattice_queue_tail');
-    INSERT INTO sequences AS s (seq_id, request_id, params, prompt, priority, tenant,
-                                max_new_tokens, submitted_at, state, queue_key)
-    VALUES (nextval('lattice_seq_ids'), p_request_id, p_params, p_prompt, p_priority,
-            p_tenant, p_max_new_tokens, extract(epoch from clock_timestamp()), 1, v_key)
-    ON CONFLICT (request_id) DO NOTHING
+    INSERT INTO sequences AS s (seq_id, request_id, principal, adapter_id, params, prompt,
+                                priority, tenant, max_new_tokens, submitted_at, state,
+                                queue_key)
+    VALUES (nextval('lattice_seq_ids'), p_request_id, p_principal, p_adapter_id, p_params,
+            p_prompt, p_priority, p_tenant, p_max_new_tokens,
+            extract(epoch from clock_timestamp()), 1, v_key)
+    ON CONFLICT (principal, request_id) DO NOTHING
     RETURNING s.seq_id INTO seq_id;
     IF NOT FOUND THEN  -- another replica took this request_id a moment ago
-        SELECT s.seq_id INTO seq_id FROM sequences s WHERE s.request_id = p_request_id;
+        SELECT s.seq_id INTO seq_id FROM sequences s
+         WHERE s.request_id = p_request_id AND s.principal = p_principal;
         status := 1; queue_position := 0; RETURN;
     END IF;
     SELECT count(*) INTO queue_position FROM sequences q
@@ -162,6 +174,27 @@ BEGIN
     status := 0;
 END $$;
 """
+
+# A database of schema version 1 becomes version 2 (run before _SCHEMA, which then adds
+# the unique index per principal and the new lattice_submit): sequences saved before
+# principals are the anonymous principal's ('', as without tokens).
+_FROM_VERSION_1 = """
+ALTER TABLE sequences ADD COLUMN principal text NOT NULL DEFAULT '';
+ALTER TABLE sequences ADD COLUMN adapter_id text NOT NULL DEFAULT '';
+UPDATE sequences SET adapter_id = coalesce(params::jsonb ->> 'adapter_id', '')
+ WHERE state <> 4;
+ALTER TABLE sequences DROP CONSTRAINT IF EXISTS sequences_request_id_key;
+DROP FUNCTION IF EXISTS lattice_submit(text, text, bytea, integer, text, integer, bigint,
+                                       bigint, boolean);
+UPDATE lattice_meta SET value = 2 WHERE key = 'schema_version';
+"""
+
+# Whether a live worker that takes work has the adapter of `sequences s`: registered on a
+# replica whose lease runs, not drained by an operator, its registration listing it.
+_SERVED_BY_A_LIVE_WORKER = (
+    "EXISTS (SELECT 1 FROM workers w JOIN replicas r ON r.replica_id = w.replica_id "
+    "WHERE r.lease_until > now() AND NOT w.drain_requested "
+    "AND (w.registration::jsonb -> 'adapters') ? s.adapter_id)")
 
 # Columns of a sequence row, in the order _stored_sequence reads them.
 # Each term of a queue order's sort key, as SQL over `sequences q` (%(aging)s: the
@@ -173,6 +206,8 @@ _ORDER_SQL = {
     SortTerm.TENANT_SERVICE: ("coalesce((SELECT t.served FROM tenant_service t "
                               "WHERE t.tenant = q.tenant), 0)"),
     SortTerm.SUBMITTED_AT: "submitted_at",
+    # Submission + the one TTFT target: the same order as the submissions.
+    SortTerm.DEADLINE: "submitted_at",
     SortTerm.SEQ_ID: "seq_id",
 }
 
@@ -222,6 +257,9 @@ class PostgresState:
         # waits for the server: one per statement outside a pipeline, one per pipeline sync).
         self.round_trips: Counter[str] = Counter()
         try:
+            # One connection first: where it fails (refused, bad password, no database),
+            # psycopg says why, while the pool only logs it and times out.
+            psycopg.connect(url, connect_timeout=max(1, int(connect_timeout_seconds))).close()
             self._pool = ConnectionPool(
                 url, min_size=1, max_size=pool_size, open=True, timeout=connect_timeout_seconds,
                 kwargs={"autocommit": True, "connect_timeout": int(connect_timeout_seconds),
@@ -292,13 +330,20 @@ class PostgresState:
         """Commit a new sequence to the shared queue (synchronous commit) before answering;
         a known request_id answers its first seq_id."""
         with self._connection() as conn:
-            status, seq_id, position = conn.execute(
-                "SELECT status, seq_id, queue_position FROM lattice_submit("
-                "%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                (params.request_id or None, params_json(params),
-                 pack_token_ids(params.prompt_token_ids), params.priority, params.tenant,
-                 params.max_new_tokens, max_queue, max_per_tenant,
-                 self._fsync != "never")).fetchone()
+            try:
+                status, seq_id, position = conn.execute(
+                    "SELECT status, seq_id, queue_position FROM lattice_submit("
+                    "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    (params.principal, params.adapter_id, params.request_id or None,
+                     params_json(params),
+                     pack_token_ids(params.prompt_token_ids), params.priority, params.tenant,
+                     params.max_new_tokens, max_queue, max_per_tenant,
+                     self._fsync != "never")).fetchone()
+            except psycopg.DataError as err:
+                # This request's own values (the edge refuses every one known to do this:
+                # service/server/convert.py): a retry cannot help, and nothing was written.
+                raise InvalidArgument(f"the shared queue cannot hold this request: "
+                                      f"{_first_line(err)}") from None
             self.round_trips["submit"] += 1
         if status == 2:
             raise QueueFull(f"the admission queue holds max_queue={max_queue} sequences; "
@@ -308,19 +353,19 @@ class PostgresState:
                             f"queued (max_queue_per_tenant={max_per_tenant}); retry later")
         return SubmitResult(seq_id, position)
 
-    def cancel(self, seq_id: int) -> bool:
+    def cancel(self, seq_id: int, caller: Caller = ANYONE) -> bool:
         """Cancel a sequence this replica does not own; False if it had finished.
 
         Unclaimed: finished CANCELLED here. Owned by another replica: the request is
-        committed (cancel_requested) and the owner is told; it evicts on its worker."""
+        committed (cancel_requested) and the owner is told; it evicts on its worker.
+        Another principal's sequence is NotFound to `caller`, as an unknown id."""
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
-            row = conn.execute("SELECT state, owner FROM sequences WHERE seq_id = %s "
-                               "FOR UPDATE", (seq_id,)).fetchone()
-            if row is None:
-                raise NotFound(f"seq_id {seq_id} is unknown (never submitted, or long "
-                               "finished)")
-            state, owner = row
+            row = conn.execute("SELECT state, owner, principal FROM sequences "
+                               "WHERE seq_id = %s FOR UPDATE", (seq_id,)).fetchone()
+            if row is None or not caller.may_see(row[2]):
+                raise NotFound.seq_id(seq_id)
+            state, owner, _ = row
             if state == _FINISHED:
                 return False
             if owner is None:
@@ -334,7 +379,8 @@ class PostgresState:
                 conn.execute("SELECT pg_notify(%s, %s)", (CANCEL_CHANNEL, f"{owner}:{seq_id}"))
         return True
 
-    def sequence_info(self, seq_id: int) -> SequenceInfo:
+    def sequence_info(self, seq_id: int, caller: Caller = ANYONE) -> SequenceInfo:
+        """The database's view of `seq_id`; NotFound as in `cancel`."""
         with self._connection() as conn:
             row = conn.execute(
                 "SELECT state, worker_id, octet_length(prompt) / 4, prefilled_tokens, "
@@ -342,24 +388,29 @@ class PostgresState:
                 "0) FROM tokens t WHERE t.seq_id = s.seq_id)), finish_reason, "
                 "CASE WHEN state = 1 THEN (SELECT count(*) FROM sequences q WHERE q.state = 1 "
                 "AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id)) ELSE 0 END, "
-                "error_message FROM sequences s WHERE seq_id = %s", (seq_id,)).fetchone()
-        if row is None:
-            raise NotFound(f"seq_id {seq_id} is unknown (never submitted, or long finished)")
-        state, worker_id, prompt_len, prefilled, generated, reason, position, error = row
+                "error_message, principal, CASE WHEN state = 1 AND adapter_id <> '' AND NOT "
+                f"{_SERVED_BY_A_LIVE_WORKER} THEN adapter_id END "
+                "FROM sequences s WHERE seq_id = %s", (seq_id,)).fetchone()
+        if row is None or not caller.may_see(row[-2]):
+            raise NotFound.seq_id(seq_id)
+        (state, worker_id, prompt_len, prefilled, generated, reason, position, error, _,
+         unserved_adapter) = row
+        if unserved_adapter is not None:
+            error = no_worker_has(unserved_adapter)
         return SequenceInfo(seq_id=seq_id, state=SequenceState(state), worker_id=worker_id or "",
                             prompt_len=prompt_len, prefilled_tokens=prefilled,
                             generated_tokens=int(generated),
                             finish_reason=None if reason is None else FinishReason(reason),
                             queue_position=int(position), error_message=error)
 
-    def read_output(self, seq_id: int, start: int) -> RemoteOutput:
-        """Tokens from index `start` on, committed by whichever replica owns it."""
+    def read_output(self, seq_id: int, start: int, caller: Caller = ANYONE) -> RemoteOutput:
+        """Tokens from index `start` on, committed by whichever replica owns it; NotFound
+        as in `cancel`."""
         with self._connection() as conn:
-            row = conn.execute("SELECT state, finish_reason, error_message FROM sequences "
-                               "WHERE seq_id = %s", (seq_id,)).fetchone()
-            if row is None:
-                raise NotFound(f"seq_id {seq_id} is unknown (never submitted, or long "
-                               "finished)")
+            row = conn.execute("SELECT state, finish_reason, error_message, principal FROM "
+                               "sequences WHERE seq_id = %s", (seq_id,)).fetchone()
+            if row is None or not caller.may_see(row[3]):
+                raise NotFound.seq_id(seq_id)
             out: list[int] = []
             rows = conn.execute(
                 "SELECT start, token_ids FROM tokens WHERE seq_id = %s "
@@ -369,9 +420,17 @@ class PostgresState:
             tokens = unpack_token_ids(blob)
             out.extend(tokens[max(0, start - first):])
             start = first + len(tokens)
-        state, reason, error = row
+        state, reason, error, _ = row
         return RemoteOutput(tuple(out), state == _FINISHED,
                             None if reason is None else FinishReason(reason), error)
+
+    def unservable_queued(self) -> int:
+        """Queued sequences, fleet-wide, whose adapter no live worker that takes work has
+        (lattice_scheduler_unservable_queued)."""
+        with self._connection() as conn:
+            return conn.execute(
+                "SELECT count(*) FROM sequences s WHERE state = 1 AND adapter_id <> '' "
+                f"AND NOT {_SERVED_BY_A_LIVE_WORKER}").fetchone()[0]
 
     def queue_depth(self) -> int:
         with self._connection() as conn:
@@ -379,17 +438,20 @@ class PostgresState:
 
     # ------------------------------------------------------------------ ownership
 
-    def claim(self, count: int) -> Claimed:
-        """Take up to `count` unclaimed queued sequences, head first in the queue order
-        (FOR UPDATE SKIP LOCKED: two replicas never take the same one, nor wait)."""
+    def claim(self, count: int, adapters: Collection[str] = ()) -> Claimed:
+        """Take up to `count` unclaimed queued sequences that need no adapter or one of
+        `adapters` (those of the workers that will run them), head first in the queue
+        order (FOR UPDATE SKIP LOCKED: two replicas never take the same one, nor wait)."""
         order = self._claim_order
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
             ids = [row[0] for row in conn.execute(
                 f"UPDATE sequences s SET owner = %(me)s FROM (SELECT seq_id FROM sequences q "
-                f"WHERE state = 1 AND owner IS NULL ORDER BY {order} LIMIT %(n)s "
-                f"FOR UPDATE SKIP LOCKED) c WHERE s.seq_id = c.seq_id RETURNING s.seq_id",
-                {"me": self.replica_id, "n": count, "aging": self._aging_seconds})]
+                f"WHERE state = 1 AND owner IS NULL AND (adapter_id = '' OR adapter_id = "
+                f"ANY(%(adapters)s)) ORDER BY {order} LIMIT %(n)s FOR UPDATE SKIP LOCKED) c "
+                f"WHERE s.seq_id = c.seq_id RETURNING s.seq_id",
+                {"me": self.replica_id, "n": count, "aging": self._aging_seconds,
+                 "adapters": sorted(adapters)})]
             sequences = (self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,))
                          if ids else [])
             served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))
@@ -537,15 +599,20 @@ class PostgresState:
         with self._pool.connection() as conn, conn.transaction():
             # One replica creates the schema at a time (CREATE ... IF NOT EXISTS races).
             conn.execute("SELECT pg_advisory_xact_lock(7254112)")
-            conn.execute(_SCHEMA)
-            row = conn.execute("SELECT value FROM lattice_meta WHERE key = 'schema_version'"
-                               ).fetchone()
-            if row is None:
-                conn.execute("INSERT INTO lattice_meta VALUES ('schema_version', %s)",
-                             (SCHEMA_VERSION,))
-            elif row[0] != SCHEMA_VERSION:
-                raise ConfigError(f"the database holds schema version {row[0]}; this "
+            version = None
+            if conn.execute("SELECT to_regclass('lattice_meta')").fetchone()[0] is not None:
+                row = conn.execute("SELECT value FROM lattice_meta "
+                                   "WHERE key = 'schema_version'").fetchone()
+                version = None if row is None else row[0]
+            if version == 1:
+                conn.execute(_FROM_VERSION_1)
+            elif version not in (None, SCHEMA_VERSION):
+                raise ConfigError(f"the database holds schema version {version}; this "
                                   f"scheduler reads version {SCHEMA_VERSION}")
+            conn.execute(_SCHEMA)
+            if version is None:
+                conn.execute("INSERT INTO lattice_meta VALUES ('schema_version', %s) "
+                             "ON CONFLICT (key) DO NOTHING", (SCHEMA_VERSION,))
 
     def _join(self) -> int:
         with self._pool.connection() as conn:

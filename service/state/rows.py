@@ -34,7 +34,7 @@ def params_json(p: SubmitParams) -> str:
         # Rows saved before the wave-3 fields hold the first four; the rest default.
         "sampling": [s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.prompt_logprobs,
                      s.ignore_eos, s.min_new_tokens],
-        "stop_token_ids": list(p.stop_token_ids),
+        "stop_token_ids": list(p.stop_token_ids), "principal": p.principal,
     })
 
 
@@ -45,6 +45,9 @@ def params_from_row(text: str, prompt: bytes) -> SubmitParams:
         request_id=d["request_id"], adapter_id=d["adapter_id"], priority=d["priority"],
         tenant=d["tenant"], sampling=SamplingParams(*d["sampling"]),
         stop_token_ids=tuple(d["stop_token_ids"]),
+        # Saved before principals (issue 23): the one principal of a scheduler without
+        # authentication; with tokens on, only admin sees them.
+        principal=d.get("principal", ""),
     )
 
 

@@ -21,10 +21,14 @@ def random_prompt(length: int, seed: int, vocab_size: int = 512) -> tuple[int, .
 
 def make_engine(model: Qwen35ForCausalLM, *, total_kv_pages: int = 128, page_size: int = 4,
                 total_gdn_slots: int = 8, max_batch_size: int | None = None,
-                max_prefill_sequences: int | None = None, max_prefill_tokens: int = 8192) -> ModelEngine:
+                max_prefill_sequences: int | None = None, max_prefill_tokens: int = 8192,
+                cache_block_tokens: int = 0, total_snapshot_slots: int = 0,
+                max_cached_blocks: int | None = None) -> ModelEngine:
     return ModelEngine(model, total_kv_pages=total_kv_pages, page_size=page_size,
                        total_gdn_slots=total_gdn_slots, device="cpu", max_batch_size=max_batch_size,
-                       max_prefill_sequences=max_prefill_sequences, max_prefill_tokens=max_prefill_tokens)
+                       max_prefill_sequences=max_prefill_sequences, max_prefill_tokens=max_prefill_tokens,
+                       cache_block_tokens=cache_block_tokens, total_snapshot_slots=total_snapshot_slots,
+                       max_cached_blocks=max_cached_blocks)
 
 
 def chunks_for(seq_id: int, spec: SequenceSpec, lengths: list[int]) -> list[ChunkWork]:

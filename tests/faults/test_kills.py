@@ -216,3 +216,23 @@ def test_scheduler_frozen_past_the_lease_keeps_its_calling_workers(make_stack, m
     _assert_all_good(stack, jobs)  # nothing is lost either way: only work is thrown away
     dropped = [w for w, p in stack.workers.items() if "no longer knows this worker" in p.log_text()]
     assert dropped == [] and _requeues(stack, "lease_expired") == 0
+
+
+def test_worker_killed_while_its_cached_pages_are_shared_loses_nothing(make_stack, make_clients):
+    """Prefix caching on (the scheduler's default) and scripted workers with a cache: the
+    prompts share a 64-token prefix, so sequences resume from it and share its pages;
+    one worker is killed -9 while it holds several; every acknowledged sequence still
+    finishes once with the reference tokens."""
+    stack = make_stack(lease_ttl_ms=2000, worker_flags=("--cache-block-tokens", "16"))
+    jobs = make_jobs(NUM_SEQUENCES, seed=11, shared_prefix=64)
+    clients = make_clients(stack, jobs, submit_interval_seconds=0.01)
+    victim = _wait_holding(stack, 3)
+    cached = wait_until(
+        lambda: stack.metrics().get(("lattice_scheduler_prefill_tokens_total",
+                                     (("source", "cached"),)), 0.0),
+        "prefill tokens taken from a cache", 20.0, done=lambda v: v > 0, every_seconds=0.05)
+    assert cached > 0
+    stack.kill_worker(victim)
+    clients.wait_done(DONE_TIMEOUT_SECONDS)
+    _assert_all_good(stack, jobs)
+    assert _requeues(stack, "lease_expired") >= 1

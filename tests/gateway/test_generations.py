@@ -49,7 +49,7 @@ class FakeLink:
         self.streams.append(FakeStream(seq_id))
         return self.streams[-1]
 
-    async def cancel(self, seq_id: int) -> None:
+    async def cancel(self, seq_id: int, request=None) -> None:
         self.cancelled_seq_ids.append(seq_id)
 
 

@@ -150,3 +150,32 @@ def test_ignore_eos_gives_exactly_max_tokens(stack: Stack):
         extra_body={"ignore_eos": True})
     assert response.usage.completion_tokens == 10
     assert response.choices[0].finish_reason == "length"
+
+
+def test_each_of_n_choices_has_its_own_logprobs_streamed_and_not(stack: Stack):
+    client = stack.client()
+    prompt = encode(stack, CONTEXT)
+    fields = dict(model=stack.model_name, prompt=prompt, n=3, seed=11, temperature=1.0,
+                  logprobs=1, max_tokens=6, echo=True)
+    whole = client.completions.create(**fields)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    expected = hf_logprobs(stack, prompt)
+    want = [expected[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    num_generated = []
+    for choice in whole.choices:
+        logprobs = choice.logprobs
+        # Each choice echoes the prompt with its logprobs, then its own tokens.
+        assert logprobs.token_logprobs[0] is None
+        assert logprobs.token_logprobs[1:len(prompt)] == pytest.approx(want, abs=TOLERANCE)
+        assert logprobs.text_offset[0] == 0
+        num_generated.append(len(logprobs.tokens) - len(prompt))
+        assert all(lp <= 0 for lp in logprobs.token_logprobs[len(prompt):])
+    assert sum(num_generated) == whole.usage.completion_tokens
+    assert len({tuple(c.logprobs.token_logprobs) for c in whole.choices}) > 1  # seeds 11..13
+    streamed: dict[int, list] = {0: [], 1: [], 2: []}
+    for chunk in client.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs:
+                streamed[choice.index] += choice.logprobs.token_logprobs
+    for choice in whole.choices:  # the same seeds: the same tokens, by choice
+        assert streamed[choice.index] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-6)

@@ -132,11 +132,23 @@ def test_stop_token_id_ends_the_sequence_with_finish_reason_stop(stack: Stack):
                                                                        skip_special_tokens=True)
 
 
-def test_n_other_than_one_is_a_400_that_names_n(stack: Stack):
+def test_n_over_eight_is_a_400_that_names_n(stack: Stack):
+    # n up to 8 is served (issue 22): n sequences, one response.
     with pytest.raises(openai.BadRequestError) as raised:
-        stack.client().completions.create(model=stack.model_name, prompt="hi", n=2)
+        stack.client().completions.create(model=stack.model_name, prompt="hi", n=9)
     assert raised.value.status_code == 400
-    assert raised.value.body["param"] == "n" and "n=2" in raised.value.body["message"]
+    assert raised.value.body["param"] == "n" and "n=9" in raised.value.body["message"]
+
+
+def test_n_choices_are_n_sequences_in_one_response(stack: Stack):
+    fields = dict(model=stack.model_name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                  temperature=1.0, n=3, seed=7)
+    answer = stack.client().completions.create(**fields)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert 3 <= answer.usage.completion_tokens <= 3 * MAX_TOKENS
+    # Choice i samples with seed 7 + i: the same request gives the same three texts.
+    again = stack.client().completions.create(**fields)
+    assert [c.text for c in again.choices] == [c.text for c in answer.choices]
 
 
 def test_unknown_model_is_a_404_naming_the_served_one(stack: Stack):

@@ -73,12 +73,13 @@ from tests.server.wire import RPC_TIMEOUT_SECONDS  # noqa: E402
 
 
 def start_replica(database_url: str, *, replica_lease_ms: int = 5000, prefetch: int = 8,
-                  **scheduler_config) -> Server:
-    """One in-process replica on `database_url` (gRPC and metrics on free ports)."""
+                  auth_tokens: str = "", **scheduler_config) -> Server:
+    """One in-process replica on `database_url` (gRPC and metrics on free ports), with
+    the tokens file `auth_tokens` if given (`Server.stub` then sends no token)."""
     scheduler_config.setdefault("policy", "fifo")
     config = SchedulerConfig(**scheduler_config)
     settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0,
-                             state=database_url, prefetch=prefetch,
+                             state=database_url, prefetch=prefetch, auth_tokens=auth_tokens,
                              replica_lease_ms=replica_lease_ms, scheduler=config)
     registry = CollectorRegistry()
     running = start(settings, registry)

@@ -226,3 +226,14 @@ def test_notifications_carry_the_ids_whose_output_changed(replicas):
     listener.close()
     assert ("lattice_submit", "") in seen
     assert ("lattice_progress", str(seq_id)) in seen
+
+
+def test_a_submit_the_database_cannot_hold_is_invalid_argument_not_unavailable(replicas):
+    # The edge refuses a NUL in every string (tests/server/test_string_fields.py); should
+    # one reach the store, the refusal is for this request only, and not retryable.
+    from service.core import InvalidArgument
+
+    a = replicas("a")
+    with pytest.raises(InvalidArgument, match="cannot hold this request"):
+        a.state.submit(params(tenant="nul\x00byte"), 1000, 0)
+    assert a.submit(tenant="t") > 0

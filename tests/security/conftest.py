@@ -30,16 +30,23 @@ RPC_TIMEOUT_SECONDS = 5.0
 
 @dataclass(frozen=True)
 class Tokens:
-    """One token per role; worker tokens bound to w1 and w2."""
+    """One token per role; worker tokens bound to w1 and w2. More client tokens, each its
+    own principal: `client2` (named "mallory"), `unnamed1` and `unnamed2` (no name: the
+    principal is the token's hash), `tenanted` (bound to tenant "acme")."""
 
     client: str
     admin: str
     w1: str
     w2: str
+    client2: str
+    unnamed1: str
+    unnamed2: str
+    tenanted: str
     file: Path
 
     def all(self) -> list[str]:
-        return [self.client, self.admin, self.w1, self.w2]
+        return [self.client, self.admin, self.w1, self.w2, self.client2, self.unnamed1,
+                self.unnamed2, self.tenanted]
 
 
 @pytest.fixture(scope="session")
@@ -49,14 +56,20 @@ def pki(tmp_path_factory) -> Pki:
 
 @pytest.fixture(scope="session")
 def tokens(tmp_path_factory) -> Tokens:
-    values = {name: f"{name}-{secrets.token_urlsafe(24)}" for name in ("client", "admin",
-                                                                        "w1", "w2")}
+    values = {name: f"{name}-{secrets.token_urlsafe(24)}"
+              for name in ("client", "admin", "w1", "w2", "client2", "unnamed1", "unnamed2",
+                           "tenanted")}
     path = tmp_path_factory.mktemp("auth") / "tokens.toml"
     path.write_text(
         f'[[tokens]]\ntoken = "{values["client"]}"\nrole = "client"\nname = "frontend"\n\n'
         f'[[tokens]]\ntoken = "{values["admin"]}"\nrole = "admin"\n\n'
         f'[[tokens]]\ntoken = "{values["w1"]}"\nrole = "worker"\nworker_id = "w1"\n\n'
-        f'[[tokens]]\ntoken = "{values["w2"]}"\nrole = "worker"\nworker_id = "w2"\n'
+        f'[[tokens]]\ntoken = "{values["w2"]}"\nrole = "worker"\nworker_id = "w2"\n\n'
+        f'[[tokens]]\ntoken = "{values["client2"]}"\nrole = "client"\nname = "mallory"\n\n'
+        f'[[tokens]]\ntoken = "{values["unnamed1"]}"\nrole = "client"\n\n'
+        f'[[tokens]]\ntoken = "{values["unnamed2"]}"\nrole = "client"\n\n'
+        f'[[tokens]]\ntoken = "{values["tenanted"]}"\nrole = "client"\n'
+        f'name = "acme-frontend"\ntenant = "acme"\n'
     )
     return Tokens(**values, file=path)
 

@@ -89,8 +89,17 @@ def test_serve_with_a_missing_tokens_file_exits_2_naming_the_flag(tmp_path, caps
     (f'[[tokens]]\ntoken = "{TOKEN}"\nrole = "client"\nscope = "all"\n', "unknown keys ['scope']"),
     (f'[[tokens]]\ntoken = "{TOKEN}"\nrole = "client"\n[[tokens]]\ntoken = "{TOKEN}"\n'
      f'role = "admin"\n', "tokens[1] repeats an earlier token"),
+    (f'[[tokens]]\ntoken = "{TOKEN}"\nrole = "worker"\nworker_id = "w1"\ntenant = "t"\n',
+     "only client tokens take a tenant"),
+    (f'[[tokens]]\ntoken = "{TOKEN}"\nrole = "client"\ntenant = ""\n',
+     "tenant must be a non-empty string"),
+    (f'[[tokens]]\ntoken = "{TOKEN}"\nrole = "client"\ntenant = "{"t" * 257}"\n',
+     "at most 256 bytes"),
+    (f'[[tokens]]\ntoken = "{TOKEN}"\nrole = "client"\nname = "a\\u0000b"\n',
+     "name must be a non-empty string without control characters"),
 ], ids=["bad-toml", "empty", "unknown-role", "worker-without-id", "client-with-id",
-        "short", "no-token", "unknown-key", "duplicate"])
+        "short", "no-token", "unknown-key", "duplicate", "worker-with-tenant", "empty-tenant",
+        "long-tenant", "nul-in-name"])
 def test_bad_tokens_file_is_refused_with_a_clear_message(tmp_path, text, message):
     path = tmp_path / "tokens.toml"
     path.write_text(text)
@@ -110,6 +119,18 @@ def test_tokens_file_may_be_json_and_hold_only_digests(tmp_path):
     grant = table.lookup(TOKEN)
     assert grant is not None and grant.role is Role.WORKER and grant.worker_id == "w7"
     assert table.lookup(TOKEN + "x") is None
+
+
+def test_a_client_tokens_principal_is_its_name_or_else_its_hash_and_tenant_binds(tmp_path):
+    other = "another-token-of-16-chars"
+    path = tmp_path / "tokens.toml"
+    path.write_text(f'[[tokens]]\ntoken = "{TOKEN}"\nrole = "client"\nname = "alice"\n'
+                    f'tenant = "acme"\n[[tokens]]\ntoken = "{other}"\nrole = "client"\n')
+    table = load_tokens(path)
+    named, unnamed = table.lookup(TOKEN), table.lookup(other)
+    assert (named.principal, named.tenant) == ("alice", "acme")
+    assert unnamed.principal == "sha256:" + hashlib.sha256(other.encode()).hexdigest()[:16]
+    assert unnamed.tenant is None and other not in unnamed.principal
 
 
 def test_client_certificate_without_its_key_is_refused(pki):

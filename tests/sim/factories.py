@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from service.sim.engine import SimEngine
 from worker_client.engine.api import ChunkWork, SequenceSpec
-from worker_client.step_table import StepLoad
+from common.step_table import StepLoad
 
 
 class LinearCost:

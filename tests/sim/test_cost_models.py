@@ -8,8 +8,8 @@ import pytest
 
 from service.sim.costs import load_cost_source
 from service.sim.vidur import ProfileError, VidurCostModel, read_shape
-from worker_client import step_table
-from worker_client.step_table import StepLoad, StepTable, StepTableModel
+from common import step_table
+from common.step_table import StepLoad, StepTable, StepTableModel
 
 
 @pytest.fixture(scope="module")

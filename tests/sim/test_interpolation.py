@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from worker_client.interp import MonotoneCurve, MonotoneGrid, isotonic
+from common.interp import MonotoneCurve, MonotoneGrid, isotonic
 
 
 def test_isotonic_pools_adjacent_violators_into_their_mean():

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from service.cli.main import main as scheduler_main
-from worker_client import step_table
+from common import step_table
 from worker_client.cli import main as worker_main
 
 

@@ -60,13 +60,13 @@ def register(sched: Scheduler, worker_id: str = "w0", **overrides):
 
 def report(worker_id: str = "w0", *, waiting=(), running=(), kv_free_pages: int = PLENTY,
            gdn_free_slots: int = PLENTY, finished=(), preempted=(), draining: bool = False,
-           tokens=(), incarnation: int = 0) -> WorkerReport:
+           tokens=(), incarnation: int = 0, last_step_us: int = 0) -> WorkerReport:
     return WorkerReport(
         worker_id=worker_id, waiting=tuple(waiting), running=tuple(running),
         kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
         finished=tuple(finished), preempted=tuple(preempted), draining=draining,
         tokens=tuple(TokenUpdate(seq_id, tuple(ids)) for seq_id, ids in dict(tokens).items()),
-        incarnation=incarnation,
+        incarnation=incarnation, last_step_us=last_step_us,
     )
 
 

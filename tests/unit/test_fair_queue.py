@@ -17,6 +17,11 @@ class Item:
     tenant: str
     arrived_at: float
     queue_key: int = 0
+    adapter_id: str = ""
+    prompt_len: int = 10
+
+    def num_tokens(self) -> int:
+        return self.prompt_len
 
 
 def brute_key(item: Item, now: float, aging: float, served: dict[str, float]):
@@ -87,3 +92,17 @@ def test_fcfs_positions_and_candidates_agree_after_requeues_and_removals(ops):
             queue.remove(order.pop(len(order) // 2))
     assert list(queue.candidates(0.0, lambda t: 0.0)) == order
     assert [queue.position(s, 0.0, lambda t: 0.0) for s in order] == list(range(len(order)))
+
+
+def test_queued_tokens_are_counted_per_priority_through_requeues_and_removals():
+    for queue in (FcfsQueue(), FairQueue(30.0)):
+        queue.push_back(Item(1, -1, "a", 0.0, prompt_len=100))
+        queue.push_back(Item(2, 0, "a", 1.0, prompt_len=30))
+        queue.requeue([Item(3, -2, "b", 0.5, prompt_len=7)])
+        assert (queue.tokens_up_to(-2), queue.tokens_up_to(-1), queue.tokens_up_to(5)) == \
+            (7, 107, 137)
+        queue.remove(1)
+        assert (queue.tokens_up_to(-1), queue.tokens_up_to(0)) == (7, 37)
+        queue.remove(3)
+        queue.remove(2)
+        assert queue.tokens_up_to(10) == 0

@@ -51,8 +51,7 @@ class WorkerThread:
         self.engine = engine
         self.client = SchedulerClient(f"127.0.0.1:{port}", call_timeout_seconds=5.0, retry=retry,
                                       session=session)
-        resources = WorkerResources(worker_id, engine.total_kv_pages, engine.page_size,
-                                    engine.total_gdn_slots, max_batch_size)
+        resources = WorkerResources.of(worker_id, engine, max_batch_size)
         self.loop = WorkerLoop(engine, self.client, resources, idle_sleep_seconds=0.002,
                                overlap=overlap)
         self.stop = threading.Event()

@@ -28,16 +28,18 @@ def test_logprobs_stay_with_their_tokens_when_an_answer_is_lost():
     pending = PendingReport()
     pending.admitted(3)
     prompt = (TokenLogprobs(-1.0, (4,), (-0.5,)),)
-    pending.add(StepOutput(((3, (7,)),), (), (), ((3, (TokenLogprobs(-0.125, (7,), (-0.125,)),)),),
-                           ((3, prompt),)))
+    pending.add(StepOutput(((3, (7,)),), (), (),
+                           logprobs=((3, (TokenLogprobs(-0.125, (7,), (-0.125,)),)),),
+                           prompt_logprobs=((3, prompt),)))
     _request(pending)  # the answer to this one is lost: nothing delivered
-    pending.add(StepOutput(((3, (8,)),), (), (), ((3, (TokenLogprobs(-0.25, (8,), (-0.25,)),)),)))
+    pending.add(StepOutput(((3, (8,)),), (), (),
+                           logprobs=((3, (TokenLogprobs(-0.25, (8,), (-0.25,)),)),)))
     (update,) = _request(pending).tokens
     assert list(update.token_ids) == [7, 8] and update.offset == 0
     assert [e.logprob for e in update.logprobs] == [-0.125, -0.25]
     assert [e.logprob for e in update.prompt_logprobs] == [-1.0]
     pending.delivered()
-    pending.add(StepOutput(((3, (9,)),), (), (), ((3, (TokenLogprobs(-0.375),)),)))
+    pending.add(StepOutput(((3, (9,)),), (), (), logprobs=((3, (TokenLogprobs(-0.375),)),)))
     (update,) = _request(pending).tokens
     assert update.offset == 2 and [e.logprob for e in update.logprobs] == [-0.375]
     assert not update.prompt_logprobs

@@ -42,17 +42,25 @@ class SequenceSpec:
     # logits, temperature, top-k and top-p NOT applied), as OpenAI and vLLM report them.
     logprobs: int = 0
     # The same for every prompt token after the first, reported with the first token.
-    # Such a sequence needs every prompt position's logits: it must not take its prompt
-    # from a prefix cache (see `needs_all_prompt_logits`).
+    # Such a sequence needs every prompt position's logits: it is never resumed from a
+    # prefix cache (see `needs_all_prompt_logits`).
     prompt_logprobs: int = 0
     ignore_eos: bool = False  # EOS does not end it (max_new_tokens or a stop token does)
     min_new_tokens: int = 0  # EOS and stop tokens do not end it before this many tokens
+    # False: never resume this sequence from a prefix cache; its blocks are still cached.
+    # (A spec that needs_all_prompt_logits is never resumed either.)
+    use_prefix_cache: bool = True
 
     @property
     def needs_all_prompt_logits(self) -> bool:
         """Whether prefill must keep every prompt position's logits (and so the prompt
         cannot come from a prefix cache)."""
         return self.prompt_logprobs > 0
+
+    @property
+    def may_resume_from_cache(self) -> bool:
+        """Whether its first chunk may start at a prefix cache's resume point."""
+        return self.use_prefix_cache and not self.needs_all_prompt_logits
 
 
 @dataclass(frozen=True)
@@ -68,13 +76,19 @@ class TokenLogprobs:
 class ChunkWork:
     """Prefill prompt tokens [chunk_start, chunk_start + chunk_len) of one sequence.
 
-    `spec` is set on the first chunk (chunk_start 0) and None on continuations.
+    `spec` is set on the first chunk and None on continuations. A first chunk starts at
+    0, or at `cached_tokens` > 0: a resume point the engine reported (a multiple of its
+    `cache_block_tokens`, below the prompt's length), whose KV pages and GDN snapshot it
+    maps instead of computing tokens [0, cached_tokens). An engine that no longer holds
+    that resume point runs nothing for the sequence, holds nothing of it, and lists it in
+    `StepOutput.cache_misses`.
     """
 
     seq_id: int
     chunk_start: int
     chunk_len: int
     spec: SequenceSpec | None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,11 +114,26 @@ class StepOutput:
     # a chunk that skipped ahead of what was prefilled); their pages and slot
     # are freed and the scheduler should requeue them.
     preempted: tuple[int, ...]
+    # First chunks whose resume point (cached_tokens) was gone: nothing ran for them and
+    # the engine holds nothing of them; the scheduler hands each a first chunk again.
+    cache_misses: tuple[int, ...] = ()
     # (seq_id, one TokenLogprobs per token of its `tokens` entry), for sequences that asked.
     logprobs: tuple[tuple[int, tuple[TokenLogprobs, ...]], ...] = ()
     # (seq_id, one TokenLogprobs per prompt token after the first), in the step that
     # produced the sequence's first token, for sequences that asked.
     prompt_logprobs: tuple[tuple[int, tuple[TokenLogprobs, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheDelta:
+    """How an engine's prefix-cache resume points (block hashes) changed.
+
+    `reset`: forget every earlier delta first; `added` then lists every current one.
+    """
+
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    reset: bool = False
 
 
 class Engine(Protocol):
@@ -113,8 +142,22 @@ class Engine(Protocol):
     page_size: int
     total_kv_pages: int
     total_gdn_slots: int
+    cache_block_tokens: int  # tokens per prefix-cache block; 0 = no prefix cache
+    total_snapshot_slots: int  # GDN state snapshots it can keep besides total_gdn_slots
 
-    def kv_free_pages(self) -> int: ...
+    def kv_free_pages(self) -> int:
+        """Pages a new sequence can take: unused ones and those holding cache no held
+        sequence uses (reclaimed on demand, least recently used first)."""
+        ...
+
+    def kv_cached_pages(self) -> int:
+        """How many of kv_free_pages() hold reusable prefix cache."""
+        ...
+
+    def cache_delta(self, full: bool = False) -> CacheDelta:
+        """Resume points added and removed since the last call; with `full`, a reset
+        delta listing every current resume point instead."""
+        ...
 
     def gdn_free_slots(self) -> int: ...
 

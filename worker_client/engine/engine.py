@@ -5,11 +5,12 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from .api import ChunkWork, FinishReason, SequenceSpec, StepOutput, TokenLogprobs
+from .api import CacheDelta, ChunkWork, FinishReason, SequenceSpec, StepOutput, TokenLogprobs
 from .batch import PackedBatch
 from .kv_cache import PagedKVCache
 from .model import Qwen35ForCausalLM
 from .paged_forward_cache import PagedForwardCache
+from .prefix_cache import PrefixCache, cached_tokens_problem
 from .sampling import SamplingParams, sample_token, token_logprobs
 from .sequence import HeldSequence, PrefillSegment, StepRecorder
 from .sizing import PoolSizes, check_pools_fit, default_pool_sizes
@@ -39,6 +40,12 @@ class ModelEngine:
     that could not fit even in the whole pool, or whose prompt is empty or out
     of the vocabulary, finishes FAILED. A sequence can appear in `tokens` and
     `preempted` in the same step (it sampled in prefill, then lost its pages in decode).
+
+    With `cache_block_tokens` > 0 the engine keeps a prefix cache (prefix_cache.py: the
+    books, what counts as free): a first chunk with `cached_tokens` starts from a resume
+    point, or is a cache miss when that point is gone (nothing runs for it). A
+    `cached_tokens` that is not a multiple of the block below the prompt's length
+    finishes the sequence FAILED.
     """
 
     def __init__(
@@ -52,6 +59,9 @@ class ModelEngine:
         max_batch_size: int | None = None,
         max_prefill_sequences: int | None = None,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        cache_block_tokens: int = 0,
+        total_snapshot_slots: int = 0,
+        max_cached_blocks: int | None = None,
     ) -> None:
         """Allocates the pools on `device` (the model must be there); raises ModelDoesNotFit.
 
@@ -59,6 +69,10 @@ class ModelEngine:
         `max_prefill_sequences` (default: max_batch_size) the sequences packed into one
         prefill forward (1: one forward per sequence's chunk), and `max_prefill_tokens`
         its padded size, rows x longest row (a longer single chunk still runs, alone).
+        `cache_block_tokens` (a multiple of page_size; 0 = no prefix cache) and
+        `total_snapshot_slots` (ignored for a model without GDN layers) size the prefix
+        cache; `max_cached_blocks` bounds the cached blocks no held sequence uses (None:
+        as many as the free pages hold).
         """
         limits = (total_kv_pages, page_size, total_gdn_slots, max_batch_size or 1, max_prefill_sequences or 1,
                   max_prefill_tokens)
@@ -75,7 +89,12 @@ class ModelEngine:
         self.max_prefill_sequences = max_prefill_sequences or self.max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         dtype = model.dtype
-        check_pools_fit(config, PoolSizes(total_kv_pages, page_size, total_gdn_slots), self.device, dtype)
+        if config.num_linear_attention_layers == 0 or cache_block_tokens == 0:
+            total_snapshot_slots = 0
+        self.cache_block_tokens = cache_block_tokens
+        self.total_snapshot_slots = total_snapshot_slots
+        check_pools_fit(config, PoolSizes(total_kv_pages, page_size, total_gdn_slots, total_snapshot_slots),
+                        self.device, dtype)
         self._kv_cache = PagedKVCache(
             num_layers=config.num_full_attention_layers, num_pages=total_kv_pages, page_size=page_size,
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
@@ -87,11 +106,33 @@ class ModelEngine:
             num_value_heads=config.linear_num_value_heads, key_head_dim=config.linear_key_head_dim,
             value_head_dim=config.linear_value_head_dim, device=self.device, dtype=dtype,
         )
+        self._cache = None if cache_block_tokens == 0 else PrefixCache(
+            self._kv_cache, self._state_pool, block_tokens=cache_block_tokens,
+            num_snapshot_slots=total_snapshot_slots,
+            needs_snapshots=config.num_linear_attention_layers > 0, max_unused_blocks=max_cached_blocks)
         self._held: dict[int, HeldSequence] = {}  # in admission order
         self._num_admissions = 0
 
     def kv_free_pages(self) -> int:
-        return self._kv_cache.num_free_pages()
+        return self._kv_cache.num_free_pages() + self.kv_cached_pages()
+
+    def kv_cached_pages(self) -> int:
+        return 0 if self._cache is None else self._cache.num_unused_pages()
+
+    def cache_delta(self, full: bool = False) -> CacheDelta:
+        if self._cache is None:
+            return CacheDelta(reset=full)
+        return self._cache.delta(full)
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached block no held sequence uses, with its snapshot."""
+        if self._cache is not None:
+            self._cache.clear()
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The cache's own counts (blocks, snapshots), for inspection; None when off."""
+        return self._cache
 
     def gdn_free_slots(self) -> int:
         return self._state_pool.num_free_slots()
@@ -121,7 +162,7 @@ class ModelEngine:
         for chunk in prefill:
             if chunk.spec is not None:
                 self._release(chunk.seq_id)
-                self._admit(chunk.seq_id, chunk.spec, recorder)
+                self._admit(chunk.seq_id, chunk.spec, chunk.cached_tokens, recorder)
             held = self._held.get(chunk.seq_id)
             if held is None or held.is_running:
                 continue
@@ -157,6 +198,8 @@ class ModelEngine:
                 first += num_rows
                 if held.spec.needs_all_prompt_logits:
                     self._keep_prompt_logprobs(held, segment, segment_logits)
+                if self._cache is not None:
+                    self._cache.computed(held, segment.end)
                 if held.is_running:
                     if held.spec.needs_all_prompt_logits:
                         recorder.prompt(held.seq_id, held.prompt_logprobs)
@@ -172,8 +215,9 @@ class ModelEngine:
         targets = torch.tensor(held.token_ids[segment.start + 1 : segment.start + 1 + num_predicted])
         held.prompt_logprobs.extend(token_logprobs(logits[:num_predicted], targets, held.spec.prompt_logprobs))
 
-    def _admit(self, seq_id: int, spec: SequenceSpec, recorder: StepRecorder) -> None:
-        problem = _prompt_problem(spec.prompt_token_ids, self.model.config.vocab_size)
+    def _admit(self, seq_id: int, spec: SequenceSpec, cached_tokens: int, recorder: StepRecorder) -> None:
+        problem = (_prompt_problem(spec.prompt_token_ids, self.model.config.vocab_size)
+                   or cached_tokens_problem(cached_tokens, len(spec.prompt_token_ids), self.cache_block_tokens))
         if problem is not None:
             recorder.finish(seq_id, FinishReason.FAILED, 0, problem)
             return
@@ -184,11 +228,18 @@ class ModelEngine:
         if slot is None:
             recorder.preempt(seq_id)
             return
-        self._num_admissions += 1
-        self._held[seq_id] = HeldSequence(
-            seq_id=seq_id, spec=spec, slot=slot, admission=self._num_admissions,
+        held = HeldSequence(
+            seq_id=seq_id, spec=spec, slot=slot, admission=self._num_admissions + 1,
             sampling=SamplingParams.from_spec(spec), token_ids=list(spec.prompt_token_ids),
         )
+        if cached_tokens:
+            if self._cache is None or not spec.may_resume_from_cache or not self._cache.resume(held, cached_tokens):
+                self._state_pool.release(slot)
+                recorder.cache_miss(seq_id)
+                return
+            held.num_prefilled = cached_tokens
+        self._num_admissions += 1
+        self._held[seq_id] = held
 
     def _prefill_groups(self, segments: list[PrefillSegment]) -> Iterator[list[PrefillSegment]]:
         """Consecutive segments in groups within max_prefill_sequences and max_prefill_tokens (padded)."""
@@ -220,6 +271,8 @@ class ModelEngine:
             positions = [len(h.token_ids) - 1 for h in group]
             logits = self._forward(group, token_ids, [1] * len(group), positions)
             for row, held in enumerate(group):
+                if self._cache is not None:
+                    self._cache.computed(held, len(held.token_ids))
                 self._emit(held, logits[row], recorder)
 
     # Shared.
@@ -264,7 +317,8 @@ class ModelEngine:
                             f"the sequence needs {num_pages_needed} KV pages of {kv.page_size} tokens, "
                             f"more than the worker's {kv.num_pages} in all")
             return False
-        while not kv.can_append(held.seq_id, num_tokens):
+        num_new_pages = kv.num_new_pages(held.seq_id, num_tokens)
+        while num_new_pages > self.kv_free_pages():
             victim = max(
                 (h for h in self._held.values() if h is held or kv.num_pages_held(h.seq_id) > 0),
                 key=lambda h: h.admission,
@@ -273,6 +327,8 @@ class ModelEngine:
             recorder.preempt(victim.seq_id)
             if victim is held:
                 return False
+        if self._cache is not None:
+            self._cache.reclaim(num_new_pages)
         kv.append(held.seq_id, num_tokens)
         return True
 
@@ -282,6 +338,8 @@ class ModelEngine:
         if held is None:
             return
         self._kv_cache.free(seq_id)
+        if self._cache is not None:
+            self._cache.release(held)
         self._state_pool.release(held.slot)
 
 
@@ -307,3 +365,4 @@ def _prompt_problem(prompt_token_ids: Sequence[int], vocab_size: int) -> str | N
         if not 0 <= token_id < vocab_size:
             return f"token id {token_id} is outside the model's vocabulary of {vocab_size}"
     return None
+

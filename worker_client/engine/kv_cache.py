@@ -4,15 +4,17 @@ A fixed pool of pages of `page_size` tokens. Page p holds the same token
 positions in every full-attention layer, so one page table per sequence covers
 all layers and "a page" is counted once, whatever the number of layers.
 Pages are taken on demand as a sequence grows and returned when it is freed.
+
+The books (free list, tables, pages shared by count) live in page_tables.PageTables.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from .page_tables import PageTables
 
-class PagedKVCache:
+
+class PagedKVCache(PageTables):
     """Page pool, page tables and the K/V tensors [layers, pages, page_size, kv_heads, head_dim]."""
 
     def __init__(
@@ -29,11 +31,7 @@ class PagedKVCache:
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest
-        self._page_tables: dict[int, list[int]] = {}
-        self._num_tokens: dict[int, int] = {}
+        super().__init__(num_pages=num_pages, page_size=page_size)
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -41,36 +39,6 @@ class PagedKVCache:
         """Device memory of one page across all layers, keys and values."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
-
-    def num_free_pages(self) -> int:
-        return len(self._free_pages)
-
-    def num_pages_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.page_size)
-
-    def num_tokens(self, seq_id: int) -> int:
-        """Positions reserved for `seq_id` (0 for an unknown id)."""
-        return self._num_tokens.get(seq_id, 0)
-
-    def num_pages_held(self, seq_id: int) -> int:
-        return len(self._page_tables.get(seq_id, ()))
-
-    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
-        return self._num_new_pages(seq_id, num_new_tokens) <= len(self._free_pages)
-
-    def append(self, seq_id: int, num_new_tokens: int) -> None:
-        """Reserve positions [n, n + num_new_tokens) of `seq_id`; call only when can_append."""
-        num_new_pages = self._num_new_pages(seq_id, num_new_tokens)
-        if num_new_pages > len(self._free_pages):
-            raise RuntimeError(f"seq {seq_id}: {num_new_pages} pages needed, {len(self._free_pages)} free")
-        table = self._page_tables.setdefault(seq_id, [])
-        table.extend(self._free_pages.pop() for _ in range(num_new_pages))
-        self._num_tokens[seq_id] = self.num_tokens(seq_id) + num_new_tokens
-
-    def free(self, seq_id: int) -> None:
-        """Return every page of `seq_id` to the pool; unknown ids are ignored."""
-        self._free_pages.extend(reversed(self._page_tables.pop(seq_id, [])))
-        self._num_tokens.pop(seq_id, None)
 
     def slot_indices(self, seq_ids: list[int], rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat indices (page * page_size + offset) of reserved `positions` [N]; token i belongs to seq_ids[rows[i]]."""
@@ -95,7 +63,3 @@ class PagedKVCache:
         keys = self.keys[layer][tables].flatten(1, 2)[:, :length]
         values = self.values[layer][tables].flatten(1, 2)[:, :length]
         return keys, values
-
-    def _num_new_pages(self, seq_id: int, num_new_tokens: int) -> int:
-        needed = self.num_pages_for(self.num_tokens(seq_id) + num_new_tokens)
-        return max(0, needed - self.num_pages_held(seq_id))

@@ -26,6 +26,8 @@ class HeldSequence:
     num_generated: int = 0
     # Prompt tokens 1.. so far, for a spec with prompt_logprobs (kept across chunks).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Hashes of its leading full blocks that it maps from the prefix cache, in order.
+    block_hashes: list[int] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
@@ -68,6 +70,7 @@ class StepRecorder:
     tokens: dict[int, list[int]] = field(default_factory=dict)
     finished: list[FinishedSequence] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
+    cache_misses: list[int] = field(default_factory=list)
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[int, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 
@@ -86,11 +89,15 @@ class StepRecorder:
     def preempt(self, seq_id: int) -> None:
         self.preempted.append(seq_id)
 
+    def cache_miss(self, seq_id: int) -> None:
+        self.cache_misses.append(seq_id)
+
     def output(self) -> StepOutput:
         return StepOutput(
             tokens=tuple((seq_id, tuple(ids)) for seq_id, ids in self.tokens.items()),
             finished=tuple(self.finished),
             preempted=tuple(self.preempted),
+            cache_misses=tuple(self.cache_misses),
             logprobs=tuple((seq_id, tuple(lps)) for seq_id, lps in self.logprobs.items()),
             prompt_logprobs=tuple(self.prompt_logprobs.items()),
         )

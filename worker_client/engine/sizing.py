@@ -22,6 +22,11 @@ _CUDA_RESERVED_BYTES = 2 * _GIB
 _CUDA_USABLE_FRACTION = 0.9
 _CUDA_MAX_GDN_SLOTS = 256
 _CUDA_GDN_SHARE = 0.25
+# With a prefix cache: GDN snapshots (resume points) get a share of their own.
+_CPU_SNAPSHOTS_PER_GDN_SLOT = 4
+_CUDA_SNAPSHOT_SHARE = 0.10
+_CUDA_MAX_SNAPSHOT_SLOTS = 4096
+DEFAULT_CACHE_BLOCK_PAGES = 4  # tokens per cache block: this many pages
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class PoolSizes:
     total_kv_pages: int
     page_size: int
     total_gdn_slots: int
+    total_snapshot_slots: int = 0  # GDN snapshots of the prefix cache, sized as GDN slots
 
 
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -60,7 +66,7 @@ def num_parameters(config: ModelConfig) -> int:
 
 def pool_bytes(config: ModelConfig, sizes: PoolSizes, dtype: torch.dtype) -> int:
     return (sizes.total_kv_pages * kv_page_bytes(config, sizes.page_size, dtype)
-            + sizes.total_gdn_slots * gdn_slot_bytes(config, dtype))
+            + (sizes.total_gdn_slots + sizes.total_snapshot_slots) * gdn_slot_bytes(config, dtype))
 
 
 def available_bytes(device: torch.device) -> int:
@@ -85,6 +91,7 @@ def default_pool_sizes(
     page_size: int = DEFAULT_PAGE_SIZE,
     dtype: torch.dtype | None = None,
     weights_on_device: bool = True,
+    prefix_cache: bool = False,
 ) -> PoolSizes:
     """Sensible pools for `device`.
 
@@ -95,7 +102,9 @@ def default_pool_sizes(
     before loading. CPU: 8 slots and pages for 8 x 4096 tokens, within 1 GiB
     or a quarter of that memory. CUDA: 90% of it minus 2 GiB, a quarter of it
     (at most 256 slots) for GDN slots and the rest for pages. Raises
-    ModelDoesNotFit when not even one slot and one page fit.
+    ModelDoesNotFit when not even one slot and one page fit. With `prefix_cache`
+    (and a model with GDN layers), GDN snapshot slots too: CPU 4 per GDN slot,
+    CUDA a tenth of the budget (at most 4096), taken before the pages.
     """
     device = torch.device(device)
     if dtype is None:
@@ -104,15 +113,19 @@ def default_pool_sizes(
     slot_bytes = gdn_slot_bytes(config, dtype)
     weights = 0 if weights_on_device else weight_bytes(config, dtype)
     free = available_bytes(device) - weights
+    snapshots = prefix_cache and config.num_linear_attention_layers > 0
     if device.type == "cuda":
         budget = int(free * _CUDA_USABLE_FRACTION) - _CUDA_RESERVED_BYTES
         num_slots = min(_CUDA_MAX_GDN_SLOTS, int(budget * _CUDA_GDN_SHARE) // max(slot_bytes, 1))
-        num_pages = (budget - num_slots * slot_bytes) // max(page_bytes, 1)
+        num_snapshots = (min(_CUDA_MAX_SNAPSHOT_SLOTS, int(budget * _CUDA_SNAPSHOT_SHARE) // max(slot_bytes, 1))
+                         if snapshots else 0)
+        num_pages = (budget - (num_slots + num_snapshots) * slot_bytes) // max(page_bytes, 1)
     else:
         budget = min(_CPU_BUDGET_BYTES, free // 4)
         num_slots = _CPU_NUM_GDN_SLOTS
+        num_snapshots = num_slots * _CPU_SNAPSHOTS_PER_GDN_SLOT if snapshots else 0
         wanted_pages = num_slots * _CPU_MAX_TOKENS_PER_SEQUENCE // page_size
-        num_pages = min(wanted_pages, (budget - num_slots * slot_bytes) // max(page_bytes, 1))
+        num_pages = min(wanted_pages, (budget - (num_slots + num_snapshots) * slot_bytes) // max(page_bytes, 1))
     if num_slots < 1 or num_pages < 1:
         weights_note = "" if weights_on_device else f" after {weights / _GIB:.2f} GiB of weights"
         raise ModelDoesNotFit(
@@ -120,7 +133,8 @@ def default_pool_sizes(
             f"takes {slot_bytes / _GIB:.3f} GiB and one KV page {page_bytes / _GIB:.3f} GiB; "
             "use a smaller dtype, a larger device or a smaller model"
         )
-    return PoolSizes(total_kv_pages=int(num_pages), page_size=page_size, total_gdn_slots=int(num_slots))
+    return PoolSizes(total_kv_pages=int(num_pages), page_size=page_size, total_gdn_slots=int(num_slots),
+                     total_snapshot_slots=int(num_snapshots))
 
 
 def check_pools_fit(config: ModelConfig, sizes: PoolSizes, device: torch.device, dtype: torch.dtype) -> None:
@@ -129,7 +143,7 @@ def check_pools_fit(config: ModelConfig, sizes: PoolSizes, device: torch.device,
     free = available_bytes(device)
     if needed > free:
         raise ModelDoesNotFit(
-            f"{sizes.total_kv_pages} KV pages of {sizes.page_size} tokens and {sizes.total_gdn_slots} GDN "
-            f"slots need {needed / _GIB:.2f} GiB on {device}, only {free / _GIB:.2f} GiB is free; "
+            f"{sizes.total_kv_pages} KV pages of {sizes.page_size} tokens, {sizes.total_gdn_slots} GDN "
+            f"slots and {sizes.total_snapshot_slots} GDN snapshot slots need {needed / _GIB:.2f} GiB on {device}, only {free / _GIB:.2f} GiB is free; "
             "ask for fewer (see default_pool_sizes)"
         )

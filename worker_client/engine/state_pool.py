@@ -36,6 +36,21 @@ class GdnStatePool:
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))  # a stack: pop() gives the lowest
 
+    def empty_like(self, num_slots: int) -> GdnStatePool:
+        """A pool of `num_slots` slots of this pool's shapes, dtypes and device."""
+        pool = GdnStatePool.__new__(GdnStatePool)
+        pool.conv = self.conv.new_zeros((self.conv.shape[0], num_slots, *self.conv.shape[2:]))
+        pool.recurrent = self.recurrent.new_zeros(
+            (self.recurrent.shape[0], num_slots, *self.recurrent.shape[2:]))
+        pool.num_slots = num_slots
+        pool._free_slots = list(range(num_slots - 1, -1, -1))
+        return pool
+
+    def copy_slot(self, source: GdnStatePool, source_slot: int, slot: int) -> None:
+        """Overwrite slot `slot`, every layer, with `source`'s slot `source_slot`."""
+        self.conv[:, slot] = source.conv[:, source_slot]
+        self.recurrent[:, slot] = source.recurrent[:, source_slot]
+
     @staticmethod
     def bytes_per_slot(num_layers: int, conv_dim: int, conv_kernel: int, num_value_heads: int,
                        key_head_dim: int, value_head_dim: int, dtype: torch.dtype) -> int:

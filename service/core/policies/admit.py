@@ -11,8 +11,9 @@ from service.core.vocabulary import BlockReason, SequenceView
 # before it stops looking: a decision costs O(admissions + this), never O(queue).
 MAX_SKIPPED = 256
 
-# The first chunk's length for a candidate, given what is left; None: it does not fit.
-FirstChunk = Callable[[SequenceView, StepBudget], "int | None"]
+# The first chunk's length for a candidate, given what is left and how many of its prompt
+# tokens the worker has cached (the chunk starts there); None: it does not fit.
+FirstChunk = Callable[[SequenceView, StepBudget, int], "int | None"]
 
 
 def admit(view: DecisionView, budget: StepBudget,
@@ -32,13 +33,14 @@ def admit(view: DecisionView, budget: StepBudget,
             blocked = stop
             break
         if budget.fits_adapter(seq.adapter_id):
-            length = first_chunk(seq, budget)
+            cached = view.cached_tokens(seq)
+            length = first_chunk(seq, budget, cached)
             reason = (BlockReason.TOKEN_BUDGET if length is None
-                      else budget.admission_blocker(seq, length))
+                      else budget.admission_blocker(seq, length, cached))
             if reason is None:
-                budget.take_admission(seq, length)
+                budget.take_admission(seq, length, cached)
                 view.service.charge(seq.tenant, length)
-                admissions.append(Chunk(seq.seq_id, length))
+                admissions.append(Chunk(seq.seq_id, length, cached))
                 continue
             blocked = reason
         num_skipped += 1

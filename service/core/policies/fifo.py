@@ -4,6 +4,7 @@ from __future__ import annotations
 from service.core.config import SchedulerConfig
 from service.core.plan import Chunk, DecisionView, Plan
 from service.core.policies.admit import admit
+from service.core.prefix_cache import align_chunk
 from service.core.step_budget import StepBudget
 from service.core.vocabulary import BlockReason, SequenceView
 
@@ -38,16 +39,24 @@ class FifoPolicy:
                           adapters=set(view.adapters_in_use))
 
     def plan(self, view: DecisionView) -> Plan:
-        admissions, blocked = admit(view, self.budget(view), self._first_chunk)
+        block = view.cache_block_tokens
+        admissions, blocked = admit(
+            view, self.budget(view),
+            lambda seq, budget, cached: align_chunk(cached, self._first_chunk(seq, cached),
+                                                    block))
         return Plan(
             decode=tuple(seq.seq_id for seq in view.running),
             continuations=tuple(
-                Chunk(seq.seq_id, max(0, min(self._chunk_size,
-                                             seq.spec_prompt_len() - seq.cursor)))
+                Chunk(seq.seq_id, align_chunk(
+                    seq.cursor, max(0, min(self._chunk_size, seq.spec_prompt_len() - seq.cursor)),
+                    block))
                 for seq in view.waiting),
             admissions=admissions,
             blocked=blocked,
         )
 
-    def _first_chunk(self, seq: SequenceView, budget: StepBudget) -> int:
-        return min(self._chunk_size, seq.num_tokens())
+    def _first_chunk(self, seq: SequenceView, cached: int) -> int:
+        # From the worker's resume point when it reported one, ending on a block boundary
+        # where one lies inside (docs/prefix-caching.md): a worker that registered no
+        # cache gets exactly rule 5's chunks.
+        return min(self._chunk_size, seq.num_tokens() - cached)

@@ -1,7 +1,9 @@
 """Bearer-token authentication with roles, as a gRPC server interceptor.
 
 Every call to the Scheduler service carries `authorization: Bearer <token>`; the token
-names a role (see `ROLE_METHODS`). Health and reflection stay open so that probes and
+names a role (see `ROLE_METHODS`) and, for client and admin tokens, a principal: the
+sequences a client submits are its principal's, and only that principal (or admin) may
+read, stream or cancel them (`Callers`, which the servicer asks). Health and reflection stay open so that probes and
 grpcurl need no secret. Tokens come from a file (`--auth-tokens`); only their SHA-256
 digests are kept in memory, and no token is ever logged or echoed in a status message.
 """
@@ -20,7 +22,11 @@ from pathlib import Path
 import grpc
 
 from service.server.interceptors import handlers
-from service.core import ConfigError
+from service.core import ANYONE, Caller, ConfigError
+
+# The longest tenant a tokens file may bind a token to, in UTF-8 bytes (as the wire's
+# MAX_STRING_BYTES).
+MAX_TENANT_BYTES = 256
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,14 @@ class Grant:
     role: Role
     name: str  # for logs: the file's `name`, or the role (and worker id)
     worker_id: str | None = None
+    # Whose sequences its calls submit and see: the file's `name`, else "sha256:" and the
+    # first 16 hex digits of the token's digest (two unnamed tokens are two principals).
+    principal: str = ""
+    # The tenant of everything it submits, overriding the request's (client tokens only).
+    tenant: str | None = None
+
+    def caller(self) -> Caller:
+        return Caller(self.principal, sees_all=self.role is Role.ADMIN)
 
 
 class TokenTable:
@@ -84,8 +98,10 @@ def load_tokens(path: str | Path) -> TokenTable:
     """Read a tokens file (TOML, or JSON when it ends in .json); ConfigError if it is wrong.
 
     Format: a list `tokens` of tables with `token` (or `token_sha256`, its hex digest),
-    `role` (client, worker or admin), `worker_id` (worker tokens only, required) and an
-    optional `name` used in logs.
+    `role` (client, worker or admin), `worker_id` (worker tokens only, required), an
+    optional `name` (used in logs, and the principal of a client or admin token; tokens
+    of one name are one principal) and an optional `tenant` (client tokens only: the
+    tenant of everything the token submits).
     """
     where = f"--auth-tokens {path}"
     try:
@@ -114,10 +130,10 @@ def load_tokens(path: str | Path) -> TokenTable:
 def _entry(item: object, where: str) -> tuple[bytes, Grant]:
     if not isinstance(item, dict):
         raise ConfigError(f"{where}: expected a table with token and role")
-    unknown = set(item) - {"token", "token_sha256", "role", "worker_id", "name"}
+    unknown = set(item) - {"token", "token_sha256", "role", "worker_id", "name", "tenant"}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; known: token, "
-                          f"token_sha256, role, worker_id, name")
+                          f"token_sha256, role, worker_id, name, tenant")
     try:
         role = Role(item.get("role"))
     except ValueError:
@@ -141,8 +157,69 @@ def _entry(item: object, where: str) -> tuple[bytes, Grant]:
         raise ConfigError(f"{where}: a worker token needs the worker_id it is bound to")
     if role is not Role.WORKER and worker_id is not None:
         raise ConfigError(f"{where}: only worker tokens take a worker_id")
+    name = item.get("name")
+    if name is not None and (not isinstance(name, str) or not _is_clean(name)):
+        raise ConfigError(f"{where}: name must be a non-empty string without control "
+                          f"characters")
+    tenant = _tenant(item.get("tenant"), role, where)
     default_name = f"worker {worker_id}" if role is Role.WORKER else role.value
-    return digest, Grant(role, str(item.get("name", default_name)), worker_id)
+    principal = name if name is not None else f"sha256:{digest.hex()[:16]}"
+    return digest, Grant(role, name if name is not None else default_name, worker_id,
+                         principal=principal, tenant=tenant)
+
+
+def _tenant(tenant: object, role: Role, where: str) -> str | None:
+    if tenant is None:
+        return None
+    if role is not Role.CLIENT:
+        raise ConfigError(f"{where}: only client tokens take a tenant")
+    if (not isinstance(tenant, str) or not _is_clean(tenant)
+            or len(tenant.encode("utf-8", "surrogatepass")) > MAX_TENANT_BYTES):
+        raise ConfigError(f"{where}: tenant must be a non-empty string of at most "
+                          f"{MAX_TENANT_BYTES} bytes without control characters")
+    return tenant
+
+
+def _is_clean(text: str) -> bool:
+    """Non-empty, valid UTF-8 (no lone surrogates) and no control characters."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return bool(text) and all(ch.isprintable() or ch == " " for ch in text)
+
+
+class Callers:
+    """Who a client call comes from, for the servicer: the caller of the call's token
+    (the interceptor has checked it already), or, without a tokens table, ANYONE (one
+    principal, who sees every sequence, as before principals)."""
+
+    def __init__(self, tokens: TokenTable | None) -> None:
+        self._tokens = tokens
+
+    def grant(self, context) -> Grant | None:
+        """The grant of the call's token; None without a tokens table."""
+        if self._tokens is None:
+            return None
+        grant = self._tokens.lookup(_bearer(context.invocation_metadata()) or "")
+        if grant is None:  # the interceptor refuses such calls before they get here
+            raise PermissionError("a call reached the servicer without a known token")
+        return grant
+
+    def caller(self, context) -> Caller:
+        grant = self.grant(context)
+        return ANYONE if grant is None else grant.caller()
+
+
+def _bearer(metadata) -> str | None:
+    """The token of `authorization: Bearer <token>` in `metadata`, or None."""
+    values = [v for k, v in (metadata or ()) if k == "authorization"]
+    if not values:
+        return None
+    scheme, _, token = str(values[0]).partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
 
 
 class _Denied(Exception):

@@ -4,7 +4,7 @@ A table holds the measured wall time of one `Engine.step` on a grid of
 (prefill tokens, decode batch, context length), each grid step being one prefill chunk
 of P tokens whose first C prompt tokens are already cached, together with D decoding
 sequences that each hold C tokens. Between and beyond grid points the time is
-interpolated monotonically (worker_client.interp).
+interpolated monotonically (common.interp).
 
 A real step may mix several chunks and decodes of different lengths; `StepLoad` is that
 step, and `StepTableModel.step_seconds` maps it onto the grid:
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.loadgen import percentile
-from worker_client.interp import MonotoneGrid
+from common.interp import MonotoneGrid
 
 FORMAT = "lattice-step-table/1"
 

@@ -1,0 +1,153 @@
+"""A worker's step time, learned online: recursive least squares over the step's shape.
+
+A step's time is modelled as linear in five features of what it held (the scheduler's own
+decision, `StepShape`): an intercept (the forward's fixed cost), prefill tokens (the
+linear layers' work), prefill attention work (each chunk's tokens times the context they
+attend to: previous context plus half the chunk), decodes (their linear layers' work)
+and decode context (the KV the decodes read). Recursive least squares with a forgetting
+factor refits the five weights with every measured step in O(25) operations, and forgets
+old steps at the rate `forgetting` (a worker that drifts, from throttling or another
+model, is followed within about 1 / (1 - forgetting) steps).
+
+Plain Python floats, no numpy: a decision reads the model once (`prefill_budget`) and a
+report updates it once.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# Feature scales, so that each feature of a typical step is about 1 and the fit stays
+# well conditioned: kilo-tokens, mega token-contexts, hundreds of decodes, 100k contexts.
+_PREFILL_SCALE = 1e-3
+_ATTENTION_SCALE = 1e-6
+_DECODE_SCALE = 1e-2
+_CONTEXT_SCALE = 1e-5
+_NUM_FEATURES = 5
+
+# The cautious default, in milliseconds per unit of each scaled feature: 20 ms a step,
+# 0.2 ms a prefill token, 0.05 ms per thousand token-contexts of attention, 0.5 ms a
+# decode, 0.05 ms per thousand tokens of decode context. Slower than a mid-range GPU on
+# a 7B model (the A30 profile: about 15 ms + 0.07 ms a prefill token), so that budgets
+# start small and grow as steps are measured.
+CAUTIOUS_WEIGHTS_MS = (20.0, 200.0, 50.0, 50.0, 5.0)
+# Prior variance of each weight: wide, so that the first measured steps dominate.
+_PRIOR_VARIANCE = 1e4
+# The covariance stops growing past this trace (no forgetting while a feature is not
+# excited: a run of decode-only steps must not make the prefill weights jump later).
+_MAX_COVARIANCE_TRACE = 1e6
+DEFAULT_FORGETTING = 0.99
+# The error a model fitted to a table starts with: the table's own, until steps are measured.
+_FITTED_ERROR = 0.1
+# How fast the error estimate follows (about the last 1 / _ERROR_RATE steps).
+_ERROR_RATE = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step held, as the decision that made it says."""
+
+    num_prefill_tokens: int = 0
+    # Sum over chunks of chunk_len x (tokens before the chunk + chunk_len / 2).
+    prefill_attention: float = 0.0
+    num_decodes: int = 0
+    # Sum over decodes of the sequence's tokens (the KV each decode reads).
+    decode_context: int = 0
+
+    def features(self) -> tuple[float, ...]:
+        return (1.0, self.num_prefill_tokens * _PREFILL_SCALE,
+                self.prefill_attention * _ATTENTION_SCALE, self.num_decodes * _DECODE_SCALE,
+                self.decode_context * _CONTEXT_SCALE)
+
+
+def chunk_attention(chunk_start: int, chunk_len: int) -> float:
+    """The attention work of one prefill chunk (StepShape.prefill_attention's term)."""
+    return chunk_len * (chunk_start + chunk_len / 2)
+
+
+class StepTimeModel:
+    """One worker's step time in seconds, refitted with every measured step."""
+
+    def __init__(self, weights_ms: Iterable[float] = CAUTIOUS_WEIGHTS_MS, *,
+                 forgetting: float = DEFAULT_FORGETTING,
+                 prior_variance: float = _PRIOR_VARIANCE) -> None:
+        self.weights = [float(w) for w in weights_ms]
+        assert len(self.weights) == _NUM_FEATURES and 0 < forgetting <= 1
+        self.forgetting = forgetting
+        self._cov = [[prior_variance if i == j else 0.0 for j in range(_NUM_FEATURES)]
+                     for i in range(_NUM_FEATURES)]
+        self.num_steps = 0
+        # Mean relative error |predicted - measured| / measured, recent steps weighing more.
+        self.recent_error = 0.5
+
+    @classmethod
+    def fitted(cls, samples: Iterable[tuple[StepShape, float]],
+               forgetting: float = DEFAULT_FORGETTING) -> StepTimeModel:
+        """A model fitted to (shape, seconds) samples (a step table or profile read on a
+        grid), with every sample weighing the same; it goes on learning as any other."""
+        model = cls(forgetting=1.0)
+        for shape, seconds in samples:
+            model.observe(shape, seconds)
+        model.forgetting = forgetting
+        model.num_steps = 0
+        model.recent_error = _FITTED_ERROR
+        return model
+
+    def copy(self) -> StepTimeModel:
+        """An independent model that starts where this one is (a prior for each worker)."""
+        model = StepTimeModel(self.weights, forgetting=self.forgetting)
+        model._cov = [row[:] for row in self._cov]
+        model.num_steps, model.recent_error = self.num_steps, self.recent_error
+        return model
+
+    def predict(self, shape: StepShape) -> float:
+        """Predicted seconds; never below zero. The weights are used as fitted: features
+        that move together (decodes and their context) may share the cost with one weight
+        below zero, and zeroing it would overpredict every step that has them."""
+        return max(0.0, sum([w * x for w, x in zip(self.weights, shape.features())])) / 1000.0
+
+    def observe(self, shape: StepShape, seconds: float) -> float:
+        """Learn one measured step; returns the prediction it had before (seconds)."""
+        predicted = self.predict(shape)
+        if seconds > 0:
+            error = abs(predicted - seconds) / seconds
+            # The mean of the errors so far while there are few, then a moving average.
+            rate = max(_ERROR_RATE, 1.0 / (self.num_steps + 1))
+            self.recent_error += rate * (min(error, 10.0) - self.recent_error)
+        self._update(shape.features(), seconds * 1000.0)
+        self.num_steps += 1
+        return predicted
+
+    def prefill_budget(self, max_seconds: float, *, num_decodes: int, decode_context: int,
+                       prefill_context: float) -> float:
+        """The most prefill tokens P whose predicted step, with these decodes, takes at
+        most `max_seconds`, counting each prefill token's attention as `prefill_context`
+        + P / 2 tokens (a chunk from that context on: an upper bound for several chunks).
+        0 when the decodes alone take that long; math.inf when prefill costs nothing."""
+        w = self.weights
+        fixed_ms = max(0.0, w[0] + w[3] * num_decodes * _DECODE_SCALE
+                       + w[4] * decode_context * _CONTEXT_SCALE)
+        room_ms = max_seconds * 1000.0 - fixed_ms
+        if room_ms <= 0:
+            return 0.0
+        # room = b P + a P^2, with a from the attention's P/2 and b per token (a prefill
+        # token never counts as free or negative: then the budget is the ceiling).
+        w = [max(0.0, v) for v in w]
+        a = w[2] * _ATTENTION_SCALE / 2
+        b = w[1] * _PREFILL_SCALE + w[2] * _ATTENTION_SCALE * prefill_context
+        if a <= 0:
+            return room_ms / b if b > 0 else math.inf
+        return (-b + math.sqrt(b * b + 4 * a * room_ms)) / (2 * a)
+
+    def _update(self, x: tuple[float, ...], y_ms: float) -> None:
+        cov, w = self._cov, self.weights
+        px = [sum([a * b for a, b in zip(row, x)]) for row in cov]
+        trace = cov[0][0] + cov[1][1] + cov[2][2] + cov[3][3] + cov[4][4]
+        forgetting = self.forgetting if trace < _MAX_COVARIANCE_TRACE else 1.0
+        denom = forgetting + sum([a * b for a, b in zip(x, px)])
+        gain = [v / denom for v in px]
+        error = y_ms - sum([a * b for a, b in zip(w, x)])
+        self.weights = [wi + gi * error for wi, gi in zip(w, gain)]
+        self._cov = [[(c - gi * p) / forgetting for c, p in zip(row, px)]
+                     for row, gi in zip(cov, gain)]
