@@ -14,6 +14,7 @@ commit before this change), started with this interpreter from DIR.
     .venv/bin/python scripts/bench_traffic.py overlap     # 8 scripted workers, --step-ms 10
     .venv/bin/python scripts/bench_traffic.py idle        # 16 idle workers: CPU, Submit to a worker
     .venv/bin/python scripts/bench_traffic.py submits     # acknowledged Submits/s, 16 submitters
+    .venv/bin/python scripts/bench_traffic.py report-cost # CPU per report, 256 decoding
 
 The machine these ran on has 2 cores shared with other work: read ratios within one run.
 """
@@ -715,6 +716,65 @@ def cmd_submits(args) -> None:
     table(["", "fsync", "acknowledged", "per s", "p50 ms", "p99 ms", "fsyncs"], rows)
 
 
+# ====================================================================== report-cost
+
+
+def _nano_cpu_per_decision(directory: str, batch: int, decisions: int = 200) -> float:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_decision_cost
+    return bench_decision_cost.cpu_per_decision("nano", batch, decisions, Path(directory))
+
+
+def cmd_report_cost(args) -> None:
+    """The scheduler process's CPU per report of one scripted worker decoding --batch
+    sequences on a session (issue 21): from /proc (utime + stime) over --seconds of
+    steady decoding, the scheduler's idle CPU over the same wall time subtracted."""
+    print(f"1 scripted worker (--step-ms {args.step_ms:g}, a session), {args.batch} sequences "
+          f"decoding; the scheduler's CPU from /proc over {args.seconds:g} s, its idle CPU "
+          f"(measured first, {args.idle_seconds:g} s) subtracted {load_note()}")
+    scheduler = start_scheduler("--max-batch-size", str(args.batch))
+    workers: list[Proc] = []
+    try:
+        cpu, wall = scheduler.proc.cpu_seconds(), time.perf_counter()
+        time.sleep(args.idle_seconds)
+        idle_cores = (scheduler.proc.cpu_seconds() - cpu) / (time.perf_counter() - wall)
+        workers = start_scripted_workers(
+            scheduler, 1, "--step-ms", str(args.step_ms), "--max-batch-size", str(args.batch),
+            "--gdn-slots", str(args.batch), "--kv-pages", "100000")
+        channel = grpc.insecure_channel(scheduler.target)
+        stub = pb_grpc.SchedulerStub(channel)
+        wait_until(lambda: len(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers) >= 1,
+                   "the scripted worker to register", 60, every_seconds=0.2)
+        request = pb.SubmitRequest(prompt_token_ids=PROMPT, max_new_tokens=args.max_new_tokens)
+        for _ in range(args.batch):
+            stub.Submit(request, timeout=RPC_TIMEOUT)
+        tokens = "lattice_scheduler_generation_tokens_total"
+        reports = "lattice_scheduler_select_batch_duration_seconds_count"
+        # Steady state: every sequence admitted and decoding for a while.
+        wait_until(lambda: scheduler.metric(tokens) >= 20 * args.batch,
+                   "the worker to decode its batch", 120, every_seconds=0.2)
+        count_0, tokens_0 = scheduler.metric(reports), scheduler.metric(tokens)
+        cpu, wall = scheduler.proc.cpu_seconds(), time.perf_counter()
+        time.sleep(args.seconds)
+        cpu_1, wall_1 = scheduler.proc.cpu_seconds(), time.perf_counter()
+        count, decoded = scheduler.metric(reports) - count_0, scheduler.metric(tokens) - tokens_0
+        channel.close()
+    finally:
+        stop_all(*workers, scheduler.proc)
+    if decoded >= args.batch * (args.max_new_tokens - 20):
+        raise SystemExit("the sequences finished inside the window: raise --max-new-tokens")
+    busy = (cpu_1 - cpu) - idle_cores * (wall_1 - wall)
+    per_report = busy / count
+    rows = [["scheduler CPU per report", f"{count:.0f}", f"{decoded / count:.1f}",
+             f"{per_report * 1e3:.3f}", f"{idle_cores * 100:.1f}%"]]
+    if args.nano_vllm:
+        nano = _nano_cpu_per_decision(args.nano_vllm, args.batch)
+        rows.append(["nano-vllm schedule()+postprocess()", "200", f"{args.batch}",
+                     f"{nano * 1e3:.3f}", "-"])
+        print(f"ratio: {per_report / nano:.1f}x nano-vllm's CPU per decision")
+    table(["", "reports", "tokens/report", "CPU ms each", "idle (of a core)"], rows)
+
+
 # ====================================================================== entry point
 
 
@@ -744,6 +804,11 @@ def main(argv: list[str] | None = None) -> int:
         workers=8, batch=16, step_ms=10.0, max_new_tokens=300)
     add("idle", cmd_idle, "idle workers: scheduler CPU, Submit to a parked worker",
         workers=16, seconds=20.0, submits=200)
+    cost = add("report-cost", cmd_report_cost,
+               "scheduler CPU per report, 1 scripted worker decoding --batch on a session",
+               batch=256, step_ms=10.0, seconds=10.0, idle_seconds=5.0, max_new_tokens=3000)
+    cost.add_argument("--nano-vllm", metavar="DIR",
+                      help="a nano-vllm checkout: its CPU per decision in the same run")
     add("submits", cmd_submits, "acknowledged Submits/s with concurrent submitters",
         submitters=16, seconds=10.0, tmp_dir=".artifacts")
     echo = sub.add_parser("echo-server", help="(internal) the bare echo servicer")

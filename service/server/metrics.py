@@ -305,6 +305,7 @@ class SchedulerMetrics(SchedulerObserver):
         self.worker_kv_total_pages.labels(worker_id).set(total_kv_pages)
         self.worker_gdn_total_slots.labels(worker_id).set(total_gdn_slots)
         self.worker_iterations.labels(worker_id)
+        self.worker_resume_points.labels(worker_id).set(0)  # none known at registration
         self._worker_ids.add(worker_id)
         self.workers.set(len(self._worker_ids))
 

@@ -203,7 +203,10 @@ def test_worker_frozen_past_its_lease_is_refused_registers_again_and_nothing_is_
     _assert_all_good(stack, jobs)
     assert _requeues(stack, "lease_expired") >= 1
     assert "no longer knows this worker" in stack.workers[victim].log_text()
-    assert stack.worker_status()[victim].iteration > 0  # registered again, and working
+    # Registered again, and working: its first report after registering may still be on
+    # its way (a registration counts no iteration).
+    wait_until(lambda: stack.worker_status()[victim].iteration > 0,
+               "the frozen worker to report again after registering", 10)
 
 
 def test_scheduler_frozen_past_the_lease_keeps_its_calling_workers(make_stack, make_clients):

@@ -85,12 +85,12 @@ def test_a_chunked_body_over_the_limit_is_a_413(gateway):
 
 
 def test_a_long_prompt_does_not_delay_another_request(gateway):
-    # ~2 MB of text: tokenizing it takes seconds of CPU, and it ends in a 400 (longer
+    # ~2.3 MB of text: tokenizing it takes seconds of CPU, and it ends in a 400 (longer
     # than max_model_len). Meanwhile GET /v1/models answers at once: the tokenizer runs on
     # a thread, without the GIL.
     rng = random.Random(0)
     prompt = " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 9)))
-                      for _ in range(300_000))
+                      for _ in range(350_000))
     result = {}
 
     def long_request() -> None:

@@ -85,7 +85,8 @@ def test_find_capacity_prints_its_steps_and_every_run_carries_the_capacity(tmp_p
     assert "step 1: 2.000 QPS" in out and "capacity:" in out
     capacity = runs[0]["capacity_qps"]
     assert all(run["capacity_qps"] == capacity for run in runs)
-    assert all(set(run) == {*JSON_KEYS, "capacity_qps"} for run in runs)
+    assert all(set(run) == {*JSON_KEYS, "capacity_qps", "saturation_requests_per_s"}
+               for run in runs)
     meeting = [r for r in runs if r["ttft_p99"] <= 0.3 and r["tpot_p99"] <= 0.1]
     missing = [r for r in runs if r not in meeting]
     assert max(r["qps"] for r in meeting) == capacity

@@ -154,7 +154,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> GatewayActivity:
             "model": "model", "messages": [{"role": "user", "content": "hello"}],
             "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}})
         with pytest.raises(urllib.error.HTTPError):
-            _post(f"{base}/v1/completions", {"model": "model", "prompt": "hi", "n": 3})
+            _post(f"{base}/v1/completions", {"model": "model", "prompt": "hi", "n": 9})
         yield GatewayActivity(gateway.ports[0])
     finally:
         for process in reversed(started):
