@@ -66,7 +66,9 @@ def resolve_max_model_len(settings: GatewaySettings, files: ModelFiles) -> int:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """The listening socket (bound before uvicorn starts, so that port 0 can be printed)."""
+    """The listening socket (bound and listening before uvicorn starts, so that port 0 can
+    be printed, and a client that read the banner is queued, not refused, while uvicorn's
+    startup runs)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -75,6 +77,7 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as err:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    sock.listen(2048)  # uvicorn's default backlog; it listens again on this socket
     return sock
 
 
