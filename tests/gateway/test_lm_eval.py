@@ -3,7 +3,8 @@ type) on a local data file, through the gateway: every log-likelihood it reads e
 transformers' sum of log-probabilities on the same checkpoint.
 
 lm-eval is the `eval` extra (with its dependencies about 650 MB: datasets, pyarrow,
-scikit-learn, ...), not part of `test`: this test skips without it. The data file
+scikit-learn, ...), not part of `test`; scripts/test.sh installs it, and this test skips
+without it (a plain `pytest` in a venv made without the extra). The data file
 (data/multiple_choice.jsonl) was written for this test."""
 from __future__ import annotations
 
