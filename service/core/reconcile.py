@@ -19,7 +19,7 @@ from service.core.ledger import WorkerRecord
 from service.core.lifecycle import Lifecycle
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.sequences import Sequence, SequenceTable
-from service.core.types import FinishReason, WorkerReport
+from service.core.types import FinishReason, TokenUpdate, WorkerReport
 from service.core.vocabulary import PreemptReason
 
 
@@ -98,7 +98,7 @@ class Reconciler:
         return misses
 
     def _new_tokens(self, worker: WorkerRecord,
-                    report: WorkerReport) -> list[tuple[Sequence, tuple[int, ...]]]:
+                    report: WorkerReport) -> list[tuple[Sequence, tuple[int, ...], TokenUpdate]]:
         """The tokens each update adds, changing nothing. An update with an offset keeps only
         what is new (a retried report repeats tokens already applied); one whose offset is
         past the tokens known for its sequence is refused (a gap means tokens were lost on
@@ -124,14 +124,18 @@ class Reconciler:
             # Past tokens of a retried report are dropped; a gap was refused above.
             token_ids = update.token_ids[num_known - start:]
             if token_ids:
-                new_tokens.append((seq, token_ids))
+                new_tokens.append((seq, token_ids, update))
                 known[seq_id] = num_known + len(token_ids)
         return new_tokens
 
-    def _apply_tokens(self, new_tokens: list[tuple[Sequence, tuple[int, ...]]]) -> None:
+    def _apply_tokens(self, new_tokens: list[tuple[Sequence, tuple[int, ...], TokenUpdate]]) -> None:
         served: Counter[str] = Counter()
-        for seq, token_ids in new_tokens:
-            seq.output_token_ids.extend(token_ids)
+        for seq, token_ids, update in new_tokens:
+            if seq.output_logprobs is None:
+                seq.output_token_ids.extend(token_ids)
+            else:
+                num_past = len(update.token_ids) - len(token_ids)
+                seq.add_tokens(token_ids, update.logprobs[num_past:], update.prompt_logprobs)
             self._changes.grown(seq)
             served[seq.tenant] += len(token_ids)
             self._observer.on_tokens(seq.seq_id, len(token_ids))
