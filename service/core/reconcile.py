@@ -82,7 +82,7 @@ class Reconciler:
         the worker holds no longer: nothing ran for them), whose resume points are
         forgotten so that the next first chunk starts from another one, or from 0."""
         resume = worker.resume_points
-        resume.apply(report.cache)
+        num_removed = resume.apply(report.cache)
         misses = []
         for seq_id in dict.fromkeys(report.cache_misses):
             if seq_id not in worker.assigned or seq_id in reported or seq_id in preempted:
@@ -94,7 +94,7 @@ class Reconciler:
             misses.append(seq_id)
             self._observer.on_cache_miss(seq_id, worker.worker_id)
         if resume.block_tokens:
-            self._observer.on_resume_points(worker.worker_id, len(resume))
+            self._observer.on_resume_points(worker.worker_id, len(resume), num_removed)
         return misses
 
     def _new_tokens(self, worker: WorkerRecord,

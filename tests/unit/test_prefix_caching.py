@@ -45,7 +45,7 @@ class Recorder(SchedulerObserver):
     def on_cache_miss(self, seq_id, worker_id):
         self.misses.append(seq_id)
 
-    def on_resume_points(self, worker_id, num_points):
+    def on_resume_points(self, worker_id, num_points, num_removed):
         self.points.append(num_points)
 
 
