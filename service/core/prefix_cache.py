@@ -26,15 +26,19 @@ class ResumePoints:
     block_tokens: int  # the worker's cache_block_tokens; 0: it keeps no cache
     points: set[int] = field(default_factory=set)
 
-    def apply(self, report: CacheReport) -> None:
+    def apply(self, report: CacheReport) -> int:
         """Reset first, then removed, then added: a report applied twice changes nothing
-        the second time (each step is a set operation)."""
+        the second time (each step is a set operation). Returns how many known points the
+        report removed (the worker's evictions; 0 for a retried report or a reset)."""
         if not self.block_tokens:
-            return  # a worker that registered no cache has no hashes we could match
+            return 0  # a worker that registered no cache has no hashes we could match
         if report.reset:
             self.points.clear()
+        known = len(self.points)
         self.points.difference_update(report.removed)
+        removed = known - len(self.points)
         self.points.update(report.added)
+        return removed
 
     def forget(self, block_hash: int) -> None:
         """A point the worker missed on: never offered again until it reports it again."""

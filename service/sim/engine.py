@@ -24,6 +24,11 @@ the same torch-free PageTables and, with a cache, the same PrefixCache:
   a GDN snapshot, taken where a step ended on a block boundary, `snapshot_slots` of them
   kept, least recently used out (as ModelEngine with GDN layers); without it every
   cached block is a resume point (a model of attention layers only).
+It generates no EOS, so `ignore_eos` and `min_new_tokens` change nothing, and it reports no
+log-probabilities (`logprobs`, `prompt_logprobs` are accepted and ignored: their cost, one
+log_softmax per token asked for, is not in the cost models); a sequence that asks for
+prompt log-probabilities is never resumed from the cache (`may_resume_from_cache`), as
+in ModelEngine.
 Instead of running a model, each step asks a cost model how long it took
 (`last_step_seconds`), from the work actually done: a resumed prompt's cached tokens are
 context for its chunk, not computed.
@@ -211,7 +216,7 @@ class SimEngine:
         held = _Held(seq_id, spec, list(spec.prompt_token_ids), self._num_admissions + 1,
                      prompt_len)
         if cached_tokens:
-            if (self._cache is None or not spec.use_prefix_cache
+            if (self._cache is None or not spec.may_resume_from_cache
                     or not self._cache.resume(held, cached_tokens)):
                 out.cache_misses.append(seq_id)
                 return

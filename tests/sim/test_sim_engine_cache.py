@@ -63,6 +63,14 @@ def test_a_sequence_that_may_not_use_the_cache_misses_on_a_cached_first_chunk():
     assert out.cache_misses == (2,)
 
 
+def test_a_sequence_that_asks_for_prompt_logprobs_is_never_resumed():
+    engine = sim_engine(total_kv_pages=16, page_size=4, cache_block_tokens=BLOCK)
+    tokens = prompt(0, 1, block_tokens=BLOCK)
+    engine.step([cached_chunk(1, tokens, 0, 16, max_new_tokens=1)], [])
+    spec = SequenceSpec(tokens, 2, prompt_logprobs=1)
+    assert engine.step([ChunkWork(2, 8, 8, spec, cached_tokens=8)], []).cache_misses == (2,)
+
+
 def test_without_a_cache_every_cached_first_chunk_is_a_miss():
     engine = sim_engine()
     out = engine.step([cached_chunk(1, prompt(0, 1, block_tokens=4), 4, 4)], [])
