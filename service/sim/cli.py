@@ -24,6 +24,7 @@ DEFAULT_PLOT = "simulate-compare.png"
 def add_parser(sub) -> None:
     """Add the `simulate` subcommand to the lattice-scheduler parser."""
     from service import settings  # light: no grpc import
+    from service.sim.routing import ROUTINGS
 
     p = sub.add_parser("simulate", help="trace-driven simulation of a policy on a virtual "
                                         "clock (no GPU, no network)",
@@ -31,9 +32,14 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     work = p.add_argument_group("workload")
     work.add_argument("--trace", default="sharegpt",
-                      help="a shipped trace (sharegpt, splitwise_conv, splitwise_code) or a "
-                           "CSV file (num_prefill_tokens, num_decode_tokens[, arrived_at]) "
-                           "(default sharegpt)")
+                      help="a shipped trace (sharegpt, splitwise_conv, splitwise_code, "
+                           "mooncake_conversation, mooncake_synthetic), a CSV file "
+                           "(num_prefill_tokens, num_decode_tokens[, arrived_at]) or a "
+                           "Mooncake FILE.jsonl[.gz] (timestamp, input_length, "
+                           "output_length, hash_ids: prompts share prefixes) (default sharegpt)")
+    work.add_argument("--block-tokens", type=int, default=512, metavar="N",
+                      help="tokens per block of a Mooncake trace's hash ids: scales every "
+                           "prompt by N/512 and keeps the reuse pattern (default 512)")
     work.add_argument("--qps", type=_qps_list, metavar="Q[,Q...]",
                       help="mean arrival rate(s), requests per second; a list runs each "
                            "(with --find-capacity: where the search starts, default 1)")
@@ -46,11 +52,12 @@ def add_parser(sub) -> None:
                       help="seed of arrivals and lengths: the same seed, the same output")
     fleet = p.add_argument_group("workers and cost model")
     fleet.add_argument("--workers", type=int, default=1, metavar="W", help="(default 1)")
-    fleet.add_argument("--routing", choices=("pull", "round-robin", "least-loaded"),
-                       default="pull",
+    fleet.add_argument("--routing", choices=ROUTINGS, default="pull",
                        help="pull: one queue, workers take work when they ask (this "
-                            "scheduler); round-robin / least-loaded: a queue per worker, each "
-                            "request routed on arrival, as gateways do (default pull)")
+                            "scheduler); the others: a queue per worker, each request routed "
+                            "on arrival, as gateways do: round-robin, least-loaded, kv-router "
+                            "(NVIDIA Dynamo's cost), prefix-load (llm-d's scorers), "
+                            "cache-aware (SGLang's router) (default pull)")
     fleet.add_argument("--worker-speeds", type=_speed_list, default=(), metavar="S[,S...]",
                        help="each worker's speed relative to the cost model, one per worker "
                             "(0.5: its steps take twice as long): a mixed fleet (default all 1)")
@@ -66,6 +73,14 @@ def add_parser(sub) -> None:
     fleet.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     fleet.add_argument("--gdn-slots", type=int, metavar="N",
                        help="GDN state slots per worker (default 256, or the step table's)")
+    fleet.add_argument("--cache-block-tokens", type=int, metavar="N",
+                       help="tokens per block of each worker's prefix cache, a multiple of "
+                            "--page-size; 0: no cache (default: --block-tokens for a Mooncake "
+                            "trace, 0 for a CSV trace, whose prompts share nothing)")
+    fleet.add_argument("--gdn-snapshot-slots", type=int, metavar="N",
+                       help="model a hybrid model: a resume point needs one of N GDN state "
+                            "snapshots per worker (default: a model without GDN layers, "
+                            "every cached block is a resume point)")
     modes = p.add_argument_group("modes and output")
     modes.add_argument("--find-capacity", action="store_true",
                        help="search the highest QPS that meets --slo-ttft-p99 and "
@@ -125,16 +140,27 @@ def _run(args: argparse.Namespace) -> int:
     if kv_pages is None:
         raise ValueError(f"the cost model {cost.name} does not say how much memory a worker "
                          f"has: give --kv-pages")
-    worker = WorkerShape(kv_pages, args.page_size, args.gdn_slots or cost.default_gdn_slots)
-    trace = load_trace(args.trace)
+    trace = load_trace(args.trace, block_tokens=args.block_tokens)
+    cache_block_tokens = (args.cache_block_tokens if args.cache_block_tokens is not None
+                          else trace.block_tokens)
+    if cache_block_tokens % args.page_size:
+        raise ValueError(f"--cache-block-tokens must be a multiple of --page-size "
+                         f"({args.page_size}), got {cache_block_tokens}"
+                         + ("" if args.cache_block_tokens is not None else
+                            " (from --block-tokens: give --cache-block-tokens)"))
+    worker = WorkerShape(kv_pages, args.page_size, args.gdn_slots or cost.default_gdn_slots,
+                         cache_block_tokens=cache_block_tokens,
+                         snapshot_slots=args.gdn_snapshot_slots)
     setup = experiments.Setup(trace, cost, worker, args.workers, args.num_requests,
                               args.arrivals, args.seed, args.routing,
                               progress=not args.no_progress,
                               worker_speeds=tuple(args.worker_speeds))
     _print_header(setup, configs, cost)
+    bound = _print_bound(setup, configs[0])
 
     if args.find_capacity:
         objects, results = _capacity(args, setup, configs)
+        objects = [{**o, **bound} for o in objects]
     elif args.saturation:
         objects, results = _saturation(setup, configs), []
     else:
@@ -142,7 +168,7 @@ def _run(args: argparse.Namespace) -> int:
         for run in runs:
             _warn_failed(run)
         results = [run.result for run in runs]
-        objects = [r.to_json() for r in results]
+        objects = [{**r.to_json(), **bound} for r in results]
         print(report.results_table(results))
         print(f"\n{len(runs)} run(s), {sum(r.wall_seconds for r in runs):.1f} s wall "
               f"({', '.join(f'{r.wall_seconds:.1f}' for r in runs)})")
@@ -164,7 +190,7 @@ def _capacity(args, setup, configs):
     start = args.qps[0] if args.qps else 1.0
     objects, results, summary = [], [], [["policy", "routing", "capacity QPS", "probes",
                                           "TTFT p99 s", "TPOT p99 ms", "out tok/s",
-                                          "saturation req/s"]]
+                                          "hit rate", "max share/mean", "saturation req/s"]]
     for config in configs:
         print(f"\nfind capacity: {config.policy}, {setup.routing}, SLO TTFT p99 <= "
               f"{slo.ttft_p99:g} s and TPOT p99 <= {slo.tpot_p99 * 1000:g} ms")
@@ -191,6 +217,8 @@ def _capacity(args, setup, configs):
                         f"{at[0].ttft_p99:.3f}" if at else "-",
                         f"{at[0].tpot_p99 * 1000:.1f}" if at else "-",
                         f"{at[0].output_tokens_per_s:.0f}" if at else "-",
+                        f"{at[0].prefix_hit_rate:.3f}" if at else "-",
+                        f"{at[0].max_share_over_mean:.2f}" if at else "-",
                         f"{rate:.3f}" + (" (capacity above it!)" if above else "")])
         for run in capacity.runs:
             results.append(run.result)
@@ -224,10 +252,14 @@ def _saturation(setup, configs):
 def _check_flags(args: argparse.Namespace) -> None:
     if args.profile and args.step_table:
         raise ValueError("give --profile or --step-table, not both")
-    for name in ("workers", "num_requests", "page_size", "kv_pages", "gdn_slots"):
+    for name in ("workers", "num_requests", "page_size", "kv_pages", "gdn_slots", "block_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("cache_block_tokens", "gdn_snapshot_slots"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")
     if args.find_capacity:
         if args.slo_ttft_p99 is None or args.slo_tpot_p99 is None:
             raise ValueError("--find-capacity needs --slo-ttft-p99 S and --slo-tpot-p99 S")
@@ -245,12 +277,38 @@ def _print_header(setup, configs, cost) -> None:
     w = setup.worker
     print(f"trace {setup.trace.name} ({len(setup.trace.rows)} rows): {setup.num_requests} "
           f"requests, {setup.arrivals} arrivals, seed {setup.seed}")
+    if setup.trace.has_prefixes:
+        print(f"trace blocks of {setup.trace.block_tokens} tokens (Mooncake's 512 scaled by "
+              f"{setup.trace.block_tokens / 512:g})")
+    cache = ("no prefix cache" if not w.cache_block_tokens else
+             f"a prefix cache in blocks of {w.cache_block_tokens} tokens"
+             + ("" if w.snapshot_slots is None else f", {w.snapshot_slots} GDN snapshot slots"))
     print(f"cost model {cost.name}; {setup.num_workers} worker(s), routing {setup.routing}, "
-          f"each {w.total_kv_pages} KV pages of {w.page_size} tokens, {w.total_gdn_slots} GDN slots")
+          f"each {w.total_kv_pages} KV pages of {w.page_size} tokens, {w.total_gdn_slots} GDN "
+          f"slots, {cache}")
     for config in configs:
         settings = ", ".join(f"{k} {v}" for k, v in asdict(config).items() if k != "policy")
         print(f"policy {config.policy}: {settings}")
     print(flush=True)
+
+
+def _print_bound(setup, config) -> dict:
+    """Print (and return for the JSON) the hit rate one worker with the fleet's whole KV
+    memory as cache would reach on these requests; {} without a cache."""
+    from service.sim.bound import hit_rate_bound
+    from service.sim.workload import make_requests
+
+    w = setup.worker
+    if not w.cache_block_tokens:
+        return {}
+    requests = make_requests(setup.trace, num_requests=setup.num_requests, qps=1.0,
+                             arrivals=setup.arrivals, seed=setup.seed,
+                             max_seq_len=config.max_seq_len)
+    num_blocks = setup.num_workers * w.total_kv_pages * w.page_size // w.cache_block_tokens
+    bound = hit_rate_bound(requests, block_tokens=w.cache_block_tokens, num_blocks=num_blocks)
+    print(f"prefix hit rate bound: {bound:.3f} (one worker caching in the whole fleet's "
+          f"{num_blocks} blocks, LRU, these {len(requests)} requests in order)\n", flush=True)
+    return {"prefix_hit_rate_bound": bound}
 
 
 def _warn_failed(run) -> None:

@@ -6,6 +6,7 @@ left out.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -13,6 +14,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.server import convert
 from service.core import Scheduler, UnknownWorker
+from service.core.types import WorkerReport
 from worker_client import convert as worker_convert
 from worker_client.client import NotRegistered
 from worker_client.resources import WorkerResources
@@ -24,14 +26,19 @@ class ClientCounts:
 
     engine_preemptions: int = 0  # reported by the worker (out of pages or slots)
     scheduler_preemptions: int = 0  # chosen by the scheduler (decision.preempt)
+    cache_misses: int = 0  # first chunks whose resume point the worker no longer had
 
 
 class InProcessClient:
     """Offers SchedulerClient's interface (register, select, deregister) to a WorkerLoop."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler,
+                 on_report: Callable[[WorkerReport], None] | None = None) -> None:
+        """`on_report`: sees every report as the scheduler gets it (a router's feed of the
+        workers' cache events)."""
         self.scheduler = scheduler
         self.counts = ClientCounts()
+        self.on_report = on_report
 
     def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
         request = worker_convert.register_request(resources)
@@ -42,6 +49,9 @@ class InProcessClient:
         report = convert.worker_report(request)
         self.counts.engine_preemptions += len(report.preempted) + sum(
             1 for f in report.finished if f.reason.name == "PREEMPTED")
+        self.counts.cache_misses += len(report.cache_misses)
+        if self.on_report is not None:
+            self.on_report(report)
         try:
             decision = convert.decision(self.scheduler.select_batch(report))
         except UnknownWorker as err:

@@ -1,6 +1,7 @@
 """SimEngine: engine.api.Engine without a model, for the simulator.
 
-It keeps the reference engine's books (worker_client/engine/engine.py, ModelEngine):
+It keeps the reference engine's books (worker_client/engine/engine.py, ModelEngine), over
+the same torch-free PageTables and, with a cache, the same PrefixCache:
 - KV pages of `page_size` tokens, taken as a sequence grows and freed when it leaves; a
   sequence holds prompt + generated - 1 positions once decoding (the last token is fed
   by the next decode);
@@ -13,25 +14,39 @@ It keeps the reference engine's books (worker_client/engine/engine.py, ModelEngi
   sequence finishes (MAX_LENGTH) when it has generated its spec's max_new_tokens;
 - when pages run out, the latest admitted sequence holding pages (possibly the one
   growing) is preempted, as ModelEngine does; one that could not fit even in the whole
-  pool finishes FAILED.
+  pool finishes FAILED;
+- with `cache_block_tokens` > 0, a prefix cache (worker_client/engine/prefix_cache.py):
+  every full block written (prompt or generated) is indexed by its chained hash, its
+  pages stay cached after its sequence ends and count as free, reclaimed least recently
+  used first; a first chunk with `cached_tokens` maps the cached blocks and computes
+  only the rest, or, when that resume point is gone, runs nothing and is a cache miss.
+  With `snapshot_slots` set the model counts as a hybrid one: a resume point also needs
+  a GDN snapshot, taken where a step ended on a block boundary, `snapshot_slots` of them
+  kept, least recently used out (as ModelEngine with GDN layers); without it every
+  cached block is a resume point (a model of attention layers only).
 It generates no EOS, so `ignore_eos` and `min_new_tokens` change nothing, and it reports no
 log-probabilities (`logprobs`, `prompt_logprobs` are accepted and ignored: their cost, one
-log_softmax per token asked for, is not in the cost models).
+log_softmax per token asked for, is not in the cost models); a sequence that asks for
+prompt log-probabilities is never resumed from the cache (`may_resume_from_cache`), as
+in ModelEngine.
 Instead of running a model, each step asks a cost model how long it took
-(`last_step_seconds`), from the work actually done.
+(`last_step_seconds`), from the work actually done: a resumed prompt's cached tokens are
+context for its chunk, not computed.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from common.step_table import StepLoad
 from worker_client.engine.api import (
     CacheDelta, ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
 )
-from common.step_table import StepLoad
+from worker_client.engine.page_tables import PageTables
+from worker_client.engine.prefix_cache import PrefixCache, cached_tokens_problem
 
-# Every simulated token has this id: the simulator counts tokens, it does not read them.
+# Every simulated output token has this id: the simulator counts tokens, it does not read them.
 TOKEN_ID = 1
 
 
@@ -43,48 +58,85 @@ class CostModel(Protocol):
 
 @dataclass
 class _Held:
+    """A held sequence, as PrefixCache reads it (engine.prefix_cache.CachingSequence)."""
+
     seq_id: int
+    spec: SequenceSpec
+    token_ids: list[int]  # prompt, then generated tokens
+    admission: int  # increases with every admission: the latest admitted is preempted first
     prompt_len: int
-    max_new_tokens: int
     num_prefilled: int = 0
     num_generated: int = 0
-    kv_tokens: int = 0  # KV positions reserved
+    slot: int = 0  # GDN slots are counted, not numbered: the simulated model has no state
+    block_hashes: list[int] = field(default_factory=list)  # kept by the prefix cache
 
     @property
     def is_running(self) -> bool:
         return self.num_prefilled >= self.prompt_len
 
 
+class _NoStates:
+    """GDN states without tensors: a snapshot is bookkeeping only."""
+
+    def empty_like(self, num_slots: int) -> _NoStates:
+        return self
+
+    def copy_slot(self, source: _NoStates, source_slot: int, slot: int) -> None:
+        pass
+
+
 class SimEngine:
-    """Implements engine.api.Engine: page, slot and progress accounting, and a step time."""
+    """Implements engine.api.Engine: page, slot, cache and progress accounting, and a step time."""
 
     def __init__(self, cost_model: CostModel, *, total_kv_pages: int, page_size: int,
-                 total_gdn_slots: int) -> None:
+                 total_gdn_slots: int, cache_block_tokens: int = 0,
+                 snapshot_slots: int | None = None) -> None:
+        """`cache_block_tokens`: tokens per prefix-cache block (a multiple of page_size;
+        0: no cache). `snapshot_slots`: None models a model without GDN layers (every
+        cached block is a resume point); a number, a hybrid model with that many GDN
+        snapshot slots (ModelEngine's total_snapshot_slots)."""
         if min(total_kv_pages, page_size, total_gdn_slots) < 1:
             raise ValueError("total_kv_pages, page_size and total_gdn_slots must be >= 1")
+        if snapshot_slots is not None and snapshot_slots < 0:
+            raise ValueError(f"snapshot_slots must be >= 0, got {snapshot_slots}")
         self.cost_model = cost_model
         self.page_size = page_size
         self.total_kv_pages = total_kv_pages
         self.total_gdn_slots = total_gdn_slots
-        # No prefix cache yet (its tokens are all TOKEN_ID): a cached first chunk misses.
-        self.cache_block_tokens = 0
-        self.total_snapshot_slots = 0
+        self.cache_block_tokens = cache_block_tokens
+        hybrid = snapshot_slots is not None
+        self.total_snapshot_slots = snapshot_slots if hybrid and cache_block_tokens else 0
         self.last_step_seconds = 0.0
         self.num_steps = 0
+        self.num_computed_prefill_tokens = 0  # prompt tokens the steps computed
+        self._pages = PageTables(num_pages=total_kv_pages, page_size=page_size)
+        self._cache = None if not cache_block_tokens else PrefixCache(
+            self._pages, _NoStates(), block_tokens=cache_block_tokens,
+            num_snapshot_slots=self.total_snapshot_slots, needs_snapshots=hybrid)
         self._held: dict[int, _Held] = {}  # in admission order
-        self._used_pages = 0
+        self._num_admissions = 0
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The cache's books and counters (as ModelEngine.prefix_cache); None when off."""
+        return self._cache
 
     def kv_free_pages(self) -> int:
-        return self.total_kv_pages - self._used_pages
+        return self._pages.num_free_pages() + self.kv_cached_pages()
+
+    def kv_cached_pages(self) -> int:
+        return 0 if self._cache is None else self._cache.num_unused_pages()
+
+    def cache_delta(self, full: bool = False) -> CacheDelta:
+        return CacheDelta(reset=full) if self._cache is None else self._cache.delta(full)
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached block no held sequence uses, with its snapshot."""
+        if self._cache is not None:
+            self._cache.clear()
 
     def gdn_free_slots(self) -> int:
         return self.total_gdn_slots - len(self._held)
-
-    def kv_cached_pages(self) -> int:
-        return 0
-
-    def cache_delta(self, full: bool = False) -> CacheDelta:
-        return CacheDelta(reset=full)
 
     def waiting_ids(self) -> list[int]:
         return [s for s, held in self._held.items() if not held.is_running]
@@ -93,8 +145,7 @@ class SimEngine:
         return [s for s, held in self._held.items() if held.is_running]
 
     def num_held_pages(self, seq_id: int) -> int:
-        held = self._held.get(seq_id)
-        return self._pages(held.kv_tokens) if held else 0
+        return self._pages.num_pages_held(seq_id)
 
     def evict(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
@@ -102,10 +153,14 @@ class SimEngine:
 
     def step(self, prefill: Sequence[ChunkWork], decode: Sequence[int]) -> StepOutput:
         out = _Recorder()
+        cache = self._cache
         for segment in self._plan_prefill(prefill, out):
             held = segment.held
             out.chunks.append((segment.num_tokens, segment.start))
+            self.num_computed_prefill_tokens += segment.num_tokens
             held.num_prefilled = segment.end
+            if cache is not None:
+                cache.computed(held, segment.end)
             if held.is_running:
                 self._emit(held, out)
         self._decode(decode, out)
@@ -123,10 +178,7 @@ class SimEngine:
         for chunk in prefill:
             if chunk.spec is not None:
                 self._release(chunk.seq_id)
-                if chunk.cached_tokens:
-                    out.cache_misses.append(chunk.seq_id)
-                    continue
-                self._admit(chunk.seq_id, chunk.spec, out)
+                self._admit(chunk, out)
             held = self._held.get(chunk.seq_id)
             if held is None or held.is_running:
                 continue
@@ -145,10 +197,15 @@ class SimEngine:
         return [s for s in planned.values()
                 if s.num_tokens > 0 and self._held.get(s.held.seq_id) is s.held]
 
-    def _admit(self, seq_id: int, spec: SequenceSpec, out: _Recorder) -> None:
-        if not spec.prompt_token_ids:
-            out.finished.append(
-                FinishedSequence(seq_id, FinishReason.FAILED, 0, "the prompt is empty"))
+    def _admit(self, chunk: ChunkWork, out: _Recorder) -> None:
+        """Hold a first chunk's sequence, from its resume point if it names one, in
+        ModelEngine's order of checks: the prompt, max_new_tokens, a GDN slot, the cache."""
+        seq_id, spec, cached_tokens = chunk.seq_id, chunk.spec, chunk.cached_tokens
+        prompt_len = len(spec.prompt_token_ids)
+        problem = ("the prompt is empty" if not prompt_len else
+                   cached_tokens_problem(cached_tokens, prompt_len, self.cache_block_tokens))
+        if problem is not None:
+            out.finished.append(FinishedSequence(seq_id, FinishReason.FAILED, 0, problem))
             return
         if spec.max_new_tokens <= 0:
             out.finished.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH, 0))
@@ -156,45 +213,55 @@ class SimEngine:
         if self.gdn_free_slots() == 0:
             out.preempted.append(seq_id)
             return
-        self._held[seq_id] = _Held(seq_id, len(spec.prompt_token_ids), spec.max_new_tokens)
+        held = _Held(seq_id, spec, list(spec.prompt_token_ids), self._num_admissions + 1,
+                     prompt_len)
+        if cached_tokens:
+            if (self._cache is None or not spec.may_resume_from_cache
+                    or not self._cache.resume(held, cached_tokens)):
+                out.cache_misses.append(seq_id)
+                return
+            held.num_prefilled = cached_tokens
+        self._num_admissions += 1
+        self._held[seq_id] = held
 
     # Decode.
 
     def _decode(self, decode: Sequence[int], out: _Recorder) -> None:
         held_by_id = self._held
-        batch = [h for s in decode if (h := held_by_id.get(s)) is not None and h.is_running]
-        # Reserve in admission order (dict order), as the reference engine does: the
-        # victims of a page shortage are then the latest admitted, not yet reserved.
-        order = {s: i for i, s in enumerate(held_by_id)}
-        contexts = {}
-        for held in sorted(batch, key=lambda h: order[h.seq_id]):
-            if held.seq_id not in held_by_id:
-                continue
-            context = held.kv_tokens
-            if context % self.page_size:  # room left in its last page
-                held.kv_tokens += 1
-            elif not self._reserve(held, 1, out):
-                continue
-            contexts[held.seq_id] = context
-        for held in batch:
+        batch = {s: h for s in decode if (h := held_by_id.get(s)) is not None and h.is_running}
+        # Earliest admitted first, as the reference engine reserves: the victims of a page
+        # shortage are then the latest admitted, not yet reserved.
+        pages, page_size = self._pages, self.page_size
+        for held in sorted(batch.values(), key=lambda h: h.admission):
             if held.seq_id in held_by_id:
-                out.decodes.append(contexts[held.seq_id])
+                if pages.num_tokens(held.seq_id) % page_size:  # room left in its last page
+                    pages.append(held.seq_id, 1)
+                else:
+                    self._reserve(held, 1, out)
+        cache = self._cache
+        for held in batch.values():
+            if held.seq_id in held_by_id:
+                out.decodes.append(len(held.token_ids) - 1)  # the context before this token
+                if cache is not None:
+                    cache.computed(held, len(held.token_ids))
                 self._emit(held, out)
 
     # Shared.
 
     def _emit(self, held: _Held, out: _Recorder) -> None:
         held.num_generated += 1
+        held.token_ids.append(TOKEN_ID)
         out.tokens.append((held.seq_id, (TOKEN_ID,)))
-        if held.num_generated >= held.max_new_tokens:
+        if held.num_generated >= held.spec.max_new_tokens:
             self._release(held.seq_id)
             out.finished.append(
                 FinishedSequence(held.seq_id, FinishReason.MAX_LENGTH, held.num_generated))
 
     def _reserve(self, held: _Held, num_tokens: int, out: _Recorder) -> bool:
-        """Reserve KV room for num_tokens more tokens, preempting the latest admitted;
-        False if `held` itself lost."""
-        needed = self._pages(held.kv_tokens + num_tokens)
+        """Reserve KV room for num_tokens more tokens, preempting the latest admitted and
+        then reclaiming cache; False if `held` itself lost."""
+        pages = self._pages
+        needed = pages.num_pages_for(pages.num_tokens(held.seq_id) + num_tokens)
         if needed > self.total_kv_pages:
             self._release(held.seq_id)
             out.finished.append(FinishedSequence(
@@ -202,24 +269,26 @@ class SimEngine:
                 f"the sequence needs {needed} KV pages of {self.page_size} tokens, more than "
                 f"the worker's {self.total_kv_pages} in all"))
             return False
-        while needed - self._pages(held.kv_tokens) > self.kv_free_pages():
+        num_new_pages = pages.num_new_pages(held.seq_id, num_tokens)
+        while num_new_pages > self.kv_free_pages():
             victim = next(h for h in reversed(self._held.values())
-                          if h is held or h.kv_tokens > 0)
+                          if h is held or pages.num_pages_held(h.seq_id) > 0)
             self._release(victim.seq_id)
             out.preempted.append(victim.seq_id)
             if victim is held:
                 return False
-        self._used_pages += needed - self._pages(held.kv_tokens)
-        held.kv_tokens += num_tokens
+        if self._cache is not None:
+            self._cache.reclaim(num_new_pages)
+        pages.append(held.seq_id, num_tokens)
         return True
 
     def _release(self, seq_id: int) -> None:
         held = self._held.pop(seq_id, None)
-        if held is not None:
-            self._used_pages -= self._pages(held.kv_tokens)
-
-    def _pages(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        if held is None:
+            return
+        self._pages.free(seq_id)
+        if self._cache is not None:
+            self._cache.release(held)
 
 
 @dataclass

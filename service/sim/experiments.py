@@ -54,7 +54,8 @@ def simulate(setup: Setup, config: SchedulerConfig, qps: float) -> Run:
     requests = make_requests(setup.trace, num_requests=setup.num_requests, qps=qps,
                              arrivals=setup.arrivals, seed=setup.seed,
                              max_seq_len=config.max_seq_len)
-    spec = RunSpec(config, setup.worker, setup.num_workers, setup.routing, setup.worker_speeds)
+    spec = RunSpec(config, setup.worker, setup.num_workers, setup.routing, setup.worker_speeds,
+                   setup.seed)
     bar = _progress_bar(setup, f"{config.policy} {setup.routing} {qps:g} QPS")
     started = time.perf_counter()
     try:

@@ -5,12 +5,19 @@
   requests with at least 2 tokens; percentiles over requests;
 - end-to-end: arrival to finish; queueing delay: arrival to first admission;
 - output tokens/s: all output tokens over the makespan (first arrival to last finish);
-- preemptions: sequences evicted for lack of room, by the workers or by the scheduler.
+- preemptions: sequences evicted for lack of room, by the workers or by the scheduler;
+- prefix cache: `prefix_hit_rate` = prompt tokens resumed from a worker's prefix cache /
+  all prompt tokens prefilled (resumed + computed; a prompt prefilled again after a
+  preemption counts again), `computed_prefill_tokens`, `cached_prefill_tokens`,
+  `cache_misses` (first chunks whose resume point was gone);
+- balance: `worker_shares`, each worker's share of the requests (by the worker of each
+  request's latest admission), and `max_share_over_mean` (the largest share over the
+  mean share 1 / workers).
 Percentiles are nearest-rank (common.loadgen.percentile).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from common.loadgen import percentile
 from service.sim.simulator import RunOutcome
@@ -21,6 +28,8 @@ JSON_KEYS = (
     "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
     "e2e_p50", "e2e_p99", "queue_p50", "queue_p99",
     "output_tokens_per_s", "preemptions", "makespan",
+    "prefix_hit_rate", "computed_prefill_tokens", "cached_prefill_tokens", "cache_misses",
+    "worker_shares", "max_share_over_mean",
 )
 
 
@@ -46,6 +55,12 @@ class RunResult:
     output_tokens_per_s: float
     preemptions: int
     makespan: float
+    prefix_hit_rate: float = 0.0
+    computed_prefill_tokens: int = 0
+    cached_prefill_tokens: int = 0
+    cache_misses: int = 0
+    worker_shares: dict[str, float] = field(default_factory=dict)
+    max_share_over_mean: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -64,6 +79,12 @@ def summarize(outcome: RunOutcome, *, policy: str, qps: float, workers: int,
     start = min(r.request.arrival_seconds for r in records)
     makespan = max(r.finished_at for r in records) - start
     num_tokens = sum(r.num_tokens for r in records)
+    prefilled = outcome.computed_prefill_tokens + outcome.cached_prefill_tokens
+    counts = dict.fromkeys(outcome.worker_ids, 0)
+    for r in records:
+        if r.worker_id:
+            counts[r.worker_id] = counts.get(r.worker_id, 0) + 1
+    shares = {w: n / len(records) for w, n in counts.items()}
     return RunResult(
         policy=policy, qps=qps, num_requests=len(records), workers=workers, routing=routing,
         ttft_p50=_p(ttft, 50), ttft_p90=_p(ttft, 90), ttft_p99=_p(ttft, 99),
@@ -73,6 +94,12 @@ def summarize(outcome: RunOutcome, *, policy: str, qps: float, workers: int,
         output_tokens_per_s=num_tokens / makespan if makespan > 0 else 0.0,
         preemptions=outcome.engine_preemptions + outcome.scheduler_preemptions,
         makespan=makespan,
+        prefix_hit_rate=outcome.cached_prefill_tokens / prefilled if prefilled else 0.0,
+        computed_prefill_tokens=outcome.computed_prefill_tokens,
+        cached_prefill_tokens=outcome.cached_prefill_tokens,
+        cache_misses=outcome.cache_misses,
+        worker_shares=shares,
+        max_share_over_mean=max(shares.values()) * len(shares) if shares else 0.0,
     )
 
 

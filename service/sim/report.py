@@ -25,6 +25,9 @@ _COLUMNS = (
     ("out tok/s", "output_tokens_per_s", 1, "{:.0f}"),
     ("preempt", "preemptions", None, "{}"),
     ("makespan s", "makespan", 1, "{:.1f}"),
+    ("hit rate", "prefix_hit_rate", 1, "{:.3f}"),
+    ("misses", "cache_misses", None, "{}"),
+    ("max share/mean", "max_share_over_mean", 1, "{:.2f}"),
 )
 
 

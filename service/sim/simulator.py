@@ -23,14 +23,16 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.core import FinishReason, Scheduler, SchedulerConfig, SchedulerObserver, SubmitParams
+from common.block_hash import block_hashes
+from service.core import (
+    FinishReason, Scheduler, SchedulerConfig, SchedulerObserver, SubmitParams, WorkerReport,
+)
 from service.sim.client import InProcessClient
 from service.sim.engine import CostModel, SimEngine
-from service.sim.workload import Request
+from service.sim.routing import CACHE_ROUTINGS, ROUTINGS, make_router
+from service.sim.workload import Request, prompt_token_ids
 from worker_client.resources import WorkerResources
 from worker_client.loop import WorkerLoop
-
-ROUTINGS = ("pull", "round-robin", "least-loaded")
 # WorkerLoop's default pause after an iteration with nothing to run.
 IDLE_POLL_SECONDS = 0.01
 # No step is shorter than this: keeps a zero-cost step from looping at one instant.
@@ -38,9 +40,6 @@ MIN_STEP_SECONDS = 1e-6
 # Virtual seconds without any token, admission or finish (and no arrival left) after which
 # a run is declared stuck.
 STALL_SECONDS = 3600.0
-# Every simulated prompt token has this id (only lengths matter).
-PROMPT_TOKEN_ID = 2
-
 _ARRIVAL, _WORKER = 0, 1
 
 
@@ -56,6 +55,10 @@ class WorkerShape:
     page_size: int
     total_gdn_slots: int
     max_batch_size: int = 0  # 0: the scheduler's --max-batch-size
+    cache_block_tokens: int = 0  # tokens per prefix-cache block; 0: no prefix cache
+    # GDN snapshot slots of a hybrid model (a resume point needs one); None: a model
+    # without GDN layers, every cached block is a resume point.
+    snapshot_slots: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class RunSpec:
     # Each worker's speed relative to the cost model (2: steps take half as long); empty:
     # all 1. A mixed fleet: --worker-speeds 1,1,0.5,0.5.
     worker_speeds: tuple[float, ...] = ()
+    seed: int = 0  # of the routers' tie-breaks
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -111,6 +115,12 @@ class RunOutcome:
     # Per worker id, |predicted - measured| / measured of every step time the scheduler
     # learned from, in order (empty without a latency target).
     step_time_errors: dict[str, list[float]] = field(default_factory=dict)
+    # Prefill work: prompt tokens the workers computed, and those they resumed from a
+    # prefix cache instead; first chunks whose resume point was gone.
+    computed_prefill_tokens: int = 0
+    cached_prefill_tokens: int = 0
+    cache_misses: int = 0
+    worker_ids: tuple[str, ...] = ()
 
 
 @dataclass
@@ -196,14 +206,14 @@ class Simulation:
                            for _ in range(num_schedulers)]
         self._schedulers = [Scheduler(spec.scheduler, clock=self._clock, observer=recorder)
                             for recorder in self._recorders]
-        self._clients = [InProcessClient(s) for s in self._schedulers]
+        self._clients = [InProcessClient(s, on_report=self._on_report) for s in self._schedulers]
         self._workers = [self._make_worker(i, cost_model) for i in range(spec.num_workers)]
+        self._index_of = {w.loop.resources.worker_id: w.index for w in self._workers}
         self._idle: dict[int, None] = {}  # idle worker indexes, longest idle first
-        self._outstanding = [0] * spec.num_workers  # routing: unfinished requests per worker
-        self._owner: dict[int, int] = {}  # request index -> worker (routing)
+        self._router = None if spec.routing == "pull" else make_router(spec.routing, spec.seed)
+        self._fleet = _Fleet(self)
         self._events: list[tuple[float, int, int, int, int]] = []
         self._order = itertools.count()
-        self._rr = itertools.cycle(range(spec.num_workers))
 
     def run(self) -> RunOutcome:
         for worker in self._workers:
@@ -233,15 +243,22 @@ class Simulation:
             end_seconds=self.now,
             step_time_errors={w: e for r in self._recorders
                               for w, e in r.step_time_errors.items()},
+            computed_prefill_tokens=sum(w.engine.num_computed_prefill_tokens
+                                        for w in self._workers),
+            cached_prefill_tokens=sum(w.engine.prefix_cache.num_resumed_tokens
+                                      for w in self._workers if w.engine.prefix_cache),
+            cache_misses=sum(c.counts.cache_misses for c in self._clients),
+            worker_ids=tuple(w.loop.resources.worker_id for w in self._workers),
         )
 
     # Events.
 
     def _arrive(self, request: Request) -> None:
-        worker_index = self._route(request)
+        token_ids = prompt_token_ids(request)
+        worker_index = self._route(request, token_ids)
         scheduler_index = 0 if worker_index is None else worker_index
         result = self._schedulers[scheduler_index].submit(SubmitParams(
-            prompt_token_ids=(PROMPT_TOKEN_ID,) * request.prompt_len,
+            prompt_token_ids=token_ids,
             max_new_tokens=request.output_len,
             request_id=f"r{request.index}",
         ))
@@ -273,10 +290,11 @@ class Simulation:
         if speed != 1.0:
             cost_model = _Scaled(cost_model, 1.0 / speed)
         engine = SimEngine(cost_model, total_kv_pages=shape.total_kv_pages,
-                           page_size=shape.page_size, total_gdn_slots=shape.total_gdn_slots)
+                           page_size=shape.page_size, total_gdn_slots=shape.total_gdn_slots,
+                           cache_block_tokens=shape.cache_block_tokens,
+                           snapshot_slots=shape.snapshot_slots)
         scheduler_index = 0 if self.spec.routing == "pull" else index
-        resources = WorkerResources(f"sim-{index}", shape.total_kv_pages, shape.page_size,
-                                    shape.total_gdn_slots, shape.max_batch_size)
+        resources = WorkerResources.of(f"sim-{index}", engine, shape.max_batch_size)
         loop = WorkerLoop(engine, self._clients[scheduler_index], resources,
                           idle_sleep_seconds=IDLE_POLL_SECONDS)
         return _Worker(index, loop, engine, scheduler_index)
@@ -300,18 +318,30 @@ class Simulation:
             if worker.scheduler_index == scheduler_index:
                 self._schedule(worker, self.now)
 
-    def _route(self, request: Request) -> int | None:
+    def _route(self, request: Request, token_ids: tuple[int, ...]) -> int | None:
         """The worker whose queue takes the request; None for the pull design."""
-        routing = self.spec.routing
-        if routing == "pull":
+        if self._router is None:
             return None
-        if routing == "round-robin":
-            index = next(self._rr)
-        else:
-            index = min(range(self.spec.num_workers), key=lambda i: (self._outstanding[i], i))
-        self._outstanding[index] += 1
-        self._owner[request.index] = index
+        fleet = self._fleet
+        hashes: list[int] = []
+        if self.spec.routing in CACHE_ROUTINGS and self.spec.worker.cache_block_tokens:
+            # Full blocks strictly below the prompt's end: a first chunk computes one token at least.
+            hashes = block_hashes(token_ids[:-1], "", fleet.block_tokens)
+        index = self._router.pick(fleet, request.prompt_len, hashes)
+        uncached = request.prompt_len - fleet.cached_blocks(index, hashes) * fleet.block_tokens
+        fleet.owned[index][request.index] = uncached
+        fleet.owner[request.index] = index
         return index
+
+    def _on_report(self, report: WorkerReport) -> None:
+        """A worker's cache events reach the routers' view as they reach its scheduler."""
+        cache = report.cache
+        if cache.added or cache.removed or cache.reset:
+            points = self._fleet.points[self._index_of[report.worker_id]]
+            if cache.reset:
+                points.clear()
+            points.difference_update(cache.removed)
+            points.update(cache.added)
 
     # Bookkeeping.
 
@@ -326,9 +356,9 @@ class Simulation:
 
     def _finished(self, record: RequestRecord) -> None:
         self._num_finished += 1
-        owner = self._owner.get(record.request.index)
+        owner = self._fleet.owner.get(record.request.index)
         if owner is not None:
-            self._outstanding[owner] -= 1
+            self._fleet.owned[owner].pop(record.request.index, None)
         self._on_finish_hook()
 
     def _check_stall(self) -> None:
@@ -344,3 +374,45 @@ class Simulation:
             f"prompt {worst.request.prompt_len} + output {worst.request.output_len} tokens); "
             f"a worker has {self.spec.worker.total_kv_pages} KV pages of "
             f"{self.spec.worker.page_size} tokens: check --kv-pages and the policy's limits")
+
+
+class _Fleet:
+    """routing.FleetView over a simulation's workers: their reported resume points and
+    what the router tracks of the requests it routed."""
+
+    def __init__(self, sim: Simulation) -> None:
+        shape = sim.spec.worker
+        self.num_workers = sim.spec.num_workers
+        self.block_tokens = shape.cache_block_tokens or shape.page_size
+        self.points: list[set[int]] = [set() for _ in range(self.num_workers)]
+        # Per worker, its outstanding requests: index -> prompt tokens it had to compute.
+        self.owned: list[dict[int, int]] = [{} for _ in range(self.num_workers)]
+        self.owner: dict[int, int] = {}  # request index -> worker
+        self._sim = sim
+
+    def cached_blocks(self, w: int, hashes) -> int:
+        points = self.points[w]
+        for i in range(len(hashes) - 1, -1, -1):  # the longest resume point, as the core's lookup
+            if hashes[i] in points:
+                return i + 1
+        return 0
+
+    def num_outstanding(self, w: int) -> int:
+        return len(self.owned[w])
+
+    def num_waiting(self, w: int) -> int:
+        return self._sim._recorders[w].queue_depth
+
+    def kv_usage(self, w: int) -> float:
+        engine = self._sim._workers[w].engine
+        return 1.0 - engine.kv_free_pages() / engine.total_kv_pages
+
+    def active_blocks(self, w: int) -> int:
+        records, b = self._sim._records, self.block_tokens
+        return sum(-(-(records[i].request.prompt_len + records[i].num_tokens) // b)
+                   for i in self.owned[w])
+
+    def active_prefill_tokens(self, w: int) -> int:
+        records = self._sim._records
+        return sum(uncached for i, uncached in self.owned[w].items()
+                   if records[i].first_token_at is None)

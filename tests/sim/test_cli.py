@@ -100,3 +100,56 @@ def test_compare_runs_each_policy_and_plots_them(tmp_path):
     runs = simulate(tmp_path, "--qps", "2,6", "--compare", "fifo,fifo", "--plot", str(plot))
     assert [(r["policy"], r["qps"]) for r in runs] == [("fifo", 2.0), ("fifo", 6.0)] * 2
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+MOONCAKE = ["--trace", "mooncake_conversation", "--block-tokens", "32", "--num-requests", "40",
+            "--workers", "2", "--no-progress", "--policy", "fifo"]
+
+
+def simulate_mooncake(tmp_path, *flags, name="m.json"):
+    path = tmp_path / name
+    assert main(["simulate", *MOONCAKE, "--json", str(path), *flags]) == 0
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("routing", ["pull", "kv-router", "prefix-load", "cache-aware"])
+def test_a_mooncake_run_writes_the_cache_figures_and_the_bound(tmp_path, capsys, routing):
+    (run,) = simulate_mooncake(tmp_path, "--qps", "2", "--routing", routing)
+    assert tuple(run) == (*JSON_KEYS, "prefix_hit_rate_bound")
+    assert run["routing"] == routing
+    assert run["computed_prefill_tokens"] > 0 and run["cache_misses"] >= 0
+    assert 0 < run["prefix_hit_rate"] <= run["prefix_hit_rate_bound"] < 1
+    assert sorted(run["worker_shares"]) == ["sim-0", "sim-1"]
+    assert sum(run["worker_shares"].values()) == pytest.approx(1.0)
+    assert run["max_share_over_mean"] == pytest.approx(max(run["worker_shares"].values()) * 2)
+    out = capsys.readouterr().out
+    assert "prefix hit rate bound:" in out and "a prefix cache in blocks of 32 tokens" in out
+
+
+def test_without_a_cache_nothing_is_resumed_and_no_bound_is_printed(tmp_path, capsys):
+    (run,) = simulate_mooncake(tmp_path, "--qps", "2", "--cache-block-tokens", "0")
+    assert run["prefix_hit_rate"] == 0 and run["cached_prefill_tokens"] == 0
+    assert "prefix_hit_rate_bound" not in run
+    assert "bound" not in capsys.readouterr().out
+
+
+def test_find_capacity_works_with_a_router_and_a_cache(tmp_path, capsys):
+    runs = simulate_mooncake(tmp_path, "--find-capacity", "--slo-ttft-p99", "2",
+                             "--slo-tpot-p99", "0.1", "--qps", "4", "--routing", "kv-router")
+    assert runs and all(r["routing"] == "kv-router" and "capacity_qps" in r
+                        and "prefix_hit_rate_bound" in r for r in runs)
+    assert "hit rate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--qps", "1", "--trace", "mooncake_conversation", "--block-tokens", "0"],
+     "--block-tokens must be at least 1"),
+    (["--qps", "1", "--trace", "mooncake_conversation", "--block-tokens", "40"],
+     "--cache-block-tokens must be a multiple of --page-size (16), got 40 (from --block-tokens"),
+    (["--qps", "1", "--cache-block-tokens", "-1"], "--cache-block-tokens must not be negative"),
+    (["--qps", "1", "--gdn-snapshot-slots", "-2"], "--gdn-snapshot-slots must not be negative"),
+])
+def test_bad_cache_flags_are_one_line_and_exit_code_2(flags, message, capsys):
+    assert main(["simulate", "--no-progress", *flags]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and message in lines[0]

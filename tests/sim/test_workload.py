@@ -7,7 +7,8 @@ from service.sim.workload import WorkloadError, load_trace, make_requests, shipp
 
 
 def test_the_shipped_traces_load_with_their_columns():
-    assert shipped_traces() == ["sharegpt", "splitwise_code", "splitwise_conv"]
+    assert shipped_traces() == ["mooncake_conversation", "mooncake_synthetic", "sharegpt",
+                                "splitwise_code", "splitwise_conv"]
     sharegpt = load_trace("sharegpt")
     assert len(sharegpt.rows) == 5000 and not sharegpt.has_arrivals
     conv = load_trace("splitwise_conv")
