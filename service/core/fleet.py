@@ -52,6 +52,7 @@ class FleetView:
                  fleet_cache: FleetCache, num_queued: int, now: float) -> None:
         self.worker_id = worker.worker_id
         self.block_tokens = worker.resume_points.block_tokens
+        self._own_points = worker.resume_points.points
         self._owners = fleet_cache.owners
         # The other workers that admit now (expired leases were dropped before the call).
         self._peers = {w.worker_id: w for w in workers if w is not worker and w.admitting}
@@ -93,18 +94,24 @@ class FleetView:
     def _walk(self, seq: Sequence) -> CacheSpread:
         block_tokens, owners_of, own_id = self.block_tokens, self._owners, self.worker_id
         hashes = sequence_hashes(seq, block_tokens)
-        best_other, room = 0, False
         for i in range(min(len(hashes), (seq.num_tokens() - 1) // block_tokens) - 1, -1, -1):
             owners = owners_of.get(hashes[i])
             if owners is None:
                 continue
             if own_id in owners:
-                return CacheSpread((i + 1) * block_tokens, best_other, room)
-            if not best_other:
-                for worker_id in owners:
-                    peer = self._peers.get(worker_id)
-                    if (peer is not None and peer.resume_points.block_tokens == block_tokens
-                            and peer.can_run(seq.adapter_id)):
-                        best_other = (i + 1) * block_tokens
-                        room = room or has_room(peer)
-        return CacheSpread(0, best_other, room)
+                return CacheSpread((i + 1) * block_tokens, 0, False)
+            room, found = False, False
+            for worker_id in owners:
+                peer = self._peers.get(worker_id)
+                if (peer is not None and peer.resume_points.block_tokens == block_tokens
+                        and peer.can_run(seq.adapter_id)):
+                    found = True
+                    room = room or has_room(peer)
+            if found:
+                # The best other point is this one; the asker's own, if any, lies below.
+                own_points = self._own_points
+                for j in range(i - 1, -1, -1):
+                    if hashes[j] in own_points:
+                        return CacheSpread((j + 1) * block_tokens, (i + 1) * block_tokens, room)
+                return CacheSpread(0, (i + 1) * block_tokens, room)
+        return COLD
