@@ -3,6 +3,7 @@
 # Idempotent: a second run with the same pyproject.toml and constraints.txt does nothing.
 #   PYTHON=python3.11 scripts/setup.sh      choose the interpreter
 #   LATTICE_KEEP_TORCH=1 scripts/setup.sh   keep a torch already in .venv (a CUDA build on GPU hosts)
+#   LATTICE_SETUP_EXTRAS=eval scripts/setup.sh   more extras (scripts/test.sh adds `eval`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,7 +12,8 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $("$PYTHON" --version)"
   "$PYTHON" -m venv .venv
 fi
-stamp=".venv/.setup-$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
+extras="worker,gateway,postgres,test,reference,sim${LATTICE_SETUP_EXTRAS:+,$LATTICE_SETUP_EXTRAS}"
+stamp=".venv/.setup-$( (cat pyproject.toml constraints.txt; echo "$extras") | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
   exit 0
 fi
@@ -22,7 +24,7 @@ if [ "${LATTICE_KEEP_TORCH:-0}" != 1 ]; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-  -c constraints.txt -e '.[worker,gateway,postgres,test,reference,sim]'
+  -c constraints.txt -e ".[$extras]"
 rm -f .venv/.setup-*
 touch "$stamp"
 echo "setup: done"

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/setup.sh
+# The tests also run a real evaluation harness (lm-eval, the `eval` extra).
+LATTICE_SETUP_EXTRAS=eval scripts/setup.sh
 if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "test: installing Prometheus (Debian package) for the observability tests"

@@ -97,8 +97,26 @@ def test_prefix_cache_metrics_count_computed_and_cached_tokens_misses_and_points
     assert _value(registry, p + "cache_misses_total") == 1
     assert _value(registry, p + "prefill_tokens_total", source="cached") == 64 + 48
     assert _value(registry, p + "worker_resume_points", worker_id="w0") == 3
+    # The worker's own books, live: its hit rate (cached / all prefill tokens) and misses.
+    assert _value(registry, p + "worker_prefill_tokens_total", worker_id="w0",
+                  source="cached") == 64 + 48
+    assert _value(registry, p + "worker_prefill_tokens_total", worker_id="w0",
+                  source="computed") == _value(registry, p + "prefill_tokens_total",
+                                               source="computed")
+    assert _value(registry, p + "worker_cache_misses_total", worker_id="w0") == 1
+    # Evictions: points the worker reports removed, counted once (a retried report again
+    # removes nothing it still holds) and never for a point it did not have.
+    assert _value(registry, p + "worker_resume_points_removed_total", worker_id="w0") == 0
+    evicted = replace(report(), cache=CacheReport(removed=(points[0], points[1], 12345)))
+    sched.select_batch(evicted)
+    sched.select_batch(evicted)
+    assert _value(registry, p + "worker_resume_points_removed_total", worker_id="w0") == 2
+    assert _value(registry, p + "worker_resume_points", worker_id="w0") == 1
     sched.deregister_worker("w0")
     assert _value(registry, p + "worker_resume_points", worker_id="w0") is None
+    assert _value(registry, p + "worker_prefill_tokens_total", worker_id="w0",
+                  source="cached") is None
+    assert _value(registry, p + "worker_resume_points_removed_total", worker_id="w0") is None
 
 
 def test_the_dashboard_shows_cached_against_computed_prefill_tokens():
@@ -107,7 +125,8 @@ def test_the_dashboard_shows_cached_against_computed_prefill_tokens():
 
     from tests.stack.promql import metric_names
 
-    _, registry, _ = _setup()
+    _, registry, sched = _setup()
+    register(sched, cache_block_tokens=16)  # per-worker series exist once a worker is known
     dashboard = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" / "dashboards"
                             / "lattice.json").read_text())
     exprs = {t["expr"] for panel in dashboard["panels"] for t in panel["targets"]}

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from worker_client.engine.api import CacheDelta, ChunkWork, FinishReason, SequenceSpec, StepOutput
+from worker_client.engine.api import (
+    CacheDelta, ChunkWork, FinishReason, SequenceSpec, StepOutput, TokenLogprobs,
+)
 from worker_client.engine.resume_points import ResumePointLog
 from worker_client.resources import WorkerResources
 
@@ -72,6 +74,8 @@ def chunk_work(chunk: pb.PrefillChunk) -> ChunkWork:
             temperature=s.sampling.temperature, top_p=s.sampling.top_p,
             top_k=s.sampling.top_k, seed=s.sampling.seed,
             stop_token_ids=tuple(s.stop_token_ids), adapter_id=s.adapter_id,
+            logprobs=s.sampling.logprobs, prompt_logprobs=s.sampling.prompt_logprobs,
+            ignore_eos=s.sampling.ignore_eos, min_new_tokens=s.sampling.min_new_tokens,
         )
     return ChunkWork(chunk.seq_id, chunk.chunk_start, chunk.chunk_len, spec,
                      cached_tokens=chunk.cached_tokens if spec is not None else 0)
@@ -91,6 +95,11 @@ class PendingReport:
         self.finished: list[pb.FinishedSequence] = []
         self.preempted: list[int] = []
         self.tokens: dict[int, list[int]] = {}
+        # seq_id -> one TokenLogprobs per entry of tokens[seq_id], for sequences that asked:
+        # kept and retried with their tokens.
+        self.logprobs: dict[int, list[pb.TokenLogprobs]] = {}
+        # seq_id -> its prompt's logprobs, reported with its first token (and retried with it).
+        self.prompt_logprobs: dict[int, list[pb.TokenLogprobs]] = {}
         self.cache_misses: list[int] = []
         self.cache = ResumePointLog()
         # seq_id -> tokens delivered to the scheduler since its admission here
@@ -106,6 +115,10 @@ class PendingReport:
     def add(self, out: StepOutput) -> None:
         for seq_id, token_ids in out.tokens:
             self.tokens.setdefault(seq_id, []).extend(token_ids)
+        for seq_id, logprobs in out.logprobs:
+            self.logprobs.setdefault(seq_id, []).extend(_token_logprobs(lp) for lp in logprobs)
+        for seq_id, logprobs in out.prompt_logprobs:
+            self.prompt_logprobs[seq_id] = [_token_logprobs(lp) for lp in logprobs]
         for fin in out.finished:
             self.finished.append(pb.FinishedSequence(
                 seq_id=fin.seq_id, reason=_FINISH_REASON[fin.reason],
@@ -117,6 +130,8 @@ class PendingReport:
         """A new admission (a chunk with a spec): its token count starts again."""
         self._delivered[seq_id] = 0
         self.tokens.pop(seq_id, None)
+        self.logprobs.pop(seq_id, None)
+        self.prompt_logprobs.pop(seq_id, None)
 
     def delivered(self) -> None:
         """The last request was answered: all of it reached the scheduler."""
@@ -143,6 +158,8 @@ class PendingReport:
         self.finished.clear()
         self.preempted.clear()
         self.tokens.clear()
+        self.logprobs.clear()
+        self.prompt_logprobs.clear()
         self.cache_misses.clear()
 
     def request(self, worker_id: str, *, waiting, running, kv_free_pages: int,
@@ -156,7 +173,8 @@ class PendingReport:
             kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
             finished=self.finished, preempted=self.preempted, draining=draining,
             idle_wait_ms=int(idle_wait_seconds * 1000),
-            tokens=[pb.TokenUpdate(seq_id=s, token_ids=t, offset=self._delivered.get(s, 0))
+            tokens=[pb.TokenUpdate(seq_id=s, token_ids=t, offset=self._delivered.get(s, 0),
+                                   logprobs=self.logprobs.get(s), prompt_logprobs=self.prompt_logprobs.get(s))
                     for s, t in self.tokens.items()],
             kv_cached_pages=kv_cached_pages, cache_misses=self.cache_misses,
             last_step_us=last_step_us,
@@ -167,3 +185,7 @@ class PendingReport:
             request.cache.removed.extend(delta.removed)
             request.cache.reset = delta.reset
         return request
+
+
+def _token_logprobs(lp: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)

@@ -8,6 +8,11 @@ while sequences are still running. With `cache_block_tokens` it keeps a prefix c
 the reference engine's books (engine/prefix_cache.py over the same PageTables); the
 scripted model counts as a hybrid one (`recurrent`): a resume point needs a step that
 ended on its block boundary.
+
+Log-probabilities are fake but deterministic (`scripted_logprobs`): the scripted token is
+the most likely one, its log-probability a hash of the prefix in [-0.98, -0.01], each
+alternative one nat below the previous. It has no EOS: `ignore_eos` changes nothing, and
+`min_new_tokens` holds off its stop tokens.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 
 from worker_client.engine.api import (
     CacheDelta, ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
+    TokenLogprobs,
 )
 from worker_client.engine.page_tables import PageTables
 from worker_client.engine.prefix_cache import PrefixCache, cached_tokens_problem
@@ -30,15 +36,30 @@ def next_token(prefix: Sequence[int], vocab_size: int = 1000) -> int:
     return h % vocab_size
 
 
+def scripted_logprobs(prefix: Sequence[int], token_id: int, num_top: int,
+                      vocab_size: int = 1000) -> TokenLogprobs:
+    """The scripted model's log-probabilities of `token_id` after `prefix` and of its
+    `num_top` most likely tokens: the scripted next token first, at a hash of the prefix in
+    [-0.98, -0.01], then the following ids, one nat lower each; any other token is 10
+    nats below the scripted one."""
+    best = next_token(prefix, vocab_size)
+    best_logprob = -((next_token([*prefix, 0], 97) + 1) / 100)
+    top_ids = tuple((best + i) % vocab_size for i in range(min(num_top, vocab_size)))
+    top = tuple(best_logprob - i for i in range(len(top_ids)))
+    logprob = top[top_ids.index(token_id)] if token_id in top_ids else best_logprob - 10.0
+    return TokenLogprobs(logprob, top_ids, top)
+
+
 def reference_output(prompt: Sequence[int], max_new_tokens: int,
-                     stop_token_ids: Iterable[int] = (), vocab_size: int = 1000) -> list[int]:
+                     stop_token_ids: Iterable[int] = (), vocab_size: int = 1000,
+                     min_new_tokens: int = 0) -> list[int]:
     """What ScriptedEngine generates for a sequence run without interruption."""
     stops, out, prefix = set(stop_token_ids), [], list(prompt)
     while len(out) < max_new_tokens:
         token = next_token(prefix, vocab_size)
         out.append(token)
         prefix.append(token)
-        if token in stops:
+        if token in stops and len(out) >= min_new_tokens:
             break
     return out
 
@@ -129,6 +150,8 @@ class ScriptedEngine:
         tokens: list[tuple[int, tuple[int, ...]]] = []
         finished: list[FinishedSequence] = []
         preempted: list[int] = []
+        logprobs: list[tuple[int, tuple[TokenLogprobs, ...]]] = []
+        prompt_logprobs: list[tuple[int, tuple[TokenLogprobs, ...]]] = []
         misses: list[int] = []
         if self.step_seconds and (prefill or decode):
             self._sleep(self.step_seconds)
@@ -157,7 +180,7 @@ class ScriptedEngine:
                 preempted.append(chunk.seq_id)
                 continue
             if held.cached_tokens >= len(held.spec.prompt_token_ids):
-                self._sample(chunk.seq_id, held, tokens, finished)
+                self._sample(chunk.seq_id, held, tokens, finished, logprobs, prompt_logprobs)
         for seq_id in decode:
             held = self._held.get(seq_id)
             if held is None or held.cached_tokens < len(held.spec.prompt_token_ids):
@@ -166,8 +189,9 @@ class ScriptedEngine:
                 self._release(seq_id)
                 preempted.append(seq_id)
                 continue
-            self._sample(seq_id, held, tokens, finished)
-        return StepOutput(tuple(tokens), tuple(finished), tuple(preempted), tuple(misses))
+            self._sample(seq_id, held, tokens, finished, logprobs, prompt_logprobs)
+        return StepOutput(tuple(tokens), tuple(finished), tuple(preempted), tuple(misses),
+                          tuple(logprobs), tuple(prompt_logprobs))
 
     def _admit(self, chunk: ChunkWork, finished, misses) -> bool:
         """Hold a new admission, from its resume point if it names one; False if not held."""
@@ -178,20 +202,29 @@ class ScriptedEngine:
             if problem is not None:
                 finished.append(FinishedSequence(chunk.seq_id, FinishReason.FAILED, 0, problem))
                 return False
-            if self._cache is None or not spec.use_prefix_cache or not self._cache.resume(held, cached):
+            if self._cache is None or not spec.may_resume_from_cache or not self._cache.resume(held, cached):
                 misses.append(chunk.seq_id)
                 return False
             held.cached_tokens = cached
         self._held[chunk.seq_id] = held
         return True
 
-    def _sample(self, seq_id: int, held: _Held, tokens, finished) -> None:
+    def _sample(self, seq_id: int, held: _Held, tokens, finished, logprobs, prompt_logprobs) -> None:
+        spec = held.spec
         token = next_token(held.token_ids, self._vocab_size)
+        if spec.prompt_logprobs and not held.num_generated:
+            prompt = spec.prompt_token_ids
+            prompt_logprobs.append((seq_id, tuple(
+                scripted_logprobs(prompt[:p], prompt[p], spec.prompt_logprobs, self._vocab_size)
+                for p in range(1, len(prompt)))))
+        if spec.logprobs:
+            logprobs.append((seq_id, (scripted_logprobs(held.token_ids, token, spec.logprobs,
+                                                        self._vocab_size),)))
         held.token_ids.append(token)
         held.num_generated += 1
         tokens.append((seq_id, (token,)))
         reason = None
-        if token in held.spec.stop_token_ids:
+        if token in spec.stop_token_ids and held.num_generated >= spec.min_new_tokens:
             reason = FinishReason.STOP
         elif held.num_generated >= held.spec.max_new_tokens:
             reason = FinishReason.MAX_LENGTH

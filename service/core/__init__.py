@@ -10,8 +10,9 @@ from service.core.policies import FifoPolicy
 from service.core.replica import ReplicaScheduler
 from service.core.scheduler import OutputView, Scheduler
 from service.core.types import (
-    ANYONE, Caller, Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams, SchedulerStatus,
-    SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult, TokenUpdate,
+    ANYONE, Caller, Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams,
+    SchedulerStatus, SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult,
+    TokenLogprobs, TokenUpdate,
     WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
 
@@ -20,6 +21,6 @@ __all__ = [
     "FinishedSequence", "InvalidArgument", "NotFound", "OutputView", "PrefillChunk",
     "PreemptReason", "QueueFull", "ReplicaScheduler", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerError", "SchedulerObserver", "SchedulerStatus", "SequenceInfo", "SequenceSpec",
-    "SequenceState", "SubmitParams", "SubmitResult", "Superseded", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
+    "SequenceState", "SubmitParams", "SubmitResult", "Superseded", "TokenLogprobs", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
     "WorkerReport", "WorkerSettings", "WorkerStatus",
 ]

@@ -76,8 +76,9 @@ class SchedulerObserver:
     def on_cache_miss(self, seq_id: int, worker_id: str) -> None:
         """A first chunk's resume point was gone on the worker (it will be admitted again)."""
 
-    def on_resume_points(self, worker_id: str, num_points: int) -> None:
-        """The resume points the core now knows for the worker (after each report)."""
+    def on_resume_points(self, worker_id: str, num_points: int, num_removed: int) -> None:
+        """The resume points the core now knows for the worker (after each report), and
+        how many of those it knew the report removed (evicted on the worker)."""
 
     def on_served(self, tenant: str, num_tokens: int) -> None:
         """Tokens served to a tenant: prompt tokens handed out, generated tokens reported."""

@@ -54,28 +54,34 @@ class ResumePoints:
     fleet: FleetCache | None = None
     worker_id: str = ""
 
-    def apply(self, report: CacheReport) -> None:
+    def apply(self, report: CacheReport) -> int:
         """Reset first, then removed, then added: a report applied twice changes nothing
-        the second time (each step is a set operation)."""
+        the second time (each step is a set operation). Returns how many known points the
+        report removed (the worker's evictions; 0 for a retried report or a reset)."""
         if not self.block_tokens:
-            return  # a worker that registered no cache has no hashes we could match
+            return 0  # a worker that registered no cache has no hashes we could match
         fleet, points = self.fleet, self.points
         if fleet is None:
             if report.reset:
                 points.clear()
+            known = len(points)
             points.difference_update(report.removed)
+            removed = known - len(points)
             points.update(report.added)
-            return
+            return removed
         if report.reset:
             self.release()
+        removed = 0
         for block_hash in report.removed:
             if block_hash in points:
                 points.discard(block_hash)
                 fleet.discard(block_hash, self.worker_id)
+                removed += 1
         for block_hash in report.added:
             if block_hash not in points:
                 points.add(block_hash)
                 fleet.add(block_hash, self.worker_id)
+        return removed
 
     def forget(self, block_hash: int) -> None:
         """A point the worker missed on: never offered again until it reports it again."""

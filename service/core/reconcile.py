@@ -19,7 +19,7 @@ from service.core.ledger import WorkerRecord
 from service.core.lifecycle import Lifecycle
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.sequences import Sequence, SequenceTable
-from service.core.types import FinishReason, WorkerReport
+from service.core.types import FinishReason, TokenUpdate, WorkerReport
 from service.core.vocabulary import PreemptReason
 
 
@@ -82,7 +82,7 @@ class Reconciler:
         the worker holds no longer: nothing ran for them), whose resume points are
         forgotten so that the next first chunk starts from another one, or from 0."""
         resume = worker.resume_points
-        resume.apply(report.cache)
+        num_removed = resume.apply(report.cache)
         misses = []
         for seq_id in dict.fromkeys(report.cache_misses):
             if seq_id not in worker.assigned or seq_id in reported or seq_id in preempted:
@@ -94,11 +94,11 @@ class Reconciler:
             misses.append(seq_id)
             self._observer.on_cache_miss(seq_id, worker.worker_id)
         if resume.block_tokens:
-            self._observer.on_resume_points(worker.worker_id, len(resume))
+            self._observer.on_resume_points(worker.worker_id, len(resume), num_removed)
         return misses
 
     def _new_tokens(self, worker: WorkerRecord,
-                    report: WorkerReport) -> list[tuple[Sequence, tuple[int, ...]]]:
+                    report: WorkerReport) -> list[tuple[Sequence, tuple[int, ...], TokenUpdate]]:
         """The tokens each update adds, changing nothing. An update with an offset keeps only
         what is new (a retried report repeats tokens already applied); one whose offset is
         past the tokens known for its sequence is refused (a gap means tokens were lost on
@@ -124,14 +124,18 @@ class Reconciler:
             # Past tokens of a retried report are dropped; a gap was refused above.
             token_ids = update.token_ids[num_known - start:]
             if token_ids:
-                new_tokens.append((seq, token_ids))
+                new_tokens.append((seq, token_ids, update))
                 known[seq_id] = num_known + len(token_ids)
         return new_tokens
 
-    def _apply_tokens(self, new_tokens: list[tuple[Sequence, tuple[int, ...]]]) -> None:
+    def _apply_tokens(self, new_tokens: list[tuple[Sequence, tuple[int, ...], TokenUpdate]]) -> None:
         served: Counter[str] = Counter()
-        for seq, token_ids in new_tokens:
-            seq.output_token_ids.extend(token_ids)
+        for seq, token_ids, update in new_tokens:
+            if seq.output_logprobs is None:
+                seq.output_token_ids.extend(token_ids)
+            else:
+                num_past = len(update.token_ids) - len(token_ids)
+                seq.add_tokens(token_ids, update.logprobs[num_past:], update.prompt_logprobs)
             self._changes.grown(seq)
             served[seq.tenant] += len(token_ids)
             self._observer.on_tokens(seq.seq_id, len(token_ids))

@@ -52,6 +52,12 @@ class OutputView:
     finished: bool
     finish_reason: FinishReason | None
     error_message: str = ""  # why it failed, for FAILED
+    # One per token of token_ids for a sequence that asked for logprobs and whose logprobs
+    # are known for all of them; empty otherwise (after a restart, those of the tokens
+    # restored are unknown: a view never mixes tokens with and without).
+    logprobs: tuple = ()
+    # For a view from token 0 of a sequence that asked: its prompt logprobs (if known).
+    prompt_logprobs: tuple = ()
 
 
 @dataclass
@@ -208,8 +214,10 @@ class Scheduler:
     def read_output(self, seq_id: int, start: int, caller: Caller = ANYONE) -> OutputView:
         """Generated tokens from index `start` on (for streaming); NotFound as get_sequence."""
         seq = self._require(seq_id, caller)
-        return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished, seq.finish_reason,
-                          seq.error_message)
+        if seq.output_logprobs is None:
+            return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished,
+                              seq.finish_reason, seq.error_message)
+        return _view_with_logprobs(seq, start)
 
     def num_unservable_queued(self) -> int:
         """Queued sequences whose adapter no live worker has (`_servable_adapters`)."""
@@ -449,3 +457,20 @@ def _without(decision: Decision, disowned: frozenset[int], reported: frozenset[i
         preempt=tuple(s for s in decision.preempt if s not in disowned),
         evict=tuple(dict.fromkeys([*decision.evict, *(disowned & reported)])),
     )
+
+
+def _view_with_logprobs(seq, start: int) -> OutputView:
+    """Tokens from `start` up to where their logprobs' availability changes (the rest come
+    in the next view), with the logprobs when they are known."""
+    logprobs = seq.output_logprobs
+    end = len(seq.output_token_ids)
+    if start < end:
+        known = logprobs[start] is not None
+        end = next((i for i in range(start + 1, end) if (logprobs[i] is not None) != known), end)
+    token_ids = tuple(seq.output_token_ids[start:end])
+    # finished only once the view reaches the last token.
+    finished = seq.is_finished and end == len(seq.output_token_ids)
+    known_logprobs = tuple(logprobs[start:end]) if token_ids and logprobs[start] is not None else ()
+    prompt = seq.prompt_logprobs if start == 0 and token_ids and seq.prompt_logprobs else ()
+    return OutputView(token_ids, finished, seq.finish_reason if finished else None,
+                      seq.error_message if finished else "", known_logprobs, prompt)

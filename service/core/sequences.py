@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from service.core.errors import InvalidArgument
 from service.core.prefix_cache import PromptHashes
 from service.core.store import SequenceProgress, StoredSequence
-from service.core.types import FinishReason, SequenceSpec, SequenceState, SubmitParams
+from service.core.types import FinishReason, SequenceSpec, SequenceState, SubmitParams, TokenLogprobs
 
 # Bytes of a decision's PrefillChunk beyond its token ids: tags, lengths, seq_id,
 # chunk bounds, sampling, max_new_tokens (an upper bound; see spec_wire_bytes).
@@ -73,6 +73,13 @@ class Sequence:
     finish_order: int = 0
     # Why it failed, as the worker said (FAILED only).
     error_message: str = ""
+    # For a sequence that asked for logprobs: one entry per token of output_token_ids, None
+    # where unknown (tokens restored from the store after a restart: logprobs are not
+    # persisted). None for a sequence that did not ask (no cost).
+    output_logprobs: list[TokenLogprobs | None] | None = None
+    # For a sequence that asked for prompt_logprobs: those of its prompt tokens after the
+    # first, once its first token arrived (not persisted either).
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     # Prompt tokens taken from the worker's cache at its latest admission (not saved).
     cached_tokens: int = 0
     # Block hashes of its resume prompt, computed at its first cached lookup (not saved).
@@ -98,13 +105,32 @@ class Sequence:
         """The spec a worker starts from: the prompt plus what was generated so far."""
         p = self.params
         done = self.output_token_ids
+        sampling = p.sampling
+        if done and (sampling.prompt_logprobs or sampling.min_new_tokens):
+            # A resumed sequence: its prompt's logprobs came with its first token, and the
+            # tokens generated so far count towards min_new_tokens.
+            sampling = replace(sampling, prompt_logprobs=0,
+                               min_new_tokens=max(0, sampling.min_new_tokens - len(done)))
         return SequenceSpec(
             prompt_token_ids=tuple(p.prompt_token_ids + done),
             max_new_tokens=p.max_new_tokens - len(done),
             adapter_id=p.adapter_id,
-            sampling=p.sampling,
+            sampling=sampling,
             stop_token_ids=p.stop_token_ids,
         )
+
+    def add_tokens(self, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...] = (),
+                   prompt_logprobs: tuple[TokenLogprobs, ...] = ()) -> None:
+        """Append generated tokens, with their logprobs for a sequence that asked for them
+        (None for each token the worker sent none for)."""
+        if self.output_logprobs is not None:
+            if len(logprobs) == len(token_ids):
+                self.output_logprobs.extend(logprobs)
+            else:
+                self.output_logprobs.extend([None] * len(token_ids))
+            if prompt_logprobs and not self.output_token_ids and self.prompt_logprobs is None:
+                self.prompt_logprobs = tuple(prompt_logprobs)
+        self.output_token_ids.extend(token_ids)
 
     def spec_prompt_len(self) -> int:
         """Prompt length of the current assignment's spec (tokens decoded since don't count)."""
@@ -123,8 +149,7 @@ class Sequence:
     def may_use_prefix_cache(self) -> bool:
         """False for a sequence that needs every prompt position's logits
         (`prompt_logprobs`, docs/contract.md): its prompt is never taken from a cache."""
-        # The core's SamplingParams has no prompt_logprobs until the logprobs issue adds it.
-        return not getattr(self.params.sampling, "prompt_logprobs", 0)
+        return not self.params.sampling.prompt_logprobs
 
     def spec_wire_bytes(self) -> int:
         """An upper bound of the bytes its first chunk (with the spec) takes in a decision."""
@@ -188,7 +213,7 @@ class SequenceTable:
                          stop_token_ids=tuple(params.stop_token_ids))
         seq = Sequence(seq_id=self._next_seq_id, params=params, enqueued_at=now,
                        prompt_len=len(params.prompt_token_ids), arrived_at=now,
-                       submitted_at=wall_now)
+                       submitted_at=wall_now, output_logprobs=_logprobs_list(params))
         self._next_seq_id += 1
         self._add(seq)
         return seq
@@ -227,6 +252,9 @@ class SequenceTable:
             num_generated_at_admission=p.num_generated_at_admission,
             finish_reason=p.finish_reason, num_saved_tokens=len(stored.output_token_ids),
             finish_order=p.finish_order, error_message=p.error_message,
+            # Logprobs are not persisted: those of the tokens restored are unknown.
+            output_logprobs=(None if not params.sampling.wants_logprobs
+                             else [None] * len(stored.output_token_ids)),
         )
         self._add(seq)
         self.reserve_ids_below(seq.seq_id + 1)
@@ -264,3 +292,7 @@ class SequenceTable:
     def _unindex(self, seq: Sequence) -> None:
         if seq.params.request_id:
             self._by_request_id.pop((seq.params.principal, seq.params.request_id), None)
+
+
+def _logprobs_list(params: SubmitParams) -> list | None:
+    return [] if params.sampling.wants_logprobs else None

@@ -38,6 +38,25 @@ class SamplingParams:
     top_p: float = 0.0
     top_k: int = 0
     seed: int = 0
+    # Log-probabilities of each generated token and of this many alternatives (0 = none).
+    logprobs: int = 0
+    # The same for every prompt token after the first (0 = none).
+    prompt_logprobs: int = 0
+    ignore_eos: bool = False  # EOS does not end the sequence
+    min_new_tokens: int = 0  # EOS and stop tokens do not end it before this many tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs > 0 or self.prompt_logprobs > 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The log-probability of one token and of the most likely tokens at its position."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +171,10 @@ class TokenUpdate:
     seq_id: int
     token_ids: tuple[int, ...]
     offset: int | None = None
+    # One per token of token_ids when the sequence asked for logprobs, else empty.
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    # One per prompt token after the first, with the sequence's first token, when asked.
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from service.gateway.errors import GatewayError, bad_request
 from service.gateway.generations import Attempt, Generation, Generations
 from service.gateway.model_files import ModelFiles
 from service.gateway.protocol import SamplingFields
-from service.gateway.scheduler_link import FinishReason, GenerationRequest
+from service.gateway.scheduler_link import FinishReason, GenerationRequest, TokenLogprob
 
 # OpenAI's documented default for /v1/completions; chat completions default to the rest
 # of the context.
@@ -30,13 +30,22 @@ MAX_NAME_BYTES = 256
 class Plan:
     attempt: Attempt
     num_prompt_tokens: int
+    # Alternatives per token's logprob in the answer; None: the answer has no logprobs.
+    num_top_logprobs: int | None = None
+    # Completions' echo: the prompt (text and logprobs) leads the answer.
+    echo: bool = False
+    # max_tokens 0 (with echo): one token is generated (the scheduler needs one) and dropped.
+    discard_generated: bool = False
 
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of the answer."""
+    """New text of the answer, and (when asked for) the tokens taken since the last Delta
+    with their logprobs (one per token, None when unknown)."""
 
     text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,9 @@ def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: i
                           f"{max_model_len} tokens, prompt and completion together",
                           "messages" if default_max_tokens is None else "prompt")
     room = max_model_len - num_prompt
+    discard_generated = max_new_tokens == 0  # checked: only with echo
+    if discard_generated:
+        max_new_tokens = 1
     if max_new_tokens is None:
         max_new_tokens = min(default_max_tokens or room, room)
     elif max_new_tokens > room:
@@ -85,15 +97,29 @@ def plan(body: SamplingFields, prompt_token_ids: list[int], *, max_new_tokens: i
     if body.top_p == 0:  # nucleus of mass 0: the most likely token alone (the wire's 0 is "off")
         temperature, top_p = 0.0, 0.0
     top_k = max(0, _first(body.top_k, defaults.top_k, 0))
-    stop_token_ids = tuple(dict.fromkeys([*(body.stop_token_ids or ()), *files.eos_token_ids]))
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_new_tokens and not discard_generated:
+        raise bad_request(f"min_tokens is {min_tokens}, more than max_tokens "
+                          f"({max_new_tokens})", "min_tokens")
+    # The model's EOS ids end a sequence as stop tokens (the scheduler knows no EOS of its
+    # own); ignore_eos leaves them out, so only the client's stop_token_ids end it early.
+    eos_ids = () if body.ignore_eos else files.eos_token_ids
+    stop_token_ids = tuple(dict.fromkeys([*(body.stop_token_ids or ()), *eos_ids]))
+    num_top, num_top_prompt = body.num_top_logprobs, body.num_top_prompt_logprobs
     generation = GenerationRequest(
         prompt_token_ids=tuple(prompt_token_ids), max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=0.0 if top_p >= 1.0 else top_p, top_k=top_k,
         seed=_seed(body.seed, request_id, choice), stop_token_ids=stop_token_ids,
         tenant=principal.tenant_for(body.user), priority=body.priority or 0,
         request_id=request_id, principal=principal.name,
-        scheduler_token=principal.scheduler_token)
-    return Plan(Attempt(generation, stop), num_prompt)
+        scheduler_token=principal.scheduler_token,
+        # The scheduler's 0 means "no logprobs": ask for one alternative at least, and
+        # show the client the number it asked for.
+        logprobs=0 if num_top is None or discard_generated else max(1, num_top),
+        prompt_logprobs=0 if num_top_prompt is None else max(1, num_top_prompt),
+        ignore_eos=bool(body.ignore_eos), min_new_tokens=min(min_tokens, max_new_tokens))
+    return Plan(Attempt(generation, stop), num_prompt, num_top, num_top_prompt is not None,
+                discard_generated)
 
 
 def _first(*values):
@@ -114,20 +140,41 @@ def _seed(seed: int | None, request_id: str, choice: int = 0) -> int:
 
 
 async def text_events(generations: Generations, generation: Generation, files: ModelFiles,
-                      stop: tuple[str, ...]) -> AsyncIterator[Delta | Finish]:
-    """The answer's text as it comes, then its Finish; GatewayError if it cannot finish."""
+                      stop: tuple[str, ...], *, with_logprobs: bool = False,
+                      discard_generated: bool = False) -> AsyncIterator[Delta | Finish]:
+    """The answer's text as it comes, then its Finish; GatewayError if it cannot finish.
+
+    `with_logprobs`: every token taken comes in a Delta with its logprobs (a Delta may then
+    carry tokens and no text yet). `discard_generated`: the tokens are not part of the
+    answer (max_tokens 0), only the Finish comes."""
+    if discard_generated:
+        async for _ in generation.follow():
+            pass
+        _finish_reason(generation)  # raises for a cancelled or failed sequence
+        yield Finish("length", 0)
+        return
     assembler = TextAssembler(files.decode, stop)
+    taken = 0  # tokens handed out in a Delta
+
+    def delta(text: str) -> Delta:
+        nonlocal taken
+        if not with_logprobs:
+            return Delta(text)
+        start, taken = taken, assembler.num_tokens
+        return Delta(text, tuple(generation.token_ids[start:taken]),
+                     tuple(generation.logprobs[start:taken]))
+
     async for token_ids in generation.follow():
         text = assembler.add(token_ids)
-        if text:
-            yield Delta(text)
+        if text or (with_logprobs and assembler.num_tokens > taken):
+            yield delta(text)
         if assembler.stopped:
             generations.stop(generation)
             yield Finish("stop", assembler.num_tokens)
             return
     text = assembler.finish()
     if text:
-        yield Delta(text)
+        yield delta(text)
     if assembler.stopped:  # the stop string was in text held back for a split character
         yield Finish("stop", assembler.num_tokens)
         return

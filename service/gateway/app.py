@@ -27,12 +27,13 @@ from service.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddlewa
 from service.gateway.chat_prompt import chat_prompt_ids
 from service.gateway.chat_template import ChatTemplateError
 from service.gateway.errors import GatewayError, bad_request
-from service.gateway.generations import Generations
+from service.gateway.generations import Generation, Generations
 from service.gateway.idempotency import IdempotencyKeys
+from service.gateway.logprobs import ChatLogprobs, CompletionLogprobs, merge
 from service.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from service.gateway.model_files import ModelFiles
 from service.gateway.protocol import ChatCompletionRequest, CompletionRequest, TextError
-from service.gateway.responses import ChatShape, CompletionShape, sse_event
+from service.gateway.responses import ChatShape, CompletionShape, WholeChoice, sse_event
 from service.gateway.scheduler_link import SchedulerLink
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,11 @@ def create_app(gateway: Gateway) -> FastAPI:
                  for choice in range(body.num_choices)]
         works = _keyed(gateway, works, principal, request_id)
         shape = CompletionShape(gateway.served_model_name, body.include_usage)
+        echo_text = None
+        if body.echo:
+            echo_text = prompt if isinstance(prompt, str) else gateway.files.decode(prompt_ids)
         return await _answer(gateway, request, COMPLETIONS, works, shape, bool(body.stream),
-                             request_id)
+                             request_id, echo_text)
 
     @app.post(CHAT_COMPLETIONS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -191,8 +195,10 @@ def _request_id(request: Request) -> str:
 
 
 async def _answer(gateway: Gateway, request: Request, endpoint: str, works: list[Plan],
-                  shape: CompletionShape, stream: bool, request_id: str) -> Response:
-    """Follow one sequence per choice (`n`), and answer them as one response."""
+                  shape: CompletionShape, stream: bool, request_id: str,
+                  echo_text: str | None = None) -> Response:
+    """Follow one sequence per choice (`n`), and answer them as one response. `echo_text`:
+    the prompt as each choice starts with it (completions' echo), or None."""
     arrived = time.perf_counter()
     metrics = gateway.metrics
     headers = {"x-request-id": request_id} if request_id else {}
@@ -205,8 +211,8 @@ async def _answer(gateway: Gateway, request: Request, endpoint: str, works: list
         await attached.aclose()  # the choices opened so far
         raise
     metrics.prompt_tokens.labels(endpoint).inc(num_prompt)
-    events = [text_events(gateway.generations, generation, gateway.files, work.attempt.stop)
-              for generation, work in zip(generations, works)]
+    choices = [_Choice.follow(gateway, shape, work, generation, echo_text)
+               for generation, work in zip(generations, works)]
     seq_id = generations[0].seq_id
     timed_first = False
 
@@ -217,28 +223,29 @@ async def _answer(gateway: Gateway, request: Request, endpoint: str, works: list
             metrics.time_to_first_token.labels(endpoint).observe(time.perf_counter() - arrived)
 
     if stream:
-        body = _sse(shape, seq_id, events, num_prompt, first_text,
+        body = _sse(shape, seq_id, choices, num_prompt, first_text,
                     lambda num_tokens: metrics.completion_tokens.labels(endpoint).inc(num_tokens),
                     lambda: metrics.client_disconnects.labels(endpoint).inc())
         return _ClosingStream(body, attached.aclose, media_type="text/event-stream",
                               headers={**headers, "cache-control": "no-cache"})
 
-    async def collect_one(choice_events: AsyncIterator[Delta | Finish]) -> tuple[str, Finish]:
-        pieces, finish = [], None
-        async for event in choice_events:
+    async def collect_one(choice: _Choice) -> WholeChoice:
+        pieces, taken, finish = [], [], None
+        async for event in choice.events:
             if isinstance(event, Delta):
                 first_text()
                 pieces.append(event.text)
+                taken.append(event)
             else:
                 finish = event
-        return "".join(pieces), finish
+        return choice.whole(pieces, taken, finish)
 
     async def collect() -> dict:
         async with attached:
-            choices = await asyncio.gather(*(collect_one(e) for e in events))
+            answers = await asyncio.gather(*(collect_one(c) for c in choices))
         metrics.completion_tokens.labels(endpoint).inc(
-            sum(finish.num_completion_tokens for _, finish in choices))
-        return shape.whole(seq_id, list(choices), num_prompt)
+            sum(a.finish.num_completion_tokens for a in answers))
+        return shape.whole(seq_id, list(answers), num_prompt)
 
     try:
         answer = await _unless_disconnected(request, collect())
@@ -281,23 +288,28 @@ async def _merged(streams: list[AsyncIterator[Delta | Finish]]
             reader.cancel()
 
 
-async def _sse(shape: CompletionShape, seq_id: int,
-               events: list[AsyncIterator[Delta | Finish]], num_prompt: int,
+async def _sse(shape: CompletionShape, seq_id: int, choices: list[_Choice], num_prompt: int,
                on_first_text: Callable[[], None], on_finished: Callable[[int], None],
                on_disconnect: Callable[[], None]) -> AsyncIterator[str]:
     """Server-sent events: chunks of every choice as they come, each choice's finish chunk,
     usage if asked (all choices), then [DONE]; an error after the first byte is an
-    `error` event (OpenAI clients raise it)."""
+    `error` event (OpenAI clients raise it). With echo, a choice's first chunk is the
+    prompt (with its logprobs when asked for)."""
     num_completion = 0
     try:
-        for index in range(len(events)):
+        for index in range(len(choices)):
             first = shape.first_chunk(seq_id, index)
             if first is not None:
                 yield sse_event(first)
-        async for index, event in _merged(events):
+        async for index, event in _merged([c.events for c in choices]):
+            choice = choices[index]
+            echo = choice.take_echo()
+            if echo is not None:  # its first token arrived: the prompt's logprobs too
+                yield sse_event(shape.chunk(seq_id, echo, None, choice.prompt_logprobs(), index))
             if isinstance(event, Delta):
                 on_first_text()
-                yield sse_event(shape.chunk(seq_id, event.text, index=index))
+                yield sse_event(shape.chunk(seq_id, event.text, None, choice.logprobs(event),
+                                            index))
             else:
                 num_completion += event.num_completion_tokens
                 yield sse_event(shape.chunk(seq_id, "", event.reason, index=index))
@@ -311,6 +323,63 @@ async def _sse(shape: CompletionShape, seq_id: int,
     except asyncio.CancelledError:
         on_disconnect()
         raise
+
+
+class _Choice:
+    """One of the `n` sequences of an answer: its events, and its text and logprobs in the
+    response's shape (with echo, the prompt leads)."""
+
+    def __init__(self, work: Plan, generation: Generation, events: AsyncIterator[Delta | Finish],
+                 builder: CompletionLogprobs | ChatLogprobs | None,
+                 echo_text: str | None) -> None:
+        self.work = work
+        self.generation = generation
+        self.events = events
+        self._builder = builder
+        self._echo_text = echo_text
+        self._echo_pending = echo_text is not None
+
+    @classmethod
+    def follow(cls, gateway: Gateway, shape: CompletionShape, work: Plan, generation: Generation,
+               echo_text: str | None) -> _Choice:
+        events = text_events(gateway.generations, generation, gateway.files, work.attempt.stop,
+                             with_logprobs=work.num_top_logprobs is not None,
+                             discard_generated=work.discard_generated)
+        builder = (None if work.num_top_logprobs is None
+                   else shape.logprobs_builder(gateway.files.decode, work.num_top_logprobs))
+        return cls(work, generation, events, builder, echo_text)
+
+    def take_echo(self) -> str | None:
+        """The echoed prompt the first time it is asked for (streaming), else None."""
+        if not self._echo_pending:
+            return None
+        self._echo_pending = False
+        return self._echo_text
+
+    def prompt_logprobs(self) -> dict | None:
+        """The echoed prompt's logprobs (call once the first token has arrived)."""
+        if self._builder is None:
+            return None
+        prompt_ids = self.work.attempt.generation.prompt_token_ids
+        entries = list(self.generation.prompt_logprobs)
+        if len(entries) != len(prompt_ids) - 1:  # lost in a scheduler restart
+            entries = [None] * (len(prompt_ids) - 1)
+        return self._builder.block(prompt_ids, [None, *entries])
+
+    def logprobs(self, delta: Delta) -> dict | None:
+        return None if self._builder is None else self._builder.block(delta.token_ids,
+                                                                      delta.logprobs)
+
+    def whole(self, pieces: list[str], taken: list[Delta], finish: Finish) -> WholeChoice:
+        """The answer of a non-streamed request, from all its Deltas."""
+        text = "".join(pieces)
+        if self._echo_text is not None:
+            text = self._echo_text + text
+        if self._builder is None:
+            return WholeChoice(text, finish)
+        blocks = [self.prompt_logprobs()] if self._echo_text is not None else []
+        blocks += [self._builder.block(d.token_ids, d.logprobs) for d in taken if d.token_ids]
+        return WholeChoice(text, finish, merge(blocks) or self._builder.block((), ()))
 
 
 class _ClosingStream(StreamingResponse):

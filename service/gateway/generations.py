@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from service.gateway.errors import GatewayError
 from service.gateway.scheduler_link import (
-    FinishReason, GenerateStream, GenerationRequest, SchedulerLink,
+    FinishReason, GenerateStream, GenerationRequest, SchedulerLink, TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ class Generation:
         self.seq_id = stream.seq_id
         self.attempt = attempt
         self.token_ids: list[int] = []
+        # One per token of token_ids (None where the scheduler sent none) when asked for.
+        self.logprobs: list[TokenLogprob | None] = []
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()
         self.finish_reason: FinishReason | None = None
         self.error_message = ""
         self.error: GatewayError | None = None
@@ -78,6 +81,11 @@ class Generation:
                 skip = min(self._num_replayed, len(event.token_ids))
                 self._num_replayed -= skip
                 self.token_ids.extend(event.token_ids[skip:])
+                if self.attempt.generation.logprobs:
+                    self.logprobs.extend(event.logprobs[skip:] if event.logprobs
+                                         else [None] * (len(event.token_ids) - skip))
+                if event.prompt_logprobs and not self.prompt_logprobs:
+                    self.prompt_logprobs = event.prompt_logprobs
                 self.finish_reason = event.finish_reason
                 self.error_message = event.error_message
                 self._wake()

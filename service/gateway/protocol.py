@@ -1,8 +1,9 @@
 """The OpenAI request bodies the gateway accepts (pydantic), and their checks.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields that the gateway
-cannot honour (n > 8, logprobs, tools, echo, penalties, ...) get a 400 that names them.
-Extensions: `top_k`, `priority`, `stop_token_ids`, `chat_template_kwargs`.
+cannot honour (n > 8, tools, penalties, ...) get a 400 that names them.
+Extensions: `top_k`, `priority`, `stop_token_ids`, `chat_template_kwargs`, and vLLM's
+`ignore_eos` and `min_tokens`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from service.gateway.errors import bad_request
 
 MAX_STOP_STRINGS = 16
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs` (and the scheduler's)
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 UINT32_MAX = 2 ** 32 - 1
 # OpenAI's documented ranges.
@@ -57,7 +60,8 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    # 0 only with completions' echo (prompt log-probabilities, nothing generated).
+    max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE,
                                       allow_inf_nan=False)
     # 0 is OpenAI's too: only the most likely token (greedy; answers.py).
@@ -75,6 +79,8 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = False  # extension (vLLM): EOS does not end the answer
+    min_tokens: int | None = Field(default=0, ge=0)  # extension (vLLM): no EOS/stop before
 
     @model_validator(mode="before")
     @classmethod
@@ -103,10 +109,27 @@ class SamplingFields(BaseModel):
         if any(not 0 <= t <= UINT32_MAX for t in self.stop_token_ids or ()):
             raise bad_request(f"stop_token_ids must be token ids (0..{UINT32_MAX})",
                               "stop_token_ids")
+        if self.max_tokens == 0 and not self.allows_zero_max_tokens:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo on "
+                              "/v1/completions)", "max_tokens")
 
     @property
     def num_choices(self) -> int:
         return self.n or 1
+
+    @property
+    def allows_zero_max_tokens(self) -> bool:
+        return False
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """Alternatives per generated token's log-probability; None: no logprobs."""
+        return None
+
+    @property
+    def num_top_prompt_logprobs(self) -> int | None:
+        """The same for the prompt's tokens (completions' echo); None: none."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -118,16 +141,26 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
+    @property
+    def allows_zero_max_tokens(self) -> bool:
+        return bool(self.echo)
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_top_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        for name, value in (("echo", self.echo), ("logprobs", self.logprobs),
-                            ("suffix", self.suffix)):
-            if value:
-                raise bad_request(f"{name} is not supported", name)
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise bad_request("best_of is not supported (only 1)", "best_of")
 
@@ -188,7 +221,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -196,8 +229,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs are not supported", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools:
             raise bad_request("tools are not supported by this server", "tools")
         if self.tool_choice not in (None, "none"):
@@ -205,6 +238,10 @@ class ChatCompletionRequest(SamplingFields):
         if self.response_format and self.response_format.get("type") != "text":
             raise bad_request("response_format is not supported (only {\"type\": \"text\"})",
                               "response_format")
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_new_tokens(self) -> int | None:

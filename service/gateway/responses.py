@@ -3,8 +3,19 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 from service.gateway.answers import Finish
+from service.gateway.logprobs import ChatLogprobs, CompletionLogprobs
+
+
+@dataclass(frozen=True)
+class WholeChoice:
+    """One choice of a whole (not streamed) answer; logprobs in the shape's form, or None."""
+
+    text: str
+    finish: Finish
+    logprobs: dict | None = None
 
 
 class CompletionShape:
@@ -24,23 +35,26 @@ class CompletionShape:
             body["usage"] = None
         return body
 
-    def whole(self, seq_id: int, choices: list[tuple[str, Finish]], num_prompt: int) -> dict:
-        """The whole answer: one choice per (text, finish), in index order."""
-        body = self._envelope(seq_id, [self._whole_choice(index, text, finish)
-                                       for index, (text, finish) in enumerate(choices)],
-                              chunk=False)
-        body["usage"] = _usage(num_prompt, sum(f.num_completion_tokens for _, f in choices))
+    def logprobs_builder(self, decode, num_top: int) -> CompletionLogprobs:
+        return CompletionLogprobs(decode, num_top)
+
+    def whole(self, seq_id: int, choices: list[WholeChoice], num_prompt: int) -> dict:
+        """The whole answer: one choice per WholeChoice, in index order."""
+        body = self._envelope(seq_id, [self._whole_choice(index, choice)
+                                       for index, choice in enumerate(choices)], chunk=False)
+        body["usage"] = _usage(num_prompt, sum(c.finish.num_completion_tokens for c in choices))
         return body
 
-    def _whole_choice(self, index: int, text: str, finish: Finish) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish.reason}
+    def _whole_choice(self, index: int, choice: WholeChoice) -> dict:
+        return {"index": index, "text": choice.text, "logprobs": choice.logprobs,
+                "finish_reason": choice.finish.reason}
 
     def first_chunk(self, seq_id: int, index: int = 0) -> dict | None:
         return None
 
     def chunk(self, seq_id: int, text: str, finish_reason: str | None = None,
-              index: int = 0) -> dict:
-        return self._envelope(seq_id, [{"index": index, "text": text, "logprobs": None,
+              logprobs: dict | None = None, index: int = 0) -> dict:
+        return self._envelope(seq_id, [{"index": index, "text": text, "logprobs": logprobs,
                                         "finish_reason": finish_reason}], chunk=True)
 
     def usage_chunk(self, seq_id: int, num_completion: int, num_prompt: int) -> dict:
@@ -60,9 +74,12 @@ class ChatShape(CompletionShape):
         body["object"] = "chat.completion.chunk" if chunk else "chat.completion"
         return body
 
-    def _whole_choice(self, index: int, text: str, finish: Finish) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish.reason}
+    def logprobs_builder(self, decode, num_top: int) -> ChatLogprobs:
+        return ChatLogprobs(decode, num_top)
+
+    def _whole_choice(self, index: int, choice: WholeChoice) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": choice.logprobs, "finish_reason": choice.finish.reason}
 
     def first_chunk(self, seq_id: int, index: int = 0) -> dict | None:
         return self._envelope(seq_id, [{"index": index,
@@ -70,9 +87,9 @@ class ChatShape(CompletionShape):
                                         "logprobs": None, "finish_reason": None}], chunk=True)
 
     def chunk(self, seq_id: int, text: str, finish_reason: str | None = None,
-              index: int = 0) -> dict:
+              logprobs: dict | None = None, index: int = 0) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
-        return self._envelope(seq_id, [{"index": index, "delta": delta, "logprobs": None,
+        return self._envelope(seq_id, [{"index": index, "delta": delta, "logprobs": logprobs,
                                         "finish_reason": finish_reason}], chunk=True)
 
 

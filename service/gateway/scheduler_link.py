@@ -45,6 +45,19 @@ class GenerationRequest:
     request_id: str = ""  # the scheduler's request_id (service/gateway/idempotency.py); "" = none
     principal: str = ""  # who asked (service/gateway/api_keys.py); "" = anonymous
     scheduler_token: str | None = None  # the principal's own scheduler token; None: the gateway's
+    logprobs: int = 0  # alternatives per generated token's logprob; 0 = no logprobs
+    prompt_logprobs: int = 0  # the same for the prompt tokens after the first
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and the most likely tokens at its position."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,11 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     error_message: str = ""
+    # One per token when the sequence asked for logprobs and the scheduler knows them
+    # (not for tokens generated before a scheduler restart); else empty.
+    logprobs: tuple[TokenLogprob, ...] = ()
+    # On the first event with tokens, when asked for: one per prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class GenerateStream:
@@ -76,7 +94,8 @@ class GenerateStream:
                                     f"seq_id {self.seq_id} before it finished",
                                scheduler_went_away=True)
         reason = FinishReason(event.finish_reason) if event.finished else None
-        return TokenEvent(tuple(event.token_ids), reason, event.error_message)
+        return TokenEvent(tuple(event.token_ids), reason, event.error_message,
+                          _logprobs(event.logprobs), _logprobs(event.prompt_logprobs))
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -163,4 +182,13 @@ def _submit_request(request: GenerationRequest) -> pb.SubmitRequest:
         max_new_tokens=request.max_new_tokens, priority=request.priority,
         tenant=request.tenant, stop_token_ids=request.stop_token_ids,
         sampling=pb.SamplingParams(temperature=request.temperature, top_p=request.top_p,
-                                   top_k=request.top_k, seed=request.seed))
+                                   top_k=request.top_k, seed=request.seed,
+                                   logprobs=request.logprobs,
+                                   prompt_logprobs=request.prompt_logprobs,
+                                   ignore_eos=request.ignore_eos,
+                                   min_new_tokens=request.min_new_tokens))
+
+
+def _logprobs(entries) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(e.logprob, tuple(e.top_token_ids), tuple(e.top_logprobs))
+                 for e in entries)

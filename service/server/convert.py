@@ -5,7 +5,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.core import (
     Decision, FinishedSequence, FinishReason, InvalidArgument, PrefillChunk, SamplingParams,
-    SchedulerStatus, SequenceInfo, SequenceSpec, SubmitParams, SubmitResult, TokenUpdate, WorkerRegistration,
+    SchedulerStatus, SequenceInfo, SequenceSpec, SubmitParams, SubmitResult, TokenLogprobs, TokenUpdate, WorkerRegistration,
     WorkerReport, WorkerSettings,
 )
 from service.core.types import CacheReport
@@ -26,6 +26,8 @@ MAX_ADAPTERS = 1024
 MAX_REPORT_SEQ_IDS = 65536
 # One SelectBatch: entries of tokens, and token ids over all of them.
 MAX_REPORT_TOKENS = 65536
+# SamplingParams.logprobs and prompt_logprobs (the contract's limit).
+MAX_LOGPROBS = 20
 # One SelectBatch: block hashes in cache.added and cache.removed together (a reset lists
 # every resume point of the worker).
 MAX_REPORT_CACHE_HASHES = 1 << 20
@@ -77,9 +79,27 @@ def submit_params(msg: pb.SubmitRequest) -> SubmitParams:
         adapter_id=_checked_string("adapter_id", msg.adapter_id),
         priority=msg.priority,
         tenant=_checked_string("tenant", msg.tenant),
-        sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.seed),
+        sampling=_sampling(s),
         stop_token_ids=tuple(msg.stop_token_ids),
     )
+
+
+def _sampling(s: pb.SamplingParams) -> SamplingParams:
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(s, name) > MAX_LOGPROBS:
+            raise InvalidArgument(f"sampling.{name} is {getattr(s, name)}; at most {MAX_LOGPROBS}")
+    return SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, logprobs=s.logprobs,
+                          prompt_logprobs=s.prompt_logprobs, ignore_eos=s.ignore_eos,
+                          min_new_tokens=s.min_new_tokens)
+
+
+def _logprobs_in(entries) -> tuple[TokenLogprobs, ...]:
+    return tuple(TokenLogprobs(e.logprob, tuple(e.top_token_ids), tuple(e.top_logprobs)) for e in entries)
+
+
+def _logprobs_out(entries) -> list[pb.TokenLogprobs]:
+    return [pb.TokenLogprobs(logprob=e.logprob, top_token_ids=e.top_token_ids, top_logprobs=e.top_logprobs)
+            for e in entries]
 
 
 def submit_response(result: SubmitResult) -> pb.SubmitResponse:
@@ -147,16 +167,21 @@ def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
         ),
         preempted=tuple(msg.preempted),
         draining=msg.draining,
-        tokens=tuple(
-            TokenUpdate(t.seq_id, tuple(t.token_ids), t.offset if t.HasField("offset") else None)
-            for t in msg.tokens
-        ),
+        tokens=tuple(_token_update(t) for t in msg.tokens),
         incarnation=msg.incarnation,
         cache=CacheReport(tuple(msg.cache.added), tuple(msg.cache.removed), msg.cache.reset),
         kv_cached_pages=msg.kv_cached_pages,
         cache_misses=tuple(msg.cache_misses),
         last_step_us=msg.last_step_us,
     )
+
+
+def _token_update(t: pb.TokenUpdate) -> TokenUpdate:
+    offset = t.offset if t.HasField("offset") else None
+    if not t.logprobs and not t.prompt_logprobs:  # the usual case, kept cheap
+        return TokenUpdate(t.seq_id, tuple(t.token_ids), offset)
+    return TokenUpdate(t.seq_id, tuple(t.token_ids), offset, _logprobs_in(t.logprobs),
+                       _logprobs_in(t.prompt_logprobs))
 
 
 def _check_report_size(msg: pb.SelectBatchRequest) -> None:
@@ -214,7 +239,9 @@ def _spec(spec: SequenceSpec) -> pb.SequenceSpec:
         max_new_tokens=spec.max_new_tokens,
         adapter_id=spec.adapter_id,
         sampling=pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                   seed=s.seed),
+                                   seed=s.seed, logprobs=s.logprobs,
+                                   prompt_logprobs=s.prompt_logprobs, ignore_eos=s.ignore_eos,
+                                   min_new_tokens=s.min_new_tokens),
         stop_token_ids=spec.stop_token_ids,
     )
 
@@ -239,9 +266,12 @@ def status(st: SchedulerStatus) -> pb.StatusResponse:
 
 
 def generate_event(seq_id: int, token_ids=(), finish_reason: FinishReason | None = None,
-                   finished: bool = False, error_message: str = "") -> pb.GenerateEvent:
+                   finished: bool = False, error_message: str = "", logprobs=(),
+                   prompt_logprobs=()) -> pb.GenerateEvent:
     return pb.GenerateEvent(
         seq_id=seq_id, token_ids=token_ids, finished=finished,
         finish_reason=finish_reason.value if finish_reason else 0,
         error_message=error_message,
+        logprobs=_logprobs_out(logprobs) if logprobs else None,
+        prompt_logprobs=_logprobs_out(prompt_logprobs) if prompt_logprobs else None,
     )

@@ -210,6 +210,19 @@ class SchedulerMetrics(SchedulerObserver):
             PREFIX + "worker_resume_points",
             "Prefix-cache resume points the scheduler knows for the worker.", ["worker_id"],
             registry=r)
+        # The same per worker: its own hit rate and evictions, live.
+        self.worker_prefill_tokens = Counter(
+            PREFIX + "worker_prefill_tokens",
+            "Prompt tokens of the worker's prefill chunks: computed by it, or cached (taken "
+            "from its prefix cache at admission).", ["worker_id", "source"], registry=r)
+        self.worker_cache_misses = Counter(
+            PREFIX + "worker_cache_misses",
+            "First chunks the worker could not serve from the resume point it was given.",
+            ["worker_id"], registry=r)
+        self.worker_resume_points_removed = Counter(
+            PREFIX + "worker_resume_points_removed",
+            "Resume points the worker reported removed (evicted from its prefix cache).",
+            ["worker_id"], registry=r)
         for source in ("computed", "cached"):
             self.prefill_tokens.labels(source)
         self._worker_ids: set[str] = set()
@@ -218,7 +231,8 @@ class SchedulerMetrics(SchedulerObserver):
                             self.worker_running, self.worker_prefilling, self.worker_iterations,
                             self.worker_token_budget, self.worker_step_predicted,
                             self.worker_step_measured, self.step_time_error,
-                            self.worker_resume_points)
+                            self.worker_resume_points, self.worker_cache_misses,
+                            self.worker_resume_points_removed)
         # Every reason shows from the start at 0, so rate() works before the first event.
         for reason in FinishReason:
             self.finished.labels(reason.name.lower())
@@ -306,6 +320,10 @@ class SchedulerMetrics(SchedulerObserver):
         self.worker_gdn_total_slots.labels(worker_id).set(total_gdn_slots)
         self.worker_iterations.labels(worker_id)
         self.worker_resume_points.labels(worker_id).set(0)  # none known at registration
+        for source in ("computed", "cached"):
+            self.worker_prefill_tokens.labels(worker_id, source)
+        self.worker_cache_misses.labels(worker_id)
+        self.worker_resume_points_removed.labels(worker_id)
         self._worker_ids.add(worker_id)
         self.workers.set(len(self._worker_ids))
 
@@ -315,6 +333,11 @@ class SchedulerMetrics(SchedulerObserver):
                 metric.remove(worker_id)
             except KeyError:
                 pass  # the worker left before it ever reported
+        for source in ("computed", "cached"):
+            try:
+                self.worker_prefill_tokens.remove(worker_id, source)
+            except KeyError:
+                pass
         self._worker_ids.discard(worker_id)
         self.workers.set(len(self._worker_ids))
 
@@ -344,14 +367,19 @@ class SchedulerMetrics(SchedulerObserver):
 
     def on_prefill_tokens(self, worker_id: str, computed: int, cached: int) -> None:
         self.prefill_tokens.labels("computed").inc(computed)
+        self.worker_prefill_tokens.labels(worker_id, "computed").inc(computed)
         if cached:
             self.prefill_tokens.labels("cached").inc(cached)
+            self.worker_prefill_tokens.labels(worker_id, "cached").inc(cached)
 
     def on_cache_miss(self, seq_id: int, worker_id: str) -> None:
         self.cache_misses.inc()
+        self.worker_cache_misses.labels(worker_id).inc()
 
-    def on_resume_points(self, worker_id: str, num_points: int) -> None:
+    def on_resume_points(self, worker_id: str, num_points: int, num_removed: int) -> None:
         self.worker_resume_points.labels(worker_id).set(num_points)
+        if num_removed:
+            self.worker_resume_points_removed.labels(worker_id).inc(num_removed)
 
     def on_served(self, tenant: str, num_tokens: int) -> None:
         label = tenant if tenant in self._named_tenants else OTHER_TENANT

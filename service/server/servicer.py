@@ -142,7 +142,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 if view.token_ids or view.finished:
                     sent += len(view.token_ids)
                     yield convert.generate_event(seq_id, view.token_ids, view.finish_reason,
-                                                 view.finished, view.error_message)
+                                                 view.finished, view.error_message,
+                                                 view.logprobs, view.prompt_logprobs)
                     if view.finished:
                         return
                 else:

@@ -14,6 +14,9 @@ It keeps the reference engine's books (worker_client/engine/engine.py, ModelEngi
 - when pages run out, the latest admitted sequence holding pages (possibly the one
   growing) is preempted, as ModelEngine does; one that could not fit even in the whole
   pool finishes FAILED.
+It generates no EOS, so `ignore_eos` and `min_new_tokens` change nothing, and it reports no
+log-probabilities (`logprobs`, `prompt_logprobs` are accepted and ignored: their cost, one
+log_softmax per token asked for, is not in the cost models).
 Instead of running a model, each step asks a cost model how long it took
 (`last_step_seconds`), from the work actually done.
 """

@@ -31,7 +31,9 @@ def params_json(p: SubmitParams) -> str:
     return json.dumps({
         "request_id": p.request_id, "max_new_tokens": p.max_new_tokens,
         "adapter_id": p.adapter_id, "priority": p.priority, "tenant": p.tenant,
-        "sampling": [s.temperature, s.top_p, s.top_k, s.seed],
+        # Rows saved before the wave-3 fields hold the first four; the rest default.
+        "sampling": [s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.prompt_logprobs,
+                     s.ignore_eos, s.min_new_tokens],
         "stop_token_ids": list(p.stop_token_ids), "principal": p.principal,
     })
 

@@ -84,3 +84,57 @@ def test_null_for_optional_fields_means_their_default(files):
                                              "stop": None, "max_tokens": None})
     request = planned(files, body).attempt.generation
     assert (request.priority, request.max_new_tokens) == (0, 16)
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **fields)
+
+
+def test_logprobs_0_still_asks_the_scheduler_for_each_tokens_logprob(files):
+    work = planned(files, completion(logprobs=0))
+    # The scheduler's 0 is "none": the gateway asks for one alternative and shows none.
+    assert (work.attempt.generation.logprobs, work.num_top_logprobs) == (1, 0)
+    assert work.attempt.generation.prompt_logprobs == 0 and not work.echo
+    work = planned(files, completion(logprobs=5))
+    assert (work.attempt.generation.logprobs, work.num_top_logprobs) == (5, 5)
+    assert planned(files, completion()).num_top_logprobs is None
+    assert planned(files, completion()).attempt.generation.logprobs == 0
+
+
+def test_echo_with_max_tokens_0_asks_for_prompt_logprobs_and_drops_the_one_token(files):
+    work = planned(files, completion(echo=True, logprobs=1, max_tokens=0))
+    request = work.attempt.generation
+    assert (request.prompt_logprobs, request.max_new_tokens, request.logprobs) == (1, 1, 0)
+    assert work.echo and work.discard_generated
+
+
+@pytest.mark.parametrize("body, param", [
+    (lambda: completion(max_tokens=0), "max_tokens"),  # 0 only with echo
+    (lambda: chat(max_tokens=0), "max_tokens"),
+    (lambda: completion(logprobs=6), "logprobs"),
+    (lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (lambda: chat(top_logprobs=2), "top_logprobs"),  # without logprobs: true
+    (lambda: completion(min_tokens=20, max_tokens=10), "min_tokens"),
+])
+def test_out_of_range_logprobs_and_lengths_are_400s_naming_the_field(files, body, param):
+    with pytest.raises((GatewayError, ValueError)) as raised:
+        planned(files, body())
+    if isinstance(raised.value, GatewayError):
+        assert raised.value.param == param
+    else:  # pydantic's range check (the app answers it as a 400 naming the field)
+        assert param in str(raised.value)
+
+
+def test_chat_top_logprobs_pass_through_and_0_means_each_tokens_own(files):
+    work = planned(files, chat(logprobs=True, top_logprobs=0), chat=True)
+    assert (work.attempt.generation.logprobs, work.num_top_logprobs) == (1, 0)
+    work = planned(files, chat(logprobs=True, top_logprobs=20), chat=True)
+    assert (work.attempt.generation.logprobs, work.num_top_logprobs) == (20, 20)
+
+
+def test_ignore_eos_leaves_the_eos_ids_out_of_the_stop_tokens_and_min_tokens_pass(files):
+    request = planned(files, completion(stop_token_ids=[7], ignore_eos=True, min_tokens=4)).attempt.generation
+    assert request.stop_token_ids == (7,)
+    assert (request.ignore_eos, request.min_new_tokens) == (True, 4)
+    plain = planned(files, completion()).attempt.generation
+    assert (plain.ignore_eos, plain.min_new_tokens, plain.stop_token_ids) == (False, 0, (1, 0))

@@ -3,6 +3,8 @@ principal, idempotency keys scoped by principal and bound to their body, /health
 says when the scheduler refuses the gateway, /metrics that can move or be off."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from common.errors import ConfigError
@@ -87,15 +89,23 @@ def test_a_key_is_its_principal_bound_tenant_and_scheduler_token(start):
 
 
 def test_the_link_sends_the_principal_and_its_own_scheduler_token(start):
-    link = SchedulerLink("127.0.0.1:1", token="gateway-token")
     gateway = start(scheduler=FakeScheduler())
     gateway.complete(headers=bearer(BOB_KEY))
     gateway.complete(headers=bearer(ALICE_KEY))
     bob, alice = gateway.scheduler.requests
-    assert dict(link._metadata_for(bob)) == {"authorization": "Bearer bobs-own-scheduler-token",
-                                             PRINCIPAL_METADATA: "bob"}
-    assert dict(link._metadata_for(alice)) == {"authorization": "Bearer gateway-token",
-                                               PRINCIPAL_METADATA: "alice"}
+
+    async def metadata() -> list[dict]:
+        # Made on a running loop: a grpc.aio channel needs one (an earlier asyncio.run in
+        # the same process leaves no current loop).
+        link = SchedulerLink("127.0.0.1:1", token="gateway-token")
+        try:
+            return [dict(link._metadata_for(bob)), dict(link._metadata_for(alice))]
+        finally:
+            await link.close()
+
+    bobs, alices = asyncio.run(metadata())
+    assert bobs == {"authorization": "Bearer bobs-own-scheduler-token", PRINCIPAL_METADATA: "bob"}
+    assert alices == {"authorization": "Bearer gateway-token", PRINCIPAL_METADATA: "alice"}
 
 
 @pytest.mark.parametrize("text, complaint", [

@@ -163,7 +163,7 @@ def test_unknown_model_is_a_404_naming_the_served_one(stack: Stack):
     ({"temperature": -1}, "temperature"),
     ({"max_tokens": 5000}, "max_tokens"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 6}, "logprobs"),  # 0..5 (OpenAI)
 ])
 def test_bad_parameters_are_400s_in_openai_error_json(stack: Stack, fields, param):
     with pytest.raises(openai.BadRequestError) as raised:

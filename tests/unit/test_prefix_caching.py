@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from common.block_hash import block_hashes
-from service.core import Scheduler, SequenceState
+from service.core import SamplingParams, Scheduler, SequenceState
 from service.core.observer import RequeueReason, SchedulerObserver
 from service.core.prefix_cache import ResumePoints, align_chunk, longest_resume
 from service.core.types import CacheReport
@@ -45,7 +45,7 @@ class Recorder(SchedulerObserver):
     def on_cache_miss(self, seq_id, worker_id):
         self.misses.append(seq_id)
 
-    def on_resume_points(self, worker_id, num_points):
+    def on_resume_points(self, worker_id, num_points, num_removed):
         self.points.append(num_points)
 
 
@@ -73,6 +73,19 @@ def test_a_reported_resume_point_gives_the_admission_cached_tokens(policy):
     assert first_chunks(decision) == [(seq, 64, 64, 32)]
     assert decision.prefill[0].spec.prompt_token_ids == prompt(100)  # the whole prompt
     assert sched.get_sequence(seq).cached_tokens == 64
+
+
+@pytest.mark.parametrize("policy", ["fifo", "budget", "fair"])
+def test_a_sequence_with_prompt_logprobs_never_gets_cached_tokens(policy):
+    # It needs every prompt position's logits: the cache cannot give them.
+    sched = cached_scheduler(policy)
+    wants = submit(sched, prompt_len=100, sampling=SamplingParams(prompt_logprobs=1))
+    plain = submit(sched, prompt_len=100)
+    decision = sched.select_batch(cache_report(added=hashes(100), reset=True))
+    chunks = {c[0]: c for c in first_chunks(decision)}
+    assert chunks[wants][1:3] == (0, 0)
+    assert chunks[plain][1] == 96  # the same prompt without it is taken from the cache
+    assert sched.get_sequence(wants).cached_tokens == 0
 
 
 def test_the_longest_resume_point_strictly_below_the_prompt_is_taken():

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from tests.worker.scripted_client import ScriptedClient
 from worker_client.client import NotRegistered, WorkerResources
 from worker_client.engine.api import ChunkWork, SequenceSpec
 from worker_client.forecast import Forecast, Holding
@@ -16,29 +17,6 @@ from worker_client.loop import WorkerLoop
 from worker_client.testing import ScriptedEngine, reference_output
 
 PROMPT = [3, 1, 4, 1, 5]
-
-
-class ScriptedClient:
-    """Answers reports with `decisions` in order, then with empty decisions after setting
-    `stop`; records every request."""
-
-    def __init__(self, decisions, stop: threading.Event) -> None:
-        self.requests: list[pb.SelectBatchRequest] = []
-        self._decisions = list(decisions)
-        self._stop = stop
-
-    def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
-        return pb.RegisterWorkerResponse(chunk_size=512, max_batch_size=8, lease_ttl_ms=10_000)
-
-    def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
-        self.requests.append(request)
-        if len(self.requests) <= len(self._decisions):
-            return self._decisions[len(self.requests) - 1]
-        self._stop.set()
-        return pb.SchedulerDecision()
-
-    def deregister(self, worker_id: str) -> int:
-        return 0
 
 
 class WaitingEngine(ScriptedEngine):

@@ -11,6 +11,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from service.core import Scheduler, SchedulerConfig
 from service.core.step_model import StepShape, chunk_attention
 from service.sim.client import InProcessClient
+from tests.worker.scripted_client import ScriptedClient
 from worker_client.client import WorkerResources
 from worker_client.loop import WorkerLoop
 from worker_client.testing import ScriptedEngine
@@ -42,28 +43,6 @@ class ClockedEngine(ScriptedEngine):
 
     def _num_tokens(self, seq_id: int) -> int:
         return len(self._held[seq_id].token_ids)  # prompt, then generated tokens
-
-
-class ScriptedClient:
-    """Answers with `decisions` in order, then empty ones after setting `stop`."""
-
-    def __init__(self, decisions, stop: threading.Event) -> None:
-        self.requests: list[pb.SelectBatchRequest] = []
-        self._decisions = list(decisions)
-        self._stop = stop
-
-    def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
-        return pb.RegisterWorkerResponse(chunk_size=512, max_batch_size=8, lease_ttl_ms=10_000)
-
-    def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
-        self.requests.append(request)
-        if len(self.requests) <= len(self._decisions):
-            return self._decisions[len(self.requests) - 1]
-        self._stop.set()
-        return pb.SchedulerDecision()
-
-    def deregister(self, worker_id: str) -> int:
-        return 0
 
 
 def _loop(engine, client, overlap: bool) -> WorkerLoop:

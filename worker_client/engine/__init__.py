@@ -7,7 +7,7 @@ api.Engine for the worker loop (packed prefill, batched decode).
 """
 import importlib
 
-from .api import ChunkWork, Engine, FinishedSequence, FinishReason, SequenceSpec, StepOutput
+from .api import ChunkWork, Engine, FinishedSequence, FinishReason, SequenceSpec, StepOutput, TokenLogprobs
 from .config import LayerType, ModelConfig, MoeConfig, load_config, tiny_config
 from .errors import CheckpointError, ConfigError, EngineError, ModelDoesNotFit
 
@@ -31,7 +31,7 @@ def __getattr__(name: str):
 __all__ = [
     "CheckpointError", "ChunkWork", "ConfigError", "Engine", "EngineError", "FinishReason",
     "FinishedSequence", "GeneratedSequence", "LayerType", "ModelConfig", "ModelDoesNotFit",
-    "ModelEngine", "MoeConfig", "PRESETS", "PoolSizes", "SamplingParams", "SequenceSpec", "StepOutput",
+    "ModelEngine", "MoeConfig", "PRESETS", "PoolSizes", "SamplingParams", "SequenceSpec", "StepOutput", "TokenLogprobs",
     "default_pool_sizes", "generate_reference", "load_config", "load_model", "load_tokenizer",
     "sample_token", "tiny_config", "weight_bytes",
 ]

@@ -37,9 +37,39 @@ class SequenceSpec:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     adapter_id: str = ""
-    # False: never resume this sequence from a prefix cache (a sequence that asks for
-    # prompt_logprobs needs every prompt position's logits); its blocks are still cached.
+    # Log-probabilities of each generated token and of its `logprobs` most likely
+    # alternatives (0 = none). Taken from the model's raw distribution (log_softmax of the
+    # logits, temperature, top-k and top-p NOT applied), as OpenAI and vLLM report them.
+    logprobs: int = 0
+    # The same for every prompt token after the first, reported with the first token.
+    # Such a sequence needs every prompt position's logits: it is never resumed from a
+    # prefix cache (see `needs_all_prompt_logits`).
+    prompt_logprobs: int = 0
+    ignore_eos: bool = False  # EOS does not end it (max_new_tokens or a stop token does)
+    min_new_tokens: int = 0  # EOS and stop tokens do not end it before this many tokens
+    # False: never resume this sequence from a prefix cache; its blocks are still cached.
+    # (A spec that needs_all_prompt_logits is never resumed either.)
     use_prefix_cache: bool = True
+
+    @property
+    def needs_all_prompt_logits(self) -> bool:
+        """Whether prefill must keep every prompt position's logits (and so the prompt
+        cannot come from a prefix cache)."""
+        return self.prompt_logprobs > 0
+
+    @property
+    def may_resume_from_cache(self) -> bool:
+        """Whether its first chunk may start at a prefix cache's resume point."""
+        return self.use_prefix_cache and not self.needs_all_prompt_logits
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability of one token, and the most likely tokens at its position."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()  # most likely first
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +117,11 @@ class StepOutput:
     # First chunks whose resume point (cached_tokens) was gone: nothing ran for them and
     # the engine holds nothing of them; the scheduler hands each a first chunk again.
     cache_misses: tuple[int, ...] = ()
+    # (seq_id, one TokenLogprobs per token of its `tokens` entry), for sequences that asked.
+    logprobs: tuple[tuple[int, tuple[TokenLogprobs, ...]], ...] = ()
+    # (seq_id, one TokenLogprobs per prompt token after the first), in the step that
+    # produced the sequence's first token, for sequences that asked.
+    prompt_logprobs: tuple[tuple[int, tuple[TokenLogprobs, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

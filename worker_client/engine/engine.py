@@ -5,13 +5,13 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from .api import CacheDelta, ChunkWork, FinishReason, SequenceSpec, StepOutput
+from .api import CacheDelta, ChunkWork, FinishReason, SequenceSpec, StepOutput, TokenLogprobs
 from .batch import PackedBatch
 from .kv_cache import PagedKVCache
 from .model import Qwen35ForCausalLM
 from .paged_forward_cache import PagedForwardCache
 from .prefix_cache import PrefixCache, cached_tokens_problem
-from .sampling import SamplingParams, sample_token
+from .sampling import SamplingParams, sample_token, token_logprobs
 from .sequence import HeldSequence, PrefillSegment, StepRecorder
 from .sizing import PoolSizes, check_pools_fit, default_pool_sizes
 from .state_pool import GdnStatePool
@@ -186,14 +186,34 @@ class ModelEngine:
         for group in self._prefill_groups(segments):
             token_ids = [t for s in group for t in s.held.token_ids[s.start : s.end]]
             positions = [p for s in group for p in range(s.start, s.end)]
-            logits = self._forward([s.held for s in group], token_ids, [s.num_tokens for s in group], positions)
+            logit_rows = _logit_rows(group)
+            logits = self._forward([s.held for s in group], token_ids, [s.num_tokens for s in group], positions,
+                                   logit_rows)
+            first = 0  # this segment's first row of `logits`
             for row, segment in enumerate(group):
                 held = segment.held
                 held.num_prefilled = segment.end
+                num_rows = 1 if logit_rows is None else len(logit_rows[row])
+                segment_logits = logits[first : first + num_rows]
+                first += num_rows
+                if held.spec.needs_all_prompt_logits:
+                    self._keep_prompt_logprobs(held, segment, segment_logits)
                 if self._cache is not None:
                     self._cache.computed(held, segment.end)
                 if held.is_running:
-                    self._emit(held, logits[row], recorder)
+                    if held.spec.needs_all_prompt_logits:
+                        recorder.prompt(held.seq_id, held.prompt_logprobs)
+                    self._emit(held, segment_logits[-1], recorder)
+
+    def _keep_prompt_logprobs(self, held: HeldSequence, segment: PrefillSegment, logits: torch.Tensor) -> None:
+        """Add the log-probabilities of the prompt tokens this segment's logits predict
+        (position p's logits predict token p + 1; the last prompt position's predict the
+        first generated token, not a prompt token)."""
+        num_predicted = min(segment.end, held.prompt_len - 1) - segment.start
+        if num_predicted <= 0:
+            return
+        targets = torch.tensor(held.token_ids[segment.start + 1 : segment.start + 1 + num_predicted])
+        held.prompt_logprobs.extend(token_logprobs(logits[:num_predicted], targets, held.spec.prompt_logprobs))
 
     def _admit(self, seq_id: int, spec: SequenceSpec, cached_tokens: int, recorder: StepRecorder) -> None:
         problem = (_prompt_problem(spec.prompt_token_ids, self.model.config.vocab_size)
@@ -213,7 +233,7 @@ class ModelEngine:
             sampling=SamplingParams.from_spec(spec), token_ids=list(spec.prompt_token_ids),
         )
         if cached_tokens:
-            if self._cache is None or not spec.use_prefix_cache or not self._cache.resume(held, cached_tokens):
+            if self._cache is None or not spec.may_resume_from_cache or not self._cache.resume(held, cached_tokens):
                 self._state_pool.release(slot)
                 recorder.cache_miss(seq_id)
                 return
@@ -258,20 +278,30 @@ class ModelEngine:
     # Shared.
 
     def _forward(self, group: list[HeldSequence], token_ids: list[int], seq_lens: list[int],
-                 positions: list[int]) -> torch.Tensor:
-        """Logits [rows, vocab] of each row's last token; row i has seq_lens[i] packed tokens. Caches updated in place."""
+                 positions: list[int], logit_rows: list[list[int]] | None = None) -> torch.Tensor:
+        """Logits [rows, vocab] of each row's last token; row i has seq_lens[i] packed tokens. Caches updated in place.
+
+        With `logit_rows` (per row, the packed token indices whose logits are wanted, ending
+        with its last), the logits of those tokens, all rows' end to end."""
         batch = PackedBatch(seq_lens, torch.tensor(positions, device=self.device))
         cache = PagedForwardCache(
             self._kv_cache, self._state_pool, [h.seq_id for h in group], [h.slot for h in group], batch
         )
-        return self.model.forward_packed(torch.tensor(token_ids, device=self.device), batch, cache, last_only=True)
+        index = None
+        if logit_rows is not None:
+            index = torch.tensor([i for rows in logit_rows for i in rows], device=self.device)
+        return self.model.forward_packed(torch.tensor(token_ids, device=self.device), batch, cache, last_only=True,
+                                         logit_index=index)
 
     def _emit(self, held: HeldSequence, logits: torch.Tensor, recorder: StepRecorder) -> None:
         """Sample the next token of `held`, report it, and finish the sequence if it ends here."""
         token_id = sample_token(logits, held.sampling, position=len(held.token_ids))
+        logprobs: TokenLogprobs | None = None
+        if held.spec.logprobs > 0:
+            logprobs = token_logprobs(logits.unsqueeze(0), torch.tensor([token_id]), held.spec.logprobs)[0]
         held.token_ids.append(token_id)
         held.num_generated += 1
-        recorder.token(held.seq_id, token_id)
+        recorder.token(held.seq_id, token_id, logprobs)
         reason = held.finish_reason(token_id, self.model.config.eos_token_ids)
         if reason is not None:
             self._release(held.seq_id)
@@ -311,6 +341,20 @@ class ModelEngine:
         if self._cache is not None:
             self._cache.release(held)
         self._state_pool.release(held.slot)
+
+
+def _logit_rows(group: list[PrefillSegment]) -> list[list[int]] | None:
+    """Per segment, the packed token indices whose logits the step needs: every one of a
+    sequence that reports prompt log-probabilities, the last of the others; None when
+    every segment needs only its last (the usual, cheaper forward)."""
+    if not any(s.held.spec.needs_all_prompt_logits for s in group):
+        return None
+    rows, start = [], 0
+    for segment in group:
+        end = start + segment.num_tokens
+        rows.append(list(range(start, end)) if segment.held.spec.needs_all_prompt_logits else [end - 1])
+        start = end
+    return rows
 
 
 def _prompt_problem(prompt_token_ids: Sequence[int], vocab_size: int) -> str | None:

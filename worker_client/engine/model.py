@@ -93,8 +93,10 @@ class Qwen35ForCausalLM(nn.Module):
         batch: PackedBatch,
         cache: ForwardCache | None = None,
         last_only: bool = False,
+        logit_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [num_tokens, vocab] (or [num_rows, vocab], each row's last, if `last_only`).
+        """Logits [num_tokens, vocab] (or [num_rows, vocab], each row's last, if `last_only`;
+        or [len(logit_index), vocab], those packed tokens', if `logit_index` is given).
 
         `token_ids` [num_tokens] are the rows' tokens end to end, as `batch` describes.
         """
@@ -113,6 +115,8 @@ class Qwen35ForCausalLM(nn.Module):
                 mixed = layer.self_attn(normed, cos, sin, batch, cache, rank)
             hidden = hidden + mixed
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        if last_only:
+        if logit_index is not None:
+            hidden = hidden[logit_index]
+        elif last_only:
             hidden = batch.last_tokens(hidden)
         return self.lm_head(self.model.norm(hidden))

@@ -58,7 +58,8 @@ class PrefixCache:
         self._snapshots = SnapshotPool(states, num_snapshot_slots if self.needs_snapshots else 0)
         self._max_unused_blocks = max_unused_blocks
         self._log = ResumePointLog()
-        # The worker's own hit rate and evictions (lattice-worker prints them at exit).
+        # The worker's own hit rate and evictions (lattice-worker prints them at exit; the
+        # scheduler serves them live from the reports).
         self.num_resumes = 0  # first chunks started from a resume point
         self.num_resume_misses = 0  # first chunks whose resume point was gone
         self.num_resumed_tokens = 0  # prompt tokens those resumes did not compute

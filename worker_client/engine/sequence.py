@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .api import FinishedSequence, FinishReason, SequenceSpec, StepOutput
+from .api import FinishedSequence, FinishReason, SequenceSpec, StepOutput, TokenLogprobs
 from .sampling import SamplingParams
 
 
@@ -24,6 +24,8 @@ class HeldSequence:
     token_ids: list[int] = field(default_factory=list)  # prompt, then generated tokens
     num_prefilled: int = 0
     num_generated: int = 0
+    # Prompt tokens 1.. so far, for a spec with prompt_logprobs (kept across chunks).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Hashes of its leading full blocks that it maps from the prefix cache, in order.
     block_hashes: list[int] = field(default_factory=list)
 
@@ -37,11 +39,13 @@ class HeldSequence:
 
     def finish_reason(self, token_id: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
         """Why the sequence ends after sampling `token_id`, or None if it goes on."""
-        if token_id in eos_token_ids:
-            return FinishReason.EOS
-        if token_id in self.spec.stop_token_ids:
-            return FinishReason.STOP
-        if self.num_generated >= self.spec.max_new_tokens:
+        spec = self.spec
+        if self.num_generated >= spec.min_new_tokens:
+            if token_id in eos_token_ids and not spec.ignore_eos:
+                return FinishReason.EOS
+            if token_id in spec.stop_token_ids:
+                return FinishReason.STOP
+        if self.num_generated >= spec.max_new_tokens:
             return FinishReason.MAX_LENGTH
         return None
 
@@ -67,9 +71,16 @@ class StepRecorder:
     finished: list[FinishedSequence] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     cache_misses: list[int] = field(default_factory=list)
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 
-    def token(self, seq_id: int, token_id: int) -> None:
+    def token(self, seq_id: int, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.tokens.setdefault(seq_id, []).append(token_id)
+        if logprobs is not None:
+            self.logprobs.setdefault(seq_id, []).append(logprobs)
+
+    def prompt(self, seq_id: int, logprobs: list[TokenLogprobs]) -> None:
+        self.prompt_logprobs[seq_id] = tuple(logprobs)
 
     def finish(self, seq_id: int, reason: FinishReason, generated_tokens: int,
                error_message: str = "") -> None:
@@ -87,4 +98,6 @@ class StepRecorder:
             finished=tuple(self.finished),
             preempted=tuple(self.preempted),
             cache_misses=tuple(self.cache_misses),
+            logprobs=tuple((seq_id, tuple(lps)) for seq_id, lps in self.logprobs.items()),
+            prompt_logprobs=tuple(self.prompt_logprobs.items()),
         )
