@@ -53,7 +53,12 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--requests", type=int, default=24,
                         help="demo load: streamed chat completions through the gateway")
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4,
+                        help="demo load: requests per conversation (each turn sends the "
+                             "conversation so far, so it can resume from a worker's prefix "
+                             "cache; 1: independent requests)")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="demo load: conversations at a time")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--exit", action="store_true", help="stop the stack after the demo")
     parser.add_argument("--state-dir", type=Path, default=ROOT / ".artifacts" / "local-stack" / "state",
@@ -64,6 +69,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.replicas < 0:
         parser.error(f"--replicas must not be negative, got {args.replicas}")
+    if args.turns < 1:
+        parser.error(f"--turns must be at least 1, got {args.turns}")
     _stop_on_signals()
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -113,13 +120,18 @@ def main() -> int:
         print(f"workers: {args.workers} registered (model {args.model}, device {args.device}; "
               f"logs in {logs})", flush=True)
         spec = HttpLoadSpec(num_requests=args.requests, concurrency=args.concurrency,
-                            max_new_tokens=args.max_new_tokens)
-        print(f"demo load: {spec.num_requests} streamed chat completions through the gateway, "
-              f"{spec.concurrency} at a time, up to {spec.max_new_tokens} new tokens each",
+                            max_new_tokens=args.max_new_tokens, turns=args.turns)
+        print(f"demo load: {spec.num_requests} streamed chat completions through the gateway "
+              f"({spec.num_conversations} conversations of up to {spec.turns} turns, "
+              f"{spec.concurrency} at a time), up to {spec.max_new_tokens} new tokens each",
               flush=True)
+        metrics_urls = [f"http://127.0.0.1:{args.metrics_port + i}/metrics"
+                        for i in range(num_schedulers)]
+        before = _prefill_tokens(metrics_urls)
         report, results = run_http_load(base_url, model_name, spec)
         for line in report.lines():
             print(line, flush=True)
+        print(_hit_rate_line(before, _prefill_tokens(metrics_urls)), flush=True)
         sample = next((r for r in results if not r.error), None)
         if sample is not None:
             print(f"a sample answer (random weights: noise, decoded by the checkpoint's "
@@ -147,6 +159,33 @@ def main() -> int:
         if cluster is not None:
             cluster.stop()
             print(f"PostgreSQL stopped (its data stays in {cluster.directory})", flush=True)
+
+
+def _prefill_tokens(metrics_urls: list[str]) -> dict[str, float]:
+    """The schedulers' prefill tokens so far, by source (computed, cached), summed."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {"computed": 0.0, "cached": 0.0}
+    for url in metrics_urls:
+        with urlopen(url, timeout=10) as answer:
+            text = answer.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "lattice_scheduler_prefill_tokens_total":
+                    totals[sample.labels["source"]] += sample.value
+    return totals
+
+
+def _hit_rate_line(before: dict[str, float], after: dict[str, float]) -> str:
+    """The demo's prefix hit rate: prompt tokens taken from a worker's cache over all
+    prompt tokens the workers were handed (the schedulers' counters over the demo)."""
+    cached = after["cached"] - before["cached"]
+    total = cached + after["computed"] - before["computed"]
+    rate = cached / total if total else 0.0
+    return (f"prefix cache: {cached:.0f} of {total:.0f} prompt tokens resumed from a "
+            f"worker's cache (hit rate {rate:.2f})")
 
 
 def _start_cluster(logs: Path):

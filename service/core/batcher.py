@@ -11,7 +11,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from service.core.changes import ChangeSet
-from service.core.ledger import WorkerRecord
+from service.core.fleet import FleetView
+from service.core.ledger import WorkerLedger, WorkerRecord
 from service.core.lifecycle import Lifecycle
 from service.core.observer import RequeueReason, SchedulerObserver
 from service.core.plan import Chunk, DecisionView, Plan, Policy
@@ -36,8 +37,12 @@ class Batcher:
     def __init__(self, policy: Policy, policy_name: str, queue: AdmissionQueue,
                  sequences: SequenceTable, changes: ChangeSet, observer: SchedulerObserver,
                  lifecycle: Lifecycle, tenants: TenantLedger | None,
-                 clock: Callable[[], float], max_decision_bytes: int, max_loras: int) -> None:
+                 clock: Callable[[], float], max_decision_bytes: int, max_loras: int,
+                 ledger: WorkerLedger | None = None) -> None:
+        """`ledger`: the fleet a worker with a prefix cache is placed against (None:
+        no fleet view; every worker admits in the queue order)."""
         self._policy = policy
+        self._ledger = ledger
         self._policy_name = policy_name  # config.policy, for PlanError's message
         self._queue = queue
         self._sequences = sequences
@@ -96,9 +101,13 @@ class Batcher:
                 if seq_id not in reported and worker.can_run(seq.adapter_id):
                     yield seq
 
+        block_tokens = worker.resume_points.block_tokens
         return DecisionView(
-            cache_block_tokens=worker.resume_points.block_tokens,
+            cache_block_tokens=block_tokens,
             cached_tokens=self._cache_lookup(worker),
+            fleet=(FleetView(worker, self._ledger, self._ledger.fleet_cache, len(self._queue),
+                             now)
+                   if block_tokens and self._ledger is not None else None),
             worker_id=worker.worker_id, max_batch_size=worker.settings.max_batch_size,
             chunk_size=worker.settings.chunk_size, page_size=worker.registration.page_size,
             total_kv_pages=worker.registration.total_kv_pages,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from service.core.errors import UnknownWorker
-from service.core.prefix_cache import ResumePoints
+from service.core.prefix_cache import FleetCache, ResumePoints
 from service.core.types import WorkerRegistration, WorkerSettings
 
 
@@ -60,6 +60,8 @@ class WorkerLedger:
 
     def __init__(self) -> None:
         self._workers: dict[str, WorkerRecord] = {}
+        # Every registered worker's resume points, by block hash (kept by ResumePoints).
+        self.fleet_cache = FleetCache()
 
     def __iter__(self) -> Iterator[WorkerRecord]:
         return iter(list(self._workers.values()))
@@ -85,7 +87,10 @@ class WorkerLedger:
         self._workers[record.worker_id] = record
 
     def remove(self, worker_id: str) -> WorkerRecord | None:
-        return self._workers.pop(worker_id, None)
+        record = self._workers.pop(worker_id, None)
+        if record is not None:
+            record.resume_points.release()  # its points leave the fleet's index with it
+        return record
 
     def expired(self, now: float) -> list[WorkerRecord]:
         """Workers whose last call is older than their lease."""

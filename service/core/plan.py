@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from service.core.step_budget import StepBudget
 from service.core.step_model import StepTimeModel
 from service.core.tenants import TentativeService
 from service.core.vocabulary import BlockReason, PreemptReason, SequenceView
+
+if TYPE_CHECKING:
+    from service.core.fleet import FleetView
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class DecisionView:
     # Prompt tokens a queued sequence may take from this worker's cache: its longest
     # resume point here strictly below its prompt's length (0: none).
     cached_tokens: Callable[[SequenceView], int] = lambda seq: 0
+    # Where queued prefixes are cached across the fleet, and its load, for the placement
+    # policy (policies/placement.py). None (a worker without a cache, or --prefix-caching
+    # off): admissions follow the queue order exactly.
+    fleet: FleetView | None = None
 
 
 @dataclass(frozen=True)

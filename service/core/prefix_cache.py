@@ -3,7 +3,9 @@ the lookup of a queued sequence's longest one (docs/contract.md, "Prefix caching
 docs/prefix-caching.md, "The scheduler").
 
 Mechanism only: which worker a sequence goes to is not decided here (the worker that
-asks gets its own cache's answer); the policies read `DecisionView.cached_tokens`.
+asks gets its own cache's answer); the policies read `DecisionView.cached_tokens`, and
+the placement policy (service/core/policies/placement.py) reads where else a prefix is
+cached through `FleetCache`, kept in step with every worker's `ResumePoints`.
 """
 from __future__ import annotations
 
@@ -12,6 +14,29 @@ from dataclasses import dataclass, field
 
 from common.block_hash import block_hashes
 from service.core.types import CacheReport
+
+
+class FleetCache:
+    """Which workers hold each resume point: the union of the workers' `ResumePoints`,
+    kept in step by them, so that one walk down a prompt's block hashes finds its longest
+    resume point on any worker (O(prompt blocks), whatever the number of workers)."""
+
+    def __init__(self) -> None:
+        self.owners: dict[int, set[str]] = {}  # block hash -> worker ids that report it
+
+    def add(self, block_hash: int, worker_id: str) -> None:
+        owners = self.owners.get(block_hash)
+        if owners is None:
+            self.owners[block_hash] = {worker_id}
+        else:
+            owners.add(worker_id)
+
+    def discard(self, block_hash: int, worker_id: str) -> None:
+        owners = self.owners.get(block_hash)
+        if owners is not None:
+            owners.discard(worker_id)
+            if not owners:
+                del self.owners[block_hash]
 
 
 @dataclass
@@ -25,6 +50,9 @@ class ResumePoints:
 
     block_tokens: int  # the worker's cache_block_tokens; 0: it keeps no cache
     points: set[int] = field(default_factory=set)
+    # The fleet's index these points are part of, under `worker_id` (None: none).
+    fleet: FleetCache | None = None
+    worker_id: str = ""
 
     def apply(self, report: CacheReport) -> int:
         """Reset first, then removed, then added: a report applied twice changes nothing
@@ -32,17 +60,42 @@ class ResumePoints:
         report removed (the worker's evictions; 0 for a retried report or a reset)."""
         if not self.block_tokens:
             return 0  # a worker that registered no cache has no hashes we could match
+        fleet, points = self.fleet, self.points
+        if fleet is None:
+            if report.reset:
+                points.clear()
+            known = len(points)
+            points.difference_update(report.removed)
+            removed = known - len(points)
+            points.update(report.added)
+            return removed
         if report.reset:
-            self.points.clear()
-        known = len(self.points)
-        self.points.difference_update(report.removed)
-        removed = known - len(self.points)
-        self.points.update(report.added)
+            self.release()
+        removed = 0
+        for block_hash in report.removed:
+            if block_hash in points:
+                points.discard(block_hash)
+                fleet.discard(block_hash, self.worker_id)
+                removed += 1
+        for block_hash in report.added:
+            if block_hash not in points:
+                points.add(block_hash)
+                fleet.add(block_hash, self.worker_id)
         return removed
 
     def forget(self, block_hash: int) -> None:
         """A point the worker missed on: never offered again until it reports it again."""
-        self.points.discard(block_hash)
+        if block_hash in self.points:
+            self.points.discard(block_hash)
+            if self.fleet is not None:
+                self.fleet.discard(block_hash, self.worker_id)
+
+    def release(self) -> None:
+        """Forget every point (a reset, or the worker left), in the fleet's index too."""
+        if self.fleet is not None:
+            for block_hash in self.points:
+                self.fleet.discard(block_hash, self.worker_id)
+        self.points.clear()
 
     def __len__(self) -> int:
         return len(self.points)

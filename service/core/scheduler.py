@@ -122,7 +122,7 @@ class Scheduler:
                                   self._lifecycle, clock, wall_clock)
         self._batcher = Batcher(self._policy, config.policy, self._queue, self._sequences,
                                 self._changes, self._observer, self._lifecycle, self._tenants,
-                                clock, max_decision_bytes, config.max_loras)
+                                clock, max_decision_bytes, config.max_loras, self._ledger)
         self._workers = WorkerRegistry(config, self._policy.token_budget, self._ledger,
                                        self._lifecycle, self._changes, self._observer, clock,
                                        stall_seconds)

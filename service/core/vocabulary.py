@@ -19,6 +19,9 @@ class BlockReason(enum.Enum):
     DRAINING = "draining"
     TOKEN_BUDGET = "token_budget"
     MESSAGE_SIZE = "message_size"
+    # Candidates left for a worker better placed for them (their prefix is cached there,
+    # or it is less loaded), for a bounded time (policies/placement.py).
+    PLACEMENT = "placement"
 
 
 class PreemptReason(enum.Enum):

@@ -52,7 +52,9 @@ class WorkerRegistry:
         # A new incarnation knows no resume points until its first report (a reset).
         block_tokens = registration.cache_block_tokens if config.prefix_caching == "on" else 0
         record = WorkerRecord(registration, settings, last_call_at=self._clock(),
-                              resume_points=ResumePoints(block_tokens))
+                              resume_points=ResumePoints(block_tokens,
+                                                         fleet=self._ledger.fleet_cache,
+                                                         worker_id=registration.worker_id))
         self._ledger.add(record)
         self._observer.on_worker_registered(
             registration.worker_id, registration.total_kv_pages, registration.total_gdn_slots)

@@ -109,6 +109,9 @@ def test_a_worker_without_points_or_with_another_adapter_gets_no_cached_tokens()
     assert first_chunks(decision)[0][:2] == (plain, 64 + 16 * 2)  # 96: strictly below 100
     assert first_chunks(decision)[1][:2] == (adapted, 0)
     other = submit(sched, prompt_len=100)
+    # w1 holds its prefix: w0 leaves it for w1 a while (policies/placement.py), then
+    # takes it, from 0.
+    sched._clock.advance_ms(1000)
     assert first_chunks(sched.select_batch(report()))[0][:2] == (other, 0)  # w0 reported none
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from service.core.plan import Chunk, DecisionView
+from service.core.policies.placement import PlacementRule
 from service.core.step_budget import StepBudget
 from service.core.vocabulary import BlockReason, SequenceView
 
@@ -16,23 +17,28 @@ MAX_SKIPPED = 256
 FirstChunk = Callable[[SequenceView, StepBudget, int], "int | None"]
 
 
-def admit(view: DecisionView, budget: StepBudget,
-          first_chunk: FirstChunk) -> tuple[tuple[Chunk, ...], BlockReason | None]:
-    """Admit candidates in queue order while the budget lasts. A candidate that does
-    not fit is skipped, not waited for: later ones that fit go ahead of it. Returns the
-    admissions and what stopped them (None: the queue ran out first, nothing skipped;
-    the caller reports a reason only while sequences are still queued)."""
+def admit(view: DecisionView, budget: StepBudget, first_chunk: FirstChunk,
+          placement_rule: PlacementRule | None = None,
+          ) -> tuple[tuple[Chunk, ...], BlockReason | None]:
+    """Admit candidates in queue order while the budget lasts (with a fleet view, in
+    the placement's order, less those it defers to a better placed worker). A candidate
+    that does not fit is skipped, not waited for: later ones that fit go ahead of it.
+    Returns the admissions and what stopped them (None: the queue ran out first, nothing
+    skipped; the caller reports a reason only while sequences are still queued)."""
     admissions: list[Chunk] = []
     blocked = _stop_reason(budget)
     if blocked is not None:
         return (), blocked  # without ordering the queue (a full batch is the common case)
+    placement = placement_rule.start(view) if placement_rule is not None else None
     num_skipped = 0
-    for seq in view.queue():
+    for seq in (view.queue() if placement is None else placement.candidates()):
         stop = _stop_reason(budget)
         if stop is not None:
             blocked = stop
             break
-        if budget.fits_adapter(seq.adapter_id):
+        if placement is not None and placement.defers(seq, len(admissions)):
+            blocked = BlockReason.PLACEMENT
+        elif budget.fits_adapter(seq.adapter_id):
             cached = view.cached_tokens(seq)
             length = first_chunk(seq, budget, cached)
             reason = (BlockReason.TOKEN_BUDGET if length is None

@@ -33,6 +33,7 @@ import math
 from service.core.config import SchedulerConfig
 from service.core.plan import Chunk, DecisionView, Plan
 from service.core.policies.admit import admit
+from service.core.policies.placement import PlacementRule
 from service.core.prefix_cache import align_chunk
 from service.core.step_budget import StepBudget, decode_pages, held_pages
 from service.core.step_model import StepTimeModel
@@ -61,6 +62,7 @@ class BudgetPolicy:
         self._min_prefill_chunk = config.first_chunk_floor
         self._tpot_seconds = config.tpot_target_ms / 1000.0
         self._tokens_of: tuple[DecisionView | None, int] = (None, 0)  # the last view's
+        self._placement = PlacementRule(config)
         if self._tpot_seconds:
             self.token_budget = config.max_num_batched_tokens or MAX_LEARNED_TOKEN_BUDGET
         else:
@@ -128,7 +130,8 @@ class BudgetPolicy:
         admissions, blocked = admit(
             view, budget,
             lambda seq, left, cached: self._first_chunk(seq, left, cached,
-                                                        view.cache_block_tokens))
+                                                        view.cache_block_tokens),
+            self._placement)
         if not (decode or continuations or admissions or preempt):
             stuck = _unstick(view, budget)
             if stuck is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from service.core.config import SchedulerConfig
 from service.core.plan import Chunk, DecisionView, Plan
 from service.core.policies.admit import admit
+from service.core.policies.placement import PlacementRule
 from service.core.prefix_cache import align_chunk
 from service.core.step_budget import StepBudget
 from service.core.vocabulary import BlockReason, SequenceView
@@ -23,6 +24,7 @@ class FifoPolicy:
         self._chunk_size = config.chunk_size
         self._prefill_reserve_pages = config.prefill_reserve_pages
         self._max_loras = config.max_loras
+        self._placement = PlacementRule(config)
 
     def budget(self, view: DecisionView) -> StepBudget:
         capacity = max(0, view.max_batch_size - view.num_active)
@@ -43,7 +45,8 @@ class FifoPolicy:
         admissions, blocked = admit(
             view, self.budget(view),
             lambda seq, budget, cached: align_chunk(cached, self._first_chunk(seq, cached),
-                                                    block))
+                                                    block),
+            self._placement)
         return Plan(
             decode=tuple(seq.seq_id for seq in view.running),
             continuations=tuple(

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""The CPU cost of cache-aware placement per decision (docs/policies.md, "Placement").
+
+The core in process: W workers with prefix caches (64-token blocks), each reporting the
+resume points of its own conversation families (a 1,024-token shared prefix each); Q
+sequences queued, each a family's prefix plus a 64-token tail of its own, in random
+family order. Every decision is one worker's call with room for A admissions (the
+admitted ones are finished at its next call and replaced in the queue, so the queue
+stays at Q). Prints the thread CPU time per decision, median and p99, on the same
+calls: --prefix-caching off (the queue order, no lookups); on without placement (the
+queue order with each admission's own-cache lookup: issue 18's path, the placement
+rule switched off in process); on (placement).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import replace
+
+from common.block_hash import block_hashes
+from service.core import FinishReason, Scheduler
+from service.core.config import SchedulerConfig
+from service.core.policies import placement
+from service.core.types import (
+    CacheReport, FinishedSequence, SubmitParams, WorkerRegistration, WorkerReport,
+)
+
+BLOCK = 64
+PREFIX_TOKENS = 1024
+
+
+def run(prefix_caching: str, args) -> list[float]:
+    rng = random.Random(args.seed)
+    sched = Scheduler(SchedulerConfig(policy=args.policy, max_batch_size=args.admit,
+                                      prefix_caching=prefix_caching, max_queue=10**6))
+    workers = [f"w{i}" for i in range(args.workers)]
+    families = [[rng.randrange(1, 30000) for _ in range(PREFIX_TOKENS)]
+                for _ in range(args.families)]
+    owned = {w: [] for w in workers}
+    for f, tokens in enumerate(families):
+        owned[workers[f % len(workers)]] += block_hashes(tokens, "", BLOCK)
+    for w in workers:
+        sched.register_worker(WorkerRegistration(
+            worker_id=w, total_kv_pages=100_000, page_size=16, total_gdn_slots=1024,
+            cache_block_tokens=BLOCK, total_snapshot_slots=1024))
+
+    def submit() -> None:
+        tokens = families[rng.randrange(len(families))] + [rng.randrange(30000, 40000)
+                                                           for _ in range(64)]
+        sched.submit(SubmitParams(prompt_token_ids=tuple(tokens), max_new_tokens=4))
+
+    for _ in range(args.queued):
+        submit()
+    held = {w: [] for w in workers}
+    seconds = []
+    for call in range(args.decisions):
+        w = workers[call % len(workers)]
+        report = WorkerReport(
+            worker_id=w, waiting=(), running=(), kv_free_pages=100_000, gdn_free_slots=1024,
+            finished=tuple(FinishedSequence(s, FinishReason.EOS, 0) for s in held[w]))
+        if call < len(workers):
+            report = replace(report, cache=CacheReport(tuple(owned[w]), (), True))
+        for _ in held[w]:
+            submit()
+        started = time.thread_time()
+        decision = sched.select_batch(report)
+        seconds.append(time.thread_time() - started)
+        held[w] = [c.seq_id for c in decision.prefill]
+    return seconds[len(workers):]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--families", type=int, default=32)
+    parser.add_argument("--queued", type=int, default=2000)
+    parser.add_argument("--admit", type=int, default=8, help="admissions per decision (its batch)")
+    parser.add_argument("--decisions", type=int, default=2000)
+    parser.add_argument("--policy", default="budget", choices=("fifo", "budget", "fair"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(f"{args.workers} workers, {args.families} families of {PREFIX_TOKENS} tokens, "
+          f"{args.queued} queued, up to {args.admit} admissions a decision, "
+          f"{args.decisions} decisions, policy {args.policy}")
+    start = placement.PlacementRule.start
+    for label, setting, rule in (("off", "off", start),
+                                 ("on, without placement", "on", lambda self, view: None),
+                                 ("on, with placement", "on", start)):
+        placement.PlacementRule.start = rule
+        us = sorted(s * 1e6 for s in run(setting, args))
+        print(f"--prefix-caching {label}: median {statistics.median(us):.0f} us, "
+              f"p99 {us[int(len(us) * 0.99)]:.0f} us per decision (thread CPU time)")
+    placement.PlacementRule.start = start
+
+
+if __name__ == "__main__":
+    main()

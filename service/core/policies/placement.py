@@ -1,0 +1,122 @@
+"""Cache-aware placement in the pull design: which queued sequences the asking worker W
+takes, and in what order, given where their prefixes are cached and how loaded the
+fleet is (docs/policies.md, "Placement").
+
+Late binding: nothing is routed on arrival. When W asks, for each candidate (the queue
+order's) the rule compares what W has cached of its prompt with the best other
+admitting worker that can run it (`FleetView.spread`):
+
+1. **Overdue** (queued for `--aging-seconds` or more): W takes it if it fits; never
+   deferred, and ranked first.
+2. **A hit on W** (W holds its longest cached prefix, ties included): W takes it, ranked
+   before the others of its window (the saving is W's alone: a hit elsewhere is deferred
+   there, and a cold sequence costs the same wherever it runs).
+3. **Better elsewhere** (another worker holds a longer prefix): W defers it, so that
+   the owner takes it at its next call, for at most the time W would spend computing
+   the tokens the owner has cached (W's step model's prediction of that prefill step,
+   or the cautious default model's); after that W takes it. Waiting never costs the
+   sequence much more than the prefill it saves, and W loses nothing while it waits.
+4. **Cold** (cached nowhere): W takes it unless W already holds at least its share of
+   the fleet's work (the assigned and queued sequences over the admitting workers,
+   rounded up) and another admitting worker with room holds fewer; then W defers it,
+   for at most the predicted step of its own prefill, so that the least loaded worker
+   takes it.
+
+A deferred candidate is skipped, not waited for: later ones still go ahead. Everything
+is bounded: a deferral by its patience and by `--aging-seconds`, the reordering by
+`LOOKAHEAD` candidates. The mechanism offers a `FleetView` only for a worker that keeps
+a cache with --prefix-caching on; otherwise admissions are exactly the queue order's.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from itertools import islice
+
+from service.core.config import SchedulerConfig
+from service.core.fleet import FleetView
+from service.core.plan import DecisionView
+from service.core.step_model import StepShape, StepTimeModel, chunk_attention
+from service.core.vocabulary import SequenceView
+
+# Candidates at the head of the queue order that one decision ranks (reads the cache of):
+# a hit passes at most this many cold sequences, and a decision looks up at most this
+# many before it admits (then one more per candidate it reaches).
+LOOKAHEAD = 16
+
+_OVERDUE, _HIT, _OTHER = 0, 1, 2  # rank classes, best first
+
+
+class PlacementRule:
+    """The placement settings; `start` gives one decision's `Placement` (None: the
+    mechanism offered no fleet view, so admissions keep the queue order)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self._aging_seconds = config.aging_seconds
+        # The patience of a worker whose step time is not learned (no latency target).
+        self._default_model = StepTimeModel()
+
+    def start(self, view: DecisionView) -> Placement | None:
+        if view.fleet is None:
+            return None
+        return Placement(view, view.fleet, self._aging_seconds,
+                         view.step_model or self._default_model)
+
+
+class Placement:
+    """One decision's placement: `candidates` in rank order, `defers` for each."""
+
+    def __init__(self, view: DecisionView, fleet: FleetView, aging_seconds: float,
+                 model: StepTimeModel) -> None:
+        self._view = view
+        self._fleet = fleet
+        self._aging_seconds = aging_seconds
+        self._model = model
+        # W's share of the fleet's work: assigned plus queued sequences, per admitting
+        # worker (admissions only move sequences from the queue to W: it stays the same).
+        self._fair_load = math.ceil((fleet.total_load + fleet.num_queued) / fleet.num_workers)
+
+    def candidates(self) -> Iterator[SequenceView]:
+        """The queue order's candidates, the first LOOKAHEAD of them ranked (overdue,
+        then W's hits, then the rest, queue order within)."""
+        queue = self._view.queue()
+        window = list(islice(queue, LOOKAHEAD))
+        window.sort(key=self._rank)
+        yield from window
+        yield from queue
+
+    def defers(self, seq: SequenceView, num_admitted: int) -> bool:
+        """Whether W leaves `seq` queued this decision, for a better placed worker;
+        `num_admitted`: what W admitted so far in this decision (its load grows)."""
+        fleet = self._fleet
+        waited = fleet.waited_seconds(seq)
+        if waited >= self._aging_seconds:
+            return False
+        spread = fleet.spread(seq)
+        own, other = spread.own_tokens, spread.best_other_tokens
+        if other > own:
+            return waited < self._step_seconds(own, other - own)
+        if own:
+            return False
+        load = fleet.own_load + num_admitted
+        if load < self._fair_load:
+            return False
+        least = fleet.least_peer_load(seq.adapter_id)
+        if least is None or least >= load:
+            return False
+        return waited < self._step_seconds(0, seq.num_tokens())
+
+    def _rank(self, seq: SequenceView) -> int:
+        fleet = self._fleet
+        if fleet.waited_seconds(seq) >= self._aging_seconds:
+            return _OVERDUE
+        spread = fleet.spread(seq)
+        saved = spread.own_tokens - spread.best_other_tokens
+        if spread.own_tokens and saved >= 0:
+            return _HIT
+        return _OTHER
+
+    def _step_seconds(self, start: int, num_tokens: int) -> float:
+        """W's predicted time for a step that prefills `num_tokens` from `start`."""
+        return self._model.predict(StepShape(num_prefill_tokens=num_tokens,
+                                             prefill_attention=chunk_attention(start, num_tokens)))

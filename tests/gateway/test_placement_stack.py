@@ -1,0 +1,132 @@
+"""Cache-aware placement in the real system (docs/policies.md, "Placement"): a scheduler,
+two CPU workers serving the tiny chat model with prefix caches, and the gateway, each
+its own process; 16 conversations of 4 turns each, sent at once through the gateway.
+
+Every follow-up turn should land on the worker that served the conversation's last turn
+and resume from its cache; the conversations should spread over both workers; and the
+greedy text should be the same with --prefix-caching off."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+from common.processes import (
+    GATEWAY_LISTENING, LOOPBACK, SCHEDULER_LISTENING, START_TIMEOUT_SECONDS, Process,
+    scheduler_argv, spawn,
+)
+from common.waiting import wait_until
+
+from .checkpoint import Checkpoint
+from .processes import gateway_argv, worker_argv
+
+pytestmark = pytest.mark.slow
+
+BLOCK_TOKENS = 16  # the workers' --cache-block-tokens (one page): a strict test
+NUM_CONVERSATIONS = 4 * 4
+NUM_TURNS = 4
+QUESTIONS = ["Tell me about queue number {i}.", "And then what happened?",
+             "Say it again, shorter.", "Thank you; one last word?"]
+
+
+@dataclass(frozen=True)
+class Turn:
+    conversation: int
+    turn: int
+    text: str
+    prompt_len: int
+    cached_tokens: int
+
+
+@contextmanager
+def two_worker_stack(checkpoint: Checkpoint, logs: Path, prefix_caching: str) -> Iterator[tuple]:
+    started: list[Process] = []
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        scheduler = spawn("scheduler", scheduler_argv("--prefix-caching", prefix_caching),
+                          logs, SCHEDULER_LISTENING)
+        started.append(scheduler)
+        target = f"{LOOPBACK}:{scheduler.ports[0]}"
+        for worker_id in ("w0", "w1"):
+            started.append(spawn(worker_id, [*worker_argv(target, checkpoint.path, worker_id),
+                                             "--cache-block-tokens", str(BLOCK_TOKENS)], logs))
+        gateway = spawn("gateway", gateway_argv(target, checkpoint.path), logs,
+                        GATEWAY_LISTENING)
+        started.append(gateway)
+        channel = grpc.insecure_channel(target)
+        stub = pb_grpc.SchedulerStub(channel)
+        wait_until(lambda: len(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers) == 2,
+                   "both workers to register", START_TIMEOUT_SECONDS)
+        yield f"http://{LOOPBACK}:{gateway.ports[0]}", stub
+        channel.close()
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+def conversations(base_url: str, model: str, stub) -> list[Turn]:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                           timeout=120.0)
+
+    def converse(i: int) -> list[Turn]:
+        messages, turns = [], []
+        for turn, question in enumerate(QUESTIONS[:NUM_TURNS]):
+            messages.append({"role": "user", "content": question.format(i=i)})
+            answer = client.chat.completions.create(model=model, messages=messages,
+                                                    max_tokens=12, temperature=0.0)
+            text = answer.choices[0].message.content
+            messages.append({"role": "assistant", "content": text})
+            seq_id = int(answer.id.rsplit("-", 1)[1])
+            info = stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=10)
+            turns.append(Turn(i, turn, text, info.prompt_len, info.cached_tokens))
+        return turns
+
+    with ThreadPoolExecutor(NUM_CONVERSATIONS) as pool:
+        runs = list(pool.map(converse, range(NUM_CONVERSATIONS)))
+    client.close()
+    return [turn for run in runs for turn in run]
+
+
+def sequences_finished(logs: Path, worker_id: str) -> int:
+    """What the worker's exit line says it finished (a finished sequence's worker_id is
+    empty on GetSequence: the contract names it only while assigned)."""
+    line = re.search(rf"lattice-worker {worker_id}: .* (\d+) sequences finished",
+                     (logs / f"{worker_id}.log").read_text())
+    assert line is not None, f"{worker_id} printed no exit line"
+    return int(line.group(1))
+
+
+def test_conversations_resume_on_the_worker_that_holds_them_spread_and_answer_the_same(
+        checkpoint: Checkpoint, tmp_path: Path):
+    results = {}
+    for setting in ("on", "off"):
+        with two_worker_stack(checkpoint, tmp_path / setting, setting) as (base_url, stub):
+            results[setting] = conversations(base_url, checkpoint.path.name, stub)
+    on, off = results["on"], results["off"]
+    by_turn = {(t.conversation, t.turn): t for t in on}
+    follow_ups = [t for t in on if t.turn > 0]
+    resumed = [t for t in follow_ups
+               if t.cached_tokens >= by_turn[t.conversation, t.turn - 1].prompt_len - BLOCK_TOKENS]
+    assert len(follow_ups) == NUM_CONVERSATIONS * (NUM_TURNS - 1)
+    assert len(resumed) >= 0.9 * len(follow_ups), [
+        (t.conversation, t.turn, t.cached_tokens,
+         by_turn[t.conversation, t.turn - 1].prompt_len) for t in follow_ups]
+    served = {worker_id: sequences_finished(tmp_path / "on", worker_id)
+              for worker_id in ("w0", "w1")}
+    print(f"follow-ups resumed: {len(resumed)} of {len(follow_ups)}; cached prompt tokens "
+          f"{sum(t.cached_tokens for t in on)} of {sum(t.prompt_len for t in on)}; "
+          f"sequences per worker {served}")
+    assert sum(served.values()) == len(on), served  # each request ran once
+    assert all(n >= 0.3 * len(on) for n in served.values()), served
+    assert all(t.cached_tokens == 0 for t in off)
+    assert [(t.conversation, t.turn, t.text) for t in on] == \
+        [(t.conversation, t.turn, t.text) for t in off]
