@@ -45,10 +45,15 @@ MAX_LEARNED_TOKEN_BUDGET = 16384
 # MAX_MARGIN (a model still learning must not starve prefill).
 MIN_MARGIN = 0.05
 MAX_MARGIN = 0.5
-# A learned budget of more than this many tokens is rounded down to a multiple of it: a
-# step's cost jumps where its token count crosses a GEMM tile or CUDA-graph size (the A30
-# profile: 512 tokens take 72 ms, 519 take 79 ms), which a linear model does not see.
+# A learned budget is rounded down to a multiple of TOKEN_ALIGNMENT: a step's cost jumps
+# where its token count crosses a GEMM tile or CUDA-graph size (the A30 profile: 512
+# tokens take 72 ms, 519 take 79 ms), which a linear model does not see. A jump costs a
+# step about a tenth of its time, so the rounding may give up at most MAX_ROUNDING_LOSS
+# of the budget; where the multiple below is further, the budget is rounded down to a
+# multiple of FINE_ALIGNMENT instead (424 tokens become 416, not 256).
 TOKEN_ALIGNMENT = 256
+FINE_ALIGNMENT = 32
+MAX_ROUNDING_LOSS = 0.25
 
 
 class BudgetPolicy:
@@ -88,10 +93,8 @@ class BudgetPolicy:
                              if waiting else 0.0))
         prefill = max(self._min_prefill_chunk, min(prefill, self.token_budget))
         tokens = len(running) + math.floor(prefill)
-        if tokens > TOKEN_ALIGNMENT:
-            tokens = max(tokens // TOKEN_ALIGNMENT * TOKEN_ALIGNMENT,
-                         len(running) + self._min_prefill_chunk)
-        return min(self.token_budget, tokens)
+        return min(self.token_budget,
+                   max(_rounded(tokens), len(running) + self._min_prefill_chunk))
 
     def step_tokens(self, model: StepTimeModel) -> int:
         """Prefill tokens of a step of this policy's budget, alone on the worker (what
@@ -148,6 +151,17 @@ class BudgetPolicy:
         if aligned >= floor:
             return aligned
         return length if length >= floor else None
+
+
+def _rounded(tokens: int) -> int:
+    """`tokens` above TOKEN_ALIGNMENT rounded down to a multiple of it if that keeps all
+    but MAX_ROUNDING_LOSS of them, else to a multiple of FINE_ALIGNMENT."""
+    if tokens <= TOKEN_ALIGNMENT:
+        return tokens
+    coarse = tokens // TOKEN_ALIGNMENT * TOKEN_ALIGNMENT
+    if coarse >= tokens * (1.0 - MAX_ROUNDING_LOSS):
+        return coarse
+    return tokens // FINE_ALIGNMENT * FINE_ALIGNMENT
 
 
 def _preempt_for_growth(view: DecisionView, budget: StepBudget,
