@@ -40,17 +40,17 @@ def test_a_tpot_target_sizes_the_budget_from_the_learned_step_time():
     _teach(sched, ms_per_prefill_token=0.1)
     tokens = _prefill_tokens(sched)
     # 100 ms less the margin, less 10 ms a step, at 0.1 ms a token: 800 to 850 tokens,
-    # rounded down to a multiple of TOKEN_ALIGNMENT (256), which keeps over three quarters.
+    # rounded down to a multiple of TOKEN_ALIGNMENT (256).
     assert tokens == 768
 
 
-def test_a_learned_budget_is_never_rounded_down_by_more_than_a_quarter():
+def test_a_learned_budget_between_256_and_512_tokens_is_not_cut_to_256():
     sched = _scheduler(tpot_target_ms=100.0, max_seq_len=8192, chunk_size=512)
     register(sched)
     _teach(sched, ms_per_prefill_token=0.2)
     tokens = _prefill_tokens(sched)
     # 100 ms less the 5% margin, less 10 ms a step, at 0.2 ms a token: about 425 tokens.
-    # A multiple of 256 would keep 256 of them: rounded to a multiple of 32 instead.
+    # Rounding to a multiple of 256 would keep 256 of them: to a multiple of 32 instead.
     assert tokens == 416
 
 

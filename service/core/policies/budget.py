@@ -45,15 +45,14 @@ MAX_LEARNED_TOKEN_BUDGET = 16384
 # MAX_MARGIN (a model still learning must not starve prefill).
 MIN_MARGIN = 0.05
 MAX_MARGIN = 0.5
-# A learned budget is rounded down to a multiple of TOKEN_ALIGNMENT: a step's cost jumps
-# where its token count crosses a GEMM tile or CUDA-graph size (the A30 profile: 512
-# tokens take 72 ms, 519 take 79 ms), which a linear model does not see. A jump costs a
-# step about a tenth of its time, so the rounding may give up at most MAX_ROUNDING_LOSS
-# of the budget; where the multiple below is further, the budget is rounded down to a
-# multiple of FINE_ALIGNMENT instead (424 tokens become 416, not 256).
+# A learned budget of 2 x TOKEN_ALIGNMENT or more is rounded down to a multiple of
+# TOKEN_ALIGNMENT: a step's cost jumps where its token count crosses a GEMM tile or
+# CUDA-graph size (the A30 profile: 512 tokens take 72 ms, 519 take 79 ms), which a
+# linear model does not see. Between TOKEN_ALIGNMENT and twice that, rounding down to
+# TOKEN_ALIGNMENT would cut up to half the budget: there it is rounded down to a multiple
+# of FINE_ALIGNMENT (424 tokens become 416, not 256).
 TOKEN_ALIGNMENT = 256
 FINE_ALIGNMENT = 32
-MAX_ROUNDING_LOSS = 0.25
 
 
 class BudgetPolicy:
@@ -154,14 +153,13 @@ class BudgetPolicy:
 
 
 def _rounded(tokens: int) -> int:
-    """`tokens` above TOKEN_ALIGNMENT rounded down to a multiple of it if that keeps all
-    but MAX_ROUNDING_LOSS of them, else to a multiple of FINE_ALIGNMENT."""
+    """`tokens` rounded down: to a multiple of TOKEN_ALIGNMENT from twice that up, to a
+    multiple of FINE_ALIGNMENT above TOKEN_ALIGNMENT, not at all up to it."""
     if tokens <= TOKEN_ALIGNMENT:
         return tokens
-    coarse = tokens // TOKEN_ALIGNMENT * TOKEN_ALIGNMENT
-    if coarse >= tokens * (1.0 - MAX_ROUNDING_LOSS):
-        return coarse
-    return tokens // FINE_ALIGNMENT * FINE_ALIGNMENT
+    if tokens < 2 * TOKEN_ALIGNMENT:
+        return tokens // FINE_ALIGNMENT * FINE_ALIGNMENT
+    return tokens // TOKEN_ALIGNMENT * TOKEN_ALIGNMENT
 
 
 def _preempt_for_growth(view: DecisionView, budget: StepBudget,
