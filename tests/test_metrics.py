@@ -55,7 +55,9 @@ def test_a_leaving_worker_has_its_series_removed():
     assert _value(registry, "lattice_scheduler_workers") == 0
 
 
-def test_step_times_budgets_and_deadline_misses_are_metrics():
+def _learned_step_and_a_late_first_token():
+    """A scheduler with both targets whose worker reported one step time (25 ms) and
+    whose one sequence got its first token after its deadline; its registry."""
     clock, registry = FakeClock(), CollectorRegistry()
     sched = Scheduler(make_config(policy="budget", tpot_target_ms=100.0, ttft_target_ms=300.0),
                       observer=SchedulerMetrics(registry, clock=clock, ttft_target_seconds=0.3),
@@ -67,6 +69,11 @@ def test_step_times_budgets_and_deadline_misses_are_metrics():
     sched.select_batch(WorkerReport("w0", running=(seq_id,), kv_free_pages=100,
                                     gdn_free_slots=8, tokens=(TokenUpdate(seq_id, (1,)),),
                                     last_step_us=25_000))
+    return registry
+
+
+def test_step_times_budgets_and_deadline_misses_are_metrics():
+    registry = _learned_step_and_a_late_first_token()
     p = "lattice_scheduler_"
     assert _value(registry, p + "worker_step_measured_seconds", worker_id="w0") == 0.025
     predicted = _value(registry, p + "worker_step_predicted_seconds", worker_id="w0")
@@ -138,3 +145,24 @@ def test_the_dashboard_shows_cached_against_computed_prefill_tokens():
         for name in metric_names(expr):
             if any(word in name for word in ("prefill_tokens", "cache_misses", "resume_points")):
                 assert name in exposed, f"{name} (dashboard) is not a scheduler metric"
+
+
+def test_the_dashboard_shows_step_times_budgets_and_deadline_misses():
+    import json
+    from pathlib import Path
+
+    from tests.stack.promql import metric_names
+
+    registry = _learned_step_and_a_late_first_token()
+    dashboard = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" / "dashboards"
+                            / "lattice.json").read_text())
+    used = {name for panel in dashboard["panels"] for t in panel["targets"]
+            for name in metric_names(t["expr"])}
+    wanted = {"lattice_scheduler_worker_step_predicted_seconds",
+              "lattice_scheduler_worker_step_measured_seconds",
+              "lattice_scheduler_step_time_error_ratio_bucket",
+              "lattice_scheduler_worker_token_budget",
+              "lattice_scheduler_deadline_misses_total"}
+    assert wanted <= used, f"no panel for {sorted(wanted - used)}"
+    sampled = {s.name for m in registry.collect() for s in m.samples}
+    assert wanted <= sampled, f"not scheduler samples: {sorted(wanted - sampled)}"

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from service.core.scheduler import Scheduler
 from service.core.store import StoredSequence
-from service.core.types import SequenceState
+from service.core.types import SequenceState, SubmitParams
 
 
 class ReplicaScheduler(Scheduler):
@@ -28,6 +28,18 @@ class ReplicaScheduler(Scheduler):
         of the table, unsaved changes dropped. Nothing is finished or requeued; a worker
         that still reports one is told to evict it."""
         self._lifecycle.forget(seq_ids)
+
+    def shed_if_late(self, params: SubmitParams, shared_tokens_ahead: int,
+                     num_replicas: int) -> None:
+        """DeadlineUnreachable for a sheddable request (Scheduler.is_sheddable) that this
+        replica's workers could not start before its deadline, as the single scheduler
+        sheds: behind its own queue's prefill tokens of as urgent requests plus its share
+        of the shared queue's unclaimed ones (`shared_tokens_ahead` over `num_replicas`,
+        each replica claiming its part). A replica with no worker that takes work sheds
+        nothing: the others' workers may start the request in time, and it cannot tell."""
+        if not any(not (w.draining or w.drain_requested) for w in self._ledger):
+            return
+        self._shed_if_late(params, shared_tokens_ahead // max(1, num_replicas))
 
     def owned_seq_ids(self) -> set[int]:
         """Every unfinished sequence this core holds (queued or assigned)."""

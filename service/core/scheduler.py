@@ -319,14 +319,20 @@ class Scheduler:
 
     # ----------------------------------------------------------------- internals
 
-    def _shed_if_late(self, params: SubmitParams) -> None:
+    def is_sheddable(self, params: SubmitParams) -> bool:
+        """Whether `params` may be shed: a negative priority under a TTFT target."""
+        return bool(self.config.ttft_target_ms) and params.priority < 0 \
+            and self._step_times is not None
+
+    def _shed_if_late(self, params: SubmitParams, tokens_elsewhere: int = 0) -> None:
         """DeadlineUnreachable for a sheddable request (negative priority, a TTFT target
-        set) that no worker could start before its deadline (service/core/deadlines.py)."""
-        target_seconds = self.config.ttft_target_ms / 1000.0
-        if not target_seconds or params.priority >= 0 or self._step_times is None:
+        set) that no worker could start before its deadline (service/core/deadlines.py),
+        behind the queue's prefill tokens of as urgent requests plus `tokens_elsewhere`."""
+        if not self.is_sheddable(params):
             return
+        target_seconds = self.config.ttft_target_ms / 1000.0
         workers = [w for w in self._ledger if not (w.draining or w.drain_requested)]
-        tokens_ahead = self._queue.tokens_up_to(params.priority)
+        tokens_ahead = self._queue.tokens_up_to(params.priority) + tokens_elsewhere
         rate = prefill_rate((model, self._policy.step_tokens(model))
                             for model in map(self._step_times.model,
                                              (w.worker_id for w in workers)))

@@ -219,6 +219,10 @@ class ReplicaServicer(SchedulerServicer):
 
     async def _submit(self, params: SubmitParams) -> SubmitResult:
         self._core.check_submit(params)  # reads the config only
+        if self._core.is_sheddable(params):
+            tokens, num_replicas = await asyncio.to_thread(self._state.unclaimed_tokens_up_to,
+                                                           params.priority)
+            self._core.shed_if_late(params, tokens, num_replicas)
         config = self._core.config
         result = await asyncio.to_thread(self._state.submit, params, config.max_queue,
                                          config.max_queue_per_tenant)

@@ -90,6 +90,10 @@ def add_parser(sub) -> None:
                             "the difference of the makespans of N and 2N requests arriving "
                             "at 1,000 QPS; with --find-capacity, printed beside each capacity "
                             "(a capacity above it only held because the run was too short)")
+    modes.add_argument("--capacity-tolerance", type=float, default=0.05, metavar="F",
+                       help="--find-capacity bisects until the highest passing and lowest "
+                            "failing rates are within this fraction of each other (default "
+                            "0.05: the capacity found is within 5%% below the edge)")
     modes.add_argument("--slo-ttft-p99", type=float, metavar="S", help="seconds")
     modes.add_argument("--slo-tpot-p99", type=float, metavar="S", help="seconds")
     modes.add_argument("--compare", type=_name_list, metavar="POLICY[,POLICY...]",
@@ -204,7 +208,7 @@ def _capacity(args, setup, configs):
 
         capacity = experiments.find_capacity(
             lambda qps, config=config: experiments.simulate(setup, config, qps), slo,
-            start_qps=start, on_step=on_step)
+            start_qps=start, on_step=on_step, tolerance=args.capacity_tolerance)
         print(f"  capacity: {capacity.capacity_qps:.3f} QPS")
         rate = experiments.saturation(setup, config).requests_per_second
         above = capacity.capacity_qps > rate
@@ -265,6 +269,9 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ValueError("--find-capacity needs --slo-ttft-p99 S and --slo-tpot-p99 S")
         if args.slo_ttft_p99 <= 0 or args.slo_tpot_p99 <= 0:
             raise ValueError("--slo-ttft-p99 and --slo-tpot-p99 must be above 0 seconds")
+        if not 0 < args.capacity_tolerance < 1:
+            raise ValueError(f"--capacity-tolerance must be between 0 and 1, got "
+                             f"{args.capacity_tolerance:g}")
         if args.qps and len(args.qps) > 1:
             raise ValueError("--find-capacity takes one --qps (where the search starts)")
     elif not args.qps and not args.saturation:

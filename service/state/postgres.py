@@ -432,6 +432,17 @@ class PostgresState:
                 "SELECT count(*) FROM sequences s WHERE state = 1 AND adapter_id <> '' "
                 f"AND NOT {_SERVED_BY_A_LIVE_WORKER}").fetchone()[0]
 
+    def unclaimed_tokens_up_to(self, priority: int) -> tuple[int, int]:
+        """Prompt tokens of the unclaimed queued sequences of `priority` or a more urgent
+        one (lower), and how many replicas hold a live lease (to share them among)."""
+        with self._connection() as conn:
+            tokens, num_replicas = conn.execute(
+                "SELECT coalesce(sum(octet_length(prompt) / 4), 0), "
+                "(SELECT count(*) FROM replicas WHERE lease_until > now()) "
+                "FROM sequences WHERE state = 1 AND owner IS NULL AND priority <= %s",
+                (priority,)).fetchone()
+        return int(tokens), int(num_replicas)
+
     def queue_depth(self) -> int:
         with self._connection() as conn:
             return conn.execute("SELECT count(*) FROM sequences WHERE state = 1").fetchone()[0]

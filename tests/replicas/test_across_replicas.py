@@ -175,3 +175,22 @@ def test_claims_a_replica_can_no_longer_run_go_back_to_the_shared_queue(start_re
     w1.register(max_batch_size=4)
     got = _admit_on(w1, 3)
     assert got == ids  # in their order
+
+
+def test_a_replica_sheds_sheddable_requests_its_workers_could_not_start_in_time(
+        start_replicas):
+    # The cautious default step model prefills a few thousand tokens a second: a queue of
+    # 1,000-token prompts outgrows a 1.5 s TTFT target within a few dozen of them.
+    (r0,) = start_replicas(1, policy="budget", tpot_target_ms=100.0, ttft_target_ms=1500.0)
+    prompt = [1] * 1000
+    # No worker on this replica yet: it cannot tell when the fleet would start one.
+    for _ in range(3):
+        submit(r0.stub, prompt=prompt, priority=-1)
+    Worker(r0.stub, "w").register()
+    with pytest.raises(grpc.RpcError) as refused:
+        for _ in range(60):
+            submit(r0.stub, prompt=prompt, priority=-1)
+    assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "shed: priority -1 is sheddable" in refused.value.details()
+    # Priority 0 is never shed: it queues, late.
+    submit(r0.stub, prompt=prompt, priority=0)

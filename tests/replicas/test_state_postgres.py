@@ -237,3 +237,14 @@ def test_a_submit_the_database_cannot_hold_is_invalid_argument_not_unavailable(r
     with pytest.raises(InvalidArgument, match="cannot hold this request"):
         a.state.submit(params(tenant="nul\x00byte"), 1000, 0)
     assert a.submit(tenant="t") > 0
+
+
+def test_unclaimed_tokens_count_as_urgent_unclaimed_prompts_and_live_replicas(replicas):
+    a, b = replicas("a"), replicas("b")
+    a.submit(prompt_len=100, priority=-1)
+    a.submit(prompt_len=30, priority=0)
+    a.submit(prompt_len=7, priority=2)
+    assert a.state.unclaimed_tokens_up_to(-1) == (100, 2)
+    assert b.state.unclaimed_tokens_up_to(0) == (130, 2)
+    a.claim(1)  # the first, claimed: no longer the shared queue's
+    assert a.state.unclaimed_tokens_up_to(5) == (37, 2)

@@ -63,6 +63,8 @@ def test_the_routing_baseline_runs_beside_pull(tmp_path):
     (["--qps", "1", "--trace", "no-such-trace"], "neither a file nor a shipped trace"),
     (["--qps", "1", "--profile", "no-such-profile"], "neither a directory nor a shipped profile"),
     (["--qps", "1", "--find-capacity"], "needs --slo-ttft-p99"),
+    (["--find-capacity", "--slo-ttft-p99", "1", "--slo-tpot-p99", "1",
+      "--capacity-tolerance", "0"], "--capacity-tolerance must be between 0 and 1"),
     (["--qps", "1", "--arrivals", "trace"], "has no arrived_at column"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(flags, message, capsys):
@@ -91,6 +93,15 @@ def test_find_capacity_prints_its_steps_and_every_run_carries_the_capacity(tmp_p
     missing = [r for r in runs if r not in meeting]
     assert max(r["qps"] for r in meeting) == capacity
     assert missing and min(r["qps"] for r in missing) <= capacity * 1.05 + 1e-9
+
+
+@pytest.mark.slow
+def test_find_capacity_bisects_to_the_tolerance_given(tmp_path):
+    runs = simulate(tmp_path, "--find-capacity", "--slo-ttft-p99", "0.3",
+                    "--slo-tpot-p99", "0.1", "--qps", "2", "--capacity-tolerance", "0.01")
+    capacity = runs[0]["capacity_qps"]
+    missing = [r["qps"] for r in runs if not (r["ttft_p99"] <= 0.3 and r["tpot_p99"] <= 0.1)]
+    assert capacity < min(missing) <= capacity * 1.01 + 1e-9
 
 
 @pytest.mark.slow

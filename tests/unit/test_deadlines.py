@@ -93,3 +93,41 @@ def test_without_a_worker_a_sheddable_request_is_refused_and_others_queue():
     with pytest.raises(DeadlineUnreachable, match="no worker is registered"):
         submit(sched, priority=-2)
     submit(sched, priority=-2 + 2)
+
+
+def _replica(**overrides):
+    from service.core import ReplicaScheduler
+
+    overrides.setdefault("policy", "budget")
+    overrides.setdefault("ttft_target_ms", 1500.0)
+    overrides.setdefault("max_seq_len", 8192)
+    return ReplicaScheduler(SchedulerConfig(**overrides), clock=FakeClock())
+
+
+def test_a_replica_sheds_a_late_sheddable_request_counting_its_share_of_the_shared_queue():
+    from service.core.types import SubmitParams
+
+    replica = _replica()
+    register(replica)
+    _teach(replica, "w0", ms_per_token=1.0)  # about 1,000 prompt tokens a second
+    late = SubmitParams(prompt_token_ids=[1] * 1000, max_new_tokens=4, priority=-1)
+    assert replica.is_sheddable(late)
+    # Its own queue is empty: 1,000 unclaimed tokens ahead over 2 replicas start in time.
+    replica.shed_if_late(late, shared_tokens_ahead=1000, num_replicas=2)
+    # 4,000 over 2 replicas: 2,000 tokens of this replica's share, about 2 s: shed.
+    with pytest.raises(DeadlineUnreachable, match=r"shed: priority -1 .*2000 prompt tokens"):
+        replica.shed_if_late(late, shared_tokens_ahead=4000, num_replicas=2)
+    # Its own queue counts too: 1,000 queued here plus a 1,000-token share.
+    submit(replica, prompt_len=1000, priority=-1)
+    with pytest.raises(DeadlineUnreachable, match="2000 prompt tokens"):
+        replica.shed_if_late(late, shared_tokens_ahead=2000, num_replicas=2)
+    # Priority 0 is never sheddable.
+    assert not replica.is_sheddable(SubmitParams(prompt_token_ids=[1], max_new_tokens=4))
+
+
+def test_a_replica_without_workers_sheds_nothing_and_without_a_target_nothing_is_sheddable():
+    from service.core.types import SubmitParams
+
+    late = SubmitParams(prompt_token_ids=[1] * 1000, max_new_tokens=4, priority=-1)
+    _replica().shed_if_late(late, shared_tokens_ahead=10**9, num_replicas=1)
+    assert not _replica(ttft_target_ms=0.0).is_sheddable(late)

@@ -44,6 +44,16 @@ def test_a_tpot_target_sizes_the_budget_from_the_learned_step_time():
     assert tokens == 768
 
 
+def test_a_learned_budget_between_256_and_512_tokens_is_not_cut_to_256():
+    sched = _scheduler(tpot_target_ms=100.0, max_seq_len=8192, chunk_size=512)
+    register(sched)
+    _teach(sched, ms_per_prefill_token=0.2)
+    tokens = _prefill_tokens(sched)
+    # 100 ms less the 5% margin, less 10 ms a step, at 0.2 ms a token: about 425 tokens.
+    # Rounding to a multiple of 256 would keep 256 of them: to a multiple of 32 instead.
+    assert tokens == 416
+
+
 def test_a_slower_worker_gets_a_smaller_budget():
     budgets = []
     for ms in (0.1, 0.4):

@@ -46,10 +46,14 @@ MAX_LEARNED_TOKEN_BUDGET = 16384
 # MAX_MARGIN (a model still learning must not starve prefill).
 MIN_MARGIN = 0.05
 MAX_MARGIN = 0.5
-# A learned budget of more than this many tokens is rounded down to a multiple of it: a
-# step's cost jumps where its token count crosses a GEMM tile or CUDA-graph size (the A30
-# profile: 512 tokens take 72 ms, 519 take 79 ms), which a linear model does not see.
+# A learned budget of 2 x TOKEN_ALIGNMENT or more is rounded down to a multiple of
+# TOKEN_ALIGNMENT: a step's cost jumps where its token count crosses a GEMM tile or
+# CUDA-graph size (the A30 profile: 512 tokens take 72 ms, 519 take 79 ms), which a
+# linear model does not see. Between TOKEN_ALIGNMENT and twice that, rounding down to
+# TOKEN_ALIGNMENT would cut up to half the budget: there it is rounded down to a multiple
+# of FINE_ALIGNMENT (424 tokens become 416, not 256).
 TOKEN_ALIGNMENT = 256
+FINE_ALIGNMENT = 32
 
 
 class BudgetPolicy:
@@ -90,10 +94,8 @@ class BudgetPolicy:
                              if waiting else 0.0))
         prefill = max(self._min_prefill_chunk, min(prefill, self.token_budget))
         tokens = len(running) + math.floor(prefill)
-        if tokens > TOKEN_ALIGNMENT:
-            tokens = max(tokens // TOKEN_ALIGNMENT * TOKEN_ALIGNMENT,
-                         len(running) + self._min_prefill_chunk)
-        return min(self.token_budget, tokens)
+        return min(self.token_budget,
+                   max(_rounded(tokens), len(running) + self._min_prefill_chunk))
 
     def step_tokens(self, model: StepTimeModel) -> int:
         """Prefill tokens of a step of this policy's budget, alone on the worker (what
@@ -151,6 +153,16 @@ class BudgetPolicy:
         if aligned >= floor:
             return aligned
         return length if length >= floor else None
+
+
+def _rounded(tokens: int) -> int:
+    """`tokens` rounded down: to a multiple of TOKEN_ALIGNMENT from twice that up, to a
+    multiple of FINE_ALIGNMENT above TOKEN_ALIGNMENT, not at all up to it."""
+    if tokens <= TOKEN_ALIGNMENT:
+        return tokens
+    if tokens < 2 * TOKEN_ALIGNMENT:
+        return tokens // FINE_ALIGNMENT * FINE_ALIGNMENT
+    return tokens // TOKEN_ALIGNMENT * TOKEN_ALIGNMENT
 
 
 def _preempt_for_growth(view: DecisionView, budget: StepBudget,
