@@ -47,6 +47,10 @@ class ChangeSet:
         """Tokens were added to its output."""
         self._grown[seq.seq_id] = seq
 
+    def grown_all(self, seqs: dict[int, Sequence]) -> None:
+        """Tokens were added to the outputs of `seqs` (by seq_id)."""
+        self._grown.update(seqs)
+
     def forgotten(self, seq_ids: list[int]) -> None:
         self._forgotten.extend(seq_ids)
 

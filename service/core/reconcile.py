@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from service.core.changes import ChangeSet
 from service.core.errors import InvalidArgument
@@ -21,14 +20,6 @@ from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.sequences import Sequence, SequenceTable
 from service.core.types import FinishReason, WorkerReport
 from service.core.vocabulary import PreemptReason
-
-
-@dataclass(frozen=True)
-class Reconciled:
-    """What a report left for the decision."""
-
-    reported: frozenset[int]  # ids the report lists waiting or running
-    evict: tuple[int, ...]  # of those, the ones not (or no longer) this worker's
 
 
 class Reconciler:
@@ -43,38 +34,49 @@ class Reconciler:
         self._lifecycle = lifecycle
         self._clock = clock
 
-    def apply(self, worker: WorkerRecord, report: WorkerReport) -> Reconciled:
-        """Apply `report` (validated) to `worker`; InvalidArgument, with nothing
-        changed, if its tokens leave a gap."""
-        new_tokens = self._new_tokens(worker, report)  # refuses a gap before any change
+    def apply(self, worker: WorkerRecord, report: WorkerReport,
+              reported: frozenset[int]) -> tuple[int, ...]:
+        """Apply `report` (validated; `reported`: its waiting and running ids) to
+        `worker`; returns the reported ids to evict (not, or no longer, this worker's).
+        InvalidArgument, with nothing changed, if its tokens leave a gap."""
+        new_tokens, grown = self._new_tokens(worker, report)  # refuses a gap first
         worker.last_call_at = self._clock()
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots
         worker.draining = report.draining
 
-        self._apply_tokens(new_tokens)
+        if new_tokens:
+            self._apply_tokens(worker.worker_id, new_tokens, grown)
         preempted = [*self._apply_finished(worker, report), *report.preempted]
-        reported = frozenset(report.waiting) | frozenset(report.running)
-        mentioned = (reported | {f.seq_id for f in report.finished} | set(report.preempted)
-                     | set(report.cache_misses))
+        assigned = worker.assigned
         # An id may be named twice, or finished after being preempted: requeue each once.
-        requeue_ids = [s for s in dict.fromkeys(preempted) if s in worker.assigned]
+        requeue_ids = [s for s in dict.fromkeys(preempted) if s in assigned]
         misses = self._apply_cache(worker, report, reported, frozenset(requeue_ids))
-        lost = [s for s in worker.assigned if s not in mentioned]
+        # Reported ids that are not (or no longer) this worker's; the lost are the
+        # assigned ones the report does not mention. Set operations in C first: when
+        # every assigned id is reported, len(reported) - len(strays) == len(assigned).
+        strays = reported.difference(assigned)
+        lost: list[int] = []
+        if len(reported) - len(strays) != len(assigned):
+            mentioned = (reported | {f.seq_id for f in report.finished} | set(report.preempted)
+                         | set(report.cache_misses))
+            lost = [s for s in assigned if s not in mentioned]
         # Lost first, so the preempted ones end up at the very head, in the order given;
         # a cache miss goes back where an admitted sequence goes, the head, to be offered
         # a first chunk again.
-        self._lifecycle.requeue(worker, lost, RequeueReason.LOST)
-        self._lifecycle.requeue(worker, misses, RequeueReason.CACHE_MISS)
-        self._lifecycle.requeue(worker, requeue_ids, RequeueReason.PREEMPTED)
+        for seq_ids, reason in ((lost, RequeueReason.LOST), (misses, RequeueReason.CACHE_MISS),
+                                (requeue_ids, RequeueReason.PREEMPTED)):
+            if seq_ids:
+                self._lifecycle.requeue(worker, seq_ids, reason)
         for seq_id in requeue_ids:
             self._observer.on_preempted(seq_id, worker.worker_id, PreemptReason.WORKER)
 
-        evict = tuple(s for s in (*report.waiting, *report.running) if s not in worker.assigned)
+        evict = (tuple(s for s in (*report.waiting, *report.running) if s in strays)
+                 if strays else ())
         for seq_id in evict:
             self._observer.on_evicted(seq_id, worker.worker_id, self._evict_reason(seq_id))
-        return Reconciled(reported, evict)
+        return evict
 
     def _apply_cache(self, worker: WorkerRecord, report: WorkerReport,
                      reported: frozenset[int], preempted: frozenset[int]) -> list[int]:
@@ -97,44 +99,57 @@ class Reconciler:
             self._observer.on_resume_points(worker.worker_id, len(resume))
         return misses
 
-    def _new_tokens(self, worker: WorkerRecord,
-                    report: WorkerReport) -> list[tuple[Sequence, tuple[int, ...]]]:
-        """The tokens each update adds, changing nothing. An update with an offset keeps only
-        what is new (a retried report repeats tokens already applied); one whose offset is
-        past the tokens known for its sequence is refused (a gap means tokens were lost on
-        the way), and with it the whole report."""
-        new_tokens = []
-        known: dict[int, int] = {}  # tokens per sequence since its admission, so far
-        assigned, sequence = worker.assigned, self._sequences.get  # once per call: hot loop
-        for index, update in enumerate(report.tokens):
+    def _new_tokens(self, worker: WorkerRecord, report: WorkerReport,
+                    ) -> tuple[list[tuple[Sequence, tuple[int, ...]]], dict[int, Sequence]]:
+        """The tokens each update adds, and the sequences they add to by seq_id,
+        changing nothing. An update with an offset keeps only what is new (a retried
+        report repeats tokens already applied); one whose offset is past the tokens known
+        for its sequence is refused (a gap means tokens were lost on the way), and with
+        it the whole report."""
+        new_tokens: list[tuple[Sequence, tuple[int, ...]]] = []
+        grown: dict[int, Sequence] = {}
+        assigned = worker.assigned.get  # once per call: hot loop
+        for update in report.tokens:
             seq_id = update.seq_id
-            if seq_id not in assigned:
+            seq = assigned(seq_id)
+            if seq is None:
                 continue  # stale: the sequence left this worker
-            seq = sequence(seq_id)
-            num_known = known.get(seq_id)
-            if num_known is None:
-                num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
-            start = num_known if update.offset is None else update.offset
-            if start > num_known:
-                raise InvalidArgument(
-                    f"tokens[{index}]: seq_id {seq_id} offset {start} is beyond the "
-                    f"{num_known} tokens known for it since its admission to this worker "
-                    f"(tokens {num_known}..{start - 1} were lost); nothing was applied"
-                )
-            # Past tokens of a retried report are dropped; a gap was refused above.
-            token_ids = update.token_ids[num_known - start:]
+            # Tokens since its admission, so far (with this report's earlier updates).
+            num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
+            if seq_id in grown:
+                num_known += sum(len(t) for s, t in new_tokens if s is seq)
+            token_ids = update.token_ids
+            start = update.offset
+            if start is not None and start != num_known:
+                if start > num_known:
+                    raise InvalidArgument(
+                        f"tokens[{report.tokens.index(update)}]: seq_id {seq_id} offset "
+                        f"{start} is beyond the {num_known} tokens known for it since its "
+                        f"admission to this worker (tokens {num_known}..{start - 1} were "
+                        "lost); nothing was applied"
+                    )
+                # Past tokens of a retried report are dropped; a gap was refused above.
+                token_ids = token_ids[num_known - start:]
             if token_ids:
                 new_tokens.append((seq, token_ids))
-                known[seq_id] = num_known + len(token_ids)
-        return new_tokens
+                grown[seq_id] = seq
+        return new_tokens, grown
 
-    def _apply_tokens(self, new_tokens: list[tuple[Sequence, tuple[int, ...]]]) -> None:
-        served: Counter[str] = Counter()
+    def _apply_tokens(self, worker_id: str, new_tokens: list[tuple[Sequence, tuple[int, ...]]],
+                      grown: dict[int, Sequence]) -> None:
+        counts = [len(token_ids) for _, token_ids in new_tokens]
         for seq, token_ids in new_tokens:
             seq.output_token_ids.extend(token_ids)
-            self._changes.grown(seq)
-            served[seq.tenant] += len(token_ids)
-            self._observer.on_tokens(seq.seq_id, len(token_ids))
+        self._changes.grown_all(grown)
+        seq_ids = [seq.seq_id for seq, _ in new_tokens]
+        self._observer.on_tokens_reported(worker_id, seq_ids, counts)
+        if len(counts) == sum(counts):  # a token each (the steady state): counted in C
+            served = Counter([seq.params.tenant for seq, _ in new_tokens])
+        else:
+            served = {}
+            for (seq, _), num in zip(new_tokens, counts):
+                tenant = seq.params.tenant
+                served[tenant] = served.get(tenant, 0) + num
         self._lifecycle.serve(served)
 
     def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:

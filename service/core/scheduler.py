@@ -297,13 +297,12 @@ class Scheduler:
             self._workers.expire()
             worker = self._ledger.get(report.worker_id)
             check_incarnation(worker, report.incarnation)
-            validate_report(report, worker.settings.max_batch_size)
-            reconciled = self._reconciler.apply(worker, report)
+            reported = validate_report(report, worker.settings.max_batch_size)
+            evict = self._reconciler.apply(worker, report, reported)
             step_model = self._learn_step_time(report)
-            decision = self._batcher.decide(worker, report, reconciled.reported,
-                                            reconciled.evict, step_model)
+            decision = self._batcher.decide(worker, report, reported, evict, step_model)
         if saved.disowned:
-            decision = _without(decision, saved.disowned, reconciled.reported)
+            decision = _without(decision, saved.disowned, reported)
         if self._step_times is not None and (decision.prefill or decision.decode):
             self._step_times.decided(report.worker_id, self._batcher.shape(decision))
         self._observer.on_decision(report, decision)

@@ -50,8 +50,9 @@ def check_incarnation(worker: WorkerRecord, incarnation: int) -> None:
     )
 
 
-def validate_report(report: WorkerReport, max_batch_size: int) -> None:
-    """Reject contradictory or oversized reports before any state changes."""
+def validate_report(report: WorkerReport, max_batch_size: int) -> frozenset[int]:
+    """Reject contradictory or oversized reports before any state changes; returns the
+    ids the report lists waiting or running."""
     limit = 2 * max_batch_size
     for field_name, num in (("waiting + running", len(report.waiting) + len(report.running)),
                             ("finished", len(report.finished)),
@@ -62,6 +63,21 @@ def validate_report(report: WorkerReport, max_batch_size: int) -> None:
                 f"{field_name} holds {num} entries; a worker with max_batch_size "
                 f"{max_batch_size} may report at most {limit}"
             )
+    seen = frozenset(report.running) if not report.waiting else frozenset(
+        (*report.waiting, *report.running))
+    if len(seen) != len(report.waiting) + len(report.running):
+        _refuse_repeated_id(report)
+    for fin in report.finished:
+        if fin.seq_id in seen:
+            raise InvalidArgument(f"seq_id {fin.seq_id} is reported both finished and active")
+    if report.preempted and not seen.isdisjoint(report.preempted):
+        seq_id = next(s for s in report.preempted if s in seen)
+        raise InvalidArgument(f"seq_id {seq_id} is reported both preempted and active")
+    return seen
+
+
+def _refuse_repeated_id(report: WorkerReport) -> None:
+    """InvalidArgument naming the first id that waiting/running lists twice."""
     seen: set[int] = set()
     for field_name, ids in (("waiting", report.waiting), ("running", report.running)):
         for seq_id in ids:
@@ -71,9 +87,3 @@ def validate_report(report: WorkerReport, max_batch_size: int) -> None:
                     f"(second time in {field_name})"
                 )
             seen.add(seq_id)
-    for fin in report.finished:
-        if fin.seq_id in seen:
-            raise InvalidArgument(f"seq_id {fin.seq_id} is reported both finished and active")
-    for seq_id in report.preempted:
-        if seq_id in seen:
-            raise InvalidArgument(f"seq_id {seq_id} is reported both preempted and active")
