@@ -11,8 +11,8 @@ from service.core.replica import ReplicaScheduler
 from service.core.scheduler import OutputView, Scheduler
 from service.core.types import (
     ANYONE, Caller, Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams, SchedulerStatus,
-    SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult, TokenUpdate,
-    WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
+    SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult, TokenRuns,
+    TokenUpdate, WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
 
 __all__ = [
@@ -20,6 +20,6 @@ __all__ = [
     "FinishedSequence", "InvalidArgument", "NotFound", "OutputView", "PrefillChunk",
     "PreemptReason", "QueueFull", "ReplicaScheduler", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerError", "SchedulerObserver", "SchedulerStatus", "SequenceInfo", "SequenceSpec",
-    "SequenceState", "SubmitParams", "SubmitResult", "Superseded", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
+    "SequenceState", "SubmitParams", "SubmitResult", "Superseded", "TokenRuns", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
     "WorkerReport", "WorkerSettings", "WorkerStatus",
 ]

@@ -18,7 +18,7 @@ from service.core.ledger import WorkerRecord
 from service.core.lifecycle import Lifecycle
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.sequences import Sequence, SequenceTable
-from service.core.types import FinishReason, WorkerReport
+from service.core.types import FinishReason, TokenRuns, WorkerReport
 from service.core.vocabulary import PreemptReason
 
 
@@ -133,7 +133,41 @@ class Reconciler:
             if token_ids:
                 new_tokens.append((seq, token_ids))
                 grown[seq_id] = seq
+        runs = report.token_runs
+        if runs.seq_ids:
+            self._new_runs(worker, runs, new_tokens, grown)
         return new_tokens, grown
+
+    @staticmethod
+    def _new_runs(worker: WorkerRecord, runs: TokenRuns,
+                  new_tokens: list[tuple[Sequence, tuple[int, ...]]],
+                  grown: dict[int, Sequence]) -> None:
+        """`_new_tokens` for the packed runs (validated: the arrays line up), added to
+        `new_tokens` and `grown`; the same rules, the same refusal of a gap."""
+        assigned = worker.assigned.get
+        all_ids, counts, offsets = runs.token_ids, runs.counts, runs.offsets
+        end = 0
+        for index, seq_id in enumerate(runs.seq_ids):
+            begin = end
+            end += counts[index] if counts else 1
+            seq = assigned(seq_id)
+            if seq is None:
+                continue  # stale: the sequence left this worker
+            num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
+            if seq_id in grown:
+                num_known += sum(len(t) for s, t in new_tokens if s is seq)
+            if offsets and offsets[index] != num_known:
+                start = offsets[index]
+                if start > num_known:
+                    raise InvalidArgument(
+                        f"token_offsets[{index}]: seq_id {seq_id} offset {start} is beyond "
+                        f"the {num_known} tokens known for it since its admission to this "
+                        f"worker (tokens {num_known}..{start - 1} were lost); nothing was "
+                        "applied")
+                begin += num_known - start  # past tokens of a retried report
+            if begin < end:
+                new_tokens.append((seq, all_ids[begin:end]))
+                grown[seq_id] = seq
 
     def _apply_tokens(self, worker_id: str, new_tokens: list[tuple[Sequence, tuple[int, ...]]],
                       grown: dict[int, Sequence]) -> None:
