@@ -9,8 +9,10 @@ listed for eviction.
 """
 from __future__ import annotations
 
-from collections import Counter
+from array import array
+from collections import deque
 from collections.abc import Callable
+from operator import attrgetter, itemgetter
 
 from service.core.changes import ChangeSet
 from service.core.errors import InvalidArgument
@@ -20,6 +22,17 @@ from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.sequences import Sequence, SequenceTable
 from service.core.types import FinishReason, TokenRuns, WorkerReport
 from service.core.vocabulary import PreemptReason
+
+
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_OUTPUT, _SEQ_ID, _TENANT = (attrgetter("output_token_ids"), attrgetter("seq_id"),
+                             attrgetter("params.tenant"))
+_EXTEND = array.extend
+
+
+def _consume(iterator) -> None:
+    """Run `iterator` to its end, keeping nothing (in C)."""
+    deque(iterator, maxlen=0)
 
 
 class Reconciler:
@@ -171,18 +184,20 @@ class Reconciler:
 
     def _apply_tokens(self, worker_id: str, new_tokens: list[tuple[Sequence, tuple[int, ...]]],
                       grown: dict[int, Sequence]) -> None:
-        counts = [len(token_ids) for _, token_ids in new_tokens]
-        for seq, token_ids in new_tokens:
-            seq.output_token_ids.extend(token_ids)
+        # Per-sequence steps as map() over C callables: no Python frame per sequence.
+        seqs = list(map(_FIRST, new_tokens))
+        runs = list(map(_SECOND, new_tokens))
+        counts = list(map(len, runs))
+        _consume(map(_EXTEND, map(_OUTPUT, seqs), runs))
         self._changes.grown_all(grown)
-        seq_ids = [seq.seq_id for seq, _ in new_tokens]
+        seq_ids = list(grown) if len(grown) == len(seqs) else list(map(_SEQ_ID, seqs))
         self._observer.on_tokens_reported(worker_id, seq_ids, counts)
-        if len(counts) == sum(counts):  # a token each (the steady state): counted in C
-            served = Counter([seq.params.tenant for seq, _ in new_tokens])
+        tenants = list(map(_TENANT, seqs))
+        if tenants.count(tenants[0]) == len(tenants):  # one tenant (the common case)
+            served = {tenants[0]: sum(counts)}
         else:
             served = {}
-            for (seq, _), num in zip(new_tokens, counts):
-                tenant = seq.params.tenant
+            for tenant, num in zip(tenants, counts):
                 served[tenant] = served.get(tenant, 0) + num
         self._lifecycle.serve(served)
 
