@@ -12,7 +12,10 @@ Cells, for R in 32, 128, 256:
   served    the server's work in process: SelectBatchRequest bytes parsed,
             convert.worker_report -> select_batch -> convert.decision, the answer
             serialised; the core's observer is FanOut(SchedulerMetrics, Wakeups), as
-            service/server/app.py wires it
+            service/server/app.py wires it; the report's tokens as one TokenUpdate per
+            sequence (the old form, no offsets)
+  packed    the served path with the report's tokens in the packed arrays, with
+            offsets, as the project's worker sends them (worker_client/convert.py)
   nano      (with --nano-vllm DIR) nano-vllm's Scheduler.schedule() + postprocess()
             from a local checkout, block size 16, its prefix hashing included
 
@@ -76,10 +79,12 @@ TOKEN_BUDGET = 2_048
 MAX_NEW_TOKENS = 3_000  # none finishes during a run
 KV_PAGES = 10**6
 WORKER_ID = "bench"
+# Requests of the packed cell built in its set-up: its warm-up and runs must not pass it.
+MAX_PACKED_STEPS = 600
 WARMUP = 16  # decisions after the running set is full, before counting starts
 # Under callgrind a set-up takes minutes: the worker's lease must not expire meanwhile.
 LEASE_MS = 24 * 3600 * 1000
-KINDS = ("core", "served", "nano")
+KINDS = ("core", "served", "packed", "nano")
 
 
 def _prompt(rnd: random.Random, length: int) -> list[int]:
@@ -107,9 +112,11 @@ class CoreWorkload:
     step() is one decision; the report is the same every decision (each running
     sequence got one token), built once, so only the decision is counted."""
 
-    def __init__(self, running: int, served: bool, seed: int = 1) -> None:
+    def __init__(self, running: int, served: bool, seed: int = 1, packed: bool = False) -> None:
         self.running_count = running
         self.served = served
+        self.packed = packed
+        self.num_steps = 0
         rnd = random.Random(seed)
         observer = None
         if served:
@@ -141,6 +148,11 @@ class CoreWorkload:
             self._convert = convert
             self._request_type = type(self._request())
             self.request_bytes = self._request().SerializeToString()
+            if packed:  # one request per step (its offsets), built here: not counted
+                self.packed_requests = []
+                for self.num_steps in range(MAX_PACKED_STEPS):
+                    self.packed_requests.append(self._request().SerializeToString())
+                self.num_steps = 0
         self.last = None
         for _ in range(WARMUP):
             self.step()
@@ -165,6 +177,11 @@ class CoreWorkload:
 
     def _request(self):
         from lattice.scheduler.v1 import scheduler_pb2 as pb
+        if self.packed:  # offsets as a worker sends them: the tokens known before these
+            return pb.SelectBatchRequest(
+                worker_id=WORKER_ID, running=self.running, kv_free_pages=KV_PAGES // 2,
+                gdn_free_slots=0, token_seq_ids=self.running, token_ids=[7] * len(self.running),
+                token_offsets=[self.num_steps] * len(self.running))
         return pb.SelectBatchRequest(
             worker_id=WORKER_ID, running=self.running, kv_free_pages=KV_PAGES // 2,
             gdn_free_slots=0,
@@ -172,6 +189,9 @@ class CoreWorkload:
 
     def step(self) -> None:
         if self.served:
+            if self.packed:
+                self.request_bytes = self.packed_requests[self.num_steps]
+                self.num_steps += 1
             msg = self._request_type.FromString(self.request_bytes)
             decision = self.core.select_batch(self._convert.worker_report(msg))
             self.last = self._convert.decision(decision).SerializeToString()
@@ -253,7 +273,7 @@ def build(kind: str, running: int, nano_dir: Path | None):
         if nano_dir is None:
             raise SystemExit("the nano cell needs --nano-vllm DIR")
         return NanoWorkload(running, nano_dir)
-    return CoreWorkload(running, served=kind == "served")
+    return CoreWorkload(running, served=kind in ("served", "packed"), packed=kind == "packed")
 
 
 def run_cell(kind: str, running: int, decisions: int, nano_dir: Path | None) -> None:
@@ -331,6 +351,8 @@ def main() -> int:
         args.running, args.n1, args.n2, args.cpu_decisions = [32], 4, 20, 50
     if not 0 <= args.n1 < args.n2:
         parser.error("need 0 <= --n1 < --n2")
+    if "packed" in args.kinds and max(args.n2, args.cpu_decisions) + WARMUP > MAX_PACKED_STEPS:
+        parser.error(f"the packed cell runs at most {MAX_PACKED_STEPS - WARMUP} decisions")
     if min(args.running) < 1:
         parser.error("--running: each must be >= 1")
     kinds = [k for k in args.kinds if k != "nano" or args.nano_vllm is not None]

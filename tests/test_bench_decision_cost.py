@@ -40,10 +40,11 @@ def _unfreeze():
     gc.unfreeze()  # the workloads freeze what they built; the rest of the suite need not
 
 
-@pytest.mark.parametrize("served", [False, True], ids=["core", "served"])
+@pytest.mark.parametrize("served, packed", [(False, False), (True, False), (True, True)],
+                         ids=["core", "served", "packed"])
 @pytest.mark.parametrize("running", [8, 32])
-def test_each_decision_decodes_every_running_sequence_with_1000_queued(running, served):
-    workload = bench.CoreWorkload(running, served=served)
+def test_each_decision_decodes_every_running_sequence_with_1000_queued(running, served, packed):
+    workload = bench.CoreWorkload(running, served=served, packed=packed)
     assert len(workload.running) == running
     core = workload.core
     before = {s: core.get_sequence(s).generated_tokens for s in workload.running}

@@ -168,14 +168,30 @@ class PendingReport:
                 last_step_us: int = 0) -> pb.SelectBatchRequest:
         """The report; `idle_wait_seconds` > 0 asks for a long poll; `last_step_us` is the
         latest step's time not yet reported (0: none)."""
+        # The tokens in the packed form (docs/contract.md, "Packed tokens"): one array
+        # each, which protobuf writes and the scheduler parses in C; a sequence with
+        # logprobs goes as a TokenUpdate (the packed form has no per-token fields).
+        logprobs, prompt_logprobs = self.logprobs, self.prompt_logprobs
+        runs, updates = [], []
+        for s, t in self.tokens.items():
+            if s in logprobs or s in prompt_logprobs:
+                updates.append(pb.TokenUpdate(seq_id=s, token_ids=t,
+                                              offset=self._delivered.get(s, 0),
+                                              logprobs=logprobs.get(s),
+                                              prompt_logprobs=prompt_logprobs.get(s)))
+            elif t:
+                runs.append((s, t))
+        counts = [len(t) for _, t in runs]
         request = pb.SelectBatchRequest(
             worker_id=worker_id, waiting=waiting, running=running,
             kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
             finished=self.finished, preempted=self.preempted, draining=draining,
             idle_wait_ms=int(idle_wait_seconds * 1000),
-            tokens=[pb.TokenUpdate(seq_id=s, token_ids=t, offset=self._delivered.get(s, 0),
-                                   logprobs=self.logprobs.get(s), prompt_logprobs=self.prompt_logprobs.get(s))
-                    for s, t in self.tokens.items()],
+            tokens=updates,
+            token_seq_ids=[s for s, _ in runs],
+            token_ids=[token for _, t in runs for token in t],
+            token_counts=counts if any(n != 1 for n in counts) else (),
+            token_offsets=[self._delivered.get(s, 0) for s, _ in runs],
             kv_cached_pages=kv_cached_pages, cache_misses=self.cache_misses,
             last_step_us=last_step_us,
         )

@@ -12,7 +12,7 @@ from service.core.scheduler import OutputView, Scheduler
 from service.core.types import (
     ANYONE, Caller, Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams,
     SchedulerStatus, SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult,
-    TokenLogprobs, TokenUpdate,
+    TokenLogprobs, TokenRuns, TokenUpdate,
     WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
 
@@ -21,6 +21,6 @@ __all__ = [
     "FinishedSequence", "InvalidArgument", "NotFound", "OutputView", "PrefillChunk",
     "PreemptReason", "QueueFull", "ReplicaScheduler", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerError", "SchedulerObserver", "SchedulerStatus", "SequenceInfo", "SequenceSpec",
-    "SequenceState", "SubmitParams", "SubmitResult", "Superseded", "TokenLogprobs", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
+    "SequenceState", "SubmitParams", "SubmitResult", "Superseded", "TokenLogprobs", "TokenRuns", "TokenUpdate", "UnknownWorker", "WorkerRegistration",
     "WorkerReport", "WorkerSettings", "WorkerStatus",
 ]

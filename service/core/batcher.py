@@ -7,7 +7,6 @@ Which sequences and how much is the policy's; how it is carried out is here.
 """
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator
 
 from service.core.changes import ChangeSet
@@ -29,6 +28,7 @@ from service.core.types import Decision, PrefillChunk, SequenceState, WorkerRepo
 DECISION_FIXED_BYTES = 64
 _ID_BYTES = 11
 _CONTINUATION_BYTES = 32
+_DECODING = SequenceState.DECODING
 
 
 class Batcher:
@@ -58,18 +58,38 @@ class Batcher:
     def decide(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
                evict: tuple[int, ...], step_model: StepTimeModel | None = None) -> Decision:
         """The decision for `worker`, whose report was applied (docs/contract.md rule 1)."""
-        assigned, sequence = worker.assigned, self._sequences.get
-        running = tuple(sequence(s) for s in report.running if s in assigned)
-        waiting = tuple(sequence(s) for s in report.waiting if s in assigned)
-        view = self._view(worker, report, reported, running, waiting, len(evict), step_model)
+        # One pass over the running sequences, the only per-sequence work of a decision
+        # that admits nothing: each is found in one lookup (`assigned` holds the records),
+        # its next decode's page counted, and those that just left prefill noted.
+        assigned = worker.assigned.get
+        page_size = worker.registration.page_size
+        decoding = _DECODING
+        running: list[Sequence] = []
+        started: list[Sequence] = []
+        num_decode_pages = 0
+        for seq_id in report.running:
+            seq = assigned(seq_id)
+            if seq is None:
+                continue
+            running.append(seq)
+            # step_budget.decode_pages, inlined: its token count - 1 starts a page.
+            if not (seq.prompt_len + len(seq.output_token_ids) - 1) % page_size:
+                num_decode_pages += 1
+            if seq.state is not decoding:
+                started.append(seq)
+        running_ids = (report.running if len(running) == len(report.running)
+                       else tuple(seq.seq_id for seq in running))
+        waiting = tuple(seq for s in report.waiting if (seq := assigned(s)) is not None)
+        view = self._view(worker, report, reported, tuple(running), running_ids,
+                          num_decode_pages, waiting, len(evict), step_model)
         plan = self._policy.plan(view)
         limits = self._policy.budget(view)
-        token_budget = limits.tokens
+        token_budget = limits.tokens  # before the check spends it
         check_plan(view, plan, limits,
                    lambda seq_id: self._candidate(worker, reported, seq_id), self._policy_name)
         if step_model is not None:
             self._decode_context = _decode_context(view, plan)
-        return self._apply(worker, running, waiting, plan, evict, token_budget)
+        return self._apply(worker, started, waiting, plan, evict, token_budget)
 
     def shape(self, decision: Decision) -> StepShape:
         """What the step of the latest `decision` (made with a step model) holds."""
@@ -81,11 +101,11 @@ class Batcher:
             decode_context=self._decode_context)
 
     def _view(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
-              running: tuple[Sequence, ...], waiting: tuple[Sequence, ...],
-              num_evict: int, step_model: StepTimeModel | None) -> DecisionView:
+              running: tuple[Sequence, ...], running_ids: tuple[int, ...],
+              num_decode_pages: int, waiting: tuple[Sequence, ...], num_evict: int,
+              step_model: StepTimeModel | None) -> DecisionView:
         sequences = self._sequences
-        assigned = worker.assigned
-        adapters = (frozenset(a for s in assigned if (a := sequences.get(s).adapter_id))
+        adapters = (frozenset(a for seq in worker.assigned.values() if (a := seq.adapter_id))
                     if self._tracks_adapters else frozenset())
         num_ids = len(running) + len(waiting)
         decision_bytes = (self._max_decision_bytes - DECISION_FIXED_BYTES
@@ -111,8 +131,8 @@ class Batcher:
             worker_id=worker.worker_id, max_batch_size=worker.settings.max_batch_size,
             chunk_size=worker.settings.chunk_size, page_size=worker.registration.page_size,
             total_kv_pages=worker.registration.total_kv_pages,
-            running=running, waiting=waiting,
-            num_active=len(report.waiting) + len(report.running),
+            running=running, running_ids=running_ids, decode_pages=num_decode_pages,
+            waiting=waiting, num_active=len(report.waiting) + len(report.running),
             kv_free_pages=report.kv_free_pages, gdn_free_slots=report.gdn_free_slots,
             draining=report.draining or worker.drain_requested,
             adapters_in_use=adapters, decision_bytes=decision_bytes, queue=queue,
@@ -153,20 +173,22 @@ class Batcher:
             return None
         return seq
 
-    def _apply(self, worker: WorkerRecord, running: tuple[Sequence, ...],
+    def _apply(self, worker: WorkerRecord, started: list[Sequence],
                waiting: tuple[Sequence, ...], plan: Plan, evict: tuple[int, ...],
                token_budget: int | None) -> Decision:
-        """Carry out a checked plan; `running` and `waiting` are the view's, as the
-        sequence table's records (written here, read-only to the policy)."""
-        served: Counter[str] = Counter()
+        """Carry out a checked plan; `started` are the view's running sequences not yet
+        DECODING, `waiting` the view's, as the sequence table's records (written here,
+        read-only to the policy)."""
+        served: dict[str, int] = {}
         prefill = []
         for chunk in plan.admissions:
             seq = self._sequences.get(chunk.seq_id)
             prefill.append(self._first_chunk(worker, seq, chunk.chunk_len, chunk.cached_tokens))
-            served[seq.tenant] += chunk.chunk_len
-        for seq in running:
-            if seq.state is not SequenceState.DECODING and seq.seq_id not in plan.preempt:
-                seq.state = SequenceState.DECODING
+            tenant = seq.params.tenant
+            served[tenant] = served.get(tenant, 0) + chunk.chunk_len
+        for seq in started:
+            if seq.seq_id not in plan.preempt:
+                seq.state = _DECODING
                 seq.prefilled_tokens = seq.spec_prompt_len()
                 self._changes.touched(seq)
         for seq in waiting:
@@ -177,7 +199,8 @@ class Batcher:
         for chunk in plan.continuations:
             seq = self._sequences.get(chunk.seq_id)
             prefill.append(self._continuation(seq, chunk))
-            served[seq.tenant] += chunk.chunk_len
+            tenant = seq.params.tenant
+            served[tenant] = served.get(tenant, 0) + chunk.chunk_len
         if plan.admissions:
             self._lifecycle.queue_changed()
         for seq_id in self._lifecycle.requeue(worker, list(plan.preempt),
@@ -185,7 +208,8 @@ class Batcher:
             self._observer.on_preempted(seq_id, worker.worker_id, plan.preempt_reason)
         if plan.blocked is not None and len(self._queue):
             self._observer.on_admission_blocked(worker.worker_id, plan.blocked)
-        self._lifecycle.serve(served)
+        if served:
+            self._lifecycle.serve(served)
         if prefill:
             self._observer.on_prefill_tokens(worker.worker_id,
                                              sum(c.chunk_len for c in prefill),
@@ -208,7 +232,7 @@ class Batcher:
         seq.num_generated = len(seq.output_token_ids)
         seq.cursor = cached_tokens + chunk_len
         seq.cached_tokens = cached_tokens
-        worker.assigned[seq.seq_id] = None
+        worker.assigned[seq.seq_id] = seq
         self._changes.touched(seq)
         self._observer.on_admitted(seq.seq_id, worker.worker_id,
                                    max(0.0, self._clock() - seq.enqueued_at))

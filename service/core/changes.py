@@ -47,6 +47,10 @@ class ChangeSet:
         """Tokens were added to its output."""
         self._grown[seq.seq_id] = seq
 
+    def grown_all(self, seqs: dict[int, Sequence]) -> None:
+        """Tokens were added to the outputs of `seqs` (by seq_id)."""
+        self._grown.update(seqs)
+
     def forgotten(self, seq_ids: list[int]) -> None:
         self._forgotten.extend(seq_ids)
 
@@ -64,11 +68,11 @@ class ChangeSet:
         """Hand everything changed to the store as one change (StoreError: kept for the
         next save). `next_seq_id` is saved when the change hands out new ids,
         `last_incarnation` when workers changed."""
-        if self._store is None:
-            self._clear()
-            return
         if not (self._touched or self._grown or self._created or self._forgotten
                 or self._workers or self._tenants):
+            return
+        if self._store is None:
+            self._clear()
             return
         grown = [seq for seq in self._grown.values()
                  if len(seq.output_token_ids) > seq.num_saved_tokens]

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from service.core.errors import UnknownWorker
 from service.core.prefix_cache import FleetCache, ResumePoints
 from service.core.types import WorkerRegistration, WorkerSettings
+
+if TYPE_CHECKING:
+    from service.core.sequences import Sequence
 
 
 @dataclass
@@ -19,8 +23,9 @@ class WorkerRecord:
     registration: WorkerRegistration
     settings: WorkerSettings
     last_call_at: float
-    # Sequence ids assigned to this worker, in assignment order.
-    assigned: dict[int, None] = field(default_factory=dict)
+    # Sequences assigned to this worker by seq_id, in assignment order: the record
+    # itself (the sequence table's), so that a decision finds each in one lookup.
+    assigned: dict[int, Sequence] = field(default_factory=dict)
     iteration: int = 0
     kv_free_pages: int = 0
     gdn_free_slots: int = 0

@@ -6,7 +6,6 @@ and recovery (orphans), so that none of them calls back into another.
 """
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable
 
 from service.core.changes import ChangeSet
@@ -91,7 +90,7 @@ class Lifecycle:
         self._changes.discard(ids)
         self.queue_changed()
 
-    def serve(self, served: Counter[str]) -> None:
+    def serve(self, served: dict[str, int]) -> None:
         """Count tokens served per tenant (the fair order's counters, and metrics)."""
         for tenant, num_tokens in served.items():
             if not num_tokens:

@@ -36,6 +36,18 @@ class SchedulerObserver:
 
     def on_tokens(self, seq_id: int, num_tokens: int) -> None: ...
 
+    def on_tokens_reported(self, worker_id: str, seq_ids: list[int],
+                           num_tokens: list[int]) -> None:
+        """The new tokens of one report, in one call: seq_ids[i] got num_tokens[i] (an id
+        may appear twice). This default calls on_tokens for each, in order; an observer
+        with per-report work to share (one clock reading, one counter update) overrides
+        this one instead."""
+        if type(self).on_tokens is SchedulerObserver.on_tokens:
+            return  # the no-op: nothing to call per sequence
+        on_tokens = self.on_tokens
+        for seq_id, num in zip(seq_ids, num_tokens):
+            on_tokens(seq_id, num)
+
     def on_admitted(self, seq_id: int, worker_id: str, queue_wait_seconds: float) -> None: ...
 
     def on_requeued(self, seq_id: int, worker_id: str, reason: RequeueReason) -> None: ...

@@ -30,6 +30,11 @@ class DecisionView:
     total_kv_pages: int
     # Sequences assigned to the worker, in the order its report lists them.
     running: tuple[SequenceView, ...]
+    # The seq_ids of `running`, in the same order.
+    running_ids: tuple[int, ...]
+    # New KV pages the decodes of every running sequence need this iteration, together
+    # (step_budget.decode_pages summed over `running`).
+    decode_pages: int
     waiting: tuple[SequenceView, ...]
     # len(report.waiting) + len(report.running): capacity counts every id reported.
     num_active: int

@@ -24,9 +24,15 @@ from service.core.vocabulary import SequenceView
 def check_plan(view: DecisionView, plan: Plan, budget: StepBudget,
                candidate: Callable[[int], SequenceView | None], policy_name: str) -> None:
     """Raise PlanError if `plan` breaks an invariant; `budget` is a fresh one from the
-    policy; `candidate(seq_id)` is the queued sequence if the worker may be given it."""
-    running = {seq.seq_id: seq for seq in view.running}
+    policy; `candidate(seq_id)` is the queued sequence if the worker may be given it.
+
+    What the mechanism computed itself is not recomputed: the decodes are compared with
+    the view's running ids in one comparison and charged as the view's page sum, less
+    the preempted sequences' share; only what the policy chose (preemptions, chunks,
+    admissions) is looked at one by one."""
     waiting = {seq.seq_id: seq for seq in view.waiting}
+    # Decodes need no entry: they are the running ids (unique, validation.py) less the
+    # preempted, and a chunk is only ever valid for a waiting or a queued id.
     seen: set[int] = set()
 
     def once(seq_id: int, where: str) -> None:
@@ -34,20 +40,25 @@ def check_plan(view: DecisionView, plan: Plan, budget: StepBudget,
             raise PlanError(f"policy {policy_name}: seq_id {seq_id} twice in the plan ({where})")
         seen.add(seq_id)
 
-    for seq_id in plan.preempt:
-        once(seq_id, "preempt")
-        if seq_id not in running and seq_id not in waiting:
-            raise PlanError(f"policy {policy_name}: preempts seq_id {seq_id}, which the "
-                            "worker does not hold")
-        budget.give_back(held_pages(running.get(seq_id) or waiting[seq_id], budget.page_size,
-                                    running=seq_id in running))
-    expected = tuple(seq_id for seq_id in running if seq_id not in plan.preempt)
+    expected, num_decode_pages = view.running_ids, view.decode_pages
+    if plan.preempt:
+        running = {seq.seq_id: seq for seq in view.running}
+        for seq_id in plan.preempt:
+            once(seq_id, "preempt")
+            seq = running.get(seq_id)
+            if seq is None and seq_id not in waiting:
+                raise PlanError(f"policy {policy_name}: preempts seq_id {seq_id}, which the "
+                                "worker does not hold")
+            if seq is None:
+                budget.give_back(held_pages(waiting[seq_id], budget.page_size, running=False))
+            else:
+                budget.give_back(held_pages(seq, budget.page_size, running=True))
+                num_decode_pages -= decode_pages(seq, budget.page_size)
+        expected = tuple(seq_id for seq_id in expected if seq_id not in seen)
     if plan.decode != expected:
         raise PlanError(f"policy {policy_name}: decode must list every running sequence not "
                         "preempted, in the order reported")
-    for seq_id in plan.decode:
-        once(seq_id, "decode")
-        budget.take_decode(decode_pages(running[seq_id], budget.page_size))
+    budget.take_decodes(len(plan.decode), num_decode_pages)
     for chunk in plan.continuations:
         once(chunk.seq_id, "continuations")
         seq = waiting.get(chunk.seq_id)

@@ -9,9 +9,10 @@ listed for eviction.
 """
 from __future__ import annotations
 
-from collections import Counter
+from array import array
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 
 from service.core.changes import ChangeSet
 from service.core.errors import InvalidArgument
@@ -19,16 +20,24 @@ from service.core.ledger import WorkerRecord
 from service.core.lifecycle import Lifecycle
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.sequences import Sequence, SequenceTable
-from service.core.types import FinishReason, TokenUpdate, WorkerReport
+from service.core.types import FinishReason, TokenRuns, TokenUpdate, WorkerReport
 from service.core.vocabulary import PreemptReason
 
 
-@dataclass(frozen=True)
-class Reconciled:
-    """What a report left for the decision."""
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_OUTPUT, _SEQ_ID, _TENANT = (attrgetter("output_token_ids"), attrgetter("seq_id"),
+                             attrgetter("params.tenant"))
+_EXTEND = array.extend
 
-    reported: frozenset[int]  # ids the report lists waiting or running
-    evict: tuple[int, ...]  # of those, the ones not (or no longer) this worker's
+
+# Entries of sequences that asked for logprobs, by index in the new tokens: the update
+# that carries them (None for packed runs) and how many of its tokens were past.
+_Logprobs = dict[int, tuple["TokenUpdate | None", int]]
+
+
+def _consume(iterator) -> None:
+    """Run `iterator` to its end, keeping nothing (in C)."""
+    deque(iterator, maxlen=0)
 
 
 class Reconciler:
@@ -43,38 +52,49 @@ class Reconciler:
         self._lifecycle = lifecycle
         self._clock = clock
 
-    def apply(self, worker: WorkerRecord, report: WorkerReport) -> Reconciled:
-        """Apply `report` (validated) to `worker`; InvalidArgument, with nothing
-        changed, if its tokens leave a gap."""
-        new_tokens = self._new_tokens(worker, report)  # refuses a gap before any change
+    def apply(self, worker: WorkerRecord, report: WorkerReport,
+              reported: frozenset[int]) -> tuple[int, ...]:
+        """Apply `report` (validated; `reported`: its waiting and running ids) to
+        `worker`; returns the reported ids to evict (not, or no longer, this worker's).
+        InvalidArgument, with nothing changed, if its tokens leave a gap."""
+        new_tokens, grown, logprobs = self._new_tokens(worker, report)  # refuses a gap first
         worker.last_call_at = self._clock()
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots
         worker.draining = report.draining
 
-        self._apply_tokens(new_tokens)
+        if new_tokens:
+            self._apply_tokens(worker.worker_id, new_tokens, grown, logprobs)
         preempted = [*self._apply_finished(worker, report), *report.preempted]
-        reported = frozenset(report.waiting) | frozenset(report.running)
-        mentioned = (reported | {f.seq_id for f in report.finished} | set(report.preempted)
-                     | set(report.cache_misses))
+        assigned = worker.assigned
         # An id may be named twice, or finished after being preempted: requeue each once.
-        requeue_ids = [s for s in dict.fromkeys(preempted) if s in worker.assigned]
+        requeue_ids = [s for s in dict.fromkeys(preempted) if s in assigned]
         misses = self._apply_cache(worker, report, reported, frozenset(requeue_ids))
-        lost = [s for s in worker.assigned if s not in mentioned]
+        # Reported ids that are not (or no longer) this worker's; the lost are the
+        # assigned ones the report does not mention. Set operations in C first: when
+        # every assigned id is reported, len(reported) - len(strays) == len(assigned).
+        strays = reported.difference(assigned)
+        lost: list[int] = []
+        if len(reported) - len(strays) != len(assigned):
+            mentioned = (reported | {f.seq_id for f in report.finished} | set(report.preempted)
+                         | set(report.cache_misses))
+            lost = [s for s in assigned if s not in mentioned]
         # Lost first, so the preempted ones end up at the very head, in the order given;
         # a cache miss goes back where an admitted sequence goes, the head, to be offered
         # a first chunk again.
-        self._lifecycle.requeue(worker, lost, RequeueReason.LOST)
-        self._lifecycle.requeue(worker, misses, RequeueReason.CACHE_MISS)
-        self._lifecycle.requeue(worker, requeue_ids, RequeueReason.PREEMPTED)
+        for seq_ids, reason in ((lost, RequeueReason.LOST), (misses, RequeueReason.CACHE_MISS),
+                                (requeue_ids, RequeueReason.PREEMPTED)):
+            if seq_ids:
+                self._lifecycle.requeue(worker, seq_ids, reason)
         for seq_id in requeue_ids:
             self._observer.on_preempted(seq_id, worker.worker_id, PreemptReason.WORKER)
 
-        evict = tuple(s for s in (*report.waiting, *report.running) if s not in worker.assigned)
+        evict = (tuple(s for s in (*report.waiting, *report.running) if s in strays)
+                 if strays else ())
         for seq_id in evict:
             self._observer.on_evicted(seq_id, worker.worker_id, self._evict_reason(seq_id))
-        return Reconciled(reported, evict)
+        return evict
 
     def _apply_cache(self, worker: WorkerRecord, report: WorkerReport,
                      reported: frozenset[int], preempted: frozenset[int]) -> list[int]:
@@ -97,48 +117,109 @@ class Reconciler:
             self._observer.on_resume_points(worker.worker_id, len(resume), num_removed)
         return misses
 
-    def _new_tokens(self, worker: WorkerRecord,
-                    report: WorkerReport) -> list[tuple[Sequence, tuple[int, ...], TokenUpdate]]:
-        """The tokens each update adds, changing nothing. An update with an offset keeps only
-        what is new (a retried report repeats tokens already applied); one whose offset is
-        past the tokens known for its sequence is refused (a gap means tokens were lost on
-        the way), and with it the whole report."""
-        new_tokens = []
-        known: dict[int, int] = {}  # tokens per sequence since its admission, so far
-        assigned, sequence = worker.assigned, self._sequences.get  # once per call: hot loop
-        for index, update in enumerate(report.tokens):
+    def _new_tokens(self, worker: WorkerRecord, report: WorkerReport,
+                    ) -> tuple[list[tuple[Sequence, tuple[int, ...]]], dict[int, Sequence],
+                               _Logprobs]:
+        """The tokens each update adds, the sequences they add to by seq_id, and for the
+        entries of sequences that asked for logprobs (by index) the update that carries
+        them (None for packed runs, which carry none) with the number of its tokens
+        dropped as past; changing nothing. An update with an offset keeps only what is
+        new (a retried report repeats tokens already applied); one whose offset is past
+        the tokens known for its sequence is refused (a gap means tokens were lost on the
+        way), and with it the whole report."""
+        new_tokens: list[tuple[Sequence, tuple[int, ...]]] = []
+        grown: dict[int, Sequence] = {}
+        logprobs: _Logprobs = {}
+        assigned = worker.assigned.get  # once per call: hot loop
+        for update in report.tokens:
             seq_id = update.seq_id
-            if seq_id not in assigned:
+            seq = assigned(seq_id)
+            if seq is None:
                 continue  # stale: the sequence left this worker
-            seq = sequence(seq_id)
-            num_known = known.get(seq_id)
-            if num_known is None:
-                num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
-            start = num_known if update.offset is None else update.offset
-            if start > num_known:
-                raise InvalidArgument(
-                    f"tokens[{index}]: seq_id {seq_id} offset {start} is beyond the "
-                    f"{num_known} tokens known for it since its admission to this worker "
-                    f"(tokens {num_known}..{start - 1} were lost); nothing was applied"
-                )
-            # Past tokens of a retried report are dropped; a gap was refused above.
-            token_ids = update.token_ids[num_known - start:]
+            # Tokens since its admission, so far (with this report's earlier updates).
+            num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
+            if seq_id in grown:
+                num_known += sum(len(t) for s, t in new_tokens if s is seq)
+            token_ids = update.token_ids
+            start = update.offset
+            if start is not None and start != num_known:
+                if start > num_known:
+                    raise InvalidArgument(
+                        f"tokens[{report.tokens.index(update)}]: seq_id {seq_id} offset "
+                        f"{start} is beyond the {num_known} tokens known for it since its "
+                        f"admission to this worker (tokens {num_known}..{start - 1} were "
+                        "lost); nothing was applied"
+                    )
+                # Past tokens of a retried report are dropped; a gap was refused above.
+                token_ids = token_ids[num_known - start:]
             if token_ids:
-                new_tokens.append((seq, token_ids, update))
-                known[seq_id] = num_known + len(token_ids)
-        return new_tokens
+                if seq.output_logprobs is not None:
+                    logprobs[len(new_tokens)] = (update, len(update.token_ids) - len(token_ids))
+                new_tokens.append((seq, token_ids))
+                grown[seq_id] = seq
+        runs = report.token_runs
+        if runs.seq_ids:
+            self._new_runs(worker, runs, new_tokens, grown, logprobs)
+        return new_tokens, grown, logprobs
 
-    def _apply_tokens(self, new_tokens: list[tuple[Sequence, tuple[int, ...], TokenUpdate]]) -> None:
-        served: Counter[str] = Counter()
-        for seq, token_ids, update in new_tokens:
-            if seq.output_logprobs is None:
-                seq.output_token_ids.extend(token_ids)
-            else:
-                num_past = len(update.token_ids) - len(token_ids)
-                seq.add_tokens(token_ids, update.logprobs[num_past:], update.prompt_logprobs)
-            self._changes.grown(seq)
-            served[seq.tenant] += len(token_ids)
-            self._observer.on_tokens(seq.seq_id, len(token_ids))
+    @staticmethod
+    def _new_runs(worker: WorkerRecord, runs: TokenRuns,
+                  new_tokens: list[tuple[Sequence, tuple[int, ...]]],
+                  grown: dict[int, Sequence], logprobs: _Logprobs) -> None:
+        """`_new_tokens` for the packed runs (validated: the arrays line up), added to
+        `new_tokens` and `grown`; the same rules, the same refusal of a gap."""
+        assigned = worker.assigned.get
+        all_ids, counts, offsets = runs.token_ids, runs.counts, runs.offsets
+        end = 0
+        for index, seq_id in enumerate(runs.seq_ids):
+            begin = end
+            end += counts[index] if counts else 1
+            seq = assigned(seq_id)
+            if seq is None:
+                continue  # stale: the sequence left this worker
+            num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
+            if seq_id in grown:
+                num_known += sum(len(t) for s, t in new_tokens if s is seq)
+            if offsets and offsets[index] != num_known:
+                start = offsets[index]
+                if start > num_known:
+                    raise InvalidArgument(
+                        f"token_offsets[{index}]: seq_id {seq_id} offset {start} is beyond "
+                        f"the {num_known} tokens known for it since its admission to this "
+                        f"worker (tokens {num_known}..{start - 1} were lost); nothing was "
+                        "applied")
+                begin += num_known - start  # past tokens of a retried report
+            if begin < end:
+                if seq.output_logprobs is not None:
+                    logprobs[len(new_tokens)] = (None, 0)  # the runs carry no logprobs
+                new_tokens.append((seq, all_ids[begin:end]))
+                grown[seq_id] = seq
+
+    def _apply_tokens(self, worker_id: str, new_tokens: list[tuple[Sequence, tuple[int, ...]]],
+                      grown: dict[int, Sequence], logprobs: _Logprobs) -> None:
+        # Per-sequence steps as map() over C callables: no Python frame per sequence.
+        seqs = list(map(_FIRST, new_tokens))
+        runs = list(map(_SECOND, new_tokens))
+        counts = list(map(len, runs))
+        if logprobs:  # some sequence asked for logprobs: they go with its tokens
+            for index, (seq, token_ids) in enumerate(new_tokens):
+                update, num_past = logprobs.get(index, (None, 0))
+                if update is None:
+                    seq.add_tokens(token_ids)
+                else:
+                    seq.add_tokens(token_ids, update.logprobs[num_past:], update.prompt_logprobs)
+        else:
+            _consume(map(_EXTEND, map(_OUTPUT, seqs), runs))
+        self._changes.grown_all(grown)
+        seq_ids = list(grown) if len(grown) == len(seqs) else list(map(_SEQ_ID, seqs))
+        self._observer.on_tokens_reported(worker_id, seq_ids, counts)
+        tenants = list(map(_TENANT, seqs))
+        if tenants.count(tenants[0]) == len(tenants):  # one tenant (the common case)
+            served = {tenants[0]: sum(counts)}
+        else:
+            served = {}
+            for tenant, num in zip(tenants, counts):
+                served[tenant] = served.get(tenant, 0) + num
         self._lifecycle.serve(served)
 
     def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:

@@ -48,7 +48,7 @@ class Recovery:
                 if worker is None:
                     orphans.append(seq.seq_id)
                 else:
-                    worker.assigned[seq.seq_id] = None
+                    worker.assigned[seq.seq_id] = seq
         self._sequences.restore_finished_order()
         self._queue.restore(sorted(keyed, key=lambda s: (s.queue_key, s.seq_id)))
         for seq in unkeyed:  # ascending seq_id
@@ -75,7 +75,7 @@ class Recovery:
                 else:
                     queued.append(seq)
             elif worker is not None and seq.worker_id == worker.worker_id:
-                worker.assigned[seq.seq_id] = None
+                worker.assigned[seq.seq_id] = seq
             else:
                 orphans.append(seq.seq_id)
         self._queue.adopt(queued)

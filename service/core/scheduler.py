@@ -12,8 +12,7 @@ persistence bracket (`_saved`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from service.core.batcher import Batcher
@@ -305,13 +304,12 @@ class Scheduler:
             self._workers.expire()
             worker = self._ledger.get(report.worker_id)
             check_incarnation(worker, report.incarnation)
-            validate_report(report, worker.settings.max_batch_size)
-            reconciled = self._reconciler.apply(worker, report)
+            reported = validate_report(report, worker.settings.max_batch_size)
+            evict = self._reconciler.apply(worker, report, reported)
             step_model = self._learn_step_time(report)
-            decision = self._batcher.decide(worker, report, reconciled.reported,
-                                            reconciled.evict, step_model)
+            decision = self._batcher.decide(worker, report, reported, evict, step_model)
         if saved.disowned:
-            decision = _without(decision, saved.disowned, reconciled.reported)
+            decision = _without(decision, saved.disowned, reported)
         if self._step_times is not None and (decision.prefill or decision.decode):
             self._step_times.decided(report.worker_id, self._batcher.shape(decision))
         self._observer.on_decision(report, decision)
@@ -359,25 +357,12 @@ class Scheduler:
             self._observer.on_step_time(worker_id, predicted, seconds)
         return self._step_times.model(worker_id)
 
-    @contextmanager
-    def _saved(self, sync: bool = False) -> Iterator[Saved]:
+    def _saved(self, sync: bool = False) -> _Bracket:
         """The persistence bracket of one state-changing call. Before the body: what an
         earlier failed save left is saved (StoreError while the store still fails). After
         it, also when it raised: what it changed is saved; if that save fails, the
         bracket's undo steps run and StoreError propagates."""
-        self._save(sync)
-        saved = Saved()
-        try:
-            yield saved
-        except BaseException:
-            self._save(sync)
-            raise
-        try:
-            saved.disowned = self._save(sync)
-        except StoreError:
-            for undo in saved.undo:
-                undo()
-            raise
+        return _Bracket(self._save, sync)
 
     def _save(self, sync: bool) -> frozenset[int]:
         """Save what changed; returns the ids a shared store said are another replica's
@@ -447,6 +432,34 @@ class Scheduler:
             return 0
         return self._queue.position(seq.seq_id, self._clock(), self._served)
 
+
+
+class _Bracket:
+    """Scheduler._saved as a plain context manager (a generator's costs more per call,
+    and select_batch enters one every call)."""
+
+    __slots__ = ("_save", "_sync", "_saved")
+
+    def __init__(self, save: Callable[[bool], frozenset[int]], sync: bool) -> None:
+        self._save = save
+        self._sync = sync
+
+    def __enter__(self) -> Saved:
+        self._save(self._sync)
+        self._saved = Saved()
+        return self._saved
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            self._save(self._sync)
+            return False  # the body's exception propagates
+        try:
+            self._saved.disowned = self._save(self._sync)
+        except StoreError:
+            for undo in self._saved.undo:
+                undo()
+            raise
+        return False
 
 
 def _no_service(tenant: str) -> float:

@@ -1,8 +1,9 @@
 """What one worker iteration may still take: the capacity questions, asked in pairs.
 
 Mechanism only: a policy sets the limits (`Policy.budget`), spends them while it plans
-(`fits_*` / `take_*`), and the mechanism replays the finished plan against a fresh
-budget to check it (service/core/plan_check.py, service/core/batcher.py). Nothing here reads the config.
+(`fits_*` / `take_*`), and the mechanism charges the finished plan to a fresh budget
+to check it (service/core/plan_check.py, service/core/batcher.py): the decodes in one
+sum, the rest one by one. Nothing here reads the config.
 
 KV pages follow the reference engine's accounting: a sequence holds
 ceil(positions / page_size) pages; a prefill chunk adds its tokens' positions; a decode
@@ -60,6 +61,13 @@ class StepBudget:
         """One decode, which needs `new_pages` (decode_pages) new pages."""
         if self.tokens is not None:
             self.tokens -= 1
+        if new_pages:
+            self._take_pages(new_pages)
+
+    def take_decodes(self, num_decodes: int, new_pages: int) -> None:
+        """`num_decodes` decodes, which need `new_pages` new pages together."""
+        if self.tokens is not None:
+            self.tokens -= num_decodes
         if new_pages:
             self._take_pages(new_pages)
 

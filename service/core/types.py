@@ -178,6 +178,20 @@ class TokenUpdate:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenRuns:
+    """New tokens of many sequences in parallel arrays (the wire's packed form, one
+    object per report instead of one TokenUpdate per sequence): run i is
+    `counts[i]` tokens (1 each when `counts` is empty) of sequence `seq_ids[i]`, taken
+    in order from `token_ids`, with TokenUpdate.offset `offsets[i]` (none when
+    `offsets` is empty)."""
+
+    seq_ids: Sequence[int] = ()
+    token_ids: Sequence[int] = ()
+    counts: Sequence[int] = ()
+    offsets: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class CacheReport:
     """A worker's prefix-cache resume points (block hashes) added and removed since its
     last call; `reset`: forget its earlier reports first (`added` then lists all)."""
@@ -200,6 +214,8 @@ class WorkerReport:
     preempted: tuple[int, ...] = ()
     draining: bool = False
     tokens: tuple[TokenUpdate, ...] = ()
+    # More new tokens, packed (applied after `tokens`).
+    token_runs: TokenRuns = TokenRuns()
     # The incarnation the worker registered as; 0: the latest (clients that do not send it).
     incarnation: int = 0
     # Prefix cache (service/core/prefix_cache.py; ignored with --prefix-caching off).

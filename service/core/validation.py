@@ -6,7 +6,7 @@ from service.core.config import SchedulerConfig
 from service.core.errors import InvalidArgument, Superseded, UnknownWorker
 from service.core.ledger import WorkerRecord
 from service.core.sequences import spec_wire_bytes
-from service.core.types import SubmitParams, WorkerReport
+from service.core.types import SubmitParams, TokenRuns, WorkerReport
 
 
 def check_submit(params: SubmitParams, config: SchedulerConfig,
@@ -50,18 +50,52 @@ def check_incarnation(worker: WorkerRecord, incarnation: int) -> None:
     )
 
 
-def validate_report(report: WorkerReport, max_batch_size: int) -> None:
-    """Reject contradictory or oversized reports before any state changes."""
+def validate_report(report: WorkerReport, max_batch_size: int) -> frozenset[int]:
+    """Reject contradictory or oversized reports before any state changes; returns the
+    ids the report lists waiting or running."""
     limit = 2 * max_batch_size
     for field_name, num in (("waiting + running", len(report.waiting) + len(report.running)),
                             ("finished", len(report.finished)),
                             ("preempted", len(report.preempted)),
-                            ("tokens", len(report.tokens))):
+                            ("tokens", len(report.tokens)),
+                            ("token_seq_ids", len(report.token_runs.seq_ids))):
         if num > limit:
             raise InvalidArgument(
                 f"{field_name} holds {num} entries; a worker with max_batch_size "
                 f"{max_batch_size} may report at most {limit}"
             )
+    if report.token_runs.seq_ids or report.token_runs.token_ids:
+        _check_token_runs(report.token_runs)
+    seen = frozenset(report.running) if not report.waiting else frozenset(
+        (*report.waiting, *report.running))
+    if len(seen) != len(report.waiting) + len(report.running):
+        _refuse_repeated_id(report)
+    for fin in report.finished:
+        if fin.seq_id in seen:
+            raise InvalidArgument(f"seq_id {fin.seq_id} is reported both finished and active")
+    if report.preempted and not seen.isdisjoint(report.preempted):
+        seq_id = next(s for s in report.preempted if s in seen)
+        raise InvalidArgument(f"seq_id {seq_id} is reported both preempted and active")
+    return seen
+
+
+def _check_token_runs(runs: TokenRuns) -> None:
+    """InvalidArgument if the packed arrays do not line up (docs/contract.md)."""
+    num_runs = len(runs.seq_ids)
+    if runs.counts and len(runs.counts) != num_runs:
+        raise InvalidArgument(f"token_counts holds {len(runs.counts)} entries; token_seq_ids "
+                              f"holds {num_runs} (one count per run, or none)")
+    if runs.offsets and len(runs.offsets) != num_runs:
+        raise InvalidArgument(f"token_offsets holds {len(runs.offsets)} entries; "
+                              f"token_seq_ids holds {num_runs} (one offset per run, or none)")
+    num_tokens = sum(runs.counts) if runs.counts else num_runs
+    if num_tokens != len(runs.token_ids):
+        raise InvalidArgument(f"token_ids holds {len(runs.token_ids)} tokens; the runs of "
+                              f"token_seq_ids and token_counts hold {num_tokens}")
+
+
+def _refuse_repeated_id(report: WorkerReport) -> None:
+    """InvalidArgument naming the first id that waiting/running lists twice."""
     seen: set[int] = set()
     for field_name, ids in (("waiting", report.waiting), ("running", report.running)):
         for seq_id in ids:
@@ -71,9 +105,3 @@ def validate_report(report: WorkerReport, max_batch_size: int) -> None:
                     f"(second time in {field_name})"
                 )
             seen.add(seq_id)
-    for fin in report.finished:
-        if fin.seq_id in seen:
-            raise InvalidArgument(f"seq_id {fin.seq_id} is reported both finished and active")
-    for seq_id in report.preempted:
-        if seq_id in seen:
-            raise InvalidArgument(f"seq_id {seq_id} is reported both preempted and active")

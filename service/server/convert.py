@@ -5,12 +5,14 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.core import (
     Decision, FinishedSequence, FinishReason, InvalidArgument, PrefillChunk, SamplingParams,
-    SchedulerStatus, SequenceInfo, SequenceSpec, SubmitParams, SubmitResult, TokenLogprobs, TokenUpdate, WorkerRegistration,
+    SchedulerStatus, SequenceInfo, SequenceSpec, SubmitParams, SubmitResult, TokenLogprobs,
+    TokenRuns, TokenUpdate, WorkerRegistration,
     WorkerReport, WorkerSettings,
 )
 from service.core.types import CacheReport
 
 _FINISH_REASON_NUMBERS = {r.value for r in FinishReason}
+_NO_TOKEN_RUNS = TokenRuns()
 
 # Wire-level limits on what one message may carry, on top of the gRPC message size
 # (--max-message-bytes) and the core's own limits (max_seq_len, max_queue). Each is far
@@ -168,6 +170,10 @@ def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
         preempted=tuple(msg.preempted),
         draining=msg.draining,
         tokens=tuple(_token_update(t) for t in msg.tokens),
+        # The packed form, copied in C: no object per sequence.
+        token_runs=(TokenRuns(list(msg.token_seq_ids), list(msg.token_ids),
+                              list(msg.token_counts), list(msg.token_offsets))
+                    if msg.token_seq_ids or msg.token_ids else _NO_TOKEN_RUNS),
         incarnation=msg.incarnation,
         cache=CacheReport(tuple(msg.cache.added), tuple(msg.cache.removed), msg.cache.reset),
         kv_cached_pages=msg.kv_cached_pages,
@@ -192,8 +198,11 @@ def _check_report_size(msg: pb.SelectBatchRequest) -> None:
     _check_count("cache.added and cache.removed hold", len(msg.cache.added) + len(msg.cache.removed),
                  "block hashes in all", MAX_REPORT_CACHE_HASHES)
     _check_count("tokens holds", len(msg.tokens), "updates", MAX_REPORT_TOKENS)
-    _check_count("tokens carry", sum(len(t.token_ids) for t in msg.tokens),
+    _check_count("tokens carry", sum(len(t.token_ids) for t in msg.tokens) if msg.tokens else 0,
                  "token ids in all", MAX_REPORT_TOKENS)
+    # The packed form has the same limits of its own.
+    _check_count("token_seq_ids holds", len(msg.token_seq_ids), "runs", MAX_REPORT_TOKENS)
+    _check_count("token_ids holds", len(msg.token_ids), "token ids", MAX_REPORT_TOKENS)
 
 
 def _error_message(text: str) -> str:

@@ -15,6 +15,7 @@ from service.core import (
     SchedulerObserver, WorkerReport,
 )
 from service.core.queue import PRIORITY_BANDS
+from service.server.histograms import TallyHistogram
 
 PREFIX = "lattice_scheduler_"
 
@@ -54,9 +55,16 @@ class SchedulerMetrics(SchedulerObserver):
         self._ttft_target_seconds = ttft_target_seconds
         self._clock = clock
         self._named_tenants = frozenset(named_tenants) - {OTHER_TENANT}
-        # seq_id -> (submitted at, last token at or None) for the latency histograms;
-        # entries leave when the sequence finishes.
-        self._timings: dict[int, tuple[float, float | None]] = {}
+        # For the latency histograms, sequences submitted here and not finished: when
+        # each was submitted, and when its latest tokens came, either as a worker's latest
+        # report that gave it tokens (`_last_report`: worker_id -> when, and the ids it
+        # gave tokens to) or, once it left that chain, on its own (`_last_token_at`).
+        # Kept this way so that a report costs set operations, not a lookup per sequence.
+        self._submitted_at: dict[int, float] = {}
+        self._last_token_at: dict[int, float] = {}
+        self._last_report: dict[str, tuple[float, set[int]]] = {}
+        # Each worker's labelled children of the per-decision gauges and counter.
+        self._decision_series: dict[str, tuple] = {}
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens_total",
                                      "Prompt tokens of accepted sequences.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens_total",
@@ -65,10 +73,10 @@ class SchedulerMetrics(SchedulerObserver):
             PREFIX + "time_to_first_token_seconds",
             "From Submit to the first generated token reported by a worker.",
             buckets=_LATENCY_SECONDS_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = TallyHistogram(
             PREFIX + "inter_token_latency_seconds",
             "Time between a sequence's token reports, per token.",
-            buckets=_ITL_SECONDS_BUCKETS, registry=r)
+            _ITL_SECONDS_BUCKETS, r)
         self.e2e_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds",
             "From Submit to the sequence finishing, whatever the reason.",
@@ -266,24 +274,64 @@ class SchedulerMetrics(SchedulerObserver):
     def on_submitted(self, seq_id: int, tenant: str, prompt_len: int) -> None:
         self.submissions.inc()
         self.prompt_tokens.inc(prompt_len)
-        self._timings[seq_id] = (self._clock(), None)
+        self._submitted_at[seq_id] = self._clock()
 
     def on_tokens(self, seq_id: int, num_tokens: int) -> None:
-        self.generation_tokens.inc(num_tokens)
-        timing = self._timings.get(seq_id)
-        if timing is None:
-            return
-        submitted_at, last_token_at = timing
+        """Unused by the core (it calls on_tokens_reported); one sequence's tokens, as
+        a report of its own with no worker."""
+        self.on_tokens_reported("", [seq_id], [num_tokens])
+
+    def on_tokens_reported(self, worker_id: str, seq_ids: list[int],
+                           num_tokens: list[int]) -> None:
+        """Token counts, time to first token, and inter-token latency (the time since the
+        sequence's previous tokens, shared by the tokens that came together). Sequences
+        whose previous tokens came in this worker's previous report, the steady state,
+        are counted with set operations and one observation call."""
+        total = sum(num_tokens)
+        self.generation_tokens.inc(total)
+        submitted = self._submitted_at
+        tracked = submitted.keys() & seq_ids
         now = self._clock()
-        if last_token_at is None:
-            self.time_to_first_token.observe(now - submitted_at)
-            if self._ttft_target_seconds and now - submitted_at > self._ttft_target_seconds:
+        previous_at, previous = self._last_report.get(worker_id, (now, set()))
+        self._leave_chain(previous_at, previous - tracked)
+        self._last_report[worker_id] = (now, tracked)
+        if not tracked:
+            return
+        if len(seq_ids) == total and len(set(seq_ids)) == total:  # a token each
+            chained = tracked & previous
+            if chained:
+                self.inter_token_latency.observe(now - previous_at, len(chained))
+            for seq_id in tracked - chained if chained else tracked:
+                self._tokens_came(seq_id, None, 1, now)
+            return
+        counts: dict[int, int] = {}
+        for seq_id, num in zip(seq_ids, num_tokens):
+            counts[seq_id] = counts.get(seq_id, 0) + num
+        for seq_id in tracked:
+            self._tokens_came(seq_id, previous_at if seq_id in previous else None,
+                              counts[seq_id], now)
+
+    def _tokens_came(self, seq_id: int, last_at: float | None, num_tokens: int,
+                     now: float) -> None:
+        """`num_tokens` of `seq_id` came at `now`; its previous ones at `last_at` (None:
+        look it up; none: these are its first)."""
+        if last_at is None:
+            last_at = self._last_token_at.pop(seq_id, None)
+        if last_at is None:
+            waited = now - self._submitted_at[seq_id]
+            self.time_to_first_token.observe(waited)
+            if self._ttft_target_seconds and waited > self._ttft_target_seconds:
                 self.deadline_misses.inc()
         else:
-            per_token = (now - last_token_at) / num_tokens
-            for _ in range(num_tokens):
-                self.inter_token_latency.observe(per_token)
-        self._timings[seq_id] = (submitted_at, now)
+            self.inter_token_latency.observe((now - last_at) / num_tokens, num_tokens)
+
+    def _leave_chain(self, last_at: float, seq_ids: set[int]) -> None:
+        """`seq_ids` got their latest tokens at `last_at` and are no longer in a worker's
+        latest report: their time is kept on its own."""
+        submitted = self._submitted_at
+        for seq_id in seq_ids:
+            if seq_id in submitted:
+                self._last_token_at[seq_id] = last_at
 
     def on_admitted(self, seq_id: int, worker_id: str, queue_wait_seconds: float) -> None:
         self.admissions.inc()
@@ -291,12 +339,17 @@ class SchedulerMetrics(SchedulerObserver):
 
     def on_requeued(self, seq_id: int, worker_id: str, reason: RequeueReason) -> None:
         self.requeues.labels(reason.value).inc()
+        latest = self._last_report.get(worker_id)
+        if latest is not None and seq_id in latest[1]:
+            latest[1].discard(seq_id)
+            self._leave_chain(latest[0], {seq_id})
 
     def on_finished(self, seq_id: int, reason: FinishReason) -> None:
         self.finished.labels(reason.name.lower()).inc()
-        timing = self._timings.pop(seq_id, None)
-        if timing is not None:
-            self.e2e_latency.observe(self._clock() - timing[0])
+        submitted_at = self._submitted_at.pop(seq_id, None)
+        self._last_token_at.pop(seq_id, None)
+        if submitted_at is not None:
+            self.e2e_latency.observe(self._clock() - submitted_at)
 
     def on_evicted(self, seq_id: int, worker_id: str, reason: EvictReason) -> None:
         self.evictions.labels(reason.value).inc()
@@ -306,11 +359,18 @@ class SchedulerMetrics(SchedulerObserver):
 
     def on_decision(self, report: WorkerReport, decision: Decision) -> None:
         w = report.worker_id
-        self.worker_kv_free_pages.labels(w).set(report.kv_free_pages)
-        self.worker_gdn_free_slots.labels(w).set(report.gdn_free_slots)
-        self.worker_running.labels(w).set(len(report.running))
-        self.worker_prefilling.labels(w).set(len(report.waiting))
-        self.worker_iterations.labels(w).inc()
+        series = self._decision_series.get(w)
+        if series is None:
+            series = self._decision_series[w] = tuple(
+                metric.labels(w) for metric in (
+                    self.worker_kv_free_pages, self.worker_gdn_free_slots,
+                    self.worker_running, self.worker_prefilling, self.worker_iterations))
+        kv_free_pages, gdn_free_slots, running, prefilling, iterations = series
+        kv_free_pages.set(report.kv_free_pages)
+        gdn_free_slots.set(report.gdn_free_slots)
+        running.set(len(report.running))
+        prefilling.set(len(report.waiting))
+        iterations.inc()
         self.decision_prefill_tokens.observe(sum(c.chunk_len for c in decision.prefill))
         self.decision_decode_sequences.observe(len(decision.decode))
 
@@ -328,6 +388,10 @@ class SchedulerMetrics(SchedulerObserver):
         self.workers.set(len(self._worker_ids))
 
     def on_worker_removed(self, worker_id: str) -> None:
+        self._decision_series.pop(worker_id, None)
+        latest = self._last_report.pop(worker_id, None)
+        if latest is not None:
+            self._leave_chain(*latest)
         for metric in self._per_worker:
             try:
                 metric.remove(worker_id)

@@ -75,6 +75,16 @@ class Wakeups(SchedulerObserver):
     def on_tokens(self, seq_id: int, num_tokens: int) -> None:
         self._wake(seq_id)
 
+    def on_tokens_reported(self, worker_id: str, seq_ids: list[int],
+                           num_tokens: list[int]) -> None:
+        """The watched among `seq_ids` wake (an intersection in C, then one set() per
+        waiting stream)."""
+        watchers = self._watchers
+        if watchers:
+            for seq_id in watchers.keys() & seq_ids:
+                for event in watchers[seq_id]:
+                    event.set()
+
     def on_finished(self, seq_id: int, reason: FinishReason) -> None:
         self._wake(seq_id)
 

@@ -35,3 +35,19 @@ def test_a_report_carries_its_cache_delta_cached_pages_and_misses():
     assert report.cache == CacheReport(added=(2**64 - 1, 5), removed=(3,), reset=True)
     assert report.kv_cached_pages == 4 and report.cache_misses == (7, 8)
     assert convert.worker_report(pb.SelectBatchRequest(worker_id="w")).cache == CacheReport()
+
+
+def test_a_report_in_the_packed_token_form_reads_as_token_runs():
+    """Issue 21: the packed arrays arrive as one TokenRuns; the old form still reads as
+    TokenUpdates, and a report without tokens carries neither."""
+    packed = convert.worker_report(pb.SelectBatchRequest(
+        worker_id="w", running=[3, 4], token_seq_ids=[3, 4], token_ids=[11, 12, 21],
+        token_counts=[2, 1], token_offsets=[0, 5]))
+    assert packed.tokens == ()
+    runs = packed.token_runs
+    assert (list(runs.seq_ids), list(runs.token_ids), list(runs.counts),
+            list(runs.offsets)) == ([3, 4], [11, 12, 21], [2, 1], [0, 5])
+    old = convert.worker_report(pb.SelectBatchRequest(
+        worker_id="w", running=[3], tokens=[pb.TokenUpdate(seq_id=3, token_ids=[11], offset=0)]))
+    assert [(t.seq_id, t.token_ids, t.offset) for t in old.tokens] == [(3, (11,), 0)]
+    assert not old.token_runs.seq_ids and not old.token_runs.token_ids

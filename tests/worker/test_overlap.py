@@ -49,8 +49,21 @@ def _loop(engine, client, overlap: bool) -> WorkerLoop:
     return WorkerLoop(engine, client, resources, idle_sleep_seconds=0.001, overlap=overlap)
 
 
+def _updates(request):
+    """(seq_id, token_ids, offset) of each run of a report, in either of its token forms
+    (TokenUpdate messages, or the packed arrays the worker sends since issue 21)."""
+    for u in request.tokens:
+        yield u.seq_id, list(u.token_ids), u.offset
+    counts = request.token_counts or [1] * len(request.token_seq_ids)
+    end = 0
+    for i, (seq_id, count) in enumerate(zip(request.token_seq_ids, counts)):
+        offset = request.token_offsets[i] if request.token_offsets else 0
+        yield seq_id, list(request.token_ids[end:end + count]), offset
+        end += count
+
+
 def _tokens(requests, seq_id: int) -> list[int]:
-    return [t for r in requests for u in r.tokens if u.seq_id == seq_id for t in u.token_ids]
+    return [t for r in requests for s, ts, _ in _updates(r) if s == seq_id for t in ts]
 
 
 # ===================================================================== preempt
@@ -169,11 +182,11 @@ def _delivered_tokens(requests, seq_id: int) -> list[int]:
     """The tokens of `seq_id` as the scheduler would store them, by offset: a gap fails."""
     stored: list[int] = []
     for request in requests:
-        for update in request.tokens:
-            if update.seq_id != seq_id:
+        for update_seq_id, token_ids, offset in _updates(request):
+            if update_seq_id != seq_id:
                 continue
-            assert update.offset <= len(stored), f"gap: offset {update.offset} after {stored}"
-            stored[update.offset:] = list(update.token_ids)
+            assert offset <= len(stored), f"gap: offset {offset} after {stored}"
+            stored[offset:] = token_ids
     return stored
 
 
@@ -200,7 +213,8 @@ def test_overlapped_loop_forgotten_mid_step_drops_what_it_holds_and_reports_none
     stats = _loop(engine, client, overlap=True).run(stop)
     assert client.failed and stats.registrations == 2
     after = client.requests[2:]
-    assert after and all(not r.tokens and not r.running and not r.waiting for r in after)
+    assert after and all(not list(_updates(r)) and not r.running and not r.waiting
+                         for r in after)
     assert engine.kv_free_pages() == engine.total_kv_pages
 
 

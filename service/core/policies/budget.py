@@ -120,14 +120,14 @@ class BudgetPolicy:
 
     def plan(self, view: DecisionView) -> Plan:
         budget = self.budget(view)
-        growth = [decode_pages(seq, budget.page_size) for seq in view.running]
-        preempt = _preempt_for_growth(view, budget, growth)
-        decode = []
-        for seq, new_pages in zip(view.running, growth):
-            if seq.seq_id not in preempt:
-                decode.append(seq.seq_id)
-                budget.take_decode(new_pages)
-        decode = tuple(decode)
+        preempt = _preempt_for_growth(view, budget)
+        if preempt:
+            decode = tuple(seq_id for seq_id in view.running_ids if seq_id not in preempt)
+            new_pages = view.decode_pages - sum(decode_pages(seq, budget.page_size)
+                                                for seq in view.running if seq.seq_id in preempt)
+        else:
+            decode, new_pages = view.running_ids, view.decode_pages
+        budget.take_decodes(len(decode), new_pages)
         continuations = _continue_prefills(view, budget)
         admissions, blocked = admit(
             view, budget,
@@ -165,22 +165,22 @@ def _rounded(tokens: int) -> int:
     return tokens // TOKEN_ALIGNMENT * TOKEN_ALIGNMENT
 
 
-def _preempt_for_growth(view: DecisionView, budget: StepBudget,
-                        growth: list[int]) -> dict[int, None]:
-    """Step 2: running sequences to preempt so that this iteration's decodes (`growth`:
-    new pages of each) fit in the free pages less the watermark (a victim's pages count
+def _preempt_for_growth(view: DecisionView, budget: StepBudget) -> dict[int, None]:
+    """Step 2: running sequences to preempt so that this iteration's decodes (the view's
+    `decode_pages`) fit in the free pages less the watermark (a victim's pages count
     as freed), in victim order."""
-    need = sum(growth)
+    need = view.decode_pages
     victims: dict[int, None] = {}
     if need == 0 or budget.kv_pages >= need:
         return victims
     # Lowest urgency first: the highest priority value, then the latest admitted.
-    ranked = sorted(zip(view.running, growth),
+    page_size = budget.page_size
+    ranked = sorted(((seq, decode_pages(seq, page_size)) for seq in view.running),
                     key=lambda pair: (pair[0].priority, pair[0].admission_order), reverse=True)
     for seq, new_pages in ranked:
         victims[seq.seq_id] = None
         need -= new_pages
-        budget.give_back(held_pages(seq, budget.page_size, running=True))
+        budget.give_back(held_pages(seq, page_size, running=True))
         if need == 0 or budget.kv_pages >= need:
             break
     return victims

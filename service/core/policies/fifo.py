@@ -48,7 +48,7 @@ class FifoPolicy:
                                                     block),
             self._placement)
         return Plan(
-            decode=tuple(seq.seq_id for seq in view.running),
+            decode=view.running_ids,
             continuations=tuple(
                 Chunk(seq.seq_id, align_chunk(
                     seq.cursor, max(0, min(self._chunk_size, seq.spec_prompt_len() - seq.cursor)),

@@ -162,7 +162,7 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, chunk_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefill_reserve_pages: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class SelectBatchRequest(_message.Message):
-    __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens", "incarnation", "idle_wait_ms", "cache", "kv_cached_pages", "cache_misses", "last_step_us")
+    __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens", "incarnation", "idle_wait_ms", "cache", "kv_cached_pages", "cache_misses", "last_step_us", "token_seq_ids", "token_ids", "token_counts", "token_offsets")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,10 @@ class SelectBatchRequest(_message.Message):
     KV_CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_US_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     waiting: _containers.RepeatedScalarFieldContainer[int]
     running: _containers.RepeatedScalarFieldContainer[int]
@@ -193,7 +197,11 @@ class SelectBatchRequest(_message.Message):
     kv_cached_pages: int
     cache_misses: _containers.RepeatedScalarFieldContainer[int]
     last_step_us: int
-    def __init__(self, worker_id: _Optional[str] = ..., waiting: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[int]] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., preempted: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., incarnation: _Optional[int] = ..., idle_wait_ms: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., kv_cached_pages: _Optional[int] = ..., cache_misses: _Optional[_Iterable[int]] = ..., last_step_us: _Optional[int] = ...) -> None: ...
+    token_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    token_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., waiting: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[int]] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., preempted: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., incarnation: _Optional[int] = ..., idle_wait_ms: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., kv_cached_pages: _Optional[int] = ..., cache_misses: _Optional[_Iterable[int]] = ..., last_step_us: _Optional[int] = ..., token_seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CacheReport(_message.Message):
     __slots__ = ("added", "removed", "reset")
