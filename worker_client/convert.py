@@ -102,6 +102,9 @@ class PendingReport:
         self.prompt_logprobs: dict[int, list[pb.TokenLogprobs]] = {}
         self.cache_misses: list[int] = []
         self.cache = ResumePointLog()
+        # Whether the scheduler takes the packed token arrays (its registration said so:
+        # RegisterWorkerResponse.accepts_token_runs); until then, TokenUpdate messages only.
+        self.packed_tokens = False
         # seq_id -> tokens delivered to the scheduler since its admission here
         self._delivered: dict[int, int] = {}
 
@@ -170,11 +173,13 @@ class PendingReport:
         latest step's time not yet reported (0: none)."""
         # The tokens in the packed form (docs/contract.md, "Packed tokens"): one array
         # each, which protobuf writes and the scheduler parses in C; a sequence with
-        # logprobs goes as a TokenUpdate (the packed form has no per-token fields).
+        # logprobs goes as a TokenUpdate (the packed form has no per-token fields), and
+        # so does every sequence for a scheduler that did not say it takes the arrays.
         logprobs, prompt_logprobs = self.logprobs, self.prompt_logprobs
         runs, updates = [], []
+        packed = self.packed_tokens
         for s, t in self.tokens.items():
-            if s in logprobs or s in prompt_logprobs:
+            if not packed or s in logprobs or s in prompt_logprobs:
                 updates.append(pb.TokenUpdate(seq_id=s, token_ids=t,
                                               offset=self._delivered.get(s, 0),
                                               logprobs=logprobs.get(s),

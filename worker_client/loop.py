@@ -293,6 +293,7 @@ class WorkerLoop:
         self._moves_at_registration = self._num_moves()
         self.stats.registrations += 1
         self._lease_seconds = settings.lease_ttl_ms / 1000
+        self._pending.packed_tokens = settings.accepts_token_runs
         log.info("registered", extra={"worker_id": self.resources.worker_id,
                                       "chunk_size": settings.chunk_size,
                                       "max_batch_size": settings.max_batch_size,

@@ -151,6 +151,7 @@ def worker_settings(settings: WorkerSettings) -> pb.RegisterWorkerResponse:
         prefill_reserve_pages=settings.prefill_reserve_pages,
         lease_ttl_ms=settings.lease_ttl_ms,
         incarnation=settings.incarnation,
+        accepts_token_runs=True,
     )
 
 

@@ -148,18 +148,20 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., total_gdn_slots: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., cache_block_tokens: _Optional[int] = ..., total_snapshot_slots: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("chunk_size", "max_batch_size", "prefill_reserve_pages", "lease_ttl_ms", "incarnation")
+    __slots__ = ("chunk_size", "max_batch_size", "prefill_reserve_pages", "lease_ttl_ms", "incarnation", "accepts_token_runs")
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RESERVE_PAGES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_TOKEN_RUNS_FIELD_NUMBER: _ClassVar[int]
     chunk_size: int
     max_batch_size: int
     prefill_reserve_pages: int
     lease_ttl_ms: int
     incarnation: int
-    def __init__(self, chunk_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefill_reserve_pages: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    accepts_token_runs: bool
+    def __init__(self, chunk_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefill_reserve_pages: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., accepts_token_runs: _Optional[bool] = ...) -> None: ...
 
 class SelectBatchRequest(_message.Message):
     __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens", "incarnation", "idle_wait_ms", "cache", "kv_cached_pages", "cache_misses", "last_step_us", "token_seq_ids", "token_ids", "token_counts", "token_offsets")
