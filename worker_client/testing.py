@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from worker_client.engine.api import (
-    CacheDelta, ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
+    ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
     TokenLogprobs,
 )
-from worker_client.engine.page_tables import PageTables
-from worker_client.engine.prefix_cache import PrefixCache, cached_tokens_problem
+from worker_client.engine.books import CacheBooks
+from worker_client.engine.prefix_cache import cached_tokens_problem
 
 
 def next_token(prefix: Sequence[int], vocab_size: int = 1000) -> int:
@@ -75,17 +75,7 @@ class _Held:
     block_hashes: list[int] = field(default_factory=list)  # kept by the prefix cache
 
 
-class _NoStates:
-    """GDN states of a model that has none: snapshots are bookkeeping only."""
-
-    def empty_like(self, num_slots: int) -> _NoStates:
-        return self
-
-    def copy_slot(self, source: _NoStates, source_slot: int, slot: int) -> None:
-        pass
-
-
-class ScriptedEngine:
+class ScriptedEngine(CacheBooks):
     """Implements engine.api.Engine with `next_token` in place of a model."""
 
     def __init__(self, *, total_kv_pages: int = 256, page_size: int = 16,
@@ -107,30 +97,11 @@ class ScriptedEngine:
         self._vocab_size = vocab_size
         self.step_seconds = step_seconds
         self._sleep = sleep
-        self._pages = PageTables(num_pages=total_kv_pages, page_size=page_size)
-        self._cache = None if not cache_block_tokens else PrefixCache(
-            self._pages, _NoStates(), block_tokens=cache_block_tokens,
-            num_snapshot_slots=self.total_snapshot_slots, needs_snapshots=recurrent,
-            max_unused_blocks=max_cached_blocks)
+        self._keep_books(total_kv_pages=total_kv_pages, page_size=page_size,
+                         cache_block_tokens=cache_block_tokens,
+                         snapshot_slots=self.total_snapshot_slots, needs_snapshots=recurrent,
+                         max_unused_blocks=max_cached_blocks)
         self._held: dict[int, _Held] = {}  # admission order
-
-    def kv_free_pages(self) -> int:
-        return self._pages.num_free_pages() + self.kv_cached_pages()
-
-    @property
-    def prefix_cache(self) -> PrefixCache | None:
-        """Its cache's counts (as ModelEngine.prefix_cache); None without one."""
-        return self._cache
-
-    def kv_cached_pages(self) -> int:
-        return 0 if self._cache is None else self._cache.num_unused_pages()
-
-    def cache_delta(self, full: bool = False) -> CacheDelta:
-        return CacheDelta(reset=full) if self._cache is None else self._cache.delta(full)
-
-    def clear_prefix_cache(self) -> None:
-        if self._cache is not None:
-            self._cache.clear()
 
     def gdn_free_slots(self) -> int:
         return self.total_gdn_slots - len(self._held)

@@ -41,10 +41,10 @@ from typing import Protocol
 
 from common.step_table import StepLoad
 from worker_client.engine.api import (
-    CacheDelta, ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
+    ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
 )
-from worker_client.engine.page_tables import PageTables
-from worker_client.engine.prefix_cache import PrefixCache, cached_tokens_problem
+from worker_client.engine.books import CacheBooks
+from worker_client.engine.prefix_cache import cached_tokens_problem
 
 # Every simulated output token has this id: the simulator counts tokens, it does not read them.
 TOKEN_ID = 1
@@ -75,17 +75,7 @@ class _Held:
         return self.num_prefilled >= self.prompt_len
 
 
-class _NoStates:
-    """GDN states without tensors: a snapshot is bookkeeping only."""
-
-    def empty_like(self, num_slots: int) -> _NoStates:
-        return self
-
-    def copy_slot(self, source: _NoStates, source_slot: int, slot: int) -> None:
-        pass
-
-
-class SimEngine:
+class SimEngine(CacheBooks):
     """Implements engine.api.Engine: page, slot, cache and progress accounting, and a step time."""
 
     def __init__(self, cost_model: CostModel, *, total_kv_pages: int, page_size: int,
@@ -109,31 +99,11 @@ class SimEngine:
         self.last_step_seconds = 0.0
         self.num_steps = 0
         self.num_computed_prefill_tokens = 0  # prompt tokens the steps computed
-        self._pages = PageTables(num_pages=total_kv_pages, page_size=page_size)
-        self._cache = None if not cache_block_tokens else PrefixCache(
-            self._pages, _NoStates(), block_tokens=cache_block_tokens,
-            num_snapshot_slots=self.total_snapshot_slots, needs_snapshots=hybrid)
+        self._keep_books(total_kv_pages=total_kv_pages, page_size=page_size,
+                         cache_block_tokens=cache_block_tokens,
+                         snapshot_slots=self.total_snapshot_slots, needs_snapshots=hybrid)
         self._held: dict[int, _Held] = {}  # in admission order
         self._num_admissions = 0
-
-    @property
-    def prefix_cache(self) -> PrefixCache | None:
-        """The cache's books and counters (as ModelEngine.prefix_cache); None when off."""
-        return self._cache
-
-    def kv_free_pages(self) -> int:
-        return self._pages.num_free_pages() + self.kv_cached_pages()
-
-    def kv_cached_pages(self) -> int:
-        return 0 if self._cache is None else self._cache.num_unused_pages()
-
-    def cache_delta(self, full: bool = False) -> CacheDelta:
-        return CacheDelta(reset=full) if self._cache is None else self._cache.delta(full)
-
-    def clear_prefix_cache(self) -> None:
-        """Drop every cached block no held sequence uses, with its snapshot."""
-        if self._cache is not None:
-            self._cache.clear()
 
     def gdn_free_slots(self) -> int:
         return self.total_gdn_slots - len(self._held)
