@@ -70,12 +70,22 @@ class KnownActivity:
     def queue_depth(self) -> int:
         return self.num_submitted - self.num_admitted
 
+    # Two reports: the empty worker's (it gets its batch), then the one after its step
+    # (with the step's time), which holds the batch running.
+    num_reports = 2
+
+    @property
+    def num_running(self) -> int:
+        return self.num_admitted
+
 
 @pytest.fixture(scope="session")
 def scheduler() -> RunningServer:
-    # A lease far longer than the session, so the worker's series stay while Prometheus scrapes.
+    # A lease far longer than the session, so the worker's series stay while Prometheus
+    # scrapes; a TPOT target so that the step-time series (learned only with a target) exist.
     settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0,
-                             scheduler=SchedulerConfig(lease_ttl_ms=600_000))
+                             scheduler=SchedulerConfig(lease_ttl_ms=600_000,
+                                                       tpot_target_ms=1000.0))
     running = start(settings)
     yield running
     running.stop(0)
@@ -96,7 +106,12 @@ def activity(scheduler: RunningServer) -> KnownActivity:
         decision = stub.SelectBatch(pb.SelectBatchRequest(
             worker_id=known.worker_id, kv_free_pages=known.kv_free_pages,
             gdn_free_slots=known.gdn_free_slots), timeout=5)
-    assert len(decision.prefill) == known.num_admitted, decision
+        assert len(decision.prefill) == known.num_admitted, decision
+        # The step that ran it, timed: the step-time model's first measurement.
+        stub.SelectBatch(pb.SelectBatchRequest(
+            worker_id=known.worker_id, kv_free_pages=known.kv_free_pages,
+            gdn_free_slots=known.gdn_free_slots, last_step_us=20_000,
+            running=[chunk.seq_id for chunk in decision.prefill]), timeout=5)
     return known
 
 

@@ -91,8 +91,8 @@ def test_prometheus_shows_the_queue_admissions_and_worker_gauges_the_test_caused
         f"lattice_scheduler_worker_kv_free_pages{{{worker}}}": activity.kv_free_pages,
         f"lattice_scheduler_worker_gdn_free_slots{{{worker}}}": activity.gdn_free_slots,
         f"lattice_scheduler_worker_kv_total_pages{{{worker}}}": activity.total_kv_pages,
-        f"lattice_scheduler_worker_running_sequences{{{worker}}}": 0,
-        "lattice_scheduler_select_batch_duration_seconds_count": 1,
+        f"lattice_scheduler_worker_running_sequences{{{worker}}}": activity.num_running,
+        "lattice_scheduler_select_batch_duration_seconds_count": activity.num_reports,
     }
     # The fixture waited for two scrapes after the activity; poll anyway, bounded.
     wait_until(lambda: {expr: prometheus.scalar_of(expr) for expr in expected},
