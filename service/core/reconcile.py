@@ -167,7 +167,8 @@ class Reconciler:
                   new_tokens: list[tuple[Sequence, tuple[int, ...]]],
                   grown: dict[int, Sequence], logprobs: _Logprobs) -> None:
         """`_new_tokens` for the packed runs (validated: the arrays line up), added to
-        `new_tokens` and `grown`; the same rules, the same refusal of a gap."""
+        `new_tokens`, `grown` and `logprobs` (a None entry for a sequence that asked for
+        them: runs carry none); the same rules, the same refusal of a gap."""
         assigned = worker.assigned.get
         all_ids, counts, offsets = runs.token_ids, runs.counts, runs.offsets
         end = 0

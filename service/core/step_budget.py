@@ -57,13 +57,6 @@ class StepBudget:
 
     # Decodes and preemptions.
 
-    def take_decode(self, new_pages: int) -> None:
-        """One decode, which needs `new_pages` (decode_pages) new pages."""
-        if self.tokens is not None:
-            self.tokens -= 1
-        if new_pages:
-            self._take_pages(new_pages)
-
     def take_decodes(self, num_decodes: int, new_pages: int) -> None:
         """`num_decodes` decodes, which need `new_pages` new pages together."""
         if self.tokens is not None:

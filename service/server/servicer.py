@@ -256,7 +256,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         and nothing admitted, that asked for it; never near its lease."""
         if (not request.idle_wait_ms or self._stopping or report.draining or report.waiting
                 or report.running or report.finished or report.preempted or report.tokens
-                or not _is_empty(decision)):
+                or report.token_runs.seq_ids or not _is_empty(decision)):
             return 0.0
         lease_seconds = self._core.config.lease_ttl_ms / 1000
         return min(request.idle_wait_ms / 1000, lease_seconds * MAX_IDLE_WAIT_LEASE_FRACTION)

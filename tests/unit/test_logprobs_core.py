@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.core import SamplingParams, TokenLogprobs, TokenUpdate, WorkerReport
+from service.core import SamplingParams, TokenLogprobs, TokenRuns, TokenUpdate, WorkerReport
 from service.core.types import SequenceState
 
 from tests.unit.factories import admit, make_scheduler, register, report, submit
@@ -44,6 +44,40 @@ def test_logprobs_of_a_retried_report_are_applied_once_and_prompt_logprobs_come_
     assert view.prompt_logprobs == prompt
     later = sched.read_output(seq_id, 2)
     assert [e.logprob for e in later.logprobs] == [-0.3] and later.prompt_logprobs == ()
+
+
+def test_a_report_mixing_token_updates_and_packed_runs_keeps_logprobs_with_their_tokens():
+    sched = make_scheduler()
+    register(sched)
+    asking = submit(sched, prompt_len=4, max_new_tokens=10, sampling=ASKING)
+    plain = submit(sched, prompt_len=4, max_new_tokens=10)
+    assert set(admit(sched)) == {asking, plain}
+    prompt = (lp(-1.0), lp(-2.0), lp(-3.0))
+
+    def tokens(**kw) -> None:
+        sched.select_batch(WorkerReport("w0", running=(asking, plain), kv_free_pages=100,
+                                        gdn_free_slots=8, **kw))
+
+    # `asking` twice in one report (the second update overlaps the first), and once more
+    # in a packed run (which carries no logprobs); `plain` only packed.
+    tokens(tokens=(TokenUpdate(asking, (11, 12), 0, (lp(-0.1), lp(-0.2)), prompt),
+                   TokenUpdate(asking, (12, 13), 1, (lp(-0.2), lp(-0.3)), prompt)),
+           token_runs=TokenRuns((plain, asking), (21, 14), offsets=(0, 3)))
+    # The answer was lost: the worker resends it all, with one more token each.
+    tokens(tokens=(TokenUpdate(asking, (11, 12, 13, 14, 15), 0,
+                               tuple(lp(-x / 10) for x in range(1, 6)), prompt),),
+           token_runs=TokenRuns((plain,), (21, 22), counts=(2,), offsets=(0,)))
+    # Each token once, its logprob beside it; the packed token's is unknown, and a read
+    # never mixes tokens with and without logprobs (docs/contract.md), so it ends there.
+    view = sched.read_output(asking, 0)
+    assert view.token_ids == (11, 12, 13)
+    assert [e.logprob for e in view.logprobs] == [-0.1, -0.2, -0.3]
+    assert view.prompt_logprobs == prompt
+    unknown = sched.read_output(asking, 3)
+    assert unknown.token_ids == (14,) and not any(unknown.logprobs)
+    last = sched.read_output(asking, 4)
+    assert last.token_ids == (15,) and [e.logprob for e in last.logprobs] == [-0.5]
+    assert sched.read_output(plain, 0).token_ids == (21, 22)
 
 
 def test_a_resumed_sequence_keeps_its_logprobs_and_asks_for_no_prompt_logprobs_again():
