@@ -219,8 +219,5 @@ class ScriptedEngine(CacheBooks):
 
     def _release(self, seq_id: int) -> None:
         held = self._held.pop(seq_id, None)
-        if held is None:
-            return
-        self._pages.free(seq_id)
-        if self._cache is not None:
-            self._cache.release(held)
+        if held is not None:
+            self._release_books(held)

@@ -34,6 +34,12 @@ class CacheBooks:
             num_snapshot_slots=snapshot_slots, needs_snapshots=needs_snapshots,
             max_unused_blocks=max_unused_blocks)
 
+    def _release_books(self, held) -> None:
+        """A sequence leaves: its pages go back, its full blocks stay in the cache."""
+        self._pages.free(held.seq_id)
+        if self._cache is not None:
+            self._cache.release(held)
+
     @property
     def prefix_cache(self) -> PrefixCache | None:
         """The cache's books and counters (as ModelEngine.prefix_cache); None when off."""
