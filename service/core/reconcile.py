@@ -12,7 +12,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Callable
-from operator import attrgetter, itemgetter, sub
+from operator import attrgetter, itemgetter
 
 from service.core.changes import ChangeSet
 from service.core.errors import InvalidArgument
@@ -27,7 +27,6 @@ from service.core.vocabulary import PreemptReason
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _OUTPUT, _SEQ_ID, _TENANT = (attrgetter("output_token_ids"), attrgetter("seq_id"),
                              attrgetter("params.tenant"))
-_AT_ADMISSION, _LOGPROBS = attrgetter("num_generated_at_admission"), attrgetter("output_logprobs")
 _EXTEND = array.extend
 
 
@@ -159,7 +158,7 @@ class Reconciler:
                 new_tokens.append((seq, token_ids))
                 grown[seq_id] = seq
         runs = report.token_runs
-        if runs.seq_ids and (new_tokens or not _steady_runs(worker, runs, new_tokens, grown)):
+        if runs.seq_ids:
             self._new_runs(worker, runs, new_tokens, grown, logprobs)
         return new_tokens, grown, logprobs
 
@@ -249,36 +248,3 @@ class Reconciler:
         if seq is not None and seq.finish_reason is FinishReason.CANCELLED:
             return EvictReason.CANCELLED
         return EvictReason.NOT_ASSIGNED
-
-
-def _steady_runs(worker: WorkerRecord, runs: TokenRuns,
-                 new_tokens: list[tuple[Sequence, tuple[int, ...]]],
-                 grown: dict[int, Sequence]) -> bool:
-    """`_new_runs` for a steady decode step, in C: one new token for each of distinct
-    sequences, all of them this worker's, none asking for logprobs, every offset (if sent)
-    the count known. Fills `new_tokens` and `grown` and returns True when the runs are
-    such a step; otherwise changes nothing and returns False (the general rules apply)."""
-    seq_ids = runs.seq_ids
-    if runs.counts or len(runs.token_ids) != len(seq_ids):
-        return False
-    distinct = set(seq_ids)
-    # A sequence with two runs is left to the general rules (its second offset counts
-    # the first run's tokens).
-    if len(distinct) != len(seq_ids) or not distinct <= worker.assigned.keys():
-        return False
-    seqs = list(map(worker.assigned.__getitem__, seq_ids))
-    if _any_asks_logprobs(seqs):
-        return False
-    if runs.offsets:
-        known = list(map(sub, map(len, map(_OUTPUT, seqs)), map(_AT_ADMISSION, seqs)))
-        if known != list(runs.offsets):
-            return False
-    new_tokens.extend(zip(seqs, zip(runs.token_ids)))
-    grown.update(zip(seq_ids, seqs))
-    return True
-
-
-def _any_asks_logprobs(seqs: list[Sequence]) -> bool:
-    """Whether any of `seqs` asked for logprobs (keeps one entry per token)."""
-    entries = list(map(_LOGPROBS, seqs))
-    return entries.count(None) != len(entries)
