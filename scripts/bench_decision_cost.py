@@ -16,6 +16,9 @@ Cells, for R in 32, 128, 256:
             sequence (the old form, no offsets)
   packed    the served path with the report's tokens in the packed arrays, with
             offsets, as the project's worker sends them (worker_client/convert.py)
+  unchanged the packed cell with the running list left out (running_unchanged_since,
+            the server's RunningLists) and the answer's decode list with it
+            (decode_all_running), as the project's worker sends a steady step
   nano      (with --nano-vllm DIR) nano-vllm's Scheduler.schedule() + postprocess()
             from a local checkout, block size 16, its prefix hashing included
 
@@ -84,7 +87,7 @@ MAX_PACKED_STEPS = 600
 WARMUP = 16  # decisions after the running set is full, before counting starts
 # Under callgrind a set-up takes minutes: the worker's lease must not expire meanwhile.
 LEASE_MS = 24 * 3600 * 1000
-KINDS = ("core", "served", "packed", "nano")
+KINDS = ("core", "served", "packed", "unchanged", "nano")
 
 
 def _prompt(rnd: random.Random, length: int) -> list[int]:
@@ -112,10 +115,13 @@ class CoreWorkload:
     step() is one decision; the report is the same every decision (each running
     sequence got one token), built once, so only the decision is counted."""
 
-    def __init__(self, running: int, served: bool, seed: int = 1, packed: bool = False) -> None:
+    def __init__(self, running: int, served: bool, seed: int = 1, packed: bool = False,
+                 unchanged: bool = False) -> None:
         self.running_count = running
         self.served = served
-        self.packed = packed
+        self.packed = packed or unchanged
+        self.unchanged = unchanged
+        self.since = 0  # the unchanged cell: the iteration its running list was sent at
         self.num_steps = 0
         rnd = random.Random(seed)
         observer = None
@@ -148,7 +154,15 @@ class CoreWorkload:
             self._convert = convert
             self._request_type = type(self._request())
             self.request_bytes = self._request().SerializeToString()
-            if packed:  # one request per step (its offsets), built here: not counted
+            if unchanged:  # the running list sent once, in full, without tokens
+                from service.server.running_lists import RunningLists
+                self._lists = RunningLists()
+                first = self._request_type(worker_id=WORKER_ID, running=self.running,
+                                           kv_free_pages=KV_PAGES // 2, gdn_free_slots=0)
+                self._lists.answer(first, self.running,
+                                   self.core.select_batch(convert.worker_report(first)))
+                self.since = self.core.status().workers[0].iteration
+            if self.packed:  # one request per step (its offsets), built here: not counted
                 self.packed_requests = []
                 for self.num_steps in range(MAX_PACKED_STEPS):
                     self.packed_requests.append(self._request().SerializeToString())
@@ -179,9 +193,12 @@ class CoreWorkload:
         from lattice.scheduler.v1 import scheduler_pb2 as pb
         if self.packed:  # offsets as a worker sends them: the tokens known before these
             return pb.SelectBatchRequest(
-                worker_id=WORKER_ID, running=self.running, kv_free_pages=KV_PAGES // 2,
-                gdn_free_slots=0, token_seq_ids=self.running, token_ids=[7] * len(self.running),
-                token_offsets=[self.num_steps] * len(self.running))
+                worker_id=WORKER_ID, running=() if self.since else self.running,
+                kv_free_pages=KV_PAGES // 2, gdn_free_slots=0,
+                token_seq_ids=self.running, token_ids=[7] * len(self.running),
+                token_offsets=[self.num_steps] * len(self.running),
+                running_unchanged_since=self.since,
+                accepts_decode_all_running=self.unchanged)
         return pb.SelectBatchRequest(
             worker_id=WORKER_ID, running=self.running, kv_free_pages=KV_PAGES // 2,
             gdn_free_slots=0,
@@ -193,8 +210,13 @@ class CoreWorkload:
                 self.request_bytes = self.packed_requests[self.num_steps]
                 self.num_steps += 1
             msg = self._request_type.FromString(self.request_bytes)
-            decision = self.core.select_batch(self._convert.worker_report(msg))
-            self.last = self._convert.decision(decision).SerializeToString()
+            if self.unchanged:
+                running = self._lists.running(msg)
+                decision = self.core.select_batch(self._convert.worker_report(msg, running))
+                self.last = self._lists.answer(msg, running, decision).SerializeToString()
+            else:
+                decision = self.core.select_batch(self._convert.worker_report(msg))
+                self.last = self._convert.decision(decision).SerializeToString()
             self.last_decision = decision
         else:
             self.last_decision = self.core.select_batch(self.report)
@@ -273,7 +295,8 @@ def build(kind: str, running: int, nano_dir: Path | None):
         if nano_dir is None:
             raise SystemExit("the nano cell needs --nano-vllm DIR")
         return NanoWorkload(running, nano_dir)
-    return CoreWorkload(running, served=kind in ("served", "packed"), packed=kind == "packed")
+    return CoreWorkload(running, served=kind in ("served", "packed", "unchanged"),
+                        packed=kind == "packed", unchanged=kind == "unchanged")
 
 
 def run_cell(kind: str, running: int, decisions: int, nano_dir: Path | None) -> None:
@@ -351,7 +374,7 @@ def main() -> int:
         args.running, args.n1, args.n2, args.cpu_decisions = [32], 4, 20, 50
     if not 0 <= args.n1 < args.n2:
         parser.error("need 0 <= --n1 < --n2")
-    if "packed" in args.kinds and max(args.n2, args.cpu_decisions) + WARMUP > MAX_PACKED_STEPS:
+    if {"packed", "unchanged"} & set(args.kinds) and max(args.n2, args.cpu_decisions) + WARMUP > MAX_PACKED_STEPS:
         parser.error(f"the packed cell runs at most {MAX_PACKED_STEPS - WARMUP} decisions")
     if min(args.running) < 1:
         parser.error("--running: each must be >= 1")

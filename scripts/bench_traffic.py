@@ -42,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.processes import LOOPBACK, SCHEDULER_LISTENING, Process, clean_env, scheduler_argv
 from common.waiting import wait_until
+from worker_client.convert import PendingReport
 
 ROOT = Path(__file__).resolve().parents[1]
 ECHO_LISTENING = re.compile(r"echo listening on (\d+)")
@@ -128,10 +129,11 @@ def start_scheduler(*flags: str, root: Path = ROOT) -> Scheduler:
     return Scheduler(proc, *proc.ports)
 
 
-def start_scripted_workers(scheduler: Scheduler, count: int, *flags: str) -> list[Proc]:
+def start_scripted_workers(scheduler: Scheduler, count: int, *flags: str,
+                           root: Path = ROOT) -> list[Proc]:
     return [Proc([sys.executable, "-m", "worker_client", "--scheduler", scheduler.target,
                   "--worker-id", f"scripted-{i}", "--model", "scripted", "--log-format",
-                  "json", *flags]) for i in range(count)]
+                  "json", *flags], cwd=root, env=_env(root)) for i in range(count)]
 
 
 def stop_all(*procs) -> None:
@@ -143,35 +145,55 @@ def stop_all(*procs) -> None:
 
 
 class FakeWorker:
-    """A worker speaking the wire protocol from this process: unary calls or one session."""
+    """A worker speaking the wire protocol from this process: unary calls or one session.
+
+    `worker_form`: its reports are built as the project's worker builds them
+    (worker_client.convert.PendingReport: packed tokens with offsets, and a running list
+    left out when unchanged, each only where the scheduler's registration allows it);
+    otherwise one TokenUpdate per sequence without offsets, the running list in full."""
 
     def __init__(self, channel: grpc.aio.Channel, worker_id: str, session: bool,
-                 metadata=()) -> None:
+                 metadata=(), worker_form: bool = False) -> None:
         self.stub = pb_grpc.SchedulerStub(channel)
         self.worker_id = worker_id
         self.session = session
         self._metadata = metadata
         self._call = None
         self.running: list[int] = []
+        self._pending = PendingReport() if worker_form else None
 
     async def register(self, max_batch_size: int, slots: int) -> None:
-        await self.stub.RegisterWorker(pb.RegisterWorkerRequest(
+        settings = await self.stub.RegisterWorker(pb.RegisterWorkerRequest(
             worker_id=self.worker_id, total_kv_pages=1_000_000, page_size=16,
             total_gdn_slots=slots, max_batch_size=max_batch_size),
             timeout=RPC_TIMEOUT, metadata=self._metadata)
+        if self._pending is not None:
+            self._pending.packed_tokens = settings.accepts_token_runs
+            self._pending.running_unchanged = settings.accepts_running_unchanged
 
     async def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
         if not self.session:
-            return await self.stub.SelectBatch(request, timeout=RPC_TIMEOUT + 5,
-                                               metadata=self._metadata)
-        if self._call is None:
-            self._call = self.stub.WorkerSession(metadata=self._metadata)
-        await self._call.write(request)
-        return await self._call.read()
+            decision = await self.stub.SelectBatch(request, timeout=RPC_TIMEOUT + 5,
+                                                   metadata=self._metadata)
+        else:
+            if self._call is None:
+                self._call = self.stub.WorkerSession(metadata=self._metadata)
+            await self._call.write(request)
+            decision = await self._call.read()
+        if self._pending is not None:
+            self._pending.delivered(decision.iteration)
+        return decision
 
     def report(self, slots: int, tokens: bool = True, idle_wait_ms: int = 0,
                ) -> pb.SelectBatchRequest:
         """What it holds (running, one new token each when `tokens`), and free slots."""
+        if self._pending is not None:
+            if tokens:
+                self._pending.tokens.update((s, [7]) for s in self.running)
+            return self._pending.request(
+                self.worker_id, waiting=(), running=self.running, kv_free_pages=1_000_000,
+                gdn_free_slots=max(0, slots - len(self.running)), draining=False,
+                idle_wait_seconds=idle_wait_ms / 1000)
         return pb.SelectBatchRequest(
             worker_id=self.worker_id, running=self.running, kv_free_pages=1_000_000,
             gdn_free_slots=max(0, slots - len(self.running)), idle_wait_ms=idle_wait_ms,
@@ -181,7 +203,11 @@ class FakeWorker:
     async def admit(self, slots: int) -> None:
         """One call that fills its batch from the queue."""
         decision = await self.select(self.report(slots, tokens=False))
-        self.running += [c.seq_id for c in decision.prefill if c.HasField("spec")]
+        admitted = [c.seq_id for c in decision.prefill if c.HasField("spec")]
+        if self._pending is not None:
+            for seq_id in admitted:
+                self._pending.admitted(seq_id)
+        self.running += admitted
 
     async def close(self) -> None:
         if self._call is not None:
@@ -474,7 +500,7 @@ def cmd_echo_server(args) -> None:
 
 async def _decisions(target: str, args, session: bool, echo: bool) -> tuple[int, float]:
     chans = channels(target, 4)
-    workers = [FakeWorker(chans[i % len(chans)], f"d{i}", session)
+    workers = [FakeWorker(chans[i % len(chans)], f"d{i}", session, worker_form=True)
                for i in range(args.workers)]
     for w in workers:
         await w.register(args.batch, args.batch)
@@ -499,13 +525,14 @@ async def _decisions(target: str, args, session: bool, echo: bool) -> tuple[int,
 def cmd_decisions(args) -> None:
     print(f"decisions/s: {args.workers} workers in this process, each reporting "
           f"{args.batch} running sequences with a token each and waiting for its decision, "
-          f"back to back, {args.seconds:g} s per run; {args.rounds} rounds, each running "
+          f"back to back, {args.seconds:g} s per run, each report in the form the project's "
+          f"worker sends to that scheduler; {args.rounds} rounds, each running "
           f"every row once in turn, so that the machine's load falls on all rows alike "
           f"{load_note()}")
     runs = [("bare echo servicer, unary", "echo", False),
             ("bare echo servicer, session", "echo", True)]
-    runs += [(f"{label}, unary", root, False) for label, root, _ in _versions(args)]
-    runs += [("this scheduler, session", ROOT, True)]
+    runs += [(f"{label}, {way}", root, session) for label, root, _ in _versions(args)
+             for way, session in (("unary", False), ("session", True))]
     rates: dict[str, list[float]] = {label: [] for label, _, _ in runs}
     cores: dict[str, list[float]] = {label: [] for label, _, _ in runs}
     for _ in range(args.rounds):
@@ -524,9 +551,9 @@ def _decisions_run(args, root, session: bool) -> tuple[float, float]:
         proc = Proc([sys.executable, __file__, "echo-server"])
         target = f"{LOOPBACK}:{proc.wait_listening(ECHO_LISTENING).group(1)}"
     else:
-        # fifo: the policy the scheduler before had, so that the rows compare the transport.
-        policy = ("--policy", "fifo") if root == ROOT else ()
-        scheduler = start_scheduler("--max-batch-size", str(args.batch), *policy, root=root)
+        # The same policy (budget) for every version, so that the rows compare the path.
+        scheduler = start_scheduler("--max-batch-size", str(args.batch), "--policy", "budget",
+                                    root=root)
         proc, target = scheduler.proc, scheduler.target
     try:
         cpu_before, wall_before = proc.cpu_seconds(), time.perf_counter()
@@ -728,11 +755,25 @@ def _nano_cpu_per_decision(directory: str, batch: int, decisions: int = 200) -> 
 def cmd_report_cost(args) -> None:
     """The scheduler process's CPU per report of one scripted worker decoding --batch
     sequences on a session (issue 21): from /proc (utime + stime) over --seconds of
-    steady decoding, the scheduler's idle CPU over the same wall time subtracted."""
+    steady decoding, the scheduler's idle CPU over the same wall time subtracted. With
+    --before, the other checkout's scheduler and worker first, in the same run."""
     print(f"1 scripted worker (--step-ms {args.step_ms:g}, a session), {args.batch} sequences "
           f"decoding; the scheduler's CPU from /proc over {args.seconds:g} s, its idle CPU "
           f"(measured first, {args.idle_seconds:g} s) subtracted {load_note()}")
-    scheduler = start_scheduler("--max-batch-size", str(args.batch))
+    rows = [[label, *_report_cost(args, root)] for label, root, _ in _versions(args)]
+    if args.nano_vllm:
+        nano = _nano_cpu_per_decision(args.nano_vllm, args.batch)
+        rows.append(["nano-vllm schedule()+postprocess()", "200", f"{args.batch}",
+                     f"{nano * 1e3:.3f}", "-"])
+        for row in rows[:-1]:
+            print(f"ratio, {row[0]}: {float(row[3]) / (nano * 1e3):.1f}x nano-vllm's CPU "
+                  "per decision")
+    table(["", "reports", "tokens/report", "CPU ms each", "idle (of a core)"], rows)
+
+
+def _report_cost(args, root: Path) -> list[str]:
+    """One version's row: reports, tokens per report, CPU ms per report, idle CPU."""
+    scheduler = start_scheduler("--max-batch-size", str(args.batch), root=root)
     workers: list[Proc] = []
     try:
         cpu, wall = scheduler.proc.cpu_seconds(), time.perf_counter()
@@ -740,7 +781,7 @@ def cmd_report_cost(args) -> None:
         idle_cores = (scheduler.proc.cpu_seconds() - cpu) / (time.perf_counter() - wall)
         workers = start_scripted_workers(
             scheduler, 1, "--step-ms", str(args.step_ms), "--max-batch-size", str(args.batch),
-            "--gdn-slots", str(args.batch), "--kv-pages", "100000")
+            "--gdn-slots", str(args.batch), "--kv-pages", "100000", root=root)
         channel = grpc.insecure_channel(scheduler.target)
         stub = pb_grpc.SchedulerStub(channel)
         wait_until(lambda: len(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers) >= 1,
@@ -765,14 +806,8 @@ def cmd_report_cost(args) -> None:
         raise SystemExit("the sequences finished inside the window: raise --max-new-tokens")
     busy = (cpu_1 - cpu) - idle_cores * (wall_1 - wall)
     per_report = busy / count
-    rows = [["scheduler CPU per report", f"{count:.0f}", f"{decoded / count:.1f}",
-             f"{per_report * 1e3:.3f}", f"{idle_cores * 100:.1f}%"]]
-    if args.nano_vllm:
-        nano = _nano_cpu_per_decision(args.nano_vllm, args.batch)
-        rows.append(["nano-vllm schedule()+postprocess()", "200", f"{args.batch}",
-                     f"{nano * 1e3:.3f}", "-"])
-        print(f"ratio: {per_report / nano:.1f}x nano-vllm's CPU per decision")
-    table(["", "reports", "tokens/report", "CPU ms each", "idle (of a core)"], rows)
+    return [f"{count:.0f}", f"{decoded / count:.1f}", f"{per_report * 1e3:.3f}",
+            f"{idle_cores * 100:.1f}%"]
 
 
 # ====================================================================== entry point

@@ -66,6 +66,22 @@ def test_each_decision_decodes_every_running_sequence_with_1000_queued(running, 
     assert prompt_lens[0] >= bench.PROMPT_LEN and prompt_lens[-1] < bench.PROMPT_LEN + 16
 
 
+@pytest.mark.parametrize("running", [8, 32])
+def test_the_unchanged_cell_sends_no_running_list_and_gets_decode_all_running(running):
+    workload = bench.CoreWorkload(running, served=True, unchanged=True)
+    core = workload.core
+    before = {s: core.get_sequence(s).generated_tokens for s in workload.running}
+    for _ in range(5):
+        workload.step()
+        assert list(workload.last_decision.decode) == list(workload.running)
+        request = pb.SelectBatchRequest.FromString(workload.request_bytes)
+        assert not request.running and request.running_unchanged_since
+        answer = pb.SchedulerDecision.FromString(workload.last)
+        assert answer.decode_all_running and not answer.decode and not answer.running_needed
+    workload.check()
+    assert all(core.get_sequence(s).generated_tokens == before[s] + 5 for s in workload.running)
+
+
 def test_the_queued_prompts_are_512_tokens_and_distinct():
     import random
     rnd = random.Random(1)

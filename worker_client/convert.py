@@ -43,12 +43,13 @@ class Work:
         return bool(self.prefill or self.decode)
 
 
-def work(decision: pb.SchedulerDecision) -> Work:
-    """What the loop does with `decision`."""
+def work(decision: pb.SchedulerDecision, reported_running: tuple[int, ...] = ()) -> Work:
+    """What the loop does with `decision`, the answer to a report whose running list was
+    `reported_running` (what decode_all_running stands for)."""
     return Work(drop=(*decision.evict, *decision.preempt),
                 admitted=tuple(c.seq_id for c in decision.prefill if c.HasField("spec")),
                 prefill=tuple(chunk_work(c) for c in decision.prefill),
-                decode=tuple(decision.decode))
+                decode=reported_running if decision.decode_all_running else tuple(decision.decode))
 
 
 def register_request(resources: WorkerResources) -> pb.RegisterWorkerRequest:
@@ -105,6 +106,16 @@ class PendingReport:
         # Whether the scheduler takes the packed token arrays (its registration said so:
         # RegisterWorkerResponse.accepts_token_runs); until then, TokenUpdate messages only.
         self.packed_tokens = False
+        # Whether the scheduler takes running_unchanged_since and decode_all_running (its
+        # registration said so: RegisterWorkerResponse.accepts_running_unchanged).
+        self.running_unchanged = False
+        # The running list of the latest request built, in full (what decode_all_running
+        # in its answer stands for), and whether that request sent it.
+        self.reported_running: tuple[int, ...] = ()
+        self._sent_running = False
+        # (iteration, running list) of the latest answered request that sent its running
+        # list in full: a later request with the same list names the iteration instead.
+        self._running_baseline: tuple[int, tuple[int, ...]] | None = None
         # seq_id -> tokens delivered to the scheduler since its admission here
         self._delivered: dict[int, int] = {}
 
@@ -136,8 +147,11 @@ class PendingReport:
         self.logprobs.pop(seq_id, None)
         self.prompt_logprobs.pop(seq_id, None)
 
-    def delivered(self) -> None:
-        """The last request was answered: all of it reached the scheduler."""
+    def delivered(self, iteration: int = 0) -> None:
+        """The last request was answered (by the decision with `iteration`): all of it
+        reached the scheduler."""
+        if self._sent_running:
+            self._running_baseline = (iteration, self.reported_running)
         for seq_id, token_ids in self.tokens.items():
             self._delivered[seq_id] = self._delivered.get(seq_id, 0) + len(token_ids)
         for fin in self.finished:
@@ -146,6 +160,12 @@ class PendingReport:
             self._delivered.pop(seq_id, None)
         self.clear()
         self.cache.take()
+
+    def running_needed(self) -> None:
+        """The answer said the scheduler does not hold the running list the request named:
+        nothing of it was applied; the next request sends everything again, the list in
+        full."""
+        self._running_baseline = None
 
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:
@@ -156,6 +176,7 @@ class PendingReport:
         cache is reported in full after the next registration: add_cache with a reset)."""
         self.clear()
         self._delivered.clear()
+        self._running_baseline = None
 
     def clear(self) -> None:
         self.finished.clear()
@@ -187,8 +208,15 @@ class PendingReport:
             elif t:
                 runs.append((s, t))
         counts = [len(t) for _, t in runs]
+        running = self.reported_running = tuple(running)
+        baseline = self._running_baseline
+        unchanged_since = (baseline[0] if self.running_unchanged and running and baseline
+                           and baseline[1] == running else 0)
+        self._sent_running = not unchanged_since
         request = pb.SelectBatchRequest(
-            worker_id=worker_id, waiting=waiting, running=running,
+            worker_id=worker_id, waiting=waiting, running=() if unchanged_since else running,
+            running_unchanged_since=unchanged_since,
+            accepts_decode_all_running=self.running_unchanged,
             kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
             finished=self.finished, preempted=self.preempted, draining=draining,
             idle_wait_ms=int(idle_wait_seconds * 1000),

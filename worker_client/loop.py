@@ -154,6 +154,13 @@ class WorkerLoop:
                 after = self._forecast.after_step(held, work.prefill, work.decode)
                 try:
                     decision = self.client.select(self._request(draining, after, idle=False))
+                    if decision.running_needed:
+                        # Nothing of the report was applied: this step's outputs go with
+                        # the previous ones in the next report, its running list in full.
+                        self._pending.running_needed()
+                        self._record(work, stepping.result()[0])
+                        work = None
+                        continue
                 except NotRegistered:
                     # The step ran: its outputs are reported next if the worker keeps what
                     # it holds (it moved to another replica), dropped with it otherwise.
@@ -164,11 +171,11 @@ class WorkerLoop:
                 finally:
                     wait([stepping])  # whatever happened, the step ends before anything else
                 out, step_us = stepping.result()
-                self._delivered()
+                self._delivered(decision)
                 self._step_us = step_us  # reported with the next report, as its outputs
                 self.stats.iterations += 1
                 self._record(work, out)
-                next_work = convert.work(decision)
+                next_work = convert.work(decision, self._pending.reported_running)
                 work = next_work if self._apply(next_work) else None
 
     def _decide_in_turn(self, stop: threading.Event, draining: bool) -> Work | None:
@@ -215,14 +222,18 @@ class WorkerLoop:
         except NotRegistered:
             self._register_again(held)
             return None
-        self._delivered()
+        if decision.running_needed:  # nothing applied: all again, the list in full
+            self._pending.running_needed()
+            return None
+        self._delivered(decision)
         self.stats.iterations += 1
-        return convert.work(decision)
+        return convert.work(decision, self._pending.reported_running)
 
-    def _delivered(self) -> None:
-        """The last request was answered: its outputs and step time reached the scheduler
-        (a step that ended meanwhile keeps its own time for the next report)."""
-        self._pending.delivered()
+    def _delivered(self, decision: pb.SchedulerDecision) -> None:
+        """The last request was answered with `decision`: its outputs and step time
+        reached the scheduler (a step that ended meanwhile keeps its own time for the
+        next report)."""
+        self._pending.delivered(decision.iteration)
         self._step_us = 0
 
     def _timed_step(self, prefill: Sequence[ChunkWork],
@@ -294,6 +305,8 @@ class WorkerLoop:
         self.stats.registrations += 1
         self._lease_seconds = settings.lease_ttl_ms / 1000
         self._pending.packed_tokens = settings.accepts_token_runs
+        self._pending.running_unchanged = settings.accepts_running_unchanged
+        self._pending.running_needed()  # a new registration holds no list of ours yet
         log.info("registered", extra={"worker_id": self.resources.worker_id,
                                       "chunk_size": settings.chunk_size,
                                       "max_batch_size": settings.max_batch_size,
@@ -303,7 +316,10 @@ class WorkerLoop:
         try:
             if self._pending:
                 # Deliver the last finishes and tokens; the decision is moot, we leave.
-                self.client.select(self._request(True, self._holding(), idle=False))
+                decision = self.client.select(self._request(True, self._holding(), idle=False))
+                if decision.running_needed:  # nothing was applied: once more, in full
+                    self._pending.running_needed()
+                    self.client.select(self._request(True, self._holding(), idle=False))
             requeued = self.client.deregister(self.resources.worker_id)
             log.info("deregistered", extra={"worker_id": self.resources.worker_id,
                                             "requeued": requeued})

@@ -157,6 +157,7 @@ class ReplicaServicer(SchedulerServicer):
         async with self._claim_lock:
             self._core.hand_out_incarnations_from(incarnation)
             settings = self._core.register_worker(registration)
+            self._running_lists.forget(registration.worker_id)
             moved = await asyncio.to_thread(self._state.adopt_worker, registration.worker_id)
             self._adopt(moved, registration.worker_id)
         # Its adapters may serve sequences no claim here could take before.

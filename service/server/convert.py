@@ -152,15 +152,19 @@ def worker_settings(settings: WorkerSettings) -> pb.RegisterWorkerResponse:
         lease_ttl_ms=settings.lease_ttl_ms,
         incarnation=settings.incarnation,
         accepts_token_runs=True,
+        accepts_running_unchanged=True,
     )
 
 
-def worker_report(msg: pb.SelectBatchRequest) -> WorkerReport:
-    _check_report_size(msg)
+def worker_report(msg: pb.SelectBatchRequest, running: tuple[int, ...] | None = None,
+                  ) -> WorkerReport:
+    """The report; `running`: its running list when the message leaves it out
+    (running_unchanged_since: service/server/running_lists.py)."""
+    _check_report_size(msg, running)
     return WorkerReport(
         worker_id=_checked_string("worker_id", msg.worker_id),
         waiting=tuple(msg.waiting),
-        running=tuple(msg.running),
+        running=tuple(msg.running) if running is None else running,
         kv_free_pages=msg.kv_free_pages,
         gdn_free_slots=msg.gdn_free_slots,
         finished=tuple(
@@ -191,8 +195,9 @@ def _token_update(t: pb.TokenUpdate) -> TokenUpdate:
                        _logprobs_in(t.prompt_logprobs))
 
 
-def _check_report_size(msg: pb.SelectBatchRequest) -> None:
-    num_seq_ids = len(msg.waiting) + len(msg.running) + len(msg.finished) + len(msg.preempted)
+def _check_report_size(msg: pb.SelectBatchRequest, running: tuple[int, ...] | None) -> None:
+    num_running = len(msg.running) if running is None else len(running)
+    num_seq_ids = len(msg.waiting) + num_running + len(msg.finished) + len(msg.preempted)
     _check_count("waiting, running, finished and preempted hold", num_seq_ids,
                  "seq ids in all", MAX_REPORT_SEQ_IDS)
     _check_count("cache_misses holds", len(msg.cache_misses), "seq ids", MAX_REPORT_SEQ_IDS)
@@ -224,14 +229,22 @@ def _finish_reason(number: int, index: int) -> FinishReason:
     return FinishReason(number)
 
 
-def decision(d: Decision) -> pb.SchedulerDecision:
+def decision(d: Decision, decode_all_running: bool = False) -> pb.SchedulerDecision:
+    """The answer; `decode_all_running`: the decode list is the report's running list and
+    the worker takes it so (decode then left empty)."""
     return pb.SchedulerDecision(
-        prefill=[_prefill_chunk(c) for c in d.prefill],
-        decode=d.decode,
+        prefill=[_prefill_chunk(c) for c in d.prefill] if d.prefill else None,
+        decode=None if decode_all_running else d.decode,
         evict=d.evict,
         iteration=d.iteration,
         preempt=d.preempt,
+        decode_all_running=decode_all_running,
     )
+
+
+def running_needed() -> pb.SchedulerDecision:
+    """The answer to a report naming a running list not held here: nothing applied."""
+    return pb.SchedulerDecision(running_needed=True)
 
 
 def _prefill_chunk(chunk: PrefillChunk) -> pb.PrefillChunk:

@@ -25,6 +25,7 @@ from service.core.types import Decision, SubmitParams
 from service.server.interceptors.auth import Callers
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
+from service.server.running_lists import RunningLists
 from service.server.status_codes import status_code, status_details
 from service.server.wakeups import Wakeups
 
@@ -83,6 +84,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._stopping = False
         # The tasks serving WorkerSession streams, ended when the server stops.
         self._sessions: set[asyncio.Task] = set()
+        # Each worker's latest running list sent in full (reports may then leave it out).
+        self._running_lists = RunningLists()
 
     def stop_streams_without_cancelling(self) -> None:
         """From now on a Generate stream that ends leaves its sequence alone (the server is
@@ -174,6 +177,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     @rpc
     async def RegisterWorker(self, request, context):
         settings = self._core.register_worker(convert.worker_registration(request))
+        self._running_lists.forget(request.worker_id)
         await self._progress_durable()
         log.info("worker registered", extra={"worker_id": request.worker_id,
                                              "incarnation": settings.incarnation})
@@ -207,6 +211,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def DeregisterWorker(self, request, context):
         requeued = self._core.deregister_worker(convert.worker_id(request),
                                                 request.incarnation)
+        self._running_lists.forget(request.worker_id)
         await self._progress_durable()
         log.info("worker deregistered", extra={"worker_id": request.worker_id,
                                                "requeued": requeued})
@@ -229,7 +234,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         to the answer, without the time parked waiting for work.
         """
         started = self._arrival()
-        report = convert.worker_report(request)
+        running = self._running_lists.running(request)
+        if running is None:  # it named a running list this scheduler does not hold
+            return convert.running_needed()
+        report = convert.worker_report(request, running)
         decision = self._core.select_batch(report)
         wait_seconds = self._idle_wait_seconds(request, report, decision)
         if wait_seconds:
@@ -239,7 +247,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     break
                 started = self._arrival()
                 decision = self._core.select_batch(report)
-        answer = convert.decision(decision)
+        answer = self._running_lists.answer(request, running, decision)
         await self._progress_durable()
         if self._metrics is not None:
             self._metrics.select_batch_duration.observe(time.perf_counter() - started)
@@ -271,6 +279,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         """The sweeper's call: drop silent workers, and count what no worker can run."""
         dropped = self._core.expire_leases()
         for worker_id in dropped:
+            self._running_lists.forget(worker_id)
             log.warning("worker lease expired; its sequences went back to the queue",
                         extra={"worker_id": worker_id})
         self._count_unservable()

@@ -13,6 +13,7 @@ import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.server import convert
+from service.server.running_lists import RunningLists
 from service.core import Scheduler, UnknownWorker
 from service.core.types import WorkerReport
 from worker_client import convert as worker_convert
@@ -39,21 +40,27 @@ class InProcessClient:
         self.scheduler = scheduler
         self.counts = ClientCounts()
         self.on_report = on_report
+        self._running_lists = RunningLists()  # as the server keeps them
 
     def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
         request = worker_convert.register_request(resources)
         settings = self.scheduler.register_worker(convert.worker_registration(request))
+        self._running_lists.forget(resources.worker_id)
         return convert.worker_settings(settings)
 
     def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
-        report = convert.worker_report(request)
+        running = self._running_lists.running(request)
+        if running is None:
+            return convert.running_needed()
+        report = convert.worker_report(request, running)
         self.counts.engine_preemptions += len(report.preempted) + sum(
             1 for f in report.finished if f.reason.name == "PREEMPTED")
         self.counts.cache_misses += len(report.cache_misses)
         if self.on_report is not None:
             self.on_report(report)
         try:
-            decision = convert.decision(self.scheduler.select_batch(report))
+            decision = self._running_lists.answer(request, running,
+                                                  self.scheduler.select_batch(report))
         except UnknownWorker as err:
             raise NotRegistered("SelectBatch", grpc.StatusCode.FAILED_PRECONDITION,
                                 str(err)) from None
@@ -61,6 +68,7 @@ class InProcessClient:
         return decision
 
     def deregister(self, worker_id: str) -> int:
+        self._running_lists.forget(worker_id)
         return self.scheduler.deregister_worker(worker_id)
 
     def close(self) -> None:

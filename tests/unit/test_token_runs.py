@@ -71,3 +71,19 @@ def test_arrays_that_do_not_line_up_are_refused_naming_the_field(runs, field):
     sched, (a, b) = _running()
     with pytest.raises(InvalidArgument, match=field):
         _report(sched, (a, b), runs)
+
+
+def test_one_token_runs_retried_or_mixed_with_strays_keep_each_token_once():
+    """A steady step (one token per sequence, offsets sent) has a fast path; a retry, a
+    stray id, a sequence named twice and a gap each leave it for the general rules,
+    with the same outcome as TokenUpdates."""
+    sched, (a, b) = _running()
+    step = TokenRuns((a, b), (11, 21), offsets=(0, 0))
+    _report(sched, (a, b), step)
+    _report(sched, (a, b), step)  # retried: nothing twice
+    _report(sched, (a, b), TokenRuns((a, 999, b), (12, 7, 22), offsets=(1, 0, 1)))  # a stray
+    _report(sched, (a, b), TokenRuns((a, a, b), (13, 14, 23), offsets=(2, 3, 2)))  # a twice
+    with pytest.raises(InvalidArgument, match=r"token_offsets\[0\]: seq_id .* offset 9"):
+        _report(sched, (a, b), TokenRuns((a, b), (15, 24), offsets=(9, 3)))
+    _report(sched, (a, b), TokenRuns((a, b), (15, 24)))  # no offsets: appended as sent
+    assert _outputs(sched, (a, b)) == [(11, 12, 13, 14, 15), (21, 22, 23, 24)]
