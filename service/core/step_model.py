@@ -173,20 +173,35 @@ class StepTimeModel:
 
 def _solve_lower(a: list[list[float]], b: list[float]) -> list[float]:
     """x with A x = b, A symmetric positive definite given by its lower triangle
-    (a[i][j], j <= i), by Cholesky: A = L L^T."""
+    (a[i][j], j <= i), by Cholesky: A = L L^T, then two triangular solves. Plain loops:
+    at five unknowns they cost less than building lists to sum."""
     n = len(b)
-    low = [[0.0] * n for _ in range(n)]
+    low: list[list[float]] = []
     for i in range(n):
-        row_i, a_i = low[i], a[i]
+        a_i = a[i]
+        row: list[float] = []
         for j in range(i):
             row_j = low[j]
-            row_i[j] = (a_i[j] - sum([row_i[k] * row_j[k] for k in range(j)])) / row_j[j]
-        row_i[i] = math.sqrt(a_i[i] - sum([v * v for v in row_i[:i]]))
-    z = [0.0] * n
+            v = a_i[j]
+            for k in range(j):
+                v -= row[k] * row_j[k]
+            row.append(v / row_j[j])
+        v = a_i[i]
+        for r in row:
+            v -= r * r
+        row.append(math.sqrt(v))
+        low.append(row)
+    z: list[float] = []
     for i in range(n):
-        row_i = low[i]
-        z[i] = (b[i] - sum([row_i[k] * z[k] for k in range(i)])) / row_i[i]
+        row = low[i]
+        v = b[i]
+        for k in range(i):
+            v -= row[k] * z[k]
+        z.append(v / row[i])
     x = [0.0] * n
     for i in range(n - 1, -1, -1):
-        x[i] = (z[i] - sum([low[k][i] * x[k] for k in range(i + 1, n)])) / low[i][i]
+        v = z[i]
+        for k in range(i + 1, n):
+            v -= low[k][i] * x[k]
+        x[i] = v / low[i][i]
     return x
