@@ -1,13 +1,23 @@
-"""A worker's step time, learned online: recursive least squares over the step's shape.
+"""A worker's step time, learned online: weighted least squares over the step's shape.
 
 A step's time is modelled as linear in five features of what it held (the scheduler's own
 decision, `StepShape`): an intercept (the forward's fixed cost), prefill tokens (the
 linear layers' work), prefill attention work (each chunk's tokens times the context they
 attend to: previous context plus half the chunk), decodes (their linear layers' work)
-and decode context (the KV the decodes read). Recursive least squares with a forgetting
-factor refits the five weights with every measured step in O(25) operations, and forgets
-old steps at the rate `forgetting` (a worker that drifts, from throttling or another
-model, is followed within about 1 / (1 - forgetting) steps).
+and decode context (the KV the decodes read). The weights are the least-squares fit of
+the measured steps, each older step weighing `forgetting` times the next one's (a worker
+that drifts, from throttling or another model, is followed within about
+1 / (1 - forgetting) steps), refitted with every measured step in O(5^3) operations.
+
+The fit is kept in information form (the weighted sums of x x^T and x y, a 5 x 5 system
+solved afresh each step) with stabilized forgetting: what is forgotten is replaced by
+the prior's share, centred on the weights so far, so that the information about any
+direction never falls below the prior's. A direction the steps do not excite (decodes and
+their context moving together, a run of decode-only steps) keeps its weights instead of
+drifting. The recursive (covariance) form this replaced updated the inverse in place;
+over a few thousand steps with such a direction its rounding errors made the covariance
+asymmetric and indefinite, and the weights diverged (predictions off by 10-1000x on a
+one-worker code trace).
 
 Plain Python floats, no numpy: a decision reads the model once (`prefill_budget`) and a
 report updates it once.
@@ -32,11 +42,10 @@ _NUM_FEATURES = 5
 # a 7B model (the A30 profile: about 15 ms + 0.07 ms a prefill token), so that budgets
 # start small and grow as steps are measured.
 CAUTIOUS_WEIGHTS_MS = (20.0, 200.0, 50.0, 50.0, 5.0)
-# Prior variance of each weight: wide, so that the first measured steps dominate.
+# Prior variance of each weight: wide, so that the first measured steps dominate. With
+# stabilized forgetting it is also the most any weight's variance grows to while its
+# feature is not excited.
 _PRIOR_VARIANCE = 1e4
-# The covariance stops growing past this trace (no forgetting while a feature is not
-# excited: a run of decode-only steps must not make the prefill weights jump later).
-_MAX_COVARIANCE_TRACE = 1e6
 DEFAULT_FORGETTING = 0.99
 # The error a model fitted to a table starts with: the table's own, until steps are measured.
 _FITTED_ERROR = 0.1
@@ -75,8 +84,11 @@ class StepTimeModel:
         self.weights = [float(w) for w in weights_ms]
         assert len(self.weights) == _NUM_FEATURES and 0 < forgetting <= 1
         self.forgetting = forgetting
-        self._cov = [[prior_variance if i == j else 0.0 for j in range(_NUM_FEATURES)]
-                     for i in range(_NUM_FEATURES)]
+        self._prior_info = 1.0 / prior_variance
+        # Weighted sums of x x^T and x y over the steps, the prior's share included.
+        self._info = [[self._prior_info if i == j else 0.0 for j in range(_NUM_FEATURES)]
+                      for i in range(_NUM_FEATURES)]
+        self._moment = [self._prior_info * w for w in self.weights]
         self.num_steps = 0
         # Mean relative error |predicted - measured| / measured, recent steps weighing more.
         self.recent_error = 0.5
@@ -97,7 +109,9 @@ class StepTimeModel:
     def copy(self) -> StepTimeModel:
         """An independent model that starts where this one is (a prior for each worker)."""
         model = StepTimeModel(self.weights, forgetting=self.forgetting)
-        model._cov = [row[:] for row in self._cov]
+        model._prior_info = self._prior_info
+        model._info = [row[:] for row in self._info]
+        model._moment = self._moment[:]
         model.num_steps, model.recent_error = self.num_steps, self.recent_error
         return model
 
@@ -141,13 +155,53 @@ class StepTimeModel:
         return (-b + math.sqrt(b * b + 4 * a * room_ms)) / (2 * a)
 
     def _update(self, x: tuple[float, ...], y_ms: float) -> None:
-        cov, w = self._cov, self.weights
-        px = [sum([a * b for a, b in zip(row, x)]) for row in cov]
-        trace = cov[0][0] + cov[1][1] + cov[2][2] + cov[3][3] + cov[4][4]
-        forgetting = self.forgetting if trace < _MAX_COVARIANCE_TRACE else 1.0
-        denom = forgetting + sum([a * b for a, b in zip(x, px)])
-        gain = [v / denom for v in px]
-        error = y_ms - sum([a * b for a, b in zip(w, x)])
-        self.weights = [wi + gi * error for wi, gi in zip(w, gain)]
-        self._cov = [[(c - gi * p) / forgetting for c, p in zip(row, px)]
-                     for row, gi in zip(cov, gain)]
+        """Forget, add the step, refit: info = f info + (1 - f) prior + x x^T, and moment =
+        f moment + (1 - f) prior w + x y with w the weights so far; the new weights solve
+        info w = moment. info is symmetric positive definite (never below the prior's),
+        and along a direction no step excites the weights stay as they were."""
+        f = self.forgetting
+        prior = (1.0 - f) * self._prior_info
+        info, moment, anchor = self._info, self._moment, self.weights
+        for i, xi in enumerate(x):
+            row = info[i]
+            for j in range(i + 1):
+                row[j] = f * row[j] + xi * x[j]
+            row[i] += prior
+            moment[i] = f * moment[i] + xi * y_ms + prior * anchor[i]
+        self.weights = _solve_lower(info, moment)
+
+
+def _solve_lower(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with A x = b, A symmetric positive definite given by its lower triangle
+    (a[i][j], j <= i), by Cholesky: A = L L^T, then two triangular solves. Plain loops:
+    at five unknowns they cost less than building lists to sum."""
+    n = len(b)
+    low: list[list[float]] = []
+    for i in range(n):
+        a_i = a[i]
+        row: list[float] = []
+        for j in range(i):
+            row_j = low[j]
+            v = a_i[j]
+            for k in range(j):
+                v -= row[k] * row_j[k]
+            row.append(v / row_j[j])
+        v = a_i[i]
+        for r in row:
+            v -= r * r
+        row.append(math.sqrt(v))
+        low.append(row)
+    z: list[float] = []
+    for i in range(n):
+        row = low[i]
+        v = b[i]
+        for k in range(i):
+            v -= row[k] * z[k]
+        z.append(v / row[i])
+    x = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        v = z[i]
+        for k in range(i + 1, n):
+            v -= low[k][i] * x[k]
+        x[i] = v / low[i][i]
+    return x

@@ -2,6 +2,7 @@
 decisions (service/core/step_times.py)."""
 from __future__ import annotations
 
+import math
 import random
 
 from service.core.step_model import StepShape, StepTimeModel, chunk_attention
@@ -100,3 +101,64 @@ def test_a_registration_starts_the_pairing_afresh_and_keeps_the_model():
     times.registered("w0")
     assert times.measured("w0", 9000) is None
     assert times.model("w0") is model and model.num_steps == 1
+
+
+def _nonlinear_seconds(prefill: int, chunk_start: int, contexts: list[int]) -> float:
+    """A GPU the five features do not fit exactly: token work flat up to 128 tokens (the
+    GEMMs memory-bound), decode attention sublinear in the context."""
+    ms = (15.0 + 0.07 * max(0, prefill + len(contexts) - 128)
+          + 2e-5 * chunk_attention(chunk_start, prefill) + 0.1 * len(contexts)
+          + 5e-3 * math.sqrt(sum(contexts) + 1))
+    return ms / 1000.0
+
+
+def _one_worker_steps(rng: random.Random, num_steps: int):
+    """Steps as one worker on a code trace runs them: a few decodes whose context grows
+    by one token a step (decodes and context move together), a 512-token chunk of a
+    long prompt in 40% of the steps."""
+    contexts: list[int] = []
+    for _ in range(num_steps):
+        start = rng.randrange(0, 6000, 512)
+        prefill = 512 if rng.random() < 0.4 else 0
+        if rng.random() < 0.1:
+            contexts = [rng.randrange(500, 3000) for _ in range(rng.randrange(1, 9))]
+        contexts = [c + 1 for c in contexts]
+        shape = StepShape(prefill, chunk_attention(start, prefill) if prefill else 0.0,
+                          len(contexts), sum(contexts))
+        yield shape, _nonlinear_seconds(prefill, start, contexts)
+
+
+def test_model_stays_accurate_over_thousands_of_steps_with_collinear_features():
+    # The recursive covariance form this model had diverged here: its covariance went
+    # asymmetric and indefinite after ~3,000 steps, and predictions were off 12-19,000x.
+    model = StepTimeModel()
+    errors = [abs(model.observe(shape, seconds) - seconds) / seconds
+              for shape, seconds in _one_worker_steps(random.Random(0), 8000)]
+    assert max(errors[2000:]) < 0.1
+    assert model.recent_error < 0.05
+
+
+def test_a_run_of_decode_only_steps_keeps_the_prefill_weights():
+    rng = random.Random(8)
+    model = StepTimeModel()
+    for _ in range(500):
+        shape = _random_shape(rng)
+        model.observe(shape, _true_seconds(shape))
+    for _ in range(3000):
+        contexts = [rng.randrange(100, 4000) for _ in range(rng.randrange(1, 64))]
+        shape = StepShape(num_decodes=len(contexts), decode_context=sum(contexts))
+        model.observe(shape, _true_seconds(shape))
+    prefill = StepShape(512, chunk_attention(1000, 512), 4, 8000)
+    assert abs(model.predict(prefill) - _true_seconds(prefill)) / _true_seconds(prefill) < 0.05
+
+
+def test_a_copy_learns_apart_from_its_original():
+    rng = random.Random(9)
+    model = StepTimeModel.fitted((s, _true_seconds(s)) for s in
+                                 (_random_shape(rng) for _ in range(100)))
+    copy = model.copy()
+    shape = _random_shape(rng)
+    for _ in range(500):  # the table's steps are forgotten by then (0.99^500 < 1%)
+        copy.observe(shape, 2 * _true_seconds(shape))
+    assert abs(copy.predict(shape) - 2 * _true_seconds(shape)) < 0.05 * _true_seconds(shape)
+    assert abs(model.predict(shape) - _true_seconds(shape)) < 0.02 * _true_seconds(shape)
