@@ -8,7 +8,7 @@ its full blocks are cached, its first block the most recently used (as the engin
 releases them). Prompt tokens only are ever reused (a trace's next prompt never
 contains a simulated answer: its token ids are made up here).
 
-Two bounds, printed side by side (docs/simulation.md, "The hit-rate bound"):
+Two bounds, printed side by side (docs/simulation.md, "Outputs"):
 - `cache_generated=False`: the cache keeps prompt blocks only, an ideal no worker's
   cache follows;
 - `cache_generated=True`: the cache keeps every full block of the sequence as the
@@ -21,7 +21,7 @@ Two bounds, printed side by side (docs/simulation.md, "The hit-rate bound"):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Hashable
+from collections.abc import Hashable, Iterable
 
 from common.block_hash import block_hashes
 from service.sim.workload import Request, prompt_token_ids
