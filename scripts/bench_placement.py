@@ -9,7 +9,11 @@ admitted ones are finished at its next call and replaced in the queue, so the qu
 stays at Q). Prints the thread CPU time per decision, median and p99, on the same
 calls: --prefix-caching off (the queue order, no lookups); on without placement (the
 queue order with each admission's own-cache lookup: issue 18's path, the placement
-rule switched off in process); on (placement).
+rule switched off in process); on (placement). Beside each, the admissions per decision
+and the CPU time per admission: placement admits W's hits (64 tokens to compute), the
+queue order mostly other families' prompts (1,088), so under a token budget placement
+admits more per decision and its decisions cost more for that alone;
+`--max-num-batched-tokens 100000` lets every setting admit --admit a decision.
 """
 from __future__ import annotations
 
@@ -31,10 +35,13 @@ BLOCK = 64
 PREFIX_TOKENS = 1024
 
 
-def run(prefix_caching: str, args) -> list[float]:
+def run(prefix_caching: str, args) -> tuple[list[float], int]:
+    """Thread CPU seconds of each decision after the first round, and the admissions
+    those decisions made."""
     rng = random.Random(args.seed)
     sched = Scheduler(SchedulerConfig(policy=args.policy, max_batch_size=args.admit,
-                                      prefix_caching=prefix_caching, max_queue=10**6))
+                                      prefix_caching=prefix_caching, max_queue=10**6,
+                                      max_num_batched_tokens=args.max_num_batched_tokens))
     workers = [f"w{i}" for i in range(args.workers)]
     families = [[rng.randrange(1, 30000) for _ in range(PREFIX_TOKENS)]
                 for _ in range(args.families)]
@@ -55,6 +62,7 @@ def run(prefix_caching: str, args) -> list[float]:
         submit()
     held = {w: [] for w in workers}
     seconds = []
+    num_admitted = 0
     for call in range(args.decisions):
         w = workers[call % len(workers)]
         report = WorkerReport(
@@ -68,7 +76,9 @@ def run(prefix_caching: str, args) -> list[float]:
         decision = sched.select_batch(report)
         seconds.append(time.thread_time() - started)
         held[w] = [c.seq_id for c in decision.prefill]
-    return seconds[len(workers):]
+        if call >= len(workers):
+            num_admitted += len(decision.prefill)
+    return seconds[len(workers):], num_admitted
 
 
 def main() -> None:
@@ -79,19 +89,25 @@ def main() -> None:
     parser.add_argument("--admit", type=int, default=8, help="admissions per decision (its batch)")
     parser.add_argument("--decisions", type=int, default=2000)
     parser.add_argument("--policy", default="budget", choices=("fifo", "budget", "fair"))
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0,
+                        help="the token budget of a decision (default 0: the policy's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print(f"{args.workers} workers, {args.families} families of {PREFIX_TOKENS} tokens, "
           f"{args.queued} queued, up to {args.admit} admissions a decision, "
-          f"{args.decisions} decisions, policy {args.policy}")
+          f"{args.decisions} decisions, policy {args.policy}, max_num_batched_tokens "
+          f"{args.max_num_batched_tokens}")
     start = placement.PlacementRule.start
     for label, setting, rule in (("off", "off", start),
                                  ("on, without placement", "on", lambda self, view: None),
                                  ("on, with placement", "on", start)):
         placement.PlacementRule.start = rule
-        us = sorted(s * 1e6 for s in run(setting, args))
+        seconds, num_admitted = run(setting, args)
+        us = sorted(s * 1e6 for s in seconds)
         print(f"--prefix-caching {label}: median {statistics.median(us):.0f} us, "
-              f"p99 {us[int(len(us) * 0.99)]:.0f} us per decision (thread CPU time)")
+              f"p99 {us[int(len(us) * 0.99)]:.0f} us per decision (thread CPU time); "
+              f"{num_admitted / len(us):.2f} admissions a decision, "
+              f"{sum(us) / max(1, num_admitted):.0f} us per admission")
     placement.PlacementRule.start = start
 
 

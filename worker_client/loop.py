@@ -295,6 +295,11 @@ class WorkerLoop:
         """How often the client moved to another replica (clients without a list: 0)."""
         return getattr(self.client, "num_moves", 0)
 
+    def register(self) -> None:
+        """Register with the scheduler; `run` does it first, a driver that calls `iterate`
+        itself (the simulator) calls this before."""
+        self._register()
+
     def _register(self) -> None:
         settings = self.client.register(self.resources)
         # The first report after a registration lists every resume point (a reset); if the

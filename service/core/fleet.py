@@ -22,7 +22,8 @@ class CacheSpread:
 
     # Its longest resume point on the asking worker (DecisionView.cached_tokens).
     own_tokens: int
-    # Its longest one on another worker that admits now and can run it.
+    # Its longest one on another worker that admits now and can run it (as long as
+    # own_tokens: a tie; 0 when the asker's is longer).
     best_other_tokens: int
     # Whether one of the workers holding that best other point has room now.
     best_other_has_room: bool
@@ -98,8 +99,6 @@ class FleetView:
             owners = owners_of.get(hashes[i])
             if owners is None:
                 continue
-            if own_id in owners:
-                return CacheSpread((i + 1) * block_tokens, 0, False)
             room, found = False, False
             for worker_id in owners:
                 peer = self._peers.get(worker_id)
@@ -107,11 +106,15 @@ class FleetView:
                         and peer.can_run(seq.adapter_id)):
                     found = True
                     room = room or has_room(peer)
+            tokens = (i + 1) * block_tokens
+            if own_id in owners:
+                # The asker's longest point; another worker's too (a tie) or not.
+                return CacheSpread(tokens, tokens if found else 0, room)
             if found:
                 # The best other point is this one; the asker's own, if any, lies below.
                 own_points = self._own_points
                 for j in range(i - 1, -1, -1):
                     if hashes[j] in own_points:
-                        return CacheSpread((j + 1) * block_tokens, (i + 1) * block_tokens, room)
-                return CacheSpread(0, (i + 1) * block_tokens, room)
+                        return CacheSpread((j + 1) * block_tokens, tokens, room)
+                return CacheSpread(0, tokens, room)
         return COLD

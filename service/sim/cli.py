@@ -313,9 +313,13 @@ def _print_bound(setup, config) -> dict:
                              max_seq_len=config.max_seq_len)
     num_blocks = setup.num_workers * w.total_kv_pages * w.page_size // w.cache_block_tokens
     bound = hit_rate_bound(requests, block_tokens=w.cache_block_tokens, num_blocks=num_blocks)
+    same_cache = hit_rate_bound(requests, block_tokens=w.cache_block_tokens,
+                                num_blocks=num_blocks, cache_generated=True)
     print(f"prefix hit rate bound: {bound:.3f} (one worker caching in the whole fleet's "
-          f"{num_blocks} blocks, LRU, these {len(requests)} requests in order)\n", flush=True)
-    return {"prefix_hit_rate_bound": bound}
+          f"{num_blocks} blocks, LRU, these {len(requests)} requests in order); "
+          f"{same_cache:.3f} with the workers' cache rule (their generated blocks cached "
+          f"too, never reused here)\n", flush=True)
+    return {"prefix_hit_rate_bound": bound, "prefix_hit_rate_bound_workers_cache": same_cache}
 
 
 def _warn_failed(run) -> None:

@@ -217,7 +217,7 @@ class Simulation:
 
     def run(self) -> RunOutcome:
         for worker in self._workers:
-            worker.loop.client.register(worker.loop.resources)
+            worker.loop.register()  # as `run` does: it learns the packed token form too
             self._go_idle(worker)
         for request in self._requests:
             self._push(request.arrival_seconds, _ARRIVAL, request.index)

@@ -126,21 +126,25 @@ def simulate_mooncake(tmp_path, *flags, name="m.json"):
 @pytest.mark.parametrize("routing", ["pull", "kv-router", "prefix-load", "cache-aware"])
 def test_a_mooncake_run_writes_the_cache_figures_and_the_bound(tmp_path, capsys, routing):
     (run,) = simulate_mooncake(tmp_path, "--qps", "2", "--routing", routing)
-    assert tuple(run) == (*JSON_KEYS, "prefix_hit_rate_bound")
+    assert tuple(run) == (*JSON_KEYS, "prefix_hit_rate_bound",
+                          "prefix_hit_rate_bound_workers_cache")
     assert run["routing"] == routing
     assert run["computed_prefill_tokens"] > 0 and run["cache_misses"] >= 0
     assert 0 < run["prefix_hit_rate"] <= run["prefix_hit_rate_bound"] < 1
+    assert 0 < run["prefix_hit_rate_bound_workers_cache"] <= run["prefix_hit_rate_bound"]
     assert sorted(run["worker_shares"]) == ["sim-0", "sim-1"]
     assert sum(run["worker_shares"].values()) == pytest.approx(1.0)
     assert run["max_share_over_mean"] == pytest.approx(max(run["worker_shares"].values()) * 2)
     out = capsys.readouterr().out
-    assert "prefix hit rate bound:" in out and "a prefix cache in blocks of 32 tokens" in out
+    assert "prefix hit rate bound:" in out and "with the workers' cache rule" in out
+    assert "a prefix cache in blocks of 32 tokens" in out
 
 
 def test_without_a_cache_nothing_is_resumed_and_no_bound_is_printed(tmp_path, capsys):
     (run,) = simulate_mooncake(tmp_path, "--qps", "2", "--cache-block-tokens", "0")
     assert run["prefix_hit_rate"] == 0 and run["cached_prefill_tokens"] == 0
     assert "prefix_hit_rate_bound" not in run
+    assert "prefix_hit_rate_bound_workers_cache" not in run
     assert "bound" not in capsys.readouterr().out
 
 

@@ -99,3 +99,21 @@ def test_the_bound_reuses_repeated_prefixes_and_shrinks_with_the_cache():
     # A prompt never reuses its own last token's block: a first chunk computes one token.
     same = [Request(i, float(i), 64, 1, (0, 1, 2, 3), 16) for i in range(2)]
     assert hit_rate_bound(same, block_tokens=16, num_blocks=100) == pytest.approx(48 / 128)
+
+
+def test_the_workers_cache_bound_gives_generated_blocks_room_but_never_reuses_them():
+    # Two prompts of 4 blocks sharing 3, each generating 33 tokens (2 more full blocks).
+    reqs = [Request(i, float(i), 64, 33, (0, 1, 2, 10 + i), 16) for i in range(2)]
+    kwargs = dict(block_tokens=16, cache_generated=True)
+    # With room for everything the answers change nothing: 48 of 128 reused.
+    assert hit_rate_bound(reqs, num_blocks=100, **kwargs) == pytest.approx(48 / 128)
+    # Room for 4 blocks: the first's 2 generated blocks are older than its prompt's,
+    # so its 3 shared blocks still stay, as without them.
+    assert hit_rate_bound(reqs, num_blocks=4, **kwargs) == pytest.approx(48 / 128)
+    # An unrelated prompt between them: 7 blocks keep the shared 3 behind its 4 prompt
+    # blocks, but not behind its 6 generated ones too.
+    three = [Request(0, 0.0, 64, 33, (0, 1, 2, 10), 16),
+             Request(1, 1.0, 64, 97, (20, 21, 22, 23), 16),
+             Request(2, 2.0, 64, 1, (0, 1, 2, 12), 16)]
+    assert hit_rate_bound(three, block_tokens=16, num_blocks=7) == pytest.approx(48 / 192)
+    assert hit_rate_bound(three, num_blocks=7, **kwargs) == 0.0

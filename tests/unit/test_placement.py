@@ -163,6 +163,30 @@ def test_a_cold_sequence_goes_to_the_least_loaded_worker():
     assert admitted(sched.select_batch(report("w0", waiting=[*busy[:2], other]))) == [(late, 0)]
 
 
+def test_a_prefix_both_workers_hold_goes_by_load_and_one_only_w0_holds_stays_on_w0():
+    """A tie saves nothing over the other holder: it is placed as a cold one (without
+    this, the workers holding a fleet-wide common prefix took every request that
+    starts with it whatever their load, and the others starved)."""
+    sched, _ = fleet(max_batch_size=8)
+    sched.select_batch(cache_report("w1", added=hashes(100), reset=True))
+    busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 4)]
+    first = sched.select_batch(cache_report("w0", added=hashes(100), reset=True))
+    assert [s for s, _ in admitted(first)] == busy[:2]
+    assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy[2:]
+    # w0 holds 2, w1 holds 1, both hold its 96 tokens: w0 leaves it to w1.
+    tie = submit(sched, prompt_len=100)
+    assert admitted(sched.select_batch(report("w0", waiting=busy[:2]))) == []
+    assert admitted(sched.select_batch(report("w1", waiting=busy[2:]))) == [(tie, 96)]
+    # Equal loads (2 and 2): whoever asks takes the next one.
+    late = submit(sched, prompt_len=100)
+    assert admitted(sched.select_batch(report("w0", waiting=busy[:2]))) == [(late, 96)]
+    # A prefix only w0 holds is w0's at any load (it holds 3, w1 2).
+    w0_only = submit_tokens(sched, prompt(100, 9000))
+    sched.select_batch(cache_report("w0", added=block_hashes(prompt(100, 9000), "", B),
+                                    waiting=[*busy[:2], late]))
+    assert admitted(sched.select_batch(report("w0", waiting=[*busy[:2], late]))) == [(w0_only, 96)]
+
+
 def test_a_burst_of_cold_sequences_is_shared_between_idle_workers():
     sched, _ = fleet("fifo", max_batch_size=32, chunk_size=512)
     for worker_id in ("w0", "w1"):

@@ -8,19 +8,22 @@ admitting worker that can run it (`FleetView.spread`):
 
 1. **Overdue** (queued for `--aging-seconds` or more): W takes it if it fits; never
    deferred, and ranked first.
-2. **A hit on W** (W holds its longest cached prefix, ties included): W takes it, ranked
-   before the others of its window (the saving is W's alone: a hit elsewhere is deferred
-   there, and a cold sequence costs the same wherever it runs).
+2. **A hit on W** (W alone holds its longest cached prefix): W takes it, ranked before
+   the others of its window (the saving is W's alone: a hit elsewhere is deferred
+   there, and a cold sequence costs the same wherever it runs). A tie (another worker
+   holds as long a prefix) is ranked so too, but placed by load as a cold one (4.): W
+   saves nothing over the other holder, and without it the workers holding a
+   fleet-wide common prefix would take every request that starts with it.
 3. **Better elsewhere** (another worker holds a longer prefix): W defers it, so that
    the owner takes it at its next call, for at most the time W would spend computing
    the tokens the owner has cached (W's step model's prediction of that prefill step,
    or the cautious default model's); after that W takes it. Waiting never costs the
    sequence much more than the prefill it saves, and W loses nothing while it waits.
-4. **Cold** (cached nowhere): W takes it unless W already holds at least its share of
-   the fleet's work (the assigned and queued sequences over the admitting workers,
-   rounded up) and another admitting worker with room holds fewer; then W defers it,
-   for at most the predicted step of its own prefill, so that the least loaded worker
-   takes it.
+4. **Cold** (cached nowhere) or a tie: W takes it unless W already holds at least its
+   share of the fleet's work (the assigned and queued sequences over the admitting
+   workers, rounded up) and another admitting worker with room holds fewer; then W
+   defers it, for at most the predicted step of the prefill it would compute, so that
+   the least loaded worker takes it.
 
 A deferred candidate is skipped, not waited for: later ones still go ahead. Everything
 is bounded: a deferral by its patience and by `--aging-seconds`, the reordering by
@@ -94,17 +97,18 @@ class Placement:
             return False
         spread = fleet.spread(seq)
         own, other = spread.own_tokens, spread.best_other_tokens
+        load = fleet.own_load + num_admitted
         if other > own:
             return waited < self._step_seconds(own, other - own)
-        if own:
-            return False
-        load = fleet.own_load + num_admitted
+        if own > other:
+            return False  # W's alone
+        # Cold, or a tie (W and another hold the same prefix): placed by load.
         if load < self._fair_load:
             return False
         least = fleet.least_peer_load(seq.adapter_id)
         if least is None or least >= load:
             return False
-        return waited < self._step_seconds(0, seq.num_tokens())
+        return waited < self._step_seconds(own, seq.num_tokens() - own)
 
     def _rank(self, seq: SequenceView) -> int:
         fleet = self._fleet
