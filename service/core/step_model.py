@@ -83,6 +83,7 @@ class StepTimeModel:
                  prior_variance: float = _PRIOR_VARIANCE) -> None:
         self.weights = [float(w) for w in weights_ms]
         assert len(self.weights) == _NUM_FEATURES and 0 < forgetting <= 1
+        assert 0 < prior_variance < math.inf, prior_variance
         self.forgetting = forgetting
         self._prior_info = 1.0 / prior_variance
         # Weighted sums of x x^T and x y over the steps, the prior's share included.
@@ -124,6 +125,8 @@ class StepTimeModel:
     def observe(self, shape: StepShape, seconds: float) -> float:
         """Learn one measured step; returns the prediction it had before (seconds)."""
         predicted = self.predict(shape)
+        if not math.isfinite(seconds):
+            return predicted  # one bad measurement must not make every weight NaN for good
         if seconds > 0:
             error = abs(predicted - seconds) / seconds
             # The mean of the errors so far while there are few, then a moving average.

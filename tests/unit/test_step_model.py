@@ -162,3 +162,19 @@ def test_a_copy_learns_apart_from_its_original():
         copy.observe(shape, 2 * _true_seconds(shape))
     assert abs(copy.predict(shape) - 2 * _true_seconds(shape)) < 0.05 * _true_seconds(shape)
     assert abs(model.predict(shape) - _true_seconds(shape)) < 0.02 * _true_seconds(shape)
+
+
+def test_a_step_time_that_is_not_a_number_is_not_learned():
+    # A NaN (a step table's cell, a broken clock) made every weight NaN for good: predict
+    # then said 0 and the prefill budget had no bound.
+    rng = random.Random(10)
+    model = StepTimeModel()
+    for _ in range(300):
+        shape = _random_shape(rng)
+        model.observe(shape, _true_seconds(shape))
+    for bad in (math.nan, math.inf):
+        model.observe(_random_shape(rng), bad)
+    assert all(math.isfinite(w) for w in model.weights)
+    assert _median_error(model, random.Random(11)) < 0.05
+    assert model.prefill_budget(0.05, num_decodes=4, decode_context=8000,
+                                prefill_context=0) < math.inf
