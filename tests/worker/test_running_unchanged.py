@@ -109,6 +109,17 @@ def test_reports_sent_twice_and_a_forgotten_list_lose_and_repeat_no_token(seed, 
     assert client.num_running_needed > 0  # the forgotten list was asked for, and sent
 
 
+def _one_queued_sequence() -> tuple[Scheduler, int, InProcessClient]:
+    """A scheduler with one queued sequence and worker w0 registered through a client."""
+    scheduler = Scheduler(SchedulerConfig(policy="budget", max_batch_size=8),
+                          clock=FakeClock())
+    seq_id = scheduler.submit(SubmitParams(prompt_token_ids=(1, 2, 3),
+                                           max_new_tokens=9)).seq_id
+    client = InProcessClient(scheduler)
+    client.register(WorkerResources("w0", 4096, 16, 8, max_batch_size=8))
+    return scheduler, seq_id, client
+
+
 def _steady(client: InProcessClient, running, **fields) -> pb.SchedulerDecision:
     return client.select(pb.SelectBatchRequest(worker_id="w0", running=running,
                                                kv_free_pages=4000, gdn_free_slots=8,
@@ -116,12 +127,7 @@ def _steady(client: InProcessClient, running, **fields) -> pb.SchedulerDecision:
 
 
 def test_a_report_naming_a_list_not_held_applies_nothing_and_asks_for_it():
-    scheduler = Scheduler(SchedulerConfig(policy="budget", max_batch_size=8),
-                          clock=FakeClock())
-    seq_id = scheduler.submit(SubmitParams(prompt_token_ids=(1, 2, 3),
-                                           max_new_tokens=9)).seq_id
-    client = InProcessClient(scheduler)
-    client.register(WorkerResources("w0", 4096, 16, 8, max_batch_size=8))
+    scheduler, seq_id, client = _one_queued_sequence()
     admitted = _steady(client, ())
     assert [c.seq_id for c in admitted.prefill] == [seq_id]
     full = _steady(client, (seq_id,), token_seq_ids=[seq_id], token_ids=[7],
@@ -139,12 +145,7 @@ def test_a_report_naming_a_list_not_held_applies_nothing_and_asks_for_it():
 
 
 def test_an_old_form_worker_gets_its_decode_list_in_full():
-    scheduler = Scheduler(SchedulerConfig(policy="budget", max_batch_size=8),
-                          clock=FakeClock())
-    seq_id = scheduler.submit(SubmitParams(prompt_token_ids=(1, 2, 3),
-                                           max_new_tokens=9)).seq_id
-    client = InProcessClient(scheduler)
-    client.register(WorkerResources("w0", 4096, 16, 8, max_batch_size=8))
+    scheduler, seq_id, client = _one_queued_sequence()
     request = pb.SelectBatchRequest(worker_id="w0", kv_free_pages=4000, gdn_free_slots=8)
     client.select(request)
     request.running.append(seq_id)
