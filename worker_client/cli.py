@@ -182,6 +182,7 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     from worker_client.resources import WorkerResources
     from worker_client.loop import WorkerLoop
 
+    from common.signals import SignalThread
     from common.targets import TargetError, expand
     try:
         targets = expand(args.scheduler)  # a dns:/// name: each of its addresses
@@ -194,7 +195,7 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     resources = WorkerResources.of(args.worker_id, engine, args.max_batch_size)
     loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap)
 
-    def on_signal(signum, _frame):
+    def on_signal(signum):  # on the signal thread, not in a handler (common/signals.py)
         if signum == signal.SIGTERM and not drain.is_set() and loop.stats.registrations:
             log.info("draining: finishing held sequences, taking nothing new",
                      extra={"worker_id": args.worker_id})
@@ -208,8 +209,7 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
             log.info("stopping now", extra={"worker_id": args.worker_id})
             stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals = SignalThread((signal.SIGTERM, signal.SIGINT), on_signal).start()
     try:
         stats = loop.run(stop, drain)
     except Superseded as err:
@@ -221,6 +221,7 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
         print(f"lattice-worker: {err}", file=sys.stderr)
         return 1
     finally:
+        signals.close()
         client.close()
     print(f"lattice-worker {args.worker_id}: {stats.iterations} iterations, "
           f"{stats.generated_tokens} tokens generated, {stats.finished} sequences finished, "

@@ -131,8 +131,9 @@ def test_a_stopped_call_raises_stopped_not_a_call_failure():
 @pytest.mark.parametrize("signals", [(signal.SIGTERM,), (signal.SIGINT,)],
                          ids=["sigterm", "sigint"])
 def test_lattice_worker_waiting_for_an_absent_scheduler_leaves_on_a_signal(signals):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "worker_client", "--scheduler", f"127.0.0.1:{_refused_port()}",
+    process = subprocess.Popen(  # -X faulthandler: a SIGABRT prints every thread's stack
+        [sys.executable, "-X", "faulthandler", "-m", "worker_client",
+         "--scheduler", f"127.0.0.1:{_refused_port()}",
          "--worker-id", "w1", "--model", "scripted"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -145,7 +146,12 @@ def test_lattice_worker_waiting_for_an_absent_scheduler_leaves_on_a_signal(signa
         sent_at = time.monotonic()
         for signum in signals:
             process.send_signal(signum)
-        code = process.wait(timeout=10)
+        try:
+            code = process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            pytest.fail("still running 10 s after the signal; its output and stacks:\n"
+                        + process.communicate(timeout=10)[0])
         assert time.monotonic() - sent_at < 2 * WITHIN_SECONDS
         assert code == 0
     finally:
