@@ -27,6 +27,10 @@ class CacheSpread:
     best_other_tokens: int
     # Whether one of the workers holding that best other point has room now.
     best_other_has_room: bool
+    # How many other workers hold that point, and the least load (sequences assigned)
+    # of those of them with room (None: none has room).
+    best_other_holders: int = 0
+    best_other_least_load: int | None = None
 
 
 COLD = CacheSpread(0, 0, False)
@@ -99,22 +103,26 @@ class FleetView:
             owners = owners_of.get(hashes[i])
             if owners is None:
                 continue
-            room, found = False, False
+            holders, least_load = 0, None
             for worker_id in owners:
                 peer = self._peers.get(worker_id)
                 if (peer is not None and peer.resume_points.block_tokens == block_tokens
                         and peer.can_run(seq.adapter_id)):
-                    found = True
-                    room = room or has_room(peer)
+                    holders += 1
+                    if has_room(peer) and (least_load is None
+                                           or len(peer.assigned) < least_load):
+                        least_load = len(peer.assigned)
             tokens = (i + 1) * block_tokens
+            room = least_load is not None
             if own_id in owners:
                 # The asker's longest point; another worker's too (a tie) or not.
-                return CacheSpread(tokens, tokens if found else 0, room)
-            if found:
+                return CacheSpread(tokens, tokens if holders else 0, room, holders, least_load)
+            if holders:
                 # The best other point is this one; the asker's own, if any, lies below.
-                own_points = self._own_points
+                own, own_points = 0, self._own_points
                 for j in range(i - 1, -1, -1):
                     if hashes[j] in own_points:
-                        return CacheSpread((j + 1) * block_tokens, tokens, room)
-                return CacheSpread(0, tokens, room)
+                        own = (j + 1) * block_tokens
+                        break
+                return CacheSpread(own, tokens, room, holders, least_load)
         return COLD

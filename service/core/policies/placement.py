@@ -19,6 +19,9 @@ admitting worker that can run it (`FleetView.spread`):
    the tokens the owner has cached (W's step model's prediction of that prefill step,
    or the cautious default model's); after that W takes it. Waiting never costs the
    sequence much more than the prefill it saves, and W loses nothing while it waits.
+   Except when the owners tie among themselves (two or more hold that prefix) and each
+   of them would place it by load away from itself (4.: every one with room holds at
+   least its share and more than W): then no owner takes it, and W does at once.
 4. **Cold** (cached nowhere) or a tie: W takes it unless W already holds at least its
    share of the fleet's work (the assigned and queued sequences over the admitting
    workers, rounded up) and another admitting worker with room holds fewer; then W
@@ -99,6 +102,9 @@ class Placement:
         own, other = spread.own_tokens, spread.best_other_tokens
         load = fleet.own_load + num_admitted
         if other > own:
+            if (spread.best_other_holders > 1 and spread.best_other_least_load is not None
+                    and spread.best_other_least_load >= max(self._fair_load, load + 1)):
+                return False  # its holders tie and each defers it by load (4.) to W
             return waited < self._step_seconds(own, other - own)
         if own > other:
             return False  # W's alone
