@@ -34,48 +34,42 @@ def _prefill_tokens(sched: Scheduler, prompt_len: int = 4000) -> int:
     return sum(c.chunk_len for c in decision.prefill)
 
 
-def test_a_tpot_target_sizes_the_budget_from_the_learned_step_time():
-    sched = _scheduler(tpot_target_ms=100.0, max_seq_len=8192, chunk_size=512)
+def _learned_prefill_tokens(ms_per_prefill_token: float, **config) -> int:
+    """The prompt tokens of the first decision of a scheduler taught that speed."""
+    sched = _scheduler(**config)
     register(sched)
-    _teach(sched, ms_per_prefill_token=0.1)
-    tokens = _prefill_tokens(sched)
+    _teach(sched, ms_per_prefill_token=ms_per_prefill_token)
+    return _prefill_tokens(sched)
+
+
+def test_a_tpot_target_sizes_the_budget_from_the_learned_step_time():
+    tokens = _learned_prefill_tokens(0.1, tpot_target_ms=100.0, max_seq_len=8192, chunk_size=512)
     # 100 ms less the margin, less 10 ms a step, at 0.1 ms a token: 800 to 850 tokens,
     # rounded down to a multiple of TOKEN_ALIGNMENT (256).
     assert tokens == 768
 
 
 def test_a_learned_budget_between_256_and_512_tokens_is_not_cut_to_256():
-    sched = _scheduler(tpot_target_ms=100.0, max_seq_len=8192, chunk_size=512)
-    register(sched)
-    _teach(sched, ms_per_prefill_token=0.2)
-    tokens = _prefill_tokens(sched)
+    tokens = _learned_prefill_tokens(0.2, tpot_target_ms=100.0, max_seq_len=8192, chunk_size=512)
     # 100 ms less the 5% margin, less 10 ms a step, at 0.2 ms a token: about 425 tokens.
     # Rounding to a multiple of 256 would keep 256 of them: to a multiple of 32 instead.
     assert tokens == 416
 
 
 def test_a_slower_worker_gets_a_smaller_budget():
-    budgets = []
-    for ms in (0.1, 0.4):
-        sched = _scheduler(tpot_target_ms=100.0, max_seq_len=8192)
-        register(sched)
-        _teach(sched, ms_per_prefill_token=ms)
-        budgets.append(_prefill_tokens(sched))
+    budgets = [_learned_prefill_tokens(ms, tpot_target_ms=100.0, max_seq_len=8192)
+               for ms in (0.1, 0.4)]
     assert budgets[1] < budgets[0] / 3
 
 
 def test_the_budget_is_never_below_one_min_prefill_chunk():
-    sched = _scheduler(tpot_target_ms=5.0, min_prefill_chunk=64)  # less than a step's 10 ms
-    register(sched)
-    _teach(sched, ms_per_prefill_token=0.1)
-    assert _prefill_tokens(sched) == 64
+    # A target of 5 ms: less than a step's 10 ms.
+    assert _learned_prefill_tokens(0.1, tpot_target_ms=5.0, min_prefill_chunk=64) == 64
 
 
 def test_the_budget_is_never_above_an_explicit_max_num_batched_tokens():
-    sched = _scheduler(tpot_target_ms=1000.0, max_num_batched_tokens=256, max_seq_len=8192)
-    register(sched)
-    _teach(sched, ms_per_prefill_token=0.01)
-    assert _prefill_tokens(sched) == 256
+    assert _learned_prefill_tokens(0.01, tpot_target_ms=1000.0, max_num_batched_tokens=256,
+                                   max_seq_len=8192) == 256
 
 
 def test_without_a_target_the_budget_is_the_fixed_one_and_nothing_is_learned():

@@ -24,6 +24,15 @@ def _random_shape(rng: random.Random) -> StepShape:
                      num_decodes=len(contexts), decode_context=sum(contexts))
 
 
+def _train(model: StepTimeModel, rng: random.Random, num_steps: int, speed: float = 1.0,
+           noise: float = 0.0) -> None:
+    """`num_steps` random steps of the synthetic GPU, each time off by up to `noise`."""
+    for _ in range(num_steps):
+        shape = _random_shape(rng)
+        factor = rng.uniform(1 - noise, 1 + noise) if noise else 1.0
+        model.observe(shape, _true_seconds(shape, speed) * factor)
+
+
 def _median_error(model: StepTimeModel, rng: random.Random, speed: float = 1.0) -> float:
     errors = []
     for _ in range(200):
@@ -37,9 +46,7 @@ def test_model_converges_on_synthetic_step_times_within_200_steps():
     rng = random.Random(1)
     model = StepTimeModel()
     assert _median_error(model, random.Random(2)) > 0.5  # the cautious default is far off
-    for _ in range(200):
-        shape = _random_shape(rng)
-        model.observe(shape, _true_seconds(shape) * rng.uniform(0.97, 1.03))
+    _train(model, rng, 200, noise=0.03)
     assert _median_error(model, random.Random(2)) < 0.05
     assert model.recent_error < 0.1
 
@@ -47,12 +54,8 @@ def test_model_converges_on_synthetic_step_times_within_200_steps():
 def test_model_follows_a_worker_that_slows_down():
     rng = random.Random(3)
     model = StepTimeModel()
-    for _ in range(300):
-        shape = _random_shape(rng)
-        model.observe(shape, _true_seconds(shape))
-    for _ in range(300):  # throttled: every step takes twice as long
-        shape = _random_shape(rng)
-        model.observe(shape, _true_seconds(shape, speed=0.5))
+    _train(model, rng, 300)
+    _train(model, rng, 300, speed=0.5)  # throttled: every step takes twice as long
     assert _median_error(model, random.Random(4), speed=0.5) < 0.05
 
 
@@ -141,9 +144,7 @@ def test_model_stays_accurate_over_thousands_of_steps_with_collinear_features():
 def test_a_run_of_decode_only_steps_keeps_the_prefill_weights():
     rng = random.Random(8)
     model = StepTimeModel()
-    for _ in range(500):
-        shape = _random_shape(rng)
-        model.observe(shape, _true_seconds(shape))
+    _train(model, rng, 500)
     for _ in range(3000):
         contexts = [rng.randrange(100, 4000) for _ in range(rng.randrange(1, 64))]
         shape = StepShape(num_decodes=len(contexts), decode_context=sum(contexts))
@@ -169,9 +170,7 @@ def test_a_step_time_that_is_not_a_number_is_not_learned():
     # then said 0 and the prefill budget had no bound.
     rng = random.Random(10)
     model = StepTimeModel()
-    for _ in range(300):
-        shape = _random_shape(rng)
-        model.observe(shape, _true_seconds(shape))
+    _train(model, rng, 300)
     for bad in (math.nan, math.inf):
         model.observe(_random_shape(rng), bad)
     assert all(math.isfinite(w) for w in model.weights)
