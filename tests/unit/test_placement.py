@@ -247,6 +247,29 @@ def test_a_worker_that_leaves_takes_its_points_out_of_the_fleet():
 # ----------------------------------------------------------------- off: today's placement
 
 
+def _worker_step(sched: Scheduler, worker_id: str, mine: dict, rng: random.Random,
+                 finish_chance: float, cache: CacheReport, **report_fields):
+    """One call of a simulated worker holding `mine` (seq_id -> [cursor, prompt length]):
+    each running sequence finishes with `finish_chance`; what the decision admits or
+    continues is taken into `mine`. Returns the decision."""
+    running = [s for s, (c, n) in mine.items() if c >= n]
+    waiting = [s for s, (c, n) in mine.items() if c < n]
+    done = [s for s in running if rng.random() < finish_chance]
+    for s in done:
+        del mine[s]
+    decision = sched.select_batch(replace(
+        report(worker_id, waiting=waiting, running=[s for s in running if s not in done],
+               finished=[finished(s, FinishReason.EOS, 0) for s in done], **report_fields),
+        cache=cache))
+    for chunk in decision.prefill:
+        if chunk.spec is not None:
+            mine[chunk.seq_id] = [chunk.chunk_start + chunk.chunk_len,
+                                  len(chunk.spec.prompt_token_ids)]
+        else:
+            mine[chunk.seq_id][0] += chunk.chunk_len
+    return decision
+
+
 def _run(sched: Scheduler, rng: random.Random, cache_points, steps: int = 120):
     """Drive three workers through random submissions, progress and finishes; every
     report carries `cache_points(rng)`'s resume points. Returns every decision."""
@@ -259,24 +282,10 @@ def _run(sched: Scheduler, rng: random.Random, cache_points, steps: int = 120):
             sched.submit(SubmitParams(prompt_token_ids=prompt(rng.randrange(8, 120), start),
                                       max_new_tokens=4))
         worker_id = workers[step % 3]
-        mine = held[worker_id]
-        running = [s for s, (c, n) in mine.items() if c >= n]
-        waiting = [s for s, (c, n) in mine.items() if c < n]
-        done = [s for s in running if rng.random() < 0.4]
-        for s in done:
-            del mine[s]
-        decision = sched.select_batch(replace(
-            report(worker_id, waiting=waiting, running=[s for s in running if s not in done],
-                   finished=[finished(s, FinishReason.EOS, 0) for s in done],
-                   gdn_free_slots=rng.choice([0, 8, 8])),
-            cache=CacheReport(tuple(cache_points(rng)), (), step < 3)))
-        for chunk in decision.prefill:
-            if chunk.spec is not None:
-                mine[chunk.seq_id] = [chunk.chunk_start + chunk.chunk_len,
-                                      len(chunk.spec.prompt_token_ids)]
-            else:
-                mine[chunk.seq_id][0] += chunk.chunk_len
-        decisions.append((worker_id, decision))
+        gdn_free_slots = rng.choice([0, 8, 8])
+        cache = CacheReport(tuple(cache_points(rng)), (), step < 3)
+        decisions.append((worker_id, _worker_step(sched, worker_id, held[worker_id], rng, 0.4,
+                                                  cache, gdn_free_slots=gdn_free_slots)))
     return decisions
 
 
@@ -334,26 +343,14 @@ def test_with_placement_nothing_waits_long_while_a_worker_has_room(policy, seed)
                 max_new_tokens=3)).seq_id
             submitted_at[seq] = clock.now
         worker_id = rng.choice(workers)
-        mine = held[worker_id]
-        running = [s for s, (c, n) in mine.items() if c >= n]
-        waiting = [s for s, (c, n) in mine.items() if c < n]
-        done = [s for s in running if rng.random() < 0.5]
-        for s in done:
-            del mine[s]
         # Each prompt family's prefix lives on one worker.
         owned = [h for start in (1, 500, 900, 1300)
                  if (start // 400) % 3 == workers.index(worker_id) for h in hashes(120, start)]
-        decision = sched.select_batch(replace(
-            report(worker_id, waiting=waiting, running=[s for s in running if s not in done],
-                   finished=[finished(s, FinishReason.EOS, 0) for s in done]),
-            cache=CacheReport(tuple(owned), (), True)))
+        decision = _worker_step(sched, worker_id, held[worker_id], rng, 0.5,
+                                CacheReport(tuple(owned), (), True))
         for chunk in decision.prefill:
             if chunk.spec is not None:
-                mine[chunk.seq_id] = [chunk.chunk_start + chunk.chunk_len,
-                                      len(chunk.spec.prompt_token_ids)]
                 admitted_at.setdefault(chunk.seq_id, clock.now)
-            else:
-                mine[chunk.seq_id][0] += chunk.chunk_len
     assert set(admitted_at) == set(submitted_at)
     waits = [admitted_at[s] - submitted_at[s] for s in submitted_at]
     assert max(waits) < 1.0  # far below aging (5 s): patience is a step or so
