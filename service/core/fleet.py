@@ -31,6 +31,9 @@ class CacheSpread:
     # of those of them with room (None: none has room).
     best_other_holders: int = 0
     best_other_least_load: int | None = None
+    # The shortest latest measured step of those with room (0: none reported one):
+    # about how soon one of them calls again.
+    best_other_step_seconds: float = 0.0
 
 
 COLD = CacheSpread(0, 0, False)
@@ -103,20 +106,23 @@ class FleetView:
             owners = owners_of.get(hashes[i])
             if owners is None:
                 continue
-            holders, least_load = 0, None
+            holders, least_load, step = 0, None, 0.0
             for worker_id in owners:
                 peer = self._peers.get(worker_id)
                 if (peer is not None and peer.resume_points.block_tokens == block_tokens
                         and peer.can_run(seq.adapter_id)):
                     holders += 1
-                    if has_room(peer) and (least_load is None
-                                           or len(peer.assigned) < least_load):
-                        least_load = len(peer.assigned)
+                    if has_room(peer):
+                        if least_load is None or len(peer.assigned) < least_load:
+                            least_load = len(peer.assigned)
+                        if peer.step_seconds and (not step or peer.step_seconds < step):
+                            step = peer.step_seconds
             tokens = (i + 1) * block_tokens
             room = least_load is not None
             if own_id in owners:
                 # The asker's longest point; another worker's too (a tie) or not.
-                return CacheSpread(tokens, tokens if holders else 0, room, holders, least_load)
+                return CacheSpread(tokens, tokens if holders else 0, room, holders,
+                                   least_load, step)
             if holders:
                 # The best other point is this one; the asker's own, if any, lies below.
                 own, own_points = 0, self._own_points
@@ -124,5 +130,5 @@ class FleetView:
                     if hashes[j] in own_points:
                         own = (j + 1) * block_tokens
                         break
-                return CacheSpread(own, tokens, room, holders, least_load)
+                return CacheSpread(own, tokens, room, holders, least_load, step)
         return COLD

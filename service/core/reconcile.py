@@ -63,6 +63,8 @@ class Reconciler:
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots
         worker.draining = report.draining
+        if report.last_step_us:
+            worker.step_seconds = report.last_step_us * 1e-6
 
         if new_tokens:
             self._apply_tokens(worker.worker_id, new_tokens, grown, logprobs)

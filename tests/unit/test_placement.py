@@ -104,6 +104,25 @@ def test_a_sequence_waits_for_its_busy_owner_only_as_long_as_the_prefill_it_save
     assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]  # computes it all
 
 
+def test_a_sequence_waits_for_its_owner_through_the_owners_measured_step():
+    """The owner reported a 300 ms step: it is mid-step, and calls again within about
+    one; waiting for it is worth more than the cautious model's 40 ms, for 1.5 steps."""
+    sched, clock = fleet()
+    sched.select_batch(cache_report("w0", reset=True))
+    sched.select_batch(replace(cache_report("w1", added=hashes(100), reset=True),
+                               last_step_us=300_000))
+    seq = submit(sched, prompt_len=100)
+    clock.advance_ms(default_step_seconds(0, 96) * 1000 * 2)
+    assert admitted(sched.select_batch(report("w0"))) == []
+    clock.advance_ms(200)
+    assert admitted(sched.select_batch(report("w1"))) == [(seq, 96)]  # its call came
+    late = submit(sched, prompt_len=100)
+    clock.advance_ms(440)
+    assert admitted(sched.select_batch(report("w0"))) == []
+    clock.advance_ms(20)  # 460 ms: past 1.5 of the owner's steps, and it never called
+    assert admitted(sched.select_batch(report("w0"))) == [(late, 0)]
+
+
 def test_the_wait_follows_the_learned_step_time_of_the_asker():
     sched, clock = fleet(tpot_target_ms=100)
     sched.select_batch(cache_report("w0", reset=True))

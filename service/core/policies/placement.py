@@ -17,8 +17,10 @@ admitting worker that can run it (`FleetView.spread`):
 3. **Better elsewhere** (another worker holds a longer prefix): W defers it, so that
    the owner takes it at its next call, for at most the time W would spend computing
    the tokens the owner has cached (W's step model's prediction of that prefill step,
-   or the cautious default model's); after that W takes it. Waiting never costs the
-   sequence much more than the prefill it saves, and W loses nothing while it waits.
+   or the cautious default model's), or until the owner's next call is due if that
+   is later (OWNER_STEPS of its latest measured step: it is mid-step, and a step of its
+   is about what W's prefill would take); after that W takes it. Waiting never costs
+   the sequence much more than the prefill it saves, and W loses nothing while it waits.
    Except when the owners tie among themselves (two or more hold that prefix) and each
    of them would place it by load away from itself (4.: every one with room holds at
    least its share and more than W): then no owner takes it, and W does at once.
@@ -49,6 +51,10 @@ from service.core.vocabulary import SequenceView
 # a hit passes at most this many cold sequences, and a decision looks up at most this
 # many before it admits (then one more per candidate it reaches).
 LOOKAHEAD = 16
+
+# How long a sequence may wait for the worker that holds its prefix to call again, in
+# that worker's latest measured steps (one step, and half of one for a late report).
+OWNER_STEPS = 1.5
 
 _OVERDUE, _HIT, _OTHER = 0, 1, 2  # rank classes, best first
 
@@ -105,7 +111,8 @@ class Placement:
             if (spread.best_other_holders > 1 and spread.best_other_least_load is not None
                     and spread.best_other_least_load >= max(self._fair_load, load + 1)):
                 return False  # its holders tie and each defers it by load (4.) to W
-            return waited < self._step_seconds(own, other - own)
+            return (waited < OWNER_STEPS * spread.best_other_step_seconds
+                    or waited < self._step_seconds(own, other - own))
         if own > other:
             return False  # W's alone
         # Cold, or a tie (W and another hold the same prefix): placed by load.
