@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         engine = _build_engine(args)
+    except KeyboardInterrupt:  # a Ctrl-C while the model loads
+        print("lattice-worker: interrupted while loading the model", file=sys.stderr)
+        return 130
     except Exception as err:  # noqa: BLE001 - one clear line, not a traceback
         print(f"lattice-worker: {err}", file=sys.stderr)
         return 2
@@ -178,7 +181,7 @@ def _build_engine(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace, engine, credentials) -> int:
-    from worker_client.client import SchedulerCallError, SchedulerClient, Superseded
+    from worker_client.client import SchedulerClient
     from worker_client.resources import WorkerResources
     from worker_client.loop import WorkerLoop
 
@@ -209,7 +212,16 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
             log.info("stopping now", extra={"worker_id": args.worker_id})
             stop.set()
 
-    signals = SignalThread((signal.SIGTERM, signal.SIGINT), on_signal).start()
+    # Kept until the process returns: a second SIGTERM or SIGINT while it leaves is
+    # acted on (stop at once), not the default's exit code or traceback.
+    with SignalThread((signal.SIGTERM, signal.SIGINT), on_signal):
+        return _serve(args, engine, client, loop, stop, drain)
+
+
+def _serve(args: argparse.Namespace, engine, client, loop, stop: threading.Event,
+           drain: threading.Event) -> int:
+    """Run the loop until it leaves; its exit code."""
+    from worker_client.client import SchedulerCallError, Superseded
     try:
         stats = loop.run(stop, drain)
     except Superseded as err:
@@ -221,7 +233,6 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
         print(f"lattice-worker: {err}", file=sys.stderr)
         return 1
     finally:
-        signals.close()
         client.close()
     print(f"lattice-worker {args.worker_id}: {stats.iterations} iterations, "
           f"{stats.generated_tokens} tokens generated, {stats.finished} sequences finished, "

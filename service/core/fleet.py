@@ -31,9 +31,9 @@ class CacheSpread:
     # of those of them with room (None: none has room).
     best_other_holders: int = 0
     best_other_least_load: int | None = None
-    # The shortest latest measured step of those with room (0: none reported one):
-    # about how soon one of them calls again.
-    best_other_step_seconds: float = 0.0
+    # The shortest latest interval between two calls of those with room (0: none has
+    # called twice): about how often one of them comes to take it.
+    best_other_call_interval: float = 0.0
 
 
 COLD = CacheSpread(0, 0, False)
@@ -106,7 +106,7 @@ class FleetView:
             owners = owners_of.get(hashes[i])
             if owners is None:
                 continue
-            holders, least_load, step = 0, None, 0.0
+            holders, least_load, interval = 0, None, 0.0
             for worker_id in owners:
                 peer = self._peers.get(worker_id)
                 if (peer is not None and peer.resume_points.block_tokens == block_tokens
@@ -115,14 +115,15 @@ class FleetView:
                     if has_room(peer):
                         if least_load is None or len(peer.assigned) < least_load:
                             least_load = len(peer.assigned)
-                        if peer.step_seconds and (not step or peer.step_seconds < step):
-                            step = peer.step_seconds
+                        if peer.call_interval and (not interval
+                                                   or peer.call_interval < interval):
+                            interval = peer.call_interval
             tokens = (i + 1) * block_tokens
             room = least_load is not None
             if own_id in owners:
                 # The asker's longest point; another worker's too (a tie) or not.
                 return CacheSpread(tokens, tokens if holders else 0, room, holders,
-                                   least_load, step)
+                                   least_load, interval)
             if holders:
                 # The best other point is this one; the asker's own, if any, lies below.
                 own, own_points = 0, self._own_points
@@ -130,5 +131,5 @@ class FleetView:
                     if hashes[j] in own_points:
                         own = (j + 1) * block_tokens
                         break
-                return CacheSpread(own, tokens, room, holders, least_load, step)
+                return CacheSpread(own, tokens, room, holders, least_load, interval)
         return COLD

@@ -58,13 +58,13 @@ class Reconciler:
         `worker`; returns the reported ids to evict (not, or no longer, this worker's).
         InvalidArgument, with nothing changed, if its tokens leave a gap."""
         new_tokens, grown, logprobs = self._new_tokens(worker, report)  # refuses a gap first
-        worker.last_call_at = self._clock()
+        now = self._clock()
+        worker.call_interval = now - worker.last_call_at
+        worker.last_call_at = now
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots
         worker.draining = report.draining
-        if report.last_step_us:
-            worker.step_seconds = report.last_step_us * 1e-6
 
         if new_tokens:
             self._apply_tokens(worker.worker_id, new_tokens, grown, logprobs)

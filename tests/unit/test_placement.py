@@ -104,22 +104,32 @@ def test_a_sequence_waits_for_its_busy_owner_only_as_long_as_the_prefill_it_save
     assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]  # computes it all
 
 
-def test_a_sequence_waits_for_its_owner_through_the_owners_measured_step():
-    """The owner reported a 300 ms step: it is mid-step, and calls again within about
-    one; waiting for it is worth more than the cautious model's 40 ms, for 1.5 steps."""
+def _owner_calling_every(interval_ms: float):
+    """w1 holds a 100-token prompt's prefix and called twice, `interval_ms` apart, the
+    second time just now; w0 holds nothing."""
     sched, clock = fleet()
     sched.select_batch(cache_report("w0", reset=True))
-    sched.select_batch(replace(cache_report("w1", added=hashes(100), reset=True),
-                               last_step_us=300_000))
+    sched.select_batch(cache_report("w1", added=hashes(100), reset=True))
+    clock.advance_ms(interval_ms)
+    sched.select_batch(report("w1"))
+    return sched, clock
+
+
+def test_a_sequence_waits_for_its_owner_for_two_of_its_calls():
+    """The owner calls every 300 ms: it is mid-step and comes within about one interval;
+    waiting for it is worth more than the cautious model's 40 ms, for two intervals
+    (its latest) after the sequence came, and no longer."""
+    sched, clock = _owner_calling_every(300)
     seq = submit(sched, prompt_len=100)
     clock.advance_ms(default_step_seconds(0, 96) * 1000 * 2)
     assert admitted(sched.select_batch(report("w0"))) == []
     clock.advance_ms(200)
     assert admitted(sched.select_batch(report("w1"))) == [(seq, 96)]  # its call came
     late = submit(sched, prompt_len=100)
-    clock.advance_ms(440)
+    # Its latest interval is now about 280 ms (2 x 40 + 200): two of them, 560 ms.
+    clock.advance_ms(540)
     assert admitted(sched.select_batch(report("w0"))) == []
-    clock.advance_ms(20)  # 460 ms: past 1.5 of the owner's steps, and it never called
+    clock.advance_ms(30)  # 570 ms, and the owner never came
     assert admitted(sched.select_batch(report("w0"))) == [(late, 0)]
 
 
@@ -226,6 +236,27 @@ def test_a_prefix_two_loaded_workers_hold_goes_at_once_to_an_idle_third():
     after = submit(sched, prompt_len=100)
     assert admitted(sched.select_batch(report("w2", waiting=[tie]))) == []
     assert admitted(sched.select_batch(report("w1", waiting=busy[2:3]))) == [(after, 96)]
+
+
+def test_a_prefix_two_loaded_workers_hold_goes_by_load_among_the_others():
+    """Holders at 4 and 4, w2 at 3, w3 at 0, a share of 3: the holders leave it by load,
+    and so does w2 (it holds its share and w3 fewer): w3 takes it."""
+    sched, clock = fleet(max_batch_size=8, workers=("w0", "w1", "w2", "w3"),
+                         aging_seconds=0.001)  # overdue at once: the loads are set by hand
+    for worker_id in ("w0", "w1"):
+        sched.select_batch(cache_report(worker_id, added=hashes(100), reset=True))
+    for worker_id in ("w2", "w3"):
+        sched.select_batch(cache_report(worker_id, reset=True))
+    held = {}
+    for worker_id, n in (("w0", 4), ("w1", 4), ("w2", 3)):
+        ids = [submit_tokens(sched, prompt(8, 100 * i + len(held))) for i in range(1, n + 1)]
+        clock.advance_ms(2)
+        assert [s for s, _ in admitted(sched.select_batch(report(worker_id)))] == ids
+        held[worker_id] = ids
+    tie = submit(sched, prompt_len=100)
+    for worker_id in ("w0", "w1", "w2"):
+        assert admitted(sched.select_batch(report(worker_id, waiting=held[worker_id]))) == []
+    assert admitted(sched.select_batch(report("w3"))) == [(tie, 0)]
 
 
 def test_a_burst_of_cold_sequences_is_shared_between_idle_workers():

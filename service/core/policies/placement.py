@@ -17,13 +17,14 @@ admitting worker that can run it (`FleetView.spread`):
 3. **Better elsewhere** (another worker holds a longer prefix): W defers it, so that
    the owner takes it at its next call, for at most the time W would spend computing
    the tokens the owner has cached (W's step model's prediction of that prefill step,
-   or the cautious default model's), or until the owner's next call is due if that
-   is later (OWNER_STEPS of its latest measured step: it is mid-step, and a step of its
-   is about what W's prefill would take); after that W takes it. Waiting never costs
-   the sequence much more than the prefill it saves, and W loses nothing while it waits.
-   Except when the owners tie among themselves (two or more hold that prefix) and each
-   of them would place it by load away from itself (4.: every one with room holds at
-   least its share and more than W): then no owner takes it, and W does at once.
+   or the cautious default model's), or for OWNER_CALLS of the owner's latest interval
+   between two calls if that is longer: the owner is mid-step, and comes to take it
+   within about one. Waiting never costs the sequence much more than the prefill it
+   saves or two of the owner's steps (which it will run at anyway), and W loses nothing
+   while it waits.
+   When the owners tie among themselves (two or more hold that prefix) and each of them
+   would place it by load away from itself (4.: every one with room holds at least its
+   share and more than W), no owner takes it: it is placed by load as a cold one.
 4. **Cold** (cached nowhere) or a tie: W takes it unless W already holds at least its
    share of the fleet's work (the assigned and queued sequences over the admitting
    workers, rounded up) and another admitting worker with room holds fewer; then W
@@ -42,7 +43,7 @@ from collections.abc import Iterator
 from itertools import islice
 
 from service.core.config import SchedulerConfig
-from service.core.fleet import FleetView
+from service.core.fleet import CacheSpread, FleetView
 from service.core.plan import DecisionView
 from service.core.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.vocabulary import SequenceView
@@ -52,9 +53,10 @@ from service.core.vocabulary import SequenceView
 # many before it admits (then one more per candidate it reaches).
 LOOKAHEAD = 16
 
-# How long a sequence may wait for the worker that holds its prefix to call again, in
-# that worker's latest measured steps (one step, and half of one for a late report).
-OWNER_STEPS = 1.5
+# How long a sequence may wait for the worker that holds its prefix, in that worker's
+# latest intervals between calls: the owner calls at least once in that time, usually
+# twice (if it cannot take the sequence at the first, it may at the second).
+OWNER_CALLS = 2.0
 
 _OVERDUE, _HIT, _OTHER = 0, 1, 2  # rank classes, best first
 
@@ -107,21 +109,26 @@ class Placement:
         spread = fleet.spread(seq)
         own, other = spread.own_tokens, spread.best_other_tokens
         load = fleet.own_load + num_admitted
-        if other > own:
-            if (spread.best_other_holders > 1 and spread.best_other_least_load is not None
-                    and spread.best_other_least_load >= max(self._fair_load, load + 1)):
-                return False  # its holders tie and each defers it by load (4.) to W
-            return (waited < OWNER_STEPS * spread.best_other_step_seconds
+        if other > own and not self._holders_leave_it(spread, load):
+            return (waited < OWNER_CALLS * spread.best_other_call_interval
                     or waited < self._step_seconds(own, other - own))
         if own > other:
             return False  # W's alone
-        # Cold, or a tie (W and another hold the same prefix): placed by load.
+        # Cold, a tie (W and another hold the same prefix), or a tie among the others
+        # that each leave it by load: placed by load.
         if load < self._fair_load:
             return False
         least = fleet.least_peer_load(seq.adapter_id)
         if least is None or least >= load:
             return False
         return waited < self._step_seconds(own, seq.num_tokens() - own)
+
+    def _holders_leave_it(self, spread: CacheSpread, load: int) -> bool:
+        """Whether two or more others hold the best prefix and each would leave it by
+        load (4.): every one with room holds at least its share and more than W."""
+        least = spread.best_other_least_load
+        return (spread.best_other_holders > 1 and least is not None
+                and least >= max(self._fair_load, load + 1))
 
     def _rank(self, seq: SequenceView) -> int:
         fleet = self._fleet
