@@ -31,9 +31,6 @@ class CacheSpread:
     # of those of them with room (None: none has room).
     best_other_holders: int = 0
     best_other_least_load: int | None = None
-    # The shortest latest interval between two calls of those with room (0: none has
-    # called twice): about how often one of them comes to take it.
-    best_other_call_interval: float = 0.0
 
 
 COLD = CacheSpread(0, 0, False)
@@ -106,24 +103,20 @@ class FleetView:
             owners = owners_of.get(hashes[i])
             if owners is None:
                 continue
-            holders, least_load, interval = 0, None, 0.0
+            holders, least_load = 0, None
             for worker_id in owners:
                 peer = self._peers.get(worker_id)
                 if (peer is not None and peer.resume_points.block_tokens == block_tokens
                         and peer.can_run(seq.adapter_id)):
                     holders += 1
-                    if has_room(peer):
-                        if least_load is None or len(peer.assigned) < least_load:
-                            least_load = len(peer.assigned)
-                        if peer.call_interval and (not interval
-                                                   or peer.call_interval < interval):
-                            interval = peer.call_interval
+                    if has_room(peer) and (least_load is None
+                                           or len(peer.assigned) < least_load):
+                        least_load = len(peer.assigned)
             tokens = (i + 1) * block_tokens
             room = least_load is not None
             if own_id in owners:
                 # The asker's longest point; another worker's too (a tie) or not.
-                return CacheSpread(tokens, tokens if holders else 0, room, holders,
-                                   least_load, interval)
+                return CacheSpread(tokens, tokens if holders else 0, room, holders, least_load)
             if holders:
                 # The best other point is this one; the asker's own, if any, lies below.
                 own, own_points = 0, self._own_points
@@ -131,5 +124,5 @@ class FleetView:
                     if hashes[j] in own_points:
                         own = (j + 1) * block_tokens
                         break
-                return CacheSpread(own, tokens, room, holders, least_load, interval)
+                return CacheSpread(own, tokens, room, holders, least_load)
         return COLD

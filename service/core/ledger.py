@@ -35,9 +35,6 @@ class WorkerRecord:
     drain_requested: bool = False
     # Its prefix cache's resume points, from its reports (block_tokens 0: none are kept).
     resume_points: ResumePoints = field(default_factory=lambda: ResumePoints(0))
-    # Seconds between its last two calls (since registration, after the first): about
-    # how soon after its last call the next one comes.
-    call_interval: float = 0.0
 
     @property
     def worker_id(self) -> str:

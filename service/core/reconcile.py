@@ -58,9 +58,7 @@ class Reconciler:
         `worker`; returns the reported ids to evict (not, or no longer, this worker's).
         InvalidArgument, with nothing changed, if its tokens leave a gap."""
         new_tokens, grown, logprobs = self._new_tokens(worker, report)  # refuses a gap first
-        now = self._clock()
-        worker.call_interval = now - worker.last_call_at
-        worker.last_call_at = now
+        worker.last_call_at = self._clock()
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots

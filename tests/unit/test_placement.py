@@ -104,35 +104,6 @@ def test_a_sequence_waits_for_its_busy_owner_only_as_long_as_the_prefill_it_save
     assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]  # computes it all
 
 
-def _owner_calling_every(interval_ms: float):
-    """w1 holds a 100-token prompt's prefix and called twice, `interval_ms` apart, the
-    second time just now; w0 holds nothing."""
-    sched, clock = fleet()
-    sched.select_batch(cache_report("w0", reset=True))
-    sched.select_batch(cache_report("w1", added=hashes(100), reset=True))
-    clock.advance_ms(interval_ms)
-    sched.select_batch(report("w1"))
-    return sched, clock
-
-
-def test_a_sequence_waits_for_its_owner_for_two_of_its_calls():
-    """The owner calls every 300 ms: it is mid-step and comes within about one interval;
-    waiting for it is worth more than the cautious model's 40 ms, for two intervals
-    (its latest) after the sequence came, and no longer."""
-    sched, clock = _owner_calling_every(300)
-    seq = submit(sched, prompt_len=100)
-    clock.advance_ms(default_step_seconds(0, 96) * 1000 * 2)
-    assert admitted(sched.select_batch(report("w0"))) == []
-    clock.advance_ms(200)
-    assert admitted(sched.select_batch(report("w1"))) == [(seq, 96)]  # its call came
-    late = submit(sched, prompt_len=100)
-    # Its latest interval is now about 280 ms (2 x 40 + 200): two of them, 560 ms.
-    clock.advance_ms(540)
-    assert admitted(sched.select_batch(report("w0"))) == []
-    clock.advance_ms(30)  # 570 ms, and the owner never came
-    assert admitted(sched.select_batch(report("w0"))) == [(late, 0)]
-
-
 def test_the_wait_follows_the_learned_step_time_of_the_asker():
     sched, clock = fleet(tpot_target_ms=100)
     sched.select_batch(cache_report("w0", reset=True))

@@ -17,11 +17,8 @@ admitting worker that can run it (`FleetView.spread`):
 3. **Better elsewhere** (another worker holds a longer prefix): W defers it, so that
    the owner takes it at its next call, for at most the time W would spend computing
    the tokens the owner has cached (W's step model's prediction of that prefill step,
-   or the cautious default model's), or for OWNER_CALLS of the owner's latest interval
-   between two calls if that is longer: the owner is mid-step, and comes to take it
-   within about one. Waiting never costs the sequence much more than the prefill it
-   saves or two of the owner's steps (which it will run at anyway), and W loses nothing
-   while it waits.
+   or the cautious default model's); after that W takes it. Waiting never costs the
+   sequence much more than the prefill it saves, and W loses nothing while it waits.
    When the owners tie among themselves (two or more hold that prefix) and each of them
    would place it by load away from itself (4.: every one with room holds at least its
    share and more than W), no owner takes it: it is placed by load as a cold one.
@@ -52,11 +49,6 @@ from service.core.vocabulary import SequenceView
 # a hit passes at most this many cold sequences, and a decision looks up at most this
 # many before it admits (then one more per candidate it reaches).
 LOOKAHEAD = 16
-
-# How long a sequence may wait for the worker that holds its prefix, in that worker's
-# latest intervals between calls: the owner calls at least once in that time, usually
-# twice (if it cannot take the sequence at the first, it may at the second).
-OWNER_CALLS = 2.0
 
 _OVERDUE, _HIT, _OTHER = 0, 1, 2  # rank classes, best first
 
@@ -110,8 +102,7 @@ class Placement:
         own, other = spread.own_tokens, spread.best_other_tokens
         load = fleet.own_load + num_admitted
         if other > own and not self._holders_leave_it(spread, load):
-            return (waited < OWNER_CALLS * spread.best_other_call_interval
-                    or waited < self._step_seconds(own, other - own))
+            return waited < self._step_seconds(own, other - own)
         if own > other:
             return False  # W's alone
         # Cold, a tie (W and another hold the same prefix), or a tie among the others
