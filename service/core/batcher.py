@@ -233,6 +233,7 @@ class Batcher:
         seq.cursor = cached_tokens + chunk_len
         seq.cached_tokens = cached_tokens
         worker.assigned[seq.seq_id] = seq
+        worker.steady_runs = None  # its admission count starts again: check each anew
         self._changes.touched(seq)
         self._observer.on_admitted(seq.seq_id, worker.worker_id,
                                    max(0.0, self._clock() - seq.enqueued_at))
