@@ -13,8 +13,8 @@ from service.core.prefix_cache import FleetCache, ResumePoints
 from service.core.types import WorkerRegistration, WorkerSettings
 
 if TYPE_CHECKING:
-    from service.core.reconcile import SteadyRuns
     from service.core.sequences import Sequence
+    from service.core.steady import SteadyRuns
 
 
 @dataclass
@@ -37,7 +37,7 @@ class WorkerRecord:
     # Its prefix cache's resume points, from its reports (block_tokens 0: none are kept).
     resume_points: ResumePoints = field(default_factory=lambda: ResumePoints(0))
     # Its latest report's packed runs when they were one token for each of the
-    # sequences they named (service/core/reconcile.py, SteadyRuns): the next such report
+    # sequences they named (service/core/steady.py): the next such report
     # is checked against it instead of sequence by sequence. Cleared at every admission
     # to this worker; a sequence that left `assigned` makes it fail its check.
     steady_runs: SteadyRuns | None = None

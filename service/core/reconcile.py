@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Callable
-from collections.abc import Sequence as Sequence_
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
 from itertools import repeat
 from operator import add, attrgetter, itemgetter, sub
 
@@ -23,6 +21,7 @@ from service.core.ledger import WorkerRecord
 from service.core.lifecycle import Lifecycle
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.sequences import Sequence, SequenceTable
+from service.core.steady import SteadyRuns
 from service.core.types import FinishReason, TokenRuns, TokenUpdate, WorkerReport
 from service.core.vocabulary import PreemptReason
 
@@ -37,30 +36,6 @@ _EXTEND, _APPEND = array.extend, array.append
 # Entries of sequences that asked for logprobs, by index in the new tokens: the update
 # that carries them (None for packed runs) and how many of its tokens were past.
 _Logprobs = dict[int, tuple["TokenUpdate | None", int]]
-
-
-@dataclass(slots=True)
-class SteadyRuns:
-    """A worker's latest packed runs that gave each sequence they named one token, with
-    what applying the same step again needs: the next such report is then checked with
-    list comparisons in C and applied with one append per token, no pass per sequence
-    in Python (WorkerRecord.steady_runs).
-
-    It holds while the same records stay assigned to the worker under the same
-    admissions: `seqs` is compared by identity with what `assigned` holds for `seq_ids`
-    (a sequence that left is None there, a restored one another record), and the
-    Batcher drops it at every admission to the worker (offsets count from 0 again).
-    Tokens are added to these sequences only by this worker's reports, so `num_known`
-    stays right as long as it is updated with each step applied from it.
-    """
-
-    seq_ids: Sequence_[int]
-    seqs: list[Sequence]
-    outputs: list[array]  # each one's output_token_ids
-    num_known: list[int]  # each one's tokens since its admission: the next offsets
-    grown: dict[int, Sequence]
-    ones: list[int]  # one token each, as the observer hears it
-    served: dict[str, int]  # tokens per tenant of one such step
 
 
 def _consume(iterator) -> None:
@@ -248,10 +223,11 @@ class Reconciler:
         return steady
 
     def _apply_steady(self, worker_id: str, steady: SteadyRuns,
-                      token_ids: Sequence_[int]) -> None:
+                      token_ids: Collection[int]) -> None:
         """`_apply_tokens` for a steady step (`_steady`): one token each, in C."""
         _consume(map(_APPEND, steady.outputs, token_ids))
         steady.num_known = list(map(add, steady.num_known, repeat(1)))
+        steady.num_steps += 1
         self._changes.grown_all(steady.grown)
         self._observer.on_tokens_reported(worker_id, steady.seq_ids, steady.ones)
         self._lifecycle.serve(steady.served)

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from service.core import InvalidArgument, TokenRuns, WorkerReport
+from service.core.batcher import Batcher
 from service.core.reconcile import Reconciler
 from service.core.types import FinishReason
 
@@ -142,7 +143,7 @@ def _random_reports(rnd: random.Random, ids: tuple[int, ...], num: int):
 @pytest.mark.parametrize("seed", range(6))
 def test_random_reports_give_what_the_general_rules_give(seed, monkeypatch):
     """The same reports to a scheduler with the steady path and one without: the same
-    outputs and the same refusals, report by report."""
+    decisions, outputs and refusals, report by report."""
     def run(steady_path: bool):
         sched, ids = _running(4)
         rnd = random.Random(seed)
@@ -150,11 +151,14 @@ def test_random_reports_give_what_the_general_rules_give(seed, monkeypatch):
         with monkeypatch.context() as patch:
             if not steady_path:
                 patch.setattr(Reconciler, "_steady", staticmethod(lambda worker, report: None))
+                patch.setattr(Batcher, "_steady_running",
+                              staticmethod(lambda worker, report: None))
             for kind, runs, sent in _random_reports(rnd, ids, 60):
                 try:
-                    sched.select_batch(WorkerReport("w0", running=ids, kv_free_pages=100,
-                                                    gdn_free_slots=8, token_runs=runs))
-                    outcomes.append((kind, "ok"))
+                    decision = sched.select_batch(WorkerReport(
+                        "w0", running=ids, kv_free_pages=100, gdn_free_slots=8,
+                        token_runs=runs))
+                    outcomes.append((kind, decision.decode, decision.prefill))
                 except InvalidArgument as err:
                     outcomes.append((kind, str(err)))
                 for s in ids:  # the worker's count: what the scheduler holds now
@@ -162,3 +166,40 @@ def test_random_reports_give_what_the_general_rules_give(seed, monkeypatch):
         return outcomes, _outputs(sched, ids)
 
     assert run(steady_path=True) == run(steady_path=False)
+
+
+def test_steady_decisions_count_the_pages_a_pass_over_the_sequences_counts(monkeypatch):
+    """The decision's view of a steady step (its running records, ids and the pages
+    their next decodes start) is the one the pass over them builds, step after step."""
+
+    def views(steady_path: bool):
+        sched = make_scheduler()
+        register(sched, page_size=4)
+        # Three sequences a token apart from the fourth: the count of pages started goes
+        # 3, 0, 0, 1 (or 3, 1, 0, 0 read backwards) every four steps.
+        ids = tuple(submit(sched, prompt_len=n, max_new_tokens=100) for n in (3, 3, 3, 4))
+        admit(sched)
+        seen = []
+        policy = sched._policy
+        plan = policy.plan
+
+        def spy(view):
+            seen.append((view.running_ids, [s.seq_id for s in view.running],
+                         view.decode_pages))
+            return plan(view)
+        with monkeypatch.context() as patch:
+            patch.setattr(policy, "plan", spy)
+            if not steady_path:
+                patch.setattr(Batcher, "_steady_running",
+                              staticmethod(lambda worker, report: None))
+            for step in range(30):
+                _step(sched, ids, [step] * len(ids), [step] * len(ids))
+        kept = _steady(sched)
+        return seen, kept is not None and kept.page_residues is not None
+
+    seen, used = views(steady_path=True)
+    reference, _ = views(steady_path=False)
+    assert used  # the steady decisions were made from the kept runs
+    assert seen == reference
+    pages = [num for _, _, num in seen]
+    assert len(set(pages)) > 1  # the count moves step by step
