@@ -73,10 +73,12 @@ class Batcher:
             running, started, num_decode_pages = _running_pass(assigned, report.running,
                                                                page_size)
             running_seqs = tuple(running)
-            running_ids = (report.running if len(running) == len(report.running)
-                           else tuple(seq.seq_id for seq in running))
-            if not started:
-                _keep_running(worker, report.running, running_seqs, page_size)
+            if len(running) == len(report.running):
+                running_ids = report.running
+                if not started:  # every one assigned and DECODING
+                    _keep_running(worker, running_ids, running_seqs, page_size)
+            else:
+                running_ids = tuple(seq.seq_id for seq in running)
         waiting = tuple(seq for s in report.waiting if (seq := assigned(s)) is not None)
         view = self._view(worker, report, reported, running_seqs, running_ids,
                           num_decode_pages, waiting, len(evict), step_model)
@@ -288,8 +290,9 @@ def _running_pass(assigned: Callable[[int], Sequence | None], running_ids: Itera
 def _keep_running(worker: WorkerRecord, running_ids: tuple[int, ...],
                   running: tuple[Sequence, ...], page_size: int) -> None:
     """Set the running part of the worker's SteadyRuns when the report's running
-    sequences, all DECODING, are exactly its runs' (the same records, the same order):
-    the next steady step's decision then needs no pass over them."""
+    sequences (`running_ids`, every one assigned and DECODING) are exactly its runs'
+    (the same records, the same order): the next steady step's decision then needs no
+    pass over them."""
     steady = worker.steady_runs
     if (steady is None or len(running) != len(steady.seqs)
             or list(running) != steady.seqs):

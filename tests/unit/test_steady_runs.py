@@ -168,9 +168,12 @@ def test_random_reports_give_what_the_general_rules_give(seed, monkeypatch):
     assert run(steady_path=True) == run(steady_path=False)
 
 
-def test_steady_decisions_count_the_pages_a_pass_over_the_sequences_counts(monkeypatch):
+@pytest.mark.parametrize("stray", [False, True])
+def test_steady_decisions_count_the_pages_a_pass_over_the_sequences_counts(stray,
+                                                                         monkeypatch):
     """The decision's view of a steady step (its running records, ids and the pages
-    their next decodes start) is the one the pass over them builds, step after step."""
+    their next decodes start) is the one the pass over them builds, step after step;
+    also when the running list names an id that is not the worker's (evicted)."""
 
     def views(steady_path: bool):
         sched = make_scheduler()
@@ -192,14 +195,15 @@ def test_steady_decisions_count_the_pages_a_pass_over_the_sequences_counts(monke
             if not steady_path:
                 patch.setattr(Batcher, "_steady_running",
                               staticmethod(lambda worker, report: None))
+            running = (*ids, 9999) if stray else ids
             for step in range(30):
-                _step(sched, ids, [step] * len(ids), [step] * len(ids))
+                _step(sched, running, [step] * len(ids), [step] * len(ids), runs_of=ids)
         kept = _steady(sched)
         return seen, kept is not None and kept.page_residues is not None
 
     seen, used = views(steady_path=True)
     reference, _ = views(steady_path=False)
-    assert used  # the steady decisions were made from the kept runs
     assert seen == reference
+    assert used == (not stray)  # steady decisions made from the kept runs, stray aside
     pages = [num for _, _, num in seen]
     assert len(set(pages)) > 1  # the count moves step by step
