@@ -15,6 +15,7 @@ commit before this change), started with this interpreter from DIR.
     .venv/bin/python scripts/bench_traffic.py idle        # 16 idle workers: CPU, Submit to a worker
     .venv/bin/python scripts/bench_traffic.py submits     # acknowledged Submits/s, 16 submitters
     .venv/bin/python scripts/bench_traffic.py report-cost # CPU per report, 256 decoding
+    .venv/bin/python scripts/bench_traffic.py report-cost --floor  # and what no scheduling costs
 
 The machine these ran on has 2 cores shared with other work: read ratios within one run.
 """
@@ -472,22 +473,49 @@ def cmd_watch(args) -> None:
 
 
 class EchoServicer(pb_grpc.SchedulerServicer):
-    """The floor: answers each report with a decision naming its running ids, nothing else."""
+    """The floor: answers each report with a decision naming its running ids, nothing else.
+
+    `new_form`: its registration says it takes packed tokens and unchanged running lists
+    (as the scheduler's does), and a report that leaves its list out gets
+    `decode_all_running`, so that the reports and answers are the project's worker's."""
+
+    def __init__(self, new_form: bool = False) -> None:
+        self._new_form = new_form
+
+    @staticmethod
+    def _answer(request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
+        if request.running_unchanged_since and not request.running:
+            return pb.SchedulerDecision(decode_all_running=True, iteration=1)
+        return pb.SchedulerDecision(decode=request.running, iteration=1)
 
     async def SelectBatch(self, request, context):
-        return pb.SchedulerDecision(decode=request.running, iteration=1)
+        return self._answer(request)
 
     async def WorkerSession(self, request_iterator, context):
         async for request in request_iterator:
-            yield pb.SchedulerDecision(decode=request.running, iteration=1)
+            yield self._answer(request)
 
     async def RegisterWorker(self, request, context):
-        return pb.RegisterWorkerResponse(max_batch_size=request.max_batch_size)
+        return pb.RegisterWorkerResponse(max_batch_size=request.max_batch_size,
+                                         accepts_token_runs=self._new_form,
+                                         accepts_running_unchanged=self._new_form)
 
 
-async def _echo_server(port: int) -> None:
-    server = grpc.aio.server()
-    pb_grpc.add_SchedulerServicer_to_server(EchoServicer(), server)
+def _echo_interceptors(which: str, tokens_path: str | None) -> list:
+    """The interceptors the scheduler's main port has (service/server/app.py): `default`
+    (decode errors, stream limits) or `auth` (the bearer-token check between them)."""
+    if which == "none":
+        return []
+    from service.server.interceptors import auth, decode_errors, limits
+    first = [decode_errors.DecodeErrorInterceptor()]
+    if which == "auth":
+        first.append(auth.AuthInterceptor(auth.load_tokens(tokens_path)))
+    return [*first, limits.StreamLimitInterceptor(max_streams=10_000, max_open_streams=1000)]
+
+
+async def _echo_server(port: int, new_form: bool, interceptors: list) -> None:
+    server = grpc.aio.server(interceptors=interceptors)
+    pb_grpc.add_SchedulerServicer_to_server(EchoServicer(new_form), server)
     bound = server.add_insecure_port(f"{LOOPBACK}:{port}")
     await server.start()
     print(f"echo listening on {bound}", flush=True)
@@ -495,7 +523,8 @@ async def _echo_server(port: int) -> None:
 
 
 def cmd_echo_server(args) -> None:
-    asyncio.run(_echo_server(args.port))
+    asyncio.run(_echo_server(args.port, args.new_form,
+                             _echo_interceptors(args.interceptors, args.tokens)))
 
 
 async def _decisions(target: str, args, session: bool, echo: bool) -> tuple[int, float]:
@@ -761,6 +790,8 @@ def cmd_report_cost(args) -> None:
           f"decoding; the scheduler's CPU from /proc over {args.seconds:g} s, its idle CPU "
           f"(measured first, {args.idle_seconds:g} s) subtracted {load_note()}")
     rows = [[label, *_report_cost(args, root)] for label, root, _ in _versions(args)]
+    if args.floor:
+        rows += _floor_rows(args)
     if args.nano_vllm:
         nano = _nano_cpu_per_decision(args.nano_vllm, args.batch)
         rows.append(["nano-vllm schedule()+postprocess()", "200", f"{args.batch}",
@@ -810,6 +841,83 @@ def _report_cost(args, root: Path) -> list[str]:
             f"{idle_cores * 100:.1f}%"]
 
 
+# The floor (--floor): the same client against servicers that decide nothing.
+FLOOR_WORKER = "floor-0"
+
+
+def _floor_rows(args) -> list[list[str]]:
+    """Rows of one in-process worker on a session, paced like the scripted one (a report,
+    its answer, --step-ms), reporting --batch running sequences with a token each in the
+    project's worker's form (packed tokens, the running list left out when unchanged):
+    to a bare echo servicer without interceptors, with the scheduler's, with the
+    bearer-token check too, and to this scheduler, so that the rows differ only in what
+    answers."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        token = secrets.token_urlsafe(24)
+        tokens_path = Path(tmp) / "tokens.toml"
+        tokens_path.write_text(f'[[tokens]]\ntoken = "{token}"\nrole = "worker"\n'
+                               f'worker_id = "{FLOOR_WORKER}"\n')
+        for label, which, metadata in (
+                ("echo servicer, no interceptors", "none", ()),
+                ("echo servicer, the scheduler's interceptors", "default", ()),
+                ("echo servicer, interceptors and --auth-tokens", "auth",
+                 (("authorization", f"Bearer {token}"),))):
+            proc = Proc([sys.executable, __file__, "echo-server", "--new-form",
+                         "--interceptors", which, "--tokens", str(tokens_path)])
+            try:
+                target = f"{LOOPBACK}:{proc.wait_listening(ECHO_LISTENING).group(1)}"
+                rows.append([f"{label} (in-process worker)",
+                             *_paced_cost(args, proc, target, metadata, echo=True)])
+            finally:
+                proc.stop()
+    scheduler = start_scheduler("--max-batch-size", str(args.batch))
+    try:
+        rows.append(["this scheduler (in-process worker)",
+                     *_paced_cost(args, scheduler.proc, scheduler.target, (), echo=False)])
+    finally:
+        scheduler.proc.stop()
+    return rows
+
+
+def _paced_cost(args, proc: Proc, target: str, metadata, echo: bool) -> list[str]:
+    """A row of `_report_cost`'s columns for `proc` serving one paced in-process worker."""
+    cpu, wall = proc.cpu_seconds(), time.perf_counter()
+    time.sleep(args.idle_seconds)
+    idle_cores = (proc.cpu_seconds() - cpu) / (time.perf_counter() - wall)
+    count, busy = asyncio.run(_paced_session(args, proc, target, metadata, echo, idle_cores))
+    return [f"{count}", f"{args.batch:.1f}", f"{busy / count * 1e3:.3f}",
+            f"{idle_cores * 100:.1f}%"]
+
+
+async def _paced_session(args, proc: Proc, target: str, metadata, echo: bool,
+                         idle_cores: float) -> tuple[int, float]:
+    """(reports, the server's CPU seconds over them less its idle CPU) over --seconds."""
+    [ch] = channels(target, 1)
+    worker = FakeWorker(ch, FLOOR_WORKER, session=True, metadata=metadata, worker_form=True)
+    await worker.register(args.batch, args.batch)
+    if echo:
+        worker.running = list(range(1, args.batch + 1))
+        for seq_id in worker.running:
+            worker._pending.admitted(seq_id)
+    else:
+        await submit_many(pb_grpc.SchedulerStub(ch), args.batch, args.max_new_tokens)
+        for _ in range(100):
+            if len(worker.running) >= args.batch:
+                break
+            await worker.admit(args.batch)
+        if len(worker.running) < args.batch:
+            raise SystemExit(f"the scheduler admitted {len(worker.running)} of {args.batch}")
+    step = args.step_ms / 1000
+    await iterate_for([worker], 2.0, args.batch, step_seconds=step)  # steady state first
+    cpu, wall = proc.cpu_seconds(), time.perf_counter()
+    latencies = await iterate_for([worker], args.seconds, args.batch, step_seconds=step)
+    busy = (proc.cpu_seconds() - cpu) - idle_cores * (time.perf_counter() - wall)
+    await worker.close()
+    await ch.close()
+    return len(latencies), busy
+
+
 # ====================================================================== entry point
 
 
@@ -844,10 +952,17 @@ def main(argv: list[str] | None = None) -> int:
                batch=256, step_ms=10.0, seconds=10.0, idle_seconds=5.0, max_new_tokens=3000)
     cost.add_argument("--nano-vllm", metavar="DIR",
                       help="a nano-vllm checkout: its CPU per decision in the same run")
+    cost.add_argument("--floor", action="store_true",
+                      help="also an in-process worker against bare echo servicers (with "
+                      "and without the interceptors) and this scheduler")
     add("submits", cmd_submits, "acknowledged Submits/s with concurrent submitters",
         submitters=16, seconds=10.0, tmp_dir=".artifacts")
     echo = sub.add_parser("echo-server", help="(internal) the bare echo servicer")
     echo.add_argument("--port", type=int, default=0)
+    echo.add_argument("--new-form", action="store_true",
+                      help="take packed tokens and unchanged running lists")
+    echo.add_argument("--interceptors", choices=("none", "default", "auth"), default="none")
+    echo.add_argument("--tokens", help="the tokens file, for --interceptors auth")
     echo.set_defaults(fn=cmd_echo_server)
     args = parser.parse_args(argv)
     args.fn(args)

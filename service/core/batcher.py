@@ -7,7 +7,7 @@ Which sequences and how much is the policy's; how it is carried out is here.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from service.core.changes import ChangeSet
 from service.core.fleet import FleetView
@@ -19,6 +19,7 @@ from service.core.plan_check import check_plan
 from service.core.prefix_cache import longest_resume, prompt_hashes
 from service.core.queue import AdmissionQueue
 from service.core.sequences import Sequence, SequenceTable
+from service.core.steady import SteadyRuns
 from service.core.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.tenants import TenantLedger, TentativeService
 from service.core.types import Decision, PrefillChunk, SequenceState, WorkerReport
@@ -63,24 +64,23 @@ class Batcher:
         # its next decode's page counted, and those that just left prefill noted.
         assigned = worker.assigned.get
         page_size = worker.registration.page_size
-        decoding = _DECODING
-        running: list[Sequence] = []
-        started: list[Sequence] = []
-        num_decode_pages = 0
-        for seq_id in report.running:
-            seq = assigned(seq_id)
-            if seq is None:
-                continue
-            running.append(seq)
-            # step_budget.decode_pages, inlined: its token count - 1 starts a page.
-            if not (seq.prompt_len + len(seq.output_token_ids) - 1) % page_size:
-                num_decode_pages += 1
-            if seq.state is not decoding:
-                started.append(seq)
-        running_ids = (report.running if len(running) == len(report.running)
-                       else tuple(seq.seq_id for seq in running))
+        steady = self._steady_running(worker, report)
+        if steady is not None:  # a steady step of the same running set: no pass
+            running_seqs, running_ids = steady.running_seqs, steady.running_ids
+            num_decode_pages = steady.page_residues[-steady.num_steps % page_size]
+            started: list[Sequence] = []
+        else:
+            running, started, num_decode_pages = _running_pass(assigned, report.running,
+                                                               page_size)
+            running_seqs = tuple(running)
+            if len(running) == len(report.running):
+                running_ids = report.running
+                if not started:  # every one assigned and DECODING
+                    _keep_running(worker, running_ids, running_seqs, page_size)
+            else:
+                running_ids = tuple(seq.seq_id for seq in running)
         waiting = tuple(seq for s in report.waiting if (seq := assigned(s)) is not None)
-        view = self._view(worker, report, reported, tuple(running), running_ids,
+        view = self._view(worker, report, reported, running_seqs, running_ids,
                           num_decode_pages, waiting, len(evict), step_model)
         plan = self._policy.plan(view)
         limits = self._policy.budget(view)
@@ -90,6 +90,16 @@ class Batcher:
         if step_model is not None:
             self._decode_context = _decode_context(view, plan)
         return self._apply(worker, started, waiting, plan, evict, token_budget)
+
+    @staticmethod
+    def _steady_running(worker: WorkerRecord, report: WorkerReport) -> SteadyRuns | None:
+        """The worker's SteadyRuns when this report's tokens were applied from it and its
+        running list is the one its running part was set for; else None."""
+        steady = worker.steady_runs
+        if (steady is None or steady.page_residues is None
+                or report.running != steady.running_ids):
+            return None
+        return steady
 
     def shape(self, decision: Decision) -> StepShape:
         """What the step of the latest `decision` (made with a step model) holds."""
@@ -233,6 +243,7 @@ class Batcher:
         seq.cursor = cached_tokens + chunk_len
         seq.cached_tokens = cached_tokens
         worker.assigned[seq.seq_id] = seq
+        worker.steady_runs = None  # its admission count starts again: check each anew
         self._changes.touched(seq)
         self._observer.on_admitted(seq.seq_id, worker.worker_id,
                                    max(0.0, self._clock() - seq.enqueued_at))
@@ -252,3 +263,42 @@ def _decode_context(view: DecisionView, plan: Plan) -> int:
         return view.running_context
     decoding = set(plan.decode)
     return sum(seq.num_tokens() for seq in view.running if seq.seq_id in decoding)
+
+
+def _running_pass(assigned: Callable[[int], Sequence | None], running_ids: Iterable[int],
+                  page_size: int) -> tuple[list[Sequence], list[Sequence], int]:
+    """The running sequences' records (those still assigned), those of them not yet
+    DECODING, and how many start a page at their next decode: the one pass over the
+    running sequences of a decision that admits nothing, each found in one lookup."""
+    decoding = _DECODING
+    running: list[Sequence] = []
+    started: list[Sequence] = []
+    num_decode_pages = 0
+    for seq_id in running_ids:
+        seq = assigned(seq_id)
+        if seq is None:
+            continue
+        running.append(seq)
+        # step_budget.decode_pages, inlined: its token count - 1 starts a page.
+        if not (seq.prompt_len + len(seq.output_token_ids) - 1) % page_size:
+            num_decode_pages += 1
+        if seq.state is not decoding:
+            started.append(seq)
+    return running, started, num_decode_pages
+
+
+def _keep_running(worker: WorkerRecord, running_ids: tuple[int, ...],
+                  running: tuple[Sequence, ...], page_size: int) -> None:
+    """Set the running part of the worker's SteadyRuns when the report's running
+    sequences (`running_ids`, every one assigned and DECODING) are exactly its runs'
+    (the same records, the same order): the next steady step's decision then needs no
+    pass over them."""
+    steady = worker.steady_runs
+    if (steady is None or len(running) != len(steady.seqs)
+            or list(running) != steady.seqs):
+        return
+    residues = [0] * page_size
+    for seq in running:
+        residues[(seq.prompt_len + len(seq.output_token_ids) - 1) % page_size] += 1
+    steady.running_ids, steady.running_seqs = running_ids, running
+    steady.page_residues, steady.num_steps = residues, 0

@@ -14,6 +14,7 @@ from service.core.types import WorkerRegistration, WorkerSettings
 
 if TYPE_CHECKING:
     from service.core.sequences import Sequence
+    from service.core.steady import SteadyRuns
 
 
 @dataclass
@@ -35,6 +36,11 @@ class WorkerRecord:
     drain_requested: bool = False
     # Its prefix cache's resume points, from its reports (block_tokens 0: none are kept).
     resume_points: ResumePoints = field(default_factory=lambda: ResumePoints(0))
+    # Its latest report's packed runs when they were one token for each of the
+    # sequences they named (service/core/steady.py): the next such report
+    # is checked against it instead of sequence by sequence. Cleared at every admission
+    # to this worker; a sequence that left `assigned` makes it fail its check.
+    steady_runs: SteadyRuns | None = None
 
     @property
     def worker_id(self) -> str:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Callable
-from operator import attrgetter, itemgetter
+from collections.abc import Callable, Collection
+from itertools import repeat
+from operator import add, attrgetter, itemgetter, sub
 
 from service.core.changes import ChangeSet
 from service.core.errors import InvalidArgument
@@ -20,6 +21,7 @@ from service.core.ledger import WorkerRecord
 from service.core.lifecycle import Lifecycle
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.sequences import Sequence, SequenceTable
+from service.core.steady import SteadyRuns
 from service.core.types import FinishReason, TokenRuns, TokenUpdate, WorkerReport
 from service.core.vocabulary import PreemptReason
 
@@ -27,7 +29,8 @@ from service.core.vocabulary import PreemptReason
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _OUTPUT, _SEQ_ID, _TENANT = (attrgetter("output_token_ids"), attrgetter("seq_id"),
                              attrgetter("params.tenant"))
-_EXTEND = array.extend
+_AT_ADMISSION = attrgetter("num_generated_at_admission")
+_EXTEND, _APPEND = array.extend, array.append
 
 
 # Entries of sequences that asked for logprobs, by index in the new tokens: the update
@@ -57,15 +60,21 @@ class Reconciler:
         """Apply `report` (validated; `reported`: its waiting and running ids) to
         `worker`; returns the reported ids to evict (not, or no longer, this worker's).
         InvalidArgument, with nothing changed, if its tokens leave a gap."""
-        new_tokens, grown, logprobs = self._new_tokens(worker, report)  # refuses a gap first
+        steady = self._steady(worker, report)
+        if steady is None:
+            new_tokens, grown, logprobs = self._new_tokens(worker, report)  # refuses a gap first
         worker.last_call_at = self._clock()
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots
         worker.draining = report.draining
 
-        if new_tokens:
-            self._apply_tokens(worker.worker_id, new_tokens, grown, logprobs)
+        if steady is not None:
+            self._apply_steady(worker.worker_id, steady, report.token_runs.token_ids)
+        else:
+            served = (self._apply_tokens(worker.worker_id, new_tokens, grown, logprobs)
+                      if new_tokens else {})
+            worker.steady_runs = _steady_after(report, new_tokens, grown, logprobs, served)
         preempted = [*self._apply_finished(worker, report), *report.preempted]
         assigned = worker.assigned
         # An id may be named twice, or finished after being preempted: requeue each once.
@@ -196,8 +205,36 @@ class Reconciler:
                 new_tokens.append((seq, all_ids[begin:end]))
                 grown[seq_id] = seq
 
+    @staticmethod
+    def _steady(worker: WorkerRecord, report: WorkerReport) -> SteadyRuns | None:
+        """The worker's SteadyRuns if `report`'s tokens are that step once more: the same
+        runs of one token each, each offset (if sent) at the tokens known, the same
+        records assigned; else None (the report is applied sequence by sequence)."""
+        steady = worker.steady_runs
+        if steady is None or report.tokens:
+            return None
+        runs = report.token_runs
+        if runs.counts or runs.seq_ids != steady.seq_ids:
+            return None
+        if runs.offsets and list(runs.offsets) != steady.num_known:
+            return None  # a retried report, or tokens lost on the way: the general pass
+        if list(map(worker.assigned.get, runs.seq_ids)) != steady.seqs:
+            return None  # compared by identity first: equal only when the same records
+        return steady
+
+    def _apply_steady(self, worker_id: str, steady: SteadyRuns,
+                      token_ids: Collection[int]) -> None:
+        """`_apply_tokens` for a steady step (`_steady`): one token each, in C."""
+        _consume(map(_APPEND, steady.outputs, token_ids))
+        steady.num_known = list(map(add, steady.num_known, repeat(1)))
+        steady.num_steps += 1
+        self._changes.grown_all(steady.grown)
+        self._observer.on_tokens_reported(worker_id, steady.seq_ids, steady.ones)
+        self._lifecycle.serve(steady.served)
+
     def _apply_tokens(self, worker_id: str, new_tokens: list[tuple[Sequence, tuple[int, ...]]],
-                      grown: dict[int, Sequence], logprobs: _Logprobs) -> None:
+                      grown: dict[int, Sequence], logprobs: _Logprobs) -> dict[str, int]:
+        """Add `new_tokens`; returns the tokens served per tenant."""
         # Per-sequence steps as map() over C callables: no Python frame per sequence.
         seqs = list(map(_FIRST, new_tokens))
         runs = list(map(_SECOND, new_tokens))
@@ -222,6 +259,7 @@ class Reconciler:
             for tenant, num in zip(tenants, counts):
                 served[tenant] = served.get(tenant, 0) + num
         self._lifecycle.serve(served)
+        return served
 
     def _apply_finished(self, worker: WorkerRecord, report: WorkerReport) -> list[int]:
         """Finish what the worker finished; returns ids reported finished as PREEMPTED."""
@@ -248,3 +286,22 @@ class Reconciler:
         if seq is not None and seq.finish_reason is FinishReason.CANCELLED:
             return EvictReason.CANCELLED
         return EvictReason.NOT_ASSIGNED
+
+
+def _steady_after(report: WorkerReport, new_tokens: list[tuple[Sequence, tuple[int, ...]]],
+                  grown: dict[int, Sequence], logprobs: _Logprobs,
+                  served: dict[str, int]) -> SteadyRuns | None:
+    """What the next report needs to be applied as a steady step, after `report`'s tokens
+    were applied one by one: only when they were packed runs that gave each sequence
+    named exactly one token (none stale, repeated, past or with logprobs); else None."""
+    runs = report.token_runs
+    seq_ids = runs.seq_ids
+    num_runs = len(seq_ids)
+    if (report.tokens or runs.counts or logprobs or not num_runs
+            or len(new_tokens) != num_runs or len(grown) != num_runs):
+        return None
+    seqs = list(map(_FIRST, new_tokens))
+    outputs = list(map(_OUTPUT, seqs))
+    num_known = list(map(sub, map(len, outputs), map(_AT_ADMISSION, seqs)))
+    return SteadyRuns(seq_ids, seqs, outputs, num_known, dict(grown), [1] * num_runs,
+                      dict(served))

@@ -248,6 +248,10 @@ class Scheduler:
 
     # ----------------------------------------------------------------- workers
 
+    def worker_ids(self) -> frozenset[str]:
+        """The ids of the workers registered now."""
+        return frozenset(worker.worker_id for worker in self._ledger)
+
     def register_worker(self, registration: WorkerRegistration) -> WorkerSettings:
         """Join, or start a new incarnation: what the old one held goes back to the queue.
 

@@ -11,6 +11,7 @@ since) finds none: the scheduler then applies nothing and asks for the list.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
@@ -57,3 +58,12 @@ class RunningLists:
     def forget(self, worker_id: str) -> None:
         """The worker registered again, left, or its lease expired."""
         self._baselines.pop(worker_id, None)
+
+    def keep_only(self, worker_ids: Collection[str]) -> None:
+        """Forget every worker not in `worker_ids` (the registered ones): a lease that
+        expired during another worker's call leaves no baseline behind."""
+        for worker_id in self._baselines.keys() - worker_ids:
+            del self._baselines[worker_id]
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._baselines

@@ -236,6 +236,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         started = self._arrival()
         running = self._running_lists.running(request)
         if running is None:  # it named a running list this scheduler does not hold
+            self._observe_duration(started)
             return convert.running_needed()
         report = convert.worker_report(request, running)
         decision = self._core.select_batch(report)
@@ -249,9 +250,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 decision = self._core.select_batch(report)
         answer = self._running_lists.answer(request, running, decision)
         await self._progress_durable()
+        self._observe_duration(started)
+        return answer
+
+    def _observe_duration(self, started: float) -> None:
+        """SelectBatch's latency histogram: from `started` (its arrival) to now."""
         if self._metrics is not None:
             self._metrics.select_batch_duration.observe(time.perf_counter() - started)
-        return answer
 
     async def _progress_durable(self) -> None:
         """Under --state-fsync always, wait for the fsync of worker and admin changes too."""
@@ -279,9 +284,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         """The sweeper's call: drop silent workers, and count what no worker can run."""
         dropped = self._core.expire_leases()
         for worker_id in dropped:
-            self._running_lists.forget(worker_id)
             log.warning("worker lease expired; its sequences went back to the queue",
                         extra={"worker_id": worker_id})
+        # Also the baselines of leases that expired during another worker's call.
+        self._running_lists.keep_only(self._core.worker_ids())
         self._count_unservable()
         return dropped
 
