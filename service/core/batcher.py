@@ -8,6 +8,7 @@ Which sequences and how much is the policy's; how it is carried out is here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from operator import is_
 
 from service.core.changes import ChangeSet
 from service.core.fleet import FleetView
@@ -295,7 +296,7 @@ def _keep_running(worker: WorkerRecord, running_ids: tuple[int, ...],
     pass over them."""
     steady = worker.steady_runs
     if (steady is None or len(running) != len(steady.seqs)
-            or list(running) != steady.seqs):
+            or not all(map(is_, running, steady.seqs))):
         return
     residues = [0] * page_size
     for seq in running:

@@ -13,7 +13,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Collection
 from itertools import repeat
-from operator import add, attrgetter, itemgetter, sub
+from operator import add, attrgetter, is_, itemgetter, sub
 
 from service.core.changes import ChangeSet
 from service.core.errors import InvalidArgument
@@ -218,14 +218,15 @@ class Reconciler:
             return None
         if runs.offsets and list(runs.offsets) != steady.num_known:
             return None  # a retried report, or tokens lost on the way: the general pass
-        if list(map(worker.assigned.get, runs.seq_ids)) != steady.seqs:
-            return None  # compared by identity first: equal only when the same records
+        if not all(map(is_, map(worker.assigned.get, runs.seq_ids), steady.seqs)):
+            return None  # by identity (records with equal fields are not the same)
         return steady
 
     def _apply_steady(self, worker_id: str, steady: SteadyRuns,
                       token_ids: Collection[int]) -> None:
         """`_apply_tokens` for a steady step (`_steady`): one token each, in C."""
-        _consume(map(_APPEND, steady.outputs, token_ids))
+        tokens = array("I", token_ids)  # an id out of range fails here, before any is added
+        _consume(map(_APPEND, steady.outputs, tokens))
         steady.num_known = list(map(add, steady.num_known, repeat(1)))
         steady.num_steps += 1
         self._changes.grown_all(steady.grown)

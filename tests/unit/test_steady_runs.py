@@ -2,6 +2,7 @@
 applied from the worker's SteadyRuns, checked with list comparisons instead of sequence by
 sequence (issue 21). Whatever the reports, the outcome is the general rules': each token
 once, a gap refused whole, a sequence that left or came back checked anew."""
+import copy
 import random
 
 import pytest
@@ -207,3 +208,26 @@ def test_steady_decisions_count_the_pages_a_pass_over_the_sequences_counts(stray
     assert used == (not stray)  # steady decisions made from the kept runs, stray aside
     pages = [num for _, _, num in seen]
     assert len(set(pages)) > 1  # the count moves step by step
+
+
+def test_a_record_replaced_by_an_equal_one_is_not_taken_for_the_kept_one():
+    """The kept records are compared by identity: a record with the same fields (a copy
+    put in its place) gets its token through the general path, not the kept array."""
+    sched, (a, b) = _running(2)
+    _step(sched, (a, b), (11, 21), (0, 0))
+    worker = sched._ledger.get("w0")
+    twin = copy.deepcopy(worker.assigned[a])
+    worker.assigned[a] = sched._sequences._by_id[a] = twin
+    _step(sched, (a, b), (12, 22), (1, 1))
+    assert _outputs(sched, (a, b)) == [(11, 12), (21, 22)]
+
+
+def test_a_steady_step_with_an_id_out_of_range_adds_none_of_its_tokens():
+    """Refused before any token is added (the in-process API takes any int): the step
+    sent again, mended, adds each token once."""
+    sched, ids = _running()
+    _step(sched, ids, (11, 21, 31), (0, 0, 0))
+    with pytest.raises(OverflowError):
+        _step(sched, ids, (12, 2**32, 32), (1, 1, 1))
+    _step(sched, ids, (12, 22, 32), (1, 1, 1))
+    assert _outputs(sched, ids) == [(11, 12), (21, 22), (31, 32)]
