@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from itertools import repeat
 from operator import add, attrgetter, is_, itemgetter, sub
 
@@ -20,7 +20,7 @@ from service.core.errors import InvalidArgument
 from service.core.ledger import WorkerRecord
 from service.core.lifecycle import Lifecycle
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
-from service.core.sequences import Sequence, SequenceTable
+from service.core.sequences import Sequence, SequenceTable, compact
 from service.core.steady import SteadyRuns
 from service.core.types import FinishReason, TokenRuns, TokenUpdate, WorkerReport
 from service.core.vocabulary import PreemptReason
@@ -63,6 +63,8 @@ class Reconciler:
         steady = self._steady(worker, report)
         if steady is None:
             new_tokens, grown, logprobs = self._new_tokens(worker, report)  # refuses a gap first
+        else:  # refuses an id out of range first
+            steady_tokens = compact(report.token_runs.token_ids, "token_ids")
         worker.last_call_at = self._clock()
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
@@ -70,7 +72,7 @@ class Reconciler:
         worker.draining = report.draining
 
         if steady is not None:
-            self._apply_steady(worker.worker_id, steady, report.token_runs.token_ids)
+            self._apply_steady(worker.worker_id, steady, steady_tokens)
         else:
             served = (self._apply_tokens(worker.worker_id, new_tokens, grown, logprobs)
                       if new_tokens else {})
@@ -179,7 +181,7 @@ class Reconciler:
         `new_tokens`, `grown` and `logprobs` (a None entry for a sequence that asked for
         them: runs carry none); the same rules, the same refusal of a gap."""
         assigned = worker.assigned.get
-        all_ids, counts, offsets = runs.token_ids, runs.counts, runs.offsets
+        all_ids, counts, offsets = compact(runs.token_ids, "token_ids"), runs.counts, runs.offsets
         end = 0
         for index, seq_id in enumerate(runs.seq_ids):
             begin = end
@@ -222,11 +224,9 @@ class Reconciler:
             return None  # by identity (records with equal fields are not the same)
         return steady
 
-    def _apply_steady(self, worker_id: str, steady: SteadyRuns,
-                      token_ids: Collection[int]) -> None:
+    def _apply_steady(self, worker_id: str, steady: SteadyRuns, token_ids: array) -> None:
         """`_apply_tokens` for a steady step (`_steady`): one token each, in C."""
-        tokens = array("I", token_ids)  # an id out of range fails here, before any is added
-        _consume(map(_APPEND, steady.outputs, tokens))
+        _consume(map(_APPEND, steady.outputs, token_ids))
         steady.num_known = list(map(add, steady.num_known, repeat(1)))
         steady.num_steps += 1
         self._changes.grown_all(steady.grown)
