@@ -6,8 +6,8 @@ from service.core.errors import (
 )
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.vocabulary import BlockReason, PreemptReason
-from service.core.policies import FifoPolicy
-from service.core.replica import ReplicaScheduler
+from service.core.decide.policies import FifoPolicy
+from service.core.persist.replica import ReplicaScheduler
 from service.core.scheduler import OutputView, Scheduler
 from service.core.types import (
     ANYONE, Caller, Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams,

@@ -15,29 +15,29 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from service.core.batcher import Batcher
-from service.core.changes import ChangeSet
+from service.core.decide.batcher import Batcher
+from service.core.persist.changes import ChangeSet
 from service.core.config import SchedulerConfig
-from service.core.deadlines import prefill_rate, start_seconds
+from service.core.learn.deadlines import prefill_rate, start_seconds
 from service.core.errors import DeadlineUnreachable, InvalidArgument, NotFound, QueueFull
-from service.core.ledger import WorkerLedger, no_worker_has
-from service.core.lifecycle import Lifecycle
+from service.core.tables.ledger import WorkerLedger, no_worker_has
+from service.core.tables.lifecycle import Lifecycle
 from service.core.observer import RequeueReason, SchedulerObserver
-from service.core.orders import queue_order
-from service.core.policies import make_policy
-from service.core.reconcile import Reconciler
-from service.core.recovery import Recovery
-from service.core.sequences import Sequence, SequenceTable
-from service.core.step_model import StepTimeModel
-from service.core.step_times import StepTimes
-from service.core.store import Disowned, StateStore, StoredState, StoreError
-from service.core.tenants import TenantLedger
+from service.core.decide.orders import queue_order
+from service.core.decide.policies import make_policy
+from service.core.report.reconcile import Reconciler
+from service.core.persist.recovery import Recovery
+from service.core.tables.sequences import Sequence, SequenceTable
+from service.core.learn.step_model import StepTimeModel
+from service.core.learn.step_times import StepTimes
+from service.core.persist.store import Disowned, StateStore, StoredState, StoreError
+from service.core.tables.tenants import TenantLedger
 from service.core.types import (
     ANYONE, Caller, Decision, FinishReason, SchedulerStatus, SequenceInfo, SequenceState,
     SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
-from service.core.validation import check_incarnation, check_submit, validate_report
-from service.core.workers import WorkerRegistry
+from service.core.report.validation import check_incarnation, check_submit, validate_report
+from service.core.tables.workers import WorkerRegistry
 
 # gRPC's default message limit; the server passes its --max-message-bytes.
 DEFAULT_MAX_DECISION_BYTES = 4 * 1024 * 1024
@@ -328,7 +328,7 @@ class Scheduler:
 
     def _shed_if_late(self, params: SubmitParams, tokens_elsewhere: int = 0) -> None:
         """DeadlineUnreachable for a sheddable request (negative priority, a TTFT target
-        set) that no worker could start before its deadline (service/core/deadlines.py),
+        set) that no worker could start before its deadline (service/core/learn/deadlines.py),
         behind the queue's prefill tokens of as urgent requests plus `tokens_elsewhere`."""
         if not self.is_sheddable(params):
             return

@@ -218,7 +218,7 @@ class WorkerReport:
     token_runs: TokenRuns = TokenRuns()
     # The incarnation the worker registered as; 0: the latest (clients that do not send it).
     incarnation: int = 0
-    # Prefix cache (service/core/prefix_cache.py; ignored with --prefix-caching off).
+    # Prefix cache (service/core/cache/prefix_cache.py; ignored with --prefix-caching off).
     cache: CacheReport = CacheReport()
     # How many of kv_free_pages hold reusable prefix cache.
     kv_cached_pages: int = 0

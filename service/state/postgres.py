@@ -10,7 +10,7 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
   request_id idempotency per principal (a unique index on both), the queue limits, a new seq_id and tail key
   from database sequences, the queue position, and NOTIFY lattice_submit.
 - Claim: the replica's prefetcher takes the head of the unclaimed queue in the queue
-  order's sort key (service/core/orders.py) with FOR UPDATE SKIP LOCKED, of the sequences
+  order's sort key (service/core/decide/orders.py) with FOR UPDATE SKIP LOCKED, of the sequences
   its workers can run (no adapter, or one of theirs): an adapter's sequence waits in the
   shared queue for a replica with a worker that has it, and says so (`unservable_queued`,
   `sequence_info`) while no live worker anywhere has it.
@@ -34,9 +34,9 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from service.core import ANYONE, Caller, ConfigError, FinishReason, SequenceState, SubmitParams
 from service.core.errors import InvalidArgument, NotFound, QueueFull
-from service.core.ledger import no_worker_has
-from service.core.orders import ArrivalOrder, QueueOrder, SortTerm
-from service.core.store import (
+from service.core.tables.ledger import no_worker_has
+from service.core.decide.orders import ArrivalOrder, QueueOrder, SortTerm
+from service.core.persist.store import (
     Disowned, SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker,
     StoreError,
 )

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from service.state import integrity as state_integrity
 from service.core import ConfigError, FinishReason, SequenceState
-from service.core.store import (
+from service.core.persist.store import (
     SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker, StoreError,
 )
 from service.state.integrity import damaged

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from service.core import InvalidArgument, Scheduler, SequenceState
-from service.core.orders import ArrivalOrder, FairOrder, SortTerm, queue_order
-from service.core.store import MemoryStore, StateChanges, StoreError
+from service.core.decide.orders import ArrivalOrder, FairOrder, SortTerm, queue_order
+from service.core.persist.store import MemoryStore, StateChanges, StoreError
 from service.core.types import TokenUpdate
 
 from .factories import FakeClock, admit, make_config, register, report, submit

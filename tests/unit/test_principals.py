@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from service.core import ANYONE, Caller, NotFound, Scheduler, SequenceState
-from service.core.store import MemoryStore
+from service.core.persist.store import MemoryStore
 from service.state.sqlite import SqliteStateStore
 
 from .factories import make_config, params, submit, write_version_1_state_dir

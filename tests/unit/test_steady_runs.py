@@ -8,8 +8,8 @@ import random
 import pytest
 
 from service.core import InvalidArgument, TokenRuns, WorkerReport
-from service.core.batcher import Batcher
-from service.core.reconcile import Reconciler
+from service.core.decide.batcher import Batcher
+from service.core.report.reconcile import Reconciler
 from service.core.types import FinishReason
 
 from tests.unit.factories import admit, finished, make_scheduler, register, submit
