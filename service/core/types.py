@@ -94,8 +94,9 @@ class Caller:
         return self.sees_all or principal == self.principal
 
 
-# The scheduler's own calls (a client that left, a cancel another replica asked for).
-ANYONE = Caller(sees_all=True)
+# A caller that sees every sequence: the scheduler's own calls (a client that left, a
+# cancel another replica asked for), and every call where no authentication is set up.
+SEES_ALL = Caller(sees_all=True)
 
 
 @dataclass(frozen=True, slots=True)

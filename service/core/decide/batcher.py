@@ -7,22 +7,20 @@ Which sequences and how much is the policy's; how it is carried out is here.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from operator import is_
+from collections.abc import Callable, Collection, Iterator
 
-from service.core.persist.changes import ChangeSet
 from service.core.cache.fleet import FleetView
-from service.core.tables.ledger import WorkerLedger, WorkerRecord
-from service.core.tables.lifecycle import Lifecycle
-from service.core.observer import RequeueReason, SchedulerObserver
+from service.core.cache.prefix_cache import longest_resume, prompt_hashes
 from service.core.decide.plan import Chunk, DecisionView, Plan, Policy
 from service.core.decide.plan_check import check_plan
-from service.core.cache.prefix_cache import longest_resume, prompt_hashes
-from service.core.tables.queue import AdmissionQueue
-from service.core.tables.sequences import Sequence, SequenceTable
-from service.core.tables.steady import SteadyRuns
 from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
-from service.core.tables.tenants import TenantLedger, TentativeService
+from service.core.observer import RequeueReason
+from service.core.tables.steady import SteadyStep
+from service.core.tables.ledger import WorkerRecord
+from service.core.tables.lifecycle import Lifecycle
+from service.core.tables.sequences import Sequence
+from service.core.tables.tables import Tables
+from service.core.tables.tenants import TentativeService
 from service.core.types import Decision, PrefillChunk, SequenceState, WorkerReport
 
 # Upper bounds of a decision's parts other than admissions' specs, in bytes: its fixed
@@ -36,23 +34,21 @@ _DECODING = SequenceState.DECODING
 class Batcher:
     """Turns a policy's plans into decisions, over the Scheduler's tables."""
 
-    def __init__(self, policy: Policy, policy_name: str, queue: AdmissionQueue,
-                 sequences: SequenceTable, changes: ChangeSet, observer: SchedulerObserver,
-                 lifecycle: Lifecycle, tenants: TenantLedger | None,
-                 clock: Callable[[], float], max_decision_bytes: int, max_loras: int,
-                 ledger: WorkerLedger | None = None) -> None:
-        """`ledger`: the fleet a worker with a prefix cache is placed against (None:
-        no fleet view; every worker admits in the queue order)."""
+    def __init__(self, tables: Tables, lifecycle: Lifecycle, steady: SteadyStep,
+                 policy: Policy, policy_name: str, max_decision_bytes: int,
+                 max_loras: int) -> None:
+        """`policy_name`: config.policy, for PlanError's message."""
         self._policy = policy
-        self._ledger = ledger
-        self._policy_name = policy_name  # config.policy, for PlanError's message
-        self._queue = queue
-        self._sequences = sequences
-        self._changes = changes
-        self._observer = observer
+        self._policy_name = policy_name
+        self._ledger = tables.ledger  # the fleet a worker with a prefix cache is placed in
+        self._queue = tables.queue
+        self._sequences = tables.sequences
+        self._changes = tables.changes
+        self._observer = tables.observer
+        self._tenants = tables.tenants
+        self._clock = tables.clock
         self._lifecycle = lifecycle
-        self._tenants = tenants
-        self._clock = clock
+        self._steady = steady
         self._max_decision_bytes = max_decision_bytes
         self._tracks_adapters = max_loras > 0
         self._decode_context = 0  # of the latest decision made with a step model
@@ -60,29 +56,13 @@ class Batcher:
     def decide(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
                evict: tuple[int, ...], step_model: StepTimeModel | None = None) -> Decision:
         """The decision for `worker`, whose report was applied (docs/contract.md rule 1)."""
-        # One pass over the running sequences, the only per-sequence work of a decision
-        # that admits nothing: each is found in one lookup (`assigned` holds the records),
-        # its next decode's page counted, and those that just left prefill noted.
+        # The running sequences (the only per-sequence work of a decision that admits
+        # nothing: one pass, or none in a steady step), then the waiting ones.
+        running = self._steady.running(worker, report)
         assigned = worker.assigned.get
-        page_size = worker.registration.page_size
-        steady = self._steady_running(worker, report)
-        if steady is not None:  # a steady step of the same running set: no pass
-            running_seqs, running_ids = steady.running_seqs, steady.running_ids
-            num_decode_pages = steady.page_residues[-steady.num_steps % page_size]
-            started: list[Sequence] = []
-        else:
-            running, started, num_decode_pages = _running_pass(assigned, report.running,
-                                                               page_size)
-            running_seqs = tuple(running)
-            if len(running) == len(report.running):
-                running_ids = report.running
-                if not started:  # every one assigned and DECODING
-                    _keep_running(worker, running_ids, running_seqs, page_size)
-            else:
-                running_ids = tuple(seq.seq_id for seq in running)
         waiting = tuple(seq for s in report.waiting if (seq := assigned(s)) is not None)
-        view = self._view(worker, report, reported, running_seqs, running_ids,
-                          num_decode_pages, waiting, len(evict), step_model)
+        view = self._view(worker, report, reported, running.seqs, running.seq_ids,
+                          running.num_decode_pages, waiting, len(evict), step_model)
         plan = self._policy.plan(view)
         limits = self._policy.budget(view)
         token_budget = limits.tokens  # before the check spends it
@@ -90,17 +70,7 @@ class Batcher:
                    lambda seq_id: self._candidate(worker, reported, seq_id), self._policy_name)
         if step_model is not None:
             self._decode_context = _decode_context(view, plan)
-        return self._apply(worker, started, waiting, plan, evict, token_budget)
-
-    @staticmethod
-    def _steady_running(worker: WorkerRecord, report: WorkerReport) -> SteadyRuns | None:
-        """The worker's SteadyRuns when this report's tokens were applied from it and its
-        running list is the one its running part was set for; else None."""
-        steady = worker.steady_runs
-        if (steady is None or steady.page_residues is None
-                or report.running != steady.running_ids):
-            return None
-        return steady
+        return self._apply(worker, running.started, waiting, plan, evict, token_budget)
 
     def shape(self, decision: Decision) -> StepShape:
         """What the step of the latest `decision` (made with a step model) holds."""
@@ -112,7 +82,7 @@ class Batcher:
             decode_context=self._decode_context)
 
     def _view(self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int],
-              running: tuple[Sequence, ...], running_ids: tuple[int, ...],
+              running: tuple[Sequence, ...], running_ids: Collection[int],
               num_decode_pages: int, waiting: tuple[Sequence, ...], num_evict: int,
               step_model: StepTimeModel | None) -> DecisionView:
         sequences = self._sequences
@@ -138,7 +108,7 @@ class Batcher:
             cached_tokens=self._cache_lookup(worker),
             fleet=(FleetView(worker, self._ledger, self._ledger.fleet_cache, len(self._queue),
                              now)
-                   if block_tokens and self._ledger is not None else None),
+                   if block_tokens else None),
             worker_id=worker.worker_id, max_batch_size=worker.settings.max_batch_size,
             chunk_size=worker.settings.chunk_size, page_size=worker.registration.page_size,
             total_kv_pages=worker.registration.total_kv_pages,
@@ -244,7 +214,7 @@ class Batcher:
         seq.cursor = cached_tokens + chunk_len
         seq.cached_tokens = cached_tokens
         worker.assigned[seq.seq_id] = seq
-        worker.steady_runs = None  # its admission count starts again: check each anew
+        self._steady.forget(worker)
         self._changes.touched(seq)
         self._observer.on_admitted(seq.seq_id, worker.worker_id,
                                    max(0.0, self._clock() - seq.enqueued_at))
@@ -265,41 +235,3 @@ def _decode_context(view: DecisionView, plan: Plan) -> int:
     decoding = set(plan.decode)
     return sum(seq.num_tokens() for seq in view.running if seq.seq_id in decoding)
 
-
-def _running_pass(assigned: Callable[[int], Sequence | None], running_ids: Iterable[int],
-                  page_size: int) -> tuple[list[Sequence], list[Sequence], int]:
-    """The running sequences' records (those still assigned), those of them not yet
-    DECODING, and how many start a page at their next decode: the one pass over the
-    running sequences of a decision that admits nothing, each found in one lookup."""
-    decoding = _DECODING
-    running: list[Sequence] = []
-    started: list[Sequence] = []
-    num_decode_pages = 0
-    for seq_id in running_ids:
-        seq = assigned(seq_id)
-        if seq is None:
-            continue
-        running.append(seq)
-        # step_budget.decode_pages, inlined: its token count - 1 starts a page.
-        if not (seq.prompt_len + len(seq.output_token_ids) - 1) % page_size:
-            num_decode_pages += 1
-        if seq.state is not decoding:
-            started.append(seq)
-    return running, started, num_decode_pages
-
-
-def _keep_running(worker: WorkerRecord, running_ids: tuple[int, ...],
-                  running: tuple[Sequence, ...], page_size: int) -> None:
-    """Set the running part of the worker's SteadyRuns when the report's running
-    sequences (`running_ids`, every one assigned and DECODING) are exactly its runs'
-    (the same records, the same order): the next steady step's decision then needs no
-    pass over them."""
-    steady = worker.steady_runs
-    if (steady is None or len(running) != len(steady.seqs)
-            or not all(map(is_, running, steady.seqs))):
-        return
-    residues = [0] * page_size
-    for seq in running:
-        residues[(seq.prompt_len + len(seq.output_token_ids) - 1) % page_size] += 1
-    steady.running_ids, steady.running_seqs = running_ids, running
-    steady.page_residues, steady.num_steps = residues, 0

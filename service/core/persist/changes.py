@@ -54,7 +54,7 @@ class ChangeSet:
     def forgotten(self, seq_ids: list[int]) -> None:
         self._forgotten.extend(seq_ids)
 
-    def worker_joined(self, worker: StoredWorker) -> None:
+    def worker_changed(self, worker: StoredWorker) -> None:
         """A worker joined, or its stored part (registration, operator drain) changed."""
         self._workers[worker.registration.worker_id] = worker
 
@@ -88,7 +88,7 @@ class ChangeSet:
             final_outputs=tuple((seq.seq_id, tuple(seq.output_token_ids))
                                 for seq in self._touched.values() if seq.is_finished),
             forgotten=tuple(self._forgotten),
-            workers_joined=tuple(w for w in self._workers.values() if w is not None),
+            workers_changed=tuple(w for w in self._workers.values() if w is not None),
             workers_left=tuple(w for w, stored in self._workers.items() if stored is None),
             next_seq_id=next_seq_id if self._created else None,
             last_incarnation=last_incarnation if self._workers else None,

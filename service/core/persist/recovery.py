@@ -6,28 +6,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from service.core.tables.ledger import WorkerLedger, WorkerRecord
-from service.core.tables.lifecycle import Lifecycle
 from service.core.observer import RequeueReason
-from service.core.tables.queue import AdmissionQueue
-from service.core.tables.sequences import Sequence, SequenceTable
 from service.core.persist.store import StoredSequence, StoredState
-from service.core.tables.tenants import TenantLedger
+from service.core.tables.ledger import WorkerRecord
+from service.core.tables.lifecycle import Lifecycle
+from service.core.tables.sequences import Sequence
+from service.core.tables.tables import Tables
 from service.core.types import FinishReason, SequenceState
 
 
 class Recovery:
     """Rebuilds sequences from stored ones into the core's tables."""
 
-    def __init__(self, sequences: SequenceTable, queue: AdmissionQueue, ledger: WorkerLedger,
-                 tenants: TenantLedger | None, lifecycle: Lifecycle,
-                 clock: Callable[[], float], wall_clock: Callable[[], float]) -> None:
-        self._sequences = sequences
-        self._queue = queue
-        self._ledger = ledger
-        self._tenants = tenants
+    def __init__(self, tables: Tables, lifecycle: Lifecycle,
+                 wall_clock: Callable[[], float]) -> None:
+        self._sequences = tables.sequences
+        self._queue = tables.queue
+        self._ledger = tables.ledger
+        self._tenants = tables.tenants
         self._lifecycle = lifecycle
-        self._clock = clock
+        self._clock = tables.clock
         self._wall_clock = wall_clock
 
     def restore(self, state: StoredState) -> None:

@@ -19,7 +19,7 @@ class ReplicaScheduler(Scheduler):
         their place (queue_key, arrival); with `worker_id`, assigned ones become that
         registered worker's, and its next report reconciles them as after a restart.
         Ids already known are skipped; returns those adopted."""
-        with self._saved():
+        with self._saving():
             worker = self._ledger.find(worker_id) if worker_id else None
             return self._recovery.adopt(stored, worker)
 
@@ -62,13 +62,13 @@ class ReplicaScheduler(Scheduler):
     def servable_adapters(self) -> frozenset[str]:
         """The adapters of this core's workers that admit now: a claim takes a sequence
         with an adapter only when one of them has it."""
-        return self._servable_adapters(admitting_only=True)
+        return self._reads.servable_adapters(admitting_only=True)
 
     def unservable_queued(self) -> list[int]:
         """Queued ids whose adapter none of this core's workers that admit now has (to
         hand back to the shared queue, for a replica whose worker has it)."""
         servable = self.servable_adapters()
-        if not self._num_unservable(servable):
+        if not self._reads.num_unservable(servable):
             return []
         return [seq.seq_id for seq in self._sequences
                 if seq.state is SequenceState.QUEUED and seq.adapter_id
@@ -77,7 +77,7 @@ class ReplicaScheduler(Scheduler):
     def queued_tail(self, count: int) -> list[int]:
         """The last `count` queued ids in the queue order (those to hand back first);
         what is unsaved is saved first, so the store holds them as they are."""
-        with self._saved():
+        with self._saving():
             if count <= 0:
                 return []
             order = list(self._queue.candidates(self._clock(), self._served))
@@ -89,4 +89,5 @@ class ReplicaScheduler(Scheduler):
     def hand_out_incarnations_from(self, incarnation: int) -> None:
         """The next registration gets `incarnation` or more (replicas draw it from a
         database sequence, so numbers never repeat across replicas)."""
-        self._last_incarnation = max(self._last_incarnation, incarnation - 1)
+        self._workers.last_incarnation = max(self._workers.last_incarnation,
+                                             incarnation - 1)

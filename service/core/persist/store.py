@@ -80,8 +80,8 @@ class StateChanges:
     # finished outputs in one piece and drop the appends that built them).
     final_outputs: tuple[tuple[int, tuple[int, ...]], ...] = ()
     forgotten: tuple[int, ...] = ()  # finished sequences dropped from memory and store
-    # Disjoint: a worker that left and joined again within one call is only in joined.
-    workers_joined: tuple[StoredWorker, ...] = ()  # joined, or changed
+    # Disjoint: a worker that left and joined again within one call is only in workers_changed.
+    workers_changed: tuple[StoredWorker, ...] = ()  # joined, or its stored part changed
     workers_left: tuple[str, ...] = ()
     next_seq_id: int | None = None  # set when the change hands out new ids
     # (tenant, weighted tokens served so far) of the tenants served in this change (fair).
@@ -164,7 +164,7 @@ class MemoryStore:
         for seq_id, output in changes.final_outputs:
             if tuple(self._tokens.get(seq_id, ())) != output:
                 raise StoreError(f"seq_id {seq_id}: final output differs from its appends")
-        for worker in changes.workers_joined:
+        for worker in changes.workers_changed:
             self._workers[worker.registration.worker_id] = worker
         for worker_id in changes.workers_left:
             self._workers.pop(worker_id, None)

@@ -11,26 +11,23 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Callable
-from itertools import repeat
-from operator import add, attrgetter, is_, itemgetter, sub
+from operator import attrgetter, itemgetter
 
-from service.core.persist.changes import ChangeSet
+from service.core.vocabulary import PreemptReason
 from service.core.errors import InvalidArgument
+from service.core.observer import EvictReason, RequeueReason
+from service.core.tables.steady import NewTokens, SteadyStep
 from service.core.tables.ledger import WorkerRecord
 from service.core.tables.lifecycle import Lifecycle
-from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
-from service.core.tables.sequences import Sequence, SequenceTable, compact
-from service.core.tables.steady import SteadyRuns
+from service.core.tables.sequences import Sequence, compact
+from service.core.tables.tables import Tables
 from service.core.types import FinishReason, TokenRuns, TokenUpdate, WorkerReport
-from service.core.vocabulary import PreemptReason
 
 
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _OUTPUT, _SEQ_ID, _TENANT = (attrgetter("output_token_ids"), attrgetter("seq_id"),
                              attrgetter("params.tenant"))
-_AT_ADMISSION = attrgetter("num_generated_at_admission")
-_EXTEND, _APPEND = array.extend, array.append
+_EXTEND = array.extend
 
 
 # Entries of sequences that asked for logprobs, by index in the new tokens: the update
@@ -46,37 +43,27 @@ def _consume(iterator) -> None:
 class Reconciler:
     """Applies worker reports to the sequence table."""
 
-    def __init__(self, sequences: SequenceTable, changes: ChangeSet,
-                 observer: SchedulerObserver, lifecycle: Lifecycle,
-                 clock: Callable[[], float]) -> None:
-        self._sequences = sequences
-        self._changes = changes
-        self._observer = observer
+    def __init__(self, tables: Tables, lifecycle: Lifecycle, steady: SteadyStep) -> None:
+        self._sequences = tables.sequences
+        self._changes = tables.changes
+        self._observer = tables.observer
+        self._clock = tables.clock
         self._lifecycle = lifecycle
-        self._clock = clock
+        self._steady = steady
 
     def apply(self, worker: WorkerRecord, report: WorkerReport,
               reported: frozenset[int]) -> tuple[int, ...]:
         """Apply `report` (validated; `reported`: its waiting and running ids) to
         `worker`; returns the reported ids to evict (not, or no longer, this worker's).
         InvalidArgument, with nothing changed, if its tokens leave a gap."""
-        steady = self._steady(worker, report)
-        if steady is None:
-            new_tokens, grown, logprobs = self._new_tokens(worker, report)  # refuses a gap first
-        else:  # refuses an id out of range first
-            steady_tokens = compact(report.token_runs.token_ids, "token_ids")
+        # The tokens first: a report they refuse changes nothing.
+        self._steady.apply_tokens(worker, report, self._general_tokens)
         worker.last_call_at = self._clock()
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots
         worker.draining = report.draining
 
-        if steady is not None:
-            self._apply_steady(worker.worker_id, steady, steady_tokens)
-        else:
-            served = (self._apply_tokens(worker.worker_id, new_tokens, grown, logprobs)
-                      if new_tokens else {})
-            worker.steady_runs = _steady_after(report, new_tokens, grown, logprobs, served)
         preempted = [*self._apply_finished(worker, report), *report.preempted]
         assigned = worker.assigned
         # An id may be named twice, or finished after being preempted: requeue each once.
@@ -128,9 +115,17 @@ class Reconciler:
             self._observer.on_resume_points(worker.worker_id, len(resume), num_removed)
         return misses
 
+    def _general_tokens(self, worker: WorkerRecord, report: WorkerReport,
+                        ) -> tuple[NewTokens, dict[int, Sequence], _Logprobs, dict[str, int]]:
+        """The report's tokens by the rules, sequence by sequence (`_new_tokens`, then
+        `_apply_tokens`); also the tokens served per tenant."""
+        new_tokens, grown, logprobs = self._new_tokens(worker, report)  # refuses a gap first
+        served = (self._apply_tokens(worker.worker_id, new_tokens, grown, logprobs)
+                  if new_tokens else {})
+        return new_tokens, grown, logprobs, served
+
     def _new_tokens(self, worker: WorkerRecord, report: WorkerReport,
-                    ) -> tuple[list[tuple[Sequence, tuple[int, ...]]], dict[int, Sequence],
-                               _Logprobs]:
+                    ) -> tuple[NewTokens, dict[int, Sequence], _Logprobs]:
         """The tokens each update adds, the sequences they add to by seq_id, and for the
         entries of sequences that asked for logprobs (by index) the update that carries
         them (None for packed runs, which carry none) with the number of its tokens
@@ -138,31 +133,20 @@ class Reconciler:
         new (a retried report repeats tokens already applied); one whose offset is past
         the tokens known for its sequence is refused (a gap means tokens were lost on the
         way), and with it the whole report."""
-        new_tokens: list[tuple[Sequence, tuple[int, ...]]] = []
+        new_tokens: NewTokens = []
         grown: dict[int, Sequence] = {}
         logprobs: _Logprobs = {}
         assigned = worker.assigned.get  # once per call: hot loop
-        for update in report.tokens:
+        for index, update in enumerate(report.tokens):
             seq_id = update.seq_id
             seq = assigned(seq_id)
             if seq is None:
                 continue  # stale: the sequence left this worker
-            # Tokens since its admission, so far (with this report's earlier updates).
-            num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
-            if seq_id in grown:
-                num_known += sum(len(t) for s, t in new_tokens if s is seq)
+            num_known = _num_known(seq, grown, new_tokens)
             token_ids = update.token_ids
             start = update.offset
             if start is not None and start != num_known:
-                if start > num_known:
-                    raise InvalidArgument(
-                        f"tokens[{report.tokens.index(update)}]: seq_id {seq_id} offset "
-                        f"{start} is beyond the {num_known} tokens known for it since its "
-                        f"admission to this worker (tokens {num_known}..{start - 1} were "
-                        "lost); nothing was applied"
-                    )
-                # Past tokens of a retried report are dropped; a gap was refused above.
-                token_ids = token_ids[num_known - start:]
+                token_ids = token_ids[_num_past("tokens", index, seq_id, start, num_known):]
             if token_ids:
                 if seq.output_logprobs is not None:
                     logprobs[len(new_tokens)] = (update, len(update.token_ids) - len(token_ids))
@@ -175,7 +159,7 @@ class Reconciler:
 
     @staticmethod
     def _new_runs(worker: WorkerRecord, runs: TokenRuns,
-                  new_tokens: list[tuple[Sequence, tuple[int, ...]]],
+                  new_tokens: NewTokens,
                   grown: dict[int, Sequence], logprobs: _Logprobs) -> None:
         """`_new_tokens` for the packed runs (validated: the arrays line up), added to
         `new_tokens`, `grown` and `logprobs` (a None entry for a sequence that asked for
@@ -189,51 +173,16 @@ class Reconciler:
             seq = assigned(seq_id)
             if seq is None:
                 continue  # stale: the sequence left this worker
-            num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
-            if seq_id in grown:
-                num_known += sum(len(t) for s, t in new_tokens if s is seq)
+            num_known = _num_known(seq, grown, new_tokens)
             if offsets and offsets[index] != num_known:
-                start = offsets[index]
-                if start > num_known:
-                    raise InvalidArgument(
-                        f"token_offsets[{index}]: seq_id {seq_id} offset {start} is beyond "
-                        f"the {num_known} tokens known for it since its admission to this "
-                        f"worker (tokens {num_known}..{start - 1} were lost); nothing was "
-                        "applied")
-                begin += num_known - start  # past tokens of a retried report
+                begin += _num_past("token_offsets", index, seq_id, offsets[index], num_known)
             if begin < end:
                 if seq.output_logprobs is not None:
                     logprobs[len(new_tokens)] = (None, 0)  # the runs carry no logprobs
                 new_tokens.append((seq, all_ids[begin:end]))
                 grown[seq_id] = seq
 
-    @staticmethod
-    def _steady(worker: WorkerRecord, report: WorkerReport) -> SteadyRuns | None:
-        """The worker's SteadyRuns if `report`'s tokens are that step once more: the same
-        runs of one token each, each offset (if sent) at the tokens known, the same
-        records assigned; else None (the report is applied sequence by sequence)."""
-        steady = worker.steady_runs
-        if steady is None or report.tokens:
-            return None
-        runs = report.token_runs
-        if runs.counts or runs.seq_ids != steady.seq_ids:
-            return None
-        if runs.offsets and list(runs.offsets) != steady.num_known:
-            return None  # a retried report, or tokens lost on the way: the general pass
-        if not all(map(is_, map(worker.assigned.get, runs.seq_ids), steady.seqs)):
-            return None  # by identity (records with equal fields are not the same)
-        return steady
-
-    def _apply_steady(self, worker_id: str, steady: SteadyRuns, token_ids: array) -> None:
-        """`_apply_tokens` for a steady step (`_steady`): one token each, in C."""
-        _consume(map(_APPEND, steady.outputs, token_ids))
-        steady.num_known = list(map(add, steady.num_known, repeat(1)))
-        steady.num_steps += 1
-        self._changes.grown_all(steady.grown)
-        self._observer.on_tokens_reported(worker_id, steady.seq_ids, steady.ones)
-        self._lifecycle.serve(steady.served)
-
-    def _apply_tokens(self, worker_id: str, new_tokens: list[tuple[Sequence, tuple[int, ...]]],
+    def _apply_tokens(self, worker_id: str, new_tokens: NewTokens,
                       grown: dict[int, Sequence], logprobs: _Logprobs) -> dict[str, int]:
         """Add `new_tokens`; returns the tokens served per tenant."""
         # Per-sequence steps as map() over C callables: no Python frame per sequence.
@@ -289,20 +238,24 @@ class Reconciler:
         return EvictReason.NOT_ASSIGNED
 
 
-def _steady_after(report: WorkerReport, new_tokens: list[tuple[Sequence, tuple[int, ...]]],
-                  grown: dict[int, Sequence], logprobs: _Logprobs,
-                  served: dict[str, int]) -> SteadyRuns | None:
-    """What the next report needs to be applied as a steady step, after `report`'s tokens
-    were applied one by one: only when they were packed runs that gave each sequence
-    named exactly one token (none stale, repeated, past or with logprobs); else None."""
-    runs = report.token_runs
-    seq_ids = runs.seq_ids
-    num_runs = len(seq_ids)
-    if (report.tokens or runs.counts or logprobs or not num_runs
-            or len(new_tokens) != num_runs or len(grown) != num_runs):
-        return None
-    seqs = list(map(_FIRST, new_tokens))
-    outputs = list(map(_OUTPUT, seqs))
-    num_known = list(map(sub, map(len, outputs), map(_AT_ADMISSION, seqs)))
-    return SteadyRuns(seq_ids, seqs, outputs, num_known, dict(grown), [1] * num_runs,
-                      dict(served))
+
+def _num_known(seq: Sequence, grown: dict[int, Sequence], new_tokens: NewTokens) -> int:
+    """Tokens of `seq` since its admission, so far: applied ones and this report's earlier
+    new ones (`grown`, `new_tokens` as `_new_tokens` builds them)."""
+    num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
+    if seq.seq_id in grown:
+        num_known += sum(len(t) for s, t in new_tokens if s is seq)
+    return num_known
+
+
+def _num_past(field: str, index: int, seq_id: int, offset: int, num_known: int) -> int:
+    """The one check of a token offset, for both wire forms (a TokenUpdate's `offset`,
+    packed runs' `token_offsets`): how many leading tokens a retried report repeats (to
+    drop), for an offset below the tokens known; InvalidArgument, naming `field[index]`,
+    for one beyond them (tokens were lost on the way: the whole report is refused)."""
+    if offset > num_known:
+        raise InvalidArgument(
+            f"{field}[{index}]: seq_id {seq_id} offset {offset} is beyond the {num_known} "
+            f"tokens known for it since its admission to this worker (tokens "
+            f"{num_known}..{offset - 1} were lost); nothing was applied")
+    return num_known - offset

@@ -4,7 +4,8 @@ Mechanism only: it reads no config; the Scheduler hands it each worker's setting
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from array import array
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,39 @@ from service.core.types import WorkerRegistration, WorkerSettings
 
 if TYPE_CHECKING:
     from service.core.tables.sequences import Sequence
-    from service.core.tables.steady import SteadyRuns
+
+
+@dataclass(slots=True)
+class SteadyRuns:
+    """A worker's latest packed runs that gave each sequence they named one token, with
+    what applying the same step again needs (WorkerRecord.steady_runs). Read and written
+    only by service/core/tables/steady.py's SteadyStep.
+
+    It holds while the same records stay assigned to the worker under the same
+    admissions: `seqs` is compared by identity with what `assigned` holds for `seq_ids`
+    (a sequence that left is None there, a restored one another record), and it is
+    dropped at every admission to the worker (offsets count from 0 again). Tokens are
+    added to these sequences only by this worker's reports, so `num_known` stays right
+    as long as it is updated with each step applied from it.
+    """
+
+    seq_ids: Collection[int]
+    seqs: list[Sequence]
+    outputs: list[array]  # each one's output_token_ids
+    num_known: list[int]  # each one's tokens since its admission: the next offsets
+    grown: dict[int, Sequence]
+    ones: list[int]  # one token each, as the observer hears it
+    served: dict[str, int]  # tokens per tenant of one such step
+    # Steady steps applied from it since `page_residues` was set.
+    num_steps: int = 0
+    # The decision's part, set by a decision whose report ran exactly these sequences in
+    # this order, all DECODING: the report's running ids, the records, and how many of
+    # them had each residue of (tokens - 1) % page_size then. Each steady step adds one
+    # token to every one of them, so the number that start a page at the next decode is
+    # page_residues[-num_steps % page_size].
+    running_ids: Collection[int] | None = None
+    running_seqs: tuple[Sequence, ...] = ()
+    page_residues: list[int] | None = None
 
 
 @dataclass

@@ -6,14 +6,12 @@ and recovery (orphans), so that none of them calls back into another.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-from service.core.persist.changes import ChangeSet
-from service.core.tables.ledger import WorkerLedger, WorkerRecord
-from service.core.observer import RequeueReason, SchedulerObserver
-from service.core.tables.queue import AdmissionQueue
-from service.core.tables.sequences import Sequence, SequenceTable
-from service.core.tables.tenants import TenantLedger
+from service.core.observer import RequeueReason
+from service.core.tables.ledger import WorkerRecord
+from service.core.tables.sequences import Sequence
+from service.core.tables.tables import Tables
 from service.core.types import FinishReason, SequenceState
 
 
@@ -21,16 +19,14 @@ class Lifecycle:
     """Moves sequences between the queue, the workers and the finished, over the core's
     tables, marking each change for the next save and telling the observer."""
 
-    def __init__(self, sequences: SequenceTable, queue: AdmissionQueue, ledger: WorkerLedger,
-                 changes: ChangeSet, observer: SchedulerObserver,
-                 tenants: TenantLedger | None, clock: Callable[[], float]) -> None:
-        self._sequences = sequences
-        self._queue = queue
-        self._ledger = ledger
-        self._changes = changes
-        self._observer = observer
-        self._tenants = tenants
-        self._clock = clock
+    def __init__(self, tables: Tables) -> None:
+        self._sequences = tables.sequences
+        self._queue = tables.queue
+        self._ledger = tables.ledger
+        self._changes = tables.changes
+        self._observer = tables.observer
+        self._tenants = tables.tenants
+        self._clock = tables.clock
 
     def requeue(self, worker: WorkerRecord, seq_ids: list[int],
                 reason: RequeueReason) -> list[int]:

@@ -5,35 +5,38 @@ are chosen and where a silent worker's lease runs out, its sequences back to the
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from service.core.persist.changes import ChangeSet
-from service.core.config import SchedulerConfig
-from service.core.tables.ledger import WorkerLedger, WorkerRecord
-from service.core.tables.lifecycle import Lifecycle
-from service.core.observer import RequeueReason, SchedulerObserver
 from service.core.cache.prefix_cache import ResumePoints
+from service.core.config import SchedulerConfig
+from service.core.observer import RequeueReason
 from service.core.persist.store import StoredWorker
+from service.core.tables.ledger import WorkerRecord
+from service.core.tables.lifecycle import Lifecycle
+from service.core.tables.tables import Tables
 from service.core.types import WorkerRegistration, WorkerSettings
 
 
 class WorkerRegistry:
     """Adds and removes workers, marking each change for the next save."""
 
-    def __init__(self, config: SchedulerConfig, token_budget: int | None,
-                 ledger: WorkerLedger, lifecycle: Lifecycle, changes: ChangeSet,
-                 observer: SchedulerObserver, clock: Callable[[], float],
-                 stall_seconds: float | None) -> None:
+    def __init__(self, tables: Tables, lifecycle: Lifecycle, config: SchedulerConfig,
+                 token_budget: int | None, stall_seconds: float | None) -> None:
         """`token_budget`: the policy's (None: none); a worker's batch is capped at it."""
         self._config = config
         self._token_budget = token_budget
-        self._ledger = ledger
+        self._ledger = tables.ledger
         self._lifecycle = lifecycle
-        self._changes = changes
-        self._observer = observer
-        self._clock = clock
+        self._changes = tables.changes
+        self._observer = tables.observer
+        self._clock = tables.clock
         self._stall_seconds = stall_seconds
         self._last_lease_check: float | None = None
+        # The latest incarnation handed out (saved with every change of the workers).
+        self.last_incarnation = 0
+
+    def next_incarnation(self) -> int:
+        """An incarnation higher than any handed out before."""
+        self.last_incarnation += 1
+        return self.last_incarnation
 
     def add(self, registration: WorkerRegistration, incarnation: int) -> WorkerRecord:
         config = self._config
@@ -60,9 +63,10 @@ class WorkerRegistry:
             registration.worker_id, registration.total_kv_pages, registration.total_gdn_slots)
         return record
 
-    def joined(self, worker: WorkerRecord) -> None:
-        """The stored part of a worker changed (a registration, an operator drain)."""
-        self._changes.worker_joined(StoredWorker(worker.registration, worker.drain_requested,
+    def mark_changed(self, worker: WorkerRecord) -> None:
+        """Mark the stored part of `worker` (registration, incarnation, operator drain) for
+        the next save: after a registration, and after a drain is set or lifted."""
+        self._changes.worker_changed(StoredWorker(worker.registration, worker.drain_requested,
                                                  worker.incarnation))
 
     def remove(self, worker: WorkerRecord, reason: RequeueReason) -> list[int]:

@@ -1,4 +1,5 @@
-"""The seed's FifoScheduler (ADR-048 phase 1), docs/contract.md rules 2-7."""
+"""The seed's first-come-first-served scheduler, kept as the simplest policy that
+follows docs/contract.md rules 2-7: a batch-size cap and no token budget."""
 from __future__ import annotations
 
 from service.core.config import SchedulerConfig
