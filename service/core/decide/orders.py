@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from service.core.config import SchedulerConfig
+from service.core.registry import POLICIES, Order
 from service.core.tables.fair_queue import DeadlineQueue, FairQueue
 from service.core.tables.queue import AdmissionQueue, FcfsQueue
 
@@ -79,10 +80,10 @@ QueueOrder = ArrivalOrder | FairOrder | DeadlineOrder
 
 
 def queue_order(config: SchedulerConfig) -> QueueOrder:
-    """The order config.policy names: `fair` its own, `budget` arrival order, or with a
-    TTFT target the deadline order; `fifo` arrival order."""
-    if config.policy == "fair":
+    """The order config.policy's entry names (service/core/registry.py)."""
+    order = POLICIES[config.policy].order
+    if order is Order.FAIR:
         return FairOrder(config.aging_seconds)
-    if config.policy == "budget" and config.ttft_target_ms:
+    if order is Order.ARRIVAL_OR_DEADLINE and config.ttft_target_ms:
         return DeadlineOrder(config.aging_seconds)
     return ArrivalOrder()
