@@ -137,15 +137,20 @@ class Reconciler:
         grown: dict[int, Sequence] = {}
         logprobs: _Logprobs = {}
         assigned = worker.assigned.get  # once per call: hot loop
-        for index, update in enumerate(report.tokens):
+        for update in report.tokens:
             seq_id = update.seq_id
             seq = assigned(seq_id)
             if seq is None:
                 continue  # stale: the sequence left this worker
-            num_known = _num_known(seq, grown, new_tokens)
+            # Tokens since its admission, so far (with this report's earlier updates);
+            # inline, not a call: this loop runs once per sequence.
+            num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
+            if seq_id in grown:
+                num_known += sum(len(t) for s, t in new_tokens if s is seq)
             token_ids = update.token_ids
             start = update.offset
             if start is not None and start != num_known:
+                index = report.tokens.index(update)
                 token_ids = token_ids[_num_past("tokens", index, seq_id, start, num_known):]
             if token_ids:
                 if seq.output_logprobs is not None:
@@ -173,7 +178,9 @@ class Reconciler:
             seq = assigned(seq_id)
             if seq is None:
                 continue  # stale: the sequence left this worker
-            num_known = _num_known(seq, grown, new_tokens)
+            num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
+            if seq_id in grown:
+                num_known += sum(len(t) for s, t in new_tokens if s is seq)
             if offsets and offsets[index] != num_known:
                 begin += _num_past("token_offsets", index, seq_id, offsets[index], num_known)
             if begin < end:
@@ -237,15 +244,6 @@ class Reconciler:
             return EvictReason.CANCELLED
         return EvictReason.NOT_ASSIGNED
 
-
-
-def _num_known(seq: Sequence, grown: dict[int, Sequence], new_tokens: NewTokens) -> int:
-    """Tokens of `seq` since its admission, so far: applied ones and this report's earlier
-    new ones (`grown`, `new_tokens` as `_new_tokens` builds them)."""
-    num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
-    if seq.seq_id in grown:
-        num_known += sum(len(t) for s, t in new_tokens if s is seq)
-    return num_known
 
 
 def _num_past(field: str, index: int, seq_id: int, offset: int, num_known: int) -> int:
