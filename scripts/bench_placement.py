@@ -26,7 +26,7 @@ from dataclasses import replace
 from common.block_hash import block_hashes
 from service.core import FinishReason, Scheduler
 from service.core.config import SchedulerConfig
-from service.core.policies import placement
+from service.core.decide.policies import placement
 from service.core.types import (
     CacheReport, FinishedSequence, SubmitParams, WorkerRegistration, WorkerReport,
 )

@@ -19,9 +19,9 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
-from service.core import batcher
-from service.core import prefix_cache
-from service.core.fleet import has_room
+from service.core.decide import batcher
+from service.core.cache import prefix_cache
+from service.core.cache.fleet import has_room
 
 
 @dataclass

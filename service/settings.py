@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from service.core import ConfigError, SchedulerConfig
+from service.core.registry import policies_help
 
 ENV_PREFIX = "LATTICE_SCHEDULER_"
 # gRPC's own default for incoming messages (4 MiB), made explicit.
@@ -145,9 +146,7 @@ _HELP = {
     "max_queue_per_tenant": "most queued sequences per tenant (0: no limit); more get "
                             "RESOURCE_EXHAUSTED",
     "lease_ttl_ms": "a worker silent this long is dropped and its sequences requeued",
-    "policy": "fifo (the seed's), budget (a token budget per iteration, scheduler-chosen "
-              "preemption) or fair (budget, plus priority bands with aging and tenant "
-              "fairness)",
+    "policy": policies_help(),
     "max_num_batched_tokens": "budget, fair: tokens per worker iteration, decodes and prefill "
                               "chunks together (at least max_batch_size)",
     "min_prefill_chunk": "budget, fair: no first chunk shorter than this is started "

@@ -64,6 +64,19 @@ ALLOWED: dict[str, frozenset[str]] = {
     "service": frozenset({"service.cli"}),
 }
 
+# Inside service.core, a decision's life reads one way: each sub-package and those of the
+# core it may not import. The tables (and the steady step kept on them) know nothing of
+# reports or deciding; what is learned and the caches know nothing of their users.
+CORE_FORBIDDEN: dict[str, frozenset[str]] = {
+    "service.core.tables": frozenset({"service.core.decide", "service.core.report"}),
+    "service.core.decide": frozenset({"service.core.report", "service.core.persist"}),
+    "service.core.cache": frozenset({"service.core.decide", "service.core.report",
+                                     "service.core.persist", "service.core.learn"}),
+    "service.core.learn": frozenset({"service.core.decide", "service.core.report",
+                                     "service.core.persist", "service.core.tables",
+                                     "service.core.cache"}),
+}
+
 # Third-party packages a package may not import at all.
 FORBIDDEN_THIRD_PARTY = {
     "service.core": frozenset({"grpc", "grpc_health", "grpc_reflection", "google",
@@ -163,6 +176,29 @@ def test_no_import_between_packages_that_the_design_does_not_allow():
              if (src := package_of(e.importer)) and (dst := package_of(e.imported))
              and src != dst and dst not in ALLOWED[src]]
     assert not wrong, "imports the design does not allow:\n" + "\n".join(wrong)
+
+
+def _core_part(module: str) -> str | None:
+    """The sub-package of service.core that `module` is in (None: directly in the core,
+    or outside it)."""
+    parts = module.split(".")
+    if parts[:2] != ["service", "core"] or len(parts) < 4:
+        return None
+    return ".".join(parts[:3])
+
+
+def test_the_core_sub_packages_import_one_way():
+    assert set(CORE_FORBIDDEN) <= {_core_part(m) for m in MODULES} - {None}
+    wrong = [str(e) for e in EDGES
+             if _core_part(e.imported) in CORE_FORBIDDEN.get(_core_part(e.importer), ())]
+    assert not wrong, "imports inside the core that its layout does not allow:\n" + \
+        "\n".join(wrong)
+
+
+def test_the_core_keeps_few_modules_at_its_top():
+    top = [m for m in MODULES if m.startswith("service.core.") and m.count(".") == 2
+           and not MODULES[m].name == "__init__.py"]
+    assert len(top) <= 7, top  # with service/core/__init__.py: 8
 
 
 def test_forbidden_third_party_packages_are_not_imported():

@@ -6,18 +6,18 @@ from service.core.errors import (
 )
 from service.core.observer import EvictReason, RequeueReason, SchedulerObserver
 from service.core.vocabulary import BlockReason, PreemptReason
-from service.core.policies import FifoPolicy
-from service.core.replica import ReplicaScheduler
+from service.core.decide.policies import FifoPolicy
+from service.core.persist.replica import ReplicaScheduler
 from service.core.scheduler import OutputView, Scheduler
 from service.core.types import (
-    ANYONE, Caller, Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams,
+    SEES_ALL, Caller, Decision, FinishedSequence, FinishReason, PrefillChunk, SamplingParams,
     SchedulerStatus, SequenceInfo, SequenceSpec, SequenceState, SubmitParams, SubmitResult,
     TokenLogprobs, TokenRuns, TokenUpdate,
     WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
 )
 
 __all__ = [
-    "ANYONE", "BlockReason", "Caller", "ConfigError", "Decision", "EvictReason", "FifoPolicy", "FinishReason",
+    "SEES_ALL", "BlockReason", "Caller", "ConfigError", "Decision", "EvictReason", "FifoPolicy", "FinishReason",
     "FinishedSequence", "InvalidArgument", "NotFound", "OutputView", "PrefillChunk",
     "PreemptReason", "QueueFull", "ReplicaScheduler", "RequeueReason", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerError", "SchedulerObserver", "SchedulerStatus", "SequenceInfo", "SequenceSpec",

@@ -4,10 +4,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from service.core import registry
 from service.core.errors import ConfigError
 
-POLICIES = ("fifo", "budget", "fair")
-DEFAULT_POLICY = "budget"
+# The policy names a config accepts (service/core/registry.py).
+POLICIES = tuple(registry.POLICIES)
+DEFAULT_POLICY = registry.DEFAULT_POLICY
 DEFAULT_TOKEN_BUDGET = 2048
 DEFAULT_MIN_PREFILL_CHUNK = 32
 _UINT32_MAX = 2**32 - 1

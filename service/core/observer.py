@@ -68,7 +68,7 @@ class SchedulerObserver:
     def on_queue_depth(self, depth: int) -> None: ...
 
     def on_queue_bands(self, depth_by_band: dict[str, int]) -> None:
-        """Queued sequences per priority band (service.core.queue.PRIORITY_BANDS)."""
+        """Queued sequences per priority band (service.core.tables.queue.PRIORITY_BANDS)."""
 
     def on_preempted(self, seq_id: int, worker_id: str, reason: PreemptReason) -> None: ...
 

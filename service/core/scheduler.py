@@ -3,69 +3,50 @@
 Single-threaded by design: the caller serializes calls (one event loop). No gRPC, no
 Prometheus: adapters convert messages and listen through an observer.
 
-A SelectBatch reads in one direction: the worker's report is applied (reconcile.py,
+A SelectBatch reads in one direction: the worker's report is applied (report/reconcile.py,
 docs/contract.md rule 1), a read-only view goes to the policy, the policy returns a plan, the
-mechanism checks the plan and applies it (batcher.py), and the change is saved
-(changes.py) before the call returns: every state-changing call runs in one
-persistence bracket (`_saved`).
+mechanism checks the plan and applies it (decide/batcher.py), and the change is saved
+(persist/changes.py) before the call returns: every state-changing call runs in one save
+scope (`_saving`, persist/saving.py).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from service.core.batcher import Batcher
-from service.core.changes import ChangeSet
 from service.core.config import SchedulerConfig
-from service.core.deadlines import prefill_rate, start_seconds
+from service.core.decide.batcher import Batcher
+from service.core.decide.orders import queue_order
+from service.core.decide.policies import make_policy
 from service.core.errors import DeadlineUnreachable, InvalidArgument, NotFound, QueueFull
-from service.core.ledger import WorkerLedger, no_worker_has
-from service.core.lifecycle import Lifecycle
+from service.core.learn.deadlines import prefill_rate, start_seconds
+from service.core.learn.step_model import StepTimeModel
+from service.core.learn.step_times import StepTimes
 from service.core.observer import RequeueReason, SchedulerObserver
-from service.core.orders import queue_order
-from service.core.policies import make_policy
-from service.core.reconcile import Reconciler
-from service.core.recovery import Recovery
-from service.core.sequences import Sequence, SequenceTable
-from service.core.step_model import StepTimeModel
-from service.core.step_times import StepTimes
-from service.core.store import Disowned, StateStore, StoredState, StoreError
-from service.core.tenants import TenantLedger
+from service.core.persist.changes import ChangeSet
+from service.core.persist.recovery import Recovery
+from service.core.persist.saving import Saver
+from service.core.persist.store import StateStore, StoredState
+from service.core.report.reconcile import Reconciler
+from service.core.tables.steady import SteadyStep
+from service.core.report.validation import check_incarnation, check_submit, validate_report
+from service.core.tables.ledger import WorkerLedger
+from service.core.tables.lifecycle import Lifecycle
+from service.core.tables.reads import OutputView, Reads
+from service.core.tables.sequences import Sequence, SequenceTable
+from service.core.tables.tables import Tables
+from service.core.tables.tenants import TenantLedger
+from service.core.tables.workers import WorkerRegistry
 from service.core.types import (
-    ANYONE, Caller, Decision, FinishReason, SchedulerStatus, SequenceInfo, SequenceState,
-    SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings, WorkerStatus,
+    SEES_ALL, Caller, Decision, FinishReason, SchedulerStatus, SequenceInfo, SequenceState,
+    SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings,
 )
-from service.core.validation import check_incarnation, check_submit, validate_report
-from service.core.workers import WorkerRegistry
+
+__all__ = ["DEFAULT_MAX_DECISION_BYTES", "OutputView", "Scheduler"]
 
 # gRPC's default message limit; the server passes its --max-message-bytes.
 DEFAULT_MAX_DECISION_BYTES = 4 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class OutputView:
-    """Tokens of a sequence from some offset on, and whether it has finished."""
-
-    token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: FinishReason | None
-    error_message: str = ""  # why it failed, for FAILED
-    # One per token of token_ids for a sequence that asked for logprobs and whose logprobs
-    # are known for all of them; empty otherwise (after a restart, those of the tokens
-    # restored are unknown: a view never mixes tokens with and without).
-    logprobs: tuple = ()
-    # For a view from token 0 of a sequence that asked: its prompt logprobs (if known).
-    prompt_logprobs: tuple = ()
-
-
-@dataclass
-class Saved:
-    """What one persistence bracket saw: the ids its save gave up (another replica owns
-    them now), and what to undo if its save fails."""
-
-    disowned: frozenset[int] = frozenset()
-    undo: list[Callable[[], None]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -104,35 +85,34 @@ class Scheduler:
         self.config = config.validate()
         self._policy = make_policy(config)
         order = queue_order(config)
-        self._observer = observer or SchedulerObserver()
-        self._clock = clock
-        self._queue = order.new_queue()
-        self._sequences = SequenceTable(max_finished_retained)
-        self._ledger = WorkerLedger()
-        self._tenants = (TenantLedger(dict(config.tenant_weights))
-                         if order.uses_tenant_service else None)
-        self._changes = ChangeSet(store)
+        tables = Tables(
+            sequences=SequenceTable(max_finished_retained), queue=order.new_queue(),
+            ledger=WorkerLedger(),
+            tenants=(TenantLedger(dict(config.tenant_weights))
+                     if order.uses_tenant_service else None),
+            changes=ChangeSet(store), observer=observer or SchedulerObserver(), clock=clock)
+        self._tables = tables
+        # The tables this class reads often, by name.
+        self._sequences, self._queue, self._ledger = tables.sequences, tables.queue, tables.ledger
+        self._tenants, self._changes = tables.tenants, tables.changes
+        self._observer, self._clock, self._wall_clock = tables.observer, clock, wall_clock
         self._max_decision_bytes = max_decision_bytes
-        self._lifecycle = Lifecycle(self._sequences, self._queue, self._ledger, self._changes,
-                                    self._observer, self._tenants, clock)
-        self._reconciler = Reconciler(self._sequences, self._changes, self._observer,
-                                      self._lifecycle, clock)
-        self._recovery = Recovery(self._sequences, self._queue, self._ledger, self._tenants,
-                                  self._lifecycle, clock, wall_clock)
-        self._batcher = Batcher(self._policy, config.policy, self._queue, self._sequences,
-                                self._changes, self._observer, self._lifecycle, self._tenants,
-                                clock, max_decision_bytes, config.max_loras, self._ledger)
-        self._workers = WorkerRegistry(config, self._policy.token_budget, self._ledger,
-                                       self._lifecycle, self._changes, self._observer, clock,
+        self._lifecycle = lifecycle = Lifecycle(tables)
+        steady = SteadyStep(tables, lifecycle)
+        self._reconciler = Reconciler(tables, lifecycle, steady)
+        self._recovery = Recovery(tables, lifecycle, wall_clock)
+        self._batcher = Batcher(tables, lifecycle, steady, self._policy, config.policy,
+                                max_decision_bytes, config.max_loras)
+        self._workers = WorkerRegistry(tables, lifecycle, config, self._policy.token_budget,
                                        stall_seconds)
-        self._wall_clock = wall_clock
+        # `with self._saving() as saved:` is the save scope of each state-changing call.
+        self._saving = Saver(tables, lifecycle, lambda: self._workers.last_incarnation).scope
         # Each worker's step times, learned while a latency target is set.
         self._step_times = (StepTimes(step_prior.copy if step_prior else StepTimeModel)
                             if config.learns_step_times else None)
         # The tenant's service so far, as the queue order reads it (0 without counters).
         self._served = self._tenants.served if self._tenants is not None else _no_service
-        # The latest incarnation handed out (saved with every change of the workers).
-        self._last_incarnation = 0
+        self._reads = Reads(tables, self._served)
         if store is not None:
             self._recover(store.load())
 
@@ -143,7 +123,7 @@ class Scheduler:
         that first seq_id (another principal's use of the same request_id is no match)."""
         known = self._sequences.by_request_id(params.principal, params.request_id)
         if known is not None:
-            return SubmitResult(known.seq_id, self._position(known))
+            return SubmitResult(known.seq_id, self._reads.position(known))
         self.check_submit(params)
         if len(self._queue) >= self.config.max_queue:
             raise QueueFull(
@@ -158,7 +138,7 @@ class Scheduler:
             )
         self._shed_if_late(params)
         # Acknowledged to the client: the save must survive a power loss.
-        with self._saved(sync=True) as saved:
+        with self._saving(sync=True) as saved:
             seq = self._sequences.create(params, self._clock(), self._wall_clock())
             if self._tenants is not None and self._tenants.activate(seq.tenant):
                 self._changes.tenant_served(seq.tenant, self._tenants.served(seq.tenant))
@@ -167,20 +147,20 @@ class Scheduler:
             saved.undo.append(lambda: self._uncreate(seq))
         self._observer.on_submitted(seq.seq_id, seq.tenant, seq.prompt_len)
         self._lifecycle.queue_changed()
-        return SubmitResult(seq.seq_id, self._position(seq))
+        return SubmitResult(seq.seq_id, self._reads.position(seq))
 
     def check_submit(self, params: SubmitParams) -> None:
         """InvalidArgument if `params` could never run under this config (a replica checks
         before it writes a submission to the shared queue)."""
         check_submit(params, self.config, self._max_decision_bytes)
 
-    def cancel(self, seq_id: int, caller: Caller = ANYONE) -> bool:
+    def cancel(self, seq_id: int, caller: Caller = SEES_ALL) -> bool:
         """Cancel a queued or assigned sequence; False if it had already finished.
 
         A cancelled sequence on a worker shows up in that worker's next `evict`. Another
         principal's sequence is NotFound to `caller`, exactly as an unknown id.
         """
-        with self._saved(sync=True):
+        with self._saving(sync=True):
             seq = self._require(seq_id, caller)
             if seq.is_finished:
                 return False
@@ -194,57 +174,20 @@ class Scheduler:
             self._lifecycle.finish(seq, FinishReason.CANCELLED)
             return True
 
-    def get_sequence(self, seq_id: int, caller: Caller = ANYONE) -> SequenceInfo:
+    def get_sequence(self, seq_id: int, caller: Caller = SEES_ALL) -> SequenceInfo:
         """A view of `seq_id`; NotFound if unknown, or another principal's to `caller`."""
-        seq = self._require(seq_id, caller)
-        return SequenceInfo(
-            seq_id=seq.seq_id,
-            state=seq.state,
-            worker_id=seq.worker_id or "",
-            prompt_len=seq.prompt_len,
-            prefilled_tokens=seq.prefilled_tokens,
-            generated_tokens=max(seq.num_generated, len(seq.output_token_ids)),
-            finish_reason=seq.finish_reason,
-            queue_position=self._position(seq),
-            error_message=seq.error_message or self._why_waiting(seq),
-            cached_tokens=seq.cached_tokens,
-        )
+        return self._reads.sequence_info(self._require(seq_id, caller))
 
-    def read_output(self, seq_id: int, start: int, caller: Caller = ANYONE) -> OutputView:
+    def read_output(self, seq_id: int, start: int, caller: Caller = SEES_ALL) -> OutputView:
         """Generated tokens from index `start` on (for streaming); NotFound as get_sequence."""
-        seq = self._require(seq_id, caller)
-        if seq.output_logprobs is None:
-            return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished,
-                              seq.finish_reason, seq.error_message)
-        return _view_with_logprobs(seq, start)
+        return self._reads.output(self._require(seq_id, caller), start)
 
     def num_unservable_queued(self) -> int:
-        """Queued sequences whose adapter no live worker has (`_servable_adapters`)."""
-        return self._num_unservable(self._servable_adapters())
+        """Queued sequences whose adapter no live worker has (`Reads.servable_adapters`)."""
+        return self._reads.num_unservable(self._reads.servable_adapters())
 
     def status(self) -> SchedulerStatus:
-        now = self._clock()
-        workers = tuple(
-            WorkerStatus(
-                worker_id=w.worker_id,
-                num_assigned=len(w.assigned),
-                kv_free_pages=w.kv_free_pages,
-                gdn_free_slots=w.gdn_free_slots,
-                total_kv_pages=w.registration.total_kv_pages,
-                total_gdn_slots=w.registration.total_gdn_slots,
-                iteration=w.iteration,
-                draining=w.draining or w.drain_requested,
-                seconds_since_last_call=max(0.0, now - w.last_call_at),
-                incarnation=w.incarnation,
-            )
-            for w in self._ledger
-        )
-        return SchedulerStatus(
-            queue_depth=len(self._queue),
-            num_assigned=self._ledger.num_assigned(),
-            policy=self.config.policy,
-            workers=workers,
-        )
+        return self._reads.status(self.config.policy)
 
     # ----------------------------------------------------------------- workers
 
@@ -262,13 +205,12 @@ class Scheduler:
             raise InvalidArgument("worker_id must not be empty")
         if registration.page_size == 0:
             raise InvalidArgument("page_size must be at least 1 (tokens per KV page), got 0")
-        with self._saved():
+        with self._saving():
             old = self._ledger.remove(registration.worker_id)
             if old is not None:
                 self._lifecycle.requeue(old, list(old.assigned), RequeueReason.REREGISTERED)
-            self._last_incarnation += 1
-            record = self._workers.add(registration, self._last_incarnation)
-            self._workers.joined(record)
+            record = self._workers.add(registration, self._workers.next_incarnation())
+            self._workers.mark_changed(record)
         if self._step_times is not None:
             self._step_times.registered(registration.worker_id)
         return record.settings
@@ -278,7 +220,7 @@ class Scheduler:
 
         `incarnation` 0 means the latest; an older one is refused (Superseded).
         """
-        with self._saved():
+        with self._saving():
             worker = self._ledger.get(worker_id)
             check_incarnation(worker, incarnation)
             return len(self._workers.remove(worker, RequeueReason.DEREGISTERED))
@@ -290,21 +232,21 @@ class Scheduler:
         drain lasts until lifted or until the worker registers again. Returns how many
         sequences are still assigned to it; UnknownWorker if it is not registered.
         """
-        with self._saved():
+        with self._saving():
             worker = self._ledger.get(worker_id)
             worker.drain_requested = not resume
-            self._workers.joined(worker)
+            self._workers.mark_changed(worker)
             return len(worker.assigned)
 
     def expire_leases(self) -> list[str]:
         """Drop workers silent for longer than their lease; returns their ids."""
-        with self._saved():
+        with self._saving():
             return self._workers.expire()
 
     def select_batch(self, report: WorkerReport) -> Decision:
         """Apply one worker's report, then decide its batch (the policy plans, the
         mechanism checks and applies; docs/contract.md rules 1-7 and "Policies")."""
-        with self._saved() as saved:  # saved even when the report is refused below
+        with self._saving() as saved:  # saved even when the report is refused below
             self._workers.expire()
             worker = self._ledger.get(report.worker_id)
             check_incarnation(worker, report.incarnation)
@@ -328,7 +270,7 @@ class Scheduler:
 
     def _shed_if_late(self, params: SubmitParams, tokens_elsewhere: int = 0) -> None:
         """DeadlineUnreachable for a sheddable request (negative priority, a TTFT target
-        set) that no worker could start before its deadline (service/core/deadlines.py),
+        set) that no worker could start before its deadline (service/core/learn/deadlines.py),
         behind the queue's prefill tokens of as urgent requests plus `tokens_elsewhere`."""
         if not self.is_sheddable(params):
             return
@@ -361,27 +303,6 @@ class Scheduler:
             self._observer.on_step_time(worker_id, predicted, seconds)
         return self._step_times.model(worker_id)
 
-    def _saved(self, sync: bool = False) -> _Bracket:
-        """The persistence bracket of one state-changing call. Before the body: what an
-        earlier failed save left is saved (StoreError while the store still fails). After
-        it, also when it raised: what it changed is saved; if that save fails, the
-        bracket's undo steps run and StoreError propagates."""
-        return _Bracket(self._save, sync)
-
-    def _save(self, sync: bool) -> frozenset[int]:
-        """Save what changed; returns the ids a shared store said are another replica's
-        now (forgotten here, the rest saved)."""
-        disowned: frozenset[int] = frozenset()
-        while True:
-            try:
-                self._changes.save(self._sequences.next_seq_id, self._last_incarnation, sync)
-                return disowned
-            except Disowned as err:
-                if err.seq_ids <= disowned:
-                    raise  # the store insists on ids already given up: a store bug
-                disowned |= err.seq_ids
-                self._lifecycle.forget(err.seq_ids)
-
     def _recover(self, state: StoredState) -> None:
         """Rebuild from the store: the queue in its order, workers with what they held.
 
@@ -389,9 +310,9 @@ class Scheduler:
         SelectBatch reconciles (what it still holds stays, what it does not mention goes
         back to the head of the queue), and if it never calls its lease runs out.
         """
-        with self._saved():
-            self._last_incarnation = max([state.last_incarnation,
-                                          *(w.incarnation for w in state.workers)])
+        with self._saving():
+            self._workers.last_incarnation = max([state.last_incarnation,
+                                                  *(w.incarnation for w in state.workers)])
             for stored in state.workers:
                 record = self._workers.add(stored.registration, stored.incarnation)
                 record.drain_requested = stored.drain_requested
@@ -405,65 +326,11 @@ class Scheduler:
         self._sequences.discard_new(seq)
         self._changes.uncreated(seq)
 
-    def _require(self, seq_id: int, caller: Caller = ANYONE) -> Sequence:
+    def _require(self, seq_id: int, caller: Caller = SEES_ALL) -> Sequence:
         seq = self._sequences.get(seq_id)
         if seq is None or not caller.may_see(seq.params.principal):
             raise NotFound.seq_id(seq_id)
         return seq
-
-    def _why_waiting(self, seq: Sequence) -> str:
-        """For a queued sequence no worker here can run (its adapter), why; else ""."""
-        if seq.state is not SequenceState.QUEUED or not seq.adapter_id:
-            return ""
-        if seq.adapter_id in self._servable_adapters():
-            return ""
-        return no_worker_has(seq.adapter_id)
-
-    def _servable_adapters(self, admitting_only: bool = False) -> frozenset[str]:
-        """The adapters of the registered workers an operator has not drained (what is
-        saved, so a restart tells the same); `admitting_only`: of those that admit now,
-        not draining by their own report either."""
-        return frozenset(a for w in self._ledger
-                         if not w.drain_requested and (w.admitting or not admitting_only)
-                         for a in w.registration.adapters)
-
-    def _num_unservable(self, servable: frozenset[str]) -> int:
-        return sum(n for adapter_id, n in self._queue.count_by_adapter().items()
-                   if adapter_id not in servable)
-
-    def _position(self, seq: Sequence) -> int:
-        if seq.state is not SequenceState.QUEUED:
-            return 0
-        return self._queue.position(seq.seq_id, self._clock(), self._served)
-
-
-
-class _Bracket:
-    """Scheduler._saved as a plain context manager (a generator's costs more per call,
-    and select_batch enters one every call)."""
-
-    __slots__ = ("_save", "_sync", "_saved")
-
-    def __init__(self, save: Callable[[bool], frozenset[int]], sync: bool) -> None:
-        self._save = save
-        self._sync = sync
-
-    def __enter__(self) -> Saved:
-        self._save(self._sync)
-        self._saved = Saved()
-        return self._saved
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None:
-            self._save(self._sync)
-            return False  # the body's exception propagates
-        try:
-            self._saved.disowned = self._save(self._sync)
-        except StoreError:
-            for undo in self._saved.undo:
-                undo()
-            raise
-        return False
 
 
 def _no_service(tenant: str) -> float:
@@ -481,19 +348,3 @@ def _without(decision: Decision, disowned: frozenset[int], reported: frozenset[i
         evict=tuple(dict.fromkeys([*decision.evict, *(disowned & reported)])),
     )
 
-
-def _view_with_logprobs(seq, start: int) -> OutputView:
-    """Tokens from `start` up to where their logprobs' availability changes (the rest come
-    in the next view), with the logprobs when they are known."""
-    logprobs = seq.output_logprobs
-    end = len(seq.output_token_ids)
-    if start < end:
-        known = logprobs[start] is not None
-        end = next((i for i in range(start + 1, end) if (logprobs[i] is not None) != known), end)
-    token_ids = tuple(seq.output_token_ids[start:end])
-    # finished only once the view reaches the last token.
-    finished = seq.is_finished and end == len(seq.output_token_ids)
-    known_logprobs = tuple(logprobs[start:end]) if token_ids and logprobs[start] is not None else ()
-    prompt = seq.prompt_logprobs if start == 0 and token_ids and seq.prompt_logprobs else ()
-    return OutputView(token_ids, finished, seq.finish_reason if finished else None,
-                      seq.error_message if finished else "", known_logprobs, prompt)

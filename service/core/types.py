@@ -94,8 +94,9 @@ class Caller:
         return self.sees_all or principal == self.principal
 
 
-# The scheduler's own calls (a client that left, a cancel another replica asked for).
-ANYONE = Caller(sees_all=True)
+# A caller that sees every sequence: the scheduler's own calls (a client that left, a
+# cancel another replica asked for), and every call where no authentication is set up.
+SEES_ALL = Caller(sees_all=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +219,7 @@ class WorkerReport:
     token_runs: TokenRuns = TokenRuns()
     # The incarnation the worker registered as; 0: the latest (clients that do not send it).
     incarnation: int = 0
-    # Prefix cache (service/core/prefix_cache.py; ignored with --prefix-caching off).
+    # Prefix cache (service/core/cache/prefix_cache.py; ignored with --prefix-caching off).
     cache: CacheReport = CacheReport()
     # How many of kv_free_pages hold reusable prefix cache.
     kv_cached_pages: int = 0

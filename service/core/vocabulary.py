@@ -33,7 +33,7 @@ class PreemptReason(enum.Enum):
 
 
 class SequenceView(Protocol):
-    """What a policy may read of a sequence (service.core.sequences.Sequence)."""
+    """What a policy may read of a sequence (service.core.tables.sequences.Sequence)."""
 
     @property
     def seq_id(self) -> int: ...

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
 from service.core import Scheduler
-from service.core.orders import queue_order
+from service.core.decide.orders import queue_order
 from service.server import app
 from service.server.interceptors.auth import Callers
 from service.server.loop_lag import LoopLag

@@ -29,7 +29,7 @@ from dataclasses import replace
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.server import convert
-from service.core import ANYONE, Caller, NotFound, ReplicaScheduler, SchedulerError, SequenceState
+from service.core import SEES_ALL, Caller, NotFound, ReplicaScheduler, SchedulerError, SequenceState
 from service.core.types import SubmitParams, SubmitResult
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
@@ -242,7 +242,7 @@ class ReplicaServicer(SchedulerServicer):
             return False
         return True
 
-    async def _cancel(self, seq_id: int, caller: Caller = ANYONE) -> bool:
+    async def _cancel(self, seq_id: int, caller: Caller = SEES_ALL) -> bool:
         """Cancel `seq_id` for `caller` (NotFound for another principal's, wherever it is)."""
         # No claim in flight meanwhile: a sequence claimed but not yet in the core would
         # look like another replica's, and its cancel would wait for the keeper.

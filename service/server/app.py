@@ -34,7 +34,7 @@ from service.server.interceptors import limits
 
 from service.server import health_reflection, ports
 from service.core import ConfigError, ReplicaScheduler, Scheduler
-from service.core.store import StateStore, StoreError
+from service.core.persist.store import StateStore, StoreError
 from service.state.group_commit import GroupCommit
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics

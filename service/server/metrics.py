@@ -14,7 +14,7 @@ from service.core import (
     BlockReason, Decision, EvictReason, FinishReason, PreemptReason, RequeueReason,
     SchedulerObserver, WorkerReport,
 )
-from service.core.queue import PRIORITY_BANDS
+from service.core.tables.queue import PRIORITY_BANDS
 from service.server.histograms import TallyHistogram
 
 PREFIX = "lattice_scheduler_"

@@ -6,7 +6,7 @@ import grpc
 from service.core import (
     InvalidArgument, NotFound, QueueFull, SchedulerError, Superseded, UnknownWorker,
 )
-from service.core.store import StoreError
+from service.core.persist.store import StoreError
 
 _CODES: dict[type[SchedulerError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,

@@ -3,7 +3,7 @@ to a `lattice-worker profile` table read on a grid of step shapes."""
 from __future__ import annotations
 
 from common.errors import ConfigError
-from service.core.step_model import StepShape, StepTimeModel, chunk_attention
+from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 from common import step_table
 from common.step_table import StepLoad
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from service.core.store import StoreError
+from service.core.persist.store import StoreError
 
 log = logging.getLogger(__name__)
 

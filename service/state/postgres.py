@@ -10,7 +10,7 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
   request_id idempotency per principal (a unique index on both), the queue limits, a new seq_id and tail key
   from database sequences, the queue position, and NOTIFY lattice_submit.
 - Claim: the replica's prefetcher takes the head of the unclaimed queue in the queue
-  order's sort key (service/core/orders.py) with FOR UPDATE SKIP LOCKED, of the sequences
+  order's sort key (service/core/decide/orders.py) with FOR UPDATE SKIP LOCKED, of the sequences
   its workers can run (no adapter, or one of theirs): an adapter's sequence waits in the
   shared queue for a replica with a worker that has it, and says so (`unservable_queued`,
   `sequence_info`) while no live worker anywhere has it.
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from service.core import ANYONE, Caller, ConfigError, FinishReason, SequenceState, SubmitParams
+from service.core import SEES_ALL, Caller, ConfigError, FinishReason, SequenceState, SubmitParams
 from service.core.errors import InvalidArgument, NotFound, QueueFull
-from service.core.ledger import no_worker_has
-from service.core.orders import ArrivalOrder, QueueOrder, SortTerm
-from service.core.store import (
+from service.core.tables.ledger import no_worker_has
+from service.core.decide.orders import ArrivalOrder, QueueOrder, SortTerm
+from service.core.persist.store import (
     Disowned, SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker,
     StoreError,
 )
@@ -48,7 +48,7 @@ from service.state.rows import (
 
 log = logging.getLogger(__name__)
 
-# 2: sequences.principal, request_id unique per principal, sequences.adapter_id (issue 23).
+# 2: sequences.principal, request_id unique per principal, sequences.adapter_id.
 SCHEMA_VERSION = 2
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"
@@ -353,7 +353,7 @@ class PostgresState:
                             f"queued (max_queue_per_tenant={max_per_tenant}); retry later")
         return SubmitResult(seq_id, position)
 
-    def cancel(self, seq_id: int, caller: Caller = ANYONE) -> bool:
+    def cancel(self, seq_id: int, caller: Caller = SEES_ALL) -> bool:
         """Cancel a sequence this replica does not own; False if it had finished.
 
         Unclaimed: finished CANCELLED here. Owned by another replica: the request is
@@ -379,7 +379,7 @@ class PostgresState:
                 conn.execute("SELECT pg_notify(%s, %s)", (CANCEL_CHANNEL, f"{owner}:{seq_id}"))
         return True
 
-    def sequence_info(self, seq_id: int, caller: Caller = ANYONE) -> SequenceInfo:
+    def sequence_info(self, seq_id: int, caller: Caller = SEES_ALL) -> SequenceInfo:
         """The database's view of `seq_id`; NotFound as in `cancel`."""
         with self._connection() as conn:
             row = conn.execute(
@@ -403,7 +403,7 @@ class PostgresState:
                             finish_reason=None if reason is None else FinishReason(reason),
                             queue_position=int(position), error_message=error)
 
-    def read_output(self, seq_id: int, start: int, caller: Caller = ANYONE) -> RemoteOutput:
+    def read_output(self, seq_id: int, start: int, caller: Caller = SEES_ALL) -> RemoteOutput:
         """Tokens from index `start` on, committed by whichever replica owns it; NotFound
         as in `cancel`."""
         with self._connection() as conn:
@@ -676,14 +676,14 @@ class PostgresState:
                         "unnest(%s::bigint[], %s::integer[], %s::bytea[])",
                         ([t.seq_id for t in changes.tokens], [t.start for t in changes.tokens],
                          [pack_token_ids(t.token_ids) for t in changes.tokens]), binary=True)
-        if changes.workers_joined:
+        if changes.workers_changed:
             cur.executemany(
                 "INSERT INTO workers (worker_id, replica_id, registration, drain_requested) "
                 "VALUES (%s, %s, %s, %s) ON CONFLICT (worker_id) DO UPDATE SET "
                 "replica_id = excluded.replica_id, registration = excluded.registration, "
                 "drain_requested = excluded.drain_requested",
                 [(w.registration.worker_id, me, registration_json(w.registration),
-                  w.drain_requested) for w in changes.workers_joined])
+                  w.drain_requested) for w in changes.workers_changed])
         if changes.workers_left:
             cur.execute("DELETE FROM workers WHERE worker_id = ANY(%s) AND replica_id = %s",
                         (list(changes.workers_left), me))

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from service.state import integrity as state_integrity
 from service.core import ConfigError, FinishReason, SequenceState
-from service.core.store import (
+from service.core.persist.store import (
     SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker, StoreError,
 )
 from service.state.integrity import damaged
@@ -370,12 +370,12 @@ class SqliteStateStore:
         if changes.final_outputs:
             db.executemany("INSERT OR REPLACE INTO outputs (seq_id, token_ids) VALUES (?, ?)",
                            [(seq_id, pack_token_ids(output)) for seq_id, output in changes.final_outputs])
-        if changes.workers_joined:
+        if changes.workers_changed:
             db.executemany("INSERT OR REPLACE INTO workers (worker_id, registration, "
                            "drain_requested, incarnation) VALUES (?, ?, ?, ?)",
                            [(w.registration.worker_id, registration_json(w.registration),
                              int(w.drain_requested), w.incarnation)
-                            for w in changes.workers_joined])
+                            for w in changes.workers_changed])
         if changes.workers_left:
             db.executemany("DELETE FROM workers WHERE worker_id = ?",
                            [(w,) for w in changes.workers_left])

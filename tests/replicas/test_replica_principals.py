@@ -14,7 +14,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from common.credentials import open_channel
-from service.core import ANYONE, Caller, NotFound
+from service.core import SEES_ALL, Caller, NotFound
 from service.state.postgres import SCHEMA_VERSION, PostgresState
 from tests.server.wire import RPC_TIMEOUT_SECONDS as T
 from tests.unit.factories import params
@@ -51,7 +51,7 @@ def test_another_principals_sequence_is_not_found_in_the_database(store):
             call(seq_id + 100, MALLORY)
         assert str(theirs.value) == str(unknown.value).replace(str(seq_id + 100), str(seq_id))
     assert store.sequence_info(seq_id, ALICE).seq_id == seq_id
-    assert store.sequence_info(seq_id, ANYONE).seq_id == seq_id
+    assert store.sequence_info(seq_id, SEES_ALL).seq_id == seq_id
     assert store.cancel(seq_id, ALICE)
 
 

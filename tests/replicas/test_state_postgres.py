@@ -10,8 +10,8 @@ import psycopg
 import pytest
 
 from service.core import FinishReason, QueueFull, ReplicaScheduler, SequenceState
-from service.core.store import Disowned, SequenceProgress, StateChanges
-from service.core.orders import queue_order
+from service.core.persist.store import Disowned, SequenceProgress, StateChanges
+from service.core.decide.orders import queue_order
 from service.core.types import TokenUpdate
 from service.state.postgres import PostgresState
 from tests.unit.factories import (

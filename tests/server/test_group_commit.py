@@ -15,7 +15,7 @@ import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from common.waiting import wait_until
-from service.core.store import StoreError
+from service.core.persist.store import StoreError
 from service.state.sqlite import SqliteStateStore
 
 from .wire import RPC_TIMEOUT_SECONDS, Worker, submit

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from common.errors import ConfigError
-from service.core.step_model import StepShape, chunk_attention
+from service.core.learn.step_model import StepShape, chunk_attention
 from service.server.step_prior import load_step_prior
 from common import step_table
 from common.step_table import StepTable

@@ -5,7 +5,7 @@ from __future__ import annotations
 from service.core import SchedulerConfig
 from service.sim import experiments
 from service.sim.costs import CostSource
-from service.core.step_model import StepShape, chunk_attention
+from service.core.learn.step_model import StepShape, chunk_attention
 from service.sim.metrics import summarize
 from service.sim.simulator import RunSpec, Simulation, WorkerShape
 from service.sim.workload import Trace, TraceRow, make_requests

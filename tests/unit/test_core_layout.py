@@ -1,5 +1,4 @@
-"""Behaviour pinned while the core was split by concern (issue 17): the persistence
-bracket of each call, the batch cap of a policy with a token budget, restoring a queued
+"""Behaviour pinned while the core was split by concern: the save scope of each call, the batch cap of a policy with a token budget, restoring a queued
 sequence stored without its place, and queue orders chosen apart from batching."""
 from __future__ import annotations
 
@@ -8,14 +7,14 @@ from dataclasses import replace
 import pytest
 
 from service.core import InvalidArgument, Scheduler, SequenceState
-from service.core.orders import ArrivalOrder, FairOrder, SortTerm, queue_order
-from service.core.store import MemoryStore, StateChanges, StoreError
+from service.core.decide.orders import ArrivalOrder, FairOrder, SortTerm, queue_order
+from service.core.persist.store import MemoryStore, StateChanges, StoreError
 from service.core.types import TokenUpdate
 
 from .factories import FakeClock, admit, make_config, register, report, submit
 
 
-# ----------------------------------------------------------------- persistence bracket
+# ----------------------------------------------------------------- save scope
 
 
 def test_a_refused_report_still_saves_the_leases_it_expired():

@@ -6,8 +6,8 @@ import pytest
 
 from service.core import Scheduler, SchedulerConfig
 from service.core.errors import DeadlineUnreachable, QueueFull
-from service.core.orders import ArrivalOrder, DeadlineOrder, queue_order
-from service.core.step_model import StepShape, chunk_attention
+from service.core.decide.orders import ArrivalOrder, DeadlineOrder, queue_order
+from service.core.learn.step_model import StepShape, chunk_attention
 from tests.unit.factories import FakeClock, register, report, submit
 
 

@@ -11,7 +11,7 @@ import pytest
 from service.core import (
     ConfigError, FinishReason, QueueFull, Scheduler, SequenceState, UnknownWorker,
 )
-from service.core.store import MemoryStore, StoreError
+from service.core.persist.store import MemoryStore, StoreError
 from service.state.sqlite import SqliteStateStore
 
 from .factories import (

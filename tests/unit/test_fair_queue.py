@@ -1,4 +1,4 @@
-"""The fair order (service/core/fair_queue.py) against a brute-force sort of its keys."""
+"""The fair order (service/core/tables/fair_queue.py) against a brute-force sort of its keys."""
 from __future__ import annotations
 
 import math
@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from hypothesis import given, settings, strategies as st
 
-from service.core.fair_queue import FairQueue
-from service.core.queue import FcfsQueue
+from service.core.tables.fair_queue import FairQueue
+from service.core.tables.queue import FcfsQueue
 
 
 @dataclass

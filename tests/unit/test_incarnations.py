@@ -7,7 +7,7 @@ import pytest
 from dataclasses import replace
 
 from service.core import InvalidArgument, Scheduler, SequenceState, Superseded, UnknownWorker
-from service.core.store import MemoryStore
+from service.core.persist.store import MemoryStore
 
 from tests.unit.factories import (
     FakeClock, admit, finished, make_config, make_scheduler, register, registration, report,

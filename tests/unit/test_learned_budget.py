@@ -5,7 +5,7 @@ import pytest
 
 from service.core import SchedulerConfig
 from service.core.errors import ConfigError
-from service.core.step_model import StepShape, chunk_attention
+from service.core.learn.step_model import StepShape, chunk_attention
 from tests.unit.factories import FakeClock, register, report, submit
 from service.core import Scheduler
 

@@ -1,4 +1,4 @@
-"""Cache-aware placement in the pull design (service/core/policies/placement.py,
+"""Cache-aware placement in the pull design (service/core/decide/policies/placement.py,
 docs/policies.md, "Placement"): when a worker asks, what it takes and what it leaves for
 a better placed worker, for how long, and that nothing starves."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from common.block_hash import block_hashes
 from service.core import FinishReason, Scheduler, SequenceState
 from service.core.observer import SchedulerObserver
-from service.core.replica import ReplicaScheduler
-from service.core.step_model import StepShape, StepTimeModel, chunk_attention
+from service.core.persist.replica import ReplicaScheduler
+from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.types import CacheReport, SubmitParams
 
 from .factories import FakeClock, finished, make_config, prompt, register, report, submit

@@ -9,7 +9,7 @@ import pytest
 from common.block_hash import block_hashes
 from service.core import SamplingParams, Scheduler, SequenceState
 from service.core.observer import RequeueReason, SchedulerObserver
-from service.core.prefix_cache import ResumePoints, align_chunk, longest_resume
+from service.core.cache.prefix_cache import ResumePoints, align_chunk, longest_resume
 from service.core.types import CacheReport
 
 from .factories import FakeClock, make_config, make_scheduler, prompt, register, report, submit

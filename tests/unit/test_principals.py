@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.core import ANYONE, Caller, NotFound, Scheduler, SequenceState
-from service.core.store import MemoryStore
+from service.core import SEES_ALL, Caller, NotFound, Scheduler, SequenceState
+from service.core.persist.store import MemoryStore
 from service.state.sqlite import SqliteStateStore
 
 from .factories import make_config, params, submit, write_version_1_state_dir
@@ -66,4 +66,4 @@ def test_sequences_of_a_state_dir_from_before_principals_are_the_anonymous_princ
     assert submit(sched, request_id="old") == 1
     with pytest.raises(NotFound):
         sched.get_sequence(1, ALICE)  # tokens on: only admin sees them
-    assert sched.get_sequence(1, ANYONE).seq_id == 1
+    assert sched.get_sequence(1, SEES_ALL).seq_id == 1

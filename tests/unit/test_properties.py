@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from service.core import (
     FinishedSequence, FinishReason, QueueFull, Scheduler, SequenceState, UnknownWorker,
 )
-from service.core.store import MemoryStore
+from service.core.persist.store import MemoryStore
 from service.state.sqlite import SqliteStateStore
 
 from .factories import FakeClock, make_config, params, registration, report

@@ -8,8 +8,7 @@ import random
 import pytest
 
 from service.core import InvalidArgument, TokenRuns, WorkerReport
-from service.core.batcher import Batcher
-from service.core.reconcile import Reconciler
+from service.core.tables.steady import SteadyStep
 from service.core.types import FinishReason
 
 from tests.unit.factories import admit, finished, make_scheduler, register, submit
@@ -151,8 +150,8 @@ def test_random_reports_give_what_the_general_rules_give(seed, monkeypatch):
         outcomes = []
         with monkeypatch.context() as patch:
             if not steady_path:
-                patch.setattr(Reconciler, "_steady", staticmethod(lambda worker, report: None))
-                patch.setattr(Batcher, "_steady_running",
+                patch.setattr(SteadyStep, "match", staticmethod(lambda worker, report: None))
+                patch.setattr(SteadyStep, "kept_running",
                               staticmethod(lambda worker, report: None))
             for kind, runs, sent in _random_reports(rnd, ids, 60):
                 try:
@@ -194,7 +193,7 @@ def test_steady_decisions_count_the_pages_a_pass_over_the_sequences_counts(stray
         with monkeypatch.context() as patch:
             patch.setattr(policy, "plan", spy)
             if not steady_path:
-                patch.setattr(Batcher, "_steady_running",
+                patch.setattr(SteadyStep, "kept_running",
                               staticmethod(lambda worker, report: None))
             running = (*ids, 9999) if stray else ids
             for step in range(30):

@@ -1,12 +1,12 @@
-"""The step-time model (service/core/step_model.py) and the pairing of step times with
-decisions (service/core/step_times.py)."""
+"""The step-time model (service/core/learn/step_model.py) and the pairing of step times with
+decisions (service/core/learn/step_times.py)."""
 from __future__ import annotations
 
 import math
 import random
 
-from service.core.step_model import StepShape, StepTimeModel, chunk_attention
-from service.core.step_times import StepTimes
+from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
+from service.core.learn.step_times import StepTimes
 
 
 def _true_seconds(shape: StepShape, speed: float = 1.0) -> float:

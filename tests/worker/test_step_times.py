@@ -9,7 +9,7 @@ import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from service.core import Scheduler, SchedulerConfig
-from service.core.step_model import StepShape, chunk_attention
+from service.core.learn.step_model import StepShape, chunk_attention
 from service.sim.client import InProcessClient
 from tests.worker.scripted_client import ScriptedClient
 from worker_client.client import WorkerResources

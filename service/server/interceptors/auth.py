@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from service.server.interceptors import handlers
-from service.core import ANYONE, Caller, ConfigError
+from service.core import SEES_ALL, Caller, ConfigError
 
 # The longest tenant a tokens file may bind a token to, in UTF-8 bytes (as the wire's
 # MAX_STRING_BYTES).
@@ -191,7 +191,7 @@ def _is_clean(text: str) -> bool:
 
 class Callers:
     """Who a client call comes from, for the servicer: the caller of the call's token
-    (the interceptor has checked it already), or, without a tokens table, ANYONE (one
+    (the interceptor has checked it already), or, without a tokens table, SEES_ALL (one
     principal, who sees every sequence, as before principals)."""
 
     def __init__(self, tokens: TokenTable | None) -> None:
@@ -208,7 +208,7 @@ class Callers:
 
     def caller(self, context) -> Caller:
         grant = self.grant(context)
-        return ANYONE if grant is None else grant.caller()
+        return SEES_ALL if grant is None else grant.caller()
 
 
 def _bearer(metadata) -> str | None:

@@ -1,0 +1,128 @@
+"""What one decision sees of the rest of the fleet: where a queued sequence's prefix is
+cached (on the asking worker and on the others) and how loaded each worker is.
+
+Mechanism only: the batcher builds a `FleetView` for a worker that keeps a prefix cache
+(with --prefix-caching on), and the placement policy (service/core/decide/policies/placement.py)
+decides with it. Built in O(workers) per decision; a lookup is one walk down the
+sequence's block hashes over the fleet's index (O(prompt blocks)), memoized per decision.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from service.core.tables.ledger import WorkerRecord
+from service.core.cache.prefix_cache import FleetCache, prompt_hashes
+from service.core.tables.sequences import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSpread:
+    """Where a sequence's prefix is cached, in prompt tokens (0: nowhere)."""
+
+    # Its longest resume point on the asking worker (DecisionView.cached_tokens).
+    own_tokens: int
+    # Its longest one on another worker that admits now and can run it (as long as
+    # own_tokens: a tie; 0 when the asker's is longer).
+    best_other_tokens: int
+    # Whether one of the workers holding that best other point has room now.
+    best_other_has_room: bool
+    # How many other workers hold that point, and the least load (sequences assigned)
+    # of those of them with room (None: none has room).
+    best_other_holders: int = 0
+    best_other_least_load: int | None = None
+
+
+COLD = CacheSpread(0, 0, False)
+
+
+def has_room(worker: WorkerRecord) -> bool:
+    """Whether `worker` could admit one more sequence at its next call, as far as its
+    last report tells: batch places and a free GDN slot."""
+    return len(worker.assigned) < worker.settings.max_batch_size and worker.gdn_free_slots > 0
+
+
+def sequence_hashes(seq: Sequence, block_tokens: int) -> list[int]:
+    """The block hashes of `seq`'s resume prompt, kept on the sequence (computed once,
+    extended when it comes back with more tokens)."""
+    seq.prompt_hashes = prompt_hashes(seq.prompt_hashes, seq.resume_token_ids,
+                                      seq.num_tokens(), seq.adapter_id, block_tokens)
+    return seq.prompt_hashes.hashes
+
+
+class FleetView:
+    """The fleet as the decision for `worker` sees it (read-only to the policy)."""
+
+    def __init__(self, worker: WorkerRecord, workers: Iterable[WorkerRecord],
+                 fleet_cache: FleetCache, num_queued: int, now: float) -> None:
+        self.worker_id = worker.worker_id
+        self.block_tokens = worker.resume_points.block_tokens
+        self._own_points = worker.resume_points.points
+        self._owners = fleet_cache.owners
+        # The other workers that admit now (expired leases were dropped before the call).
+        self._peers = {w.worker_id: w for w in workers if w is not worker and w.admitting}
+        # Sequences assigned to each worker: the load the placement balances.
+        self.own_load = len(worker.assigned)
+        self.total_load = self.own_load + sum(len(w.assigned) for w in self._peers.values())
+        self.num_workers = 1 + len(self._peers)
+        self.num_queued = num_queued
+        self.now = now
+        self._least_peer_load = min((len(w.assigned) for w in self._peers.values()
+                                     if has_room(w)), default=None)
+        self._found: dict[int, CacheSpread] = {}
+
+    def waited_seconds(self, seq: Sequence) -> float:
+        """How long `seq` has been queued this time (since it last entered the queue)."""
+        return max(0.0, self.now - seq.enqueued_at)
+
+    def least_peer_load(self, adapter_id: str) -> int | None:
+        """The least load of another admitting worker with room that can run
+        `adapter_id`; None: there is none."""
+        if not adapter_id:
+            return self._least_peer_load
+        return min((len(w.assigned) for w in self._peers.values()
+                    if w.can_run(adapter_id) and has_room(w)), default=None)
+
+    def spread(self, seq: Sequence) -> CacheSpread:
+        """Where `seq`'s prefix is cached: one walk from its longest block strictly below
+        its length (a first chunk computes at least one token) down to the first one the
+        asking worker holds; memoized for this decision."""
+        known = self._found.get(seq.seq_id)
+        if known is not None:
+            return known
+        spread = COLD
+        if self._owners and seq.may_use_prefix_cache():
+            spread = self._walk(seq)
+        self._found[seq.seq_id] = spread
+        return spread
+
+    def _walk(self, seq: Sequence) -> CacheSpread:
+        block_tokens, owners_of, own_id = self.block_tokens, self._owners, self.worker_id
+        hashes = sequence_hashes(seq, block_tokens)
+        for i in range(min(len(hashes), (seq.num_tokens() - 1) // block_tokens) - 1, -1, -1):
+            owners = owners_of.get(hashes[i])
+            if owners is None:
+                continue
+            holders, least_load = 0, None
+            for worker_id in owners:
+                peer = self._peers.get(worker_id)
+                if (peer is not None and peer.resume_points.block_tokens == block_tokens
+                        and peer.can_run(seq.adapter_id)):
+                    holders += 1
+                    if has_room(peer) and (least_load is None
+                                           or len(peer.assigned) < least_load):
+                        least_load = len(peer.assigned)
+            tokens = (i + 1) * block_tokens
+            room = least_load is not None
+            if own_id in owners:
+                # The asker's longest point; another worker's too (a tie) or not.
+                return CacheSpread(tokens, tokens if holders else 0, room, holders, least_load)
+            if holders:
+                # The best other point is this one; the asker's own, if any, lies below.
+                own, own_points = 0, self._own_points
+                for j in range(i - 1, -1, -1):
+                    if hashes[j] in own_points:
+                        own = (j + 1) * block_tokens
+                        break
+                return CacheSpread(own, tokens, room, holders, least_load)
+        return COLD

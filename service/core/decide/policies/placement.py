@@ -1,0 +1,137 @@
+"""Cache-aware placement in the pull design: which queued sequences the asking worker W
+takes, and in what order, given where their prefixes are cached and how loaded the
+fleet is (docs/policies.md, "Placement").
+
+Late binding: nothing is routed on arrival. When W asks, for each candidate (the queue
+order's) the rule compares what W has cached of its prompt with the best other
+admitting worker that can run it (`FleetView.spread`):
+
+1. **Overdue** (queued for `--aging-seconds` or more): W takes it if it fits; never
+   deferred, and ranked first.
+2. **A hit on W** (W alone holds its longest cached prefix): W takes it, ranked before
+   the others of its window (the saving is W's alone: a hit elsewhere is deferred
+   there, and a cold sequence costs the same wherever it runs). A tie (another worker
+   holds as long a prefix) is ranked so too, but placed by load as a cold one (4.): W
+   saves nothing over the other holder, and without it the workers holding a
+   fleet-wide common prefix would take every request that starts with it.
+3. **Better elsewhere** (another worker holds a longer prefix): W defers it, so that
+   the owner takes it at its next call, for at most the time W would spend computing
+   the tokens the owner has cached (W's step model's prediction of that prefill step,
+   or the cautious default model's); after that W takes it. Waiting never costs the
+   sequence much more than the prefill it saves, and W loses nothing while it waits.
+   When the owners tie among themselves (two or more hold that prefix) and each of them
+   would place it by load away from itself (4.: every one with room holds at least its
+   share and more than W), no owner takes it: it is placed by load as a cold one.
+4. **Cold** (cached nowhere) or a tie: W takes it unless W already holds at least its
+   share of the fleet's work (the assigned and queued sequences over the admitting
+   workers, rounded up) and another admitting worker with room holds fewer; then W
+   defers it, for at most the predicted step of the prefill it would compute, so that
+   the least loaded worker takes it.
+
+A deferred candidate is skipped, not waited for: later ones still go ahead. Everything
+is bounded: a deferral by its patience and by `--aging-seconds`, the reordering by
+`LOOKAHEAD` candidates. The mechanism offers a `FleetView` only for a worker that keeps
+a cache with --prefix-caching on; otherwise admissions are exactly the queue order's.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from itertools import islice
+
+from service.core.config import SchedulerConfig
+from service.core.cache.fleet import CacheSpread, FleetView
+from service.core.decide.plan import DecisionView
+from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
+from service.core.vocabulary import SequenceView
+
+# Candidates at the head of the queue order that one decision ranks (reads the cache of):
+# a hit passes at most this many cold sequences, and a decision looks up at most this
+# many before it admits (then one more per candidate it reaches).
+LOOKAHEAD = 16
+
+_OVERDUE, _HIT, _OTHER = 0, 1, 2  # rank classes, best first
+
+
+class PlacementRule:
+    """The placement settings; `start` gives one decision's `Placement` (None: the
+    mechanism offered no fleet view, so admissions keep the queue order)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self._aging_seconds = config.aging_seconds
+        # The patience of a worker whose step time is not learned (no latency target).
+        self._default_model = StepTimeModel()
+
+    def start(self, view: DecisionView) -> Placement | None:
+        if view.fleet is None:
+            return None
+        return Placement(view, view.fleet, self._aging_seconds,
+                         view.step_model or self._default_model)
+
+
+class Placement:
+    """One decision's placement: `candidates` in rank order, `defers` for each."""
+
+    def __init__(self, view: DecisionView, fleet: FleetView, aging_seconds: float,
+                 model: StepTimeModel) -> None:
+        self._view = view
+        self._fleet = fleet
+        self._aging_seconds = aging_seconds
+        self._model = model
+        # W's share of the fleet's work: assigned plus queued sequences, per admitting
+        # worker (admissions only move sequences from the queue to W: it stays the same).
+        self._fair_load = math.ceil((fleet.total_load + fleet.num_queued) / fleet.num_workers)
+
+    def candidates(self) -> Iterator[SequenceView]:
+        """The queue order's candidates, the first LOOKAHEAD of them ranked (overdue,
+        then W's hits, then the rest, queue order within)."""
+        queue = self._view.queue()
+        window = list(islice(queue, LOOKAHEAD))
+        window.sort(key=self._rank)
+        yield from window
+        yield from queue
+
+    def defers(self, seq: SequenceView, num_admitted: int) -> bool:
+        """Whether W leaves `seq` queued this decision, for a better placed worker;
+        `num_admitted`: what W admitted so far in this decision (its load grows)."""
+        fleet = self._fleet
+        waited = fleet.waited_seconds(seq)
+        if waited >= self._aging_seconds:
+            return False
+        spread = fleet.spread(seq)
+        own, other = spread.own_tokens, spread.best_other_tokens
+        load = fleet.own_load + num_admitted
+        if other > own and not self._holders_leave_it(spread, load):
+            return waited < self._step_seconds(own, other - own)
+        if own > other:
+            return False  # W's alone
+        # Cold, a tie (W and another hold the same prefix), or a tie among the others
+        # that each leave it by load: placed by load.
+        if load < self._fair_load:
+            return False
+        least = fleet.least_peer_load(seq.adapter_id)
+        if least is None or least >= load:
+            return False
+        return waited < self._step_seconds(own, seq.num_tokens() - own)
+
+    def _holders_leave_it(self, spread: CacheSpread, load: int) -> bool:
+        """Whether two or more others hold the best prefix and each would leave it by
+        load (4.): every one with room holds at least its share and more than W."""
+        least = spread.best_other_least_load
+        return (spread.best_other_holders > 1 and least is not None
+                and least >= max(self._fair_load, load + 1))
+
+    def _rank(self, seq: SequenceView) -> int:
+        fleet = self._fleet
+        if fleet.waited_seconds(seq) >= self._aging_seconds:
+            return _OVERDUE
+        spread = fleet.spread(seq)
+        saved = spread.own_tokens - spread.best_other_tokens
+        if spread.own_tokens and saved >= 0:
+            return _HIT
+        return _OTHER
+
+    def _step_seconds(self, start: int, num_tokens: int) -> float:
+        """W's predicted time for a step that prefills `num_tokens` from `start`."""
+        return self._model.predict(StepShape(num_prefill_tokens=num_tokens,
+                                             prefill_attention=chunk_attention(start, num_tokens)))
