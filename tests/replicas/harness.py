@@ -18,7 +18,7 @@ from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from common.processes import LOOPBACK, SCHEDULER_LISTENING, free_port, scheduler_argv
 from common.targets import ROUND_ROBIN
 from common.waiting import wait_until
-from service.devtools.fault_stack import CHANNEL_OPTIONS, START_TIMEOUT_SECONDS, Clients, Proc
+from bench.harness.fault_stack import CHANNEL_OPTIONS, START_TIMEOUT_SECONDS, Clients, Proc
 
 
 class ReplicaStack:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Chaos run: the fault tests' stack (service/devtools/fault_stack.py) driven for longer.
+"""Chaos run: the fault tests' stack (bench/harness/fault_stack.py) driven for longer.
 
 A real scheduler process (--state-dir, fixed loopback port) and scripted worker
 processes run while one client thread submits sequences with unique request_ids and
@@ -13,7 +13,7 @@ once, with exactly the scripted model's reference tokens.
 Prints progress while it runs and a markdown table at the end; exits 1 if anything
 acknowledged was lost or came out wrong.
 
-    python scripts/chaos.py --seconds 60 --sequences 300 --scheduler-kills 5 \\
+    python -m bench.chaos --seconds 60 --sequences 300 --scheduler-kills 5 \\
         --worker-kills 3 --seed 1
 """
 from __future__ import annotations
@@ -28,11 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "protos"))
-
-from service.devtools.fault_stack import Clients, Stack, check, make_jobs  # noqa: E402
+from bench.harness.fault_stack import Clients, Stack, check, make_jobs
 
 PROGRESS_EVERY_SECONDS = 2.0
 

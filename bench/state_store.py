@@ -2,7 +2,7 @@
 """What durable state costs: Submit and SelectBatch in the core, without a store and with
 SQLite under each --state-fsync mode; then how long a restart takes to load the state.
 
-    python scripts/bench_state_store.py --iterations 1000
+    python -m bench.state_store --iterations 1000
 
 SelectBatch here is a decode iteration: one worker reports --batch running sequences,
 each with one new token, so every call saves --batch token rows. Submit saves one new

@@ -9,8 +9,8 @@ own), `--model DIR` runs a real checkpoint instead. Both rows send the very same
 ids, so both generate the same tokens; the HTTP row adds tokenizing nothing, detokenizing
 every token, JSON and server-sent events.
 
-    python scripts/bench_gateway.py                         # 64 requests, 16 at a time
-    python scripts/bench_gateway.py --requests 200 --concurrency 32 --max-new-tokens 64
+    python -m bench.gateway                         # 64 requests, 16 at a time
+    python -m bench.gateway --requests 200 --concurrency 32 --max-new-tokens 64
 """
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 """Batched prefill: one forward per prompt chunk (before) next to chunks of many sequences
 packed into one forward (after), on the same engine, weights and prompts.
 
-    .venv/bin/python scripts/bench_prefill.py                       # tiny dense model, CPU fp32
-    .venv/bin/python scripts/bench_prefill.py --preset tiny-next    # tiny Qwen3-Next (MoE)
-    .venv/bin/python scripts/bench_prefill.py --preset small-moe    # 8 layers, 32 experts, top-4
-    .venv/bin/python scripts/bench_prefill.py --device cuda --dtype bfloat16 --model DIR
+    .venv/bin/python -m bench.prefill                       # tiny dense model, CPU fp32
+    .venv/bin/python -m bench.prefill --preset tiny-next    # tiny Qwen3-Next (MoE)
+    .venv/bin/python -m bench.prefill --preset small-moe    # 8 layers, 32 experts, top-4
+    .venv/bin/python -m bench.prefill --device cuda --dtype bfloat16 --model DIR
 
 Workload: --num-prompts (16) prompts of mixed lengths (seeded, --min-prompt-len to
 --max-prompt-len), greedy, --max-new-tokens each with EOS ignored. "before" is the
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.devtools.engine_bench import (
+from bench.harness.engine_bench import (
     SchedulerStack, Tokens, add_workload_arguments, check_workload_arguments, make_engine,
     random_prompts, run_directly, synchronize,
 )

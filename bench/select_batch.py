@@ -6,7 +6,7 @@ max_batch_size = --batch and a GDN slot for each, let it admit --batch of them, 
 every timed iteration it reports all --batch in `running` (the rest stay queued, so
 each decision also checks admission and finds the batch full).
 
-    python scripts/bench_select_batch.py --iterations 2000
+    python -m bench.select_batch --iterations 2000
 
 Rows:
   grpc round trip      client-side time of one SelectBatch on 127.0.0.1

@@ -15,7 +15,7 @@ CPU per decision: CPU seconds of the scheduler processes, and of the PostgreSQL 
 (postmaster and its backends), over the timed window, divided by decisions. On a shared
 2-core machine, read cost, not scaling: two replicas share the same two cores.
 
-    .venv/bin/python scripts/bench_replicas.py --seconds 15
+    .venv/bin/python -m bench.replicas --seconds 15
 """
 from __future__ import annotations
 
@@ -35,12 +35,11 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common.loadgen import percentile
+from common.processes import spawn_scheduler
+from service.state.pg_cluster import PrivateCluster, free_port
 
-from common.loadgen import percentile  # noqa: E402
-from common.processes import spawn_scheduler  # noqa: E402
-from service.state.pg_cluster import PrivateCluster, free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -7,9 +7,9 @@ temporary directory; `--model DIR` uses a real Qwen3.5 checkpoint instead. Every
 prompt is random token ids, decoding is greedy and EOS is ignored on both sides,
 so every sequence generates exactly --max-new-tokens tokens.
 
-    python scripts/bench_worker.py                      # tiny model, fp32 on CPU
-    python scripts/bench_worker.py --preset small       # 8 layers, hidden 512
-    python scripts/bench_worker.py --device cuda --dtype bfloat16 --model DIR \\
+    python -m bench.worker                      # tiny model, fp32 on CPU
+    python -m bench.worker --preset small       # 8 layers, hidden 512
+    python -m bench.worker --device cuda --dtype bfloat16 --model DIR \\
         --num-prompts 64 --max-new-tokens 256           # on a GPU, a real checkpoint
 
 Rows (each timed after a short warm-up run of the same mode; the best of --repeats):
@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from service.devtools.engine_bench import (
+from bench.harness.engine_bench import (
     SchedulerStack, Tokens, add_workload_arguments, check_workload_arguments, make_engine,
     random_prompts, run_directly, synchronize,
 )

@@ -7,8 +7,8 @@ convert.py both ways, SimEngine, cost model), the worker iterations it made, the
 iteration, and the share spent in service/server/convert.py's mapping (worker_report and
 decision, timed around each call).
 
-    python scripts/bench_sim.py                          # sharegpt, 2000 requests, 4 workers
-    python scripts/bench_sim.py --qps 2,8,32 --trace splitwise_conv
+    python -m bench.sim                          # sharegpt, 2000 requests, 4 workers
+    python -m bench.sim --qps 2,8,32 --trace splitwise_conv
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the engine benchmarks (scripts/bench_prefill.py, scripts/bench_worker.py) share:
+"""What the engine benchmarks (bench/prefill.py, bench/worker.py) share:
 their workload arguments, seeded prompts, an engine sized so that nothing is preempted,
 the engine driven directly as a worker would drive it, and an in-process scheduler with a
 WorkerLoop thread on the engine."""

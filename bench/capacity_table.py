@@ -2,7 +2,7 @@
 targets and of a search over fixed token budgets, per trace and worker count, with the
 same runs (`lattice-scheduler simulate --find-capacity`, one process per search).
 
-    .venv/bin/python scripts/capacity_table.py --num-requests 2000 --jobs 2
+    .venv/bin/python -m bench.capacity_table --num-requests 2000 --jobs 2
 
 Prints one Markdown row per cell: each configuration's capacity (QPS) and saturation
 rate (requests/s), the best fixed budget and whether the targets reach it. The default

@@ -7,15 +7,15 @@ loop (grpc.aio), scripted workers are `lattice-worker --model scripted` processe
 `--before DIR` adds rows from the scheduler of another checkout (e.g. a worktree of the
 commit before this change), started with this interpreter from DIR.
 
-    .venv/bin/python scripts/bench_traffic.py streams     # 10,000 idle Generate streams, 16 workers
-    .venv/bin/python scripts/bench_traffic.py honest      # 2,000 streams read to the end, 4 workers
-    .venv/bin/python scripts/bench_traffic.py watch       # 1,000 unauthenticated Health.Watch, tokens on
-    .venv/bin/python scripts/bench_traffic.py decisions   # decisions/s, 64 workers: echo, unary, session
-    .venv/bin/python scripts/bench_traffic.py overlap     # 8 scripted workers, --step-ms 10
-    .venv/bin/python scripts/bench_traffic.py idle        # 16 idle workers: CPU, Submit to a worker
-    .venv/bin/python scripts/bench_traffic.py submits     # acknowledged Submits/s, 16 submitters
-    .venv/bin/python scripts/bench_traffic.py report-cost # CPU per report, 256 decoding
-    .venv/bin/python scripts/bench_traffic.py report-cost --floor  # and what no scheduling costs
+    .venv/bin/python -m bench.traffic streams     # 10,000 idle Generate streams, 16 workers
+    .venv/bin/python -m bench.traffic honest      # 2,000 streams read to the end, 4 workers
+    .venv/bin/python -m bench.traffic watch       # 1,000 unauthenticated Health.Watch, tokens on
+    .venv/bin/python -m bench.traffic decisions   # decisions/s, 64 workers: echo, unary, session
+    .venv/bin/python -m bench.traffic overlap     # 8 scripted workers, --step-ms 10
+    .venv/bin/python -m bench.traffic idle        # 16 idle workers: CPU, Submit to a worker
+    .venv/bin/python -m bench.traffic submits     # acknowledged Submits/s, 16 submitters
+    .venv/bin/python -m bench.traffic report-cost # CPU per report, 256 decoding
+    .venv/bin/python -m bench.traffic report-cost --floor  # and what no scheduling costs
 
 The machine these ran on has 2 cores shared with other work: read ratios within one run.
 """
@@ -45,7 +45,7 @@ from common.processes import LOOPBACK, SCHEDULER_LISTENING, Process, clean_env, 
 from common.waiting import wait_until
 from worker_client.convert import PendingReport
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ECHO_LISTENING = re.compile(r"echo listening on (\d+)")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PROMPT = list(range(1, 17))
@@ -577,7 +577,7 @@ def cmd_decisions(args) -> None:
 
 def _decisions_run(args, root, session: bool) -> tuple[float, float]:
     if root == "echo":
-        proc = Proc([sys.executable, __file__, "echo-server"])
+        proc = Proc([sys.executable, "-m", "bench.traffic", "echo-server"])
         target = f"{LOOPBACK}:{proc.wait_listening(ECHO_LISTENING).group(1)}"
     else:
         # The same policy (budget) for every version, so that the rows compare the path.
@@ -776,9 +776,8 @@ def cmd_submits(args) -> None:
 
 
 def _nano_cpu_per_decision(directory: str, batch: int, decisions: int = 200) -> float:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_decision_cost
-    return bench_decision_cost.cpu_per_decision("nano", batch, decisions, Path(directory))
+    from bench import decision_cost
+    return decision_cost.cpu_per_decision("nano", batch, decisions, Path(directory))
 
 
 def cmd_report_cost(args) -> None:
@@ -863,7 +862,7 @@ def _floor_rows(args) -> list[list[str]]:
                 ("echo servicer, the scheduler's interceptors", "default", ()),
                 ("echo servicer, interceptors and --auth-tokens", "auth",
                  (("authorization", f"Bearer {token}"),))):
-            proc = Proc([sys.executable, __file__, "echo-server", "--new-form",
+            proc = Proc([sys.executable, "-m", "bench.traffic", "echo-server", "--new-form",
                          "--interceptors", which, "--tokens", str(tokens_path)])
             try:
                 target = f"{LOOPBACK}:{proc.wait_listening(ECHO_LISTENING).group(1)}"
