@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness.fault_stack import Clients, Stack, check, make_jobs
+from bench.harness.tables import markdown_table
 
 PROGRESS_EVERY_SECONDS = 2.0
 
@@ -171,9 +172,7 @@ def table(args: argparse.Namespace, chaos: Chaos, outcome, wall_seconds: float) 
            f"({len(stack.restarts) - 1} + {stack.worker_restarts})",
            str(outcome.lost), str(outcome.duplicated_tokens), str(outcome.wrong_outputs),
            f"{wall_seconds:.1f} s", recovery_text]
-    return "\n".join(["| " + " | ".join(header) + " |",
-                      "|" + "|".join(" --- " for _ in header) + "|",
-                      "| " + " | ".join(row) + " |"])
+    return markdown_table(header, [row])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,15 +20,14 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness.processes import scrape
 from common.processes import (
     LOOPBACK, SCHEDULER_LISTENING, Process, clean_env, free_port, scheduler_argv,
 )
@@ -225,10 +224,10 @@ class Stack:
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """The current scheduler's samples: (name, sorted labels) -> value."""
-        return _scrape(self.metrics_port)
+        return scrape(self.metrics_port, timeout_seconds=2.0)
 
     def _finished_count(self, metrics_port: int) -> float:
-        return sum(v for (name, labels), v in _scrape(metrics_port).items()
+        return sum(v for (name, labels), v in scrape(metrics_port, timeout_seconds=2.0).items()
                    if name == "lattice_scheduler_finished_total"
                    and dict(labels).get("reason") != "cancelled")
 
@@ -239,14 +238,6 @@ class Stack:
             parts.append(f"----- {proc.name} ({len(lines)} lines, last {max_lines}) -----")
             parts.extend(lines[-max_lines:])
         return "\n".join(parts)
-
-
-def _scrape(metrics_port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    url = f"http://{LOOPBACK}:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=2.0) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 # ====================================================================== clients
