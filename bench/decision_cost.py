@@ -52,7 +52,7 @@ queued head (a 512-token prompt) once per decision: the same work, in the same c
     .venv/bin/python -m bench.decision_cost --quick       # R = 32 only, short
     .venv/bin/python -m bench.decision_cost --kinds nano --n2 68 --nano-vllm DIR
 
-Figures and the commit they ran at: docs/operations.md, "The cost of a decision".
+Figures and the commit they ran at: docs/benchmarks.md, "The cost of a decision".
 """
 from __future__ import annotations
 
@@ -356,7 +356,7 @@ def main() -> int:
     parser.add_argument("--running", type=int, nargs="+", default=[32, 128, 256],
                         help="running sequences per cell (default 32 128 256)")
     parser.add_argument("--n1", type=int, default=4, help="decisions of the short run")
-    # 16 decisions between the pair was too few for nano-vllm (docs/operations.md).
+    # 16 decisions between the pair was too few for nano-vllm (docs/benchmarks.md).
     parser.add_argument("--n2", type=int, default=68, help="decisions of the long run")
     parser.add_argument("--cpu-decisions", type=int, default=200,
                         help="decisions timed with process_time per cell (default 200)")
