@@ -30,7 +30,8 @@ SLO = ("--slo-ttft-p99", "2", "--slo-tpot-p99", "0.1")
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.capacity_table", description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", default=",".join(TRACES))
     p.add_argument("--workers", default="4,1", help="worker counts, comma-separated")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)),

@@ -176,7 +176,8 @@ def table(args: argparse.Namespace, chaos: Chaos, outcome, wall_seconds: float) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="fault window: submissions and kills happen within it")
     parser.add_argument("--sequences", type=int, default=300)

@@ -348,7 +348,8 @@ def _fmt_count(n: float) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.decision_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--nano-vllm", type=Path, default=None, metavar="DIR",
                         help="a nano-vllm checkout (GeeeekExplorer/nano-vllm): adds its cells")
     parser.add_argument("--quick", action="store_true",

@@ -26,7 +26,8 @@ from service.sim.workload import load_trace
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.learning", description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default=None)
     parser.add_argument("--step-table", default=None)
     parser.add_argument("--trace", default="splitwise_code")

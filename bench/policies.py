@@ -187,7 +187,8 @@ def _us(samples: list[float]) -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.policies", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256, help="running sequences (256)")
     parser.add_argument("--queued", type=int, default=10_000, help="queued sequences (10,000)")
     parser.add_argument("--iterations", type=int, default=2000, help="decisions timed (2000)")

@@ -154,7 +154,9 @@ def print_runs(rows: Sequence[tuple[str, Run, Run]]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.prefill", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser, MODELS, num_prompts=16, min_prompt_len=16, max_prompt_len=512,
                            max_new_tokens=16)
     args = parser.parse_args(argv)

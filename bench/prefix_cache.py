@@ -104,7 +104,8 @@ def random_prompts(model, vocab: int, caching: str, args) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.prefix_cache", description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["tiny"], choices=sorted(PRESETS))
     parser.add_argument("--scenarios", nargs="+", default=["turn2", "shared", "random", "memory"])
     parser.add_argument("--chunk-size", type=int, default=512)

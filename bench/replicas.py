@@ -175,7 +175,8 @@ def run(name: str, targets: list[tuple[str, int]], procs, cluster: PrivateCluste
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.replicas", description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="timed window per run")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--workers", type=int, default=4)

@@ -118,7 +118,8 @@ def _row(name: str, samples: list[float]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.select_batch", description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=2000,
                         help="timed SelectBatch calls per row (default 2000)")
     parser.add_argument("--warmup", type=int, default=200,

@@ -40,7 +40,7 @@ class _Timed:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", default="sharegpt")
     parser.add_argument("--qps", default="2,8,16")

@@ -49,7 +49,7 @@ def _number(text: str) -> int | float | str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_results", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", default="sharegpt,splitwise_conv,splitwise_code")
     parser.add_argument("--workers", default="1,4")

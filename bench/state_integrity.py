@@ -103,7 +103,8 @@ def _verify_figures(directory: str, num_sequences: int) -> tuple[int, float, flo
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.state_integrity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=256, help="rows written per round")
     parser.add_argument("--rounds", type=int, default=200, help="timed rounds per row")
     parser.add_argument("--verify-sequences", type=int, default=20000,

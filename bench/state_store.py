@@ -68,7 +68,8 @@ def _stats(samples: list[float]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.state_store", description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=1000, help="timed SelectBatch calls")
     parser.add_argument("--submits", type=int, default=500, help="timed Submit calls")
     parser.add_argument("--batch", type=int, default=256, help="running sequences per call")

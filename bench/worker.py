@@ -229,7 +229,7 @@ def check_lengths(results: Sequence[Result], max_new_tokens: int) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser, PRESETS, num_prompts=8, min_prompt_len=32, max_prompt_len=256,
                            max_new_tokens=64)
