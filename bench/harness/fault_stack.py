@@ -51,6 +51,15 @@ class Proc(Process):
         super().__init__(name, argv, log_path, env=clean_env(), new_session=True)
 
 
+def kill_all(procs: list[Proc]) -> None:
+    """SIGKILL every process, going on past one that fails."""
+    for proc in procs:
+        try:
+            proc.kill()
+        except Exception:  # noqa: BLE001 - keep killing the others
+            pass
+
+
 @dataclass
 class Restart:
     """One scheduler (re)start: when it began, listened, and finished its first sequence."""
@@ -99,11 +108,7 @@ class Stack:
     def close(self) -> None:
         """Kill every process ever started here (idempotent)."""
         self._watch_stop.set()
-        for proc in self.all_procs:
-            try:
-                proc.kill()
-            except Exception:  # noqa: BLE001 - keep killing the others
-                pass
+        kill_all(self.all_procs)
         self.channel.close()
 
     def __enter__(self) -> "Stack":
