@@ -1,4 +1,4 @@
-"""scripts/bench_decision_cost.py's workloads are what its figures say they are, without
+"""bench/decision_cost.py's workloads are what its figures say they are, without
 valgrind: R sequences decode (one token each) every decision, none is admitted, 1,000
 stay queued; the served cell's answer parses as a SchedulerDecision with the same decode
 list. No instruction count is pinned (machines differ).
@@ -8,29 +8,14 @@ GeeeekExplorer/nano-vllm (none is in the repository: its code is not ours to shi
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from bench import decision_cost as bench
 from service.core import SequenceState
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "bench_decision_cost", ROOT / "scripts" / "bench_decision_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ["service", "worker_client", "scripts", "tests", "deploy", "protos"]
+CODE = ["service", "worker_client", "bench", "scripts", "tests", "deploy", "protos"]
 # Reaching out of the repository: its parent directory, or a path above it.
 OUTSIDE = re.compile(r"""parents?\[?\d*\]?\s*/\s*["']shared["']|\.\./shared|/work/shared"""
                      r"""|REPO\.parent|ROOT\.parent""")

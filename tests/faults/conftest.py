@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.devtools.fault_stack import Clients, Stack
+from bench.harness.fault_stack import Clients, Stack
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The checker itself: duplicated and missing tokens are counted, not just noticed."""
 from __future__ import annotations
 
-from service.devtools.fault_stack import count_duplicated_and_missing, make_jobs
+from bench.harness.fault_stack import count_duplicated_and_missing, make_jobs
 
 REF = [10, 11, 12, 13, 14, 15]
 

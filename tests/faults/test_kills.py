@@ -15,7 +15,7 @@ import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from common.waiting import wait_until
-from service.devtools.fault_stack import Job, check, check_known, make_jobs
+from bench.harness.fault_stack import Job, check, check_known, make_jobs
 
 pytestmark = pytest.mark.slow
 

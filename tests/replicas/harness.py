@@ -18,7 +18,8 @@ from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from common.processes import LOOPBACK, SCHEDULER_LISTENING, free_port, scheduler_argv
 from common.targets import ROUND_ROBIN
 from common.waiting import wait_until
-from service.devtools.fault_stack import CHANNEL_OPTIONS, START_TIMEOUT_SECONDS, Clients, Proc
+from bench.harness.fault_stack import (
+    CHANNEL_OPTIONS, START_TIMEOUT_SECONDS, Clients, Proc, kill_all)
 
 
 class ReplicaStack:
@@ -53,11 +54,7 @@ class ReplicaStack:
         return self
 
     def close(self) -> None:
-        for proc in self.all_procs:
-            try:
-                proc.kill()
-            except Exception:  # noqa: BLE001 - keep killing the others
-                pass
+        kill_all(self.all_procs)
         self.channel.close()
 
     def start_replica(self, index: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from common.waiting import wait_until
-from service.devtools.fault_stack import check, make_jobs
+from bench.harness.fault_stack import check, make_jobs
 
 from .harness import ReplicaClients, ReplicaStack, wait_all_done
 

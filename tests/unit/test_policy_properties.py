@@ -20,7 +20,7 @@ from hypothesis import event, given, settings, strategies as st
 from service.core import (
     FinishedSequence, FinishReason, Scheduler, SchedulerObserver, SequenceState,
 )
-from service.devtools.honest_worker import HonestWorker, Served
+from bench.harness.honest_worker import HonestWorker, Served
 
 from .factories import FakeClock, make_config, params, registration, report
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from service.devtools.engine_bench import PAGE_SIZE, SchedulerStack
+from bench.harness.engine_bench import PAGE_SIZE, SchedulerStack
 from worker_client.engine.engine import ModelEngine
 from worker_client.engine.loading import load_model
 

@@ -16,7 +16,7 @@ before). Last, the decisions' quality for tenants: a steady tenant (2 queued) ag
 flooding one (20 queued), equal weights, honest worker; the steady tenant's share of the
 tokens served over every window of 150 decisions, per policy and seed.
 
-    .venv/bin/python scripts/bench_policies.py
+    .venv/bin/python -m bench.policies
 """
 from __future__ import annotations
 
@@ -27,16 +27,12 @@ import statistics
 import sys
 import time
 import tracemalloc
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from service.core import (  # noqa: E402
     FinishedSequence, FinishReason, Scheduler, SchedulerConfig, SequenceState, SubmitParams,
     TokenUpdate, WorkerRegistration, WorkerReport,
 )
-from common.loadgen import percentile  # noqa: E402
+from common.loadgen import percentile
 from service.core.errors import DeadlineUnreachable  # noqa: E402
 
 POLICIES = ("fifo", "budget", "fair")
@@ -154,7 +150,7 @@ def bytes_per_queued_prompt(prompt_len: int, count: int) -> tuple[float, float]:
 def tenant_shares(policy: str, seed: int, decisions: int = 600,
                   window: int = 150) -> tuple[float, float]:
     """(lowest, mean) share of the steady tenant over the windows of `window` decisions."""
-    from service.devtools.honest_worker import HonestWorker, Served
+    from bench.harness.honest_worker import HonestWorker, Served
     rnd = random.Random(seed)
     served = Served()
     core = Scheduler(SchedulerConfig(policy=policy, max_batch_size=8, chunk_size=16,
@@ -191,7 +187,8 @@ def _us(samples: list[float]) -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.policies", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256, help="running sequences (256)")
     parser.add_argument("--queued", type=int, default=10_000, help="queued sequences (10,000)")
     parser.add_argument("--iterations", type=int, default=2000, help="decisions timed (2000)")

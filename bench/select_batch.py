@@ -6,7 +6,7 @@ max_batch_size = --batch and a GDN slot for each, let it admit --batch of them, 
 every timed iteration it reports all --batch in `running` (the rest stay queued, so
 each decision also checks admission and finds the batch full).
 
-    python scripts/bench_select_batch.py --iterations 2000
+    python -m bench.select_batch --iterations 2000
 
 Rows:
   grpc round trip      client-side time of one SelectBatch on 127.0.0.1
@@ -118,7 +118,8 @@ def _row(name: str, samples: list[float]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.select_batch", description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=2000,
                         help="timed SelectBatch calls per row (default 2000)")
     parser.add_argument("--warmup", type=int, default=200,

@@ -1,6 +1,6 @@
 """An in-process worker that holds what the scheduler gives it and reports exactly what it
 has, counting KV pages and GDN slots as the reference engine does: for property tests of
-the policies (tests/unit/test_policy_properties.py) and scripts/bench_policies.py."""
+the policies (tests/unit/test_policy_properties.py) and bench/policies.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -7,9 +7,9 @@ temporary directory; `--model DIR` uses a real Qwen3.5 checkpoint instead. Every
 prompt is random token ids, decoding is greedy and EOS is ignored on both sides,
 so every sequence generates exactly --max-new-tokens tokens.
 
-    python scripts/bench_worker.py                      # tiny model, fp32 on CPU
-    python scripts/bench_worker.py --preset small       # 8 layers, hidden 512
-    python scripts/bench_worker.py --device cuda --dtype bfloat16 --model DIR \\
+    python -m bench.worker                      # tiny model, fp32 on CPU
+    python -m bench.worker --preset small       # 8 layers, hidden 512
+    python -m bench.worker --device cuda --dtype bfloat16 --model DIR \\
         --num-prompts 64 --max-new-tokens 256           # on a GPU, a real checkpoint
 
 Rows (each timed after a short warm-up run of the same mode; the best of --repeats):
@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,10 +44,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from service.devtools.engine_bench import (
-    SchedulerStack, Tokens, add_workload_arguments, check_workload_arguments, make_engine,
-    random_prompts, run_directly, synchronize,
+from bench.harness.engine_bench import (
+    SchedulerStack, Tokens, add_workload_arguments, check_workload_arguments, configure_torch,
+    make_engine, random_prompts, run_directly, synchronize,
 )
+from bench.harness.tables import print_table
 from worker_client.engine.config import ModelConfig
 from worker_client.engine.loading import load_model, random_model
 from worker_client.engine.model import Qwen35ForCausalLM
@@ -194,16 +194,15 @@ def timed(mode: str, run: Callable[[Sequence[Tokens], int], list[Tokens]],
     return best
 
 
-def print_table(results: Sequence[Result]) -> None:
+def print_results(results: Sequence[Result]) -> None:
     one_at_a_time, static_batch, direct = results[0], results[1], results[2]
-    print(f"{'mode':<18} {'seqs':>5} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} "
-          f"{'vs hf 1-by-1':>13} {'vs hf batch':>12} {'vs direct':>10}")
-    for r in results:
-        print(f"{r.mode:<18} {len(r.outputs):>5} {r.num_tokens:>7} {r.seconds:>8.2f} "
-              f"{r.tokens_per_second:>9.1f} "
-              f"{r.tokens_per_second / one_at_a_time.tokens_per_second:>12.2f}x "
-              f"{r.tokens_per_second / static_batch.tokens_per_second:>11.2f}x "
-              f"{r.tokens_per_second / direct.tokens_per_second:>9.2f}x")
+    print_table(["mode", "seqs", "tokens", "seconds", "tokens/s", "vs hf 1-by-1", "vs hf batch",
+                 "vs direct"],
+                [[r.mode, len(r.outputs), r.num_tokens, f"{r.seconds:.2f}",
+                  f"{r.tokens_per_second:.1f}",
+                  f"{r.tokens_per_second / one_at_a_time.tokens_per_second:.2f}x",
+                  f"{r.tokens_per_second / static_batch.tokens_per_second:.2f}x",
+                  f"{r.tokens_per_second / direct.tokens_per_second:.2f}x"] for r in results])
 
 
 def describe_agreement(result: Result, baseline: Result) -> str:
@@ -230,7 +229,7 @@ def check_lengths(results: Sequence[Result], max_new_tokens: int) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser, PRESETS, num_prompts=8, min_prompt_len=32, max_prompt_len=256,
                            max_new_tokens=64)
@@ -275,9 +274,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> list[Result]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
+    configure_torch(args)
     transformers.logging.set_verbosity_error()  # the "fast path is not available" notice
     transformers.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="bench_worker_") as tmp:
@@ -288,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         results = run_benchmark(args, model_dir)
     check_lengths(results, args.max_new_tokens)
     print()
-    print_table(results)
+    print_results(results)
     print()
     baseline = results[0]
     for r in results[1:]:

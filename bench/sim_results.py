@@ -6,8 +6,8 @@ Each cell is `lattice-scheduler simulate --find-capacity` for two SLOs (TTFT p99
 TPOT p99 <= 100 ms; TTFT p99 <= 5 s and TPOT p99 <= 200 ms), sharing the runs both
 searches make. Prints a markdown table as cells finish, and writes every run to --json.
 
-    python scripts/sim_results.py                       # everything (an hour or more)
-    python scripts/sim_results.py --traces sharegpt --workers 1 \\
+    python -m bench.sim_results                       # everything (an hour or more)
+    python -m bench.sim_results --traces sharegpt --workers 1 \\
         --variants fifo budget:max_num_batched_tokens=512 fifo@round-robin
 A variant is POLICY[:SETTING=VALUE,...][@ROUTING].
 """
@@ -49,7 +49,7 @@ def _number(text: str) -> int | float | str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_results", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", default="sharegpt,splitwise_conv,splitwise_code")
     parser.add_argument("--workers", default="1,4")

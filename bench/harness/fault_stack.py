@@ -9,7 +9,7 @@ and collects every acknowledged sequence's output by re-attaching with `Generate
 
 Every wait is bounded, and `Stack.close` kills every process it started, whatever
 happened. Each process logs to its own file under the stack's directory. Used by
-tests/faults, tests/replicas and scripts/chaos.py.
+tests/faults, tests/replicas and bench/chaos.py.
 """
 from __future__ import annotations
 
@@ -20,15 +20,14 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness.processes import scrape
 from common.processes import (
     LOOPBACK, SCHEDULER_LISTENING, Process, clean_env, free_port, scheduler_argv,
 )
@@ -50,6 +49,15 @@ class Proc(Process):
 
     def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
         super().__init__(name, argv, log_path, env=clean_env(), new_session=True)
+
+
+def kill_all(procs: list[Proc]) -> None:
+    """SIGKILL every process, going on past one that fails."""
+    for proc in procs:
+        try:
+            proc.kill()
+        except Exception:  # noqa: BLE001 - keep killing the others
+            pass
 
 
 @dataclass
@@ -100,11 +108,7 @@ class Stack:
     def close(self) -> None:
         """Kill every process ever started here (idempotent)."""
         self._watch_stop.set()
-        for proc in self.all_procs:
-            try:
-                proc.kill()
-            except Exception:  # noqa: BLE001 - keep killing the others
-                pass
+        kill_all(self.all_procs)
         self.channel.close()
 
     def __enter__(self) -> "Stack":
@@ -225,10 +229,10 @@ class Stack:
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """The current scheduler's samples: (name, sorted labels) -> value."""
-        return _scrape(self.metrics_port)
+        return scrape(self.metrics_port, timeout_seconds=2.0)
 
     def _finished_count(self, metrics_port: int) -> float:
-        return sum(v for (name, labels), v in _scrape(metrics_port).items()
+        return sum(v for (name, labels), v in scrape(metrics_port, timeout_seconds=2.0).items()
                    if name == "lattice_scheduler_finished_total"
                    and dict(labels).get("reason") != "cancelled")
 
@@ -239,14 +243,6 @@ class Stack:
             parts.append(f"----- {proc.name} ({len(lines)} lines, last {max_lines}) -----")
             parts.extend(lines[-max_lines:])
         return "\n".join(parts)
-
-
-def _scrape(metrics_port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    url = f"http://{LOOPBACK}:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=2.0) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 # ====================================================================== clients

@@ -9,8 +9,8 @@ own), `--model DIR` runs a real checkpoint instead. Both rows send the very same
 ids, so both generate the same tokens; the HTTP row adds tokenizing nothing, detokenizing
 every token, JSON and server-sent events.
 
-    python scripts/bench_gateway.py                         # 64 requests, 16 at a time
-    python scripts/bench_gateway.py --requests 200 --concurrency 32 --max-new-tokens 64
+    python -m bench.gateway                         # 64 requests, 16 at a time
+    python -m bench.gateway --requests 200 --concurrency 32 --max-new-tokens 64
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +27,8 @@ import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
-from common.loadgen import percentile, run_concurrently
+from bench.harness.tables import ms, pct, print_table
+from common.loadgen import run_concurrently
 from common.processes import GATEWAY_LISTENING, LOOPBACK, spawn, spawn_scheduler
 from common.waiting import wait_until
 from worker_client.demo_model import build_tokenizer, write_tokenizer_files
@@ -48,7 +49,8 @@ class Row:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gateway", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--min-prompt-len", type=int, default=8)
@@ -106,22 +108,27 @@ def main() -> int:
                 proc.stop()
 
 
+def _timed(row: Row, stream: Iterator[tuple[bool, int]]) -> None:
+    """Read a stream of (a token came, tokens counted) to its end: its TTFT and e2e."""
+    started = time.perf_counter()
+    first = None
+    for token_came, num_tokens in stream:
+        if token_came and first is None:
+            first = time.perf_counter() - started
+        row.num_tokens += num_tokens
+    row.ttft.append(first or 0.0)
+    row.e2e.append(time.perf_counter() - started)
+
+
 def _grpc_one(stub, max_new_tokens: int) -> Callable[[list[int], Row], None]:
     def one(prompt: list[int], row: Row) -> None:
-        started = time.perf_counter()
-        first = None
         request = pb.SubmitRequest(prompt_token_ids=prompt, max_new_tokens=max_new_tokens,
                                    stop_token_ids=[STOP_TOKEN_ID])
         try:
-            for event in stub.Generate(request, timeout=300):
-                if event.token_ids and first is None:
-                    first = time.perf_counter() - started
-                row.num_tokens += len(event.token_ids)
+            _timed(row, ((bool(e.token_ids), len(e.token_ids))
+                         for e in stub.Generate(request, timeout=300)))
         except grpc.RpcError as err:
             row.errors.append(f"{err.code().name}: {err.details()}")
-            return
-        row.ttft.append(first or 0.0)
-        row.e2e.append(time.perf_counter() - started)
     return one
 
 
@@ -132,21 +139,15 @@ def _http_one(base_url: str, model: str, max_new_tokens: int) -> Callable[[list[
                            timeout=300)
 
     def one(prompt: list[int], row: Row) -> None:
-        started = time.perf_counter()
-        first = None
         try:
-            for chunk in client.completions.create(
-                    model=model, prompt=prompt, max_tokens=max_new_tokens, temperature=0,
-                    stream=True, stream_options={"include_usage": True}):
-                if chunk.choices and chunk.choices[0].text and first is None:
-                    first = time.perf_counter() - started
-                if chunk.usage is not None:
-                    row.num_tokens += chunk.usage.completion_tokens
+            chunks = client.completions.create(
+                model=model, prompt=prompt, max_tokens=max_new_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True})
+            _timed(row, ((bool(c.choices and c.choices[0].text),
+                          c.usage.completion_tokens if c.usage is not None else 0)
+                         for c in chunks))
         except openai.APIError as err:
             row.errors.append(f"{type(err).__name__}: {err}")
-            return
-        row.ttft.append(first or 0.0)
-        row.e2e.append(time.perf_counter() - started)
     return one
 
 
@@ -158,20 +159,18 @@ def _run(name: str, one, prompts: list[list[int]], concurrency: int) -> Row:
 
 
 def _print(rows: list[Row]) -> None:
-    print(f"{'path':<22} {'tokens':>7} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'e2e p50':>9} {'e2e p99':>9} {'errors':>6}")
-    for row in rows:
-        ttft, e2e = sorted(row.ttft), sorted(row.e2e)
-        print(f"{row.name:<22} {row.num_tokens:>7} {row.num_tokens / row.wall_seconds:>9.0f} "
-              f"{_ms(ttft, 50):>9} {_ms(ttft, 99):>9} {_ms(e2e, 50):>9} {_ms(e2e, 99):>9} "
-              f"{len(row.errors):>6}")
+    print_table(["path", "tokens", "tokens/s", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99",
+                 "errors"],
+                [[row.name, row.num_tokens, f"{row.num_tokens / row.wall_seconds:.0f}",
+                  _ms(row.ttft, 50), _ms(row.ttft, 99), _ms(row.e2e, 50), _ms(row.e2e, 99),
+                  len(row.errors)] for row in rows])
     for row in rows:
         for error in sorted(set(row.errors))[:3]:
             print(f"{row.name}: {error}")
 
 
-def _ms(values: list[float], pct: float) -> str:
-    return f"{percentile(values, pct) * 1000:.0f} ms" if values else "-"
+def _ms(values: list[float], percent: float) -> str:
+    return f"{ms(pct(values, percent), 0)} ms" if values else "-"
 
 
 if __name__ == "__main__":

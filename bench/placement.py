@@ -82,7 +82,8 @@ def run(prefix_caching: str, args) -> tuple[list[float], int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.placement", description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--families", type=int, default=32)
     parser.add_argument("--queued", type=int, default=2000)

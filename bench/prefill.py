@@ -2,10 +2,10 @@
 """Batched prefill: one forward per prompt chunk (before) next to chunks of many sequences
 packed into one forward (after), on the same engine, weights and prompts.
 
-    .venv/bin/python scripts/bench_prefill.py                       # tiny dense model, CPU fp32
-    .venv/bin/python scripts/bench_prefill.py --preset tiny-next    # tiny Qwen3-Next (MoE)
-    .venv/bin/python scripts/bench_prefill.py --preset small-moe    # 8 layers, 32 experts, top-4
-    .venv/bin/python scripts/bench_prefill.py --device cuda --dtype bfloat16 --model DIR
+    .venv/bin/python -m bench.prefill                       # tiny dense model, CPU fp32
+    .venv/bin/python -m bench.prefill --preset tiny-next    # tiny Qwen3-Next (MoE)
+    .venv/bin/python -m bench.prefill --preset small-moe    # 8 layers, 32 experts, top-4
+    .venv/bin/python -m bench.prefill --device cuda --dtype bfloat16 --model DIR
 
 Workload: --num-prompts (16) prompts of mixed lengths (seeded, --min-prompt-len to
 --max-prompt-len), greedy, --max-new-tokens each with EOS ignored. "before" is the
@@ -32,17 +32,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from service.devtools.engine_bench import (
-    SchedulerStack, Tokens, add_workload_arguments, check_workload_arguments, make_engine,
-    random_prompts, run_directly, synchronize,
+from bench.harness.engine_bench import (
+    SchedulerStack, Tokens, add_workload_arguments, check_workload_arguments, configure_torch,
+    make_engine, random_prompts, run_directly, synchronize,
 )
+from bench.harness.tables import print_table
 from worker_client.engine.config import ModelConfig, MoeConfig
 from worker_client.engine.loading import PRESETS, load_model, random_model
 from worker_client.engine.model import Qwen35ForCausalLM
@@ -139,21 +139,24 @@ def best_of(repeats: int, run: Callable[[], Run], warm_up: Callable[[], Run]) ->
     return min(runs, key=lambda r: r.total_seconds)
 
 
-def print_table(rows: Sequence[tuple[str, Run, Run]]) -> None:
-    print(f"{'driver':<10} {'':<7} {'prefill s':>9} {'mean TTFT s':>11} {'total s':>8} {'cpu s':>7} "
-          f"{'tokens/s':>9} {'prefill fwds':>12}")
+def print_runs(rows: Sequence[tuple[str, Run, Run]]) -> None:
+    print_table(["driver", "", "prefill s", "mean TTFT s", "total s", "cpu s", "tokens/s",
+                 "prefill fwds"],
+                [[driver, label, f"{run.prefill_seconds:.3f}", f"{run.mean_ttft_seconds:.3f}",
+                  f"{run.total_seconds:.3f}", f"{run.cpu_seconds:.3f}",
+                  f"{run.tokens_per_second:.1f}", run.num_prefill_forwards]
+                 for driver, before, after in rows
+                 for label, run in (("before", before), ("after", after))])
     for driver, before, after in rows:
-        for label, run in (("before", before), ("after", after)):
-            forwards = str(run.num_prefill_forwards)
-            print(f"{driver:<10} {label:<7} {run.prefill_seconds:>9.3f} {run.mean_ttft_seconds:>11.3f} "
-                  f"{run.total_seconds:>8.3f} {run.cpu_seconds:>7.3f} {run.tokens_per_second:>9.1f} {forwards:>12}")
         print(f"{driver:<10} after vs before: prefill {before.prefill_seconds / after.prefill_seconds:.2f}x "
               f"as fast, tokens/s {after.tokens_per_second / before.tokens_per_second:.2f}x, "
               f"cpu {after.cpu_seconds / before.cpu_seconds:.2f}x")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.prefill", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser, MODELS, num_prompts=16, min_prompt_len=16, max_prompt_len=512,
                            max_new_tokens=16)
     args = parser.parse_args(argv)
@@ -163,9 +166,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
+    configure_torch(args)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.model is not None:
         model = load_model(args.model, device=device, dtype=dtype)
@@ -198,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 stack.close()
         rows.append(("scheduler", *via_scheduler))
     print()
-    print_table(rows)
+    print_runs(rows)
     print()
     runs = [run for _, before, after in rows for run in (before, after)]
     if any(run.outputs != runs[0].outputs for run in runs):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Chaos run: the fault tests' stack (service/devtools/fault_stack.py) driven for longer.
+"""Chaos run: the fault tests' stack (bench/harness/fault_stack.py) driven for longer.
 
 A real scheduler process (--state-dir, fixed loopback port) and scripted worker
 processes run while one client thread submits sequences with unique request_ids and
@@ -13,7 +13,7 @@ once, with exactly the scripted model's reference tokens.
 Prints progress while it runs and a markdown table at the end; exits 1 if anything
 acknowledged was lost or came out wrong.
 
-    python scripts/chaos.py --seconds 60 --sequences 300 --scheduler-kills 5 \\
+    python -m bench.chaos --seconds 60 --sequences 300 --scheduler-kills 5 \\
         --worker-kills 3 --seed 1
 """
 from __future__ import annotations
@@ -28,11 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "protos"))
-
-from service.devtools.fault_stack import Clients, Stack, check, make_jobs  # noqa: E402
+from bench.harness.fault_stack import Clients, Stack, check, make_jobs
+from bench.harness.tables import markdown_table
 
 PROGRESS_EVERY_SECONDS = 2.0
 
@@ -175,13 +172,12 @@ def table(args: argparse.Namespace, chaos: Chaos, outcome, wall_seconds: float) 
            f"({len(stack.restarts) - 1} + {stack.worker_restarts})",
            str(outcome.lost), str(outcome.duplicated_tokens), str(outcome.wrong_outputs),
            f"{wall_seconds:.1f} s", recovery_text]
-    return "\n".join(["| " + " | ".join(header) + " |",
-                      "|" + "|".join(" --- " for _ in header) + "|",
-                      "| " + " | ".join(row) + " |"])
+    return markdown_table(header, [row])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="fault window: submissions and kills happen within it")
     parser.add_argument("--sequences", type=int, default=300)

@@ -2,7 +2,7 @@
 """What durable state costs: Submit and SelectBatch in the core, without a store and with
 SQLite under each --state-fsync mode; then how long a restart takes to load the state.
 
-    python scripts/bench_state_store.py --iterations 1000
+    python -m bench.state_store --iterations 1000
 
 SelectBatch here is a decode iteration: one worker reports --batch running sequences,
 each with one new token, so every call saves --batch token rows. Submit saves one new
@@ -68,7 +68,8 @@ def _stats(samples: list[float]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.state_store", description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=1000, help="timed SelectBatch calls")
     parser.add_argument("--submits", type=int, default=500, help="timed Submit calls")
     parser.add_argument("--batch", type=int, default=256, help="running sequences per call")

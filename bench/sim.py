@@ -7,8 +7,8 @@ convert.py both ways, SimEngine, cost model), the worker iterations it made, the
 iteration, and the share spent in service/server/convert.py's mapping (worker_report and
 decision, timed around each call).
 
-    python scripts/bench_sim.py                          # sharegpt, 2000 requests, 4 workers
-    python scripts/bench_sim.py --qps 2,8,32 --trace splitwise_conv
+    python -m bench.sim                          # sharegpt, 2000 requests, 4 workers
+    python -m bench.sim --qps 2,8,32 --trace splitwise_conv
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class _Timed:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", default="sharegpt")
     parser.add_argument("--qps", default="2,8,16")

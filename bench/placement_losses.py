@@ -10,7 +10,7 @@ room); what was lost because every copy had been evicted; how many workers held 
 admission's best prefix; and how many cached blocks were copies (held by several
 workers). Example:
 
-    .venv/bin/python scripts/placement_losses.py --trace mooncake_conversation \\
+    .venv/bin/python -m bench.placement_losses --trace mooncake_conversation \\
         --block-tokens 64 --num-requests 2000 --workers 4 --qps 8
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ CPU per decision: CPU seconds of the scheduler processes, and of the PostgreSQL 
 (postmaster and its backends), over the timed window, divided by decisions. On a shared
 2-core machine, read cost, not scaling: two replicas share the same two cores.
 
-    .venv/bin/python scripts/bench_replicas.py --seconds 15
+    .venv/bin/python -m bench.replicas --seconds 15
 """
 from __future__ import annotations
 
@@ -26,23 +26,18 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from common.loadgen import percentile  # noqa: E402
-from common.processes import spawn_scheduler  # noqa: E402
-from service.state.pg_cluster import PrivateCluster, free_port  # noqa: E402
-
-_TICKS = os.sysconf("SC_CLK_TCK")
+from bench.harness.processes import ROOT, cpu_seconds, scrape
+from bench.harness.tables import print_table
+from common.loadgen import percentile
+from common.processes import spawn_scheduler
+from service.state.pg_cluster import PrivateCluster, free_port
 
 
 @dataclass
@@ -58,17 +53,6 @@ class Result:
     submits: int = 0
     claimed: float = 0.0
     tokens: float = 0.0
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / _TICKS
 
 
 def database_pids(cluster: PrivateCluster) -> list[int]:
@@ -90,13 +74,6 @@ def start_scheduler(state: list[str], directory: Path, name: str):
     process = spawn_scheduler(name, directory, "--policy", "fifo", "--lease-ttl-ms", "30000",
                               *state, port=free_port(), cwd=ROOT)
     return process.popen, f"127.0.0.1:{process.ports[0]}", process.ports[1]
-
-
-def scrape(metrics_port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def worker_thread(stub, worker_id: str, batch: int, new_tokens: int, stop: threading.Event,
@@ -198,7 +175,8 @@ def run(name: str, targets: list[tuple[str, int]], procs, cluster: PrivateCluste
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.replicas", description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="timed window per run")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--workers", type=int, default=4)
@@ -239,21 +217,25 @@ def main() -> int:
     print(f"\n{args.workers} workers x {args.batch} sequences, {args.new_tokens} tokens each, "
           f"{args.seconds:g} s timed; load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} cores\n")
-    print(f"{'config':<11} {'decisions/s':>11} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'sched CPU ms/dec':>16} {'db CPU ms/dec':>13} {'RT/dec':>7} "
-          f"{'RT/submit':>9} {'submit p50 ms':>13} {'tokens/dec':>10}")
-    for r in results:
-        decisions = max(1, r.decisions)
-        print(f"{r.name:<11} {r.decisions / r.seconds:>11.0f} "
-              f"{percentile(r.latencies, 50) * 1000:>7.2f} {percentile(r.latencies, 99) * 1000:>7.2f} "
-              f"{r.scheduler_cpu / decisions * 1000:>16.2f} "
-              f"{r.database_cpu / decisions * 1000:>13.2f} "
-              f"{(r.round_trips.get('save', 0) + r.round_trips.get('claim', 0)) / decisions:>7.2f} "
-              f"{r.round_trips.get('submit', 0) / max(1, r.submits):>9.2f} "
-              f"{percentile(r.submit_latencies, 50) * 1000:>13.2f} "
-              f"{r.tokens / decisions:>10.1f}")
+    print_table(["config", "decisions/s", "p50 ms", "p99 ms", "sched CPU ms/dec",
+                 "db CPU ms/dec", "RT/dec", "RT/submit", "submit p50 ms", "tokens/dec"],
+                [_row(r) for r in results])
     print(f"\nlogs in {directory}")
     return 0
+
+
+def _row(r: Result) -> list[str]:
+    decisions = max(1, r.decisions)
+    round_trips = r.round_trips.get("save", 0) + r.round_trips.get("claim", 0)
+    return [r.name, f"{r.decisions / r.seconds:.0f}",
+            f"{percentile(r.latencies, 50) * 1000:.2f}",
+            f"{percentile(r.latencies, 99) * 1000:.2f}",
+            f"{r.scheduler_cpu / decisions * 1000:.2f}",
+            f"{r.database_cpu / decisions * 1000:.2f}",
+            f"{round_trips / decisions:.2f}",
+            f"{r.round_trips.get('submit', 0) / max(1, r.submits):.2f}",
+            f"{percentile(r.submit_latencies, 50) * 1000:.2f}",
+            f"{r.tokens / decisions:.1f}"]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What the engine benchmarks (scripts/bench_prefill.py, scripts/bench_worker.py) share:
+"""What the engine benchmarks (bench/prefill.py, bench/worker.py) share:
 their workload arguments, seeded prompts, an engine sized so that nothing is preempted,
 the engine driven directly as a worker would drive it, and an in-process scheduler with a
 WorkerLoop thread on the engine."""
@@ -8,6 +8,7 @@ import argparse
 import math
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -67,6 +68,13 @@ def check_workload_arguments(parser: argparse.ArgumentParser, args: argparse.Nam
         parser.error("--max-new-tokens, --repeats and --chunk-size must be at least 1")
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
         parser.error("need 1 <= --min-prompt-len <= --max-prompt-len")
+
+
+def configure_torch(args: argparse.Namespace) -> None:
+    """--threads, and torch's warnings off (a benchmark's table is its output)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
 
 
 def random_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int,

@@ -48,11 +48,11 @@ schedule() + postprocess() with the queue outside the scheduler and pool room fo
 running sequences, and calls the scheduler's own block_manager.can_allocate on the
 queued head (a 512-token prompt) once per decision: the same work, in the same code.
 
-    .venv/bin/python scripts/bench_decision_cost.py --nano-vllm /tmp/nano-vllm
-    .venv/bin/python scripts/bench_decision_cost.py --quick       # R = 32 only, short
-    .venv/bin/python scripts/bench_decision_cost.py --kinds nano --n2 68 --nano-vllm DIR
+    .venv/bin/python -m bench.decision_cost --nano-vllm /tmp/nano-vllm
+    .venv/bin/python -m bench.decision_cost --quick       # R = 32 only, short
+    .venv/bin/python -m bench.decision_cost --kinds nano --n2 68 --nano-vllm DIR
 
-Figures and the commit they ran at: docs/operations.md, "The cost of a decision".
+Figures and the commit they ran at: docs/benchmarks.md, "The cost of a decision".
 """
 from __future__ import annotations
 
@@ -68,12 +68,11 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 from service.core import (  # noqa: E402
     Scheduler, SchedulerConfig, SubmitParams, TokenUpdate, WorkerRegistration, WorkerReport,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 QUEUED = 1_000
 PROMPT_LEN = 512
@@ -173,7 +172,7 @@ class CoreWorkload:
         _settle()
 
     def _fill(self, running: int) -> None:
-        """Admit and prefill the running set (the worker's side, as bench_policies.py)."""
+        """Admit and prefill the running set (the worker's side, as bench/policies.py)."""
         waiting: dict[int, int] = {}  # seq_id -> prompt length
         done: list[int] = []
         while len(done) < running:
@@ -243,10 +242,8 @@ def import_nano(directory: Path) -> types.SimpleNamespace:
     package = types.ModuleType("nanovllm")
     package.__path__ = [str(package_dir)]
     sys.modules["nanovllm"] = package
-    import importlib
-    sequence = importlib.import_module("nanovllm.engine.sequence")
-    scheduler = importlib.import_module("nanovllm.engine.scheduler")
-    params = importlib.import_module("nanovllm.sampling_params")
+    from nanovllm import sampling_params as params
+    from nanovllm.engine import scheduler, sequence
     sequence.Sequence.block_size = PAGE_SIZE
     return types.SimpleNamespace(Scheduler=scheduler.Scheduler, Sequence=sequence.Sequence,
                                  SamplingParams=params.SamplingParams)
@@ -313,11 +310,12 @@ def callgrind_instructions(kind: str, running: int, decisions: int,
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                   sys.executable, __file__, "--cell", kind, str(running), str(decisions)]
+                   sys.executable, "-m", "bench.decision_cost",
+                   "--cell", kind, str(running), str(decisions)]
         if nano_dir is not None:
             command += ["--nano-vllm", str(nano_dir)]
         env = dict(os.environ, PYTHONHASHSEED="0")
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
         if done.returncode != 0:
             raise SystemExit(f"{kind} R={running} N={decisions} failed:\n{done.stderr[-3000:]}")
         for line in out.read_text().splitlines():
@@ -350,7 +348,8 @@ def _fmt_count(n: float) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.decision_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--nano-vllm", type=Path, default=None, metavar="DIR",
                         help="a nano-vllm checkout (GeeeekExplorer/nano-vllm): adds its cells")
     parser.add_argument("--quick", action="store_true",
@@ -358,7 +357,7 @@ def main() -> int:
     parser.add_argument("--running", type=int, nargs="+", default=[32, 128, 256],
                         help="running sequences per cell (default 32 128 256)")
     parser.add_argument("--n1", type=int, default=4, help="decisions of the short run")
-    # 16 decisions between the pair was too few for nano-vllm (docs/operations.md).
+    # 16 decisions between the pair was too few for nano-vllm (docs/benchmarks.md).
     parser.add_argument("--n2", type=int, default=68, help="decisions of the long run")
     parser.add_argument("--cpu-decisions", type=int, default=200,
                         help="decisions timed with process_time per cell (default 200)")

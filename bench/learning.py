@@ -8,29 +8,26 @@ The simulator's workers report their steps' cost-model times through the worker 
 `last_step_us`, as real workers report their measured ones: the scheduler is not told the
 cost model, and starts from the cautious default.
 
-    .venv/bin/python scripts/bench_learning.py                       # A30 profile, code trace
-    .venv/bin/python scripts/bench_learning.py --step-table FILE     # a `lattice-worker profile`
-    .venv/bin/python scripts/bench_learning.py --workers 4 --worker-speeds 1,1,0.5,0.5 --qps 8
+    .venv/bin/python -m bench.learning                       # A30 profile, code trace
+    .venv/bin/python -m bench.learning --step-table FILE     # a `lattice-worker profile`
+    .venv/bin/python -m bench.learning --workers 4 --worker-speeds 1,1,0.5,0.5 --qps 8
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common.loadgen import percentile  # noqa: E402
+from common.loadgen import percentile
 from service.core import SchedulerConfig  # noqa: E402
-from service.sim import experiments  # noqa: E402
-from service.sim.costs import load_cost_source  # noqa: E402
-from service.sim.simulator import WorkerShape  # noqa: E402
-from service.sim.workload import load_trace  # noqa: E402
+from service.sim import experiments
+from service.sim.costs import load_cost_source
+from service.sim.simulator import WorkerShape
+from service.sim.workload import load_trace
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.learning", description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default=None)
     parser.add_argument("--step-table", default=None)
     parser.add_argument("--trace", default="splitwise_code")

@@ -2,7 +2,7 @@
 targets; docs/prefix-caching.md, "Figures").
 
 Each scenario runs a real scheduler on a loopback port and a WorkerLoop on a ModelEngine
-(service.devtools.engine_bench.SchedulerStack), once with the engine's cache and
+(bench.harness.engine_bench.SchedulerStack), once with the engine's cache and
 `--prefix-caching on`, once with `--prefix-caching off` (the same engine settings):
 
 - turn2: a conversation's second turn (prompt = turn 1's prompt + its answer + 64 new
@@ -12,7 +12,7 @@ Each scenario runs a real scheduler on a loopback port and a WorkerLoop on a Mod
 - random: prompts that share nothing, all at once: generated tokens per second;
 - memory: bytes per snapshot slot and per cached block, beside one sequence's GDN state.
 
-    .venv/bin/python scripts/bench_prefix_cache.py --presets tiny small
+    .venv/bin/python -m bench.prefix_cache --presets tiny small
 
 Wall-clock figures depend on the machine's load: print `uptime` beside them.
 """
@@ -22,20 +22,16 @@ import argparse
 import math
 import random
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from service.devtools.engine_bench import PAGE_SIZE, SchedulerStack  # noqa: E402
-from worker_client.engine.engine import ModelEngine  # noqa: E402
-from worker_client.engine.loading import random_model  # noqa: E402
-from worker_client.engine.sizing import gdn_slot_bytes, kv_page_bytes  # noqa: E402
-from worker_client.profiling import PRESETS  # noqa: E402
+from bench.harness.engine_bench import PAGE_SIZE, SchedulerStack
+from worker_client.engine.engine import ModelEngine
+from worker_client.engine.loading import random_model
+from worker_client.engine.sizing import gdn_slot_bytes, kv_page_bytes
+from worker_client.profiling import PRESETS
 
 BLOCK = 64  # cache_block_tokens: 4 pages of 16
 COMPUTED = "lattice_scheduler_prefill_tokens_total"
@@ -108,7 +104,8 @@ def random_prompts(model, vocab: int, caching: str, args) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.prefix_cache", description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["tiny"], choices=sorted(PRESETS))
     parser.add_argument("--scenarios", nargs="+", default=["turn2", "shared", "random", "memory"])
     parser.add_argument("--chunk-size", type=int, default=512)

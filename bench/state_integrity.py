@@ -1,7 +1,7 @@
 """What row checksums cost: writing rows with and without the checksum triggers, side by
 side, and verifying a state file at start.
 
-    .venv/bin/python scripts/bench_state_integrity.py [--rows 256] [--rounds 200]
+    .venv/bin/python -m bench.state_integrity [--rows 256] [--rounds 200]
         [--verify-sequences 20000] [--tmp-dir .artifacts]
 
 Rows are written as the scheduler writes them (SQLite in WAL mode, synchronous=NORMAL, one
@@ -23,10 +23,8 @@ import time
 from array import array
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from service.state import integrity as state_integrity  # noqa: E402
-from service.state.sqlite import SCHEMA, SqliteStateStore  # noqa: E402
+from service.state import integrity as state_integrity
+from service.state.sqlite import SCHEMA, SqliteStateStore
 
 PARAMS = ('{"request_id": "", "max_new_tokens": 30, "adapter_id": "", "priority": 0, '
           '"tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}')
@@ -105,7 +103,8 @@ def _verify_figures(directory: str, num_sequences: int) -> tuple[int, float, flo
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.state_integrity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=256, help="rows written per round")
     parser.add_argument("--rounds", type=int, default=200, help="timed rounds per row")
     parser.add_argument("--verify-sequences", type=int, default=20000,

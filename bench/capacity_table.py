@@ -2,7 +2,7 @@
 targets and of a search over fixed token budgets, per trace and worker count, with the
 same runs (`lattice-scheduler simulate --find-capacity`, one process per search).
 
-    .venv/bin/python scripts/capacity_table.py --num-requests 2000 --jobs 2
+    .venv/bin/python -m bench.capacity_table --num-requests 2000 --jobs 2
 
 Prints one Markdown row per cell: each configuration's capacity (QPS) and saturation
 rate (requests/s), the best fixed budget and whether the targets reach it. The default
@@ -21,6 +21,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.harness.tables import markdown_table
+
 TRACES = ("splitwise_conv", "splitwise_code", "sharegpt")
 BUDGETS = (384, 512, 768)
 TARGETS = ("--tpot-target-ms", "100", "--ttft-target-ms", "2000")
@@ -28,7 +30,8 @@ SLO = ("--slo-ttft-p99", "2", "--slo-tpot-p99", "0.1")
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.capacity_table", description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", default=",".join(TRACES))
     p.add_argument("--workers", default="4,1", help="worker counts, comma-separated")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
@@ -96,8 +99,7 @@ def _search(job, args, out: Path) -> dict:
 
 def _print_table(found: list[dict], cells, names: list[str]) -> None:
     by = {(f["trace"], f["workers"], f["config"]): f for f in found}
-    print("| trace | workers | " + " | ".join(names) + " | best fixed | targets / best |")
-    print("| --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |")
+    rows = []
     for trace, workers in cells:
         row = [by.get((trace, workers, name)) for name in names]
         fixed = [f for f in row if f and f["config"].startswith("fixed")]
@@ -108,7 +110,8 @@ def _print_table(found: list[dict], cells, names: list[str]) -> None:
         best_text = (f"{best['config'][6:]}: {best['capacity_qps']:.2f}" if best else "-")
         ratio = (f"{targets['capacity_qps'] / best['capacity_qps']:.2f}x"
                  if targets and best and best["capacity_qps"] else "-")
-        print(f"| {trace} | {workers} | " + " | ".join(cells_text) + f" | {best_text} | {ratio} |")
+        rows.append([trace, workers, *cells_text, best_text, ratio])
+    print(markdown_table(["trace", "workers", *names, "best fixed", "targets / best"], rows))
 
 
 if __name__ == "__main__":

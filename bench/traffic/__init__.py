@@ -1,0 +1,1 @@
+"""The scheduler under a fleet's traffic (`python -m bench.traffic SUBCOMMAND`)."""
