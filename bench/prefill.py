@@ -184,8 +184,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"greedy, {args.max_new_tokens} new tokens each, chunk size {args.chunk_size}, best of {args.repeats}")
     n, warm = args.max_new_tokens, prompts[:2]
     rows = []
-    direct = [best_of(args.repeats, lambda: run_direct(model, prompts, n, args.chunk_size, packed),
-                      lambda: run_direct(model, warm, 2, args.chunk_size, packed)) for packed in (False, True)]
+    direct = [best_of(args.repeats, lambda packed=packed: run_direct(model, prompts, n, args.chunk_size, packed),
+                      lambda packed=packed: run_direct(model, warm, 2, args.chunk_size, packed)) for packed in (False, True)]
     rows.append(("direct", *direct))
     if not args.no_scheduler:
         via_scheduler = []
@@ -193,8 +193,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             engine = make_engine(model, prompts, n, max_prefill_sequences=None if packed else 1)
             stack = SchedulerStack(engine, args.chunk_size)
             try:
-                via_scheduler.append(best_of(args.repeats, lambda: run_scheduler(model, stack, prompts, n),
-                                             lambda: run_scheduler(model, stack, warm, 2)))
+                via_scheduler.append(best_of(args.repeats, lambda stack=stack: run_scheduler(model, stack, prompts, n),
+                                             lambda stack=stack: run_scheduler(model, stack, warm, 2)))
             finally:
                 stack.close()
         rows.append(("scheduler", *via_scheduler))

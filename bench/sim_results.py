@@ -79,7 +79,7 @@ def main() -> None:
                                           "poisson", 0, routing, progress=False)
                 runs: dict[float, experiments.Run] = {}
 
-                def run_at(qps: float) -> experiments.Run:
+                def run_at(qps: float, runs=runs, setup=setup, config=config) -> experiments.Run:
                     key = round(qps, 6)
                     if key not in runs:
                         runs[key] = experiments.simulate(setup, config, qps)

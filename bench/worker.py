@@ -265,7 +265,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> list[Result]:
         stack = SchedulerStack(make_engine(models.ours, prompts, n), args.chunk_size,
                                session=session, overlap=overlap)
         try:
-            results.append(timed(mode, lambda p, k: engine_via_scheduler(stack, p, k),
+            results.append(timed(mode, lambda p, k, stack=stack: engine_via_scheduler(stack, p, k),
                                  prompts, n, device, r))
         finally:
             stack.close()

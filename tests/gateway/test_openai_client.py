@@ -112,7 +112,7 @@ def test_stop_string_ends_the_text_before_it_and_cancels_the_sequence(stack: Sta
         assert "".join(c.choices[0].text for c in chunks) == expected
         assert chunks[-1].choices[0].finish_reason == "stop"
         seq_id = seq_id_of(chunks[0].id)
-        info = wait_until(lambda: stack.sequence(seq_id), f"seq_id {seq_id} to end", 30,
+        info = wait_until(lambda seq_id=seq_id: stack.sequence(seq_id), f"seq_id {seq_id} to end", 30,
                           done=lambda i: i.state == pb.SEQUENCE_STATE_FINISHED)
         assert info.finish_reason == pb.FINISH_REASON_CANCELLED
         assert info.generated_tokens < 2000
@@ -209,7 +209,7 @@ def test_a_keyed_sequence_nobody_retries_is_cancelled_after_the_grace_period(sta
         stream=True, extra_headers={"Idempotency-Key": "test-nobody-retries"})
     seq_id = seq_id_of(next(iter(stream)).id)
     stream.close()
-    info = wait_until(lambda: stack.sequence(seq_id), f"seq_id {seq_id} to be cancelled",
+    info = wait_until(lambda seq_id=seq_id: stack.sequence(seq_id), f"seq_id {seq_id} to be cancelled",
                       REATTACH_GRACE_SECONDS + 30,
                       done=lambda i: i.state == pb.SEQUENCE_STATE_FINISHED)
     assert info.finish_reason == pb.FINISH_REASON_CANCELLED
@@ -220,7 +220,7 @@ def test_a_client_that_disconnects_from_a_stream_cancels_its_sequence(stack: Sta
                                                max_tokens=3500, temperature=0, stream=True)
     seq_id = seq_id_of(next(iter(stream)).id)
     stream.close()
-    info = wait_until(lambda: stack.sequence(seq_id), f"seq_id {seq_id} to be cancelled", 30,
+    info = wait_until(lambda seq_id=seq_id: stack.sequence(seq_id), f"seq_id {seq_id} to be cancelled", 30,
                       done=lambda i: i.state == pb.SEQUENCE_STATE_FINISHED)
     assert info.finish_reason == pb.FINISH_REASON_CANCELLED
     assert info.generated_tokens < 3500

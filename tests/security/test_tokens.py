@@ -70,7 +70,7 @@ def _code(call) -> grpc.StatusCode:
 
 
 def _auth_outcome(stub, method: str) -> str:
-    code = _code(lambda: CALLS[method](stub, RPC_TIMEOUT_SECONDS))
+    code = _code(lambda method=method, stub=stub: CALLS[method](stub, RPC_TIMEOUT_SECONDS))
     return {DENIED: "denied", UNAUTHENTICATED: "unauthenticated"}.get(code, "allowed")
 
 
@@ -227,7 +227,7 @@ def test_tokens_never_appear_in_logs_or_metrics(secure_server, tokens, caplog, c
     for token in tokens.all():
         stub = server.stub(token)
         for method in CALLS:
-            _code(lambda: CALLS[method](stub, RPC_TIMEOUT_SECONDS))
+            _code(lambda method=method, stub=stub: CALLS[method](stub, RPC_TIMEOUT_SECONDS))
     _code(lambda: server.stub(tokens.client + "x").GetStatus(pb.GetStatusRequest(),
                                                              timeout=RPC_TIMEOUT_SECONDS))
     assert any(r.getMessage() == "call refused" for r in caplog.records), "denials are logged"

@@ -72,7 +72,7 @@ def test_drain_of_one_worker_leaves_the_queue_to_the_others(stub):
 
 def test_drain_of_an_unknown_worker_is_failed_precondition_naming_it(stub):
     for resume in (False, True):
-        err = rpc_error(lambda: drain(stub, "ghost", resume=resume))
+        err = rpc_error(lambda resume=resume: drain(stub, "ghost", resume=resume))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "ghost" in err.details()
 

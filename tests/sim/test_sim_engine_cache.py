@@ -94,7 +94,7 @@ def test_cache_is_reclaimed_least_recently_used_first_when_a_sequence_needs_page
     # 6 pages needed, 4 truly free: block a (least recently used) goes, b stays.
     out = engine.step([cached_chunk(3, prompt(7, 8, 9, block_tokens=BLOCK)[:21], 0, 21)], [])
     assert out.preempted == () and engine.waiting_ids() == []
-    (a_hash,), (b_hash,) = block_hashes(a, "", BLOCK), block_hashes(b, "", BLOCK)
+    (a_hash,) = block_hashes(a, "", BLOCK)
     assert a_hash in engine.cache_delta().removed
     out = engine.step([cached_chunk(4, b + (6,), 8, 1)], [])
     assert out.cache_misses == ()
@@ -121,7 +121,7 @@ def test_the_snapshot_slots_limit_resume_points_least_recently_used_out():
     a, b = prompt(0, block_tokens=BLOCK), prompt(1, block_tokens=BLOCK)
     engine.step([cached_chunk(1, a + (5,), 0, 8, max_new_tokens=1)], [])
     engine.step([cached_chunk(2, b + (5,), 0, 8, max_new_tokens=1)], [])
-    (a_hash,), (b_hash,) = block_hashes(a, "", BLOCK), block_hashes(b, "", BLOCK)
+    (b_hash,) = block_hashes(b, "", BLOCK)
     delta = engine.cache_delta()
     assert delta.added == (b_hash,)  # a's snapshot made room for b's before any report
     assert engine.prefix_cache.num_snapshots() == 1 and engine.prefix_cache.num_cached_blocks() == 2
