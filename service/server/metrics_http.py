@@ -2,7 +2,7 @@
 
 prometheus_client's server (ThreadingWSGIServer) spends a thread per connection and
 waits without limit for a request's bytes: 200 half-sent requests held 200 threads, and a
-scrape behind them took seconds (issue 23, finding 6). Here every connection is a
+scrape behind them took seconds. Here every connection is a
 coroutine on one loop; its request head must arrive within `read_timeout_seconds`, and
 at most `max_connections` are open (a new one closes the one waiting longest for its
 head), so a flood of half-open connections takes no threads and a scrape is answered at

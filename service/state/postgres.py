@@ -48,7 +48,7 @@ from service.state.rows import (
 
 log = logging.getLogger(__name__)
 
-# 2: sequences.principal, request_id unique per principal, sequences.adapter_id (issue 23).
+# 2: sequences.principal, request_id unique per principal, sequences.adapter_id.
 SCHEMA_VERSION = 2
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"

@@ -45,7 +45,7 @@ def params_from_row(text: str, prompt: bytes) -> SubmitParams:
         request_id=d["request_id"], adapter_id=d["adapter_id"], priority=d["priority"],
         tenant=d["tenant"], sampling=SamplingParams(*d["sampling"]),
         stop_token_ids=tuple(d["stop_token_ids"]),
-        # Saved before principals (issue 23): the one principal of a scheduler without
+        # Saved before sequences had principals: the one principal of a scheduler without
         # authentication; with tokens on, only admin sees them.
         principal=d.get("principal", ""),
     )

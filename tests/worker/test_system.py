@@ -142,7 +142,7 @@ def test_draining_worker_finishes_what_it_holds_and_takes_nothing_new(scheduler,
     worker = WorkerThread(scheduler.port, "drainer", engine, max_batch_size=2).start()
     # Long enough that the first two cannot finish (and two more be admitted) between
     # "two running" and the drain reaching the worker: a faster decision loop made that
-    # window a race (issue 21).
+    # window a race.
     ids = [stub.Submit(pb.SubmitRequest(prompt_token_ids=[i + 1] * 5, max_new_tokens=500)).seq_id
            for i in range(4)]
     wait_until(lambda: len(engine.running_ids()) == 2, "two running", 10)
