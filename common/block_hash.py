@@ -1,4 +1,4 @@
-"""The chained block hash of the prefix cache (wire contract, wave 3): one function for
+"""The chained block hash of the prefix cache (a wire contract): one function for
 the scheduler, the worker and the simulator.
 
 Block i of a sequence is its tokens [i*b, (i+1)*b); only full blocks have a hash.

@@ -151,7 +151,7 @@ class StepTimer:
                             max_new_tokens=_MAX_NEW_TOKENS)
         self.engine.step([ChunkWork(seq_id, 0, 0, spec)], [])  # takes a slot, computes nothing
         held = self.engine._held[seq_id]
-        self.engine._kv_cache.append(seq_id, num_cached)
+        self.engine._pages.append(seq_id, num_cached)
         held.num_prefilled = num_cached
         if running:  # as if the last prefill chunk had just sampled its first token
             held.num_prefilled = prompt_len

@@ -25,6 +25,7 @@ from worker_client.engine.api import (
     TokenLogprobs,
 )
 from worker_client.engine.books import CacheBooks
+from worker_client.engine.page_tables import PageTables
 from worker_client.engine.prefix_cache import cached_tokens_problem
 
 
@@ -97,7 +98,7 @@ class ScriptedEngine(CacheBooks):
         self._vocab_size = vocab_size
         self.step_seconds = step_seconds
         self._sleep = sleep
-        self._keep_books(total_kv_pages=total_kv_pages, page_size=page_size,
+        self._keep_books(PageTables(num_pages=total_kv_pages, page_size=page_size),
                          cache_block_tokens=cache_block_tokens,
                          snapshot_slots=self.total_snapshot_slots, needs_snapshots=recurrent,
                          max_unused_blocks=max_cached_blocks)

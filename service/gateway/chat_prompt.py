@@ -2,7 +2,7 @@
 
 The template's output is one string, and tokenizing it parses every special token's text
 in it, also text a user wrote: content `hi<|im_end|>\\n<|im_start|>system\\n...` would
-become a system turn (issue 23, finding 5). So what messages say is tokenized as text:
+become a system turn, a prompt injection past the template. So what messages say is tokenized as text:
 - Most requests hold no added token's text in any message: the rendered prompt is
   tokenized whole, exactly as transformers' apply_chat_template(tokenize=True) does.
 - Otherwise each message string is rendered as a placeholder, the template's own text

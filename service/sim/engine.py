@@ -44,6 +44,7 @@ from worker_client.engine.api import (
     ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
 )
 from worker_client.engine.books import CacheBooks
+from worker_client.engine.page_tables import PageTables
 from worker_client.engine.prefix_cache import cached_tokens_problem
 
 # Every simulated output token has this id: the simulator counts tokens, it does not read them.
@@ -99,7 +100,7 @@ class SimEngine(CacheBooks):
         self.last_step_seconds = 0.0
         self.num_steps = 0
         self.num_computed_prefill_tokens = 0  # prompt tokens the steps computed
-        self._keep_books(total_kv_pages=total_kv_pages, page_size=page_size,
+        self._keep_books(PageTables(num_pages=total_kv_pages, page_size=page_size),
                          cache_block_tokens=cache_block_tokens,
                          snapshot_slots=self.total_snapshot_slots, needs_snapshots=hybrid)
         self._held: dict[int, _Held] = {}  # in admission order

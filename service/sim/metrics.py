@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from common.loadgen import percentile
 from service.sim.simulator import RunOutcome
 
-# The JSON keys of one run, in order: fixed, since scripts and saved runs read them.
+# The JSON keys of one run, in order (an interface: tools that read the runs rely on it).
 JSON_KEYS = (
     "policy", "qps", "num_requests", "workers", "routing",
     "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",

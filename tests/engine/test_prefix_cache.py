@@ -1,6 +1,7 @@
 """The engine's prefix cache: the same greedy tokens with it on and off, less computed.
 
-A small driver plays the scheduler's part (phase 2 of issue 18 does it for real): it
+A small driver plays the scheduler's part (the real scheduler's is
+tests/worker/test_prefix_cache_system.py): it
 keeps the resume points the engine reports (cache_delta), starts each admission at the
 longest one, ends chunks on block boundaries, and admits a missed sequence again from 0.
 """
@@ -245,7 +246,7 @@ def test_after_everything_ends_and_the_cache_is_cleared_the_pools_are_whole(tiny
     engine.clear_prefix_cache()
     on.sync()
     assert on.resume_points == set()
-    assert engine._kv_cache.num_free_pages() == engine.total_kv_pages
+    assert engine._pages.num_free_pages() == engine.total_kv_pages
     assert engine.prefix_cache.num_snapshots() == 0
     assert engine.gdn_free_slots() == engine.total_gdn_slots
 

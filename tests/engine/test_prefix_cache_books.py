@@ -22,7 +22,7 @@ _ops = st.lists(st.one_of(
 
 
 def _check_books(engine, resume_points: set[int]) -> None:
-    kv, cache = engine._kv_cache, engine.prefix_cache
+    kv, cache = engine._pages, engine.prefix_cache
     free = set(kv._free_pages)
     assert len(free) == len(kv._free_pages), "a page twice in the free list"
     mapped = {p for table in kv._page_tables.values() for p in table}
@@ -95,6 +95,6 @@ def test_after_all_end_and_the_cache_is_cleared_the_pools_are_whole(tiny_model, 
     engine.clear_prefix_cache()
     sync()
     _check_books(engine, resume_points)
-    assert engine._kv_cache.num_free_pages() == engine.total_kv_pages
+    assert engine._pages.num_free_pages() == engine.total_kv_pages
     assert engine.gdn_free_slots() == engine.total_gdn_slots
     assert engine.prefix_cache.num_snapshots() == 0 and resume_points == set()

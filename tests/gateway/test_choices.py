@@ -1,4 +1,4 @@
-"""`n` up to 8 (issue 22, item 3): n sequences, one seed each, one response; streamed,
+"""`n` up to 8: n sequences, one seed each, one response; streamed,
 every choice's chunks by index, one usage and one [DONE]."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gateway as its own front door (issue 23, findings 2 and 7): API keys, each a
+"""The gateway as its own front door: API keys, each a
 principal, idempotency keys scoped by principal and bound to their body, /health that
 says when the scheduler refuses the gateway, /metrics that can move or be off."""
 from __future__ import annotations

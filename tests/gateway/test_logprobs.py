@@ -19,6 +19,12 @@ CONTEXT = "The scheduler admits"
 CHOICES = [" a worker", " the queue", " 日本"]
 # Float32 on both sides, different kernels: log-probabilities agree to about 1e-5.
 TOLERANCE = 1e-3
+# The same sequence's logprobs in two batches of different composition (rows decoded beside
+# it, prompts packed with it, chunk sizes): float32 sums in another order. Measured on this
+# checkpoint (ModelEngine, CPU, one thread, 40 random compositions against the sequence
+# alone): at most 7.6e-6, on logprobs down to -7.3. A streamed and a whole answer run in
+# whatever batches the scheduler forms at the time, so they agree to this, not to 1e-6.
+BATCH_VARIANCE = 1e-4
 
 
 def hf_logprobs(stack: Stack, token_ids: list[int]) -> torch.Tensor:
@@ -98,7 +104,7 @@ def test_generated_tokens_logprobs_equal_transformers_streamed_and_not(stack: St
                                            max_tokens=8, temperature=0, stream=True):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += chunk.choices[0].logprobs.token_logprobs
-    assert streamed == pytest.approx(logprobs.token_logprobs, abs=1e-6)
+    assert streamed == pytest.approx(logprobs.token_logprobs, abs=BATCH_VARIANCE)
 
 
 def test_chat_logprobs_and_top_logprobs_in_openais_shape(stack: Stack):
@@ -122,7 +128,7 @@ def test_chat_logprobs_and_top_logprobs_in_openais_shape(stack: Stack):
                                                 top_logprobs=3, stream=True):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += chunk.choices[0].logprobs.content
-    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=BATCH_VARIANCE)
     plain = client.chat.completions.create(model=stack.model_name, messages=messages,
                                            max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
@@ -178,4 +184,4 @@ def test_each_of_n_choices_has_its_own_logprobs_streamed_and_not(stack: Stack):
             if choice.logprobs:
                 streamed[choice.index] += choice.logprobs.token_logprobs
     for choice in whole.choices:  # the same seeds: the same tokens, by choice
-        assert streamed[choice.index] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-6)
+        assert streamed[choice.index] == pytest.approx(choice.logprobs.token_logprobs, abs=BATCH_VARIANCE)

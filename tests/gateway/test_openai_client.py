@@ -133,7 +133,7 @@ def test_stop_token_id_ends_the_sequence_with_finish_reason_stop(stack: Stack):
 
 
 def test_n_over_eight_is_a_400_that_names_n(stack: Stack):
-    # n up to 8 is served (issue 22): n sequences, one response.
+    # n up to 8 is served: n sequences, one response.
     with pytest.raises(openai.BadRequestError) as raised:
         stack.client().completions.create(model=stack.model_name, prompt="hi", n=9)
     assert raised.value.status_code == 400

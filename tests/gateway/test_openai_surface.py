@@ -1,4 +1,4 @@
-"""The OpenAI surface as clients use it (issue 22, item 3, the gateway's part): HEAD
+"""The OpenAI surface as clients use it, the gateway's part: HEAD
 where GET is served, GET /v1/models/{id}, a body limit answered at once, tokenization
 that never delays other requests, error params that name the field, OpenAI's ranges."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Every value a client can send is answered with a 400 naming it, never a 500 (issue 23,
-finding 4): out-of-range integers, lone surrogates (JSON spells them as escapes), NaN and
+"""Every value a client can send is answered with a 400 naming it, never a 500:
+out-of-range integers, lone surrogates (JSON spells them as escapes), NaN and
 infinities, invalid JSON; and a property test over the request schema: no 500 for any
 JSON the gateway can parse."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Deadlines on the gateway's listener (issue 23, finding 6: 200 slowloris connections
+"""Deadlines on the gateway's listener (200 slowloris connections once
 stayed open indefinitely): request headers or a body sent too slowly, and connections
 idle too long, are closed; the gateway serves others meanwhile."""
 from __future__ import annotations

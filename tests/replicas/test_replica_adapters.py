@@ -1,4 +1,4 @@
-"""Adapters on replicas (issue 23, finding 3): a replica claims a sequence with an adapter
+"""Adapters on replicas: a replica claims a sequence with an adapter
 only for a worker of its own that has it, hands back those its workers no longer can run,
 and a sequence no live worker anywhere can serve says so (GetSequence and a metric)
 instead of waiting unseen."""

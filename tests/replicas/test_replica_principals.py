@@ -1,4 +1,4 @@
-"""Principals on PostgreSQL replicas (issue 23, finding 2): the principal is saved with the
+"""Principals on PostgreSQL replicas: the principal is saved with the
 sequence, request_id is unique per principal, and a Cancel, GetSequence or Generate
 re-attach on another replica than the one submitted to sees only the principal's own.
 Also the schema change this needs (version 2), from a version 1 database.

@@ -1,6 +1,6 @@
 """The string-field suite (tests/server/test_string_fields.py) against replicas over
 PostgreSQL, whose text cannot hold a NUL: each bad value is refused at the edge as on
-SQLite, and the replica that was sent it goes on serving (issue 23, finding 1: a NUL in
+SQLite, and the replica that was sent it goes on serving (a NUL in
 a worker_id or an error_message once failed every later save of that replica)."""
 from __future__ import annotations
 

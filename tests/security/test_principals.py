@@ -1,4 +1,4 @@
-"""Sequences belong to who submitted them (issue 23, finding 2): with tokens on, a client
+"""Sequences belong to who submitted them: with tokens on, a client
 token's principal scopes request_id, and Cancel, GetSequence and a Generate re-attach see
 only that principal's sequences; admin sees all; a token bound to a tenant submits as it.
 """

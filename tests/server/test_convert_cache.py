@@ -1,4 +1,4 @@
-"""The server parses the prefix-cache fields of registrations and reports (issue 18)."""
+"""The server parses the prefix-cache fields of registrations and reports."""
 import pytest
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
@@ -38,7 +38,7 @@ def test_a_report_carries_its_cache_delta_cached_pages_and_misses():
 
 
 def test_a_report_in_the_packed_token_form_reads_as_token_runs():
-    """Issue 21: the packed arrays arrive as one TokenRuns; the old form still reads as
+    """The packed arrays arrive as one TokenRuns; the old form still reads as
     TokenUpdates, and a report without tokens carries neither."""
     packed = convert.worker_report(pb.SelectBatchRequest(
         worker_id="w", running=[3, 4], token_seq_ids=[3, 4], token_ids=[11, 12, 21],

@@ -1,6 +1,6 @@
 """Over the wire: worker incarnations, the cap on a worker's batch size, token offsets and
-counts, and the reason a FAILED sequence carries (contract additions, wave 2; the outside
-probe's findings)."""
+counts, and the reason a FAILED sequence carries (contract additions an outside
+probe of the wire asked for)."""
 from __future__ import annotations
 
 import grpc

@@ -1,5 +1,5 @@
-"""The scheduler's metrics endpoint under a flood of half-open connections (issue 23,
-finding 6: 200 half-sent requests held 200 threads, and a scrape took 4.1 s): no thread
+"""The scheduler's metrics endpoint under a flood of half-open connections (200
+half-sent requests held 200 threads, and a scrape took 4.1 s): no thread
 per connection, a scrape answered at once, and connections that send no full request
 head closed after the read timeout."""
 from __future__ import annotations

@@ -2,7 +2,7 @@
 NUL, a lone surrogate (bytes that are not UTF-8) and 64 KiB. Each is refused at the edge,
 INVALID_ARGUMENT naming the field, the same way whatever the store; a worker's
 error_message is kept with its control characters escaped; and the scheduler goes on
-serving everyone else (issue 23, finding 1: a NUL once stopped a PostgreSQL replica).
+serving everyone else (a NUL once stopped a PostgreSQL replica).
 
 Here on a SQLite --state-dir; tests/replicas/test_string_fields_replicas.py runs the same
 tests on replicas over PostgreSQL.

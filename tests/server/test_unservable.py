@@ -1,4 +1,4 @@
-"""A sequence whose adapter no registered worker has says so (issue 23, finding 3) on one
+"""A sequence whose adapter no registered worker has says so on one
 scheduler too: GetSequence's error_message, and lattice_scheduler_unservable_queued."""
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The learned budget on one worker of the A30 profile over thousands of steps: the case
-in which the recursive least-squares form of the step model diverged (issue 20)."""
+in which the recursive least-squares form of the step model diverged (service/core/
+step_model.py: its rounding errors made the covariance indefinite)."""
 from __future__ import annotations
 
 import statistics

@@ -1,5 +1,5 @@
-"""A queued sequence whose adapter no worker that takes work has says why it waits
-(issue 23, finding 3), and a replica's core tells which of its queued sequences its
+"""A queued sequence whose adapter no worker that takes work has says why it waits,
+and a replica's core tells which of its queued sequences its
 workers cannot run and which adapters a claim may take."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The chained block hash of the contract (wave 3), against a hand-written computation."""
+"""The chained block hash of the contract, against a hand-written computation."""
 import hashlib
 
 import pytest

@@ -1,4 +1,5 @@
-"""Behaviour pinned while the core was split by concern: the save scope of each call, the batch cap of a policy with a token budget, restoring a queued
+"""Behaviour pinned while the core was split by concern: the save scope of each call, the
+batch cap of a policy with a token budget, restoring a queued
 sequence stored without its place, and queue orders chosen apart from batching."""
 from __future__ import annotations
 

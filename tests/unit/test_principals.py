@@ -1,4 +1,4 @@
-"""The core's side of principals (issue 23, finding 2): request_id is scoped by the
+"""The core's side of principals: request_id is scoped by the
 submitting principal, and a caller that does not see all meets another principal's
 sequence as an unknown id. The edge (tests/security/test_principals.py) supplies them."""
 from __future__ import annotations

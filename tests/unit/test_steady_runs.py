@@ -1,6 +1,6 @@
 """A steady step (packed runs of one token for each sequence, as the last report's) is
 applied from the worker's SteadyRuns, checked with list comparisons instead of sequence by
-sequence (issue 21). Whatever the reports, the outcome is the general rules': each token
+sequence. Whatever the reports, the outcome is the general rules': each token
 once, a gap refused whole, a sequence that left or came back checked anew."""
 import copy
 import random

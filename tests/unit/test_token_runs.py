@@ -1,4 +1,4 @@
-"""The packed form of a report's tokens (TokenRuns, issue 21) gives the sequences exactly
+"""The packed form of a report's tokens (TokenRuns) gives the sequences exactly
 what the same tokens as TokenUpdates give: offsets make retries idempotent, a gap refuses
 the report whole, several runs of one sequence add up, arrays that do not line up are
 refused naming the field."""

@@ -51,7 +51,7 @@ def _loop(engine, client, overlap: bool) -> WorkerLoop:
 
 def _updates(request):
     """(seq_id, token_ids, offset) of each run of a report, in either of its token forms
-    (TokenUpdate messages, or the packed arrays the worker sends since issue 21)."""
+    (TokenUpdate messages, or the packed arrays the worker sends now)."""
     for u in request.tokens:
         yield u.seq_id, list(u.token_ids), u.offset
     counts = request.token_counts or [1] * len(request.token_seq_ids)

@@ -1,4 +1,4 @@
-"""The scheduler uses a real tiny-model worker's prefix cache (issue 18): a conversation's
+"""The scheduler uses a real tiny-model worker's prefix cache: a conversation's
 turns resume from the last turn's resume point, with greedy tokens identical to caching
 off. A real scheduler on a loopback port and a WorkerLoop on a ModelEngine."""
 from __future__ import annotations

@@ -53,9 +53,17 @@ WORKER_MODES = pytest.mark.parametrize("session, overlap", [(True, True), (False
 @pytest.mark.parametrize("scheduler", [{"chunk_size": 32, "max_seq_len": 256}], indirect=True)
 def test_sixteen_streams_on_two_workers_equal_sequential_generation(scheduler, stub, session,
                                                                     overlap):
-    workers = [WorkerThread(scheduler.port, f"w{i}", ScriptedEngine(total_gdn_slots=8),
+    # Both workers serve only if more than one worker's 8 slots are busy at once. With steps
+    # that take no time, a loaded machine started the 16 stream threads so far apart that
+    # w0 finished each before the next came and served all 16 alone; a step of 50 ms keeps
+    # each sequence held for about 0.6 s (12 tokens), so the streams overlap. And both
+    # register before the streams start.
+    workers = [WorkerThread(scheduler.port, f"w{i}",
+                            ScriptedEngine(total_gdn_slots=8, step_seconds=0.05),
                             session=session, overlap=overlap).start()
                for i in range(2)]
+    wait_until(lambda: len(stub.GetStatus(pb.GetStatusRequest()).workers) == 2,
+               "both workers to register", 30)
     prompts = _prompts(16, seed=1, chunk_size=32)
     results = _run_concurrently(stub, prompts, max_new_tokens=12)
     for w in workers:
@@ -142,7 +150,7 @@ def test_draining_worker_finishes_what_it_holds_and_takes_nothing_new(scheduler,
     worker = WorkerThread(scheduler.port, "drainer", engine, max_batch_size=2).start()
     # Long enough that the first two cannot finish (and two more be admitted) between
     # "two running" and the drain reaching the worker: a faster decision loop made that
-    # window a race (issue 21).
+    # window a race.
     ids = [stub.Submit(pb.SubmitRequest(prompt_token_ids=[i + 1] * 5, max_new_tokens=500)).seq_id
            for i in range(4)]
     wait_until(lambda: len(engine.running_ids()) == 2, "two running", 10)

@@ -1,11 +1,13 @@
-"""The page and prefix-cache books of an engine that runs no model: the scripted test
-engine (worker_client.testing) and the simulator's engine (service.sim.engine) keep
-ModelEngine's books exactly, with snapshots that are bookkeeping only."""
+"""The page and prefix-cache books every engine keeps: the reference engine
+(engine.ModelEngine) over its KV cache and GDN state pool, the scripted test engine
+(worker_client.testing) and the simulator's engine (service.sim.engine) over bare page
+tables, with snapshots that are bookkeeping only."""
 from __future__ import annotations
 
 from .api import CacheDelta
 from .page_tables import PageTables
 from .prefix_cache import PrefixCache
+from .snapshots import SlotStates
 
 
 class NoStates:
@@ -20,17 +22,20 @@ class NoStates:
 
 class CacheBooks:
     """`_pages` and `_cache` (None: no prefix cache) and what an engine reports of them;
-    engines without a model inherit it and call `_keep_books` in their constructor."""
+    engines inherit it and call `_keep_books` in their constructor."""
 
     _pages: PageTables
     _cache: PrefixCache | None
 
-    def _keep_books(self, *, total_kv_pages: int, page_size: int, cache_block_tokens: int,
+    def _keep_books(self, pages: PageTables, *, cache_block_tokens: int,
                     snapshot_slots: int, needs_snapshots: bool,
-                    max_unused_blocks: int | None = None) -> None:
-        self._pages = PageTables(num_pages=total_kv_pages, page_size=page_size)
+                    max_unused_blocks: int | None = None,
+                    states: SlotStates | None = None) -> None:
+        """Keep the books of `pages`; `states` (None: NoStates) are what the cache's
+        snapshots copy, a GDN state pool in an engine that runs a model."""
+        self._pages = pages
         self._cache = None if not cache_block_tokens else PrefixCache(
-            self._pages, NoStates(), block_tokens=cache_block_tokens,
+            pages, NoStates() if states is None else states, block_tokens=cache_block_tokens,
             num_snapshot_slots=snapshot_slots, needs_snapshots=needs_snapshots,
             max_unused_blocks=max_unused_blocks)
 
@@ -42,7 +47,7 @@ class CacheBooks:
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
-        """The cache's books and counters (as ModelEngine.prefix_cache); None when off."""
+        """The cache's books and counters (blocks, snapshots), for inspection; None when off."""
         return self._cache
 
     def kv_free_pages(self) -> int:

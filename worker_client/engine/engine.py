@@ -5,12 +5,13 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from .api import CacheDelta, ChunkWork, FinishReason, SequenceSpec, StepOutput, TokenLogprobs
+from .api import ChunkWork, FinishReason, SequenceSpec, StepOutput, TokenLogprobs
 from .batch import PackedBatch
+from .books import CacheBooks
 from .kv_cache import PagedKVCache
 from .model import Qwen35ForCausalLM
 from .paged_forward_cache import PagedForwardCache
-from .prefix_cache import PrefixCache, cached_tokens_problem
+from .prefix_cache import cached_tokens_problem
 from .sampling import SamplingParams, sample_token, token_logprobs
 from .sequence import HeldSequence, PrefillSegment, StepRecorder
 from .sizing import PoolSizes, check_pools_fit, default_pool_sizes
@@ -23,7 +24,7 @@ __all__ = ["ModelEngine", "default_pool_sizes"]
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 
 
-class ModelEngine:
+class ModelEngine(CacheBooks):
     """Runs scheduler decisions on a model with a paged KV cache and a GDN state pool.
 
     `step` first runs the prefill chunks, packed into one forward (several when
@@ -47,6 +48,8 @@ class ModelEngine:
     `cached_tokens` that is not a multiple of the block below the prompt's length
     finishes the sequence FAILED.
     """
+
+    _pages: PagedKVCache  # the books' page tables, with the K/V tensors
 
     def __init__(
         self,
@@ -95,7 +98,7 @@ class ModelEngine:
         self.total_snapshot_slots = total_snapshot_slots
         check_pools_fit(config, PoolSizes(total_kv_pages, page_size, total_gdn_slots, total_snapshot_slots),
                         self.device, dtype)
-        self._kv_cache = PagedKVCache(
+        kv_cache = PagedKVCache(
             num_layers=config.num_full_attention_layers, num_pages=total_kv_pages, page_size=page_size,
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
             device=self.device, dtype=dtype,
@@ -106,33 +109,12 @@ class ModelEngine:
             num_value_heads=config.linear_num_value_heads, key_head_dim=config.linear_key_head_dim,
             value_head_dim=config.linear_value_head_dim, device=self.device, dtype=dtype,
         )
-        self._cache = None if cache_block_tokens == 0 else PrefixCache(
-            self._kv_cache, self._state_pool, block_tokens=cache_block_tokens,
-            num_snapshot_slots=total_snapshot_slots,
-            needs_snapshots=config.num_linear_attention_layers > 0, max_unused_blocks=max_cached_blocks)
+        self._keep_books(kv_cache, cache_block_tokens=cache_block_tokens,
+                         snapshot_slots=total_snapshot_slots,
+                         needs_snapshots=config.num_linear_attention_layers > 0,
+                         max_unused_blocks=max_cached_blocks, states=self._state_pool)
         self._held: dict[int, HeldSequence] = {}  # in admission order
         self._num_admissions = 0
-
-    def kv_free_pages(self) -> int:
-        return self._kv_cache.num_free_pages() + self.kv_cached_pages()
-
-    def kv_cached_pages(self) -> int:
-        return 0 if self._cache is None else self._cache.num_unused_pages()
-
-    def cache_delta(self, full: bool = False) -> CacheDelta:
-        if self._cache is None:
-            return CacheDelta(reset=full)
-        return self._cache.delta(full)
-
-    def clear_prefix_cache(self) -> None:
-        """Drop every cached block no held sequence uses, with its snapshot."""
-        if self._cache is not None:
-            self._cache.clear()
-
-    @property
-    def prefix_cache(self) -> PrefixCache | None:
-        """The cache's own counts (blocks, snapshots), for inspection; None when off."""
-        return self._cache
 
     def gdn_free_slots(self) -> int:
         return self._state_pool.num_free_slots()
@@ -285,7 +267,7 @@ class ModelEngine:
         with its last), the logits of those tokens, all rows' end to end."""
         batch = PackedBatch(seq_lens, torch.tensor(positions, device=self.device))
         cache = PagedForwardCache(
-            self._kv_cache, self._state_pool, [h.seq_id for h in group], [h.slot for h in group], batch
+            self._pages, self._state_pool, [h.seq_id for h in group], [h.slot for h in group], batch
         )
         index = None
         if logit_rows is not None:
@@ -309,7 +291,7 @@ class ModelEngine:
 
     def _reserve(self, held: HeldSequence, num_tokens: int, recorder: StepRecorder) -> bool:
         """Reserve KV room for `num_tokens` more tokens, preempting others; False if `held` itself lost."""
-        kv = self._kv_cache
+        kv = self._pages
         num_pages_needed = kv.num_pages_for(kv.num_tokens(held.seq_id) + num_tokens)
         if num_pages_needed > kv.num_pages:
             self._release(held.seq_id)
@@ -337,9 +319,7 @@ class ModelEngine:
         held = self._held.pop(seq_id, None)
         if held is None:
             return
-        self._kv_cache.free(seq_id)
-        if self._cache is not None:
-            self._cache.release(held)
+        self._release_books(held)
         self._state_pool.release(held.slot)
 
 
