@@ -10,6 +10,7 @@ settings' budget is the contract's 2,048, so the fixed budgets searched are thos
 of a cell starts at the same --qps, so all of them probe the same grid of rates; the
 simulator's figures are virtual time and do not depend on the machine's load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,38 +32,60 @@ SLO = ("--slo-ttft-p99", "2", "--slo-tpot-p99", "0.1")
 
 def main() -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.capacity_table", description=__doc__.split("\n\n")[0])
+        prog="python -m bench.capacity_table", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--traces", default=",".join(TRACES))
     p.add_argument("--workers", default="4,1", help="worker counts, comma-separated")
-    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
-                   help="fixed --max-num-batched-tokens to search (default %(default)s)")
+    p.add_argument(
+        "--budgets",
+        default=",".join(map(str, BUDGETS)),
+        help="fixed --max-num-batched-tokens to search (default %(default)s)",
+    )
     p.add_argument("--num-requests", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="searches run at once")
-    p.add_argument("--extra", default="", help="more simulate flags for every run "
-                                               "(e.g. Vidur's worker shape)")
-    p.add_argument("--configs", help="only these, comma-separated: default, targets, "
-                                     "fixed B (e.g. 'targets,fixed 512')")
+    p.add_argument(
+        "--extra", default="", help="more simulate flags for every run (e.g. Vidur's worker shape)"
+    )
+    p.add_argument(
+        "--configs",
+        help="only these, comma-separated: default, targets, fixed B (e.g. 'targets,fixed 512')",
+    )
     p.add_argument("--capacity-tolerance", default="0.05")
-    p.add_argument("--json", metavar="FILE", help="append each search's summary to this "
-                                                  "file as it finishes (JSON lines)")
-    p.add_argument("--from-json", metavar="FILE[,FILE]",
-                   help="run nothing: print the table of these JSON-lines summaries (a "
-                        "later line's search replaces an earlier one's)")
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="append each search's summary to this file as it finishes (JSON lines)",
+    )
+    p.add_argument(
+        "--from-json",
+        metavar="FILE[,FILE]",
+        help="run nothing: print the table of these JSON-lines summaries (a "
+        "later line's search replaces an earlier one's)",
+    )
     args = p.parse_args()
 
     budgets = [int(b) for b in args.budgets.split(",") if b]
     cells = [(trace, int(w)) for w in args.workers.split(",") for trace in args.traces.split(",")]
     configs = [("default", ()), ("targets", TARGETS)] + [
-        (f"fixed {b}", ("--max-num-batched-tokens", str(b))) for b in budgets]
+        (f"fixed {b}", ("--max-num-batched-tokens", str(b))) for b in budgets
+    ]
     if args.from_json:
-        found = [json.loads(line) for path in args.from_json.split(",")
-                 for line in Path(path).read_text().splitlines() if line.strip()]
+        found = [
+            json.loads(line)
+            for path in args.from_json.split(",")
+            for line in Path(path).read_text().splitlines()
+            if line.strip()
+        ]
         _print_table(found, cells, [name for name, _ in configs])
         return 0
     wanted = set(args.configs.split(",")) if args.configs else {name for name, _ in configs}
-    jobs = [(trace, workers, name, flags) for trace, workers in cells
-            for name, flags in configs if name in wanted]
+    jobs = [
+        (trace, workers, name, flags)
+        for trace, workers in cells
+        for name, flags in configs
+        if name in wanted
+    ]
     with tempfile.TemporaryDirectory() as out, ThreadPoolExecutor(args.jobs) as pool:
         found = list(pool.map(lambda job: _search(job, args, Path(out)), jobs))
     _print_table(found, cells, [name for name, _ in configs])
@@ -73,27 +96,62 @@ def _search(job, args, out: Path) -> dict:
     trace, workers, name, flags = job
     start = "2" if workers == 1 else "8"
     path = out / f"{trace}-{workers}-{name.replace(' ', '_')}.json"
-    command = [sys.executable, "-m", "service.cli.main", "simulate", "--find-capacity", *SLO,
-               "--trace", trace, "--workers", str(workers), "--num-requests",
-               str(args.num_requests), "--seed", str(args.seed), "--qps", start,
-               "--no-progress", "--capacity-tolerance", args.capacity_tolerance, *flags, *args.extra.split(), "--json", str(path)]
-    done = subprocess.run(["nice", "-n", "10", *command], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONHASHSEED": "0"})
+    command = [
+        sys.executable,
+        "-m",
+        "service.cli.main",
+        "simulate",
+        "--find-capacity",
+        *SLO,
+        "--trace",
+        trace,
+        "--workers",
+        str(workers),
+        "--num-requests",
+        str(args.num_requests),
+        "--seed",
+        str(args.seed),
+        "--qps",
+        start,
+        "--no-progress",
+        "--capacity-tolerance",
+        args.capacity_tolerance,
+        *flags,
+        *args.extra.split(),
+        "--json",
+        str(path),
+    ]
+    done = subprocess.run(
+        ["nice", "-n", "10", *command],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
     if done.returncode != 0:
         sys.exit(f"{' '.join(command)}: exit {done.returncode}\n{done.stderr}")
     runs = json.loads(path.read_text())
     capacity = runs[0]["capacity_qps"]
     at = [r for r in runs if r["qps"] == capacity]
-    summary = {"trace": trace, "workers": workers, "config": name, "flags": list(flags),
-               "capacity_qps": capacity, "probes": len(runs),
-               "saturation_requests_per_s": runs[0]["saturation_requests_per_s"],
-               "ttft_p99_s": at[0]["ttft_p99"] if at else None,
-               "tpot_p99_s": at[0]["tpot_p99"] if at else None}
+    summary = {
+        "trace": trace,
+        "workers": workers,
+        "config": name,
+        "flags": list(flags),
+        "capacity_qps": capacity,
+        "probes": len(runs),
+        "saturation_requests_per_s": runs[0]["saturation_requests_per_s"],
+        "ttft_p99_s": at[0]["ttft_p99"] if at else None,
+        "tpot_p99_s": at[0]["tpot_p99"] if at else None,
+    }
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(summary) + "\n")
-    print(f"{trace} {workers}w {name}: {capacity:.3f} QPS "
-          f"(saturation {summary['saturation_requests_per_s']:.2f})", file=sys.stderr, flush=True)
+    print(
+        f"{trace} {workers}w {name}: {capacity:.3f} QPS "
+        f"(saturation {summary['saturation_requests_per_s']:.2f})",
+        file=sys.stderr,
+        flush=True,
+    )
     return summary
 
 
@@ -105,11 +163,16 @@ def _print_table(found: list[dict], cells, names: list[str]) -> None:
         fixed = [f for f in row if f and f["config"].startswith("fixed")]
         best = max(fixed, key=lambda f: f["capacity_qps"]) if fixed else None
         targets = by.get((trace, workers, "targets"))
-        cells_text = [f"{f['capacity_qps']:.2f} ({f['saturation_requests_per_s']:.2f})"
-                      if f else "-" for f in row]
-        best_text = (f"{best['config'][6:]}: {best['capacity_qps']:.2f}" if best else "-")
-        ratio = (f"{targets['capacity_qps'] / best['capacity_qps']:.2f}x"
-                 if targets and best and best["capacity_qps"] else "-")
+        cells_text = [
+            f"{f['capacity_qps']:.2f} ({f['saturation_requests_per_s']:.2f})" if f else "-"
+            for f in row
+        ]
+        best_text = f"{best['config'][6:]}: {best['capacity_qps']:.2f}" if best else "-"
+        ratio = (
+            f"{targets['capacity_qps'] / best['capacity_qps']:.2f}x"
+            if targets and best and best["capacity_qps"]
+            else "-"
+        )
         rows.append([trace, workers, *cells_text, best_text, ratio])
     print(markdown_table(["trace", "workers", *names, "best fixed", "targets / best"], rows))
 

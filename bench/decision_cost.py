@@ -54,6 +54,7 @@ queued head (a 512-token prompt) once per decision: the same work, in the same c
 
 Figures and the commit they ran at: docs/benchmarks.md, "The cost of a decision".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,13 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.core import (  # noqa: E402
-    Scheduler, SchedulerConfig, SubmitParams, TokenUpdate, WorkerRegistration, WorkerReport,
+from service.core import (
+    Scheduler,
+    SchedulerConfig,
+    SubmitParams,
+    TokenUpdate,
+    WorkerRegistration,
+    WorkerReport,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,8 +120,14 @@ class CoreWorkload:
     step() is one decision; the report is the same every decision (each running
     sequence got one token), built once, so only the decision is counted."""
 
-    def __init__(self, running: int, served: bool, seed: int = 1, packed: bool = False,
-                 unchanged: bool = False) -> None:
+    def __init__(
+        self,
+        running: int,
+        served: bool,
+        seed: int = 1,
+        packed: bool = False,
+        unchanged: bool = False,
+    ) -> None:
         self.running_count = running
         self.served = served
         self.packed = packed or unchanged
@@ -126,40 +138,70 @@ class CoreWorkload:
         observer = None
         if served:
             from prometheus_client import CollectorRegistry
+
             from service.server.metrics import SchedulerMetrics
             from service.server.observers import FanOut
             from service.server.wakeups import Wakeups
+
             observer = FanOut(SchedulerMetrics(CollectorRegistry()), Wakeups())
-        config = SchedulerConfig(policy="budget", max_batch_size=running,
-                                 max_num_batched_tokens=TOKEN_BUDGET, chunk_size=PROMPT_LEN,
-                                 max_queue=QUEUED + running,
-                                 lease_ttl_ms=LEASE_MS)
+        config = SchedulerConfig(
+            policy="budget",
+            max_batch_size=running,
+            max_num_batched_tokens=TOKEN_BUDGET,
+            chunk_size=PROMPT_LEN,
+            max_queue=QUEUED + running,
+            lease_ttl_ms=LEASE_MS,
+        )
         self.core = Scheduler(config, observer=observer)
-        self.core.register_worker(WorkerRegistration(
-            WORKER_ID, total_kv_pages=KV_PAGES, page_size=PAGE_SIZE, total_gdn_slots=running,
-            max_batch_size=running))
+        self.core.register_worker(
+            WorkerRegistration(
+                WORKER_ID,
+                total_kv_pages=KV_PAGES,
+                page_size=PAGE_SIZE,
+                total_gdn_slots=running,
+                max_batch_size=running,
+            )
+        )
         for i in range(running):
-            self.core.submit(SubmitParams(prompt_token_ids=_prompt(rnd, _running_prompt_len(i)),
-                                          max_new_tokens=MAX_NEW_TOKENS))
+            self.core.submit(
+                SubmitParams(
+                    prompt_token_ids=_prompt(rnd, _running_prompt_len(i)),
+                    max_new_tokens=MAX_NEW_TOKENS,
+                )
+            )
         self._fill(running)
         for _ in range(QUEUED):
-            self.core.submit(SubmitParams(prompt_token_ids=_prompt(rnd, PROMPT_LEN),
-                                          max_new_tokens=MAX_NEW_TOKENS))
+            self.core.submit(
+                SubmitParams(
+                    prompt_token_ids=_prompt(rnd, PROMPT_LEN), max_new_tokens=MAX_NEW_TOKENS
+                )
+            )
         self.report = WorkerReport(
-            WORKER_ID, running=self.running, kv_free_pages=KV_PAGES // 2, gdn_free_slots=0,
-            tokens=tuple(TokenUpdate(seq_id, (7,)) for seq_id in self.running))
+            WORKER_ID,
+            running=self.running,
+            kv_free_pages=KV_PAGES // 2,
+            gdn_free_slots=0,
+            tokens=tuple(TokenUpdate(seq_id, (7,)) for seq_id in self.running),
+        )
         if served:
             from service.server import convert
+
             self._convert = convert
             self._request_type = type(self._request())
             self.request_bytes = self._request().SerializeToString()
             if unchanged:  # the running list sent once, in full, without tokens
                 from service.server.running_lists import RunningLists
+
                 self._lists = RunningLists()
-                first = self._request_type(worker_id=WORKER_ID, running=self.running,
-                                           kv_free_pages=KV_PAGES // 2, gdn_free_slots=0)
-                self._lists.answer(first, self.running,
-                                   self.core.select_batch(convert.worker_report(first)))
+                first = self._request_type(
+                    worker_id=WORKER_ID,
+                    running=self.running,
+                    kv_free_pages=KV_PAGES // 2,
+                    gdn_free_slots=0,
+                )
+                self._lists.answer(
+                    first, self.running, self.core.select_batch(convert.worker_report(first))
+                )
                 self.since = self.core.status().workers[0].iteration
             if self.packed:  # one request per step (its offsets), built here: not counted
                 self.packed_requests = []
@@ -176,9 +218,13 @@ class CoreWorkload:
         waiting: dict[int, int] = {}  # seq_id -> prompt length
         done: list[int] = []
         while len(done) < running:
-            report = WorkerReport(WORKER_ID, waiting=tuple(waiting), running=tuple(done),
-                                  kv_free_pages=KV_PAGES // 2,
-                                  gdn_free_slots=running - len(waiting) - len(done))
+            report = WorkerReport(
+                WORKER_ID,
+                waiting=tuple(waiting),
+                running=tuple(done),
+                kv_free_pages=KV_PAGES // 2,
+                gdn_free_slots=running - len(waiting) - len(done),
+            )
             decision = self.core.select_batch(report)
             for chunk in decision.prefill:
                 if chunk.spec is not None:
@@ -190,18 +236,26 @@ class CoreWorkload:
 
     def _request(self):
         from lattice.scheduler.v1 import scheduler_pb2 as pb
+
         if self.packed:  # offsets as a worker sends them: the tokens known before these
             return pb.SelectBatchRequest(
-                worker_id=WORKER_ID, running=() if self.since else self.running,
-                kv_free_pages=KV_PAGES // 2, gdn_free_slots=0,
-                token_seq_ids=self.running, token_ids=[7] * len(self.running),
+                worker_id=WORKER_ID,
+                running=() if self.since else self.running,
+                kv_free_pages=KV_PAGES // 2,
+                gdn_free_slots=0,
+                token_seq_ids=self.running,
+                token_ids=[7] * len(self.running),
                 token_offsets=[self.num_steps] * len(self.running),
                 running_unchanged_since=self.since,
-                accepts_decode_all_running=self.unchanged)
+                accepts_decode_all_running=self.unchanged,
+            )
         return pb.SelectBatchRequest(
-            worker_id=WORKER_ID, running=self.running, kv_free_pages=KV_PAGES // 2,
+            worker_id=WORKER_ID,
+            running=self.running,
+            kv_free_pages=KV_PAGES // 2,
             gdn_free_slots=0,
-            tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=[7]) for seq_id in self.running])
+            tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=[7]) for seq_id in self.running],
+        )
 
     def step(self) -> None:
         if self.served:
@@ -224,8 +278,10 @@ class CoreWorkload:
         """The last decision decoded every running sequence and admitted none."""
         d = self.last_decision
         if tuple(d.decode) != self.running or d.prefill or d.evict or d.preempt:
-            raise SystemExit(f"set-up is wrong (R = {self.running_count}): the decision is not "
-                             "'decode all, admit none'")
+            raise SystemExit(
+                f"set-up is wrong (R = {self.running_count}): the decision is not "
+                "'decode all, admit none'"
+            )
         if self.core.status().queue_depth != QUEUED:
             raise SystemExit(f"set-up is wrong: {self.core.status().queue_depth} queued")
 
@@ -244,9 +300,13 @@ def import_nano(directory: Path) -> types.SimpleNamespace:
     sys.modules["nanovllm"] = package
     from nanovllm import sampling_params as params
     from nanovllm.engine import scheduler, sequence
+
     sequence.Sequence.block_size = PAGE_SIZE
-    return types.SimpleNamespace(Scheduler=scheduler.Scheduler, Sequence=sequence.Sequence,
-                                 SamplingParams=params.SamplingParams)
+    return types.SimpleNamespace(
+        Scheduler=scheduler.Scheduler,
+        Sequence=sequence.Sequence,
+        SamplingParams=params.SamplingParams,
+    )
 
 
 class NanoWorkload:
@@ -258,9 +318,13 @@ class NanoWorkload:
         rnd = random.Random(seed)
         # Room for every running sequence to grow by 1,024 tokens: no preemption in a run.
         blocks = running * ((PROMPT_LEN + PAGE_SIZE + 1024) // PAGE_SIZE + 1)
-        config = types.SimpleNamespace(max_num_seqs=running, max_num_batched_tokens=TOKEN_BUDGET,
-                                       eos=-1, kvcache_block_size=PAGE_SIZE,
-                                       num_kvcache_blocks=blocks)
+        config = types.SimpleNamespace(
+            max_num_seqs=running,
+            max_num_batched_tokens=TOKEN_BUDGET,
+            eos=-1,
+            kvcache_block_size=PAGE_SIZE,
+            num_kvcache_blocks=blocks,
+        )
         self.scheduler = nano.Scheduler(config)
         params = nano.SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
         for i in range(running):
@@ -292,8 +356,12 @@ def build(kind: str, running: int, nano_dir: Path | None):
         if nano_dir is None:
             raise SystemExit("the nano cell needs --nano-vllm DIR")
         return NanoWorkload(running, nano_dir)
-    return CoreWorkload(running, served=kind in ("served", "packed", "unchanged"),
-                        packed=kind == "packed", unchanged=kind == "unchanged")
+    return CoreWorkload(
+        running,
+        served=kind in ("served", "packed", "unchanged"),
+        packed=kind == "packed",
+        unchanged=kind == "unchanged",
+    )
 
 
 def run_cell(kind: str, running: int, decisions: int, nano_dir: Path | None) -> None:
@@ -305,13 +373,21 @@ def run_cell(kind: str, running: int, decisions: int, nano_dir: Path | None) -> 
     workload.check()
 
 
-def callgrind_instructions(kind: str, running: int, decisions: int,
-                           nano_dir: Path | None) -> int:
+def callgrind_instructions(kind: str, running: int, decisions: int, nano_dir: Path | None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
-        command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                   sys.executable, "-m", "bench.decision_cost",
-                   "--cell", kind, str(running), str(decisions)]
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            "-m",
+            "bench.decision_cost",
+            "--cell",
+            kind,
+            str(running),
+            str(decisions),
+        ]
         if nano_dir is not None:
             command += ["--nano-vllm", str(nano_dir)]
         env = dict(os.environ, PYTHONHASHSEED="0")
@@ -349,20 +425,41 @@ def _fmt_count(n: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.decision_cost", description=__doc__.splitlines()[0])
-    parser.add_argument("--nano-vllm", type=Path, default=None, metavar="DIR",
-                        help="a nano-vllm checkout (GeeeekExplorer/nano-vllm): adds its cells")
-    parser.add_argument("--quick", action="store_true",
-                        help="R = 32 only, N1 = 4, N2 = 20 (a check that it runs)")
-    parser.add_argument("--running", type=int, nargs="+", default=[32, 128, 256],
-                        help="running sequences per cell (default 32 128 256)")
+        prog="python -m bench.decision_cost", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--nano-vllm",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a nano-vllm checkout (GeeeekExplorer/nano-vllm): adds its cells",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="R = 32 only, N1 = 4, N2 = 20 (a check that it runs)"
+    )
+    parser.add_argument(
+        "--running",
+        type=int,
+        nargs="+",
+        default=[32, 128, 256],
+        help="running sequences per cell (default 32 128 256)",
+    )
     parser.add_argument("--n1", type=int, default=4, help="decisions of the short run")
     # 16 decisions between the pair was too few for nano-vllm (docs/benchmarks.md).
     parser.add_argument("--n2", type=int, default=68, help="decisions of the long run")
-    parser.add_argument("--cpu-decisions", type=int, default=200,
-                        help="decisions timed with process_time per cell (default 200)")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
-                        help="cells to run (default all; nano only with --nano-vllm)")
+    parser.add_argument(
+        "--cpu-decisions",
+        type=int,
+        default=200,
+        help="decisions timed with process_time per cell (default 200)",
+    )
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=KINDS,
+        default=list(KINDS),
+        help="cells to run (default all; nano only with --nano-vllm)",
+    )
     parser.add_argument("--cell", nargs=3, metavar=("KIND", "R", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cell:
@@ -373,7 +470,9 @@ def main() -> int:
         args.running, args.n1, args.n2, args.cpu_decisions = [32], 4, 20, 50
     if not 0 <= args.n1 < args.n2:
         parser.error("need 0 <= --n1 < --n2")
-    if {"packed", "unchanged"} & set(args.kinds) and max(args.n2, args.cpu_decisions) + WARMUP > MAX_PACKED_STEPS:
+    if {"packed", "unchanged"} & set(args.kinds) and max(
+        args.n2, args.cpu_decisions
+    ) + WARMUP > MAX_PACKED_STEPS:
         parser.error(f"the packed cell runs at most {MAX_PACKED_STEPS - WARMUP} decisions")
     if min(args.running) < 1:
         parser.error("--running: each must be >= 1")
@@ -382,27 +481,36 @@ def main() -> int:
     rows: list[Row] = []
     for running in args.running:
         for kind in kinds:
-            print(f"[{time.monotonic() - started:6.0f}s] {kind} R={running}: "
-                  f"callgrind N={args.n1}, N={args.n2}, then process_time", flush=True)
+            print(
+                f"[{time.monotonic() - started:6.0f}s] {kind} R={running}: "
+                f"callgrind N={args.n1}, N={args.n2}, then process_time",
+                flush=True,
+            )
             low = callgrind_instructions(kind, running, args.n1, args.nano_vllm)
             high = callgrind_instructions(kind, running, args.n2, args.nano_vllm)
             per = (high - low) / (args.n2 - args.n1)
             cpu = cpu_per_decision(kind, running, args.cpu_decisions, args.nano_vllm)
             rows.append(Row(kind, running, per, cpu))
-            print(f"         {_fmt_count(per)} instructions, {cpu * 1e3:.3f} ms CPU per decision",
-                  flush=True)
+            print(
+                f"         {_fmt_count(per)} instructions, {cpu * 1e3:.3f} ms CPU per decision",
+                flush=True,
+            )
     print()
-    print(f"Instructions per decision (callgrind, (Ir(N={args.n2}) - Ir(N={args.n1})) / "
-          f"{args.n2 - args.n1}); CPU ms per decision (process_time, {args.cpu_decisions} "
-          "decisions, this machine's load)")
+    print(
+        f"Instructions per decision (callgrind, (Ir(N={args.n2}) - Ir(N={args.n1})) / "
+        f"{args.n2 - args.n1}); CPU ms per decision (process_time, {args.cpu_decisions} "
+        "decisions, this machine's load)"
+    )
     print(f"{'R':>5}{'kind':>8}{'instr':>10}{'x nano':>8}{'CPU ms':>9}{'x nano':>8}")
     nano = {r.running: r for r in rows if r.kind == "nano"}
     for row in rows:
         ref = nano.get(row.running)
         ratio = f"{row.instructions / ref.instructions:.2f}" if ref else "-"
         cpu_ratio = f"{row.cpu_seconds / ref.cpu_seconds:.2f}" if ref else "-"
-        print(f"{row.running:>5}{row.kind:>8}{_fmt_count(row.instructions):>10}{ratio:>8}"
-              f"{row.cpu_seconds * 1e3:>9.3f}{cpu_ratio:>8}")
+        print(
+            f"{row.running:>5}{row.kind:>8}{_fmt_count(row.instructions):>10}{ratio:>8}"
+            f"{row.cpu_seconds * 1e3:>9.3f}{cpu_ratio:>8}"
+        )
     print(f"wall time {time.monotonic() - started:.0f} s")
     return 0
 

@@ -13,15 +13,16 @@ workers). Example:
     .venv/bin/python -m bench.placement_losses --trace mooncake_conversation \\
         --block-tokens 64 --num-requests 2000 --workers 4 --qps 8
 """
+
 from __future__ import annotations
 
 import sys
 from collections import Counter
 from dataclasses import dataclass
 
-from service.core.decide import batcher
 from service.core.cache import prefix_cache
 from service.core.cache.fleet import has_room
+from service.core.decide import batcher
 
 
 @dataclass
@@ -53,7 +54,8 @@ def watch() -> tuple[list[Admission], list[tuple[int, int]]]:
         if b and seq.may_use_prefix_cache():
             n = seq.num_tokens()
             seq.prompt_hashes = prefix_cache.prompt_hashes(
-                seq.prompt_hashes, seq.resume_token_ids, n, seq.adapter_id, b)
+                seq.prompt_hashes, seq.resume_token_ids, n, seq.adapter_id, b
+            )
             hashes, owners = seq.prompt_hashes.hashes, self._ledger.fleet_cache.owners
             usable = min(len(hashes), (n - 1) // b)
             best, holders = 0, set()
@@ -66,8 +68,9 @@ def watch() -> tuple[list[Admission], list[tuple[int, int]]]:
             if holders and worker.worker_id not in holders:
                 room = any(has_room(w) for w in self._ledger if w.worker_id in holders)
             if len(admissions) % 50 == 0:
-                samples.append((sum(len(w.resume_points.points) for w in self._ledger),
-                                len(owners)))
+                samples.append(
+                    (sum(len(w.resume_points.points) for w in self._ledger), len(owners))
+                )
             admissions.append(Admission(n, cached_tokens, best, seen, room, len(holders)))
         return first_chunk(self, worker, seq, chunk_len, cached_tokens)
 
@@ -95,17 +98,23 @@ def main() -> int:
     print(f"  ever reported by some worker        {share(a.ever for a in admissions)}")
     for label, room in (("a holder had room", True), ("no holder had room", False)):
         lost = [a for a in away if a.holder_had_room is room]
-        print(f"  lost admitting away from a longer prefix, {label}: {len(lost)} admissions, "
-              f"{share(a.best - a.reused for a in lost)}")
+        print(
+            f"  lost admitting away from a longer prefix, {label}: {len(lost)} admissions, "
+            f"{share(a.best - a.reused for a in lost)}"
+        )
     print(f"  lost because every copy was evicted {share(a.ever - a.best for a in admissions)}")
     holders = Counter(a.num_holders for a in admissions if a.best)
-    print("  workers holding an admission's best prefix: "
-          + ", ".join(f"{k}: {v}" for k, v in sorted(holders.items())))
-    late = samples[len(samples) // 4:]
+    print(
+        "  workers holding an admission's best prefix: "
+        + ", ".join(f"{k}: {v}" for k, v in sorted(holders.items()))
+    )
+    late = samples[len(samples) // 4 :]
     held, distinct = sum(h for h, _ in late), sum(d for _, d in late)
-    print(f"  cached blocks (after the first quarter, mean): {held / len(late):.0f} held over "
-          f"all workers, {distinct / len(late):.0f} distinct ({held / max(1, distinct):.3f} "
-          f"copies each)")
+    print(
+        f"  cached blocks (after the first quarter, mean): {held / len(late):.0f} held over "
+        f"all workers, {distinct / len(late):.0f} distinct ({held / max(1, distinct):.3f} "
+        f"copies each)"
+    )
     return 0
 
 

@@ -17,6 +17,7 @@ CPU per decision: CPU seconds of the scheduler processes, and of the PostgreSQL 
 
     .venv/bin/python -m bench.replicas --seconds 15
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,13 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from bench.harness.processes import ROOT, cpu_seconds, scrape
 from bench.harness.tables import print_table
 from common.loadgen import percentile
 from common.processes import spawn_scheduler
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service.state.pg_cluster import PrivateCluster, free_port
 
 
@@ -71,16 +72,40 @@ def database_pids(cluster: PrivateCluster) -> list[int]:
 
 def start_scheduler(state: list[str], directory: Path, name: str):
     """(Popen, target, metrics port) of a scheduler that printed its banner."""
-    process = spawn_scheduler(name, directory, "--policy", "fifo", "--lease-ttl-ms", "30000",
-                              *state, port=free_port(), cwd=ROOT)
+    process = spawn_scheduler(
+        name,
+        directory,
+        "--policy",
+        "fifo",
+        "--lease-ttl-ms",
+        "30000",
+        *state,
+        port=free_port(),
+        cwd=ROOT,
+    )
     return process.popen, f"127.0.0.1:{process.ports[0]}", process.ports[1]
 
 
-def worker_thread(stub, worker_id: str, batch: int, new_tokens: int, stop: threading.Event,
-                  started: threading.Event, latencies: list[float], counts: list[int]) -> None:
-    stub.RegisterWorker(pb.RegisterWorkerRequest(
-        worker_id=worker_id, total_kv_pages=1_000_000, page_size=16,
-        total_gdn_slots=batch, max_batch_size=batch), timeout=10)
+def worker_thread(
+    stub,
+    worker_id: str,
+    batch: int,
+    new_tokens: int,
+    stop: threading.Event,
+    started: threading.Event,
+    latencies: list[float],
+    counts: list[int],
+) -> None:
+    stub.RegisterWorker(
+        pb.RegisterWorkerRequest(
+            worker_id=worker_id,
+            total_kv_pages=1_000_000,
+            page_size=16,
+            total_gdn_slots=batch,
+            max_batch_size=batch,
+        ),
+        timeout=10,
+    )
     generated: dict[int, int] = {}
     running: list[int] = []
     waiting: list[int] = []
@@ -89,17 +114,27 @@ def worker_thread(stub, worker_id: str, batch: int, new_tokens: int, stop: threa
         for seq_id in running:
             generated[seq_id] += 1
             if generated[seq_id] >= new_tokens:
-                finished.append(pb.FinishedSequence(seq_id=seq_id,
-                                                    reason=pb.FINISH_REASON_MAX_LENGTH,
-                                                    generated_tokens=generated[seq_id]))
-            tokens.append(pb.TokenUpdate(seq_id=seq_id, token_ids=[7],
-                                         offset=generated[seq_id] - 1))
+                finished.append(
+                    pb.FinishedSequence(
+                        seq_id=seq_id,
+                        reason=pb.FINISH_REASON_MAX_LENGTH,
+                        generated_tokens=generated[seq_id],
+                    )
+                )
+            tokens.append(
+                pb.TokenUpdate(seq_id=seq_id, token_ids=[7], offset=generated[seq_id] - 1)
+            )
         done = {f.seq_id for f in finished}
         running = [s for s in running if s not in done] + waiting
         waiting = []
         request = pb.SelectBatchRequest(
-            worker_id=worker_id, running=[s for s in running], tokens=tokens,
-            finished=finished, kv_free_pages=1_000_000, gdn_free_slots=batch - len(running))
+            worker_id=worker_id,
+            running=[s for s in running],
+            tokens=tokens,
+            finished=finished,
+            kv_free_pages=1_000_000,
+            gdn_free_slots=batch - len(running),
+        )
         t0 = time.perf_counter()
         decision = stub.SelectBatch(request, timeout=30)
         elapsed = time.perf_counter() - t0
@@ -115,8 +150,9 @@ def worker_thread(stub, worker_id: str, batch: int, new_tokens: int, stop: threa
                 waiting.append(chunk.seq_id)  # one chunk holds the whole prompt here
 
 
-def run(name: str, targets: list[tuple[str, int]], procs, cluster: PrivateCluster | None,
-        args) -> Result:
+def run(
+    name: str, targets: list[tuple[str, int]], procs, cluster: PrivateCluster | None, args
+) -> Result:
     result = Result(name)
     channels = [grpc.insecure_channel(t) for t, _ in targets]
     stubs = [pb_grpc.SchedulerStub(c) for c in channels]
@@ -124,9 +160,12 @@ def run(name: str, targets: list[tuple[str, int]], procs, cluster: PrivateCluste
     before = [scrape(m) for _, m in targets]
     for i in range(args.sequences):
         t0 = time.perf_counter()
-        stubs[i % len(stubs)].Submit(pb.SubmitRequest(
-            prompt_token_ids=prompt, max_new_tokens=args.new_tokens,
-            request_id=f"{name}-{i}"), timeout=10)
+        stubs[i % len(stubs)].Submit(
+            pb.SubmitRequest(
+                prompt_token_ids=prompt, max_new_tokens=args.new_tokens, request_id=f"{name}-{i}"
+            ),
+            timeout=10,
+        )
         result.submit_latencies.append(time.perf_counter() - t0)
     result.submit_latencies.sort()
     after_submit = [scrape(m) for _, m in targets]
@@ -134,14 +173,29 @@ def run(name: str, targets: list[tuple[str, int]], procs, cluster: PrivateCluste
     result.round_trips["submit"] = sum(
         a.get(("lattice_scheduler_database_round_trips_total", (("purpose", "submit"),)), 0)
         - b.get(("lattice_scheduler_database_round_trips_total", (("purpose", "submit"),)), 0)
-        for a, b in zip(after_submit, before))
+        for a, b in zip(after_submit, before)
+    )
 
     stop, started = threading.Event(), threading.Event()
     latencies: list[list[float]] = [[] for _ in range(args.workers)]
     counts = [[0] for _ in range(args.workers)]
-    threads = [threading.Thread(target=worker_thread, args=(
-        stubs[i % len(stubs)], f"bench-{i}", args.batch, args.new_tokens, stop, started,
-        latencies[i], counts[i]), daemon=True) for i in range(args.workers)]
+    threads = [
+        threading.Thread(
+            target=worker_thread,
+            args=(
+                stubs[i % len(stubs)],
+                f"bench-{i}",
+                args.batch,
+                args.new_tokens,
+                stop,
+                started,
+                latencies[i],
+                counts[i],
+            ),
+            daemon=True,
+        )
+        for i in range(args.workers)
+    ]
     for t in threads:
         t.start()
     time.sleep(args.warmup)
@@ -163,12 +217,14 @@ def run(name: str, targets: list[tuple[str, int]], procs, cluster: PrivateCluste
     result.latencies = sorted(x for ls in latencies for x in ls)
     result.scheduler_cpu, result.database_cpu = cpu1 - cpu0, max(0.0, db1 - db0)
     tokens = ("lattice_scheduler_generation_tokens_total", ())
-    result.tokens = sum(e.get(tokens, 0) - s.get(tokens, 0)
-                        for e, s in zip(end_metrics, start_metrics))
+    result.tokens = sum(
+        e.get(tokens, 0) - s.get(tokens, 0) for e, s in zip(end_metrics, start_metrics)
+    )
     for purpose in ("save", "claim"):
         key = ("lattice_scheduler_database_round_trips_total", (("purpose", purpose),))
-        result.round_trips[purpose] = sum(e.get(key, 0) - s.get(key, 0)
-                                          for e, s in zip(end_metrics, start_metrics))
+        result.round_trips[purpose] = sum(
+            e.get(key, 0) - s.get(key, 0) for e, s in zip(end_metrics, start_metrics)
+        )
     for channel in channels:
         channel.close()
     return result
@@ -176,14 +232,19 @@ def run(name: str, targets: list[tuple[str, int]], procs, cluster: PrivateCluste
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.replicas", description=__doc__.splitlines()[0])
+        prog="python -m bench.replicas", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--seconds", type=float, default=15.0, help="timed window per run")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32, help="sequences per worker")
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--sequences", type=int, default=3000,
-                        help="queued up front (enough to keep every worker full)")
+    parser.add_argument(
+        "--sequences",
+        type=int,
+        default=3000,
+        help="queued up front (enough to keep every worker full)",
+    )
     parser.add_argument("--only", choices=("sqlite", "postgres-1", "postgres-2"))
     args = parser.parse_args()
 
@@ -214,12 +275,26 @@ def main() -> int:
                     p.kill()
             if cluster is not None:
                 cluster.destroy()
-    print(f"\n{args.workers} workers x {args.batch} sequences, {args.new_tokens} tokens each, "
-          f"{args.seconds:g} s timed; load average {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} cores\n")
-    print_table(["config", "decisions/s", "p50 ms", "p99 ms", "sched CPU ms/dec",
-                 "db CPU ms/dec", "RT/dec", "RT/submit", "submit p50 ms", "tokens/dec"],
-                [_row(r) for r in results])
+    print(
+        f"\n{args.workers} workers x {args.batch} sequences, {args.new_tokens} tokens each, "
+        f"{args.seconds:g} s timed; load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} cores\n"
+    )
+    print_table(
+        [
+            "config",
+            "decisions/s",
+            "p50 ms",
+            "p99 ms",
+            "sched CPU ms/dec",
+            "db CPU ms/dec",
+            "RT/dec",
+            "RT/submit",
+            "submit p50 ms",
+            "tokens/dec",
+        ],
+        [_row(r) for r in results],
+    )
     print(f"\nlogs in {directory}")
     return 0
 
@@ -227,15 +302,18 @@ def main() -> int:
 def _row(r: Result) -> list[str]:
     decisions = max(1, r.decisions)
     round_trips = r.round_trips.get("save", 0) + r.round_trips.get("claim", 0)
-    return [r.name, f"{r.decisions / r.seconds:.0f}",
-            f"{percentile(r.latencies, 50) * 1000:.2f}",
-            f"{percentile(r.latencies, 99) * 1000:.2f}",
-            f"{r.scheduler_cpu / decisions * 1000:.2f}",
-            f"{r.database_cpu / decisions * 1000:.2f}",
-            f"{round_trips / decisions:.2f}",
-            f"{r.round_trips.get('submit', 0) / max(1, r.submits):.2f}",
-            f"{percentile(r.submit_latencies, 50) * 1000:.2f}",
-            f"{r.tokens / decisions:.1f}"]
+    return [
+        r.name,
+        f"{r.decisions / r.seconds:.0f}",
+        f"{percentile(r.latencies, 50) * 1000:.2f}",
+        f"{percentile(r.latencies, 99) * 1000:.2f}",
+        f"{r.scheduler_cpu / decisions * 1000:.2f}",
+        f"{r.database_cpu / decisions * 1000:.2f}",
+        f"{round_trips / decisions:.2f}",
+        f"{r.round_trips.get('submit', 0) / max(1, r.submits):.2f}",
+        f"{percentile(r.submit_latencies, 50) * 1000:.2f}",
+        f"{r.tokens / decisions:.1f}",
+    ]
 
 
 if __name__ == "__main__":

@@ -10,13 +10,14 @@ decision, timed around each call).
     python -m bench.sim                          # sharegpt, 2000 requests, 4 workers
     python -m bench.sim --qps 2,8,32 --trace splitwise_conv
 """
+
 from __future__ import annotations
 
 import argparse
 import time
 
-from service.server import convert
 from service.core import SchedulerConfig
+from service.server import convert
 from service.sim import experiments
 from service.sim.costs import load_cost_source
 from service.sim.simulator import WorkerShape
@@ -40,8 +41,11 @@ class _Timed:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.sim",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--trace", default="sharegpt")
     parser.add_argument("--qps", default="2,8,16")
     parser.add_argument("--num-requests", type=int, default=2000)
@@ -50,15 +54,26 @@ def main() -> None:
     args = parser.parse_args()
 
     cost = load_cost_source(profile="a30-qwen2-7b", step_table_path=None, page_size=16)
-    setup = experiments.Setup(load_trace(args.trace), cost,
-                              WorkerShape(cost.default_kv_pages, 16, cost.default_gdn_slots),
-                              args.workers, args.num_requests, "poisson", 0, "pull",
-                              progress=False)
+    setup = experiments.Setup(
+        load_trace(args.trace),
+        cost,
+        WorkerShape(cost.default_kv_pages, 16, cost.default_gdn_slots),
+        args.workers,
+        args.num_requests,
+        "poisson",
+        0,
+        "pull",
+        progress=False,
+    )
     config = SchedulerConfig(policy=args.policy)
-    print(f"{args.num_requests} requests of {args.trace}, {args.workers} workers, "
-          f"{args.policy}, A30 Qwen2-7B profile")
-    print(f"{'QPS':>6}  {'wall s':>7}  {'iterations':>10}  {'us/iteration':>12}  "
-          f"{'convert.py share':>16}  {'makespan s':>10}")
+    print(
+        f"{args.num_requests} requests of {args.trace}, {args.workers} workers, "
+        f"{args.policy}, A30 Qwen2-7B profile"
+    )
+    print(
+        f"{'QPS':>6}  {'wall s':>7}  {'iterations':>10}  {'us/iteration':>12}  "
+        f"{'convert.py share':>16}  {'makespan s':>10}"
+    )
     for qps in (float(q) for q in args.qps.split(",")):
         timers = [_Timed("worker_report"), _Timed("decision")]
         for timer in timers:
@@ -70,9 +85,12 @@ def main() -> None:
                 setattr(convert, timer.name, timer.original)
         iterations = run.outcome.num_iterations
         share = sum(t.seconds for t in timers) / run.wall_seconds
-        print(f"{qps:>6g}  {run.wall_seconds:>7.1f}  {iterations:>10}  "
-              f"{run.wall_seconds / iterations * 1e6:>12.0f}  {share:>15.0%}  "
-              f"{run.result.makespan:>10.0f}", flush=True)
+        print(
+            f"{qps:>6g}  {run.wall_seconds:>7.1f}  {iterations:>10}  "
+            f"{run.wall_seconds / iterations * 1e6:>12.0f}  {share:>15.0%}  "
+            f"{run.result.makespan:>10.0f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ appends (as a decode step). Then a store holding `--verify-sequences` finished s
 32 tokens each is opened, and the time its checks take (every row's checksum) is printed
 next to loading it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,10 @@ from pathlib import Path
 from service.state import integrity as state_integrity
 from service.state.sqlite import SCHEMA, SqliteStateStore
 
-PARAMS = ('{"request_id": "", "max_new_tokens": 30, "adapter_id": "", "priority": 0, '
-          '"tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}')
+PARAMS = (
+    '{"request_id": "", "max_new_tokens": 30, "adapter_id": "", "priority": 0, '
+    '"tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}'
+)
 
 
 def _database(directory: str, checksums: bool, num_rows: int) -> sqlite3.Connection:
@@ -42,10 +45,12 @@ def _database(directory: str, checksums: bool, num_rows: int) -> sqlite3.Connect
         db.execute("COMMIT")
     prompt = array("I", range(64)).tobytes()
     db.execute("BEGIN")
-    db.executemany("INSERT INTO sequences (seq_id, params, prompt, state, cursor, "
-                   "prefilled_tokens, num_generated, num_generated_at_admission) "
-                   "VALUES (?, ?, ?, 1, 0, 0, 0, 0)",
-                   [(i, PARAMS, prompt) for i in range(num_rows)])
+    db.executemany(
+        "INSERT INTO sequences (seq_id, params, prompt, state, cursor, "
+        "prefilled_tokens, num_generated, num_generated_at_admission) "
+        "VALUES (?, ?, ?, 1, 0, 0, 0, 0)",
+        [(i, PARAMS, prompt) for i in range(num_rows)],
+    )
     db.execute("COMMIT")
     return db
 
@@ -61,10 +66,13 @@ def _write_rounds(db: sqlite3.Connection, num_rows: int, rounds: int) -> tuple[f
         rows = [(3, "w0", None, 64, 64, r, 0, None, 0, "", i) for i in range(num_rows)]
         started = time.perf_counter()
         db.execute("BEGIN IMMEDIATE")
-        db.executemany("UPDATE sequences SET state = ?, worker_id = ?, queue_key = ?, "
-                       "cursor = ?, prefilled_tokens = ?, num_generated = ?, "
-                       "num_generated_at_admission = ?, finish_reason = ?, finish_order = ?, "
-                       "error_message = ? WHERE seq_id = ?", rows)
+        db.executemany(
+            "UPDATE sequences SET state = ?, worker_id = ?, queue_key = ?, "
+            "cursor = ?, prefilled_tokens = ?, num_generated = ?, "
+            "num_generated_at_admission = ?, finish_reason = ?, finish_order = ?, "
+            "error_message = ? WHERE seq_id = ?",
+            rows,
+        )
         db.execute("COMMIT")
         progress.append(time.perf_counter() - started)
         started = time.perf_counter()
@@ -83,12 +91,16 @@ def _verify_figures(directory: str, num_sequences: int) -> tuple[int, float, flo
     output = array("I", range(32)).tobytes()
     prompt = array("I", range(64)).tobytes()
     db.execute("BEGIN")
-    db.executemany("INSERT INTO sequences (seq_id, params, prompt, state, cursor, "
-                   "prefilled_tokens, num_generated, num_generated_at_admission, "
-                   "finish_reason, finish_order) VALUES (?, ?, ?, 4, 64, 64, 32, 0, 2, ?)",
-                   [(i, PARAMS, prompt, i) for i in range(1, num_sequences + 1)])
-    db.executemany("INSERT INTO outputs (seq_id, token_ids) VALUES (?, ?)",
-                   [(i, output) for i in range(1, num_sequences + 1)])
+    db.executemany(
+        "INSERT INTO sequences (seq_id, params, prompt, state, cursor, "
+        "prefilled_tokens, num_generated, num_generated_at_admission, "
+        "finish_reason, finish_order) VALUES (?, ?, ?, 4, 64, 64, 32, 0, 2, ?)",
+        [(i, PARAMS, prompt, i) for i in range(1, num_sequences + 1)],
+    )
+    db.executemany(
+        "INSERT INTO outputs (seq_id, token_ids) VALUES (?, ?)",
+        [(i, output) for i in range(1, num_sequences + 1)],
+    )
     db.execute("COMMIT")
     store.close()
     started = time.perf_counter()
@@ -104,11 +116,16 @@ def _verify_figures(directory: str, num_sequences: int) -> tuple[int, float, flo
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.state_integrity", description=__doc__.split("\n\n")[0])
+        prog="python -m bench.state_integrity", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--rows", type=int, default=256, help="rows written per round")
     parser.add_argument("--rounds", type=int, default=200, help="timed rounds per row")
-    parser.add_argument("--verify-sequences", type=int, default=20000,
-                        help="finished sequences in the store whose start is timed")
+    parser.add_argument(
+        "--verify-sequences",
+        type=int,
+        default=20000,
+        help="finished sequences in the store whose start is timed",
+    )
     parser.add_argument("--tmp-dir", default=None, help="where the databases go")
     args = parser.parse_args()
     print(f"{args.rows} rows per round, {args.rounds} rounds, medians")
@@ -118,12 +135,16 @@ def main() -> int:
             db = _database(directory, checksums, args.rows)
             progress, log = _write_rounds(db, args.rows, args.rounds)
             db.close()
-        print(f"{'on' if checksums else 'off':<10} {progress:>13.0f} us {progress / args.rows:>6.1f} us"
-              f" {log:>12.0f} us")
+        print(
+            f"{'on' if checksums else 'off':<10} {progress:>13.0f} us {progress / args.rows:>6.1f} us"
+            f" {log:>12.0f} us"
+        )
     with tempfile.TemporaryDirectory(dir=args.tmp_dir) as directory:
         rows, opened, loaded = _verify_figures(directory, args.verify_sequences)
-    print(f"start on {args.verify_sequences} finished sequences: {rows} rows verified while "
-          f"opening in {opened * 1000:.0f} ms; loading them took {loaded * 1000:.0f} ms more")
+    print(
+        f"start on {args.verify_sequences} finished sequences: {rows} rows verified while "
+        f"opening in {opened * 1000:.0f} ms; loading them took {loaded * 1000:.0f} ms more"
+    )
     return 0
 
 

@@ -9,6 +9,7 @@ each with one new token, so every call saves --batch token rows. Submit saves on
 sequence (fsync'd under `acks` and `always`). The state dir is a temporary directory on
 the disk that holds --tmp-dir (default: the system's temporary directory).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,10 +19,15 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from service.core import (
-    Scheduler, SchedulerConfig, SubmitParams, TokenUpdate, WorkerRegistration, WorkerReport,
-)
 from common.loadgen import percentile
+from service.core import (
+    Scheduler,
+    SchedulerConfig,
+    SubmitParams,
+    TokenUpdate,
+    WorkerRegistration,
+    WorkerReport,
+)
 from service.state.sqlite import FSYNC_MODES, SqliteStateStore
 
 PROMPT = tuple(range(1, 129))
@@ -46,14 +52,21 @@ def bench(store, batch: int, iterations: int, submits: int):
     for i in range(batch):
         core.submit(_params(-1 - i))
     core.register_worker(WorkerRegistration("bench", 100_000, 16, batch, batch))
-    running = tuple(c.seq_id for c in core.select_batch(
-        WorkerReport("bench", kv_free_pages=50_000, gdn_free_slots=batch)).prefill)
+    running = tuple(
+        c.seq_id
+        for c in core.select_batch(
+            WorkerReport("bench", kv_free_pages=50_000, gdn_free_slots=batch)
+        ).prefill
+    )
     assert len(running) == batch
 
     def decode(i: int) -> None:
         tokens = tuple(TokenUpdate(s, (i % 1000,)) for s in running)
-        decision = core.select_batch(WorkerReport("bench", running=running, tokens=tokens,
-                                                  kv_free_pages=50_000, gdn_free_slots=0))
+        decision = core.select_batch(
+            WorkerReport(
+                "bench", running=running, tokens=tokens, kv_free_pages=50_000, gdn_free_slots=0
+            )
+        )
         assert len(decision.decode) == batch and not decision.prefill
 
     select = _time(decode, iterations)
@@ -69,17 +82,22 @@ def _stats(samples: list[float]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.state_store", description=__doc__.splitlines()[0])
+        prog="python -m bench.state_store", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--iterations", type=int, default=1000, help="timed SelectBatch calls")
     parser.add_argument("--submits", type=int, default=500, help="timed Submit calls")
     parser.add_argument("--batch", type=int, default=256, help="running sequences per call")
     parser.add_argument("--tmp-dir", default=None, help="where the state dirs go")
     args = parser.parse_args()
 
-    print(f"core calls, 1 worker, {args.batch} running with 1 token each per SelectBatch; "
-          f"{args.iterations} SelectBatch and {args.submits} Submit calls per row")
-    print(f"{'store':<18}{'SelectBatch median us':>24}{'p99 us':>10}"
-          f"{'Submit median us':>20}{'p99 us':>10}")
+    print(
+        f"core calls, 1 worker, {args.batch} running with 1 token each per SelectBatch; "
+        f"{args.iterations} SelectBatch and {args.submits} Submit calls per row"
+    )
+    print(
+        f"{'store':<18}{'SelectBatch median us':>24}{'p99 us':>10}"
+        f"{'Submit median us':>20}{'p99 us':>10}"
+    )
     rows = [("none (memory)", None)] + [(f"sqlite {mode}", mode) for mode in FSYNC_MODES]
     last_dir = None
     for name, mode in rows:
@@ -93,18 +111,27 @@ def main() -> int:
                 # Load the state this row left: how long a restart takes to carry on.
                 started = time.perf_counter()
                 restarted_store = SqliteStateStore(state_dir, mode)
-                restarted = Scheduler(SchedulerConfig(max_batch_size=args.batch,
-                                                      max_queue=args.batch + args.submits + 1),
-                                      store=restarted_store)
+                restarted = Scheduler(
+                    SchedulerConfig(
+                        max_batch_size=args.batch, max_queue=args.batch + args.submits + 1
+                    ),
+                    store=restarted_store,
+                )
                 elapsed = time.perf_counter() - started
                 status = restarted.status()
-                last_dir = (elapsed, status.queue_depth, status.num_assigned,
-                            args.batch * args.iterations)
+                last_dir = (
+                    elapsed,
+                    status.queue_depth,
+                    status.num_assigned,
+                    args.batch * args.iterations,
+                )
                 restarted_store.close()
     if last_dir:
         elapsed, queued, assigned, tokens = last_dir
-        print(f"restart (sqlite acks state): loaded {queued} queued and {assigned} assigned "
-              f"sequences with {tokens} generated tokens in {elapsed * 1000:.0f} ms")
+        print(
+            f"restart (sqlite acks state): loaded {queued} queued and {assigned} assigned "
+            f"sequences with {tokens} generated tokens in {elapsed * 1000:.0f} ms"
+        )
     return 0
 
 

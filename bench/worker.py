@@ -30,6 +30,7 @@ Tokens/s counts generated tokens over the whole run, prefill included. The greed
 tokens of every row are compared with `hf one-at-a-time` (fp32 should agree token
 for token; bf16 may drift after a near tie).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,15 @@ import torch
 import transformers
 
 from bench.harness.engine_bench import (
-    SchedulerStack, Tokens, add_workload_arguments, check_workload_arguments, configure_torch,
-    make_engine, random_prompts, run_directly, synchronize,
+    SchedulerStack,
+    Tokens,
+    add_workload_arguments,
+    check_workload_arguments,
+    configure_torch,
+    make_engine,
+    random_prompts,
+    run_directly,
+    synchronize,
 )
 from bench.harness.tables import print_table
 from worker_client.engine.config import ModelConfig
@@ -91,20 +99,28 @@ class Models:
 def hf_config(config: ModelConfig) -> transformers.Qwen3_5TextConfig:
     """transformers' config for `config`, without an EOS id (generation runs to the limit)."""
     return transformers.Qwen3_5TextConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
         layer_types=[t.value for t in config.layer_types],
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
         head_dim=config.head_dim,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta,
-                         "partial_rotary_factor": config.partial_rotary_factor},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": config.rope_theta,
+            "partial_rotary_factor": config.partial_rotary_factor,
+        },
         linear_num_key_heads=config.linear_num_key_heads,
         linear_num_value_heads=config.linear_num_value_heads,
         linear_key_head_dim=config.linear_key_head_dim,
         linear_value_head_dim=config.linear_value_head_dim,
-        linear_conv_kernel_dim=config.linear_conv_kernel_dim, rms_norm_eps=config.rms_norm_eps,
+        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+        rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=config.tie_word_embeddings,
-        max_position_embeddings=config.max_position_embeddings, eos_token_id=None,
+        max_position_embeddings=config.max_position_embeddings,
+        eos_token_id=None,
     )
 
 
@@ -127,15 +143,20 @@ def load_models(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Mo
 # The modes: each returns the generated tokens of every prompt, in prompt order.
 
 
-def hf_one_at_a_time(models: Models, prompts: Sequence[Tokens], max_new_tokens: int) -> list[Tokens]:
+def hf_one_at_a_time(
+    models: Models, prompts: Sequence[Tokens], max_new_tokens: int
+) -> list[Tokens]:
     outputs = []
     for prompt in prompts:
         input_ids = torch.tensor([prompt], device=models.device)
         generated = models.hf.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=PAD_TOKEN_ID,
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=PAD_TOKEN_ID,
         )
-        outputs.append(tuple(generated[0, len(prompt):].tolist()))
+        outputs.append(tuple(generated[0, len(prompt) :].tolist()))
     return outputs
 
 
@@ -144,36 +165,48 @@ def hf_static_batch(models: Models, prompts: Sequence[Tokens], max_new_tokens: i
     input_ids = torch.full((len(prompts), width), PAD_TOKEN_ID, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, prompt in enumerate(prompts):  # left padding
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt):] = 1
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
     generated = models.hf.generate(
-        input_ids.to(models.device), attention_mask=attention_mask.to(models.device),
-        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD_TOKEN_ID,
+        input_ids.to(models.device),
+        attention_mask=attention_mask.to(models.device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=PAD_TOKEN_ID,
     )
     return [tuple(row) for row in generated[:, width:].tolist()]
 
 
-def engine_direct(models: Models, prompts: Sequence[Tokens], max_new_tokens: int,
-                  chunk_size: int) -> list[Tokens]:
+def engine_direct(
+    models: Models, prompts: Sequence[Tokens], max_new_tokens: int, chunk_size: int
+) -> list[Tokens]:
     """Each step: the next chunk of every prompt not yet prefilled, one decode of all running."""
-    return run_directly(make_engine(models.ours, prompts, max_new_tokens), prompts,
-                        max_new_tokens, chunk_size)
+    return run_directly(
+        make_engine(models.ours, prompts, max_new_tokens), prompts, max_new_tokens, chunk_size
+    )
 
 
-def engine_via_scheduler(stack: SchedulerStack, prompts: Sequence[Tokens],
-                         max_new_tokens: int) -> list[Tokens]:
+def engine_via_scheduler(
+    stack: SchedulerStack, prompts: Sequence[Tokens], max_new_tokens: int
+) -> list[Tokens]:
     # One Generate stream per prompt, all open at once, as concurrent clients would be.
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        return [tokens for tokens, _ in pool.map(lambda p: stack.generate(p, max_new_tokens),
-                                                 prompts)]
+        return [
+            tokens for tokens, _ in pool.map(lambda p: stack.generate(p, max_new_tokens), prompts)
+        ]
 
 
 # Timing and report.
 
 
-def timed(mode: str, run: Callable[[Sequence[Tokens], int], list[Tokens]],
-          prompts: Sequence[Tokens], max_new_tokens: int, device: torch.device,
-          repeats: int) -> Result:
+def timed(
+    mode: str,
+    run: Callable[[Sequence[Tokens], int], list[Tokens]],
+    prompts: Sequence[Tokens],
+    max_new_tokens: int,
+    device: torch.device,
+    repeats: int,
+) -> Result:
     """Warm up on a couple of short generations, then the fastest of `repeats` whole runs.
 
     The fastest, because on a shared host other processes only ever add time.
@@ -188,7 +221,9 @@ def timed(mode: str, run: Callable[[Sequence[Tokens], int], list[Tokens]],
         synchronize(device)
         result = Result(mode, outputs, time.perf_counter() - started)
         if best is not None and best.outputs != outputs:
-            raise SystemExit(f"{mode}: two runs of the same greedy workload generated different tokens")
+            raise SystemExit(
+                f"{mode}: two runs of the same greedy workload generated different tokens"
+            )
         if best is None or result.seconds < best.seconds:
             best = result
     return best
@@ -196,13 +231,31 @@ def timed(mode: str, run: Callable[[Sequence[Tokens], int], list[Tokens]],
 
 def print_results(results: Sequence[Result]) -> None:
     one_at_a_time, static_batch, direct = results[0], results[1], results[2]
-    print_table(["mode", "seqs", "tokens", "seconds", "tokens/s", "vs hf 1-by-1", "vs hf batch",
-                 "vs direct"],
-                [[r.mode, len(r.outputs), r.num_tokens, f"{r.seconds:.2f}",
-                  f"{r.tokens_per_second:.1f}",
-                  f"{r.tokens_per_second / one_at_a_time.tokens_per_second:.2f}x",
-                  f"{r.tokens_per_second / static_batch.tokens_per_second:.2f}x",
-                  f"{r.tokens_per_second / direct.tokens_per_second:.2f}x"] for r in results])
+    print_table(
+        [
+            "mode",
+            "seqs",
+            "tokens",
+            "seconds",
+            "tokens/s",
+            "vs hf 1-by-1",
+            "vs hf batch",
+            "vs direct",
+        ],
+        [
+            [
+                r.mode,
+                len(r.outputs),
+                r.num_tokens,
+                f"{r.seconds:.2f}",
+                f"{r.tokens_per_second:.1f}",
+                f"{r.tokens_per_second / one_at_a_time.tokens_per_second:.2f}x",
+                f"{r.tokens_per_second / static_batch.tokens_per_second:.2f}x",
+                f"{r.tokens_per_second / direct.tokens_per_second:.2f}x",
+            ]
+            for r in results
+        ],
+    )
 
 
 def describe_agreement(result: Result, baseline: Result) -> str:
@@ -210,8 +263,10 @@ def describe_agreement(result: Result, baseline: Result) -> str:
     differing = []
     for index, (ours, theirs) in enumerate(zip(result.outputs, baseline.outputs)):
         if ours != theirs:
-            position = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-                            min(len(ours), len(theirs)))
+            position = next(
+                (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                min(len(ours), len(theirs)),
+            )
             differing.append(f"prompt {index} from token {position} of {len(theirs)}")
     if not differing:
         return f"identical token for token ({len(result.outputs)}/{len(result.outputs)} prompts)"
@@ -222,17 +277,23 @@ def check_lengths(results: Sequence[Result], max_new_tokens: int) -> None:
     for r in results:
         short = [i for i, tokens in enumerate(r.outputs) if len(tokens) != max_new_tokens]
         if short:
-            print(f"WARNING: {r.mode}: prompts {short} did not generate exactly {max_new_tokens} tokens")
+            print(
+                f"WARNING: {r.mode}: prompts {short} did not generate exactly {max_new_tokens} tokens"
+            )
 
 
 # Entry point.
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.worker", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_workload_arguments(parser, PRESETS, num_prompts=8, min_prompt_len=32, max_prompt_len=256,
-                           max_new_tokens=64)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_workload_arguments(
+        parser, PRESETS, num_prompts=8, min_prompt_len=32, max_prompt_len=256, max_new_tokens=64
+    )
     args = parser.parse_args(argv)
     check_workload_arguments(parser, args, min_num_prompts=NUM_WARMUP_PROMPTS)
     return args
@@ -241,32 +302,56 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def run_benchmark(args: argparse.Namespace, model_dir: Path) -> list[Result]:
     device = torch.device(args.device)
     models = load_models(model_dir, device, getattr(torch, args.dtype))
-    prompts = random_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
-                             models.ours.config.vocab_size, args.seed)
+    prompts = random_prompts(
+        args.num_prompts,
+        args.min_prompt_len,
+        args.max_prompt_len,
+        models.ours.config.vocab_size,
+        args.seed,
+    )
     lengths = sorted(len(p) for p in prompts)
     config = models.ours.config
     num_params = sum(p.numel() for p in models.ours.parameters())
-    print(f"model: {args.model or args.preset} ({num_params / 1e6:.1f}M params, "
-          f"{config.num_hidden_layers} layers, hidden {config.hidden_size}), {device} {args.dtype}, "
-          f"{torch.get_num_threads()} torch threads, transformers {transformers.__version__}")
-    print(f"workload: {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens "
-          f"({sum(lengths)} in all), greedy, {args.max_new_tokens} new tokens each, EOS ignored, "
-          f"chunk size {args.chunk_size}, best of {args.repeats}")
+    print(
+        f"model: {args.model or args.preset} ({num_params / 1e6:.1f}M params, "
+        f"{config.num_hidden_layers} layers, hidden {config.hidden_size}), {device} {args.dtype}, "
+        f"{torch.get_num_threads()} torch threads, transformers {transformers.__version__}"
+    )
+    print(
+        f"workload: {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens "
+        f"({sum(lengths)} in all), greedy, {args.max_new_tokens} new tokens each, EOS ignored, "
+        f"chunk size {args.chunk_size}, best of {args.repeats}"
+    )
     m, n, r = models, args.max_new_tokens, args.repeats
     results = [
         timed("hf one-at-a-time", lambda p, k: hf_one_at_a_time(m, p, k), prompts, n, device, r),
         timed("hf static batch", lambda p, k: hf_static_batch(m, p, k), prompts, n, device, r),
-        timed("engine direct", lambda p, k: engine_direct(m, p, k, args.chunk_size), prompts, n, device, r),
+        timed(
+            "engine direct",
+            lambda p, k: engine_direct(m, p, k, args.chunk_size),
+            prompts,
+            n,
+            device,
+            r,
+        ),
     ]
-    for mode, session, overlap in (("sched in turn", False, False),
-                                   ("sched overlap", True, True)):
+    for mode, session, overlap in (("sched in turn", False, False), ("sched overlap", True, True)):
         if args.no_scheduler:
             break
-        stack = SchedulerStack(make_engine(models.ours, prompts, n), args.chunk_size,
-                               session=session, overlap=overlap)
+        stack = SchedulerStack(
+            make_engine(models.ours, prompts, n), args.chunk_size, session=session, overlap=overlap
+        )
         try:
-            results.append(timed(mode, lambda p, k, stack=stack: engine_via_scheduler(stack, p, k),
-                                 prompts, n, device, r))
+            results.append(
+                timed(
+                    mode,
+                    lambda p, k, stack=stack: engine_via_scheduler(stack, p, k),
+                    prompts,
+                    n,
+                    device,
+                    r,
+                )
+            )
         finally:
             stack.close()
     return results

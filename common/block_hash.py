@@ -7,6 +7,7 @@ h_i = H(h_{i-1}, adapter_id, tokens of block i) with h_{-1} = 0, where H is BLAK
 preceded by their length as 4 bytes little-endian, and the block's token ids as 4-byte
 little-endian integers; the digest is read as a little-endian uint64.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,14 @@ def next_block_hash(previous_hash: int, adapter_id: str, block_token_ids: Sequen
     return int.from_bytes(digest.digest(), "little")
 
 
-def block_hashes(token_ids: Sequence[int], adapter_id: str, block_tokens: int, *,
-                 start_block: int = 0, previous_hash: int = ROOT_HASH) -> list[int]:
+def block_hashes(
+    token_ids: Sequence[int],
+    adapter_id: str,
+    block_tokens: int,
+    *,
+    start_block: int = 0,
+    previous_hash: int = ROOT_HASH,
+) -> list[int]:
     """The hashes of the full blocks of `token_ids`, h_0 first.
 
     With `start_block` k and `previous_hash` h_{k-1} (as computed before), only h_k

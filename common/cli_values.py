@@ -3,6 +3,7 @@ call, and a bad one is refused in one line naming the flag, the value and what i
 
 Use them as argparse `type=`; with `OneLineParser` a refusal is one line and exit code 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,10 +76,10 @@ def token_ids(text: str) -> tuple[int, ...]:
             value = int(part)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"must be comma-separated integers, got {part!r}") from None
+                f"must be comma-separated integers, got {part!r}"
+            ) from None
         if not 0 <= value <= UINT32_MAX:
-            raise argparse.ArgumentTypeError(
-                f"token id {value} is outside 0-{UINT32_MAX}")
+            raise argparse.ArgumentTypeError(f"token id {value} is outside 0-{UINT32_MAX}")
         ids.append(value)
     return tuple(ids)
 
@@ -92,7 +93,8 @@ def name(what: str, *, allow_empty: bool) -> Callable[[str], str]:
         num_bytes = len(text.encode("utf-8", "surrogateescape"))
         if num_bytes > MAX_STRING_BYTES:
             raise argparse.ArgumentTypeError(
-                f"{what} is {num_bytes} bytes; the limit is {MAX_STRING_BYTES}")
+                f"{what} is {num_bytes} bytes; the limit is {MAX_STRING_BYTES}"
+            )
         return text
 
     parse.__name__ = "name"
@@ -118,13 +120,14 @@ def _one_target(text: str) -> str:
     match = _HOST_PORT.match(text)
     if match is None:
         if text and ":" not in text:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} has no port: expected HOST:PORT, {example}")
+            raise argparse.ArgumentTypeError(f"{text!r} has no port: expected HOST:PORT, {example}")
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not an address: expected HOST:PORT ([ADDR]:PORT for IPv6), {example}")
+            f"{text!r} is not an address: expected HOST:PORT ([ADDR]:PORT for IPv6), {example}"
+        )
     port = match.group("port")
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(
             f"{text!r}: the port must be a number from 1 to 65535, got {port!r}; "
-            f"expected HOST:PORT, {example}")
+            f"expected HOST:PORT, {example}"
+        )
     return text

@@ -3,6 +3,7 @@
 Insecure is the default at both ends. A file that cannot be read stops the program with
 a ConfigError naming the flag that gave it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,19 +28,22 @@ def read_pem(path: str | Path, flag: str) -> bytes:
     return data
 
 
-def server_credentials(cert_file: str, key_file: str,
-                       client_ca_file: str = "") -> grpc.ServerCredentials | None:
+def server_credentials(
+    cert_file: str, key_file: str, client_ca_file: str = ""
+) -> grpc.ServerCredentials | None:
     """TLS for the server (None: plaintext); with a client CA, client certificates are required."""
     if not cert_file:
         return None
     pair = (read_pem(key_file, "--tls-key"), read_pem(cert_file, "--tls-cert"))
     client_ca = read_pem(client_ca_file, "--tls-client-ca") if client_ca_file else None
-    return grpc.ssl_server_credentials([pair], root_certificates=client_ca,
-                                       require_client_auth=client_ca is not None)
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
-def channel_credentials(ca_file: str | None, cert_file: str | None = None,
-                        key_file: str | None = None) -> grpc.ChannelCredentials | None:
+def channel_credentials(
+    ca_file: str | None, cert_file: str | None = None, key_file: str | None = None
+) -> grpc.ChannelCredentials | None:
     """TLS for a client (None: plaintext). The client pair is for servers that require mTLS."""
     if bool(cert_file) != bool(key_file):
         raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
@@ -54,22 +58,32 @@ def channel_credentials(ca_file: str | None, cert_file: str | None = None,
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     """--tls-ca, --tls-cert, --tls-key and --token, for a command that calls the scheduler."""
-    parser.add_argument("--tls-ca", metavar="FILE",
-                        help="connect with TLS, trusting this CA (PEM); without it, plaintext")
-    parser.add_argument("--tls-cert", metavar="FILE",
-                        help="client certificate (PEM), for a scheduler that requires mTLS")
+    parser.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="connect with TLS, trusting this CA (PEM); without it, plaintext",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="client certificate (PEM), for a scheduler that requires mTLS",
+    )
     parser.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert (PEM)")
-    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
-                        help=f"bearer token, for a scheduler with --auth-tokens "
-                             f"(env {TOKEN_ENV}; the env keeps it out of `ps`)")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV) or None,
+        help=f"bearer token, for a scheduler with --auth-tokens "
+        f"(env {TOKEN_ENV}; the env keeps it out of `ps`)",
+    )
 
 
 def client_args_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
     return channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
 
 
-def open_channel(target: str, credentials: grpc.ChannelCredentials | None,
-                 token: str | None) -> grpc.Channel:
+def open_channel(
+    target: str, credentials: grpc.ChannelCredentials | None, token: str | None
+) -> grpc.Channel:
     """A channel to `target`, TLS when `credentials` are given, sending `token` on every call.
 
     `target` may list several replicas (HOST:PORT,HOST:PORT or dns:///NAME:PORT): calls
@@ -77,8 +91,11 @@ def open_channel(target: str, credentials: grpc.ChannelCredentials | None,
     from common.targets import channel_target
 
     target, options = channel_target(target)
-    channel = (grpc.secure_channel(target, credentials, options=options)
-               if credentials is not None else grpc.insecure_channel(target, options))
+    channel = (
+        grpc.secure_channel(target, credentials, options=options)
+        if credentials is not None
+        else grpc.insecure_channel(target, options)
+    )
     # Metadata rather than call credentials: gRPC sends call credentials over TLS only,
     # and a token on a private plaintext network is a supported (if weaker) set-up.
     return grpc.intercept_channel(channel, _BearerToken(token)) if token else channel
@@ -89,17 +106,25 @@ def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamStreamClientInterceptor):
+class _BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds `authorization: Bearer <token>` to every call of a channel."""
 
     def __init__(self, token: str) -> None:
         self._metadata = token_metadata(token)
 
     def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        return _CallDetails(details.method, details.timeout,
-                            (*(details.metadata or ()), *self._metadata),
-                            details.credentials, details.wait_for_ready, details.compression)
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            (*(details.metadata or ()), *self._metadata),
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._with_token(client_call_details), request)

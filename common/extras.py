@@ -1,6 +1,7 @@
 """The optional dependencies (pyproject.toml's extras): a command that needs one checks for
 it before it does anything, and a missing one is one line naming the extra to install, not
 a traceback from deep inside the run."""
+
 from __future__ import annotations
 
 import importlib
@@ -29,4 +30,5 @@ def require(extra: str, needed_by: str) -> None:
         except ImportError as err:
             raise MissingExtra(
                 f"{needed_by} needs the {extra!r} extra, which is not installed ({err}): "
-                f"pip install 'lattice-scheduler[{extra}]'") from None
+                f"pip install 'lattice-scheduler[{extra}]'"
+            ) from None

@@ -12,6 +12,7 @@ becomes a function defined everywhere that a simulator can trust:
   its last point with the last segment's slope (slopes made non-decreasing along the other
   axes, so that extrapolation keeps the ordering too).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -145,11 +146,12 @@ def _lines(shape: Sequence[int], k: int):
 
 
 def _at(start: Index, k: int, i: int) -> Index:
-    return start[:k] + (i,) + start[k + 1:]
+    return start[:k] + (i,) + start[k + 1 :]
 
 
-def _apply_along(grid: dict[Index, float], shape: Sequence[int], k: int,
-                 fn: Callable[[list[float]], list[float]]) -> None:
+def _apply_along(
+    grid: dict[Index, float], shape: Sequence[int], k: int, fn: Callable[[list[float]], list[float]]
+) -> None:
     for start in _lines(shape, k):
         line = fn([grid[_at(start, k, i)] for i in range(shape[k])])
         for i, value in enumerate(line):
@@ -160,8 +162,9 @@ def _far_offset(axis: list[float]) -> float:
     return max(axis[-1] - axis[0], 1.0) * 1e6
 
 
-def _extend(axis: list[float], grid: dict[Index, float], shape: tuple[int, ...],
-            k: int) -> tuple[dict[Index, float], tuple[int, ...]]:
+def _extend(
+    axis: list[float], grid: dict[Index, float], shape: tuple[int, ...], k: int
+) -> tuple[dict[Index, float], tuple[int, ...]]:
     """Add the far point of axis k: each line continues with its last segment's slope,
     the slopes made non-decreasing along the other axes first."""
     n = shape[k]

@@ -8,6 +8,7 @@ format lets such a value start a line of its own or pose as another field:
 - JSON: one object per line (json.dumps escapes control characters), non-finite numbers
   as strings (NaN is not JSON).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,10 @@ _RECORD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
 # C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
 _CONTROL = [*range(0x00, 0x20), *range(0x7F, 0xA0), 0x2028, 0x2029]
-_ESCAPES = {c: {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}.get(c, f"\\x{c:02x}" if c < 0x100
-                                                          else f"\\u{c:04x}")
-            for c in _CONTROL}
+_ESCAPES = {
+    c: {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}.get(c, f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
+    for c in _CONTROL
+}
 _NEEDS_QUOTES = frozenset(' ="')
 
 
@@ -67,11 +69,20 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = escape(self._fmt % {"asctime": self.formatTime(record, self.datefmt),
-                                   "levelname": record.levelname, "name": record.name,
-                                   "message": record.getMessage()})
-        extra = " ".join(f"{escape(str(k))}={_field(v)}" for k, v in vars(record).items()
-                         if k not in _RECORD_ATTRS)
+        line = escape(
+            self._fmt
+            % {
+                "asctime": self.formatTime(record, self.datefmt),
+                "levelname": record.levelname,
+                "name": record.name,
+                "message": record.getMessage(),
+            }
+        )
+        extra = " ".join(
+            f"{escape(str(k))}={_field(v)}"
+            for k, v in vars(record).items()
+            if k not in _RECORD_ATTRS
+        )
         if extra:
             line = f"{line} {extra}"
         details = []

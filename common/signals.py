@@ -6,11 +6,12 @@ lands while the main thread is inside that event's `wait()`, holding the lock of
 event's condition, the handler's `set()` waits for that lock forever, or re-enters it
 until the stack overflows (2,000 signals against a loop of `Event.wait(0)`: a
 RecursionError in three runs of three as a script, still hung after 60 s under pytest;
-tests/unit/test_signal_thread.py). That is the likely cause of a `lattice-worker` that once did not leave within 10 s of a SIGINT
-while it retried an absent scheduler. Here the handler does nothing; the interpreter
-writes the signal's number to a pipe (`signal.set_wakeup_fd`, async-signal-safe) and a
+tests/unit/test_signal_thread.py). That is the likely cause of a `lattice-worker` that once
+did not leave within 10 s of a SIGINT while it retried an absent scheduler. Here the handler
+does nothing; the interpreter writes the signal's number to a pipe (`signal.set_wakeup_fd`, async-signal-safe) and a
 daemon thread reads it and calls `on_signal(signum)`, free to take any lock and to log.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,9 @@ class SignalThread:
     """`on_signal(signum)` on a thread named "signals" for each of `signums` received,
     from `start()` (on the main thread) until `close()`; it replaces their handlers."""
 
-    def __init__(self, signums: Iterable[signal.Signals],
-                 on_signal: Callable[[signal.Signals], None]) -> None:
+    def __init__(
+        self, signums: Iterable[signal.Signals], on_signal: Callable[[signal.Signals], None]
+    ) -> None:
         self._signums = frozenset(signal.Signals(s) for s in signums)
         self._on_signal = on_signal
         self._read_fd = self._write_fd = -1
@@ -44,8 +46,7 @@ class SignalThread:
         os.set_blocking(self._write_fd, False)  # the interpreter's write must never block
         try:
             # The fd first: a signal between the two is then carried, not dropped.
-            self._previous_fd = signal.set_wakeup_fd(self._write_fd,
-                                                     warn_on_full_buffer=False)
+            self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
             for signum in self._signums:
                 self._previous_handlers[signum] = signal.signal(signum, _noted)
         except BaseException:  # not the main thread, say: leave everything as it was
@@ -69,7 +70,7 @@ class SignalThread:
                 if number in self._signums:
                     try:
                         self._on_signal(signal.Signals(number))
-                    except Exception:  # noqa: BLE001 - later signals must still be acted on
+                    except Exception:  # later signals must still be acted on
                         log.exception("acting on a signal failed")
 
     def _restore(self) -> None:

@@ -17,6 +17,7 @@ step, and `StepTableModel.step_seconds` maps it onto the grid:
 
 The file is JSON (`FORMAT`), written by `save` and read by `load`.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.loadgen import percentile
 from common.interp import MonotoneGrid
+from common.loadgen import percentile
 
 FORMAT = "lattice-step-table/1"
 
@@ -96,10 +97,12 @@ class StepTable:
             "seconds": [[list(row) for row in plane] for plane in self.seconds],
             "extra_chunk_seconds": self.extra_chunk_seconds,
             "held_out": [
-                {"prefill_chunks": [list(c) for c in p.load.prefill_chunks],
-                 "decode_context_lens": list(p.load.decode_context_lens),
-                 "measured_seconds": p.measured_seconds,
-                 "predicted_seconds": p.predicted_seconds}
+                {
+                    "prefill_chunks": [list(c) for c in p.load.prefill_chunks],
+                    "decode_context_lens": list(p.load.decode_context_lens),
+                    "measured_seconds": p.measured_seconds,
+                    "predicted_seconds": p.predicted_seconds,
+                }
                 for p in self.held_out
             ],
         }
@@ -107,33 +110,47 @@ class StepTable:
     @classmethod
     def from_json(cls, raw: dict) -> StepTable:
         if raw.get("format") != FORMAT:
-            raise ValueError(f"not a step table: format is {raw.get('format')!r}, "
-                             f"expected {FORMAT!r}")
+            raise ValueError(
+                f"not a step table: format is {raw.get('format')!r}, expected {FORMAT!r}"
+            )
         try:
             table = cls(
                 prefill_tokens=tuple(int(x) for x in raw["prefill_tokens"]),
                 decode_batch=tuple(int(x) for x in raw["decode_batch"]),
                 context_len=tuple(int(x) for x in raw["context_len"]),
-                seconds=tuple(tuple(tuple(float(v) for v in row) for row in plane)
-                              for plane in raw["seconds"]),
+                seconds=tuple(
+                    tuple(tuple(float(v) for v in row) for row in plane) for plane in raw["seconds"]
+                ),
                 extra_chunk_seconds=float(raw.get("extra_chunk_seconds", 0.0)),
                 meta=dict(raw.get("meta", {})),
                 held_out=tuple(
                     HeldOutPoint(
-                        StepLoad(tuple((int(n), int(c)) for n, c in p["prefill_chunks"]),
-                                 tuple(int(c) for c in p["decode_context_lens"])),
-                        float(p["measured_seconds"]), float(p["predicted_seconds"]))
-                    for p in raw.get("held_out", ())),
+                        StepLoad(
+                            tuple((int(n), int(c)) for n, c in p["prefill_chunks"]),
+                            tuple(int(c) for c in p["decode_context_lens"]),
+                        ),
+                        float(p["measured_seconds"]),
+                        float(p["predicted_seconds"]),
+                    )
+                    for p in raw.get("held_out", ())
+                ),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"malformed step table: {err}") from None
         shape = (len(table.prefill_tokens), len(table.decode_batch), len(table.context_len))
-        got = (len(table.seconds), len(table.seconds[0]) if table.seconds else 0,
-               len(table.seconds[0][0]) if table.seconds and table.seconds[0] else 0)
-        if got != shape or any(len(plane) != shape[1] or any(len(r) != shape[2] for r in plane)
-                               for plane in table.seconds):
-            raise ValueError(f"malformed step table: seconds must be {shape[0]} x {shape[1]} x "
-                             f"{shape[2]} (prefill_tokens x decode_batch x context_len)")
+        got = (
+            len(table.seconds),
+            len(table.seconds[0]) if table.seconds else 0,
+            len(table.seconds[0][0]) if table.seconds and table.seconds[0] else 0,
+        )
+        if got != shape or any(
+            len(plane) != shape[1] or any(len(r) != shape[2] for r in plane)
+            for plane in table.seconds
+        ):
+            raise ValueError(
+                f"malformed step table: seconds must be {shape[0]} x {shape[1]} x "
+                f"{shape[2]} (prefill_tokens x decode_batch x context_len)"
+            )
         return table
 
 
@@ -161,7 +178,8 @@ class StepTableModel:
     def __init__(self, table: StepTable) -> None:
         self.table = table
         self._grid = MonotoneGrid(
-            [table.prefill_tokens, table.decode_batch, table.context_len], table.seconds)
+            [table.prefill_tokens, table.decode_batch, table.context_len], table.seconds
+        )
         self._extra_chunk_seconds = max(0.0, table.extra_chunk_seconds)
 
     def step_seconds(self, load: StepLoad) -> float:
@@ -186,5 +204,13 @@ def summarize_errors(points: Sequence[HeldOutPoint]) -> dict[str, float]:
     }
 
 
-__all__ = ["FORMAT", "HeldOutPoint", "StepLoad", "StepTable", "StepTableModel",
-           "load", "save", "summarize_errors"]
+__all__ = [
+    "FORMAT",
+    "HeldOutPoint",
+    "StepLoad",
+    "StepTable",
+    "StepTableModel",
+    "load",
+    "save",
+    "summarize_errors",
+]

@@ -9,6 +9,7 @@ several addresses works the same way (gRPC re-resolves it).
 Workers stick to one replica (they belong to the replica they talk to) and move to the
 next address on UNAVAILABLE: `expand` gives them the list.
 """
+
 from __future__ import annotations
 
 import ipaddress

@@ -1,4 +1,5 @@
 """Bounded waits for tests and scripts: poll until something holds, or fail saying what."""
+
 from __future__ import annotations
 
 import time
@@ -12,10 +13,16 @@ class WaitFailed(AssertionError):
     """A wait ran out of time or gave up (an AssertionError: in a test, a failure)."""
 
 
-def wait_until(probe: Callable[[], T], what: str, timeout_seconds: float, *,
-               done: Callable[[T], object] = bool, every_seconds: float = 0.05,
-               retry_on: tuple[type[BaseException], ...] = (),
-               gone: Callable[[], str | None] | None = None) -> T:
+def wait_until(
+    probe: Callable[[], T],
+    what: str,
+    timeout_seconds: float,
+    *,
+    done: Callable[[T], object] = bool,
+    every_seconds: float = 0.05,
+    retry_on: tuple[type[BaseException], ...] = (),
+    gone: Callable[[], str | None] | None = None,
+) -> T:
     """Call `probe()` until `done(value)` is true (by default: until the value is truthy)
     and return that value; it is called at least once, however short the timeout.
 
@@ -40,7 +47,8 @@ def wait_until(probe: Callable[[], T], what: str, timeout_seconds: float, *,
         if time.monotonic() >= deadline:
             raise WaitFailed(
                 f"timed out after {timeout_seconds:g} s waiting for {what}; last saw {value!r}"
-                + (f" (last error {_describe(last_error)})" if last_error is not None else ""))
+                + (f" (last error {_describe(last_error)})" if last_error is not None else "")
+            )
         time.sleep(every_seconds)
 
 

@@ -6,6 +6,7 @@ any difference (tests/test_generated_code.py runs it). Run after editing a .prot
 
     .venv/bin/python scripts/gen_protos.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,16 +21,20 @@ PROTO_ROOT = ROOT / "protos"
 
 def generate(out_dir: Path) -> list[Path]:
     """Run grpcio-tools' protoc on every proto into out_dir; return the files written."""
-    from grpc_tools import protoc  # grpcio-tools; imported here so --help works without it
     import grpc_tools
+    from grpc_tools import protoc  # grpcio-tools; imported here so --help works without it
 
     protos = sorted(PROTO_ROOT.rglob("*.proto"))
     if not protos:
         raise SystemExit(f"no .proto files under {PROTO_ROOT}")
     include = Path(grpc_tools.__file__).parent / "_proto"
     args = [
-        "protoc", f"-I{PROTO_ROOT}", f"-I{include}",
-        f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}",
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
         *[str(p.relative_to(PROTO_ROOT)) for p in protos],
     ]
     if protoc.main(args) != 0:
@@ -62,11 +67,18 @@ def differences(fresh_root: Path, written: list[Path]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=PROTO_ROOT,
-                        help="output root (default: protos/, beside the sources)")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing: regenerate into a temporary folder and exit 1 "
-                        "if the checked-in code differs")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=PROTO_ROOT,
+        help="output root (default: protos/, beside the sources)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing: regenerate into a temporary folder and exit 1 "
+        "if the checked-in code differs",
+    )
     args = parser.parse_args()
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:

@@ -14,6 +14,7 @@ PostgreSQL cluster (initdb and pg_ctl under .artifacts/local-stack/postgres, or 
 temporary directory where the postgres user cannot reach .artifacts, on a free port);
 workers are spread over them, each listing its own replica first; the gateway lists all.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,17 +23,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from common.waiting import WaitFailed, wait_until
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service.gateway.demo_load import HttpLoadSpec, run_http_load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,28 +44,49 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=50051, help="scheduler gRPC port")
     parser.add_argument("--metrics-port", type=int, default=9400)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--gateway-port", type=int, default=8000,
-                        help="the OpenAI-compatible gateway's HTTP port")
-    parser.add_argument("--model", default=str(DEMO_MODEL),
-                        help="a checkpoint dir with its tokenizer (default: the demo checkpoint, "
-                             "built on the first run), or tiny / scripted (the gateway then "
-                             "uses the demo checkpoint's tokenizer)")
+    parser.add_argument(
+        "--gateway-port", type=int, default=8000, help="the OpenAI-compatible gateway's HTTP port"
+    )
+    parser.add_argument(
+        "--model",
+        default=str(DEMO_MODEL),
+        help="a checkpoint dir with its tokenizer (default: the demo checkpoint, "
+        "built on the first run), or tiny / scripted (the gateway then "
+        "uses the demo checkpoint's tokenizer)",
+    )
     parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--requests", type=int, default=24,
-                        help="demo load: streamed chat completions through the gateway")
-    parser.add_argument("--turns", type=int, default=4,
-                        help="demo load: requests per conversation (each turn sends the "
-                             "conversation so far, so it can resume from a worker's prefix "
-                             "cache; 1: independent requests)")
-    parser.add_argument("--concurrency", type=int, default=8,
-                        help="demo load: conversations at a time")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=24,
+        help="demo load: streamed chat completions through the gateway",
+    )
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=4,
+        help="demo load: requests per conversation (each turn sends the "
+        "conversation so far, so it can resume from a worker's prefix "
+        "cache; 1: independent requests)",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=8, help="demo load: conversations at a time"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--exit", action="store_true", help="stop the stack after the demo")
-    parser.add_argument("--state-dir", type=Path, default=ROOT / ".artifacts" / "local-stack" / "state",
-                        help="the scheduler's durable state (a restart on it carries on)")
-    parser.add_argument("--replicas", type=int, default=0,
-                        help="N scheduler replicas on a private PostgreSQL cluster instead of "
-                             "one scheduler on --state-dir (docs/replicas.md)")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=ROOT / ".artifacts" / "local-stack" / "state",
+        help="the scheduler's durable state (a restart on it carries on)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="N scheduler replicas on a private PostgreSQL cluster instead of "
+        "one scheduler on --state-dir (docs/replicas.md)",
+    )
     args = parser.parse_args()
     if args.replicas < 0:
         parser.error(f"--replicas must not be negative, got {args.replicas}")
@@ -90,43 +111,106 @@ def main() -> int:
             state = ["--state-dir", str(args.state_dir)]
         for i in range(num_schedulers):
             name = "scheduler" if num_schedulers == 1 else f"scheduler-{i + 1}"
-            procs.append(_spawn([sys.executable, "-m", "service", "serve",
-                                 "--port", str(args.port + i),
-                                 "--metrics-port", str(args.metrics_port + i), *state],
-                                logs / f"{name}.log", env))
+            procs.append(
+                _spawn(
+                    [
+                        sys.executable,
+                        "-m",
+                        "service",
+                        "serve",
+                        "--port",
+                        str(args.port + i),
+                        "--metrics-port",
+                        str(args.metrics_port + i),
+                        *state,
+                    ],
+                    logs / f"{name}.log",
+                    env,
+                )
+            )
             _wait_serving(targets[i], procs[-1])
-            print(f"{name}: {targets[i]}, metrics http://127.0.0.1:{args.metrics_port + i}"
-                  f"/metrics (log {logs / (name + '.log')}, state in "
-                  f"{cluster.url if cluster else args.state_dir})", flush=True)
+            print(
+                f"{name}: {targets[i]}, metrics http://127.0.0.1:{args.metrics_port + i}"
+                f"/metrics (log {logs / (name + '.log')}, state in "
+                f"{cluster.url if cluster else args.state_dir})",
+                flush=True,
+            )
         # Each worker gets its share of the cores: oversubscribed torch threads crawl.
         threads = max(1, (os.cpu_count() or 1) // args.workers)
         for i in range(args.workers):
             worker_id = f"cpu-worker-{i + 1}"
             home = i % num_schedulers  # its own replica first, then the others
             order = ",".join(targets[home:] + targets[:home])
-            procs.append(_spawn([sys.executable, "-m", "worker_client", "--scheduler", order,
-                                 "--worker-id", worker_id, "--model", args.model,
-                                 "--device", args.device, "--threads", str(threads)],
-                                logs / f"{worker_id}.log", env))
+            procs.append(
+                _spawn(
+                    [
+                        sys.executable,
+                        "-m",
+                        "worker_client",
+                        "--scheduler",
+                        order,
+                        "--worker-id",
+                        worker_id,
+                        "--model",
+                        args.model,
+                        "--device",
+                        args.device,
+                        "--threads",
+                        str(threads),
+                    ],
+                    logs / f"{worker_id}.log",
+                    env,
+                )
+            )
         model_name = gateway_model.name
         base_url = f"http://127.0.0.1:{args.gateway_port}"
-        procs.append(_spawn([sys.executable, "-m", "service", "gateway", "--target", target,
-                             "--model", str(gateway_model), "--host", "127.0.0.1",
-                             "--port", str(args.gateway_port)], logs / "gateway.log", env))
+        procs.append(
+            _spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "service",
+                    "gateway",
+                    "--target",
+                    target,
+                    "--model",
+                    str(gateway_model),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(args.gateway_port),
+                ],
+                logs / "gateway.log",
+                env,
+            )
+        )
         _wait_http(f"{base_url}/health", procs[-1])
-        print(f"gateway: {base_url}/v1 (OpenAI API, model {model_name!r}; "
-              f"metrics {base_url}/metrics; log {logs / 'gateway.log'})", flush=True)
+        print(
+            f"gateway: {base_url}/v1 (OpenAI API, model {model_name!r}; "
+            f"metrics {base_url}/metrics; log {logs / 'gateway.log'})",
+            flush=True,
+        )
         _wait_workers(targets, args.workers, procs)
-        print(f"workers: {args.workers} registered (model {args.model}, device {args.device}; "
-              f"logs in {logs})", flush=True)
-        spec = HttpLoadSpec(num_requests=args.requests, concurrency=args.concurrency,
-                            max_new_tokens=args.max_new_tokens, turns=args.turns)
-        print(f"demo load: {spec.num_requests} streamed chat completions through the gateway "
-              f"({spec.num_conversations} conversations of up to {spec.turns} turns, "
-              f"{spec.concurrency} at a time), up to {spec.max_new_tokens} new tokens each",
-              flush=True)
-        metrics_urls = [f"http://127.0.0.1:{args.metrics_port + i}/metrics"
-                        for i in range(num_schedulers)]
+        print(
+            f"workers: {args.workers} registered (model {args.model}, device {args.device}; "
+            f"logs in {logs})",
+            flush=True,
+        )
+        spec = HttpLoadSpec(
+            num_requests=args.requests,
+            concurrency=args.concurrency,
+            max_new_tokens=args.max_new_tokens,
+            turns=args.turns,
+        )
+        print(
+            f"demo load: {spec.num_requests} streamed chat completions through the gateway "
+            f"({spec.num_conversations} conversations of up to {spec.turns} turns, "
+            f"{spec.concurrency} at a time), up to {spec.max_new_tokens} new tokens each",
+            flush=True,
+        )
+        metrics_urls = [
+            f"http://127.0.0.1:{args.metrics_port + i}/metrics" for i in range(num_schedulers)
+        ]
         before = _prefill_tokens(metrics_urls)
         report, results = run_http_load(base_url, model_name, spec)
         for line in report.lines():
@@ -134,17 +218,23 @@ def main() -> int:
         print(_hit_rate_line(before, _prefill_tokens(metrics_urls)), flush=True)
         sample = next((r for r in results if not r.error), None)
         if sample is not None:
-            print(f"a sample answer (random weights: noise, decoded by the checkpoint's "
-                  f"tokenizer): {sample.text[:80]!r}", flush=True)
+            print(
+                f"a sample answer (random weights: noise, decoded by the checkpoint's "
+                f"tokenizer): {sample.text[:80]!r}",
+                flush=True,
+            )
         if len(report.ok) != len(report.results):
             return 1
         if args.exit:
             return 0
-        print(f"the stack keeps running; try\n"
-              f"  curl {base_url}/v1/chat/completions -H 'content-type: application/json' "
-              f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", "
-              f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'\n"
-              f"or `lattice-scheduler status`. Ctrl-C stops it.", flush=True)
+        print(
+            f"the stack keeps running; try\n"
+            f"  curl {base_url}/v1/chat/completions -H 'content-type: application/json' "
+            f'-d \'{{"model": "{model_name}", "messages": [{{"role": "user", '
+            f'"content": "Hello"}}], "max_tokens": 16}}\'\n'
+            f"or `lattice-scheduler status`. Ctrl-C stops it.",
+            flush=True,
+        )
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         print("a process of the stack exited; see its log", file=sys.stderr)
@@ -184,8 +274,10 @@ def _hit_rate_line(before: dict[str, float], after: dict[str, float]) -> str:
     cached = after["cached"] - before["cached"]
     total = cached + after["computed"] - before["computed"]
     rate = cached / total if total else 0.0
-    return (f"prefix cache: {cached:.0f} of {total:.0f} prompt tokens resumed from a "
-            f"worker's cache (hit rate {rate:.2f})")
+    return (
+        f"prefix cache: {cached:.0f} of {total:.0f} prompt tokens resumed from a "
+        f"worker's cache (hit rate {rate:.2f})"
+    )
 
 
 def _start_cluster(logs: Path):
@@ -203,8 +295,9 @@ def _start_cluster(logs: Path):
             raise RuntimeError(str(err)) from None
         cluster = PrivateCluster(Path(tempfile.mkdtemp(prefix="lattice-local-pg-")))
         cluster.start()
-    print(f"postgres: {cluster.url} (data in {cluster.directory}, log {cluster.log_path})",
-          flush=True)
+    print(
+        f"postgres: {cluster.url} (data in {cluster.directory}, log {cluster.log_path})", flush=True
+    )
     return cluster
 
 
@@ -213,13 +306,19 @@ def _model_dirs(model: str) -> Path:
     the demo checkpoint on the first run."""
     if model not in ("tiny", "scripted") and Path(model) != DEMO_MODEL:
         if not (Path(model) / "tokenizer.json").is_file():
-            raise RuntimeError(f"--model {model}: no tokenizer.json there; the gateway needs "
-                               f"the checkpoint's tokenizer")
+            raise RuntimeError(
+                f"--model {model}: no tokenizer.json there; the gateway needs "
+                f"the checkpoint's tokenizer"
+            )
         return Path(model)
     if not (DEMO_MODEL / "config.json").is_file():
-        print(f"demo model: building the tiny model (seed 0) with a BPE tokenizer and a chat "
-              f"template in {DEMO_MODEL} (first run only)", flush=True)
+        print(
+            f"demo model: building the tiny model (seed 0) with a BPE tokenizer and a chat "
+            f"template in {DEMO_MODEL} (first run only)",
+            flush=True,
+        )
         from worker_client.demo_model import write_demo_checkpoint
+
         write_demo_checkpoint(DEMO_MODEL, seed=0)
     return DEMO_MODEL
 
@@ -228,26 +327,40 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
     def answers() -> bool:
         with urllib.request.urlopen(url, timeout=2):
             return True
-    wait_until(answers, f"the gateway to answer {url}", timeout, every_seconds=0.2,
-               retry_on=(urllib.error.URLError, OSError),
-               gone=_exited(proc, "the gateway", "see .artifacts/local-stack/gateway.log "
-                                                 "(port in use?)"))
+
+    wait_until(
+        answers,
+        f"the gateway to answer {url}",
+        timeout,
+        every_seconds=0.2,
+        retry_on=(urllib.error.URLError, OSError),
+        gone=_exited(proc, "the gateway", "see .artifacts/local-stack/gateway.log (port in use?)"),
+    )
 
 
 def _spawn(cmd: list[str], log_path: Path, env: dict) -> subprocess.Popen:
     log = open(log_path, "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+    )
 
 
 def _wait_serving(target: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        wait_until(lambda: stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status ==
-                   health_pb2.HealthCheckResponse.SERVING, "the scheduler to be healthy",
-                   timeout, every_seconds=0.2, retry_on=(grpc.RpcError,),
-                   gone=_exited(proc, "the scheduler", "see .artifacts/local-stack/"
-                                                       "scheduler.log (port in use?)"))
+        wait_until(
+            lambda: (
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                == health_pb2.HealthCheckResponse.SERVING
+            ),
+            "the scheduler to be healthy",
+            timeout,
+            every_seconds=0.2,
+            retry_on=(grpc.RpcError,),
+            gone=_exited(
+                proc, "the scheduler", "see .artifacts/local-stack/scheduler.log (port in use?)"
+            ),
+        )
 
 
 def _wait_workers(targets: list[str], count: int, procs, timeout: float = 180.0) -> None:
@@ -255,17 +368,31 @@ def _wait_workers(targets: list[str], count: int, procs, timeout: float = 180.0)
     stubs = [pb_grpc.SchedulerStub(grpc.insecure_channel(t)) for t in targets]
 
     def any_exited() -> str | None:
-        return next((f"{' '.join(p.args[2:5])} exited with {p.returncode}; see its log in "
-                     ".artifacts/local-stack/" for p in procs if p.poll() is not None), None)
-    wait_until(lambda: sum(len(stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers)
-                           for stub in stubs) >= count,
-               f"{count} workers to register", timeout, every_seconds=0.5, gone=any_exited)
+        return next(
+            (
+                f"{' '.join(p.args[2:5])} exited with {p.returncode}; see its log in "
+                ".artifacts/local-stack/"
+                for p in procs
+                if p.poll() is not None
+            ),
+            None,
+        )
+
+    wait_until(
+        lambda: (
+            sum(len(stub.GetStatus(pb.GetStatusRequest(), timeout=5).workers) for stub in stubs)
+            >= count
+        ),
+        f"{count} workers to register",
+        timeout,
+        every_seconds=0.5,
+        gone=any_exited,
+    )
 
 
 def _exited(proc: subprocess.Popen, what: str, hint: str):
     """For wait_until's `gone`: why waiting is over once `proc` has exited."""
-    return lambda: (None if proc.poll() is None
-                    else f"{what} exited with {proc.returncode}; {hint}")
+    return lambda: None if proc.poll() is None else f"{what} exited with {proc.returncode}; {hint}"
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -275,11 +402,11 @@ _hurry = []  # a signal came while stopping: kill what is left instead of waitin
 def _stop_on_signals() -> None:
     """SIGINT, SIGTERM and SIGHUP stop the stack (the `finally` of main). Set explicitly:
     a shell starts a background job with SIGINT ignored, and Python keeps it so."""
+
     def on_signal(signum, _frame):
         for other in _STOP_SIGNALS:
             signal.signal(other, lambda *_: _hurry.append(True))
-        print(f"local stack: {signal.Signals(signum).name}, stopping", file=sys.stderr,
-              flush=True)
+        print(f"local stack: {signal.Signals(signum).name}, stopping", file=sys.stderr, flush=True)
         raise KeyboardInterrupt
 
     for signum in _STOP_SIGNALS:

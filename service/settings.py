@@ -4,6 +4,7 @@ Precedence, lowest first: built-in defaults, `--config FILE`, `LATTICE_SCHEDULER
 environment variables, command-line flags. Every value is checked before the server
 starts; a bad one stops it with a message naming the setting and where it came from.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,7 @@ class ServeSettings:
     step_table: str = ""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
-    def validate(self) -> "ServeSettings":
+    def validate(self) -> ServeSettings:
         for name in ("port", "metrics_port", "worker_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
@@ -63,39 +64,50 @@ class ServeSettings:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.worker_port and self.worker_port == self.port:
-            raise ConfigError(f"worker_port must differ from port ({self.port}); 0 turns the "
-                              f"separate worker listener off")
+            raise ConfigError(
+                f"worker_port must differ from port ({self.port}); 0 turns the "
+                f"separate worker listener off"
+            )
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format must be text or json, got {self.log_format!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR, "
-                              f"got {self.log_level!r}")
+            raise ConfigError(
+                f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("tls_cert and tls_key go together (--tls-cert FILE --tls-key "
-                              "FILE): give both for TLS, or neither for plaintext")
+            raise ConfigError(
+                "tls_cert and tls_key go together (--tls-cert FILE --tls-key "
+                "FILE): give both for TLS, or neither for plaintext"
+            )
         if self.state_fsync not in ("acks", "always", "never"):
-            raise ConfigError(f"state_fsync must be acks, always or never, "
-                              f"got {self.state_fsync!r}")
+            raise ConfigError(
+                f"state_fsync must be acks, always or never, got {self.state_fsync!r}"
+            )
         if self.state:
             if not self.state.startswith(("postgresql://", "postgres://")):
-                raise ConfigError(f"state must be a PostgreSQL URL (postgresql://USER@HOST:"
-                                  f"PORT/DB), got {self.state!r}; for one process on local "
-                                  "files use --state-dir DIR")
+                raise ConfigError(
+                    f"state must be a PostgreSQL URL (postgresql://USER@HOST:"
+                    f"PORT/DB), got {self.state!r}; for one process on local "
+                    "files use --state-dir DIR"
+                )
             if self.state_dir:
-                raise ConfigError("state (PostgreSQL, replicas) and state_dir (SQLite, one "
-                                  "process) exclude each other: give one")
+                raise ConfigError(
+                    "state (PostgreSQL, replicas) and state_dir (SQLite, one "
+                    "process) exclude each other: give one"
+                )
         if self.prefetch < 0:
             raise ConfigError(f"prefetch must not be negative, got {self.prefetch}")
         if self.replica_lease_ms < 300:
-            raise ConfigError(f"replica_lease_ms must be at least 300, "
-                              f"got {self.replica_lease_ms}")
+            raise ConfigError(f"replica_lease_ms must be at least 300, got {self.replica_lease_ms}")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("tls_client_ca (mTLS) needs TLS: give --tls-cert and --tls-key too")
         if not 1024 <= self.max_message_bytes <= _MAX_GRPC_MESSAGE_BYTES:
-            raise ConfigError(f"max_message_bytes must be within 1024-{_MAX_GRPC_MESSAGE_BYTES}, "
-                              f"got {self.max_message_bytes}")
+            raise ConfigError(
+                f"max_message_bytes must be within 1024-{_MAX_GRPC_MESSAGE_BYTES}, "
+                f"got {self.max_message_bytes}"
+            )
         self.scheduler.validate()
         return self
 
@@ -103,15 +115,15 @@ class ServeSettings:
 _HELP = {
     "host": "address to listen on (gRPC and metrics)",
     "port": "gRPC port; 0 picks a free port and prints it (the metrics port is apart: "
-            "--port 0 --metrics-port 0 takes no fixed port)",
+    "--port 0 --metrics-port 0 takes no fixed port)",
     "metrics_port": "Prometheus /metrics port; 0 picks a free port and prints it",
     "worker_port": "also serve the worker RPCs (and health) on this port, apart from "
-                   "client traffic; 0: none (every RPC is always served on --port)",
+    "client traffic; 0: none (every RPC is always served on --port)",
     "max_streams": "most Generate streams open at once; more get RESOURCE_EXHAUSTED at once",
     "max_open_streams": "most Health.Watch and reflection streams (which need no token) open "
-                        "at once; more get RESOURCE_EXHAUSTED at once",
+    "at once; more get RESOURCE_EXHAUSTED at once",
     "max_threads": "no effect: the server runs on one event loop, with no thread per call "
-                   "(kept so that older configs still start)",
+    "(kept so that older configs still start)",
     "grace_seconds": "on SIGTERM, seconds in-flight calls get to finish",
     "log_format": "text, or json for one JSON object per line",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
@@ -119,53 +131,53 @@ _HELP = {
     "tls_key": "private key of --tls-cert (PEM)",
     "tls_client_ca": "require client certificates signed by this CA (PEM): mutual TLS",
     "auth_tokens": "require bearer tokens with roles, from this TOML or JSON file "
-                   "(see docs/security.md)",
+    "(see docs/security.md)",
     "state_dir": "keep the queue and every sequence's progress in DIR (SQLite, WAL); a "
-                 "restart on the same DIR carries on; none: state lives in memory only",
+    "restart on the same DIR carries on; none: state lives in memory only",
     "state_fsync": "acks: fsync what clients are told OK (Submit, Cancel) before answering; "
-                   "always: every change; never: none (survives kill -9, not power loss)",
+    "always: every change; never: none (survives kill -9, not power loss)",
     "state": "share state with other replicas in this PostgreSQL database "
-             "(postgresql://USER@HOST:PORT/DB); every replica serves every RPC, workers "
-             "belong to the replica they talk to (docs/replicas.md)",
+    "(postgresql://USER@HOST:PORT/DB); every replica serves every RPC, workers "
+    "belong to the replica they talk to (docs/replicas.md)",
     "prefetch": "replicas: queued sequences each replica claims beyond its workers' free "
-                "places (how far admission may drift from the global order)",
+    "places (how far admission may drift from the global order)",
     "replica_lease_ms": "replicas: a replica silent this long is presumed dead; another "
-                        "returns its sequences to the shared queue",
+    "returns its sequences to the shared queue",
     "max_message_bytes": "largest incoming gRPC message in bytes; a larger one gets "
-                         "RESOURCE_EXHAUSTED",
+    "RESOURCE_EXHAUSTED",
     "step_table": "with a latency target: a `lattice-worker profile` step table (JSON) that "
-                  "each worker's learned step time starts from; none: a cautious default "
-                  "that steps are measured against from the first one",
+    "each worker's learned step time starts from; none: a cautious default "
+    "that steps are measured against from the first one",
     "max_batch_size": "most sequences per worker, when a worker registers with 0",
     "max_worker_batch_size": "the most sequences a worker may ask for at registration; a "
-                             "larger max_batch_size is cut to this (the answer says so)",
+    "larger max_batch_size is cut to this (the answer says so)",
     "chunk_size": "most prompt tokens per prefill chunk",
     "prefill_reserve_pages": "free KV pages below which a non-empty batch admits nothing",
     "max_seq_len": "limit on prompt_len + max_new_tokens",
     "max_queue": "most sequences waiting for admission; more get RESOURCE_EXHAUSTED",
     "max_queue_per_tenant": "most queued sequences per tenant (0: no limit); more get "
-                            "RESOURCE_EXHAUSTED",
+    "RESOURCE_EXHAUSTED",
     "lease_ttl_ms": "a worker silent this long is dropped and its sequences requeued",
     "policy": policies_help(),
     "max_num_batched_tokens": "budget, fair: tokens per worker iteration, decodes and prefill "
-                              "chunks together (at least max_batch_size)",
+    "chunks together (at least max_batch_size)",
     "min_prefill_chunk": "budget, fair: no first chunk shorter than this is started "
-                         "(at most chunk_size)",
+    "(at most chunk_size)",
     "kv_watermark_pages": "budget, fair: free KV pages kept in reserve on each worker",
     "aging_seconds": "fair: a queued sequence moves up one priority band per this many "
-                     "seconds waited",
+    "seconds waited",
     "tenant_weights": "fair: TOML file of `tenant = weight` lines; a weight-2 tenant is "
-                      "served twice the tokens of a weight-1 one",
+    "served twice the tokens of a weight-1 one",
     "max_loras": "most distinct LoRA adapters active on one worker (0: no limit)",
     "tpot_target_ms": "budget, fair: time per output token to keep each step within; each "
-                      "decision's token budget is then chosen from the worker's learned step "
-                      "times, up to max_num_batched_tokens if set (0: off, the fixed budget)",
+    "decision's token budget is then chosen from the worker's learned step "
+    "times, up to max_num_batched_tokens if set (0: off, the fixed budget)",
     "ttft_target_ms": "budget, fair: time to first token; each priority band is served "
-                      "earliest deadline (arrival + target) first, and a request of negative "
-                      "priority that no worker can start in time is refused with "
-                      "RESOURCE_EXHAUSTED (0: off)",
+    "earliest deadline (arrival + target) first, and a request of negative "
+    "priority that no worker can start in time is refused with "
+    "RESOURCE_EXHAUSTED (0: off)",
     "prefix_caching": "on: first chunks start from the asking worker's longest resume "
-                      "point (its prefix cache); off: ignore every cache report",
+    "point (its prefix cache); off: ignore every cache report",
 }
 
 # How a default that depends on other settings reads in --help.
@@ -186,8 +198,12 @@ def setting_fields() -> list[tuple[dataclasses.Field, bool]]:
 def add_arguments(parser: argparse.ArgumentParser, *, scheduler_only: bool = False) -> None:
     """Add one flag per setting, plus --config; `scheduler_only`: flags for the settings of
     SchedulerConfig only (the policy's, for `simulate`)."""
-    parser.add_argument("--config", type=Path, metavar="FILE",
-                        help="TOML file of settings (keys as the flags, with _ or -)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="TOML file of settings (keys as the flags, with _ or -)",
+    )
     defaults = ServeSettings()
     for f, in_scheduler in setting_fields():
         if scheduler_only and not in_scheduler:
@@ -195,10 +211,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, scheduler_only: bool = Fal
         default = getattr(defaults.scheduler if in_scheduler else defaults, f.name)
         default_text = _DEFAULT_TEXT.get(f.name, default if default != "" else "none")
         parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, default=None,
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            default=None,
             metavar="FILE" if f.name == "tenant_weights" else f.name.upper(),
             help=f"{_HELP[f.name]} (default {default_text}; "
-                 f"env {ENV_PREFIX}{f.name.upper()})".replace("%", "%%"),
+            f"env {ENV_PREFIX}{f.name.upper()})".replace("%", "%%"),
         )
 
 
@@ -226,8 +244,10 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeSettin
     try:
         return ServeSettings(**own, scheduler=SchedulerConfig(**scheduler)).validate()
     except ConfigError as err:
-        sources = {f.name: values[f.name][1] if f.name in values else "default"
-                   for f, _ in setting_fields()}
+        sources = {
+            f.name: values[f.name][1] if f.name in values else "default"
+            for f, _ in setting_fields()
+        }
         raise ConfigError(with_sources(str(err), sources)) from None
 
 
@@ -252,7 +272,7 @@ def with_sources(message: str, sources: Mapping[str, str]) -> str:
         if name not in sources or name in seen:
             continue
         seen.add(name)
-        parts.append(message[done:match.end()])
+        parts.append(message[done : match.end()])
         remark = _REMARK.match(message, match.end())
         if remark:
             parts.append(f" ({remark.group(1)}, {sources[name]})")
@@ -276,8 +296,9 @@ def _read_config_file(path: Path) -> dict[str, object]:
     for key, value in data.items():
         name = key.replace("-", "_")
         if name not in known:
-            raise ConfigError(f"--config {path}: unknown setting {key!r}; "
-                              f"known: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"--config {path}: unknown setting {key!r}; known: {', '.join(sorted(known))}"
+            )
         out[name] = value
     return out
 
@@ -292,16 +313,20 @@ def read_tenant_weights(value: object, source: str) -> tuple[tuple[str, float], 
         try:
             data = tomllib.loads(path.read_text())
         except OSError as err:
-            raise ConfigError(f"tenant_weights ({source}): cannot read {path}: "
-                              f"{err.strerror}") from None
+            raise ConfigError(
+                f"tenant_weights ({source}): cannot read {path}: {err.strerror}"
+            ) from None
         except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"tenant_weights ({source}): {path} is not valid TOML: "
-                              f"{err}") from None
+            raise ConfigError(
+                f"tenant_weights ({source}): {path} is not valid TOML: {err}"
+            ) from None
     weights = []
     for tenant, weight in data.items():
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise ConfigError(f"tenant_weights ({source}): tenant {tenant!r} has weight "
-                              f"{weight!r}; weights must be positive numbers")
+            raise ConfigError(
+                f"tenant_weights ({source}): tenant {tenant!r} has weight "
+                f"{weight!r}; weights must be positive numbers"
+            )
         weights.append((tenant, float(weight)))
     return tuple(weights)
 
@@ -309,8 +334,9 @@ def read_tenant_weights(value: object, source: str) -> tuple[tuple[str, float], 
 def _coerce(f: dataclasses.Field, value: object, source: str) -> object:
     if f.name == "tenant_weights":
         return read_tenant_weights(value, source)
-    kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str)
-                                                    else f.type.__name__]
+    kind = {"int": int, "float": float, "str": str}[
+        f.type if isinstance(f.type, str) else f.type.__name__
+    ]
     if kind is str:
         return str(value)
     try:
@@ -318,5 +344,7 @@ def _coerce(f: dataclasses.Field, value: object, source: str) -> object:
             raise ValueError
         return kind(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{f.name} ({source}) must be {'an integer' if kind is int else 'a number'}, "
-                          f"got {value!r}") from None
+        raise ConfigError(
+            f"{f.name} ({source}) must be {'an integer' if kind is int else 'a number'}, "
+            f"got {value!r}"
+        ) from None

@@ -1,5 +1,6 @@
 """docs/architecture.md stays true: every path it names exists, and its import table is
 the design tests/test_imports.py enforces."""
+
 from __future__ import annotations
 
 import re
@@ -24,20 +25,25 @@ def test_every_backticked_path_exists():
 
 
 def test_every_link_leads_to_a_file():
-    missing = [link for link in _LINK.findall(DOC.read_text())
-               if "://" not in link and not (DOC.parent / link).exists()]
+    missing = [
+        link
+        for link in _LINK.findall(DOC.read_text())
+        if "://" not in link and not (DOC.parent / link).exists()
+    ]
     assert missing == []
 
 
 def test_the_path_check_sees_files_and_folders():
-    spans = _paths("`service/core/` and `worker_client/loop.py`, `README.md`, not `a b/c`, "
-                   "not `lattice.scheduler.v1` nor `postgresql://...`")
+    spans = _paths(
+        "`service/core/` and `worker_client/loop.py`, `README.md`, not `a b/c`, "
+        "not `lattice.scheduler.v1` nor `postgresql://...`"
+    )
     assert spans == ["service/core/", "worker_client/loop.py", "README.md"]
 
 
 def test_the_import_table_is_the_enforced_design():
     text = DOC.read_text()
-    table = text[text.index("| package | may import |"):]
+    table = text[text.index("| package | may import |") :]
     table = table[: table.index("\n\n")]
     documented = {}
     for row in table.splitlines()[2:]:

@@ -6,15 +6,16 @@ list. No instruction count is pinned (machines differ).
 The nano-vllm cell runs too when NANO_VLLM_DIR names a checkout of
 GeeeekExplorer/nano-vllm (none is in the repository: its code is not ours to ship).
 """
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from bench import decision_cost as bench
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 from service.core import SequenceState
 
 
@@ -22,11 +23,15 @@ from service.core import SequenceState
 def _unfreeze():
     yield
     import gc
+
     gc.unfreeze()  # the workloads freeze what they built; the rest of the suite need not
 
 
-@pytest.mark.parametrize("served, packed", [(False, False), (True, False), (True, True)],
-                         ids=["core", "served", "packed"])
+@pytest.mark.parametrize(
+    "served, packed",
+    [(False, False), (True, False), (True, True)],
+    ids=["core", "served", "packed"],
+)
 @pytest.mark.parametrize("running", [8, 32])
 def test_each_decision_decodes_every_running_sequence_with_1000_queued(running, served, packed):
     workload = bench.CoreWorkload(running, served=served, packed=packed)
@@ -69,6 +74,7 @@ def test_the_unchanged_cell_sends_no_running_list_and_gets_decode_all_running(ru
 
 def test_the_queued_prompts_are_512_tokens_and_distinct():
     import random
+
     rnd = random.Random(1)
     prompts = [bench._prompt(rnd, bench.PROMPT_LEN) for _ in range(50)]
     assert all(len(p) == 512 and all(1 <= t <= 150_000 for t in p) for p in prompts)
@@ -82,8 +88,9 @@ def test_the_check_refuses_a_decision_that_admits():
         workload.check()
 
 
-@pytest.mark.skipif(not os.environ.get("NANO_VLLM_DIR"),
-                    reason="NANO_VLLM_DIR (a nano-vllm checkout) not set")
+@pytest.mark.skipif(
+    not os.environ.get("NANO_VLLM_DIR"), reason="NANO_VLLM_DIR (a nano-vllm checkout) not set"
+)
 @pytest.mark.parametrize("running", [8, 32])
 def test_the_nano_cell_decodes_every_running_sequence(running):
     workload = bench.NanoWorkload(running, Path(os.environ["NANO_VLLM_DIR"]))

@@ -6,6 +6,7 @@ and every `scripts/` file named exists.
 Regression (outside probe): the docs showed bare `python scripts/...`, which fails
 without the venv.
 """
+
 from __future__ import annotations
 
 import re
@@ -61,7 +62,8 @@ def test_each_documented_command_runs_as_it_stands(command):
     program = _program(command)
     creates_the_venv = re.match(r"python3? -m venv \.venv\b", _ENV_ASSIGNMENT.sub("", command))
     assert program not in VENV_PROGRAMS or creates_the_venv, (
-        f"{program} needs the project's virtual environment: write .venv/bin/{program}")
+        f"{program} needs the project's virtual environment: write .venv/bin/{program}"
+    )
     if program.endswith("lattice-worker"):
         assert "--model" in command, "lattice-worker requires --model"
     assert "..." not in command.split("#")[0], "a placeholder is not a command"

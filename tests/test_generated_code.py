@@ -1,5 +1,6 @@
 """The checked-in generated code is exactly what scripts/gen_protos.py produces now (run as
 the command it is, not loaded as a module)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -14,8 +15,13 @@ GENERATED_PATTERNS = ("*_pb2.py", "*_pb2.pyi", "*_pb2_grpc.py")
 
 
 def _gen_protos(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/gen_protos.py", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "scripts/gen_protos.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +47,22 @@ def test_checked_in_generated_code_matches_a_fresh_generation(fresh):
 
     missing = sorted(map(str, generated.keys() - checked_in.keys()))
     extra = sorted(map(str, checked_in.keys() - generated.keys()))
-    assert not missing, f"generated but not checked in under protos/: {missing}; " \
-                        "run scripts/gen_protos.py"
+    assert not missing, (
+        f"generated but not checked in under protos/: {missing}; run scripts/gen_protos.py"
+    )
     assert not extra, f"checked in under protos/ but no .proto generates them: {extra}"
     stale = sorted(str(p) for p in generated if generated[p] != checked_in[p])
-    assert not stale, f"checked-in generated code differs from protoc's output: {stale}; " \
-                      "run scripts/gen_protos.py and commit the result"
+    assert not stale, (
+        f"checked-in generated code differs from protoc's output: {stale}; "
+        "run scripts/gen_protos.py and commit the result"
+    )
 
 
 def test_every_proto_package_folder_is_an_importable_package(fresh):
     for init in fresh.rglob("__init__.py"):
-        assert (PROTO_ROOT / init.relative_to(fresh)).exists(), \
+        assert (PROTO_ROOT / init.relative_to(fresh)).exists(), (
             f"protos/{init.relative_to(fresh)} is missing"
+        )
 
 
 def test_the_check_mode_agrees_and_writes_nothing():

@@ -6,6 +6,7 @@ packages that ALLOWED below does not list, and no cycle between modules. Imports
 `importlib.import_module` with a computed name (worker_client/engine/__init__.py's lazy
 torch names) are not seen; they stay inside one package.
 """
+
 from __future__ import annotations
 
 import ast
@@ -41,11 +42,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     # The durable stores (SQLite, PostgreSQL) the core saves through.
     "service.state": frozenset({"common", "service.core"}),
     # The grpc.aio edge of the scheduler process.
-    "service.server": frozenset({"common", "lattice", "service.core", "service.settings",
-                                 "service.state"}),
+    "service.server": frozenset(
+        {"common", "lattice", "service.core", "service.settings", "service.state"}
+    ),
     # A replica: the server's servicer and start, over the PostgreSQL store.
-    "service.replicas": frozenset({"common", "lattice", "service.core", "service.settings",
-                                   "service.state", "service.server"}),
+    "service.replicas": frozenset(
+        {"common", "lattice", "service.core", "service.settings", "service.state", "service.server"}
+    ),
     # The HTTP gateway: a client of the scheduler over gRPC, nothing of the service.
     "service.gateway": frozenset({"common", "lattice"}),
     # The reference engine: a library the worker loop drives (the block hash is common's).
@@ -53,20 +56,50 @@ ALLOWED: dict[str, frozenset[str]] = {
     # The worker process: loop, client, session, conversion.
     "worker_client": frozenset({"common", "lattice", "worker_client.engine"}),
     # The simulator: the real core and the real worker loop on a virtual clock.
-    "service.sim": frozenset({"common", "lattice", "service.core", "service.settings",
-                              "service.server", "worker_client", "worker_client.engine"}),
+    "service.sim": frozenset(
+        {
+            "common",
+            "lattice",
+            "service.core",
+            "service.settings",
+            "service.server",
+            "worker_client",
+            "worker_client.engine",
+        }
+    ),
     # The lattice-scheduler command line: starts any of the above.
-    "service.cli": frozenset({"common", "lattice", "service.core", "service.settings",
-                              "service.state", "service.server", "service.replicas",
-                              "service.gateway", "service.sim"}),
+    "service.cli": frozenset(
+        {
+            "common",
+            "lattice",
+            "service.core",
+            "service.settings",
+            "service.state",
+            "service.server",
+            "service.replicas",
+            "service.gateway",
+            "service.sim",
+        }
+    ),
     # service/__init__.py and service/__main__.py (python -m service).
     "service": frozenset({"service.cli"}),
     # Benchmarks and the tooling of tests (fault stacks, engine benchmarks, an honest fake
     # worker), outside the wheel: no product package imports it (checked below), so it may
     # join core and worker.
-    "bench": frozenset({"common", "lattice", "service.core", "service.settings",
-                        "service.state", "service.server", "service.sim", "service.cli",
-                        "worker_client", "worker_client.engine"}),
+    "bench": frozenset(
+        {
+            "common",
+            "lattice",
+            "service.core",
+            "service.settings",
+            "service.state",
+            "service.server",
+            "service.sim",
+            "service.cli",
+            "worker_client",
+            "worker_client.engine",
+        }
+    ),
 }
 
 # Inside service.core, a decision's life reads one way: each sub-package and those of the
@@ -75,17 +108,25 @@ ALLOWED: dict[str, frozenset[str]] = {
 CORE_FORBIDDEN: dict[str, frozenset[str]] = {
     "service.core.tables": frozenset({"service.core.decide", "service.core.report"}),
     "service.core.decide": frozenset({"service.core.report", "service.core.persist"}),
-    "service.core.cache": frozenset({"service.core.decide", "service.core.report",
-                                     "service.core.persist", "service.core.learn"}),
-    "service.core.learn": frozenset({"service.core.decide", "service.core.report",
-                                     "service.core.persist", "service.core.tables",
-                                     "service.core.cache"}),
+    "service.core.cache": frozenset(
+        {"service.core.decide", "service.core.report", "service.core.persist", "service.core.learn"}
+    ),
+    "service.core.learn": frozenset(
+        {
+            "service.core.decide",
+            "service.core.report",
+            "service.core.persist",
+            "service.core.tables",
+            "service.core.cache",
+        }
+    ),
 }
 
 # Third-party packages a package may not import at all.
 FORBIDDEN_THIRD_PARTY = {
-    "service.core": frozenset({"grpc", "grpc_health", "grpc_reflection", "google",
-                               "prometheus_client"}),
+    "service.core": frozenset(
+        {"grpc", "grpc_health", "grpc_reflection", "google", "prometheus_client"}
+    ),
     "common": frozenset({"torch"}),
 }
 
@@ -126,8 +167,9 @@ def _edges(modules: dict[str, Path]) -> list[Edge]:
                 continue
             where = f"{_shown(path)}:{node.lineno}"
             if isinstance(node, ast.Import):
-                edges.extend(Edge(name, _module_of(alias.name, modules), where)
-                             for alias in node.names)
+                edges.extend(
+                    Edge(name, _module_of(alias.name, modules), where) for alias in node.names
+                )
             else:
                 base = node.module or ""
                 if node.level:
@@ -136,8 +178,9 @@ def _edges(modules: dict[str, Path]) -> list[Edge]:
                 for alias in node.names:
                     # `from pkg import mod` imports the module pkg.mod where one exists.
                     sub = f"{base}.{alias.name}"
-                    edges.append(Edge(name, sub if sub in modules
-                                      else _module_of(base, modules), where))
+                    edges.append(
+                        Edge(name, sub if sub in modules else _module_of(base, modules), where)
+                    )
     return edges
 
 
@@ -177,9 +220,14 @@ def test_the_design_itself_has_no_cycle_between_packages():
 
 
 def test_no_import_between_packages_that_the_design_does_not_allow():
-    wrong = [str(e) for e in EDGES
-             if (src := package_of(e.importer)) and (dst := package_of(e.imported))
-             and src != dst and dst not in ALLOWED[src]]
+    wrong = [
+        str(e)
+        for e in EDGES
+        if (src := package_of(e.importer))
+        and (dst := package_of(e.imported))
+        and src != dst
+        and dst not in ALLOWED[src]
+    ]
     assert not wrong, "imports the design does not allow:\n" + "\n".join(wrong)
 
 
@@ -194,21 +242,32 @@ def _core_part(module: str) -> str | None:
 
 def test_the_core_sub_packages_import_one_way():
     assert set(CORE_FORBIDDEN) <= {_core_part(m) for m in MODULES} - {None}
-    wrong = [str(e) for e in EDGES
-             if _core_part(e.imported) in CORE_FORBIDDEN.get(_core_part(e.importer), ())]
-    assert not wrong, "imports inside the core that its layout does not allow:\n" + \
-        "\n".join(wrong)
+    wrong = [
+        str(e)
+        for e in EDGES
+        if _core_part(e.imported) in CORE_FORBIDDEN.get(_core_part(e.importer), ())
+    ]
+    assert not wrong, "imports inside the core that its layout does not allow:\n" + "\n".join(wrong)
 
 
 def test_the_core_keeps_few_modules_at_its_top():
-    top = [m for m in MODULES if m.startswith("service.core.") and m.count(".") == 2
-           and not MODULES[m].name == "__init__.py"]
+    top = [
+        m
+        for m in MODULES
+        if m.startswith("service.core.")
+        and m.count(".") == 2
+        and not MODULES[m].name == "__init__.py"
+    ]
     assert len(top) <= 7, top  # with service/core/__init__.py: 8
 
 
 def test_forbidden_third_party_packages_are_not_imported():
-    wrong = [str(e) for e in EDGES if package_of(e.imported) is None
-             and e.imported in FORBIDDEN_THIRD_PARTY.get(package_of(e.importer), ())]
+    wrong = [
+        str(e)
+        for e in EDGES
+        if package_of(e.imported) is None
+        and e.imported in FORBIDDEN_THIRD_PARTY.get(package_of(e.importer), ())
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -220,10 +279,13 @@ def test_only_the_simulator_imports_both_the_core_and_the_worker_loop():
             reaches[package_of(e.importer)].add("core" if dst == "service.core" else "worker")
     both = {p for p, kinds in reaches.items() if kinds == {"core", "worker"}}
     assert both <= BOTH_CORE_AND_WORKER, both
-    service_to_worker = [str(e) for e in EDGES
-                         if package_of(e.importer).startswith("service")
-                         and package_of(e.importer) not in BOTH_CORE_AND_WORKER
-                         and (package_of(e.imported) or "").startswith("worker_client")]
+    service_to_worker = [
+        str(e)
+        for e in EDGES
+        if package_of(e.importer).startswith("service")
+        and package_of(e.importer) not in BOTH_CORE_AND_WORKER
+        and (package_of(e.imported) or "").startswith("worker_client")
+    ]
     assert not service_to_worker, "\n".join(service_to_worker)
 
 
@@ -236,8 +298,9 @@ def test_no_cycle_between_modules():
     where = {(e.importer, e.imported): e.where for e in EDGES}
     lines = []
     for cycle in cycles:
-        inside = [f"  {where[(a, b)]}: {a} -> {b}" for a in cycle for b in sorted(graph[a])
-                  if b in cycle]
+        inside = [
+            f"  {where[(a, b)]}: {a} -> {b}" for a in cycle for b in sorted(graph[a]) if b in cycle
+        ]
         lines.append(" <-> ".join(cycle) + "\n" + "\n".join(inside))
     assert not cycles, "module cycles:\n" + "\n".join(lines)
 
@@ -250,13 +313,18 @@ def test_the_walker_sees_lazy_relative_and_type_checking_imports(tmp_path):
     (tmp_path / "pkg" / "sub" / "leaf.py").write_text(
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from ..other import Thing\n"
-        "def later():\n    import pkg.other\n    from pkg.sub import missing_name\n")
+        "def later():\n    import pkg.other\n    from pkg.sub import missing_name\n"
+    )
     (tmp_path / "pkg" / "other.py").write_text("import json\n")
     modules = _modules({"pkg": tmp_path / "pkg"})
     edges = {(e.importer, e.imported) for e in _edges(modules)}
-    assert edges == {("pkg.sub", "pkg.sub.leaf"), ("pkg.sub.leaf", "typing"),
-                     ("pkg.sub.leaf", "pkg.other"), ("pkg.sub.leaf", "pkg.sub"),
-                     ("pkg.other", "json")}
+    assert edges == {
+        ("pkg.sub", "pkg.sub.leaf"),
+        ("pkg.sub.leaf", "typing"),
+        ("pkg.sub.leaf", "pkg.other"),
+        ("pkg.sub.leaf", "pkg.sub"),
+        ("pkg.other", "json"),
+    }
 
 
 def test_cycles_are_found_with_their_members():
@@ -300,8 +368,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_product_package_imports_bench():
-    wrong = [str(e) for e in EDGES if e.importer.split(".")[0] in PRODUCT
-             and e.imported.split(".")[0] == "bench"]
+    wrong = [
+        str(e)
+        for e in EDGES
+        if e.importer.split(".")[0] in PRODUCT and e.imported.split(".")[0] == "bench"
+    ]
     assert not wrong, "\n".join(wrong)
 
 

@@ -1,4 +1,5 @@
 """The metrics observer, driven through the core with a fake clock and its own registry."""
+
 from prometheus_client import CollectorRegistry
 
 from service.core import FinishReason, Scheduler, TokenUpdate, WorkerReport
@@ -9,8 +10,7 @@ from tests.unit.factories import FakeClock, admit, finished, make_config, regist
 def _setup():
     clock = FakeClock()
     registry = CollectorRegistry()
-    sched = Scheduler(make_config(), observer=SchedulerMetrics(registry, clock=clock),
-                      clock=clock)
+    sched = Scheduler(make_config(), observer=SchedulerMetrics(registry, clock=clock), clock=clock)
     return clock, registry, sched
 
 
@@ -24,11 +24,25 @@ def test_token_latencies_and_counts_follow_the_reports():
     seq_id = submit(sched, prompt_len=6, max_new_tokens=4)
     admit(sched)
     clock.advance_ms(500)
-    sched.select_batch(WorkerReport("w0", running=(seq_id,), kv_free_pages=100,
-                                    gdn_free_slots=8, tokens=(TokenUpdate(seq_id, (1,)),)))
+    sched.select_batch(
+        WorkerReport(
+            "w0",
+            running=(seq_id,),
+            kv_free_pages=100,
+            gdn_free_slots=8,
+            tokens=(TokenUpdate(seq_id, (1,)),),
+        )
+    )
     clock.advance_ms(200)
-    sched.select_batch(WorkerReport("w0", running=(seq_id,), kv_free_pages=100,
-                                    gdn_free_slots=8, tokens=(TokenUpdate(seq_id, (2, 3)),)))
+    sched.select_batch(
+        WorkerReport(
+            "w0",
+            running=(seq_id,),
+            kv_free_pages=100,
+            gdn_free_slots=8,
+            tokens=(TokenUpdate(seq_id, (2, 3)),),
+        )
+    )
     clock.advance_ms(100)
     sched.select_batch(report(finished=[finished(seq_id, FinishReason.MAX_LENGTH, 3)]))
     p = "lattice_scheduler_"
@@ -59,16 +73,25 @@ def _learned_step_and_a_late_first_token():
     """A scheduler with both targets whose worker reported one step time (25 ms) and
     whose one sequence got its first token after its deadline; its registry."""
     clock, registry = FakeClock(), CollectorRegistry()
-    sched = Scheduler(make_config(policy="budget", tpot_target_ms=100.0, ttft_target_ms=300.0),
-                      observer=SchedulerMetrics(registry, clock=clock, ttft_target_seconds=0.3),
-                      clock=clock)
+    sched = Scheduler(
+        make_config(policy="budget", tpot_target_ms=100.0, ttft_target_ms=300.0),
+        observer=SchedulerMetrics(registry, clock=clock, ttft_target_seconds=0.3),
+        clock=clock,
+    )
     register(sched)
     seq_id = submit(sched, prompt_len=40, max_new_tokens=4)
     sched.select_batch(report())  # the first chunk: a decision with work
     clock.advance_ms(400)  # past the 300 ms deadline
-    sched.select_batch(WorkerReport("w0", running=(seq_id,), kv_free_pages=100,
-                                    gdn_free_slots=8, tokens=(TokenUpdate(seq_id, (1,)),),
-                                    last_step_us=25_000))
+    sched.select_batch(
+        WorkerReport(
+            "w0",
+            running=(seq_id,),
+            kv_free_pages=100,
+            gdn_free_slots=8,
+            tokens=(TokenUpdate(seq_id, (1,)),),
+            last_step_us=25_000,
+        )
+    )
     return registry
 
 
@@ -105,11 +128,13 @@ def test_prefix_cache_metrics_count_computed_and_cached_tokens_misses_and_points
     assert _value(registry, p + "prefill_tokens_total", source="cached") == 64 + 48
     assert _value(registry, p + "worker_resume_points", worker_id="w0") == 3
     # The worker's own books, live: its hit rate (cached / all prefill tokens) and misses.
-    assert _value(registry, p + "worker_prefill_tokens_total", worker_id="w0",
-                  source="cached") == 64 + 48
-    assert _value(registry, p + "worker_prefill_tokens_total", worker_id="w0",
-                  source="computed") == _value(registry, p + "prefill_tokens_total",
-                                               source="computed")
+    assert (
+        _value(registry, p + "worker_prefill_tokens_total", worker_id="w0", source="cached")
+        == 64 + 48
+    )
+    assert _value(
+        registry, p + "worker_prefill_tokens_total", worker_id="w0", source="computed"
+    ) == _value(registry, p + "prefill_tokens_total", source="computed")
     assert _value(registry, p + "worker_cache_misses_total", worker_id="w0") == 1
     # Evictions: points the worker reports removed, counted once (a retried report again
     # removes nothing it still holds) and never for a point it did not have.
@@ -121,8 +146,9 @@ def test_prefix_cache_metrics_count_computed_and_cached_tokens_misses_and_points
     assert _value(registry, p + "worker_resume_points", worker_id="w0") == 1
     sched.deregister_worker("w0")
     assert _value(registry, p + "worker_resume_points", worker_id="w0") is None
-    assert _value(registry, p + "worker_prefill_tokens_total", worker_id="w0",
-                  source="cached") is None
+    assert (
+        _value(registry, p + "worker_prefill_tokens_total", worker_id="w0", source="cached") is None
+    )
     assert _value(registry, p + "worker_resume_points_removed_total", worker_id="w0") is None
 
 
@@ -134,13 +160,17 @@ def test_the_dashboard_shows_cached_against_computed_prefill_tokens():
 
     _, registry, sched = _setup()
     register(sched, cache_block_tokens=16)  # per-worker series exist once a worker is known
-    dashboard = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" / "dashboards"
-                            / "lattice.json").read_text())
+    dashboard = json.loads(
+        (
+            Path(__file__).parent.parent / "deploy" / "grafana" / "dashboards" / "lattice.json"
+        ).read_text()
+    )
     exprs = {t["expr"] for panel in dashboard["panels"] for t in panel["targets"]}
     prefill = [e for e in exprs if "lattice_scheduler_prefill_tokens_total" in e]
     assert prefill and all("by (source)" in e for e in prefill)
     exposed = {m.name for m in registry.collect()} | {
-        s.name for m in registry.collect() for s in m.samples}
+        s.name for m in registry.collect() for s in m.samples
+    }
     for expr in exprs:
         for name in metric_names(expr):
             if any(word in name for word in ("prefill_tokens", "cache_misses", "resume_points")):
@@ -154,15 +184,24 @@ def test_the_dashboard_shows_step_times_budgets_and_deadline_misses():
     from tests.stack.promql import metric_names
 
     registry = _learned_step_and_a_late_first_token()
-    dashboard = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" / "dashboards"
-                            / "lattice.json").read_text())
-    used = {name for panel in dashboard["panels"] for t in panel["targets"]
-            for name in metric_names(t["expr"])}
-    wanted = {"lattice_scheduler_worker_step_predicted_seconds",
-              "lattice_scheduler_worker_step_measured_seconds",
-              "lattice_scheduler_step_time_error_ratio_bucket",
-              "lattice_scheduler_worker_token_budget",
-              "lattice_scheduler_deadline_misses_total"}
+    dashboard = json.loads(
+        (
+            Path(__file__).parent.parent / "deploy" / "grafana" / "dashboards" / "lattice.json"
+        ).read_text()
+    )
+    used = {
+        name
+        for panel in dashboard["panels"]
+        for t in panel["targets"]
+        for name in metric_names(t["expr"])
+    }
+    wanted = {
+        "lattice_scheduler_worker_step_predicted_seconds",
+        "lattice_scheduler_worker_step_measured_seconds",
+        "lattice_scheduler_step_time_error_ratio_bucket",
+        "lattice_scheduler_worker_token_budget",
+        "lattice_scheduler_deadline_misses_total",
+    }
     assert wanted <= used, f"no panel for {sorted(wanted - used)}"
     sampled = {s.name for m in registry.collect() for s in m.samples}
     assert wanted <= sampled, f"not scheduler samples: {sorted(wanted - sampled)}"

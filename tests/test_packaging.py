@@ -1,6 +1,7 @@
 """pyproject.toml lists every package: a non-editable install (the Docker image's
 `pip install /src[...]`) carries only the listed ones, and a missing one fails at import
 only there, not in the editable .venv the tests run in."""
+
 from __future__ import annotations
 
 import tomllib
@@ -20,7 +21,10 @@ def test_every_python_package_of_the_project_is_in_pyproject():
             relative = init.parent.relative_to(base)
             found.add(".".join((top, *relative.parts)))
     assert found - listed == set(), "packages missing from pyproject.toml"
-    data_only = {name for name in listed - found
-                 if (ROOT / name.replace(".", "/")).is_dir()
-                 and not any((ROOT / name.replace(".", "/")).rglob("*.py"))}
+    data_only = {
+        name
+        for name in listed - found
+        if (ROOT / name.replace(".", "/")).is_dir()
+        and not any((ROOT / name.replace(".", "/")).rglob("*.py"))
+    }
     assert listed - found - data_only == set(), "pyproject.toml lists packages that do not exist"

@@ -4,6 +4,7 @@ Regression (outside probe): tests/stack read the Compose schema from the shared 
 beside the clone, so a fresh `git clone` followed by `scripts/test.sh` failed with 3
 errors.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,16 +14,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ["service", "worker_client", "bench", "scripts", "tests", "deploy", "protos"]
 # Reaching out of the repository: its parent directory, or a path above it.
-OUTSIDE = re.compile(r"""parents?\[?\d*\]?\s*/\s*["']shared["']|\.\./shared|/work/shared"""
-                     r"""|REPO\.parent|ROOT\.parent""")
+OUTSIDE = re.compile(
+    r"""parents?\[?\d*\]?\s*/\s*["']shared["']|\.\./shared|/work/shared"""
+    r"""|REPO\.parent|ROOT\.parent"""
+)
 
 
 def test_no_code_or_test_reads_a_file_beside_the_repository():
     hits = []
     for folder in CODE:
         for path in sorted((ROOT / folder).rglob("*")):
-            if path.suffix not in (".py", ".sh", ".yml", ".yaml", ".toml", ".json") \
-                    or path == Path(__file__).resolve():
+            if (
+                path.suffix not in (".py", ".sh", ".yml", ".yaml", ".toml", ".json")
+                or path == Path(__file__).resolve()
+            ):
                 continue
             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
                 if OUTSIDE.search(line):
@@ -32,6 +37,7 @@ def test_no_code_or_test_reads_a_file_beside_the_repository():
 
 def test_the_compose_schema_is_vendored_with_its_licence_note():
     from tests.stack.stack_files import COMPOSE_SCHEMA
+
     assert ROOT in COMPOSE_SCHEMA.resolve().parents and COMPOSE_SCHEMA.is_file()
     note = (COMPOSE_SCHEMA.parent / "README.md").read_text()
     assert "Apache License 2.0" in note and "compose-spec/compose-spec" in note
@@ -46,9 +52,12 @@ def test_nothing_in_the_repository_names_the_shared_folder():
     hits = []
     for folder, dirs, files in os.walk(ROOT):
         # Not the repository's: git, the virtual environment, build and run outputs.
-        dirs[:] = [d for d in dirs if d not in (".git", ".venv", ".artifacts", "__pycache__",
-                                                "build", "dist")
-                   and not d.endswith(".egg-info")]
+        dirs[:] = [
+            d
+            for d in dirs
+            if d not in (".git", ".venv", ".artifacts", "__pycache__", "build", "dist")
+            and not d.endswith(".egg-info")
+        ]
         for name in files:
             path = Path(folder) / name
             if path.suffix not in _TEXT or path == Path(__file__).resolve():
@@ -59,5 +68,17 @@ def test_nothing_in_the_repository_names_the_shared_folder():
     assert hits == []
 
 
-_TEXT = (".py", ".md", ".proto", ".pyi", ".sh", ".toml", ".yml", ".yaml", ".txt", ".json",
-         ".cfg", "")
+_TEXT = (
+    ".py",
+    ".md",
+    ".proto",
+    ".pyi",
+    ".sh",
+    ".toml",
+    ".yml",
+    ".yaml",
+    ".txt",
+    ".json",
+    ".cfg",
+    "",
+)

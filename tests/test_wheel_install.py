@@ -3,6 +3,7 @@ install lattice-scheduler` would), starts every entry point: each command's --he
 until it listens; and each command that needs an extra says in one line which one, instead
 of a traceback. The editable .venv the other tests run in has every extra (and hypothesis
 brings sortedcontainers), so a missing dependency shows only here."""
+
 from __future__ import annotations
 
 import re
@@ -23,22 +24,52 @@ pytestmark = pytest.mark.slow  # builds a wheel and a venv, installs from the pa
 @pytest.fixture(scope="module")
 def clean_venv(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(work / "dist"), str(ROOT)],
-                   check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(work / "dist"),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+    )
     (wheel,) = (work / "dist").glob("lattice_scheduler-*.whl")
     env_dir = work / "venv"
     venv.create(env_dir, with_pip=True)
-    subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                    "--disable-pip-version-check", "-c", str(ROOT / "constraints.txt"),
-                    str(wheel)], check=True, timeout=600)
+    subprocess.run(
+        [
+            str(env_dir / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-c",
+            str(ROOT / "constraints.txt"),
+            str(wheel),
+        ],
+        check=True,
+        timeout=600,
+    )
     return env_dir
 
 
 def _run(env_dir: Path, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
     command, *rest = argv
-    return subprocess.run([str(env_dir / "bin" / command), *rest], capture_output=True,
-                          text=True, timeout=timeout, cwd=env_dir)
+    return subprocess.run(
+        [str(env_dir / "bin" / command), *rest],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=env_dir,
+    )
 
 
 def test_the_clean_venv_has_no_extra(clean_venv):
@@ -53,8 +84,11 @@ def test_every_command_and_subcommand_answers_help(clean_venv):
     commands = re.search(r"\{([a-z,-]+)\}", top.stdout).group(1).split(",")
     assert {"serve", "gateway", "simulate", "state"} <= set(commands)
     helps = [("lattice-scheduler", c, "--help") for c in commands]
-    helps += [("lattice-scheduler", "state", "check", "--help"),
-              ("lattice-worker", "--help"), ("lattice-worker", "profile", "--help")]
+    helps += [
+        ("lattice-scheduler", "state", "check", "--help"),
+        ("lattice-worker", "--help"),
+        ("lattice-worker", "profile", "--help"),
+    ]
     for argv in helps:
         done = _run(clean_venv, *argv)
         assert done.returncode == 0 and "usage:" in done.stdout, (argv, done.stderr)
@@ -63,9 +97,20 @@ def test_every_command_and_subcommand_answers_help(clean_venv):
 
 def test_serve_listens_then_stops_on_sigterm(clean_venv, tmp_path):
     process = subprocess.Popen(
-        [str(clean_venv / "bin" / "lattice-scheduler"), "serve", "--port", "0",
-         "--metrics-port", "0", "--state-dir", str(tmp_path / "state")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            str(clean_venv / "bin" / "lattice-scheduler"),
+            "serve",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         line = ""
@@ -86,9 +131,19 @@ def test_a_scripted_worker_starts_without_torch_and_leaves_on_sigterm(clean_venv
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     process = subprocess.Popen(
-        [str(clean_venv / "bin" / "lattice-worker"), "--scheduler", f"127.0.0.1:{port}",
-         "--worker-id", "w1", "--model", "scripted"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            str(clean_venv / "bin" / "lattice-worker"),
+            "--scheduler",
+            f"127.0.0.1:{port}",
+            "--worker-id",
+            "w1",
+            "--model",
+            "scripted",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         line = process.stdout.readline()
         while line and "retrying" not in line:
@@ -102,15 +157,41 @@ def test_a_scripted_worker_starts_without_torch_and_leaves_on_sigterm(clean_venv
             process.wait()
 
 
-@pytest.mark.parametrize("argv, extra", [
-    (("lattice-scheduler", "serve", "--port", "0", "--metrics-port", "0",
-      "--state", "postgresql://lattice@127.0.0.1:1/lattice"), "postgres"),
-    (("lattice-scheduler", "gateway", "--model", ".", "--port", "0"), "gateway"),
-    (("lattice-scheduler", "simulate", "--compare", "fifo,budget", "--qps", "1",
-      "--num-requests", "5", "--no-progress"), "sim"),
-    (("lattice-worker", "--worker-id", "w", "--model", "tiny"), "worker"),
-    (("lattice-worker", "profile", "--out", "table.json"), "worker"),
-])
+@pytest.mark.parametrize(
+    "argv, extra",
+    [
+        (
+            (
+                "lattice-scheduler",
+                "serve",
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--state",
+                "postgresql://lattice@127.0.0.1:1/lattice",
+            ),
+            "postgres",
+        ),
+        (("lattice-scheduler", "gateway", "--model", ".", "--port", "0"), "gateway"),
+        (
+            (
+                "lattice-scheduler",
+                "simulate",
+                "--compare",
+                "fifo,budget",
+                "--qps",
+                "1",
+                "--num-requests",
+                "5",
+                "--no-progress",
+            ),
+            "sim",
+        ),
+        (("lattice-worker", "--worker-id", "w", "--model", "tiny"), "worker"),
+        (("lattice-worker", "profile", "--out", "table.json"), "worker"),
+    ],
+)
 def test_a_command_without_its_extra_names_the_extra_in_one_line(clean_venv, argv, extra):
     done = _run(clean_venv, *argv)
     assert done.returncode == 2, done.stderr

@@ -6,6 +6,7 @@ flag or a model that cannot be loaded; 3 superseded: another process registered 
 --worker-id after this one (restarting it would only take the id back: give each worker
 its own id).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,68 +27,112 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["profile"]:
         return _profile(argv[1:])
     from common.cli_values import OneLineParser, target
+
     parser = OneLineParser(
         prog="lattice-worker",
         epilog="`lattice-worker profile --help`: time the engine's steps for the simulator.",
         description="Reference worker: runs a Qwen3.5-architecture model (GDN + attention) "
-                    "with a paged KV cache and a GDN state pool, as the scheduler decides. "
-                    "SIGTERM drains (finishes what it holds, takes nothing new) and exits; "
-                    "a second SIGTERM or SIGINT leaves at once (held sequences are requeued).",
+        "with a paged KV cache and a GDN state pool, as the scheduler decides. "
+        "SIGTERM drains (finishes what it holds, takes nothing new) and exits; "
+        "a second SIGTERM or SIGINT leaves at once (held sequences are requeued).",
     )
-    parser.add_argument("--scheduler", type=target,
-                        default=os.environ.get("LATTICE_SCHEDULER_TARGET", "127.0.0.1:50051"),
-                        help="scheduler address HOST:PORT, or replicas HOST:PORT,HOST:PORT or "
-                             "dns:///NAME:PORT: the worker talks to one and moves to the next "
-                             "when it is unavailable (env LATTICE_SCHEDULER_TARGET)")
+    parser.add_argument(
+        "--scheduler",
+        type=target,
+        default=os.environ.get("LATTICE_SCHEDULER_TARGET", "127.0.0.1:50051"),
+        help="scheduler address HOST:PORT, or replicas HOST:PORT,HOST:PORT or "
+        "dns:///NAME:PORT: the worker talks to one and moves to the next "
+        "when it is unavailable (env LATTICE_SCHEDULER_TARGET)",
+    )
     parser.add_argument("--worker-id", required=True, help="unique name of this worker")
     from common.credentials import add_client_arguments
+
     add_client_arguments(parser)
-    parser.add_argument("--model", required=True,
-                        help="a Hugging Face checkpoint directory (config.json + "
-                             "*.safetensors); 'tiny', 'tiny-moe' or 'tiny-next' (small Qwen3.5, "
-                             "Qwen3.5 MoE or Qwen3-Next models with seeded random weights, for "
-                             "trying things out); or 'scripted' (no model: "
-                             "worker_client.testing.ScriptedEngine, for load-testing a scheduler)")
-    parser.add_argument("--step-ms", type=float,
-                        help="scripted model only: simulated GPU time per step with work, in "
-                             "milliseconds (default 0), so that faults can land mid-run")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="a Hugging Face checkpoint directory (config.json + "
+        "*.safetensors); 'tiny', 'tiny-moe' or 'tiny-next' (small Qwen3.5, "
+        "Qwen3.5 MoE or Qwen3-Next models with seeded random weights, for "
+        "trying things out); or 'scripted' (no model: "
+        "worker_client.testing.ScriptedEngine, for load-testing a scheduler)",
+    )
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        help="scripted model only: simulated GPU time per step with work, in "
+        "milliseconds (default 0), so that faults can land mid-run",
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16",
-                                                            "float16"),
-                        help="auto: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--kv-pages", type=int, help="KV-cache pages (default: sized for the device)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    parser.add_argument(
+        "--kv-pages", type=int, help="KV-cache pages (default: sized for the device)"
+    )
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    parser.add_argument("--gdn-slots", type=int, help="GDN state slots (default: sized for the device)")
-    parser.add_argument("--cache-block-tokens", type=int,
-                        help="tokens per prefix-cache block, a multiple of --page-size "
-                             "(default: 4 pages; the scripted model keeps a cache only "
-                             "with this flag)")
-    parser.add_argument("--prefix-cache-blocks", type=int,
-                        help="most cached blocks no running sequence uses (their pages count "
-                             "as free and are reclaimed least recently used first; default: "
-                             "as many as the free pages hold)")
-    parser.add_argument("--snapshot-slots", type=int,
-                        help="GDN state snapshots the prefix cache keeps, one per resume point "
-                             "(default: sized for the device: CPU 4 per GDN slot, CUDA a tenth "
-                             "of the free memory)")
-    parser.add_argument("--no-prefix-cache", action="store_true",
-                        help="keep no prefix cache (every prompt is computed from token 0)")
-    parser.add_argument("--max-batch-size", type=int, default=0,
-                        help="most sequences at once (0: the scheduler's default)")
+    parser.add_argument(
+        "--gdn-slots", type=int, help="GDN state slots (default: sized for the device)"
+    )
+    parser.add_argument(
+        "--cache-block-tokens",
+        type=int,
+        help="tokens per prefix-cache block, a multiple of --page-size "
+        "(default: 4 pages; the scripted model keeps a cache only "
+        "with this flag)",
+    )
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        help="most cached blocks no running sequence uses (their pages count "
+        "as free and are reclaimed least recently used first; default: "
+        "as many as the free pages hold)",
+    )
+    parser.add_argument(
+        "--snapshot-slots",
+        type=int,
+        help="GDN state snapshots the prefix cache keeps, one per resume point "
+        "(default: sized for the device: CPU 4 per GDN slot, CUDA a tenth "
+        "of the free memory)",
+    )
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="keep no prefix cache (every prompt is computed from token 0)",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=0,
+        help="most sequences at once (0: the scheduler's default)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny models")
-    parser.add_argument("--threads", type=int,
-                        help="CPU threads for torch (default: torch's choice); give each of "
-                             "several workers on one host its share of the cores")
-    parser.add_argument("--no-session", action="store_true",
-                        help="one unary SelectBatch call per iteration instead of one "
-                             "WorkerSession stream (for schedulers without sessions)")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="wait for each decision before stepping, instead of reporting for "
-                             "the next step while the engine runs this one")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch (default: torch's choice); give each of "
+        "several workers on one host its share of the cores",
+    )
+    parser.add_argument(
+        "--no-session",
+        action="store_true",
+        help="one unary SelectBatch call per iteration instead of one "
+        "WorkerSession stream (for schedulers without sessions)",
+    )
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="wait for each decision before stepping, instead of reporting for "
+        "the next step while the engine runs this one",
+    )
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
     args = parser.parse_args(argv)
 
     from common.logs import configure
+
     configure(args.log_format, "INFO")
     for name in ("page_size", "kv_pages", "gdn_slots", "threads", "cache_block_tokens"):
         value = getattr(args, name)
@@ -98,16 +143,21 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative, got {value}")
     if args.cache_block_tokens is not None and args.cache_block_tokens % args.page_size:
-        parser.error(f"--cache-block-tokens must be a multiple of --page-size "
-                     f"({args.page_size}), got {args.cache_block_tokens}")
+        parser.error(
+            f"--cache-block-tokens must be a multiple of --page-size "
+            f"({args.page_size}), got {args.cache_block_tokens}"
+        )
     if args.step_ms is not None:
         if args.model != "scripted":
-            parser.error(f"--step-ms simulates step time of the scripted model only; "
-                         f"--model {args.model} runs a real model, drop --step-ms")
+            parser.error(
+                f"--step-ms simulates step time of the scripted model only; "
+                f"--model {args.model} runs a real model, drop --step-ms"
+            )
         if args.step_ms < 0:
             parser.error(f"--step-ms must not be negative, got {args.step_ms:g}")
-    from common.errors import ConfigError
     from common.credentials import client_args_credentials
+    from common.errors import ConfigError
+
     try:
         credentials = client_args_credentials(args)
     except ConfigError as err:
@@ -127,20 +177,24 @@ def main(argv: list[str] | None = None) -> int:
 def _build_engine(args: argparse.Namespace):
     if args.model == "scripted":
         from worker_client.testing import ScriptedEngine
+
         # The scripted model keeps a prefix cache only when asked (--cache-block-tokens).
-        return ScriptedEngine(total_kv_pages=args.kv_pages or 4096, page_size=args.page_size,
-                              total_gdn_slots=args.gdn_slots or 64,
-                              step_seconds=(args.step_ms or 0.0) / 1000.0,
-                              cache_block_tokens=(0 if args.no_prefix_cache
-                                                  else args.cache_block_tokens or 0),
-                              total_snapshot_slots=(64 if args.snapshot_slots is None
-                                                    else args.snapshot_slots),
-                              max_cached_blocks=args.prefix_cache_blocks)
+        return ScriptedEngine(
+            total_kv_pages=args.kv_pages or 4096,
+            page_size=args.page_size,
+            total_gdn_slots=args.gdn_slots or 64,
+            step_seconds=(args.step_ms or 0.0) / 1000.0,
+            cache_block_tokens=(0 if args.no_prefix_cache else args.cache_block_tokens or 0),
+            total_snapshot_slots=(64 if args.snapshot_slots is None else args.snapshot_slots),
+            max_cached_blocks=args.prefix_cache_blocks,
+        )
     from common import extras
+
     extras.require("worker", f"--model {args.model}")
     import torch
 
     from worker_client.engine.engine import ModelEngine, default_pool_sizes
+
     if args.threads:
         torch.set_num_threads(args.threads)
     from worker_client.engine.loading import load_model
@@ -155,9 +209,11 @@ def _build_engine(args: argparse.Namespace):
         dtype_name = "bfloat16" if device == "cuda" else "float32"
     model = load_model(args.model, device=device, dtype=getattr(torch, dtype_name), seed=args.seed)
     prefix_cache = not args.no_prefix_cache
-    pools = default_pool_sizes(model.config, device, page_size=args.page_size,
-                               prefix_cache=prefix_cache)
+    pools = default_pool_sizes(
+        model.config, device, page_size=args.page_size, prefix_cache=prefix_cache
+    )
     from worker_client.engine.sizing import DEFAULT_CACHE_BLOCK_PAGES
+
     block_tokens = args.cache_block_tokens or DEFAULT_CACHE_BLOCK_PAGES * args.page_size
     engine = ModelEngine(
         model,
@@ -166,42 +222,57 @@ def _build_engine(args: argparse.Namespace):
         total_gdn_slots=args.gdn_slots or pools.total_gdn_slots,
         device=device,
         cache_block_tokens=block_tokens if prefix_cache else 0,
-        total_snapshot_slots=(pools.total_snapshot_slots if args.snapshot_slots is None
-                              else args.snapshot_slots),
+        total_snapshot_slots=(
+            pools.total_snapshot_slots if args.snapshot_slots is None else args.snapshot_slots
+        ),
         max_cached_blocks=args.prefix_cache_blocks,
     )
-    log.info("engine ready", extra={"worker_id": args.worker_id, "model": str(args.model),
-                                    "device": device, "dtype": dtype_name,
-                                    "kv_pages": engine.total_kv_pages,
-                                    "page_size": engine.page_size,
-                                    "gdn_slots": engine.total_gdn_slots,
-                                    "cache_block_tokens": engine.cache_block_tokens,
-                                    "snapshot_slots": engine.total_snapshot_slots})
+    log.info(
+        "engine ready",
+        extra={
+            "worker_id": args.worker_id,
+            "model": str(args.model),
+            "device": device,
+            "dtype": dtype_name,
+            "kv_pages": engine.total_kv_pages,
+            "page_size": engine.page_size,
+            "gdn_slots": engine.total_gdn_slots,
+            "cache_block_tokens": engine.cache_block_tokens,
+            "snapshot_slots": engine.total_snapshot_slots,
+        },
+    )
     return engine
 
 
 def _run(args: argparse.Namespace, engine, credentials) -> int:
-    from worker_client.client import SchedulerClient
-    from worker_client.resources import WorkerResources
-    from worker_client.loop import WorkerLoop
-
     from common.signals import SignalThread
     from common.targets import TargetError, expand
+    from worker_client.client import SchedulerClient
+    from worker_client.loop import WorkerLoop
+    from worker_client.resources import WorkerResources
+
     try:
         targets = expand(args.scheduler)  # a dns:/// name: each of its addresses
     except TargetError as err:
         print(f"lattice-worker: --scheduler: {err}", file=sys.stderr)
         return 2
     stop, drain = threading.Event(), threading.Event()
-    client = SchedulerClient(",".join(targets), credentials=credentials, token=args.token,
-                             session=not args.no_session, stop=stop)
+    client = SchedulerClient(
+        ",".join(targets),
+        credentials=credentials,
+        token=args.token,
+        session=not args.no_session,
+        stop=stop,
+    )
     resources = WorkerResources.of(args.worker_id, engine, args.max_batch_size)
     loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap)
 
     def on_signal(signum):  # on the signal thread, not in a handler (common/signals.py)
         if signum == signal.SIGTERM and not drain.is_set() and loop.stats.registrations:
-            log.info("draining: finishing held sequences, taking nothing new",
-                     extra={"worker_id": args.worker_id})
+            log.info(
+                "draining: finishing held sequences, taking nothing new",
+                extra={"worker_id": args.worker_id},
+            )
             drain.set()
         elif signum == signal.SIGTERM and not drain.is_set():
             # Not registered yet (the scheduler is not answering): nothing to finish.
@@ -218,25 +289,33 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
         return _serve(args, engine, client, loop, stop, drain)
 
 
-def _serve(args: argparse.Namespace, engine, client, loop, stop: threading.Event,
-           drain: threading.Event) -> int:
+def _serve(
+    args: argparse.Namespace, engine, client, loop, stop: threading.Event, drain: threading.Event
+) -> int:
     """Run the loop until it leaves; its exit code."""
     from worker_client.client import SchedulerCallError, Superseded
+
     try:
         stats = loop.run(stop, drain)
     except Superseded as err:
-        print(f"lattice-worker: another process registered --worker-id {args.worker_id!r} "
-              f"after this one, so this one stops (two workers must not share an id; "
-              f"scheduler said: {err})", file=sys.stderr)
+        print(
+            f"lattice-worker: another process registered --worker-id {args.worker_id!r} "
+            f"after this one, so this one stops (two workers must not share an id; "
+            f"scheduler said: {err})",
+            file=sys.stderr,
+        )
         return EXIT_SUPERSEDED
     except SchedulerCallError as err:
         print(f"lattice-worker: {err}", file=sys.stderr)
         return 1
     finally:
         client.close()
-    print(f"lattice-worker {args.worker_id}: {stats.iterations} iterations, "
-          f"{stats.generated_tokens} tokens generated, {stats.finished} sequences finished, "
-          f"{stats.preempted} preempted", flush=True)
+    print(
+        f"lattice-worker {args.worker_id}: {stats.iterations} iterations, "
+        f"{stats.generated_tokens} tokens generated, {stats.finished} sequences finished, "
+        f"{stats.preempted} preempted",
+        flush=True,
+    )
     cache = getattr(engine, "prefix_cache", None)
     if cache is not None:
         print(f"lattice-worker {args.worker_id}: {cache.stats_line()}", flush=True)
@@ -245,35 +324,65 @@ def _serve(args: argparse.Namespace, engine, client, loop, stop: threading.Event
 
 def _profile(argv: list[str]) -> int:
     from common.cli_values import OneLineParser
+
     parser = OneLineParser(
         prog="lattice-worker profile",
         description="Time the reference engine's steps over a grid of (prefill tokens, decode "
-                    "batch, context length) and write the step table that `lattice-scheduler "
-                    "simulate --step-table FILE` reads; then time held-out steps off the grid "
-                    "and print how well the table predicts them.",
+        "batch, context length) and write the step table that `lattice-scheduler "
+        "simulate --step-table FILE` reads; then time held-out steps off the grid "
+        "and print how well the table predicts them.",
     )
-    parser.add_argument("--model", default="tiny",
-                        help="'tiny' or 'small' (seeded random weights) or a Hugging Face "
-                             "checkpoint directory")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' or 'small' (seeded random weights) or a Hugging Face checkpoint directory",
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16",
-                                                            "float16"),
-                        help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
     parser.add_argument("--out", required=True, help="the step table to write (JSON)")
-    parser.add_argument("--prefill-tokens", type=_int_list, metavar="N,N,...",
-                        help="grid axis: prefill tokens of a step (default per device)")
-    parser.add_argument("--decode-batch", type=_int_list, metavar="N,N,...",
-                        help="grid axis: decoding sequences of a step (default per device)")
-    parser.add_argument("--context-lens", type=_int_list, metavar="N,N,...",
-                        help="grid axis: tokens already cached per sequence (default per device)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="timed steps per point; the shortest counts (default 5)")
-    parser.add_argument("--clock", default="auto", choices=("auto", "wall", "cpu"),
-                        help="what a step's time is: wall time, or the process's CPU time "
-                             "(not inflated by other processes; exact for one torch thread); "
-                             "auto: cpu on a CPU with --threads 1, wall otherwise")
-    parser.add_argument("--held-out", type=int, default=24,
-                        help="random off-grid steps to check the table against (0: none)")
+    parser.add_argument(
+        "--prefill-tokens",
+        type=_int_list,
+        metavar="N,N,...",
+        help="grid axis: prefill tokens of a step (default per device)",
+    )
+    parser.add_argument(
+        "--decode-batch",
+        type=_int_list,
+        metavar="N,N,...",
+        help="grid axis: decoding sequences of a step (default per device)",
+    )
+    parser.add_argument(
+        "--context-lens",
+        type=_int_list,
+        metavar="N,N,...",
+        help="grid axis: tokens already cached per sequence (default per device)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed steps per point; the shortest counts (default 5)",
+    )
+    parser.add_argument(
+        "--clock",
+        default="auto",
+        choices=("auto", "wall", "cpu"),
+        help="what a step's time is: wall time, or the process's CPU time "
+        "(not inflated by other processes; exact for one torch thread); "
+        "auto: cpu on a CPU with --threads 1, wall otherwise",
+    )
+    parser.add_argument(
+        "--held-out",
+        type=int,
+        default=24,
+        help="random off-grid steps to check the table against (0: none)",
+    )
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--seed", type=int, default=0, help="weights and held-out steps")
     parser.add_argument("--threads", type=int, help="CPU threads for torch")
@@ -295,6 +404,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     import dataclasses
 
     from common import extras
+
     extras.require("worker", "lattice-worker profile")
     import torch
 
@@ -307,43 +417,73 @@ def _run_profile(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda, but torch sees no CUDA device")
-    dtype = getattr(torch, args.dtype if args.dtype != "auto" else
-                    "bfloat16" if args.device == "cuda" else "float32")
+    dtype = getattr(
+        torch,
+        args.dtype if args.dtype != "auto" else "bfloat16" if args.device == "cuda" else "float32",
+    )
     default = profiling.DEFAULT_GRIDS[args.device]
-    grid = profiling.Grid(args.prefill_tokens or default.prefill_tokens,
-                          args.decode_batch or default.decode_batch,
-                          args.context_lens or default.context_len)
+    grid = profiling.Grid(
+        args.prefill_tokens or default.prefill_tokens,
+        args.decode_batch or default.decode_batch,
+        args.context_lens or default.context_len,
+    )
     if args.model in profiling.PRESETS:
         model = random_model(profiling.PRESETS[args.model](), args.seed)
         model = model.to(device=args.device, dtype=dtype).eval()
     else:
         model = load_model(args.model, device=args.device, dtype=dtype)
     pages_per_sequence = -(-grid.max_tokens_per_sequence // args.page_size)
-    engine = ModelEngine(model, total_kv_pages=grid.max_sequences * pages_per_sequence,
-                         page_size=args.page_size, total_gdn_slots=grid.max_sequences,
-                         device=args.device, max_batch_size=grid.max_sequences)
+    engine = ModelEngine(
+        model,
+        total_kv_pages=grid.max_sequences * pages_per_sequence,
+        page_size=args.page_size,
+        total_gdn_slots=grid.max_sequences,
+        device=args.device,
+        max_batch_size=grid.max_sequences,
+    )
     # What a worker would run with on this device: the simulator's default pools.
     pools = default_pool_sizes(model.config, args.device, page_size=args.page_size, dtype=dtype)
     clock = profiling.pick_clock(args.clock, engine.device)
     meta = profiling.machine_meta(str(args.model), engine.device, dtype, args.repeats, clock)
-    meta.update(page_size=args.page_size, total_kv_pages=pools.total_kv_pages,
-                total_gdn_slots=pools.total_gdn_slots)
-    print(f"profiling {args.model} on {meta['device_name']} ({dtype}, {meta['threads']} threads): "
-          f"{len(grid.prefill_tokens)} x {len(grid.decode_batch)} x {len(grid.context_len)} "
-          f"grid points, best of {args.repeats} on the {clock} clock", flush=True)
-    table = profiling.measure_table(engine, grid, repeats=args.repeats, clock=clock, meta=meta,
-                                    on_point=profiling.progress_printer("profile"))
+    meta.update(
+        page_size=args.page_size,
+        total_kv_pages=pools.total_kv_pages,
+        total_gdn_slots=pools.total_gdn_slots,
+    )
+    print(
+        f"profiling {args.model} on {meta['device_name']} ({dtype}, {meta['threads']} threads): "
+        f"{len(grid.prefill_tokens)} x {len(grid.decode_batch)} x {len(grid.context_len)} "
+        f"grid points, best of {args.repeats} on the {clock} clock",
+        flush=True,
+    )
+    table = profiling.measure_table(
+        engine,
+        grid,
+        repeats=args.repeats,
+        clock=clock,
+        meta=meta,
+        on_point=profiling.progress_printer("profile"),
+    )
     if args.held_out:
-        points = profiling.held_out_points(engine, table, grid, count=args.held_out,
-                                           repeats=args.repeats, clock=clock, seed=args.seed)
+        points = profiling.held_out_points(
+            engine,
+            table,
+            grid,
+            count=args.held_out,
+            repeats=args.repeats,
+            clock=clock,
+            seed=args.seed,
+        )
         table = dataclasses.replace(table, held_out=points)
         print(profiling.format_held_out(points))
         summary = step_table.summarize_errors(points)
-        print(f"held-out accuracy over {summary['num_points']} steps: median |error| "
-              f"{summary['median_abs_error'] * 100:.1f}%, "
-              f"p90 {summary['p90_abs_error'] * 100:.1f}%, "
-              f"max {summary['max_abs_error'] * 100:.1f}%, mean signed "
-              f"{summary['mean_error'] * 100:+.1f}%")
+        print(
+            f"held-out accuracy over {summary['num_points']} steps: median |error| "
+            f"{summary['median_abs_error'] * 100:.1f}%, "
+            f"p90 {summary['p90_abs_error'] * 100:.1f}%, "
+            f"max {summary['max_abs_error'] * 100:.1f}%, mean signed "
+            f"{summary['mean_error'] * 100:+.1f}%"
+        )
     step_table.save(table, args.out)
     print(f"extra per chunk: {table.extra_chunk_seconds * 1000:.2f} ms; wrote {args.out}")
     return 0

@@ -16,6 +16,7 @@ surface as `SchedulerCallError`.
 in flight (cancelled), a session's answer; the call then raises `Stopped`. A call made after
 the stop (leaving: the last report, DeregisterWorker) gets one try of at most a second.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,9 +26,9 @@ import time
 from dataclasses import dataclass
 
 import grpc
+
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-
 from worker_client import convert
 from worker_client.resources import WorkerResources  # (tests import it from here too)
 from worker_client.session import WorkerSessionStream
@@ -35,8 +36,11 @@ from worker_client.session import WorkerSessionStream
 log = logging.getLogger(__name__)
 
 # CANCELLED, for a call this client did not cancel: the scheduler went away mid-call.
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.CANCELLED)
+_RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+)
 
 
 class SchedulerCallError(Exception):
@@ -77,11 +81,17 @@ class RetryPolicy:
 class SchedulerClient:
     """One worker's connection to the scheduler."""
 
-    def __init__(self, target: str, *, call_timeout_seconds: float = 5.0,
-                 retry: RetryPolicy = RetryPolicy(),
-                 stop: threading.Event | None = None,
-                 credentials: grpc.ChannelCredentials | None = None,
-                 token: str | None = None, session: bool = True) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        call_timeout_seconds: float = 5.0,
+        retry: RetryPolicy = RetryPolicy(),
+        stop: threading.Event | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
+        session: bool = True,
+    ) -> None:
         """`target`: HOST:PORT, or several replicas' HOST:PORT,HOST:PORT: the worker talks
         to one and moves to the next on UNAVAILABLE (`num_moves` counts the moves).
         `credentials`: TLS (None: plaintext); `token`: sent as `authorization: Bearer`;
@@ -99,8 +109,7 @@ class SchedulerClient:
         ]
         self._connect()
         # Keyword arguments of every call: the token's metadata, when there is one.
-        self._call_options = ({"metadata": (("authorization", f"Bearer {token}"),)}
-                              if token else {})
+        self._call_options = {"metadata": (("authorization", f"Bearer {token}"),)} if token else {}
         self._timeout = call_timeout_seconds
         self._retry = retry
         self._stop = stop or threading.Event()
@@ -121,9 +130,11 @@ class SchedulerClient:
 
     def _connect(self) -> None:
         target = self.target
-        self._channel = (grpc.secure_channel(target, self._credentials, options=self._options)
-                         if self._credentials is not None
-                         else grpc.insecure_channel(target, self._options))
+        self._channel = (
+            grpc.secure_channel(target, self._credentials, options=self._options)
+            if self._credentials is not None
+            else grpc.insecure_channel(target, self._options)
+        )
         self._stub = pb_grpc.SchedulerStub(self._channel)
 
     def _move_on(self) -> None:
@@ -137,8 +148,9 @@ class SchedulerClient:
         log.warning("moving to the next scheduler replica", extra={"target": self.target})
 
     def register(self, resources: WorkerResources) -> pb.RegisterWorkerResponse:
-        response = self._call("RegisterWorker", self._stub.RegisterWorker,
-                              convert.register_request(resources))
+        response = self._call(
+            "RegisterWorker", self._stub.RegisterWorker, convert.register_request(resources)
+        )
         self.incarnation = response.incarnation
         return response
 
@@ -154,12 +166,20 @@ class SchedulerClient:
     def deregister(self, worker_id: str) -> int:
         """Leave; returns how many sequences went back to the queue."""
         self._end_session()
-        response = self._call("DeregisterWorker", self._stub.DeregisterWorker,
-                              convert.deregister_request(worker_id, self.incarnation))
+        response = self._call(
+            "DeregisterWorker",
+            self._stub.DeregisterWorker,
+            convert.deregister_request(worker_id, self.incarnation),
+        )
         return response.requeued
 
-    def _exchange(self, request: pb.SelectBatchRequest, timeout: float,
-                  stop: threading.Event | None = None, **_call_options):
+    def _exchange(
+        self,
+        request: pb.SelectBatchRequest,
+        timeout: float,
+        stop: threading.Event | None = None,
+        **_call_options,
+    ):
         if self._session is None:
             self._session = WorkerSessionStream(self._stub, **self._call_options)
         try:
@@ -181,8 +201,9 @@ class SchedulerClient:
         while True:
             try:
                 if leaving:
-                    return fn(request, timeout=min(timeout, _STOPPING_SECONDS),
-                              **self._call_options)
+                    return fn(
+                        request, timeout=min(timeout, _STOPPING_SECONDS), **self._call_options
+                    )
                 return self._interruptible(method, fn, request, timeout)
             except grpc.RpcError as err:
                 code = err.code()
@@ -192,17 +213,22 @@ class SchedulerClient:
                     # docs/contract.md, "Errors": an older incarnation's message starts so.
                     superseded = (err.details() or "").startswith("superseded:")
                     raise (Superseded if superseded else NotRegistered)(
-                        method, code, err.details()) from None
-                if (leaving or code not in _RETRYABLE
-                        or time.monotonic() + delay > give_up_at):
+                        method, code, err.details()
+                    ) from None
+                if leaving or code not in _RETRYABLE or time.monotonic() + delay > give_up_at:
                     raise SchedulerCallError(method, code, err.details()) from None
                 if code is grpc.StatusCode.UNAVAILABLE and len(self.targets) > 1:
                     self._move_on()
                     if method != "WorkerSession":  # a session opens on the new stub
                         fn = getattr(self._stub, method)
-                log.warning("scheduler call failed; retrying",
-                            extra={"method": method, "code": code.name,
-                                   "retry_in_seconds": round(delay, 3)})
+                log.warning(
+                    "scheduler call failed; retrying",
+                    extra={
+                        "method": method,
+                        "code": code.name,
+                        "retry_in_seconds": round(delay, 3),
+                    },
+                )
                 if self._stop.wait(delay * (0.5 + random.random() / 2)):
                     raise Stopped(method, code, "the worker is stopping") from None
                 delay = min(delay * 2, self._retry.max_seconds)

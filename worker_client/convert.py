@@ -4,14 +4,19 @@ The one place where the worker reads or builds a `lattice.scheduler.v1` message:
 registration (`register_request`), a decision (`work`: what the loop evicts and steps) and
 the report (`PendingReport`: what the engine produced, with token offsets).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
-
 from worker_client.engine.api import (
-    CacheDelta, ChunkWork, FinishReason, SequenceSpec, StepOutput, TokenLogprobs,
+    CacheDelta,
+    ChunkWork,
+    FinishReason,
+    SequenceSpec,
+    StepOutput,
+    TokenLogprobs,
 )
 from worker_client.engine.resume_points import ResumePointLog
 from worker_client.resources import WorkerResources
@@ -46,17 +51,22 @@ class Work:
 def work(decision: pb.SchedulerDecision, reported_running: tuple[int, ...] = ()) -> Work:
     """What the loop does with `decision`, the answer to a report whose running list was
     `reported_running` (what decode_all_running stands for)."""
-    return Work(drop=(*decision.evict, *decision.preempt),
-                admitted=tuple(c.seq_id for c in decision.prefill if c.HasField("spec")),
-                prefill=tuple(chunk_work(c) for c in decision.prefill),
-                decode=reported_running if decision.decode_all_running else tuple(decision.decode))
+    return Work(
+        drop=(*decision.evict, *decision.preempt),
+        admitted=tuple(c.seq_id for c in decision.prefill if c.HasField("spec")),
+        prefill=tuple(chunk_work(c) for c in decision.prefill),
+        decode=reported_running if decision.decode_all_running else tuple(decision.decode),
+    )
 
 
 def register_request(resources: WorkerResources) -> pb.RegisterWorkerRequest:
     return pb.RegisterWorkerRequest(
-        worker_id=resources.worker_id, total_kv_pages=resources.total_kv_pages,
-        page_size=resources.page_size, total_gdn_slots=resources.total_gdn_slots,
-        max_batch_size=resources.max_batch_size, adapters=resources.adapters,
+        worker_id=resources.worker_id,
+        total_kv_pages=resources.total_kv_pages,
+        page_size=resources.page_size,
+        total_gdn_slots=resources.total_gdn_slots,
+        max_batch_size=resources.max_batch_size,
+        adapters=resources.adapters,
         cache_block_tokens=resources.cache_block_tokens,
         total_snapshot_slots=resources.total_snapshot_slots,
     )
@@ -71,15 +81,26 @@ def chunk_work(chunk: pb.PrefillChunk) -> ChunkWork:
     if chunk.HasField("spec"):
         s = chunk.spec
         spec = SequenceSpec(
-            prompt_token_ids=tuple(s.prompt_token_ids), max_new_tokens=s.max_new_tokens,
-            temperature=s.sampling.temperature, top_p=s.sampling.top_p,
-            top_k=s.sampling.top_k, seed=s.sampling.seed,
-            stop_token_ids=tuple(s.stop_token_ids), adapter_id=s.adapter_id,
-            logprobs=s.sampling.logprobs, prompt_logprobs=s.sampling.prompt_logprobs,
-            ignore_eos=s.sampling.ignore_eos, min_new_tokens=s.sampling.min_new_tokens,
+            prompt_token_ids=tuple(s.prompt_token_ids),
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.sampling.temperature,
+            top_p=s.sampling.top_p,
+            top_k=s.sampling.top_k,
+            seed=s.sampling.seed,
+            stop_token_ids=tuple(s.stop_token_ids),
+            adapter_id=s.adapter_id,
+            logprobs=s.sampling.logprobs,
+            prompt_logprobs=s.sampling.prompt_logprobs,
+            ignore_eos=s.sampling.ignore_eos,
+            min_new_tokens=s.sampling.min_new_tokens,
         )
-    return ChunkWork(chunk.seq_id, chunk.chunk_start, chunk.chunk_len, spec,
-                     cached_tokens=chunk.cached_tokens if spec is not None else 0)
+    return ChunkWork(
+        chunk.seq_id,
+        chunk.chunk_start,
+        chunk.chunk_len,
+        spec,
+        cached_tokens=chunk.cached_tokens if spec is not None else 0,
+    )
 
 
 class PendingReport:
@@ -134,9 +155,14 @@ class PendingReport:
         for seq_id, logprobs in out.prompt_logprobs:
             self.prompt_logprobs[seq_id] = [_token_logprobs(lp) for lp in logprobs]
         for fin in out.finished:
-            self.finished.append(pb.FinishedSequence(
-                seq_id=fin.seq_id, reason=_FINISH_REASON[fin.reason],
-                generated_tokens=fin.generated_tokens, error_message=fin.error_message))
+            self.finished.append(
+                pb.FinishedSequence(
+                    seq_id=fin.seq_id,
+                    reason=_FINISH_REASON[fin.reason],
+                    generated_tokens=fin.generated_tokens,
+                    error_message=fin.error_message,
+                )
+            )
         self.preempted.extend(out.preempted)
         self.cache_misses.extend(out.cache_misses)
 
@@ -186,10 +212,19 @@ class PendingReport:
         self.prompt_logprobs.clear()
         self.cache_misses.clear()
 
-    def request(self, worker_id: str, *, waiting, running, kv_free_pages: int,
-                gdn_free_slots: int, draining: bool,
-                idle_wait_seconds: float = 0.0, kv_cached_pages: int = 0,
-                last_step_us: int = 0) -> pb.SelectBatchRequest:
+    def request(
+        self,
+        worker_id: str,
+        *,
+        waiting,
+        running,
+        kv_free_pages: int,
+        gdn_free_slots: int,
+        draining: bool,
+        idle_wait_seconds: float = 0.0,
+        kv_cached_pages: int = 0,
+        last_step_us: int = 0,
+    ) -> pb.SelectBatchRequest:
         """The report; `idle_wait_seconds` > 0 asks for a long poll; `last_step_us` is the
         latest step's time not yet reported (0: none)."""
         # The tokens in the packed form (docs/contract.md, "Packed tokens"): one array
@@ -201,31 +236,45 @@ class PendingReport:
         packed = self.packed_tokens
         for s, t in self.tokens.items():
             if not packed or s in logprobs or s in prompt_logprobs:
-                updates.append(pb.TokenUpdate(seq_id=s, token_ids=t,
-                                              offset=self._delivered.get(s, 0),
-                                              logprobs=logprobs.get(s),
-                                              prompt_logprobs=prompt_logprobs.get(s)))
+                updates.append(
+                    pb.TokenUpdate(
+                        seq_id=s,
+                        token_ids=t,
+                        offset=self._delivered.get(s, 0),
+                        logprobs=logprobs.get(s),
+                        prompt_logprobs=prompt_logprobs.get(s),
+                    )
+                )
             elif t:
                 runs.append((s, t))
         counts = [len(t) for _, t in runs]
         running = self.reported_running = tuple(running)
         baseline = self._running_baseline
-        unchanged_since = (baseline[0] if self.running_unchanged and running and baseline
-                           and baseline[1] == running else 0)
+        unchanged_since = (
+            baseline[0]
+            if self.running_unchanged and running and baseline and baseline[1] == running
+            else 0
+        )
         self._sent_running = not unchanged_since
         request = pb.SelectBatchRequest(
-            worker_id=worker_id, waiting=waiting, running=() if unchanged_since else running,
+            worker_id=worker_id,
+            waiting=waiting,
+            running=() if unchanged_since else running,
             running_unchanged_since=unchanged_since,
             accepts_decode_all_running=self.running_unchanged,
-            kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
-            finished=self.finished, preempted=self.preempted, draining=draining,
+            kv_free_pages=kv_free_pages,
+            gdn_free_slots=gdn_free_slots,
+            finished=self.finished,
+            preempted=self.preempted,
+            draining=draining,
             idle_wait_ms=int(idle_wait_seconds * 1000),
             tokens=updates,
             token_seq_ids=[s for s, _ in runs],
             token_ids=[token for _, t in runs for token in t],
             token_counts=counts if any(n != 1 for n in counts) else (),
             token_offsets=[self._delivered.get(s, 0) for s, _ in runs],
-            kv_cached_pages=kv_cached_pages, cache_misses=self.cache_misses,
+            kv_cached_pages=kv_cached_pages,
+            cache_misses=self.cache_misses,
             last_step_us=last_step_us,
         )
         if self.cache:
@@ -237,4 +286,6 @@ class PendingReport:
 
 
 def _token_logprobs(lp: TokenLogprobs) -> pb.TokenLogprobs:
-    return pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+    return pb.TokenLogprobs(
+        logprob=lp.logprob, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs
+    )

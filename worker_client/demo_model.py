@@ -8,6 +8,7 @@ Qwen3.5-architecture model with random weights plus a small byte-level BPE token
 and safetensors (the worker's dependencies). The model's answers are noise; the point is
 a checkpoint that the workers load and the gateway tokenizes exactly as a real one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,12 @@ def build_tokenizer(vocab_size: int = 512):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
     for index, token in enumerate(SPECIAL_TOKENS):
         assert tokenizer.token_to_id(token) == index, token
@@ -91,28 +95,36 @@ def write_demo_checkpoint(model_dir: Path, seed: int = 0) -> None:
     tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
     save_file(tensors, str(model_dir / "model.safetensors"))
     hf_config = {
-        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": len(config.layer_types),
         "layer_types": [t.value for t in config.layer_types],
         "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
         "linear_num_key_heads": config.linear_num_key_heads,
         "linear_num_value_heads": config.linear_num_value_heads,
         "linear_key_head_dim": config.linear_key_head_dim,
         "linear_value_head_dim": config.linear_value_head_dim,
         "linear_conv_kernel_dim": config.linear_conv_kernel_dim,
-        "rms_norm_eps": config.rms_norm_eps, "tie_word_embeddings": config.tie_word_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
         "eos_token_id": list(config.eos_token_ids),
         "max_position_embeddings": config.max_position_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
-                            "partial_rotary_factor": config.partial_rotary_factor},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": config.rope_theta,
+            "partial_rotary_factor": config.partial_rotary_factor,
+        },
         "torch_dtype": "float32",
     }
     (model_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    (model_dir / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": list(config.eos_token_ids), "pad_token_id": 0}, indent=2) + "\n")
+    (model_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": list(config.eos_token_ids), "pad_token_id": 0}, indent=2) + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo model: {args.model_dir} already holds a checkpoint; left as it is")
         return 0
     write_demo_checkpoint(args.model_dir, args.seed)
-    print(f"demo model: wrote the tiny model (seed {args.seed}) with its tokenizer to "
-          f"{args.model_dir}")
+    print(
+        f"demo model: wrote the tiny model (seed {args.seed}) with its tokenizer to "
+        f"{args.model_dir}"
+    )
     return 0
 
 

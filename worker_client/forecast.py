@@ -17,6 +17,7 @@ scheduler may then schedule it once more, and the engine drops what it no longer
 without a token. The free counts err low (pages and slots freed by step n show a report
 later), never high.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,14 +55,14 @@ class Forecast:
         self._page_size = page_size
         self._lengths: dict[int, _Length] = {}
 
-    def after_step(self, now: Holding, prefill: Sequence[ChunkWork],
-                   decode: Sequence[int]) -> Holding:
+    def after_step(
+        self, now: Holding, prefill: Sequence[ChunkWork], decode: Sequence[int]
+    ) -> Holding:
         """The holding after a step of `prefill` and `decode` from `now`; remembers the
         lengths it foresees, for the next call."""
         # Dicts as ordered sets: the report keeps the engine's order, new admissions last.
         waiting, running = dict.fromkeys(now.waiting), dict.fromkeys(now.running)
-        self._lengths = {s: n for s, n in self._lengths.items()
-                         if s in waiting or s in running}
+        self._lengths = {s: n for s, n in self._lengths.items() if s in waiting or s in running}
         kv_free, gdn_free = now.kv_free_pages, now.gdn_free_slots
         for chunk in prefill:
             seq_id = chunk.seq_id
@@ -91,8 +92,13 @@ class Forecast:
                 kv_free -= 1 if length is None else self._grow(length, 1)
         # Pages a step takes may be cached ones (reclaimed): never more cached than free.
         kv_free = max(0, kv_free)
-        return Holding(tuple(waiting), tuple(running), kv_free, max(0, gdn_free),
-                       min(now.kv_cached_pages, kv_free))
+        return Holding(
+            tuple(waiting),
+            tuple(running),
+            kv_free,
+            max(0, gdn_free),
+            min(now.kv_cached_pages, kv_free),
+        )
 
     def _grow(self, length: _Length, num_tokens: int) -> int:
         """Pages `num_tokens` more tokens take; the length is updated."""

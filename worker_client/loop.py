@@ -1,4 +1,5 @@
 """The per-iteration worker protocol, for any engine that implements engine.api.Engine."""
+
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
-
 from worker_client import convert
 from worker_client.client import NotRegistered, SchedulerClient, Stopped, Superseded
 from worker_client.convert import PendingReport, Work
@@ -69,10 +69,16 @@ class WorkerLoop:
     carries step n-1's time, as it carries step n-1's outputs.
     """
 
-    def __init__(self, engine: Engine, client: SchedulerClient, resources: WorkerResources,
-                 *, idle_sleep_seconds: float = 0.01,
-                 idle_wait_seconds: float = DEFAULT_IDLE_WAIT_SECONDS,
-                 overlap: bool = True) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        client: SchedulerClient,
+        resources: WorkerResources,
+        *,
+        idle_sleep_seconds: float = 0.01,
+        idle_wait_seconds: float = DEFAULT_IDLE_WAIT_SECONDS,
+        overlap: bool = True,
+    ) -> None:
         """`idle_sleep_seconds`: the pause after a decision with nothing to run, when the
         scheduler did not hold its answer (it holds none for a worker that holds work)."""
         self.engine = engine
@@ -200,15 +206,26 @@ class WorkerLoop:
         last asked go to the next report."""
         engine = self.engine
         self._pending.add_cache(engine.cache_delta())
-        return Holding(tuple(engine.waiting_ids()), tuple(engine.running_ids()),
-                       engine.kv_free_pages(), engine.gdn_free_slots(), engine.kv_cached_pages())
+        return Holding(
+            tuple(engine.waiting_ids()),
+            tuple(engine.running_ids()),
+            engine.kv_free_pages(),
+            engine.gdn_free_slots(),
+            engine.kv_cached_pages(),
+        )
 
     def _request(self, draining: bool, held: Holding, idle: bool) -> pb.SelectBatchRequest:
         return self._pending.request(
-            self.resources.worker_id, waiting=held.waiting, running=held.running,
-            kv_free_pages=held.kv_free_pages, gdn_free_slots=held.gdn_free_slots,
-            draining=draining, idle_wait_seconds=self._idle_wait() if idle else 0.0,
-            kv_cached_pages=held.kv_cached_pages, last_step_us=self._step_us)
+            self.resources.worker_id,
+            waiting=held.waiting,
+            running=held.running,
+            kv_free_pages=held.kv_free_pages,
+            gdn_free_slots=held.gdn_free_slots,
+            draining=draining,
+            idle_wait_seconds=self._idle_wait() if idle else 0.0,
+            kv_cached_pages=held.kv_cached_pages,
+            last_step_us=self._step_us,
+        )
 
     def _idle_wait(self) -> float:
         if self._lease_seconds <= 0:
@@ -236,8 +253,9 @@ class WorkerLoop:
         self._pending.delivered(decision.iteration)
         self._step_us = 0
 
-    def _timed_step(self, prefill: Sequence[ChunkWork],
-                    decode: Sequence[int]) -> tuple[StepOutput, int]:
+    def _timed_step(
+        self, prefill: Sequence[ChunkWork], decode: Sequence[int]
+    ) -> tuple[StepOutput, int]:
         """One engine step and its time in microseconds (at least 1: 0 means unknown)."""
         started = time.perf_counter()
         out = self.engine.step(prefill, decode)
@@ -280,12 +298,16 @@ class WorkerLoop:
         if self._num_moves() != self._moves_at_registration:
             # Another replica: it adopts what we hold when we register; our next report
             # carries on (tokens by offset, so nothing is applied twice).
-            log.warning("registering with another scheduler replica, keeping what it holds",
-                        extra={"worker_id": self.resources.worker_id})
+            log.warning(
+                "registering with another scheduler replica, keeping what it holds",
+                extra={"worker_id": self.resources.worker_id},
+            )
             self._register()
             return
-        log.warning("scheduler no longer knows this worker; dropping what it holds "
-                    "and registering again", extra={"worker_id": self.resources.worker_id})
+        log.warning(
+            "scheduler no longer knows this worker; dropping what it holds and registering again",
+            extra={"worker_id": self.resources.worker_id},
+        )
         held_ids = [*held.waiting, *held.running]
         self.engine.evict(held_ids)
         self._pending.reset()
@@ -312,10 +334,15 @@ class WorkerLoop:
         self._pending.packed_tokens = settings.accepts_token_runs
         self._pending.running_unchanged = settings.accepts_running_unchanged
         self._pending.running_needed()  # a new registration holds no list of ours yet
-        log.info("registered", extra={"worker_id": self.resources.worker_id,
-                                      "chunk_size": settings.chunk_size,
-                                      "max_batch_size": settings.max_batch_size,
-                                      "lease_ttl_ms": settings.lease_ttl_ms})
+        log.info(
+            "registered",
+            extra={
+                "worker_id": self.resources.worker_id,
+                "chunk_size": settings.chunk_size,
+                "max_batch_size": settings.max_batch_size,
+                "lease_ttl_ms": settings.lease_ttl_ms,
+            },
+        )
 
     def _leave(self) -> None:
         try:
@@ -326,18 +353,25 @@ class WorkerLoop:
                     self._pending.running_needed()
                     self.client.select(self._request(True, self._holding(), idle=False))
             requeued = self.client.deregister(self.resources.worker_id)
-            log.info("deregistered", extra={"worker_id": self.resources.worker_id,
-                                            "requeued": requeued})
+            log.info(
+                "deregistered", extra={"worker_id": self.resources.worker_id, "requeued": requeued}
+            )
         except Superseded:
             pass  # the id is another process's now: nothing of ours left to hand back
         except Exception as err:  # noqa: BLE001 - leaving must not mask the real error
-            log.warning("could not deregister cleanly: %s", err,
-                        extra={"worker_id": self.resources.worker_id})
+            log.warning(
+                "could not deregister cleanly: %s",
+                err,
+                extra={"worker_id": self.resources.worker_id},
+            )
 
 
 def _log_failures(worker_id: str, out: StepOutput) -> None:
     """Say why each sequence that failed in this step failed (the scheduler hears it too)."""
     for fin in out.finished:
         if fin.reason is FinishReason.FAILED:
-            log.warning("sequence failed: %s", fin.error_message or "no reason given",
-                        extra={"worker_id": worker_id, "seq_id": fin.seq_id})
+            log.warning(
+                "sequence failed: %s",
+                fin.error_message or "no reason given",
+                extra={"worker_id": worker_id, "seq_id": fin.seq_id},
+            )

@@ -10,6 +10,7 @@ After the grid, `extra_chunk_seconds` is measured (a step of 4 chunks against on
 of the same total), then held-out steps off the grid (other sizes, several chunks, mixed
 contexts) are timed and compared with the table's prediction.
 """
+
 from __future__ import annotations
 
 import platform
@@ -19,14 +20,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 
+from common.step_table import HeldOutPoint, StepLoad, StepTable, StepTableModel
 from worker_client.engine.api import ChunkWork, SequenceSpec
 from worker_client.engine.config import LayerType, ModelConfig, tiny_config
 from worker_client.engine.engine import ModelEngine
-from common.step_table import HeldOutPoint, StepLoad, StepTable, StepTableModel
 
 # Token id of every profiled prompt (ids do not change a step's time).
 _TOKEN_ID = 3
@@ -38,18 +39,27 @@ _SPLIT_CHUNKS = 4
 def small_config() -> ModelConfig:
     """A ~36M-parameter model: 8 layers (6 Gated DeltaNet, 2 attention), hidden 512."""
     return ModelConfig(
-        vocab_size=8192, hidden_size=512, intermediate_size=1536,
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
         layer_types=((LayerType.LINEAR_ATTENTION,) * 3 + (LayerType.FULL_ATTENTION,)) * 2,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-        rope_theta=10000.0, partial_rotary_factor=0.25,
-        linear_num_key_heads=4, linear_num_value_heads=8,
-        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
     )
 
 
 # Seeded random-weight models by name (`--model tiny|small`).
-def next_prefill_chunks(specs: Sequence[SequenceSpec], num_scheduled: list[int],
-                        chunk_size: int) -> list[ChunkWork]:
+def next_prefill_chunks(
+    specs: Sequence[SequenceSpec], num_scheduled: list[int], chunk_size: int
+) -> list[ChunkWork]:
     """The next chunk (up to `chunk_size` tokens) of every prompt not yet handed to the
     engine, as a worker driven directly would get them; `num_scheduled[i]` (prompt tokens
     of specs[i] handed so far) moves on. The spec goes with a prompt's first chunk."""
@@ -78,8 +88,10 @@ class Grid:
         for name in ("prefill_tokens", "decode_batch", "context_len"):
             axis = getattr(self, name)
             if not axis or list(axis) != sorted(set(axis)) or axis[0] < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be distinct non-negative "
-                                 f"increasing numbers, got {list(axis)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be distinct non-negative "
+                    f"increasing numbers, got {list(axis)}"
+                )
 
     @property
     def max_sequences(self) -> int:
@@ -92,8 +104,9 @@ class Grid:
 
 DEFAULT_GRIDS = {
     "cpu": Grid((0, 16, 64, 256, 512), (0, 1, 2, 4, 8), (0, 256, 1024, 2048)),
-    "cuda": Grid((0, 16, 64, 256, 512, 1024, 2048), (0, 1, 4, 16, 32, 64),
-                 (0, 512, 1024, 2048, 4096)),
+    "cuda": Grid(
+        (0, 16, 64, 256, 512, 1024, 2048), (0, 1, 4, 16, 32, 64), (0, 512, 1024, 2048, 4096)
+    ),
 }
 
 
@@ -147,8 +160,9 @@ class StepTimer:
         """
         seq_id, self._next_seq_id = self._next_seq_id, self._next_seq_id + 1
         prompt_len = max(prompt_len, 1)
-        spec = SequenceSpec(prompt_token_ids=(_TOKEN_ID,) * prompt_len,
-                            max_new_tokens=_MAX_NEW_TOKENS)
+        spec = SequenceSpec(
+            prompt_token_ids=(_TOKEN_ID,) * prompt_len, max_new_tokens=_MAX_NEW_TOKENS
+        )
         self.engine.step([ChunkWork(seq_id, 0, 0, spec)], [])  # takes a slot, computes nothing
         held = self.engine._held[seq_id]
         self.engine._pages.append(seq_id, num_cached)
@@ -164,8 +178,15 @@ class StepTimer:
             torch.cuda.synchronize(self.engine.device)
 
 
-def measure_table(engine: ModelEngine, grid: Grid, *, repeats: int, clock: str, meta: dict,
-                  on_point: Callable[[int, int], None] | None = None) -> StepTable:
+def measure_table(
+    engine: ModelEngine,
+    grid: Grid,
+    *,
+    repeats: int,
+    clock: str,
+    meta: dict,
+    on_point: Callable[[int, int], None] | None = None,
+) -> StepTable:
     """Time every grid point (and extra_chunk_seconds); on_point(done, total) reports."""
     timer = StepTimer(engine, repeats, clock)
     _warm_up(timer, grid)
@@ -183,12 +204,26 @@ def measure_table(engine: ModelEngine, grid: Grid, *, repeats: int, clock: str, 
                     on_point(done, total)
             plane.append(tuple(row))
         seconds.append(tuple(plane))
-    return StepTable(grid.prefill_tokens, grid.decode_batch, grid.context_len,
-                     tuple(seconds), _extra_chunk_seconds(timer, grid), meta)
+    return StepTable(
+        grid.prefill_tokens,
+        grid.decode_batch,
+        grid.context_len,
+        tuple(seconds),
+        _extra_chunk_seconds(timer, grid),
+        meta,
+    )
 
 
-def held_out_points(engine: ModelEngine, table: StepTable, grid: Grid, *, count: int,
-                    repeats: int, clock: str, seed: int) -> tuple[HeldOutPoint, ...]:
+def held_out_points(
+    engine: ModelEngine,
+    table: StepTable,
+    grid: Grid,
+    *,
+    count: int,
+    repeats: int,
+    clock: str,
+    seed: int,
+) -> tuple[HeldOutPoint, ...]:
     """`count` random steps off the grid, timed, with the table's prediction."""
     rng = random.Random(seed)
     timer = StepTimer(engine, repeats, clock)
@@ -199,19 +234,21 @@ def held_out_points(engine: ModelEngine, table: StepTable, grid: Grid, *, count:
     return tuple(points)
 
 
-def machine_meta(model_name: str, device: torch.device, dtype: torch.dtype,
-                 repeats: int, clock: str) -> dict:
+def machine_meta(
+    model_name: str, device: torch.device, dtype: torch.dtype, repeats: int, clock: str
+) -> dict:
     return {
         "model": model_name,
         "device": str(device),
-        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                        else _cpu_name()),
+        "device_name": (
+            torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+        ),
         "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "repeats": repeats,
         "clock": clock,
-        "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
 
@@ -244,12 +281,15 @@ def _random_loads(rng: random.Random, grid: Grid, count: int) -> list[StepLoad]:
     loads = []
     while len(loads) < count:
         num_chunks = rng.choice((0, 1, 1, 2, 3)) if max_p else 0
-        chunks = tuple((rng.randint(1, max(1, max_p // max(num_chunks, 1))),
-                        rng.randint(0, max_c)) for _ in range(num_chunks))
+        chunks = tuple(
+            (rng.randint(1, max(1, max_p // max(num_chunks, 1))), rng.randint(0, max_c))
+            for _ in range(num_chunks)
+        )
         num_decodes = rng.randint(0, max_d)
         center = rng.randint(1, max(1, max_c))
-        decodes = tuple(min(max_c, max(1, int(center * rng.uniform(0.5, 1.5))))
-                        for _ in range(num_decodes))
+        decodes = tuple(
+            min(max_c, max(1, int(center * rng.uniform(0.5, 1.5)))) for _ in range(num_decodes)
+        )
         if chunks or decodes:
             loads.append(StepLoad(chunks, decodes))
     return loads
@@ -272,8 +312,10 @@ def format_held_out(points: Sequence[HeldOutPoint]) -> str:
         chunks = " ".join(f"{n}@{c}" for n, c in p.load.prefill_chunks) or "-"
         mean_context = sum(p.load.decode_context_lens) / max(1, p.load.num_decodes)
         decodes = f"{p.load.num_decodes} ({mean_context:.0f})" if p.load.num_decodes else "-"
-        lines.append(f"{chunks:<32}{decodes:>18}  {p.measured_seconds * 1000:>11.2f}  "
-                     f"{p.predicted_seconds * 1000:>12.2f}  {p.error * 100:>+5.0f}%")
+        lines.append(
+            f"{chunks:<32}{decodes:>18}  {p.measured_seconds * 1000:>11.2f}  "
+            f"{p.predicted_seconds * 1000:>12.2f}  {p.error * 100:>+5.0f}%"
+        )
     return "\n".join(lines)
 
 
@@ -282,6 +324,10 @@ def progress_printer(prefix: str) -> Callable[[int, int], None]:
 
     def report(done: int, total: int) -> None:
         if done == total or done % max(1, total // 20) == 0:
-            print(f"{prefix}: {done}/{total} grid points, {time.perf_counter() - started:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{prefix}: {done}/{total} grid points, {time.perf_counter() - started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
     return report

@@ -1,4 +1,5 @@
 """What a worker registers with: its own description, apart from any wire message."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +21,17 @@ class WorkerResources:
     total_snapshot_slots: int = 0  # GDN snapshots for resume points, besides the GDN slots
 
     @classmethod
-    def of(cls, worker_id: str, engine: Engine, max_batch_size: int = 0,
-           adapters: tuple[str, ...] = ()) -> WorkerResources:
+    def of(
+        cls, worker_id: str, engine: Engine, max_batch_size: int = 0, adapters: tuple[str, ...] = ()
+    ) -> WorkerResources:
         """What `engine` has, registered as `worker_id`."""
-        return cls(worker_id, engine.total_kv_pages, engine.page_size, engine.total_gdn_slots,
-                   max_batch_size, adapters, engine.cache_block_tokens, engine.total_snapshot_slots)
+        return cls(
+            worker_id,
+            engine.total_kv_pages,
+            engine.page_size,
+            engine.total_gdn_slots,
+            max_batch_size,
+            adapters,
+            engine.cache_block_tokens,
+            engine.total_snapshot_slots,
+        )

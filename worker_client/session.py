@@ -5,6 +5,7 @@ in flight at a time needs no matching. A session that fails (or is ended by the
 scheduler, or gives no answer in time) is closed for good: the caller opens a new one and
 sends the same report again (its token offsets make the retry safe).
 """
+
 from __future__ import annotations
 
 import queue
@@ -12,6 +13,7 @@ import threading
 import time
 
 import grpc
+
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -48,13 +50,19 @@ class WorkerSessionStream:
         try:
             for decision in self._call:
                 self._answers.put(decision)
-            self._answers.put(SessionBroken(grpc.StatusCode.UNAVAILABLE,
-                                            "the scheduler ended the session"))
+            self._answers.put(
+                SessionBroken(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the session")
+            )
         except grpc.RpcError as err:
             self._answers.put(err)
 
-    def exchange(self, request: pb.SelectBatchRequest, timeout_seconds: float, *,
-                 stop: threading.Event | None = None) -> pb.SchedulerDecision:
+    def exchange(
+        self,
+        request: pb.SelectBatchRequest,
+        timeout_seconds: float,
+        *,
+        stop: threading.Event | None = None,
+    ) -> pb.SchedulerDecision:
         """The decision for `request`; raises grpc.RpcError (the session is then closed),
         CANCELLED within a tenth of a second of `stop` being set."""
         if self._broken is not None:
@@ -67,13 +75,13 @@ class WorkerSessionStream:
         self.close()
         raise answer
 
-    def _answer(self, deadline: float, timeout_seconds: float,
-                stop: threading.Event | None):
+    def _answer(self, deadline: float, timeout_seconds: float, stop: threading.Event | None):
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                return SessionBroken(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     f"no answer within {timeout_seconds:g} s")
+                return SessionBroken(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_seconds:g} s"
+                )
             if stop is not None and stop.is_set():
                 return SessionBroken(grpc.StatusCode.CANCELLED, "the worker is stopping")
             try:

@@ -11,6 +11,7 @@ Every wait is bounded, and `Stack.close` kills every process it started, whateve
 happened. Each process logs to its own file under the stack's directory. Used by
 tests/faults, tests/replicas and bench/chaos.py.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -24,23 +25,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from bench.harness.processes import scrape
 from common.processes import (
-    LOOPBACK, SCHEDULER_LISTENING, Process, clean_env, free_port, scheduler_argv,
+    LOOPBACK,
+    SCHEDULER_LISTENING,
+    Process,
+    clean_env,
+    free_port,
+    scheduler_argv,
 )
 from common.waiting import wait_until
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from worker_client.testing import reference_output
 
 START_TIMEOUT_SECONDS = 30.0
 RPC_TIMEOUT_SECONDS = 5.0
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Reconnect quickly after a restart: the default backoff grows to minutes.
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 500)]
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
 
 
 class Proc(Process):
@@ -72,9 +80,16 @@ class Restart:
 class Stack:
     """A scheduler process on a fixed port with a state dir, and scripted worker processes."""
 
-    def __init__(self, directory: Path, *, num_workers: int = 2, lease_ttl_ms: int = 2000,
-                 step_ms: float = 10.0, scheduler_flags: tuple[str, ...] = (),
-                 worker_flags: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        num_workers: int = 2,
+        lease_ttl_ms: int = 2000,
+        step_ms: float = 10.0,
+        scheduler_flags: tuple[str, ...] = (),
+        worker_flags: tuple[str, ...] = (),
+    ) -> None:
         self.directory = Path(directory)
         self.state_dir = self.directory / "state"
         self.lease_ttl_ms = lease_ttl_ms
@@ -98,7 +113,7 @@ class Stack:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> "Stack":
+    def start(self) -> Stack:
         self.start_scheduler()
         for worker_id in self.worker_ids:
             self.start_worker(worker_id)
@@ -111,7 +126,7 @@ class Stack:
         kill_all(self.all_procs)
         self.channel.close()
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -126,10 +141,18 @@ class Stack:
         self.restarts.append(restart)
         for attempt in range(3):
             number = len(self.restarts) - 1
-            proc = Proc(f"scheduler.{number}.{attempt}", scheduler_argv(
-                "--state-dir", str(self.state_dir), "--lease-ttl-ms", str(self.lease_ttl_ms),
-                *self._scheduler_flags, port=self.port,
-            ), self.directory / f"scheduler.{number}.{attempt}.log")
+            proc = Proc(
+                f"scheduler.{number}.{attempt}",
+                scheduler_argv(
+                    "--state-dir",
+                    str(self.state_dir),
+                    "--lease-ttl-ms",
+                    str(self.lease_ttl_ms),
+                    *self._scheduler_flags,
+                    port=self.port,
+                ),
+                self.directory / f"scheduler.{number}.{attempt}.log",
+            )
             self.all_procs.append(proc)
             self.scheduler = proc
             match = proc.wait_for_line(SCHEDULER_LISTENING, START_TIMEOUT_SECONDS)
@@ -144,8 +167,9 @@ class Stack:
         restart.listening_at = time.monotonic()
         grpc.channel_ready_future(self.channel).result(timeout=START_TIMEOUT_SECONDS)
         self.metrics_port = int(match.group(2))
-        threading.Thread(target=self._watch_first_finish, args=(proc, restart, self.metrics_port),
-                         daemon=True).start()
+        threading.Thread(
+            target=self._watch_first_finish, args=(proc, restart, self.metrics_port), daemon=True
+        ).start()
 
     def kill_scheduler(self) -> None:
         assert self.scheduler is not None and self.scheduler.alive(), "scheduler is not up"
@@ -178,15 +202,29 @@ class Stack:
         """
         old = self.workers.get(worker_id)
         assert beside_the_running_one or old is None or not old.alive(), (
-            f"{worker_id} is already running")
+            f"{worker_id} is already running"
+        )
         if old is not None and not beside_the_running_one:
             self.worker_restarts += 1
         number = sum(p.name.startswith(worker_id + ".") for p in self.all_procs)
-        proc = Proc(f"{worker_id}.{number}", [
-            sys.executable, "-m", "worker_client", "--scheduler", self.target,
-            "--worker-id", worker_id, "--model", "scripted", "--step-ms", str(self.step_ms),
-            *self._worker_flags,
-        ], self.directory / f"{worker_id}.{number}.log")
+        proc = Proc(
+            f"{worker_id}.{number}",
+            [
+                sys.executable,
+                "-m",
+                "worker_client",
+                "--scheduler",
+                self.target,
+                "--worker-id",
+                worker_id,
+                "--model",
+                "scripted",
+                "--step-ms",
+                str(self.step_ms),
+                *self._worker_flags,
+            ],
+            self.directory / f"{worker_id}.{number}.log",
+        )
         self.all_procs.append(proc)
         self.workers[worker_id] = proc
 
@@ -211,15 +249,20 @@ class Stack:
 
     def wait_workers(self, count: int, timeout: float = START_TIMEOUT_SECONDS) -> None:
         """Until `count` workers are registered and each has made a SelectBatch call."""
+
         def ready() -> bool:
             for proc in self.workers.values():
                 assert proc.alive() or proc.popen.returncode == -signal.SIGKILL, (
-                    f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_text()}")
-            workers = self.stub.GetStatus(pb.GetStatusRequest(),
-                                          timeout=RPC_TIMEOUT_SECONDS).workers
+                    f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_text()}"
+                )
+            workers = self.stub.GetStatus(
+                pb.GetStatusRequest(), timeout=RPC_TIMEOUT_SECONDS
+            ).workers
             return sum(w.iteration > 0 for w in workers) >= count
-        wait_until(ready, f"{count} workers calling SelectBatch", timeout,
-                   retry_on=(grpc.RpcError,))
+
+        wait_until(
+            ready, f"{count} workers calling SelectBatch", timeout, retry_on=(grpc.RpcError,)
+        )
 
     def worker_status(self) -> dict[str, pb.WorkerStatus]:
         status = self.stub.GetStatus(pb.GetStatusRequest(), timeout=RPC_TIMEOUT_SECONDS)
@@ -232,9 +275,12 @@ class Stack:
         return scrape(self.metrics_port, timeout_seconds=2.0)
 
     def _finished_count(self, metrics_port: int) -> float:
-        return sum(v for (name, labels), v in scrape(metrics_port, timeout_seconds=2.0).items()
-                   if name == "lattice_scheduler_finished_total"
-                   and dict(labels).get("reason") != "cancelled")
+        return sum(
+            v
+            for (name, labels), v in scrape(metrics_port, timeout_seconds=2.0).items()
+            if name == "lattice_scheduler_finished_total"
+            and dict(labels).get("reason") != "cancelled"
+        )
 
     def log_tails(self, max_lines: int = 150) -> str:
         parts = []
@@ -269,14 +315,21 @@ class Job:
     problems: list[str] = field(default_factory=list)
 
     def request(self) -> pb.SubmitRequest:
-        return pb.SubmitRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
-                                max_new_tokens=self.max_new_tokens,
-                                stop_token_ids=self.stop_token_ids)
+        return pb.SubmitRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+        )
 
 
-def make_jobs(count: int, seed: int, prefix: str = "job",
-              max_new_tokens_range: tuple[int, int] = (8, 40),
-              shared_prefix: int = 0) -> list[Job]:
+def make_jobs(
+    count: int,
+    seed: int,
+    prefix: str = "job",
+    max_new_tokens_range: tuple[int, int] = (8, 40),
+    shared_prefix: int = 0,
+) -> list[Job]:
     """`count` sequences; about a third stop early on a stop token (finish reason STOP).
     `shared_prefix`: every prompt starts with the same this many tokens (a system prompt
     a worker's prefix cache shares)."""
@@ -292,10 +345,12 @@ def make_jobs(count: int, seed: int, prefix: str = "job",
             full = reference_output(prompt, max_new_tokens)
             stop_token_ids = [full[rng.randrange(len(full) // 2, len(full))]]
         expected = reference_output(prompt, max_new_tokens, stop_token_ids)
-        reason = (pb.FINISH_REASON_STOP if expected[-1] in stop_token_ids
-                  else pb.FINISH_REASON_MAX_LENGTH)
-        jobs.append(Job(f"{prefix}-{seed}-{i}", prompt, max_new_tokens, stop_token_ids,
-                        expected, reason))
+        reason = (
+            pb.FINISH_REASON_STOP if expected[-1] in stop_token_ids else pb.FINISH_REASON_MAX_LENGTH
+        )
+        jobs.append(
+            Job(f"{prefix}-{seed}-{i}", prompt, max_new_tokens, stop_token_ids, expected, reason)
+        )
     return jobs
 
 
@@ -310,9 +365,16 @@ class Clients:
     position already held must repeat the same token, and only later positions are new.
     """
 
-    def __init__(self, target: str, jobs: list[Job], *, submit_interval_seconds: float = 0.02,
-                 num_collectors: int = 16, deadline_seconds: float = 60.0,
-                 num_submitters: int = 1) -> None:
+    def __init__(
+        self,
+        target: str,
+        jobs: list[Job],
+        *,
+        submit_interval_seconds: float = 0.02,
+        num_collectors: int = 16,
+        deadline_seconds: float = 60.0,
+        num_submitters: int = 1,
+    ) -> None:
         self.jobs = jobs
         self.deadline = time.monotonic() + deadline_seconds
         self._interval = submit_interval_seconds
@@ -327,13 +389,17 @@ class Clients:
         self._streams: set = set()  # open Generate calls, cancelled by close()
         self._to_submit = iter(jobs)
         self._submitters_left = num_submitters
-        self._threads = [threading.Thread(target=self._submit_all, name=f"submitter-{i}",
-                                          daemon=True) for i in range(num_submitters)]
-        self._collectors = [threading.Thread(target=self._collect_all, name=f"collector-{i}",
-                                             daemon=True) for i in range(num_collectors)]
+        self._threads = [
+            threading.Thread(target=self._submit_all, name=f"submitter-{i}", daemon=True)
+            for i in range(num_submitters)
+        ]
+        self._collectors = [
+            threading.Thread(target=self._collect_all, name=f"collector-{i}", daemon=True)
+            for i in range(num_collectors)
+        ]
         self._threads += self._collectors
 
-    def start(self) -> "Clients":
+    def start(self) -> Clients:
         for thread in self._threads:
             thread.start()
         return self
@@ -355,8 +421,11 @@ class Clients:
         return any(thread.is_alive() for thread in self._threads)
 
     def wait_acknowledged(self, count: int, timeout: float) -> None:
-        wait_until(lambda: self.num_acknowledged >= count,
-                   f"{count} acknowledged submits ({self.num_acknowledged} so far)", timeout)
+        wait_until(
+            lambda: self.num_acknowledged >= count,
+            f"{count} acknowledged submits ({self.num_acknowledged} so far)",
+            timeout,
+        )
 
     def wait_done(self, timeout: float) -> None:
         """Until the submitter and every collector have ended (done, failed or timed out)."""
@@ -397,8 +466,9 @@ class Clients:
                 job.problems.append("never acknowledged before the deadline")
                 return False
             try:
-                response = self._stub.Submit(job.request(),
-                                             timeout=min(RPC_TIMEOUT_SECONDS, remaining))
+                response = self._stub.Submit(
+                    job.request(), timeout=min(RPC_TIMEOUT_SECONDS, remaining)
+                )
             except grpc.RpcError as err:
                 if err.code() not in RETRYABLE:
                     job.problems.append(f"Submit failed: {err.code().name}: {err.details()}")
@@ -426,8 +496,10 @@ class Clients:
         while not self._stop.is_set():
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
-                job.problems.append(f"not finished before the deadline "
-                                    f"({len(job.tokens)} of {len(job.expected_tokens)} tokens)")
+                job.problems.append(
+                    f"not finished before the deadline "
+                    f"({len(job.tokens)} of {len(job.expected_tokens)} tokens)"
+                )
                 return
             job.attachments += 1
             # A stream that ends by its deadline cancels the sequence: only the run's own
@@ -459,13 +531,17 @@ class Clients:
         position = 0
         for event in stream:
             if event.seq_id != job.seq_id:
-                job.problems.append(f"re-attach by request_id streamed seq_id {event.seq_id}, "
-                                    f"Submit acknowledged seq_id {job.seq_id}")
+                job.problems.append(
+                    f"re-attach by request_id streamed seq_id {event.seq_id}, "
+                    f"Submit acknowledged seq_id {job.seq_id}"
+                )
             for token in event.token_ids:
                 if position < len(job.tokens):
                     if job.tokens[position] != token:
-                        job.problems.append(f"token {position} changed on a re-attach: "
-                                            f"{job.tokens[position]} then {token}")
+                        job.problems.append(
+                            f"token {position} changed on a re-attach: "
+                            f"{job.tokens[position]} then {token}"
+                        )
                 else:
                     job.tokens.append(token)
                 position += 1
@@ -475,8 +551,10 @@ class Clients:
                 job.finish_reason = event.finish_reason
                 job.finished_at = time.monotonic()
                 if position != len(job.tokens):
-                    job.problems.append(f"finished after {position} tokens on this attachment, "
-                                        f"{len(job.tokens)} seen before")
+                    job.problems.append(
+                        f"finished after {position} tokens on this attachment, "
+                        f"{len(job.tokens)} seen before"
+                    )
                 return True
         return False
 
@@ -510,38 +588,47 @@ def check(stub: pb_grpc.SchedulerStub, jobs: list[Job]) -> Outcome:
             bad.append(f"seq_id {job.seq_id} also acknowledged for {owners[job.seq_id]}")
         owners[job.seq_id] = job.request_id
         try:
-            info = stub.GetSequence(pb.GetSequenceRequest(seq_id=job.seq_id),
-                                    timeout=RPC_TIMEOUT_SECONDS)
+            info = stub.GetSequence(
+                pb.GetSequenceRequest(seq_id=job.seq_id), timeout=RPC_TIMEOUT_SECONDS
+            )
             again = stub.Submit(job.request(), timeout=RPC_TIMEOUT_SECONDS).seq_id
         except grpc.RpcError as err:
             outcome.lost += 1
-            outcome.problems.append(f"{job.request_id} (seq_id {job.seq_id}): "
-                                    f"{err.code().name}: {err.details()}")
+            outcome.problems.append(
+                f"{job.request_id} (seq_id {job.seq_id}): {err.code().name}: {err.details()}"
+            )
             continue
         if again != job.seq_id:
             bad.append(f"a repeated Submit returned seq_id {again}")
         if info.state != pb.SEQUENCE_STATE_FINISHED or job.finish_reason is None:
             # Known but never finished: as lost to its client as an unknown one.
             outcome.lost += 1
-            outcome.problems.append(f"{job.request_id} (seq_id {job.seq_id}): not finished "
-                                    f"({pb.SequenceState.Name(info.state)}); {bad}")
+            outcome.problems.append(
+                f"{job.request_id} (seq_id {job.seq_id}): not finished "
+                f"({pb.SequenceState.Name(info.state)}); {bad}"
+            )
             continue
         duplicated, missing = count_duplicated_and_missing(job.tokens, job.expected_tokens)
         outcome.duplicated_tokens += duplicated
         outcome.missing_tokens += missing
         if job.tokens != job.expected_tokens or info.generated_tokens != len(job.expected_tokens):
-            bad.append(f"{len(job.tokens)} tokens streamed, {info.generated_tokens} counted, "
-                       f"{len(job.expected_tokens)} expected; equal to the reference: "
-                       f"{job.tokens == job.expected_tokens}")
+            bad.append(
+                f"{len(job.tokens)} tokens streamed, {info.generated_tokens} counted, "
+                f"{len(job.expected_tokens)} expected; equal to the reference: "
+                f"{job.tokens == job.expected_tokens}"
+            )
         if job.finish_reason != job.expected_reason or info.finish_reason != job.expected_reason:
-            bad.append(f"finish reason {pb.FinishReason.Name(job.finish_reason)} streamed, "
-                       f"{pb.FinishReason.Name(info.finish_reason)} stored, "
-                       f"{pb.FinishReason.Name(job.expected_reason)} expected")
+            bad.append(
+                f"finish reason {pb.FinishReason.Name(job.finish_reason)} streamed, "
+                f"{pb.FinishReason.Name(info.finish_reason)} stored, "
+                f"{pb.FinishReason.Name(job.expected_reason)} expected"
+            )
         if bad:
             outcome.wrong_outputs += 1
             outcome.problems.extend(f"{job.request_id} (seq_id {job.seq_id}): {p}" for p in bad)
-    outcome.problems.extend(f"{j.request_id}: {p}" for j in jobs if j.seq_id is None
-                            for p in j.problems)
+    outcome.problems.extend(
+        f"{j.request_id}: {p}" for j in jobs if j.seq_id is None for p in j.problems
+    )
     return outcome
 
 
@@ -555,14 +642,14 @@ def count_duplicated_and_missing(output: list[int], reference: list[int]) -> tup
         if output[i] == reference[j]:
             i, j = i + 1, j + 1
             continue
-        repeat = next((m for m in range(j, 0, -1) if output[i:i + m] == reference[j - m:j]), 0)
+        repeat = next((m for m in range(j, 0, -1) if output[i : i + m] == reference[j - m : j]), 0)
         if repeat == 0:
             break
         duplicated += repeat
         i += repeat
     # Past the reference's end, output tokens repeating its tail are duplicates too.
     while i < len(output) and j == len(reference):
-        repeat = next((m for m in range(j, 0, -1) if output[i:i + m] == reference[j - m:j]), 0)
+        repeat = next((m for m in range(j, 0, -1) if output[i : i + m] == reference[j - m : j]), 0)
         if repeat == 0:
             break
         duplicated += repeat
@@ -575,8 +662,7 @@ def check_known(stub: pb_grpc.SchedulerStub, jobs: list[Job]) -> list[str]:
     unknown = []
     for job in [j for j in jobs if j.seq_id is not None]:
         try:
-            stub.GetSequence(pb.GetSequenceRequest(seq_id=job.seq_id),
-                             timeout=RPC_TIMEOUT_SECONDS)
+            stub.GetSequence(pb.GetSequenceRequest(seq_id=job.seq_id), timeout=RPC_TIMEOUT_SECONDS)
         except grpc.RpcError as err:
             unknown.append(f"{job.request_id} (seq_id {job.seq_id}): {err.code().name}")
     return unknown

@@ -1,12 +1,17 @@
 """An in-process worker that holds what the scheduler gives it and reports exactly what it
 has, counting KV pages and GDN slots as the reference engine does: for property tests of
 the policies (tests/unit/test_policy_properties.py) and bench/policies.py."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from service.core import (
-    FinishedSequence, FinishReason, SchedulerObserver, TokenUpdate, WorkerReport,
+    FinishedSequence,
+    FinishReason,
+    SchedulerObserver,
+    TokenUpdate,
+    WorkerReport,
 )
 
 
@@ -49,10 +54,14 @@ class HonestWorker:
         finished, self.done = self.done, []
         tokens, self.tokens = self.tokens, {}
         return WorkerReport(
-            worker_id=self.worker_id, waiting=tuple(self.prefill), running=tuple(self.running),
+            worker_id=self.worker_id,
+            waiting=tuple(self.prefill),
+            running=tuple(self.running),
             kv_free_pages=self.total_pages - self.pages_used(),
-            gdn_free_slots=self.total_slots - len(self.held()), finished=tuple(finished),
-            tokens=tuple(TokenUpdate(seq_id, tuple(ids)) for seq_id, ids in tokens.items()))
+            gdn_free_slots=self.total_slots - len(self.held()),
+            finished=tuple(finished),
+            tokens=tuple(TokenUpdate(seq_id, tuple(ids)) for seq_id, ids in tokens.items()),
+        )
 
     def execute(self, decision) -> None:
         for seq_id in (*decision.evict, *decision.preempt):
@@ -60,9 +69,11 @@ class HonestWorker:
             self.running.pop(seq_id, None)
         for chunk in decision.prefill:
             if chunk.spec is not None:
-                self.prefill[chunk.seq_id] = Held(len(chunk.spec.prompt_token_ids),
-                                                  chunk.spec.max_new_tokens,
-                                                  chunk.spec.adapter_id)
+                self.prefill[chunk.seq_id] = Held(
+                    len(chunk.spec.prompt_token_ids),
+                    chunk.spec.max_new_tokens,
+                    chunk.spec.adapter_id,
+                )
             held = self.prefill[chunk.seq_id]
             assert chunk.chunk_start == held.num_prefilled
             held.num_prefilled += chunk.chunk_len
@@ -86,18 +97,19 @@ class HonestWorker:
     def _generate(self, seq_id: int) -> None:
         held = self.running[seq_id]
         if held.num_generated and self._cannot_fit(
-                seq_id, Held(held.spec_len, 0, "", held.num_prefilled, held.num_generated + 1)):
+            seq_id, Held(held.spec_len, 0, "", held.num_prefilled, held.num_generated + 1)
+        ):
             return
         held.num_generated += 1
         self.tokens.setdefault(seq_id, []).append(7)
         if held.num_generated == held.max_new_tokens:
             del self.running[seq_id]
-            self.done.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH,
-                                              held.num_generated))
+            self.done.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH, held.num_generated))
 
 
 class Served(SchedulerObserver):
     """Tokens served per tenant, as the scheduler counts them."""
+
     def __init__(self) -> None:
         self.tokens: dict[str, int] = {}
 

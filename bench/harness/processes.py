@@ -1,6 +1,7 @@
 """Processes the benchmarks start and read: a scheduler (this checkout's or another's),
 scripted workers, each with its log in a temporary file; their CPU time and memory from
 /proc, and the scheduler's metrics from its port."""
+
 from __future__ import annotations
 
 import os
@@ -11,11 +12,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.processes import LOOPBACK, SCHEDULER_LISTENING, Process, clean_env, scheduler_argv
 from common.waiting import wait_until
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 # The repository root: the processes run from here, where `python -m service` and
 # `python -m bench.X` import this checkout.
@@ -42,14 +43,19 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def scrape(metrics_port: int, timeout_seconds: float = 5.0,
-           ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(
+    metrics_port: int,
+    timeout_seconds: float = 5.0,
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample on a scheduler's metrics port: (name, sorted labels) -> value."""
     url = f"http://{LOOPBACK}:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=timeout_seconds) as response:
         text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def python_env(root: Path = ROOT) -> dict[str, str]:
@@ -67,8 +73,9 @@ class Proc(Process):
     def __init__(self, argv: list[str], cwd: Path = ROOT, env: dict | None = None) -> None:
         log = tempfile.NamedTemporaryFile(prefix="bench_", suffix=".log", delete=False)
         log.close()
-        super().__init__(" ".join(argv[1:4]), argv, Path(log.name), cwd=cwd,
-                         env=env or python_env())
+        super().__init__(
+            " ".join(argv[1:4]), argv, Path(log.name), cwd=cwd, env=env or python_env()
+        )
 
     def rss_bytes(self) -> int:
         return rss_bytes(self.popen.pid)
@@ -102,37 +109,70 @@ class Scheduler:
         return sum(self.samples(name).values())
 
     def samples(self, name: str) -> dict[tuple, float]:
-        return {labels: value for (sample, labels), value in
-                scrape(self.metrics_port, timeout_seconds=10).items() if sample == name}
+        return {
+            labels: value
+            for (sample, labels), value in scrape(self.metrics_port, timeout_seconds=10).items()
+            if sample == name
+        }
 
     def histogram(self) -> dict[float, float]:
         """SelectBatch's histogram now: cumulative count per upper bound (seconds)."""
-        return {float(dict(labels)["le"]): value for labels, value in
-                self.samples("lattice_scheduler_select_batch_duration_seconds_bucket").items()}
+        return {
+            float(dict(labels)["le"]): value
+            for labels, value in self.samples(
+                "lattice_scheduler_select_batch_duration_seconds_bucket"
+            ).items()
+        }
 
 
 def start_scheduler(*flags: str, root: Path = ROOT) -> Scheduler:
     """A scheduler process of the checkout at `root`, once it listens; leases of 10 minutes,
     as fake workers may pause between phases."""
-    proc = Proc(scheduler_argv("--log-level", "WARNING", "--lease-ttl-ms", "600000", *flags),
-                cwd=root, env=python_env(root))
+    proc = Proc(
+        scheduler_argv("--log-level", "WARNING", "--lease-ttl-ms", "600000", *flags),
+        cwd=root,
+        env=python_env(root),
+    )
     proc.wait_listening(SCHEDULER_LISTENING)
     return Scheduler(proc, *proc.ports)
 
 
-def start_scripted_workers(scheduler: Scheduler, count: int, *flags: str,
-                           root: Path = ROOT) -> list[Proc]:
+def start_scripted_workers(
+    scheduler: Scheduler, count: int, *flags: str, root: Path = ROOT
+) -> list[Proc]:
     """`count` `lattice-worker --model scripted` processes, worker ids scripted-0...; see
     `wait_for_workers`."""
-    return [Proc([sys.executable, "-m", "worker_client", "--scheduler", scheduler.target,
-                  "--worker-id", f"scripted-{i}", "--model", "scripted", "--log-format",
-                  "json", *flags], cwd=root, env=python_env(root)) for i in range(count)]
+    return [
+        Proc(
+            [
+                sys.executable,
+                "-m",
+                "worker_client",
+                "--scheduler",
+                scheduler.target,
+                "--worker-id",
+                f"scripted-{i}",
+                "--model",
+                "scripted",
+                "--log-format",
+                "json",
+                *flags,
+            ],
+            cwd=root,
+            env=python_env(root),
+        )
+        for i in range(count)
+    ]
 
 
 def wait_for_workers(stub, count: int, timeout_seconds: float = 60.0) -> None:
     """Until the scheduler behind `stub` (a SchedulerStub) knows `count` workers."""
-    wait_until(lambda: len(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers) >= count,
-               f"{count} worker(s) to register", timeout_seconds, every_seconds=0.2)
+    wait_until(
+        lambda: len(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers) >= count,
+        f"{count} worker(s) to register",
+        timeout_seconds,
+        every_seconds=0.2,
+    )
 
 
 def checkouts(before: str | None) -> list[tuple[str, Path]]:

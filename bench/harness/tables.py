@@ -1,4 +1,5 @@
 """Figures printed side by side: aligned columns for a terminal, markdown for the docs."""
+
 from __future__ import annotations
 
 import os
@@ -12,14 +13,20 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None
     others right-aligned (figures)."""
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
     for row in [header, *rows]:
-        print("  ".join(str(x).rjust(w) if i else str(x).ljust(w)
-                        for i, (x, w) in enumerate(zip(row, widths))))
+        print(
+            "  ".join(
+                str(x).rjust(w) if i else str(x).ljust(w)
+                for i, (x, w) in enumerate(zip(row, widths))
+            )
+        )
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """The table as markdown, to paste into docs/benchmarks.md."""
-    lines = ["| " + " | ".join(map(str, header)) + " |",
-             "| " + " | ".join("---" for _ in header) + " |"]
+    lines = [
+        "| " + " | ".join(map(str, header)) + " |",
+        "| " + " | ".join("---" for _ in header) + " |",
+    ]
     lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     return "\n".join(lines)
 

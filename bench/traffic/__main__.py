@@ -19,6 +19,7 @@ commit before this change), started with this interpreter from DIR.
 
 The machine these ran on has 2 cores shared with other work: read ratios within one run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,11 @@ from bench.traffic.submits import cmd_submits
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.traffic", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.traffic",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, fn: Callable, help_text: str, **defaults) -> argparse.ArgumentParser:
@@ -44,36 +48,102 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(fn=fn)
         for key, value in defaults.items():
             p.add_argument("--" + key.replace("_", "-"), type=type(value), default=value)
-        p.add_argument("--before", metavar="DIR",
-                       help="also run the scheduler of another checkout (rows 'before')")
+        p.add_argument(
+            "--before",
+            metavar="DIR",
+            help="also run the scheduler of another checkout (rows 'before')",
+        )
         return p
 
-    add("streams", cmd_streams, "idle Generate streams next to iterating workers",
-        streams=10_000, workers=16, batch=32, seconds=10.0, step_ms=0.0)
-    add("honest", cmd_honest, "streams read to the end with scripted workers",
-        streams=2000, workers=4, batch=256, max_new_tokens=32, timeout=120.0)
-    add("watch", cmd_watch, "unauthenticated Health.Watch streams, tokens on",
-        watchers=1000, workers=4, batch=32, seconds=10.0)
-    add("decisions", cmd_decisions, "decisions/s: echo floor, unary, session",
-        workers=64, batch=4, seconds=5.0, rounds=3)
-    add("overlap", cmd_overlap, "scripted workers with step time: overlap on and off",
-        workers=8, batch=16, step_ms=10.0, max_new_tokens=300)
-    add("idle", cmd_idle, "idle workers: scheduler CPU, Submit to a parked worker",
-        workers=16, seconds=20.0, submits=200)
-    cost = add("report-cost", cmd_report_cost,
-               "scheduler CPU per report, 1 scripted worker decoding --batch on a session",
-               batch=256, step_ms=10.0, seconds=10.0, idle_seconds=5.0, max_new_tokens=3000)
-    cost.add_argument("--nano-vllm", metavar="DIR",
-                      help="a nano-vllm checkout: its CPU per decision in the same run")
-    cost.add_argument("--floor", action="store_true",
-                      help="also an in-process worker against bare echo servicers (with "
-                      "and without the interceptors) and this scheduler")
-    add("submits", cmd_submits, "acknowledged Submits/s with concurrent submitters",
-        submitters=16, seconds=10.0, tmp_dir=".artifacts")
+    add(
+        "streams",
+        cmd_streams,
+        "idle Generate streams next to iterating workers",
+        streams=10_000,
+        workers=16,
+        batch=32,
+        seconds=10.0,
+        step_ms=0.0,
+    )
+    add(
+        "honest",
+        cmd_honest,
+        "streams read to the end with scripted workers",
+        streams=2000,
+        workers=4,
+        batch=256,
+        max_new_tokens=32,
+        timeout=120.0,
+    )
+    add(
+        "watch",
+        cmd_watch,
+        "unauthenticated Health.Watch streams, tokens on",
+        watchers=1000,
+        workers=4,
+        batch=32,
+        seconds=10.0,
+    )
+    add(
+        "decisions",
+        cmd_decisions,
+        "decisions/s: echo floor, unary, session",
+        workers=64,
+        batch=4,
+        seconds=5.0,
+        rounds=3,
+    )
+    add(
+        "overlap",
+        cmd_overlap,
+        "scripted workers with step time: overlap on and off",
+        workers=8,
+        batch=16,
+        step_ms=10.0,
+        max_new_tokens=300,
+    )
+    add(
+        "idle",
+        cmd_idle,
+        "idle workers: scheduler CPU, Submit to a parked worker",
+        workers=16,
+        seconds=20.0,
+        submits=200,
+    )
+    cost = add(
+        "report-cost",
+        cmd_report_cost,
+        "scheduler CPU per report, 1 scripted worker decoding --batch on a session",
+        batch=256,
+        step_ms=10.0,
+        seconds=10.0,
+        idle_seconds=5.0,
+        max_new_tokens=3000,
+    )
+    cost.add_argument(
+        "--nano-vllm",
+        metavar="DIR",
+        help="a nano-vllm checkout: its CPU per decision in the same run",
+    )
+    cost.add_argument(
+        "--floor",
+        action="store_true",
+        help="also an in-process worker against bare echo servicers (with "
+        "and without the interceptors) and this scheduler",
+    )
+    add(
+        "submits",
+        cmd_submits,
+        "acknowledged Submits/s with concurrent submitters",
+        submitters=16,
+        seconds=10.0,
+        tmp_dir=".artifacts",
+    )
     echo = sub.add_parser("echo-server", help="(internal) the bare echo servicer")
     echo.add_argument("--port", type=int, default=0)
-    echo.add_argument("--new-form", action="store_true",
-                      help="take packed tokens and unchanged running lists")
+    echo.add_argument(
+        "--new-form", action="store_true", help="take packed tokens and unchanged running lists"
+    )
     echo.add_argument("--interceptors", choices=("none", "default", "auth"), default="none")
     echo.add_argument("--tokens", help="the tokens file, for --interceptors auth")
     echo.set_defaults(fn=cmd_echo_server)

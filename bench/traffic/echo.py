@@ -1,5 +1,6 @@
 """The floor of the traffic benchmarks: a servicer that decides nothing (`echo-server`,
 started as its own process by `start_echo`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,11 +8,11 @@ import re
 import sys
 
 import grpc
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from bench.harness.processes import Proc
 from common.processes import LOOPBACK
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 ECHO_LISTENING = re.compile(r"echo listening on (\d+)")
 
@@ -40,9 +41,11 @@ class EchoServicer(pb_grpc.SchedulerServicer):
             yield self._answer(request)
 
     async def RegisterWorker(self, request, context):
-        return pb.RegisterWorkerResponse(max_batch_size=request.max_batch_size,
-                                         accepts_token_runs=self._new_form,
-                                         accepts_running_unchanged=self._new_form)
+        return pb.RegisterWorkerResponse(
+            max_batch_size=request.max_batch_size,
+            accepts_token_runs=self._new_form,
+            accepts_running_unchanged=self._new_form,
+        )
 
 
 def _echo_interceptors(which: str, tokens_path: str | None) -> list:
@@ -51,6 +54,7 @@ def _echo_interceptors(which: str, tokens_path: str | None) -> list:
     if which == "none":
         return []
     from service.server.interceptors import auth, decode_errors, limits
+
     first = [decode_errors.DecodeErrorInterceptor()]
     if which == "auth":
         first.append(auth.AuthInterceptor(auth.load_tokens(tokens_path)))
@@ -67,8 +71,9 @@ async def _echo_server(port: int, new_form: bool, interceptors: list) -> None:
 
 
 def cmd_echo_server(args) -> None:
-    asyncio.run(_echo_server(args.port, args.new_form,
-                             _echo_interceptors(args.interceptors, args.tokens)))
+    asyncio.run(
+        _echo_server(args.port, args.new_form, _echo_interceptors(args.interceptors, args.tokens))
+    )
 
 
 def start_echo(*flags: str) -> tuple[Proc, str]:

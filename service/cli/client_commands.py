@@ -1,4 +1,5 @@
 """The client subcommands of `lattice-scheduler` (submit, generate, cancel, status, drain)."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,11 +10,11 @@ import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.credentials import client_args_credentials, open_channel
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-
 from service.core import ConfigError
-from common.credentials import client_args_credentials, open_channel
 
 # gRPC's reason for a failed connection: "... last error: CODE: ipv4:HOST:PORT: <reason>".
 _LAST_ERROR = re.compile(r"last error: [A-Z_]+: (?:ipv[46]:\S+: )?(.+?)(?:: OK)?$")
@@ -38,8 +39,9 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
     try:
         # Health is open to every caller (no token), and without wait_for_ready a call
         # fails as soon as the connection does.
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                  timeout=args.timeout)
+        health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=args.timeout
+        )
     except grpc.RpcError as err:
         if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return channel  # something answered; the command's own call says what is wrong
@@ -59,8 +61,11 @@ def _unreachable(args: argparse.Namespace, err: grpc.RpcError) -> str:
         if reason.lower().endswith("connection refused"):
             reason = "connection refused"
         tls_may_be_why = match is not None and reason != "connection refused"
-    hint = ("; a TLS scheduler needs --tls-ca, an mTLS one also --tls-cert/--tls-key"
-            if tls_may_be_why and args.tls_ca is None else "")
+    hint = (
+        "; a TLS scheduler needs --tls-ca, an mTLS one also --tls-cert/--tls-key"
+        if tls_may_be_why and args.tls_ca is None
+        else ""
+    )
     return f"cannot reach the scheduler at {args.target} ({reason}{hint})"
 
 
@@ -80,7 +85,9 @@ def _request(args: argparse.Namespace, rng: random.Random, index: int = 0) -> pb
         prompt = [rng.randrange(1, RANDOM_TOKEN_ID_LIMIT) for _ in range(args.prompt_len)]
     request_id = f"{args.request_id}-{index}" if args.request_id and index else args.request_id
     return pb.SubmitRequest(
-        request_id=request_id, prompt_token_ids=prompt, max_new_tokens=args.max_new_tokens,
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        max_new_tokens=args.max_new_tokens,
         sampling=pb.SamplingParams(temperature=args.temperature, seed=args.seed),
     )
 
@@ -98,10 +105,15 @@ def generate(args: argparse.Namespace) -> int:
     stub = _stub(args)
     tokens: list[int] = []
     if not stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout).workers:
-        print("note: no worker is registered; the sequence waits in the queue until one "
-              "joins (Ctrl-C cancels it)", file=sys.stderr, flush=True)
-    for event in stub.Generate(_request(args, random.Random(args.seed)),
-                               timeout=args.stream_timeout):
+        print(
+            "note: no worker is registered; the sequence waits in the queue until one "
+            "joins (Ctrl-C cancels it)",
+            file=sys.stderr,
+            flush=True,
+        )
+    for event in stub.Generate(
+        _request(args, random.Random(args.seed)), timeout=args.stream_timeout
+    ):
         if not tokens and not event.token_ids and not event.finished:
             print(f"seq_id={event.seq_id}", flush=True)
         tokens.extend(event.token_ids)
@@ -126,32 +138,36 @@ def status(args: argparse.Namespace) -> int:
     stub = _stub(args)
     if args.seq_ids:
         for seq_id in args.seq_ids:
-            info = stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id),
-                                    timeout=args.timeout)
-            print(f"seq_id={info.seq_id} state={pb.SequenceState.Name(info.state)} "
-                  f"worker={info.worker_id or '-'} prompt_len={info.prompt_len} "
-                  f"prefilled={info.prefilled_tokens} generated={info.generated_tokens} "
-                  f"queue_position={info.queue_position} "
-                  f"finish_reason={pb.FinishReason.Name(info.finish_reason)}"
-                  + (f" error={json.dumps(info.error_message)}" if info.error_message
-                     else ""))
+            info = stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=args.timeout)
+            print(
+                f"seq_id={info.seq_id} state={pb.SequenceState.Name(info.state)} "
+                f"worker={info.worker_id or '-'} prompt_len={info.prompt_len} "
+                f"prefilled={info.prefilled_tokens} generated={info.generated_tokens} "
+                f"queue_position={info.queue_position} "
+                f"finish_reason={pb.FinishReason.Name(info.finish_reason)}"
+                + (f" error={json.dumps(info.error_message)}" if info.error_message else "")
+            )
         return 0
     st = stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout)
-    print(f"policy={st.policy} queue_depth={st.queue_depth} assigned={st.num_assigned} "
-          f"workers={len(st.workers)}")
+    print(
+        f"policy={st.policy} queue_depth={st.queue_depth} assigned={st.num_assigned} "
+        f"workers={len(st.workers)}"
+    )
     for w in st.workers:
-        print(f"  worker={w.worker_id} assigned={w.num_assigned} "
-              f"kv_free={w.kv_free_pages}/{w.total_kv_pages} "
-              f"gdn_free={w.gdn_free_slots}/{w.total_gdn_slots} iteration={w.iteration} "
-              f"draining={str(w.draining).lower()} incarnation={w.incarnation} "
-              f"last_call={w.seconds_since_last_call:.1f}s ago")
+        print(
+            f"  worker={w.worker_id} assigned={w.num_assigned} "
+            f"kv_free={w.kv_free_pages}/{w.total_kv_pages} "
+            f"gdn_free={w.gdn_free_slots}/{w.total_gdn_slots} iteration={w.iteration} "
+            f"draining={str(w.draining).lower()} incarnation={w.incarnation} "
+            f"last_call={w.seconds_since_last_call:.1f}s ago"
+        )
     return 0
 
 
 def drain(args: argparse.Namespace) -> int:
-    resp = _stub(args).DrainWorker(pb.DrainWorkerRequest(worker_id=args.worker_id,
-                                                         resume=args.resume),
-                                   timeout=args.timeout)
+    resp = _stub(args).DrainWorker(
+        pb.DrainWorkerRequest(worker_id=args.worker_id, resume=args.resume), timeout=args.timeout
+    )
     state = "lifted (admits again)" if args.resume else "requested (admits nothing new)"
     print(f"worker={args.worker_id} drain {state}; sequences still on it: {resp.num_assigned}")
     return 0
@@ -159,13 +175,22 @@ def drain(args: argparse.Namespace) -> int:
 
 def load(args: argparse.Namespace) -> int:
     from common.loadgen import LoadSpec, run_load
+
     channel = _channel(args)  # fail fast, with a clear message, when nothing answers
-    spec = LoadSpec(num_requests=args.requests, concurrency=args.concurrency,
-                    min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,
-                    max_new_tokens=args.max_new_tokens, seed=args.seed)
-    print(f"load: {spec.num_requests} Generate streams, {spec.concurrency} at a time, prompts "
-          f"{spec.min_prompt_len}-{spec.max_prompt_len} tokens, {spec.max_new_tokens} new tokens "
-          f"each, against {args.target}", flush=True)
+    spec = LoadSpec(
+        num_requests=args.requests,
+        concurrency=args.concurrency,
+        min_prompt_len=args.min_prompt_len,
+        max_prompt_len=args.max_prompt_len,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    print(
+        f"load: {spec.num_requests} Generate streams, {spec.concurrency} at a time, prompts "
+        f"{spec.min_prompt_len}-{spec.max_prompt_len} tokens, {spec.max_new_tokens} new tokens "
+        f"each, against {args.target}",
+        flush=True,
+    )
     report = run_load(args.target, spec, channel=channel)
     channel.close()
     for line in report.lines():
@@ -173,8 +198,14 @@ def load(args: argparse.Namespace) -> int:
     return 0 if len(report.ok) == len(report.results) else 1
 
 
-COMMANDS = {"submit": submit, "generate": generate, "cancel": cancel, "status": status,
-            "load": load, "drain": drain}
+COMMANDS = {
+    "submit": submit,
+    "generate": generate,
+    "cancel": cancel,
+    "status": status,
+    "load": load,
+    "drain": drain,
+}
 
 
 def run(command: str, args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
 """Scheduler settings and their validation (the seed's `BatchConfig::validate`, extended)."""
+
 from __future__ import annotations
 
 import math
@@ -51,7 +52,7 @@ class SchedulerConfig:
     # first chunks); "off" ignores every cache report and never sets cached_tokens.
     prefix_caching: str = "on"
 
-    def validate(self) -> "SchedulerConfig":
+    def validate(self) -> SchedulerConfig:
         """Return self, or raise ConfigError naming the first bad setting and its limit."""
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name))
@@ -71,13 +72,24 @@ class SchedulerConfig:
             raise ConfigError(
                 f"chunk_size ({self.chunk_size}) must not exceed max_seq_len ({self.max_seq_len})"
             )
-        for name in ("max_batch_size", "max_worker_batch_size", "chunk_size", "max_seq_len",
-                     "prefill_reserve_pages", "max_queue", "lease_ttl_ms",
-                     "max_num_batched_tokens", "min_prefill_chunk", "kv_watermark_pages",
-                     "max_loras"):
+        for name in (
+            "max_batch_size",
+            "max_worker_batch_size",
+            "chunk_size",
+            "max_seq_len",
+            "prefill_reserve_pages",
+            "max_queue",
+            "lease_ttl_ms",
+            "max_num_batched_tokens",
+            "min_prefill_chunk",
+            "kv_watermark_pages",
+            "max_loras",
+        ):
             # Every one of these travels in a uint32 field on the wire, or bounds one.
             if getattr(self, name) > _UINT32_MAX:
-                raise ConfigError(f"{name} must be at most {_UINT32_MAX}, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"{name} must be at most {_UINT32_MAX}, got {getattr(self, name)}"
+                )
         if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_batch_size:
             raise ConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
@@ -86,24 +98,36 @@ class SchedulerConfig:
             )
         for name in ("chunk_size", "max_seq_len"):
             if self.min_prefill_chunk and self.min_prefill_chunk > getattr(self, name):
-                raise ConfigError(f"min_prefill_chunk ({self.min_prefill_chunk}) must not "
-                                  f"exceed {name} ({getattr(self, name)})")
+                raise ConfigError(
+                    f"min_prefill_chunk ({self.min_prefill_chunk}) must not "
+                    f"exceed {name} ({getattr(self, name)})"
+                )
         for name in ("tpot_target_ms", "ttft_target_ms"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"{name} must be a number of milliseconds >= 0 (0: off), "
-                                  f"got {value!r}")
+                raise ConfigError(
+                    f"{name} must be a number of milliseconds >= 0 (0: off), got {value!r}"
+                )
             if value and self.policy == "fifo":
-                raise ConfigError(f"{name} needs the budget or fair policy: fifo has no "
-                                  "token budget to size and keeps arrival order")
+                raise ConfigError(
+                    f"{name} needs the budget or fair policy: fifo has no "
+                    "token budget to size and keeps arrival order"
+                )
         if not (math.isfinite(self.aging_seconds) and self.aging_seconds > 0):
-            raise ConfigError(f"aging_seconds must be a positive number of seconds, "
-                              f"got {self.aging_seconds!r}")
+            raise ConfigError(
+                f"aging_seconds must be a positive number of seconds, got {self.aging_seconds!r}"
+            )
         for tenant, weight in self.tenant_weights:
-            if not (isinstance(weight, (int, float)) and not isinstance(weight, bool)
-                    and math.isfinite(weight) and weight > 0):
-                raise ConfigError(f"tenant_weights: tenant {tenant!r} has weight {weight!r}; "
-                                  "weights must be positive numbers")
+            if not (
+                isinstance(weight, (int, float))
+                and not isinstance(weight, bool)
+                and math.isfinite(weight)
+                and weight > 0
+            ):
+                raise ConfigError(
+                    f"tenant_weights: tenant {tenant!r} has weight {weight!r}; "
+                    "weights must be positive numbers"
+                )
         if self.max_batch_size > self.max_worker_batch_size:
             raise ConfigError(
                 f"max_batch_size ({self.max_batch_size}) must not exceed max_worker_batch_size "
@@ -123,8 +147,9 @@ class SchedulerConfig:
     @property
     def first_chunk_floor(self) -> int:
         """C: no first chunk shorter than this (or than the prompt) is started."""
-        return self.min_prefill_chunk or min(DEFAULT_MIN_PREFILL_CHUNK, self.chunk_size,
-                                             self.max_seq_len)
+        return self.min_prefill_chunk or min(
+            DEFAULT_MIN_PREFILL_CHUNK, self.chunk_size, self.max_seq_len
+        )
 
     @property
     def learns_step_times(self) -> bool:
@@ -150,7 +175,8 @@ def _check_type(name: str, value: object) -> None:
     elif name == "tenant_weights":
         ok = isinstance(value, tuple) and all(
             isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-            for item in value)
+            for item in value
+        )
         expected = "a tuple of (tenant, weight) pairs"
     else:
         ok, expected = isinstance(value, int) and not isinstance(value, bool), "int"

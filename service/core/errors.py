@@ -3,6 +3,7 @@
 Each maps to one gRPC status code in service/server/status_codes.py; the message names the
 field and the limit, so a person can act on it.
 """
+
 from common.errors import ConfigError  # noqa: F401  (re-exported: settings errors of the core)
 
 
@@ -40,5 +41,3 @@ class UnknownWorker(SchedulerError):
 class Superseded(SchedulerError):
     """A call names an older incarnation of a registered worker (FAILED_PRECONDITION); the
     message starts with "superseded:" so that a worker tells it from UnknownWorker."""
-
-

@@ -3,12 +3,13 @@
 The core calls these synchronously, inside the call that made the change (one event
 loop serializes every call, so a slow hook delays every worker): keep them cheap.
 """
+
 from __future__ import annotations
 
 import enum
 
-from service.core.vocabulary import BlockReason, PreemptReason
 from service.core.types import Decision, FinishReason, WorkerReport
+from service.core.vocabulary import BlockReason, PreemptReason
 
 
 class RequeueReason(enum.Enum):
@@ -36,8 +37,7 @@ class SchedulerObserver:
 
     def on_tokens(self, seq_id: int, num_tokens: int) -> None: ...
 
-    def on_tokens_reported(self, worker_id: str, seq_ids: list[int],
-                           num_tokens: list[int]) -> None:
+    def on_tokens_reported(self, worker_id: str, seq_ids: list[int], num_tokens: list[int]) -> None:
         """The new tokens of one report, in one call: seq_ids[i] got num_tokens[i] (an id
         may appear twice). This default calls on_tokens for each, in order; an observer
         with per-report work to share (one clock reading, one counter update) overrides
@@ -60,8 +60,9 @@ class SchedulerObserver:
 
     def on_decision(self, report: WorkerReport, decision: Decision) -> None: ...
 
-    def on_worker_registered(self, worker_id: str, total_kv_pages: int,
-                             total_gdn_slots: int) -> None: ...
+    def on_worker_registered(
+        self, worker_id: str, total_kv_pages: int, total_gdn_slots: int
+    ) -> None: ...
 
     def on_worker_removed(self, worker_id: str) -> None: ...
 
@@ -72,13 +73,13 @@ class SchedulerObserver:
 
     def on_preempted(self, seq_id: int, worker_id: str, reason: PreemptReason) -> None: ...
 
-    def on_plan(self, worker_id: str, num_batched_tokens: int,
-                token_budget: int | None) -> None:
+    def on_plan(self, worker_id: str, num_batched_tokens: int, token_budget: int | None) -> None:
         """A decision's tokens (decodes + prefill chunks) and the budget it had (None:
         the policy has no token budget)."""
 
-    def on_step_time(self, worker_id: str, predicted_seconds: float,
-                     measured_seconds: float) -> None:
+    def on_step_time(
+        self, worker_id: str, predicted_seconds: float, measured_seconds: float
+    ) -> None:
         """A worker's measured step and what its model predicted for it beforehand."""
 
     def on_prefill_tokens(self, worker_id: str, computed: int, cached: int) -> None:

@@ -7,6 +7,7 @@ docs/policies.md. A new policy is one entry here, plus its batching class in
 decide/policies/ if it fills a batch in a new way. Imports nothing of ours, so that
 every part of the core may read it.
 """
+
 from __future__ import annotations
 
 import enum
@@ -39,13 +40,24 @@ class PolicyEntry:
     help: str  # one clause, as serve's --help lists it
 
 
-POLICIES: dict[str, PolicyEntry] = {entry.name: entry for entry in (
-    PolicyEntry("fifo", Batching.FIFO, Order.ARRIVAL, "the seed's"),
-    PolicyEntry("budget", Batching.BUDGET, Order.ARRIVAL_OR_DEADLINE,
-                "a token budget per iteration, scheduler-chosen preemption"),
-    PolicyEntry("fair", Batching.BUDGET, Order.FAIR,
-                "budget, plus priority bands with aging and tenant fairness"),
-)}
+POLICIES: dict[str, PolicyEntry] = {
+    entry.name: entry
+    for entry in (
+        PolicyEntry("fifo", Batching.FIFO, Order.ARRIVAL, "the seed's"),
+        PolicyEntry(
+            "budget",
+            Batching.BUDGET,
+            Order.ARRIVAL_OR_DEADLINE,
+            "a token budget per iteration, scheduler-chosen preemption",
+        ),
+        PolicyEntry(
+            "fair",
+            Batching.BUDGET,
+            Order.FAIR,
+            "budget, plus priority bands with aging and tenant fairness",
+        ),
+    )
+}
 DEFAULT_POLICY = "budget"
 
 

@@ -9,6 +9,7 @@ mechanism checks the plan and applies it (decide/batcher.py), and the change is 
 (persist/changes.py) before the call returns: every state-changing call runs in one save
 scope (`_saving`, persist/saving.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -29,18 +30,28 @@ from service.core.persist.recovery import Recovery
 from service.core.persist.saving import Saver
 from service.core.persist.store import StateStore, StoredState
 from service.core.report.reconcile import Reconciler
-from service.core.tables.steady import SteadyStep
 from service.core.report.validation import check_incarnation, check_submit, validate_report
 from service.core.tables.ledger import WorkerLedger
 from service.core.tables.lifecycle import Lifecycle
 from service.core.tables.reads import OutputView, Reads
 from service.core.tables.sequences import Sequence, SequenceTable
+from service.core.tables.steady import SteadyStep
 from service.core.tables.tables import Tables
 from service.core.tables.tenants import TenantLedger
 from service.core.tables.workers import WorkerRegistry
 from service.core.types import (
-    SEES_ALL, Caller, Decision, FinishReason, SchedulerStatus, SequenceInfo, SequenceState,
-    SubmitParams, SubmitResult, WorkerRegistration, WorkerReport, WorkerSettings,
+    SEES_ALL,
+    Caller,
+    Decision,
+    FinishReason,
+    SchedulerStatus,
+    SequenceInfo,
+    SequenceState,
+    SubmitParams,
+    SubmitResult,
+    WorkerRegistration,
+    WorkerReport,
+    WorkerSettings,
 )
 
 __all__ = ["DEFAULT_MAX_DECISION_BYTES", "OutputView", "Scheduler"]
@@ -86,11 +97,16 @@ class Scheduler:
         self._policy = make_policy(config)
         order = queue_order(config)
         tables = Tables(
-            sequences=SequenceTable(max_finished_retained), queue=order.new_queue(),
+            sequences=SequenceTable(max_finished_retained),
+            queue=order.new_queue(),
             ledger=WorkerLedger(),
-            tenants=(TenantLedger(dict(config.tenant_weights))
-                     if order.uses_tenant_service else None),
-            changes=ChangeSet(store), observer=observer or SchedulerObserver(), clock=clock)
+            tenants=(
+                TenantLedger(dict(config.tenant_weights)) if order.uses_tenant_service else None
+            ),
+            changes=ChangeSet(store),
+            observer=observer or SchedulerObserver(),
+            clock=clock,
+        )
         self._tables = tables
         # The tables this class reads often, by name.
         self._sequences, self._queue, self._ledger = tables.sequences, tables.queue, tables.ledger
@@ -101,15 +117,26 @@ class Scheduler:
         steady = SteadyStep(tables, lifecycle)
         self._reconciler = Reconciler(tables, lifecycle, steady)
         self._recovery = Recovery(tables, lifecycle, wall_clock)
-        self._batcher = Batcher(tables, lifecycle, steady, self._policy, config.policy,
-                                max_decision_bytes, config.max_loras)
-        self._workers = WorkerRegistry(tables, lifecycle, config, self._policy.token_budget,
-                                       stall_seconds)
+        self._batcher = Batcher(
+            tables,
+            lifecycle,
+            steady,
+            self._policy,
+            config.policy,
+            max_decision_bytes,
+            config.max_loras,
+        )
+        self._workers = WorkerRegistry(
+            tables, lifecycle, config, self._policy.token_budget, stall_seconds
+        )
         # `with self._saving() as saved:` is the save scope of each state-changing call.
         self._saving = Saver(tables, lifecycle, lambda: self._workers.last_incarnation).scope
         # Each worker's step times, learned while a latency target is set.
-        self._step_times = (StepTimes(step_prior.copy if step_prior else StepTimeModel)
-                            if config.learns_step_times else None)
+        self._step_times = (
+            StepTimes(step_prior.copy if step_prior else StepTimeModel)
+            if config.learns_step_times
+            else None
+        )
         # The tenant's service so far, as the queue order reads it (0 without counters).
         self._served = self._tenants.served if self._tenants is not None else _no_service
         self._reads = Reads(tables, self._served)
@@ -265,8 +292,11 @@ class Scheduler:
 
     def is_sheddable(self, params: SubmitParams) -> bool:
         """Whether `params` may be shed: a negative priority under a TTFT target."""
-        return bool(self.config.ttft_target_ms) and params.priority < 0 \
+        return (
+            bool(self.config.ttft_target_ms)
+            and params.priority < 0
             and self._step_times is not None
+        )
 
     def _shed_if_late(self, params: SubmitParams, tokens_elsewhere: int = 0) -> None:
         """DeadlineUnreachable for a sheddable request (negative priority, a TTFT target
@@ -277,19 +307,24 @@ class Scheduler:
         target_seconds = self.config.ttft_target_ms / 1000.0
         workers = [w for w in self._ledger if not (w.draining or w.drain_requested)]
         tokens_ahead = self._queue.tokens_up_to(params.priority) + tokens_elsewhere
-        rate = prefill_rate((model, self._policy.step_tokens(model))
-                            for model in map(self._step_times.model,
-                                             (w.worker_id for w in workers)))
+        rate = prefill_rate(
+            (model, self._policy.step_tokens(model))
+            for model in map(self._step_times.model, (w.worker_id for w in workers))
+        )
         wait = start_seconds(tokens_ahead, rate)
         if wait is not None and wait <= target_seconds:
             return
-        why = ("no worker is registered to start it" if not workers else
-               f"{tokens_ahead} prompt tokens of as urgent requests are queued ahead of it, "
-               f"about {wait:.2f} s of prefill on the {len(workers)} worker(s)")
+        why = (
+            "no worker is registered to start it"
+            if not workers
+            else f"{tokens_ahead} prompt tokens of as urgent requests are queued ahead of it, "
+            f"about {wait:.2f} s of prefill on the {len(workers)} worker(s)"
+        )
         raise DeadlineUnreachable(
             f"shed: priority {params.priority} is sheddable and cannot start before its "
             f"deadline (--ttft-target-ms {self.config.ttft_target_ms:g}): {why}; retry "
-            "later or elsewhere, or submit with priority >= 0 to queue it anyway")
+            "later or elsewhere, or submit with priority >= 0 to queue it anyway"
+        )
 
     def _learn_step_time(self, report: WorkerReport):
         """Learn from the step time `report` carries; the worker's model (None: none
@@ -311,8 +346,9 @@ class Scheduler:
         back to the head of the queue), and if it never calls its lease runs out.
         """
         with self._saving():
-            self._workers.last_incarnation = max([state.last_incarnation,
-                                                  *(w.incarnation for w in state.workers)])
+            self._workers.last_incarnation = max(
+                [state.last_incarnation, *(w.incarnation for w in state.workers)]
+            )
             for stored in state.workers:
                 record = self._workers.add(stored.registration, stored.incarnation)
                 record.drain_requested = stored.drain_requested
@@ -347,4 +383,3 @@ def _without(decision: Decision, disowned: frozenset[int], reported: frozenset[i
         preempt=tuple(s for s in decision.preempt if s not in disowned),
         evict=tuple(dict.fromkeys([*decision.evict, *(disowned & reported)])),
     )
-

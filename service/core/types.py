@@ -3,6 +3,7 @@
 Nothing here knows about gRPC or Prometheus: the servicer converts wire messages
 to these types (service/server/convert.py) and back.
 """
+
 from __future__ import annotations
 
 import enum

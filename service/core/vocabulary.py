@@ -4,6 +4,7 @@ was preempted, and what a policy may read of a sequence.
 A leaf: it imports nothing of the core, so plan.py, step_budget.py, the policies and
 the observer all read it without importing each other.
 """
+
 from __future__ import annotations
 
 import enum

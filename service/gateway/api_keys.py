@@ -8,6 +8,7 @@ digests are kept in memory; no key is ever logged or echoed.
 
 Without a keys file there is one principal, anonymous, as before (docs/security.md).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -106,8 +107,10 @@ def load_api_keys(path: str | Path) -> ApiKeys:
         if digest in digests:
             raise ConfigError(f"{where}: keys[{index}] repeats an earlier key")
         if principal.name in names:
-            raise ConfigError(f"{where}: keys[{index}] repeats the name {principal.name!r}; "
-                              "each key is a principal of its own")
+            raise ConfigError(
+                f"{where}: keys[{index}] repeats the name {principal.name!r}; "
+                "each key is a principal of its own"
+            )
         digests.add(digest)
         names.add(principal.name)
         entries.append((digest, principal))
@@ -119,8 +122,9 @@ def _entry(item: object, where: str) -> tuple[bytes, Principal]:
         raise ConfigError(f"{where}: expected a table with key and name")
     known = {"key", "key_sha256", "name", "tenant", "scheduler_token"}
     if unknown := set(item) - known:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; known: "
-                          f"{', '.join(sorted(known))}")
+        raise ConfigError(
+            f"{where}: unknown keys {sorted(unknown)}; known: {', '.join(sorted(known))}"
+        )
     if ("key" in item) == ("key_sha256" in item):
         raise ConfigError(f"{where}: give exactly one of key and key_sha256")
     if "key" in item:
@@ -136,15 +140,27 @@ def _entry(item: object, where: str) -> tuple[bytes, Principal]:
         if len(digest) != 32:
             raise ConfigError(f"{where}: key_sha256 must be 64 hex digits")
     name = item.get("name")
-    if not isinstance(name, str) or not name or not set(name) <= _NAME_CHARACTERS \
-            or len(name) > MAX_NAME_BYTES:
-        raise ConfigError(f"{where}: name must be 1-{MAX_NAME_BYTES} letters, digits or "
-                          f"-_.:@/+= (it names the principal in logs and gRPC metadata)")
+    if (
+        not isinstance(name, str)
+        or not name
+        or not set(name) <= _NAME_CHARACTERS
+        or len(name) > MAX_NAME_BYTES
+    ):
+        raise ConfigError(
+            f"{where}: name must be 1-{MAX_NAME_BYTES} letters, digits or "
+            f"-_.:@/+= (it names the principal in logs and gRPC metadata)"
+        )
     tenant = item.get("tenant")
-    if tenant is not None and (not isinstance(tenant, str) or not tenant or "\x00" in tenant
-                               or len(tenant.encode()) > MAX_NAME_BYTES):
-        raise ConfigError(f"{where}: tenant must be a non-empty string of at most "
-                          f"{MAX_NAME_BYTES} bytes, without NUL")
+    if tenant is not None and (
+        not isinstance(tenant, str)
+        or not tenant
+        or "\x00" in tenant
+        or len(tenant.encode()) > MAX_NAME_BYTES
+    ):
+        raise ConfigError(
+            f"{where}: tenant must be a non-empty string of at most "
+            f"{MAX_NAME_BYTES} bytes, without NUL"
+        )
     token = item.get("scheduler_token")
     if token is not None and (not isinstance(token, str) or not token):
         raise ConfigError(f"{where}: scheduler_token must be a non-empty string")

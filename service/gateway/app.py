@@ -3,6 +3,7 @@
 with --api-keys), checks and plans (answers.py), binds an idempotency key to its body
 (idempotency.py), follows the sequence (generations.py) and shapes the OpenAI response;
 errors leave as OpenAI error JSON (errors.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,10 +20,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.gateway.api_keys import ANONYMOUS, ApiKeys, Principal, bearer_key
 from service.gateway.answers import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS, Delta, Finish, Plan, plan, text_events,
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    Delta,
+    Finish,
+    Plan,
+    plan,
+    text_events,
 )
+from service.gateway.api_keys import ANONYMOUS, ApiKeys, Principal, bearer_key
 from service.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from service.gateway.chat_prompt import chat_prompt_ids
 from service.gateway.chat_template import ChatTemplateError
@@ -68,10 +74,14 @@ class Gateway:
         key = bearer_key(request.headers.get("authorization"))
         principal = self.api_keys.lookup(key) if key is not None else None
         if principal is None:
-            raise GatewayError(401, "a valid API key is required: send "
-                                    "'Authorization: Bearer <key>'" if key is None else
-                               "the API key is not known to this gateway",
-                               code="invalid_api_key", retryable=False)
+            raise GatewayError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer <key>'"
+                if key is None
+                else "the API key is not known to this gateway",
+                code="invalid_api_key",
+                retryable=False,
+            )
         return principal
 
 
@@ -80,8 +90,12 @@ class ClientGone(Exception):
 
 
 def create_app(gateway: Gateway) -> FastAPI:
-    app = FastAPI(title="Lattice Scheduler OpenAI-compatible gateway", docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="Lattice Scheduler OpenAI-compatible gateway",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
     _add_error_handlers(app)
@@ -94,14 +108,19 @@ def create_app(gateway: Gateway) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     if gateway.metrics_path is not None:
+
         @app.api_route(gateway.metrics_path, methods=["GET", "HEAD"])
         async def metrics() -> Response:
             return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict:
-        return {"id": gateway.served_model_name, "object": "model",
-                "created": gateway.started_at, "owned_by": "lattice-scheduler",
-                "max_model_len": gateway.max_model_len}
+        return {
+            "id": gateway.served_model_name,
+            "object": "model",
+            "created": gateway.started_at,
+            "owned_by": "lattice-scheduler",
+            "max_model_len": gateway.max_model_len,
+        }
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> dict:
@@ -120,23 +139,34 @@ def create_app(gateway: Gateway) -> FastAPI:
         _check_model(gateway, body.model)
         prompt = body.single_prompt()
         if isinstance(prompt, str):  # off the loop: a long prompt delays nobody else
-            prompt_ids = await asyncio.to_thread(gateway.files.encode, prompt,
-                                                 add_special_tokens=True)
+            prompt_ids = await asyncio.to_thread(
+                gateway.files.encode, prompt, add_special_tokens=True
+            )
         else:
             prompt_ids = _checked_token_ids(prompt, gateway.files.vocab_size)
         request_id = _request_id(request)
-        works = [plan(body, prompt_ids, max_new_tokens=body.max_tokens,
-                      default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, files=gateway.files,
-                      max_model_len=gateway.max_model_len, request_id=request_id,
-                      principal=principal, choice=choice)
-                 for choice in range(body.num_choices)]
+        works = [
+            plan(
+                body,
+                prompt_ids,
+                max_new_tokens=body.max_tokens,
+                default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+                files=gateway.files,
+                max_model_len=gateway.max_model_len,
+                request_id=request_id,
+                principal=principal,
+                choice=choice,
+            )
+            for choice in range(body.num_choices)
+        ]
         works = _keyed(gateway, works, principal, request_id)
         shape = CompletionShape(gateway.served_model_name, body.include_usage)
         echo_text = None
         if body.echo:
             echo_text = prompt if isinstance(prompt, str) else gateway.files.decode(prompt_ids)
-        return await _answer(gateway, request, COMPLETIONS, works, shape, bool(body.stream),
-                             request_id, echo_text)
+        return await _answer(
+            gateway, request, COMPLETIONS, works, shape, bool(body.stream), request_id, echo_text
+        )
 
     @app.post(CHAT_COMPLETIONS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -144,40 +174,62 @@ def create_app(gateway: Gateway) -> FastAPI:
         _check_model(gateway, body.model)
         template = gateway.files.chat_template
         if template is None:
-            raise bad_request("this model has no chat template (tokenizer_config.json "
-                              "chat_template); use /v1/completions", "messages")
+            raise bad_request(
+                "this model has no chat template (tokenizer_config.json "
+                "chat_template); use /v1/completions",
+                "messages",
+            )
         try:
             prompt_ids = await asyncio.to_thread(  # off the loop, as for completions
-                chat_prompt_ids, gateway.files, template,
-                [m.for_template() for m in body.messages], body.chat_template_kwargs)
+                chat_prompt_ids,
+                gateway.files,
+                template,
+                [m.for_template() for m in body.messages],
+                body.chat_template_kwargs,
+            )
         except ChatTemplateError as err:
             raise bad_request(str(err), "messages") from None
         request_id = _request_id(request)
-        works = [plan(body, prompt_ids, max_new_tokens=body.max_new_tokens,
-                      default_max_tokens=None, files=gateway.files,
-                      max_model_len=gateway.max_model_len, request_id=request_id,
-                      principal=principal, choice=choice)
-                 for choice in range(body.num_choices)]
+        works = [
+            plan(
+                body,
+                prompt_ids,
+                max_new_tokens=body.max_new_tokens,
+                default_max_tokens=None,
+                files=gateway.files,
+                max_model_len=gateway.max_model_len,
+                request_id=request_id,
+                principal=principal,
+                choice=choice,
+            )
+            for choice in range(body.num_choices)
+        ]
         works = _keyed(gateway, works, principal, request_id)
         shape = ChatShape(gateway.served_model_name, body.include_usage)
-        return await _answer(gateway, request, CHAT_COMPLETIONS, works, shape,
-                             bool(body.stream), request_id)
+        return await _answer(
+            gateway, request, CHAT_COMPLETIONS, works, shape, bool(body.stream), request_id
+        )
 
     return app
 
 
 def _check_model(gateway: Gateway, model: str) -> None:
     if model != gateway.served_model_name:
-        raise GatewayError(404, f"the model {model!r} does not exist here; this server serves "
-                                f"{gateway.served_model_name!r}", param="model",
-                           code="model_not_found")
+        raise GatewayError(
+            404,
+            f"the model {model!r} does not exist here; this server serves "
+            f"{gateway.served_model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _checked_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
-                          f"(0..{vocab_size - 1})", "prompt")
+        raise bad_request(
+            f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt"
+        )
     return token_ids
 
 
@@ -190,13 +242,21 @@ def _keyed(gateway: Gateway, works: list[Plan], principal: Principal, key: str) 
 
 def _request_id(request: Request) -> str:
     """The client's idempotency key: Idempotency-Key, else X-Request-Id, else none."""
-    return (request.headers.get("idempotency-key") or request.headers.get("x-request-id")
-            or "").strip()
+    return (
+        request.headers.get("idempotency-key") or request.headers.get("x-request-id") or ""
+    ).strip()
 
 
-async def _answer(gateway: Gateway, request: Request, endpoint: str, works: list[Plan],
-                  shape: CompletionShape, stream: bool, request_id: str,
-                  echo_text: str | None = None) -> Response:
+async def _answer(
+    gateway: Gateway,
+    request: Request,
+    endpoint: str,
+    works: list[Plan],
+    shape: CompletionShape,
+    stream: bool,
+    request_id: str,
+    echo_text: str | None = None,
+) -> Response:
     """Follow one sequence per choice (`n`), and answer them as one response. `echo_text`:
     the prompt as each choice starts with it (completions' echo), or None."""
     arrived = time.perf_counter()
@@ -205,14 +265,17 @@ async def _answer(gateway: Gateway, request: Request, endpoint: str, works: list
     num_prompt = works[0].num_prompt_tokens
     attached = contextlib.AsyncExitStack()
     try:
-        generations = [await attached.enter_async_context(gateway.generations.attach(w.attempt))
-                       for w in works]
+        generations = [
+            await attached.enter_async_context(gateway.generations.attach(w.attempt)) for w in works
+        ]
     except BaseException:
         await attached.aclose()  # the choices opened so far
         raise
     metrics.prompt_tokens.labels(endpoint).inc(num_prompt)
-    choices = [_Choice.follow(gateway, shape, work, generation, echo_text)
-               for generation, work in zip(generations, works)]
+    choices = [
+        _Choice.follow(gateway, shape, work, generation, echo_text)
+        for generation, work in zip(generations, works)
+    ]
     seq_id = generations[0].seq_id
     timed_first = False
 
@@ -223,11 +286,21 @@ async def _answer(gateway: Gateway, request: Request, endpoint: str, works: list
             metrics.time_to_first_token.labels(endpoint).observe(time.perf_counter() - arrived)
 
     if stream:
-        body = _sse(shape, seq_id, choices, num_prompt, first_text,
-                    lambda num_tokens: metrics.completion_tokens.labels(endpoint).inc(num_tokens),
-                    lambda: metrics.client_disconnects.labels(endpoint).inc())
-        return _ClosingStream(body, attached.aclose, media_type="text/event-stream",
-                              headers={**headers, "cache-control": "no-cache"})
+        body = _sse(
+            shape,
+            seq_id,
+            choices,
+            num_prompt,
+            first_text,
+            lambda num_tokens: metrics.completion_tokens.labels(endpoint).inc(num_tokens),
+            lambda: metrics.client_disconnects.labels(endpoint).inc(),
+        )
+        return _ClosingStream(
+            body,
+            attached.aclose,
+            media_type="text/event-stream",
+            headers={**headers, "cache-control": "no-cache"},
+        )
 
     async def collect_one(choice: _Choice) -> WholeChoice:
         pieces, taken, finish = [], [], None
@@ -244,7 +317,8 @@ async def _answer(gateway: Gateway, request: Request, endpoint: str, works: list
         async with attached:
             answers = await asyncio.gather(*(collect_one(c) for c in choices))
         metrics.completion_tokens.labels(endpoint).inc(
-            sum(a.finish.num_completion_tokens for a in answers))
+            sum(a.finish.num_completion_tokens for a in answers)
+        )
         return shape.whole(seq_id, list(answers), num_prompt)
 
     try:
@@ -257,8 +331,9 @@ async def _answer(gateway: Gateway, request: Request, endpoint: str, works: list
     return JSONResponse(answer, headers=headers)
 
 
-async def _merged(streams: list[AsyncIterator[Delta | Finish]]
-                  ) -> AsyncIterator[tuple[int, Delta | Finish]]:
+async def _merged(
+    streams: list[AsyncIterator[Delta | Finish]],
+) -> AsyncIterator[tuple[int, Delta | Finish]]:
     """(choice index, event) from every stream, as they come; the first GatewayError of any
     of them is raised. The readers stop when the consumer does."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -288,9 +363,15 @@ async def _merged(streams: list[AsyncIterator[Delta | Finish]]
             reader.cancel()
 
 
-async def _sse(shape: CompletionShape, seq_id: int, choices: list[_Choice], num_prompt: int,
-               on_first_text: Callable[[], None], on_finished: Callable[[int], None],
-               on_disconnect: Callable[[], None]) -> AsyncIterator[str]:
+async def _sse(
+    shape: CompletionShape,
+    seq_id: int,
+    choices: list[_Choice],
+    num_prompt: int,
+    on_first_text: Callable[[], None],
+    on_finished: Callable[[int], None],
+    on_disconnect: Callable[[], None],
+) -> AsyncIterator[str]:
     """Server-sent events: chunks of every choice as they come, each choice's finish chunk,
     usage if asked (all choices), then [DONE]; an error after the first byte is an
     `error` event (OpenAI clients raise it). With echo, a choice's first chunk is the
@@ -308,8 +389,9 @@ async def _sse(shape: CompletionShape, seq_id: int, choices: list[_Choice], num_
                 yield sse_event(shape.chunk(seq_id, echo, None, choice.prompt_logprobs(), index))
             if isinstance(event, Delta):
                 on_first_text()
-                yield sse_event(shape.chunk(seq_id, event.text, None, choice.logprobs(event),
-                                            index))
+                yield sse_event(
+                    shape.chunk(seq_id, event.text, None, choice.logprobs(event), index)
+                )
             else:
                 num_completion += event.num_completion_tokens
                 yield sse_event(shape.chunk(seq_id, "", event.reason, index=index))
@@ -329,9 +411,14 @@ class _Choice:
     """One of the `n` sequences of an answer: its events, and its text and logprobs in the
     response's shape (with echo, the prompt leads)."""
 
-    def __init__(self, work: Plan, generation: Generation, events: AsyncIterator[Delta | Finish],
-                 builder: CompletionLogprobs | ChatLogprobs | None,
-                 echo_text: str | None) -> None:
+    def __init__(
+        self,
+        work: Plan,
+        generation: Generation,
+        events: AsyncIterator[Delta | Finish],
+        builder: CompletionLogprobs | ChatLogprobs | None,
+        echo_text: str | None,
+    ) -> None:
         self.work = work
         self.generation = generation
         self.events = events
@@ -340,13 +427,27 @@ class _Choice:
         self._echo_pending = echo_text is not None
 
     @classmethod
-    def follow(cls, gateway: Gateway, shape: CompletionShape, work: Plan, generation: Generation,
-               echo_text: str | None) -> _Choice:
-        events = text_events(gateway.generations, generation, gateway.files, work.attempt.stop,
-                             with_logprobs=work.num_top_logprobs is not None,
-                             discard_generated=work.discard_generated)
-        builder = (None if work.num_top_logprobs is None
-                   else shape.logprobs_builder(gateway.files.decode, work.num_top_logprobs))
+    def follow(
+        cls,
+        gateway: Gateway,
+        shape: CompletionShape,
+        work: Plan,
+        generation: Generation,
+        echo_text: str | None,
+    ) -> _Choice:
+        events = text_events(
+            gateway.generations,
+            generation,
+            gateway.files,
+            work.attempt.stop,
+            with_logprobs=work.num_top_logprobs is not None,
+            discard_generated=work.discard_generated,
+        )
+        builder = (
+            None
+            if work.num_top_logprobs is None
+            else shape.logprobs_builder(gateway.files.decode, work.num_top_logprobs)
+        )
         return cls(work, generation, events, builder, echo_text)
 
     def take_echo(self) -> str | None:
@@ -367,8 +468,9 @@ class _Choice:
         return self._builder.block(prompt_ids, [None, *entries])
 
     def logprobs(self, delta: Delta) -> dict | None:
-        return None if self._builder is None else self._builder.block(delta.token_ids,
-                                                                      delta.logprobs)
+        return (
+            None if self._builder is None else self._builder.block(delta.token_ids, delta.logprobs)
+        )
 
     def whole(self, pieces: list[str], taken: list[Delta], finish: Finish) -> WholeChoice:
         """The answer of a non-streamed request, from all its Deltas."""
@@ -451,11 +553,19 @@ def _add_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             position = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
             where = f" at character {position}" if position is not None else ""
-            return await gateway_error(request, bad_request(
-                f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'JSON decode error')}{where})"))
+            return await gateway_error(
+                request,
+                bad_request(
+                    "the request body is not valid JSON"
+                    f" ({first.get('ctx', {}).get('error', 'JSON decode error')}{where})"
+                ),
+            )
         where = _param(first.get("loc", ()))
-        message = f"{where}: {first.get('msg', 'invalid')}" if where else \
-            first.get("msg", "invalid request body")
+        message = (
+            f"{where}: {first.get('msg', 'invalid')}"
+            if where
+            else first.get("msg", "invalid request body")
+        )
         return await gateway_error(request, bad_request(message, where or None))
 
     @app.exception_handler(StarletteHTTPException)
@@ -466,5 +576,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal(request: Request, err: Exception) -> Response:
         incident = uuid.uuid4().hex[:12]
         log.exception("internal error %s on %s", incident, request.url.path)
-        return await gateway_error(request, GatewayError(
-            500, f"internal error {incident}; see the gateway log"))
+        return await gateway_error(
+            request, GatewayError(500, f"internal error {incident}; see the gateway log")
+        )

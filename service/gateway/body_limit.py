@@ -5,6 +5,7 @@ sent without a length (chunked) is counted as it arrives and refused when it pas
 limit. Without this a 10 MB body was read, parsed and tokenized whole (seconds of the
 event loop, and memory never returned) before its 400.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,11 +49,25 @@ class BodyLimitMiddleware:
 
 
 async def _refuse(send, max_bytes: int) -> None:
-    body = json.dumps({"error": {"message": _too_large(max_bytes),
-                                 "type": "invalid_request_error", "param": None,
-                                 "code": "request_too_large"}}).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": _too_large(max_bytes),
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_too_large",
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -10,6 +10,7 @@ become a system turn, a prompt injection past the template. So what messages say
   none parsed (tokenizers' `encode_special_tokens`): the user's `<|im_end|>` becomes
   the tokens of its characters.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,17 +23,22 @@ from service.gateway.errors import bad_request
 from service.gateway.model_files import ModelFiles
 
 
-def chat_prompt_ids(files: ModelFiles, template: ChatTemplate,
-                    messages: Sequence[Mapping[str, Any]],
-                    extra: Mapping[str, Any] | None = None) -> list[int]:
+def chat_prompt_ids(
+    files: ModelFiles,
+    template: ChatTemplate,
+    messages: Sequence[Mapping[str, Any]],
+    extra: Mapping[str, Any] | None = None,
+) -> list[int]:
     """The prompt of `messages` (as chat templates take them); ChatTemplateError from the
     template, a 400 for special-token text where it cannot be kept as text."""
     special = files.added_token_texts
     for key, value in (extra or {}).items():
         if _holds(value, special):
-            raise bad_request(f"chat_template_kwargs.{key} holds the text of a special token; "
-                              "special tokens come from the chat template only",
-                              f"chat_template_kwargs.{key}")
+            raise bad_request(
+                f"chat_template_kwargs.{key} holds the text of a special token; "
+                "special tokens come from the chat template only",
+                f"chat_template_kwargs.{key}",
+            )
     if not any(_holds(message, special) for message in messages):
         return files.encode(template.render(messages, extra=extra), add_special_tokens=False)
     nonce = secrets.token_hex(8)
@@ -43,16 +49,20 @@ def chat_prompt_ids(files: ModelFiles, template: ChatTemplate,
         for key, value in message.items():
             if key == "role":
                 if _holds(value, special):
-                    raise bad_request(f"messages[{index}].role holds the text of a special "
-                                      "token", f"messages[{index}].role")
+                    raise bad_request(
+                        f"messages[{index}].role holds the text of a special token",
+                        f"messages[{index}].role",
+                    )
                 continue
             if isinstance(value, str):
                 copy[key] = f"\ue000{nonce}:{len(texts)}\ue001"
                 texts.append(value)
             elif _holds(value, special):
-                raise bad_request(f"messages[{index}].{key} holds the text of a special "
-                                  "token where it cannot be kept as text",
-                                  f"messages[{index}]")
+                raise bad_request(
+                    f"messages[{index}].{key} holds the text of a special "
+                    "token where it cannot be kept as text",
+                    f"messages[{index}]",
+                )
         placeheld.append(copy)
     rendered = template.render(placeheld, extra=extra)
     ids: list[int] = []
@@ -61,8 +71,11 @@ def chat_prompt_ids(files: ModelFiles, template: ChatTemplate,
         if position % 2:  # a message's text, by its index
             ids += files.encode_text(texts[int(piece)])
         elif nonce in piece:
-            raise bad_request("the chat template cut a message's text apart (it holds the "
-                              "text of a special token, which is kept as text)", "messages")
+            raise bad_request(
+                "the chat template cut a message's text apart (it holds the "
+                "text of a special token, which is kept as text)",
+                "messages",
+            )
         elif piece:
             ids += files.encode(piece, add_special_tokens=False)
     return ids

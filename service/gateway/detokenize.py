@@ -9,6 +9,7 @@ to the decode of all the tokens.
 `StopStrings` holds back the last `len(longest stop) - 1` characters, so that text handed
 out never contains, or ends inside, a stop string.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -29,19 +30,19 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Take new tokens; the text now complete ("" while a character is unfinished)."""
         self._token_ids.extend(token_ids)
-        prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._token_ids[self._prefix_offset:])
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._token_ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHARACTER):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """At the end: whatever is left, unfinished characters as U+FFFD (as a full decode)."""
-        prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._token_ids[self._prefix_offset:])
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._token_ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._token_ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
 
 class StopStrings:

@@ -3,13 +3,19 @@
 Every failure a request can meet becomes one `GatewayError`; scheduler status codes map to
 HTTP statuses in one place (`from_grpc`).
 """
+
 from __future__ import annotations
 
 import grpc
 
 # The error `type` OpenAI clients see for each status.
-_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 409: "conflict_error",
-          429: "rate_limit_error", 499: "client_closed_request"}
+_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    409: "conflict_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+}
 
 
 class GatewayError(Exception):
@@ -20,9 +26,16 @@ class GatewayError(Exception):
     attributes set on them while they propagate.)
     """
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, retryable: bool | None = None,
-                 scheduler_went_away: bool = False) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retryable: bool | None = None,
+        scheduler_went_away: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -34,9 +47,12 @@ class GatewayError(Exception):
         self.scheduler_went_away = scheduler_went_away
 
     def body(self) -> dict:
-        kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.code}}
+        kind = _TYPES.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+        )
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
 
     def headers(self) -> dict[str, str]:
         headers = {"www-authenticate": "Bearer"} if self.status == 401 else {}
@@ -56,10 +72,14 @@ _FROM_GRPC = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "the scheduler is full; retry later"),
     grpc.StatusCode.UNAVAILABLE: (503, "the scheduler is unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "the scheduler did not answer in time"),
-    grpc.StatusCode.UNAUTHENTICATED: (502, "the scheduler refused the gateway's credentials "
-                                           "(check the gateway's --token)"),
-    grpc.StatusCode.PERMISSION_DENIED: (502, "the scheduler refused the gateway's credentials "
-                                             "(its token needs the client role)"),
+    grpc.StatusCode.UNAUTHENTICATED: (
+        502,
+        "the scheduler refused the gateway's credentials (check the gateway's --token)",
+    ),
+    grpc.StatusCode.PERMISSION_DENIED: (
+        502,
+        "the scheduler refused the gateway's credentials (its token needs the client role)",
+    ),
 }
 
 
@@ -70,6 +90,9 @@ def from_grpc(err: grpc.RpcError, target: str) -> GatewayError:
     details = err.details() or code.name
     if code == grpc.StatusCode.UNAVAILABLE:
         meaning = f"cannot reach the scheduler at {target}"
-    return GatewayError(status, f"{meaning}: {code.name}: {details}",
-                        code=code.name.lower(),
-                        scheduler_went_away=code == grpc.StatusCode.UNAVAILABLE)
+    return GatewayError(
+        status,
+        f"{meaning}: {code.name}: {details}",
+        code=code.name.lower(),
+        scheduler_went_away=code == grpc.StatusCode.UNAVAILABLE,
+    )

@@ -11,6 +11,7 @@ The gateway does the same itself when the scheduler goes away mid-stream (a rest
 --state-dir): a keyed sequence's stream is re-opened for up to `reconnect_seconds`, the
 replayed tokens it already has are skipped, and its followers notice nothing.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,11 @@ from dataclasses import dataclass
 
 from service.gateway.errors import GatewayError
 from service.gateway.scheduler_link import (
-    FinishReason, GenerateStream, GenerationRequest, SchedulerLink, TokenLogprob,
+    FinishReason,
+    GenerateStream,
+    GenerationRequest,
+    SchedulerLink,
+    TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -40,8 +45,12 @@ class Generation:
     """One sequence's stream, read to the end by a task of its own; followers read its
     tokens from the first one, as often as they like."""
 
-    def __init__(self, stream: GenerateStream, attempt: Attempt,
-                 reopen: Callable[[Generation], Awaitable[GenerateStream]] | None = None) -> None:
+    def __init__(
+        self,
+        stream: GenerateStream,
+        attempt: Attempt,
+        reopen: Callable[[Generation], Awaitable[GenerateStream]] | None = None,
+    ) -> None:
         """`reopen`: a new stream of the same sequence after this one broke (GatewayError
         if it cannot); None: a broken stream ends the generation."""
         self.seq_id = stream.seq_id
@@ -82,20 +91,27 @@ class Generation:
                 self._num_replayed -= skip
                 self.token_ids.extend(event.token_ids[skip:])
                 if self.attempt.generation.logprobs:
-                    self.logprobs.extend(event.logprobs[skip:] if event.logprobs
-                                         else [None] * (len(event.token_ids) - skip))
+                    self.logprobs.extend(
+                        event.logprobs[skip:]
+                        if event.logprobs
+                        else [None] * (len(event.token_ids) - skip)
+                    )
                 if event.prompt_logprobs and not self.prompt_logprobs:
                     self.prompt_logprobs = event.prompt_logprobs
                 self.finish_reason = event.finish_reason
                 self.error_message = event.error_message
                 self._wake()
         except GatewayError as err:
-            self.error = err if not self._cancelled else GatewayError(
-                499, f"seq_id {self.seq_id} was cancelled by the gateway")
-        except Exception:  # noqa: BLE001 - followers must hear of it, not wait forever
+            self.error = (
+                err
+                if not self._cancelled
+                else GatewayError(499, f"seq_id {self.seq_id} was cancelled by the gateway")
+            )
+        except Exception:  # followers must hear of it, not wait forever
             log.exception("reading the stream of seq_id %d failed", self.seq_id)
-            self.error = GatewayError(500, f"the gateway failed reading seq_id {self.seq_id}; "
-                                           f"see its log")
+            self.error = GatewayError(
+                500, f"the gateway failed reading seq_id {self.seq_id}; see its log"
+            )
         finally:
             self._stream.cancel()  # a no-op after the last event
             self._wake()
@@ -131,8 +147,9 @@ class Generation:
 class Generations:
     """Opens sequences, lets retries of a key share one, and cancels the unfollowed."""
 
-    def __init__(self, link: SchedulerLink, reattach_grace_seconds: float,
-                 reconnect_seconds: float = 30.0) -> None:
+    def __init__(
+        self, link: SchedulerLink, reattach_grace_seconds: float, reconnect_seconds: float = 30.0
+    ) -> None:
         self._link = link
         self._grace_seconds = reattach_grace_seconds
         self._reconnect_seconds = reconnect_seconds
@@ -153,7 +170,8 @@ class Generations:
             if generation.num_followers == 0 and not generation.done:
                 if attempt.generation.request_id and self._grace_seconds > 0:
                     asyncio.get_running_loop().call_later(
-                        self._grace_seconds, self._cancel_if_unfollowed, generation)
+                        self._grace_seconds, self._cancel_if_unfollowed, generation
+                    )
                 else:
                     generation.cancel()
 
@@ -183,21 +201,27 @@ class Generations:
             self._by_request_id[request_id] = opening
         generation = await asyncio.shield(opening)
         if generation.attempt != attempt:
-            raise GatewayError(409, f"Idempotency-Key {request_id!r} is in use by a different "
-                                    f"request; a retry must send the same body",
-                               param="Idempotency-Key", retryable=False)
+            raise GatewayError(
+                409,
+                f"Idempotency-Key {request_id!r} is in use by a different "
+                f"request; a retry must send the same body",
+                param="Idempotency-Key",
+                retryable=False,
+            )
         return generation
 
     async def _open(self, attempt: Attempt) -> Generation:
         request_id = attempt.generation.request_id
         try:
-            generation = Generation(await self._link.generate(attempt.generation), attempt,
-                                    self._reopen if self._reconnect_seconds > 0 else None)
+            generation = Generation(
+                await self._link.generate(attempt.generation),
+                attempt,
+                self._reopen if self._reconnect_seconds > 0 else None,
+            )
         except BaseException:
             self._by_request_id.pop(request_id, None)
             raise
-        generation.reader.add_done_callback(
-            lambda _: self._forget(request_id, generation))
+        generation.reader.add_done_callback(lambda _: self._forget(request_id, generation))
         return generation
 
     async def _reopen(self, generation: Generation) -> GenerateStream:
@@ -207,8 +231,7 @@ class Generations:
         request = generation.attempt.generation
         deadline = time.monotonic() + self._reconnect_seconds
         pause = 0.1
-        log.warning("the scheduler went away mid-stream; re-attaching seq_id %d",
-                    generation.seq_id)
+        log.warning("the scheduler went away mid-stream; re-attaching seq_id %d", generation.seq_id)
         while True:
             try:
                 stream = await self._link.generate(request)
@@ -220,17 +243,25 @@ class Generations:
             pause = min(2 * pause, 2.0)
         if stream.seq_id != generation.seq_id:
             stream.cancel()
-            raise GatewayError(502, f"the scheduler came back without seq_id "
-                                    f"{generation.seq_id} (it knows request_id "
-                                    f"{request.request_id!r} as seq_id {stream.seq_id}: was "
-                                    f"it restarted without --state-dir?)")
+            raise GatewayError(
+                502,
+                f"the scheduler came back without seq_id "
+                f"{generation.seq_id} (it knows request_id "
+                f"{request.request_id!r} as seq_id {stream.seq_id}: was "
+                f"it restarted without --state-dir?)",
+            )
         log.info("re-attached seq_id %d", generation.seq_id)
         return stream
 
     def _forget(self, request_id: str, generation: Generation) -> None:
         opening = self._by_request_id.get(request_id)
-        if opening is not None and opening.done() and not opening.cancelled() \
-                and opening.exception() is None and opening.result() is generation:
+        if (
+            opening is not None
+            and opening.done()
+            and not opening.cancelled()
+            and opening.exception() is None
+            and opening.result() is generation
+        ):
             del self._by_request_id[request_id]
 
     def _cancel_if_unfollowed(self, generation: Generation) -> None:

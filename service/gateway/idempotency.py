@@ -11,6 +11,7 @@ On top of that the gateway remembers, for `ttl_seconds` and up to `max_keys` key
 fingerprint each (principal, key) came with: the same key with another body is a 422,
 whenever it comes, in flight or long finished.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,17 +39,21 @@ def fingerprint(attempt: Attempt) -> str:
 
 def scheduler_request_id(principal: str, key: str, body_fingerprint: str) -> str:
     """The scheduler's request_id for `key` of `principal` with this body (68 ASCII bytes)."""
-    digest = hashlib.sha256("\x00".join((principal, key, body_fingerprint)).encode(
-        "utf-8", "surrogateescape")).hexdigest()
+    digest = hashlib.sha256(
+        "\x00".join((principal, key, body_fingerprint)).encode("utf-8", "surrogateescape")
+    ).hexdigest()
     return REQUEST_ID_PREFIX + digest
 
 
 class IdempotencyKeys:
     """Which body each (principal, key) came with, for a while; see the module docstring."""
 
-    def __init__(self, ttl_seconds: float = DEFAULT_TTL_SECONDS,
-                 max_keys: int = DEFAULT_MAX_KEYS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        ttl_seconds: float = DEFAULT_TTL_SECONDS,
+        max_keys: int = DEFAULT_MAX_KEYS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._ttl_seconds = ttl_seconds
         self._max_keys = max_keys
         self._clock = clock
@@ -69,17 +74,27 @@ class IdempotencyKeys:
         known = self._bound.get((principal, key))
         if known is not None and known[0] != body:
             raise GatewayError(
-                422, "this Idempotency-Key was used with a different request body; a retry "
-                     "must send the same body (or use a new key)",
-                param="Idempotency-Key", code="idempotency_key_reused", retryable=False)
+                422,
+                "this Idempotency-Key was used with a different request body; a retry "
+                "must send the same body (or use a new key)",
+                param="Idempotency-Key",
+                code="idempotency_key_reused",
+                retryable=False,
+            )
         if known is None:
             self._bound[(principal, key)] = (body, now)
             while len(self._bound) > self._max_keys:
                 self._bound.popitem(last=False)
-        return [replace(attempt, generation=replace(
+        return [
+            replace(
+                attempt,
+                generation=replace(
                     attempt.generation,
-                    request_id=scheduler_request_id(principal, key, f"{body}:{index}")))
-                for index, attempt in enumerate(attempts)]
+                    request_id=scheduler_request_id(principal, key, f"{body}:{index}"),
+                ),
+            )
+            for index, attempt in enumerate(attempts)
+        ]
 
     def _forget_expired(self, now: float) -> None:
         while self._bound:

@@ -13,6 +13,7 @@ U+FFFD, as in vLLM). Values are the model's raw distribution (log_softmax of its
 temperature, top-k and top-p not applied). A token the scheduler has no entry for (one
 generated before a scheduler restart: logprobs are not persisted) gets logprob null.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -42,7 +43,9 @@ class CompletionLogprobs:
                 continue
             out["token_logprobs"].append(entry.logprob)
             top: dict[str, float] = {}
-            for t, lp in zip(entry.top_token_ids[: self._num_top], entry.top_logprobs[: self._num_top]):
+            for t, lp in zip(
+                entry.top_token_ids[: self._num_top], entry.top_logprobs[: self._num_top]
+            ):
                 top.setdefault(self._decode([t]), lp)  # tokens of one text: the likeliest's
             top.setdefault(text, entry.logprob)
             out["top_logprobs"].append(top)
@@ -60,9 +63,16 @@ class ChatLogprobs:
         content = []
         for token_id, entry in zip(token_ids, entries):
             item = self._item(token_id, None if entry is None else entry.logprob)
-            item["top_logprobs"] = [] if entry is None else [
-                self._item(t, lp) for t, lp in
-                zip(entry.top_token_ids[: self._num_top], entry.top_logprobs[: self._num_top])]
+            item["top_logprobs"] = (
+                []
+                if entry is None
+                else [
+                    self._item(t, lp)
+                    for t, lp in zip(
+                        entry.top_token_ids[: self._num_top], entry.top_logprobs[: self._num_top]
+                    )
+                ]
+            )
             content.append(item)
         return {"content": content}
 

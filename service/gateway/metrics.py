@@ -3,6 +3,7 @@
 Base units in names, `_total` counters, bounded labels: `endpoint` is one of the routes
 below or "other", `status_code` an HTTP status the gateway answered with.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,10 +14,42 @@ PREFIX = "lattice_gateway_"
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 OTHER_ENDPOINT = "other"
 # Whole requests: a health check takes a millisecond, a long completion minutes.
-_REQUEST_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                            10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
-_FIRST_TOKEN_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                                20.0, 40.0, 80.0, 160.0)
+_REQUEST_SECONDS_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
+_FIRST_TOKEN_SECONDS_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 
 
 def endpoint_label(path: str) -> str:
@@ -28,29 +61,49 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
-            PREFIX + "requests", "HTTP requests answered, by endpoint and status code",
-            ["endpoint", "status_code"], registry=registry)
+            PREFIX + "requests",
+            "HTTP requests answered, by endpoint and status code",
+            ["endpoint", "status_code"],
+            registry=registry,
+        )
         self.request_duration = Histogram(
             PREFIX + "request_duration_seconds",
             "Time from a request's arrival to the end of its answer (streams included)",
-            ["endpoint"], buckets=_REQUEST_SECONDS_BUCKETS, registry=registry)
+            ["endpoint"],
+            buckets=_REQUEST_SECONDS_BUCKETS,
+            registry=registry,
+        )
         self.requests_in_progress = Gauge(
-            PREFIX + "requests_in_progress", "HTTP requests being answered now", ["endpoint"],
-            registry=registry)
+            PREFIX + "requests_in_progress",
+            "HTTP requests being answered now",
+            ["endpoint"],
+            registry=registry,
+        )
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
-            "Time from a completion request's arrival to its first text", ["endpoint"],
-            buckets=_FIRST_TOKEN_SECONDS_BUCKETS, registry=registry)
+            "Time from a completion request's arrival to its first text",
+            ["endpoint"],
+            buckets=_FIRST_TOKEN_SECONDS_BUCKETS,
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of the completions submitted", ["endpoint"],
-            registry=registry)
+            PREFIX + "prompt_tokens",
+            "Prompt tokens of the completions submitted",
+            ["endpoint"],
+            registry=registry,
+        )
         self.completion_tokens = Counter(
-            PREFIX + "completion_tokens", "Tokens of the completions answered", ["endpoint"],
-            registry=registry)
+            PREFIX + "completion_tokens",
+            "Tokens of the completions answered",
+            ["endpoint"],
+            registry=registry,
+        )
         self.client_disconnects = Counter(
             PREFIX + "client_disconnects",
-            "Completion requests whose client left before the answer ended", ["endpoint"],
-            registry=registry)
+            "Completion requests whose client left before the answer ended",
+            ["endpoint"],
+            registry=registry,
+        )
         for endpoint in ENDPOINTS[:2]:  # series exist from the start, at zero
             for metric in (self.prompt_tokens, self.completion_tokens, self.client_disconnects):
                 metric.labels(endpoint)

@@ -5,6 +5,7 @@ Files, as transformers writes them: `tokenizer.json` (required), `tokenizer_conf
 template there), `generation_config.json` (EOS ids and sampling defaults) and
 `config.json` (EOS ids, `max_position_embeddings`). No weights are read.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,11 +40,13 @@ class ModelFiles:
         self.model_dir = Path(model_dir)
         tokenizer_file = self.model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise ConfigError(f"--model {model_dir}: no tokenizer.json there (the gateway "
-                              f"tokenizes with the checkpoint's own tokenizer)")
+            raise ConfigError(
+                f"--model {model_dir}: no tokenizer.json there (the gateway "
+                f"tokenizes with the checkpoint's own tokenizer)"
+            )
         try:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        except Exception as err:  # tokenizers raises plain Exception for a bad file
+        except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception for a bad file
             raise ConfigError(f"{tokenizer_file}: not a tokenizers file ({err})") from None
         # The same tokenizer, reading added tokens' text as plain text (its setting is
         # per instance: two instances, so that no call changes it under another).
@@ -51,23 +54,29 @@ class ModelFiles:
         self._text_tokenizer.encode_special_tokens = True
         # Texts the tokenizer turns into added tokens (special ones among them).
         self.added_token_texts = tuple(
-            token.content for token in self.tokenizer.get_added_tokens_decoder().values()
-            if token.content)
+            token.content
+            for token in self.tokenizer.get_added_tokens_decoder().values()
+            if token.content
+        )
         tokenizer_config = _read_json(self.model_dir / "tokenizer_config.json")
         generation_config = _read_json(self.model_dir / "generation_config.json")
         config = _read_json(self.model_dir / "config.json")
         text_config = config.get("text_config") or {}
-        self.special_tokens = {name: token for name in ("bos_token", "eos_token", "pad_token",
-                                                        "unk_token")
-                               if (token := _token_text(tokenizer_config.get(name)))}
+        self.special_tokens = {
+            name: token
+            for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (token := _token_text(tokenizer_config.get(name)))
+        }
         self.chat_template = self._chat_template(tokenizer_config)
         self.eos_token_ids = self._eos_ids(generation_config, text_config, config)
         self.sampling_defaults = SamplingDefaults(
             temperature=_number(generation_config.get("temperature")),
             top_p=_number(generation_config.get("top_p")),
-            top_k=_integer(generation_config.get("top_k")))
-        self.max_position_embeddings = _integer(text_config.get("max_position_embeddings",
-                                                                config.get("max_position_embeddings")))
+            top_k=_integer(generation_config.get("top_k")),
+        )
+        self.max_position_embeddings = _integer(
+            text_config.get("max_position_embeddings", config.get("max_position_embeddings"))
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -101,9 +110,10 @@ class ModelFiles:
             return None
         try:
             return ChatTemplate(source, self.special_tokens)
-        except Exception as err:  # jinja2 syntax errors
-            raise ConfigError(f"{self.model_dir}: the chat template does not compile: {err}") \
-                from None
+        except Exception as err:  # noqa: BLE001 - jinja2 syntax errors and whatever a template raises
+            raise ConfigError(
+                f"{self.model_dir}: the chat template does not compile: {err}"
+            ) from None
 
     def _eos_ids(self, *sources: dict[str, Any]) -> tuple[int, ...]:
         """EOS ids from generation_config.json, config.json (or its text_config) and the
@@ -111,7 +121,7 @@ class ModelFiles:
         ids: list[int] = []
         for source in sources:
             value = source.get("eos_token_id")
-            for token_id in (value if isinstance(value, list) else [value]):
+            for token_id in value if isinstance(value, list) else [value]:
                 if isinstance(token_id, int) and token_id not in ids:
                     ids.append(token_id)
         eos_text = self.special_tokens.get("eos_token")

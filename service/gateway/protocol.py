@@ -5,6 +5,7 @@ cannot honour (n > 8, tools, penalties, ...) get a 400 that names them.
 Extensions: `top_k`, `priority`, `stop_token_ids`, `chat_template_kwargs`, and vLLM's
 `ignore_eos` and `min_tokens`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,8 +17,8 @@ from service.gateway.errors import bad_request
 MAX_STOP_STRINGS = 16
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs` (and the scheduler's)
-INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
-UINT32_MAX = 2 ** 32 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+UINT32_MAX = 2**32 - 1
 # OpenAI's documented ranges.
 MAX_TEMPERATURE = 2.0
 # Choices (`n`) per request at most: each is a sequence of its own.
@@ -29,8 +30,10 @@ class TextError(ValueError):
     can spell as an escape); `param` names where it is."""
 
     def __init__(self, param: str) -> None:
-        super().__init__(f"{param} is not valid text: it holds a lone surrogate "
-                         "(U+D800-U+DFFF), which UTF-8 cannot encode")
+        super().__init__(
+            f"{param} is not valid text: it holds a lone surrogate "
+            "(U+D800-U+DFFF), which UTF-8 cannot encode"
+        )
         self.param = param
 
 
@@ -62,8 +65,7 @@ class SamplingFields(BaseModel):
     model: str
     # 0 only with completions' echo (prompt log-probabilities, nothing generated).
     max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE,
-                                      allow_inf_nan=False)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     # 0 is OpenAI's too: only the most likely token (greedy; answers.py).
     top_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1, le=UINT32_MAX)  # extension; -1 or 0 = off
@@ -92,26 +94,28 @@ class SamplingFields(BaseModel):
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
-            raise bad_request(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS}",
-                              "stop")
+            raise bad_request(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS}", "stop")
         return tuple(s for s in stop if s)
 
     def check_supported(self) -> None:
         """400 for a known parameter that the gateway would otherwise silently ignore."""
         if self.n is not None and self.n > MAX_CHOICES:
-            raise bad_request(f"n={self.n}: this server returns at most {MAX_CHOICES} choices "
-                              f"per request", "n")
+            raise bad_request(
+                f"n={self.n}: this server returns at most {MAX_CHOICES} choices per request", "n"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported (only 0)", name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if any(not 0 <= t <= UINT32_MAX for t in self.stop_token_ids or ()):
-            raise bad_request(f"stop_token_ids must be token ids (0..{UINT32_MAX})",
-                              "stop_token_ids")
+            raise bad_request(
+                f"stop_token_ids must be token ids (0..{UINT32_MAX})", "stop_token_ids"
+            )
         if self.max_tokens == 0 and not self.allows_zero_max_tokens:
-            raise bad_request("max_tokens must be at least 1 (0 only with echo on "
-                              "/v1/completions)", "max_tokens")
+            raise bad_request(
+                "max_tokens must be at least 1 (0 only with echo on /v1/completions)", "max_tokens"
+            )
 
     @property
     def num_choices(self) -> int:
@@ -169,8 +173,10 @@ class CompletionRequest(SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise bad_request(f"prompt holds {len(prompt)} prompts; this server takes one "
-                                  f"per request", "prompt")
+                raise bad_request(
+                    f"prompt holds {len(prompt)} prompts; this server takes one per request",
+                    "prompt",
+                )
             prompt = prompt[0]
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
@@ -205,9 +211,11 @@ class ChatMessage(BaseModel):
             texts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"a {self.role} message holds a content part of type "
-                                      f"{part.get('type')!r}; only text parts are supported",
-                                      "messages")
+                    raise bad_request(
+                        f"a {self.role} message holds a content part of type "
+                        f"{part.get('type')!r}; only text parts are supported",
+                        "messages",
+                    )
                 texts.append(part["text"])
             message["content"] = "".join(texts)
         elif content is None:
@@ -234,10 +242,11 @@ class ChatCompletionRequest(SamplingFields):
         if self.tools:
             raise bad_request("tools are not supported by this server", "tools")
         if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported (only \"none\")", "tool_choice")
+            raise bad_request('tool_choice is not supported (only "none")', "tool_choice")
         if self.response_format and self.response_format.get("type") != "text":
-            raise bad_request("response_format is not supported (only {\"type\": \"text\"})",
-                              "response_format")
+            raise bad_request(
+                'response_format is not supported (only {"type": "text"})', "response_format"
+            )
 
     @property
     def num_top_logprobs(self) -> int | None:
@@ -246,5 +255,3 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-

@@ -1,4 +1,5 @@
 """The JSON of OpenAI answers: whole responses, stream chunks, usage, SSE framing."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,13 @@ class CompletionShape:
         self.created = int(time.time())
 
     def _envelope(self, seq_id: int, choices: list[dict], chunk: bool) -> dict:
-        body = {"id": f"{self.kind}-{seq_id}", "object": "text_completion",
-                "created": self.created, "model": self.model, "choices": choices}
+        body = {
+            "id": f"{self.kind}-{seq_id}",
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if chunk and self.include_usage:
             body["usage"] = None
         return body
@@ -40,22 +46,38 @@ class CompletionShape:
 
     def whole(self, seq_id: int, choices: list[WholeChoice], num_prompt: int) -> dict:
         """The whole answer: one choice per WholeChoice, in index order."""
-        body = self._envelope(seq_id, [self._whole_choice(index, choice)
-                                       for index, choice in enumerate(choices)], chunk=False)
+        body = self._envelope(
+            seq_id,
+            [self._whole_choice(index, choice) for index, choice in enumerate(choices)],
+            chunk=False,
+        )
         body["usage"] = _usage(num_prompt, sum(c.finish.num_completion_tokens for c in choices))
         return body
 
     def _whole_choice(self, index: int, choice: WholeChoice) -> dict:
-        return {"index": index, "text": choice.text, "logprobs": choice.logprobs,
-                "finish_reason": choice.finish.reason}
+        return {
+            "index": index,
+            "text": choice.text,
+            "logprobs": choice.logprobs,
+            "finish_reason": choice.finish.reason,
+        }
 
     def first_chunk(self, seq_id: int, index: int = 0) -> dict | None:
         return None
 
-    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None,
-              logprobs: dict | None = None, index: int = 0) -> dict:
-        return self._envelope(seq_id, [{"index": index, "text": text, "logprobs": logprobs,
-                                        "finish_reason": finish_reason}], chunk=True)
+    def chunk(
+        self,
+        seq_id: int,
+        text: str,
+        finish_reason: str | None = None,
+        logprobs: dict | None = None,
+        index: int = 0,
+    ) -> dict:
+        return self._envelope(
+            seq_id,
+            [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            chunk=True,
+        )
 
     def usage_chunk(self, seq_id: int, num_completion: int, num_prompt: int) -> dict:
         """The last chunk with `stream_options.include_usage`: every choice's tokens."""
@@ -78,24 +100,56 @@ class ChatShape(CompletionShape):
         return ChatLogprobs(decode, num_top)
 
     def _whole_choice(self, index: int, choice: WholeChoice) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": choice.logprobs, "finish_reason": choice.finish.reason}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": choice.logprobs,
+            "finish_reason": choice.finish.reason,
+        }
 
     def first_chunk(self, seq_id: int, index: int = 0) -> dict | None:
-        return self._envelope(seq_id, [{"index": index,
-                                        "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], chunk=True)
+        return self._envelope(
+            seq_id,
+            [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            chunk=True,
+        )
 
-    def chunk(self, seq_id: int, text: str, finish_reason: str | None = None,
-              logprobs: dict | None = None, index: int = 0) -> dict:
+    def chunk(
+        self,
+        seq_id: int,
+        text: str,
+        finish_reason: str | None = None,
+        logprobs: dict | None = None,
+        index: int = 0,
+    ) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
-        return self._envelope(seq_id, [{"index": index, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": finish_reason}], chunk=True)
+        return self._envelope(
+            seq_id,
+            [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            ],
+            chunk=True,
+        )
 
 
 def _usage(num_prompt: int, num_completion: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+    }
 
 
 def sse_event(body: dict) -> str:

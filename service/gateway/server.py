@@ -3,6 +3,7 @@
 SIGTERM/SIGINT (uvicorn's handlers): stop accepting, let answers in flight finish for up
 to `grace_seconds`, then cancel the rest (their sequences are cancelled with them).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -87,16 +88,21 @@ def build_gateway(settings: GatewaySettings, files: ModelFiles, link) -> Gateway
     from service.gateway.app import Gateway
 
     registry = CollectorRegistry()
-    return Gateway(files=files, served_model_name=settings.model_name,
-                   max_model_len=resolve_max_model_len(settings, files), link=link,
-                   generations=Generations(link, settings.reattach_grace_seconds,
-                                           settings.reconnect_seconds),
-                   metrics=GatewayMetrics(registry), registry=registry,
-                   started_at=int(time.time()),
-                   api_keys=(load_api_keys(settings.api_keys_file)
-                             if settings.api_keys_file is not None else None),
-                   metrics_path=settings.metrics_path,
-                   max_body_bytes=settings.max_body_bytes)
+    return Gateway(
+        files=files,
+        served_model_name=settings.model_name,
+        max_model_len=resolve_max_model_len(settings, files),
+        link=link,
+        generations=Generations(link, settings.reattach_grace_seconds, settings.reconnect_seconds),
+        metrics=GatewayMetrics(registry),
+        registry=registry,
+        started_at=int(time.time()),
+        api_keys=(
+            load_api_keys(settings.api_keys_file) if settings.api_keys_file is not None else None
+        ),
+        metrics_path=settings.metrics_path,
+        max_body_bytes=settings.max_body_bytes,
+    )
 
 
 def uvicorn_config(app, settings: GatewaySettings):
@@ -105,15 +111,20 @@ def uvicorn_config(app, settings: GatewaySettings):
 
     from service.gateway.timeouts import guarded_h11
 
-    return uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                          timeout_graceful_shutdown=settings.grace_seconds,
-                          timeout_keep_alive=settings.keep_alive_seconds,
-                          http=guarded_h11(settings.header_timeout_seconds,
-                                           settings.body_timeout_seconds))
+    return uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=settings.grace_seconds,
+        timeout_keep_alive=settings.keep_alive_seconds,
+        http=guarded_h11(settings.header_timeout_seconds, settings.body_timeout_seconds),
+    )
 
 
-async def serve(settings: GatewaySettings, files: ModelFiles,
-                on_listening: Callable[[str], None] = print) -> None:
+async def serve(
+    settings: GatewaySettings, files: ModelFiles, on_listening: Callable[[str], None] = print
+) -> None:
     """Run until SIGTERM/SIGINT. `files` is read before, so a bad model dir fails fast."""
     import uvicorn
 
@@ -131,15 +142,19 @@ async def serve(settings: GatewaySettings, files: ModelFiles,
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        keys = (f"{len(gateway.api_keys)} API keys" if gateway.api_keys is not None
-                else "no API keys")
-        on_listening(f"lattice-scheduler gateway listening on http://{settings.host}:{port} "
-                     f"(model {gateway.served_model_name!r}, scheduler {settings.target}, "
-                     f"{keys})")
+        keys = (
+            f"{len(gateway.api_keys)} API keys" if gateway.api_keys is not None else "no API keys"
+        )
+        on_listening(
+            f"lattice-scheduler gateway listening on http://{settings.host}:{port} "
+            f"(model {gateway.served_model_name!r}, scheduler {settings.target}, "
+            f"{keys})"
+        )
         problem = await link.check_health()
         if problem is not None:
-            log.warning("the scheduler is not serving yet; requests get 503 until it is: %s",
-                        problem)
+            log.warning(
+                "the scheduler is not serving yet; requests get 503 until it is: %s", problem
+            )
         yield
 
     app.router.lifespan_context = lifespan

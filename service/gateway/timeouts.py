@@ -9,6 +9,7 @@ its headers; else the connection is closed. An answer being sent (a long stream)
 deadline. Each connection checks its deadline on a timer of its own; nothing is per
 byte.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,8 +52,12 @@ def guarded_h11(header_timeout_seconds: float, body_timeout_seconds: float) -> t
             self._deadline_check = self.loop.call_later(check_every, self._check_deadline)
 
         def _close_slow(self, what: str, limit_seconds: float) -> None:
-            log.debug("closing a connection whose %s took over %g s", what, limit_seconds,
-                      extra={"client": self.client})
+            log.debug(
+                "closing a connection whose %s took over %g s",
+                what,
+                limit_seconds,
+                extra={"client": self.client},
+            )
             self.transport.close()
 
     return GuardedH11Protocol

@@ -1,6 +1,7 @@
 """How `serve --state postgresql://...` builds a replica: its store and its servicer,
 handed to the server's start as a `Shared` (the server package does not import this one).
 """
+
 from __future__ import annotations
 
 import socket
@@ -10,12 +11,12 @@ from prometheus_client.core import CounterMetricFamily
 
 from service.core import Scheduler
 from service.core.decide.orders import queue_order
+from service.replicas.servicer import ReplicaServicer
 from service.server import app
 from service.server.interceptors.auth import Callers
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
 from service.server.wakeups import Wakeups
-from service.replicas.servicer import ReplicaServicer
 from service.settings import ServeSettings
 from service.state.postgres import PostgresState
 
@@ -24,9 +25,12 @@ def open_store(settings: ServeSettings, registry: CollectorRegistry) -> Postgres
     """Connect to the shared database (creating the schema) and take a replica lease;
     its round trips are counted in `registry`."""
     store = PostgresState(
-        settings.state, name=f"{socket.gethostname()}:{settings.port}",
-        lease_ttl_seconds=settings.replica_lease_ms / 1000.0, fsync=settings.state_fsync,
-        order=queue_order(settings.scheduler))
+        settings.state,
+        name=f"{socket.gethostname()}:{settings.port}",
+        lease_ttl_seconds=settings.replica_lease_ms / 1000.0,
+        fsync=settings.state_fsync,
+        order=queue_order(settings.scheduler),
+    )
     registry.register(_RoundTrips(store))
     return store
 
@@ -41,25 +45,32 @@ class _RoundTrips:
         family = CounterMetricFamily(
             "lattice_scheduler_database_round_trips",
             "Blocking exchanges of this replica with PostgreSQL, by purpose",
-            labels=["purpose"])
+            labels=["purpose"],
+        )
         for purpose in ("save", "submit", "claim"):
             family.add_metric([purpose], self._store.round_trips[purpose])
         yield family
 
 
-def make_servicer(core: Scheduler, wakeups: Wakeups, store: PostgresState,
-                  metrics: SchedulerMetrics, lag: LoopLag,
-                  settings: ServeSettings, callers: Callers) -> ReplicaServicer:
+def make_servicer(
+    core: Scheduler,
+    wakeups: Wakeups,
+    store: PostgresState,
+    metrics: SchedulerMetrics,
+    lag: LoopLag,
+    settings: ServeSettings,
+    callers: Callers,
+) -> ReplicaServicer:
     """The replica's servicer over `core`, claiming `settings.prefetch` ahead."""
-    return ReplicaServicer(core, wakeups, store, metrics=metrics, lag=lag,
-                           prefetch=settings.prefetch, callers=callers)
+    return ReplicaServicer(
+        core, wakeups, store, metrics=metrics, lag=lag, prefetch=settings.prefetch, callers=callers
+    )
 
 
 SHARED = app.Shared(open_store=open_store, make_servicer=make_servicer)
 
 
-def start(settings: ServeSettings,
-          registry: CollectorRegistry | None = None) -> app.RunningServer:
+def start(settings: ServeSettings, registry: CollectorRegistry | None = None) -> app.RunningServer:
     """Start a replica on the database settings.state names (as service.server.app.start)."""
     return app.start(settings, registry, shared=SHARED)
 

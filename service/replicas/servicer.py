@@ -19,6 +19,7 @@ returns dead replicas' sequences to the shared queue, gives up what others took 
 hands back claims its workers cannot use. A listener thread turns notifications into
 wake-ups on the loop (submits, tokens for streams, cancels and take-overs for this owner).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,20 +28,24 @@ import threading
 from dataclasses import replace
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
-
-from service.server import convert
 from service.core import SEES_ALL, Caller, NotFound, ReplicaScheduler, SchedulerError, SequenceState
 from service.core.types import SubmitParams, SubmitResult
+from service.server import convert
+from service.server.interceptors.auth import Callers
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
-from service.server.interceptors.auth import Callers
 from service.server.servicer import SchedulerServicer, rpc
-from service.state.postgres import (
-    CANCEL_CHANNEL, DISOWN_CHANNEL, PROGRESS_CHANNEL, SUBMIT_CHANNEL, Claimed, PostgresState,
-    parse_ids_payload,
-)
 from service.server.status_codes import status_code, status_details
 from service.server.wakeups import Wakeups, wait_event
+from service.state.postgres import (
+    CANCEL_CHANNEL,
+    DISOWN_CHANNEL,
+    PROGRESS_CHANNEL,
+    SUBMIT_CHANNEL,
+    Claimed,
+    PostgresState,
+    parse_ids_payload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ _REMOTE_POLL_SECONDS = 1.0
 
 
 class _Hint:
-    """"The shared queue may hold unclaimed work": set by submits and returns, cleared
+    """ "The shared queue may hold unclaimed work": set by submits and returns, cleared
     by a claim that came back short, unless it was set again while that claim ran (a
     submit committed after the claim's snapshot). Used on the loop only."""
 
@@ -77,9 +82,17 @@ class _Hint:
 class ReplicaServicer(SchedulerServicer):
     """The Scheduler service of one replica; see the module docstring."""
 
-    def __init__(self, core: ReplicaScheduler, wakeups: Wakeups, state: PostgresState, *,
-                 metrics: SchedulerMetrics | None = None, lag: LoopLag | None = None,
-                 prefetch: int = 8, callers: Callers | None = None) -> None:
+    def __init__(
+        self,
+        core: ReplicaScheduler,
+        wakeups: Wakeups,
+        state: PostgresState,
+        *,
+        metrics: SchedulerMetrics | None = None,
+        lag: LoopLag | None = None,
+        prefetch: int = 8,
+        callers: Callers | None = None,
+    ) -> None:
         super().__init__(core, wakeups, metrics=metrics, lag=lag, callers=callers)
         self._state = state
         self._prefetch = prefetch
@@ -104,11 +117,14 @@ class ReplicaServicer(SchedulerServicer):
 
     def background_tasks(self) -> list[asyncio.Task]:
         """Start the prefetcher, the keeper and the listener thread."""
-        self._listener = threading.Thread(target=self._listen, args=(self._loop,),
-                                          name="replica-listener", daemon=True)
+        self._listener = threading.Thread(
+            target=self._listen, args=(self._loop,), name="replica-listener", daemon=True
+        )
         self._listener.start()
-        return [asyncio.create_task(self._prefetch_loop(), name="replica-prefetcher"),
-                asyncio.create_task(self._keep_loop(), name="replica-keeper")]
+        return [
+            asyncio.create_task(self._prefetch_loop(), name="replica-prefetcher"),
+            asyncio.create_task(self._keep_loop(), name="replica-keeper"),
+        ]
 
     async def leave(self) -> None:
         """A clean stop: unadmitted claims back to the shared queue, the lease ended."""
@@ -116,8 +132,11 @@ class ReplicaServicer(SchedulerServicer):
         try:
             await asyncio.to_thread(self._state.leave)
         except SchedulerError as err:
-            log.warning("could not hand back this replica's claims; they return when its "
-                        "lease runs out: %s", err)
+            log.warning(
+                "could not hand back this replica's claims; they return when its "
+                "lease runs out: %s",
+                err,
+            )
         if self._listener is not None:
             await asyncio.to_thread(self._listener.join, 5.0)
 
@@ -125,8 +144,7 @@ class ReplicaServicer(SchedulerServicer):
 
     @rpc
     async def Submit(self, request, context):
-        return convert.submit_response(
-            await self._submit(self._submit_params(request, context)))
+        return convert.submit_response(await self._submit(self._submit_params(request, context)))
 
     @rpc
     async def Cancel(self, request, context):
@@ -141,8 +159,9 @@ class ReplicaServicer(SchedulerServicer):
             if info.state is not SequenceState.QUEUED:
                 return convert.sequence_info(info)
         # Queued (its position is the shared queue's) or another replica's.
-        return convert.sequence_info(await asyncio.to_thread(self._state.sequence_info,
-                                                             seq_id, caller))
+        return convert.sequence_info(
+            await asyncio.to_thread(self._state.sequence_info, seq_id, caller)
+        )
 
     @rpc
     async def GetStatus(self, request, context):
@@ -163,9 +182,14 @@ class ReplicaServicer(SchedulerServicer):
         # Its adapters may serve sequences no claim here could take before.
         self._queue_hint.set()
         self._wake_prefetcher.set()
-        log.info("worker registered", extra={"worker_id": request.worker_id,
-                                             "incarnation": settings.incarnation,
-                                             "adopted": len(moved.sequences)})
+        log.info(
+            "worker registered",
+            extra={
+                "worker_id": request.worker_id,
+                "incarnation": settings.incarnation,
+                "adopted": len(moved.sequences),
+            },
+        )
         return convert.worker_settings(settings)
 
     async def _select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
@@ -183,8 +207,9 @@ class ReplicaServicer(SchedulerServicer):
             seq_id = (await self._submit(self._submit_params(request, context))).seq_id
         except SchedulerError as err:
             await context.abort(status_code(err), status_details(err))
-        context.add_done_callback(lambda _context: self._loop.call_soon_threadsafe(
-            self._cancel_quietly, seq_id))
+        context.add_done_callback(
+            lambda _context: self._loop.call_soon_threadsafe(self._cancel_quietly, seq_id)
+        )
         yield convert.generate_event(seq_id)
         sent = 0
         while True:
@@ -197,8 +222,9 @@ class ReplicaServicer(SchedulerServicer):
                 continue
             if view.token_ids or view.finished:
                 sent += len(view.token_ids)
-                yield convert.generate_event(seq_id, view.token_ids, view.finish_reason,
-                                             view.finished, view.error_message)
+                yield convert.generate_event(
+                    seq_id, view.token_ids, view.finish_reason, view.finished, view.error_message
+                )
                 if view.finished:
                     return
 
@@ -221,17 +247,18 @@ class ReplicaServicer(SchedulerServicer):
     async def _submit(self, params: SubmitParams) -> SubmitResult:
         self._core.check_submit(params)  # reads the config only
         if self._core.is_sheddable(params):
-            tokens, num_replicas = await asyncio.to_thread(self._state.unclaimed_tokens_up_to,
-                                                           params.priority)
+            tokens, num_replicas = await asyncio.to_thread(
+                self._state.unclaimed_tokens_up_to, params.priority
+            )
             self._core.shed_if_late(params, tokens, num_replicas)
         config = self._core.config
-        result = await asyncio.to_thread(self._state.submit, params, config.max_queue,
-                                         config.max_queue_per_tenant)
+        result = await asyncio.to_thread(
+            self._state.submit, params, config.max_queue, config.max_queue_per_tenant
+        )
         self._queue_hint.set()
         self._wake_prefetcher.set()
         if self._metrics is not None:
-            self._metrics.on_submitted(result.seq_id, params.tenant,
-                                       len(params.prompt_token_ids))
+            self._metrics.on_submitted(result.seq_id, params.tenant, len(params.prompt_token_ids))
         return result
 
     def _owns(self, seq_id: int) -> bool:
@@ -312,8 +339,9 @@ class ReplicaServicer(SchedulerServicer):
             if not wanted:
                 return
             generation = self._queue_hint.generation()
-            claimed = await asyncio.to_thread(self._state.claim, wanted,
-                                              self._core.servable_adapters())
+            claimed = await asyncio.to_thread(
+                self._state.claim, wanted, self._core.servable_adapters()
+            )
             if len(claimed.sequences) < wanted:
                 self._queue_hint.clear_unless_set_since(generation)
             self._adopt(claimed)
@@ -331,7 +359,7 @@ class ReplicaServicer(SchedulerServicer):
             except SchedulerError as err:
                 log.warning("prefetch failed; retrying: %s", err)
                 await asyncio.sleep(0.5)
-            except Exception:  # noqa: BLE001 - the prefetcher must keep going
+            except Exception:
                 log.exception("prefetch failed; retrying")
                 await asyncio.sleep(0.5)
 
@@ -347,13 +375,12 @@ class ReplicaServicer(SchedulerServicer):
                 if await asyncio.to_thread(self._state.reclaim_expired):
                     self._queue_hint.set()
                     self._wake_prefetcher.set()
-                await self._apply_cancels(
-                    await asyncio.to_thread(self._state.cancel_requests))
+                await self._apply_cancels(await asyncio.to_thread(self._state.cancel_requests))
                 await self._hand_back_excess()
                 await self._count_unservable_fleet_wide()
             except SchedulerError as err:
                 log.warning("replica upkeep failed; retrying: %s", err)
-            except Exception:  # noqa: BLE001 - the keeper must keep going
+            except Exception:
                 log.exception("replica upkeep failed; retrying")
 
     async def _apply_cancels(self, seq_ids: list[int]) -> None:
@@ -371,17 +398,23 @@ class ReplicaServicer(SchedulerServicer):
         back to the shared queue for the other replicas."""
         async with self._claim_lock:
             unservable = self._core.unservable_queued()
-            excess = (self._core.num_queued() - len(unservable)
-                      - self._core.prefetch_target(self._prefetch))
+            excess = (
+                self._core.num_queued()
+                - len(unservable)
+                - self._core.prefetch_target(self._prefetch)
+            )
             handed_back = unservable + self._core.queued_tail(max(0, excess))
             if not handed_back:
                 return
-            released = await asyncio.to_thread(self._state.release,
-                                               list(dict.fromkeys(handed_back)))
+            released = await asyncio.to_thread(
+                self._state.release, list(dict.fromkeys(handed_back))
+            )
             self._core.disown(released)
         if released:
-            log.info("handed queued sequences back to the shared queue",
-                     extra={"sequences": len(released)})
+            log.info(
+                "handed queued sequences back to the shared queue",
+                extra={"sequences": len(released)},
+            )
 
     def _count_unservable(self) -> None:
         """Not from the sweeper: a replica counts fleet-wide, in its keeper."""
@@ -390,7 +423,8 @@ class ReplicaServicer(SchedulerServicer):
         """lattice_scheduler_unservable_queued, fleet-wide, from the database."""
         if self._metrics is not None:
             self._metrics.unservable_queued.set(
-                await asyncio.to_thread(self._state.unservable_queued))
+                await asyncio.to_thread(self._state.unservable_queued)
+            )
 
     async def _give_up(self, seq_ids: set[int] | None) -> None:
         """Forget those of `seq_ids` (None: any) that the database says another replica
@@ -407,8 +441,10 @@ class ReplicaServicer(SchedulerServicer):
                 self._core.disown(lost)
         if lost:
             self._wake_remote(lost)
-            log.warning("sequences taken over by another replica were given up here",
-                        extra={"sequences": len(lost)})
+            log.warning(
+                "sequences taken over by another replica were given up here",
+                extra={"sequences": len(lost)},
+            )
 
     # ------------------------------------------------------------------ notifications
 
@@ -429,8 +465,7 @@ class ReplicaServicer(SchedulerServicer):
             try:
                 while not self._listener_stop.is_set():
                     for note in conn.notifies(timeout=0.1):
-                        loop.call_soon_threadsafe(self._on_notification, note.channel,
-                                                  note.payload)
+                        loop.call_soon_threadsafe(self._on_notification, note.channel, note.payload)
             except Exception as err:  # noqa: BLE001
                 if not self._listener_stop.is_set():
                     log.warning("notification connection lost; reconnecting: %s", err)
@@ -469,4 +504,5 @@ def _log_cancel_failure(seq_id: int):
         error = task.exception()
         if error is not None and not isinstance(error, NotFound):
             log.warning("could not cancel seq_id %d after its client left: %s", seq_id, error)
+
     return done

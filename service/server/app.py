@@ -7,6 +7,7 @@ that loop, so its calls never overlap. Nothing holds a thread per call or per st
 Threads besides the loop: the metrics HTTP server, and the state store's fsync
 (service/state/group_commit.py). `start` returns a handle usable from any thread.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,30 +21,24 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
-from service.server.interceptors import auth
-
 from common import credentials
-
-from service.server.interceptors import decode_errors
-
-from service.server.interceptors import limits
-
-from service.server import health_reflection, ports
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service.core import ConfigError, ReplicaScheduler, Scheduler
 from service.core.persist.store import StateStore, StoreError
-from service.state.group_commit import GroupCommit
+from service.server import health_reflection, ports
+from service.server.interceptors import auth, decode_errors, limits
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
-from service.server.step_prior import load_step_prior
 from service.server.observers import FanOut
 from service.server.servicer import SchedulerServicer
-from service.settings import ServeSettings
-from service.state.sqlite import SqliteStateStore
+from service.server.step_prior import load_step_prior
 from service.server.wakeups import Wakeups
+from service.settings import ServeSettings
+from service.state.group_commit import GroupCommit
+from service.state.sqlite import SqliteStateStore
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +161,9 @@ class RunningServer:
         return self._loop.loop
 
 
-def start(settings: ServeSettings, registry: CollectorRegistry | None = None,
-          shared: Shared | None = None) -> RunningServer:
+def start(
+    settings: ServeSettings, registry: CollectorRegistry | None = None, shared: Shared | None = None
+) -> RunningServer:
     """Start serving on settings.host: gRPC on settings.port (and settings.worker_port),
     metrics on settings.metrics_port. A replica (settings.state set) needs `shared`:
     service.replicas.build.start passes it.
@@ -175,27 +171,36 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None,
     Raises ConfigError, before listening, when a TLS or tokens file is unreadable or wrong.
     """
     if settings.state and shared is None:
-        raise ConfigError("state: a shared database is served by a replica; start it with "
-                          "service.replicas.build.start (lattice-scheduler serve --state does)")
-    tls = credentials.server_credentials(settings.tls_cert, settings.tls_key,
-                                         settings.tls_client_ca)
+        raise ConfigError(
+            "state: a shared database is served by a replica; start it with "
+            "service.replicas.build.start (lattice-scheduler serve --state does)"
+        )
+    tls = credentials.server_credentials(
+        settings.tls_cert, settings.tls_key, settings.tls_client_ca
+    )
     tokens = auth.load_tokens(settings.auth_tokens) if settings.auth_tokens else None
     ports.check_free("port", settings.host, settings.port)  # before the state loads
     ports.check_free("metrics_port", settings.host, settings.metrics_port)
     _warn_if_exposed(settings)
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = SchedulerMetrics(registry, named_tenants=(
-        tenant for tenant, _ in settings.scheduler.tenant_weights),
-        ttft_target_seconds=settings.scheduler.ttft_target_ms / 1000.0)
+    metrics = SchedulerMetrics(
+        registry,
+        named_tenants=(tenant for tenant, _ in settings.scheduler.tenant_weights),
+        ttft_target_seconds=settings.scheduler.ttft_target_ms / 1000.0,
+    )
     if shared is not None:
         store = shared.open_store(settings, registry)
     else:
-        store = (SqliteStateStore(settings.state_dir, settings.state_fsync, defer_fsync=True)
-                 if settings.state_dir else None)
+        store = (
+            SqliteStateStore(settings.state_dir, settings.state_fsync, defer_fsync=True)
+            if settings.state_dir
+            else None
+        )
     loop = _LoopThread()
     try:
-        serving = loop.run(_serve(settings, metrics, store, tls, tokens, shared),
-                           timeout=START_TIMEOUT_SECONDS)
+        serving = loop.run(
+            _serve(settings, metrics, store, tls, tokens, shared), timeout=START_TIMEOUT_SECONDS
+        )
     except BaseException:
         loop.close()
         if store is not None:
@@ -209,13 +214,25 @@ def start(settings: ServeSettings, registry: CollectorRegistry | None = None,
         finally:
             loop.close()
         raise
-    return RunningServer(serving.port, metrics_http.server_port, serving.worker_port,
-                         metrics_http, store, loop, serving)
+    return RunningServer(
+        serving.port,
+        metrics_http.server_port,
+        serving.worker_port,
+        metrics_http,
+        store,
+        loop,
+        serving,
+    )
 
 
-async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
-                 store: StateStore | None, tls, tokens,
-                 shared: Shared | None) -> _Serving:
+async def _serve(
+    settings: ServeSettings,
+    metrics: SchedulerMetrics,
+    store: StateStore | None,
+    tls,
+    tokens,
+    shared: Shared | None,
+) -> _Serving:
     """On the loop: the core, the servicer, the listening servers and the tasks."""
     sweep_seconds = min(1.0, settings.scheduler.lease_ttl_ms / 4000.0)
     wakeups = Wakeups()
@@ -223,32 +240,45 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
         # The sweeper checks leases every sweep_seconds: a gap of three means we stood still.
         # A replica's core also takes and gives up sequences of the shared store.
         core_class = ReplicaScheduler if shared is not None else Scheduler
-        core = core_class(settings.scheduler, observer=FanOut(metrics, wakeups), store=store,
-                          stall_seconds=max(3 * sweep_seconds, 0.5),
-                          max_decision_bytes=settings.max_message_bytes,
-                          step_prior=(load_step_prior(settings.step_table)
-                                      if settings.step_table else None))
+        core = core_class(
+            settings.scheduler,
+            observer=FanOut(metrics, wakeups),
+            store=store,
+            stall_seconds=max(3 * sweep_seconds, 0.5),
+            max_decision_bytes=settings.max_message_bytes,
+            step_prior=(load_step_prior(settings.step_table) if settings.step_table else None),
+        )
     except StoreError as err:
         where = f"state_dir {settings.state_dir!r}" if settings.state_dir else "state"
         raise ConfigError(f"{where}: cannot load it: {err}") from None
     if store is not None:
         recovered = core.status()
-        log.info("state loaded", extra={"state_dir": settings.state_dir,
-                                        "queued": recovered.queue_depth,
-                                        "assigned": recovered.num_assigned,
-                                        "workers": len(recovered.workers)})
+        log.info(
+            "state loaded",
+            extra={
+                "state_dir": settings.state_dir,
+                "queued": recovered.queue_depth,
+                "assigned": recovered.num_assigned,
+                "workers": len(recovered.workers),
+            },
+        )
     lag = LoopLag(LOOP_LAG_TICK_SECONDS, observe=metrics.event_loop_lag.observe)
     if shared is not None:  # a replica: PostgreSQL commits in each save, no group commit
         group_commit = None
-        servicer = shared.make_servicer(core, wakeups, store, metrics, lag, settings,
-                                        auth.Callers(tokens))
+        servicer = shared.make_servicer(
+            core, wakeups, store, metrics, lag, settings, auth.Callers(tokens)
+        )
     else:
         group_commit = GroupCommit(store, metrics.on_fsync) if store is not None else None
         servicer = SchedulerServicer(
-            core, wakeups, metrics=metrics, lag=lag,
+            core,
+            wakeups,
+            metrics=metrics,
+            lag=lag,
             durable=group_commit.durable if group_commit is not None else None,
             durable_worker_progress=settings.state_fsync == "always",
-            callers=auth.Callers(tokens))
+            callers=auth.Callers(tokens),
+        )
     health_servicer = health_reflection.HealthServicer()
     options = [
         # gRPC sets SO_REUSEPORT by default: a second scheduler on a port already in use
@@ -266,8 +296,10 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
     if tokens is not None:
         first.append(auth.AuthInterceptor(tokens))
     stream_limits = limits.StreamLimitInterceptor(
-        max_streams=settings.max_streams, max_open_streams=settings.max_open_streams,
-        on_change=metrics.on_streams)
+        max_streams=settings.max_streams,
+        max_open_streams=settings.max_open_streams,
+        on_change=metrics.on_streams,
+    )
     main = grpc.aio.server(interceptors=[*first, stream_limits], options=options)
     pb_grpc.add_SchedulerServicer_to_server(servicer, main)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, main)
@@ -278,18 +310,22 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
     if settings.worker_port:
         workers_only = grpc.aio.server(
             interceptors=[*first, limits.WorkerPortInterceptor(settings.worker_port)],
-            options=options)
+            options=options,
+        )
         pb_grpc.add_SchedulerServicer_to_server(servicer, workers_only)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, workers_only)
-        worker_port = _listen(workers_only, settings.host, settings.worker_port, tls,
-                              server_role="workers")
+        worker_port = _listen(
+            workers_only, settings.host, settings.worker_port, tls, server_role="workers"
+        )
         servers.append(workers_only)
     for server in servers:
         await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    tasks = [asyncio.create_task(_sweep_leases(servicer, sweep_seconds), name="lease-sweeper"),
-             asyncio.create_task(lag.run(), name="loop-lag")]
+    tasks = [
+        asyncio.create_task(_sweep_leases(servicer, sweep_seconds), name="lease-sweeper"),
+        asyncio.create_task(lag.run(), name="loop-lag"),
+    ]
     if group_commit is not None:
         tasks.append(asyncio.create_task(group_commit.run_checkpoints(), name="checkpoints"))
     if shared is not None:
@@ -297,19 +333,22 @@ async def _serve(settings: ServeSettings, metrics: SchedulerMetrics,
     return _Serving(servers, health_servicer, servicer, port, worker_port, group_commit, tasks)
 
 
-def _listen(server: grpc.aio.Server, host: str, port: int, tls,
-            server_role: str = "main") -> int:
+def _listen(server: grpc.aio.Server, host: str, port: int, tls, server_role: str = "main") -> int:
     address = f"{_bracket(host)}:{port}"
     try:
         # grpcio returns 0 on failure in old releases and raises RuntimeError in new ones.
-        bound = (server.add_secure_port(address, tls) if tls is not None
-                 else server.add_insecure_port(address))
+        bound = (
+            server.add_secure_port(address, tls)
+            if tls is not None
+            else server.add_insecure_port(address)
+        )
     except RuntimeError:
         bound = 0
     if bound == 0:
         flag = "--port" if server_role == "main" else "--worker-port"
-        raise ConfigError(f"cannot listen on {address} (--host, {flag}): address in use or "
-                          "not available")
+        raise ConfigError(
+            f"cannot listen on {address} (--host, {flag}): address in use or not available"
+        )
     return bound
 
 
@@ -319,7 +358,7 @@ async def _sweep_leases(servicer: SchedulerServicer, every_seconds: float) -> No
         await asyncio.sleep(every_seconds)
         try:
             servicer.expire_leases()
-        except Exception:  # noqa: BLE001 - keep sweeping; the next call may succeed
+        except Exception:  # keep sweeping; the next call may succeed
             log.exception("lease sweep failed")
 
 
@@ -331,17 +370,25 @@ def serve(settings: ServeSettings, shared: Shared | None = None) -> None:
     def on_signal(signum, _frame):
         if not stopping.is_set():
             stopping.set()
-            log.info("shutting down", extra={"signal": signal.Signals(signum).name,
-                                             "grace_seconds": settings.grace_seconds})
+            log.info(
+                "shutting down",
+                extra={
+                    "signal": signal.Signals(signum).name,
+                    "grace_seconds": settings.grace_seconds,
+                },
+            )
             threading.Thread(target=running.stop, args=(settings.grace_seconds,)).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     # Only now: whoever reads this line may signal at once, and the shutdown is graceful.
-    print(f"lattice-scheduler listening on {settings.host}:{running.port} "
-          f"(metrics on http://{_bracket(settings.host)}:{running.metrics_port}/metrics, "
-          f"policy {settings.scheduler.policy}, {_security_summary(settings)}, "
-          f"{_state_summary(settings, running)}{_worker_port_summary(running)})", flush=True)
+    print(
+        f"lattice-scheduler listening on {settings.host}:{running.port} "
+        f"(metrics on http://{_bracket(settings.host)}:{running.metrics_port}/metrics, "
+        f"policy {settings.scheduler.policy}, {_security_summary(settings)}, "
+        f"{_state_summary(settings, running)}{_worker_port_summary(running)})",
+        flush=True,
+    )
     log.info("serving", extra={"port": running.port, "metrics_port": running.metrics_port})
     running.wait()
     log.info("stopped")
@@ -353,8 +400,10 @@ def _worker_port_summary(running: RunningServer) -> str:
 
 def _state_summary(settings: ServeSettings, running: RunningServer) -> str:
     if settings.state:
-        return (f"replica {running.store.replica_id} of the state in {running.store.path}, "
-                f"fsync {settings.state_fsync}")
+        return (
+            f"replica {running.store.replica_id} of the state in {running.store.path}, "
+            f"fsync {settings.state_fsync}"
+        )
     if running.store is None:
         return "state in memory only (--state-dir keeps it across restarts)"
     return f"state in {running.store.path}, fsync {settings.state_fsync}"
@@ -370,12 +419,18 @@ def _warn_if_exposed(settings: ServeSettings) -> None:
     if _is_loopback(settings.host):
         return
     if not settings.auth_tokens:
-        log.warning("authentication is off and the scheduler listens beyond loopback: anyone "
-                    "who reaches the port can submit, cancel or act as a worker; see "
-                    "--auth-tokens in docs/security.md", extra={"host": settings.host})
+        log.warning(
+            "authentication is off and the scheduler listens beyond loopback: anyone "
+            "who reaches the port can submit, cancel or act as a worker; see "
+            "--auth-tokens in docs/security.md",
+            extra={"host": settings.host},
+        )
     elif not settings.tls_cert:
-        log.warning("tokens are required but TLS is off: tokens cross the network in clear "
-                    "text; see --tls-cert in docs/security.md", extra={"host": settings.host})
+        log.warning(
+            "tokens are required but TLS is off: tokens cross the network in clear "
+            "text; see --tls-cert in docs/security.md",
+            extra={"host": settings.host},
+        )
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,13 +1,26 @@
 """All mapping between wire messages (lattice.scheduler.v1) and the core's domain types."""
+
 from __future__ import annotations
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
-
 from service.core import (
-    Decision, FinishedSequence, FinishReason, InvalidArgument, PrefillChunk, SamplingParams,
-    SchedulerStatus, SequenceInfo, SequenceSpec, SubmitParams, SubmitResult, TokenLogprobs,
-    TokenRuns, TokenUpdate, WorkerRegistration,
-    WorkerReport, WorkerSettings,
+    Decision,
+    FinishedSequence,
+    FinishReason,
+    InvalidArgument,
+    PrefillChunk,
+    SamplingParams,
+    SchedulerStatus,
+    SequenceInfo,
+    SequenceSpec,
+    SubmitParams,
+    SubmitResult,
+    TokenLogprobs,
+    TokenRuns,
+    TokenUpdate,
+    WorkerRegistration,
+    WorkerReport,
+    WorkerSettings,
 )
 from service.core.types import CacheReport
 
@@ -38,8 +51,9 @@ MAX_REPORT_CACHE_HASHES = 1 << 20
 MAX_ERROR_MESSAGE_CHARS = 1000
 # What error_message may not hold as is, escaped as \xNN / \uNNNN: control characters
 # (NUL among them, which PostgreSQL text cannot hold) and line or paragraph separators.
-_ESCAPED_IN_MESSAGES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))} | {
-    c: f"\\u{c:04x}" for c in (0x2028, 0x2029)}
+_ESCAPED_IN_MESSAGES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {
+    c: f"\\u{c:04x}" for c in (0x2028, 0x2029)
+}
 
 
 def _checked_string(field_name: str, value: str) -> str:
@@ -52,12 +66,13 @@ def _checked_string(field_name: str, value: str) -> str:
     """
     num_bytes = len(value.encode())
     if num_bytes > MAX_STRING_BYTES:
-        raise InvalidArgument(f"{field_name} is {num_bytes} bytes; "
-                              f"the limit is {MAX_STRING_BYTES}")
+        raise InvalidArgument(f"{field_name} is {num_bytes} bytes; the limit is {MAX_STRING_BYTES}")
     nul_at = value.find("\x00")
     if nul_at >= 0:
-        raise InvalidArgument(f"{field_name} holds a NUL character (0x00) at index {nul_at}; "
-                              "ids and names must not contain NUL")
+        raise InvalidArgument(
+            f"{field_name} holds a NUL character (0x00) at index {nul_at}; "
+            "ids and names must not contain NUL"
+        )
     return value
 
 
@@ -90,18 +105,31 @@ def _sampling(s: pb.SamplingParams) -> SamplingParams:
     for name in ("logprobs", "prompt_logprobs"):
         if getattr(s, name) > MAX_LOGPROBS:
             raise InvalidArgument(f"sampling.{name} is {getattr(s, name)}; at most {MAX_LOGPROBS}")
-    return SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, logprobs=s.logprobs,
-                          prompt_logprobs=s.prompt_logprobs, ignore_eos=s.ignore_eos,
-                          min_new_tokens=s.min_new_tokens)
+    return SamplingParams(
+        s.temperature,
+        s.top_p,
+        s.top_k,
+        s.seed,
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
+        ignore_eos=s.ignore_eos,
+        min_new_tokens=s.min_new_tokens,
+    )
 
 
 def _logprobs_in(entries) -> tuple[TokenLogprobs, ...]:
-    return tuple(TokenLogprobs(e.logprob, tuple(e.top_token_ids), tuple(e.top_logprobs)) for e in entries)
+    return tuple(
+        TokenLogprobs(e.logprob, tuple(e.top_token_ids), tuple(e.top_logprobs)) for e in entries
+    )
 
 
 def _logprobs_out(entries) -> list[pb.TokenLogprobs]:
-    return [pb.TokenLogprobs(logprob=e.logprob, top_token_ids=e.top_token_ids, top_logprobs=e.top_logprobs)
-            for e in entries]
+    return [
+        pb.TokenLogprobs(
+            logprob=e.logprob, top_token_ids=e.top_token_ids, top_logprobs=e.top_logprobs
+        )
+        for e in entries
+    ]
 
 
 def submit_response(result: SubmitResult) -> pb.SubmitResponse:
@@ -139,8 +167,10 @@ def worker_registration(msg: pb.RegisterWorkerRequest) -> WorkerRegistration:
 
 def _cache_block_tokens(msg: pb.RegisterWorkerRequest) -> int:
     if msg.page_size and msg.cache_block_tokens % msg.page_size:
-        raise InvalidArgument(f"cache_block_tokens must be a multiple of page_size "
-                              f"({msg.page_size}), got {msg.cache_block_tokens}")
+        raise InvalidArgument(
+            f"cache_block_tokens must be a multiple of page_size "
+            f"({msg.page_size}), got {msg.cache_block_tokens}"
+        )
     return msg.cache_block_tokens
 
 
@@ -156,8 +186,10 @@ def worker_settings(settings: WorkerSettings) -> pb.RegisterWorkerResponse:
     )
 
 
-def worker_report(msg: pb.SelectBatchRequest, running: tuple[int, ...] | None = None,
-                  ) -> WorkerReport:
+def worker_report(
+    msg: pb.SelectBatchRequest,
+    running: tuple[int, ...] | None = None,
+) -> WorkerReport:
     """The report; `running`: its running list when the message leaves it out
     (running_unchanged_since: service/server/running_lists.py)."""
     _check_report_size(msg, running)
@@ -168,17 +200,28 @@ def worker_report(msg: pb.SelectBatchRequest, running: tuple[int, ...] | None = 
         kv_free_pages=msg.kv_free_pages,
         gdn_free_slots=msg.gdn_free_slots,
         finished=tuple(
-            FinishedSequence(f.seq_id, _finish_reason(f.reason, i), f.generated_tokens,
-                             _error_message(f.error_message))
+            FinishedSequence(
+                f.seq_id,
+                _finish_reason(f.reason, i),
+                f.generated_tokens,
+                _error_message(f.error_message),
+            )
             for i, f in enumerate(msg.finished)
         ),
         preempted=tuple(msg.preempted),
         draining=msg.draining,
         tokens=tuple(_token_update(t) for t in msg.tokens),
         # The packed form, copied in C: no object per sequence.
-        token_runs=(TokenRuns(list(msg.token_seq_ids), list(msg.token_ids),
-                              list(msg.token_counts), list(msg.token_offsets))
-                    if msg.token_seq_ids or msg.token_ids else _NO_TOKEN_RUNS),
+        token_runs=(
+            TokenRuns(
+                list(msg.token_seq_ids),
+                list(msg.token_ids),
+                list(msg.token_counts),
+                list(msg.token_offsets),
+            )
+            if msg.token_seq_ids or msg.token_ids
+            else _NO_TOKEN_RUNS
+        ),
         incarnation=msg.incarnation,
         cache=CacheReport(tuple(msg.cache.added), tuple(msg.cache.removed), msg.cache.reset),
         kv_cached_pages=msg.kv_cached_pages,
@@ -191,21 +234,38 @@ def _token_update(t: pb.TokenUpdate) -> TokenUpdate:
     offset = t.offset if t.HasField("offset") else None
     if not t.logprobs and not t.prompt_logprobs:  # the usual case, kept cheap
         return TokenUpdate(t.seq_id, tuple(t.token_ids), offset)
-    return TokenUpdate(t.seq_id, tuple(t.token_ids), offset, _logprobs_in(t.logprobs),
-                       _logprobs_in(t.prompt_logprobs))
+    return TokenUpdate(
+        t.seq_id,
+        tuple(t.token_ids),
+        offset,
+        _logprobs_in(t.logprobs),
+        _logprobs_in(t.prompt_logprobs),
+    )
 
 
 def _check_report_size(msg: pb.SelectBatchRequest, running: tuple[int, ...] | None) -> None:
     num_running = len(msg.running) if running is None else len(running)
     num_seq_ids = len(msg.waiting) + num_running + len(msg.finished) + len(msg.preempted)
-    _check_count("waiting, running, finished and preempted hold", num_seq_ids,
-                 "seq ids in all", MAX_REPORT_SEQ_IDS)
+    _check_count(
+        "waiting, running, finished and preempted hold",
+        num_seq_ids,
+        "seq ids in all",
+        MAX_REPORT_SEQ_IDS,
+    )
     _check_count("cache_misses holds", len(msg.cache_misses), "seq ids", MAX_REPORT_SEQ_IDS)
-    _check_count("cache.added and cache.removed hold", len(msg.cache.added) + len(msg.cache.removed),
-                 "block hashes in all", MAX_REPORT_CACHE_HASHES)
+    _check_count(
+        "cache.added and cache.removed hold",
+        len(msg.cache.added) + len(msg.cache.removed),
+        "block hashes in all",
+        MAX_REPORT_CACHE_HASHES,
+    )
     _check_count("tokens holds", len(msg.tokens), "updates", MAX_REPORT_TOKENS)
-    _check_count("tokens carry", sum(len(t.token_ids) for t in msg.tokens) if msg.tokens else 0,
-                 "token ids in all", MAX_REPORT_TOKENS)
+    _check_count(
+        "tokens carry",
+        sum(len(t.token_ids) for t in msg.tokens) if msg.tokens else 0,
+        "token ids in all",
+        MAX_REPORT_TOKENS,
+    )
     # The packed form has the same limits of its own.
     _check_count("token_seq_ids holds", len(msg.token_seq_ids), "runs", MAX_REPORT_TOKENS)
     _check_count("token_ids holds", len(msg.token_ids), "token ids", MAX_REPORT_TOKENS)
@@ -217,7 +277,7 @@ def _error_message(text: str) -> str:
     cleaned = text[:MAX_ERROR_MESSAGE_CHARS].translate(_ESCAPED_IN_MESSAGES)
     if len(text) <= MAX_ERROR_MESSAGE_CHARS and len(cleaned) <= MAX_ERROR_MESSAGE_CHARS:
         return cleaned
-    return cleaned[:MAX_ERROR_MESSAGE_CHARS - 20] + f"... ({len(text)} chars)"
+    return cleaned[: MAX_ERROR_MESSAGE_CHARS - 20] + f"... ({len(text)} chars)"
 
 
 def _finish_reason(number: int, index: int) -> FinishReason:
@@ -248,8 +308,12 @@ def running_needed() -> pb.SchedulerDecision:
 
 
 def _prefill_chunk(chunk: PrefillChunk) -> pb.PrefillChunk:
-    msg = pb.PrefillChunk(seq_id=chunk.seq_id, chunk_start=chunk.chunk_start,
-                          chunk_len=chunk.chunk_len, cached_tokens=chunk.cached_tokens)
+    msg = pb.PrefillChunk(
+        seq_id=chunk.seq_id,
+        chunk_start=chunk.chunk_start,
+        chunk_len=chunk.chunk_len,
+        cached_tokens=chunk.cached_tokens,
+    )
     if chunk.spec is not None:
         msg.spec.CopyFrom(_spec(chunk.spec))
     return msg
@@ -261,10 +325,16 @@ def _spec(spec: SequenceSpec) -> pb.SequenceSpec:
         prompt_token_ids=spec.prompt_token_ids,
         max_new_tokens=spec.max_new_tokens,
         adapter_id=spec.adapter_id,
-        sampling=pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                   seed=s.seed, logprobs=s.logprobs,
-                                   prompt_logprobs=s.prompt_logprobs, ignore_eos=s.ignore_eos,
-                                   min_new_tokens=s.min_new_tokens),
+        sampling=pb.SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            logprobs=s.logprobs,
+            prompt_logprobs=s.prompt_logprobs,
+            ignore_eos=s.ignore_eos,
+            min_new_tokens=s.min_new_tokens,
+        ),
         stop_token_ids=spec.stop_token_ids,
     )
 
@@ -276,10 +346,14 @@ def status(st: SchedulerStatus) -> pb.StatusResponse:
         policy=st.policy,
         workers=[
             pb.WorkerStatus(
-                worker_id=w.worker_id, num_assigned=w.num_assigned,
-                kv_free_pages=w.kv_free_pages, gdn_free_slots=w.gdn_free_slots,
-                total_kv_pages=w.total_kv_pages, total_gdn_slots=w.total_gdn_slots,
-                iteration=w.iteration, draining=w.draining,
+                worker_id=w.worker_id,
+                num_assigned=w.num_assigned,
+                kv_free_pages=w.kv_free_pages,
+                gdn_free_slots=w.gdn_free_slots,
+                total_kv_pages=w.total_kv_pages,
+                total_gdn_slots=w.total_gdn_slots,
+                iteration=w.iteration,
+                draining=w.draining,
                 seconds_since_last_call=w.seconds_since_last_call,
                 incarnation=w.incarnation,
             )
@@ -288,11 +362,19 @@ def status(st: SchedulerStatus) -> pb.StatusResponse:
     )
 
 
-def generate_event(seq_id: int, token_ids=(), finish_reason: FinishReason | None = None,
-                   finished: bool = False, error_message: str = "", logprobs=(),
-                   prompt_logprobs=()) -> pb.GenerateEvent:
+def generate_event(
+    seq_id: int,
+    token_ids=(),
+    finish_reason: FinishReason | None = None,
+    finished: bool = False,
+    error_message: str = "",
+    logprobs=(),
+    prompt_logprobs=(),
+) -> pb.GenerateEvent:
     return pb.GenerateEvent(
-        seq_id=seq_id, token_ids=token_ids, finished=finished,
+        seq_id=seq_id,
+        token_ids=token_ids,
+        finished=finished,
         finish_reason=finish_reason.value if finish_reason else 0,
         error_message=error_message,
         logprobs=_logprobs_out(logprobs) if logprobs else None,

@@ -8,6 +8,7 @@
   the v1alpha one under another package name, so its descriptor is derived from the
   library's, and the library's servicer answers both.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -24,11 +25,15 @@ _REFLECTION_V1_FILE = "grpc/reflection/v1/reflection.proto"
 class HealthServicer(health.aio.HealthServicer):
     """grpc_health's asyncio servicer, with `List`."""
 
-    async def List(self, request: health_pb2.HealthListRequest,
-                   context) -> health_pb2.HealthListResponse:
-        return health_pb2.HealthListResponse(statuses={
-            name: health_pb2.HealthCheckResponse(status=status)
-            for name, status in self._server_status.items()})
+    async def List(
+        self, request: health_pb2.HealthListRequest, context
+    ) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(
+            statuses={
+                name: health_pb2.HealthCheckResponse(status=status)
+                for name, status in self._server_status.items()
+            }
+        )
 
 
 def enable_reflection(service_names: Iterable[str], server: grpc.aio.Server) -> None:
@@ -42,9 +47,15 @@ def enable_reflection(service_names: Iterable[str], server: grpc.aio.Server) -> 
     handler = grpc.stream_stream_rpc_method_handler(
         reflection.aio.ReflectionServicer(names).ServerReflectionInfo,
         request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        REFLECTION_V1_SERVICE_NAME, {"ServerReflectionInfo": handler}),))
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                REFLECTION_V1_SERVICE_NAME, {"ServerReflectionInfo": handler}
+            ),
+        )
+    )
 
 
 def _add_reflection_v1_file() -> None:

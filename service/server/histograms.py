@@ -7,6 +7,7 @@ observations of one value per SelectBatch, counted here as one `observe(value, c
 Exported exactly as a Histogram of the same name and buckets is (`_bucket`, `_count`,
 `_sum`), without `_created`.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,9 @@ from prometheus_client.utils import floatToGoString
 class TallyHistogram:
     """An unlabelled histogram; `observe(value, count)` counts `count` observations."""
 
-    def __init__(self, name: str, documentation: str, buckets: Iterable[float],
-                 registry: CollectorRegistry) -> None:
+    def __init__(
+        self, name: str, documentation: str, buckets: Iterable[float], registry: CollectorRegistry
+    ) -> None:
         bounds = sorted(float(b) for b in buckets)
         if not bounds or bounds[-1] != math.inf:
             bounds.append(math.inf)

@@ -10,6 +10,7 @@ late), or the last tick's lateness when that tick ran less than one tick ago (th
 ended just before this handler started). A call that arrived just after a stall may be
 charged with it: the figure errs on the side of showing stalls.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,9 +25,12 @@ RESOLUTION_SECONDS = 0.002
 class LoopLag:
     """The event loop's lateness; run() on the loop, read delay() from handlers."""
 
-    def __init__(self, tick_seconds: float = 0.025,
-                 observe: Callable[[float], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        tick_seconds: float = 0.025,
+        observe: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         """`observe(lag_seconds)` is called with each tick's lateness (a histogram)."""
         self._tick_seconds = tick_seconds
         self._observe = observe

@@ -3,6 +3,7 @@
 Base units in names, `_total` counters, bounded labels: `reason` takes a fixed enum's
 values and `worker_id` only registered workers (a worker's series go when it leaves).
 """
+
 from __future__ import annotations
 
 import time
@@ -11,8 +12,14 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from service.core import (
-    BlockReason, Decision, EvictReason, FinishReason, PreemptReason, RequeueReason,
-    SchedulerObserver, WorkerReport,
+    BlockReason,
+    Decision,
+    EvictReason,
+    FinishReason,
+    PreemptReason,
+    RequeueReason,
+    SchedulerObserver,
+    WorkerReport,
 )
 from service.core.tables.queue import PRIORITY_BANDS
 from service.server.histograms import TallyHistogram
@@ -20,17 +27,76 @@ from service.server.histograms import TallyHistogram
 PREFIX = "lattice_scheduler_"
 
 # SelectBatch is answered in well under a millisecond in-process; gRPC adds ~0.1-1 ms.
-_RPC_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                        0.1, 0.25, 0.5, 1.0)
+_RPC_SECONDS_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
 # Queue waits range from nothing to minutes under overload.
-_WAIT_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                         60.0, 120.0, 300.0)
+_WAIT_SECONDS_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 # Time to first token and end-to-end latency: LLM requests take milliseconds to minutes.
-_LATENCY_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                            20.0, 40.0, 80.0, 160.0, 320.0)
+_LATENCY_SECONDS_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
 # Inter-token latency: one decode iteration, from a few to a few hundred milliseconds.
-_ITL_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
-                        0.3, 0.5, 1.0, 2.5)
+_ITL_SECONDS_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+)
 # The stream pools of service/server/interceptors/limits.py (a bounded label).
 STREAM_KINDS = ("generate", "open")
 _TOKEN_BUCKETS = (0, 1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -45,9 +111,13 @@ OTHER_TENANT = "other"
 class SchedulerMetrics(SchedulerObserver):
     """Listens to the core and keeps the metrics an operator reads."""
 
-    def __init__(self, registry: CollectorRegistry,
-                 clock: Callable[[], float] = time.monotonic,
-                 named_tenants: Iterable[str] = (), ttft_target_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
+        named_tenants: Iterable[str] = (),
+        ttft_target_seconds: float = 0.0,
+    ) -> None:
         """`named_tenants`: the tenants of --tenant-weights, each with its own series of
         served tokens; every other tenant is counted as "other". `ttft_target_seconds`:
         --ttft-target-ms, for the deadline misses (0: none counted)."""
@@ -65,188 +135,302 @@ class SchedulerMetrics(SchedulerObserver):
         self._last_report: dict[str, tuple[float, set[int]]] = {}
         # Each worker's labelled children of the per-decision gauges and counter.
         self._decision_series: dict[str, tuple] = {}
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens_total",
-                                     "Prompt tokens of accepted sequences.", registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens_total",
-                                         "Generated tokens reported by workers.", registry=r)
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens_total", "Prompt tokens of accepted sequences.", registry=r
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens_total", "Generated tokens reported by workers.", registry=r
+        )
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "From Submit to the first generated token reported by a worker.",
-            buckets=_LATENCY_SECONDS_BUCKETS, registry=r)
+            buckets=_LATENCY_SECONDS_BUCKETS,
+            registry=r,
+        )
         self.inter_token_latency = TallyHistogram(
             PREFIX + "inter_token_latency_seconds",
             "Time between a sequence's token reports, per token.",
-            _ITL_SECONDS_BUCKETS, r)
+            _ITL_SECONDS_BUCKETS,
+            r,
+        )
         self.e2e_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds",
             "From Submit to the sequence finishing, whatever the reason.",
-            buckets=_LATENCY_SECONDS_BUCKETS, registry=r)
-        self.queue_depth = Gauge(PREFIX + "queue_depth", "Sequences waiting for admission.",
-                                 registry=r)
-        self.submissions = Counter(PREFIX + "submissions_total",
-                                   "Sequences accepted by Submit or Generate.", registry=r)
-        self.admissions = Counter(PREFIX + "admissions_total",
-                                  "Sequences admitted to a worker (a requeued one counts again).",
-                                  registry=r)
-        self.finished = Counter(PREFIX + "finished_total", "Sequences finished, by reason.",
-                                ["reason"], registry=r)
-        self.evictions = Counter(PREFIX + "evictions_total",
-                                 "Ids put in a decision's evict list, by reason.",
-                                 ["reason"], registry=r)
-        self.requeues = Counter(PREFIX + "requeues_total",
-                                "Sequences sent back to the head of the queue, by reason.",
-                                ["reason"], registry=r)
+            buckets=_LATENCY_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            PREFIX + "queue_depth", "Sequences waiting for admission.", registry=r
+        )
+        self.submissions = Counter(
+            PREFIX + "submissions_total", "Sequences accepted by Submit or Generate.", registry=r
+        )
+        self.admissions = Counter(
+            PREFIX + "admissions_total",
+            "Sequences admitted to a worker (a requeued one counts again).",
+            registry=r,
+        )
+        self.finished = Counter(
+            PREFIX + "finished_total", "Sequences finished, by reason.", ["reason"], registry=r
+        )
+        self.evictions = Counter(
+            PREFIX + "evictions_total",
+            "Ids put in a decision's evict list, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.requeues = Counter(
+            PREFIX + "requeues_total",
+            "Sequences sent back to the head of the queue, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.admissions_blocked = Counter(
             PREFIX + "admissions_blocked_total",
             "Decisions that left sequences queued, by the limit that stopped admission.",
-            ["reason"], registry=r)
-        self.queue_wait = Histogram(PREFIX + "queue_wait_seconds",
-                                    "Time from enqueue (or requeue) to admission.",
-                                    buckets=_WAIT_SECONDS_BUCKETS, registry=r)
+            ["reason"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            PREFIX + "queue_wait_seconds",
+            "Time from enqueue (or requeue) to admission.",
+            buckets=_WAIT_SECONDS_BUCKETS,
+            registry=r,
+        )
         self.select_batch_duration = Histogram(
             PREFIX + "select_batch_duration_seconds",
             "Time to answer one SelectBatch (or WorkerSession request), from its arrival: "
             "a stalled event loop counts; time parked in a long poll does not.",
-            buckets=_RPC_SECONDS_BUCKETS, registry=r)
+            buckets=_RPC_SECONDS_BUCKETS,
+            registry=r,
+        )
         self.event_loop_lag = Histogram(
             PREFIX + "event_loop_lag_seconds",
             "How late the server's event loop ran a timer due now (sampled every 25 ms): "
             "what every call waits before its handler starts.",
-            buckets=_RPC_SECONDS_BUCKETS, registry=r)
+            buckets=_RPC_SECONDS_BUCKETS,
+            registry=r,
+        )
         self.state_fsyncs = Counter(
             PREFIX + "state_fsyncs_total",
             "fsyncs of the state store's WAL behind acknowledgements (group commit).",
-            registry=r)
+            registry=r,
+        )
         self.state_fsync_duration = Histogram(
             PREFIX + "state_fsync_duration_seconds",
             "Time one fsync of the state store's WAL took (off the event loop).",
-            buckets=_RPC_SECONDS_BUCKETS, registry=r)
+            buckets=_RPC_SECONDS_BUCKETS,
+            registry=r,
+        )
         self.state_commits_per_fsync = Histogram(
             PREFIX + "state_commits_per_fsync",
             "Commits that one fsync made durable: acknowledgements that shared it.",
-            buckets=_SEQ_BUCKETS, registry=r)
+            buckets=_SEQ_BUCKETS,
+            registry=r,
+        )
         self.streams_open = Gauge(
             PREFIX + "streams_open",
             "Streams open now, by pool: generate (Generate), open (Health.Watch, reflection).",
-            ["kind"], registry=r)
+            ["kind"],
+            registry=r,
+        )
         self.streams_refused = Counter(
             PREFIX + "streams_refused_total",
             "Streams refused with RESOURCE_EXHAUSTED because their pool was full, by pool.",
-            ["kind"], registry=r)
+            ["kind"],
+            registry=r,
+        )
         self.decision_prefill_tokens = Histogram(
-            PREFIX + "decision_prefill_tokens", "Prompt tokens handed out per decision.",
-            buckets=_TOKEN_BUCKETS, registry=r)
+            PREFIX + "decision_prefill_tokens",
+            "Prompt tokens handed out per decision.",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.decision_decode_sequences = Histogram(
-            PREFIX + "decision_decode_sequences", "Sequences to decode per decision.",
-            buckets=_SEQ_BUCKETS, registry=r)
+            PREFIX + "decision_decode_sequences",
+            "Sequences to decode per decision.",
+            buckets=_SEQ_BUCKETS,
+            registry=r,
+        )
         self.decision_batched_tokens = Histogram(
             PREFIX + "decision_batched_tokens",
             "Tokens per decision: one per decode plus the prefill chunks' tokens.",
-            buckets=_TOKEN_BUCKETS, registry=r)
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.decision_budget_used = Histogram(
             PREFIX + "decision_budget_used_ratio",
             "Share of its token budget a decision spent (budget and fair policies).",
-            buckets=_RATIO_BUCKETS, registry=r)
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
         self.deadline_misses = Counter(
             PREFIX + "deadline_misses_total",
             "Sequences whose first token came after their deadline (submission + "
-            "--ttft-target-ms); late ones are served, not dropped.", registry=r)
+            "--ttft-target-ms); late ones are served, not dropped.",
+            registry=r,
+        )
         self.worker_token_budget = Gauge(
             PREFIX + "worker_token_budget",
             "The token budget of the worker's latest decision with work (with "
-            "--tpot-target-ms: chosen from its learned step times).", ["worker_id"], registry=r)
+            "--tpot-target-ms: chosen from its learned step times).",
+            ["worker_id"],
+            registry=r,
+        )
         self.worker_step_predicted = Gauge(
             PREFIX + "worker_step_predicted_seconds",
             "The learned model's prediction of the worker's latest measured step.",
-            ["worker_id"], registry=r)
+            ["worker_id"],
+            registry=r,
+        )
         self.worker_step_measured = Gauge(
             PREFIX + "worker_step_measured_seconds",
             "The worker's latest measured step (SelectBatchRequest.last_step_us).",
-            ["worker_id"], registry=r)
+            ["worker_id"],
+            registry=r,
+        )
         self.step_time_error = Histogram(
             PREFIX + "step_time_error_ratio",
             "|predicted - measured| / measured of each step time the scheduler learned from.",
-            ["worker_id"], buckets=_ERROR_BUCKETS, registry=r)
+            ["worker_id"],
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
         self.preemptions = Counter(
             PREFIX + "preemptions_total",
             "Running sequences preempted: kv_growth and no_progress by the scheduler, "
-            "worker by the worker itself.", ["reason"], registry=r)
+            "worker by the worker itself.",
+            ["reason"],
+            registry=r,
+        )
         self.tenant_served_tokens = Counter(
             PREFIX + "tenant_served_tokens_total",
             "Tokens served per tenant (prompt tokens prefilled, generated tokens); tenants "
-            "not named in --tenant-weights count as other.", ["tenant"], registry=r)
+            "not named in --tenant-weights count as other.",
+            ["tenant"],
+            registry=r,
+        )
         self.queue_depth_by_priority = Gauge(
             PREFIX + "queue_depth_by_priority",
             "Sequences waiting for admission, per priority band (lower is more urgent).",
-            ["band"], registry=r)
+            ["band"],
+            registry=r,
+        )
         self.workers = Gauge(PREFIX + "workers", "Registered workers.", registry=r)
         self.unservable_queued = Gauge(
             PREFIX + "unservable_queued",
             "Queued sequences whose adapter no live worker that takes work has (replicas: "
             "fleet-wide, as of the replica's latest upkeep); they wait until one registers.",
-            registry=r)
-        self.worker_kv_free_pages = Gauge(PREFIX + "worker_kv_free_pages",
-                                          "Last reported free KV pages.", ["worker_id"],
-                                          registry=r)
-        self.worker_gdn_free_slots = Gauge(PREFIX + "worker_gdn_free_slots",
-                                           "Last reported free GDN state slots.", ["worker_id"],
-                                           registry=r)
-        self.worker_kv_total_pages = Gauge(PREFIX + "worker_kv_total_pages",
-                                           "KV pages the worker registered with.",
-                                           ["worker_id"], registry=r)
-        self.worker_gdn_total_slots = Gauge(PREFIX + "worker_gdn_total_slots",
-                                            "GDN state slots the worker registered with.",
-                                            ["worker_id"], registry=r)
-        self.worker_running = Gauge(PREFIX + "worker_running_sequences",
-                                    "Sequences the worker last reported in decode.",
-                                    ["worker_id"], registry=r)
-        self.worker_prefilling = Gauge(PREFIX + "worker_prefilling_sequences",
-                                       "Sequences the worker last reported in prefill.",
-                                       ["worker_id"], registry=r)
-        self.worker_iterations = Counter(PREFIX + "worker_iterations_total",
-                                         "SelectBatch calls answered for the worker.",
-                                         ["worker_id"], registry=r)
+            registry=r,
+        )
+        self.worker_kv_free_pages = Gauge(
+            PREFIX + "worker_kv_free_pages",
+            "Last reported free KV pages.",
+            ["worker_id"],
+            registry=r,
+        )
+        self.worker_gdn_free_slots = Gauge(
+            PREFIX + "worker_gdn_free_slots",
+            "Last reported free GDN state slots.",
+            ["worker_id"],
+            registry=r,
+        )
+        self.worker_kv_total_pages = Gauge(
+            PREFIX + "worker_kv_total_pages",
+            "KV pages the worker registered with.",
+            ["worker_id"],
+            registry=r,
+        )
+        self.worker_gdn_total_slots = Gauge(
+            PREFIX + "worker_gdn_total_slots",
+            "GDN state slots the worker registered with.",
+            ["worker_id"],
+            registry=r,
+        )
+        self.worker_running = Gauge(
+            PREFIX + "worker_running_sequences",
+            "Sequences the worker last reported in decode.",
+            ["worker_id"],
+            registry=r,
+        )
+        self.worker_prefilling = Gauge(
+            PREFIX + "worker_prefilling_sequences",
+            "Sequences the worker last reported in prefill.",
+            ["worker_id"],
+            registry=r,
+        )
+        self.worker_iterations = Counter(
+            PREFIX + "worker_iterations_total",
+            "SelectBatch calls answered for the worker.",
+            ["worker_id"],
+            registry=r,
+        )
         self.prefill_tokens = Counter(
             PREFIX + "prefill_tokens_total",
             "Prompt tokens of first and later prefill chunks: computed by the worker, or "
-            "cached (taken from its prefix cache at admission).", ["source"], registry=r)
+            "cached (taken from its prefix cache at admission).",
+            ["source"],
+            registry=r,
+        )
         self.cache_misses = Counter(
             PREFIX + "cache_misses_total",
             "First chunks whose resume point the worker no longer held (admitted again).",
-            registry=r)
+            registry=r,
+        )
         self.worker_resume_points = Gauge(
             PREFIX + "worker_resume_points",
-            "Prefix-cache resume points the scheduler knows for the worker.", ["worker_id"],
-            registry=r)
+            "Prefix-cache resume points the scheduler knows for the worker.",
+            ["worker_id"],
+            registry=r,
+        )
         # The same per worker: its own hit rate and evictions, live.
         self.worker_prefill_tokens = Counter(
             PREFIX + "worker_prefill_tokens",
             "Prompt tokens of the worker's prefill chunks: computed by it, or cached (taken "
-            "from its prefix cache at admission).", ["worker_id", "source"], registry=r)
+            "from its prefix cache at admission).",
+            ["worker_id", "source"],
+            registry=r,
+        )
         self.worker_cache_misses = Counter(
             PREFIX + "worker_cache_misses",
             "First chunks the worker could not serve from the resume point it was given.",
-            ["worker_id"], registry=r)
+            ["worker_id"],
+            registry=r,
+        )
         self.worker_resume_points_removed = Counter(
             PREFIX + "worker_resume_points_removed",
             "Resume points the worker reported removed (evicted from its prefix cache).",
-            ["worker_id"], registry=r)
+            ["worker_id"],
+            registry=r,
+        )
         for source in ("computed", "cached"):
             self.prefill_tokens.labels(source)
         self._worker_ids: set[str] = set()
-        self._per_worker = (self.worker_kv_free_pages, self.worker_gdn_free_slots,
-                            self.worker_kv_total_pages, self.worker_gdn_total_slots,
-                            self.worker_running, self.worker_prefilling, self.worker_iterations,
-                            self.worker_token_budget, self.worker_step_predicted,
-                            self.worker_step_measured, self.step_time_error,
-                            self.worker_resume_points, self.worker_cache_misses,
-                            self.worker_resume_points_removed)
+        self._per_worker = (
+            self.worker_kv_free_pages,
+            self.worker_gdn_free_slots,
+            self.worker_kv_total_pages,
+            self.worker_gdn_total_slots,
+            self.worker_running,
+            self.worker_prefilling,
+            self.worker_iterations,
+            self.worker_token_budget,
+            self.worker_step_predicted,
+            self.worker_step_measured,
+            self.step_time_error,
+            self.worker_resume_points,
+            self.worker_cache_misses,
+            self.worker_resume_points_removed,
+        )
         # Every reason shows from the start at 0, so rate() works before the first event.
         for reason in FinishReason:
             self.finished.labels(reason.name.lower())
-        for labelled, enum_type in ((self.evictions, EvictReason), (self.requeues, RequeueReason),
-                                    (self.admissions_blocked, BlockReason),
-                                    (self.preemptions, PreemptReason)):
+        for labelled, enum_type in (
+            (self.evictions, EvictReason),
+            (self.requeues, RequeueReason),
+            (self.admissions_blocked, BlockReason),
+            (self.preemptions, PreemptReason),
+        ):
             for member in enum_type:
                 labelled.labels(member.value)
         for tenant in (*sorted(self._named_tenants), OTHER_TENANT):
@@ -281,8 +465,7 @@ class SchedulerMetrics(SchedulerObserver):
         a report of its own with no worker."""
         self.on_tokens_reported("", [seq_id], [num_tokens])
 
-    def on_tokens_reported(self, worker_id: str, seq_ids: list[int],
-                           num_tokens: list[int]) -> None:
+    def on_tokens_reported(self, worker_id: str, seq_ids: list[int], num_tokens: list[int]) -> None:
         """Token counts, time to first token, and inter-token latency (the time since the
         sequence's previous tokens, shared by the tokens that came together). Sequences
         whose previous tokens came in this worker's previous report, the steady state,
@@ -308,11 +491,11 @@ class SchedulerMetrics(SchedulerObserver):
         for seq_id, num in zip(seq_ids, num_tokens):
             counts[seq_id] = counts.get(seq_id, 0) + num
         for seq_id in tracked:
-            self._tokens_came(seq_id, previous_at if seq_id in previous else None,
-                              counts[seq_id], now)
+            self._tokens_came(
+                seq_id, previous_at if seq_id in previous else None, counts[seq_id], now
+            )
 
-    def _tokens_came(self, seq_id: int, last_at: float | None, num_tokens: int,
-                     now: float) -> None:
+    def _tokens_came(self, seq_id: int, last_at: float | None, num_tokens: int, now: float) -> None:
         """`num_tokens` of `seq_id` came at `now`; its previous ones at `last_at` (None:
         look it up; none: these are its first)."""
         if last_at is None:
@@ -362,9 +545,15 @@ class SchedulerMetrics(SchedulerObserver):
         series = self._decision_series.get(w)
         if series is None:
             series = self._decision_series[w] = tuple(
-                metric.labels(w) for metric in (
-                    self.worker_kv_free_pages, self.worker_gdn_free_slots,
-                    self.worker_running, self.worker_prefilling, self.worker_iterations))
+                metric.labels(w)
+                for metric in (
+                    self.worker_kv_free_pages,
+                    self.worker_gdn_free_slots,
+                    self.worker_running,
+                    self.worker_prefilling,
+                    self.worker_iterations,
+                )
+            )
         kv_free_pages, gdn_free_slots, running, prefilling, iterations = series
         kv_free_pages.set(report.kv_free_pages)
         gdn_free_slots.set(report.gdn_free_slots)
@@ -374,8 +563,9 @@ class SchedulerMetrics(SchedulerObserver):
         self.decision_prefill_tokens.observe(sum(c.chunk_len for c in decision.prefill))
         self.decision_decode_sequences.observe(len(decision.decode))
 
-    def on_worker_registered(self, worker_id: str, total_kv_pages: int,
-                             total_gdn_slots: int) -> None:
+    def on_worker_registered(
+        self, worker_id: str, total_kv_pages: int, total_gdn_slots: int
+    ) -> None:
         self.worker_kv_total_pages.labels(worker_id).set(total_kv_pages)
         self.worker_gdn_total_slots.labels(worker_id).set(total_gdn_slots)
         self.worker_iterations.labels(worker_id)
@@ -415,19 +605,20 @@ class SchedulerMetrics(SchedulerObserver):
     def on_preempted(self, seq_id: int, worker_id: str, reason: PreemptReason) -> None:
         self.preemptions.labels(reason.value).inc()
 
-    def on_plan(self, worker_id: str, num_batched_tokens: int,
-                token_budget: int | None) -> None:
+    def on_plan(self, worker_id: str, num_batched_tokens: int, token_budget: int | None) -> None:
         self.decision_batched_tokens.observe(num_batched_tokens)
         if token_budget:
             self.decision_budget_used.observe(num_batched_tokens / token_budget)
             self.worker_token_budget.labels(worker_id).set(token_budget)
 
-    def on_step_time(self, worker_id: str, predicted_seconds: float,
-                     measured_seconds: float) -> None:
+    def on_step_time(
+        self, worker_id: str, predicted_seconds: float, measured_seconds: float
+    ) -> None:
         self.worker_step_predicted.labels(worker_id).set(predicted_seconds)
         self.worker_step_measured.labels(worker_id).set(measured_seconds)
         self.step_time_error.labels(worker_id).observe(
-            abs(predicted_seconds - measured_seconds) / measured_seconds)
+            abs(predicted_seconds - measured_seconds) / measured_seconds
+        )
 
     def on_prefill_tokens(self, worker_id: str, computed: int, cached: int) -> None:
         self.prefill_tokens.labels("computed").inc(computed)

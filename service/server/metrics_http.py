@@ -10,6 +10,7 @@ once. GET or HEAD on any path answers the registry as prometheus_client would (t
 OpenMetrics by Accept, gzip when asked, `name[]` filters); each answer closes its
 connection.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,9 +34,14 @@ MAX_HEAD_BYTES = 16384
 class MetricsHttpServer:
     """Serves `registry` on the bound, listening `sock` until `shutdown()`."""
 
-    def __init__(self, sock: socket.socket, registry: CollectorRegistry, *,
-                 read_timeout_seconds: float = DEFAULT_READ_TIMEOUT_SECONDS,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        registry: CollectorRegistry,
+        *,
+        read_timeout_seconds: float = DEFAULT_READ_TIMEOUT_SECONDS,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ) -> None:
         self._sock = sock
         self._registry = registry
         self._read_timeout_seconds = read_timeout_seconds
@@ -71,8 +77,9 @@ class MetricsHttpServer:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(
-            self._serve, sock=self._sock, limit=MAX_HEAD_BYTES))
+        server = self._loop.run_until_complete(
+            asyncio.start_server(self._serve, sock=self._sock, limit=MAX_HEAD_BYTES)
+        )
         self._ready.set()
         try:
             self._loop.run_forever()
@@ -92,10 +99,16 @@ class MetricsHttpServer:
         self._waiting[writer] = None
         try:
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
-                                              self._read_timeout_seconds)
-            except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                    ConnectionError, OSError):
+                head = await asyncio.wait_for(
+                    reader.readuntil(b"\r\n\r\n"), self._read_timeout_seconds
+                )
+            except (
+                TimeoutError,
+                asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError,
+                ConnectionError,
+                OSError,
+            ):
                 return  # too slow, too long, or gone: nothing to answer
             finally:
                 self._waiting.pop(writer, None)
@@ -105,7 +118,7 @@ class MetricsHttpServer:
             pass
         except asyncio.CancelledError:
             pass  # the endpoint is stopping (its own loop: nothing else cancels)
-        except Exception:  # noqa: BLE001 - one bad request must not stop the endpoint
+        except Exception:  # one bad request must not stop the endpoint
             log.exception("the metrics endpoint failed to answer a request")
         finally:
             self._num_open -= 1
@@ -134,12 +147,21 @@ class MetricsHttpServer:
         if gzip_accepted(headers.get("accept-encoding", "")):
             body = gzip.compress(body)
             extra.append("Content-Encoding: gzip")
-        return _response("200 OK", content_type, body, extra,
-                         send_body=method == "GET")
+        return _response("200 OK", content_type, body, extra, send_body=method == "GET")
 
 
-def _response(status: str, content_type: str, body: bytes, extra: list[str] | None = None,
-              send_body: bool = True) -> bytes:
-    head = [f"HTTP/1.1 {status}", f"Content-Type: {content_type}",
-            f"Content-Length: {len(body)}", "Connection: close", *(extra or [])]
+def _response(
+    status: str,
+    content_type: str,
+    body: bytes,
+    extra: list[str] | None = None,
+    send_body: bool = True,
+) -> bytes:
+    head = [
+        f"HTTP/1.1 {status}",
+        f"Content-Type: {content_type}",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(extra or []),
+    ]
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (body if send_body else b"")

@@ -1,4 +1,5 @@
 """One observer that passes every call from the core on to several (metrics, wake-ups)."""
+
 from __future__ import annotations
 
 from service.core import SchedulerObserver
@@ -19,8 +20,10 @@ class FanOut(SchedulerObserver):
         for name in HOOKS:
             base = getattr(SchedulerObserver, name)
             listeners = tuple(
-                method for method in (getattr(o, name) for o in observers)
-                if getattr(method, "__func__", None) is not base or name in _NOT_NO_OPS)
+                method
+                for method in (getattr(o, name) for o in observers)
+                if getattr(method, "__func__", None) is not base or name in _NOT_NO_OPS
+            )
             setattr(self, name, _fan(name, listeners))
 
 
@@ -30,13 +33,16 @@ _NOT_NO_OPS = frozenset({"on_tokens_reported"})
 
 def _fan(name: str, listeners: tuple):
     if not listeners:
+
         def forward(*args, **kwargs) -> None:
             pass
     elif len(listeners) == 1:
         return listeners[0]
     else:
+
         def forward(*args, **kwargs) -> None:
             for listener in listeners:
                 listener(*args, **kwargs)
+
     forward.__name__ = name
     return forward

@@ -9,13 +9,13 @@ twice (an answer lost, the report retried on a new session) names a baseline tha
 still held, and one that names anything else (a restart, another replica, a registration
 since) finds none: the scheduler then applies nothing and asks for the list.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
-
 from service.core.types import Decision
 from service.server import convert
 
@@ -39,21 +39,29 @@ class RunningLists:
         if not since:
             return tuple(request.running)
         baseline = self._baselines.get(request.worker_id)
-        if (baseline is None or baseline.iteration != since
-                or baseline.incarnation != request.incarnation or request.running):
+        if (
+            baseline is None
+            or baseline.iteration != since
+            or baseline.incarnation != request.incarnation
+            or request.running
+        ):
             return None
         return baseline.running
 
-    def answer(self, request: pb.SelectBatchRequest, running: tuple[int, ...],
-               decision: Decision) -> pb.SchedulerDecision:
+    def answer(
+        self, request: pb.SelectBatchRequest, running: tuple[int, ...], decision: Decision
+    ) -> pb.SchedulerDecision:
         """The answer to `request` (its running list `running`): `decision`, its decode
         list left out when it is `running` and the worker takes it so; a full list becomes
         the worker's baseline, under the decision's iteration."""
         if not request.running_unchanged_since:
-            self._baselines[request.worker_id] = _Baseline(request.incarnation,
-                                                           decision.iteration, running)
-        return convert.decision(decision, request.accepts_decode_all_running
-                                and bool(running) and decision.decode == running)
+            self._baselines[request.worker_id] = _Baseline(
+                request.incarnation, decision.iteration, running
+            )
+        return convert.decision(
+            decision,
+            request.accepts_decode_all_running and bool(running) and decision.decode == running,
+        )
 
     def forget(self, worker_id: str) -> None:
         """The worker registered again, left, or its lease expired."""

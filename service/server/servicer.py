@@ -6,6 +6,7 @@ loop, so calls never overlap and need no lock. What waits (a Generate stream for
 tokens, a worker parked in a long poll, a Submit for its fsync) awaits an event and costs
 nothing while it waits.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,12 +17,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import grpc
+
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-
-from service.server import convert
 from service.core import NotFound, Scheduler, SchedulerError, WorkerReport
 from service.core.types import Decision, SubmitParams
+from service.server import convert
 from service.server.interceptors.auth import Callers
 from service.server.loop_lag import LoopLag
 from service.server.metrics import SchedulerMetrics
@@ -47,10 +48,12 @@ def rpc(method):
             await context.abort(status_code(err), status_details(err))
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
-        except Exception:  # noqa: BLE001 - the last line of defence for one RPC
+        except Exception:  # the last line of defence for one RPC
             log.exception("internal error in %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"internal error in {method.__name__}; see the scheduler log")
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"internal error in {method.__name__}; see the scheduler log",
+            )
 
     return wrapper
 
@@ -67,11 +70,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     sequences (admin, and a scheduler without tokens, see all).
     """
 
-    def __init__(self, core: Scheduler, wakeups: Wakeups, *,
-                 metrics: SchedulerMetrics | None = None, lag: LoopLag | None = None,
-                 durable: Callable[[], Awaitable[None]] | None = None,
-                 durable_worker_progress: bool = False,
-                 callers: Callers | None = None) -> None:
+    def __init__(
+        self,
+        core: Scheduler,
+        wakeups: Wakeups,
+        *,
+        metrics: SchedulerMetrics | None = None,
+        lag: LoopLag | None = None,
+        durable: Callable[[], Awaitable[None]] | None = None,
+        durable_worker_progress: bool = False,
+        callers: Callers | None = None,
+    ) -> None:
         self._core = core
         self._callers = callers or Callers(None)
         self._wakeups = wakeups
@@ -113,7 +122,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     @rpc
     async def GetSequence(self, request, context):
         return convert.sequence_info(
-            self._core.get_sequence(request.seq_id, self._callers.caller(context)))
+            self._core.get_sequence(request.seq_id, self._callers.caller(context))
+        )
 
     @rpc
     async def GetStatus(self, request, context):
@@ -127,8 +137,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await context.abort(status_code(err), status_details(err))
         # A client that goes away cancels its sequence (a no-op once it has finished),
         # also while it waits for the fsync below.
-        context.add_done_callback(lambda _context: self._loop.call_soon_threadsafe(
-            self._cancel_quietly, seq_id))
+        context.add_done_callback(
+            lambda _context: self._loop.call_soon_threadsafe(self._cancel_quietly, seq_id)
+        )
         try:
             await self._durable()
         except SchedulerError as err:
@@ -144,9 +155,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     await context.abort(status_code(err), status_details(err))
                 if view.token_ids or view.finished:
                     sent += len(view.token_ids)
-                    yield convert.generate_event(seq_id, view.token_ids, view.finish_reason,
-                                                 view.finished, view.error_message,
-                                                 view.logprobs, view.prompt_logprobs)
+                    yield convert.generate_event(
+                        seq_id,
+                        view.token_ids,
+                        view.finish_reason,
+                        view.finished,
+                        view.error_message,
+                        view.logprobs,
+                        view.prompt_logprobs,
+                    )
                     if view.finished:
                         return
                 else:
@@ -158,8 +175,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         grant = self._callers.grant(context)
         if grant is None:
             return params
-        return replace(params, principal=grant.principal,
-                       tenant=params.tenant if grant.tenant is None else grant.tenant)
+        return replace(
+            params,
+            principal=grant.principal,
+            tenant=params.tenant if grant.tenant is None else grant.tenant,
+        )
 
     def _cancel_quietly(self, seq_id: int) -> None:
         """The sequence of a Generate whose client left (the caller's own, by its id)."""
@@ -179,8 +199,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         settings = self._core.register_worker(convert.worker_registration(request))
         self._running_lists.forget(request.worker_id)
         await self._progress_durable()
-        log.info("worker registered", extra={"worker_id": request.worker_id,
-                                             "incarnation": settings.incarnation})
+        log.info(
+            "worker registered",
+            extra={"worker_id": request.worker_id, "incarnation": settings.incarnation},
+        )
         return convert.worker_settings(settings)
 
     @rpc
@@ -209,12 +231,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     @rpc
     async def DeregisterWorker(self, request, context):
-        requeued = self._core.deregister_worker(convert.worker_id(request),
-                                                request.incarnation)
+        requeued = self._core.deregister_worker(convert.worker_id(request), request.incarnation)
         self._running_lists.forget(request.worker_id)
         await self._progress_durable()
-        log.info("worker deregistered", extra={"worker_id": request.worker_id,
-                                               "requeued": requeued})
+        log.info(
+            "worker deregistered", extra={"worker_id": request.worker_id, "requeued": requeued}
+        )
         return pb.DeregisterWorkerResponse(requeued=requeued)
 
     @rpc
@@ -223,8 +245,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if request.resume:
             self._wakeups.work_may_have_arrived()  # the worker may admit again
         await self._progress_durable()
-        log.info("worker drain lifted" if request.resume else "worker drained",
-                 extra={"worker_id": request.worker_id, "num_assigned": num_assigned})
+        log.info(
+            "worker drain lifted" if request.resume else "worker drained",
+            extra={"worker_id": request.worker_id, "num_assigned": num_assigned},
+        )
         return pb.DrainWorkerResponse(num_assigned=num_assigned)
 
     async def _select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
@@ -263,13 +287,23 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if self._durable_worker_progress:
             await self._durable()
 
-    def _idle_wait_seconds(self, request: pb.SelectBatchRequest, report: WorkerReport,
-                           decision: Decision) -> float:
+    def _idle_wait_seconds(
+        self, request: pb.SelectBatchRequest, report: WorkerReport, decision: Decision
+    ) -> float:
         """How long this call may park: only a worker with nothing held, nothing to report
         and nothing admitted, that asked for it; never near its lease."""
-        if (not request.idle_wait_ms or self._stopping or report.draining or report.waiting
-                or report.running or report.finished or report.preempted or report.tokens
-                or report.token_runs.seq_ids or not _is_empty(decision)):
+        if (
+            not request.idle_wait_ms
+            or self._stopping
+            or report.draining
+            or report.waiting
+            or report.running
+            or report.finished
+            or report.preempted
+            or report.tokens
+            or report.token_runs.seq_ids
+            or not _is_empty(decision)
+        ):
             return 0.0
         lease_seconds = self._core.config.lease_ttl_ms / 1000
         return min(request.idle_wait_ms / 1000, lease_seconds * MAX_IDLE_WAIT_LEASE_FRACTION)
@@ -284,8 +318,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         """The sweeper's call: drop silent workers, and count what no worker can run."""
         dropped = self._core.expire_leases()
         for worker_id in dropped:
-            log.warning("worker lease expired; its sequences went back to the queue",
-                        extra={"worker_id": worker_id})
+            log.warning(
+                "worker lease expired; its sequences went back to the queue",
+                extra={"worker_id": worker_id},
+            )
         # Also the baselines of leases that expired during another worker's call.
         self._running_lists.keep_only(self._core.worker_ids())
         self._count_unservable()
@@ -298,8 +334,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
 
 def _is_empty(decision: Decision) -> bool:
-    return not (decision.prefill or decision.decode or decision.evict
-                or decision.preempt)
+    return not (decision.prefill or decision.decode or decision.evict or decision.preempt)
 
 
 async def _nothing_to_wait_for() -> None:

@@ -1,10 +1,16 @@
 """The one place where domain errors become gRPC status codes."""
+
 from __future__ import annotations
 
 import grpc
 
 from service.core import (
-    InvalidArgument, NotFound, QueueFull, SchedulerError, Superseded, UnknownWorker,
+    InvalidArgument,
+    NotFound,
+    QueueFull,
+    SchedulerError,
+    Superseded,
+    UnknownWorker,
 )
 from service.core.persist.store import StoreError
 
@@ -29,7 +35,7 @@ def status_details(error: SchedulerError) -> str:
     message = str(error)
     if len(message) <= MAX_DETAILS_CHARS:
         return message
-    return message[:MAX_DETAILS_CHARS - 20] + f"... ({len(message)} chars)"
+    return message[: MAX_DETAILS_CHARS - 20] + f"... ({len(message)} chars)"
 
 
 def status_code(error: SchedulerError) -> grpc.StatusCode:

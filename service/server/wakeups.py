@@ -4,6 +4,7 @@ worker when work may have arrived.
 `Wakeups` listens to the core (a SchedulerObserver) and only sets asyncio events, so the
 core stays free of asyncio; it is called on the loop, like the core.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -75,8 +76,7 @@ class Wakeups(SchedulerObserver):
     def on_tokens(self, seq_id: int, num_tokens: int) -> None:
         self._wake(seq_id)
 
-    def on_tokens_reported(self, worker_id: str, seq_ids: list[int],
-                           num_tokens: list[int]) -> None:
+    def on_tokens_reported(self, worker_id: str, seq_ids: list[int], num_tokens: list[int]) -> None:
         """The watched among `seq_ids` wake (an intersection in C, then one set() per
         waiting stream)."""
         watchers = self._watchers

@@ -18,6 +18,7 @@ Two bounds, printed side by side (docs/simulation.md, "Outputs"):
   fleet's: this is the bound on the workers' own cache rule, the one placement can be
   held to.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -27,8 +28,13 @@ from common.block_hash import block_hashes
 from service.sim.workload import Request, prompt_token_ids
 
 
-def hit_rate_bound(requests: Iterable[Request], *, block_tokens: int, num_blocks: int,
-                   cache_generated: bool = False) -> float:
+def hit_rate_bound(
+    requests: Iterable[Request],
+    *,
+    block_tokens: int,
+    num_blocks: int,
+    cache_generated: bool = False,
+) -> float:
     """Reused prompt tokens / all prompt tokens, for an LRU of `num_blocks` blocks of
     `block_tokens` tokens (with `cache_generated`, a sequence's generated full blocks
     take room in it too, as the workers' caches keep them)."""

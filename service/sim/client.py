@@ -4,18 +4,19 @@ Every call goes through service/server/convert.py, the same message mapping the 
 so a simulation exercises the wire mapping too; only the network and its retries are
 left out.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from service.server import convert
-from service.server.running_lists import RunningLists
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 from service.core import Scheduler, UnknownWorker
 from service.core.types import WorkerReport
+from service.server import convert
+from service.server.running_lists import RunningLists
 from worker_client import convert as worker_convert
 from worker_client.client import NotRegistered
 from worker_client.resources import WorkerResources
@@ -33,8 +34,9 @@ class ClientCounts:
 class InProcessClient:
     """Offers SchedulerClient's interface (register, select, deregister) to a WorkerLoop."""
 
-    def __init__(self, scheduler: Scheduler,
-                 on_report: Callable[[WorkerReport], None] | None = None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, on_report: Callable[[WorkerReport], None] | None = None
+    ) -> None:
         """`on_report`: sees every report as the scheduler gets it (a router's feed of the
         workers' cache events)."""
         self.scheduler = scheduler
@@ -54,16 +56,19 @@ class InProcessClient:
             return convert.running_needed()
         report = convert.worker_report(request, running)
         self.counts.engine_preemptions += len(report.preempted) + sum(
-            1 for f in report.finished if f.reason.name == "PREEMPTED")
+            1 for f in report.finished if f.reason.name == "PREEMPTED"
+        )
         self.counts.cache_misses += len(report.cache_misses)
         if self.on_report is not None:
             self.on_report(report)
         try:
-            decision = self._running_lists.answer(request, running,
-                                                  self.scheduler.select_batch(report))
+            decision = self._running_lists.answer(
+                request, running, self.scheduler.select_batch(report)
+            )
         except UnknownWorker as err:
-            raise NotRegistered("SelectBatch", grpc.StatusCode.FAILED_PRECONDITION,
-                                str(err)) from None
+            raise NotRegistered(
+                "SelectBatch", grpc.StatusCode.FAILED_PRECONDITION, str(err)
+            ) from None
         self.counts.scheduler_preemptions += len(decision.preempt)
         return decision
 

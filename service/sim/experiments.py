@@ -1,4 +1,5 @@
 """Runs, capacity searches and policy comparisons built from single simulations."""
+
 from __future__ import annotations
 
 import sys
@@ -51,22 +52,30 @@ class Run:
 
 def simulate(setup: Setup, config: SchedulerConfig, qps: float) -> Run:
     """Simulate setup.num_requests requests at `qps` under `config`."""
-    requests = make_requests(setup.trace, num_requests=setup.num_requests, qps=qps,
-                             arrivals=setup.arrivals, seed=setup.seed,
-                             max_seq_len=config.max_seq_len)
-    spec = RunSpec(config, setup.worker, setup.num_workers, setup.routing, setup.worker_speeds,
-                   setup.seed)
+    requests = make_requests(
+        setup.trace,
+        num_requests=setup.num_requests,
+        qps=qps,
+        arrivals=setup.arrivals,
+        seed=setup.seed,
+        max_seq_len=config.max_seq_len,
+    )
+    spec = RunSpec(
+        config, setup.worker, setup.num_workers, setup.routing, setup.worker_speeds, setup.seed
+    )
     bar = _progress_bar(setup, f"{config.policy} {setup.routing} {qps:g} QPS")
     started = time.perf_counter()
     try:
-        outcome = Simulation(spec, setup.cost.model, requests,
-                             on_finish=bar.update if bar else None).run()
+        outcome = Simulation(
+            spec, setup.cost.model, requests, on_finish=bar.update if bar else None
+        ).run()
     finally:
         if bar is not None:
             bar.close()
     wall = time.perf_counter() - started
-    result = summarize(outcome, policy=config.policy, qps=qps, workers=setup.num_workers,
-                       routing=setup.routing)
+    result = summarize(
+        outcome, policy=config.policy, qps=qps, workers=setup.num_workers, routing=setup.routing
+    )
     return Run(result, outcome, wall)
 
 
@@ -89,9 +98,14 @@ class Capacity:
     runs: tuple[Run, ...] = field(default=())
 
 
-def find_capacity(run_at: Callable[[float], Run], slo: Slo, *, start_qps: float,
-                  on_step: Callable[[int, Run, bool], None] | None = None,
-                  tolerance: float = CAPACITY_TOLERANCE) -> Capacity:
+def find_capacity(
+    run_at: Callable[[float], Run],
+    slo: Slo,
+    *,
+    start_qps: float,
+    on_step: Callable[[int, Run, bool], None] | None = None,
+    tolerance: float = CAPACITY_TOLERANCE,
+) -> Capacity:
     """Double (or halve) the QPS from start_qps until the SLO flips, then bisect until the
     passing and failing rates are within `tolerance` of each other.
 
@@ -165,5 +179,12 @@ def _progress_bar(setup: Setup, description: str):
         from tqdm import tqdm
     except ImportError:  # the sim extra is not installed: run without a bar
         return None
-    return tqdm(total=setup.num_requests, desc=description, unit="req", leave=False,
-                delay=1.0, file=sys.stderr, disable=None)
+    return tqdm(
+        total=setup.num_requests,
+        desc=description,
+        unit="req",
+        leave=False,
+        delay=1.0,
+        file=sys.stderr,
+        disable=None,
+    )

@@ -15,6 +15,7 @@
   mean share 1 / workers).
 Percentiles are nearest-rank (common.loadgen.percentile).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -24,12 +25,30 @@ from service.sim.simulator import RunOutcome
 
 # The JSON keys of one run, in order (an interface: tools that read the runs rely on it).
 JSON_KEYS = (
-    "policy", "qps", "num_requests", "workers", "routing",
-    "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
-    "e2e_p50", "e2e_p99", "queue_p50", "queue_p99",
-    "output_tokens_per_s", "preemptions", "makespan",
-    "prefix_hit_rate", "computed_prefill_tokens", "cached_prefill_tokens", "cache_misses",
-    "worker_shares", "max_share_over_mean",
+    "policy",
+    "qps",
+    "num_requests",
+    "workers",
+    "routing",
+    "ttft_p50",
+    "ttft_p90",
+    "ttft_p99",
+    "tpot_p50",
+    "tpot_p90",
+    "tpot_p99",
+    "e2e_p50",
+    "e2e_p99",
+    "queue_p50",
+    "queue_p99",
+    "output_tokens_per_s",
+    "preemptions",
+    "makespan",
+    "prefix_hit_rate",
+    "computed_prefill_tokens",
+    "cached_prefill_tokens",
+    "cache_misses",
+    "worker_shares",
+    "max_share_over_mean",
 )
 
 
@@ -66,16 +85,21 @@ class RunResult:
         return asdict(self)
 
 
-def summarize(outcome: RunOutcome, *, policy: str, qps: float, workers: int,
-              routing: str) -> RunResult:
+def summarize(
+    outcome: RunOutcome, *, policy: str, qps: float, workers: int, routing: str
+) -> RunResult:
     records = outcome.records
     served = [r for r in records if r.first_token_at is not None]  # FAILED ones may have none
     ttft = sorted(r.first_token_at - r.request.arrival_seconds for r in served)
-    tpot = sorted((r.last_token_at - r.first_token_at) / (r.num_tokens - 1)
-                  for r in served if r.num_tokens > 1)
+    tpot = sorted(
+        (r.last_token_at - r.first_token_at) / (r.num_tokens - 1)
+        for r in served
+        if r.num_tokens > 1
+    )
     e2e = sorted(r.finished_at - r.request.arrival_seconds for r in records)
-    queue = sorted(r.admitted_at - r.request.arrival_seconds
-                   for r in records if r.admitted_at is not None)
+    queue = sorted(
+        r.admitted_at - r.request.arrival_seconds for r in records if r.admitted_at is not None
+    )
     start = min(r.request.arrival_seconds for r in records)
     makespan = max(r.finished_at for r in records) - start
     num_tokens = sum(r.num_tokens for r in records)
@@ -86,11 +110,21 @@ def summarize(outcome: RunOutcome, *, policy: str, qps: float, workers: int,
             counts[r.worker_id] = counts.get(r.worker_id, 0) + 1
     shares = {w: n / len(records) for w, n in counts.items()}
     return RunResult(
-        policy=policy, qps=qps, num_requests=len(records), workers=workers, routing=routing,
-        ttft_p50=_p(ttft, 50), ttft_p90=_p(ttft, 90), ttft_p99=_p(ttft, 99),
-        tpot_p50=_p(tpot, 50), tpot_p90=_p(tpot, 90), tpot_p99=_p(tpot, 99),
-        e2e_p50=_p(e2e, 50), e2e_p99=_p(e2e, 99),
-        queue_p50=_p(queue, 50), queue_p99=_p(queue, 99),
+        policy=policy,
+        qps=qps,
+        num_requests=len(records),
+        workers=workers,
+        routing=routing,
+        ttft_p50=_p(ttft, 50),
+        ttft_p90=_p(ttft, 90),
+        ttft_p99=_p(ttft, 99),
+        tpot_p50=_p(tpot, 50),
+        tpot_p90=_p(tpot, 90),
+        tpot_p99=_p(tpot, 99),
+        e2e_p50=_p(e2e, 50),
+        e2e_p99=_p(e2e, 99),
+        queue_p50=_p(queue, 50),
+        queue_p99=_p(queue, 99),
         output_tokens_per_s=num_tokens / makespan if makespan > 0 else 0.0,
         preemptions=outcome.engine_preemptions + outcome.scheduler_preemptions,
         makespan=makespan,

@@ -8,6 +8,7 @@ Reading one with `block_tokens` b scales every prompt to b tokens a trace block
 hash ids: the reuse pattern is Mooncake's, the lengths fit a smaller profile. Output
 lengths are kept as they are.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -40,15 +41,20 @@ def read_rows(path: Path, block_tokens: int, error: type[ValueError]):
                 arrived_at = float(raw["timestamp"]) / 1000.0
                 hash_ids = tuple(int(h) for h in raw["hash_ids"])
             except (ValueError, TypeError, KeyError) as err:
-                raise error(f"{path}:{line_number}: not a Mooncake trace line "
-                            f"(timestamp, input_length, output_length, hash_ids): {err}") from None
+                raise error(
+                    f"{path}:{line_number}: not a Mooncake trace line "
+                    f"(timestamp, input_length, output_length, hash_ids): {err}"
+                ) from None
             if input_length < 1 or output_length < 1:
-                raise error(f"{path}:{line_number}: input_length and output_length must be "
-                            f"at least 1")
+                raise error(
+                    f"{path}:{line_number}: input_length and output_length must be at least 1"
+                )
             if len(hash_ids) != -(-input_length // TRACE_BLOCK_TOKENS):
-                raise error(f"{path}:{line_number}: hash_ids has {len(hash_ids)} blocks for "
-                            f"input_length {input_length} (ceil(input_length / "
-                            f"{TRACE_BLOCK_TOKENS}) expected)")
+                raise error(
+                    f"{path}:{line_number}: hash_ids has {len(hash_ids)} blocks for "
+                    f"input_length {input_length} (ceil(input_length / "
+                    f"{TRACE_BLOCK_TOKENS}) expected)"
+                )
             if any(h < 0 for h in hash_ids):
                 raise error(f"{path}:{line_number}: hash_ids must not be negative")
             prompt_len = -(-input_length * block_tokens // TRACE_BLOCK_TOKENS)

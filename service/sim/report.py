@@ -1,4 +1,5 @@
 """What a simulation prints and writes: terminal tables, the JSON file, the comparison plot."""
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,9 @@ def format_table(rows: Sequence[Sequence[str]]) -> str:
     numeric = [all(_is_number(row[i]) for row in rows[1:]) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
-        cells = [cell.rjust(w) if num else cell.ljust(w)
-                 for cell, w, num in zip(row, widths, numeric)]
+        cells = [
+            cell.rjust(w) if num else cell.ljust(w) for cell, w, num in zip(row, widths, numeric)
+        ]
         lines.append("  ".join(cells).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -63,11 +65,17 @@ def write_json(path: str | Path, objects: Sequence[dict]) -> None:
     Path(path).write_text(json.dumps(list(objects), indent=1) + "\n")
 
 
-def plot_comparison(path: str | Path, results: Sequence[RunResult], *,
-                    slo_ttft_p99: float | None = None, slo_tpot_p99: float | None = None,
-                    title: str = "") -> None:
+def plot_comparison(
+    path: str | Path,
+    results: Sequence[RunResult],
+    *,
+    slo_ttft_p99: float | None = None,
+    slo_tpot_p99: float | None = None,
+    title: str = "",
+) -> None:
     """TTFT p99 and TPOT p99 against QPS, one line per policy (and routing), as a PNG."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -29,6 +29,7 @@ The routers (docs/simulation.md names the source followed for each and its assum
 Ties go to a seeded random choice among the tied (the pickers of these systems leave
 ties to map order or a shuffle).
 """
+
 from __future__ import annotations
 
 import random
@@ -79,8 +80,13 @@ class Router(Protocol):
 
 def make_router(routing: str, seed: int) -> Router:
     rng = random.Random(seed)
-    routers = {"round-robin": RoundRobin, "least-loaded": LeastLoaded, "kv-router": KvRouter,
-               "prefix-load": PrefixLoad, "cache-aware": CacheAware}
+    routers = {
+        "round-robin": RoundRobin,
+        "least-loaded": LeastLoaded,
+        "kv-router": KvRouter,
+        "prefix-load": PrefixLoad,
+        "cache-aware": CacheAware,
+    }
     if routing not in routers:
         raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
     return routers[routing](rng)
@@ -140,9 +146,11 @@ class PrefixLoad:
         for w in workers:
             prefix = fleet.cached_blocks(w, hashes) / len(hashes) if hashes else 0.0
             queue = 1.0 if most == least else (most - waiting[w]) / (most - least)
-            scores.append(PREFIX_SCORER_WEIGHT * prefix
-                          + KV_UTILIZATION_SCORER_WEIGHT * (1.0 - fleet.kv_usage(w))
-                          + QUEUE_SCORER_WEIGHT * queue)
+            scores.append(
+                PREFIX_SCORER_WEIGHT * prefix
+                + KV_UTILIZATION_SCORER_WEIGHT * (1.0 - fleet.kv_usage(w))
+                + QUEUE_SCORER_WEIGHT * queue
+            )
         return _best(scores, self._rng, lowest=False)
 
 

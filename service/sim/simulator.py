@@ -16,6 +16,7 @@ events were made):
   again after IDLE_POLL_SECONDS; an idle worker calls at least every half lease. Idle
   workers are woken by arrivals and by a call that put sequences back in the queue.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -25,14 +26,20 @@ from dataclasses import dataclass, field
 
 from common.block_hash import block_hashes
 from service.core import (
-    FinishReason, Scheduler, SchedulerConfig, SchedulerObserver, SubmitParams, WorkerReport,
+    FinishReason,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerObserver,
+    SubmitParams,
+    WorkerReport,
 )
 from service.sim.client import InProcessClient
 from service.sim.engine import CostModel, SimEngine
 from service.sim.routing import CACHE_ROUTINGS, ROUTINGS, make_router
 from service.sim.workload import Request, prompt_token_ids
-from worker_client.resources import WorkerResources
 from worker_client.loop import WorkerLoop
+from worker_client.resources import WorkerResources
+
 # WorkerLoop's default pause after an iteration with nothing to run.
 IDLE_POLL_SECONDS = 0.01
 # No step is shorter than this: keeps a zero-cost step from looping at one instant.
@@ -78,13 +85,16 @@ class RunSpec:
         if self.num_workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.num_workers}")
         if self.worker_speeds and len(self.worker_speeds) != self.num_workers:
-            raise ValueError(f"--worker-speeds lists {len(self.worker_speeds)} speeds for "
-                             f"{self.num_workers} workers: give one per worker")
+            raise ValueError(
+                f"--worker-speeds lists {len(self.worker_speeds)} speeds for "
+                f"{self.num_workers} workers: give one per worker"
+            )
         if any(not speed > 0 for speed in self.worker_speeds):
             raise ValueError(f"--worker-speeds must all be above 0, got {self.worker_speeds}")
         if self.routing not in ROUTINGS:
-            raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, "
-                             f"got {self.routing!r}")
+            raise ValueError(
+                f"--routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}"
+            )
 
 
 @dataclass
@@ -146,8 +156,12 @@ class _Scaled:
 class _Recorder(SchedulerObserver):
     """Stamps what one scheduler reports with the virtual clock."""
 
-    def __init__(self, now: Callable[[], float], on_progress: Callable[[], None],
-                 on_finish: Callable[[RequestRecord], None]) -> None:
+    def __init__(
+        self,
+        now: Callable[[], float],
+        on_progress: Callable[[], None],
+        on_finish: Callable[[RequestRecord], None],
+    ) -> None:
         self.by_seq_id: dict[int, RequestRecord] = {}
         self.queue_depth = 0
         self.step_time_errors: dict[str, list[float]] = {}
@@ -182,17 +196,25 @@ class _Recorder(SchedulerObserver):
     def on_queue_depth(self, depth: int) -> None:
         self.queue_depth = depth
 
-    def on_step_time(self, worker_id: str, predicted_seconds: float,
-                     measured_seconds: float) -> None:
+    def on_step_time(
+        self, worker_id: str, predicted_seconds: float, measured_seconds: float
+    ) -> None:
         self.step_time_errors.setdefault(worker_id, []).append(
-            abs(predicted_seconds - measured_seconds) / measured_seconds)
+            abs(predicted_seconds - measured_seconds) / measured_seconds
+        )
 
 
 class Simulation:
     """Runs `requests` through `spec`'s fleet; `run()` once."""
 
-    def __init__(self, spec: RunSpec, cost_model: CostModel, requests: list[Request],
-                 *, on_finish: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        cost_model: CostModel,
+        requests: list[Request],
+        *,
+        on_finish: Callable[[], None] | None = None,
+    ) -> None:
         self.spec = spec
         self.now = 0.0
         self._requests = requests
@@ -202,10 +224,13 @@ class Simulation:
         self._num_arrivals_left = len(requests)
         self._on_finish_hook = on_finish or (lambda: None)
         num_schedulers = 1 if spec.routing == "pull" else spec.num_workers
-        self._recorders = [_Recorder(self._clock, self._progress, self._finished)
-                           for _ in range(num_schedulers)]
-        self._schedulers = [Scheduler(spec.scheduler, clock=self._clock, observer=recorder)
-                            for recorder in self._recorders]
+        self._recorders = [
+            _Recorder(self._clock, self._progress, self._finished) for _ in range(num_schedulers)
+        ]
+        self._schedulers = [
+            Scheduler(spec.scheduler, clock=self._clock, observer=recorder)
+            for recorder in self._recorders
+        ]
         self._clients = [InProcessClient(s, on_report=self._on_report) for s in self._schedulers]
         self._workers = [self._make_worker(i, cost_model) for i in range(spec.num_workers)]
         self._index_of = {w.loop.resources.worker_id: w.index for w in self._workers}
@@ -241,12 +266,15 @@ class Simulation:
             num_iterations=sum(w.loop.stats.iterations for w in self._workers),
             num_steps=sum(w.engine.num_steps for w in self._workers),
             end_seconds=self.now,
-            step_time_errors={w: e for r in self._recorders
-                              for w, e in r.step_time_errors.items()},
-            computed_prefill_tokens=sum(w.engine.num_computed_prefill_tokens
-                                        for w in self._workers),
-            cached_prefill_tokens=sum(w.engine.prefix_cache.num_resumed_tokens
-                                      for w in self._workers if w.engine.prefix_cache),
+            step_time_errors={w: e for r in self._recorders for w, e in r.step_time_errors.items()},
+            computed_prefill_tokens=sum(
+                w.engine.num_computed_prefill_tokens for w in self._workers
+            ),
+            cached_prefill_tokens=sum(
+                w.engine.prefix_cache.num_resumed_tokens
+                for w in self._workers
+                if w.engine.prefix_cache
+            ),
             cache_misses=sum(c.counts.cache_misses for c in self._clients),
             worker_ids=tuple(w.loop.resources.worker_id for w in self._workers),
         )
@@ -257,11 +285,13 @@ class Simulation:
         token_ids = prompt_token_ids(request)
         worker_index = self._route(request, token_ids)
         scheduler_index = 0 if worker_index is None else worker_index
-        result = self._schedulers[scheduler_index].submit(SubmitParams(
-            prompt_token_ids=token_ids,
-            max_new_tokens=request.output_len,
-            request_id=f"r{request.index}",
-        ))
+        result = self._schedulers[scheduler_index].submit(
+            SubmitParams(
+                prompt_token_ids=token_ids,
+                max_new_tokens=request.output_len,
+                request_id=f"r{request.index}",
+            )
+        )
         self._recorders[scheduler_index].by_seq_id[result.seq_id] = self._records[request.index]
         self._last_progress = self.now
         self._wake_idle(scheduler_index)
@@ -289,14 +319,19 @@ class Simulation:
         speed = self.spec.worker_speeds[index] if self.spec.worker_speeds else 1.0
         if speed != 1.0:
             cost_model = _Scaled(cost_model, 1.0 / speed)
-        engine = SimEngine(cost_model, total_kv_pages=shape.total_kv_pages,
-                           page_size=shape.page_size, total_gdn_slots=shape.total_gdn_slots,
-                           cache_block_tokens=shape.cache_block_tokens,
-                           snapshot_slots=shape.snapshot_slots)
+        engine = SimEngine(
+            cost_model,
+            total_kv_pages=shape.total_kv_pages,
+            page_size=shape.page_size,
+            total_gdn_slots=shape.total_gdn_slots,
+            cache_block_tokens=shape.cache_block_tokens,
+            snapshot_slots=shape.snapshot_slots,
+        )
         scheduler_index = 0 if self.spec.routing == "pull" else index
         resources = WorkerResources.of(f"sim-{index}", engine, shape.max_batch_size)
-        loop = WorkerLoop(engine, self._clients[scheduler_index], resources,
-                          idle_sleep_seconds=IDLE_POLL_SECONDS)
+        loop = WorkerLoop(
+            engine, self._clients[scheduler_index], resources, idle_sleep_seconds=IDLE_POLL_SECONDS
+        )
         return _Worker(index, loop, engine, scheduler_index)
 
     def _schedule(self, worker: _Worker, time: float, *, idle: bool = False) -> None:
@@ -373,7 +408,8 @@ class Simulation:
             f"{STALL_SECONDS:.0f} simulated seconds (e.g. request {worst.request.index}: "
             f"prompt {worst.request.prompt_len} + output {worst.request.output_len} tokens); "
             f"a worker has {self.spec.worker.total_kv_pages} KV pages of "
-            f"{self.spec.worker.page_size} tokens: check --kv-pages and the policy's limits")
+            f"{self.spec.worker.page_size} tokens: check --kv-pages and the policy's limits"
+        )
 
 
 class _Fleet:
@@ -409,10 +445,12 @@ class _Fleet:
 
     def active_blocks(self, w: int) -> int:
         records, b = self._sim._records, self.block_tokens
-        return sum(-(-(records[i].request.prompt_len + records[i].num_tokens) // b)
-                   for i in self.owned[w])
+        return sum(
+            -(-(records[i].request.prompt_len + records[i].num_tokens) // b) for i in self.owned[w]
+        )
 
     def active_prefill_tokens(self, w: int) -> int:
         records = self._sim._records
-        return sum(uncached for i, uncached in self.owned[w].items()
-                   if records[i].first_token_at is None)
+        return sum(
+            uncached for i, uncached in self.owned[w].items() if records[i].first_token_at is None
+        )

@@ -11,6 +11,7 @@ batch's time from them. The same composition here, from the profile's median tim
   shape file sets it: the LM head, sampling and CPU overheads are not in these profiles).
 Each operator's table is made monotone and interpolated (common.interp).
 """
+
 from __future__ import annotations
 
 import csv
@@ -28,8 +29,17 @@ ATTENTION_CSV = "attention.csv"
 MLP_CSV = "mlp.csv"
 SHAPE_FILES = ("model.toml", "config.json")
 # Token-level operators of one decoder layer in mlp.csv.
-_LAYER_TOKEN_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
-                    "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+_LAYER_TOKEN_OPS = (
+    "input_layernorm",
+    "attn_pre_proj",
+    "attn_rope",
+    "attn_post_proj",
+    "post_attention_layernorm",
+    "mlp_up_proj",
+    "mlp_act",
+    "mlp_down_proj",
+    "add",
+)
 _GIB = 1 << 30
 # The reference engine's CUDA pool sizing (worker_client/engine/sizing.py): 90% of free
 # memory minus 2 GiB for activations, at most 256 GDN slots.
@@ -68,27 +78,40 @@ class ModelShape:
         """Weights of a dense decoder (norms and biases left out: under 0.1%)."""
         q_dim = self.num_attention_heads * self.attention_head_dim
         kv_dim = self.num_key_value_heads * self.attention_head_dim
-        per_layer = (self.hidden_size * (q_dim + 2 * kv_dim) + q_dim * self.hidden_size
-                     + 3 * self.hidden_size * self.intermediate_size)
+        per_layer = (
+            self.hidden_size * (q_dim + 2 * kv_dim)
+            + q_dim * self.hidden_size
+            + 3 * self.hidden_size * self.intermediate_size
+        )
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_key_value_heads * self.attention_head_dim \
+        return (
+            2
+            * self.num_layers
+            * self.num_key_value_heads
+            * self.attention_head_dim
             * self.dtype_bytes
+        )
 
     def default_kv_pages(self, page_size: int) -> int | None:
         """KV pages that fit beside the weights on the device (the engine's CUDA rule);
         None when the device's memory is unknown."""
         if not self.device_memory_gib:
             return None
-        budget = (self.device_memory_gib * _GIB * _USABLE_FRACTION - _RESERVED_BYTES
-                  - self.num_parameters() * self.dtype_bytes)
+        budget = (
+            self.device_memory_gib * _GIB * _USABLE_FRACTION
+            - _RESERVED_BYTES
+            - self.num_parameters() * self.dtype_bytes
+        )
         pages = int(budget // (self.kv_bytes_per_token() * page_size))
         if pages < 1:
-            raise ProfileError(f"{self.name} ({self.num_parameters() / 1e9:.1f}B parameters) "
-                               f"leaves no room for a KV cache in {self.device_memory_gib:g} "
-                               f"GiB; give --kv-pages")
+            raise ProfileError(
+                f"{self.name} ({self.num_parameters() / 1e9:.1f}B parameters) "
+                f"leaves no room for a KV cache in {self.device_memory_gib:g} "
+                f"GiB; give --kv-pages"
+            )
         return pages
 
 
@@ -103,8 +126,7 @@ def read_shape(path: Path) -> ModelShape:
                 "num_layers": raw["num_hidden_layers"],
                 "hidden_size": raw["hidden_size"],
                 "num_attention_heads": raw["num_attention_heads"],
-                "num_key_value_heads": raw.get("num_key_value_heads",
-                                               raw["num_attention_heads"]),
+                "num_key_value_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
                 "intermediate_size": raw["intermediate_size"],
                 "vocab_size": raw["vocab_size"],
                 "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
@@ -115,8 +137,9 @@ def read_shape(path: Path) -> ModelShape:
         known = set(ModelShape.__dataclass_fields__)
         unknown = sorted(set(fields) - known)
         if unknown:
-            raise ProfileError(f"{path}: unknown keys {', '.join(unknown)}; "
-                               f"known: {', '.join(sorted(known))}")
+            raise ProfileError(
+                f"{path}: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         return ModelShape(**fields)
     except FileNotFoundError:
         raise ProfileError(f"{path}: no such file") from None
@@ -132,8 +155,9 @@ def find_shape_file(profile_dir: Path) -> Path:
     for name in SHAPE_FILES:
         if (profile_dir / name).is_file():
             return profile_dir / name
-    raise ProfileError(f"{profile_dir}: no model shape ({' or '.join(SHAPE_FILES)}) beside "
-                       f"the profile")
+    raise ProfileError(
+        f"{profile_dir}: no model shape ({' or '.join(SHAPE_FILES)}) beside the profile"
+    )
 
 
 class VidurCostModel:
@@ -151,10 +175,13 @@ class VidurCostModel:
         prefill = [r for r in attention_rows if r["is_prefill"] == "True"]
         decode = [r for r in attention_rows if r["is_prefill"] != "True"]
         if not prefill or not decode:
-            raise ProfileError(f"{profile_dir / ATTENTION_CSV}: needs both prefill and "
-                               f"decode rows (is_prefill True and False)")
-        self._prefill = _grid_from_rows(prefill, "prefill_chunk_size", "kv_cache_size",
-                                        "attn_prefill")
+            raise ProfileError(
+                f"{profile_dir / ATTENTION_CSV}: needs both prefill and "
+                f"decode rows (is_prefill True and False)"
+            )
+        self._prefill = _grid_from_rows(
+            prefill, "prefill_chunk_size", "kv_cache_size", "attn_prefill"
+        )
         self._decode = _grid_from_rows(decode, "batch_size", "kv_cache_size", "attn_decode")
         self._overhead_seconds = self.shape.step_overhead_ms / 1000.0
 
@@ -195,8 +222,9 @@ def _read_rows(path: Path) -> list[dict]:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
     except FileNotFoundError:
-        raise ProfileError(f"{path}: no such file (a profile directory holds "
-                           f"{ATTENTION_CSV} and {MLP_CSV})") from None
+        raise ProfileError(
+            f"{path}: no such file (a profile directory holds {ATTENTION_CSV} and {MLP_CSV})"
+        ) from None
     if not rows:
         raise ProfileError(f"{path}: no rows")
     tp = [r for r in rows if r.get("num_tensor_parallel_workers", "1") == "1"]
@@ -240,16 +268,28 @@ def _grid_from_rows(rows: list[dict], x_key: str, y_key: str, op: str) -> Monoto
     return MonotoneGrid([xs, ys], values)
 
 
-def _check_matches(shape: ModelShape, mlp_rows: list[dict], attention_rows: list[dict],
-                   profile_dir: Path) -> None:
+def _check_matches(
+    shape: ModelShape, mlp_rows: list[dict], attention_rows: list[dict], profile_dir: Path
+) -> None:
     """The profile must have been measured for this shape (per GPU, tensor parallel 1)."""
     expected = {
-        MLP_CSV: (mlp_rows, {"n_embd": shape.hidden_size, "n_head": shape.num_attention_heads,
-                             "n_kv_head": shape.num_key_value_heads,
-                             "n_expanded_embd": shape.intermediate_size}),
-        ATTENTION_CSV: (attention_rows, {"n_embd": shape.hidden_size,
-                                         "n_q_head": shape.num_attention_heads,
-                                         "n_kv_head": shape.num_key_value_heads}),
+        MLP_CSV: (
+            mlp_rows,
+            {
+                "n_embd": shape.hidden_size,
+                "n_head": shape.num_attention_heads,
+                "n_kv_head": shape.num_key_value_heads,
+                "n_expanded_embd": shape.intermediate_size,
+            },
+        ),
+        ATTENTION_CSV: (
+            attention_rows,
+            {
+                "n_embd": shape.hidden_size,
+                "n_q_head": shape.num_attention_heads,
+                "n_kv_head": shape.num_key_value_heads,
+            },
+        ),
     }
     for name, (rows, keys) in expected.items():
         for key, want in keys.items():
@@ -257,4 +297,5 @@ def _check_matches(shape: ModelShape, mlp_rows: list[dict], attention_rows: list
             if found and found != {str(want)}:
                 raise ProfileError(
                     f"{profile_dir / name} was measured with {key} {', '.join(sorted(found))}, "
-                    f"but the model shape ({shape.name}) has {want}")
+                    f"but the model shape ({shape.name}) has {want}"
+                )

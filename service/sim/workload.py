@@ -6,6 +6,7 @@ optionally, `arrived_at` in seconds (Vidur's format); or a Mooncake JSONL file (
 prompts share prefixes as the trace's did (`prompt_token_ids`). Shipped traces are named
 by their file stem (see data/traces/NOTICE.md); any other path works too.
 """
+
 from __future__ import annotations
 
 import csv
@@ -74,9 +75,11 @@ def prompt_token_ids(request: Request) -> tuple[int, ...]:
         return (FIRST_UNIQUE_TOKEN + request.index,) + (FILLER_TOKEN,) * (n - 1)
     num_blocks = -(-n // request.block_tokens)
     if len(request.hash_ids) < num_blocks:
-        raise WorkloadError(f"request {request.index}: {n} prompt tokens need {num_blocks} "
-                            f"blocks of {request.block_tokens}, it has "
-                            f"{len(request.hash_ids)} hash ids")
+        raise WorkloadError(
+            f"request {request.index}: {n} prompt tokens need {num_blocks} "
+            f"blocks of {request.block_tokens}, it has "
+            f"{len(request.hash_ids)} hash ids"
+        )
     filler = (FILLER_TOKEN,) * (request.block_tokens - 1)
     tokens: list[int] = []
     for block_id in request.hash_ids[:num_blocks]:
@@ -90,8 +93,12 @@ _SUFFIXES = (".csv", ".jsonl.gz", ".jsonl")
 
 def shipped_traces() -> list[str]:
     folder = resources.files(__package__) / "data" / "traces"
-    return sorted(p.name[: -len(suffix)] for p in folder.iterdir()
-                  for suffix in _SUFFIXES if p.name.endswith(suffix))
+    return sorted(
+        p.name[: -len(suffix)]
+        for p in folder.iterdir()
+        for suffix in _SUFFIXES
+        if p.name.endswith(suffix)
+    )
 
 
 def load_trace(name_or_path: str, *, block_tokens: int = mooncake.TRACE_BLOCK_TOKENS) -> Trace:
@@ -103,11 +110,15 @@ def load_trace(name_or_path: str, *, block_tokens: int = mooncake.TRACE_BLOCK_TO
         shipped = [folder / f"{name_or_path}{suffix}" for suffix in _SUFFIXES]
         shipped = [p for p in shipped if p.is_file()]
         if not shipped:
-            raise WorkloadError(f"--trace {name_or_path}: neither a file nor a shipped trace "
-                                f"({', '.join(shipped_traces())})")
+            raise WorkloadError(
+                f"--trace {name_or_path}: neither a file nor a shipped trace "
+                f"({', '.join(shipped_traces())})"
+            )
         path = Path(str(shipped[0]))
     if mooncake.is_mooncake(path):
-        rows = tuple(TraceRow(*row) for row in mooncake.read_rows(path, block_tokens, WorkloadError))
+        rows = tuple(
+            TraceRow(*row) for row in mooncake.read_rows(path, block_tokens, WorkloadError)
+        )
         if not rows:
             raise WorkloadError(f"{path}: no requests")
         name = path.name.removesuffix(".gz").removesuffix(".jsonl")
@@ -122,9 +133,11 @@ def load_trace(name_or_path: str, *, block_tokens: int = mooncake.TRACE_BLOCK_TO
         rows = []
         for line, raw in enumerate(reader, start=2):
             try:
-                row = TraceRow(int(float(raw["num_prefill_tokens"])),
-                               int(float(raw["num_decode_tokens"])),
-                               float(raw["arrived_at"]) if has_arrivals else None)
+                row = TraceRow(
+                    int(float(raw["num_prefill_tokens"])),
+                    int(float(raw["num_decode_tokens"])),
+                    float(raw["arrived_at"]) if has_arrivals else None,
+                )
             except (TypeError, ValueError):
                 raise WorkloadError(f"{path}:{line}: not a number in {raw}") from None
             if row.prompt_len < 1 or row.output_len < 1:
@@ -135,8 +148,9 @@ def load_trace(name_or_path: str, *, block_tokens: int = mooncake.TRACE_BLOCK_TO
     return Trace(path.stem, tuple(rows))
 
 
-def make_requests(trace: Trace, *, num_requests: int, qps: float, arrivals: str, seed: int,
-                  max_seq_len: int) -> list[Request]:
+def make_requests(
+    trace: Trace, *, num_requests: int, qps: float, arrivals: str, seed: int, max_seq_len: int
+) -> list[Request]:
     """`num_requests` requests arriving at `qps` on average; the same seed, the same list.
 
     - poisson: exponential gaps at rate qps; lengths drawn from the trace's rows
@@ -155,16 +169,20 @@ def make_requests(trace: Trace, *, num_requests: int, qps: float, arrivals: str,
         raise WorkloadError(f"max_seq_len must be at least 2, got {max_seq_len}")
     rng = random.Random(seed)
     if arrivals == "poisson":
-        rows = (_rows_in_order(trace.rows, num_requests) if trace.has_prefixes
-                else _draw_rows(trace.rows, num_requests, rng))
+        rows = (
+            _rows_in_order(trace.rows, num_requests)
+            if trace.has_prefixes
+            else _draw_rows(trace.rows, num_requests, rng)
+        )
         times, t = [], 0.0
         for _ in rows:
             t += rng.expovariate(qps)
             times.append(t)
     elif arrivals == "trace":
         if not trace.has_arrivals:
-            raise WorkloadError(f"trace {trace.name} has no arrived_at column; "
-                                f"use --arrivals poisson")
+            raise WorkloadError(
+                f"trace {trace.name} has no arrived_at column; use --arrivals poisson"
+            )
         rows, times = _trace_arrivals(trace.rows, num_requests, qps)
     else:
         raise WorkloadError(f"--arrivals must be one of {', '.join(ARRIVALS)}, got {arrivals!r}")
@@ -172,8 +190,9 @@ def make_requests(trace: Trace, *, num_requests: int, qps: float, arrivals: str,
     for index, (row, arrival) in enumerate(zip(rows, times)):
         prompt_len = min(row.prompt_len, max_seq_len - 1)
         output_len = min(row.output_len, max_seq_len - prompt_len)
-        out.append(Request(index, arrival, prompt_len, output_len, row.hash_ids,
-                           trace.block_tokens))
+        out.append(
+            Request(index, arrival, prompt_len, output_len, row.hash_ids, trace.block_tokens)
+        )
     return out
 
 
@@ -188,8 +207,9 @@ def _draw_rows(rows: tuple[TraceRow, ...], count: int, rng: random.Random) -> li
     return drawn
 
 
-def _trace_arrivals(rows: tuple[TraceRow, ...], count: int,
-                    qps: float) -> tuple[list[TraceRow], list[float]]:
+def _trace_arrivals(
+    rows: tuple[TraceRow, ...], count: int, qps: float
+) -> tuple[list[TraceRow], list[float]]:
     first = rows[0].arrived_at
     span = rows[-1].arrived_at - first
     mean_gap = span / (len(rows) - 1) if len(rows) > 1 and span > 0 else 1.0

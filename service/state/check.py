@@ -5,6 +5,7 @@ runs (marker, checksums of every row, decoding of every row, the token log's ord
 "sound" here means a scheduler would start on it, and nothing in DIR is changed. A
 directory in use by a running scheduler is not checked (its files change under the copy).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -36,13 +37,17 @@ class CheckReport:
     last_incarnation: int
 
     def line(self) -> str:
-        counts = ", ".join(f"{n} {s.name.lower()}" for s, n in sorted(
-            self.states.items(), key=lambda item: item[0].value))
+        counts = ", ".join(
+            f"{n} {s.name.lower()}"
+            for s, n in sorted(self.states.items(), key=lambda item: item[0].value)
+        )
         num_sequences = sum(self.states.values())
-        return (f"{self.directory}: sound: {self.num_rows_verified} rows verified; "
-                f"{num_sequences} sequences ({counts or 'none'}), {self.num_tokens} generated "
-                f"tokens, {self.num_workers} workers registered, next seq_id "
-                f"{self.next_seq_id}, last incarnation {self.last_incarnation}")
+        return (
+            f"{self.directory}: sound: {self.num_rows_verified} rows verified; "
+            f"{num_sequences} sequences ({counts or 'none'}), {self.num_tokens} generated "
+            f"tokens, {self.num_workers} workers registered, next seq_id "
+            f"{self.next_seq_id}, last incarnation {self.last_incarnation}"
+        )
 
 
 def check(directory: str | Path) -> CheckReport:
@@ -88,13 +93,15 @@ class _unused:
     def __enter__(self) -> None:
         if not self._path.exists():
             return  # never served from: nobody to keep out
-        self._file = open(self._path)  # noqa: SIM115 - closed in __exit__
+        self._file = open(self._path)  # closed in __exit__
         try:
             fcntl.flock(self._file, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             self._file.close()
-            raise CannotCheck(f"{self._path.parent}: in use by a running scheduler; stop it "
-                              "first, or check a copy (docs/operations.md, Back-up)") from None
+            raise CannotCheck(
+                f"{self._path.parent}: in use by a running scheduler; stop it "
+                "first, or check a copy (docs/operations.md, Back-up)"
+            ) from None
 
     def __exit__(self, *exc) -> None:
         if self._file is not None:

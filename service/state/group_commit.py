@@ -23,6 +23,7 @@ Why this keeps every acknowledged change (service/state/sqlite.py has the detail
   the store is treated as broken until the scheduler restarts (and recovers what is on
   disk).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +60,9 @@ class DeferredSyncStore(Protocol):
 class GroupCommit:
     """Shares fsyncs of a DeferredSyncStore among waiting callers, on one fsync thread."""
 
-    def __init__(self, store: DeferredSyncStore,
-                 on_fsync: Callable[[int, float], None] | None = None) -> None:
+    def __init__(
+        self, store: DeferredSyncStore, on_fsync: Callable[[int, float], None] | None = None
+    ) -> None:
         """`on_fsync(num_commits, seconds)` after each fsync: how many commits it made
         durable, and how long it took (metrics)."""
         self._store = store
@@ -88,11 +90,13 @@ class GroupCommit:
         covered = self._store.num_commits_to_sync  # committed before the fsync starts
         started = time.perf_counter()
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor,
-                                                             self._store.sync_wal)
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._store.sync_wal)
         except StoreError as err:
-            log.error("state store fsync failed; nothing more is acknowledged until the "
-                      "scheduler restarts: %s", err)
+            log.error(
+                "state store fsync failed; nothing more is acknowledged until the "
+                "scheduler restarts: %s",
+                err,
+            )
             self._broken = err
         else:
             self._on_fsync(covered - self._num_synced, time.perf_counter() - started)
@@ -116,8 +120,9 @@ class GroupCommit:
         """A last fsync (a stop loses nothing the OS still holds), then the thread ends."""
         try:
             if self._broken is None:
-                await asyncio.get_running_loop().run_in_executor(self._executor,
-                                                                 self._store.sync_wal)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._store.sync_wal
+                )
         except StoreError as err:
             log.error("state store fsync at shutdown failed: %s", err)
         finally:

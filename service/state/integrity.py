@@ -16,6 +16,7 @@ lost its state: the scheduler refuses to start there rather than start empty in 
 Every refusal is a `StateDamaged`: one line naming the file, what is wrong, and how to
 recover.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,10 @@ COLUMNS_TABLE = "checksummed_columns"
 MARKER_SUFFIX = ".written"
 _FUNCTION = "lattice_row_crc"
 _EVENTS = ("INSERT", "UPDATE")
-_RECOVER = ("restore the directory from a backup, or move it aside to start with empty "
-            "state (see docs/operations.md, Durable state)")
+_RECOVER = (
+    "restore the directory from a backup, or move it aside to start with empty "
+    "state (see docs/operations.md, Durable state)"
+)
 
 
 class StateDamaged(ConfigError):
@@ -45,6 +48,7 @@ def damaged(path: Path, what: str) -> StateDamaged:
 
 
 # ------------------------------------------------------------------------ checksums
+
 
 def row_checksum(*values) -> int:
     """CRC-32 over a row's values in order, each with its type (so that neither a value
@@ -74,9 +78,14 @@ def connect_function(db: sqlite3.Connection) -> None:
 
 def data_tables(db: sqlite3.Connection) -> list[str]:
     """The tables that hold state (SQLite's own and the column records left out)."""
-    return [name for (name,) in db.execute(
-        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' "
-        "AND name != ? ORDER BY name", (COLUMNS_TABLE,))]
+    return [
+        name
+        for (name,) in db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' "
+            "AND name != ? ORDER BY name",
+            (COLUMNS_TABLE,),
+        )
+    ]
 
 
 def verify(db: sqlite3.Connection, path: Path) -> int:
@@ -93,23 +102,29 @@ def verify(db: sqlite3.Connection, path: Path) -> int:
             continue
         columns = recorded.get(table)
         if columns is None:
-            raise damaged(path, f"table {table} has checksums but no record of the columns "
-                                f"they cover ({COLUMNS_TABLE} lost it)")
+            raise damaged(
+                path,
+                f"table {table} has checksums but no record of the columns "
+                f"they cover ({COLUMNS_TABLE} lost it)",
+            )
         missing = [c for c in columns if c not in present]
         if missing:
             raise damaged(path, f"table {table} lacks its column(s) {', '.join(missing)}")
         keys = _key_columns(db, table)
         selected = ", ".join(_quote(c) for c in (*keys, CHECKSUM_COLUMN, *columns))
-        for row in db.execute(f"SELECT {selected} FROM {_quote(table)}"):  # noqa: S608
-            key, stored, values = row[:len(keys)], row[len(keys)], row[len(keys) + 1:]
+        for row in db.execute(f"SELECT {selected} FROM {_quote(table)}"):
+            key, stored, values = row[: len(keys)], row[len(keys)], row[len(keys) + 1 :]
             computed = row_checksum(*values)
             if stored != computed:
                 where = ", ".join(f"{k}={v!r}" for k, v in zip(keys, key))
                 stored_text = "none" if stored is None else f"{stored:08x}"
-                raise damaged(path, f"the row of table {table} with {where} fails its "
-                                    f"checksum (stored {stored_text}, computed "
-                                    f"{computed:08x}): the file was changed outside the "
-                                    "scheduler or is damaged")
+                raise damaged(
+                    path,
+                    f"the row of table {table} with {where} fails its "
+                    f"checksum (stored {stored_text}, computed "
+                    f"{computed:08x}): the file was changed outside the "
+                    "scheduler or is damaged",
+                )
             num_rows += 1
     return num_rows
 
@@ -118,8 +133,10 @@ def seal(db: sqlite3.Connection) -> None:
     """Give every table its checksum column and up-to-date checksums, then the triggers
     that keep them so. Call after `verify`, inside the transaction that sets up the schema.
     """
-    db.execute(f"CREATE TABLE IF NOT EXISTS {COLUMNS_TABLE} ("
-               "table_name TEXT PRIMARY KEY, columns TEXT NOT NULL)")
+    db.execute(
+        f"CREATE TABLE IF NOT EXISTS {COLUMNS_TABLE} ("
+        "table_name TEXT PRIMARY KEY, columns TEXT NOT NULL)"
+    )
     recorded = _recorded_columns(db)
     for table in data_tables(db):
         _drop_triggers(db, table)  # made from the old columns, they would undo a reseal
@@ -127,10 +144,14 @@ def seal(db: sqlite3.Connection) -> None:
             db.execute(f"ALTER TABLE {_quote(table)} ADD COLUMN {CHECKSUM_COLUMN} INTEGER")
         columns = [c for c in _columns(db, table) if c != CHECKSUM_COLUMN]
         if recorded.get(table) != columns:
-            db.execute(f"UPDATE {_quote(table)} SET {CHECKSUM_COLUMN} = "  # noqa: S608
-                       f"{_FUNCTION}({', '.join(_quote(c) for c in columns)})")
-            db.execute(f"INSERT OR REPLACE INTO {COLUMNS_TABLE} (table_name, columns) "
-                       "VALUES (?, ?)", (table, ",".join(columns)))
+            db.execute(
+                f"UPDATE {_quote(table)} SET {CHECKSUM_COLUMN} = "
+                f"{_FUNCTION}({', '.join(_quote(c) for c in columns)})"
+            )
+            db.execute(
+                f"INSERT OR REPLACE INTO {COLUMNS_TABLE} (table_name, columns) VALUES (?, ?)",
+                (table, ",".join(columns)),
+            )
         _create_triggers(db, table, columns)
 
 
@@ -140,9 +161,11 @@ def _create_triggers(db: sqlite3.Connection, table: str, columns: list[str]) -> 
     default), so the trigger's own UPDATE does not fire it again."""
     values = ", ".join(f"NEW.{_quote(c)}" for c in columns)
     for event in _EVENTS:
-        db.execute(f"CREATE TEMP TRIGGER {_trigger(table, event)} AFTER {event} ON "
-                   f"main.{_quote(table)} BEGIN UPDATE {_quote(table)} SET {CHECKSUM_COLUMN} "
-                   f"= {_FUNCTION}({values}) WHERE rowid = NEW.rowid; END")
+        db.execute(
+            f"CREATE TEMP TRIGGER {_trigger(table, event)} AFTER {event} ON "
+            f"main.{_quote(table)} BEGIN UPDATE {_quote(table)} SET {CHECKSUM_COLUMN} "
+            f"= {_FUNCTION}({values}) WHERE rowid = NEW.rowid; END"
+        )
 
 
 def _drop_triggers(db: sqlite3.Connection, table: str) -> None:
@@ -155,11 +178,14 @@ def _trigger(table: str, event: str) -> str:
 
 
 def _recorded_columns(db: sqlite3.Connection) -> dict[str, list[str]]:
-    if COLUMNS_TABLE not in {n for (n,) in db.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table'")}:
+    if COLUMNS_TABLE not in {
+        n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+    }:
         return {}
-    return {table: columns.split(",") for table, columns in
-            db.execute(f"SELECT table_name, columns FROM {COLUMNS_TABLE}")}  # noqa: S608
+    return {
+        table: columns.split(",")
+        for table, columns in db.execute(f"SELECT table_name, columns FROM {COLUMNS_TABLE}")
+    }
 
 
 def _columns(db: sqlite3.Connection, table: str) -> list[str]:
@@ -167,8 +193,11 @@ def _columns(db: sqlite3.Connection, table: str) -> list[str]:
 
 
 def _key_columns(db: sqlite3.Connection, table: str) -> list[str]:
-    info = sorted((row[5], row[1]) for row in
-                  db.execute(f"PRAGMA main.table_info({_quote(table)})") if row[5] > 0)
+    info = sorted(
+        (row[5], row[1])
+        for row in db.execute(f"PRAGMA main.table_info({_quote(table)})")
+        if row[5] > 0
+    )
     return [name for _, name in info] or ["rowid"]
 
 
@@ -177,6 +206,7 @@ def _quote(name: str) -> str:
 
 
 # ------------------------------------------------------------------------ marker
+
 
 def marker_path(db_path: Path) -> Path:
     return db_path.with_name(db_path.name + MARKER_SUFFIX)
@@ -189,11 +219,13 @@ def check_file_against_marker(db_path: Path) -> None:
     if not marker.exists():
         return
     if not db_path.exists():
-        raise damaged(db_path, f"the file is missing, but {marker.name} says state was "
-                               "written here")
+        raise damaged(
+            db_path, f"the file is missing, but {marker.name} says state was written here"
+        )
     if db_path.stat().st_size == 0:
-        raise damaged(db_path, f"the file is empty (0 bytes), but {marker.name} says state "
-                               "was written here")
+        raise damaged(
+            db_path, f"the file is empty (0 bytes), but {marker.name} says state was written here"
+        )
 
 
 def check_tables_against_marker(db_path: Path, tables: list[str], required: str) -> None:
@@ -202,8 +234,11 @@ def check_tables_against_marker(db_path: Path, tables: list[str], required: str)
     marker = marker_path(db_path)
     if marker.exists() and required not in tables:
         found = f"tables {', '.join(tables)}" if tables else "no tables"
-        raise damaged(db_path, f"the file has {found}, but {marker.name} says state was "
-                               f"written here (a {required} table at least)")
+        raise damaged(
+            db_path,
+            f"the file has {found}, but {marker.name} says state was "
+            f"written here (a {required} table at least)",
+        )
 
 
 def write_marker(db_path: Path) -> None:
@@ -211,10 +246,12 @@ def write_marker(db_path: Path) -> None:
     marker = marker_path(db_path)
     if marker.exists():
         return
-    text = (f"{db_path.name} in this directory holds a lattice-scheduler's state. If it is "
-            "missing or empty, that state was lost: the scheduler refuses to start until "
-            "the directory is restored from a backup, or moved aside to start with empty "
-            "state.\n")
+    text = (
+        f"{db_path.name} in this directory holds a lattice-scheduler's state. If it is "
+        "missing or empty, that state was lost: the scheduler refuses to start until "
+        "the directory is restored from a backup, or moved aside to start with empty "
+        "state.\n"
+    )
     partial = marker.with_name(marker.name + ".tmp")
     with open(partial, "w") as f:
         f.write(text)

@@ -9,6 +9,7 @@ binaries run as the `postgres` user (or $LATTICE_PG_USER), which then owns the d
 This is a harness, not a production setup: production points `--state` at a database an
 operator runs.
 """
+
 from __future__ import annotations
 
 import glob
@@ -37,8 +38,9 @@ def find_binaries() -> Path | None:
     for pattern in _BIN_GLOBS:
         candidates += sorted(glob.glob(pattern), key=_version_key, reverse=True)
     for candidate in candidates:
-        if candidate and all(os.access(Path(candidate, tool), os.X_OK)
-                             for tool in ("initdb", "pg_ctl", "postgres")):
+        if candidate and all(
+            os.access(Path(candidate, tool), os.X_OK) for tool in ("initdb", "pg_ctl", "postgres")
+        ):
             return Path(candidate)
     on_path = shutil.which("pg_ctl")
     return Path(on_path).parent if on_path and shutil.which("initdb") else None
@@ -67,9 +69,11 @@ class PrivateCluster:
         self.directory = Path(self.directory).resolve()
         self.bin = find_binaries()
         if self.bin is None:
-            raise ClusterError("no PostgreSQL binaries (initdb, pg_ctl) found in "
-                               "/usr/lib/postgresql/*/bin or on PATH; install postgresql "
-                               "(Debian: apt-get install postgresql) or set LATTICE_PG_BIN")
+            raise ClusterError(
+                "no PostgreSQL binaries (initdb, pg_ctl) found in "
+                "/usr/lib/postgresql/*/bin or on PATH; install postgresql "
+                "(Debian: apt-get install postgresql) or set LATTICE_PG_BIN"
+            )
         self.user = _run_as_user()
         if not self.port:
             self.port = free_port()
@@ -86,18 +90,41 @@ class PrivateCluster:
     def log_path(self) -> Path:
         return self.directory / "postgres.log"
 
-    def start(self, timeout_seconds: float = 60.0) -> "PrivateCluster":
+    def start(self, timeout_seconds: float = 60.0) -> PrivateCluster:
         """initdb if needed, start, wait until it accepts connections, create the database."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self._give_to_user(self.directory)
         if not (self.data_dir / "PG_VERSION").exists():
-            self._tool("initdb", "-D", str(self.data_dir), "-U", ROLE, "--auth=trust",
-                       "-E", "UTF8", "--no-locale", "--no-sync")
-        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
-                   f"-k {self.directory} -c fsync={'on' if self.fsync else 'off'} "
-                   "-c max_connections=200 -c shared_buffers=64MB")
-        self._tool("pg_ctl", "-D", str(self.data_dir), "-l", str(self.log_path), "-o",
-                   options, "-w", "-t", str(int(timeout_seconds)), "start")
+            self._tool(
+                "initdb",
+                "-D",
+                str(self.data_dir),
+                "-U",
+                ROLE,
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-locale",
+                "--no-sync",
+            )
+        options = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 "
+            f"-k {self.directory} -c fsync={'on' if self.fsync else 'off'} "
+            "-c max_connections=200 -c shared_buffers=64MB"
+        )
+        self._tool(
+            "pg_ctl",
+            "-D",
+            str(self.data_dir),
+            "-l",
+            str(self.log_path),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            str(int(timeout_seconds)),
+            "start",
+        )
         self._create_database(timeout_seconds)
         return self
 
@@ -127,27 +154,32 @@ class PrivateCluster:
         while True:
             try:
                 with psycopg.connect(admin, autocommit=True, connect_timeout=5) as conn:
-                    exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
-                                          (DATABASE,)).fetchone()
+                    exists = conn.execute(
+                        "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
+                    ).fetchone()
                     if not exists:
                         conn.execute(f"CREATE DATABASE {DATABASE}")
                 return
             except psycopg.OperationalError as err:
                 if time.monotonic() > deadline:
-                    raise ClusterError(f"PostgreSQL on port {self.port} does not accept "
-                                       f"connections: {err}; see {self.log_path}") from None
+                    raise ClusterError(
+                        f"PostgreSQL on port {self.port} does not accept "
+                        f"connections: {err}; see {self.log_path}"
+                    ) from None
                 time.sleep(0.2)
 
     def _tool(self, name: str, *args: str) -> None:
         argv = [str(self.bin / name), *args]
         if self.user is not None:
             argv = ["runuser", "-u", self.user, "--", *argv]
-        result = subprocess.run(argv, capture_output=True, text=True, cwd="/",
-                                env={**os.environ, "LC_ALL": "C"})
+        result = subprocess.run(
+            argv, capture_output=True, text=True, cwd="/", env={**os.environ, "LC_ALL": "C"}
+        )
         if result.returncode != 0:
             tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
-            raise ClusterError(f"{name} failed ({result.returncode}): {' '.join(tail)}; "
-                               f"log: {self.log_path}")
+            raise ClusterError(
+                f"{name} failed ({result.returncode}): {' '.join(tail)}; log: {self.log_path}"
+            )
 
     def _give_to_user(self, path: Path) -> None:
         if self.user is None:
@@ -158,9 +190,11 @@ class PrivateCluster:
         # The user must be able to reach the directory: every parent needs o+x.
         for parent in path.parents:
             if not os.stat(parent).st_mode & 0o001:
-                raise ClusterError(f"{path}: the {self.user} user cannot reach it ({parent} "
-                                   "is not searchable by others); use a directory under "
-                                   "/tmp")
+                raise ClusterError(
+                    f"{path}: the {self.user} user cannot reach it ({parent} "
+                    "is not searchable by others); use a directory under "
+                    "/tmp"
+                )
 
 
 def _run_as_user() -> str | None:
@@ -171,7 +205,9 @@ def _run_as_user() -> str | None:
     try:
         pwd.getpwnam(user)
     except KeyError:
-        raise ClusterError(f"PostgreSQL refuses to run as root and there is no {user!r} "
-                           "user to run it as; create one (useradd) or set "
-                           "LATTICE_PG_USER") from None
+        raise ClusterError(
+            f"PostgreSQL refuses to run as root and there is no {user!r} "
+            "user to run it as; create one (useradd) or set "
+            "LATTICE_PG_USER"
+        ) from None
     return user

@@ -22,6 +22,7 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
 - Cancel of a sequence another replica owns: `cancel_requested` is set and committed,
   then NOTIFY lattice_cancel tells the owner, which cancels it in its core.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,16 +34,23 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from service.core import SEES_ALL, Caller, ConfigError, FinishReason, SequenceState, SubmitParams
-from service.core.errors import InvalidArgument, NotFound, QueueFull
-from service.core.tables.ledger import no_worker_has
 from service.core.decide.orders import ArrivalOrder, QueueOrder, SortTerm
+from service.core.errors import InvalidArgument, NotFound, QueueFull
 from service.core.persist.store import (
-    Disowned, SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker,
+    Disowned,
+    SequenceProgress,
+    StateChanges,
+    StoredSequence,
+    StoredState,
     StoreError,
 )
+from service.core.tables.ledger import no_worker_has
 from service.core.types import SequenceInfo, SubmitResult
 from service.state.rows import (
-    pack_token_ids, params_from_row, params_json, registration_from_json, registration_json,
+    pack_token_ids,
+    params_from_row,
+    params_json,
+    registration_json,
     unpack_token_ids,
 )
 
@@ -194,26 +202,32 @@ UPDATE lattice_meta SET value = 2 WHERE key = 'schema_version';
 _SERVED_BY_A_LIVE_WORKER = (
     "EXISTS (SELECT 1 FROM workers w JOIN replicas r ON r.replica_id = w.replica_id "
     "WHERE r.lease_until > now() AND NOT w.drain_requested "
-    "AND (w.registration::jsonb -> 'adapters') ? s.adapter_id)")
+    "AND (w.registration::jsonb -> 'adapters') ? s.adapter_id)"
+)
 
 # Columns of a sequence row, in the order _stored_sequence reads them.
 # Each term of a queue order's sort key, as SQL over `sequences q` (%(aging)s: the
 # order's aging_seconds).
 _ORDER_SQL = {
     SortTerm.QUEUE_KEY: "queue_key",
-    SortTerm.AGED_PRIORITY: ("(priority - floor(greatest(0, extract(epoch from "
-                             "clock_timestamp()) - submitted_at) / %(aging)s))"),
-    SortTerm.TENANT_SERVICE: ("coalesce((SELECT t.served FROM tenant_service t "
-                              "WHERE t.tenant = q.tenant), 0)"),
+    SortTerm.AGED_PRIORITY: (
+        "(priority - floor(greatest(0, extract(epoch from "
+        "clock_timestamp()) - submitted_at) / %(aging)s))"
+    ),
+    SortTerm.TENANT_SERVICE: (
+        "coalesce((SELECT t.served FROM tenant_service t WHERE t.tenant = q.tenant), 0)"
+    ),
     SortTerm.SUBMITTED_AT: "submitted_at",
     # Submission + the one TTFT target: the same order as the submissions.
     SortTerm.DEADLINE: "submitted_at",
     SortTerm.SEQ_ID: "seq_id",
 }
 
-_COLUMNS = ("seq_id, params, prompt, state, worker_id, queue_key, cursor, prefilled_tokens, "
-            "num_generated, num_generated_at_admission, finish_reason, finish_order, "
-            "submitted_at, admission_order, error_message")
+_COLUMNS = (
+    "seq_id, params, prompt, state, worker_id, queue_key, cursor, prefilled_tokens, "
+    "num_generated, num_generated_at_admission, finish_reason, finish_order, "
+    "submitted_at, admission_order, error_message"
+)
 
 
 @dataclass(frozen=True)
@@ -238,9 +252,17 @@ class Claimed:
 class PostgresState:
     """StateStore of one replica over the shared database, plus what replicas need."""
 
-    def __init__(self, url: str, *, name: str, lease_ttl_seconds: float = 5.0,
-                 fsync: str = "acks", order: QueueOrder = ArrivalOrder(), pool_size: int = 8,
-                 connect_timeout_seconds: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str,
+        lease_ttl_seconds: float = 5.0,
+        fsync: str = "acks",
+        order: QueueOrder = ArrivalOrder(),
+        pool_size: int = 8,
+        connect_timeout_seconds: float = 5.0,
+    ) -> None:
         if not url.startswith(("postgresql://", "postgres://")):
             raise ConfigError(f"state {url!r}: a PostgreSQL URL starts with postgresql://")
         self.url = url
@@ -261,20 +283,28 @@ class PostgresState:
             # psycopg says why, while the pool only logs it and times out.
             psycopg.connect(url, connect_timeout=max(1, int(connect_timeout_seconds))).close()
             self._pool = ConnectionPool(
-                url, min_size=1, max_size=pool_size, open=True, timeout=connect_timeout_seconds,
-                kwargs={"autocommit": True, "connect_timeout": int(connect_timeout_seconds),
-                        # Worker progress commits without waiting for the WAL flush
-                        # (--state-fsync acks, never); acknowledged commits ask for it.
-                        **({} if fsync == "always"
-                           else {"options": "-c synchronous_commit=off"})},
-                name=f"lattice-{name}")
+                url,
+                min_size=1,
+                max_size=pool_size,
+                open=True,
+                timeout=connect_timeout_seconds,
+                kwargs={
+                    "autocommit": True,
+                    "connect_timeout": int(connect_timeout_seconds),
+                    # Worker progress commits without waiting for the WAL flush
+                    # (--state-fsync acks, never); acknowledged commits ask for it.
+                    **({} if fsync == "always" else {"options": "-c synchronous_commit=off"}),
+                },
+                name=f"lattice-{name}",
+            )
             self._pool.wait(timeout=connect_timeout_seconds)
             self._create_schema()
             self.replica_id = self._join()
         except (psycopg.Error, PoolTimeout) as err:
             self.close()
-            raise ConfigError(f"state {_redacted(url)}: cannot use the database: "
-                              f"{_first_line(err)}") from None
+            raise ConfigError(
+                f"state {_redacted(url)}: cannot use the database: {_first_line(err)}"
+            ) from None
 
     @property
     def path(self) -> str:
@@ -287,17 +317,20 @@ class PostgresState:
         new replica; its old sequences come back through the lease rules)."""
         with self._connection() as conn:
             sequences = self._read_sequences(
-                conn, "WHERE owner = %s AND state <> 4", (self.replica_id,))
+                conn, "WHERE owner = %s AND state <> 4", (self.replica_id,)
+            )
             served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))
         self._tenant_base = dict(served)
-        return StoredState(sequences=sequences, workers=[], next_seq_id=1,
-                           tenant_service=served)
+        return StoredState(sequences=sequences, workers=[], next_seq_id=1, tenant_service=served)
 
     def save(self, changes: StateChanges) -> None:
         if changes.created:
             raise StoreError("replicas submit through the shared queue, not the core")
-        touched = ({p.seq_id for p in changes.progress} | {t.seq_id for t in changes.tokens}
-                   | {seq_id for seq_id, _ in changes.final_outputs})
+        touched = (
+            {p.seq_id for p in changes.progress}
+            | {t.seq_id for t in changes.tokens}
+            | {seq_id for seq_id, _ in changes.final_outputs}
+        )
         sync = self._fsync == "always" or (self._fsync == "acks" and changes.sync)
         deltas = self._tenant_deltas(changes.tenant_service)
         # One pipeline: BEGIN, the ownership check (its answer is one round trip), then
@@ -307,9 +340,14 @@ class PostgresState:
                 if sync and self._fsync == "acks":
                     conn.execute("SET LOCAL synchronous_commit TO on")
                 if touched:
-                    owned = {row[0] for row in conn.execute(
-                        "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s "
-                        "FOR UPDATE", (list(touched), self.replica_id))}
+                    owned = {
+                        row[0]
+                        for row in conn.execute(
+                            "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s "
+                            "FOR UPDATE",
+                            (list(touched), self.replica_id),
+                        )
+                    }
                     self.round_trips["save"] += 1
                     lost = touched - owned
                     if lost:
@@ -334,23 +372,36 @@ class PostgresState:
                 status, seq_id, position = conn.execute(
                     "SELECT status, seq_id, queue_position FROM lattice_submit("
                     "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                    (params.principal, params.adapter_id, params.request_id or None,
-                     params_json(params),
-                     pack_token_ids(params.prompt_token_ids), params.priority, params.tenant,
-                     params.max_new_tokens, max_queue, max_per_tenant,
-                     self._fsync != "never")).fetchone()
+                    (
+                        params.principal,
+                        params.adapter_id,
+                        params.request_id or None,
+                        params_json(params),
+                        pack_token_ids(params.prompt_token_ids),
+                        params.priority,
+                        params.tenant,
+                        params.max_new_tokens,
+                        max_queue,
+                        max_per_tenant,
+                        self._fsync != "never",
+                    ),
+                ).fetchone()
             except psycopg.DataError as err:
                 # This request's own values (the edge refuses every one known to do this:
                 # service/server/convert.py): a retry cannot help, and nothing was written.
-                raise InvalidArgument(f"the shared queue cannot hold this request: "
-                                      f"{_first_line(err)}") from None
+                raise InvalidArgument(
+                    f"the shared queue cannot hold this request: {_first_line(err)}"
+                ) from None
             self.round_trips["submit"] += 1
         if status == 2:
-            raise QueueFull(f"the admission queue holds max_queue={max_queue} sequences; "
-                            "retry later")
+            raise QueueFull(
+                f"the admission queue holds max_queue={max_queue} sequences; retry later"
+            )
         if status == 3:
-            raise QueueFull(f"tenant {params.tenant!r} already has {max_per_tenant} sequences "
-                            f"queued (max_queue_per_tenant={max_per_tenant}); retry later")
+            raise QueueFull(
+                f"tenant {params.tenant!r} already has {max_per_tenant} sequences "
+                f"queued (max_queue_per_tenant={max_per_tenant}); retry later"
+            )
         return SubmitResult(seq_id, position)
 
     def cancel(self, seq_id: int, caller: Caller = SEES_ALL) -> bool:
@@ -361,21 +412,26 @@ class PostgresState:
         Another principal's sequence is NotFound to `caller`, as an unknown id."""
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
-            row = conn.execute("SELECT state, owner, principal FROM sequences "
-                               "WHERE seq_id = %s FOR UPDATE", (seq_id,)).fetchone()
+            row = conn.execute(
+                "SELECT state, owner, principal FROM sequences WHERE seq_id = %s FOR UPDATE",
+                (seq_id,),
+            ).fetchone()
             if row is None or not caller.may_see(row[2]):
                 raise NotFound.seq_id(seq_id)
             state, owner, _ = row
             if state == _FINISHED:
                 return False
             if owner is None:
-                conn.execute("UPDATE sequences SET state = 4, finish_reason = %s, "
-                             "queue_key = NULL, worker_id = NULL WHERE seq_id = %s",
-                             (FinishReason.CANCELLED.value, seq_id))
+                conn.execute(
+                    "UPDATE sequences SET state = 4, finish_reason = %s, "
+                    "queue_key = NULL, worker_id = NULL WHERE seq_id = %s",
+                    (FinishReason.CANCELLED.value, seq_id),
+                )
                 conn.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, str(seq_id)))
             else:
-                conn.execute("UPDATE sequences SET cancel_requested = true WHERE seq_id = %s",
-                             (seq_id,))
+                conn.execute(
+                    "UPDATE sequences SET cancel_requested = true WHERE seq_id = %s", (seq_id,)
+                )
                 conn.execute("SELECT pg_notify(%s, %s)", (CANCEL_CHANNEL, f"{owner}:{seq_id}"))
         return True
 
@@ -390,39 +446,62 @@ class PostgresState:
                 "AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id)) ELSE 0 END, "
                 "error_message, principal, CASE WHEN state = 1 AND adapter_id <> '' AND NOT "
                 f"{_SERVED_BY_A_LIVE_WORKER} THEN adapter_id END "
-                "FROM sequences s WHERE seq_id = %s", (seq_id,)).fetchone()
+                "FROM sequences s WHERE seq_id = %s",
+                (seq_id,),
+            ).fetchone()
         if row is None or not caller.may_see(row[-2]):
             raise NotFound.seq_id(seq_id)
-        (state, worker_id, prompt_len, prefilled, generated, reason, position, error, _,
-         unserved_adapter) = row
+        (
+            state,
+            worker_id,
+            prompt_len,
+            prefilled,
+            generated,
+            reason,
+            position,
+            error,
+            _,
+            unserved_adapter,
+        ) = row
         if unserved_adapter is not None:
             error = no_worker_has(unserved_adapter)
-        return SequenceInfo(seq_id=seq_id, state=SequenceState(state), worker_id=worker_id or "",
-                            prompt_len=prompt_len, prefilled_tokens=prefilled,
-                            generated_tokens=int(generated),
-                            finish_reason=None if reason is None else FinishReason(reason),
-                            queue_position=int(position), error_message=error)
+        return SequenceInfo(
+            seq_id=seq_id,
+            state=SequenceState(state),
+            worker_id=worker_id or "",
+            prompt_len=prompt_len,
+            prefilled_tokens=prefilled,
+            generated_tokens=int(generated),
+            finish_reason=None if reason is None else FinishReason(reason),
+            queue_position=int(position),
+            error_message=error,
+        )
 
     def read_output(self, seq_id: int, start: int, caller: Caller = SEES_ALL) -> RemoteOutput:
         """Tokens from index `start` on, committed by whichever replica owns it; NotFound
         as in `cancel`."""
         with self._connection() as conn:
-            row = conn.execute("SELECT state, finish_reason, error_message, principal FROM "
-                               "sequences WHERE seq_id = %s", (seq_id,)).fetchone()
+            row = conn.execute(
+                "SELECT state, finish_reason, error_message, principal FROM "
+                "sequences WHERE seq_id = %s",
+                (seq_id,),
+            ).fetchone()
             if row is None or not caller.may_see(row[3]):
                 raise NotFound.seq_id(seq_id)
             out: list[int] = []
             rows = conn.execute(
                 "SELECT start, token_ids FROM tokens WHERE seq_id = %s "
                 "AND start + octet_length(token_ids) / 4 > %s ORDER BY start",
-                (seq_id, start)).fetchall()
+                (seq_id, start),
+            ).fetchall()
         for first, blob in rows:
             tokens = unpack_token_ids(blob)
-            out.extend(tokens[max(0, start - first):])
+            out.extend(tokens[max(0, start - first) :])
             start = first + len(tokens)
         state, reason, error, _ = row
-        return RemoteOutput(tuple(out), state == _FINISHED,
-                            None if reason is None else FinishReason(reason), error)
+        return RemoteOutput(
+            tuple(out), state == _FINISHED, None if reason is None else FinishReason(reason), error
+        )
 
     def unservable_queued(self) -> int:
         """Queued sequences, fleet-wide, whose adapter no live worker that takes work has
@@ -430,7 +509,8 @@ class PostgresState:
         with self._connection() as conn:
             return conn.execute(
                 "SELECT count(*) FROM sequences s WHERE state = 1 AND adapter_id <> '' "
-                f"AND NOT {_SERVED_BY_A_LIVE_WORKER}").fetchone()[0]
+                f"AND NOT {_SERVED_BY_A_LIVE_WORKER}"
+            ).fetchone()[0]
 
     def unclaimed_tokens_up_to(self, priority: int) -> tuple[int, int]:
         """Prompt tokens of the unclaimed queued sequences of `priority` or a more urgent
@@ -440,7 +520,8 @@ class PostgresState:
                 "SELECT coalesce(sum(octet_length(prompt) / 4), 0), "
                 "(SELECT count(*) FROM replicas WHERE lease_until > now()) "
                 "FROM sequences WHERE state = 1 AND owner IS NULL AND priority <= %s",
-                (priority,)).fetchone()
+                (priority,),
+            ).fetchone()
         return int(tokens), int(num_replicas)
 
     def queue_depth(self) -> int:
@@ -456,15 +537,22 @@ class PostgresState:
         order = self._claim_order
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
-            ids = [row[0] for row in conn.execute(
-                f"UPDATE sequences s SET owner = %(me)s FROM (SELECT seq_id FROM sequences q "
-                f"WHERE state = 1 AND owner IS NULL AND (adapter_id = '' OR adapter_id = "
-                f"ANY(%(adapters)s)) ORDER BY {order} LIMIT %(n)s FOR UPDATE SKIP LOCKED) c "
-                f"WHERE s.seq_id = c.seq_id RETURNING s.seq_id",
-                {"me": self.replica_id, "n": count, "aging": self._aging_seconds,
-                 "adapters": sorted(adapters)})]
-            sequences = (self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,))
-                         if ids else [])
+            ids = [
+                row[0]
+                for row in conn.execute(
+                    f"UPDATE sequences s SET owner = %(me)s FROM (SELECT seq_id FROM sequences q "
+                    f"WHERE state = 1 AND owner IS NULL AND (adapter_id = '' OR adapter_id = "
+                    f"ANY(%(adapters)s)) ORDER BY {order} LIMIT %(n)s FOR UPDATE SKIP LOCKED) c "
+                    f"WHERE s.seq_id = c.seq_id RETURNING s.seq_id",
+                    {
+                        "me": self.replica_id,
+                        "n": count,
+                        "aging": self._aging_seconds,
+                        "adapters": sorted(adapters),
+                    },
+                )
+            ]
+            sequences = self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,)) if ids else []
             served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))
             # BEGIN, SET LOCAL, UPDATE, the rows and their tokens (when any), counters,
             # COMMIT.
@@ -482,17 +570,18 @@ class PostgresState:
                 "AND state IN (2, 3) AND owner IS DISTINCT FROM %(me)s FOR UPDATE) "
                 "UPDATE sequences s SET owner = %(me)s FROM old WHERE s.seq_id = old.seq_id "
                 "RETURNING s.seq_id, s.cancel_requested, old.owner",
-                {"w": worker_id, "me": self.replica_id}).fetchall()
+                {"w": worker_id, "me": self.replica_id},
+            ).fetchall()
             ids = [seq_id for seq_id, _, _ in rows]
-            sequences = (self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,))
-                         if ids else [])
+            sequences = self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,)) if ids else []
             by_owner: dict[int, list[int]] = {}
             for seq_id, _, owner in rows:
                 if owner is not None:
                     by_owner.setdefault(owner, []).append(seq_id)
             for owner, seq_ids in by_owner.items():  # the old owner forgets them at once
-                conn.execute("SELECT pg_notify(%s, %s)",
-                             (DISOWN_CHANNEL, f"{owner}:{_ids_payload(seq_ids)}"))
+                conn.execute(
+                    "SELECT pg_notify(%s, %s)", (DISOWN_CHANNEL, f"{owner}:{_ids_payload(seq_ids)}")
+                )
         return Claimed(sequences, {}, [seq_id for seq_id, flag, _ in rows if flag])
 
     def next_incarnation(self) -> int:
@@ -503,15 +592,24 @@ class PostgresState:
     def cancel_requests(self) -> list[int]:
         """Unfinished sequences of this replica another replica asked to cancel."""
         with self._connection() as conn:
-            return [row[0] for row in conn.execute(
-                "SELECT seq_id FROM sequences WHERE owner = %s AND cancel_requested "
-                "AND state <> 4", (self.replica_id,))]
+            return [
+                row[0]
+                for row in conn.execute(
+                    "SELECT seq_id FROM sequences WHERE owner = %s AND cancel_requested "
+                    "AND state <> 4",
+                    (self.replica_id,),
+                )
+            ]
 
     def owned_ids(self) -> set[int]:
         with self._connection() as conn:
-            return {row[0] for row in conn.execute(
-                "SELECT seq_id FROM sequences WHERE owner = %s AND state <> 4",
-                (self.replica_id,))}
+            return {
+                row[0]
+                for row in conn.execute(
+                    "SELECT seq_id FROM sequences WHERE owner = %s AND state <> 4",
+                    (self.replica_id,),
+                )
+            }
 
     def renew_lease(self) -> bool:
         """Extend this replica's lease; False if it had run out and others took what it
@@ -519,7 +617,9 @@ class PostgresState:
         with self._connection() as conn:
             renewed = conn.execute(
                 "UPDATE replicas SET lease_until = now() + make_interval(secs => %s) "
-                "WHERE replica_id = %s", (self.lease_ttl_seconds, self.replica_id)).rowcount
+                "WHERE replica_id = %s",
+                (self.lease_ttl_seconds, self.replica_id),
+            ).rowcount
             if not renewed:
                 self._insert_lease(conn, self.replica_id)
         return bool(renewed)
@@ -531,38 +631,55 @@ class PostgresState:
         sequences moved."""
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
-            dead = [row[0] for row in conn.execute(
-                "DELETE FROM replicas WHERE lease_until < now() RETURNING replica_id")]
+            dead = [
+                row[0]
+                for row in conn.execute(
+                    "DELETE FROM replicas WHERE lease_until < now() RETURNING replica_id"
+                )
+            ]
             rows = conn.execute(
                 "SELECT seq_id, state, cancel_requested FROM sequences s WHERE "
                 "owner IS NOT NULL AND state <> 4 AND NOT EXISTS (SELECT 1 FROM replicas r "
-                "WHERE r.replica_id = s.owner) ORDER BY seq_id FOR UPDATE").fetchall()
+                "WHERE r.replica_id = s.owner) ORDER BY seq_id FOR UPDATE"
+            ).fetchall()
             if not rows and not dead:
                 return 0
             queued = [seq_id for seq_id, state, cancel in rows if state == _QUEUED and not cancel]
             cancelled = [seq_id for seq_id, state, cancel in rows if cancel]
-            assigned = [seq_id for seq_id, state, cancel in rows
-                        if state != _QUEUED and not cancel]
+            assigned = [seq_id for seq_id, state, cancel in rows if state != _QUEUED and not cancel]
             conn.execute("UPDATE sequences SET owner = NULL WHERE seq_id = ANY(%s)", (queued,))
-            conn.execute("UPDATE sequences SET owner = NULL, state = 4, finish_reason = %s, "
-                         "worker_id = NULL, queue_key = NULL WHERE seq_id = ANY(%s)",
-                         (FinishReason.CANCELLED.value, cancelled))
+            conn.execute(
+                "UPDATE sequences SET owner = NULL, state = 4, finish_reason = %s, "
+                "worker_id = NULL, queue_key = NULL WHERE seq_id = ANY(%s)",
+                (FinishReason.CANCELLED.value, cancelled),
+            )
             for seq_id in assigned:  # in seq_id order, each ahead of all
                 conn.execute(
                     "UPDATE sequences s SET owner = NULL, state = 1, worker_id = NULL, "
                     "cursor = 0, prefilled_tokens = 0, queue_key = -nextval('lattice_queue_head'), "
                     "num_generated = (SELECT coalesce(sum(octet_length(t.token_ids) / 4), 0) "
-                    "FROM tokens t WHERE t.seq_id = s.seq_id) WHERE seq_id = %s", (seq_id,))
-            conn.execute("DELETE FROM workers w WHERE NOT EXISTS (SELECT 1 FROM replicas r "
-                         "WHERE r.replica_id = w.replica_id)")
+                    "FROM tokens t WHERE t.seq_id = s.seq_id) WHERE seq_id = %s",
+                    (seq_id,),
+                )
+            conn.execute(
+                "DELETE FROM workers w WHERE NOT EXISTS (SELECT 1 FROM replicas r "
+                "WHERE r.replica_id = w.replica_id)"
+            )
             if rows:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
-                conn.execute("SELECT pg_notify(%s, %s)",
-                             (PROGRESS_CHANNEL, _ids_payload(cancelled)))
+                conn.execute(
+                    "SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(cancelled))
+                )
         if rows:
-            log.warning("replicas' leases ran out; their sequences went back to the shared "
-                        "queue", extra={"replicas": dead, "queued": len(queued),
-                                        "assigned": len(assigned), "cancelled": len(cancelled)})
+            log.warning(
+                "replicas' leases ran out; their sequences went back to the shared queue",
+                extra={
+                    "replicas": dead,
+                    "queued": len(queued),
+                    "assigned": len(assigned),
+                    "cancelled": len(cancelled),
+                },
+            )
         return len(rows)
 
     def release(self, seq_ids: list[int]) -> list[int]:
@@ -570,9 +687,14 @@ class PostgresState:
         released (still this replica's and queued)."""
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
-            released = [row[0] for row in conn.execute(
-                "UPDATE sequences SET owner = NULL WHERE seq_id = ANY(%s) AND owner = %s "
-                "AND state = 1 RETURNING seq_id", (seq_ids, self.replica_id))]
+            released = [
+                row[0]
+                for row in conn.execute(
+                    "UPDATE sequences SET owner = NULL WHERE seq_id = ANY(%s) AND owner = %s "
+                    "AND state = 1 RETURNING seq_id",
+                    (seq_ids, self.replica_id),
+                )
+            ]
             if released:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
         return released
@@ -582,8 +704,10 @@ class PostgresState:
         their place, the lease ends, and others return the rest at once."""
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
-            conn.execute("UPDATE sequences SET owner = NULL WHERE owner = %s AND state = 1",
-                         (self.replica_id,))
+            conn.execute(
+                "UPDATE sequences SET owner = NULL WHERE owner = %s AND state = 1",
+                (self.replica_id,),
+            )
             conn.execute("DELETE FROM replicas WHERE replica_id = %s", (self.replica_id,))
             conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
 
@@ -612,18 +736,24 @@ class PostgresState:
             conn.execute("SELECT pg_advisory_xact_lock(7254112)")
             version = None
             if conn.execute("SELECT to_regclass('lattice_meta')").fetchone()[0] is not None:
-                row = conn.execute("SELECT value FROM lattice_meta "
-                                   "WHERE key = 'schema_version'").fetchone()
+                row = conn.execute(
+                    "SELECT value FROM lattice_meta WHERE key = 'schema_version'"
+                ).fetchone()
                 version = None if row is None else row[0]
             if version == 1:
                 conn.execute(_FROM_VERSION_1)
             elif version not in (None, SCHEMA_VERSION):
-                raise ConfigError(f"the database holds schema version {version}; this "
-                                  f"scheduler reads version {SCHEMA_VERSION}")
+                raise ConfigError(
+                    f"the database holds schema version {version}; this "
+                    f"scheduler reads version {SCHEMA_VERSION}"
+                )
             conn.execute(_SCHEMA)
             if version is None:
-                conn.execute("INSERT INTO lattice_meta VALUES ('schema_version', %s) "
-                             "ON CONFLICT (key) DO NOTHING", (SCHEMA_VERSION,))
+                conn.execute(
+                    "INSERT INTO lattice_meta VALUES ('schema_version', %s) "
+                    "ON CONFLICT (key) DO NOTHING",
+                    (SCHEMA_VERSION,),
+                )
 
     def _join(self) -> int:
         with self._pool.connection() as conn:
@@ -632,30 +762,36 @@ class PostgresState:
         return replica_id
 
     def _insert_lease(self, conn, replica_id: int) -> None:
-        conn.execute("INSERT INTO replicas (replica_id, name, lease_until) VALUES "
-                     "(%s, %s, now() + make_interval(secs => %s)) ON CONFLICT (replica_id) "
-                     "DO UPDATE SET lease_until = excluded.lease_until",
-                     (replica_id, self.name, self.lease_ttl_seconds))
+        conn.execute(
+            "INSERT INTO replicas (replica_id, name, lease_until) VALUES "
+            "(%s, %s, now() + make_interval(secs => %s)) ON CONFLICT (replica_id) "
+            "DO UPDATE SET lease_until = excluded.lease_until",
+            (replica_id, self.name, self.lease_ttl_seconds),
+        )
 
     def _read_sequences(self, conn, where: str, args: tuple) -> list[StoredSequence]:
-        rows = conn.execute(f"SELECT {_COLUMNS} FROM sequences {where} ORDER BY seq_id",
-                            args).fetchall()
+        rows = conn.execute(
+            f"SELECT {_COLUMNS} FROM sequences {where} ORDER BY seq_id", args
+        ).fetchall()
         if not rows:
             return []
         tokens: dict[int, list[int]] = {}
         for seq_id, start, blob in conn.execute(
-                "SELECT seq_id, start, token_ids FROM tokens WHERE seq_id = ANY(%s) "
-                "ORDER BY seq_id, start", ([row[0] for row in rows],)):
+            "SELECT seq_id, start, token_ids FROM tokens WHERE seq_id = ANY(%s) "
+            "ORDER BY seq_id, start",
+            ([row[0] for row in rows],),
+        ):
             out = tokens.setdefault(seq_id, [])
             if start != len(out):
-                raise StoreError(f"seq_id {seq_id}: tokens from {start} after {len(out)} "
-                                 "tokens; the database is damaged")
+                raise StoreError(
+                    f"seq_id {seq_id}: tokens from {start} after {len(out)} "
+                    "tokens; the database is damaged"
+                )
             out.extend(unpack_token_ids(blob))
         return [_stored_sequence(row, tokens.get(row[0], [])) for row in rows]
 
     def _tenant_deltas(self, service: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
-        return [(tenant, served - self._tenant_base.get(tenant, 0.0))
-                for tenant, served in service]
+        return [(tenant, served - self._tenant_base.get(tenant, 0.0)) for tenant, served in service]
 
     def _write(self, conn, changes: StateChanges, deltas, touched: set[int]) -> None:
         me = self.replica_id
@@ -666,38 +802,74 @@ class PostgresState:
                 "prefilled_tokens = %s, num_generated = %s, num_generated_at_admission = %s, "
                 "finish_reason = %s, finish_order = %s, admission_order = %s, "
                 "error_message = %s WHERE seq_id = %s AND owner = %s",
-                [(p.state.value, p.worker_id, p.queue_key, p.cursor, p.prefilled_tokens,
-                  p.num_generated, p.num_generated_at_admission,
-                  None if p.finish_reason is None else p.finish_reason.value,
-                  p.finish_order, p.admission_order, p.error_message, p.seq_id, me)
-                 for p in changes.progress])
+                [
+                    (
+                        p.state.value,
+                        p.worker_id,
+                        p.queue_key,
+                        p.cursor,
+                        p.prefilled_tokens,
+                        p.num_generated,
+                        p.num_generated_at_admission,
+                        None if p.finish_reason is None else p.finish_reason.value,
+                        p.finish_order,
+                        p.admission_order,
+                        p.error_message,
+                        p.seq_id,
+                        me,
+                    )
+                    for p in changes.progress
+                ],
+            )
         if changes.tokens:  # one statement for every sequence's new tokens
-            cur.execute("INSERT INTO tokens (seq_id, start, token_ids) SELECT * FROM "
-                        "unnest(%s::bigint[], %s::integer[], %s::bytea[])",
-                        ([t.seq_id for t in changes.tokens], [t.start for t in changes.tokens],
-                         [pack_token_ids(t.token_ids) for t in changes.tokens]), binary=True)
+            cur.execute(
+                "INSERT INTO tokens (seq_id, start, token_ids) SELECT * FROM "
+                "unnest(%s::bigint[], %s::integer[], %s::bytea[])",
+                (
+                    [t.seq_id for t in changes.tokens],
+                    [t.start for t in changes.tokens],
+                    [pack_token_ids(t.token_ids) for t in changes.tokens],
+                ),
+                binary=True,
+            )
         if changes.workers_changed:
             cur.executemany(
                 "INSERT INTO workers (worker_id, replica_id, registration, drain_requested) "
                 "VALUES (%s, %s, %s, %s) ON CONFLICT (worker_id) DO UPDATE SET "
                 "replica_id = excluded.replica_id, registration = excluded.registration, "
                 "drain_requested = excluded.drain_requested",
-                [(w.registration.worker_id, me, registration_json(w.registration),
-                  w.drain_requested) for w in changes.workers_changed])
+                [
+                    (
+                        w.registration.worker_id,
+                        me,
+                        registration_json(w.registration),
+                        w.drain_requested,
+                    )
+                    for w in changes.workers_changed
+                ],
+            )
         if changes.workers_left:
-            cur.execute("DELETE FROM workers WHERE worker_id = ANY(%s) AND replica_id = %s",
-                        (list(changes.workers_left), me))
+            cur.execute(
+                "DELETE FROM workers WHERE worker_id = ANY(%s) AND replica_id = %s",
+                (list(changes.workers_left), me),
+            )
         if changes.forgotten:
             forgotten = list(changes.forgotten)
-            cur.execute("DELETE FROM tokens WHERE seq_id = ANY(%s) AND seq_id IN (SELECT "
-                        "seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s)",
-                        (forgotten, forgotten, me))
-            cur.execute("DELETE FROM sequences WHERE seq_id = ANY(%s) AND owner = %s",
-                        (forgotten, me))
+            cur.execute(
+                "DELETE FROM tokens WHERE seq_id = ANY(%s) AND seq_id IN (SELECT "
+                "seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s)",
+                (forgotten, forgotten, me),
+            )
+            cur.execute(
+                "DELETE FROM sequences WHERE seq_id = ANY(%s) AND owner = %s", (forgotten, me)
+            )
         if deltas:
-            cur.executemany("INSERT INTO tenant_service (tenant, served) VALUES (%s, %s) "
-                            "ON CONFLICT (tenant) DO UPDATE SET served = "
-                            "tenant_service.served + excluded.served", deltas)
+            cur.executemany(
+                "INSERT INTO tenant_service (tenant, served) VALUES (%s, %s) "
+                "ON CONFLICT (tenant) DO UPDATE SET served = "
+                "tenant_service.served + excluded.served",
+                deltas,
+            )
         if touched:
             cur.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(touched)))
 
@@ -736,18 +908,43 @@ def _store_error(err: psycopg.Error) -> StoreError:
 
 
 def _stored_sequence(row, output: list[int]) -> StoredSequence:
-    (seq_id, params, prompt, state, worker_id, queue_key, cursor, prefilled, num_generated,
-     at_admission, reason, finish_order, submitted_at, admission_order, error_message) = row
+    (
+        seq_id,
+        params,
+        prompt,
+        state,
+        worker_id,
+        queue_key,
+        cursor,
+        prefilled,
+        num_generated,
+        at_admission,
+        reason,
+        finish_order,
+        submitted_at,
+        admission_order,
+        error_message,
+    ) = row
     return StoredSequence(
-        seq_id=seq_id, params=params_from_row(params, bytes(prompt)),
+        seq_id=seq_id,
+        params=params_from_row(params, bytes(prompt)),
         progress=SequenceProgress(
-            seq_id=seq_id, state=SequenceState(state), worker_id=worker_id,
-            queue_key=queue_key, cursor=cursor, prefilled_tokens=prefilled,
-            num_generated=num_generated, num_generated_at_admission=at_admission,
+            seq_id=seq_id,
+            state=SequenceState(state),
+            worker_id=worker_id,
+            queue_key=queue_key,
+            cursor=cursor,
+            prefilled_tokens=prefilled,
+            num_generated=num_generated,
+            num_generated_at_admission=at_admission,
             finish_reason=None if reason is None else FinishReason(reason),
-            finish_order=finish_order, submitted_at=submitted_at,
-            admission_order=admission_order, error_message=error_message),
-        output_token_ids=output)
+            finish_order=finish_order,
+            submitted_at=submitted_at,
+            admission_order=admission_order,
+            error_message=error_message,
+        ),
+        output_token_ids=output,
+    )
 
 
 def _ids_payload(seq_ids: Iterable[int]) -> str:

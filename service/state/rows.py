@@ -1,5 +1,6 @@
 """How both state stores encode a row's fields: token ids as little-endian uint32
 blobs, submit parameters and worker registrations as JSON text."""
+
 from __future__ import annotations
 
 import json
@@ -28,22 +29,40 @@ def unpack_token_ids(blob) -> list[int]:
 
 def params_json(p: SubmitParams) -> str:
     s = p.sampling
-    return json.dumps({
-        "request_id": p.request_id, "max_new_tokens": p.max_new_tokens,
-        "adapter_id": p.adapter_id, "priority": p.priority, "tenant": p.tenant,
-        # Rows saved before the wave-3 fields hold the first four; the rest default.
-        "sampling": [s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.prompt_logprobs,
-                     s.ignore_eos, s.min_new_tokens],
-        "stop_token_ids": list(p.stop_token_ids), "principal": p.principal,
-    })
+    return json.dumps(
+        {
+            "request_id": p.request_id,
+            "max_new_tokens": p.max_new_tokens,
+            "adapter_id": p.adapter_id,
+            "priority": p.priority,
+            "tenant": p.tenant,
+            # Rows saved before the wave-3 fields hold the first four; the rest default.
+            "sampling": [
+                s.temperature,
+                s.top_p,
+                s.top_k,
+                s.seed,
+                s.logprobs,
+                s.prompt_logprobs,
+                s.ignore_eos,
+                s.min_new_tokens,
+            ],
+            "stop_token_ids": list(p.stop_token_ids),
+            "principal": p.principal,
+        }
+    )
 
 
 def params_from_row(text: str, prompt: bytes) -> SubmitParams:
     d = json.loads(text)
     return SubmitParams(
-        prompt_token_ids=tuple(unpack_token_ids(prompt)), max_new_tokens=d["max_new_tokens"],
-        request_id=d["request_id"], adapter_id=d["adapter_id"], priority=d["priority"],
-        tenant=d["tenant"], sampling=SamplingParams(*d["sampling"]),
+        prompt_token_ids=tuple(unpack_token_ids(prompt)),
+        max_new_tokens=d["max_new_tokens"],
+        request_id=d["request_id"],
+        adapter_id=d["adapter_id"],
+        priority=d["priority"],
+        tenant=d["tenant"],
+        sampling=SamplingParams(*d["sampling"]),
         stop_token_ids=tuple(d["stop_token_ids"]),
         # Saved before sequences had principals: the one principal of a scheduler without
         # authentication; with tokens on, only admin sees them.
@@ -52,17 +71,25 @@ def params_from_row(text: str, prompt: bytes) -> SubmitParams:
 
 
 def registration_json(r: WorkerRegistration) -> str:
-    return json.dumps({
-        "worker_id": r.worker_id, "total_kv_pages": r.total_kv_pages,
-        "page_size": r.page_size, "total_gdn_slots": r.total_gdn_slots,
-        "max_batch_size": r.max_batch_size, "adapters": list(r.adapters),
-    })
+    return json.dumps(
+        {
+            "worker_id": r.worker_id,
+            "total_kv_pages": r.total_kv_pages,
+            "page_size": r.page_size,
+            "total_gdn_slots": r.total_gdn_slots,
+            "max_batch_size": r.max_batch_size,
+            "adapters": list(r.adapters),
+        }
+    )
 
 
 def registration_from_json(text: str) -> WorkerRegistration:
     d = json.loads(text)
     return WorkerRegistration(
-        worker_id=d["worker_id"], total_kv_pages=d["total_kv_pages"], page_size=d["page_size"],
-        total_gdn_slots=d["total_gdn_slots"], max_batch_size=d["max_batch_size"],
+        worker_id=d["worker_id"],
+        total_kv_pages=d["total_kv_pages"],
+        page_size=d["page_size"],
+        total_gdn_slots=d["total_gdn_slots"],
+        max_batch_size=d["max_batch_size"],
         adapters=tuple(d["adapters"]),
     )

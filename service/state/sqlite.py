@@ -35,6 +35,7 @@ decoded, or has gone missing where the directory says state was written is refus
 StateDamaged (one line: the file, what is wrong, how to recover). Columns added to
 SCHEMA later are added to older files at start, and covered by the checksums unasked.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -47,14 +48,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from service.state import integrity as state_integrity
 from service.core import ConfigError, FinishReason, SequenceState
 from service.core.persist.store import (
-    SequenceProgress, StateChanges, StoredSequence, StoredState, StoredWorker, StoreError,
+    SequenceProgress,
+    StateChanges,
+    StoredSequence,
+    StoredState,
+    StoredWorker,
+    StoreError,
 )
+from service.state import integrity as state_integrity
 from service.state.integrity import damaged
 from service.state.rows import (
-    pack_token_ids, params_from_row, params_json, registration_from_json, registration_json,
+    pack_token_ids,
+    params_from_row,
+    params_json,
+    registration_from_json,
+    registration_json,
     unpack_token_ids,
 )
 
@@ -108,17 +118,18 @@ CREATE TABLE IF NOT EXISTS workers (
 class SqliteStateStore:
     """StateStore on SQLite; see the module docstring for what survives what."""
 
-    def __init__(self, state_dir: str | os.PathLike, fsync: str = "acks", *,
-                 defer_fsync: bool = False) -> None:
+    def __init__(
+        self, state_dir: str | os.PathLike, fsync: str = "acks", *, defer_fsync: bool = False
+    ) -> None:
         if fsync not in FSYNC_MODES:
-            raise ConfigError(f"state_fsync must be one of {', '.join(FSYNC_MODES)}, "
-                              f"got {fsync!r}")
+            raise ConfigError(f"state_fsync must be one of {', '.join(FSYNC_MODES)}, got {fsync!r}")
         self.directory = Path(state_dir)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise ConfigError(f"state_dir {str(self.directory)!r}: cannot create it: "
-                              f"{err.strerror}") from None
+            raise ConfigError(
+                f"state_dir {str(self.directory)!r}: cannot create it: {err.strerror}"
+            ) from None
         self._lock_file = _lock(self.directory)
         self._fsync = fsync
         # Log rows that hold tokens of each unfinished sequence, and how many unfinished
@@ -150,7 +161,8 @@ class SqliteStateStore:
             self._synchronous = ""
             self._set_synchronous("NORMAL")
             state_integrity.check_tables_against_marker(
-                self.path, state_integrity.data_tables(db), required="meta")
+                self.path, state_integrity.data_tables(db), required="meta"
+            )
             self.num_rows_verified = state_integrity.verify(db, self.path)
             db.executescript(SCHEMA)
             # Sealed before the migrations, so that what they write is checksummed, and
@@ -187,7 +199,8 @@ class SqliteStateStore:
             "SELECT seq_id, params, prompt, state, worker_id, queue_key, cursor, "
             "prefilled_tokens, num_generated, num_generated_at_admission, finish_reason, "
             "finish_order, error_message, submitted_at, admission_order FROM sequences "
-            "ORDER BY seq_id").fetchall()
+            "ORDER BY seq_id"
+        ).fetchall()
         unfinished = {row[0] for row in rows if row[3] != SequenceState.FINISHED.value}
         tokens = {}
         for seq_id, blob in db.execute("SELECT seq_id, token_ids FROM outputs"):
@@ -197,36 +210,50 @@ class SqliteStateStore:
         sequences = []
         for row in rows:
             with self._decoding("sequences", row[0]):
-                sequences.append(StoredSequence(
-                    seq_id=row[0],
-                    params=params_from_row(row[1], row[2]),
-                    progress=SequenceProgress(
-                        seq_id=row[0], state=SequenceState(row[3]), worker_id=row[4],
-                        queue_key=row[5], cursor=row[6], prefilled_tokens=row[7],
-                        num_generated=row[8], num_generated_at_admission=row[9],
-                        finish_reason=None if row[10] is None else FinishReason(row[10]),
-                        finish_order=row[11], error_message=row[12],
-                        submitted_at=row[13], admission_order=row[14],
-                    ),
-                    output_token_ids=tokens.get(row[0], []),
-                ))
+                sequences.append(
+                    StoredSequence(
+                        seq_id=row[0],
+                        params=params_from_row(row[1], row[2]),
+                        progress=SequenceProgress(
+                            seq_id=row[0],
+                            state=SequenceState(row[3]),
+                            worker_id=row[4],
+                            queue_key=row[5],
+                            cursor=row[6],
+                            prefilled_tokens=row[7],
+                            num_generated=row[8],
+                            num_generated_at_admission=row[9],
+                            finish_reason=None if row[10] is None else FinishReason(row[10]),
+                            finish_order=row[11],
+                            error_message=row[12],
+                            submitted_at=row[13],
+                            admission_order=row[14],
+                        ),
+                        output_token_ids=tokens.get(row[0], []),
+                    )
+                )
         workers = []
         for worker_id, text, drain, incarnation in db.execute(
-                "SELECT worker_id, registration, drain_requested, incarnation FROM workers "
-                "ORDER BY worker_id"):
+            "SELECT worker_id, registration, drain_requested, incarnation FROM workers "
+            "ORDER BY worker_id"
+        ):
             with self._decoding("workers", worker_id):
-                workers.append(StoredWorker(registration_from_json(text), bool(drain),
-                                            _integer(incarnation)))
+                workers.append(
+                    StoredWorker(registration_from_json(text), bool(drain), _integer(incarnation))
+                )
         meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
         tenant_service = {}
         for tenant, served in db.execute("SELECT tenant, served FROM tenant_service"):
             with self._decoding("tenant_service", tenant):
                 tenant_service[tenant] = float(served)
         with self._decoding("meta", "next_seq_id/last_incarnation"):
-            return StoredState(sequences, workers,
-                               next_seq_id=_integer(meta.get("next_seq_id", 1)),
-                               tenant_service=tenant_service,
-                               last_incarnation=_integer(meta.get("last_incarnation", 0)))
+            return StoredState(
+                sequences,
+                workers,
+                next_seq_id=_integer(meta.get("next_seq_id", 1)),
+                tenant_service=tenant_service,
+                last_incarnation=_integer(meta.get("last_incarnation", 0)),
+            )
 
     @contextmanager
     def _decoding(self, table: str, key) -> Iterator[None]:
@@ -234,8 +261,11 @@ class SqliteStateStore:
         try:
             yield
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
-            raise damaged(self.path, f"the row of table {table} with key {key!r} cannot be "
-                                     f"decoded ({type(err).__name__}: {err})") from None
+            raise damaged(
+                self.path,
+                f"the row of table {table} with key {key!r} cannot be "
+                f"decoded ({type(err).__name__}: {err})",
+            ) from None
 
     def _replay_log(self, tokens: dict[int, list[int]], unfinished: set[int]) -> None:
         """Append the logged tokens of unfinished sequences to `tokens`, rebuild the log
@@ -253,8 +283,11 @@ class SqliteStateStore:
                     continue
                 out = tokens.setdefault(seq_id, [])
                 if start != len(out):
-                    raise damaged(self.path, f"seq_id {seq_id} has tokens from {start} after "
-                                             f"{len(out)} tokens (token_log row {row_id})")
+                    raise damaged(
+                        self.path,
+                        f"seq_id {seq_id} has tokens from {start} after "
+                        f"{len(out)} tokens (token_log row {row_id})",
+                    )
                 out.extend(token_ids)
                 self._log_rows_of.setdefault(seq_id, []).append(row_id)
                 users += 1
@@ -323,8 +356,9 @@ class SqliteStateStore:
         """Copy the WAL into the database file, on the fsync thread (its own connection)."""
         try:
             if self._checkpointer is None:
-                self._checkpointer = sqlite3.connect(self.path, isolation_level=None,
-                                                     check_same_thread=False)
+                self._checkpointer = sqlite3.connect(
+                    self.path, isolation_level=None, check_same_thread=False
+                )
                 self._checkpointer.execute("PRAGMA synchronous=NORMAL")
             self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
         except sqlite3.Error as err:
@@ -344,8 +378,10 @@ class SqliteStateStore:
                 os.close(directory_fd)
         except OSError as err:
             self.close()
-            raise ConfigError(f"state_dir {str(self.directory)!r}: cannot open {wal.name} "
-                              f"to sync it: {err.strerror}") from None
+            raise ConfigError(
+                f"state_dir {str(self.directory)!r}: cannot open {wal.name} "
+                f"to sync it: {err.strerror}"
+            ) from None
 
     # ------------------------------------------------------------------ internals
 
@@ -358,40 +394,69 @@ class SqliteStateStore:
             db.executemany(
                 f"INSERT INTO sequences (seq_id, params, prompt, {_PROGRESS_COLUMNS}) "
                 f"VALUES (?, ?, ?, {', '.join('?' * len(_PROGRESS_FIELDS))})",
-                [(seq_id, params_json(params), pack_token_ids(params.prompt_token_ids),
-                  *_progress_values(progress_of.get(seq_id) or SequenceProgress(
-                      seq_id, SequenceState.QUEUED, None, None, 0, 0, 0, 0, None)))
-                 for seq_id, params in created.items()])
+                [
+                    (
+                        seq_id,
+                        params_json(params),
+                        pack_token_ids(params.prompt_token_ids),
+                        *_progress_values(
+                            progress_of.get(seq_id)
+                            or SequenceProgress(
+                                seq_id, SequenceState.QUEUED, None, None, 0, 0, 0, 0, None
+                            )
+                        ),
+                    )
+                    for seq_id, params in created.items()
+                ],
+            )
         updated = [p for p in changes.progress if p.seq_id not in created]
         if updated:
             db.executemany(
                 f"UPDATE sequences SET {' = ?, '.join(_PROGRESS_FIELDS)} = ? WHERE seq_id = ?",
-                [(*_progress_values(p), p.seq_id) for p in updated])
+                [(*_progress_values(p), p.seq_id) for p in updated],
+            )
         if changes.final_outputs:
-            db.executemany("INSERT OR REPLACE INTO outputs (seq_id, token_ids) VALUES (?, ?)",
-                           [(seq_id, pack_token_ids(output)) for seq_id, output in changes.final_outputs])
+            db.executemany(
+                "INSERT OR REPLACE INTO outputs (seq_id, token_ids) VALUES (?, ?)",
+                [(seq_id, pack_token_ids(output)) for seq_id, output in changes.final_outputs],
+            )
         if changes.workers_changed:
-            db.executemany("INSERT OR REPLACE INTO workers (worker_id, registration, "
-                           "drain_requested, incarnation) VALUES (?, ?, ?, ?)",
-                           [(w.registration.worker_id, registration_json(w.registration),
-                             int(w.drain_requested), w.incarnation)
-                            for w in changes.workers_changed])
+            db.executemany(
+                "INSERT OR REPLACE INTO workers (worker_id, registration, "
+                "drain_requested, incarnation) VALUES (?, ?, ?, ?)",
+                [
+                    (
+                        w.registration.worker_id,
+                        registration_json(w.registration),
+                        int(w.drain_requested),
+                        w.incarnation,
+                    )
+                    for w in changes.workers_changed
+                ],
+            )
         if changes.workers_left:
-            db.executemany("DELETE FROM workers WHERE worker_id = ?",
-                           [(w,) for w in changes.workers_left])
+            db.executemany(
+                "DELETE FROM workers WHERE worker_id = ?", [(w,) for w in changes.workers_left]
+            )
         if changes.forgotten:
             ids = [(seq_id,) for seq_id in changes.forgotten]
             db.executemany("DELETE FROM sequences WHERE seq_id = ?", ids)
             db.executemany("DELETE FROM outputs WHERE seq_id = ?", ids)
         if changes.next_seq_id is not None:
-            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('next_seq_id', ?)",
-                       (changes.next_seq_id,))
+            db.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('next_seq_id', ?)",
+                (changes.next_seq_id,),
+            )
         if changes.last_incarnation is not None:
-            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('last_incarnation', ?)",
-                       (changes.last_incarnation,))
+            db.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_incarnation', ?)",
+                (changes.last_incarnation,),
+            )
         if changes.tenant_service:
-            db.executemany("INSERT OR REPLACE INTO tenant_service (tenant, served) "
-                           "VALUES (?, ?)", changes.tenant_service)
+            db.executemany(
+                "INSERT OR REPLACE INTO tenant_service (tenant, served) VALUES (?, ?)",
+                changes.tenant_service,
+            )
 
     def _append_log(self, changes: StateChanges, done: set[int]) -> tuple[int | None, set[int]]:
         """One log row with this save's appends, but those of sequences that finish in
@@ -406,8 +471,9 @@ class SqliteStateStore:
             return None, users
         if sys.byteorder == "big":
             entries.byteswap()
-        row = self._db.execute("INSERT INTO token_log (entries) VALUES (?)",
-                               (entries.tobytes(),)).lastrowid
+        row = self._db.execute(
+            "INSERT INTO token_log (entries) VALUES (?)", (entries.tobytes(),)
+        ).lastrowid
         return row, users
 
     def _free_log_rows(self, done: set[int]) -> list[int]:
@@ -421,8 +487,9 @@ class SqliteStateStore:
             self._db.executemany("DELETE FROM token_log WHERE id = ?", [(r,) for r in freed])
         return freed
 
-    def _note_log_rows(self, done: set[int], freed: list[int], log_row: int | None,
-                       users: set[int]) -> None:
+    def _note_log_rows(
+        self, done: set[int], freed: list[int], log_row: int | None, users: set[int]
+    ) -> None:
         """Bring the log bookkeeping up to date once a save has committed."""
         for seq_id in done:
             for row in self._log_rows_of.pop(seq_id, ()):
@@ -447,13 +514,15 @@ class SqliteStateStore:
     def _check_version(self) -> None:
         row = self._db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if row is None:
-            self._db.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
-                             (SCHEMA_VERSION,))
+            self._db.execute(
+                "INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (SCHEMA_VERSION,)
+            )
         elif row[0] == 1:
             self._migrate_from_version_1()
         elif row[0] != SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(f"schema version {row[0]}, this scheduler reads "
-                                        f"version {SCHEMA_VERSION}")
+            raise sqlite3.DatabaseError(
+                f"schema version {row[0]}, this scheduler reads version {SCHEMA_VERSION}"
+            )
 
     def _migrate_from_version_1(self) -> None:
         """Version 2 dates first submissions and numbers admissions (the fair order and
@@ -461,8 +530,7 @@ class SqliteStateStore:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         _add_missing_columns(db)
-        db.execute("UPDATE sequences SET submitted_at = ? WHERE submitted_at = 0",
-                   (time.time(),))
+        db.execute("UPDATE sequences SET submitted_at = ? WHERE submitted_at = 0", (time.time(),))
         db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
         db.execute("COMMIT")
 
@@ -476,11 +544,14 @@ def _add_missing_columns(db: sqlite3.Connection) -> None:
         for (table,) in declared.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
             present = {row[1] for row in db.execute(f"PRAGMA main.table_info({table})")}
             for _, name, kind, not_null, default, _ in declared.execute(
-                    f"PRAGMA table_info({table})"):
+                f"PRAGMA table_info({table})"
+            ):
                 if name not in present:
-                    db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}"
-                               f"{' NOT NULL' if not_null else ''}"
-                               f"{f' DEFAULT {default}' if default is not None else ''}")
+                    db.execute(
+                        f"ALTER TABLE {table} ADD COLUMN {name} {kind}"
+                        f"{' NOT NULL' if not_null else ''}"
+                        f"{f' DEFAULT {default}' if default is not None else ''}"
+                    )
     finally:
         declared.close()
 
@@ -495,13 +566,15 @@ _fdatasync = getattr(os, "fdatasync", os.fsync)
 
 
 def _lock(directory: Path):
-    lock_file = open(directory / "lock", "a+")  # noqa: SIM115 - held for the store's life
+    lock_file = open(directory / "lock", "a+")  # held for the store's life
     try:
         fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock_file.close()
-        raise ConfigError(f"state_dir {str(directory)!r} is in use by another scheduler "
-                          "process; give each scheduler its own --state-dir") from None
+        raise ConfigError(
+            f"state_dir {str(directory)!r} is in use by another scheduler "
+            "process; give each scheduler its own --state-dir"
+        ) from None
     return lock_file
 
 
@@ -514,19 +587,40 @@ def _log_entries(blob: bytes):
     i = 0
     while i < len(entries):
         seq_id, start, count = entries[i], entries[i + 1], entries[i + 2]
-        yield seq_id, start, entries[i + 3:i + 3 + count].tolist()
+        yield seq_id, start, entries[i + 3 : i + 3 + count].tolist()
         i += 3 + count
 
 
 # The columns of a sequence's progress (SequenceProgress, but for its seq_id), in order.
-_PROGRESS_FIELDS = ("state", "worker_id", "queue_key", "cursor", "prefilled_tokens",
-                    "num_generated", "num_generated_at_admission", "finish_reason",
-                    "finish_order", "error_message", "submitted_at", "admission_order")
+_PROGRESS_FIELDS = (
+    "state",
+    "worker_id",
+    "queue_key",
+    "cursor",
+    "prefilled_tokens",
+    "num_generated",
+    "num_generated_at_admission",
+    "finish_reason",
+    "finish_order",
+    "error_message",
+    "submitted_at",
+    "admission_order",
+)
 _PROGRESS_COLUMNS = ", ".join(_PROGRESS_FIELDS)
 
 
 def _progress_values(p: SequenceProgress) -> tuple:
-    return (p.state.value, p.worker_id, p.queue_key, p.cursor, p.prefilled_tokens,
-            p.num_generated, p.num_generated_at_admission,
-            None if p.finish_reason is None else p.finish_reason.value, p.finish_order,
-            p.error_message, p.submitted_at, p.admission_order)
+    return (
+        p.state.value,
+        p.worker_id,
+        p.queue_key,
+        p.cursor,
+        p.prefilled_tokens,
+        p.num_generated,
+        p.num_generated_at_admission,
+        None if p.finish_reason is None else p.finish_reason.value,
+        p.finish_order,
+        p.error_message,
+        p.submitted_at,
+        p.admission_order,
+    )

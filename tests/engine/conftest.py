@@ -1,4 +1,6 @@
-"""Shared factories for the engine tests: tiny transformers checkpoints of each family and our model loaded from them."""
+"""Shared factories for the engine tests: tiny transformers checkpoints of each family and our
+model loaded from them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,18 +16,34 @@ from .tolerance import Float64Transformers
 
 # The shapes every tiny test checkpoint shares: 3 linear_attention layers then 1 full_attention.
 _COMMON = dict(
-    vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-    linear_num_value_heads=4, eos_token_id=1,
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    eos_token_id=1,
 )
-_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
 # model_type -> (config class, model class, config keys) in transformers.
 FAMILIES = {
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(intermediate_size=128)),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _MOE),
     # Layer 0 keeps a dense MLP (mlp_only_layers), so both kinds of feed-forward run.
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
-                   dict(_MOE, intermediate_size=96, mlp_only_layers=[0], norm_topk_prob=True)),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(_MOE, intermediate_size=96, mlp_only_layers=[0], norm_topk_prob=True),
+    ),
 }
 
 
@@ -37,8 +55,14 @@ class HfCheckpoint:
     reference: torch.nn.Module
 
 
-def build_hf_checkpoint(path: Path, *, model_type: str = "qwen3_5_text", tie_word_embeddings: bool = False,
-                        seed: int = 0, **overrides) -> HfCheckpoint:
+def build_hf_checkpoint(
+    path: Path,
+    *,
+    model_type: str = "qwen3_5_text",
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    **overrides,
+) -> HfCheckpoint:
     transformers = pytest.importorskip("transformers")
     config_class, model_class, family_keys = FAMILIES[model_type]
     torch.manual_seed(seed)
@@ -86,9 +110,13 @@ class FamilyModels:
 
 @pytest.fixture(scope="session", params=list(FAMILIES))
 def family(request, tmp_path_factory: pytest.TempPathFactory) -> FamilyModels:
-    checkpoint = build_hf_checkpoint(tmp_path_factory.mktemp(request.param), model_type=request.param)
+    checkpoint = build_hf_checkpoint(
+        tmp_path_factory.mktemp(request.param), model_type=request.param
+    )
     return FamilyModels(
-        model_type=request.param, checkpoint=checkpoint, hf64=Float64Transformers(checkpoint.reference),
+        model_type=request.param,
+        checkpoint=checkpoint,
+        hf64=Float64Transformers(checkpoint.reference),
         ours=load_model(checkpoint.path, dtype=torch.float32),
         ours64=load_model(checkpoint.path, dtype=torch.float64),
     )

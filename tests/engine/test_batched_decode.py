@@ -1,4 +1,5 @@
 """One batched decode forward gives each sequence what it would get decoding alone."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,14 @@ from worker_client.engine.api import SequenceSpec
 from worker_client.engine.loading import PRESETS, load_model
 from worker_client.engine.reference import generate_reference
 
-from .factories import PagedPools, chunks_for, make_engine, random_prompt, run_to_completion, tokens_of
+from .factories import (
+    PagedPools,
+    chunks_for,
+    make_engine,
+    random_prompt,
+    run_to_completion,
+    tokens_of,
+)
 from .tolerance import assert_float64_equal
 
 PROMPT_LENGTHS = (3, 17, 70, 9)
@@ -28,16 +36,29 @@ def test_batched_decode_logits_equal_each_sequence_decoded_alone_in_float64(pres
         for seq_id, prompt in zip(seq_ids, prompts):
             positions = torch.arange(len(prompt))[None]
             for pools, slot in ((together, slots[seq_id]), (alone, alone_slots[seq_id])):
-                tiny_model(torch.tensor([prompt]), positions, pools.forward_cache([seq_id], [slot], positions))
+                tiny_model(
+                    torch.tensor([prompt]),
+                    positions,
+                    pools.forward_cache([seq_id], [slot], positions),
+                )
         next_ids = [p[-1] for p in prompts]  # any token will do: both sides feed the same
         for _ in range(5):
             positions = torch.tensor([[len(p)] for p in prompts])
-            batched = tiny_model(torch.tensor([[t] for t in next_ids]), positions,
-                                 together.forward_cache(seq_ids, slots, positions), last_only=True)
+            batched = tiny_model(
+                torch.tensor([[t] for t in next_ids]),
+                positions,
+                together.forward_cache(seq_ids, slots, positions),
+                last_only=True,
+            )
             for seq_id in seq_ids:
-                single = tiny_model(torch.tensor([[next_ids[seq_id]]]), positions[seq_id : seq_id + 1],
-                                    alone.forward_cache([seq_id], [alone_slots[seq_id]], positions[seq_id : seq_id + 1]),
-                                    last_only=True)
+                single = tiny_model(
+                    torch.tensor([[next_ids[seq_id]]]),
+                    positions[seq_id : seq_id + 1],
+                    alone.forward_cache(
+                        [seq_id], [alone_slots[seq_id]], positions[seq_id : seq_id + 1]
+                    ),
+                    last_only=True,
+                )
                 assert_float64_equal(batched[seq_id], single[0])
             next_ids = [int(row.argmax()) for row in batched]
             for prompt, token in zip(prompts, next_ids):
@@ -66,12 +87,21 @@ def test_engine_decoding_several_sequences_together_generates_what_each_generate
 
 
 def test_decode_batch_split_by_max_batch_size_generates_the_same_tokens(tiny_model):
-    specs = {seq_id: SequenceSpec(random_prompt(5 + 3 * seq_id, seed=30 + seq_id), max_new_tokens=4)
-             for seq_id in range(5)}
+    specs = {
+        seq_id: SequenceSpec(random_prompt(5 + 3 * seq_id, seed=30 + seq_id), max_new_tokens=4)
+        for seq_id in range(5)
+    }
     outputs = []
     for max_batch_size in (None, 2):
         engine = make_engine(tiny_model, max_batch_size=max_batch_size)
-        engine.step([c for s, spec in specs.items() for c in chunks_for(s, spec, [len(spec.prompt_token_ids)])], [])
+        engine.step(
+            [
+                c
+                for s, spec in specs.items()
+                for c in chunks_for(s, spec, [len(spec.prompt_token_ids)])
+            ],
+            [],
+        )
         steps = []
         while engine.running_ids():
             steps.append(engine.step([], engine.running_ids()).tokens)

@@ -1,9 +1,10 @@
 """Pages and slots: taken as sequences grow, all returned on finish, evict and preemption."""
+
 from __future__ import annotations
 
 from worker_client.engine.api import ChunkWork, FinishReason, SequenceSpec
 
-from .factories import chunks_for, make_engine, random_prompt, tokens_of
+from .factories import chunks_for, make_engine, random_prompt
 
 
 def prefill(engine, seq_id: int, spec: SequenceSpec):
@@ -22,7 +23,9 @@ def test_pages_grow_on_demand_and_all_return_when_sequences_finish(tiny_model):
     engine.step([ChunkWork(0, 0, 3, specs[0])], [])
     assert engine.kv_free_pages() == 31 and engine.gdn_free_slots() == 2
     assert engine.waiting_ids() == [0]
-    engine.step([ChunkWork(0, 3, 3, None), *chunks_for(1, specs[1], [7]), *chunks_for(2, specs[2], [8])], [])
+    engine.step(
+        [ChunkWork(0, 3, 3, None), *chunks_for(1, specs[1], [7]), *chunks_for(2, specs[2], [8])], []
+    )
     assert engine.running_ids() == [0, 1, 2] and engine.gdn_free_slots() == 0
     assert engine.kv_free_pages() == 32 - (2 + 2 + 2)
     finished = []
@@ -78,5 +81,8 @@ def test_sequence_larger_than_the_whole_pool_fails_and_frees_everything(tiny_mod
     engine = make_engine(tiny_model, total_kv_pages=3, page_size=4, total_gdn_slots=2)
     out = prefill(engine, 1, SequenceSpec(random_prompt(13, seed=1), max_new_tokens=3))
     assert [(f.seq_id, f.reason) for f in out.finished] == [(1, FinishReason.FAILED)]
-    assert out.finished[0].error_message == "the sequence needs 4 KV pages of 4 tokens, more than the worker's 3 in all"
+    assert (
+        out.finished[0].error_message
+        == "the sequence needs 4 KV pages of 4 tokens, more than the worker's 3 in all"
+    )
     assert_all_free(engine)

@@ -1,12 +1,24 @@
 """The packed GDN kernels equal their definitions, row by row, token by token (float64)."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from worker_client.engine.gdn_kernels import causal_conv1d, chunked_gated_delta_rule, gated_delta_step, l2_normalize
+from worker_client.engine.gdn_kernels import (
+    causal_conv1d,
+    chunked_gated_delta_rule,
+    gated_delta_step,
+    l2_normalize,
+)
 
-SEQ_LENS = (1, 70, 64, 5, 129)  # a single token, across one and two chunk boundaries, exactly one chunk
+SEQ_LENS = (
+    1,
+    70,
+    64,
+    5,
+    129,
+)  # a single token, across one and two chunk boundaries, exactly one chunk
 HEADS, KEY_DIM, VALUE_DIM, CHANNELS, KERNEL = 3, 8, 6, 5, 4
 
 
@@ -27,8 +39,9 @@ def test_chunked_rule_over_packed_rows_equals_the_recurrence_token_by_token():
     for row, length in enumerate(SEQ_LENS):
         row_state = state[row : row + 1]
         for t in range(start, start + length):
-            expected, row_state = gated_delta_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1],
-                                                   beta[t : t + 1], row_state)
+            expected, row_state = gated_delta_step(
+                q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], row_state
+            )
             torch.testing.assert_close(out[t : t + 1], expected, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(final[row : row + 1], row_state, rtol=1e-10, atol=1e-12)
         start += length
@@ -45,5 +58,5 @@ def test_causal_conv_over_packed_rows_equals_each_row_alone():
         windows = history.unfold(-1, KERNEL, 1)  # [C, length, K]
         expected = F.silu((windows * weight[:, None, :]).sum(-1)).T
         torch.testing.assert_close(out[start : start + length], expected, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(new_state[row], history[:, -(KERNEL - 1):], rtol=0, atol=0)
+        torch.testing.assert_close(new_state[row], history[:, -(KERNEL - 1) :], rtol=0, atol=0)
         start += length

@@ -1,6 +1,7 @@
 """Log-probabilities (generated and prompt tokens) equal transformers' log_softmax on the
 same checkpoint, across prefill chunks and packed prefill; and the length controls
 (ignore_eos, min_new_tokens) in the engine's stop rules."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,9 @@ NUM_TOP = 3
 
 @pytest.fixture(scope="module")
 def models(hf_checkpoint):
-    return Float64Transformers(hf_checkpoint.reference), load_model(hf_checkpoint.path, dtype=torch.float64)
+    return Float64Transformers(hf_checkpoint.reference), load_model(
+        hf_checkpoint.path, dtype=torch.float64
+    )
 
 
 def _collect(engine, seq_id, spec, chunk_lengths, others=()):
@@ -47,22 +50,33 @@ def _assert_matches(expected_logprobs: torch.Tensor, targets: list[int], got) ->
     """`got` (TokenLogprobs per row) equals the rows of `expected_logprobs` [rows, vocab]."""
     assert len(got) == len(targets)
     chosen = torch.tensor([lp.logprob for lp in got], dtype=torch.float64)
-    assert_float64_equal(chosen, expected_logprobs[torch.arange(len(targets)), torch.tensor(targets)])
+    assert_float64_equal(
+        chosen, expected_logprobs[torch.arange(len(targets)), torch.tensor(targets)]
+    )
     for row, lp in enumerate(got):
         top = torch.sort(expected_logprobs[row], descending=True, stable=True)
         assert list(lp.top_token_ids) == top.indices[:NUM_TOP].tolist()
-        assert_float64_equal(torch.tensor(lp.top_logprobs, dtype=torch.float64), top.values[:NUM_TOP])
+        assert_float64_equal(
+            torch.tensor(lp.top_logprobs, dtype=torch.float64), top.values[:NUM_TOP]
+        )
 
 
-@pytest.mark.parametrize("chunk_lengths", [[23], [5, 1, 9, 8], [70, 30]],
-                         ids=["one-chunk", "four-chunks", "over-64-rows"])
+@pytest.mark.parametrize(
+    "chunk_lengths",
+    [[23], [5, 1, 9, 8], [70, 30]],
+    ids=["one-chunk", "four-chunks", "over-64-rows"],
+)
 def test_prompt_and_generated_logprobs_equal_transformers_log_softmax(models, chunk_lengths):
     hf64, ours64 = models
     prompt = random_prompt(sum(chunk_lengths), seed=5)
-    spec = SequenceSpec(prompt, max_new_tokens=4, logprobs=NUM_TOP, prompt_logprobs=NUM_TOP, ignore_eos=True)
+    spec = SequenceSpec(
+        prompt, max_new_tokens=4, logprobs=NUM_TOP, prompt_logprobs=NUM_TOP, ignore_eos=True
+    )
     # Another sequence packed into the first prefill forward, without logprobs.
     other = (7, SequenceSpec(random_prompt(11, seed=6), max_new_tokens=2))
-    tokens, logprobs, prompt_logprobs = _collect(make_engine(ours64), 1, spec, chunk_lengths, [other])
+    tokens, logprobs, prompt_logprobs = _collect(
+        make_engine(ours64), 1, spec, chunk_lengths, [other]
+    )
     assert len(tokens) == 4
     expected = torch.log_softmax(hf64.logits(list(prompt) + tokens[:-1]), dim=-1)
     _assert_matches(expected[: len(prompt) - 1], list(prompt[1:]), prompt_logprobs)
@@ -114,7 +128,9 @@ def test_ignore_eos_generates_exactly_max_new_tokens(eos_setup):
     model, prompt, eos = eos_setup
     tokens, finished = _finish(make_engine(model), SequenceSpec(prompt, max_new_tokens=8))
     assert tokens == [eos] and finished.reason is FinishReason.EOS
-    tokens, finished = _finish(make_engine(model), SequenceSpec(prompt, max_new_tokens=8, ignore_eos=True))
+    tokens, finished = _finish(
+        make_engine(model), SequenceSpec(prompt, max_new_tokens=8, ignore_eos=True)
+    )
     assert len(tokens) == 8 and finished.reason is FinishReason.MAX_LENGTH
     assert tokens[0] == eos
 
@@ -124,9 +140,12 @@ def test_min_new_tokens_holds_off_eos_and_stop_tokens(eos_setup, as_stop_token):
     model, prompt, eos = eos_setup
     # As a stop token: with ignore_eos, so that only the stop rule can end it.
     stop = dict(stop_token_ids=(eos,), ignore_eos=True) if as_stop_token else {}
-    free_run, _ = _finish(make_engine(model), SequenceSpec(prompt, max_new_tokens=12, ignore_eos=True))
-    tokens, finished = _finish(make_engine(model), SequenceSpec(prompt, max_new_tokens=12, min_new_tokens=3,
-                                                                **stop))
+    free_run, _ = _finish(
+        make_engine(model), SequenceSpec(prompt, max_new_tokens=12, ignore_eos=True)
+    )
+    tokens, finished = _finish(
+        make_engine(model), SequenceSpec(prompt, max_new_tokens=12, min_new_tokens=3, **stop)
+    )
     # It ends at the first EOS among tokens 3.. (1-based), else at max_new_tokens.
     ends = [i + 1 for i, t in enumerate(free_run) if t == eos and i + 1 >= 3]
     expected_len = ends[0] if ends else 12

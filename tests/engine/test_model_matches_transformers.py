@@ -1,6 +1,7 @@
 """Our model's logits equal transformers' on the same checkpoint, for every family
 (Qwen3.5 dense, Qwen3.5 MoE, Qwen3-Next), under the policy of tolerance.py:
 equal in float64, and a float32 error no larger than transformers' own."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,10 +13,21 @@ from worker_client.engine.loading import load_model
 from .conftest import build_hf_checkpoint
 from .factories import PagedPools, make_engine, random_prompt, run_to_completion
 from .tolerance import (
-    FLOAT64_RTOL, Float64Transformers, assert_float32_error_bounded, assert_float64_equal, max_abs,
+    FLOAT64_RTOL,
+    Float64Transformers,
+    assert_float32_error_bounded,
+    assert_float64_equal,
+    max_abs,
 )
 
-CHUNK_LENGTHS = [5, 1, 7, 64, 3, 70]  # 150 tokens: straddling the GDN chunk size (64) and many 4-token pages
+CHUNK_LENGTHS = [
+    5,
+    1,
+    7,
+    64,
+    3,
+    70,
+]  # 150 tokens: straddling the GDN chunk size (64) and many 4-token pages
 LONG_PROMPT = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
@@ -29,7 +41,9 @@ def full_logits(model, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids]), torch.arange(len(token_ids))[None])[0]
 
 
-def paged_prefill_then_decode(model, prompt: list[int], num_decode_steps: int) -> tuple[torch.Tensor, list[int]]:
+def paged_prefill_then_decode(
+    model, prompt: list[int], num_decode_steps: int
+) -> tuple[torch.Tensor, list[int]]:
     """Logits of uneven prompt chunks through pages, then of greedy single-token decode steps; and the tokens."""
     pools = PagedPools(model, num_pages=64, page_size=4, num_slots=2)
     slot = pools.state_pool.acquire()
@@ -38,7 +52,9 @@ def paged_prefill_then_decode(model, prompt: list[int], num_decode_steps: int) -
         for length in CHUNK_LENGTHS:
             positions = torch.arange(start, start + length)[None]
             cache = pools.forward_cache([0], [slot], positions)
-            logits.append(model(torch.tensor([prompt[start : start + length]]), positions, cache)[0])
+            logits.append(
+                model(torch.tensor([prompt[start : start + length]]), positions, cache)[0]
+            )
             start += length
         sequence = prompt + [int(logits[-1][-1].argmax())]
         for _ in range(num_decode_steps):
@@ -52,8 +68,11 @@ def paged_prefill_then_decode(model, prompt: list[int], num_decode_steps: int) -
 def test_full_prompt_logits_match_transformers_across_gdn_chunk_boundaries(family):
     exact = family.hf64.logits(LONG_PROMPT)
     assert_float64_equal(full_logits(family.ours64, LONG_PROMPT), exact)
-    assert_float32_error_bounded(full_logits(family.ours, LONG_PROMPT),
-                                 hf_logits(family.checkpoint.reference, LONG_PROMPT), exact)
+    assert_float32_error_bounded(
+        full_logits(family.ours, LONG_PROMPT),
+        hf_logits(family.checkpoint.reference, LONG_PROMPT),
+        exact,
+    )
 
 
 def test_tied_embeddings_checkpoint_logits_match_transformers(tmp_path):
@@ -62,8 +81,12 @@ def test_tied_embeddings_checkpoint_logits_match_transformers(tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight
     prompt = list(range(2, 40))
     exact = Float64Transformers(checkpoint.reference).logits(prompt)
-    assert_float64_equal(full_logits(load_model(checkpoint.path, dtype=torch.float64), prompt), exact)
-    assert_float32_error_bounded(full_logits(model, prompt), hf_logits(checkpoint.reference, prompt), exact)
+    assert_float64_equal(
+        full_logits(load_model(checkpoint.path, dtype=torch.float64), prompt), exact
+    )
+    assert_float32_error_bounded(
+        full_logits(model, prompt), hf_logits(checkpoint.reference, prompt), exact
+    )
 
 
 def test_uneven_chunked_prefill_then_decode_through_pages_matches_transformers(family):
@@ -73,7 +96,9 @@ def test_uneven_chunked_prefill_then_decode_through_pages_matches_transformers(f
     assert_float64_equal(ours64, exact)
     ours32, sequence32 = paged_prefill_then_decode(family.ours, prompt, num_decode_steps=6)
     assert sequence32 == sequence  # greedy tokens: exact
-    assert_float32_error_bounded(ours32, hf_logits(family.checkpoint.reference, sequence[:-1]), exact)
+    assert_float32_error_bounded(
+        ours32, hf_logits(family.checkpoint.reference, sequence[:-1]), exact
+    )
 
 
 def test_engine_greedy_tokens_match_transformers_argmax(family):

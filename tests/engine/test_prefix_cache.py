@@ -5,6 +5,7 @@ tests/worker/test_prefix_cache_system.py): it
 keeps the resume points the engine reports (cache_delta), starts each admission at the
 longest one, ends chunks on block boundaries, and admits a missed sequence again from 0.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -67,8 +68,11 @@ class Driver:
         cursors: dict[int, int] = {}
         pending = [self.first_chunk(s, spec, (cached or {}).get(s)) for s, spec in specs.items()]
         while pending or self.engine.running_ids() or self.engine.waiting_ids():
-            prefill = pending + [ChunkWork(s, cursors[s], self._chunk_len(cursors[s], specs[s]), None)
-                                 for s in self.engine.waiting_ids() if s in cursors]
+            prefill = pending + [
+                ChunkWork(s, cursors[s], self._chunk_len(cursors[s], specs[s]), None)
+                for s in self.engine.waiting_ids()
+                if s in cursors
+            ]
             pending = []
             out = self.engine.step(prefill, self.engine.running_ids())
             self.sync()
@@ -95,8 +99,14 @@ def _spec(tokens, max_new_tokens=10, adapter_id="") -> SequenceSpec:
 
 
 def _cached_engine(model, **kwargs):
-    kwargs = {"total_kv_pages": 128, "page_size": 4, "total_gdn_slots": 8,
-              "cache_block_tokens": BLOCK, "total_snapshot_slots": 32, **kwargs}
+    kwargs = {
+        "total_kv_pages": 128,
+        "page_size": 4,
+        "total_gdn_slots": 8,
+        "cache_block_tokens": BLOCK,
+        "total_snapshot_slots": 32,
+        **kwargs,
+    }
     return make_engine(model, **kwargs)
 
 
@@ -212,7 +222,9 @@ def test_preempting_a_sequence_that_shares_pages_leaves_the_others_whole(tiny_mo
 
 def _preempting_a_sequence_that_shares_pages_leaves_the_others_whole(tiny_model):
     system = list(random_prompt(16, seed=9))
-    specs = {i: _spec([*system, *random_prompt(3, seed=30 + i)], max_new_tokens=20) for i in range(3)}
+    specs = {
+        i: _spec([*system, *random_prompt(3, seed=30 + i)], max_new_tokens=20) for i in range(3)
+    }
     off = Driver(make_engine(tiny_model, total_kv_pages=14))
     on = Driver(_cached_engine(tiny_model, total_kv_pages=14))
     for driver in (off, on):
@@ -255,9 +267,11 @@ def test_after_everything_ends_and_the_cache_is_cleared_the_pools_are_whole(tiny
 def test_every_scenario_gives_the_same_tokens_with_the_cache_on_and_off_in_each_family(family):
     # The fast tests above run them on the dense tiny model; here on each family's
     # transformers-written checkpoint (dense, MoE, Qwen3-Next).
-    for scenario in (_a_shared_system_prompt_is_computed_once_and_tokens_do_not_change,
-                     _prompts_diverging_inside_a_block_resume_at_the_block_before,
-                     _another_adapter_never_resumes_from_the_base_models_blocks,
-                     _eviction_between_turns_and_a_miss_still_give_the_same_tokens,
-                     _preempting_a_sequence_that_shares_pages_leaves_the_others_whole):
+    for scenario in (
+        _a_shared_system_prompt_is_computed_once_and_tokens_do_not_change,
+        _prompts_diverging_inside_a_block_resume_at_the_block_before,
+        _another_adapter_never_resumes_from_the_base_models_blocks,
+        _eviction_between_turns_and_a_miss_still_give_the_same_tokens,
+        _preempting_a_sequence_that_shares_pages_leaves_the_others_whole,
+    ):
         scenario(family.ours)

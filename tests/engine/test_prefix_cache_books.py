@@ -1,9 +1,11 @@
 """No page or snapshot leaks: a property test over random submits, finishes, cancels,
 preemptions (tight pools) and cache evictions on the reference engine."""
+
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from common.block_hash import block_hashes
 from worker_client.engine.api import ChunkWork, SequenceSpec
@@ -13,12 +15,16 @@ from .factories import make_engine, random_prompt
 BLOCK = 8
 PREFIXES = [random_prompt(24, seed=s) for s in range(3)]
 
-_ops = st.lists(st.one_of(
-    st.tuples(st.just("submit"), st.integers(0, 2), st.integers(1, 20), st.booleans()),
-    st.tuples(st.just("step"), st.sampled_from([3, 8, 16, 24])),  # mostly block-aligned
-    st.tuples(st.just("cancel"), st.integers(0, 7)),
-    st.tuples(st.just("clear")),
-), min_size=10, max_size=40)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(0, 2), st.integers(1, 20), st.booleans()),
+        st.tuples(st.just("step"), st.sampled_from([3, 8, 16, 24])),  # mostly block-aligned
+        st.tuples(st.just("cancel"), st.integers(0, 7)),
+        st.tuples(st.just("clear")),
+    ),
+    min_size=10,
+    max_size=40,
+)
 
 
 def _check_books(engine, resume_points: set[int]) -> None:
@@ -38,11 +44,19 @@ def _check_books(engine, resume_points: set[int]) -> None:
 
 # About 2.5 s an example here (40 steps of the tiny model): slow, not in the fast loop.
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=_ops)
 def test_after_all_end_and_the_cache_is_cleared_the_pools_are_whole(tiny_model, ops):
-    engine = make_engine(tiny_model, total_kv_pages=20, page_size=4, total_gdn_slots=4,
-                         cache_block_tokens=BLOCK, total_snapshot_slots=3)
+    engine = make_engine(
+        tiny_model,
+        total_kv_pages=20,
+        page_size=4,
+        total_gdn_slots=4,
+        cache_block_tokens=BLOCK,
+        total_snapshot_slots=3,
+    )
     specs: dict[int, SequenceSpec] = {}
     cursors: dict[int, int] = {}
     resume_points: set[int] = set()
@@ -60,12 +74,28 @@ def test_after_all_end_and_the_cache_is_cleared_the_pools_are_whole(tiny_model, 
             _, prefix, tail, use_cache = op
             spec = SequenceSpec((*PREFIXES[prefix], *random_prompt(tail, seed=next_id)), 6)
             hashes = block_hashes(spec.prompt_token_ids, "", BLOCK)
-            cached = max([(i + 1) * BLOCK for i, h in enumerate(hashes)
-                          if h in resume_points and (i + 1) * BLOCK < len(spec.prompt_token_ids)]
-                         or [0]) if use_cache else 0
+            cached = (
+                max(
+                    [
+                        (i + 1) * BLOCK
+                        for i, h in enumerate(hashes)
+                        if h in resume_points and (i + 1) * BLOCK < len(spec.prompt_token_ids)
+                    ]
+                    or [0]
+                )
+                if use_cache
+                else 0
+            )
             specs[next_id] = spec
-            admissions.append(ChunkWork(next_id, cached, min(8, len(spec.prompt_token_ids) - cached),
-                                        spec, cached_tokens=cached))
+            admissions.append(
+                ChunkWork(
+                    next_id,
+                    cached,
+                    min(8, len(spec.prompt_token_ids) - cached),
+                    spec,
+                    cached_tokens=cached,
+                )
+            )
             cursors[next_id] = cached + admissions[-1].chunk_len
             next_id += 1
         elif op[0] == "step":

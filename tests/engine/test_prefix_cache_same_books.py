@@ -1,5 +1,6 @@
 """ScriptedEngine keeps the reference engine's prefix-cache books: the same decisions give
 the same free and cached pages, resume points, hits and misses after every step."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,13 @@ def _spec(seed: int, tail: int, max_new_tokens: int = 4) -> SequenceSpec:
 
 def test_scripted_engine_keeps_the_same_cache_books_as_the_reference_engine():
     model = random_model(dataclasses.replace(tiny_config(), eos_token_ids=()), seed=0).eval()
-    pools = dict(total_kv_pages=24, page_size=PAGE, total_gdn_slots=4, cache_block_tokens=BLOCK,
-                 total_snapshot_slots=4)
+    pools = dict(
+        total_kv_pages=24,
+        page_size=PAGE,
+        total_gdn_slots=4,
+        cache_block_tokens=BLOCK,
+        total_snapshot_slots=4,
+    )
     reference = ModelEngine(model, device="cpu", **pools)
     scripted = ScriptedEngine(**pools)
     a, b, c = _spec(1, 6), _spec(2, 9), _spec(3, 20)

@@ -1,4 +1,5 @@
 """Sampling is a function of (logits, params, seed, absolute position); resuming changes nothing."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,9 @@ def flat_logits(seed: int) -> torch.Tensor:
 def test_same_seed_and_position_give_the_same_token():
     params = SamplingParams(temperature=1.0, seed=42)
     logits = flat_logits(0)
-    assert sample_token(logits, params, position=17) == sample_token(logits.clone(), params, position=17)
+    assert sample_token(logits, params, position=17) == sample_token(
+        logits.clone(), params, position=17
+    )
     assert uniform_for(42, 17) == uniform_for(42, 17)
 
 
@@ -41,7 +44,10 @@ def test_greedy_takes_the_argmax_and_top_k_one_is_greedy():
     expected = int(logits.argmax())
     assert sample_token(logits, SamplingParams(), position=0) == expected
     for position in range(20):
-        assert sample_token(logits, SamplingParams(temperature=2.0, top_k=1, seed=3), position) == expected
+        assert (
+            sample_token(logits, SamplingParams(temperature=2.0, top_k=1, seed=3), position)
+            == expected
+        )
 
 
 def test_top_k_and_top_p_only_draw_from_the_kept_candidates():
@@ -51,8 +57,14 @@ def test_top_k_and_top_p_only_draw_from_the_kept_candidates():
     sorted_probs, order = torch.sort(probs, descending=True)
     nucleus_size = int((torch.cumsum(sorted_probs, 0) - sorted_probs < 0.5).sum())
     nucleus = set(order[:nucleus_size].tolist())
-    top_k_draws = {sample_token(logits, SamplingParams(temperature=1.0, top_k=5, seed=1), p) for p in range(300)}
-    top_p_draws = {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=1), p) for p in range(300)}
+    top_k_draws = {
+        sample_token(logits, SamplingParams(temperature=1.0, top_k=5, seed=1), p)
+        for p in range(300)
+    }
+    top_p_draws = {
+        sample_token(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=1), p)
+        for p in range(300)
+    }
     assert top_k_draws <= top5 and len(top_k_draws) > 1
     assert top_p_draws <= nucleus and len(top_p_draws) > 1
 
@@ -71,8 +83,14 @@ def test_resumed_sequence_samples_the_same_continuation(tiny_model, case):
     prompt = random_prompt(20, seed=50)
 
     def spec(prompt_ids: tuple[int, ...], max_new_tokens: int) -> SequenceSpec:
-        return SequenceSpec(prompt_ids, max_new_tokens, temperature=params.temperature,
-                            top_p=params.top_p, top_k=params.top_k, seed=params.seed)
+        return SequenceSpec(
+            prompt_ids,
+            max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+        )
 
     uninterrupted = run_to_completion(make_engine(tiny_model), 1, spec(prompt, 12), [7, 13])
     reference = generate_reference(tiny_model, prompt, 12, sampling=params)

@@ -26,6 +26,7 @@ Instead:
 
 Greedy token equality is always exact.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,7 +55,9 @@ def assert_float64_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     )
 
 
-def assert_float32_error_bounded(ours32: torch.Tensor, hf32: torch.Tensor, exact: torch.Tensor) -> None:
+def assert_float32_error_bounded(
+    ours32: torch.Tensor, hf32: torch.Tensor, exact: torch.Tensor
+) -> None:
     """Our float32 logits at most SPREAD_FACTOR x as far from `exact` (float64) as transformers' float32 ones."""
     scale = max_abs(exact)
     spread = max_abs(hf32.double() - exact)

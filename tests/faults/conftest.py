@@ -1,5 +1,6 @@
 """Stacks for the fault tests: every process is killed at teardown, and the logs of each
 are printed there (pytest shows them when the test failed)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

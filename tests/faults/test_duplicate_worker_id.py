@@ -6,12 +6,13 @@ finished with wrong output. Now the later registration supersedes the earlier on
 next call is refused; the earlier process exits (code 3) with one line naming the
 conflict instead of registering again and fighting.
 """
+
 from __future__ import annotations
 
 import pytest
 
-from common.waiting import wait_until
 from bench.harness.fault_stack import check, make_jobs
+from common.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,8 @@ def _requeues(stack, reason: str) -> float:
 
 
 def test_a_second_process_with_the_same_worker_id_supersedes_the_first_without_a_fight(
-        make_stack, make_clients):
+    make_stack, make_clients
+):
     stack = make_stack(num_workers=1, worker_flags=("--max-batch-size", "8"))
     first = stack.workers["w1"]
     jobs = make_jobs(NUM_SEQUENCES, seed=10)

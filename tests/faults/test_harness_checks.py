@@ -1,4 +1,5 @@
 """The checker itself: duplicated and missing tokens are counted, not just noticed."""
+
 from __future__ import annotations
 
 from bench.harness.fault_stack import count_duplicated_and_missing, make_jobs

@@ -7,15 +7,16 @@ collects every acknowledged sequence by re-attaching Generate streams. `check` t
 asks, for each: known, FINISHED once with the reference finish reason, exactly the
 reference tokens (none missing, none twice), and one seq_id for its request_id.
 """
+
 from __future__ import annotations
 
 import time
 
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from common.waiting import wait_until
 from bench.harness.fault_stack import Job, check, check_known, make_jobs
+from common.waiting import wait_until
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +32,12 @@ def _assert_all_good(stack, jobs: list[Job]) -> None:
     outcome = check(stack.stub, jobs)
     assert outcome.problems == [], "\n".join(outcome.problems[:20])
     assert outcome.acknowledged == len(jobs)
-    assert (outcome.lost, outcome.duplicated_tokens, outcome.missing_tokens,
-            outcome.wrong_outputs) == (0, 0, 0, 0)
+    assert (
+        outcome.lost,
+        outcome.duplicated_tokens,
+        outcome.missing_tokens,
+        outcome.wrong_outputs,
+    ) == (0, 0, 0, 0)
 
 
 def _requeues(stack, reason: str) -> float:
@@ -40,7 +45,8 @@ def _requeues(stack, reason: str) -> float:
 
 
 def test_scheduler_killed_mid_run_loses_no_acknowledged_sequence_and_each_finishes_once(
-        make_stack, make_clients):
+    make_stack, make_clients
+):
     stack = make_stack()
     jobs = make_jobs(NUM_SEQUENCES, seed=1)
     clients = make_clients(stack, jobs)
@@ -72,7 +78,8 @@ def test_two_scheduler_kills_the_second_during_recovery_lose_nothing(make_stack,
 
 
 def test_killed_worker_sequences_finish_on_the_other_worker_after_the_lease(
-        make_stack, make_clients):
+    make_stack, make_clients
+):
     stack = make_stack(lease_ttl_ms=2000)
     jobs = make_jobs(NUM_SEQUENCES, seed=3)
     clients = make_clients(stack, jobs, submit_interval_seconds=0.01)
@@ -128,7 +135,8 @@ def test_seq_ids_are_never_reused_after_a_restart(make_stack, make_clients):
 
 @pytest.mark.parametrize("fsync", ["acks", "always"])
 def test_a_kill_during_a_burst_of_concurrent_submits_loses_no_acknowledged_one(
-        make_stack, make_clients, fsync):
+    make_stack, make_clients, fsync
+):
     """Group commit: 16 submitters at once, each Submit answered only after an fsync that
     covers it; kill -9 mid-burst; every acknowledged sequence is there after the restart
     and finishes once with its reference tokens. (That one fsync answers several waiting
@@ -154,8 +162,11 @@ def _wait_holding(stack, count: int, timeout: float = 20.0) -> str:
     """The id of a worker that holds at least `count` sequences, once one does."""
     busiest = wait_until(
         lambda: max(stack.worker_status().values(), key=lambda w: w.num_assigned),
-        f"a worker holding {count} sequences", timeout,
-        done=lambda w: w.num_assigned >= count, every_seconds=0.01)
+        f"a worker holding {count} sequences",
+        timeout,
+        done=lambda w: w.num_assigned >= count,
+        every_seconds=0.01,
+    )
     return busiest.worker_id
 
 
@@ -172,7 +183,8 @@ def _held_by(stack, jobs: list[Job], worker_id: str) -> list[Job]:
 
 
 def test_worker_killed_while_the_scheduler_is_down_loses_its_sequences_only_to_the_lease(
-        make_stack, make_clients):
+    make_stack, make_clients
+):
     # The restarted scheduler recovers the dead worker as registered, holding what it
     # held; it never calls again, so only its lease can hand those sequences on.
     stack = make_stack(lease_ttl_ms=2000)
@@ -191,7 +203,8 @@ def test_worker_killed_while_the_scheduler_is_down_loses_its_sequences_only_to_t
 
 
 def test_worker_frozen_past_its_lease_is_refused_registers_again_and_nothing_is_lost(
-        make_stack, make_clients):
+    make_stack, make_clients
+):
     stack = make_stack(lease_ttl_ms=2000)
     jobs = make_jobs(NUM_SEQUENCES, seed=7)
     clients = make_clients(stack, jobs, submit_interval_seconds=0.01)
@@ -205,8 +218,11 @@ def test_worker_frozen_past_its_lease_is_refused_registers_again_and_nothing_is_
     assert "no longer knows this worker" in stack.workers[victim].log_text()
     # Registered again, and working: its first report after registering may still be on
     # its way (a registration counts no iteration).
-    wait_until(lambda: stack.worker_status()[victim].iteration > 0,
-               "the frozen worker to report again after registering", 10)
+    wait_until(
+        lambda: stack.worker_status()[victim].iteration > 0,
+        "the frozen worker to report again after registering",
+        10,
+    )
 
 
 def test_scheduler_frozen_past_the_lease_keeps_its_calling_workers(make_stack, make_clients):
@@ -231,9 +247,14 @@ def test_worker_killed_while_its_cached_pages_are_shared_loses_nothing(make_stac
     clients = make_clients(stack, jobs, submit_interval_seconds=0.01)
     victim = _wait_holding(stack, 3)
     cached = wait_until(
-        lambda: stack.metrics().get(("lattice_scheduler_prefill_tokens_total",
-                                     (("source", "cached"),)), 0.0),
-        "prefill tokens taken from a cache", 20.0, done=lambda v: v > 0, every_seconds=0.05)
+        lambda: stack.metrics().get(
+            ("lattice_scheduler_prefill_tokens_total", (("source", "cached"),)), 0.0
+        ),
+        "prefill tokens taken from a cache",
+        20.0,
+        done=lambda v: v > 0,
+        every_seconds=0.05,
+    )
     assert cached > 0
     stack.kill_worker(victim)
     clients.wait_done(DONE_TIMEOUT_SECONDS)

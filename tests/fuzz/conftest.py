@@ -1,12 +1,13 @@
 """Fuzzing a live scheduler: a server on loopback (tests/server's), and a tally of the
 status codes each RPC answered, printed at the end of the run with other figures."""
+
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 from tests.server.conftest import server_stoppers, start_server  # noqa: F401 (fixtures)
 
 from .target import FuzzTarget
@@ -36,8 +37,12 @@ def target(request, start_server, codes_seen, tmp_path) -> FuzzTarget:
     for _ in range(3):
         fuzz.call("Submit", pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4))
     for worker_id in ("w0", "w1"):
-        fuzz.call("RegisterWorker", pb.RegisterWorkerRequest(
-            worker_id=worker_id, total_kv_pages=1000, page_size=16, total_gdn_slots=64))
+        fuzz.call(
+            "RegisterWorker",
+            pb.RegisterWorkerRequest(
+                worker_id=worker_id, total_kv_pages=1000, page_size=16, total_gdn_slots=64
+            ),
+        )
     return fuzz
 
 

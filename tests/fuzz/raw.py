@@ -1,4 +1,5 @@
 """Bytes on the wire: raw (serializer-less) calls, byte mutations, and plain sockets."""
+
 from __future__ import annotations
 
 import socket
@@ -25,8 +26,7 @@ class RawOutcome:
     response: bytes | None = None
 
 
-def raw_call(channel: grpc.Channel, path: str, payload: bytes,
-             streaming: str = "") -> RawOutcome:
+def raw_call(channel: grpc.Channel, path: str, payload: bytes, streaming: str = "") -> RawOutcome:
     """Send `payload` as the request bytes of the method at `path` ("/service/Method").
 
     `streaming` is "" for a unary call, "response" for a response stream (read up to its
@@ -39,10 +39,11 @@ def raw_call(channel: grpc.Channel, path: str, payload: bytes,
         if not streaming:
             response = channel.unary_unary(path)(payload, timeout=RPC_TIMEOUT_SECONDS)
             return RawOutcome(grpc.StatusCode.OK, "", response)
-        stream = (channel.unary_stream(path)(payload, timeout=RPC_TIMEOUT_SECONDS)
-                  if streaming == "response"
-                  else channel.stream_stream(path)(iter([payload]),
-                                                   timeout=RPC_TIMEOUT_SECONDS))
+        stream = (
+            channel.unary_stream(path)(payload, timeout=RPC_TIMEOUT_SECONDS)
+            if streaming == "response"
+            else channel.stream_stream(path)(iter([payload]), timeout=RPC_TIMEOUT_SECONDS)
+        )
         try:
             return RawOutcome(grpc.StatusCode.OK, "", next(stream))
         finally:
@@ -52,6 +53,7 @@ def raw_call(channel: grpc.Channel, path: str, payload: bytes,
 
 
 # ------------------------------------------------------------------ mutations
+
 
 def mutations() -> st.SearchStrategy[list[tuple]]:
     """One to four edits; positions are taken modulo the length of what they edit."""
@@ -78,15 +80,16 @@ def mutate(data: bytes, edits: list[tuple]) -> bytes:
         elif kind == "insert":
             buf[at:at] = arg[0]
         elif kind == "delete":
-            del buf[at:at + arg[0]]
+            del buf[at : at + arg[0]]
         elif kind == "truncate":
             del buf[at:]
         elif kind == "repeat":
-            buf[at:at] = buf[at:at + arg[0]]
+            buf[at:at] = buf[at : at + arg[0]]
     return bytes(buf)
 
 
 # ------------------------------------------------------------------ sockets
+
 
 def send_raw(port: int, payload: bytes, wait_seconds: float = 2.0) -> tuple[bytes, bool]:
     """Connect to 127.0.0.1:port, send `payload`, read until the server closes or

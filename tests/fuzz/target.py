@@ -1,4 +1,5 @@
 """A live scheduler under fuzzing: call any RPC, record the status, check health."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -6,8 +7,8 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 from tests.server.conftest import Server
 from tests.server.wire import RPC_TIMEOUT_SECONDS
 from worker_client.session import WorkerSessionStream
@@ -15,14 +16,20 @@ from worker_client.session import WorkerSessionStream
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 # Request-response RPCs (Generate streams its answer but takes one request); the
 # bidirectional WorkerSession is fuzzed by test_session_fuzz.py, through `session_calls`.
-METHODS = tuple(m.name for m in pb.DESCRIPTOR.services_by_name["Scheduler"].methods
-                if not m.client_streaming)
+METHODS = tuple(
+    m.name for m in pb.DESCRIPTOR.services_by_name["Scheduler"].methods if not m.client_streaming
+)
 # What the service may answer to any request it could parse; never UNKNOWN or INTERNAL.
-EXPECTED_CODES = frozenset({
-    grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.OUT_OF_RANGE,
-})
+EXPECTED_CODES = frozenset(
+    {
+        grpc.StatusCode.OK,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
 # Longer status details than this mean a request field was echoed without a bound.
 DETAILS_BOUND_CHARS = 1000
 # Ids the request strategies pick from: the latest ones issued and the ones held.
@@ -86,8 +93,9 @@ class FuzzTarget:
             for request in requests:
                 session = session or WorkerSessionStream(self.server.stub)
                 try:
-                    outcome = Outcome(grpc.StatusCode.OK,
-                                      session.exchange(request, RPC_TIMEOUT_SECONDS))
+                    outcome = Outcome(
+                        grpc.StatusCode.OK, session.exchange(request, RPC_TIMEOUT_SECONDS)
+                    )
                 except grpc.RpcError as err:
                     outcome, session = Outcome(err.code(), None, err.details() or ""), None
                 self.codes["WorkerSession", outcome.code.name] += 1
@@ -107,19 +115,24 @@ class FuzzTarget:
             held = self.held.setdefault(request.worker_id, [])
             evicted = set(response.evict)
             admitted = [c.seq_id for c in response.prefill if c.HasField("spec")]
-            self.held[request.worker_id] = [s for s in dict.fromkeys([*held, *admitted])
-                                            if s not in evicted][-_RECENT_IDS:]
+            self.held[request.worker_id] = [
+                s for s in dict.fromkeys([*held, *admitted]) if s not in evicted
+            ][-_RECENT_IDS:]
         elif method in ("RegisterWorker", "DeregisterWorker"):
             self.held.pop(request.worker_id, None)
 
     def health(self, service: str = SERVICE_NAME) -> int:
-        return health_pb2_grpc.HealthStub(self.server.channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT_SECONDS).status
+        return (
+            health_pb2_grpc.HealthStub(self.server.channel)
+            .Check(health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT_SECONDS)
+            .status
+        )
 
     def assert_serving(self) -> None:
         """Health says SERVING, and a plain Submit is accepted."""
         assert self.health("") == health_pb2.HealthCheckResponse.SERVING
         assert self.health() == health_pb2.HealthCheckResponse.SERVING
-        outcome = self.call("Submit", pb.SubmitRequest(prompt_token_ids=[1, 2, 3],
-                                                       max_new_tokens=4))
+        outcome = self.call(
+            "Submit", pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4)
+        )
         assert outcome.code is grpc.StatusCode.OK, outcome

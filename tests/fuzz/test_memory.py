@@ -7,6 +7,7 @@ kind's block under MAX_KIND_GROWTH_BYTES: ~7 KiB a call, so a leak of one kind o
 shows even where the total stays small (grpc's own answer to undecodable requests kept
 ~16 KiB a call: service/server/interceptors/decode_errors.py).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 from tests.server.test_process import ServeProcess, spawn  # noqa: F401 (fixture)
 
 from .raw import HTTP2_PREFACE, raw_call, send_raw
@@ -47,8 +48,10 @@ def _bad_calls(p: ServeProcess) -> list:
     stub, channel = p.stub, p.channel
     long_text = "x" * 4096
     # A valid request behind a request_id that is not UTF-8: never parses.
-    undecodable_submit = b"\x0a\x02\xff\xfe" + pb.SubmitRequest(
-        prompt_token_ids=[1, 2, 3], max_new_tokens=4).SerializeToString()
+    undecodable_submit = (
+        b"\x0a\x02\xff\xfe"
+        + pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4).SerializeToString()
+    )
 
     def unary(kind, rpc, request):
         def call():
@@ -57,11 +60,13 @@ def _bad_calls(p: ServeProcess) -> list:
                 return kind, "OK"
             except grpc.RpcError as err:
                 return kind, err.code().name
+
         return call
 
     def generate():
-        stream = stub.Generate(pb.SubmitRequest(prompt_token_ids=[], tenant=long_text),
-                               timeout=_TIMEOUT_SECONDS)
+        stream = stub.Generate(
+            pb.SubmitRequest(prompt_token_ids=[], tenant=long_text), timeout=_TIMEOUT_SECONDS
+        )
         try:
             next(stream)
             return "Generate empty", "OK"
@@ -79,22 +84,36 @@ def _bad_calls(p: ServeProcess) -> list:
         return "socket garbage", "closed"
 
     return [
-        unary("Submit empty", stub.Submit,
-              pb.SubmitRequest(request_id=long_text, tenant=long_text)),
-        unary("Submit too long", stub.Submit,
-              pb.SubmitRequest(prompt_token_ids=[1] * 4096, max_new_tokens=2**32 - 1)),
+        unary(
+            "Submit empty", stub.Submit, pb.SubmitRequest(request_id=long_text, tenant=long_text)
+        ),
+        unary(
+            "Submit too long",
+            stub.Submit,
+            pb.SubmitRequest(prompt_token_ids=[1] * 4096, max_new_tokens=2**32 - 1),
+        ),
         unary("Cancel unknown", stub.Cancel, pb.CancelRequest(seq_id=2**64 - 1)),
-        unary("GetSequence unknown", stub.GetSequence,
-              pb.GetSequenceRequest(seq_id=987_654_321)),
-        unary("SelectBatch unknown worker", stub.SelectBatch, pb.SelectBatchRequest(
-            worker_id=long_text, waiting=range(1, 1001), preempted=[5] * 100)),
-        unary("SelectBatch duplicate ids", stub.SelectBatch,
-              pb.SelectBatchRequest(worker_id="mem-w", waiting=[1, 1])),
-        unary("DeregisterWorker unknown", stub.DeregisterWorker,
-              pb.DeregisterWorkerRequest(worker_id=long_text * 3)),
-        unary("RegisterWorker page_size 0", stub.RegisterWorker,
-              pb.RegisterWorkerRequest(worker_id=long_text, page_size=0,
-                                       adapters=[long_text] * 8)),
+        unary("GetSequence unknown", stub.GetSequence, pb.GetSequenceRequest(seq_id=987_654_321)),
+        unary(
+            "SelectBatch unknown worker",
+            stub.SelectBatch,
+            pb.SelectBatchRequest(worker_id=long_text, waiting=range(1, 1001), preempted=[5] * 100),
+        ),
+        unary(
+            "SelectBatch duplicate ids",
+            stub.SelectBatch,
+            pb.SelectBatchRequest(worker_id="mem-w", waiting=[1, 1]),
+        ),
+        unary(
+            "DeregisterWorker unknown",
+            stub.DeregisterWorker,
+            pb.DeregisterWorkerRequest(worker_id=long_text * 3),
+        ),
+        unary(
+            "RegisterWorker page_size 0",
+            stub.RegisterWorker,
+            pb.RegisterWorkerRequest(worker_id=long_text, page_size=0, adapters=[long_text] * 8),
+        ),
         generate,
         undecodable,
         garbage_connection,
@@ -106,11 +125,11 @@ def _run(calls, count: int, codes: Counter) -> None:
         codes[call()] += 1
 
 
-def test_thousands_of_bad_calls_leave_the_servers_memory_bounded(spawn, codes_seen,
-                                                                 fuzz_notes):
+def test_thousands_of_bad_calls_leave_the_servers_memory_bounded(spawn, codes_seen, fuzz_notes):
     p = spawn()
-    p.stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="mem-w", page_size=16),
-                          timeout=_TIMEOUT_SECONDS)
+    p.stub.RegisterWorker(
+        pb.RegisterWorkerRequest(worker_id="mem-w", page_size=16), timeout=_TIMEOUT_SECONDS
+    )
     calls = _bad_calls(p)
     _run(calls, NUM_WARMUP_CALLS, Counter())
     measured: Counter = Counter()
@@ -130,8 +149,8 @@ def test_thousands_of_bad_calls_leave_the_servers_memory_bounded(spawn, codes_se
         f"serve RSS: {before / 2**20:.1f} MiB after {NUM_WARMUP_CALLS} warm-up calls, "
         f"{after / 2**20:.1f} MiB after {sum(measured.values())} more bad calls "
         f"(growth {growth / 2**20:+.2f} MiB, bound {MAX_RSS_GROWTH_BYTES / 2**20:.0f} MiB); "
-        "per kind (KiB): " + ", ".join(f"{kind} {g / 1024:+.0f}"
-                                       for kind, g in kind_growth.items()))
+        "per kind (KiB): " + ", ".join(f"{kind} {g / 1024:+.0f}" for kind, g in kind_growth.items())
+    )
     print(fuzz_notes[-1])
     for (kind, name), n in measured.items():
         codes_seen[f"memory {kind}", name] += n
@@ -142,5 +161,9 @@ def test_thousands_of_bad_calls_leave_the_servers_memory_bounded(spawn, codes_se
     leaking = {kind: g for kind, g in kind_growth.items() if g >= MAX_KIND_GROWTH_BYTES}
     assert not leaking, f"RSS grew by {MAX_KIND_GROWTH_BYTES // 2**20} MiB or more: {leaking}"
     # Still serving: a valid call is accepted.
-    assert p.stub.Submit(pb.SubmitRequest(prompt_token_ids=[1], max_new_tokens=1),
-                         timeout=_TIMEOUT_SECONDS).seq_id > 0
+    assert (
+        p.stub.Submit(
+            pb.SubmitRequest(prompt_token_ids=[1], max_new_tokens=1), timeout=_TIMEOUT_SECONDS
+        ).seq_id
+        > 0
+    )

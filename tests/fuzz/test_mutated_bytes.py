@@ -4,13 +4,16 @@ Every call ends with an expected status within its deadline (no hang), and the s
 keeps serving valid calls. Bytes that do not parse are INVALID_ARGUMENT, answered by
 service/server/interceptors/decode_errors.py: grpc's own answer (INTERNAL) leaks memory per call.
 """
+
 from __future__ import annotations
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from .raw import DOES_NOT_PARSE, GRPC_DECODE_FAILURE, mutate, mutations, raw_call
@@ -24,7 +27,8 @@ def _check_raw(target: FuzzTarget, method: str, payload: bytes) -> None:
     """Call; assert the answer is expected; count how it ended."""
     outcome = raw_call(target.server.channel, f"/{SERVICE_NAME}/{method}", payload)
     assert outcome.code in EXPECTED_CODES, (
-        f"{method} answered {outcome.code.name}: {outcome.details[:300]!r}")
+        f"{method} answered {outcome.code.name}: {outcome.details[:300]!r}"
+    )
     assert GRPC_DECODE_FAILURE not in outcome.details
     parse = " (does not parse)" if DOES_NOT_PARSE in outcome.details else ""
     target.codes[f"raw {method}", outcome.code.name + parse] += 1
@@ -45,21 +49,39 @@ def _field(number: int, data: bytes) -> bytes:
     return bytes([number << 3 | 2, len(data)]) + data
 
 
-@pytest.mark.parametrize("path, message_type, payload, streaming", [
-    (f"/{SERVICE_NAME}/Submit", "SubmitRequest", _field(1, _NOT_UTF8), ""),
-    (f"/{SERVICE_NAME}/Submit", "SubmitRequest", _field(6, _NOT_UTF8), ""),
-    (f"/{SERVICE_NAME}/Generate", "SubmitRequest", _field(4, _NOT_UTF8), "response"),
-    (f"/{SERVICE_NAME}/RegisterWorker", "RegisterWorkerRequest", _field(6, _NOT_UTF8), ""),
-    (f"/{SERVICE_NAME}/SelectBatch", "SelectBatchRequest", _field(1, _NOT_UTF8), ""),
-    (f"/{SERVICE_NAME}/DeregisterWorker", "DeregisterWorkerRequest", b"\x0a\x05ab", ""),
-    (f"/{SERVICE_NAME}/GetStatus", "GetStatusRequest", b"\xff\xff\xff", ""),
-    ("/grpc.health.v1.Health/Check", "HealthCheckRequest", _field(1, _NOT_UTF8), ""),
-    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-     "ServerReflectionRequest", _field(1, _NOT_UTF8), "both"),
-], ids=["submit-request-id", "submit-tenant", "generate-adapter", "register-adapters",
-        "select-batch-worker-id", "truncated-string", "bad-tag", "health", "reflection"])
+@pytest.mark.parametrize(
+    "path, message_type, payload, streaming",
+    [
+        (f"/{SERVICE_NAME}/Submit", "SubmitRequest", _field(1, _NOT_UTF8), ""),
+        (f"/{SERVICE_NAME}/Submit", "SubmitRequest", _field(6, _NOT_UTF8), ""),
+        (f"/{SERVICE_NAME}/Generate", "SubmitRequest", _field(4, _NOT_UTF8), "response"),
+        (f"/{SERVICE_NAME}/RegisterWorker", "RegisterWorkerRequest", _field(6, _NOT_UTF8), ""),
+        (f"/{SERVICE_NAME}/SelectBatch", "SelectBatchRequest", _field(1, _NOT_UTF8), ""),
+        (f"/{SERVICE_NAME}/DeregisterWorker", "DeregisterWorkerRequest", b"\x0a\x05ab", ""),
+        (f"/{SERVICE_NAME}/GetStatus", "GetStatusRequest", b"\xff\xff\xff", ""),
+        ("/grpc.health.v1.Health/Check", "HealthCheckRequest", _field(1, _NOT_UTF8), ""),
+        (
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+            "ServerReflectionRequest",
+            _field(1, _NOT_UTF8),
+            "both",
+        ),
+    ],
+    ids=[
+        "submit-request-id",
+        "submit-tenant",
+        "generate-adapter",
+        "register-adapters",
+        "select-batch-worker-id",
+        "truncated-string",
+        "bad-tag",
+        "health",
+        "reflection",
+    ],
+)
 def test_bytes_that_do_not_parse_are_invalid_argument_naming_the_message(
-        target, path, message_type, payload, streaming):
+    target, path, message_type, payload, streaming
+):
     outcome = raw_call(target.server.channel, path, payload, streaming)
     assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT, outcome
     assert DOES_NOT_PARSE in outcome.details and message_type in outcome.details
@@ -85,6 +107,7 @@ def test_well_formed_bytes_of_another_message_type_get_an_expected_status(target
 
 def test_an_empty_payload_is_the_default_message(target):
     """Zero bytes parse as the all-defaults message, which each RPC judges on its own."""
+
     def code(method: str) -> grpc.StatusCode:
         return raw_call(target.server.channel, f"/{SERVICE_NAME}/{method}", b"").code
 

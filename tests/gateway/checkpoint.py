@@ -1,4 +1,5 @@
 """A tiny Qwen3.5 checkpoint saved by transformers, with a real BPE tokenizer beside it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,25 +24,41 @@ class Checkpoint:
     def greedy_ids(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         """transformers' greedy continuation (EOS included when it comes)."""
         with torch.no_grad():
-            out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                                      do_sample=False, eos_token_id=EOS_TOKEN_ID,
-                                      pad_token_id=0, attention_mask=torch.ones(1, len(prompt_ids),
-                                                                                dtype=torch.long))
-        return out[0, len(prompt_ids):].tolist()
+            out = self.model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=EOS_TOKEN_ID,
+                pad_token_id=0,
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            )
+        return out[0, len(prompt_ids) :].tolist()
 
     def greedy_text(self, prompt_ids: list[int], max_new_tokens: int) -> str:
-        return self.tokenizer.decode(self.greedy_ids(prompt_ids, max_new_tokens),
-                                     skip_special_tokens=True)
+        return self.tokenizer.decode(
+            self.greedy_ids(prompt_ids, max_new_tokens), skip_special_tokens=True
+        )
 
 
 def build_checkpoint(path: Path, seed: int = 0) -> Checkpoint:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        eos_token_id=EOS_TOKEN_ID, pad_token_id=0, tie_word_embeddings=False)
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     model = transformers.Qwen3_5ForCausalLM(config).eval()
     with torch.no_grad():  # transformers starts norms at identity: make every weight matter
         for name, param in model.named_parameters():

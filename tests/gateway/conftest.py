@@ -1,5 +1,6 @@
 """A real stack on loopback: scheduler, one CPU worker and the gateway, each its own
 process, serving a tiny transformers-saved Qwen3.5 with a real BPE tokenizer."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -7,16 +8,21 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+
+from common.processes import (
+    GATEWAY_LISTENING,
+    LOOPBACK,
+    SCHEDULER_LISTENING,
+    START_TIMEOUT_SECONDS,
+    Process,
+    scheduler_argv,
+    spawn,
+)
+from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from .checkpoint import Checkpoint, build_checkpoint
-from common.processes import (
-    GATEWAY_LISTENING, LOOPBACK, SCHEDULER_LISTENING, START_TIMEOUT_SECONDS, Process,
-    scheduler_argv, spawn,
-)
-from common.waiting import wait_until
-
 from .processes import gateway_argv, worker_argv
 
 # How long a keyed sequence outlives its last client in these tests: long enough for a
@@ -69,14 +75,23 @@ def stack(checkpoint: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> I
         started.append(scheduler)
         target = f"{LOOPBACK}:{scheduler.ports[0]}"
         started.append(spawn("worker", worker_argv(target, checkpoint.path), logs))
-        gateway = spawn("gateway", gateway_argv(
-            target, checkpoint.path, "--reattach-grace-seconds", str(REATTACH_GRACE_SECONDS)),
-            logs, GATEWAY_LISTENING)
+        gateway = spawn(
+            "gateway",
+            gateway_argv(
+                target, checkpoint.path, "--reattach-grace-seconds", str(REATTACH_GRACE_SECONDS)
+            ),
+            logs,
+            GATEWAY_LISTENING,
+        )
         started.append(gateway)
         channel = grpc.insecure_channel(target)
         stub = pb_grpc.SchedulerStub(channel)
-        wait_until(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers,
-                   "the worker to register", START_TIMEOUT_SECONDS, gone=started[1].exit_reason)
+        wait_until(
+            lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers,
+            "the worker to register",
+            START_TIMEOUT_SECONDS,
+            gone=started[1].exit_reason,
+        )
         yield Stack(checkpoint, scheduler, gateway, channel, checkpoint.path.name)
         channel.close()
     finally:
@@ -90,13 +105,17 @@ def idle_stack(checkpoint: Checkpoint, tmp_path_factory: pytest.TempPathFactory)
     logs = tmp_path_factory.mktemp("gateway-idle-logs")
     started: list[Process] = []
     try:
-        scheduler = spawn("scheduler", scheduler_argv("--max-queue", "1"), logs,
-                          SCHEDULER_LISTENING)
+        scheduler = spawn(
+            "scheduler", scheduler_argv("--max-queue", "1"), logs, SCHEDULER_LISTENING
+        )
         started.append(scheduler)
         target = f"{LOOPBACK}:{scheduler.ports[0]}"
-        gateway = spawn("gateway", gateway_argv(target, checkpoint.path,
-                                                "--served-model-name", "tiny"),
-                        logs, GATEWAY_LISTENING)
+        gateway = spawn(
+            "gateway",
+            gateway_argv(target, checkpoint.path, "--served-model-name", "tiny"),
+            logs,
+            GATEWAY_LISTENING,
+        )
         started.append(gateway)
         channel = grpc.insecure_channel(target)
         yield Stack(checkpoint, scheduler, gateway, channel, "tiny")

@@ -1,6 +1,7 @@
 """The gateway's app served by uvicorn on loopback, in this process, over a fake scheduler
 link: fast tests of the HTTP edge (keys, idempotency, validation, deadlines) without a
 scheduler or a worker process."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,10 @@ from pathlib import Path
 from service.gateway.errors import GatewayError
 from service.gateway.model_files import ModelFiles
 from service.gateway.scheduler_link import (
-    FinishReason, GenerationRequest, TokenEvent, _submit_request,
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+    _submit_request,
 )
 from service.gateway.server import GatewaySettings, bind, build_gateway, uvicorn_config
 from worker_client.demo_model import build_tokenizer, write_tokenizer_files
@@ -63,7 +67,7 @@ class FakeScheduler:
         seq_id = len(self.requests)
         if request.request_id:
             seq_id = self.seq_ids.setdefault(request.request_id, seq_id)
-        return _Stream(seq_id, self.answer[:request.max_new_tokens])
+        return _Stream(seq_id, self.answer[: request.max_new_tokens])
 
     async def cancel(self, seq_id: int, request=None) -> None:
         pass
@@ -86,15 +90,15 @@ class Answer:
 class InProcessGateway:
     """uvicorn on a free loopback port, on a thread of its own; `stop()` at the end."""
 
-    def __init__(self, model_dir: Path, scheduler: FakeScheduler | None = None,
-                 **settings) -> None:
+    def __init__(self, model_dir: Path, scheduler: FakeScheduler | None = None, **settings) -> None:
         self.scheduler = scheduler or FakeScheduler()
-        self.settings = GatewaySettings(target="fake", model_dir=model_dir, port=0,
-                                        served_model_name=MODEL, **settings)
+        self.settings = GatewaySettings(
+            target="fake", model_dir=model_dir, port=0, served_model_name=MODEL, **settings
+        )
         self.gateway = build_gateway(self.settings, ModelFiles(model_dir), self.scheduler)
-        from service.gateway.app import create_app
-
         import uvicorn
+
+        from service.gateway.app import create_app
 
         self._sock = bind(LOOPBACK, 0)
         self.port = self._sock.getsockname()[1]
@@ -113,14 +117,23 @@ class InProcessGateway:
     def base_url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
-    def request(self, method: str, path: str, body: object = None, *,
-                headers: dict[str, str] | None = None, raw: bytes | None = None,
-                timeout: float = 10.0) -> Answer:
-        data = raw if raw is not None else (
-            None if body is None else json.dumps(body).encode())
-        request = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                         headers={"content-type": "application/json",
-                                                  **(headers or {})})
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: object = None,
+        *,
+        headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
+        timeout: float = 10.0,
+    ) -> Answer:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        request = urllib.request.Request(
+            self.base_url + path,
+            data=data,
+            method=method,
+            headers={"content-type": "application/json", **(headers or {})},
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 status, text, got = response.status, response.read().decode(), response.headers
@@ -130,22 +143,33 @@ class InProcessGateway:
             parsed = json.loads(text) if text else None
         except json.JSONDecodeError:
             parsed = None
-        return Answer(status, parsed if isinstance(parsed, dict) else None,
-                      {k.lower(): v for k, v in got.items()}, text)
+        return Answer(
+            status,
+            parsed if isinstance(parsed, dict) else None,
+            {k.lower(): v for k, v in got.items()},
+            text,
+        )
 
-    def complete(self, headers: dict[str, str] | None = None, timeout: float = 10.0,
-                 **fields) -> Answer:
-        return self.request("POST", "/v1/completions",
-                            {"model": MODEL, "prompt": "hello", "max_tokens": 4, **fields},
-                            headers=headers, timeout=timeout)
+    def complete(
+        self, headers: dict[str, str] | None = None, timeout: float = 10.0, **fields
+    ) -> Answer:
+        return self.request(
+            "POST",
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hello", "max_tokens": 4, **fields},
+            headers=headers,
+            timeout=timeout,
+        )
 
     def chat(self, messages, headers: dict[str, str] | None = None, **fields) -> Answer:
-        return self.request("POST", "/v1/chat/completions",
-                            {"model": MODEL, "messages": messages, "max_tokens": 4, **fields},
-                            headers=headers)
+        return self.request(
+            "POST",
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": messages, "max_tokens": 4, **fields},
+            headers=headers,
+        )
 
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(10)
         self._sock.close()
-

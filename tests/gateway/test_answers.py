@@ -1,4 +1,5 @@
 """From an OpenAI body to the sequence submitted: defaults, limits, seeds, tenant."""
+
 from __future__ import annotations
 
 import json
@@ -6,18 +7,19 @@ import json
 import pytest
 
 from service.gateway.answers import plan
-from worker_client.demo_model import build_tokenizer, write_tokenizer_files
 from service.gateway.errors import GatewayError
 from service.gateway.model_files import ModelFiles
 from service.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from worker_client.demo_model import build_tokenizer, write_tokenizer_files
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> ModelFiles:
     path = tmp_path_factory.mktemp("model")
     write_tokenizer_files(path, build_tokenizer(512))
-    (path / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [1, 0], "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [1, 0], "temperature": 0.6, "top_p": 0.95, "top_k": 20})
+    )
     return ModelFiles(path)
 
 
@@ -27,9 +29,15 @@ def completion(**fields) -> CompletionRequest:
 
 def planned(files, body, prompt=(5, 6, 7), *, request_id="", max_model_len=64, chat=False):
     max_new = body.max_new_tokens if chat else body.max_tokens
-    return plan(body, list(prompt), max_new_tokens=max_new,
-                default_max_tokens=None if chat else 16, files=files,
-                max_model_len=max_model_len, request_id=request_id)
+    return plan(
+        body,
+        list(prompt),
+        max_new_tokens=max_new,
+        default_max_tokens=None if chat else 16,
+        files=files,
+        max_model_len=max_model_len,
+        request_id=request_id,
+    )
 
 
 def test_absent_sampling_fields_take_generation_config_defaults(files):
@@ -68,7 +76,7 @@ def test_without_a_seed_retries_of_one_key_sample_alike_and_other_requests_do_no
     assert keyed[0] == keyed[1]
     unkeyed = {planned(files, completion()).attempt.generation.seed for _ in range(5)}
     assert len(unkeyed) > 1
-    assert planned(files, completion(seed=-1)).attempt.generation.seed == 2 ** 64 - 1
+    assert planned(files, completion(seed=-1)).attempt.generation.seed == 2**64 - 1
 
 
 def test_a_key_or_user_longer_than_the_schedulers_limit_is_a_400(files):
@@ -79,9 +87,18 @@ def test_a_key_or_user_longer_than_the_schedulers_limit_is_a_400(files):
 
 
 def test_null_for_optional_fields_means_their_default(files):
-    body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "n": None,
-                                             "stream": None, "priority": None, "echo": None,
-                                             "stop": None, "max_tokens": None})
+    body = CompletionRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": "hi",
+            "n": None,
+            "stream": None,
+            "priority": None,
+            "echo": None,
+            "stop": None,
+            "max_tokens": None,
+        }
+    )
     request = planned(files, body).attempt.generation
     assert (request.priority, request.max_new_tokens) == (0, 16)
 
@@ -108,14 +125,17 @@ def test_echo_with_max_tokens_0_asks_for_prompt_logprobs_and_drops_the_one_token
     assert work.echo and work.discard_generated
 
 
-@pytest.mark.parametrize("body, param", [
-    (lambda: completion(max_tokens=0), "max_tokens"),  # 0 only with echo
-    (lambda: chat(max_tokens=0), "max_tokens"),
-    (lambda: completion(logprobs=6), "logprobs"),
-    (lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs"),
-    (lambda: chat(top_logprobs=2), "top_logprobs"),  # without logprobs: true
-    (lambda: completion(min_tokens=20, max_tokens=10), "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (lambda: completion(max_tokens=0), "max_tokens"),  # 0 only with echo
+        (lambda: chat(max_tokens=0), "max_tokens"),
+        (lambda: completion(logprobs=6), "logprobs"),
+        (lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (lambda: chat(top_logprobs=2), "top_logprobs"),  # without logprobs: true
+        (lambda: completion(min_tokens=20, max_tokens=10), "min_tokens"),
+    ],
+)
 def test_out_of_range_logprobs_and_lengths_are_400s_naming_the_field(files, body, param):
     with pytest.raises((GatewayError, ValueError)) as raised:
         planned(files, body())
@@ -133,7 +153,9 @@ def test_chat_top_logprobs_pass_through_and_0_means_each_tokens_own(files):
 
 
 def test_ignore_eos_leaves_the_eos_ids_out_of_the_stop_tokens_and_min_tokens_pass(files):
-    request = planned(files, completion(stop_token_ids=[7], ignore_eos=True, min_tokens=4)).attempt.generation
+    request = planned(
+        files, completion(stop_token_ids=[7], ignore_eos=True, min_tokens=4)
+    ).attempt.generation
     assert request.stop_token_ids == (7,)
     assert (request.ignore_eos, request.min_new_tokens) == (True, 4)
     plain = planned(files, completion()).attempt.generation

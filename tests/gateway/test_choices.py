@@ -1,5 +1,6 @@
 """`n` up to 8: n sequences, one seed each, one response; streamed,
 every choice's chunks by index, one usage and one [DONE]."""
+
 from __future__ import annotations
 
 import json
@@ -36,19 +37,33 @@ def test_chat_choices_each_carry_a_message(gateway):
     answer = gateway.chat([{"role": "user", "content": "hi"}], n=2)
     assert answer.status == 200, answer.text
     assert [(c["index"], c["message"]["role"]) for c in answer.body["choices"]] == [
-        (0, "assistant"), (1, "assistant")]
+        (0, "assistant"),
+        (1, "assistant"),
+    ]
 
 
 def test_streamed_choices_come_by_index_with_one_usage_and_one_done(gateway):
-    answer = gateway.request("POST", "/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-        "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+    answer = gateway.request(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert answer.status == 200
-    events = [line[len("data: "):] for line in answer.text.split("\n\n") if line]
+    events = [line[len("data: ") :] for line in answer.text.split("\n\n") if line]
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     chunks = [json.loads(e) for e in events[:-1]]
-    finishes = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"]
-                for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]}
+    finishes = {
+        c["choices"][0]["index"]: c["choices"][0]["finish_reason"]
+        for c in chunks
+        if c["choices"] and c["choices"][0]["finish_reason"]
+    }
     assert finishes == {0: "length", 1: "length"}
     (usage,) = [c["usage"] for c in chunks if c.get("usage")]
     assert usage["completion_tokens"] == 2 * 4

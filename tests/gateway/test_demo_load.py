@@ -1,5 +1,6 @@
 """The gateway's demo load as conversations: each turn carries the conversation so far
 (a fake client: no processes)."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -18,8 +19,9 @@ class FakeCompletions:
         self.sent.append([dict(m) for m in messages])
         answer = f"answer {len(self.sent)}"
         delta = SimpleNamespace(content=answer)
-        yield SimpleNamespace(choices=[SimpleNamespace(delta=delta, finish_reason="stop")],
-                              usage=None)
+        yield SimpleNamespace(
+            choices=[SimpleNamespace(delta=delta, finish_reason="stop")], usage=None
+        )
         yield SimpleNamespace(choices=[], usage=SimpleNamespace(completion_tokens=2))
 
 
@@ -28,13 +30,17 @@ def test_each_turn_sends_the_conversation_so_far():
     completions = FakeCompletions()
     client = SimpleNamespace(chat=SimpleNamespace(completions=completions))
     results = [HttpResult() for _ in range(3)]
-    demo_load._conversation(client, "m", ["first?", "second?", "third?"], 0,
-                            HttpLoadSpec(turns=3), results)
+    demo_load._conversation(
+        client, "m", ["first?", "second?", "third?"], 0, HttpLoadSpec(turns=3), results
+    )
     assert [len(m) for m in completions.sent] == [1, 3, 5]
     assert completions.sent[2] == [
-        {"role": "user", "content": "first?"}, {"role": "assistant", "content": "answer 1"},
-        {"role": "user", "content": "second?"}, {"role": "assistant", "content": "answer 2"},
-        {"role": "user", "content": "third?"}]
+        {"role": "user", "content": "first?"},
+        {"role": "assistant", "content": "answer 1"},
+        {"role": "user", "content": "second?"},
+        {"role": "assistant", "content": "answer 2"},
+        {"role": "user", "content": "third?"},
+    ]
     assert [r.text for r in results] == ["answer 1", "answer 2", "answer 3"]
 
 

@@ -1,6 +1,7 @@
 """The gateway as its own front door: API keys, each a
 principal, idempotency keys scoped by principal and bound to their body, /health that
 says when the scheduler refuses the gateway, /metrics that can move or be off."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,11 @@ from service.gateway.scheduler_link import SchedulerLink
 
 from .inprocess import FakeScheduler, InProcessGateway, write_model
 
-ALICE_KEY, MALLORY_KEY, BOB_KEY = "alice-key-0123456789", "mallory-key-0123456789", \
-    "bob-key-0123456789abc"
+ALICE_KEY, MALLORY_KEY, BOB_KEY = (
+    "alice-key-0123456789",
+    "mallory-key-0123456789",
+    "bob-key-0123456789abc",
+)
 KEYS_TOML = f"""
 [[keys]]
 key = "{ALICE_KEY}"
@@ -45,8 +49,9 @@ def model_dir(tmp_path_factory):
 def start(model_dir, tmp_path):
     started = []
 
-    def factory(keys: str | None = KEYS_TOML, scheduler: FakeScheduler | None = None,
-                **settings) -> InProcessGateway:
+    def factory(
+        keys: str | None = KEYS_TOML, scheduler: FakeScheduler | None = None, **settings
+    ) -> InProcessGateway:
         if keys is not None:
             (tmp_path / "keys.toml").write_text(keys)
             settings["api_keys_file"] = tmp_path / "keys.toml"
@@ -61,14 +66,18 @@ def start(model_dir, tmp_path):
 # ------------------------------------------------------------------ API keys
 
 
-@pytest.mark.parametrize("headers", [{}, bearer("not-a-known-key-at-all"),
-                                     {"authorization": ALICE_KEY}], ids=["none", "unknown",
-                                                                          "no-bearer"])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, bearer("not-a-known-key-at-all"), {"authorization": ALICE_KEY}],
+    ids=["none", "unknown", "no-bearer"],
+)
 def test_without_a_valid_key_every_v1_route_is_a_401(start, headers):
     gateway = start()
-    for answer in (gateway.complete(headers=headers),
-                   gateway.chat([{"role": "user", "content": "hi"}], headers=headers),
-                   gateway.request("GET", "/v1/models", headers=headers)):
+    for answer in (
+        gateway.complete(headers=headers),
+        gateway.chat([{"role": "user", "content": "hi"}], headers=headers),
+        gateway.request("GET", "/v1/models", headers=headers),
+    ):
         assert answer.status == 401, answer.text
         assert answer.body["error"]["code"] == "invalid_api_key"
         assert answer.headers["www-authenticate"] == "Bearer"
@@ -108,15 +117,20 @@ def test_the_link_sends_the_principal_and_its_own_scheduler_token(start):
     assert alices == {"authorization": "Bearer gateway-token", PRINCIPAL_METADATA: "alice"}
 
 
-@pytest.mark.parametrize("text, complaint", [
-    ('[[keys]]\nkey = "short"\nname = "a"', "at least 16 characters"),
-    (f'[[keys]]\nkey = "{ALICE_KEY}"\nname = "has space"', "name must be"),
-    (f'[[keys]]\nkey = "{ALICE_KEY}"\nname = "a"\n[[keys]]\nkey = "{ALICE_KEY}"\nname = "b"',
-     "repeats an earlier key"),
-    (f'[[keys]]\nkey = "{ALICE_KEY}"\nname = "a"\nrole = "admin"', "unknown keys"),
-    (f'[[keys]]\nkey = "{ALICE_KEY}"\nname = "a"\ntenant = "t\\u0000"', "without NUL"),
-    ("keys = []", "non-empty list"),
-])
+@pytest.mark.parametrize(
+    "text, complaint",
+    [
+        ('[[keys]]\nkey = "short"\nname = "a"', "at least 16 characters"),
+        (f'[[keys]]\nkey = "{ALICE_KEY}"\nname = "has space"', "name must be"),
+        (
+            f'[[keys]]\nkey = "{ALICE_KEY}"\nname = "a"\n[[keys]]\nkey = "{ALICE_KEY}"\nname = "b"',
+            "repeats an earlier key",
+        ),
+        (f'[[keys]]\nkey = "{ALICE_KEY}"\nname = "a"\nrole = "admin"', "unknown keys"),
+        (f'[[keys]]\nkey = "{ALICE_KEY}"\nname = "a"\ntenant = "t\\u0000"', "without NUL"),
+        ("keys = []", "non-empty list"),
+    ],
+)
 def test_a_bad_keys_file_is_a_config_error_naming_the_entry(tmp_path, text, complaint):
     path = tmp_path / "keys.toml"
     path.write_text(text)
@@ -191,9 +205,16 @@ def test_the_links_health_check_says_when_the_scheduler_refuses_its_token(tmp_pa
 
     tokens = tmp_path / "tokens.toml"
     tokens.write_text('[[tokens]]\ntoken = "the-gateway-token-123"\nrole = "client"\n')
-    server = start(ServeSettings(host="127.0.0.1", port=0, metrics_port=0,
-                                 auth_tokens=str(tokens), scheduler=SchedulerConfig()),
-                   CollectorRegistry())
+    server = start(
+        ServeSettings(
+            host="127.0.0.1",
+            port=0,
+            metrics_port=0,
+            auth_tokens=str(tokens),
+            scheduler=SchedulerConfig(),
+        ),
+        CollectorRegistry(),
+    )
     try:
         _check_health_answers(server.port)
     finally:

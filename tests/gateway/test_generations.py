@@ -1,5 +1,6 @@
 """Sequences in flight: who shares a stream, and when a sequence is cancelled (a fake
 scheduler link, no processes)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -54,9 +55,18 @@ class FakeLink:
 
 
 def attempt(request_id: str = "", prompt=(5, 6, 7)) -> Attempt:
-    return Attempt(GenerationRequest(prompt_token_ids=prompt, max_new_tokens=8, temperature=0,
-                                     top_p=0, top_k=0, seed=0, stop_token_ids=(),
-                                     request_id=request_id))
+    return Attempt(
+        GenerationRequest(
+            prompt_token_ids=prompt,
+            max_new_tokens=8,
+            temperature=0,
+            top_p=0,
+            top_k=0,
+            seed=0,
+            stop_token_ids=(),
+            request_id=request_id,
+        )
+    )
 
 
 def run(coro):
@@ -70,6 +80,7 @@ def test_a_sequence_without_a_key_is_cancelled_as_soon_as_its_client_leaves():
         async with generations.attach(attempt()):
             pass
         return link.streams[0].cancelled
+
     assert run(scenario())
 
 
@@ -82,6 +93,7 @@ def test_a_keyed_sequence_outlives_its_client_by_the_grace_period_only():
         during = link.streams[0].cancelled
         await asyncio.sleep(0.5)
         return during, link.streams[0].cancelled
+
     assert run(scenario()) == (False, True)
 
 
@@ -100,6 +112,7 @@ def test_concurrent_requests_with_one_key_share_one_stream_and_see_every_token()
         stream.events.put_nowait(TokenEvent((1, 2)))
         stream.events.put_nowait(TokenEvent((3,), FinishReason.MAX_LENGTH))
         return len(link.streams), await asyncio.gather(*tasks)
+
     num_streams, outputs = run(scenario())
     assert num_streams == 1
     assert outputs == [[1, 2, 3]] * 3
@@ -115,6 +128,7 @@ def test_a_retry_that_joins_late_still_reads_from_the_first_token():
         async with generations.attach(attempt("key")) as generation:
             link.streams[0].events.put_nowait(TokenEvent((3,), FinishReason.EOS))
             return [t async for batch in generation.follow() for t in batch], len(link.streams)
+
     assert run(scenario()) == ([1, 2, 3], 1)
 
 
@@ -126,6 +140,7 @@ def test_one_key_with_a_different_body_is_a_409():
                 async with generations.attach(attempt("key", prompt=(9,))):
                     pass
             return raised.value.status
+
     assert run(scenario()) == 409
 
 
@@ -137,6 +152,7 @@ def test_stop_cancels_the_stream_and_the_sequence_on_the_scheduler():
             generations.stop(generation)
         await asyncio.sleep(0.05)  # the Cancel call runs in the background
         return link.streams[0].cancelled, link.cancelled_seq_ids
+
     assert run(scenario()) == (True, [1])
 
 
@@ -158,6 +174,7 @@ def test_a_keyed_stream_broken_by_a_scheduler_restart_is_reopened_and_the_replay
             again.events.put_nowait(TokenEvent((4,), FinishReason.MAX_LENGTH))
             tokens = [t async for batch in generation.follow() for t in batch]
             return tokens, again.seq_id == first.seq_id
+
     assert run(scenario()) == ([1, 2, 3, 4], True)
 
 
@@ -170,8 +187,12 @@ def test_a_scheduler_back_without_the_sequence_is_a_502_and_the_new_one_is_cance
             link.streams[0].events.put_nowait(WENT_AWAY)
             with pytest.raises(GatewayError) as raised:
                 [t async for batch in generation.follow() for t in batch]
-            return raised.value.status, "--state-dir" in raised.value.message, \
-                link.streams[1].cancelled
+            return (
+                raised.value.status,
+                "--state-dir" in raised.value.message,
+                link.streams[1].cancelled,
+            )
+
     assert run(scenario()) == (502, True, True)
 
 
@@ -184,4 +205,5 @@ def test_a_stream_without_a_key_is_not_reopened():
             with pytest.raises(GatewayError):
                 [t async for batch in generation.follow() for t in batch]
         return len(link.streams)
+
     assert run(scenario()) == 1

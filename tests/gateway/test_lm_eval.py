@@ -6,6 +6,7 @@ lm-eval is the `eval` extra (with its dependencies about 650 MB: datasets, pyarr
 scikit-learn, ...), not part of `test`; scripts/test.sh installs it, and this test skips
 without it (a plain `pytest` in a venv made without the extra). The data file
 (data/multiple_choice.jsonl) was written for this test."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,19 +36,27 @@ metric_list:
 """
 
 
-def test_lm_eval_multiple_choice_loglikelihoods_equal_transformers(stack: Stack, tmp_path,
-                                                                  monkeypatch):
+def test_lm_eval_multiple_choice_loglikelihoods_equal_transformers(
+    stack: Stack, tmp_path, monkeypatch
+):
     from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (tmp_path / "lattice_multiple_choice.yaml").write_text(TASK.format(data=DATA))
-    model_args = (f"model={stack.model_name},base_url={stack.base_url}/v1/completions,"
-                  f"tokenizer_backend=huggingface,tokenizer={stack.checkpoint.path},"
-                  f"num_concurrent=1,max_retries=1,tokenized_requests=True")
+    model_args = (
+        f"model={stack.model_name},base_url={stack.base_url}/v1/completions,"
+        f"tokenizer_backend=huggingface,tokenizer={stack.checkpoint.path},"
+        f"num_concurrent=1,max_retries=1,tokenized_requests=True"
+    )
     results = lm_eval.simple_evaluate(
-        model="local-completions", model_args=model_args, tasks=["lattice_multiple_choice"],
-        task_manager=TaskManager(include_path=str(tmp_path)), batch_size=1, log_samples=True)
+        model="local-completions",
+        model_args=model_args,
+        tasks=["lattice_multiple_choice"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        batch_size=1,
+        log_samples=True,
+    )
     samples = results["samples"]["lattice_multiple_choice"]
     tokenizer, num_checked = stack.checkpoint.tokenizer, 0
     for sample in samples:

@@ -3,6 +3,7 @@ worker on a tiny checkpoint) with the official `openai` client, checked against
 transformers' log_softmax on the same checkpoint: the multiple-choice log-likelihood of
 evaluation harnesses (`echo, logprobs: 1, max_tokens: 0`), generated tokens' logprobs
 (completions and chat, streamed and not), and min_tokens holding off a stop token."""
+
 from __future__ import annotations
 
 import math
@@ -44,8 +45,9 @@ def test_multiple_choice_loglikelihood_equals_transformers_sum_of_logprobs(stack
     for choice in CHOICES:
         continuation = encode(stack, choice)
         ids = context + continuation
-        response = client.completions.create(model=stack.model_name, prompt=ids, echo=True,
-                                             logprobs=1, max_tokens=0)
+        response = client.completions.create(
+            model=stack.model_name, prompt=ids, echo=True, logprobs=1, max_tokens=0
+        )
         logprobs = response.choices[0].logprobs
         assert len(logprobs.token_logprobs) == len(ids)
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
@@ -54,8 +56,8 @@ def test_multiple_choice_loglikelihood_equals_transformers_sum_of_logprobs(stack
         expected = hf_logprobs(stack, ids)
         want = [expected[i - 1, ids[i]].item() for i in range(1, len(ids))]
         assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=TOLERANCE)
-        got_sum = sum(logprobs.token_logprobs[-len(continuation):])
-        assert got_sum == pytest.approx(sum(want[-len(continuation):]), abs=TOLERANCE)
+        got_sum = sum(logprobs.token_logprobs[-len(continuation) :])
+        assert got_sum == pytest.approx(sum(want[-len(continuation) :]), abs=TOLERANCE)
         # is_greedy, as harnesses compute it: the top-1 entry is the most likely token.
         for i in range(1, len(ids)):
             top = logprobs.top_logprobs[i]
@@ -68,9 +70,9 @@ def test_multiple_choice_loglikelihood_equals_transformers_sum_of_logprobs(stack
 
 
 def test_a_string_prompt_echoes_itself_with_its_logprobs(stack: Stack):
-    response = stack.client().completions.create(model=stack.model_name, prompt=CONTEXT,
-                                                 echo=True, logprobs=0, max_tokens=2,
-                                                 temperature=0)
+    response = stack.client().completions.create(
+        model=stack.model_name, prompt=CONTEXT, echo=True, logprobs=0, max_tokens=2, temperature=0
+    )
     choice = response.choices[0]
     assert choice.text.startswith(CONTEXT)
     num_prompt = response.usage.prompt_tokens
@@ -84,8 +86,9 @@ def test_a_string_prompt_echoes_itself_with_its_logprobs(stack: Stack):
 def test_generated_tokens_logprobs_equal_transformers_streamed_and_not(stack: Stack):
     client = stack.client()
     prompt = encode(stack, CONTEXT)
-    whole = client.completions.create(model=stack.model_name, prompt=prompt, logprobs=2,
-                                      max_tokens=8, temperature=0)
+    whole = client.completions.create(
+        model=stack.model_name, prompt=prompt, logprobs=2, max_tokens=8, temperature=0
+    )
     logprobs = whole.choices[0].logprobs
     generated = stack.checkpoint.greedy_ids(prompt, 8)
     expected = hf_logprobs(stack, prompt + generated[:-1])
@@ -97,11 +100,14 @@ def test_generated_tokens_logprobs_equal_transformers_streamed_and_not(stack: St
         assert 1 <= len(top) <= 3
         best = torch.topk(expected[len(prompt) - 1 + i], 2).values.tolist()
         assert max(top.values()) == pytest.approx(best[0], abs=TOLERANCE)
-        assert all(any(v == pytest.approx(b, abs=TOLERANCE) for b in [*best, want[i]])
-                   for v in top.values())
+        assert all(
+            any(v == pytest.approx(b, abs=TOLERANCE) for b in [*best, want[i]])
+            for v in top.values()
+        )
     streamed = []
-    for chunk in client.completions.create(model=stack.model_name, prompt=prompt, logprobs=2,
-                                           max_tokens=8, temperature=0, stream=True):
+    for chunk in client.completions.create(
+        model=stack.model_name, prompt=prompt, logprobs=2, max_tokens=8, temperature=0, stream=True
+    ):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += chunk.choices[0].logprobs.token_logprobs
     assert streamed == pytest.approx(logprobs.token_logprobs, abs=BATCH_VARIANCE)
@@ -110,9 +116,14 @@ def test_generated_tokens_logprobs_equal_transformers_streamed_and_not(stack: St
 def test_chat_logprobs_and_top_logprobs_in_openais_shape(stack: Stack):
     client = stack.client()
     messages = [{"role": "user", "content": "Hello world"}]
-    response = client.chat.completions.create(model=stack.model_name, messages=messages,
-                                              max_tokens=6, temperature=0, logprobs=True,
-                                              top_logprobs=3)
+    response = client.chat.completions.create(
+        model=stack.model_name,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = response.choices[0].logprobs.content
     assert len(content) == response.usage.completion_tokens == 6
     for item in content:
@@ -123,14 +134,23 @@ def test_chat_logprobs_and_top_logprobs_in_openais_shape(stack: Stack):
         assert item.bytes == list(item.token.encode())
         assert math.exp(item.logprob) <= 1.0
     streamed = []
-    for chunk in client.chat.completions.create(model=stack.model_name, messages=messages,
-                                                max_tokens=6, temperature=0, logprobs=True,
-                                                top_logprobs=3, stream=True):
+    for chunk in client.chat.completions.create(
+        model=stack.model_name,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    ):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += chunk.choices[0].logprobs.content
-    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=BATCH_VARIANCE)
-    plain = client.chat.completions.create(model=stack.model_name, messages=messages,
-                                           max_tokens=2, temperature=0)
+    assert [c.logprob for c in streamed] == pytest.approx(
+        [c.logprob for c in content], abs=BATCH_VARIANCE
+    )
+    plain = client.chat.completions.create(
+        model=stack.model_name, messages=messages, max_tokens=2, temperature=0
+    )
     assert plain.choices[0].logprobs is None
 
 
@@ -139,11 +159,17 @@ def test_min_tokens_holds_off_a_stop_token(stack: Stack):
     prompt = encode(stack, CONTEXT)
     greedy = stack.checkpoint.greedy_ids(prompt, 12)
     stop = {"stop_token_ids": [greedy[0]]}
-    first = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=12,
-                                      temperature=0, extra_body=stop)
+    first = client.completions.create(
+        model=stack.model_name, prompt=prompt, max_tokens=12, temperature=0, extra_body=stop
+    )
     assert first.usage.completion_tokens == 1 and first.choices[0].finish_reason == "stop"
-    held = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=12,
-                                     temperature=0, extra_body={**stop, "min_tokens": 4})
+    held = client.completions.create(
+        model=stack.model_name,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={**stop, "min_tokens": 4},
+    )
     ends = [i + 1 for i, t in enumerate(greedy) if t == greedy[0] and i + 1 >= 4]
     assert held.usage.completion_tokens == (ends[0] if ends else 12)
 
@@ -152,8 +178,13 @@ def test_ignore_eos_gives_exactly_max_tokens(stack: Stack):
     # This checkpoint's greedy runs never reach EOS (checkpoint.py); the engine's tests pin
     # that EOS itself is ignored. Here: the field passes the gateway and the answer is full.
     response = stack.client().completions.create(
-        model=stack.model_name, prompt=CONTEXT, max_tokens=10, temperature=1.0, seed=3,
-        extra_body={"ignore_eos": True})
+        model=stack.model_name,
+        prompt=CONTEXT,
+        max_tokens=10,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
     assert response.usage.completion_tokens == 10
     assert response.choices[0].finish_reason == "length"
 
@@ -161,8 +192,16 @@ def test_ignore_eos_gives_exactly_max_tokens(stack: Stack):
 def test_each_of_n_choices_has_its_own_logprobs_streamed_and_not(stack: Stack):
     client = stack.client()
     prompt = encode(stack, CONTEXT)
-    fields = dict(model=stack.model_name, prompt=prompt, n=3, seed=11, temperature=1.0,
-                  logprobs=1, max_tokens=6, echo=True)
+    fields = dict(
+        model=stack.model_name,
+        prompt=prompt,
+        n=3,
+        seed=11,
+        temperature=1.0,
+        logprobs=1,
+        max_tokens=6,
+        echo=True,
+    )
     whole = client.completions.create(**fields)
     assert [c.index for c in whole.choices] == [0, 1, 2]
     expected = hf_logprobs(stack, prompt)
@@ -172,10 +211,10 @@ def test_each_of_n_choices_has_its_own_logprobs_streamed_and_not(stack: Stack):
         logprobs = choice.logprobs
         # Each choice echoes the prompt with its logprobs, then its own tokens.
         assert logprobs.token_logprobs[0] is None
-        assert logprobs.token_logprobs[1:len(prompt)] == pytest.approx(want, abs=TOLERANCE)
+        assert logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(want, abs=TOLERANCE)
         assert logprobs.text_offset[0] == 0
         num_generated.append(len(logprobs.tokens) - len(prompt))
-        assert all(lp <= 0 for lp in logprobs.token_logprobs[len(prompt):])
+        assert all(lp <= 0 for lp in logprobs.token_logprobs[len(prompt) :])
     assert sum(num_generated) == whole.usage.completion_tokens
     assert len({tuple(c.logprobs.token_logprobs) for c in whole.choices}) > 1  # seeds 11..13
     streamed: dict[int, list] = {0: [], 1: [], 2: []}
@@ -184,4 +223,6 @@ def test_each_of_n_choices_has_its_own_logprobs_streamed_and_not(stack: Stack):
             if choice.logprobs:
                 streamed[choice.index] += choice.logprobs.token_logprobs
     for choice in whole.choices:  # the same seeds: the same tokens, by choice
-        assert streamed[choice.index] == pytest.approx(choice.logprobs.token_logprobs, abs=BATCH_VARIANCE)
+        assert streamed[choice.index] == pytest.approx(
+            choice.logprobs.token_logprobs, abs=BATCH_VARIANCE
+        )

@@ -1,6 +1,7 @@
 """The OpenAI surface as clients use it, the gateway's part: HEAD
 where GET is served, GET /v1/models/{id}, a body limit answered at once, tokenization
 that never delays other requests, error params that name the field, OpenAI's ranges."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ MAX_BODY_BYTES = 6 * 1024 * 1024
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    started = InProcessGateway(write_model(tmp_path_factory.mktemp("surface-model")),
-                               max_body_bytes=MAX_BODY_BYTES)
+    started = InProcessGateway(
+        write_model(tmp_path_factory.mktemp("surface-model")), max_body_bytes=MAX_BODY_BYTES
+    )
     yield started
     started.stop()
 
@@ -66,9 +68,13 @@ def _raw_exchange(gateway: InProcessGateway, head: bytes, body: bytes = b"") -> 
 
 def test_a_body_over_the_limit_is_a_413_before_it_is_sent(gateway):
     started = time.perf_counter()
-    answer = _raw_exchange(gateway, (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {10 * 1024 * 1024}\r\n\r\n").encode())  # and not one body byte
+    answer = _raw_exchange(
+        gateway,
+        (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {10 * 1024 * 1024}\r\n\r\n"
+        ).encode(),
+    )  # and not one body byte
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"--max-body-bytes" in answer
     assert time.perf_counter() - started < 2.0
@@ -77,10 +83,13 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_sent(gateway):
 def test_a_chunked_body_over_the_limit_is_a_413(gateway):
     piece = b"x" * (1024 * 1024)
     chunks = b"".join(f"{len(piece):x}\r\n".encode() + piece + b"\r\n" for _ in range(8))
-    answer = _raw_exchange(gateway, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                                    b"Content-Type: application/json\r\n"
-                                    b"Transfer-Encoding: chunked\r\n\r\n",
-                           b'5\r\n{"a":\r\n' + chunks + b"0\r\n\r\n")
+    answer = _raw_exchange(
+        gateway,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n",
+        b'5\r\n{"a":\r\n' + chunks + b"0\r\n\r\n",
+    )
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
 
 
@@ -89,8 +98,9 @@ def test_a_long_prompt_does_not_delay_another_request(gateway):
     # than max_model_len). Meanwhile GET /v1/models answers at once: the tokenizer runs on
     # a thread, without the GIL.
     rng = random.Random(0)
-    prompt = " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 9)))
-                      for _ in range(350_000))
+    prompt = " ".join(
+        "".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 9))) for _ in range(350_000)
+    )
     result = {}
 
     def long_request() -> None:
@@ -115,19 +125,29 @@ def test_a_long_prompt_does_not_delay_another_request(gateway):
     # On the loop, a GET waited for the whole tokenization; allow for a loaded machine.
     assert slowest < result["seconds"] / 3, (
         f"no GET /v1/models answered for {slowest:.2f} s while a long prompt was tokenized "
-        f"({result['seconds']:.2f} s)")
+        f"({result['seconds']:.2f} s)"
+    )
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]},
-     "messages[0].role"),
-    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": -3}, "presence_penalty"),
-    ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),  # not "prompt.str"
-    ("/v1/completions", {"prompt": [1, "x"]}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
-     "messages[0].content"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            "messages[0].role",
+        ),
+        ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": -3}, "presence_penalty"),
+        ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),  # not "prompt.str"
+        ("/v1/completions", {"prompt": [1, "x"]}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages[0].content",
+        ),
+    ],
+)
 def test_values_outside_openais_ranges_are_400s_naming_the_field(gateway, path, body, param):
     answer = gateway.request("POST", path, {"model": MODEL, **body})
     assert answer.status == 400, answer.text
@@ -143,8 +163,9 @@ def test_top_p_0_is_accepted_as_the_most_likely_token_alone(gateway):
 
 def test_the_developer_role_is_the_templates_system_role(gateway):
     before = len(gateway.scheduler.requests)
-    answer = gateway.chat([{"role": "developer", "content": "Be brief."},
-                           {"role": "user", "content": "hi"}])
+    answer = gateway.chat(
+        [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    )
     assert answer.status == 200, answer.text
     (request,) = gateway.scheduler.requests[before:]
     files = gateway.gateway.files

@@ -7,28 +7,33 @@ resume from its cache (how long another worker leaves one to it follows the mach
 load: LATENCY_TARGET_MS), the scheduler's metrics should count what they resumed, the
 conversations should spread over both workers, and the greedy text should be the same
 with --prefix-caching off."""
+
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-import re
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.processes import (
-    GATEWAY_LISTENING, LOOPBACK, SCHEDULER_LISTENING, START_TIMEOUT_SECONDS, Process,
-    scheduler_argv, spawn,
+    GATEWAY_LISTENING,
+    LOOPBACK,
+    SCHEDULER_LISTENING,
+    START_TIMEOUT_SECONDS,
+    Process,
+    scheduler_argv,
+    spawn,
 )
 from common.waiting import wait_until
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from .checkpoint import Checkpoint
 from .processes import gateway_argv, worker_argv
@@ -38,8 +43,12 @@ pytestmark = pytest.mark.slow
 BLOCK_TOKENS = 16  # the workers' --cache-block-tokens (one page): a strict test
 NUM_CONVERSATIONS = 4 * 4
 NUM_TURNS = 4
-QUESTIONS = ["Tell me about queue number {i}.", "And then what happened?",
-             "Say it again, shorter.", "Thank you; one last word?"]
+QUESTIONS = [
+    "Tell me about queue number {i}.",
+    "And then what happened?",
+    "Say it again, shorter.",
+    "Thank you; one last word?",
+]
 NUM_FOLLOW_UPS = NUM_CONVERSATIONS * (NUM_TURNS - 1)  # 48
 # A worker leaves a follow-up to the worker that holds its conversation for as long as
 # its own prefill would take. Without a latency target that is the cautious default
@@ -72,23 +81,42 @@ def two_worker_stack(checkpoint: Checkpoint, logs: Path, prefix_caching: str) ->
     started: list[Process] = []
     logs.mkdir(parents=True, exist_ok=True)
     try:
-        scheduler = spawn("scheduler", scheduler_argv("--prefix-caching", prefix_caching,
-                                                      "--tpot-target-ms", LATENCY_TARGET_MS),
-                          logs, SCHEDULER_LISTENING)
+        scheduler = spawn(
+            "scheduler",
+            scheduler_argv(
+                "--prefix-caching", prefix_caching, "--tpot-target-ms", LATENCY_TARGET_MS
+            ),
+            logs,
+            SCHEDULER_LISTENING,
+        )
         started.append(scheduler)
         target = f"{LOOPBACK}:{scheduler.ports[0]}"
         for worker_id in ("w0", "w1"):
-            started.append(spawn(worker_id, [*worker_argv(target, checkpoint.path, worker_id),
-                                             "--cache-block-tokens", str(BLOCK_TOKENS)], logs))
-        gateway = spawn("gateway", gateway_argv(target, checkpoint.path), logs,
-                        GATEWAY_LISTENING)
+            started.append(
+                spawn(
+                    worker_id,
+                    [
+                        *worker_argv(target, checkpoint.path, worker_id),
+                        "--cache-block-tokens",
+                        str(BLOCK_TOKENS),
+                    ],
+                    logs,
+                )
+            )
+        gateway = spawn("gateway", gateway_argv(target, checkpoint.path), logs, GATEWAY_LISTENING)
         started.append(gateway)
         channel = grpc.insecure_channel(target)
         stub = pb_grpc.SchedulerStub(channel)
-        wait_until(lambda: len(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers) == 2,
-                   "both workers to register", START_TIMEOUT_SECONDS)
-        yield (f"http://{LOOPBACK}:{gateway.ports[0]}", stub,
-               f"http://{LOOPBACK}:{scheduler.ports[1]}/metrics")
+        wait_until(
+            lambda: len(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers) == 2,
+            "both workers to register",
+            START_TIMEOUT_SECONDS,
+        )
+        yield (
+            f"http://{LOOPBACK}:{gateway.ports[0]}",
+            stub,
+            f"http://{LOOPBACK}:{scheduler.ports[1]}/metrics",
+        )
         channel.close()
     finally:
         for process in reversed(started):
@@ -97,15 +125,17 @@ def two_worker_stack(checkpoint: Checkpoint, logs: Path, prefix_caching: str) ->
 
 def conversations(base_url: str, model: str, stub) -> list[Turn]:
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                           timeout=120.0)
+    client = openai.OpenAI(
+        base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120.0
+    )
 
     def converse(i: int) -> list[Turn]:
         messages, turns = [], []
         for turn, question in enumerate(QUESTIONS[:NUM_TURNS]):
             messages.append({"role": "user", "content": question.format(i=i)})
-            answer = client.chat.completions.create(model=model, messages=messages,
-                                                    max_tokens=12, temperature=0.0)
+            answer = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=12, temperature=0.0
+            )
             text = answer.choices[0].message.content
             messages.append({"role": "assistant", "content": text})
             seq_id = int(answer.id.rsplit("-", 1)[1])
@@ -123,21 +153,27 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The scheduler's metrics: {(sample name, sorted labels): value}."""
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def sequences_finished(logs: Path, worker_id: str) -> int:
     """What the worker's exit line says it finished (a finished sequence's worker_id is
     empty on GetSequence: the contract names it only while assigned)."""
-    line = re.search(rf"lattice-worker {worker_id}: .* (\d+) sequences finished",
-                     (logs / f"{worker_id}.log").read_text())
+    line = re.search(
+        rf"lattice-worker {worker_id}: .* (\d+) sequences finished",
+        (logs / f"{worker_id}.log").read_text(),
+    )
     assert line is not None, f"{worker_id} printed no exit line"
     return int(line.group(1))
 
 
 def test_conversations_resume_on_the_worker_that_holds_them_spread_and_answer_the_same(
-        checkpoint: Checkpoint, tmp_path: Path):
+    checkpoint: Checkpoint, tmp_path: Path
+):
     results, metrics = {}, {}
     for setting in ("on", "off"):
         with two_worker_stack(checkpoint, tmp_path / setting, setting) as (base_url, stub, url):
@@ -146,22 +182,29 @@ def test_conversations_resume_on_the_worker_that_holds_them_spread_and_answer_th
     on, off = results["on"], results["off"]
     by_turn = {(t.conversation, t.turn): t for t in on}
     follow_ups = [t for t in on if t.turn > 0]
-    resumed = [t for t in follow_ups
-               if t.cached_tokens >= by_turn[t.conversation, t.turn - 1].prompt_len - BLOCK_TOKENS]
+    resumed = [
+        t
+        for t in follow_ups
+        if t.cached_tokens >= by_turn[t.conversation, t.turn - 1].prompt_len - BLOCK_TOKENS
+    ]
     cached = ("lattice_scheduler_prefill_tokens_total", (("source", "cached"),))
     misses = ("lattice_scheduler_cache_misses_total", ())
     deferred = ("lattice_scheduler_admissions_blocked_total", (("reason", "placement"),))
-    served = {worker_id: sequences_finished(tmp_path / "on", worker_id)
-              for worker_id in ("w0", "w1")}
-    print(f"follow-ups resumed: {len(resumed)} of {len(follow_ups)}; cached prompt tokens "
-          f"{sum(t.cached_tokens for t in on)} of {sum(t.prompt_len for t in on)} (the "
-          f"scheduler's count {metrics['on'][cached]:.0f}, misses {metrics['on'][misses]:.0f}); "
-          f"decisions that deferred for placement {metrics['on'].get(deferred, 0):.0f}; "
-          f"sequences per worker {served}")
+    served = {
+        worker_id: sequences_finished(tmp_path / "on", worker_id) for worker_id in ("w0", "w1")
+    }
+    print(
+        f"follow-ups resumed: {len(resumed)} of {len(follow_ups)}; cached prompt tokens "
+        f"{sum(t.cached_tokens for t in on)} of {sum(t.prompt_len for t in on)} (the "
+        f"scheduler's count {metrics['on'][cached]:.0f}, misses {metrics['on'][misses]:.0f}); "
+        f"decisions that deferred for placement {metrics['on'].get(deferred, 0):.0f}; "
+        f"sequences per worker {served}"
+    )
     assert len(follow_ups) == NUM_FOLLOW_UPS
     assert len(resumed) >= MIN_RESUMED, [
-        (t.conversation, t.turn, t.cached_tokens,
-         by_turn[t.conversation, t.turn - 1].prompt_len) for t in follow_ups]
+        (t.conversation, t.turn, t.cached_tokens, by_turn[t.conversation, t.turn - 1].prompt_len)
+        for t in follow_ups
+    ]
     # The scheduler counts what the sequences resumed: a first chunk's cached tokens, at
     # admission (a resume point lost before the worker used it is a miss, counted there too).
     if metrics["on"][misses] == 0:
@@ -174,5 +217,6 @@ def test_conversations_resume_on_the_worker_that_holds_them_spread_and_answer_th
     assert sum(served.values()) == len(on), served  # each request ran once
     assert all(n >= 0.3 * len(on) for n in served.values()), served
     assert all(t.cached_tokens == 0 for t in off)
-    assert [(t.conversation, t.turn, t.text) for t in on] == \
-        [(t.conversation, t.turn, t.text) for t in off]
+    assert [(t.conversation, t.turn, t.text) for t in on] == [
+        (t.conversation, t.turn, t.text) for t in off
+    ]

@@ -1,6 +1,7 @@
 """A streamed answer with an Idempotency-Key survives a kill -9 of the scheduler: the
 scheduler comes back on its --state-dir, the gateway re-attaches the stream, and the client
 reads the same text as if nothing had happened."""
+
 from __future__ import annotations
 
 import socket
@@ -8,7 +9,11 @@ import socket
 import pytest
 
 from common.processes import (
-    GATEWAY_LISTENING, LOOPBACK, SCHEDULER_LISTENING, scheduler_argv, spawn,
+    GATEWAY_LISTENING,
+    LOOPBACK,
+    SCHEDULER_LISTENING,
+    scheduler_argv,
+    spawn,
 )
 
 from .processes import gateway_argv, worker_argv
@@ -34,18 +39,30 @@ def test_a_keyed_stream_reads_on_across_a_scheduler_kill_and_restart(checkpoint,
     try:
         started.append(spawn("scheduler", argv, tmp_path, SCHEDULER_LISTENING))
         started.append(spawn("worker", worker_argv(target, checkpoint.path), tmp_path))
-        gateway = spawn("gateway", gateway_argv(target, checkpoint.path), tmp_path,
-                        GATEWAY_LISTENING)
+        gateway = spawn(
+            "gateway", gateway_argv(target, checkpoint.path), tmp_path, GATEWAY_LISTENING
+        )
         started.append(gateway)
-        client = openai.OpenAI(base_url=f"http://{LOOPBACK}:{gateway.ports[0]}/v1",
-                               api_key="unused", max_retries=0, timeout=120)
-        fields = dict(model=checkpoint.path.name, prompt="The scheduler admits",
-                      max_tokens=MAX_TOKENS, temperature=0)
+        client = openai.OpenAI(
+            base_url=f"http://{LOOPBACK}:{gateway.ports[0]}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=120,
+        )
+        fields = dict(
+            model=checkpoint.path.name,
+            prompt="The scheduler admits",
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
         expected = client.completions.create(**fields).choices[0].text  # waits for the worker
 
-        stream = client.completions.create(**fields, stream=True,
-                                           stream_options={"include_usage": True},
-                                           extra_headers={"Idempotency-Key": "restart-1"})
+        stream = client.completions.create(
+            **fields,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers={"Idempotency-Key": "restart-1"},
+        )
         chunks = iter(stream)
         pieces = [next(chunks).choices[0].text]
         started[0].popen.kill()  # kill -9, mid-answer

@@ -1,5 +1,6 @@
 """Streamed text: split characters come out whole, pieces add up to the full decode, stop
 strings are cut out; the chat template renders as transformers renders it."""
+
 from __future__ import annotations
 
 import json
@@ -10,19 +11,21 @@ from hypothesis import strategies as st
 
 from service.core import ConfigError
 from service.gateway.chat_template import ChatTemplate, ChatTemplateError
-from worker_client.demo_model import CHAT_TEMPLATE, build_tokenizer, write_tokenizer_files
 from service.gateway.detokenize import IncrementalDetokenizer, StopStrings, TextAssembler
 from service.gateway.model_files import ModelFiles
+from worker_client.demo_model import CHAT_TEMPLATE, build_tokenizer, write_tokenizer_files
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer")
     write_tokenizer_files(path, build_tokenizer(512))
-    (path / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [1, 0], "temperature": 0.7, "top_k": 20}))
-    (path / "config.json").write_text(json.dumps({"eos_token_id": 1,
-                                                  "max_position_embeddings": 1024}))
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [1, 0], "temperature": 0.7, "top_k": 20})
+    )
+    (path / "config.json").write_text(
+        json.dumps({"eos_token_id": 1, "max_position_embeddings": 1024})
+    )
     return path
 
 
@@ -33,7 +36,9 @@ def files(model_dir) -> ModelFiles:
 
 def test_the_tokenizer_splits_multi_byte_characters_across_tokens(files):
     # The premise of the detokenizer tests: some single tokens hold part of a character.
-    assert any("\ufffd" in files.decode([t]) for t in files.encode("日本語 🚀", add_special_tokens=False))
+    assert any(
+        "\ufffd" in files.decode([t]) for t in files.encode("日本語 🚀", add_special_tokens=False)
+    )
 
 
 def test_a_character_split_across_tokens_comes_out_once_and_whole(files):
@@ -51,7 +56,7 @@ def test_a_character_split_across_tokens_comes_out_once_and_whole(files):
 def test_pieces_always_add_up_to_the_decode_of_all_tokens(files, token_ids, cuts):
     detokenizer, pieces, start = IncrementalDetokenizer(files.decode), [], 0
     for size in cuts + [len(token_ids)]:
-        pieces.append(detokenizer.add(token_ids[start:start + size]))
+        pieces.append(detokenizer.add(token_ids[start : start + size]))
         start += size
     pieces.append(detokenizer.flush())
     assert "".join(pieces) == files.decode(token_ids)
@@ -65,12 +70,15 @@ def test_a_stop_string_split_across_pieces_is_cut_out_and_nothing_after_it_is_se
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.text(alphabet="abc ", max_size=30), cuts=st.lists(st.integers(0, 6)),
-       stops=st.lists(st.text(alphabet="abc ", min_size=1, max_size=4), max_size=3))
+@given(
+    text=st.text(alphabet="abc ", max_size=30),
+    cuts=st.lists(st.integers(0, 6)),
+    stops=st.lists(st.text(alphabet="abc ", min_size=1, max_size=4), max_size=3),
+)
 def test_text_sent_is_a_prefix_of_the_text_and_never_holds_a_stop_string(text, cuts, stops):
     stop, out, start = StopStrings(stops), [], 0
     for size in cuts + [len(text)]:
-        out.append(stop.push(text[start:start + size]))
+        out.append(stop.push(text[start : start + size]))
         start += size
     if stop.matched is None:
         out.append(stop.flush())
@@ -103,20 +111,27 @@ def test_model_files_read_eos_ids_defaults_and_the_chat_template(files):
 def test_the_chat_template_renders_as_transformers_renders_it(model_dir, files):
     transformers = pytest.importorskip("transformers")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Grüße, 世界"},
-                {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Again"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Grüße, 世界"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Again"},
+    ]
     for add_generation_prompt in (True, False):
-        assert files.chat_template.render(messages, add_generation_prompt=add_generation_prompt) == \
-            tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                          tokenize=False)
+        assert files.chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt
+        ) == tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
 
 
 def test_a_template_may_refuse_messages_with_raise_exception_and_use_tojson():
     template = ChatTemplate(
         "{% for m in messages %}{% if m.role not in ['user'] %}"
         "{{ raise_exception('only user messages, got ' + m.role) }}{% endif %}"
-        "{{ m.content | tojson }}{% endfor %}", {})
+        "{{ m.content | tojson }}{% endfor %}",
+        {},
+    )
     assert template.render([{"role": "user", "content": "日本"}]) == '"日本"'
     with pytest.raises(ChatTemplateError, match="only user messages, got tool"):
         template.render([{"role": "tool", "content": "x"}])

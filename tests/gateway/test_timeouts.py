@@ -1,6 +1,7 @@
 """Deadlines on the gateway's listener (200 slowloris connections once
 stayed open indefinitely): request headers or a body sent too slowly, and connections
 idle too long, are closed; the gateway serves others meanwhile."""
+
 from __future__ import annotations
 
 import socket
@@ -16,10 +17,12 @@ HEADER_SECONDS, BODY_SECONDS, IDLE_SECONDS = 0.6, 0.6, 0.5
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    started = InProcessGateway(write_model(tmp_path_factory.mktemp("timeouts-model")),
-                               header_timeout_seconds=HEADER_SECONDS,
-                               body_timeout_seconds=BODY_SECONDS,
-                               keep_alive_seconds=IDLE_SECONDS)
+    started = InProcessGateway(
+        write_model(tmp_path_factory.mktemp("timeouts-model")),
+        header_timeout_seconds=HEADER_SECONDS,
+        body_timeout_seconds=BODY_SECONDS,
+        keep_alive_seconds=IDLE_SECONDS,
+    )
     yield started
     started.stop()
 
@@ -39,7 +42,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
             sock.settimeout(left)
             if sock.recv(4096) == b"":
                 return True
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return False
     except ConnectionError:
         return True
@@ -47,8 +50,9 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
 
 
 def test_200_connections_sending_headers_slowly_are_closed_and_others_are_served(gateway):
-    sockets = [connect(gateway, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-               for _ in range(200)]
+    sockets = [
+        connect(gateway, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") for _ in range(200)
+    ]
     stop = threading.Event()
 
     def trickle() -> None:  # a byte now and then: never a whole head
@@ -80,8 +84,10 @@ def test_a_connection_that_sends_nothing_is_closed(gateway):
 
 
 def test_a_body_sent_too_slowly_is_closed(gateway):
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"model": '
+    )
     with connect(gateway, head) as sock:
         assert closed_within(sock, BODY_SECONDS + 3.0)
 
@@ -91,4 +97,3 @@ def test_an_idle_keep_alive_connection_is_closed_after_its_answer(gateway):
         sock.settimeout(5)
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         assert closed_within(sock, IDLE_SECONDS + 3.0)
-

@@ -5,6 +5,7 @@ on a free loopback port; as root, as the `postgres` user). Every test that asks 
 `database_url` gets a database of its own. Tests skip, saying why, only where this
 machine has no PostgreSQL binaries.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,8 +34,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def pg_cluster() -> Iterator[PrivateCluster]:
     if find_binaries() is None:
-        pytest.skip("no PostgreSQL binaries (initdb, pg_ctl) on this machine: install "
-                    "postgresql (scripts/test.sh does as root) to run the replica tests")
+        pytest.skip(
+            "no PostgreSQL binaries (initdb, pg_ctl) on this machine: install "
+            "postgresql (scripts/test.sh does as root) to run the replica tests"
+        )
     directory = tempfile.mkdtemp(prefix="lattice-pg-")
     cluster = PrivateCluster(directory, fsync=False).start()
     try:
@@ -62,9 +65,9 @@ def database_url(pg_cluster: PrivateCluster) -> str:
 import threading  # noqa: E402
 
 import grpc  # noqa: E402
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc  # noqa: E402
 from service.core import SchedulerConfig  # noqa: E402
 from service.replicas.build import start  # noqa: E402
 from service.settings import ServeSettings  # noqa: E402
@@ -72,15 +75,28 @@ from tests.server.conftest import LOOPBACK, Server  # noqa: E402
 from tests.server.wire import RPC_TIMEOUT_SECONDS  # noqa: E402
 
 
-def start_replica(database_url: str, *, replica_lease_ms: int = 5000, prefetch: int = 8,
-                  auth_tokens: str = "", **scheduler_config) -> Server:
+def start_replica(
+    database_url: str,
+    *,
+    replica_lease_ms: int = 5000,
+    prefetch: int = 8,
+    auth_tokens: str = "",
+    **scheduler_config,
+) -> Server:
     """One in-process replica on `database_url` (gRPC and metrics on free ports), with
     the tokens file `auth_tokens` if given (`Server.stub` then sends no token)."""
     scheduler_config.setdefault("policy", "fifo")
     config = SchedulerConfig(**scheduler_config)
-    settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0,
-                             state=database_url, prefetch=prefetch, auth_tokens=auth_tokens,
-                             replica_lease_ms=replica_lease_ms, scheduler=config)
+    settings = ServeSettings(
+        host=LOOPBACK,
+        port=0,
+        metrics_port=0,
+        state=database_url,
+        prefetch=prefetch,
+        auth_tokens=auth_tokens,
+        replica_lease_ms=replica_lease_ms,
+        scheduler=config,
+    )
     registry = CollectorRegistry()
     running = start(settings, registry)
     channel = grpc.insecure_channel(f"{LOOPBACK}:{running.port}")

@@ -5,6 +5,7 @@ worker processes (each worker lists its own replica first, then the others, so i
 moves on when its replica goes away). `ReplicaClients` are the fault stack's Clients over
 one round_robin channel to every replica. Every process is killed at close.
 """
+
 from __future__ import annotations
 
 import sys
@@ -12,22 +13,35 @@ import time
 from pathlib import Path
 
 import grpc
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
+from bench.harness.fault_stack import (
+    CHANNEL_OPTIONS,
+    START_TIMEOUT_SECONDS,
+    Clients,
+    Proc,
+    kill_all,
+)
 from common.processes import LOOPBACK, SCHEDULER_LISTENING, free_port, scheduler_argv
 from common.targets import ROUND_ROBIN
 from common.waiting import wait_until
-from bench.harness.fault_stack import (
-    CHANNEL_OPTIONS, START_TIMEOUT_SECONDS, Clients, Proc, kill_all)
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 
 class ReplicaStack:
     """Scheduler replicas and their workers; see the module docstring."""
 
-    def __init__(self, directory: Path, database_url: str, *, num_replicas: int = 2,
-                 workers_per_replica: int = 2, step_ms: float = 10.0,
-                 lease_ttl_ms: int = 3000, replica_lease_ms: int = 1500) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        database_url: str,
+        *,
+        num_replicas: int = 2,
+        workers_per_replica: int = 2,
+        step_ms: float = 10.0,
+        lease_ttl_ms: int = 3000,
+        replica_lease_ms: int = 1500,
+    ) -> None:
         self.directory = Path(directory)
         self.database_url = database_url
         self.ports = [free_port() for _ in range(num_replicas)]
@@ -38,19 +52,25 @@ class ReplicaStack:
         self.replicas: list[Proc | None] = [None] * num_replicas
         self.workers: dict[str, Proc] = {}
         self.all_procs: list[Proc] = []
-        self.worker_home = {f"w{r}{i}": r for r in range(num_replicas)
-                            for i in range(workers_per_replica)}
-        self.channel = grpc.insecure_channel("ipv4:" + ",".join(self.targets),
-                                             options=[*CHANNEL_OPTIONS, ROUND_ROBIN])
+        self.worker_home = {
+            f"w{r}{i}": r for r in range(num_replicas) for i in range(workers_per_replica)
+        }
+        self.channel = grpc.insecure_channel(
+            "ipv4:" + ",".join(self.targets), options=[*CHANNEL_OPTIONS, ROUND_ROBIN]
+        )
         self.stub = pb_grpc.SchedulerStub(self.channel)
 
-    def start(self) -> "ReplicaStack":
+    def start(self) -> ReplicaStack:
         for index in range(len(self.ports)):
             self.start_replica(index)
         for worker_id in self.worker_home:
             self.start_worker(worker_id)
-        wait_until(lambda: self.num_workers() == len(self.worker_home),
-                   "every worker registered", START_TIMEOUT_SECONDS, retry_on=(grpc.RpcError,))
+        wait_until(
+            lambda: self.num_workers() == len(self.worker_home),
+            "every worker registered",
+            START_TIMEOUT_SECONDS,
+            retry_on=(grpc.RpcError,),
+        )
         return self
 
     def close(self) -> None:
@@ -58,10 +78,19 @@ class ReplicaStack:
         self.channel.close()
 
     def start_replica(self, index: int) -> None:
-        proc = Proc(f"replica{index}", scheduler_argv(
-            "--state", self.database_url, "--lease-ttl-ms", str(self.lease_ttl_ms),
-            "--replica-lease-ms", str(self.replica_lease_ms), port=self.ports[index],
-        ), self.directory / f"replica{index}.{len(self.all_procs)}.log")
+        proc = Proc(
+            f"replica{index}",
+            scheduler_argv(
+                "--state",
+                self.database_url,
+                "--lease-ttl-ms",
+                str(self.lease_ttl_ms),
+                "--replica-lease-ms",
+                str(self.replica_lease_ms),
+                port=self.ports[index],
+            ),
+            self.directory / f"replica{index}.{len(self.all_procs)}.log",
+        )
         self.all_procs.append(proc)
         self.replicas[index] = proc
         if proc.wait_for_line(SCHEDULER_LISTENING, START_TIMEOUT_SECONDS) is None:
@@ -75,10 +104,23 @@ class ReplicaStack:
     def start_worker(self, worker_id: str) -> None:
         home = self.worker_home[worker_id]
         order = self.targets[home:] + self.targets[:home]
-        proc = Proc(worker_id, [
-            sys.executable, "-m", "worker_client", "--scheduler", ",".join(order),
-            "--worker-id", worker_id, "--model", "scripted", "--step-ms", str(self.step_ms),
-        ], self.directory / f"{worker_id}.log")
+        proc = Proc(
+            worker_id,
+            [
+                sys.executable,
+                "-m",
+                "worker_client",
+                "--scheduler",
+                ",".join(order),
+                "--worker-id",
+                worker_id,
+                "--model",
+                "scripted",
+                "--step-ms",
+                str(self.step_ms),
+            ],
+            self.directory / f"{worker_id}.log",
+        )
         self.all_procs.append(proc)
         self.workers[worker_id] = proc
 
@@ -89,7 +131,8 @@ class ReplicaStack:
             with grpc.insecure_channel(target) as channel:
                 try:
                     status = pb_grpc.SchedulerStub(channel).GetStatus(
-                        pb.GetStatusRequest(), timeout=2.0)
+                        pb.GetStatusRequest(), timeout=2.0
+                    )
                 except grpc.RpcError:
                     continue
                 count += len(status.workers)
@@ -109,8 +152,9 @@ class ReplicaClients(Clients):
     def __init__(self, targets: list[str], jobs, **kwargs) -> None:
         super().__init__(targets[0], jobs, **kwargs)
         self._channel.close()
-        self._channel = grpc.insecure_channel("ipv4:" + ",".join(targets),
-                                              options=[*CHANNEL_OPTIONS, ROUND_ROBIN])
+        self._channel = grpc.insecure_channel(
+            "ipv4:" + ",".join(targets), options=[*CHANNEL_OPTIONS, ROUND_ROBIN]
+        )
         self._stub = pb_grpc.SchedulerStub(self._channel)
 
 

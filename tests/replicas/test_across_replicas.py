@@ -1,15 +1,15 @@
 """Two in-process replicas on one database: what one replica does, the other sees."""
+
 from __future__ import annotations
 
 import asyncio
 
 import grpc
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from common.waiting import wait_until
-from tests.server.wire import RPC_TIMEOUT_SECONDS, Stream, Worker, admitted, get_sequence, \
-    submit
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from tests.server.wire import RPC_TIMEOUT_SECONDS, Stream, Worker, admitted, get_sequence, submit
 from worker_client.client import NotRegistered, RetryPolicy, SchedulerClient, WorkerResources
 
 EOS = pb.FINISH_REASON_EOS
@@ -44,6 +44,7 @@ def _admit_on(worker: Worker, count: int) -> list[int]:
     def more() -> bool:
         got.extend(admitted(worker.select(running=got)))
         return len(got) >= count
+
     wait_until(more, f"{count} admissions on {worker.worker_id}", 20)
     return got
 
@@ -63,7 +64,10 @@ def test_generate_on_one_replica_streams_tokens_a_worker_reports_to_the_other(st
     assert stream.tokens_until(2, 10) == [7, 8]
     info = get_sequence(r1.stub, seq_id)
     assert (info.state, info.worker_id, info.generated_tokens) == (
-        pb.SEQUENCE_STATE_DECODING, "w", 2)
+        pb.SEQUENCE_STATE_DECODING,
+        "w",
+        2,
+    )
     worker.select(tokens={seq_id: [9]}, finished=[(seq_id, EOS, 3)])
     events = stream.rest(10)
     assert [t for e in events for t in e.token_ids] == [9]
@@ -87,44 +91,50 @@ def test_cancel_on_another_replica_reaches_the_owner_and_its_worker_evicts(start
     wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
     response = r1.stub.Cancel(pb.CancelRequest(seq_id=seq_id), timeout=RPC_TIMEOUT_SECONDS)
     assert response.cancelled
-    wait_until(lambda: seq_id in worker.select(running=[seq_id]).evict,
-               "the owner to evict the cancelled sequence", 10)
+    wait_until(
+        lambda: seq_id in worker.select(running=[seq_id]).evict,
+        "the owner to evict the cancelled sequence",
+        10,
+    )
     info = get_sequence(r1.stub, seq_id)
     assert (info.state, info.finish_reason) == (pb.SEQUENCE_STATE_FINISHED, CANCELLED)
 
 
-def test_a_worker_moving_on_unavailable_keeps_its_sequences_on_the_next_replica(
-        start_replicas):
+def test_a_worker_moving_on_unavailable_keeps_its_sequences_on_the_next_replica(start_replicas):
     r0, r1 = start_replicas(2)
-    client = SchedulerClient(f"{r0.target},{r1.target}", call_timeout_seconds=2.0,
-                             retry=RetryPolicy(0.05, 0.2, 20.0))
+    client = SchedulerClient(
+        f"{r0.target},{r1.target}", call_timeout_seconds=2.0, retry=RetryPolicy(0.05, 0.2, 20.0)
+    )
     resources = WorkerResources("w", 1000, 16, 64)
     client.register(resources)
     seq_id = submit(r0.stub, max_new_tokens=8).seq_id
 
     def report(**fields):
-        return pb.SelectBatchRequest(worker_id="w", kv_free_pages=1000, gdn_free_slots=64,
-                                     **fields)
+        return pb.SelectBatchRequest(worker_id="w", kv_free_pages=1000, gdn_free_slots=64, **fields)
 
-    wait_until(lambda: [c.seq_id for c in client.select(report()).prefill] == [seq_id],
-               "admission on r0", 10)
-    client.select(report(running=[seq_id], tokens=[pb.TokenUpdate(
-        seq_id=seq_id, token_ids=[5], offset=0)]))
+    wait_until(
+        lambda: [c.seq_id for c in client.select(report()).prefill] == [seq_id],
+        "admission on r0",
+        10,
+    )
+    client.select(
+        report(running=[seq_id], tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=[5], offset=0)])
+    )
     _crash(r0)
     with pytest.raises(NotRegistered):  # r1 does not know the worker yet
         client.select(report(running=[seq_id]))
     assert client.target == r1.target and client.num_moves == 1
     client.register(resources)  # r1 adopts what the worker holds, at once
-    decision = client.select(report(running=[seq_id], tokens=[pb.TokenUpdate(
-        seq_id=seq_id, token_ids=[6], offset=1)]))
+    decision = client.select(
+        report(running=[seq_id], tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=[6], offset=1)])
+    )
     assert list(decision.decode) == [seq_id] and not decision.evict
     info = get_sequence(r1.stub, seq_id)
     assert (info.worker_id, info.generated_tokens) == ("w", 2)
     client.close()
 
 
-def test_claims_of_a_crashed_replica_return_after_its_lease_and_run_elsewhere(
-        start_replicas):
+def test_claims_of_a_crashed_replica_return_after_its_lease_and_run_elsewhere(start_replicas):
     r0, r1 = start_replicas(2, replica_lease_ms=600)
     w0 = Worker(r0.stub, "w0")
     w0.register(max_batch_size=1)
@@ -141,7 +151,8 @@ def test_claims_of_a_crashed_replica_return_after_its_lease_and_run_elsewhere(
 
 
 def test_a_replica_without_the_database_answers_unavailable_and_acknowledges_nothing(
-        start_replicas, pg_cluster):
+    start_replicas, pg_cluster
+):
     (r0,) = start_replicas(1)
     pg_cluster.stop()
     try:
@@ -177,8 +188,7 @@ def test_claims_a_replica_can_no_longer_run_go_back_to_the_shared_queue(start_re
     assert got == ids  # in their order
 
 
-def test_a_replica_sheds_sheddable_requests_its_workers_could_not_start_in_time(
-        start_replicas):
+def test_a_replica_sheds_sheddable_requests_its_workers_could_not_start_in_time(start_replicas):
     # The cautious default step model prefills a few thousand tokens a second: a queue of
     # 1,000-token prompts outgrows a 1.5 s TTFT target within a few dozen of them.
     (r0,) = start_replicas(1, policy="budget", tpot_target_ms=100.0, ttft_target_ms=1500.0)

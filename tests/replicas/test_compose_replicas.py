@@ -1,5 +1,6 @@
 """docker-compose.replicas.yml: valid Compose, and with docker-compose.yml it makes a
 PostgreSQL service, two replicas on it, and workers and a gateway that list both."""
+
 from __future__ import annotations
 
 import json
@@ -50,4 +51,6 @@ def test_workers_list_both_replicas_their_own_first_and_the_gateway_both(merged)
     assert len(firsts) == 2
     gateway = services["gateway"]["command"]
     assert set(gateway[gateway.index("--target") + 1].split(",")) == {
-        "scheduler:50051", "scheduler-2:50051"}
+        "scheduler:50051",
+        "scheduler-2:50051",
+    }

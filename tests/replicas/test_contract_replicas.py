@@ -1,15 +1,17 @@
 """The wire contract suite (tests/server/test_contract.py), run against each of two
 replicas sharing one PostgreSQL database: every test talks to one replica while the
 other runs beside it on the same database."""
+
 from __future__ import annotations
 
 import pytest
+
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-from tests.server.test_contract import queue_depth, submit_many
-from tests.server.test_contract import *  # noqa: F401,F403 - the same tests, re-collected
 # The fake-worker fixtures, here on the replica's `stub` below.
 from tests.server.conftest import make_worker, worker  # noqa: F401
+from tests.server.test_contract import *  # noqa: F403 - the same tests, re-collected
+from tests.server.test_contract import queue_depth, submit_many
 from tests.server.wire import RPC_TIMEOUT_SECONDS
 
 
@@ -21,9 +23,11 @@ def replica_index(request) -> int:
 @pytest.fixture
 def start_server(start_replicas):
     """The contract suite's factory: a deployment of two replicas, the first returned."""
+
     def factory(state_dir: str = "", **config):
         assert not state_dir, "replicas keep their state in PostgreSQL"
         return start_replicas(2, **config)[0]
+
     return factory
 
 
@@ -49,5 +53,5 @@ def test_metric_queue_depth_follows_submit_admission_and_cancel(stub, worker):
     assert queue_depth(stub) == 1
     stub.Cancel(pb.CancelRequest(seq_id=ids[2]), timeout=RPC_TIMEOUT_SECONDS)
     assert queue_depth(stub) == 0
-    worker.select(draining=True)                 # both lost: back in the queue
+    worker.select(draining=True)  # both lost: back in the queue
     assert queue_depth(stub) == 2

@@ -6,12 +6,13 @@ acknowledged sequence by re-attaching Generate streams. The fault stack's `check
 of each: known, FINISHED once with the reference finish reason, exactly the reference
 tokens (none missing, none twice), one seq_id for its request_id.
 """
+
 from __future__ import annotations
 
 import pytest
 
-from common.waiting import wait_until
 from bench.harness.fault_stack import check, make_jobs
+from common.waiting import wait_until
 
 from .harness import ReplicaClients, ReplicaStack, wait_all_done
 
@@ -34,10 +35,14 @@ def stack(tmp_path, database_url):
 
 @pytest.fixture
 def clients(stack):
-    started = [ReplicaClients(stack.targets, make_jobs(JOBS_PER_CLIENT, seed=i,
-                                                       prefix=f"client{i}"),
-                              submit_interval_seconds=0.05).start()
-               for i in range(NUM_CLIENTS)]
+    started = [
+        ReplicaClients(
+            stack.targets,
+            make_jobs(JOBS_PER_CLIENT, seed=i, prefix=f"client{i}"),
+            submit_interval_seconds=0.05,
+        ).start()
+        for i in range(NUM_CLIENTS)
+    ]
     yield started
     for c in started:
         c.close()
@@ -48,16 +53,19 @@ def _assert_all_good(stack: ReplicaStack, clients: list[ReplicaClients]) -> None
     outcome = check(stack.stub, jobs)
     assert outcome.problems == [], "\n".join(outcome.problems[:20])
     assert outcome.acknowledged == len(jobs)
-    assert (outcome.lost, outcome.duplicated_tokens, outcome.missing_tokens,
-            outcome.wrong_outputs) == (0, 0, 0, 0)
+    assert (
+        outcome.lost,
+        outcome.duplicated_tokens,
+        outcome.missing_tokens,
+        outcome.wrong_outputs,
+    ) == (0, 0, 0, 0)
 
 
 def _acknowledged(clients) -> int:
     return sum(c.num_acknowledged for c in clients)
 
 
-def test_a_replica_killed_under_load_loses_nothing_and_each_sequence_finishes_once(
-        stack, clients):
+def test_a_replica_killed_under_load_loses_nothing_and_each_sequence_finishes_once(stack, clients):
     wait_until(lambda: _acknowledged(clients) >= 20, "20 acknowledged submits", 30)
     stack.kill_replica(0)
     assert _acknowledged(clients) < NUM_CLIENTS * JOBS_PER_CLIENT  # the kill landed mid-run

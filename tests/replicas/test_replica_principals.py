@@ -3,6 +3,7 @@ sequence, request_id is unique per principal, and a Cancel, GetSequence or Gener
 re-attach on another replica than the one submitted to sees only the principal's own.
 Also the schema change this needs (version 2), from a version 1 database.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -10,10 +11,10 @@ import secrets
 import grpc
 import psycopg
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from common.credentials import open_channel
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service.core import SEES_ALL, Caller, NotFound
 from service.state.postgres import SCHEMA_VERSION, PostgresState
 from tests.server.wire import RPC_TIMEOUT_SECONDS as T
@@ -42,8 +43,11 @@ def test_request_id_is_unique_per_principal_in_the_shared_queue(store):
 
 def test_another_principals_sequence_is_not_found_in_the_database(store):
     seq_id = store.submit(params(principal="alice"), 1000, 0).seq_id
-    calls = (lambda s, c: store.sequence_info(s, c), lambda s, c: store.read_output(s, 0, c),
-             lambda s, c: store.cancel(s, c))
+    calls = (
+        lambda s, c: store.sequence_info(s, c),
+        lambda s, c: store.read_output(s, 0, c),
+        lambda s, c: store.cancel(s, c),
+    )
     for call in calls:
         with pytest.raises(NotFound) as theirs:
             call(seq_id, MALLORY)
@@ -61,46 +65,53 @@ def test_a_version_1_database_is_migrated_and_its_sequences_are_anonymous(databa
     first.close()
     with psycopg.connect(database_url, autocommit=True) as conn:  # back to version 1
         conn.execute("DROP INDEX sequences_request")
-        conn.execute("DROP FUNCTION lattice_submit(text, text, text, text, bytea, integer, "
-                     "text, integer, bigint, bigint, boolean)")
+        conn.execute(
+            "DROP FUNCTION lattice_submit(text, text, text, text, bytea, integer, "
+            "text, integer, bigint, bigint, boolean)"
+        )
         conn.execute("ALTER TABLE sequences DROP COLUMN principal")
         conn.execute("ALTER TABLE sequences DROP COLUMN adapter_id")
-        conn.execute("ALTER TABLE sequences ADD CONSTRAINT sequences_request_id_key "
-                     "UNIQUE (request_id)")
-        conn.execute("CREATE FUNCTION lattice_submit(p_request_id text, p_params text, "
-                     "p_prompt bytea, p_priority integer, p_tenant text, p_max_new_tokens "
-                     "integer, p_max_queue bigint, p_max_per_tenant bigint, p_sync boolean, "
-                     "OUT status integer, OUT seq_id bigint, OUT queue_position bigint) "
-                     "LANGUAGE sql AS $$ SELECT 0, 0::bigint, 0::bigint $$")
+        conn.execute(
+            "ALTER TABLE sequences ADD CONSTRAINT sequences_request_id_key UNIQUE (request_id)"
+        )
+        conn.execute(
+            "CREATE FUNCTION lattice_submit(p_request_id text, p_params text, "
+            "p_prompt bytea, p_priority integer, p_tenant text, p_max_new_tokens "
+            "integer, p_max_queue bigint, p_max_per_tenant bigint, p_sync boolean, "
+            "OUT status integer, OUT seq_id bigint, OUT queue_position bigint) "
+            "LANGUAGE sql AS $$ SELECT 0, 0::bigint, 0::bigint $$"
+        )
         conn.execute("UPDATE lattice_meta SET value = 1 WHERE key = 'schema_version'")
     migrated = PostgresState(database_url, name="b")
     try:
         assert migrated.submit(params(request_id="old"), 1000, 0).seq_id == old
-        assert migrated.submit(params(request_id="old", principal="alice"), 1000,
-                               0).seq_id != old
+        assert migrated.submit(params(request_id="old", principal="alice"), 1000, 0).seq_id != old
         with pytest.raises(NotFound):
             migrated.sequence_info(old, ALICE)
         with psycopg.connect(database_url) as conn:
-            assert conn.execute("SELECT value FROM lattice_meta WHERE key = "
-                                "'schema_version'").fetchone() == (SCHEMA_VERSION,)
-            assert conn.execute("SELECT count(*) FROM pg_proc WHERE proname = "
-                                "'lattice_submit'").fetchone() == (1,)
+            assert conn.execute(
+                "SELECT value FROM lattice_meta WHERE key = 'schema_version'"
+            ).fetchone() == (SCHEMA_VERSION,)
+            assert conn.execute(
+                "SELECT count(*) FROM pg_proc WHERE proname = 'lattice_submit'"
+            ).fetchone() == (1,)
             # The adapter of a sequence saved before the column is copied out of params.
-            assert conn.execute("SELECT adapter_id FROM sequences WHERE seq_id = %s",
-                                (old,)).fetchone() == ("lora-x",)
+            assert conn.execute(
+                "SELECT adapter_id FROM sequences WHERE seq_id = %s", (old,)
+            ).fetchone() == ("lora-x",)
     finally:
         migrated.close()
 
 
 @pytest.fixture
 def tokens_file(tmp_path):
-    values = {name: f"{name}-{secrets.token_urlsafe(24)}" for name in ("alice", "mallory",
-                                                                        "admin")}
+    values = {name: f"{name}-{secrets.token_urlsafe(24)}" for name in ("alice", "mallory", "admin")}
     path = tmp_path / "tokens.toml"
     path.write_text(
         f'[[tokens]]\ntoken = "{values["alice"]}"\nrole = "client"\nname = "alice"\n\n'
         f'[[tokens]]\ntoken = "{values["mallory"]}"\nrole = "client"\nname = "mallory"\n\n'
-        f'[[tokens]]\ntoken = "{values["admin"]}"\nrole = "admin"\n')
+        f'[[tokens]]\ntoken = "{values["admin"]}"\nrole = "admin"\n'
+    )
     return path, values
 
 
@@ -115,24 +126,36 @@ def test_across_replicas_a_client_sees_and_cancels_only_its_own(database_url, to
         a, b = servers
         alice_a, alice_b = _stub(a, token["alice"]), _stub(b, token["alice"])
         mallory_b, admin_b = _stub(b, token["mallory"]), _stub(b, token["admin"])
-        seq_id = alice_a.Submit(pb.SubmitRequest(prompt_token_ids=[1, 2], max_new_tokens=2,
-                                                 request_id="alice-req-1"), timeout=T).seq_id
-        for call in (lambda: mallory_b.GetSequence(pb.GetSequenceRequest(seq_id=seq_id),
-                                                   timeout=T),
-                     lambda: mallory_b.Cancel(pb.CancelRequest(seq_id=seq_id), timeout=T)):
+        seq_id = alice_a.Submit(
+            pb.SubmitRequest(prompt_token_ids=[1, 2], max_new_tokens=2, request_id="alice-req-1"),
+            timeout=T,
+        ).seq_id
+        for call in (
+            lambda: mallory_b.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=T),
+            lambda: mallory_b.Cancel(pb.CancelRequest(seq_id=seq_id), timeout=T),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 call()
             assert err.value.code() is grpc.StatusCode.NOT_FOUND
-            assert err.value.details() == (f"seq_id {seq_id} is unknown (never submitted, "
-                                           "or long finished)")
-        stream = mallory_b.Generate(pb.SubmitRequest(prompt_token_ids=[9], max_new_tokens=2,
-                                                     request_id="alice-req-1"), timeout=T)
+            assert err.value.details() == (
+                f"seq_id {seq_id} is unknown (never submitted, or long finished)"
+            )
+        stream = mallory_b.Generate(
+            pb.SubmitRequest(prompt_token_ids=[9], max_new_tokens=2, request_id="alice-req-1"),
+            timeout=T,
+        )
         theirs = next(iter(stream)).seq_id
         stream.cancel()
         assert theirs != seq_id
-        assert alice_b.Submit(pb.SubmitRequest(prompt_token_ids=[1, 2], max_new_tokens=2,
-                                               request_id="alice-req-1"),
-                              timeout=T).seq_id == seq_id
+        assert (
+            alice_b.Submit(
+                pb.SubmitRequest(
+                    prompt_token_ids=[1, 2], max_new_tokens=2, request_id="alice-req-1"
+                ),
+                timeout=T,
+            ).seq_id
+            == seq_id
+        )
         info = alice_b.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=T)
         assert info.state == QUEUED and info.finish_reason == 0
         assert admin_b.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=T).seq_id

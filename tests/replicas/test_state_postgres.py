@@ -1,5 +1,6 @@
 """The PostgreSQL store against a real private cluster: submit, claims, saves that are
 refused once ownership moved, leases and their expiry, cancels across replicas."""
+
 from __future__ import annotations
 
 import threading
@@ -10,26 +11,34 @@ import psycopg
 import pytest
 
 from service.core import FinishReason, QueueFull, ReplicaScheduler, SequenceState
-from service.core.persist.store import Disowned, SequenceProgress, StateChanges
 from service.core.decide.orders import queue_order
+from service.core.persist.store import Disowned, SequenceProgress, StateChanges
 from service.core.types import TokenUpdate
 from service.state.postgres import PostgresState
 from tests.unit.factories import (
-    FakeClock, finished, make_config, params, register, report,
+    FakeClock,
+    finished,
+    make_config,
+    params,
+    register,
+    report,
 )
 
 
 class Replica:
     """One replica's store and core, driven by hand (no threads)."""
 
-    def __init__(self, url: str, name: str, policy: str = "fifo", lease_ttl: float = 5.0,
-                 **config) -> None:
+    def __init__(
+        self, url: str, name: str, policy: str = "fifo", lease_ttl: float = 5.0, **config
+    ) -> None:
         config = make_config(policy=policy, **config)
-        self.state = PostgresState(url, name=name, lease_ttl_seconds=lease_ttl,
-                                   order=queue_order(config))
+        self.state = PostgresState(
+            url, name=name, lease_ttl_seconds=lease_ttl, order=queue_order(config)
+        )
         self.clock = FakeClock()
-        self.core = ReplicaScheduler(config, clock=self.clock,
-                              wall_clock=lambda: self.clock() + 1.7e9, store=self.state)
+        self.core = ReplicaScheduler(
+            config, clock=self.clock, wall_clock=lambda: self.clock() + 1.7e9, store=self.state
+        )
 
     def submit(self, **overrides) -> int:
         return self.state.submit(params(**overrides), 1000, 0).seq_id
@@ -53,8 +62,7 @@ def replicas(database_url):
         replica.state.close()
 
 
-def test_submit_commits_ids_from_one_sequence_and_request_ids_are_unique_across_replicas(
-        replicas):
+def test_submit_commits_ids_from_one_sequence_and_request_ids_are_unique_across_replicas(replicas):
     a, b = replicas("a"), replicas("b")
     first = a.state.submit(params(request_id="r1"), 1000, 0)
     again = b.state.submit(params(request_id="r1"), 1000, 0)
@@ -127,16 +135,16 @@ def test_a_replica_saves_progress_and_tokens_that_another_replica_reads(replicas
     out = b.state.read_output(seq_id, 0)
     assert (out.token_ids, out.finished) == ((7, 8), False)
     assert b.state.read_output(seq_id, 1).token_ids == (8,)
-    a.core.select_batch(report(tokens={seq_id: (9,)},
-                               finished=(finished(seq_id, FinishReason.EOS, 3),)))
+    a.core.select_batch(
+        report(tokens={seq_id: (9,)}, finished=(finished(seq_id, FinishReason.EOS, 3),))
+    )
     out = b.state.read_output(seq_id, 2)
     assert (out.token_ids, out.finished, out.finish_reason) == ((9,), True, FinishReason.EOS)
     info = b.state.sequence_info(seq_id)
     assert (info.state, info.generated_tokens) == (SequenceState.FINISHED, 3)
 
 
-def test_a_worker_registering_elsewhere_takes_its_sequences_and_the_old_owner_is_refused(
-        replicas):
+def test_a_worker_registering_elsewhere_takes_its_sequences_and_the_old_owner_is_refused(replicas):
     a, b = replicas("a"), replicas("b")
     seq_id = a.submit(max_new_tokens=8)
     register(a.core, "w")
@@ -147,13 +155,15 @@ def test_a_worker_registering_elsewhere_takes_its_sequences_and_the_old_owner_is
     moved = b.state.adopt_worker("w")
     assert b.core.adopt(moved.sequences, "w") == [seq_id]
     # The worker keeps it: its report on b carries on from the saved token.
-    decision = b.core.select_batch(replace(report("w", running=(seq_id,)),
-                                           tokens=(TokenUpdate(seq_id, (6,), offset=1),)))
+    decision = b.core.select_batch(
+        replace(report("w", running=(seq_id,)), tokens=(TokenUpdate(seq_id, (6,), offset=1),))
+    )
     assert decision.decode == (seq_id,)
     assert b.state.read_output(seq_id, 0).token_ids == (5, 6)
     # a's next call about it is refused by the store; a forgets it and evicts it.
-    decision = a.core.select_batch(replace(report("w", running=(seq_id,)),
-                                           tokens=(TokenUpdate(seq_id, (99,), offset=1),)))
+    decision = a.core.select_batch(
+        replace(report("w", running=(seq_id,)), tokens=(TokenUpdate(seq_id, (99,), offset=1),))
+    )
     assert seq_id not in a.core.owned_seq_ids()
     assert decision.decode == ()
     assert b.state.read_output(seq_id, 0).token_ids == (5, 6)
@@ -164,16 +174,24 @@ def test_a_save_touching_a_sequence_owned_elsewhere_applies_nothing(replicas, da
     first, second = a.submit(), a.submit()
     a.claim()
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute("UPDATE sequences SET owner = %s WHERE seq_id = %s",
-                     (b.state.replica_id, second))
+        conn.execute(
+            "UPDATE sequences SET owner = %s WHERE seq_id = %s", (b.state.replica_id, second)
+        )
     a.core.cancel(first)  # saved; the other one is not touched
     assert a.state.sequence_info(first).finish_reason is FinishReason.CANCELLED
     a.core.cancel(second)  # refused by the store: the core gives it up
     assert a.core.owned_seq_ids() == set()
     assert a.state.sequence_info(second).state is SequenceState.QUEUED
     with pytest.raises(Disowned) as raised:
-        a.state.save(StateChanges(progress=(SequenceProgress(
-            second, SequenceState.FINISHED, None, None, 0, 0, 0, 0, FinishReason.EOS),)))
+        a.state.save(
+            StateChanges(
+                progress=(
+                    SequenceProgress(
+                        second, SequenceState.FINISHED, None, None, 0, 0, 0, 0, FinishReason.EOS
+                    ),
+                )
+            )
+        )
     assert raised.value.seq_ids == {second}
 
 

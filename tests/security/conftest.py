@@ -3,6 +3,7 @@
 `secure_server(tls=..., mtls=..., auth=...)` starts one in-process scheduler on
 127.0.0.1 (free ports, its own CollectorRegistry); every one is stopped at teardown.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -14,11 +15,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
-from service.core import SchedulerConfig
 from common.credentials import channel_credentials, open_channel
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from service.core import SchedulerConfig
 from service.server.app import RunningServer, start
 from service.settings import ServeSettings
 
@@ -45,8 +46,16 @@ class Tokens:
     file: Path
 
     def all(self) -> list[str]:
-        return [self.client, self.admin, self.w1, self.w2, self.client2, self.unnamed1,
-                self.unnamed2, self.tenanted]
+        return [
+            self.client,
+            self.admin,
+            self.w1,
+            self.w2,
+            self.client2,
+            self.unnamed1,
+            self.unnamed2,
+            self.tenanted,
+        ]
 
 
 @pytest.fixture(scope="session")
@@ -56,9 +65,10 @@ def pki(tmp_path_factory) -> Pki:
 
 @pytest.fixture(scope="session")
 def tokens(tmp_path_factory) -> Tokens:
-    values = {name: f"{name}-{secrets.token_urlsafe(24)}"
-              for name in ("client", "admin", "w1", "w2", "client2", "unnamed1", "unnamed2",
-                           "tenanted")}
+    values = {
+        name: f"{name}-{secrets.token_urlsafe(24)}"
+        for name in ("client", "admin", "w1", "w2", "client2", "unnamed1", "unnamed2", "tenanted")
+    }
     path = tmp_path_factory.mktemp("auth") / "tokens.toml"
     path.write_text(
         f'[[tokens]]\ntoken = "{values["client"]}"\nrole = "client"\nname = "frontend"\n\n'
@@ -84,12 +94,16 @@ class SecureServer:
     def target(self) -> str:
         return f"{LOOPBACK}:{self.running.port}"
 
-    def channel(self, token: str | None = None, *, tls: bool = True,
-                client_cert: bool = False) -> grpc.Channel:
+    def channel(
+        self, token: str | None = None, *, tls: bool = True, client_cert: bool = False
+    ) -> grpc.Channel:
         """A channel as a client would open it: CA, optional client pair, optional token."""
         pair = self.pki.client if client_cert else None
-        credentials = (channel_credentials(self.pki.ca.cert, pair and pair.cert,
-                                           pair and pair.key) if tls else None)
+        credentials = (
+            channel_credentials(self.pki.ca.cert, pair and pair.cert, pair and pair.key)
+            if tls
+            else None
+        )
         return open_channel(self.target, credentials, token)
 
     def stub(self, token: str | None = None, **channel_options) -> pb_grpc.SchedulerStub:
@@ -119,10 +133,14 @@ def secure_server(pki, tokens, _stoppers) -> Iterator[Callable[..., SecureServer
     """Factory: secure_server(tls=True, mtls=False, auth=True, **SchedulerConfig fields)."""
     servers: list[SecureServer] = []
 
-    def factory(*, tls: bool = True, mtls: bool = False, auth: bool = True,
-                **scheduler_config) -> SecureServer:
+    def factory(
+        *, tls: bool = True, mtls: bool = False, auth: bool = True, **scheduler_config
+    ) -> SecureServer:
         settings = ServeSettings(
-            host=LOOPBACK, port=0, metrics_port=0, max_threads=16,
+            host=LOOPBACK,
+            port=0,
+            metrics_port=0,
+            max_threads=16,
             tls_cert=str(pki.server.cert) if tls else "",
             tls_key=str(pki.server.key) if tls else "",
             tls_client_ca=str(pki.ca.cert) if mtls else "",

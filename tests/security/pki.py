@@ -3,6 +3,7 @@
 The venv has no `cryptography` package; Debian always has `openssl`. Nothing here is
 committed: every key lives in a pytest temporary directory.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -32,10 +33,23 @@ def _openssl(*args: str | Path) -> None:
 
 def _ca(directory: Path, name: str) -> CertFiles:
     files = CertFiles(directory / f"{name}.crt", directory / f"{name}.key")
-    _openssl("req", "-x509", *_EC_KEY, "-keyout", files.key, "-out", files.cert,
-             "-days", "1", "-subj", f"/CN={name}",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    _openssl(
+        "req",
+        "-x509",
+        *_EC_KEY,
+        "-keyout",
+        files.key,
+        "-out",
+        files.cert,
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
     return files
 
 
@@ -44,15 +58,38 @@ def _leaf(directory: Path, name: str, ca: CertFiles, extensions: str) -> CertFil
     csr, ext = directory / f"{name}.csr", directory / f"{name}.ext"
     ext.write_text(extensions)
     _openssl("req", "-new", *_EC_KEY, "-keyout", files.key, "-out", csr, "-subj", f"/CN={name}")
-    _openssl("x509", "-req", "-in", csr, "-CA", ca.cert, "-CAkey", ca.key,
-             "-CAcreateserial", "-days", "1", "-out", files.cert, "-extfile", ext)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        ca.cert,
+        "-CAkey",
+        ca.key,
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-out",
+        files.cert,
+        "-extfile",
+        ext,
+    )
     return files
 
 
 def make_pki(directory: Path) -> Pki:
     ca, rogue_ca = _ca(directory, "test-ca"), _ca(directory, "rogue-ca")
-    server = _leaf(directory, "server", ca,
-                   "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    server = _leaf(
+        directory,
+        "server",
+        ca,
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+    )
     client_ext = "extendedKeyUsage=clientAuth\n"
-    return Pki(ca, server, _leaf(directory, "client", ca, client_ext),
-               _leaf(directory, "rogue-client", rogue_ca, client_ext))
+    return Pki(
+        ca,
+        server,
+        _leaf(directory, "client", ca, client_ext),
+        _leaf(directory, "rogue-client", rogue_ca, client_ext),
+    )

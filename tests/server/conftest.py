@@ -9,6 +9,7 @@ indirectly:
 
 or start more than one with `start_server(**scheduler_config)`.
 """
+
 from __future__ import annotations
 
 import threading
@@ -18,10 +19,10 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service.core import SchedulerConfig
 from service.server.app import RunningServer, start
 from service.settings import ServeSettings
@@ -77,8 +78,14 @@ def _start(state_dir: str = "", serve: dict | None = None, **scheduler_config) -
     # The contract's numbered rules are fifo's: tests name another policy when they mean it.
     scheduler_config.setdefault("policy", "fifo")
     config = SchedulerConfig(**scheduler_config)
-    settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0, state_dir=state_dir,
-                             scheduler=config, **(serve or {})).validate()
+    settings = ServeSettings(
+        host=LOOPBACK,
+        port=0,
+        metrics_port=0,
+        state_dir=state_dir,
+        scheduler=config,
+        **(serve or {}),
+    ).validate()
     registry = CollectorRegistry()
     running = start(settings, registry)
     channel = grpc.insecure_channel(f"{LOOPBACK}:{running.port}")

@@ -6,6 +6,7 @@ FAILED_PRECONDITION or INVALID_ARGUMENT then ends the session, and the next repo
 a new one. Each test name says which rule it pins. Small configs (chunk_size, max_queue,
 lease_ttl_ms) are passed to the `server` fixture by indirect parametrization.
 """
+
 from __future__ import annotations
 
 import threading
@@ -17,13 +18,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from common.waiting import wait_until
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from .wire import (
-    RPC_TIMEOUT_SECONDS, TRANSPORTS, Stream, Worker, admitted, continued, get_sequence,
-    rpc_error, submit, submit_many,
+    RPC_TIMEOUT_SECONDS,
+    TRANSPORTS,
+    Stream,
+    Worker,
+    admitted,
+    continued,
+    get_sequence,
+    rpc_error,
+    submit,
+    submit_many,
 )
 
 EOS = pb.FINISH_REASON_EOS
@@ -97,11 +106,14 @@ def test_register_worker_answers_the_scheduler_defaults(stub, worker):
 
 
 @config(max_batch_size=3, chunk_size=7, prefill_reserve_pages=2, lease_ttl_ms=4321)
-def test_register_worker_answers_configured_settings_and_its_own_max_batch_size(
-        stub, make_worker):
+def test_register_worker_answers_configured_settings_and_its_own_max_batch_size(stub, make_worker):
     default = make_worker("a").register(max_batch_size=0)
-    assert (default.chunk_size, default.max_batch_size, default.prefill_reserve_pages,
-            default.lease_ttl_ms) == (7, 3, 2, 4321)
+    assert (
+        default.chunk_size,
+        default.max_batch_size,
+        default.prefill_reserve_pages,
+        default.lease_ttl_ms,
+    ) == (7, 3, 2, 4321)
     assert make_worker("b").register(max_batch_size=5).max_batch_size == 5
 
 
@@ -130,21 +142,32 @@ def test_get_status_reports_queue_workers_and_policy(stub, worker):
     st = stub.GetStatus(pb.GetStatusRequest(), timeout=RPC_TIMEOUT_SECONDS)
     assert (st.queue_depth, st.num_assigned, st.policy) == (2, 0, "fifo")
     (w,) = st.workers
-    assert (w.worker_id, w.kv_free_pages, w.gdn_free_slots, w.total_kv_pages,
-            w.total_gdn_slots, w.iteration, w.draining) == ("w1", 77, 5, 100, 9, 1, True)
+    assert (
+        w.worker_id,
+        w.kv_free_pages,
+        w.gdn_free_slots,
+        w.total_kv_pages,
+        w.total_gdn_slots,
+        w.iteration,
+        w.draining,
+    ) == ("w1", 77, 5, 100, 9, 1, True)
 
 
 # ===================================================================== errors
 
 
-@pytest.mark.parametrize("prompt, max_new_tokens, field_names", [
-    ((), 4, ("prompt_token_ids",)),
-    ((1, 2, 3), 0, ("max_new_tokens",)),
-    ((1,) * 10, 7, ("max_seq_len=16", "17")),
-])
+@pytest.mark.parametrize(
+    "prompt, max_new_tokens, field_names",
+    [
+        ((), 4, ("prompt_token_ids",)),
+        ((1, 2, 3), 0, ("max_new_tokens",)),
+        ((1,) * 10, 7, ("max_seq_len=16", "17")),
+    ],
+)
 @config(max_seq_len=16, chunk_size=8)
-def test_submit_invalid_argument_names_the_field_and_limit(stub, prompt, max_new_tokens,
-                                                           field_names):
+def test_submit_invalid_argument_names_the_field_and_limit(
+    stub, prompt, max_new_tokens, field_names
+):
     err = rpc_error(lambda: submit(stub, prompt=prompt, max_new_tokens=max_new_tokens))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     for name in field_names:
@@ -159,8 +182,9 @@ def test_submit_of_exactly_max_seq_len_is_accepted(stub):
 
 @config(max_seq_len=16, chunk_size=8)
 def test_generate_rejects_invalid_submit_with_invalid_argument(stub):
-    call = stub.Generate(pb.SubmitRequest(prompt_token_ids=[], max_new_tokens=4),
-                         timeout=RPC_TIMEOUT_SECONDS)
+    call = stub.Generate(
+        pb.SubmitRequest(prompt_token_ids=[], max_new_tokens=4), timeout=RPC_TIMEOUT_SECONDS
+    )
     err = rpc_error(lambda: list(call))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_token_ids" in err.details()
@@ -202,8 +226,9 @@ def test_submit_with_empty_request_id_is_never_deduplicated(stub):
 
 @pytest.mark.parametrize("rpc", ["Cancel", "GetSequence"])
 def test_unknown_seq_id_is_not_found_naming_the_id(stub, rpc):
-    request = pb.CancelRequest(seq_id=424242) if rpc == "Cancel" \
-        else pb.GetSequenceRequest(seq_id=424242)
+    request = (
+        pb.CancelRequest(seq_id=424242) if rpc == "Cancel" else pb.GetSequenceRequest(seq_id=424242)
+    )
     err = rpc_error(lambda: getattr(stub, rpc)(request, timeout=RPC_TIMEOUT_SECONDS))
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert "424242" in err.details()
@@ -215,18 +240,25 @@ def test_select_batch_from_unregistered_worker_is_failed_precondition(stub, make
     assert "ghost" in err.details() and "RegisterWorker" in err.details()
 
 
-@pytest.mark.parametrize("waiting_of, running_of", [
-    ([0, 0], []),
-    ([], [0, 0]),
-    ([0], [0]),
-])
+@pytest.mark.parametrize(
+    "waiting_of, running_of",
+    [
+        ([0, 0], []),
+        ([], [0, 0]),
+        ([0], [0]),
+    ],
+)
 def test_id_twice_in_waiting_running_is_invalid_argument_and_changes_nothing(
-        stub, worker, waiting_of, running_of):
+    stub, worker, waiting_of, running_of
+):
     worker.register()
     ids = submit_many(stub, 2)
     worker.select()
-    err = rpc_error(lambda: worker.select(waiting=[ids[i] for i in waiting_of],
-                                          running=[ids[i] for i in running_of]))
+    err = rpc_error(
+        lambda: worker.select(
+            waiting=[ids[i] for i in waiting_of], running=[ids[i] for i in running_of]
+        )
+    )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert str(ids[0]) in err.details() and "waiting/running" in err.details()
     # The rejected report was not applied: nothing counted as lost, nothing requeued.
@@ -234,12 +266,16 @@ def test_id_twice_in_waiting_running_is_invalid_argument_and_changes_nothing(
     assert queue_depth(stub) == 0
 
 
-@pytest.mark.parametrize("worker_id, page_size, field_name", [
-    ("", 16, "worker_id"),
-    ("w1", 0, "page_size"),
-])
-def test_register_worker_invalid_argument_names_the_field(stub, make_worker, worker_id, page_size,
-                                                           field_name):
+@pytest.mark.parametrize(
+    "worker_id, page_size, field_name",
+    [
+        ("", 16, "worker_id"),
+        ("w1", 0, "page_size"),
+    ],
+)
+def test_register_worker_invalid_argument_names_the_field(
+    stub, make_worker, worker_id, page_size, field_name
+):
     err = rpc_error(lambda: make_worker(worker_id).register(page_size=page_size))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_name in err.details()
@@ -251,10 +287,14 @@ def test_register_worker_invalid_argument_names_the_field(stub, make_worker, wor
 @config(chunk_size=4)
 def test_admission_chunk_is_zero_to_chunk_size_with_the_full_spec(stub, worker):
     worker.register()
-    long_id = submit(stub, prompt=range(1, 11), max_new_tokens=5, adapter_id="",
-                     stop_token_ids=[7, 8],
-                     sampling=pb.SamplingParams(temperature=0.5, top_p=0.9, top_k=40,
-                                                seed=1234)).seq_id
+    long_id = submit(
+        stub,
+        prompt=range(1, 11),
+        max_new_tokens=5,
+        adapter_id="",
+        stop_token_ids=[7, 8],
+        sampling=pb.SamplingParams(temperature=0.5, top_p=0.9, top_k=40, seed=1234),
+    ).seq_id
     short_id = submit(stub, prompt=(5, 6), max_new_tokens=2).seq_id
     long_chunk, short_chunk = worker.select().prefill
     assert (long_chunk.seq_id, long_chunk.chunk_start, long_chunk.chunk_len) == (long_id, 0, 4)
@@ -293,7 +333,7 @@ def test_rule1_preempted_are_readmitted_first_from_token_zero_with_a_spec(stub, 
     worker.register(max_batch_size=3)
     s1, s2, s3, s4 = submit_many(stub, 4, prompt=(1, 2, 3))
     worker.select()
-    worker.select(waiting=[s1, s2, s3])          # every cursor now at 2
+    worker.select(waiting=[s1, s2, s3])  # every cursor now at 2
     decision = worker.select(running=[s2], preempted=[s3, s1])
     assert admitted(decision) == [s3, s1]
     assert [(c.chunk_start, c.chunk_len) for c in decision.prefill] == [(0, 2), (0, 2)]
@@ -335,7 +375,7 @@ def test_rule2_capacity_never_below_zero_when_a_report_exceeds_max_batch_size(st
     worker.register(max_batch_size=2)
     a, b, c = submit_many(stub, 3)
     worker.select()
-    decision = worker.select(running=[a, b, 999])   # 999: not ours, still counts as active
+    decision = worker.select(running=[a, b, 999])  # 999: not ours, still counts as active
     assert admitted(decision) == [] and list(decision.evict) == [999]
     assert list(decision.decode) == [a, b]
     assert get_sequence(stub, c).state == QUEUED
@@ -364,7 +404,8 @@ def test_rule3_each_admission_needs_one_free_gdn_slot(stub, worker, gdn_free_slo
 
 @pytest.mark.parametrize("kv_free_pages, admits", [(7, False), (8, True)])
 def test_rule3_reserve_guard_blocks_a_non_empty_batch_below_prefill_reserve_pages(
-        stub, worker, kv_free_pages, admits):
+    stub, worker, kv_free_pages, admits
+):
     worker.register(max_batch_size=4)
     a, b = submit_many(stub, 2)
     assert admitted(worker.select(gdn_free_slots=1)) == [a]
@@ -395,8 +436,11 @@ def test_rule5_continuations_carry_the_real_cursor_and_no_spec(stub, worker):
     chunks = [worker.select().prefill[0]]
     for _ in range(2):
         chunks += worker.select(waiting=[seq_id]).prefill
-    assert [(c.seq_id, c.chunk_start, c.chunk_len) for c in chunks] == \
-        [(seq_id, 0, 4), (seq_id, 4, 4), (seq_id, 8, 2)]
+    assert [(c.seq_id, c.chunk_start, c.chunk_len) for c in chunks] == [
+        (seq_id, 0, 4),
+        (seq_id, 4, 4),
+        (seq_id, 8, 2),
+    ]
     assert [c.HasField("spec") for c in chunks] == [True, False, False]
 
 
@@ -440,7 +484,7 @@ def test_rule6_7_a_stale_id_reported_while_queued_is_evicted_not_admitted(stub, 
     worker.register()
     seq_id = submit(stub).seq_id
     worker.select()
-    worker.register()                       # new incarnation: seq_id goes back to the queue
+    worker.register()  # new incarnation: seq_id goes back to the queue
     decision = worker.select(waiting=[seq_id])
     assert list(decision.evict) == [seq_id]
     assert [c.seq_id for c in decision.prefill] == []
@@ -460,8 +504,9 @@ def test_rule7_no_id_twice_in_prefill_nor_in_both_prefill_and_decode(stub, worke
         finished = [(s, EOS) for s in holding["running"][1:2]] if step % 4 == 3 else []
         gone = set(preempted) | {f[0] for f in finished}
         running = [s for s in holding["running"] if s not in gone]
-        decision = worker.select(waiting=holding["waiting"], running=running,
-                                 preempted=preempted, finished=finished)
+        decision = worker.select(
+            waiting=holding["waiting"], running=running, preempted=preempted, finished=finished
+        )
         prefill_ids = [c.seq_id for c in decision.prefill]
         assert len(prefill_ids) == len(set(prefill_ids)), decision
         assert not set(prefill_ids) & set(decision.decode), decision
@@ -483,13 +528,15 @@ def test_register_of_an_existing_worker_id_requeues_its_sequences_at_head(stub, 
     a, b, c = submit_many(stub, 3)
     worker.select()
     worker.select(waiting=[a, b])
-    worker.register(max_batch_size=2)              # the worker restarted
+    worker.register(max_batch_size=2)  # the worker restarted
     assert [get_sequence(stub, s).queue_position for s in (a, b, c)] == [0, 1, 2]
     assert get_sequence(stub, a).state == QUEUED
     decision = worker.select()
     assert admitted(decision) == [a, b]
-    assert [(ch.chunk_start, ch.HasField("spec")) for ch in decision.prefill] == \
-        [(0, True), (0, True)]
+    assert [(ch.chunk_start, ch.HasField("spec")) for ch in decision.prefill] == [
+        (0, True),
+        (0, True),
+    ]
 
 
 @config(lease_ttl_ms=SHORT_LEASE_MS)
@@ -497,8 +544,11 @@ def test_lease_expiry_requeues_and_fails_precondition_until_registered_again(stu
     worker.register()
     seq_id = submit(stub).seq_id
     worker.select()
-    wait_until(lambda: get_sequence(stub, seq_id).state == QUEUED,
-               "the silent worker's sequence to go back to the queue", 5)
+    wait_until(
+        lambda: get_sequence(stub, seq_id).state == QUEUED,
+        "the silent worker's sequence to go back to the queue",
+        5,
+    )
     err = rpc_error(lambda: worker.select(waiting=[seq_id]))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "w1" in err.details()
@@ -549,17 +599,24 @@ def test_get_sequence_fields_across_the_lifecycle(stub, worker):
 
     def info():
         i = get_sequence(stub, seq_id)
-        return (i.seq_id, i.state, i.worker_id, i.prompt_len, i.prefilled_tokens,
-                i.generated_tokens, i.finish_reason)
+        return (
+            i.seq_id,
+            i.state,
+            i.worker_id,
+            i.prompt_len,
+            i.prefilled_tokens,
+            i.generated_tokens,
+            i.finish_reason,
+        )
 
     unspecified = pb.FINISH_REASON_UNSPECIFIED
     assert info() == (seq_id, QUEUED, "", 10, 0, 0, unspecified)
     worker.register()
-    worker.select()                                         # chunk [0, 4) handed out
+    worker.select()  # chunk [0, 4) handed out
     assert info() == (seq_id, PREFILLING, "w1", 10, 0, 0, unspecified)
-    worker.select(waiting=[seq_id])                         # [0, 4) done, [4, 8) out
+    worker.select(waiting=[seq_id])  # [0, 4) done, [4, 8) out
     assert info() == (seq_id, PREFILLING, "w1", 10, 4, 0, unspecified)
-    worker.select(waiting=[seq_id])                         # [4, 8) done, [8, 10) out
+    worker.select(waiting=[seq_id])  # [4, 8) done, [8, 10) out
     assert info() == (seq_id, PREFILLING, "w1", 10, 8, 0, unspecified)
     worker.select(running=[seq_id], tokens={seq_id: [42]})  # prefill done, first token
     assert info() == (seq_id, DECODING, "w1", 10, 10, 1, unspecified)
@@ -574,8 +631,9 @@ def test_get_sequence_fields_across_the_lifecycle(stub, worker):
 
 
 def _generate(stub, prompt=(1, 2, 3), max_new_tokens=5) -> Stream:
-    return Stream(stub, pb.SubmitRequest(prompt_token_ids=list(prompt),
-                                         max_new_tokens=max_new_tokens))
+    return Stream(
+        stub, pb.SubmitRequest(prompt_token_ids=list(prompt), max_new_tokens=max_new_tokens)
+    )
 
 
 def test_generate_streams_seq_id_then_tokens_then_a_finished_event(stub, worker):
@@ -613,8 +671,11 @@ def test_generate_call_cancelled_by_its_client_cancels_the_sequence(stub, worker
     seq_id = stream.next_event().seq_id
     worker.select()
     stream.call.cancel()
-    wait_until(lambda: get_sequence(stub, seq_id).state == FINISHED,
-               "the abandoned sequence to be cancelled", 5)
+    wait_until(
+        lambda: get_sequence(stub, seq_id).state == FINISHED,
+        "the abandoned sequence to be cancelled",
+        5,
+    )
     assert get_sequence(stub, seq_id).finish_reason == CANCELLED
     assert list(worker.select(waiting=[seq_id]).evict) == [seq_id]
 
@@ -645,10 +706,12 @@ def _requeue_by(action: str, stub, worker: Worker, seq_id: int) -> None:
     assert get_sequence(stub, seq_id).state == QUEUED
 
 
-@pytest.mark.parametrize("action", ["preempted", "finished_preempted", "lost", "reregistered",
-                                    "deregistered"])
+@pytest.mark.parametrize(
+    "action", ["preempted", "finished_preempted", "lost", "reregistered", "deregistered"]
+)
 def test_requeued_sequence_resumes_from_prompt_plus_generated_and_never_repeats_a_token(
-        stub, worker, action):
+    stub, worker, action
+):
     stream = _generate(stub, prompt=(1, 2, 3), max_new_tokens=5)
     seq_id = stream.next_event().seq_id
     worker.register()
@@ -691,8 +754,7 @@ def test_sequence_requeued_by_lease_expiry_resumes_with_generated_tokens(stub, m
 @pytest.mark.parametrize("service", ["", "lattice.scheduler.v1.Scheduler"])
 def test_health_reports_serving_for_the_server_and_the_scheduler_service(server, service):
     health = health_pb2_grpc.HealthStub(server.channel)
-    resp = health.Check(health_pb2.HealthCheckRequest(service=service),
-                        timeout=RPC_TIMEOUT_SECONDS)
+    resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT_SECONDS)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -700,32 +762,43 @@ def test_stop_turns_health_not_serving_before_the_server_goes(start_server):
     server = start_server()
     channel = grpc.insecure_channel(server.target)
     watch = health_pb2_grpc.HealthStub(channel).Watch(
-        health_pb2.HealthCheckRequest(service="lattice.scheduler.v1.Scheduler"), timeout=10)
+        health_pb2.HealthCheckRequest(service="lattice.scheduler.v1.Scheduler"), timeout=10
+    )
     statuses = []
     try:
         statuses.append(next(watch).status)
         stopper = threading.Thread(target=server.stop, args=(2.0,))
         stopper.start()
         statuses.append(next(watch).status)
-        watch.cancel()                  # the last call in flight: the server can go now
+        watch.cancel()  # the last call in flight: the server can go now
         stopper.join(timeout=10)
         assert not stopper.is_alive()
     finally:
         channel.close()
-    assert statuses == [health_pb2.HealthCheckResponse.SERVING,
-                        health_pb2.HealthCheckResponse.NOT_SERVING]
+    assert statuses == [
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    ]
 
 
 def test_reflection_lists_and_describes_the_scheduler_service(server):
     from google.protobuf.descriptor_pool import DescriptorPool
+
     db = ProtoReflectionDescriptorDatabase(server.channel)
     services = db.get_services()
     assert "lattice.scheduler.v1.Scheduler" in services
     assert "grpc.health.v1.Health" in services
     service = DescriptorPool(db).FindServiceByName("lattice.scheduler.v1.Scheduler")
     assert {m.name for m in service.methods} >= {
-        "Submit", "Cancel", "GetSequence", "Generate", "RegisterWorker", "SelectBatch",
-        "DeregisterWorker", "DrainWorker"}
+        "Submit",
+        "Cancel",
+        "GetSequence",
+        "Generate",
+        "RegisterWorker",
+        "SelectBatch",
+        "DeregisterWorker",
+        "DrainWorker",
+    }
 
 
 # ===================================================================== metrics
@@ -740,19 +813,18 @@ def test_metric_queue_depth_follows_submit_admission_and_cancel(server, stub, wo
     assert server.metric("queue_depth") == 1
     stub.Cancel(pb.CancelRequest(seq_id=ids[2]), timeout=RPC_TIMEOUT_SECONDS)
     assert server.metric("queue_depth") == 0
-    worker.select(draining=True)                 # both lost: back in the queue
+    worker.select(draining=True)  # both lost: back in the queue
     assert server.metric("queue_depth") == 2
 
 
-def test_metric_admissions_total_counts_every_admission_requeues_included(server, stub,
-                                                                          worker):
+def test_metric_admissions_total_counts_every_admission_requeues_included(server, stub, worker):
     worker.register()
     a, _ = submit_many(stub, 2)
     worker.select()
     assert server.metric("admissions_total") == 2
-    worker.select(waiting=[a], draining=True)   # the other one is lost
+    worker.select(waiting=[a], draining=True)  # the other one is lost
     assert server.metric("admissions_total") == 2
-    worker.select(waiting=[a])                  # and admitted again
+    worker.select(waiting=[a])  # and admitted again
     assert server.metric("admissions_total") == 3
 
 
@@ -793,13 +865,15 @@ def test_metric_worker_series_are_removed_when_the_worker_deregisters(make_worke
 def test_metric_worker_series_are_removed_when_the_lease_expires(server, worker):
     worker.register()
     worker.select(kv_free_pages=50, gdn_free_slots=4)
-    wait_until(lambda: server.metric("worker_kv_free_pages", worker_id="w1") is None,
-               "the expired worker's series to go", 5)
+    wait_until(
+        lambda: server.metric("worker_kv_free_pages", worker_id="w1") is None,
+        "the expired worker's series to go",
+        5,
+    )
     assert server.metric("worker_gdn_free_slots", worker_id="w1") is None
 
 
-def test_metrics_endpoint_serves_the_contract_names_with_the_values_caused(server, stub,
-                                                                           worker):
+def test_metrics_endpoint_serves_the_contract_names_with_the_values_caused(server, stub, worker):
     submit_many(stub, 3)
     worker.register(max_batch_size=2)
     worker.select(kv_free_pages=321, gdn_free_slots=12)
@@ -813,8 +887,11 @@ def test_metrics_endpoint_serves_the_contract_names_with_the_values_caused(serve
         ("lattice_scheduler_worker_gdn_free_slots", (("worker_id", "w1"),)): 10,
     }
     assert {key: scraped.get(key) for key in expected} == expected
-    assert all(name.startswith("lattice_scheduler_") for name, _ in scraped
-               if not name.startswith(("python_", "process_")))
+    assert all(
+        name.startswith("lattice_scheduler_")
+        for name, _ in scraped
+        if not name.startswith(("python_", "process_"))
+    )
 
 
 # ===================================================================== additions beyond the table
@@ -826,13 +903,19 @@ def test_token_update_with_offset_adds_no_token_twice_when_a_report_is_retried(s
     worker.select()
 
     def report(offset, token_ids):
-        return worker.send(pb.SelectBatchRequest(
-            worker_id="w1", running=[seq_id], kv_free_pages=1000, gdn_free_slots=64,
-            tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=token_ids, offset=offset)]))
+        return worker.send(
+            pb.SelectBatchRequest(
+                worker_id="w1",
+                running=[seq_id],
+                kv_free_pages=1000,
+                gdn_free_slots=64,
+                tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=token_ids, offset=offset)],
+            )
+        )
 
     report(0, [5, 6])
-    report(0, [5, 6])            # the same report again (the worker retried)
-    report(1, [6, 7])            # overlaps by one token
+    report(0, [5, 6])  # the same report again (the worker retried)
+    report(1, [6, 7])  # overlaps by one token
     assert get_sequence(stub, seq_id).generated_tokens == 3
 
 
@@ -842,7 +925,7 @@ def test_requeue_of_a_sequence_with_every_token_generated_finishes_it_max_length
     worker.register()
     worker.select()
     worker.select(running=[seq_id], tokens={seq_id: [5, 6]})
-    decision = worker.select(preempted=[seq_id])         # nothing left to resume
+    decision = worker.select(preempted=[seq_id])  # nothing left to resume
     assert seq_id not in admitted(decision)
     info = get_sequence(stub, seq_id)
     assert (info.state, info.finish_reason) == (FINISHED, MAX_LENGTH)

@@ -3,13 +3,21 @@
 An operator drain stops admissions to one worker; what it holds keeps prefilling,
 decoding and finishing; `resume` lifts it. Auth (admin only) is in tests/security.
 """
+
 from __future__ import annotations
 
 import grpc
+
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from .wire import (
-    RPC_TIMEOUT_SECONDS, Worker, admitted, continued, get_sequence, rpc_error, submit,
+    RPC_TIMEOUT_SECONDS,
+    Worker,
+    admitted,
+    continued,
+    get_sequence,
+    rpc_error,
+    submit,
     submit_many,
 )
 
@@ -17,8 +25,9 @@ EOS = pb.FINISH_REASON_EOS
 
 
 def drain(stub, worker_id: str = "w1", resume: bool = False) -> int:
-    return stub.DrainWorker(pb.DrainWorkerRequest(worker_id=worker_id, resume=resume),
-                            timeout=RPC_TIMEOUT_SECONDS).num_assigned
+    return stub.DrainWorker(
+        pb.DrainWorkerRequest(worker_id=worker_id, resume=resume), timeout=RPC_TIMEOUT_SECONDS
+    ).num_assigned
 
 
 def worker_status(stub, worker_id: str = "w1") -> pb.WorkerStatus:
@@ -82,7 +91,7 @@ def test_status_shows_draining_from_the_drain_until_resume(stub, worker):
     worker.select()
     assert worker_status(stub).draining is False
     drain(stub)
-    assert worker_status(stub).draining is True       # before the worker calls again
+    assert worker_status(stub).draining is True  # before the worker calls again
     worker.select()
     assert worker_status(stub).draining is True
     drain(stub, resume=True)

@@ -5,6 +5,7 @@ failed fsync acknowledges nothing.
 The store's fsync (SqliteStateStore.sync_wal) is replaced by a gate the test opens, so
 each test sees exactly when the disk is "done".
 """
+
 from __future__ import annotations
 
 import threading
@@ -12,9 +13,9 @@ import time
 
 import grpc
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from common.waiting import wait_until
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 from service.core.persist.store import StoreError
 from service.state.sqlite import SqliteStateStore
 
@@ -82,12 +83,18 @@ def _queue_depth(stub) -> int:
 
 
 def test_submits_wait_for_the_fsync_and_one_more_fsync_answers_all_that_came_meanwhile(
-        start_server, tmp_path, monkeypatch):
+    start_server, tmp_path, monkeypatch
+):
     gate = FsyncGate(monkeypatch, tmp_path)
     server = start_server(str(tmp_path / "state"))
     threads, answers = _submit_in_threads(server.stub, NUM_SUBMITS)
-    wait_until(lambda: _queue_depth(server.stub), f"{NUM_SUBMITS} submits committed",
-               RPC_TIMEOUT_SECONDS, done=lambda depth: depth >= NUM_SUBMITS, every_seconds=0.01)
+    wait_until(
+        lambda: _queue_depth(server.stub),
+        f"{NUM_SUBMITS} submits committed",
+        RPC_TIMEOUT_SECONDS,
+        done=lambda depth: depth >= NUM_SUBMITS,
+        every_seconds=0.01,
+    )
     # Every submit is committed and the loop answers other calls, but none is acknowledged.
     assert _queue_depth(server.stub) == NUM_SUBMITS
     assert answers == [] and gate.calls == 1
@@ -100,17 +107,18 @@ def test_submits_wait_for_the_fsync_and_one_more_fsync_answers_all_that_came_mea
     assert gate.calls in (1, 2)
 
 
-def test_worker_progress_does_not_wait_for_the_fsync_under_acks(start_server, tmp_path,
-                                                                monkeypatch):
+def test_worker_progress_does_not_wait_for_the_fsync_under_acks(
+    start_server, tmp_path, monkeypatch
+):
     gate = FsyncGate(monkeypatch, tmp_path)
     server = start_server(str(tmp_path / "state"))
     worker = Worker(server.stub, "w1")
-    worker.register()                   # no fsync to wait for: worker changes only
+    worker.register()  # no fsync to wait for: worker changes only
     assert gate.calls == 0
     gate.open()
     threads, answers = _submit_in_threads(server.stub, 1)
     threads[0].join(RPC_TIMEOUT_SECONDS)
-    blocked = FsyncGate(monkeypatch, tmp_path)    # from now on every fsync blocks
+    blocked = FsyncGate(monkeypatch, tmp_path)  # from now on every fsync blocks
     started = time.perf_counter()
     assert [c.seq_id for c in worker.select().prefill] == answers
     assert time.perf_counter() - started < 1.0
@@ -118,13 +126,12 @@ def test_worker_progress_does_not_wait_for_the_fsync_under_acks(start_server, tm
     blocked.open()
 
 
-def test_under_always_worker_progress_waits_for_its_fsync(start_server, tmp_path,
-                                                          monkeypatch):
+def test_under_always_worker_progress_waits_for_its_fsync(start_server, tmp_path, monkeypatch):
     server = start_server(str(tmp_path / "state"), serve={"state_fsync": "always"})
     worker = Worker(server.stub, "w1")
     worker.register()
     submit(server.stub)
-    gate = FsyncGate(monkeypatch, tmp_path)       # the admission below is a change: it waits
+    gate = FsyncGate(monkeypatch, tmp_path)  # the admission below is a change: it waits
     thread = threading.Thread(target=worker.select, daemon=True)
     thread.start()
     time.sleep(0.3)
@@ -134,8 +141,7 @@ def test_under_always_worker_progress_waits_for_its_fsync(start_server, tmp_path
     assert not thread.is_alive()
 
 
-def test_a_failed_fsync_acknowledges_nothing_then_or_later(start_server, tmp_path,
-                                                           monkeypatch):
+def test_a_failed_fsync_acknowledges_nothing_then_or_later(start_server, tmp_path, monkeypatch):
     gate = FsyncGate(monkeypatch, tmp_path, fail=True)
     gate.open()
     server = start_server(str(tmp_path / "state"))
@@ -149,8 +155,10 @@ def test_a_failed_fsync_acknowledges_nothing_then_or_later(start_server, tmp_pat
 
 
 def test_acknowledged_submits_are_there_after_a_restart_with_checkpoints_off_the_loop(
-        start_server, tmp_path, monkeypatch):
+    start_server, tmp_path, monkeypatch
+):
     from service.state import group_commit
+
     monkeypatch.setattr(group_commit, "CHECKPOINT_WAL_BYTES", 1)
     monkeypatch.setattr(group_commit, "CHECKPOINT_CHECK_SECONDS", 0.05)
     state = str(tmp_path / "state")
@@ -158,9 +166,11 @@ def test_acknowledged_submits_are_there_after_a_restart_with_checkpoints_off_the
     threads, answers = _submit_in_threads(server.stub, NUM_SUBMITS)
     for t in threads:
         t.join(RPC_TIMEOUT_SECONDS)
-    time.sleep(0.3)                     # a few checkpoints
+    time.sleep(0.3)  # a few checkpoints
     server.stop()
     again = start_server(state)
-    known = [again.stub.GetSequence(pb.GetSequenceRequest(seq_id=s),
-                                    timeout=RPC_TIMEOUT_SECONDS).seq_id for s in answers]
+    known = [
+        again.stub.GetSequence(pb.GetSequenceRequest(seq_id=s), timeout=RPC_TIMEOUT_SECONDS).seq_id
+        for s in answers
+    ]
     assert sorted(known) == sorted(answers) and len(answers) == NUM_SUBMITS

@@ -1,10 +1,12 @@
 """Over the wire: worker incarnations, the cap on a worker's batch size, token offsets and
 counts, and the reason a FAILED sequence carries (contract additions an outside
 probe of the wire asked for)."""
+
 from __future__ import annotations
 
 import grpc
 import pytest
+
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from .test_state_dir import Durable
@@ -15,15 +17,23 @@ VOCABULARY = "token id 600 is outside the model's vocabulary of 512"
 
 
 def _select(stub, worker_id: str, incarnation: int, **fields) -> pb.SchedulerDecision:
-    return stub.SelectBatch(pb.SelectBatchRequest(worker_id=worker_id, incarnation=incarnation,
-                                                  kv_free_pages=1000, gdn_free_slots=64,
-                                                  **fields), timeout=RPC_TIMEOUT_SECONDS)
+    return stub.SelectBatch(
+        pb.SelectBatchRequest(
+            worker_id=worker_id,
+            incarnation=incarnation,
+            kv_free_pages=1000,
+            gdn_free_slots=64,
+            **fields,
+        ),
+        timeout=RPC_TIMEOUT_SECONDS,
+    )
 
 
 def _deregister(stub, worker_id: str, incarnation: int) -> pb.DeregisterWorkerResponse:
-    return stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id=worker_id,
-                                                            incarnation=incarnation),
-                                 timeout=RPC_TIMEOUT_SECONDS)
+    return stub.DeregisterWorker(
+        pb.DeregisterWorkerRequest(worker_id=worker_id, incarnation=incarnation),
+        timeout=RPC_TIMEOUT_SECONDS,
+    )
 
 
 def _iteration(stub, worker_id: str) -> int:
@@ -32,6 +42,7 @@ def _iteration(stub, worker_id: str) -> int:
 
 
 # ------------------------------------------------------------------------ incarnations
+
 
 def test_register_worker_answers_an_incarnation_that_grows_with_every_registration(stub):
     numbers = [Worker(stub, w).register().incarnation for w in ("a", "b", "a", "a", "c")]
@@ -46,8 +57,7 @@ def test_get_status_shows_each_workers_current_incarnation(stub):
     assert worker.incarnation == second != first
 
 
-def test_select_batch_from_a_superseded_incarnation_fails_precondition_and_changes_nothing(
-        stub):
+def test_select_batch_from_a_superseded_incarnation_fails_precondition_and_changes_nothing(stub):
     """Regression (outside probe): two processes with one worker_id fought over it (~100
     lost-requeues per 100 sequences; twice in 8 runs a sequence finished with wrong output)."""
     old = Worker(stub, "w1").register().incarnation
@@ -56,27 +66,34 @@ def test_select_batch_from_a_superseded_incarnation_fails_precondition_and_chang
     assert admitted(_select(stub, "w1", new)) == [seq_id]
     before = get_sequence(stub, seq_id), _iteration(stub, "w1")
 
-    err = rpc_error(lambda: _select(
-        stub, "w1", old, running=[seq_id],
-        tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=[5, 6], offset=0)],
-        finished=[pb.FinishedSequence(seq_id=seq_id, reason=pb.FINISH_REASON_EOS,
-                                      generated_tokens=2)]))
+    err = rpc_error(
+        lambda: _select(
+            stub,
+            "w1",
+            old,
+            running=[seq_id],
+            tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=[5, 6], offset=0)],
+            finished=[
+                pb.FinishedSequence(seq_id=seq_id, reason=pb.FINISH_REASON_EOS, generated_tokens=2)
+            ],
+        )
+    )
     assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
-    assert err.details().startswith(f"superseded: worker_id 'w1' incarnation {old} was "
-                                    f"replaced by incarnation {new}")
+    assert err.details().startswith(
+        f"superseded: worker_id 'w1' incarnation {old} was replaced by incarnation {new}"
+    )
     assert (get_sequence(stub, seq_id), _iteration(stub, "w1")) == before
     # The newer incarnation carries on undisturbed: its sequence was never lost.
     assert [c.seq_id for c in _select(stub, "w1", new, waiting=[seq_id]).prefill] == [seq_id]
 
 
-def test_deregister_from_a_superseded_incarnation_fails_precondition_and_keeps_the_worker(
-        stub):
+def test_deregister_from_a_superseded_incarnation_fails_precondition_and_keeps_the_worker(stub):
     old = Worker(stub, "w1").register().incarnation
     new = Worker(stub, "w1").register().incarnation
     err = rpc_error(lambda: _deregister(stub, "w1", old))
     assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert err.details().startswith("superseded:")
-    assert _iteration(stub, "w1") == 0          # still registered
+    assert _iteration(stub, "w1") == 0  # still registered
     _deregister(stub, "w1", new)
     assert not stub.GetStatus(pb.GetStatusRequest(), timeout=RPC_TIMEOUT_SECONDS).workers
 
@@ -105,14 +122,16 @@ def test_incarnations_are_never_reused_across_a_restart(tmp_path):
 
 # ------------------------------------------------------------------------ batch size cap
 
+
 def test_registering_with_uint32_max_gets_max_worker_batch_size_1024(stub, worker):
     """Regression (outside probe): a registered max_batch_size of 2**32-1 took 60,000
     sequences in one call, holding the scheduler's lock 1.2-1.5 s."""
     assert worker.register(max_batch_size=UINT32_MAX).max_batch_size == 1024
 
 
-@pytest.mark.parametrize("server", [{"max_worker_batch_size": 8, "max_batch_size": 4}],
-                         indirect=True)
+@pytest.mark.parametrize(
+    "server", [{"max_worker_batch_size": 8, "max_batch_size": 4}], indirect=True
+)
 def test_a_worker_gets_no_more_than_max_worker_batch_size_admissions(stub, worker):
     assert worker.register(max_batch_size=UINT32_MAX).max_batch_size == 8
     for _ in range(20):
@@ -122,6 +141,7 @@ def test_a_worker_gets_no_more_than_max_worker_batch_size_admissions(stub, worke
 
 # ------------------------------------------------------------------------ offsets, counts
 
+
 def test_a_token_update_with_an_offset_past_the_known_tokens_is_invalid_argument(stub, worker):
     """Regression (outside probe): offset 50 with 5 tokens known was appended at position 5."""
     worker.register()
@@ -130,10 +150,16 @@ def test_a_token_update_with_an_offset_past_the_known_tokens_is_invalid_argument
     worker.select(running=[seq_id], tokens={seq_id: [1, 2, 3, 4, 5]})
 
     def gap():
-        return stub.SelectBatch(pb.SelectBatchRequest(
-            worker_id="w1", running=[seq_id], kv_free_pages=1000, gdn_free_slots=64,
-            tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=[6], offset=50)]),
-            timeout=RPC_TIMEOUT_SECONDS)
+        return stub.SelectBatch(
+            pb.SelectBatchRequest(
+                worker_id="w1",
+                running=[seq_id],
+                kv_free_pages=1000,
+                gdn_free_slots=64,
+                tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=[6], offset=50)],
+            ),
+            timeout=RPC_TIMEOUT_SECONDS,
+        )
 
     err = rpc_error(gap)
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
@@ -152,18 +178,27 @@ def test_a_finish_counting_uint32_max_tokens_shows_at_most_max_new_tokens(stub, 
 
 # ------------------------------------------------------------------------ FAILED reasons
 
-def test_a_failed_sequence_carries_the_workers_reason_to_get_sequence_and_generate(stub,
-                                                                                   worker):
+
+def test_a_failed_sequence_carries_the_workers_reason_to_get_sequence_and_generate(stub, worker):
     """Regression (outside probe): a prompt with an out-of-vocabulary id finished FAILED
     with no reason anywhere."""
     worker.register()
     stream = Stream(stub, pb.SubmitRequest(prompt_token_ids=[1, 600], max_new_tokens=4))
     seq_id = stream.next_event().seq_id
     assert admitted(worker.select()) == [seq_id]
-    stub.SelectBatch(pb.SelectBatchRequest(
-        worker_id="w1", kv_free_pages=1000, gdn_free_slots=64,
-        finished=[pb.FinishedSequence(seq_id=seq_id, reason=pb.FINISH_REASON_FAILED,
-                                      error_message=VOCABULARY)]), timeout=RPC_TIMEOUT_SECONDS)
+    stub.SelectBatch(
+        pb.SelectBatchRequest(
+            worker_id="w1",
+            kv_free_pages=1000,
+            gdn_free_slots=64,
+            finished=[
+                pb.FinishedSequence(
+                    seq_id=seq_id, reason=pb.FINISH_REASON_FAILED, error_message=VOCABULARY
+                )
+            ],
+        ),
+        timeout=RPC_TIMEOUT_SECONDS,
+    )
     (last,) = stream.rest()
     assert last.finished and last.finish_reason == pb.FINISH_REASON_FAILED
     assert last.error_message == VOCABULARY
@@ -175,11 +210,19 @@ def test_a_sequence_that_did_not_fail_has_no_error_message(stub, worker):
     worker.register()
     seq_id = submit(stub).seq_id
     worker.select()
-    stub.SelectBatch(pb.SelectBatchRequest(
-        worker_id="w1", kv_free_pages=1000, gdn_free_slots=64,
-        finished=[pb.FinishedSequence(seq_id=seq_id, reason=pb.FINISH_REASON_EOS,
-                                      error_message="not a failure")]),
-        timeout=RPC_TIMEOUT_SECONDS)
+    stub.SelectBatch(
+        pb.SelectBatchRequest(
+            worker_id="w1",
+            kv_free_pages=1000,
+            gdn_free_slots=64,
+            finished=[
+                pb.FinishedSequence(
+                    seq_id=seq_id, reason=pb.FINISH_REASON_EOS, error_message="not a failure"
+                )
+            ],
+        ),
+        timeout=RPC_TIMEOUT_SECONDS,
+    )
     assert get_sequence(stub, seq_id).error_message == ""
 
 
@@ -187,10 +230,18 @@ def test_a_very_long_error_message_is_cut_not_refused(stub, worker):
     worker.register()
     seq_id = submit(stub).seq_id
     worker.select()
-    stub.SelectBatch(pb.SelectBatchRequest(
-        worker_id="w1", kv_free_pages=1000, gdn_free_slots=64,
-        finished=[pb.FinishedSequence(seq_id=seq_id, reason=pb.FINISH_REASON_FAILED,
-                                      error_message="x" * 100_000)]),
-        timeout=RPC_TIMEOUT_SECONDS)
+    stub.SelectBatch(
+        pb.SelectBatchRequest(
+            worker_id="w1",
+            kv_free_pages=1000,
+            gdn_free_slots=64,
+            finished=[
+                pb.FinishedSequence(
+                    seq_id=seq_id, reason=pb.FINISH_REASON_FAILED, error_message="x" * 100_000
+                )
+            ],
+        ),
+        timeout=RPC_TIMEOUT_SECONDS,
+    )
     message = get_sequence(stub, seq_id).error_message
     assert 0 < len(message) <= 1000 and message.endswith("(100000 chars)")

@@ -1,12 +1,13 @@
 """--state-dir over the wire: a restarted server answers for what the old one accepted."""
+
 from __future__ import annotations
 
 import grpc
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service.core import ConfigError
 from service.server.app import RunningServer, start
 from service.settings import ServeSettings
@@ -28,8 +29,7 @@ class Durable:
 
     def restart(self) -> pb_grpc.SchedulerStub:
         self.stop()
-        settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0,
-                                 state_dir=self.state_dir)
+        settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0, state_dir=self.state_dir)
         self.running = start(settings, CollectorRegistry())
         self.channel = grpc.insecure_channel(f"{LOOPBACK}:{self.running.port}")
         self.stub = pb_grpc.SchedulerStub(self.channel)
@@ -50,9 +50,12 @@ def durable(tmp_path):
 
 
 def _submit(stub, request_id: str, max_new_tokens: int = 4) -> int:
-    return stub.Submit(pb.SubmitRequest(request_id=request_id, prompt_token_ids=[1, 2, 3],
-                                        max_new_tokens=max_new_tokens),
-                       timeout=RPC_TIMEOUT_SECONDS).seq_id
+    return stub.Submit(
+        pb.SubmitRequest(
+            request_id=request_id, prompt_token_ids=[1, 2, 3], max_new_tokens=max_new_tokens
+        ),
+        timeout=RPC_TIMEOUT_SECONDS,
+    ).seq_id
 
 
 def test_generate_with_a_known_request_id_re_attaches_from_the_first_token(durable):
@@ -63,8 +66,10 @@ def test_generate_with_a_known_request_id_re_attaches_from_the_first_token(durab
     worker.select(running=[seq_id], tokens={seq_id: [11, 12]})
 
     stub = durable.restart()
-    events = stub.Generate(pb.SubmitRequest(request_id="job-1", prompt_token_ids=[1, 2, 3],
-                                            max_new_tokens=4), timeout=RPC_TIMEOUT_SECONDS)
+    events = stub.Generate(
+        pb.SubmitRequest(request_id="job-1", prompt_token_ids=[1, 2, 3], max_new_tokens=4),
+        timeout=RPC_TIMEOUT_SECONDS,
+    )
     first = next(events)
     assert first.seq_id == seq_id
     replay = next(events)
@@ -81,17 +86,17 @@ def test_generate_with_a_known_request_id_re_attaches_from_the_first_token(durab
 def test_acknowledged_sequences_are_known_after_a_restart_and_ids_go_on(durable):
     ids = [_submit(durable.stub, f"r{i}") for i in range(5)]
     stub = durable.restart()
-    infos = [stub.GetSequence(pb.GetSequenceRequest(seq_id=s), timeout=RPC_TIMEOUT_SECONDS)
-             for s in ids]
+    infos = [
+        stub.GetSequence(pb.GetSequenceRequest(seq_id=s), timeout=RPC_TIMEOUT_SECONDS) for s in ids
+    ]
     assert [i.state for i in infos] == [pb.SEQUENCE_STATE_QUEUED] * 5
     assert [i.queue_position for i in infos] == [0, 1, 2, 3, 4]
-    assert _submit(stub, "r2") == ids[2]        # idempotent across the restart
+    assert _submit(stub, "r2") == ids[2]  # idempotent across the restart
     assert _submit(stub, "new") == ids[-1] + 1  # ids never reused
 
 
 def test_a_second_server_on_the_same_state_dir_is_refused(durable):
-    settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0,
-                             state_dir=durable.state_dir)
+    settings = ServeSettings(host=LOOPBACK, port=0, metrics_port=0, state_dir=durable.state_dir)
     with pytest.raises(ConfigError, match="in use by another scheduler"):
         start(settings, CollectorRegistry())
 
@@ -100,23 +105,26 @@ def test_a_failed_start_releases_the_state_dir(tmp_path):
     busy = ServeSettings(host=LOOPBACK, port=0, metrics_port=0)
     first = start(busy, CollectorRegistry())
     try:
-        clash = ServeSettings(host=LOOPBACK, port=first.port, metrics_port=0,
-                              state_dir=str(tmp_path))
+        clash = ServeSettings(
+            host=LOOPBACK, port=first.port, metrics_port=0, state_dir=str(tmp_path)
+        )
         with pytest.raises(ConfigError, match=f"gRPC port {first.port} .* already in use"):
             start(clash, CollectorRegistry())
     finally:
         first.stop(0)
     # The lock went with the failed start: the directory serves the next one.
-    again = start(ServeSettings(host=LOOPBACK, port=0, metrics_port=0, state_dir=str(tmp_path)),
-                  CollectorRegistry())
+    again = start(
+        ServeSettings(host=LOOPBACK, port=0, metrics_port=0, state_dir=str(tmp_path)),
+        CollectorRegistry(),
+    )
     again.stop(0)
 
 
 def test_stopping_the_server_does_not_cancel_what_its_streams_were_watching(durable):
-    events = durable.stub.Generate(pb.SubmitRequest(request_id="watched",
-                                                    prompt_token_ids=[1, 2, 3],
-                                                    max_new_tokens=4),
-                                   timeout=RPC_TIMEOUT_SECONDS)
+    events = durable.stub.Generate(
+        pb.SubmitRequest(request_id="watched", prompt_token_ids=[1, 2, 3], max_new_tokens=4),
+        timeout=RPC_TIMEOUT_SECONDS,
+    )
     seq_id = next(events).seq_id
     stub = durable.restart()  # a graceful stop ends the stream from the server's side
     with pytest.raises(grpc.RpcError):

@@ -7,6 +7,7 @@ serving everyone else (a NUL once stopped a PostgreSQL replica).
 Here on a SQLite --state-dir; tests/replicas/test_string_fields_replicas.py runs the same
 tests on replicas over PostgreSQL.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from .wire import RPC_TIMEOUT_SECONDS, Stream, Worker, admitted, get_sequence, rpc_error, submit
@@ -53,25 +55,47 @@ def _submit_request(**fields) -> pb.SubmitRequest:
 
 
 def _registration(worker_id: str = "w-bad", adapters: tuple[str, ...] = ()):
-    return pb.RegisterWorkerRequest(worker_id=worker_id, total_kv_pages=1000, page_size=16,
-                                    total_gdn_slots=64, adapters=list(adapters))
+    return pb.RegisterWorkerRequest(
+        worker_id=worker_id,
+        total_kv_pages=1000,
+        page_size=16,
+        total_gdn_slots=64,
+        adapters=list(adapters),
+    )
 
 
 FIELDS = [
-    *(Field(rpc, kind, name, lambda v, name=name: _submit_request(**{name: v}))
-      for rpc, kind in (("Submit", "unary_unary"), ("Generate", "unary_stream"))
-      for name in ("request_id", "tenant", "adapter_id")),
+    *(
+        Field(rpc, kind, name, lambda v, name=name: _submit_request(**{name: v}))
+        for rpc, kind in (("Submit", "unary_unary"), ("Generate", "unary_stream"))
+        for name in ("request_id", "tenant", "adapter_id")
+    ),
     Field("RegisterWorker", "unary_unary", "worker_id", lambda v: _registration(worker_id=v)),
-    Field("RegisterWorker", "unary_unary", "adapters[1]",
-          lambda v: _registration(adapters=("lora-a", v))),
-    Field("SelectBatch", "unary_unary", "worker_id",
-          lambda v: pb.SelectBatchRequest(worker_id=v, kv_free_pages=10, gdn_free_slots=1)),
-    Field("WorkerSession", "stream_stream", "worker_id",
-          lambda v: pb.SelectBatchRequest(worker_id=v, kv_free_pages=10, gdn_free_slots=1)),
-    Field("DeregisterWorker", "unary_unary", "worker_id",
-          lambda v: pb.DeregisterWorkerRequest(worker_id=v)),
-    Field("DrainWorker", "unary_unary", "worker_id",
-          lambda v: pb.DrainWorkerRequest(worker_id=v)),
+    Field(
+        "RegisterWorker",
+        "unary_unary",
+        "adapters[1]",
+        lambda v: _registration(adapters=("lora-a", v)),
+    ),
+    Field(
+        "SelectBatch",
+        "unary_unary",
+        "worker_id",
+        lambda v: pb.SelectBatchRequest(worker_id=v, kv_free_pages=10, gdn_free_slots=1),
+    ),
+    Field(
+        "WorkerSession",
+        "stream_stream",
+        "worker_id",
+        lambda v: pb.SelectBatchRequest(worker_id=v, kv_free_pages=10, gdn_free_slots=1),
+    ),
+    Field(
+        "DeregisterWorker",
+        "unary_unary",
+        "worker_id",
+        lambda v: pb.DeregisterWorkerRequest(worker_id=v),
+    ),
+    Field("DrainWorker", "unary_unary", "worker_id", lambda v: pb.DrainWorkerRequest(worker_id=v)),
 ]
 FIELD_IDS = [f"{f.rpc}.{f.path}" for f in FIELDS]
 
@@ -107,20 +131,24 @@ def assert_still_serving(stub, worker_id: str = "healthy") -> None:
             break
         decision = worker.select()
     assert seq_id in admitted(decision)
-    worker.select(finished=[(seq_id, pb.FINISH_REASON_EOS, 1)],
-                  tokens={seq_id: [7]})
+    worker.select(finished=[(seq_id, pb.FINISH_REASON_EOS, 1)], tokens={seq_id: [7]})
     assert get_sequence(stub, seq_id).state == pb.SEQUENCE_STATE_FINISHED
     worker.deregister()
 
 
 @pytest.mark.parametrize("field", FIELDS, ids=FIELD_IDS)
-@pytest.mark.parametrize("value, refusal", [
-    (NUL, "holds a NUL character (0x00) at index 3"),
-    (NOT_UTF8, "is not valid UTF-8"),
-    (HUGE, "is 65536 bytes; the limit is 256"),
-], ids=["nul", "surrogate", "64KiB"])
+@pytest.mark.parametrize(
+    "value, refusal",
+    [
+        (NUL, "holds a NUL character (0x00) at index 3"),
+        (NOT_UTF8, "is not valid UTF-8"),
+        (HUGE, "is 65536 bytes; the limit is 256"),
+    ],
+    ids=["nul", "surrogate", "64KiB"],
+)
 def test_a_bad_string_is_refused_naming_its_field_and_the_scheduler_serves_on(
-        server, stub, field, value, refusal):
+    server, stub, field, value, refusal
+):
     err = rpc_error(lambda: field.call(server.channel, serialized(field, value)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
     assert f"{field.path} {refusal}" in err.details(), err.details()
@@ -132,10 +160,17 @@ def test_a_bad_string_is_refused_naming_its_field_and_the_scheduler_serves_on(
 
 def _fail(channel: grpc.Channel, worker: Worker, seq_id: int, error_message: str | bytes) -> None:
     request = pb.SelectBatchRequest(
-        worker_id=worker.worker_id, kv_free_pages=1000, gdn_free_slots=64,
-        finished=[pb.FinishedSequence(seq_id=seq_id, reason=pb.FINISH_REASON_FAILED,
-                                      error_message=PLACEHOLDER if isinstance(
-                                          error_message, bytes) else error_message)])
+        worker_id=worker.worker_id,
+        kv_free_pages=1000,
+        gdn_free_slots=64,
+        finished=[
+            pb.FinishedSequence(
+                seq_id=seq_id,
+                reason=pb.FINISH_REASON_FAILED,
+                error_message=PLACEHOLDER if isinstance(error_message, bytes) else error_message,
+            )
+        ],
+    )
     payload = request.SerializeToString()
     if isinstance(error_message, bytes):
         payload = payload.replace(PLACEHOLDER.encode(), error_message)
@@ -158,13 +193,19 @@ def failing(stub):
     return worker, seq_id, stream
 
 
-@pytest.mark.parametrize("message, kept", [
-    ("CUDA error\x00: illegal\r\naddress\x1b[31m\x7f\u2028end",
-     "CUDA error\\x00: illegal\\x0d\\x0aaddress\\x1b[31m\\x7f\\u2028end"),
-    ("é ü 中文 tab-free text stays as it is", "é ü 中文 tab-free text stays as it is"),
-])
+@pytest.mark.parametrize(
+    "message, kept",
+    [
+        (
+            "CUDA error\x00: illegal\r\naddress\x1b[31m\x7f\u2028end",
+            "CUDA error\\x00: illegal\\x0d\\x0aaddress\\x1b[31m\\x7f\\u2028end",
+        ),
+        ("é ü 中文 tab-free text stays as it is", "é ü 中文 tab-free text stays as it is"),
+    ],
+)
 def test_a_workers_error_message_is_kept_with_control_characters_escaped(
-        server, stub, failing, message, kept):
+    server, stub, failing, message, kept
+):
     worker, seq_id, stream = failing
     _fail(server.channel, worker, seq_id, message)
     (last,) = stream.rest()
@@ -188,7 +229,6 @@ def test_an_error_message_that_is_not_utf8_is_refused_naming_it(server, stub, fa
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "finished[0].error_message is not valid UTF-8" in err.details()
     assert get_sequence(stub, seq_id).state != pb.SEQUENCE_STATE_FINISHED, "nothing applied"
-    worker.select(finished=[(seq_id, pb.FINISH_REASON_EOS, 1)],
-                  tokens={seq_id: [7]})
+    worker.select(finished=[(seq_id, pb.FINISH_REASON_EOS, 1)], tokens={seq_id: [7]})
     assert get_sequence(stub, seq_id).finish_reason == pb.FINISH_REASON_EOS
     assert_still_serving(stub)

@@ -1,4 +1,5 @@
 """Helpers for talking to a scheduler over the wire: a fake worker, submits, waits."""
+
 from __future__ import annotations
 
 import queue
@@ -7,9 +8,9 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-
 from worker_client.session import WorkerSessionStream
 
 # Every RPC a test makes is bounded by this; a hung server fails the test, not the run.
@@ -25,38 +26,71 @@ class Worker:
     an error ends it); "unary" makes a SelectBatch call of each.
     """
 
-    def __init__(self, stub: pb_grpc.SchedulerStub, worker_id: str = "w1",
-                 transport: str = "unary") -> None:
+    def __init__(
+        self, stub: pb_grpc.SchedulerStub, worker_id: str = "w1", transport: str = "unary"
+    ) -> None:
         assert transport in TRANSPORTS, transport
         self.stub = stub
         self.worker_id = worker_id
         self.transport = transport
         self._session: WorkerSessionStream | None = None
 
-    def register(self, *, total_kv_pages: int = 1000, page_size: int = 16,
-                 total_gdn_slots: int = 64, max_batch_size: int = 0,
-                 adapters: tuple[str, ...] = ()) -> pb.RegisterWorkerResponse:
-        return self.stub.RegisterWorker(pb.RegisterWorkerRequest(
-            worker_id=self.worker_id, total_kv_pages=total_kv_pages, page_size=page_size,
-            total_gdn_slots=total_gdn_slots, max_batch_size=max_batch_size,
-            adapters=list(adapters)), timeout=RPC_TIMEOUT_SECONDS)
+    def register(
+        self,
+        *,
+        total_kv_pages: int = 1000,
+        page_size: int = 16,
+        total_gdn_slots: int = 64,
+        max_batch_size: int = 0,
+        adapters: tuple[str, ...] = (),
+    ) -> pb.RegisterWorkerResponse:
+        return self.stub.RegisterWorker(
+            pb.RegisterWorkerRequest(
+                worker_id=self.worker_id,
+                total_kv_pages=total_kv_pages,
+                page_size=page_size,
+                total_gdn_slots=total_gdn_slots,
+                max_batch_size=max_batch_size,
+                adapters=list(adapters),
+            ),
+            timeout=RPC_TIMEOUT_SECONDS,
+        )
 
-    def select(self, *, waiting=(), running=(), kv_free_pages: int = 1000,
-               gdn_free_slots: int = 64, finished=(), preempted=(), draining: bool = False,
-               tokens: dict[int, list[int]] | None = None) -> pb.SchedulerDecision:
+    def select(
+        self,
+        *,
+        waiting=(),
+        running=(),
+        kv_free_pages: int = 1000,
+        gdn_free_slots: int = 64,
+        finished=(),
+        preempted=(),
+        draining: bool = False,
+        tokens: dict[int, list[int]] | None = None,
+    ) -> pb.SchedulerDecision:
         """One SelectBatch. `finished` items are (seq_id, reason[, generated_tokens])."""
-        return self.send(pb.SelectBatchRequest(
-            worker_id=self.worker_id, waiting=list(waiting), running=list(running),
-            kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
-            finished=[pb.FinishedSequence(seq_id=f[0], reason=f[1],
-                                          generated_tokens=f[2] if len(f) > 2 else 0)
-                      for f in finished],
-            preempted=list(preempted), draining=draining,
-            tokens=[pb.TokenUpdate(seq_id=s, token_ids=t) for s, t in (tokens or {}).items()],
-        ))
+        return self.send(
+            pb.SelectBatchRequest(
+                worker_id=self.worker_id,
+                waiting=list(waiting),
+                running=list(running),
+                kv_free_pages=kv_free_pages,
+                gdn_free_slots=gdn_free_slots,
+                finished=[
+                    pb.FinishedSequence(
+                        seq_id=f[0], reason=f[1], generated_tokens=f[2] if len(f) > 2 else 0
+                    )
+                    for f in finished
+                ],
+                preempted=list(preempted),
+                draining=draining,
+                tokens=[pb.TokenUpdate(seq_id=s, token_ids=t) for s, t in (tokens or {}).items()],
+            )
+        )
 
-    def send(self, request: pb.SelectBatchRequest,
-             timeout_seconds: float = RPC_TIMEOUT_SECONDS) -> pb.SchedulerDecision:
+    def send(
+        self, request: pb.SelectBatchRequest, timeout_seconds: float = RPC_TIMEOUT_SECONDS
+    ) -> pb.SchedulerDecision:
         """One report as it is, over this worker's transport."""
         if self.transport == "unary":
             return self.stub.SelectBatch(request, timeout=timeout_seconds)
@@ -70,8 +104,9 @@ class Worker:
 
     def deregister(self) -> pb.DeregisterWorkerResponse:
         self.close()
-        return self.stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id=self.worker_id),
-                                          timeout=RPC_TIMEOUT_SECONDS)
+        return self.stub.DeregisterWorker(
+            pb.DeregisterWorkerRequest(worker_id=self.worker_id), timeout=RPC_TIMEOUT_SECONDS
+        )
 
     def close(self) -> None:
         """End the session, if there is one (a worker leaving its stream, not the scheduler)."""
@@ -80,11 +115,13 @@ class Worker:
             self._session = None
 
 
-def submit(stub: pb_grpc.SchedulerStub, prompt=(1, 2, 3), max_new_tokens: int = 4,
-           **fields) -> pb.SubmitResponse:
-    return stub.Submit(pb.SubmitRequest(prompt_token_ids=list(prompt),
-                                        max_new_tokens=max_new_tokens, **fields),
-                       timeout=RPC_TIMEOUT_SECONDS)
+def submit(
+    stub: pb_grpc.SchedulerStub, prompt=(1, 2, 3), max_new_tokens: int = 4, **fields
+) -> pb.SubmitResponse:
+    return stub.Submit(
+        pb.SubmitRequest(prompt_token_ids=list(prompt), max_new_tokens=max_new_tokens, **fields),
+        timeout=RPC_TIMEOUT_SECONDS,
+    )
 
 
 def submit_many(stub: pb_grpc.SchedulerStub, count: int, **kwargs) -> list[int]:
@@ -115,8 +152,9 @@ def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
 class Stream:
     """A Generate call read on a thread, so a test can wait for each event with a bound."""
 
-    def __init__(self, stub: pb_grpc.SchedulerStub, request: pb.SubmitRequest,
-                 timeout_seconds: float = 20.0) -> None:
+    def __init__(
+        self, stub: pb_grpc.SchedulerStub, request: pb.SubmitRequest, timeout_seconds: float = 20.0
+    ) -> None:
         self.call = stub.Generate(request, timeout=timeout_seconds)
         self._events: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._read, daemon=True)

@@ -1,4 +1,5 @@
 """The cost models' interpolation: exact on grid points, monotone, never negative."""
+
 from __future__ import annotations
 
 import itertools
@@ -17,8 +18,10 @@ def test_isotonic_pools_adjacent_violators_into_their_mean():
 
 def test_grid_is_exact_on_grid_points_of_monotone_data():
     axes = [[0, 16, 64, 256], [0, 1, 4], [0, 512, 2048]]
-    values = {idx: 0.001 * (1 + idx[0] * 3 + idx[1] * 2 + idx[2] + idx[0] * idx[2])
-              for idx in itertools.product(range(4), range(3), range(3))}
+    values = {
+        idx: 0.001 * (1 + idx[0] * 3 + idx[1] * 2 + idx[2] + idx[0] * idx[2])
+        for idx in itertools.product(range(4), range(3), range(3))
+    }
     grid = MonotoneGrid(axes, values)
     for idx, value in values.items():
         point = [axes[k][i] for k, i in enumerate(idx)]
@@ -43,8 +46,10 @@ def test_beyond_the_last_point_continues_with_the_last_slope_and_before_the_firs
 def test_noisy_measurements_become_monotone_along_every_axis_and_never_negative():
     rng = random.Random(7)
     axes = [[0, 32, 128, 512], [0, 2, 8, 32], [0, 256, 1024]]
-    values = {idx: rng.uniform(-0.01, 0.05) + 0.01 * sum(idx)
-              for idx in itertools.product(range(4), range(4), range(3))}
+    values = {
+        idx: rng.uniform(-0.01, 0.05) + 0.01 * sum(idx)
+        for idx in itertools.product(range(4), range(4), range(3))
+    }
     grid = MonotoneGrid(axes, values)
     samples = [-10, 0, 1, 17, 40, 128, 300, 512, 700, 5000]
     for x, y, z in itertools.product(samples, samples[:8], samples[:9]):

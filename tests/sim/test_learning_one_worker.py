@@ -1,6 +1,7 @@
 """The learned budget on one worker of the A30 profile over thousands of steps: the case
 in which the recursive least-squares form of the step model diverged (service/core/
 step_model.py: its rounding errors made the covariance indefinite)."""
+
 from __future__ import annotations
 
 import statistics
@@ -17,9 +18,17 @@ from service.sim.workload import load_trace
 @pytest.mark.slow
 def test_one_worker_keeps_its_step_model_accurate_and_meets_the_tpot_target():
     cost = load_cost_source(profile=None, step_table_path=None, page_size=16)
-    setup = experiments.Setup(load_trace("splitwise_code"), cost,
-                              WorkerShape(cost.default_kv_pages, 16, cost.default_gdn_slots),
-                              1, 600, "poisson", 0, "pull", progress=False)
+    setup = experiments.Setup(
+        load_trace("splitwise_code"),
+        cost,
+        WorkerShape(cost.default_kv_pages, 16, cost.default_gdn_slots),
+        1,
+        600,
+        "poisson",
+        0,
+        "pull",
+        progress=False,
+    )
     config = SchedulerConfig(policy="budget", tpot_target_ms=100.0, ttft_target_ms=2000.0)
     run = experiments.simulate(setup, config, 2.0)
     errors = run.outcome.step_time_errors["sim-0"]

@@ -1,5 +1,6 @@
 """The routers on arrival: each follows its source's rule on what it sees of the fleet,
 and in a simulation each worker's own prefix cache serves what is routed to it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -105,8 +106,10 @@ def test_cache_aware_follows_its_tree_above_the_threshold_and_balances_when_imba
 
 def conversation(num_turns: int, *, gap: float = 1.0) -> list[Request]:
     """One conversation: each turn's prompt is the previous one plus 2 new blocks."""
-    return [Request(t, t * gap, (3 + 2 * t) * B, 4, tuple(range(3 + 2 * t)), B)
-            for t in range(num_turns)]
+    return [
+        Request(t, t * gap, (3 + 2 * t) * B, 4, tuple(range(3 + 2 * t)), B)
+        for t in range(num_turns)
+    ]
 
 
 def run(reqs, routing, *, workers=2, config=None, snapshot_slots=None):
@@ -117,11 +120,14 @@ def run(reqs, routing, *, workers=2, config=None, snapshot_slots=None):
 
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_every_request_finishes_once_with_caches_under_every_routing(routing):
-    reqs = conversation(6, gap=0.3) + [Request(6 + i, 0.1 * i, 40, 5, (50 + i, 60, 61), B)
-                                       for i in range(10)]
+    reqs = conversation(6, gap=0.3) + [
+        Request(6 + i, 0.1 * i, 40, 5, (50 + i, 60, 61), B) for i in range(10)
+    ]
     reqs = sorted(reqs, key=lambda r: r.arrival_seconds)
-    reqs = [Request(i, r.arrival_seconds, r.prompt_len, r.output_len, r.hash_ids, B)
-            for i, r in enumerate(reqs)]
+    reqs = [
+        Request(i, r.arrival_seconds, r.prompt_len, r.output_len, r.hash_ids, B)
+        for i, r in enumerate(reqs)
+    ]
     outcome = run(reqs, routing)
     for record, request in zip(outcome.records, reqs):
         assert record.num_finishes == 1 and record.finish_reason is FinishReason.MAX_LENGTH
@@ -156,8 +162,11 @@ def test_a_hybrid_models_snapshot_slots_bound_what_it_resumes():
     reqs = []
     for t in range(4):
         reqs.append(Request(2 * t, 2.0 * t, a[t].prompt_len, 4, a[t].hash_ids, B))
-        reqs.append(Request(2 * t + 1, 2.0 * t + 1, b[t].prompt_len, 4,
-                            tuple(100 + h for h in b[t].hash_ids), B))
+        reqs.append(
+            Request(
+                2 * t + 1, 2.0 * t + 1, b[t].prompt_len, 4, tuple(100 + h for h in b[t].hash_ids), B
+            )
+        )
     many = run(reqs, "kv-router", workers=1, snapshot_slots=64)
     one = run(reqs, "kv-router", workers=1, snapshot_slots=1)
     assert many.cached_prefill_tokens == 2 * (3 + 5 + 7) * B

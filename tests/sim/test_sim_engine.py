@@ -1,4 +1,5 @@
 """SimEngine keeps the reference engine's books: pages, slots, chunks, tokens, preemption."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,6 +1,7 @@
 """SimEngine's prefix cache keeps the reference engine's books: blocks by chained hash,
 LRU reclaim, GDN snapshot slots, resume-point deltas, hits and misses, and a cost model
 that is charged only the computed tokens."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -103,8 +104,7 @@ def test_cache_is_reclaimed_least_recently_used_first_when_a_sequence_needs_page
 
 def test_a_hybrid_model_resumes_only_where_a_snapshot_was_taken():
     # Chunks end at 12 (no boundary), 16 and 17: only block 1 gets a snapshot.
-    engine = sim_engine(total_kv_pages=16, page_size=4, cache_block_tokens=BLOCK,
-                        snapshot_slots=4)
+    engine = sim_engine(total_kv_pages=16, page_size=4, cache_block_tokens=BLOCK, snapshot_slots=4)
     tokens = prompt(0, 1, block_tokens=BLOCK) + (5,)
     engine.step([cached_chunk(1, tokens, 0, 12, max_new_tokens=1)], [])
     engine.step([ChunkWork(1, 12, 4, None)], [])
@@ -116,8 +116,7 @@ def test_a_hybrid_model_resumes_only_where_a_snapshot_was_taken():
 
 
 def test_the_snapshot_slots_limit_resume_points_least_recently_used_out():
-    engine = sim_engine(total_kv_pages=32, page_size=4, cache_block_tokens=BLOCK,
-                        snapshot_slots=1)
+    engine = sim_engine(total_kv_pages=32, page_size=4, cache_block_tokens=BLOCK, snapshot_slots=1)
     a, b = prompt(0, block_tokens=BLOCK), prompt(1, block_tokens=BLOCK)
     engine.step([cached_chunk(1, a + (5,), 0, 8, max_new_tokens=1)], [])
     engine.step([cached_chunk(2, b + (5,), 0, 8, max_new_tokens=1)], [])
@@ -130,11 +129,21 @@ def test_the_snapshot_slots_limit_resume_points_least_recently_used_out():
 
 
 def test_pools_are_whole_again_after_every_sequence_ends_and_the_cache_is_cleared():
-    engine = sim_engine(total_kv_pages=12, page_size=4, total_gdn_slots=3,
-                        cache_block_tokens=BLOCK, snapshot_slots=2)
+    engine = sim_engine(
+        total_kv_pages=12,
+        page_size=4,
+        total_gdn_slots=3,
+        cache_block_tokens=BLOCK,
+        snapshot_slots=2,
+    )
     tokens = prompt(0, 1, 2, block_tokens=BLOCK)
-    engine.step([cached_chunk(1, tokens, 0, 24, max_new_tokens=3),
-                 cached_chunk(2, tokens, 0, 24, max_new_tokens=9)], [])
+    engine.step(
+        [
+            cached_chunk(1, tokens, 0, 24, max_new_tokens=3),
+            cached_chunk(2, tokens, 0, 24, max_new_tokens=9),
+        ],
+        [],
+    )
     engine.step([cached_chunk(3, tokens, 16, 8, max_new_tokens=5)], [1, 2])
     engine.evict([2])
     for seq_id in (1, 3):
@@ -160,8 +169,9 @@ def test_sim_engine_keeps_the_same_cache_books_as_the_reference_engine():
 
     model = random_model(dataclasses.replace(tiny_config(), eos_token_ids=()), seed=0).eval()
     pools = dict(total_kv_pages=24, page_size=4, total_gdn_slots=4)
-    reference = ModelEngine(model, device="cpu", cache_block_tokens=BLOCK,
-                            total_snapshot_slots=4, **pools)
+    reference = ModelEngine(
+        model, device="cpu", cache_block_tokens=BLOCK, total_snapshot_slots=4, **pools
+    )
     sim = sim_engine(cache_block_tokens=BLOCK, snapshot_slots=4, **pools)
     system = prompt(0, 1, block_tokens=BLOCK)
     a, b, c = system + (3,) * 6, system + (4,) * 9, system + (5,) * 20
@@ -182,8 +192,9 @@ def test_sim_engine_keeps_the_same_cache_books_as_the_reference_engine():
         ([], [7, 3, 4]),
         ([], [7, 3, 4]),
     ]
-    prompt_hashes = {h for p in prompts + [tuple(range(100, 156))]
-                     for h in block_hashes(p, "", BLOCK)}
+    prompt_hashes = {
+        h for p in prompts + [tuple(range(100, 156))] for h in block_hashes(p, "", BLOCK)
+    }
     points = {id(reference): set(), id(sim): set()}
     misses, cached_pages, preempted = [], [], []
     with torch.inference_mode():
@@ -204,8 +215,9 @@ def test_sim_engine_keeps_the_same_cache_books_as_the_reference_engine():
                 points[id(engine)] -= set(delta.removed)
             assert (points[id(reference)] & prompt_hashes) == (points[id(sim)] & prompt_hashes), n
             assert len(points[id(reference)]) == len(points[id(sim)]), n
-            assert (sim.prefix_cache.num_cached_blocks()
-                    == reference.prefix_cache.num_cached_blocks()), n
+            assert (
+                sim.prefix_cache.num_cached_blocks() == reference.prefix_cache.num_cached_blocks()
+            ), n
             assert sim.prefix_cache.num_snapshots() == reference.prefix_cache.num_snapshots(), n
             misses.append(expected.cache_misses)
             cached_pages.append(reference.kv_cached_pages())

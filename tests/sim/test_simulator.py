@@ -1,5 +1,6 @@
 """The simulator: every request finishes once with its length, the same seed gives the same
 figures, the routing baseline routes as it says, the WorkerLoop is the production one."""
+
 from __future__ import annotations
 
 import functools
@@ -66,7 +67,8 @@ def test_figures_hold_the_issue_keys_in_seconds_and_counts():
     assert 0 < result.tpot_p50 <= result.tpot_p99
     assert result.queue_p50 <= result.ttft_p50
     assert result.output_tokens_per_s == pytest.approx(
-        sum(r.output_len for r in reqs) / result.makespan)
+        sum(r.output_len for r in reqs) / result.makespan
+    )
 
 
 def test_a_lone_request_is_timed_by_the_cost_model():
@@ -108,9 +110,11 @@ def test_a_request_that_can_never_fit_stops_the_run_with_a_reason():
     assert outcome.records[0].finish_reason is FinishReason.FAILED
     # ...while a worker that never admits anything (here: always draining) leaves a run
     # stuck, which is reported rather than looping forever.
-    stuck = Simulation(RunSpec(SchedulerConfig(chunk_size=32, policy="fifo"),
-                               WorkerShape(64, 4, 4), 2),
-                       LinearCost(), [Request(0, 0.0, 8, 2)])
+    stuck = Simulation(
+        RunSpec(SchedulerConfig(chunk_size=32, policy="fifo"), WorkerShape(64, 4, 4), 2),
+        LinearCost(),
+        [Request(0, 0.0, 8, 2)],
+    )
     for worker in stuck._workers:
         worker.loop.iterate = functools.partial(WorkerLoop.iterate, worker.loop, True)
     with pytest.raises(SimulationStalled, match="made no progress"):
@@ -121,13 +125,13 @@ def test_workers_run_the_production_worker_loop_through_the_wire_mapping(monkeyp
     from service.server import convert
 
     calls = {"iterate": 0, "worker_report": 0, "decision": 0}
-    for owner, name in ((WorkerLoop, "iterate"), (convert, "worker_report"),
-                        (convert, "decision")):
+    for owner, name in ((WorkerLoop, "iterate"), (convert, "worker_report"), (convert, "decision")):
         original = getattr(owner, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
+
         monkeypatch.setattr(owner, name, counted)
     outcome = run(requests(5))
     assert calls["iterate"] == outcome.num_iterations

@@ -1,4 +1,5 @@
 """A Prometheus started by the tests: its HTTP API and its config."""
+
 from __future__ import annotations
 
 import json
@@ -49,11 +50,12 @@ def scrape_config_for_test(metrics_port: int, prometheus_port: int, gateway_port
     """deploy/prometheus/prometheus.yml, aimed at loopback and scraping every second."""
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    config["rule_files"] = [str(PROMETHEUS_CONFIG.parent / name)
-                            for name in config["rule_files"]]
-    targets = {SCHEDULER_JOB: f"{LOOPBACK}:{metrics_port}",
-               GATEWAY_JOB: f"{LOOPBACK}:{gateway_port}",
-               "prometheus": f"{LOOPBACK}:{prometheus_port}"}
+    config["rule_files"] = [str(PROMETHEUS_CONFIG.parent / name) for name in config["rule_files"]]
+    targets = {
+        SCHEDULER_JOB: f"{LOOPBACK}:{metrics_port}",
+        GATEWAY_JOB: f"{LOOPBACK}:{gateway_port}",
+        "prometheus": f"{LOOPBACK}:{prometheus_port}",
+    }
     for job in config["scrape_configs"]:
         job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]
     assert ALERTS.name in {Path(p).name for p in config["rule_files"]}

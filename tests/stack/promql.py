@@ -4,6 +4,7 @@ Not a parser: it drops strings, label matchers, range/subquery brackets and grou
 clauses, then takes every identifier that is not called like a function and is not a
 keyword. Good enough for the dashboard and the alert rules, and pinned by its own tests.
 """
+
 from __future__ import annotations
 
 import re
@@ -11,10 +12,23 @@ import re
 # Grafana's interval variables, and what the tests put in their place.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
 
-_KEYWORDS = frozenset({
-    "by", "without", "on", "ignoring", "group_left", "group_right",
-    "and", "or", "unless", "bool", "offset", "inf", "nan",
-})
+_KEYWORDS = frozenset(
+    {
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "and",
+        "or",
+        "unless",
+        "bool",
+        "offset",
+        "inf",
+        "nan",
+    }
+)
 _STRING = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`')
 _MATCHERS = re.compile(r"\{[^}]*\}")
 _BRACKETS = re.compile(r"\[[^\]]*\]")

@@ -1,4 +1,5 @@
 """The stack's files, found from the repository root, and the pieces the tests read out of them."""
+
 from __future__ import annotations
 
 import json
@@ -38,14 +39,19 @@ class Expression:
 
 def dashboard_expressions() -> list[Expression]:
     dashboard = json.loads(DASHBOARD.read_text())
-    return [Expression(f"dashboard panel {panel['title']!r} target {target['refId']}",
-                       target["expr"])
-            for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    return [
+        Expression(f"dashboard panel {panel['title']!r} target {target['refId']}", target["expr"])
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+    ]
 
 
 def alert_expressions() -> list[Expression]:
-    return [Expression(f"alert {rule['alert']}", rule["expr"])
-            for group in load_yaml(ALERTS)["groups"] for rule in group["rules"]]
+    return [
+        Expression(f"alert {rule['alert']}", rule["expr"])
+        for group in load_yaml(ALERTS)["groups"]
+        for rule in group["rules"]
+    ]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
 """The compose stack, the GPU override and the Dockerfile, checked without a Docker engine."""
+
 from __future__ import annotations
 
 import copy
@@ -10,9 +11,19 @@ import jsonschema
 import pytest
 
 from .stack_files import (
-    COMPOSE_FILE, COMPOSE_GPU_FILE, COMPOSE_SCHEMA, DASHBOARD, DOCKERFILE, DOCKERIGNORE,
-    GRAFANA_PROVISIONING, HEALTH_CHECK_SCRIPT, PROMETHEUS_CONFIG, REPO, compose_ports,
-    documented_ports, load_yaml,
+    COMPOSE_FILE,
+    COMPOSE_GPU_FILE,
+    COMPOSE_SCHEMA,
+    DASHBOARD,
+    DOCKERFILE,
+    DOCKERIGNORE,
+    GRAFANA_PROVISIONING,
+    HEALTH_CHECK_SCRIPT,
+    PROMETHEUS_CONFIG,
+    REPO,
+    compose_ports,
+    documented_ports,
+    load_yaml,
 )
 
 WORKERS = ("worker-1", "worker-2")
@@ -37,8 +48,10 @@ def schema_validator() -> jsonschema.Draft7Validator:
 
 
 def _schema_errors(validator: jsonschema.Draft7Validator, document: dict) -> list[str]:
-    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-            for e in validator.iter_errors(document)]
+    return [
+        f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in validator.iter_errors(document)
+    ]
 
 
 @pytest.mark.parametrize("path", [COMPOSE_FILE, COMPOSE_GPU_FILE], ids=lambda p: p.name)
@@ -53,14 +66,18 @@ def test_compose_schema_check_rejects_a_misspelt_service_key(compose, schema_val
 
 
 def test_every_service_has_build_or_image(compose):
-    missing = [name for name, s in compose["services"].items()
-               if "build" not in s and "image" not in s]
+    missing = [
+        name for name, s in compose["services"].items() if "build" not in s and "image" not in s
+    ]
     assert missing == []
 
 
 def test_build_targets_are_stages_of_the_dockerfile(compose, gpu_override):
-    stages = set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", DOCKERFILE.read_text(),
-                            re.MULTILINE | re.IGNORECASE))
+    stages = set(
+        re.findall(
+            r"^FROM\s+\S+\s+AS\s+(\S+)", DOCKERFILE.read_text(), re.MULTILINE | re.IGNORECASE
+        )
+    )
     for document in (compose, gpu_override):
         for name, service in document["services"].items():
             build = service.get("build")
@@ -82,16 +99,29 @@ def _excluded_by_dockerignore(path: str, patterns: list[str]) -> bool:
 
 
 def test_build_context_holds_what_the_images_install_and_not_the_rest():
-    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
-    needed = ["pyproject.toml", "constraints.txt", "service/server/app.py", "service/core/__init__.py",
-              "protos/lattice/scheduler/v1/scheduler_pb2.py", "worker_client/__init__.py",
-              "deploy/grpc_health_check.py"]
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    needed = [
+        "pyproject.toml",
+        "constraints.txt",
+        "service/server/app.py",
+        "service/core/__init__.py",
+        "protos/lattice/scheduler/v1/scheduler_pb2.py",
+        "worker_client/__init__.py",
+        "deploy/grpc_health_check.py",
+    ]
     for path in needed:
         assert (REPO / path).exists(), f"{path} is copied into the image but does not exist"
         assert not _excluded_by_dockerignore(path, patterns), f"{path} is left out by .dockerignore"
-    for path in (".venv/bin/python", "tests/stack/conftest.py", ".git/HEAD",
-                 "service/__pycache__/server.cpython-311.pyc"):
+    for path in (
+        ".venv/bin/python",
+        "tests/stack/conftest.py",
+        ".git/HEAD",
+        "service/__pycache__/server.cpython-311.pyc",
+    ):
         assert _excluded_by_dockerignore(path, patterns), f"{path} would be sent to the build"
 
 
@@ -106,15 +136,14 @@ def test_image_and_scheduler_service_check_health_over_grpc(compose):
 
 def test_images_run_as_a_non_root_user():
     users = re.findall(r"^USER\s+(\S+)", DOCKERFILE.read_text(), re.MULTILINE)
-    assert users and all(not u.split(":")[0] in ("0", "root") for u in users)
+    assert users and all(u.split(":")[0] not in ("0", "root") for u in users)
 
 
 def test_workers_start_after_the_scheduler_is_healthy_and_use_the_demo_model_on_cpu(compose):
     for name in WORKERS:
         worker = compose["services"][name]
         assert worker["depends_on"]["scheduler"]["condition"] == "service_healthy"
-        assert worker["depends_on"]["demo-model"]["condition"] == \
-            "service_completed_successfully"
+        assert worker["depends_on"]["demo-model"]["condition"] == "service_completed_successfully"
         command = worker["command"]
         assert command[command.index("--scheduler") + 1] == "scheduler:50051"
         assert command[command.index("--worker-id") + 1] == name
@@ -140,8 +169,11 @@ def test_the_gateway_serves_the_demo_model_with_exactly_the_documented_flags(com
     assert command[0] == "gateway"
     flags = dict(zip(command[1::2], command[2::2]))
     assert {k: flags[k] for k in ("--target", "--model", "--host", "--port")} == {
-        "--target": "scheduler:50051", "--model": DEMO_MODEL_DIR, "--host": "0.0.0.0",
-        "--port": "8000"}
+        "--target": "scheduler:50051",
+        "--model": DEMO_MODEL_DIR,
+        "--host": "0.0.0.0",
+        "--port": "8000",
+    }
     assert gateway["depends_on"]["scheduler"]["condition"] == "service_healthy"
     assert gateway["depends_on"]["demo-model"]["condition"] == "service_completed_successfully"
     assert "models:/models:ro" in gateway["volumes"]
@@ -152,8 +184,9 @@ def test_the_gateway_serves_the_demo_model_with_exactly_the_documented_flags(com
 
 def test_prometheus_scrapes_the_gateway_service_on_its_port(compose):
     config = load_yaml(PROMETHEUS_CONFIG)
-    jobs = {job["job_name"]: job["static_configs"][0]["targets"]
-            for job in config["scrape_configs"]}
+    jobs = {
+        job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]
+    }
     assert jobs["lattice-gateway"] == ["gateway:8000"]
     assert "gateway" in compose["services"]["prometheus"]["depends_on"]
 

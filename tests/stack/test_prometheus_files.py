@@ -1,4 +1,5 @@
 """deploy/prometheus/ checked by the real promtool."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,8 +10,9 @@ PROMTOOL_TIMEOUT_SECONDS = 30
 
 
 def _promtool(promtool: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([promtool, *args], capture_output=True, text=True,
-                          timeout=PROMTOOL_TIMEOUT_SECONDS)
+    return subprocess.run(
+        [promtool, *args], capture_output=True, text=True, timeout=PROMTOOL_TIMEOUT_SECONDS
+    )
 
 
 def test_promtool_check_config_passes_on_the_stack_prometheus_config(promtool):

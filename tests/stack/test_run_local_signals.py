@@ -1,5 +1,6 @@
 """`scripts/run_local.sh` stops every process it started on SIGTERM, SIGINT and SIGHUP,
 also when a script started it in the background (where a shell ignores SIGINT for it)."""
+
 from __future__ import annotations
 
 import os
@@ -40,18 +41,28 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
-                         ids=lambda s: signal.Signals(s).name)
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: signal.Signals(s).name
+)
 def test_run_local_started_in_the_background_stops_everything_on_a_signal(signum, tmp_path):
     log = tmp_path / "stack.log"
     ports = [str(free_port()) for _ in range(3)]
     # A script that starts the stack in the background, as CI or a wrapper would.
     launcher = subprocess.run(
-        ["bash", "-c", f"scripts/run_local.sh --model scripted --workers 1 --requests 1 "
-                       f"--concurrency 1 --max-new-tokens 4 --port {ports[0]} "
-                       f"--metrics-port {ports[1]} --gateway-port {ports[2]} "
-                       f"--state-dir {tmp_path / 'state'} > {log} 2>&1 & echo $!"],
-        cwd=ROOT, capture_output=True, text=True, check=True, timeout=30)
+        [
+            "bash",
+            "-c",
+            f"scripts/run_local.sh --model scripted --workers 1 --requests 1 "
+            f"--concurrency 1 --max-new-tokens 4 --port {ports[0]} "
+            f"--metrics-port {ports[1]} --gateway-port {ports[2]} "
+            f"--state-dir {tmp_path / 'state'} > {log} 2>&1 & echo $!",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
     stack_pid = int(launcher.stdout.strip())
     started: set[int] = set()
     try:
@@ -67,7 +78,8 @@ def test_run_local_started_in_the_background_stops_everything_on_a_signal(signum
         while _alive(stack_pid) or any(map(_alive, started)):
             assert time.monotonic() < deadline, (
                 f"still running after {signal.Signals(signum).name}: "
-                f"{[p for p in [stack_pid, *started] if _alive(p)]}")
+                f"{[p for p in [stack_pid, *started] if _alive(p)]}"
+            )
             time.sleep(0.2)
     finally:
         for pid in [stack_pid, *started]:

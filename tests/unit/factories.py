@@ -1,9 +1,16 @@
 """Small factories for driving the scheduling core from tests (no gRPC)."""
+
 from __future__ import annotations
 
 from service.core import (
-    FinishedSequence, FinishReason, Scheduler, SchedulerConfig, SubmitParams, TokenUpdate,
-    WorkerRegistration, WorkerReport,
+    FinishedSequence,
+    FinishReason,
+    Scheduler,
+    SchedulerConfig,
+    SubmitParams,
+    TokenUpdate,
+    WorkerRegistration,
+    WorkerReport,
 )
 
 # Free pages and slots that never limit admissions (the seed's 100, 100).
@@ -39,8 +46,9 @@ def prompt(prompt_len: int, first_token: int = 1) -> tuple[int, ...]:
 
 
 def params(prompt_len: int = 8, max_new_tokens: int = 4, **overrides) -> SubmitParams:
-    return SubmitParams(prompt_token_ids=prompt(prompt_len), max_new_tokens=max_new_tokens,
-                        **overrides)
+    return SubmitParams(
+        prompt_token_ids=prompt(prompt_len), max_new_tokens=max_new_tokens, **overrides
+    )
 
 
 def submit(sched: Scheduler, prompt_len: int = 8, max_new_tokens: int = 4, **overrides) -> int:
@@ -58,20 +66,38 @@ def register(sched: Scheduler, worker_id: str = "w0", **overrides):
     return sched.register_worker(registration(worker_id, **overrides))
 
 
-def report(worker_id: str = "w0", *, waiting=(), running=(), kv_free_pages: int = PLENTY,
-           gdn_free_slots: int = PLENTY, finished=(), preempted=(), draining: bool = False,
-           tokens=(), incarnation: int = 0, last_step_us: int = 0) -> WorkerReport:
+def report(
+    worker_id: str = "w0",
+    *,
+    waiting=(),
+    running=(),
+    kv_free_pages: int = PLENTY,
+    gdn_free_slots: int = PLENTY,
+    finished=(),
+    preempted=(),
+    draining: bool = False,
+    tokens=(),
+    incarnation: int = 0,
+    last_step_us: int = 0,
+) -> WorkerReport:
     return WorkerReport(
-        worker_id=worker_id, waiting=tuple(waiting), running=tuple(running),
-        kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
-        finished=tuple(finished), preempted=tuple(preempted), draining=draining,
+        worker_id=worker_id,
+        waiting=tuple(waiting),
+        running=tuple(running),
+        kv_free_pages=kv_free_pages,
+        gdn_free_slots=gdn_free_slots,
+        finished=tuple(finished),
+        preempted=tuple(preempted),
+        draining=draining,
         tokens=tuple(TokenUpdate(seq_id, tuple(ids)) for seq_id, ids in dict(tokens).items()),
-        incarnation=incarnation, last_step_us=last_step_us,
+        incarnation=incarnation,
+        last_step_us=last_step_us,
     )
 
 
-def finished(seq_id: int, reason: FinishReason = FinishReason.EOS,
-             generated_tokens: int = 0) -> FinishedSequence:
+def finished(
+    seq_id: int, reason: FinishReason = FinishReason.EOS, generated_tokens: int = 0
+) -> FinishedSequence:
     return FinishedSequence(seq_id, reason, generated_tokens)
 
 
@@ -93,6 +119,7 @@ def write_version_1_state_dir(directory, queue_keys: dict[int, int], request_id:
     from pathlib import Path
 
     from service.state.rows import pack_token_ids
+
     db = sqlite3.connect(Path(directory) / "scheduler.db")
     db.executescript(f"""
         CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -105,10 +132,19 @@ def write_version_1_state_dir(directory, queue_keys: dict[int, int], request_id:
         CREATE TABLE workers (worker_id TEXT PRIMARY KEY, registration TEXT NOT NULL,
             drain_requested INTEGER NOT NULL DEFAULT 0);
     """)
-    params = {"request_id": request_id, "max_new_tokens": 4, "adapter_id": "", "priority": 0,
-              "tenant": "", "sampling": [0.0, 0.0, 0, 0], "stop_token_ids": []}
+    params = {
+        "request_id": request_id,
+        "max_new_tokens": 4,
+        "adapter_id": "",
+        "priority": 0,
+        "tenant": "",
+        "sampling": [0.0, 0.0, 0, 0],
+        "stop_token_ids": [],
+    }
     for seq_id, key in queue_keys.items():
-        db.execute("INSERT INTO sequences VALUES (?, ?, ?, 1, NULL, ?, 0, 0, 0, 0, NULL, 0)",
-                   (seq_id, json.dumps(params), pack_token_ids([5, 6]), key))
+        db.execute(
+            "INSERT INTO sequences VALUES (?, ?, ?, 1, NULL, ?, 0, 0, 0, 0, NULL, 0)",
+            (seq_id, json.dumps(params), pack_token_ids([5, 6]), key),
+        )
     db.commit()
     db.close()

@@ -1,6 +1,7 @@
 """A queued sequence whose adapter no worker that takes work has says why it waits,
 and a replica's core tells which of its queued sequences its
 workers cannot run and which adapters a claim may take."""
+
 from __future__ import annotations
 
 from service.core import ReplicaScheduler, Scheduler

@@ -1,8 +1,10 @@
 """The chained block hash of the contract, against a hand-written computation."""
+
 import hashlib
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from common.block_hash import ROOT_HASH, block_hashes, next_block_hash
 
@@ -11,10 +13,14 @@ def _by_hand(token_ids, adapter_id, block_tokens):
     """The contract's words, spelled out with bytes and int.to_bytes (no struct)."""
     out, h = [], 0
     for i in range(len(token_ids) // block_tokens):
-        block = token_ids[i * block_tokens:(i + 1) * block_tokens]
+        block = token_ids[i * block_tokens : (i + 1) * block_tokens]
         adapter = adapter_id.encode("utf-8")
-        message = (h.to_bytes(8, "little") + len(adapter).to_bytes(4, "little") + adapter
-                   + b"".join(t.to_bytes(4, "little") for t in block))
+        message = (
+            h.to_bytes(8, "little")
+            + len(adapter).to_bytes(4, "little")
+            + adapter
+            + b"".join(t.to_bytes(4, "little") for t in block)
+        )
         h = int.from_bytes(hashlib.blake2b(message, digest_size=8).digest(), "little")
         out.append(h)
     return out
@@ -62,4 +68,6 @@ def test_a_block_size_below_one_is_refused():
 
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.text(max_size=5), st.integers(1, 9))
 def test_block_hashes_equal_the_hand_computation(tokens, adapter_id, block_tokens):
-    assert block_hashes(tokens, adapter_id, block_tokens) == _by_hand(tokens, adapter_id, block_tokens)
+    assert block_hashes(tokens, adapter_id, block_tokens) == _by_hand(
+        tokens, adapter_id, block_tokens
+    )

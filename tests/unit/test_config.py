@@ -1,4 +1,5 @@
 """SchedulerConfig.validate: the seed's BatchConfig::validate checks, and the service's own."""
+
 import pytest
 
 from service.core import ConfigError, Scheduler, SchedulerConfig
@@ -6,10 +7,18 @@ from service.core import ConfigError, Scheduler, SchedulerConfig
 
 def test_defaults_equal_the_contract():
     config = SchedulerConfig()
-    assert (config.max_batch_size, config.chunk_size, config.prefill_reserve_pages,
-            config.max_seq_len) == (32, 512, 8, 4096)
-    assert (config.token_budget, config.first_chunk_floor, config.aging_seconds,
-            config.max_loras) == (2048, 32, 30.0, 0)
+    assert (
+        config.max_batch_size,
+        config.chunk_size,
+        config.prefill_reserve_pages,
+        config.max_seq_len,
+    ) == (32, 512, 8, 4096)
+    assert (
+        config.token_budget,
+        config.first_chunk_floor,
+        config.aging_seconds,
+        config.max_loras,
+    ) == (2048, 32, 30.0, 0)
     # The watermark defaults to 1% of a worker's pages, at least 1.
     assert (config.kv_watermark(1000), config.kv_watermark(50)) == (10, 1)
     # The simulator's figures chose budget (docs/policies.md, "The default").
@@ -17,15 +26,17 @@ def test_defaults_equal_the_contract():
     assert config.validate() is config
 
 
-@pytest.mark.parametrize("name", ["max_batch_size", "chunk_size", "max_seq_len", "max_queue",
-                                  "lease_ttl_ms"])
+@pytest.mark.parametrize(
+    "name", ["max_batch_size", "chunk_size", "max_seq_len", "max_queue", "lease_ttl_ms"]
+)
 def test_zero_is_rejected_naming_the_setting(name):
     with pytest.raises(ConfigError, match=rf"^{name} must be at least 1, got 0"):
         SchedulerConfig(**{name: 0}).validate()
 
 
-@pytest.mark.parametrize("name", ["max_batch_size", "chunk_size", "max_seq_len", "max_queue",
-                                  "lease_ttl_ms"])
+@pytest.mark.parametrize(
+    "name", ["max_batch_size", "chunk_size", "max_seq_len", "max_queue", "lease_ttl_ms"]
+)
 def test_one_is_the_smallest_accepted_value(name):
     overrides = {name: 1}
     if name == "max_seq_len":
@@ -48,9 +59,18 @@ def test_chunk_size_equal_to_max_seq_len_is_accepted():
     SchedulerConfig(chunk_size=512, max_seq_len=512).validate()
 
 
-@pytest.mark.parametrize("name", ["max_batch_size", "max_worker_batch_size", "chunk_size",
-                                  "max_seq_len", "prefill_reserve_pages", "max_queue",
-                                  "lease_ttl_ms"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "max_batch_size",
+        "max_worker_batch_size",
+        "chunk_size",
+        "max_seq_len",
+        "prefill_reserve_pages",
+        "max_queue",
+        "lease_ttl_ms",
+    ],
+)
 def test_values_beyond_uint32_are_rejected_naming_the_setting(name):
     too_big = 2**32
     overrides = {name: too_big}
@@ -79,4 +99,3 @@ def test_unknown_policy_is_rejected_listing_the_known_ones():
 def test_scheduler_refuses_an_invalid_config():
     with pytest.raises(ConfigError, match="max_batch_size"):
         Scheduler(SchedulerConfig(max_batch_size=0))
-

@@ -1,6 +1,7 @@
 """Behaviour pinned while the core was split by concern: the save scope of each call, the
 batch cap of a policy with a token budget, restoring a queued
 sequence stored without its place, and queue orders chosen apart from batching."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -13,7 +14,6 @@ from service.core.persist.store import MemoryStore, StateChanges, StoreError
 from service.core.types import TokenUpdate
 
 from .factories import FakeClock, admit, make_config, register, report, submit
-
 
 # ----------------------------------------------------------------- save scope
 
@@ -57,8 +57,9 @@ def test_a_submit_whose_save_fails_leaves_no_trace_and_its_retry_queues_once():
 
 @pytest.mark.parametrize("policy, capped", [("fifo", False), ("budget", True), ("fair", True)])
 def test_a_policy_with_a_token_budget_caps_the_batch_at_it(policy, capped):
-    sched = Scheduler(make_config(policy=policy, max_batch_size=8, max_num_batched_tokens=16),
-                      clock=FakeClock())
+    sched = Scheduler(
+        make_config(policy=policy, max_batch_size=8, max_num_batched_tokens=16), clock=FakeClock()
+    )
     settings = register(sched, "w0", max_batch_size=32)
     assert settings.max_batch_size == (16 if capped else 32)
 
@@ -73,6 +74,7 @@ def test_fair_is_budget_batching_over_the_fair_order():
 def test_every_sort_term_has_its_sql_in_the_postgres_store():
     pytest.importorskip("psycopg")
     from service.state.postgres import _ORDER_SQL
+
     assert set(_ORDER_SQL) == set(SortTerm)
     for order in (ArrivalOrder(), FairOrder(30.0)):
         assert order.sort_key[-1] is SortTerm.SEQ_ID  # a total order: ties by seq_id

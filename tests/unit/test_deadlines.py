@@ -1,12 +1,13 @@
 """The TTFT target: earliest deadline first inside a priority band, and shedding of
 sheddable (negative priority) requests that could not start in time."""
+
 from __future__ import annotations
 
 import pytest
 
 from service.core import Scheduler, SchedulerConfig
-from service.core.errors import DeadlineUnreachable, QueueFull
 from service.core.decide.orders import ArrivalOrder, DeadlineOrder, queue_order
+from service.core.errors import DeadlineUnreachable, QueueFull
 from service.core.learn.step_model import StepShape, chunk_attention
 from tests.unit.factories import FakeClock, register, report, submit
 
@@ -22,8 +23,9 @@ def _admitted(decision) -> list[int]:
 
 
 def test_a_ttft_target_gives_budget_the_deadline_order_and_fifo_keeps_arrival():
-    assert queue_order(SchedulerConfig(policy="budget", ttft_target_ms=500.0)) == \
-        DeadlineOrder(30.0)
+    assert queue_order(SchedulerConfig(policy="budget", ttft_target_ms=500.0)) == DeadlineOrder(
+        30.0
+    )
     assert queue_order(SchedulerConfig(policy="budget")) == ArrivalOrder()
 
 
@@ -61,8 +63,9 @@ def _teach(sched: Scheduler, worker_id: str, ms_per_token: float) -> None:
     model = sched._step_times.model(worker_id)
     for i in range(200):
         tokens = 64 + 31 * (i % 30)
-        model.observe(StepShape(tokens, chunk_attention(0, tokens)),
-                      (10.0 + ms_per_token * tokens) / 1000)
+        model.observe(
+            StepShape(tokens, chunk_attention(0, tokens)), (10.0 + ms_per_token * tokens) / 1000
+        )
 
 
 def test_a_sheddable_request_that_cannot_start_in_time_is_refused_saying_why():

@@ -1,4 +1,5 @@
 """Scheduler.drain_worker: the operator's drain, on the core alone."""
+
 from __future__ import annotations
 
 import pytest

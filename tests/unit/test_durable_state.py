@@ -4,18 +4,31 @@ Every restart here builds a new Scheduler over the store the old one saved to, a
 process restarted with the same --state-dir does. Each test runs on the in-memory
 store and on SQLite.
 """
+
 from __future__ import annotations
 
 import pytest
 
 from service.core import (
-    ConfigError, FinishReason, QueueFull, Scheduler, SequenceState, UnknownWorker,
+    ConfigError,
+    FinishReason,
+    QueueFull,
+    Scheduler,
+    SequenceState,
+    UnknownWorker,
 )
 from service.core.persist.store import MemoryStore, StoreError
 from service.state.sqlite import SqliteStateStore
 
 from .factories import (
-    FakeClock, admit, finished, make_config, params, register, report, submit,
+    FakeClock,
+    admit,
+    finished,
+    make_config,
+    params,
+    register,
+    report,
+    submit,
     write_version_1_state_dir,
 )
 
@@ -23,8 +36,7 @@ from .factories import (
 class Restartable:
     """A scheduler and its store, with restart() = a new process on the same state."""
 
-    def __init__(self, kind: str, tmp_path, max_finished_retained: int = 100_000,
-                 **config) -> None:
+    def __init__(self, kind: str, tmp_path, max_finished_retained: int = 100_000, **config) -> None:
         self.kind, self.tmp_path, self.config = kind, tmp_path, config
         self.max_finished_retained = max_finished_retained
         self.clock = FakeClock()
@@ -35,8 +47,13 @@ class Restartable:
         return MemoryStore() if self.kind == "memory" else SqliteStateStore(self.tmp_path)
 
     def _core(self) -> Scheduler:
-        return Scheduler(make_config(**self.config), clock=self.clock, wall_clock=self.clock,
-                         store=self.store, max_finished_retained=self.max_finished_retained)
+        return Scheduler(
+            make_config(**self.config),
+            clock=self.clock,
+            wall_clock=self.clock,
+            store=self.store,
+            max_finished_retained=self.max_finished_retained,
+        )
 
     def restart(self) -> Scheduler:
         if self.kind == "sqlite":
@@ -116,7 +133,10 @@ def test_cancel_and_finish_survive_a_restart(state):
     assert sched.get_sequence(queued).finish_reason is FinishReason.CANCELLED
     info = sched.get_sequence(running)
     assert (info.state, info.finish_reason, info.generated_tokens) == (
-        SequenceState.FINISHED, FinishReason.EOS, 2)
+        SequenceState.FINISHED,
+        FinishReason.EOS,
+        2,
+    )
     assert sched.read_output(running, 0).token_ids == (7, 8)
 
 
@@ -315,8 +335,15 @@ def test_a_file_that_is_not_a_database_is_refused_clearly(tmp_path):
 def test_tokens_params_and_registrations_round_trip_exactly(tmp_path):
     store = SqliteStateStore(tmp_path)
     sched = Scheduler(make_config(), clock=FakeClock(), store=store)
-    p = params(prompt_len=5, max_new_tokens=7, request_id="ü-1", adapter_id="a", priority=-3,
-               tenant="t", stop_token_ids=(2**32 - 1, 0))
+    p = params(
+        prompt_len=5,
+        max_new_tokens=7,
+        request_id="ü-1",
+        adapter_id="a",
+        priority=-3,
+        tenant="t",
+        stop_token_ids=(2**32 - 1, 0),
+    )
     seq_id = sched.submit(p).seq_id
     register(sched, "w0", adapters=("a",), max_batch_size=3)
     admit(sched, "w0")
@@ -329,7 +356,10 @@ def test_tokens_params_and_registrations_round_trip_exactly(tmp_path):
     (worker,) = restored.workers
     registration = worker.registration
     assert (registration.worker_id, registration.adapters, registration.max_batch_size) == (
-        "w0", ("a",), 3)
+        "w0",
+        ("a",),
+        3,
+    )
 
 
 def test_the_token_log_is_emptied_as_sequences_finish(tmp_path):
@@ -346,11 +376,15 @@ def test_the_token_log_is_emptied_as_sequences_finish(tmp_path):
     sched.select_batch(report("w0", running=[a, b], tokens={a: [3], b: [4]}))
     assert log_rows() == 2
     # a finishes: the rows still hold b's tokens.
-    sched.select_batch(report("w0", running=[b], tokens={a: [5]},
-                              finished=[finished(a, FinishReason.MAX_LENGTH, 3)]))
+    sched.select_batch(
+        report(
+            "w0", running=[b], tokens={a: [5]}, finished=[finished(a, FinishReason.MAX_LENGTH, 3)]
+        )
+    )
     assert log_rows() == 2
-    sched.select_batch(report("w0", tokens={b: [6]},
-                              finished=[finished(b, FinishReason.MAX_LENGTH, 3)]))
+    sched.select_batch(
+        report("w0", tokens={b: [6]}, finished=[finished(b, FinishReason.MAX_LENGTH, 3)])
+    )
     assert log_rows() == 0
     store.close()
     restarted = Scheduler(make_config(), clock=FakeClock(), store=SqliteStateStore(tmp_path))
@@ -367,20 +401,21 @@ def test_log_rows_shared_with_forgotten_sequences_replay_and_free(tmp_path):
     admit(state.sched, "w0")
     running = [long, *short]
     for step in range(3):
-        state.sched.select_batch(report("w0", running=running,
-                                        tokens={s: [100 * step + s] for s in running}))
+        state.sched.select_batch(
+            report("w0", running=running, tokens={s: [100 * step + s] for s in running})
+        )
     for seq_id in short:  # finish one by one: each forgets the one before
         running.remove(seq_id)
-        state.sched.select_batch(report("w0", running=running,
-                                        finished=[finished(seq_id, FinishReason.EOS, 3)]))
+        state.sched.select_batch(
+            report("w0", running=running, finished=[finished(seq_id, FinishReason.EOS, 3)])
+        )
     sched = state.restart()
     assert sched.read_output(long, 0).token_ids == (long, 100 + long, 200 + long)
     sched.select_batch(report("w0", running=[long], tokens={long: [7]}))
     sched.select_batch(report("w0", finished=[finished(long, FinishReason.EOS, 4)]))
     rows = state.store._db.execute("SELECT COUNT(*) FROM token_log").fetchone()[0]
     assert rows == 0
-    assert state.restart().read_output(long, 0).token_ids == (
-        long, 100 + long, 200 + long, 7)
+    assert state.restart().read_output(long, 0).token_ids == (long, 100 + long, 200 + long, 7)
 
 
 def test_after_a_failed_save_no_answer_rests_on_unsaved_state(tmp_path):
@@ -437,6 +472,7 @@ def test_a_version_1_state_dir_is_migrated_and_its_queue_kept(tmp_path):
     assert all(row[0] >= before for row in db.execute("SELECT submitted_at FROM sequences"))
     db.close()
 
+
 def test_a_failed_sequences_reason_and_the_last_incarnation_survive_a_restart(state):
     sched = state.sched
     seq_id = submit(sched)
@@ -445,12 +481,25 @@ def test_a_failed_sequences_reason_and_the_last_incarnation_survive_a_restart(st
     sched.deregister_worker("gone")
     admit(sched, "w0")
     failure = finished(seq_id, FinishReason.FAILED)
-    sched.select_batch(report("w0", finished=[type(failure)(
-        seq_id, FinishReason.FAILED, 0, "token id 600 is outside the model's vocabulary of 512")]))
+    sched.select_batch(
+        report(
+            "w0",
+            finished=[
+                type(failure)(
+                    seq_id,
+                    FinishReason.FAILED,
+                    0,
+                    "token id 600 is outside the model's vocabulary of 512",
+                )
+            ],
+        )
+    )
     restarted = state.restart()
     info = restarted.get_sequence(seq_id)
     assert (info.finish_reason, info.error_message) == (
-        FinishReason.FAILED, "token id 600 is outside the model's vocabulary of 512")
+        FinishReason.FAILED,
+        "token id 600 is outside the model's vocabulary of 512",
+    )
     assert restarted.read_output(seq_id, 0).error_message == info.error_message
     assert [w.incarnation for w in restarted.status().workers] == [last]
     assert register(restarted, "new").incarnation == last + 1

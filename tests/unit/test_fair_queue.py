@@ -1,10 +1,12 @@
 """The fair order (service/core/tables/fair_queue.py) against a brute-force sort of its keys."""
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from service.core.tables.fair_queue import FairQueue
 from service.core.tables.queue import FcfsQueue
@@ -30,17 +32,26 @@ def brute_key(item: Item, now: float, aging: float, served: dict[str, float]):
 
 
 items_strategy = st.lists(
-    st.tuples(st.integers(-2, 3), st.sampled_from("abcd"),
-              st.integers(0, 400).map(lambda tenths: tenths / 10)),
-    min_size=1, max_size=60)
+    st.tuples(
+        st.integers(-2, 3),
+        st.sampled_from("abcd"),
+        st.integers(0, 400).map(lambda tenths: tenths / 10),
+    ),
+    min_size=1,
+    max_size=60,
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(entries=items_strategy, aging=st.sampled_from([0.5, 1.0, 3.0]),
-       now_tenths=st.integers(0, 600),
-       served=st.dictionaries(st.sampled_from("abcd"), st.integers(0, 50).map(float)))
+@given(
+    entries=items_strategy,
+    aging=st.sampled_from([0.5, 1.0, 3.0]),
+    now_tenths=st.integers(0, 600),
+    served=st.dictionaries(st.sampled_from("abcd"), st.integers(0, 50).map(float)),
+)
 def test_candidates_and_positions_follow_band_then_service_then_arrival(
-        entries, aging, now_tenths, served):
+    entries, aging, now_tenths, served
+):
     now = now_tenths / 10
     queue = FairQueue(aging)
     items = [Item(i + 1, p, t, a) for i, (p, t, a) in enumerate(entries)]
@@ -99,8 +110,11 @@ def test_queued_tokens_are_counted_per_priority_through_requeues_and_removals():
         queue.push_back(Item(1, -1, "a", 0.0, prompt_len=100))
         queue.push_back(Item(2, 0, "a", 1.0, prompt_len=30))
         queue.requeue([Item(3, -2, "b", 0.5, prompt_len=7)])
-        assert (queue.tokens_up_to(-2), queue.tokens_up_to(-1), queue.tokens_up_to(5)) == \
-            (7, 107, 137)
+        assert (queue.tokens_up_to(-2), queue.tokens_up_to(-1), queue.tokens_up_to(5)) == (
+            7,
+            107,
+            137,
+        )
         queue.remove(1)
         assert (queue.tokens_up_to(-1), queue.tokens_up_to(0)) == (7, 37)
         queue.remove(3)

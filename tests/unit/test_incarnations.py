@@ -1,16 +1,23 @@
 """Worker incarnations in the core: every registration gets a new number, calls from an older
 one are refused and change nothing, 0 means the latest, numbers survive a restart."""
-from __future__ import annotations
 
-import pytest
+from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from service.core import InvalidArgument, Scheduler, SequenceState, Superseded, UnknownWorker
 from service.core.persist.store import MemoryStore
-
 from tests.unit.factories import (
-    FakeClock, admit, finished, make_config, make_scheduler, register, registration, report,
+    FakeClock,
+    admit,
+    finished,
+    make_config,
+    make_scheduler,
+    register,
+    registration,
+    report,
     submit,
 )
 
@@ -33,10 +40,14 @@ def test_select_batch_from_an_older_incarnation_is_superseded_and_changes_nothin
     assert admit(sched, incarnation=new) == (seq_id,)
     before = sched.get_sequence(seq_id), sched.status()
 
-    stale = _with_incarnation(report(running=[seq_id], tokens={seq_id: [5, 6]},
-                                     finished=[finished(seq_id)]), old)
-    with pytest.raises(Superseded, match=rf"^superseded: .*incarnation {old} was replaced "
-                                         rf"by incarnation {new}"):
+    stale = _with_incarnation(
+        report(running=[seq_id], tokens={seq_id: [5, 6]}, finished=[finished(seq_id)]), old
+    )
+    with pytest.raises(
+        Superseded,
+        match=rf"^superseded: .*incarnation {old} was replaced "
+        rf"by incarnation {new}",
+    ):
         sched.select_batch(stale)
 
     info, status = sched.get_sequence(seq_id), sched.status()

@@ -1,13 +1,13 @@
 """The token budget a TPOT target chooses from a worker's learned step times."""
+
 from __future__ import annotations
 
 import pytest
 
-from service.core import SchedulerConfig
+from service.core import Scheduler, SchedulerConfig
 from service.core.errors import ConfigError
 from service.core.learn.step_model import StepShape, chunk_attention
 from tests.unit.factories import FakeClock, register, report, submit
-from service.core import Scheduler
 
 
 def _scheduler(**overrides) -> Scheduler:
@@ -15,17 +15,23 @@ def _scheduler(**overrides) -> Scheduler:
     return Scheduler(SchedulerConfig(**overrides), clock=FakeClock())
 
 
-def _teach(sched: Scheduler, ms_per_prefill_token: float, fixed_ms: float = 10.0,
-           steps: int = 200) -> None:
+def _teach(
+    sched: Scheduler, ms_per_prefill_token: float, fixed_ms: float = 10.0, steps: int = 200
+) -> None:
     """Make w0's model believe: fixed_ms a step plus ms_per_prefill_token a token."""
     model = sched._step_times.model("w0")
     for i in range(steps):
         tokens = 50 + 37 * (i % 20)
         start = 100 * (i % 7)
-        model.observe(StepShape(num_prefill_tokens=tokens,
-                                prefill_attention=chunk_attention(start, tokens),
-                                num_decodes=i % 5, decode_context=300 * (i % 3)),
-                      (fixed_ms + ms_per_prefill_token * tokens) / 1000)
+        model.observe(
+            StepShape(
+                num_prefill_tokens=tokens,
+                prefill_attention=chunk_attention(start, tokens),
+                num_decodes=i % 5,
+                decode_context=300 * (i % 3),
+            ),
+            (fixed_ms + ms_per_prefill_token * tokens) / 1000,
+        )
 
 
 def _prefill_tokens(sched: Scheduler, prompt_len: int = 4000) -> int:
@@ -57,8 +63,9 @@ def test_a_learned_budget_between_256_and_512_tokens_is_not_cut_to_256():
 
 
 def test_a_slower_worker_gets_a_smaller_budget():
-    budgets = [_learned_prefill_tokens(ms, tpot_target_ms=100.0, max_seq_len=8192)
-               for ms in (0.1, 0.4)]
+    budgets = [
+        _learned_prefill_tokens(ms, tpot_target_ms=100.0, max_seq_len=8192) for ms in (0.1, 0.4)
+    ]
     assert budgets[1] < budgets[0] / 3
 
 
@@ -68,8 +75,12 @@ def test_the_budget_is_never_below_one_min_prefill_chunk():
 
 
 def test_the_budget_is_never_above_an_explicit_max_num_batched_tokens():
-    assert _learned_prefill_tokens(0.01, tpot_target_ms=1000.0, max_num_batched_tokens=256,
-                                   max_seq_len=8192) == 256
+    assert (
+        _learned_prefill_tokens(
+            0.01, tpot_target_ms=1000.0, max_num_batched_tokens=256, max_seq_len=8192
+        )
+        == 256
+    )
 
 
 def test_without_a_target_the_budget_is_the_fixed_one_and_nothing_is_learned():

@@ -1,11 +1,10 @@
 """A command whose extra is not installed says so in one line naming the extra, before it
 does anything (no traceback, no run thrown away). The missing module is simulated: a None
 in sys.modules makes its import fail as an absent package does."""
+
 from __future__ import annotations
 
 import sys
-
-import pytest
 
 from common import extras
 from service.cli import main as scheduler_cli
@@ -34,8 +33,17 @@ def test_every_extra_lists_only_modules_that_import_here():
 
 def test_serve_with_postgres_state_names_the_postgres_extra(monkeypatch, capsys):
     _hide(monkeypatch, "psycopg")
-    code = scheduler_cli.main(["serve", "--port", "0", "--metrics-port", "0",
-                               "--state", "postgresql://lattice@127.0.0.1:1/lattice"])
+    code = scheduler_cli.main(
+        [
+            "serve",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--state",
+            "postgresql://lattice@127.0.0.1:1/lattice",
+        ]
+    )
     assert code == 2
     _one_line_naming(capsys, "postgres")
 
@@ -49,9 +57,20 @@ def test_gateway_names_the_gateway_extra(monkeypatch, capsys, tmp_path):
 
 def test_simulate_compare_names_the_sim_extra_before_any_run(monkeypatch, capsys, tmp_path):
     _hide(monkeypatch, "matplotlib")
-    code = scheduler_cli.main(["simulate", "--compare", "fifo,budget", "--qps", "1",
-                               "--num-requests", "5", "--no-progress",
-                               "--plot", str(tmp_path / "cmp.png")])
+    code = scheduler_cli.main(
+        [
+            "simulate",
+            "--compare",
+            "fifo,budget",
+            "--qps",
+            "1",
+            "--num-requests",
+            "5",
+            "--no-progress",
+            "--plot",
+            str(tmp_path / "cmp.png"),
+        ]
+    )
     assert code == 2
     out = _one_line_naming(capsys, "sim")
     assert out == ""  # nothing ran: no header, no table

@@ -1,6 +1,7 @@
 """Cache-aware placement in the pull design (service/core/decide/policies/placement.py,
 docs/policies.md, "Placement"): when a worker asks, what it takes and what it leaves for
 a better placed worker, for how long, and that nothing starves."""
+
 from __future__ import annotations
 
 import random
@@ -10,9 +11,9 @@ import pytest
 
 from common.block_hash import block_hashes
 from service.core import FinishReason, Scheduler, SequenceState
+from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.observer import SchedulerObserver
 from service.core.persist.replica import ReplicaScheduler
-from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.types import CacheReport, SubmitParams
 
 from .factories import FakeClock, finished, make_config, prompt, register, report, submit
@@ -132,13 +133,13 @@ def test_the_askers_hits_go_first_unless_a_cold_one_is_overdue(waited_ms):
     sched.select_batch(cache_report("w0", added=hashes(100), reset=True))
     sched.select_batch(cache_report("w1", reset=True, gdn_free_slots=0))
     submit_tokens(sched, prompt(40, first_token=5000))
-    (running, _), = admitted(sched.select_batch(report("w0")))
+    ((running, _),) = admitted(sched.select_batch(report("w0")))
     running_done = [finished(running, FinishReason.EOS, 0)]
     cold = submit_tokens(sched, prompt(100, first_token=900))  # queued first
     clock.advance_ms(waited_ms)
     hit = submit(sched, prompt_len=100)
     # One place frees: W's hit goes first, unless the cold one waited --aging-seconds.
-    (first, _), = admitted(sched.select_batch(report("w0", finished=running_done)))
+    ((first, _),) = admitted(sched.select_batch(report("w0", finished=running_done)))
     assert first == (cold if waited_ms else hit)
 
 
@@ -182,8 +183,9 @@ def test_a_prefix_both_workers_hold_goes_by_load_and_one_only_w0_holds_stays_on_
     assert admitted(sched.select_batch(report("w0", waiting=busy[:2]))) == [(late, 96)]
     # A prefix only w0 holds is w0's at any load (it holds 3, w1 2).
     w0_only = submit_tokens(sched, prompt(100, 9000))
-    sched.select_batch(cache_report("w0", added=block_hashes(prompt(100, 9000), "", B),
-                                    waiting=[*busy[:2], late]))
+    sched.select_batch(
+        cache_report("w0", added=block_hashes(prompt(100, 9000), "", B), waiting=[*busy[:2], late])
+    )
     assert admitted(sched.select_batch(report("w0", waiting=[*busy[:2], late]))) == [(w0_only, 96)]
 
 
@@ -212,8 +214,9 @@ def test_a_prefix_two_loaded_workers_hold_goes_at_once_to_an_idle_third():
 def test_a_prefix_two_loaded_workers_hold_goes_by_load_among_the_others():
     """Holders at 4 and 4, w2 at 3, w3 at 0, a share of 3: the holders leave it by load,
     and so does w2 (it holds its share and w3 fewer): w3 takes it."""
-    sched, clock = fleet(max_batch_size=8, workers=("w0", "w1", "w2", "w3"),
-                         aging_seconds=0.001)  # overdue at once: the loads are set by hand
+    sched, clock = fleet(
+        max_batch_size=8, workers=("w0", "w1", "w2", "w3"), aging_seconds=0.001
+    )  # overdue at once: the loads are set by hand
     for worker_id in ("w0", "w1"):
         sched.select_batch(cache_report(worker_id, added=hashes(100), reset=True))
     for worker_id in ("w2", "w3"):
@@ -234,8 +237,7 @@ def test_a_burst_of_cold_sequences_is_shared_between_idle_workers():
     sched, _ = fleet("fifo", max_batch_size=32, chunk_size=512)
     for worker_id in ("w0", "w1"):
         sched.select_batch(cache_report(worker_id, reset=True))
-    ids = [submit_tokens(sched, prompt(20, 100 * i))
-           for i in range(1, 17)]
+    ids = [submit_tokens(sched, prompt(20, 100 * i)) for i in range(1, 17)]
     first = [s for s, _ in admitted(sched.select_batch(report("w0")))]
     second = [s for s, _ in admitted(sched.select_batch(report("w1")))]
     assert first == ids[:8] and second == ids[8:]
@@ -268,8 +270,15 @@ def test_a_worker_that_leaves_takes_its_points_out_of_the_fleet():
 # ----------------------------------------------------------------- off: today's placement
 
 
-def _worker_step(sched: Scheduler, worker_id: str, mine: dict, rng: random.Random,
-                 finish_chance: float, cache: CacheReport, **report_fields):
+def _worker_step(
+    sched: Scheduler,
+    worker_id: str,
+    mine: dict,
+    rng: random.Random,
+    finish_chance: float,
+    cache: CacheReport,
+    **report_fields,
+):
     """One call of a simulated worker holding `mine` (seq_id -> [cursor, prompt length]):
     each running sequence finishes with `finish_chance`; what the decision admits or
     continues is taken into `mine`. Returns the decision."""
@@ -278,14 +287,24 @@ def _worker_step(sched: Scheduler, worker_id: str, mine: dict, rng: random.Rando
     done = [s for s in running if rng.random() < finish_chance]
     for s in done:
         del mine[s]
-    decision = sched.select_batch(replace(
-        report(worker_id, waiting=waiting, running=[s for s in running if s not in done],
-               finished=[finished(s, FinishReason.EOS, 0) for s in done], **report_fields),
-        cache=cache))
+    decision = sched.select_batch(
+        replace(
+            report(
+                worker_id,
+                waiting=waiting,
+                running=[s for s in running if s not in done],
+                finished=[finished(s, FinishReason.EOS, 0) for s in done],
+                **report_fields,
+            ),
+            cache=cache,
+        )
+    )
     for chunk in decision.prefill:
         if chunk.spec is not None:
-            mine[chunk.seq_id] = [chunk.chunk_start + chunk.chunk_len,
-                                  len(chunk.spec.prompt_token_ids)]
+            mine[chunk.seq_id] = [
+                chunk.chunk_start + chunk.chunk_len,
+                len(chunk.spec.prompt_token_ids),
+            ]
         else:
             mine[chunk.seq_id][0] += chunk.chunk_len
     return decision
@@ -300,13 +319,28 @@ def _run(sched: Scheduler, rng: random.Random, cache_points, steps: int = 120):
     for step in range(steps):
         for _ in range(rng.randrange(0, 3)):
             start = rng.choice([1, 1, 1, 500, 900])
-            sched.submit(SubmitParams(prompt_token_ids=prompt(rng.randrange(8, 120), start),
-                                      max_new_tokens=4))
+            sched.submit(
+                SubmitParams(
+                    prompt_token_ids=prompt(rng.randrange(8, 120), start), max_new_tokens=4
+                )
+            )
         worker_id = workers[step % 3]
         gdn_free_slots = rng.choice([0, 8, 8])
         cache = CacheReport(tuple(cache_points(rng)), (), step < 3)
-        decisions.append((worker_id, _worker_step(sched, worker_id, held[worker_id], rng, 0.4,
-                                                  cache, gdn_free_slots=gdn_free_slots)))
+        decisions.append(
+            (
+                worker_id,
+                _worker_step(
+                    sched,
+                    worker_id,
+                    held[worker_id],
+                    rng,
+                    0.4,
+                    cache,
+                    gdn_free_slots=gdn_free_slots,
+                ),
+            )
+        )
     return decisions
 
 
@@ -328,13 +362,19 @@ def test_with_prefix_caching_off_decisions_are_todays_exactly(policy, seed):
             register(sched, worker_id, cache_block_tokens=block_tokens, total_snapshot_slots=8)
         return sched
 
-    runs = [_run(make(setting, block_tokens), random.Random(seed),
-                 lambda rng: rng.sample(points, rng.randrange(0, 6)))
-            for setting, block_tokens in (("off", B), ("on", 0))]
+    runs = [
+        _run(
+            make(setting, block_tokens),
+            random.Random(seed),
+            lambda rng: rng.sample(points, rng.randrange(0, 6)),
+        )
+        for setting, block_tokens in (("off", B), ("on", 0))
+    ]
     assert runs[0] == runs[1]
     # ... and with it on the same workload is placed differently (the test can fail).
-    placed = _run(make("on", B), random.Random(seed),
-                  lambda rng: rng.sample(points, rng.randrange(0, 6)))
+    placed = _run(
+        make("on", B), random.Random(seed), lambda rng: rng.sample(points, rng.randrange(0, 6))
+    )
     assert placed != runs[0]
 
 
@@ -359,16 +399,23 @@ def test_with_placement_nothing_waits_long_while_a_worker_has_room(policy, seed)
         clock.advance_ms(10)
         if step < 400 and rng.random() < 0.5:
             start = rng.choice([1, 500, 900, 1300])
-            seq = sched.submit(SubmitParams(
-                prompt_token_ids=prompt(rng.randrange(20, 120), start),
-                max_new_tokens=3)).seq_id
+            seq = sched.submit(
+                SubmitParams(
+                    prompt_token_ids=prompt(rng.randrange(20, 120), start), max_new_tokens=3
+                )
+            ).seq_id
             submitted_at[seq] = clock.now
         worker_id = rng.choice(workers)
         # Each prompt family's prefix lives on one worker.
-        owned = [h for start in (1, 500, 900, 1300)
-                 if (start // 400) % 3 == workers.index(worker_id) for h in hashes(120, start)]
-        decision = _worker_step(sched, worker_id, held[worker_id], rng, 0.5,
-                                CacheReport(tuple(owned), (), True))
+        owned = [
+            h
+            for start in (1, 500, 900, 1300)
+            if (start // 400) % 3 == workers.index(worker_id)
+            for h in hashes(120, start)
+        ]
+        decision = _worker_step(
+            sched, worker_id, held[worker_id], rng, 0.5, CacheReport(tuple(owned), (), True)
+        )
         for chunk in decision.prefill:
             if chunk.spec is not None:
                 admitted_at.setdefault(chunk.seq_id, clock.now)

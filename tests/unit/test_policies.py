@@ -1,20 +1,39 @@
 """The budget and fair policies (contract, "Policies"), rule by rule, on the core."""
+
 from __future__ import annotations
 
 import pytest
 
 from service.core import (
-    InvalidArgument, PreemptReason, Scheduler, SequenceState, SubmitParams,
+    InvalidArgument,
+    PreemptReason,
+    Scheduler,
+    SequenceState,
+    SubmitParams,
 )
 from service.core.observer import SchedulerObserver
 
 from .factories import (
-    FakeClock, finished, make_config, make_scheduler, prefill_ids, register, report, submit,
+    FakeClock,
+    finished,
+    make_config,
+    make_scheduler,
+    prefill_ids,
+    register,
+    report,
+    submit,
 )
 
+
 def budget_scheduler(policy="budget", clock=None, **overrides):
-    config = dict(policy=policy, max_batch_size=8, max_num_batched_tokens=64,
-                  min_prefill_chunk=8, chunk_size=512, kv_watermark_pages=1)
+    config = dict(
+        policy=policy,
+        max_batch_size=8,
+        max_num_batched_tokens=64,
+        min_prefill_chunk=8,
+        chunk_size=512,
+        kv_watermark_pages=1,
+    )
     config.update(overrides)
     return make_scheduler(clock=clock, **config)
 
@@ -29,7 +48,9 @@ def test_admissions_stop_at_the_token_budget_with_a_shortened_last_chunk():
     decision = sched.select_batch(report())
     # 40 tokens, then the 24 left of the budget of 64 (>= min_prefill_chunk 8).
     assert [(c.seq_id, c.chunk_start, c.chunk_len) for c in decision.prefill] == [
-        (ids[0], 0, 40), (ids[1], 0, 24)]
+        (ids[0], 0, 40),
+        (ids[1], 0, 24),
+    ]
     assert sched.get_sequence(ids[2]).state is SequenceState.QUEUED
 
 
@@ -63,13 +84,14 @@ def test_continuations_go_oldest_admission_first_and_share_what_is_left():
     decision = sched.select_batch(report())
     assert [(c.seq_id, c.chunk_len) for c in decision.prefill] == [(first, 32)]
     decision = sched.select_batch(report(waiting=[first]))
-    assert [(c.seq_id, c.chunk_start, c.chunk_len) for c in decision.prefill] == [
-        (first, 32, 32)]
+    assert [(c.seq_id, c.chunk_start, c.chunk_len) for c in decision.prefill] == [(first, 32, 32)]
     decision = sched.select_batch(report(waiting=[first]))  # 96 handed out
     # 4 tokens finish the first prompt; 28 left: second is admitted with them.
     decision = sched.select_batch(report(waiting=[first]))
     assert [(c.seq_id, c.chunk_start, c.chunk_len) for c in decision.prefill] == [
-        (second, 0, 28), (first, 96, 4)]
+        (second, 0, 28),
+        (first, 96, 4),
+    ]
 
 
 def test_the_token_budget_is_never_exceeded_with_many_prefills_and_decodes():
@@ -82,12 +104,16 @@ def test_the_token_budget_is_never_exceeded_with_many_prefills_and_decodes():
         decision = sched.select_batch(report(waiting=held_waiting, running=held_running))
         assert len(decision.decode) + sum(c.chunk_len for c in decision.prefill) <= 40
         cursor = {c.seq_id: c.chunk_start + c.chunk_len for c in decision.prefill}
-        held_waiting = [s for s in [*held_waiting, *cursor] if s in cursor
-                        and cursor[s] < sched.get_sequence(s).prompt_len] + [
-            s for s in held_waiting if s not in cursor]
+        held_waiting = [
+            s
+            for s in [*held_waiting, *cursor]
+            if s in cursor and cursor[s] < sched.get_sequence(s).prompt_len
+        ] + [s for s in held_waiting if s not in cursor]
         held_waiting = list(dict.fromkeys(held_waiting))
-        held_running = [*held_running, *(s for s, end in cursor.items()
-                                          if end == sched.get_sequence(s).prompt_len)]
+        held_running = [
+            *held_running,
+            *(s for s, end in cursor.items() if end == sched.get_sequence(s).prompt_len),
+        ]
 
 
 def test_a_worker_may_not_run_more_sequences_than_the_token_budget():
@@ -124,8 +150,10 @@ def test_continuations_are_shortened_to_the_pages_left():
 
 def decoding(sched, num, prompt_len, worker_id="w0", **submit_overrides):
     """`num` sequences admitted and prefilled in one chunk each; they now decode."""
-    ids = [submit(sched, prompt_len=prompt_len, max_new_tokens=100, **submit_overrides)
-           for _ in range(num)]
+    ids = [
+        submit(sched, prompt_len=prompt_len, max_new_tokens=100, **submit_overrides)
+        for _ in range(num)
+    ]
     decision = sched.select_batch(report(worker_id))
     assert prefill_ids(decision) == ids
     return ids
@@ -152,8 +180,9 @@ def test_preemption_victims_are_lowest_urgency_first():
     normal = submit(sched, prompt_len=16, max_new_tokens=100)
     sched.select_batch(report())
     ids = [urgent, relaxed, normal]
-    decision = sched.select_batch(report(running=ids, kv_free_pages=2,
-                                         tokens={s: [7] for s in ids}))
+    decision = sched.select_batch(
+        report(running=ids, kv_free_pages=2, tokens={s: [7] for s in ids})
+    )
     assert decision.preempt == (relaxed,)
 
 
@@ -161,8 +190,9 @@ def test_a_preempted_sequence_resumes_from_its_tokens_so_far():
     sched = budget_scheduler(kv_watermark_pages=1)
     register(sched)
     ids = decoding(sched, 2, prompt_len=16)
-    decision = sched.select_batch(report(running=ids, kv_free_pages=1,
-                                         tokens={s: [7] for s in ids}))
+    decision = sched.select_batch(
+        report(running=ids, kv_free_pages=1, tokens={s: [7] for s in ids})
+    )
     assert decision.preempt == (ids[1],)
     decision = sched.select_batch(report(running=[ids[0]], tokens={ids[0]: [8]}))
     resumed = [c for c in decision.prefill if c.seq_id == ids[1]]
@@ -177,8 +207,9 @@ def test_preemptions_are_counted_by_reason():
         def on_preempted(self, seq_id, worker_id, reason):
             counted.append(reason)
 
-    sched = Scheduler(make_config(policy="budget", kv_watermark_pages=1), clock=FakeClock(),
-                      observer=Listener())
+    sched = Scheduler(
+        make_config(policy="budget", kv_watermark_pages=1), clock=FakeClock(), observer=Listener()
+    )
     register(sched)
     ids = decoding(sched, 2, prompt_len=16)
     sched.select_batch(report(running=ids, kv_free_pages=1, tokens={s: [7] for s in ids}))
@@ -229,17 +260,24 @@ def test_the_lora_limit_skips_a_third_adapter_without_blocking_the_queue(policy)
 
 @pytest.mark.parametrize("policy", ["fifo", "budget", "fair"])
 def test_a_decision_never_exceeds_the_message_limit(policy):
-    sched = Scheduler(make_config(policy=policy, max_batch_size=64, max_seq_len=4096,
-                                  max_num_batched_tokens=1 << 20, min_prefill_chunk=1),
-                      clock=FakeClock(), max_decision_bytes=64 * 1024)
+    sched = Scheduler(
+        make_config(
+            policy=policy,
+            max_batch_size=64,
+            max_seq_len=4096,
+            max_num_batched_tokens=1 << 20,
+            min_prefill_chunk=1,
+        ),
+        clock=FakeClock(),
+        max_decision_bytes=64 * 1024,
+    )
     register(sched, max_batch_size=64)
     ids = [submit(sched, prompt_len=4000, max_new_tokens=8) for _ in range(10)]
     decision = sched.select_batch(report(kv_free_pages=10**6, gdn_free_slots=64))
     # A 4,000-token spec takes at most ~20 KB: three fit in 64 KB, the rest wait.
     assert prefill_ids(decision) == ids[:3]
     assert all(sched.get_sequence(s).state is SequenceState.QUEUED for s in ids[3:])
-    small = Scheduler(make_config(policy=policy), clock=FakeClock(),
-                      max_decision_bytes=16 * 1024)
+    small = Scheduler(make_config(policy=policy), clock=FakeClock(), max_decision_bytes=16 * 1024)
     with pytest.raises(InvalidArgument, match="may not fit in one decision"):
         small.submit(SubmitParams(prompt_token_ids=tuple(range(4000)), max_new_tokens=96))
 
@@ -287,8 +325,9 @@ def test_fair_serves_the_most_urgent_band_first():
 
 def test_fair_ages_a_waiting_sequence_one_band_per_aging_period():
     clock = FakeClock()
-    sched = fair_scheduler(clock=clock, aging_seconds=10.0, max_batch_size=1,
-                           max_num_batched_tokens=64)
+    sched = fair_scheduler(
+        clock=clock, aging_seconds=10.0, max_batch_size=1, max_num_batched_tokens=64
+    )
     register(sched, max_batch_size=1)
     old = submit(sched, priority=2)
     clock.advance_ms(20_000)  # two periods: band 0
@@ -347,8 +386,10 @@ def test_fair_requeue_keeps_the_original_arrival():
 
 def test_queue_positions_follow_the_fair_order():
     sched = fair_scheduler()
-    ids = [submit(sched, priority=p, tenant=t) for p, t in
-           [(1, "a"), (0, "b"), (0, "a"), (-1, "c"), (1, "b")]]
+    ids = [
+        submit(sched, priority=p, tenant=t)
+        for p, t in [(1, "a"), (0, "b"), (0, "a"), (-1, "c"), (1, "b")]
+    ]
     positions = [sched.get_sequence(s).queue_position for s in ids]
     assert positions == [3, 1, 2, 0, 4]
 
@@ -356,6 +397,7 @@ def test_queue_positions_follow_the_fair_order():
 def test_a_queued_4000_token_prompt_costs_at_most_20_kib():
     import random
     import tracemalloc
+
     sched = budget_scheduler(max_queue=1000)
     rnd = random.Random(3)
     prompts = [[rnd.randrange(1_000, 150_000) for _ in range(4000)] for _ in range(50)]

@@ -1,5 +1,6 @@
 """Every policy is named in one place (service/core/registry.py): the config, the
 batching, the queue order, serve's --help and docs/policies.md read it."""
+
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,16 @@ def test_each_policy_is_built_with_the_batching_and_order_its_entry_names(name):
     config = SchedulerConfig(policy=name)
     batching = {Batching.FIFO: FifoPolicy, Batching.BUDGET: BudgetPolicy}[entry.batching]
     assert type(make_policy(config)) is batching
-    order = {Order.ARRIVAL: ArrivalOrder, Order.ARRIVAL_OR_DEADLINE: ArrivalOrder,
-             Order.FAIR: FairOrder}[entry.order]
+    order = {
+        Order.ARRIVAL: ArrivalOrder,
+        Order.ARRIVAL_OR_DEADLINE: ArrivalOrder,
+        Order.FAIR: FairOrder,
+    }[entry.order]
     assert type(queue_order(config)) is order
     with_target = queue_order(SchedulerConfig(policy=name, ttft_target_ms=500.0))
-    assert type(with_target) is (DeadlineOrder if entry.order is Order.ARRIVAL_OR_DEADLINE
-                                 else order)
+    assert type(with_target) is (
+        DeadlineOrder if entry.order is Order.ARRIVAL_OR_DEADLINE else order
+    )
 
 
 def test_the_policies_page_lists_every_registered_policy():

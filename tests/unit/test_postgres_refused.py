@@ -1,6 +1,7 @@
 """A PostgreSQL that refuses connections: `serve --state` ends in one line that gives the
 cause (not psycopg_pool's "pool initialization incomplete after N sec"). No server needed:
 nothing listens on the port."""
+
 from __future__ import annotations
 
 import socket
@@ -9,9 +10,9 @@ import pytest
 
 pytest.importorskip("psycopg")
 
-from service.cli import main as scheduler_cli  # noqa: E402
-from service.core import ConfigError  # noqa: E402
-from service.state.postgres import PostgresState  # noqa: E402
+from service.cli import main as scheduler_cli
+from service.core import ConfigError
+from service.state.postgres import PostgresState
 
 
 def _refused_url() -> str:
@@ -31,8 +32,9 @@ def test_a_refused_connection_is_a_config_error_giving_the_cause():
 
 
 def test_serve_on_a_refused_database_is_one_line_with_the_cause(capsys):
-    code = scheduler_cli.main(["serve", "--port", "0", "--metrics-port", "0",
-                               "--state", _refused_url()])
+    code = scheduler_cli.main(
+        ["serve", "--port", "0", "--metrics-port", "0", "--state", _refused_url()]
+    )
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "refused" in lines[0].lower(), lines

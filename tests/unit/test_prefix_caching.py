@@ -1,5 +1,6 @@
 """The core's use of the workers' prefix caches (docs/contract.md, "Prefix caching";
 docs/prefix-caching.md, "The scheduler"), on the worker that asks."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -8,8 +9,8 @@ import pytest
 
 from common.block_hash import block_hashes
 from service.core import SamplingParams, Scheduler, SequenceState
-from service.core.observer import RequeueReason, SchedulerObserver
 from service.core.cache.prefix_cache import ResumePoints, align_chunk, longest_resume
+from service.core.observer import RequeueReason, SchedulerObserver
 from service.core.types import CacheReport
 
 from .factories import FakeClock, make_config, make_scheduler, prompt, register, report, submit
@@ -23,13 +24,19 @@ def hashes(prompt_len: int, adapter_id: str = "") -> list[int]:
 
 
 def cache_report(*, added=(), removed=(), reset=False, misses=(), **fields):
-    return replace(report(**fields), cache=CacheReport(tuple(added), tuple(removed), reset),
-                   cache_misses=tuple(misses))
+    return replace(
+        report(**fields),
+        cache=CacheReport(tuple(added), tuple(removed), reset),
+        cache_misses=tuple(misses),
+    )
 
 
 def first_chunks(decision):
-    return [(c.seq_id, c.cached_tokens, c.chunk_start, c.chunk_len)
-            for c in decision.prefill if c.spec is not None]
+    return [
+        (c.seq_id, c.cached_tokens, c.chunk_start, c.chunk_len)
+        for c in decision.prefill
+        if c.spec is not None
+    ]
 
 
 class Recorder(SchedulerObserver):
@@ -52,8 +59,9 @@ class Recorder(SchedulerObserver):
 def cached_scheduler(policy="fifo", observer=None, **overrides):
     config = dict(policy=policy)
     if policy != "fifo":
-        config.update(max_batch_size=8, max_num_batched_tokens=512, min_prefill_chunk=8,
-                      kv_watermark_pages=1)
+        config.update(
+            max_batch_size=8, max_num_batched_tokens=512, min_prefill_chunk=8, kv_watermark_pages=1
+        )
     config.update(overrides)
     sched = Scheduler(make_config(**config), observer=observer, clock=FakeClock())
     register(sched, cache_block_tokens=B, total_snapshot_slots=8)
@@ -93,8 +101,7 @@ def test_the_longest_resume_point_strictly_below_the_prompt_is_taken():
     whole = submit(sched, prompt_len=64)  # 4 full blocks, all reported
     gap = submit(sched, prompt_len=100)
     points = hashes(100)
-    decision = sched.select_batch(cache_report(added=[points[0], points[1], points[3]],
-                                               reset=True))
+    decision = sched.select_batch(cache_report(added=[points[0], points[1], points[3]], reset=True))
     # 64 tokens: block 3 would leave nothing to compute; block 2 is not a resume point.
     assert first_chunks(decision) == [(whole, 32, 32, 32), (gap, 64, 64, 32)]
 
@@ -173,9 +180,14 @@ def test_fifo_chunks_end_on_block_boundaries_for_a_worker_with_a_cache():
 
 @pytest.mark.parametrize("setting", ["off", "no cache"])
 def test_without_a_cache_chunks_are_not_aligned(setting):
-    sched = make_scheduler(policy="budget", max_batch_size=8, max_num_batched_tokens=40,
-                           min_prefill_chunk=8, kv_watermark_pages=1,
-                           prefix_caching="off" if setting == "off" else "on")
+    sched = make_scheduler(
+        policy="budget",
+        max_batch_size=8,
+        max_num_batched_tokens=40,
+        min_prefill_chunk=8,
+        kv_watermark_pages=1,
+        prefix_caching="off" if setting == "off" else "on",
+    )
     register(sched, cache_block_tokens=B if setting == "off" else 0)
     seq = submit(sched, prompt_len=100)
     assert first_chunks(sched.select_batch(report())) == [(seq, 0, 0, 40)]
@@ -240,8 +252,9 @@ def test_a_retried_report_gives_the_same_decision_as_one():
     points = hashes(100)
     for sched in (once, twice):
         submit(sched, prompt_len=100)
-        sched.select_batch(cache_report(added=points[:2], reset=True, kv_free_pages=0,
-                                        gdn_free_slots=0))
+        sched.select_batch(
+            cache_report(added=points[:2], reset=True, kv_free_pages=0, gdn_free_slots=0)
+        )
     delta = dict(added=points[2:4], removed=points[:1], gdn_free_slots=0)
     once.select_batch(cache_report(**delta))
     twice.select_batch(cache_report(**delta))
@@ -274,17 +287,22 @@ def test_prefix_caching_off_decides_as_a_worker_without_cache(policy):
     (b) on, a worker that registered no cache: identical decisions."""
     decisions = []
     for setting, block in (("off", B), ("on", 0)):
-        sched = make_scheduler(policy=policy, max_batch_size=4, max_num_batched_tokens=48,
-                               min_prefill_chunk=8, kv_watermark_pages=1, chunk_size=24,
-                               prefix_caching=setting)
+        sched = make_scheduler(
+            policy=policy,
+            max_batch_size=4,
+            max_num_batched_tokens=48,
+            min_prefill_chunk=8,
+            kv_watermark_pages=1,
+            chunk_size=24,
+            prefix_caching=setting,
+        )
         register(sched, cache_block_tokens=block)
         ids = [submit(sched, prompt_len=n, max_new_tokens=3) for n in (100, 37, 5, 70)]
         points = hashes(100)
         script = [
             cache_report(added=points, reset=True),
             cache_report(waiting=ids[:2], kv_free_pages=20),
-            cache_report(waiting=ids[:1], running=ids[1:2], tokens={ids[1]: [9]},
-                         misses=ids[2:3]),
+            cache_report(waiting=ids[:1], running=ids[1:2], tokens={ids[1]: [9]}, misses=ids[2:3]),
             cache_report(waiting=ids[:1], running=ids[1:3], kv_free_pages=3),
         ]
         decisions.append([sched.select_batch(r) for r in script])
@@ -332,12 +350,13 @@ def test_random_cache_reports_and_misses_keep_every_plan_valid_and_lose_nothing(
     from .factories import finished
 
     rng = random.Random(seed)
-    sched = cached_scheduler(policy, max_batch_size=4, max_num_batched_tokens=96,
-                             chunk_size=48, min_prefill_chunk=8)
+    sched = cached_scheduler(
+        policy, max_batch_size=4, max_num_batched_tokens=96, chunk_size=48, min_prefill_chunk=8
+    )
     base = [rng.randrange(1, 500) for _ in range(200)]
     prompts: dict[int, tuple[int, ...]] = {}
     for _ in range(10):
-        tokens = tuple(base[:rng.randrange(10, 160)]) + (rng.randrange(500, 600),)
+        tokens = tuple(base[: rng.randrange(10, 160)]) + (rng.randrange(500, 600),)
         seq = sched.submit(replace(params_for(tokens))).seq_id
         prompts[seq] = tokens
     cursor: dict[int, int] = {}
@@ -360,10 +379,17 @@ def test_random_cache_reports_and_misses_keep_every_plan_valid_and_lose_nothing(
         running = [s for s in running if s not in done]
         for s in done:
             del held[s]
-        decision = sched.select_batch(cache_report(
-            added=added, removed=removed, reset=rng.random() < 0.05, misses=missing,
-            waiting=waiting, running=running,
-            finished=[finished(s, FinishReason.EOS, 0) for s in done]))
+        decision = sched.select_batch(
+            cache_report(
+                added=added,
+                removed=removed,
+                reset=rng.random() < 0.05,
+                misses=missing,
+                waiting=waiting,
+                running=running,
+                finished=[finished(s, FinishReason.EOS, 0) for s in done],
+            )
+        )
         for chunk in decision.prefill:
             if chunk.spec is not None:
                 n = len(chunk.spec.prompt_token_ids)
@@ -377,8 +403,7 @@ def test_random_cache_reports_and_misses_keep_every_plan_valid_and_lose_nothing(
             else:
                 assert chunk.chunk_start == cursor[chunk.seq_id]
                 cursor[chunk.seq_id] += chunk.chunk_len
-        if not held and all(sched.get_sequence(s).state is SequenceState.FINISHED
-                            for s in prompts):
+        if not held and all(sched.get_sequence(s).state is SequenceState.FINISHED for s in prompts):
             break
     assert all(sched.get_sequence(s).state is SequenceState.FINISHED for s in prompts)
     assert num_cached > 0 and num_missed > 0  # the run exercised hits and misses
@@ -386,4 +411,5 @@ def test_random_cache_reports_and_misses_keep_every_plan_valid_and_lose_nothing(
 
 def params_for(tokens):
     from service.core import SubmitParams
+
     return SubmitParams(prompt_token_ids=tokens, max_new_tokens=4)

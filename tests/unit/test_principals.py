@@ -1,6 +1,7 @@
 """The core's side of principals: request_id is scoped by the
 submitting principal, and a caller that does not see all meets another principal's
 sequence as an unknown id. The edge (tests/security/test_principals.py) supplies them."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ from service.core import SEES_ALL, Caller, NotFound, Scheduler, SequenceState
 from service.core.persist.store import MemoryStore
 from service.state.sqlite import SqliteStateStore
 
-from .factories import make_config, params, submit, write_version_1_state_dir
+from .factories import make_config, submit, write_version_1_state_dir
 
 ALICE, MALLORY = Caller("alice"), Caller("mallory")
 
@@ -31,8 +32,11 @@ def test_two_principals_with_one_request_id_get_two_sequences():
 def test_another_principals_sequence_is_not_found_with_the_unknown_ids_message():
     sched = _core()
     seq_id = submit(sched, principal="alice")
-    for call in (lambda c, s: sched.get_sequence(s, c), lambda c, s: sched.cancel(s, c),
-                 lambda c, s: sched.read_output(s, 0, c)):
+    for call in (
+        lambda c, s: sched.get_sequence(s, c),
+        lambda c, s: sched.cancel(s, c),
+        lambda c, s: sched.read_output(s, 0, c),
+    ):
         with pytest.raises(NotFound) as theirs:
             call(MALLORY, seq_id)
         with pytest.raises(NotFound) as unknown:
@@ -58,8 +62,7 @@ def test_the_principal_and_its_scoped_request_id_survive_a_restart(kind, tmp_pat
     assert submit(sched, request_id="r1", principal="mallory") != seq_id
 
 
-def test_sequences_of_a_state_dir_from_before_principals_are_the_anonymous_principals(
-        tmp_path):
+def test_sequences_of_a_state_dir_from_before_principals_are_the_anonymous_principals(tmp_path):
     write_version_1_state_dir(tmp_path, {1: 1}, request_id="old")
     sched = _core(SqliteStateStore(tmp_path))
     assert sched.get_sequence(1, Caller("")).seq_id == 1  # no tokens: as before

@@ -11,6 +11,7 @@ The core saves to a MemoryStore; a rule replaces it by a new core loaded from th
 store (a restart), which must look exactly as the old one did, and the simulated
 workers carry on against it.
 """
+
 from __future__ import annotations
 
 import random
@@ -19,22 +20,35 @@ import tempfile
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, event, settings, strategies as st
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from service.core import (
-    FinishedSequence, FinishReason, QueueFull, Scheduler, SequenceState, UnknownWorker,
+    FinishedSequence,
+    FinishReason,
+    QueueFull,
+    Scheduler,
+    SequenceState,
+    UnknownWorker,
 )
 from service.core.persist.store import MemoryStore
 from service.state.sqlite import SqliteStateStore
 
 from .factories import FakeClock, make_config, params, registration, report
 
-CONFIG = dict(max_batch_size=3, chunk_size=4, prefill_reserve_pages=2, max_seq_len=32,
-              max_queue=6, lease_ttl_ms=1000)
+CONFIG = dict(
+    max_batch_size=3,
+    chunk_size=4,
+    prefill_reserve_pages=2,
+    max_seq_len=32,
+    max_queue=6,
+    lease_ttl_ms=1000,
+)
 # The budget policies: a budget that binds, small pages, at most one adapter per worker.
-BUDGET_CONFIG = dict(CONFIG, max_num_batched_tokens=8, min_prefill_chunk=2,
-                     kv_watermark_pages=1, max_loras=1)
+BUDGET_CONFIG = dict(
+    CONFIG, max_num_batched_tokens=8, min_prefill_chunk=2, kv_watermark_pages=1, max_loras=1
+)
 WORKERS = {
     "w0": dict(adapters=()),
     "w1": dict(adapters=("a",), max_batch_size=2),
@@ -99,12 +113,12 @@ class SimWorker:
     def generate(self, seq_id: int) -> None:
         held = self.running[seq_id]
         self.tokens.setdefault(seq_id, []).append(
-            token(seq_id, held.first_index + held.num_generated))
+            token(seq_id, held.first_index + held.num_generated)
+        )
         held.num_generated += 1
         if held.num_generated == held.max_new_tokens:
             del self.running[seq_id]
-            self.done.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH,
-                                              held.num_generated))
+            self.done.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH, held.num_generated))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -155,15 +169,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def new_core(self) -> Scheduler:
-        return Scheduler(make_config(policy=self.policy, **self.config), clock=self.clock,
-                         wall_clock=self.clock, store=self.store)
+        return Scheduler(
+            make_config(policy=self.policy, **self.config),
+            clock=self.clock,
+            wall_clock=self.clock,
+            store=self.store,
+        )
 
     def observable_state(self):
         status = self.sched.status()
         return (
             [self.sched.get_sequence(s) for s in sorted(self.prompt_len)],
             [self.sched.read_output(s, 0) for s in sorted(self.prompt_len)],
-            status.queue_depth, status.num_assigned,
+            status.queue_depth,
+            status.num_assigned,
             # (draining is as of the last report; the next report says it again)
             sorted((w.worker_id, w.num_assigned) for w in status.workers),
         )
@@ -183,8 +202,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def model_expire(self) -> list[str]:
         now = self.clock()
-        expired = [w for w, last in self.last_call.items()
-                   if (now - last) * 1000.0 > CONFIG["lease_ttl_ms"]]
+        expired = [
+            w
+            for w, last in self.last_call.items()
+            if (now - last) * 1000.0 > CONFIG["lease_ttl_ms"]
+        ]
         for worker_id in expired:
             self.model_drop(worker_id)
         return expired
@@ -194,10 +216,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ client rules
 
-    @rule(prompt_len=st.integers(1, 12), max_new_tokens=st.integers(1, 10),
-          adapter_id=st.sampled_from(["", "", "", "a", "b"]),
-          request=st.sampled_from(["none", "new", "repeat"]),
-          priority=st.sampled_from([0, 0, -1, 2]), tenant=st.sampled_from(["", "t1", "t2"]))
+    @rule(
+        prompt_len=st.integers(1, 12),
+        max_new_tokens=st.integers(1, 10),
+        adapter_id=st.sampled_from(["", "", "", "a", "b"]),
+        request=st.sampled_from(["none", "new", "repeat"]),
+        priority=st.sampled_from([0, 0, -1, 2]),
+        tenant=st.sampled_from(["", "t1", "t2"]),
+    )
     def submit(self, prompt_len, max_new_tokens, adapter_id, request, priority, tenant):
         depth = self.sched.status().queue_depth
         if request == "repeat" and self.request_ids:
@@ -207,8 +233,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.sched.status().queue_depth == depth
             return
         request_id = f"req-{len(self.prompt_len)}" if request == "new" else ""
-        submitted = params(prompt_len, max_new_tokens, adapter_id=adapter_id,
-                           request_id=request_id, priority=priority, tenant=tenant)
+        submitted = params(
+            prompt_len,
+            max_new_tokens,
+            adapter_id=adapter_id,
+            request_id=request_id,
+            priority=priority,
+            tenant=tenant,
+        )
         if depth >= CONFIG["max_queue"]:
             with pytest.raises(QueueFull):
                 self.sched.submit(submitted)
@@ -247,11 +279,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         sim.registered = True
         resources = dict(WORKERS[worker_id])
         if self.counts_pages:
-            resources.update(total_kv_pages=TOTAL_PAGES, page_size=PAGE_SIZE,
-                             total_gdn_slots=TOTAL_SLOTS)
+            resources.update(
+                total_kv_pages=TOTAL_PAGES, page_size=PAGE_SIZE, total_gdn_slots=TOTAL_SLOTS
+            )
         settings_ = self.sched.register_worker(registration(worker_id, **resources))
         assert settings_.max_batch_size == WORKERS[worker_id].get(
-            "max_batch_size", CONFIG["max_batch_size"])
+            "max_batch_size", CONFIG["max_batch_size"]
+        )
         self.model_register(worker_id)
 
     @rule(worker_id=st.sampled_from(sorted(WORKERS)))
@@ -338,8 +372,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     sim.tokens.pop(seq_id, None)
                 elif roll < 0.15 and table is sim.running:
                     held = table.pop(seq_id)
-                    finished.append(FinishedSequence(seq_id, FinishReason.EOS,
-                                                     held.num_generated))
+                    finished.append(FinishedSequence(seq_id, FinishReason.EOS, held.num_generated))
         tokens = dict(sim.tokens)
         sim.tokens.clear()
         if self.counts_pages:
@@ -347,10 +380,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             gdn_free_slots = TOTAL_SLOTS - len(sim.held())
         else:
             kv_free_pages, gdn_free_slots = rnd.randint(0, 4), rnd.randint(0, 4)
-        return report(sim.worker_id, waiting=list(sim.prefill), running=list(sim.running),
-                      kv_free_pages=kv_free_pages, gdn_free_slots=gdn_free_slots,
-                      finished=finished, preempted=preempted, draining=rnd.random() < 0.15,
-                      tokens=tokens)
+        return report(
+            sim.worker_id,
+            waiting=list(sim.prefill),
+            running=list(sim.running),
+            kv_free_pages=kv_free_pages,
+            gdn_free_slots=gdn_free_slots,
+            finished=finished,
+            preempted=preempted,
+            draining=rnd.random() < 0.15,
+            tokens=tokens,
+        )
 
     def apply_report_to_model(self, worker_report, owner_before):
         worker_id = worker_report.worker_id
@@ -380,8 +420,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefill_ids = [c.seq_id for c in decision.prefill]
         # Rules 4-7; every running sequence decodes unless the scheduler preempts it.
         assert set(decision.preempt) <= owned
-        assert decision.decode == tuple(s for s in running if s in owned
-                                        and s not in decision.preempt)
+        assert decision.decode == tuple(
+            s for s in running if s in owned and s not in decision.preempt
+        )
         assert decision.evict == tuple(s for s in reported if owner_before.get(s) != worker_id)
         assert decision.prefill == (*new, *continuations)
         assert len(prefill_ids) == len(set(prefill_ids))
@@ -394,8 +435,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         for seq_id in decision.preempt:
             self.owner[seq_id] = None
         event("a decision preempts" if decision.preempt else "no preemption")
-        event("a decision admits" if any(c.spec is not None for c in decision.prefill)
-              else "no admission")
+        event(
+            "a decision admits"
+            if any(c.spec is not None for c in decision.prefill)
+            else "no admission"
+        )
         # Rule 5: continuations pick up at the cursor.
         for chunk in continuations:
             assert chunk.seq_id in owned and chunk.seq_id in waiting
@@ -414,7 +458,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             prompt = params(self.prompt_len[seq_id]).prompt_token_ids
             assert chunk.spec.prompt_token_ids == prompt + tuple(self.output[seq_id])
             assert chunk.spec.max_new_tokens == (
-                self.max_new_tokens[seq_id] - len(self.output[seq_id]))
+                self.max_new_tokens[seq_id] - len(self.output[seq_id])
+            )
             assert chunk.spec.max_new_tokens >= 1
             self.owner[seq_id] = worker_id
             self.spec_len[seq_id] = len(chunk.spec.prompt_token_ids)
@@ -426,27 +471,32 @@ class SchedulerMachine(RuleBasedStateMachine):
         whole admission budget while anything fits (rule 3)."""
         worker_id = worker_report.worker_id
         reported = [*worker_report.waiting, *worker_report.running]
-        assert [c.seq_id for c in continuations] == [
-            s for s in worker_report.waiting if s in owned]
+        assert [c.seq_id for c in continuations] == [s for s in worker_report.waiting if s in owned]
         for chunk in continuations:
-            assert chunk.chunk_len == min(CONFIG["chunk_size"],
-                                          self.spec_len[chunk.seq_id] - chunk.chunk_start)
+            assert chunk.chunk_len == min(
+                CONFIG["chunk_size"], self.spec_len[chunk.seq_id] - chunk.chunk_start
+            )
         for chunk in new:
             spec_len = len(chunk.spec.prompt_token_ids)
-            assert (chunk.chunk_start, chunk.chunk_len) == (0, min(CONFIG["chunk_size"],
-                                                                   spec_len))
+            assert (chunk.chunk_start, chunk.chunk_len) == (0, min(CONFIG["chunk_size"], spec_len))
         max_batch_size = WORKERS[worker_id].get("max_batch_size", CONFIG["max_batch_size"])
         num_active = len(reported)
         budget = min(max(0, max_batch_size - num_active), worker_report.gdn_free_slots)
         if worker_report.draining or (
-                worker_report.kv_free_pages < CONFIG["prefill_reserve_pages"] and num_active):
+            worker_report.kv_free_pages < CONFIG["prefill_reserve_pages"] and num_active
+        ):
             budget = 0
         assert len(new) <= budget
         if len(new) < budget:
-            left = [s for s in self.prompt_len
-                    if self.owner[s] is None and s not in self.finished
-                    and s not in reported and self.can_run(worker_id, s)
-                    and s not in [c.seq_id for c in new]]
+            left = [
+                s
+                for s in self.prompt_len
+                if self.owner[s] is None
+                and s not in self.finished
+                and s not in reported
+                and self.can_run(worker_id, s)
+                and s not in [c.seq_id for c in new]
+            ]
             assert left == [], f"{left} could have been admitted to {worker_id}"
 
     def check_budget(self, decision, new, continuations):
@@ -471,9 +521,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             if chunk.spec is not None:
                 spec = chunk.spec
                 sim.prefill[chunk.seq_id] = Held(
-                    spec_len=len(spec.prompt_token_ids), max_new_tokens=spec.max_new_tokens,
+                    spec_len=len(spec.prompt_token_ids),
+                    max_new_tokens=spec.max_new_tokens,
                     first_index=len(spec.prompt_token_ids) - self.prompt_len[chunk.seq_id],
-                    adapter_id=spec.adapter_id)
+                    adapter_id=spec.adapter_id,
+                )
             held = sim.prefill[chunk.seq_id]
             assert chunk.chunk_start == held.num_prefilled
             held.num_prefilled += chunk.chunk_len
@@ -488,8 +540,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(sim.held()) <= TOTAL_SLOTS
             worker_batch = WORKERS[sim.worker_id].get("max_batch_size", CONFIG["max_batch_size"])
             assert len(sim.held()) <= worker_batch
-            assert len({h.adapter_id for h in sim.held() if h.adapter_id}) <= (
-                BUDGET_CONFIG["max_loras"])
+            assert (
+                len({h.adapter_id for h in sim.held() if h.adapter_id})
+                <= (BUDGET_CONFIG["max_loras"])
+            )
 
     # ------------------------------------------------------------ invariants
 
@@ -528,7 +582,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=80, deadline=None,
+    max_examples=200,
+    stateful_step_count=80,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_scheduler_state_machine = SchedulerMachine.TestCase
@@ -541,7 +597,9 @@ class SqliteSchedulerMachine(SchedulerMachine):
 
 
 SqliteSchedulerMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=60, deadline=None,
+    max_examples=60,
+    stateful_step_count=60,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_scheduler_state_machine_on_sqlite = SqliteSchedulerMachine.TestCase
@@ -554,7 +612,9 @@ class BudgetSchedulerMachine(SchedulerMachine):
 
 
 BudgetSchedulerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=80, deadline=None,
+    max_examples=150,
+    stateful_step_count=80,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_budget_state_machine = BudgetSchedulerMachine.TestCase
@@ -567,7 +627,9 @@ class FairSchedulerMachine(SchedulerMachine):
 
 
 FairSchedulerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=80, deadline=None,
+    max_examples=150,
+    stateful_step_count=80,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_fair_state_machine = FairSchedulerMachine.TestCase
@@ -580,7 +642,9 @@ class SqliteFairSchedulerMachine(FairSchedulerMachine):
 
 
 SqliteFairSchedulerMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=60, deadline=None,
+    max_examples=40,
+    stateful_step_count=60,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_fair_state_machine_on_sqlite = SqliteFairSchedulerMachine.TestCase

@@ -1,4 +1,5 @@
 """`serve --state postgresql://...`: the replica settings are checked before anything starts."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,12 +13,15 @@ def test_a_postgresql_url_is_accepted_with_the_replica_defaults():
     assert (settings.prefetch, settings.replica_lease_ms) == (8, 5000)
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"state": "/var/lib/lattice"}, "state must be a PostgreSQL URL"),
-    ({"state": "postgresql://h/db", "state_dir": "/tmp/x"}, "exclude each other"),
-    ({"prefetch": -1}, "prefetch must not be negative"),
-    ({"replica_lease_ms": 100}, "replica_lease_ms must be at least 300"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"state": "/var/lib/lattice"}, "state must be a PostgreSQL URL"),
+        ({"state": "postgresql://h/db", "state_dir": "/tmp/x"}, "exclude each other"),
+        ({"prefetch": -1}, "prefetch must not be negative"),
+        ({"replica_lease_ms": 100}, "replica_lease_ms must be at least 300"),
+    ],
+)
 def test_bad_replica_settings_stop_the_start_with_one_line(fields, message):
     with pytest.raises(ConfigError, match=message):
         ServeSettings(**fields).validate()

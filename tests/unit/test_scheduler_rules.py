@@ -1,14 +1,29 @@
 """The fifo rules 1-7 of docs/contract.md, the core's errors, and the worker lifecycle."""
+
 import pytest
 
 from service.core import (
-    FinishReason, InvalidArgument, NotFound, PrefillChunk, QueueFull, Scheduler,
-    SequenceState, UnknownWorker,
+    FinishReason,
+    InvalidArgument,
+    NotFound,
+    PrefillChunk,
+    QueueFull,
+    Scheduler,
+    SequenceState,
+    UnknownWorker,
 )
 
 from .factories import (
-    FakeClock, admit, finished, make_config, make_scheduler, params, prefill_ids, register,
-    report, submit,
+    FakeClock,
+    admit,
+    finished,
+    make_config,
+    make_scheduler,
+    params,
+    prefill_ids,
+    register,
+    report,
+    submit,
 )
 
 
@@ -30,6 +45,7 @@ def queue_order(sched, seq_ids):
 
 
 # --------------------------------------------------------------- rule 1: the report
+
 
 def test_finished_sequence_ends_and_is_no_longer_assigned():
     sched, _ = setup()
@@ -56,8 +72,9 @@ def test_finish_reason_preempted_requeues_instead_of_finishing():
     sched, _ = setup()
     seq_id = submit(sched)
     admit(sched)
-    sched.select_batch(report(finished=[finished(seq_id, FinishReason.PREEMPTED)],
-                              gdn_free_slots=0))
+    sched.select_batch(
+        report(finished=[finished(seq_id, FinishReason.PREEMPTED)], gdn_free_slots=0)
+    )
     info = sched.get_sequence(seq_id)
     assert info.state is SequenceState.QUEUED and info.finish_reason is None
 
@@ -88,9 +105,13 @@ def test_report_repeating_a_preempted_id_requeues_it_once():
     sched, _ = setup()
     seq_id = submit(sched)
     admit(sched)
-    sched.select_batch(report(preempted=[seq_id, seq_id],
-                              finished=[finished(seq_id, FinishReason.PREEMPTED)],
-                              gdn_free_slots=0))
+    sched.select_batch(
+        report(
+            preempted=[seq_id, seq_id],
+            finished=[finished(seq_id, FinishReason.PREEMPTED)],
+            gdn_free_slots=0,
+        )
+    )
     assert sched.get_sequence(seq_id).state is SequenceState.QUEUED
     assert sched.status().queue_depth == 1
 
@@ -99,15 +120,19 @@ def test_sequence_reported_both_preempted_and_finished_ends_finished():
     sched, _ = setup()
     seq_id = submit(sched)
     admit(sched)
-    sched.select_batch(report(finished=[finished(seq_id, FinishReason.PREEMPTED),
-                                        finished(seq_id, FinishReason.EOS)],
-                              gdn_free_slots=0))
+    sched.select_batch(
+        report(
+            finished=[finished(seq_id, FinishReason.PREEMPTED), finished(seq_id, FinishReason.EOS)],
+            gdn_free_slots=0,
+        )
+    )
     info = sched.get_sequence(seq_id)
     assert info.state is SequenceState.FINISHED and info.finish_reason is FinishReason.EOS
     assert sched.status().queue_depth == 0
 
 
 # --------------------------------------------------- rules 2-3: capacity and admission
+
 
 def test_admissions_come_from_the_queue_head_in_submit_order():
     sched, _ = setup(max_batch_size=3)
@@ -167,7 +192,9 @@ def test_first_chunk_is_min_of_chunk_size_and_prompt_len():
     short, long = submit(sched, prompt_len=5), submit(sched, prompt_len=40)
     decision = sched.select_batch(report())
     assert [(c.seq_id, c.chunk_start, c.chunk_len) for c in decision.prefill] == [
-        (short, 0, 5), (long, 0, 16)]
+        (short, 0, 5),
+        (long, 0, 16),
+    ]
 
 
 def test_first_chunk_carries_the_full_spec():
@@ -209,6 +236,7 @@ def test_sequence_with_adapter_goes_only_to_a_worker_that_registered_it():
 
 # ------------------------------------------------------ rules 4-5: decode, continuations
 
+
 def test_decode_lists_running_ids_in_the_order_reported():
     sched, _ = setup()
     a, b, c = submit(sched), submit(sched), submit(sched)
@@ -225,7 +253,10 @@ def test_continuations_walk_the_prompt_chunk_by_chunk():
     second = sched.select_batch(report(waiting=[seq_id])).prefill[0]
     third = sched.select_batch(report(waiting=[seq_id])).prefill[0]
     assert [(c.chunk_start, c.chunk_len) for c in (first, second, third)] == [
-        (0, 128), (128, 128), (256, 44)]
+        (0, 128),
+        (128, 128),
+        (256, 44),
+    ]
     assert second.spec is None and third.spec is None
 
 
@@ -243,6 +274,7 @@ def test_prefilled_tokens_counts_confirmed_chunks_then_the_whole_prompt():
 
 
 # ----------------------------------------------------------- rule 6: evict
+
 
 def test_cancelled_running_sequence_is_evicted_and_not_decoded():
     sched, _ = setup()
@@ -291,6 +323,7 @@ def test_queued_id_reported_by_a_worker_is_evicted_not_admitted_in_the_same_call
 
 # ---------------------------------------------------------------- submit and errors
 
+
 def test_submit_reports_the_number_of_sequences_ahead():
     sched, _ = setup()
     positions = [sched.submit(params()).queue_position for _ in range(3)]
@@ -304,11 +337,14 @@ def test_seq_ids_are_never_reused():
     assert submit(sched) != first
 
 
-@pytest.mark.parametrize("bad, field", [
-    (params(prompt_len=0), "prompt_token_ids"),
-    (params(max_new_tokens=0), "max_new_tokens"),
-    (params(prompt_len=60, max_new_tokens=5), "max_seq_len=64"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (params(prompt_len=0), "prompt_token_ids"),
+        (params(max_new_tokens=0), "max_new_tokens"),
+        (params(prompt_len=60, max_new_tokens=5), "max_seq_len=64"),
+    ],
+)
 def test_invalid_submit_is_rejected_naming_the_field(bad, field):
     sched, _ = setup(chunk_size=16, max_seq_len=64)
     with pytest.raises(InvalidArgument, match=field):
@@ -388,9 +424,14 @@ def test_deregister_of_an_unregistered_worker_is_refused():
         sched.deregister_worker("stranger")
 
 
-@pytest.mark.parametrize("bad", [
-    dict(waiting=[1, 1]), dict(running=[1, 1]), dict(waiting=[1], running=[1]),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(waiting=[1, 1]),
+        dict(running=[1, 1]),
+        dict(waiting=[1], running=[1]),
+    ],
+)
 def test_id_twice_in_waiting_or_running_is_invalid_and_changes_nothing(bad):
     sched, _ = setup()
     seq_id = submit(sched)
@@ -403,9 +444,13 @@ def test_id_twice_in_waiting_or_running_is_invalid_and_changes_nothing(bad):
     assert sched.status().workers[0].iteration == iteration
 
 
-@pytest.mark.parametrize("bad", [
-    dict(waiting=[1], finished=[finished(1)]), dict(running=[1], preempted=[1]),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(waiting=[1], finished=[finished(1)]),
+        dict(running=[1], preempted=[1]),
+    ],
+)
 def test_id_both_active_and_finished_or_preempted_is_invalid(bad):
     sched, _ = setup()
     submit(sched)
@@ -415,9 +460,13 @@ def test_id_both_active_and_finished_or_preempted_is_invalid(bad):
     assert sched.get_sequence(1).state is SequenceState.PREFILLING
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(worker_id=""), "worker_id"), (dict(worker_id="w9", page_size=0), "page_size"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(worker_id=""), "worker_id"),
+        (dict(worker_id="w9", page_size=0), "page_size"),
+    ],
+)
 def test_invalid_registration_is_rejected_naming_the_field(bad, field):
     sched, _ = setup(num_workers=0)
     worker_id = bad.pop("worker_id")
@@ -427,6 +476,7 @@ def test_invalid_registration_is_rejected_naming_the_field(bad, field):
 
 
 # ---------------------------------------------------------------- cancel
+
 
 def test_cancel_of_a_queued_sequence_removes_it_from_the_queue():
     sched, _ = setup()
@@ -457,6 +507,7 @@ def test_late_finish_report_of_a_cancelled_sequence_is_ignored():
 
 
 # ---------------------------------------------------------------- workers
+
 
 def test_reregistration_requeues_everything_assigned_ahead_of_the_queue():
     sched, _ = setup(max_batch_size=2)
@@ -514,6 +565,7 @@ def test_expire_leases_returns_the_dropped_workers():
 
 # ----------------------------------------------------------- tokens and resumption
 
+
 def test_resumed_spec_is_prompt_plus_generated_tokens_with_the_remaining_budget():
     sched, _ = setup()
     seq_id = submit(sched, prompt_len=5, max_new_tokens=10)
@@ -545,8 +597,9 @@ def test_output_after_resumption_has_no_token_twice():
     sched.select_batch(report(preempted=[seq_id], gdn_free_slots=0))
     admit(sched)
     sched.select_batch(report(running=[seq_id], tokens={seq_id: [12]}))
-    sched.select_batch(report(finished=[finished(seq_id, FinishReason.EOS, 1)],
-                              tokens={seq_id: [13]}))
+    sched.select_batch(
+        report(finished=[finished(seq_id, FinishReason.EOS, 1)], tokens={seq_id: [13]})
+    )
     view = sched.read_output(seq_id, 0)
     assert view.token_ids == (10, 11, 12, 13)
     assert view.finished and view.finish_reason is FinishReason.EOS

@@ -4,14 +4,18 @@ The seed enqueued bare SeqIds and reported ids it never assigned; here every id 
 worker reports was first submitted and admitted to that worker (an unassigned id
 would be evicted), and then the seed's call is made.
 """
+
 from service.core import PrefillChunk, SequenceState
 
 from .factories import admit, make_scheduler, prefill_ids, register, report, submit
 
 
 def scheduler(max_batch_size=32, chunk_size=512, prefill_reserve_pages=8):
-    sched = make_scheduler(max_batch_size=max_batch_size, chunk_size=chunk_size,
-                           prefill_reserve_pages=prefill_reserve_pages)
+    sched = make_scheduler(
+        max_batch_size=max_batch_size,
+        chunk_size=chunk_size,
+        prefill_reserve_pages=prefill_reserve_pages,
+    )
     register(sched, "w0")
     return sched
 
@@ -25,6 +29,7 @@ def running_on_w0(sched, num_seqs, prompt_len=8):
 
 # --- Empty state ---
 
+
 def test_empty_state_returns_empty_decision():
     sched = scheduler()
     decision = sched.select_batch(report("w0"))
@@ -34,6 +39,7 @@ def test_empty_state_returns_empty_decision():
 
 
 # --- Admission ---
+
 
 def test_new_sequence_admitted_into_prefill():
     sched = scheduler()
@@ -88,6 +94,7 @@ def test_admission_allowed_when_batch_empty_despite_low_pages():
 
 # --- Decode ---
 
+
 def test_running_sequences_go_to_decode():
     sched = scheduler()
     running = running_on_w0(sched, 2)
@@ -104,6 +111,7 @@ def test_all_running_sequences_decode_regardless_of_free_gdn_slots():
 
 
 # --- Prefill continuation ---
+
 
 def test_waiting_sequences_get_continuation_chunk():
     sched = scheduler(max_batch_size=32, chunk_size=128, prefill_reserve_pages=0)
@@ -128,6 +136,7 @@ def test_no_duplicate_seqid_in_prefill_between_new_and_waiting():
 
 # --- Eviction ---
 
+
 def test_phase1_no_evictions():
     # No evictions for sequences that are assigned to the worker and running.
     sched = scheduler()
@@ -138,6 +147,7 @@ def test_phase1_no_evictions():
 
 
 # --- on_preempt: the service requeues instead of a no-op ---
+
 
 def test_on_preempt_puts_sequence_back_at_head_of_queue():
     sched = scheduler(max_batch_size=1, prefill_reserve_pages=0)
@@ -151,10 +161,12 @@ def test_on_preempt_puts_sequence_back_at_head_of_queue():
     assert sched.get_sequence(second).queue_position == 1
     decision = sched.select_batch(report("w0"))
     assert [(c.seq_id, c.chunk_start, c.spec is not None) for c in decision.prefill] == [
-        (first, 0, True)]
+        (first, 0, True)
+    ]
 
 
 # --- Chunk size propagation ---
+
 
 def test_chunk_size_propagated_to_new_admissions():
     sched = make_scheduler(max_batch_size=32, chunk_size=256, prefill_reserve_pages=0)

@@ -1,4 +1,5 @@
 """`serve` settings: a bad value's message says where that value came from."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,7 @@ from service import settings
 from service.core import ConfigError
 
 
-def _error(*flags: str, environ: dict[str, str] | None = None,
-           config: Path | None = None) -> str:
+def _error(*flags: str, environ: dict[str, str] | None = None, config: Path | None = None) -> str:
     """The message of the ConfigError that resolving these flags, env and file raises."""
     parser = argparse.ArgumentParser()
     settings.add_arguments(parser)
@@ -23,7 +23,8 @@ def _error(*flags: str, environ: dict[str, str] | None = None,
 
 def test_a_rule_between_two_flags_names_both_flags():
     assert _error("--chunk-size", "600", "--max-seq-len", "512") == (
-        "chunk_size (600, --chunk-size) must not exceed max_seq_len (512, --max-seq-len)")
+        "chunk_size (600, --chunk-size) must not exceed max_seq_len (512, --max-seq-len)"
+    )
 
 
 def test_values_from_the_environment_and_the_config_file_say_so(tmp_path):
@@ -31,31 +32,39 @@ def test_values_from_the_environment_and_the_config_file_say_so(tmp_path):
     config.write_text("max_seq_len = 512\n")
     assert _error(environ={"LATTICE_SCHEDULER_CHUNK_SIZE": "600"}, config=config) == (
         f"chunk_size (600, env LATTICE_SCHEDULER_CHUNK_SIZE) must not exceed "
-        f"max_seq_len (512, from {config})")
+        f"max_seq_len (512, from {config})"
+    )
 
 
 def test_a_setting_left_at_its_default_says_default():
     assert _error("--max-seq-len", "100") == (
-        "chunk_size (512, default) must not exceed max_seq_len (100, --max-seq-len)")
+        "chunk_size (512, default) must not exceed max_seq_len (100, --max-seq-len)"
+    )
 
 
 def test_a_process_setting_names_its_source_and_not_the_words_of_the_remark(tmp_path):
     config = tmp_path / "serve.toml"
     config.write_text("port = 70000\n")
     assert _error(config=config) == (
-        f"port (from {config}) must be within 0-65535 (0 picks a free port), got 70000")
+        f"port (from {config}) must be within 0-65535 (0 picks a free port), got 70000"
+    )
     assert _error(environ={"LATTICE_SCHEDULER_METRICS_PORT": "-1"}) == (
         "metrics_port (env LATTICE_SCHEDULER_METRICS_PORT) must be within 0-65535 "
-        "(0 picks a free port), got -1")
+        "(0 picks a free port), got -1"
+    )
 
 
 def test_a_type_error_names_its_source_too():
     assert _error(environ={"LATTICE_SCHEDULER_MAX_QUEUE": "many"}) == (
-        "max_queue (env LATTICE_SCHEDULER_MAX_QUEUE) must be an integer, got 'many'")
+        "max_queue (env LATTICE_SCHEDULER_MAX_QUEUE) must be an integer, got 'many'"
+    )
 
 
-_NUMERIC = [f.name for f, _ in settings.setting_fields()
-            if (f.type if isinstance(f.type, str) else f.type.__name__) in ("int", "float")]
+_NUMERIC = [
+    f.name
+    for f, _ in settings.setting_fields()
+    if (f.type if isinstance(f.type, str) else f.type.__name__) in ("int", "float")
+]
 
 
 @pytest.mark.parametrize("name", _NUMERIC)
@@ -73,7 +82,8 @@ def test_every_numeric_setting_rejected_at_minus_one_names_its_env_var(name):
 def test_names_in_quotes_flags_and_paths_are_not_mentions():
     sources = {"port": "--port", "policy": "default", "state_dir": "--state-dir"}
     assert settings.with_sources(
-        "state_dir /srv/port is not a directory (see --port), got 'policy'", sources) == (
-        "state_dir (--state-dir) /srv/port is not a directory (see --port), got 'policy'")
+        "state_dir /srv/port is not a directory (see --port), got 'policy'", sources
+    ) == ("state_dir (--state-dir) /srv/port is not a directory (see --port), got 'policy'")
     assert settings.with_sources("--config x: not valid TOML", sources) == (
-        "--config x: not valid TOML")
+        "--config x: not valid TOML"
+    )

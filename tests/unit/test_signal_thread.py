@@ -1,6 +1,7 @@
 """common/signals.py: a signal is acted on by the signal thread, never inside a handler on
 the main thread, so acting on it may take locks the main thread holds (the deadlock
 `lattice-worker` once hit: Event.set in a handler, Event.wait on the main thread)."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,9 @@ from common.waiting import wait_until
 def test_a_signal_is_handled_on_the_signal_thread_and_close_restores_the_handler():
     seen: list[tuple[signal.Signals, str]] = []
     before = signal.getsignal(signal.SIGUSR1)
-    with SignalThread((signal.SIGUSR1,), lambda s: seen.append(
-            (s, threading.current_thread().name))):
+    with SignalThread(
+        (signal.SIGUSR1,), lambda s: seen.append((s, threading.current_thread().name))
+    ):
         os.kill(os.getpid(), signal.SIGUSR1)
         wait_until(lambda: seen, "the signal handled", 5)
     assert seen == [(signal.SIGUSR1, "signals")]

@@ -4,24 +4,31 @@ line naming the file, what is wrong and how to recover; never started empty in s
 Each damage here is one the outside probe made (a zero-length file, random bytes, a bad
 enum value, bytes changed inside stored values), or its neighbour.
 """
+
 from __future__ import annotations
 
-import re
 import os
+import re
 import sqlite3
 
 import pytest
 
-from service.state import integrity as state_integrity
-
-from service.state import sqlite as state_sqlite
 from service.core import ConfigError, FinishReason, Scheduler, SequenceState
+from service.state import integrity as state_integrity
+from service.state import sqlite as state_sqlite
 from service.state.check import CannotCheck, check
 from service.state.integrity import StateDamaged, row_checksum
 from service.state.sqlite import SqliteStateStore
 
 from .factories import (
-    FakeClock, admit, finished, make_config, register, report, submit, write_version_1_state_dir,
+    FakeClock,
+    admit,
+    finished,
+    make_config,
+    register,
+    report,
+    submit,
+    write_version_1_state_dir,
 )
 
 RECOVERY = "restore the directory from a backup, or move it aside to start with empty state"
@@ -61,8 +68,12 @@ def _refused(state_dir, match: str) -> str:
 def test_a_sound_directory_loads_and_checks_sound(tmp_path):
     ids = _written(tmp_path)
     report_ = check(tmp_path)
-    assert report_.states == {SequenceState.QUEUED: 2, SequenceState.PREFILLING: 1,
-                              SequenceState.DECODING: 1, SequenceState.FINISHED: 1}
+    assert report_.states == {
+        SequenceState.QUEUED: 2,
+        SequenceState.PREFILLING: 1,
+        SequenceState.DECODING: 1,
+        SequenceState.FINISHED: 1,
+    }
     assert report_.num_rows_verified > len(ids)
     assert " sound: " in report_.line()
     assert len(SqliteStateStore(tmp_path).load().sequences) == len(ids)
@@ -72,8 +83,11 @@ def test_a_zero_length_database_where_state_was_written_is_refused(tmp_path):
     """Regression: it started empty with no warning (300 sequences silently gone)."""
     _written(tmp_path)
     (tmp_path / "scheduler.db").write_bytes(b"")
-    _refused(tmp_path, r"the file is empty \(0 bytes\), but scheduler.db.written says state "
-                       r"was written here")
+    _refused(
+        tmp_path,
+        r"the file is empty \(0 bytes\), but scheduler.db.written says state "
+        r"was written here",
+    )
 
 
 def test_a_missing_database_where_state_was_written_is_refused(tmp_path):
@@ -103,8 +117,11 @@ def test_random_bytes_are_refused(tmp_path):
 def test_a_changed_prompt_token_fails_its_checksum(tmp_path):
     """Regression: bytes changed inside a stored value were accepted silently."""
     ids = _written(tmp_path)
-    (prompt,) = sqlite3.connect(tmp_path / "scheduler.db").execute(
-        "SELECT prompt FROM sequences WHERE seq_id = ?", (ids[3],)).fetchone()
+    (prompt,) = (
+        sqlite3.connect(tmp_path / "scheduler.db")
+        .execute("SELECT prompt FROM sequences WHERE seq_id = ?", (ids[3],))
+        .fetchone()
+    )
     changed = bytes([prompt[0] ^ 1]) + prompt[1:]
     _sql(tmp_path, "UPDATE sequences SET prompt = ? WHERE seq_id = ?", changed, ids[3])
     _refused(tmp_path, rf"the row of table sequences with seq_id={ids[3]} fails its checksum")
@@ -113,8 +130,12 @@ def test_a_changed_prompt_token_fails_its_checksum(tmp_path):
 def test_a_changed_max_new_tokens_fails_its_checksum(tmp_path):
     """Regression: max_new_tokens 30 -> 90 in the stored params was accepted silently."""
     ids = _written(tmp_path)
-    _sql(tmp_path, "UPDATE sequences SET params = replace(params, '\"max_new_tokens\": 30', "
-                   "'\"max_new_tokens\": 90') WHERE seq_id = ?", ids[2])
+    _sql(
+        tmp_path,
+        "UPDATE sequences SET params = replace(params, '\"max_new_tokens\": 30', "
+        "'\"max_new_tokens\": 90') WHERE seq_id = ?",
+        ids[2],
+    )
     _refused(tmp_path, rf"table sequences with seq_id={ids[2]} fails its checksum")
 
 
@@ -125,8 +146,11 @@ def test_a_changed_row_of_any_table_fails_its_checksum(tmp_path, table):
     columns = [r[1] for r in db.execute(f"PRAGMA table_info({table})")]
     victim = next(c for c in reversed(columns) if c != "row_crc")
     (rowid, value) = db.execute(f"SELECT rowid, {victim} FROM {table} LIMIT 1").fetchone()
-    changed = value + b"\0\0\0\0" if isinstance(value, bytes) else (
-        value + 1 if isinstance(value, int) else value + "x")
+    changed = (
+        value + b"\0\0\0\0"
+        if isinstance(value, bytes)
+        else (value + 1 if isinstance(value, int) else value + "x")
+    )
     db.execute(f"UPDATE {table} SET {victim} = ? WHERE rowid = ?", (changed, rowid))
     db.commit()
     db.close()
@@ -139,26 +163,29 @@ def test_a_bad_enum_value_is_refused_naming_the_row_even_with_a_matching_checksu
     ids = _written(tmp_path)
     db = sqlite3.connect(tmp_path / "scheduler.db")
     state_integrity.connect_function(db)
-    columns = db.execute("SELECT columns FROM checksummed_columns WHERE table_name = "
-                         "'sequences'").fetchone()[0]
+    columns = db.execute(
+        "SELECT columns FROM checksummed_columns WHERE table_name = 'sequences'"
+    ).fetchone()[0]
     db.execute(f"UPDATE sequences SET state = 9 WHERE seq_id = {ids[4]}")
-    db.execute(f"UPDATE sequences SET row_crc = lattice_row_crc({columns}) "
-               f"WHERE seq_id = {ids[4]}")
+    db.execute(f"UPDATE sequences SET row_crc = lattice_row_crc({columns}) WHERE seq_id = {ids[4]}")
     db.commit()
     db.close()
-    _refused(tmp_path, rf"the row of table sequences with key {ids[4]} cannot be decoded "
-                       r"\(ValueError: 9 is not a valid SequenceState\)")
+    _refused(
+        tmp_path,
+        rf"the row of table sequences with key {ids[4]} cannot be decoded "
+        r"\(ValueError: 9 is not a valid SequenceState\)",
+    )
 
 
 def test_undecodable_params_are_refused_naming_the_row(tmp_path):
     ids = _written(tmp_path)
     db = sqlite3.connect(tmp_path / "scheduler.db")
     state_integrity.connect_function(db)
-    columns = db.execute("SELECT columns FROM checksummed_columns WHERE table_name = "
-                         "'sequences'").fetchone()[0]
+    columns = db.execute(
+        "SELECT columns FROM checksummed_columns WHERE table_name = 'sequences'"
+    ).fetchone()[0]
     db.execute(f"UPDATE sequences SET params = '{{not json' WHERE seq_id = {ids[0]}")
-    db.execute(f"UPDATE sequences SET row_crc = lattice_row_crc({columns}) "
-               f"WHERE seq_id = {ids[0]}")
+    db.execute(f"UPDATE sequences SET row_crc = lattice_row_crc({columns}) WHERE seq_id = {ids[0]}")
     db.commit()
     db.close()
     _refused(tmp_path, rf"table sequences with key {ids[0]} cannot be decoded \(JSONDecodeError")
@@ -187,16 +214,21 @@ def test_a_file_written_before_checksums_is_adopted_and_covered_from_then_on(tmp
     _refused(tmp_path, "fails its checksum")
 
 
-def test_a_column_added_to_the_schema_later_is_covered_without_checksum_code(tmp_path,
-                                                                             monkeypatch):
+def test_a_column_added_to_the_schema_later_is_covered_without_checksum_code(tmp_path, monkeypatch):
     """Another developer adds a column (and a table) to SCHEMA: an existing file gets them,
     its old checksums are verified first, and the new column is covered from then on."""
     ids = _written(tmp_path)
-    monkeypatch.setattr(state_sqlite, "SCHEMA", state_sqlite.SCHEMA.replace(
-        "error_message    TEXT NOT NULL DEFAULT ''",
-        "error_message    TEXT NOT NULL DEFAULT '',\n    first_submitted_at REAL NOT NULL "
-        "DEFAULT 0") + "\nCREATE TABLE IF NOT EXISTS tenants (tenant TEXT PRIMARY KEY, "
-                       "served INTEGER NOT NULL);")
+    monkeypatch.setattr(
+        state_sqlite,
+        "SCHEMA",
+        state_sqlite.SCHEMA.replace(
+            "error_message    TEXT NOT NULL DEFAULT ''",
+            "error_message    TEXT NOT NULL DEFAULT '',\n    first_submitted_at REAL NOT NULL "
+            "DEFAULT 0",
+        )
+        + "\nCREATE TABLE IF NOT EXISTS tenants (tenant TEXT PRIMARY KEY, "
+        "served INTEGER NOT NULL);",
+    )
     store = SqliteStateStore(tmp_path)
     store._db.execute("INSERT INTO tenants (tenant, served) VALUES ('t', 5)")
     store.close()
@@ -210,20 +242,35 @@ def test_a_column_added_to_the_schema_later_is_covered_without_checksum_code(tmp
 
 
 def test_the_checksum_covers_type_position_and_value():
-    assert len({row_checksum(1, "2"), row_checksum("1", 2), row_checksum(2, 1),
-                row_checksum(12), row_checksum("1", "2"), row_checksum(b"12"),
-                row_checksum(None, 12), row_checksum(12.0)}) == 8
+    assert (
+        len(
+            {
+                row_checksum(1, "2"),
+                row_checksum("1", 2),
+                row_checksum(2, 1),
+                row_checksum(12),
+                row_checksum("1", "2"),
+                row_checksum(b"12"),
+                row_checksum(None, 12),
+                row_checksum(12.0),
+            }
+        )
+        == 8
+    )
 
 
 # ------------------------------------------------------------------------ state check
+
 
 def test_state_check_names_the_checked_directory_not_its_scratch_copy(tmp_path):
     ids = _written(tmp_path)
     _sql(tmp_path, "UPDATE sequences SET cursor = 99 WHERE seq_id = ?", ids[3])
     with pytest.raises(StateDamaged) as info:
         check(tmp_path)
-    assert str(info.value).startswith(f"{tmp_path / 'scheduler.db'}: the row of table "
-                                      f"sequences with seq_id={ids[3]} fails its checksum")
+    assert str(info.value).startswith(
+        f"{tmp_path / 'scheduler.db'}: the row of table "
+        f"sequences with seq_id={ids[3]} fails its checksum"
+    )
 
 
 def test_state_check_changes_nothing_in_the_directory(tmp_path):
@@ -253,6 +300,7 @@ def test_state_check_of_something_that_is_not_a_state_directory_cannot_check(tmp
 
 def test_state_check_command_exit_codes_and_one_line(tmp_path, capsys):
     from service.cli.main import main
+
     _written(tmp_path / "good")
     assert main(["state", "check", str(tmp_path / "good")]) == 0
     out = capsys.readouterr().out

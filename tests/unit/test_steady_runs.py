@@ -2,6 +2,7 @@
 applied from the worker's SteadyRuns, checked with list comparisons instead of sequence by
 sequence. Whatever the reports, the outcome is the general rules': each token
 once, a gap refused whole, a sequence that left or came back checked anew."""
+
 import copy
 import random
 
@@ -10,7 +11,6 @@ import pytest
 from service.core import InvalidArgument, TokenRuns, WorkerReport
 from service.core.tables.steady import SteadyStep
 from service.core.types import FinishReason
-
 from tests.unit.factories import admit, finished, make_scheduler, register, submit
 
 
@@ -24,10 +24,20 @@ def _running(num: int = 3):
 
 def _step(sched, running, token_ids, offsets, runs_of=None, **fields):
     """A report of `running` with a token each for `runs_of` (default: `running`)."""
-    return sched.select_batch(WorkerReport(
-        "w0", running=tuple(running), kv_free_pages=100, gdn_free_slots=8,
-        token_runs=TokenRuns(list(running if runs_of is None else runs_of), list(token_ids),
-                             offsets=list(offsets)), **fields))
+    return sched.select_batch(
+        WorkerReport(
+            "w0",
+            running=tuple(running),
+            kv_free_pages=100,
+            gdn_free_slots=8,
+            token_runs=TokenRuns(
+                list(running if runs_of is None else runs_of),
+                list(token_ids),
+                offsets=list(offsets),
+            ),
+            **fields,
+        )
+    )
 
 
 def _outputs(sched, seq_ids):
@@ -89,8 +99,7 @@ def test_a_sequence_given_back_with_its_last_token_and_admitted_again_counts_ane
     ones again, but its offsets count from its new admission."""
     sched, (a, b, c) = _running()
     _step(sched, (a, b, c), (11, 21, 31), (0, 0, 0))
-    decision = _step(sched, (b, c), (12, 22, 32), (1, 1, 1), runs_of=(a, b, c),
-                     preempted=(a,))
+    decision = _step(sched, (b, c), (12, 22, 32), (1, 1, 1), runs_of=(a, b, c), preempted=(a,))
     assert [chunk.seq_id for chunk in decision.prefill if chunk.spec is not None] == [a]
     with pytest.raises(InvalidArgument, match=rf"seq_id {a} offset 2 is beyond the 0"):
         _step(sched, (a, b, c), (13, 23, 33), (2, 2, 2))
@@ -101,8 +110,14 @@ def test_a_sequence_given_back_with_its_last_token_and_admitted_again_counts_ane
 def test_a_finished_sequence_leaves_the_steady_step():
     sched, (a, b, c) = _running()
     _step(sched, (a, b, c), (11, 21, 31), (0, 0, 0))
-    _step(sched, (a, c), (12, 22, 32), (1, 1, 1), runs_of=(a, b, c),
-          finished=(finished(b, FinishReason.EOS, 2),))
+    _step(
+        sched,
+        (a, c),
+        (12, 22, 32),
+        (1, 1, 1),
+        runs_of=(a, b, c),
+        finished=(finished(b, FinishReason.EOS, 2),),
+    )
     _step(sched, (a, c), (13, 33), (2, 2))
     _step(sched, (a, c), (14, 34), (3, 3))
     assert _steady(sched) is not None
@@ -114,8 +129,9 @@ def _random_reports(rnd: random.Random, ids: tuple[int, ...], num: int):
     a sequence named twice, another order, no offsets, counts."""
     sent = dict.fromkeys(ids, 0)
     for step in range(num):
-        kind = rnd.choice(["steady"] * 6 + ["retry", "gap", "stray", "twice", "order",
-                                             "no offsets", "counts"])
+        kind = rnd.choice(
+            ["steady"] * 6 + ["retry", "gap", "stray", "twice", "order", "no offsets", "counts"]
+        )
         order = list(ids)
         if kind == "order":
             rnd.shuffle(order)
@@ -135,8 +151,9 @@ def _random_reports(rnd: random.Random, ids: tuple[int, ...], num: int):
         if kind == "counts":
             counts = [rnd.randint(1, 2) for _ in order]
         token_ids = [100 * step + i for i in range(sum(counts) if counts else len(order))]
-        runs = TokenRuns(order, token_ids, counts=counts,
-                         offsets=[] if kind == "no offsets" else offsets)
+        runs = TokenRuns(
+            order, token_ids, counts=counts, offsets=[] if kind == "no offsets" else offsets
+        )
         yield kind, runs, sent
 
 
@@ -144,6 +161,7 @@ def _random_reports(rnd: random.Random, ids: tuple[int, ...], num: int):
 def test_random_reports_give_what_the_general_rules_give(seed, monkeypatch):
     """The same reports to a scheduler with the steady path and one without: the same
     decisions, outputs and refusals, report by report."""
+
     def run(steady_path: bool):
         sched, ids = _running(4)
         rnd = random.Random(seed)
@@ -151,13 +169,14 @@ def test_random_reports_give_what_the_general_rules_give(seed, monkeypatch):
         with monkeypatch.context() as patch:
             if not steady_path:
                 patch.setattr(SteadyStep, "match", staticmethod(lambda worker, report: None))
-                patch.setattr(SteadyStep, "kept_running",
-                              staticmethod(lambda worker, report: None))
+                patch.setattr(SteadyStep, "kept_running", staticmethod(lambda worker, report: None))
             for kind, runs, sent in _random_reports(rnd, ids, 60):
                 try:
-                    decision = sched.select_batch(WorkerReport(
-                        "w0", running=ids, kv_free_pages=100, gdn_free_slots=8,
-                        token_runs=runs))
+                    decision = sched.select_batch(
+                        WorkerReport(
+                            "w0", running=ids, kv_free_pages=100, gdn_free_slots=8, token_runs=runs
+                        )
+                    )
                     outcomes.append((kind, decision.decode, decision.prefill))
                 except InvalidArgument as err:
                     outcomes.append((kind, str(err)))
@@ -169,8 +188,7 @@ def test_random_reports_give_what_the_general_rules_give(seed, monkeypatch):
 
 
 @pytest.mark.parametrize("stray", [False, True])
-def test_steady_decisions_count_the_pages_a_pass_over_the_sequences_counts(stray,
-                                                                         monkeypatch):
+def test_steady_decisions_count_the_pages_a_pass_over_the_sequences_counts(stray, monkeypatch):
     """The decision's view of a steady step (its running records, ids and the pages
     their next decodes start) is the one the pass over them builds, step after step;
     also when the running list names an id that is not the worker's (evicted)."""
@@ -187,14 +205,13 @@ def test_steady_decisions_count_the_pages_a_pass_over_the_sequences_counts(stray
         plan = policy.plan
 
         def spy(view):
-            seen.append((view.running_ids, [s.seq_id for s in view.running],
-                         view.decode_pages))
+            seen.append((view.running_ids, [s.seq_id for s in view.running], view.decode_pages))
             return plan(view)
+
         with monkeypatch.context() as patch:
             patch.setattr(policy, "plan", spy)
             if not steady_path:
-                patch.setattr(SteadyStep, "kept_running",
-                              staticmethod(lambda worker, report: None))
+                patch.setattr(SteadyStep, "kept_running", staticmethod(lambda worker, report: None))
             running = (*ids, 9999) if stray else ids
             for step in range(30):
                 _step(sched, running, [step] * len(ids), [step] * len(ids), runs_of=ids)
@@ -232,5 +249,6 @@ def test_a_step_with_an_id_out_of_range_is_refused_with_none_of_its_tokens_added
     with pytest.raises(InvalidArgument, match=r"token_ids must be integers within 0-4294967295"):
         _step(sched, ids, (12, 2**32, 32), (1, 1, 1) if steady else (0, 0, 0))
     _step(sched, ids, (12, 22, 32), (1, 1, 1) if steady else (0, 0, 0))
-    assert _outputs(sched, ids) == ([(11, 12), (21, 22), (31, 32)] if steady
-                                    else [(12,), (22,), (32,)])
+    assert _outputs(sched, ids) == (
+        [(11, 12), (21, 22), (31, 32)] if steady else [(12,), (22,), (32,)]
+    )

@@ -1,5 +1,6 @@
 """The step-time model (service/core/learn/step_model.py) and the pairing of step times with
 decisions (service/core/learn/step_times.py)."""
+
 from __future__ import annotations
 
 import math
@@ -11,21 +12,30 @@ from service.core.learn.step_times import StepTimes
 
 def _true_seconds(shape: StepShape, speed: float = 1.0) -> float:
     """A synthetic GPU: 15 ms a step, 0.07 ms a prefill token, attention, decodes."""
-    ms = (15.0 + 0.07 * shape.num_prefill_tokens + 2e-5 * shape.prefill_attention
-          + 0.2 * shape.num_decodes + 2e-4 * shape.decode_context)
+    ms = (
+        15.0
+        + 0.07 * shape.num_prefill_tokens
+        + 2e-5 * shape.prefill_attention
+        + 0.2 * shape.num_decodes
+        + 2e-4 * shape.decode_context
+    )
     return ms / 1000.0 / speed
 
 
 def _random_shape(rng: random.Random) -> StepShape:
     chunks = [(rng.randrange(0, 3000), rng.randrange(1, 512)) for _ in range(rng.randrange(0, 3))]
     contexts = [rng.randrange(100, 4000) for _ in range(rng.randrange(0, 64))]
-    return StepShape(num_prefill_tokens=sum(n for _, n in chunks),
-                     prefill_attention=sum(chunk_attention(s, n) for s, n in chunks),
-                     num_decodes=len(contexts), decode_context=sum(contexts))
+    return StepShape(
+        num_prefill_tokens=sum(n for _, n in chunks),
+        prefill_attention=sum(chunk_attention(s, n) for s, n in chunks),
+        num_decodes=len(contexts),
+        decode_context=sum(contexts),
+    )
 
 
-def _train(model: StepTimeModel, rng: random.Random, num_steps: int, speed: float = 1.0,
-           noise: float = 0.0) -> None:
+def _train(
+    model: StepTimeModel, rng: random.Random, num_steps: int, speed: float = 1.0, noise: float = 0.0
+) -> None:
     """`num_steps` random steps of the synthetic GPU, each time off by up to `noise`."""
     for _ in range(num_steps):
         shape = _random_shape(rng)
@@ -61,23 +71,24 @@ def test_model_follows_a_worker_that_slows_down():
 
 def test_model_fitted_to_samples_predicts_them():
     rng = random.Random(5)
-    samples = [(shape, _true_seconds(shape)) for shape in
-               (_random_shape(rng) for _ in range(100))]
+    samples = [(shape, _true_seconds(shape)) for shape in (_random_shape(rng) for _ in range(100))]
     model = StepTimeModel.fitted(samples)
     assert model.num_steps == 0
     assert _median_error(model, random.Random(6)) < 0.02
 
 
 def test_prefill_budget_is_the_most_tokens_within_the_time():
-    model = StepTimeModel.fitted((s, _true_seconds(s)) for s in
-                                 (_random_shape(random.Random(i)) for i in range(100)))
-    tokens = model.prefill_budget(0.05, num_decodes=10, decode_context=10_000,
-                                  prefill_context=0.0)
+    model = StepTimeModel.fitted(
+        (s, _true_seconds(s)) for s in (_random_shape(random.Random(i)) for i in range(100))
+    )
+    tokens = model.prefill_budget(0.05, num_decodes=10, decode_context=10_000, prefill_context=0.0)
     at = StepShape(int(tokens), chunk_attention(0, int(tokens)), 10, 10_000)
     above = StepShape(int(tokens) + 20, chunk_attention(0, int(tokens) + 20), 10, 10_000)
     assert model.predict(at) <= 0.05 < model.predict(above)
-    assert model.prefill_budget(0.001, num_decodes=10, decode_context=10_000,
-                                prefill_context=0.0) == 0.0
+    assert (
+        model.prefill_budget(0.001, num_decodes=10, decode_context=10_000, prefill_context=0.0)
+        == 0.0
+    )
 
 
 def test_step_times_pair_with_the_oldest_unpaired_decision():
@@ -109,9 +120,13 @@ def test_a_registration_starts_the_pairing_afresh_and_keeps_the_model():
 def _nonlinear_seconds(prefill: int, chunk_start: int, contexts: list[int]) -> float:
     """A GPU the five features do not fit exactly: token work flat up to 128 tokens (the
     GEMMs memory-bound), decode attention sublinear in the context."""
-    ms = (15.0 + 0.07 * max(0, prefill + len(contexts) - 128)
-          + 2e-5 * chunk_attention(chunk_start, prefill) + 0.1 * len(contexts)
-          + 5e-3 * math.sqrt(sum(contexts) + 1))
+    ms = (
+        15.0
+        + 0.07 * max(0, prefill + len(contexts) - 128)
+        + 2e-5 * chunk_attention(chunk_start, prefill)
+        + 0.1 * len(contexts)
+        + 5e-3 * math.sqrt(sum(contexts) + 1)
+    )
     return ms / 1000.0
 
 
@@ -126,8 +141,12 @@ def _one_worker_steps(rng: random.Random, num_steps: int):
         if rng.random() < 0.1:
             contexts = [rng.randrange(500, 3000) for _ in range(rng.randrange(1, 9))]
         contexts = [c + 1 for c in contexts]
-        shape = StepShape(prefill, chunk_attention(start, prefill) if prefill else 0.0,
-                          len(contexts), sum(contexts))
+        shape = StepShape(
+            prefill,
+            chunk_attention(start, prefill) if prefill else 0.0,
+            len(contexts),
+            sum(contexts),
+        )
         yield shape, _nonlinear_seconds(prefill, start, contexts)
 
 
@@ -135,8 +154,10 @@ def test_model_stays_accurate_over_thousands_of_steps_with_collinear_features():
     # The recursive covariance form this model had diverged here: its covariance went
     # asymmetric and indefinite after ~3,000 steps, and predictions were off 12-19,000x.
     model = StepTimeModel()
-    errors = [abs(model.observe(shape, seconds) - seconds) / seconds
-              for shape, seconds in _one_worker_steps(random.Random(0), 8000)]
+    errors = [
+        abs(model.observe(shape, seconds) - seconds) / seconds
+        for shape, seconds in _one_worker_steps(random.Random(0), 8000)
+    ]
     assert max(errors[2000:]) < 0.1
     assert model.recent_error < 0.05
 
@@ -155,8 +176,9 @@ def test_a_run_of_decode_only_steps_keeps_the_prefill_weights():
 
 def test_a_copy_learns_apart_from_its_original():
     rng = random.Random(9)
-    model = StepTimeModel.fitted((s, _true_seconds(s)) for s in
-                                 (_random_shape(rng) for _ in range(100)))
+    model = StepTimeModel.fitted(
+        (s, _true_seconds(s)) for s in (_random_shape(rng) for _ in range(100))
+    )
     copy = model.copy()
     shape = _random_shape(rng)
     for _ in range(500):  # the table's steps are forgotten by then (0.99^500 < 1%)
@@ -175,5 +197,6 @@ def test_a_step_time_that_is_not_a_number_is_not_learned():
         model.observe(_random_shape(rng), bad)
     assert all(math.isfinite(w) for w in model.weights)
     assert _median_error(model, random.Random(11)) < 0.05
-    assert model.prefill_budget(0.05, num_decodes=4, decode_context=8000,
-                                prefill_context=0) < math.inf
+    assert (
+        model.prefill_budget(0.05, num_decodes=4, decode_context=8000, prefill_context=0) < math.inf
+    )

@@ -1,4 +1,5 @@
 """Scheduler address lists: clients spread calls over replicas, workers move along them."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,11 +25,14 @@ def test_workers_get_every_address_of_a_dns_name_in_order():
     assert expand("dns:///127.0.0.1:7,10.0.0.2:8") == ["127.0.0.1:7", "10.0.0.2:8"]
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("", "no scheduler address"),
-    ("127.0.0.1:1,nonsense", "'nonsense' is not HOST:PORT"),
-    ("127.0.0.1:1,[::1]:2", "mixes IPv4 and IPv6"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("", "no scheduler address"),
+        ("127.0.0.1:1,nonsense", "'nonsense' is not HOST:PORT"),
+        ("127.0.0.1:1,[::1]:2", "mixes IPv4 and IPv6"),
+    ],
+)
 def test_an_unusable_list_is_one_line_naming_the_entry(bad, message):
     with pytest.raises(TargetError, match=message.replace("[", r"\[")):
         channel_target(bad)

@@ -1,6 +1,6 @@
 """Token updates that carry an offset are idempotent: a retried report adds nothing twice."""
-from service.core import TokenUpdate, WorkerReport
 
+from service.core import TokenUpdate, WorkerReport
 from tests.unit.factories import admit, make_scheduler, register, report, submit
 
 
@@ -13,8 +13,9 @@ def _running_sequence():
 
 
 def _tokens(sched, seq_id, *updates: TokenUpdate) -> None:
-    sched.select_batch(WorkerReport("w0", running=(seq_id,), kv_free_pages=100,
-                                    gdn_free_slots=8, tokens=updates))
+    sched.select_batch(
+        WorkerReport("w0", running=(seq_id,), kv_free_pages=100, gdn_free_slots=8, tokens=updates)
+    )
 
 
 def test_retried_token_update_with_offset_is_applied_once():
@@ -57,19 +58,26 @@ def test_an_offset_beyond_the_known_tokens_is_refused_and_nothing_of_the_report_
     import pytest
 
     from service.core import FinishReason, InvalidArgument
-
     from tests.unit.factories import finished
+
     sched, seq_id = _running_sequence()
     other = submit(sched, prompt_len=4, max_new_tokens=10)
     admit(sched)
     _tokens(sched, seq_id, TokenUpdate(seq_id, (1, 2, 3, 4, 5), offset=0))
     iteration = sched.status().workers[0].iteration
-    gap = WorkerReport("w0", running=(seq_id,), kv_free_pages=100, gdn_free_slots=8,
-                       tokens=(TokenUpdate(other, (9,), offset=0),
-                               TokenUpdate(seq_id, (6,), offset=50)),
-                       finished=(finished(other, FinishReason.EOS, 1),))
-    with pytest.raises(InvalidArgument, match=r"^tokens\[1\]: seq_id \d+ offset 50 is beyond "
-                                              r"the 5 tokens known"):
+    gap = WorkerReport(
+        "w0",
+        running=(seq_id,),
+        kv_free_pages=100,
+        gdn_free_slots=8,
+        tokens=(TokenUpdate(other, (9,), offset=0), TokenUpdate(seq_id, (6,), offset=50)),
+        finished=(finished(other, FinishReason.EOS, 1),),
+    )
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^tokens\[1\]: seq_id \d+ offset 50 is beyond "
+        r"the 5 tokens known",
+    ):
         sched.select_batch(gap)
     assert sched.read_output(seq_id, 0).token_ids == (1, 2, 3, 4, 5)
     assert sched.read_output(other, 0).token_ids == ()
@@ -79,16 +87,21 @@ def test_an_offset_beyond_the_known_tokens_is_refused_and_nothing_of_the_report_
 
 def test_an_offset_exactly_at_the_known_tokens_and_updates_that_chain_in_one_report_apply():
     sched, seq_id = _running_sequence()
-    _tokens(sched, seq_id, TokenUpdate(seq_id, (1, 2), offset=0),
-            TokenUpdate(seq_id, (3,), offset=2), TokenUpdate(seq_id, (4,), offset=3))
+    _tokens(
+        sched,
+        seq_id,
+        TokenUpdate(seq_id, (1, 2), offset=0),
+        TokenUpdate(seq_id, (3,), offset=2),
+        TokenUpdate(seq_id, (4,), offset=3),
+    )
     assert sched.read_output(seq_id, 0).token_ids == (1, 2, 3, 4)
 
 
 def test_a_finish_counting_more_than_max_new_tokens_is_capped_at_max_new_tokens():
     """Regression (outside probe): generated_tokens 2**32-1 in a finish showed in GetSequence."""
     from service.core import FinishReason
-
     from tests.unit.factories import finished
+
     sched, seq_id = _running_sequence()  # max_new_tokens=10
     _tokens(sched, seq_id, TokenUpdate(seq_id, (1, 2), offset=0))
     sched.select_batch(report(finished=(finished(seq_id, FinishReason.EOS, 2**32 - 1),)))
@@ -97,8 +110,8 @@ def test_a_finish_counting_more_than_max_new_tokens_is_capped_at_max_new_tokens(
 
 def test_after_a_resume_a_finish_count_is_capped_at_what_the_assignment_may_generate():
     from service.core import FinishReason
-
     from tests.unit.factories import finished
+
     sched, seq_id = _running_sequence()
     _tokens(sched, seq_id, TokenUpdate(seq_id, (11, 12, 13), offset=0))
     sched.select_batch(report(preempted=(seq_id,), gdn_free_slots=0))

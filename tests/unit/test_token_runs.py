@@ -2,10 +2,10 @@
 what the same tokens as TokenUpdates give: offsets make retries idempotent, a gap refuses
 the report whole, several runs of one sequence add up, arrays that do not line up are
 refused naming the field."""
+
 import pytest
 
 from service.core import InvalidArgument, TokenRuns, TokenUpdate, WorkerReport
-
 from tests.unit.factories import admit, make_scheduler, register, submit
 
 
@@ -18,8 +18,16 @@ def _running(num: int = 2):
 
 
 def _report(sched, running, runs=TokenRuns(), tokens=()):
-    return sched.select_batch(WorkerReport("w0", running=running, kv_free_pages=100,
-                                           gdn_free_slots=8, tokens=tokens, token_runs=runs))
+    return sched.select_batch(
+        WorkerReport(
+            "w0",
+            running=running,
+            kv_free_pages=100,
+            gdn_free_slots=8,
+            tokens=tokens,
+            token_runs=runs,
+        )
+    )
 
 
 def _outputs(sched, seq_ids):
@@ -33,8 +41,9 @@ def test_one_token_each_reads_as_the_same_token_updates(packed):
         if packed:
             _report(sched, (a, b), TokenRuns((a, b), (ta, tb), offsets=(step, step)))
         else:
-            _report(sched, (a, b), tokens=(TokenUpdate(a, (ta,), step),
-                                           TokenUpdate(b, (tb,), step)))
+            _report(
+                sched, (a, b), tokens=(TokenUpdate(a, (ta,), step), TokenUpdate(b, (tb,), step))
+            )
     assert _outputs(sched, (a, b)) == [(11, 12), (21, 22)]
 
 
@@ -44,8 +53,7 @@ def test_runs_with_counts_and_a_retry_by_offset_add_nothing_twice():
     _report(sched, (a, b), runs)
     _report(sched, (a, b), runs)  # the retry of a report whose answer was lost
     # The retry merged with what came since: only the new part is kept.
-    _report(sched, (a, b), TokenRuns((a, b), (11, 12, 13, 22), counts=(3, 1),
-                                     offsets=(0, 1)))
+    _report(sched, (a, b), TokenRuns((a, b), (11, 12, 13, 22), counts=(3, 1), offsets=(0, 1)))
     assert _outputs(sched, (a, b)) == [(11, 12, 13), (21, 22)]
 
 
@@ -62,11 +70,14 @@ def test_a_gap_in_the_runs_refuses_the_whole_report():
     assert _outputs(sched, (a, b)) == [(), ()]
 
 
-@pytest.mark.parametrize("runs, field", [
-    (TokenRuns((1, 2), (11, 12, 13)), "token_ids holds 3 tokens"),
-    (TokenRuns((1, 2), (11, 12, 13), counts=(2,)), "token_counts holds 1 entries"),
-    (TokenRuns((1, 2), (11, 12), offsets=(0,)), "token_offsets holds 1 entries"),
-])
+@pytest.mark.parametrize(
+    "runs, field",
+    [
+        (TokenRuns((1, 2), (11, 12, 13)), "token_ids holds 3 tokens"),
+        (TokenRuns((1, 2), (11, 12, 13), counts=(2,)), "token_counts holds 1 entries"),
+        (TokenRuns((1, 2), (11, 12), offsets=(0,)), "token_offsets holds 1 entries"),
+    ],
+)
 def test_arrays_that_do_not_line_up_are_refused_naming_the_field(runs, field):
     sched, (a, b) = _running()
     with pytest.raises(InvalidArgument, match=field):

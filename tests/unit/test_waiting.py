@@ -1,4 +1,5 @@
 """common.waiting.wait_until: the one bounded poll of tests and scripts."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,7 @@ def test_wait_until_returns_the_first_value_that_is_done():
     values = iter([0, 0, 3, 5])
     assert wait_until(lambda: next(values), "a value", 5, every_seconds=0) == 3
     values = iter([1, 2, 7, 9])
-    assert wait_until(lambda: next(values), "over 5", 5, done=lambda v: v > 5,
-                      every_seconds=0) == 7
+    assert wait_until(lambda: next(values), "over 5", 5, done=lambda v: v > 5, every_seconds=0) == 7
 
 
 def test_wait_until_times_out_naming_what_it_waited_for_and_the_last_value():
@@ -29,10 +29,16 @@ def test_wait_until_retries_the_errors_it_is_told_to_and_shows_the_last_one():
         if len(calls) < 3:
             raise ConnectionError("not yet")
         return True
+
     assert wait_until(flaky, "a connection", 5, retry_on=(ConnectionError,), every_seconds=0)
     with pytest.raises(WaitFailed, match=r"last error ConnectionError: refused"):
-        wait_until(lambda: (_ for _ in ()).throw(ConnectionError("refused")), "x", 0.02,
-                   retry_on=(ConnectionError,), every_seconds=0.01)
+        wait_until(
+            lambda: (_ for _ in ()).throw(ConnectionError("refused")),
+            "x",
+            0.02,
+            retry_on=(ConnectionError,),
+            every_seconds=0.01,
+        )
 
 
 def test_wait_until_lets_other_errors_through():

@@ -3,6 +3,7 @@
 asyncio.wait_for before Python 3.12 returns normally when its task is cancelled in the
 same loop iteration as the event is set; a background loop built on it then survives the
 server's stop and the stop (which cancels and awaits its tasks) hangs."""
+
 from __future__ import annotations
 
 import asyncio

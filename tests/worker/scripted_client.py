@@ -1,11 +1,11 @@
 """A scheduler client for WorkerLoop tests without a server: it answers reports with
 scripted decisions."""
+
 from __future__ import annotations
 
 import threading
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
-
 from worker_client.client import WorkerResources
 
 

@@ -1,14 +1,15 @@
 """The prefix cache on the wire, worker side: registration, the CacheReport delta (a reset
 after each registration), kv_cached_pages, cache_misses and cached first chunks."""
+
 from __future__ import annotations
 
 import threading
 
 import grpc
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from common.block_hash import block_hashes
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 from worker_client.client import NotRegistered, WorkerResources
 from worker_client.loop import WorkerLoop
 
@@ -33,7 +34,9 @@ class ScriptedClient:
     def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
         self.requests.append(pb.SelectBatchRequest.FromString(request.SerializeToString()))
         if len(self.requests) == self._forget_at:
-            raise NotRegistered("SelectBatch", grpc.StatusCode.FAILED_PRECONDITION, "unknown worker")
+            raise NotRegistered(
+                "SelectBatch", grpc.StatusCode.FAILED_PRECONDITION, "unknown worker"
+            )
         decision = self._decisions[min(len(self.requests), len(self._decisions)) - 1]
         if len(self.requests) >= len(self._decisions):
             self._stop.set()
@@ -46,14 +49,27 @@ class ScriptedClient:
 def _engine():
     from worker_client.engine.engine import ModelEngine
     from worker_client.engine.loading import load_model
+
     model = load_model("tiny", device="cpu", dtype=torch.float32, seed=0)
-    return ModelEngine(model, total_kv_pages=64, page_size=4, total_gdn_slots=4, device="cpu",
-                       cache_block_tokens=BLOCK, total_snapshot_slots=8)
+    return ModelEngine(
+        model,
+        total_kv_pages=64,
+        page_size=4,
+        total_gdn_slots=4,
+        device="cpu",
+        cache_block_tokens=BLOCK,
+        total_snapshot_slots=8,
+    )
 
 
 def _admit(seq_id: int, start: int, length: int, cached: int = 0) -> pb.PrefillChunk:
-    return pb.PrefillChunk(seq_id=seq_id, chunk_start=start, chunk_len=length, cached_tokens=cached,
-                           spec=pb.SequenceSpec(prompt_token_ids=PROMPT, max_new_tokens=2))
+    return pb.PrefillChunk(
+        seq_id=seq_id,
+        chunk_start=start,
+        chunk_len=length,
+        cached_tokens=cached,
+        spec=pb.SequenceSpec(prompt_token_ids=PROMPT, max_new_tokens=2),
+    )
 
 
 def test_the_worker_registers_its_cache_and_reports_resume_points_hits_and_misses():
@@ -68,8 +84,9 @@ def test_the_worker_registers_its_cache_and_reports_resume_points_hits_and_misse
         pb.SchedulerDecision(),
     ]
     client = ScriptedClient(decisions, stop)
-    WorkerLoop(engine, client, WorkerResources.of("w", engine), idle_sleep_seconds=0.001,
-               overlap=False).run(stop)
+    WorkerLoop(
+        engine, client, WorkerResources.of("w", engine), idle_sleep_seconds=0.001, overlap=False
+    ).run(stop)
 
     assert client.registrations[0].cache_block_tokens == BLOCK
     assert client.registrations[0].total_snapshot_slots == 8
@@ -94,8 +111,9 @@ def test_a_registration_after_the_scheduler_forgot_the_worker_resends_every_resu
         pb.SchedulerDecision(),
     ]
     client = ScriptedClient(decisions, stop, forget_at=2)
-    WorkerLoop(engine, client, WorkerResources.of("w", engine), idle_sleep_seconds=0.001,
-               overlap=False).run(stop)
+    WorkerLoop(
+        engine, client, WorkerResources.of("w", engine), idle_sleep_seconds=0.001, overlap=False
+    ).run(stop)
     assert len(client.registrations) == 2
     lost, again = client.requests[1], client.requests[2]
     assert len(lost.cache.added) == 1 and not lost.cache.reset

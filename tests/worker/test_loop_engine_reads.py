@@ -1,10 +1,10 @@
 """WorkerLoop against a scripted scheduler client: what it reads from the engine, and when."""
+
 from __future__ import annotations
 
 import threading
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
-
 from worker_client.client import WorkerResources
 from worker_client.loop import WorkerLoop
 from worker_client.testing import ScriptedEngine
@@ -51,17 +51,24 @@ class ScriptedClient:
 
 def test_each_iteration_reads_the_engines_held_ids_once_and_reports_them():
     prompt = [3, 1, 4, 1]
-    admit = pb.PrefillChunk(seq_id=7, chunk_start=0, chunk_len=len(prompt),
-                            spec=pb.SequenceSpec(prompt_token_ids=prompt, max_new_tokens=5))
-    decisions = [pb.SchedulerDecision(prefill=[admit]), pb.SchedulerDecision(decode=[7]),
-                 pb.SchedulerDecision()]
+    admit = pb.PrefillChunk(
+        seq_id=7,
+        chunk_start=0,
+        chunk_len=len(prompt),
+        spec=pb.SequenceSpec(prompt_token_ids=prompt, max_new_tokens=5),
+    )
+    decisions = [
+        pb.SchedulerDecision(prefill=[admit]),
+        pb.SchedulerDecision(decode=[7]),
+        pb.SchedulerDecision(),
+    ]
     engine, stop = CountingEngine(), threading.Event()
     client = ScriptedClient(decisions, stop)
-    resources = WorkerResources("w", engine.total_kv_pages, engine.page_size,
-                                engine.total_gdn_slots)
+    resources = WorkerResources(
+        "w", engine.total_kv_pages, engine.page_size, engine.total_gdn_slots
+    )
 
-    stats = WorkerLoop(engine, client, resources, idle_sleep_seconds=0.001,
-                       overlap=False).run(stop)
+    stats = WorkerLoop(engine, client, resources, idle_sleep_seconds=0.001, overlap=False).run(stop)
 
     assert stats.iterations == len(decisions)
     # One read of each per iteration; leaving with nothing pending reads nothing.

@@ -7,6 +7,7 @@ worker is killed mid-run; afterwards every page and slot of the surviving worker
 again. The workers run as `lattice-worker` does by default: over a WorkerSession, with
 overlapped iterations (the engine steps while the next report is answered).
 """
+
 from __future__ import annotations
 
 import os
@@ -18,11 +19,11 @@ import threading
 
 import grpc
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
-from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
 from common.waiting import wait_until
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service.core import SchedulerConfig
 from service.server.app import start
 from service.settings import ServeSettings
@@ -47,8 +48,10 @@ def reference_model():
 def random_prompts(count: int, seed: int, max_len: int) -> list[list[int]]:
     rng = random.Random(seed)
     # Token ids from 2 up: id 1 is the tiny model's EOS.
-    lengths = [rng.randint(3, CHUNK_SIZE - 1) if i % 2 else rng.randint(CHUNK_SIZE + 1, max_len)
-               for i in range(count)]
+    lengths = [
+        rng.randint(3, CHUNK_SIZE - 1) if i % 2 else rng.randint(CHUNK_SIZE + 1, max_len)
+        for i in range(count)
+    ]
     return [[rng.randrange(2, 500) for _ in range(n)] for n in lengths]
 
 
@@ -57,33 +60,74 @@ class Stack:
 
     def __init__(self, lease_ttl_ms: int = 10_000, policy: str = "budget") -> None:
         self.registry = CollectorRegistry()
-        config = SchedulerConfig(chunk_size=CHUNK_SIZE, lease_ttl_ms=lease_ttl_ms,
-                                 prefill_reserve_pages=2, policy=policy,
-                                 max_num_batched_tokens=64, min_prefill_chunk=8)
-        self.server = start(ServeSettings(host="127.0.0.1", port=0, metrics_port=0,
-                                          scheduler=config), self.registry)
+        config = SchedulerConfig(
+            chunk_size=CHUNK_SIZE,
+            lease_ttl_ms=lease_ttl_ms,
+            prefill_reserve_pages=2,
+            policy=policy,
+            max_num_batched_tokens=64,
+            min_prefill_chunk=8,
+        )
+        self.server = start(
+            ServeSettings(host="127.0.0.1", port=0, metrics_port=0, scheduler=config), self.registry
+        )
         self.target = f"127.0.0.1:{self.server.port}"
         self.channel = grpc.insecure_channel(self.target)
         self.stub = pb_grpc.SchedulerStub(self.channel)
         self.workers: dict[str, subprocess.Popen] = {}
 
-    def add_worker(self, worker_id: str, kv_pages: int, page_size: int = 4,
-                   gdn_slots: int = 8, model: str = "tiny") -> None:
+    def add_worker(
+        self,
+        worker_id: str,
+        kv_pages: int,
+        page_size: int = 4,
+        gdn_slots: int = 8,
+        model: str = "tiny",
+    ) -> None:
         self.workers[worker_id] = subprocess.Popen(
-            [sys.executable, "-m", "worker_client", "--scheduler", self.target,
-             "--worker-id", worker_id, "--model", model, "--device", "cpu",
-             "--kv-pages", str(kv_pages), "--page-size", str(page_size),
-             "--gdn-slots", str(gdn_slots)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1"))
+            [
+                sys.executable,
+                "-m",
+                "worker_client",
+                "--scheduler",
+                self.target,
+                "--worker-id",
+                worker_id,
+                "--model",
+                model,
+                "--device",
+                "cpu",
+                "--kv-pages",
+                str(kv_pages),
+                "--page-size",
+                str(page_size),
+                "--gdn-slots",
+                str(gdn_slots),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
 
     def wait_registered(self, count: int, timeout: float = 90.0) -> None:
         def exited() -> str | None:
-            return next((f"{worker_id} exited: {proc.stdout.read()}"
-                         for worker_id, proc in self.workers.items() if proc.poll() is not None),
-                        None)
-        wait_until(lambda: len(self.stub.GetStatus(pb.GetStatusRequest()).workers) >= count,
-                   f"{count} workers to register", timeout, every_seconds=0.2, gone=exited)
+            return next(
+                (
+                    f"{worker_id} exited: {proc.stdout.read()}"
+                    for worker_id, proc in self.workers.items()
+                    if proc.poll() is not None
+                ),
+                None,
+            )
+
+        wait_until(
+            lambda: len(self.stub.GetStatus(pb.GetStatusRequest()).workers) >= count,
+            f"{count} workers to register",
+            timeout,
+            every_seconds=0.2,
+            gone=exited,
+        )
 
     def generate_all(self, prompts) -> dict[int, tuple[list[int], int]]:
         results: dict[int, tuple[list[int], int]] = {}
@@ -117,16 +161,26 @@ class Stack:
 
 def _expected(model, prompt) -> tuple[list[int], int]:
     ref = generate_reference(model, prompt, MAX_NEW_TOKENS)
-    reason = {"eos": pb.FINISH_REASON_EOS, "max_length": pb.FINISH_REASON_MAX_LENGTH,
-              "stop": pb.FINISH_REASON_STOP}[ref.reason.value]
+    reason = {
+        "eos": pb.FINISH_REASON_EOS,
+        "max_length": pb.FINISH_REASON_MAX_LENGTH,
+        "stop": pb.FINISH_REASON_STOP,
+    }[ref.reason.value]
     return list(ref.token_ids), reason
 
 
 def assert_all_free(stack: Stack, worker_ids) -> None:
-    wait_until(stack.worker_status, "every page and slot to be free", 10, every_seconds=0.1,
-               done=lambda status: all(
-                   status[w].kv_free_pages == status[w].total_kv_pages and
-                   status[w].gdn_free_slots == status[w].total_gdn_slots for w in worker_ids))
+    wait_until(
+        stack.worker_status,
+        "every page and slot to be free",
+        10,
+        every_seconds=0.1,
+        done=lambda status: all(
+            status[w].kv_free_pages == status[w].total_kv_pages
+            and status[w].gdn_free_slots == status[w].total_gdn_slots
+            for w in worker_ids
+        ),
+    )
 
 
 def _sample(registry, name, **labels) -> float:
@@ -160,12 +214,15 @@ def test_small_page_pools_preempt_and_resumed_outputs_are_unchanged(reference_mo
         stack.wait_registered(2)
         prompts = random_prompts(16, seed=12, max_len=60)
         results = stack.generate_all(prompts)
-        preemptions = _sample(stack.registry, "lattice_scheduler_requeues_total",
-                              reason="preempted")
+        preemptions = _sample(
+            stack.registry, "lattice_scheduler_requeues_total", reason="preempted"
+        )
         assert preemptions > 0, "the pools were meant to be too small"
         if policy != "fifo":  # the budget policies see it coming and choose the victims
-            assert _sample(stack.registry, "lattice_scheduler_preemptions_total",
-                           reason="kv_growth") > 0
+            assert (
+                _sample(stack.registry, "lattice_scheduler_preemptions_total", reason="kv_growth")
+                > 0
+            )
         for i, prompt in enumerate(prompts):
             assert results[i] == _expected(reference_model, prompt), f"stream {i}"
         assert_all_free(stack, ["tight-1", "tight-2"])
@@ -188,16 +245,21 @@ def test_a_worker_killed_mid_run_loses_nothing(reference_model):
         assert stack.workers["doomed"].returncode == -signal.SIGKILL
         for i, prompt in enumerate(prompts):
             assert results[i] == _expected(reference_model, prompt), f"stream {i}"
-        assert _sample(stack.registry, "lattice_scheduler_requeues_total",
-                       reason="lease_expired") > 0
+        assert (
+            _sample(stack.registry, "lattice_scheduler_requeues_total", reason="lease_expired") > 0
+        )
         assert_all_free(stack, ["survivor"])
     finally:
         stack.close()
 
 
 def _kill_when_busy(stack: Stack, worker_id: str) -> None:
-    wait_until(lambda: stack.worker_status().get(worker_id), f"{worker_id} to hold two", 60,
-               done=lambda status: status is not None and status.num_assigned >= 2,
-               every_seconds=0.005)
+    wait_until(
+        lambda: stack.worker_status().get(worker_id),
+        f"{worker_id} to hold two",
+        60,
+        done=lambda status: status is not None and status.num_assigned >= 2,
+        every_seconds=0.005,
+    )
     stack.workers[worker_id].send_signal(signal.SIGKILL)
     stack.workers[worker_id].wait(10)

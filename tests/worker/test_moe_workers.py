@@ -2,11 +2,12 @@
 processes loading a transformers-written Qwen3.5 MoE or Qwen3-Next checkpoint, and 16
 concurrent Generate streams of mixed lengths (so prefill chunks of several sequences
 share a forward). Every stream's greedy tokens equal transformers' greedy tokens."""
+
 from __future__ import annotations
 
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 from tests.worker.test_model_workers import MAX_NEW_TOKENS, Stack, assert_all_free, random_prompts
 
 torch = pytest.importorskip("torch")
@@ -19,9 +20,14 @@ EOS_TOKEN_ID = 1  # of the test checkpoints
 def transformers_greedy(reference, prompt: list[int]) -> tuple[list[int], int]:
     """transformers' `generate`, greedy, for one prompt: the tokens after it and why it stopped."""
     with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
-                                 eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
-    generated = out[0, len(prompt):].tolist()
+        out = reference.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=MAX_NEW_TOKENS,
+            eos_token_id=EOS_TOKEN_ID,
+            pad_token_id=0,
+        )
+    generated = out[0, len(prompt) :].tolist()
     if generated[-1] == EOS_TOKEN_ID:
         return generated, pb.FINISH_REASON_EOS
     return generated, pb.FINISH_REASON_MAX_LENGTH

@@ -1,5 +1,6 @@
 """WorkerLoop's overlapped iterations, the forecast they report, and decisions' `preempt`,
 against scripted scheduler clients (no server)."""
+
 from __future__ import annotations
 
 import threading
@@ -7,8 +8,8 @@ import time
 
 import grpc
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 from tests.worker.scripted_client import ScriptedClient
 from worker_client.client import NotRegistered, WorkerResources
 from worker_client.engine.api import ChunkWork, SequenceSpec
@@ -38,14 +39,18 @@ class WaitingEngine(ScriptedEngine):
 
 
 def _admit(seq_id: int, prompt=PROMPT, max_new_tokens: int = 4) -> pb.PrefillChunk:
-    return pb.PrefillChunk(seq_id=seq_id, chunk_start=0, chunk_len=len(prompt),
-                           spec=pb.SequenceSpec(prompt_token_ids=prompt,
-                                                max_new_tokens=max_new_tokens))
+    return pb.PrefillChunk(
+        seq_id=seq_id,
+        chunk_start=0,
+        chunk_len=len(prompt),
+        spec=pb.SequenceSpec(prompt_token_ids=prompt, max_new_tokens=max_new_tokens),
+    )
 
 
 def _loop(engine, client, overlap: bool) -> WorkerLoop:
-    resources = WorkerResources("w", engine.total_kv_pages, engine.page_size,
-                                engine.total_gdn_slots)
+    resources = WorkerResources(
+        "w", engine.total_kv_pages, engine.page_size, engine.total_gdn_slots
+    )
     return WorkerLoop(engine, client, resources, idle_sleep_seconds=0.001, overlap=overlap)
 
 
@@ -58,7 +63,7 @@ def _updates(request):
     end = 0
     for i, (seq_id, count) in enumerate(zip(request.token_seq_ids, counts)):
         offset = request.token_offsets[i] if request.token_offsets else 0
-        yield seq_id, list(request.token_ids[end:end + count]), offset
+        yield seq_id, list(request.token_ids[end : end + count]), offset
         end += count
 
 
@@ -71,16 +76,18 @@ def _tokens(requests, seq_id: int) -> list[int]:
 
 def test_iterate_frees_a_preempted_sequence_before_stepping_and_does_not_report_it():
     engine, stop = ScriptedEngine(), threading.Event()
-    decisions = [pb.SchedulerDecision(prefill=[_admit(7), _admit(8)]),
-                 pb.SchedulerDecision(decode=[8], preempt=[7]),
-                 pb.SchedulerDecision(decode=[8])]
+    decisions = [
+        pb.SchedulerDecision(prefill=[_admit(7), _admit(8)]),
+        pb.SchedulerDecision(decode=[8], preempt=[7]),
+        pb.SchedulerDecision(decode=[8]),
+    ]
     client = ScriptedClient(decisions, stop)
     loop = _loop(engine, client, overlap=False)
     free_slots = engine.gdn_free_slots()
     assert loop.iterate() is True
     assert engine.running_ids() == [7, 8]
     assert loop.iterate() is True
-    assert engine.running_ids() == [8]              # 7 freed, 8 decoded
+    assert engine.running_ids() == [8]  # 7 freed, 8 decoded
     assert engine.gdn_free_slots() == free_slots - 1
     assert loop.iterate() is True
     last = client.requests[-1]
@@ -103,33 +110,37 @@ def test_iterate_without_work_returns_false_and_does_not_ask_for_a_long_poll():
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlap"])
 def test_an_idle_worker_asks_for_a_long_poll_and_a_busy_one_does_not(overlap):
     engine, stop = ScriptedEngine(), threading.Event()
-    decisions = [pb.SchedulerDecision(), pb.SchedulerDecision(prefill=[_admit(1)]),
-                 pb.SchedulerDecision(decode=[1])]
+    decisions = [
+        pb.SchedulerDecision(),
+        pb.SchedulerDecision(prefill=[_admit(1)]),
+        pb.SchedulerDecision(decode=[1]),
+    ]
     client = ScriptedClient(decisions, stop)
     _loop(engine, client, overlap).run(stop)
     waits = [r.idle_wait_ms for r in client.requests]
-    assert waits[0] == waits[1] == 1000            # nothing held, nothing to report
-    assert waits[2] == 0                           # holding seq 1
+    assert waits[0] == waits[1] == 1000  # nothing held, nothing to report
+    assert waits[2] == 0  # holding seq 1
 
 
 def test_overlapped_loop_reports_the_next_step_while_the_engine_runs_this_one():
     engine, stop = WaitingEngine(), threading.Event()
-    prompt = list(range(1, 21))                    # 20 tokens: chunks of 8, 8, 4
+    prompt = list(range(1, 21))  # 20 tokens: chunks of 8, 8, 4
     spec = pb.SequenceSpec(prompt_token_ids=prompt, max_new_tokens=3)
     decisions = [
-        pb.SchedulerDecision(prefill=[pb.PrefillChunk(seq_id=5, chunk_start=0, chunk_len=8,
-                                                      spec=spec)]),
+        pb.SchedulerDecision(
+            prefill=[pb.PrefillChunk(seq_id=5, chunk_start=0, chunk_len=8, spec=spec)]
+        ),
         pb.SchedulerDecision(prefill=[pb.PrefillChunk(seq_id=5, chunk_start=8, chunk_len=8)]),
         pb.SchedulerDecision(prefill=[pb.PrefillChunk(seq_id=5, chunk_start=16, chunk_len=4)]),
         pb.SchedulerDecision(decode=[5]),
         pb.SchedulerDecision(decode=[5]),
-        pb.SchedulerDecision(decode=[5]),          # 5 finished in the step before: dropped
+        pb.SchedulerDecision(decode=[5]),  # 5 finished in the step before: dropped
     ]
     client = ScriptedClient(decisions, stop)
     engine.num_reports = lambda: len(client.requests)
     stats = _loop(engine, client, overlap=True).run(stop)
 
-    assert engine.overlapped == [True] * 6         # each step ended after the next report
+    assert engine.overlapped == [True] * 6  # each step ended after the next report
     # Each report foresees the step in flight: waiting until the prompt is done, then running.
     held = [(list(r.waiting), list(r.running)) for r in client.requests[:6]]
     assert held == [([], []), ([5], []), ([5], []), ([], [5]), ([], [5]), ([], [5])]
@@ -143,12 +154,18 @@ def test_overlapped_loop_reports_the_next_step_while_the_engine_runs_this_one():
 
 def test_overlapped_loop_frees_preempted_and_evicted_ids_before_the_next_step():
     engine, stop = ScriptedEngine(), threading.Event()
-    decisions = [pb.SchedulerDecision(prefill=[_admit(1, max_new_tokens=50),
-                                               _admit(2, max_new_tokens=50),
-                                               _admit(3, max_new_tokens=50)]),
-                 pb.SchedulerDecision(decode=[1, 2, 3]),
-                 pb.SchedulerDecision(decode=[2], preempt=[1], evict=[3]),
-                 pb.SchedulerDecision(decode=[2])]
+    decisions = [
+        pb.SchedulerDecision(
+            prefill=[
+                _admit(1, max_new_tokens=50),
+                _admit(2, max_new_tokens=50),
+                _admit(3, max_new_tokens=50),
+            ]
+        ),
+        pb.SchedulerDecision(decode=[1, 2, 3]),
+        pb.SchedulerDecision(decode=[2], preempt=[1], evict=[3]),
+        pb.SchedulerDecision(decode=[2]),
+    ]
     client = ScriptedClient(decisions, stop)
     _loop(engine, client, overlap=True).run(stop)
     later = client.requests[3:]
@@ -161,8 +178,7 @@ class MovingClient(ScriptedClient):
     """A ScriptedClient whose report number `fail_at` finds the scheduler gone: the client
     moved to another replica, which does not know the worker yet (NotRegistered)."""
 
-    def __init__(self, decisions, stop: threading.Event, fail_at: int,
-                 moved: bool = True) -> None:
+    def __init__(self, decisions, stop: threading.Event, fail_at: int, moved: bool = True) -> None:
         super().__init__(decisions, stop)
         self.num_moves = 0
         self.failed: list[pb.SelectBatchRequest] = []
@@ -173,8 +189,9 @@ class MovingClient(ScriptedClient):
         if len(self.requests) == self._fail_at and not self.failed:
             self.failed.append(request)
             self.num_moves += self._moved
-            raise NotRegistered("SelectBatch", grpc.StatusCode.FAILED_PRECONDITION,
-                                "unknown worker_id")
+            raise NotRegistered(
+                "SelectBatch", grpc.StatusCode.FAILED_PRECONDITION, "unknown worker_id"
+            )
         return super().select(request)
 
 
@@ -207,14 +224,15 @@ def test_overlapped_loop_forgotten_mid_step_drops_what_it_holds_and_reports_none
     """The same scheduler forgot the worker (no move): the sequence is dropped, its
     tokens are not reported to the new registration, its pages are free again."""
     engine, stop = ScriptedEngine(), threading.Event()
-    decisions = [pb.SchedulerDecision(prefill=[_admit(1, max_new_tokens=6)]),
-                 pb.SchedulerDecision(decode=[1])]
+    decisions = [
+        pb.SchedulerDecision(prefill=[_admit(1, max_new_tokens=6)]),
+        pb.SchedulerDecision(decode=[1]),
+    ]
     client = MovingClient(decisions, stop, fail_at=2, moved=False)
     stats = _loop(engine, client, overlap=True).run(stop)
     assert client.failed and stats.registrations == 2
     after = client.requests[2:]
-    assert after and all(not list(_updates(r)) and not r.running and not r.waiting
-                         for r in after)
+    assert after and all(not list(_updates(r)) and not r.running and not r.waiting for r in after)
     assert engine.kv_free_pages() == engine.total_kv_pages
 
 
@@ -230,19 +248,19 @@ def test_forecast_moves_a_sequence_whose_prompt_completes_to_running_and_counts_
     forecast = Forecast(page_size=4)
     now = Holding((), (), kv_free_pages=100, gdn_free_slots=8)
     after = forecast.after_step(now, [_chunk(1, 0, 6, prompt_len=10)], [])
-    assert after == Holding((1,), (), 98, 7)        # 6 tokens: 2 pages, one slot
+    assert after == Holding((1,), (), 98, 7)  # 6 tokens: 2 pages, one slot
     after = forecast.after_step(Holding((1,), (), 98, 7), [_chunk(1, 6, 4)], [])
-    assert after == Holding((), (1,), 97, 7)        # 10 tokens: a third page
+    assert after == Holding((), (1,), 97, 7)  # 10 tokens: a third page
     after = forecast.after_step(Holding((), (1,), 97, 7), [], [1])
-    assert after == Holding((), (1,), 97, 7)        # 11 tokens: still three pages
+    assert after == Holding((), (1,), 97, 7)  # 11 tokens: still three pages
     after = forecast.after_step(Holding((), (1,), 97, 7), [], [1, 1])
-    assert after.kv_free_pages == 96                # 12, then 13 tokens: a fourth page
+    assert after.kv_free_pages == 96  # 12, then 13 tokens: a fourth page
 
 
 def test_forecast_forgets_what_the_engine_no_longer_holds_and_assumes_the_worst_unknown():
     forecast = Forecast(page_size=4)
     forecast.after_step(Holding((), (), 100, 8), [_chunk(1, 0, 4, prompt_len=4)], [])
-    after = forecast.after_step(Holding((), (), 99, 8), [], [1])   # 1 finished meanwhile
+    after = forecast.after_step(Holding((), (), 99, 8), [], [1])  # 1 finished meanwhile
     assert after == Holding((), (), 99, 8)
     # Held, but never seen admitted: a chunk of 8 may take up to 3 pages, a decode one.
     after = forecast.after_step(Holding((9,), (10,), 50, 8), [_chunk(9, 0, 8)], [10])

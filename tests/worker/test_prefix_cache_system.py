@@ -1,6 +1,7 @@
 """The scheduler uses a real tiny-model worker's prefix cache: a conversation's
 turns resume from the last turn's resume point, with greedy tokens identical to caching
 off. A real scheduler on a loopback port and a WorkerLoop on a ModelEngine."""
+
 from __future__ import annotations
 
 import random
@@ -21,11 +22,24 @@ def test_each_turn_of_a_conversation_resumes_from_the_last_and_generates_the_sam
     rng = random.Random(5)
     replies = {}
     for caching in ("on", "off"):
-        engine = ModelEngine(model, total_kv_pages=400, page_size=PAGE_SIZE, total_gdn_slots=4,
-                             device="cpu", max_batch_size=4, cache_block_tokens=BLOCK,
-                             total_snapshot_slots=16)
-        stack = SchedulerStack(engine, 128, policy=policy, prefix_caching=caching,
-                               max_num_batched_tokens=160, min_prefill_chunk=16)
+        engine = ModelEngine(
+            model,
+            total_kv_pages=400,
+            page_size=PAGE_SIZE,
+            total_gdn_slots=4,
+            device="cpu",
+            max_batch_size=4,
+            cache_block_tokens=BLOCK,
+            total_snapshot_slots=16,
+        )
+        stack = SchedulerStack(
+            engine,
+            128,
+            policy=policy,
+            prefix_caching=caching,
+            max_num_batched_tokens=160,
+            min_prefill_chunk=16,
+        )
         rng.seed(5)
         conversation: tuple[int, ...] = ()
         turns = []

@@ -1,26 +1,40 @@
 """The worker's wire mapping of the wave-3 sampling fields and of log-probabilities: a spec's
 fields reach the engine, and a report keeps logprobs with their tokens across a lost answer."""
+
 from __future__ import annotations
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
-
 from worker_client.convert import PendingReport, chunk_work
 from worker_client.engine.api import ChunkWork, SequenceSpec, StepOutput, TokenLogprobs
 from worker_client.testing import ScriptedEngine, scripted_logprobs
 
 
 def _request(pending: PendingReport) -> pb.SelectBatchRequest:
-    return pending.request("w0", waiting=(), running=(), kv_free_pages=1, gdn_free_slots=1,
-                           draining=False)
+    return pending.request(
+        "w0", waiting=(), running=(), kv_free_pages=1, gdn_free_slots=1, draining=False
+    )
 
 
 def test_a_specs_logprobs_and_length_fields_reach_the_engine():
-    chunk = pb.PrefillChunk(seq_id=3, chunk_start=0, chunk_len=2, spec=pb.SequenceSpec(
-        prompt_token_ids=[5, 6], max_new_tokens=4,
-        sampling=pb.SamplingParams(logprobs=3, prompt_logprobs=2, ignore_eos=True,
-                                   min_new_tokens=2)))
+    chunk = pb.PrefillChunk(
+        seq_id=3,
+        chunk_start=0,
+        chunk_len=2,
+        spec=pb.SequenceSpec(
+            prompt_token_ids=[5, 6],
+            max_new_tokens=4,
+            sampling=pb.SamplingParams(
+                logprobs=3, prompt_logprobs=2, ignore_eos=True, min_new_tokens=2
+            ),
+        ),
+    )
     spec = chunk_work(chunk).spec
-    assert (spec.logprobs, spec.prompt_logprobs, spec.ignore_eos, spec.min_new_tokens) == (3, 2, True, 2)
+    assert (spec.logprobs, spec.prompt_logprobs, spec.ignore_eos, spec.min_new_tokens) == (
+        3,
+        2,
+        True,
+        2,
+    )
     assert spec.needs_all_prompt_logits
 
 
@@ -28,12 +42,19 @@ def test_logprobs_stay_with_their_tokens_when_an_answer_is_lost():
     pending = PendingReport()
     pending.admitted(3)
     prompt = (TokenLogprobs(-1.0, (4,), (-0.5,)),)
-    pending.add(StepOutput(((3, (7,)),), (), (),
-                           logprobs=((3, (TokenLogprobs(-0.125, (7,), (-0.125,)),)),),
-                           prompt_logprobs=((3, prompt),)))
+    pending.add(
+        StepOutput(
+            ((3, (7,)),),
+            (),
+            (),
+            logprobs=((3, (TokenLogprobs(-0.125, (7,), (-0.125,)),)),),
+            prompt_logprobs=((3, prompt),),
+        )
+    )
     _request(pending)  # the answer to this one is lost: nothing delivered
-    pending.add(StepOutput(((3, (8,)),), (), (),
-                           logprobs=((3, (TokenLogprobs(-0.25, (8,), (-0.25,)),)),)))
+    pending.add(
+        StepOutput(((3, (8,)),), (), (), logprobs=((3, (TokenLogprobs(-0.25, (8,), (-0.25,)),)),))
+    )
     (update,) = _request(pending).tokens
     assert list(update.token_ids) == [7, 8] and update.offset == 0
     assert [e.logprob for e in update.logprobs] == [-0.125, -0.25]

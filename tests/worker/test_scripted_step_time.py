@@ -1,4 +1,5 @@
 """ScriptedEngine's simulated step time, and the worker's --step-ms flag that sets it."""
+
 from __future__ import annotations
 
 import pytest
@@ -61,7 +62,15 @@ def test_a_negative_step_ms_is_refused(capsys):
 
 
 def test_step_ms_reaches_the_scripted_engine_in_seconds():
-    args = cli.argparse.Namespace(model="scripted", kv_pages=None, page_size=16, gdn_slots=None,
-                                  step_ms=12.5, no_prefix_cache=False, cache_block_tokens=None,
-                                  snapshot_slots=None, prefix_cache_blocks=None)
+    args = cli.argparse.Namespace(
+        model="scripted",
+        kv_pages=None,
+        page_size=16,
+        gdn_slots=None,
+        step_ms=12.5,
+        no_prefix_cache=False,
+        cache_block_tokens=None,
+        snapshot_slots=None,
+        prefix_cache_blocks=None,
+    )
     assert cli._build_engine(args).step_seconds == 0.0125

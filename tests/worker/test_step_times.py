@@ -1,13 +1,14 @@
 """The worker reports each engine step's time once (`last_step_us`), and the scheduler
 pairs it with the decision that step ran, in turn and overlapped."""
+
 from __future__ import annotations
 
 import random
 import threading
 
 import pytest
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 from service.core import Scheduler, SchedulerConfig
 from service.core.learn.step_model import StepShape, chunk_attention
 from service.sim.client import InProcessClient
@@ -34,11 +35,11 @@ class ClockedEngine(ScriptedEngine):
             num_prefill_tokens=sum(c.chunk_len for c in prefill),
             prefill_attention=sum(chunk_attention(c.chunk_start, c.chunk_len) for c in prefill),
             num_decodes=len(decode),
-            decode_context=sum(self._num_tokens(s) for s in decode if s in self._held))
+            decode_context=sum(self._num_tokens(s) for s in decode if s in self._held),
+        )
         out = super().step(prefill, decode)
         self.num_steps += 1
-        self.last_step_seconds = (self._cost(shape) if self._cost
-                                  else self.num_steps / 1000.0)
+        self.last_step_seconds = self._cost(shape) if self._cost else self.num_steps / 1000.0
         return out
 
     def _num_tokens(self, seq_id: int) -> int:
@@ -46,17 +47,22 @@ class ClockedEngine(ScriptedEngine):
 
 
 def _loop(engine, client, overlap: bool) -> WorkerLoop:
-    resources = WorkerResources("w0", engine.total_kv_pages, engine.page_size,
-                                engine.total_gdn_slots)
+    resources = WorkerResources(
+        "w0", engine.total_kv_pages, engine.page_size, engine.total_gdn_slots
+    )
     return WorkerLoop(engine, client, resources, idle_sleep_seconds=0.001, overlap=overlap)
 
 
 def _decisions() -> list[pb.SchedulerDecision]:
     spec = pb.SequenceSpec(prompt_token_ids=PROMPT, max_new_tokens=4)
-    return [pb.SchedulerDecision(prefill=[pb.PrefillChunk(seq_id=1, chunk_start=0,
-                                                          chunk_len=5, spec=spec)]),
-            pb.SchedulerDecision(decode=[1]), pb.SchedulerDecision(decode=[1]),
-            pb.SchedulerDecision(decode=[1])]
+    return [
+        pb.SchedulerDecision(
+            prefill=[pb.PrefillChunk(seq_id=1, chunk_start=0, chunk_len=5, spec=spec)]
+        ),
+        pb.SchedulerDecision(decode=[1]),
+        pb.SchedulerDecision(decode=[1]),
+        pb.SchedulerDecision(decode=[1]),
+    ]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -70,7 +76,7 @@ def test_each_step_time_is_reported_once_in_step_order(overlap):
     # while step n runs carries n-1's (as it carries n-1's outputs).
     first = reported.index(1000)
     assert first == (2 if overlap else 1)
-    assert reported[first:first + 4] == [1000, 2000, 3000, 4000]
+    assert reported[first : first + 4] == [1000, 2000, 3000, 4000]
 
 
 def test_a_step_is_timed_on_the_host_when_the_engine_keeps_no_clock():
@@ -82,8 +88,12 @@ def test_a_step_is_timed_on_the_host_when_the_engine_keeps_no_clock():
 
 
 def _true_seconds(shape: StepShape) -> float:
-    return (12.0 + 0.05 * shape.num_prefill_tokens + 0.3 * shape.num_decodes
-            + 1e-3 * shape.decode_context) / 1000.0
+    return (
+        12.0
+        + 0.05 * shape.num_prefill_tokens
+        + 0.3 * shape.num_decodes
+        + 1e-3 * shape.decode_context
+    ) / 1000.0
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -110,12 +120,17 @@ def test_the_scheduler_pairs_each_step_time_with_the_decision_it_ran(overlap):
 
 def _params(prompt_len: int, max_new_tokens: int, index: int):
     from service.core import SubmitParams
-    return SubmitParams(prompt_token_ids=tuple(range(1, prompt_len + 1)),
-                        max_new_tokens=max_new_tokens, request_id=f"r{index}")
+
+    return SubmitParams(
+        prompt_token_ids=tuple(range(1, prompt_len + 1)),
+        max_new_tokens=max_new_tokens,
+        request_id=f"r{index}",
+    )
 
 
 def _wait_empty(scheduler: Scheduler) -> None:
     import time
+
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         status = scheduler.status()

@@ -1,6 +1,7 @@
 """A worker's stop event ends every wait of its client within a second: the retries of a
 scheduler that is not there, a call in flight to one that does not answer, a session
 waiting for a decision; and `lattice-worker` leaves on a signal while it waits."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +14,9 @@ import time
 
 import grpc
 import pytest
+
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-
 from worker_client.client import SchedulerClient, Stopped, WorkerResources
 from worker_client.loop import WorkerLoop
 from worker_client.session import WorkerSessionStream
@@ -83,11 +84,13 @@ def _time_until_return(target, stop: threading.Event) -> float:
 
 
 def _loop(port: int, stop: threading.Event, *, session: bool) -> WorkerLoop:
-    client = SchedulerClient(f"127.0.0.1:{port}", stop=stop, session=session,
-                             call_timeout_seconds=30.0)
+    client = SchedulerClient(
+        f"127.0.0.1:{port}", stop=stop, session=session, call_timeout_seconds=30.0
+    )
     engine = ScriptedEngine()
-    resources = WorkerResources("w1", engine.total_kv_pages, engine.page_size,
-                                engine.total_gdn_slots)
+    resources = WorkerResources(
+        "w1", engine.total_kv_pages, engine.page_size, engine.total_gdn_slots
+    )
     return WorkerLoop(engine, client, resources)
 
 
@@ -128,14 +131,28 @@ def test_a_stopped_call_raises_stopped_not_a_call_failure():
 
 
 @pytest.mark.slow  # starts lattice-worker processes
-@pytest.mark.parametrize("signals", [(signal.SIGTERM,), (signal.SIGINT,)],
-                         ids=["sigterm", "sigint"])
+@pytest.mark.parametrize(
+    "signals", [(signal.SIGTERM,), (signal.SIGINT,)], ids=["sigterm", "sigint"]
+)
 def test_lattice_worker_waiting_for_an_absent_scheduler_leaves_on_a_signal(signals):
     process = subprocess.Popen(  # -X faulthandler: a SIGABRT prints every thread's stack
-        [sys.executable, "-X", "faulthandler", "-m", "worker_client",
-         "--scheduler", f"127.0.0.1:{_refused_port()}",
-         "--worker-id", "w1", "--model", "scripted"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-m",
+            "worker_client",
+            "--scheduler",
+            f"127.0.0.1:{_refused_port()}",
+            "--worker-id",
+            "w1",
+            "--model",
+            "scripted",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # up and retrying
@@ -150,8 +167,10 @@ def test_lattice_worker_waiting_for_an_absent_scheduler_leaves_on_a_signal(signa
             code = process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             process.send_signal(signal.SIGABRT)
-            pytest.fail("still running 10 s after the signal; its output and stacks:\n"
-                        + process.communicate(timeout=10)[0])
+            pytest.fail(
+                "still running 10 s after the signal; its output and stacks:\n"
+                + process.communicate(timeout=10)[0]
+            )
         assert time.monotonic() - sent_at < 2 * WITHIN_SECONDS
         assert code == 0
     finally:

@@ -5,19 +5,34 @@ dense MLP or sparse MoE blocks with a shared expert). Entry points: load_model()
 builds a model, default_pool_sizes() sizes the caches, ModelEngine implements
 api.Engine for the worker loop (packed prefill, batched decode).
 """
+
 import importlib
 
-from .api import ChunkWork, Engine, FinishedSequence, FinishReason, SequenceSpec, StepOutput, TokenLogprobs
+from .api import (
+    ChunkWork,
+    Engine,
+    FinishedSequence,
+    FinishReason,
+    SequenceSpec,
+    StepOutput,
+    TokenLogprobs,
+)
 from .config import LayerType, ModelConfig, MoeConfig, load_config, tiny_config
 from .errors import CheckpointError, ConfigError, EngineError, ModelDoesNotFit
 
 # Names whose modules import torch, loaded on first use: a worker that runs no model
 # (`--model scripted`) or only reads api.py does not pay torch's import.
 _TORCH_NAMES = {
-    "ModelEngine": ".engine", "PRESETS": ".loading", "load_model": ".loading",
-    "load_tokenizer": ".loading", "GeneratedSequence": ".reference",
-    "generate_reference": ".reference", "SamplingParams": ".sampling",
-    "sample_token": ".sampling", "PoolSizes": ".sizing", "default_pool_sizes": ".sizing",
+    "ModelEngine": ".engine",
+    "PRESETS": ".loading",
+    "load_model": ".loading",
+    "load_tokenizer": ".loading",
+    "GeneratedSequence": ".reference",
+    "generate_reference": ".reference",
+    "SamplingParams": ".sampling",
+    "sample_token": ".sampling",
+    "PoolSizes": ".sizing",
+    "default_pool_sizes": ".sizing",
     "weight_bytes": ".sizing",
 }
 
@@ -28,10 +43,33 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(module, __name__), name)
 
+
 __all__ = [
-    "CheckpointError", "ChunkWork", "ConfigError", "Engine", "EngineError", "FinishReason",
-    "FinishedSequence", "GeneratedSequence", "LayerType", "ModelConfig", "ModelDoesNotFit",
-    "ModelEngine", "MoeConfig", "PRESETS", "PoolSizes", "SamplingParams", "SequenceSpec", "StepOutput", "TokenLogprobs",
-    "default_pool_sizes", "generate_reference", "load_config", "load_model", "load_tokenizer",
-    "sample_token", "tiny_config", "weight_bytes",
+    "CheckpointError",
+    "ChunkWork",
+    "ConfigError",
+    "Engine",
+    "EngineError",
+    "FinishReason",
+    "FinishedSequence",
+    "GeneratedSequence",
+    "LayerType",
+    "ModelConfig",
+    "ModelDoesNotFit",
+    "ModelEngine",
+    "MoeConfig",
+    "PRESETS",
+    "PoolSizes",
+    "SamplingParams",
+    "SequenceSpec",
+    "StepOutput",
+    "TokenLogprobs",
+    "default_pool_sizes",
+    "generate_reference",
+    "load_config",
+    "load_model",
+    "load_tokenizer",
+    "sample_token",
+    "tiny_config",
+    "weight_bytes",
 ]

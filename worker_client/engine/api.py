@@ -4,6 +4,7 @@ A worker loop (written elsewhere) turns each scheduler decision into one
 `Engine.step` call and reports the `StepOutput` back. These types are the whole
 boundary: plain frozen dataclasses and enums, nothing engine-specific.
 """
+
 from __future__ import annotations
 
 import enum

@@ -1,4 +1,5 @@
 """Qwen3.5's gated full attention (the "full_attention" layers; Qwen3-Next's are the same)."""
+
 from __future__ import annotations
 
 import torch
@@ -57,11 +58,17 @@ class GatedAttention(nn.Module):
         else:
             # Each row over its own keys only: positions up to its last query's.
             num_keys = (batch.positions[batch.last_token_index] + 1).tolist()
-            out = torch.cat([
-                self.attend(query[rows][None], keys[b : b + 1, : num_keys[b]], values[b : b + 1, : num_keys[b]],
-                            batch.positions[rows][None])[0]
-                for b, rows in enumerate(batch.row_slices())
-            ])
+            out = torch.cat(
+                [
+                    self.attend(
+                        query[rows][None],
+                        keys[b : b + 1, : num_keys[b]],
+                        values[b : b + 1, : num_keys[b]],
+                        batch.positions[rows][None],
+                    )[0]
+                    for b, rows in enumerate(batch.row_slices())
+                ]
+            )
         return self.o_proj((out * torch.sigmoid(gate)).flatten(1))
 
     def attend(
@@ -77,7 +84,10 @@ class GatedAttention(nn.Module):
         keys = keys.repeat_interleave(repeat, dim=2)
         values = values.repeat_interleave(repeat, dim=2)
         out = F.scaled_dot_product_attention(
-            query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask[:, None], scale=self.head_dim**-0.5,
+            query.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None],
+            scale=self.head_dim**-0.5,
         )
         return out.transpose(1, 2)

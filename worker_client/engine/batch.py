@@ -6,6 +6,7 @@ norms, MLP/MoE) runs on the packed tokens as they are; the work that must stay
 per sequence (the GDN recurrence and its conv, attention) sees a padded view
 [num_rows, max_len, ...] where row b holds its tokens first and zeros after.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,7 +26,9 @@ class PackedBatch:
         if not seq_lens or min(seq_lens) < 1:
             raise ValueError(f"every row needs at least one token, got lengths {list(seq_lens)}")
         if positions.dim() != 1 or positions.shape[0] != sum(seq_lens):
-            raise ValueError(f"positions {tuple(positions.shape)} do not match lengths summing to {sum(seq_lens)}")
+            raise ValueError(
+                f"positions {tuple(positions.shape)} do not match lengths summing to {sum(seq_lens)}"
+            )
         self.seq_lens = tuple(int(n) for n in seq_lens)
         self.positions = positions
         self.num_rows = len(self.seq_lens)
@@ -36,7 +39,9 @@ class PackedBatch:
         device = positions.device
         lengths = torch.tensor(self.seq_lens, dtype=torch.long, device=device)
         self.lengths = lengths
-        self.row_of_token = torch.repeat_interleave(torch.arange(self.num_rows, device=device), lengths)
+        self.row_of_token = torch.repeat_interleave(
+            torch.arange(self.num_rows, device=device), lengths
+        )
         row_starts = torch.cumsum(lengths, 0) - lengths
         offsets = torch.arange(self.num_tokens, device=device) - row_starts[self.row_of_token]
         self._padded_index = self.row_of_token * self.max_len + offsets  # [num_tokens]

@@ -10,6 +10,7 @@ index's pages for every block the index has): a sequence that uses block i also 
 blocks 0..i-1 before it. So an unused block's descendants are unused too, and evicting a
 block with its whole subtree never takes pages from under a sequence.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -7,6 +7,7 @@ tensor per expert and projection (`mlp.experts.7.gate_proj.weight`, as
 transformers' save_pretrained and Qwen3-Next checkpoints write them) or stacked
 (`mlp.experts.gate_up_proj` [E, 2 * I, H], `mlp.experts.down_proj` [E, H, I]).
 """
+
 from __future__ import annotations
 
 import re
@@ -20,7 +21,9 @@ from .errors import CheckpointError
 # Tensors of composite (vision-language) checkpoints that a text model does not use.
 _IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.")
 _COMPOSITE_PREFIX = "model.language_model."
-_PER_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
 
 
 def read_checkpoint(
@@ -60,7 +63,9 @@ def read_checkpoint(
 class _ExpertStacks:
     """Builds the stacked expert tensors from per-expert ones, and notices experts missing."""
 
-    def __init__(self, expected: Mapping[str, torch.Size], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, expected: Mapping[str, torch.Size], device: torch.device, dtype: torch.dtype
+    ) -> None:
         self._expected = expected
         self._device = device
         self._dtype = dtype
@@ -78,8 +83,10 @@ class _ExpertStacks:
         target = f"{match['experts']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
         num_experts, rows, columns = self._expected[target]
         if index >= num_experts:
-            raise CheckpointError(f"{file_name}: {raw_name!r} names expert {index}, "
-                                  f"config.json has {num_experts} experts")
+            raise CheckpointError(
+                f"{file_name}: {raw_name!r} names expert {index}, "
+                f"config.json has {num_experts} experts"
+            )
         # gate_up_proj[e] holds the gate rows, then the up rows.
         if proj == "down_proj":
             expected_shape, row_slice = (rows, columns), slice(0, rows)
@@ -89,7 +96,9 @@ class _ExpertStacks:
             row_slice = slice(0, half) if proj == "gate_proj" else slice(half, rows)
         _check_shape(file_name, raw_name, tuple(tensor.shape), expected_shape)
         if target not in self._stacks:
-            self._stacks[target] = torch.empty(self._expected[target], device=self._device, dtype=self._dtype)
+            self._stacks[target] = torch.empty(
+                self._expected[target], device=self._device, dtype=self._dtype
+            )
             self._filled[target] = set()
         self._stacks[target][index, row_slice] = tensor.to(device=self._device, dtype=self._dtype)
         self._filled[target].add((index, proj))
@@ -102,20 +111,26 @@ class _ExpertStacks:
             if missing:
                 experts = target[: -len(target.rsplit(".", 1)[1])]
                 examples = [f"{experts}{e}.{p}.weight" for e, p in missing[:3]]
-                raise CheckpointError(f"checkpoint in {model_dir} lacks {len(missing)} expert tensors, "
-                                      f"e.g. {examples}")
+                raise CheckpointError(
+                    f"checkpoint in {model_dir} lacks {len(missing)} expert tensors, "
+                    f"e.g. {examples}"
+                )
         return dict(self._stacks)
 
 
-def _check_shape(file_name: str, raw_name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+def _check_shape(
+    file_name: str, raw_name: str, shape: tuple[int, ...], expected: tuple[int, ...]
+) -> None:
     if shape != expected:
-        raise CheckpointError(f"{file_name}: {raw_name!r} has shape {shape}, config.json implies {expected}")
+        raise CheckpointError(
+            f"{file_name}: {raw_name!r} has shape {shape}, config.json implies {expected}"
+        )
 
 
 def _canonical_name(raw_name: str) -> str | None:
     """The model's name for a checkpoint tensor; None for tensors a text model ignores."""
     if raw_name.startswith(_COMPOSITE_PREFIX):
-        return "model." + raw_name[len(_COMPOSITE_PREFIX):]
+        return "model." + raw_name[len(_COMPOSITE_PREFIX) :]
     if raw_name.startswith(_IGNORED_PREFIXES):
         return None
     return raw_name

@@ -4,6 +4,7 @@
 ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next") or a composite
 (vision-language) config ("qwen3_5", "qwen3_5_moe") with a `text_config`.
 """
+
 from __future__ import annotations
 
 import enum
@@ -54,10 +55,14 @@ class MoeConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
-                              f"[1, num_experts {self.num_experts}]")
+            raise ConfigError(
+                f"num_experts_per_tok {self.num_experts_per_tok} must be in "
+                f"[1, num_experts {self.num_experts}]"
+            )
         if min(self.moe_intermediate_size, self.shared_expert_intermediate_size) < 1:
-            raise ConfigError("moe_intermediate_size and shared_expert_intermediate_size must be >= 1")
+            raise ConfigError(
+                "moe_intermediate_size and shared_expert_intermediate_size must be >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,9 @@ class ModelConfig:
             raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ConfigError(f"rotary dim {self.rotary_dim} must be even and at most head_dim")
-        if self.intermediate_size < 1 and not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
+        if self.intermediate_size < 1 and not all(
+            self.is_moe_layer(i) for i in range(self.num_hidden_layers)
+        ):
             raise ConfigError("intermediate_size must be >= 1 when a layer has a dense MLP")
 
     @property
@@ -138,7 +145,9 @@ class ModelConfig:
         outer: Mapping[str, Any] = {}
         if model_type in COMPOSITE_MODEL_TYPES or "text_config" in raw:
             outer, raw = raw, raw.get("text_config") or {}
-            model_type = raw.get("model_type", COMPOSITE_MODEL_TYPES.get(model_type, TEXT_MODEL_TYPE))
+            model_type = raw.get(
+                "model_type", COMPOSITE_MODEL_TYPES.get(model_type, TEXT_MODEL_TYPE)
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"model_type {model_type!r} is not supported; this engine runs "
@@ -151,7 +160,9 @@ class ModelConfig:
             raise ConfigError(f"config is missing the required key {missing}") from None
 
     @classmethod
-    def _from_text_dict(cls, model_type: str, raw: Mapping[str, Any], outer: Mapping[str, Any]) -> ModelConfig:
+    def _from_text_dict(
+        cls, model_type: str, raw: Mapping[str, Any], outer: Mapping[str, Any]
+    ) -> ModelConfig:
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -195,7 +206,9 @@ class ModelConfig:
             eos_token_ids=_as_id_tuple(eos),
             max_position_embeddings=raw.get("max_position_embeddings", 32768),
             moe=moe,
-            gdn_projection=GdnProjection.FUSED if model_type == NEXT_MODEL_TYPE else GdnProjection.SPLIT,
+            gdn_projection=GdnProjection.FUSED
+            if model_type == NEXT_MODEL_TYPE
+            else GdnProjection.SPLIT,
         )
 
 
@@ -273,8 +286,12 @@ def tiny_next_config() -> ModelConfig:
 
 
 def _with_moe(config: ModelConfig, gdn_projection: GdnProjection) -> ModelConfig:
-    moe = MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                    shared_expert_intermediate_size=64)
+    moe = MoeConfig(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    )
     return replace(config, intermediate_size=0, moe=moe, gdn_projection=gdn_projection)
 
 

@@ -1,4 +1,5 @@
 """Errors the engine raises, each with a message a person can act on."""
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ the rows of its PackedBatch. `NoCache` runs whole sequences from token 0 and
 keeps nothing (the reference path); the engine's `PagedForwardCache` reads and
 writes the paged KV cache and the GDN state pool.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """The Gated DeltaNet token mixer (the "linear_attention" layers of Qwen3.5 and Qwen3-Next)."""
+
 from __future__ import annotations
 
 import torch
@@ -52,12 +53,18 @@ class GatedDeltaNet(nn.Module):
         return GdnState(
             conv=torch.zeros(batch_size, conv_dim, kernel - 1, device=device, dtype=dtype),
             recurrent=torch.zeros(
-                batch_size, self.num_v_heads, self.head_k_dim, self.head_v_dim,
-                device=device, dtype=torch.promote_types(dtype, torch.float32),
+                batch_size,
+                self.num_v_heads,
+                self.head_k_dim,
+                self.head_v_dim,
+                device=device,
+                dtype=torch.promote_types(dtype, torch.float32),
             ),
         )
 
-    def forward(self, x: torch.Tensor, state: GdnState | None, batch: PackedBatch) -> tuple[torch.Tensor, GdnState]:
+    def forward(
+        self, x: torch.Tensor, state: GdnState | None, batch: PackedBatch
+    ) -> tuple[torch.Tensor, GdnState]:
         """x [num_tokens, hidden] packed, each row continuing from its `state` (None: from token 0).
 
         Returns (out [num_tokens, hidden], the rows' new state). Everything runs on the
@@ -66,10 +73,16 @@ class GatedDeltaNet(nn.Module):
         if state is None:
             state = self.initial_state(batch.num_rows, x.device, x.dtype)
         qkv, z, b, a = self._project(x)
-        mixed, new_conv = causal_conv1d(qkv, state.conv, self.conv1d.weight[:, 0, :], batch.seq_lens)
+        mixed, new_conv = causal_conv1d(
+            qkv, state.conv, self.conv1d.weight[:, 0, :], batch.seq_lens
+        )
         query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
-        q = l2_normalize(upcast(self._value_heads(query.unflatten(-1, (self.num_k_heads, self.head_k_dim)))))
-        k = l2_normalize(upcast(self._value_heads(key.unflatten(-1, (self.num_k_heads, self.head_k_dim)))))
+        q = l2_normalize(
+            upcast(self._value_heads(query.unflatten(-1, (self.num_k_heads, self.head_k_dim))))
+        )
+        k = l2_normalize(
+            upcast(self._value_heads(key.unflatten(-1, (self.num_k_heads, self.head_k_dim))))
+        )
         q = q * self.head_k_dim**-0.5
         v = upcast(value.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         beta = upcast(b.sigmoid())
@@ -77,12 +90,16 @@ class GatedDeltaNet(nn.Module):
         if batch.max_len == 1:  # decode: one token per row
             core, new_recurrent = gated_delta_step(q, k, v, g, beta, upcast(state.recurrent))
         else:
-            core, new_recurrent = chunked_gated_delta_rule(q, k, v, g, beta, upcast(state.recurrent), batch.seq_lens)
+            core, new_recurrent = chunked_gated_delta_rule(
+                q, k, v, g, beta, upcast(state.recurrent), batch.seq_lens
+            )
         core = core.to(x.dtype)  # [num_tokens, Hv, Dv]
         out = self.norm(core, z.unflatten(-1, (self.num_v_heads, self.head_v_dim))).flatten(1)
         return self.out_proj(out), GdnState(conv=new_conv, recurrent=new_recurrent)
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (qkv [N, conv_dim] as q|k|v of all heads, z [N, value_dim], b and a [N, Hv])."""
         if self.projection is GdnProjection.SPLIT:
             return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
@@ -90,8 +107,15 @@ class GatedDeltaNet(nn.Module):
         # (and b then a). Value head h belongs to key head h // (Hv / Hk), as in the split layout.
         per_key_head = self.num_v_heads // self.num_k_heads
         qkvz = self.in_proj_qkvz(x).unflatten(-1, (self.num_k_heads, -1))
-        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, per_key_head * self.head_v_dim,
-                                 per_key_head * self.head_v_dim], dim=-1)
+        q, k, v, z = qkvz.split(
+            [
+                self.head_k_dim,
+                self.head_k_dim,
+                per_key_head * self.head_v_dim,
+                per_key_head * self.head_v_dim,
+            ],
+            dim=-1,
+        )
         b, a = self.in_proj_ba(x).unflatten(-1, (self.num_k_heads, -1)).split(per_key_head, dim=-1)
         qkv = torch.cat((q.flatten(-2), k.flatten(-2), v.flatten(-2)), dim=-1)
         return qkv, z.flatten(-2), b.flatten(-2), a.flatten(-2)

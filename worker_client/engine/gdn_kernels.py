@@ -10,6 +10,7 @@ recurrence is
     S_t = S_t + k_t (beta_t * (v_t - S_t^T k_t))^T       (the delta rule)
     o_t = S_t^T q_t
 """
+
 from __future__ import annotations
 
 import math
@@ -37,9 +38,13 @@ def causal_conv1d(
     row_starts = torch.cumsum(lengths, 0) - lengths
     # One timeline: row b's state block, then its tokens, then row b + 1's state block...
     history = x.new_zeros(channels, x.shape[0] + num_rows * width)
-    state_starts = row_starts + torch.arange(num_rows, device=device) * width  # where row b's block begins
+    state_starts = (
+        row_starts + torch.arange(num_rows, device=device) * width
+    )  # where row b's block begins
     window = torch.arange(width, device=device)
-    history[:, (state_starts[:, None] + window).flatten()] = conv_state.to(x.dtype).permute(1, 0, 2).flatten(1)
+    history[:, (state_starts[:, None] + window).flatten()] = (
+        conv_state.to(x.dtype).permute(1, 0, 2).flatten(1)
+    )
     history[:, torch.arange(x.shape[0], device=device) + (rows + 1) * width] = x.T
     out = F.conv1d(history[None].to(weight.dtype), weight[:, None, :], groups=channels)[0]
     # Token i of row b ends the window that starts at history column i + b * width.
@@ -107,7 +112,9 @@ def chunked_gated_delta_rule(
     k_beta = k * beta[..., None]
     strictly_lower = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
     system = strictly_lower + torch.eye(chunk_size, dtype=q.dtype, device=device)
-    u_from_values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    u_from_values = torch.linalg.solve_triangular(
+        system, v * beta[..., None], upper=False, unitriangular=True
+    )
     u_from_state = torch.linalg.solve_triangular(
         system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True
     )

@@ -1,4 +1,5 @@
 """Small building blocks shared by the decoder layers: norms, MLP and RoPE."""
+
 from __future__ import annotations
 
 import torch
@@ -76,7 +77,9 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.theta = theta
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [*positions.shape, rotary_dim] for integer positions."""
         # Computed per call in at least fp32 rather than kept as a buffer a dtype cast could round.
         wide = torch.promote_types(dtype, torch.float32)

@@ -1,4 +1,5 @@
 """Build a model: the seeded tiny model, or a HF Qwen3.5 checkpoint directory."""
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,8 @@ from .model import Qwen35ForCausalLM
 
 # `--model` names of random-weight models (weights fully determined by the seed).
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
-    "tiny": tiny_config,            # dense Qwen3.5 (qwen3_5_text)
-    "tiny-moe": tiny_moe_config,    # Qwen3.5 MoE (qwen3_5_moe_text)
+    "tiny": tiny_config,  # dense Qwen3.5 (qwen3_5_text)
+    "tiny-moe": tiny_moe_config,  # Qwen3.5 MoE (qwen3_5_moe_text)
     "tiny-next": tiny_next_config,  # Qwen3-Next (qwen3_next)
 }
 
@@ -95,7 +96,9 @@ def _load_checkpoint(
         tensors.pop(name, None)
     missing = sorted(set(expected) - set(tensors) - optional)
     if missing:
-        raise CheckpointError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise CheckpointError(
+            f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}"
+        )
     model.load_state_dict(tensors, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

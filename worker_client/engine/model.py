@@ -5,6 +5,7 @@ Module and parameter names follow transformers, so `state_dict()` keys are the
 tensor names of a HF safetensors checkpoint ("model.layers.0.linear_attn...");
 see loading.py for the per-expert tensors of MoE checkpoints.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,7 +45,9 @@ class TextModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta)
 

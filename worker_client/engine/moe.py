@@ -7,6 +7,7 @@ scaled by sigmoid(shared_expert_gate(x)). Parameter names and layouts match
 transformers: experts.gate_up_proj [E, 2 * I, H] (gate rows, then up rows) and
 experts.down_proj [E, H, I].
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,10 +44,14 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts = moe.num_experts
         intermediate = moe.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.zeros(moe.num_experts, 2 * intermediate, hidden_size))
+        self.gate_up_proj = nn.Parameter(
+            torch.zeros(moe.num_experts, 2 * intermediate, hidden_size)
+        )
         self.down_proj = nn.Parameter(torch.zeros(moe.num_experts, hidden_size, intermediate))
 
-    def forward(self, x: torch.Tensor, top_experts: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, top_experts: torch.Tensor, top_weights: torch.Tensor
+    ) -> torch.Tensor:
         """Sum over each token's k experts of weight * expert(token); x [N, hidden] -> [N, hidden].
 
         Tokens are grouped by expert so that every expert hit runs one matmul

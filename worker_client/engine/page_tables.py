@@ -6,6 +6,7 @@ cache's index through `hold`/`unhold`): each page counts its holders and goes ba
 the free list when the last lets go. Shared pages are only ever read: they hold full
 blocks of tokens before any position a sharing sequence writes.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,9 @@ class PageTables:
         """Reserve positions [n, n + num_new_tokens) of `seq_id`; call only when can_append."""
         num_new_pages = self._num_new_pages(seq_id, num_new_tokens)
         if num_new_pages > len(self._free_pages):
-            raise RuntimeError(f"seq {seq_id}: {num_new_pages} pages needed, {len(self._free_pages)} free")
+            raise RuntimeError(
+                f"seq {seq_id}: {num_new_pages} pages needed, {len(self._free_pages)} free"
+            )
         table = self._page_tables.setdefault(seq_id, [])
         for _ in range(num_new_pages):
             page = self._free_pages.pop()

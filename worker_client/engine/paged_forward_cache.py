@@ -1,4 +1,5 @@
 """The ForwardCache of one engine forward: rows are sequences held by the engine."""
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ The books (what the scheduler sees through kv_free_pages and kv_cached_pages):
 - a resume point is a cached block with a snapshot (any cached block, for a model
   without GDN layers); resuming maps the blocks' pages and copies the snapshot in.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -44,12 +45,21 @@ class PrefixCache:
 
     `needs_snapshots`: the model has GDN layers (resume points need a snapshot)."""
 
-    def __init__(self, kv: PageTables, states: SlotStates, *, block_tokens: int,
-                 num_snapshot_slots: int, needs_snapshots: bool,
-                 max_unused_blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        kv: PageTables,
+        states: SlotStates,
+        *,
+        block_tokens: int,
+        num_snapshot_slots: int,
+        needs_snapshots: bool,
+        max_unused_blocks: int | None = None,
+    ) -> None:
         if block_tokens < 1 or block_tokens % kv.page_size:
-            raise ValueError(f"cache_block_tokens must be a positive multiple of the page size "
-                             f"({kv.page_size}), got {block_tokens}")
+            raise ValueError(
+                f"cache_block_tokens must be a positive multiple of the page size "
+                f"({kv.page_size}), got {block_tokens}"
+            )
         self.block_tokens = block_tokens
         self.needs_snapshots = needs_snapshots
         self._kv = kv
@@ -69,10 +79,12 @@ class PrefixCache:
         """The counters in words: resumes, misses, hit rate, evictions."""
         asked = self.num_resumes + self.num_resume_misses
         rate = f"{100.0 * self.num_resumes / asked:.1f}%" if asked else "n/a"
-        return (f"prefix cache: {self.num_resumes} resumes ({self.num_resumed_tokens} prompt "
-                f"tokens not computed), {self.num_resume_misses} misses, hit rate {rate}, "
-                f"{self.num_evicted_blocks} blocks evicted, {self.num_cached_blocks()} cached "
-                f"and {self.num_snapshots()} snapshots now")
+        return (
+            f"prefix cache: {self.num_resumes} resumes ({self.num_resumed_tokens} prompt "
+            f"tokens not computed), {self.num_resume_misses} misses, hit rate {rate}, "
+            f"{self.num_evicted_blocks} blocks evicted, {self.num_cached_blocks()} cached "
+            f"and {self.num_snapshots()} snapshots now"
+        )
 
     def num_unused_pages(self) -> int:
         return self._index.num_unused_pages()
@@ -122,8 +134,9 @@ class PrefixCache:
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            h = next_block_hash(ROOT_HASH if parent is None else parent, adapter_id,
-                                token_ids[i * b : (i + 1) * b])
+            h = next_block_hash(
+                ROOT_HASH if parent is None else parent, adapter_id, token_ids[i * b : (i + 1) * b]
+            )
             first_page = i * self._pages_per_block
             if h in self._index:  # computed twice: share the index's copy, free ours
                 self._kv.replace_pages(seq_id, first_page, self._index.use(h))
@@ -177,6 +190,8 @@ def cached_tokens_problem(cached_tokens: int, prompt_len: int, block_tokens: int
     if cached_tokens == 0 or block_tokens == 0:  # no cache: a miss, not a mistake
         return None
     if cached_tokens % block_tokens or cached_tokens >= prompt_len:
-        return (f"cached_tokens {cached_tokens} must be a multiple of the cache block "
-                f"({block_tokens} tokens) below the prompt's length ({prompt_len})")
+        return (
+            f"cached_tokens {cached_tokens} must be a multiple of the cache block "
+            f"({block_tokens} tokens) below the prompt's length ({prompt_len})"
+        )
     return None

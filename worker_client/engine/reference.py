@@ -1,4 +1,5 @@
 """A sequential generator without pages or state: the yardstick for the engine in tests."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -4,6 +4,7 @@ The engines record each change as it happens; the worker loop keeps what it has 
 delivered to the scheduler. Either way a change and its undoing before the next `take`
 cancel out, so a delta lists each resume point at most once.
 """
+
 from __future__ import annotations
 
 from .api import CacheDelta

@@ -4,6 +4,7 @@ The one random number behind each draw is a pure function of (seed, absolute
 position of the token being sampled), so a sequence resumed from its prompt
 plus the tokens generated so far samples exactly what it would have sampled.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -59,8 +60,13 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
         keep = max(1, int((cumulative - sorted_probs[:keep] < params.top_p).sum().item()))
     cumulative = torch.cumsum(sorted_probs[:keep], dim=0)
     target = uniform_for(params.seed, position) * cumulative[-1].item()
-    index = int(torch.searchsorted(cumulative, torch.tensor([target], dtype=cumulative.dtype,
-                                                            device=cumulative.device), right=True).item())
+    index = int(
+        torch.searchsorted(
+            cumulative,
+            torch.tensor([target], dtype=cumulative.dtype, device=cumulative.device),
+            right=True,
+        ).item()
+    )
     return int(order[min(index, keep - 1)].item())
 
 
@@ -68,7 +74,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
 _LOGPROB_ROWS = 64
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> list[TokenLogprobs]:
     """For each row of `logits` [rows, vocab], the log-probability of `token_ids[row]` and
     of the row's `num_top` most likely tokens (most likely first, ties by lowest index).
 
@@ -76,15 +84,27 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) 
     temperature, top-k or top-p applied (what OpenAI and vLLM report). Rows are taken
     `_LOGPROB_ROWS` at a time, so that a long prompt's log_softmax and sort stay small."""
     if logits.shape[0] > _LOGPROB_ROWS:
-        return [entry for first in range(0, logits.shape[0], _LOGPROB_ROWS)
-                for entry in token_logprobs(logits[first : first + _LOGPROB_ROWS],
-                                            token_ids[first : first + _LOGPROB_ROWS], num_top)]
-    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    chosen = logprobs.gather(1, token_ids.to(logprobs.device).long().unsqueeze(1)).squeeze(1).tolist()
+        return [
+            entry
+            for first in range(0, logits.shape[0], _LOGPROB_ROWS)
+            for entry in token_logprobs(
+                logits[first : first + _LOGPROB_ROWS],
+                token_ids[first : first + _LOGPROB_ROWS],
+                num_top,
+            )
+        ]
+    logprobs = torch.log_softmax(
+        logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1
+    )
+    chosen = (
+        logprobs.gather(1, token_ids.to(logprobs.device).long().unsqueeze(1)).squeeze(1).tolist()
+    )
     if num_top <= 0:
         return [TokenLogprobs(lp) for lp in chosen]
     # A stable descending sort gives ties to the lowest index (torch.topk does not promise it).
     top_values, top_ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
     top_values, top_ids = top_values[:, :num_top].tolist(), top_ids[:, :num_top].tolist()
-    return [TokenLogprobs(lp, tuple(ids), tuple(values))
-            for lp, ids, values in zip(chosen, top_ids, top_values)]
+    return [
+        TokenLogprobs(lp, tuple(ids), tuple(values))
+        for lp, ids, values in zip(chosen, top_ids, top_values)
+    ]

@@ -1,4 +1,5 @@
 """What the engine keeps about one held sequence, and what one step has produced so far."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -82,8 +83,9 @@ class StepRecorder:
     def prompt(self, seq_id: int, logprobs: list[TokenLogprobs]) -> None:
         self.prompt_logprobs[seq_id] = tuple(logprobs)
 
-    def finish(self, seq_id: int, reason: FinishReason, generated_tokens: int,
-               error_message: str = "") -> None:
+    def finish(
+        self, seq_id: int, reason: FinishReason, generated_tokens: int, error_message: str = ""
+    ) -> None:
         self.finished.append(FinishedSequence(seq_id, reason, generated_tokens, error_message))
 
     def preempt(self, seq_id: int) -> None:

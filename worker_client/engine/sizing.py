@@ -1,4 +1,5 @@
 """How many KV pages and GDN slots a device holds, and the check that requested pools fit."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,14 +42,23 @@ class PoolSizes:
 
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
     return PagedKVCache.bytes_per_page(
-        config.num_full_attention_layers, page_size, config.num_key_value_heads, config.head_dim, dtype
+        config.num_full_attention_layers,
+        page_size,
+        config.num_key_value_heads,
+        config.head_dim,
+        dtype,
     )
 
 
 def gdn_slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return GdnStatePool.bytes_per_slot(
-        config.num_linear_attention_layers, config.linear_conv_dim, config.linear_conv_kernel_dim,
-        config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim, dtype,
+        config.num_linear_attention_layers,
+        config.linear_conv_dim,
+        config.linear_conv_kernel_dim,
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+        dtype,
     )
 
 
@@ -65,8 +75,9 @@ def num_parameters(config: ModelConfig) -> int:
 
 
 def pool_bytes(config: ModelConfig, sizes: PoolSizes, dtype: torch.dtype) -> int:
-    return (sizes.total_kv_pages * kv_page_bytes(config, sizes.page_size, dtype)
-            + (sizes.total_gdn_slots + sizes.total_snapshot_slots) * gdn_slot_bytes(config, dtype))
+    return sizes.total_kv_pages * kv_page_bytes(config, sizes.page_size, dtype) + (
+        sizes.total_gdn_slots + sizes.total_snapshot_slots
+    ) * gdn_slot_bytes(config, dtype)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -117,15 +128,20 @@ def default_pool_sizes(
     if device.type == "cuda":
         budget = int(free * _CUDA_USABLE_FRACTION) - _CUDA_RESERVED_BYTES
         num_slots = min(_CUDA_MAX_GDN_SLOTS, int(budget * _CUDA_GDN_SHARE) // max(slot_bytes, 1))
-        num_snapshots = (min(_CUDA_MAX_SNAPSHOT_SLOTS, int(budget * _CUDA_SNAPSHOT_SHARE) // max(slot_bytes, 1))
-                         if snapshots else 0)
+        num_snapshots = (
+            min(_CUDA_MAX_SNAPSHOT_SLOTS, int(budget * _CUDA_SNAPSHOT_SHARE) // max(slot_bytes, 1))
+            if snapshots
+            else 0
+        )
         num_pages = (budget - (num_slots + num_snapshots) * slot_bytes) // max(page_bytes, 1)
     else:
         budget = min(_CPU_BUDGET_BYTES, free // 4)
         num_slots = _CPU_NUM_GDN_SLOTS
         num_snapshots = num_slots * _CPU_SNAPSHOTS_PER_GDN_SLOT if snapshots else 0
         wanted_pages = num_slots * _CPU_MAX_TOKENS_PER_SEQUENCE // page_size
-        num_pages = min(wanted_pages, (budget - (num_slots + num_snapshots) * slot_bytes) // max(page_bytes, 1))
+        num_pages = min(
+            wanted_pages, (budget - (num_slots + num_snapshots) * slot_bytes) // max(page_bytes, 1)
+        )
     if num_slots < 1 or num_pages < 1:
         weights_note = "" if weights_on_device else f" after {weights / _GIB:.2f} GiB of weights"
         raise ModelDoesNotFit(
@@ -133,17 +149,24 @@ def default_pool_sizes(
             f"takes {slot_bytes / _GIB:.3f} GiB and one KV page {page_bytes / _GIB:.3f} GiB; "
             "use a smaller dtype, a larger device or a smaller model"
         )
-    return PoolSizes(total_kv_pages=int(num_pages), page_size=page_size, total_gdn_slots=int(num_slots),
-                     total_snapshot_slots=int(num_snapshots))
+    return PoolSizes(
+        total_kv_pages=int(num_pages),
+        page_size=page_size,
+        total_gdn_slots=int(num_slots),
+        total_snapshot_slots=int(num_snapshots),
+    )
 
 
-def check_pools_fit(config: ModelConfig, sizes: PoolSizes, device: torch.device, dtype: torch.dtype) -> None:
+def check_pools_fit(
+    config: ModelConfig, sizes: PoolSizes, device: torch.device, dtype: torch.dtype
+) -> None:
     """Raise ModelDoesNotFit if the pools need more memory than `device` has free."""
     needed = pool_bytes(config, sizes, dtype)
     free = available_bytes(device)
     if needed > free:
         raise ModelDoesNotFit(
             f"{sizes.total_kv_pages} KV pages of {sizes.page_size} tokens, {sizes.total_gdn_slots} GDN "
-            f"slots and {sizes.total_snapshot_slots} GDN snapshot slots need {needed / _GIB:.2f} GiB on {device}, only {free / _GIB:.2f} GiB is free; "
+            f"slots and {sizes.total_snapshot_slots} GDN snapshot slots need {needed / _GIB:.2f} GiB "
+            f"on {device}, only {free / _GIB:.2f} GiB is free; "
             "ask for fewer (see default_pool_sizes)"
         )

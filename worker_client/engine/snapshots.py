@@ -4,6 +4,7 @@ A snapshot of block hash h_i is every linear-attention layer's state (conv and
 recurrent) after the last token of block i, copied out of a sequence's GDN slot right
 after a forward that ended exactly there. Resuming copies it into a new sequence's slot.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -4,6 +4,7 @@ One slot per held sequence, taken on admission and returned on evict/finish.
 A slot holds, for every linear-attention layer, the causal-conv state and the
 recurrent (delta rule) state; these do not grow with the sequence.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,11 +28,18 @@ class GdnStatePool:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        self.conv = torch.zeros(num_layers, num_slots, conv_dim, conv_kernel - 1, device=device, dtype=dtype)
+        self.conv = torch.zeros(
+            num_layers, num_slots, conv_dim, conv_kernel - 1, device=device, dtype=dtype
+        )
         # The recurrent state accumulates over the whole sequence: kept in fp32 (fp64 for fp64 models).
         self.recurrent = torch.zeros(
-            num_layers, num_slots, num_value_heads, key_head_dim, value_head_dim,
-            device=device, dtype=torch.promote_types(dtype, torch.float32),
+            num_layers,
+            num_slots,
+            num_value_heads,
+            key_head_dim,
+            value_head_dim,
+            device=device,
+            dtype=torch.promote_types(dtype, torch.float32),
         )
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))  # a stack: pop() gives the lowest
@@ -41,7 +49,8 @@ class GdnStatePool:
         pool = GdnStatePool.__new__(GdnStatePool)
         pool.conv = self.conv.new_zeros((self.conv.shape[0], num_slots, *self.conv.shape[2:]))
         pool.recurrent = self.recurrent.new_zeros(
-            (self.recurrent.shape[0], num_slots, *self.recurrent.shape[2:]))
+            (self.recurrent.shape[0], num_slots, *self.recurrent.shape[2:])
+        )
         pool.num_slots = num_slots
         pool._free_slots = list(range(num_slots - 1, -1, -1))
         return pool
@@ -52,11 +61,20 @@ class GdnStatePool:
         self.recurrent[:, slot] = source.recurrent[:, source_slot]
 
     @staticmethod
-    def bytes_per_slot(num_layers: int, conv_dim: int, conv_kernel: int, num_value_heads: int,
-                       key_head_dim: int, value_head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_slot(
+        num_layers: int,
+        conv_dim: int,
+        conv_kernel: int,
+        num_value_heads: int,
+        key_head_dim: int,
+        value_head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
         """Device memory of one slot across all linear-attention layers."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        recurrent_itemsize = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
+        recurrent_itemsize = torch.empty(
+            (), dtype=torch.promote_types(dtype, torch.float32)
+        ).element_size()
         conv = conv_dim * (conv_kernel - 1) * itemsize
         recurrent = num_value_heads * key_head_dim * value_head_dim * recurrent_itemsize
         return num_layers * (conv + recurrent)

@@ -6,13 +6,14 @@ Mechanism only: the batcher builds a `FleetView` for a worker that keeps a prefi
 decides with it. Built in O(workers) per decision; a lookup is one walk down the
 sequence's block hashes over the fleet's index (O(prompt blocks)), memoized per decision.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from service.core.tables.ledger import WorkerRecord
 from service.core.cache.prefix_cache import FleetCache, prompt_hashes
+from service.core.tables.ledger import WorkerRecord
 from service.core.tables.sequences import Sequence
 
 
@@ -45,16 +46,23 @@ def has_room(worker: WorkerRecord) -> bool:
 def sequence_hashes(seq: Sequence, block_tokens: int) -> list[int]:
     """The block hashes of `seq`'s resume prompt, kept on the sequence (computed once,
     extended when it comes back with more tokens)."""
-    seq.prompt_hashes = prompt_hashes(seq.prompt_hashes, seq.resume_token_ids,
-                                      seq.num_tokens(), seq.adapter_id, block_tokens)
+    seq.prompt_hashes = prompt_hashes(
+        seq.prompt_hashes, seq.resume_token_ids, seq.num_tokens(), seq.adapter_id, block_tokens
+    )
     return seq.prompt_hashes.hashes
 
 
 class FleetView:
     """The fleet as the decision for `worker` sees it (read-only to the policy)."""
 
-    def __init__(self, worker: WorkerRecord, workers: Iterable[WorkerRecord],
-                 fleet_cache: FleetCache, num_queued: int, now: float) -> None:
+    def __init__(
+        self,
+        worker: WorkerRecord,
+        workers: Iterable[WorkerRecord],
+        fleet_cache: FleetCache,
+        num_queued: int,
+        now: float,
+    ) -> None:
         self.worker_id = worker.worker_id
         self.block_tokens = worker.resume_points.block_tokens
         self._own_points = worker.resume_points.points
@@ -67,8 +75,9 @@ class FleetView:
         self.num_workers = 1 + len(self._peers)
         self.num_queued = num_queued
         self.now = now
-        self._least_peer_load = min((len(w.assigned) for w in self._peers.values()
-                                     if has_room(w)), default=None)
+        self._least_peer_load = min(
+            (len(w.assigned) for w in self._peers.values() if has_room(w)), default=None
+        )
         self._found: dict[int, CacheSpread] = {}
 
     def waited_seconds(self, seq: Sequence) -> float:
@@ -80,8 +89,14 @@ class FleetView:
         `adapter_id`; None: there is none."""
         if not adapter_id:
             return self._least_peer_load
-        return min((len(w.assigned) for w in self._peers.values()
-                    if w.can_run(adapter_id) and has_room(w)), default=None)
+        return min(
+            (
+                len(w.assigned)
+                for w in self._peers.values()
+                if w.can_run(adapter_id) and has_room(w)
+            ),
+            default=None,
+        )
 
     def spread(self, seq: Sequence) -> CacheSpread:
         """Where `seq`'s prefix is cached: one walk from its longest block strictly below
@@ -106,11 +121,13 @@ class FleetView:
             holders, least_load = 0, None
             for worker_id in owners:
                 peer = self._peers.get(worker_id)
-                if (peer is not None and peer.resume_points.block_tokens == block_tokens
-                        and peer.can_run(seq.adapter_id)):
+                if (
+                    peer is not None
+                    and peer.resume_points.block_tokens == block_tokens
+                    and peer.can_run(seq.adapter_id)
+                ):
                     holders += 1
-                    if has_room(peer) and (least_load is None
-                                           or len(peer.assigned) < least_load):
+                    if has_room(peer) and (least_load is None or len(peer.assigned) < least_load):
                         least_load = len(peer.assigned)
             tokens = (i + 1) * block_tokens
             room = least_load is not None

@@ -7,6 +7,7 @@ asks gets its own cache's answer); the policies read `DecisionView.cached_tokens
 the placement policy (service/core/decide/policies/placement.py) reads where else a prefix is
 cached through `FleetCache`, kept in step with every worker's `ResumePoints`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -111,8 +112,13 @@ class PromptHashes:
     hashes: list[int]
 
 
-def prompt_hashes(cached: PromptHashes | None, token_ids: Callable[[], Sequence[int]],
-                  num_tokens: int, adapter_id: str, block_tokens: int) -> PromptHashes:
+def prompt_hashes(
+    cached: PromptHashes | None,
+    token_ids: Callable[[], Sequence[int]],
+    num_tokens: int,
+    adapter_id: str,
+    block_tokens: int,
+) -> PromptHashes:
     """The hashes of the first `num_tokens` of `token_ids()` in blocks of `block_tokens`,
     reusing `cached` where it covers them (same block size, a prefix of these tokens:
     a sequence's resume prompt only grows). `token_ids` is called only when something
@@ -124,15 +130,20 @@ def prompt_hashes(cached: PromptHashes | None, token_ids: Callable[[], Sequence[
             # Only whole blocks were hashed; the tokens before num_tokens never change.
             start = len(cached.hashes)
             previous = cached.hashes[-1] if cached.hashes else 0
-            more = block_hashes(token_ids()[:num_tokens], adapter_id, block_tokens,
-                                start_block=start, previous_hash=previous)
+            more = block_hashes(
+                token_ids()[:num_tokens],
+                adapter_id,
+                block_tokens,
+                start_block=start,
+                previous_hash=previous,
+            )
             return PromptHashes(block_tokens, num_tokens, cached.hashes + more)
-    return PromptHashes(block_tokens, num_tokens,
-                        block_hashes(token_ids()[:num_tokens], adapter_id, block_tokens))
+    return PromptHashes(
+        block_tokens, num_tokens, block_hashes(token_ids()[:num_tokens], adapter_id, block_tokens)
+    )
 
 
-def longest_resume(hashes: list[int], num_tokens: int, block_tokens: int,
-                   points: set[int]) -> int:
+def longest_resume(hashes: list[int], num_tokens: int, block_tokens: int, points: set[int]) -> int:
     """Tokens before the longest resume point in `points` strictly below `num_tokens`
     (a first chunk must compute at least one token), walking from the longest: 0 if none.
     O(prompt blocks)."""

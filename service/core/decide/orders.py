@@ -5,6 +5,7 @@ An order makes the in-memory queue (`new_queue`) and names its sort key as plain
 so that a store which keeps the queue itself claims in the same order without knowing
 any policy (service/state/postgres.py turns the terms into SQL).
 """
+
 from __future__ import annotations
 
 import enum
@@ -52,7 +53,11 @@ class FairOrder:
     # The tenants' service counters are kept (and saved) only for an order that reads them.
     uses_tenant_service: ClassVar[bool] = True
     sort_key: ClassVar[tuple[SortTerm, ...]] = (
-        SortTerm.AGED_PRIORITY, SortTerm.TENANT_SERVICE, SortTerm.SUBMITTED_AT, SortTerm.SEQ_ID)
+        SortTerm.AGED_PRIORITY,
+        SortTerm.TENANT_SERVICE,
+        SortTerm.SUBMITTED_AT,
+        SortTerm.SEQ_ID,
+    )
 
     def new_queue(self) -> AdmissionQueue:
         return FairQueue(self.aging_seconds)
@@ -70,7 +75,10 @@ class DeadlineOrder:
     aging_seconds: float
     uses_tenant_service: ClassVar[bool] = False
     sort_key: ClassVar[tuple[SortTerm, ...]] = (
-        SortTerm.AGED_PRIORITY, SortTerm.DEADLINE, SortTerm.SEQ_ID)
+        SortTerm.AGED_PRIORITY,
+        SortTerm.DEADLINE,
+        SortTerm.SEQ_ID,
+    )
 
     def new_queue(self) -> AdmissionQueue:
         return DeadlineQueue(self.aging_seconds)

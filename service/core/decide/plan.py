@@ -1,8 +1,10 @@
 """What a policy sees of one SelectBatch, and what it answers: a plan.
 
 A policy gets a read-only `DecisionView` and returns a `Plan`; the mechanism
-(service/core/decide/plan_check.py, service/core/decide/batcher.py) checks the plan against the invariants and applies it.
+(service/core/decide/plan_check.py, service/core/decide/batcher.py) checks the plan against
+the invariants and applies it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator

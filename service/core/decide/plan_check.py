@@ -12,6 +12,7 @@ Invariants every plan keeps, whatever the policy:
   preempts or fails it).
 A broken invariant is a bug in the policy: PlanError, and nothing is applied.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,8 +22,13 @@ from service.core.decide.step_budget import StepBudget, decode_pages, held_pages
 from service.core.vocabulary import SequenceView
 
 
-def check_plan(view: DecisionView, plan: Plan, budget: StepBudget,
-               candidate: Callable[[int], SequenceView | None], policy_name: str) -> None:
+def check_plan(
+    view: DecisionView,
+    plan: Plan,
+    budget: StepBudget,
+    candidate: Callable[[int], SequenceView | None],
+    policy_name: str,
+) -> None:
     """Raise PlanError if `plan` breaks an invariant; `budget` is a fresh one from the
     policy; `candidate(seq_id)` is the queued sequence if the worker may be given it.
 
@@ -47,8 +53,10 @@ def check_plan(view: DecisionView, plan: Plan, budget: StepBudget,
             once(seq_id, "preempt")
             seq = running.get(seq_id)
             if seq is None and seq_id not in waiting:
-                raise PlanError(f"policy {policy_name}: preempts seq_id {seq_id}, which the "
-                                "worker does not hold")
+                raise PlanError(
+                    f"policy {policy_name}: preempts seq_id {seq_id}, which the "
+                    "worker does not hold"
+                )
             if seq is None:
                 budget.give_back(held_pages(waiting[seq_id], budget.page_size, running=False))
             else:
@@ -56,28 +64,40 @@ def check_plan(view: DecisionView, plan: Plan, budget: StepBudget,
                 num_decode_pages -= decode_pages(seq, budget.page_size)
         expected = tuple(seq_id for seq_id in expected if seq_id not in seen)
     if plan.decode != expected:
-        raise PlanError(f"policy {policy_name}: decode must list every running sequence not "
-                        "preempted, in the order reported")
+        raise PlanError(
+            f"policy {policy_name}: decode must list every running sequence not "
+            "preempted, in the order reported"
+        )
     budget.take_decodes(len(plan.decode), num_decode_pages)
     for chunk in plan.continuations:
         once(chunk.seq_id, "continuations")
         seq = waiting.get(chunk.seq_id)
         if seq is None or not 0 <= chunk.chunk_len <= seq.spec_prompt_len() - seq.cursor:
-            raise PlanError(f"policy {policy_name}: continuation {chunk} is not the next "
-                            "part of a prefill the worker holds")
+            raise PlanError(
+                f"policy {policy_name}: continuation {chunk} is not the next "
+                "part of a prefill the worker holds"
+            )
         budget.take_chunk(seq.cursor, chunk.chunk_len)
     for chunk in plan.admissions:
         once(chunk.seq_id, "admissions")
         seq = candidate(chunk.seq_id)
         if seq is None or not 1 <= chunk.chunk_len <= seq.num_tokens() - chunk.cached_tokens:
-            raise PlanError(f"policy {policy_name}: admission {chunk} is not a queued "
-                            "sequence this worker can run, or its length is out of range")
+            raise PlanError(
+                f"policy {policy_name}: admission {chunk} is not a queued "
+                "sequence this worker can run, or its length is out of range"
+            )
         if chunk.cached_tokens not in (0, view.cached_tokens(seq)):
-            raise PlanError(f"policy {policy_name}: admission {chunk} takes cached tokens "
-                            "that are not the worker's resume point for it")
+            raise PlanError(
+                f"policy {policy_name}: admission {chunk} takes cached tokens "
+                "that are not the worker's resume point for it"
+            )
         budget.take_admission(seq, chunk.chunk_len, chunk.cached_tokens)
-    lone_prefill = (not plan.decode and not plan.admissions and len(plan.continuations) == 1
-                    and view.num_active == 1)
+    lone_prefill = (
+        not plan.decode
+        and not plan.admissions
+        and len(plan.continuations) == 1
+        and view.num_active == 1
+    )
     problem = budget.overdrawn(pages_may_overdraw=lone_prefill)
     if problem is not None:
         raise PlanError(f"policy {policy_name}: the plan takes {problem}")

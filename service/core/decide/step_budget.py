@@ -10,6 +10,7 @@ ceil(positions / page_size) pages; a prefill chunk adds its tokens' positions; a
 adds one position, the KV of the sequence's last token (so a running sequence of
 n tokens holds n - 1 positions before its next decode).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -90,8 +91,9 @@ class StepBudget:
 
     # Admissions.
 
-    def admission_blocker(self, seq: SequenceView, chunk_len: int,
-                          cached_tokens: int = 0) -> BlockReason | None:
+    def admission_blocker(
+        self, seq: SequenceView, chunk_len: int, cached_tokens: int = 0
+    ) -> BlockReason | None:
         """What keeps `seq` from being admitted with a first chunk of `chunk_len` after
         `cached_tokens` from the worker's cache; None if it fits. A LoRA limit is not a
         blocker: check `fits_adapter`.
@@ -114,8 +116,12 @@ class StepBudget:
         return None
 
     def fits_adapter(self, adapter_id: str) -> bool:
-        return (not adapter_id or not self.max_loras or adapter_id in self.adapters
-                or len(self.adapters) < self.max_loras)
+        return (
+            not adapter_id
+            or not self.max_loras
+            or adapter_id in self.adapters
+            or len(self.adapters) < self.max_loras
+        )
 
     def take_admission(self, seq: SequenceView, chunk_len: int, cached_tokens: int = 0) -> None:
         self.new_seqs -= 1
@@ -139,8 +145,12 @@ class StepBudget:
             return "a decision larger than the message limit"
         if self.tokens is not None and self.tokens < 0:
             return f"the token budget overspent by {-self.tokens}"
-        if (self.kv_pages is not None and self.kv_pages < 0 and self.kv_pages_taken > 0
-                and not pages_may_overdraw):
+        if (
+            self.kv_pages is not None
+            and self.kv_pages < 0
+            and self.kv_pages_taken > 0
+            and not pages_may_overdraw
+        ):
             return f"{-self.kv_pages} KV pages more than are free"
         if self.max_loras and len(self.adapters) > self.max_loras:
             return f"{len(self.adapters)} adapters where max_loras is {self.max_loras}"

@@ -7,6 +7,7 @@ urgent one) over the fleet's prefill rate, each worker's rate being the tokens o
 step of its budget over that step's predicted time. Decodes are left out: the estimate
 errs early, so a request is shed only when it is clearly too late.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

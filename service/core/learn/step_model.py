@@ -22,6 +22,7 @@ one-worker code trace).
 Plain Python floats, no numpy: a decision reads the model once (`prefill_budget`) and a
 report updates it once.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,9 +66,13 @@ class StepShape:
     decode_context: int = 0
 
     def features(self) -> tuple[float, ...]:
-        return (1.0, self.num_prefill_tokens * _PREFILL_SCALE,
-                self.prefill_attention * _ATTENTION_SCALE, self.num_decodes * _DECODE_SCALE,
-                self.decode_context * _CONTEXT_SCALE)
+        return (
+            1.0,
+            self.num_prefill_tokens * _PREFILL_SCALE,
+            self.prefill_attention * _ATTENTION_SCALE,
+            self.num_decodes * _DECODE_SCALE,
+            self.decode_context * _CONTEXT_SCALE,
+        )
 
 
 def chunk_attention(chunk_start: int, chunk_len: int) -> float:
@@ -78,25 +83,32 @@ def chunk_attention(chunk_start: int, chunk_len: int) -> float:
 class StepTimeModel:
     """One worker's step time in seconds, refitted with every measured step."""
 
-    def __init__(self, weights_ms: Iterable[float] = CAUTIOUS_WEIGHTS_MS, *,
-                 forgetting: float = DEFAULT_FORGETTING,
-                 prior_variance: float = _PRIOR_VARIANCE) -> None:
+    def __init__(
+        self,
+        weights_ms: Iterable[float] = CAUTIOUS_WEIGHTS_MS,
+        *,
+        forgetting: float = DEFAULT_FORGETTING,
+        prior_variance: float = _PRIOR_VARIANCE,
+    ) -> None:
         self.weights = [float(w) for w in weights_ms]
         assert len(self.weights) == _NUM_FEATURES and 0 < forgetting <= 1
         assert 0 < prior_variance < math.inf, prior_variance
         self.forgetting = forgetting
         self._prior_info = 1.0 / prior_variance
         # Weighted sums of x x^T and x y over the steps, the prior's share included.
-        self._info = [[self._prior_info if i == j else 0.0 for j in range(_NUM_FEATURES)]
-                      for i in range(_NUM_FEATURES)]
+        self._info = [
+            [self._prior_info if i == j else 0.0 for j in range(_NUM_FEATURES)]
+            for i in range(_NUM_FEATURES)
+        ]
         self._moment = [self._prior_info * w for w in self.weights]
         self.num_steps = 0
         # Mean relative error |predicted - measured| / measured, recent steps weighing more.
         self.recent_error = 0.5
 
     @classmethod
-    def fitted(cls, samples: Iterable[tuple[StepShape, float]],
-               forgetting: float = DEFAULT_FORGETTING) -> StepTimeModel:
+    def fitted(
+        cls, samples: Iterable[tuple[StepShape, float]], forgetting: float = DEFAULT_FORGETTING
+    ) -> StepTimeModel:
         """A model fitted to (shape, seconds) samples (a step table or profile read on a
         grid), with every sample weighing the same; it goes on learning as any other."""
         model = cls(forgetting=1.0)
@@ -136,15 +148,17 @@ class StepTimeModel:
         self.num_steps += 1
         return predicted
 
-    def prefill_budget(self, max_seconds: float, *, num_decodes: int, decode_context: int,
-                       prefill_context: float) -> float:
+    def prefill_budget(
+        self, max_seconds: float, *, num_decodes: int, decode_context: int, prefill_context: float
+    ) -> float:
         """The most prefill tokens P whose predicted step, with these decodes, takes at
         most `max_seconds`, counting each prefill token's attention as `prefill_context`
         + P / 2 tokens (a chunk from that context on: an upper bound for several chunks).
         0 when the decodes alone take that long; math.inf when prefill costs nothing."""
         w = self.weights
-        fixed_ms = max(0.0, w[0] + w[3] * num_decodes * _DECODE_SCALE
-                       + w[4] * decode_context * _CONTEXT_SCALE)
+        fixed_ms = max(
+            0.0, w[0] + w[3] * num_decodes * _DECODE_SCALE + w[4] * decode_context * _CONTEXT_SCALE
+        )
         room_ms = max_seconds * 1000.0 - fixed_ms
         if room_ms <= 0:
             return 0.0

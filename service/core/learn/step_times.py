@@ -11,6 +11,7 @@ not the new incarnation's), and a FIFO never holds more than `MAX_UNPAIRED` deci
 on the way shifts the pairing by one step until the worker registers again: neighbouring
 steps are alike, and the model's error (a metric) would show it.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -48,8 +49,7 @@ class StepTimes:
             model = self._models[worker_id] = self._new_model()
         return model
 
-    def measured(self, worker_id: str,
-                 step_us: int) -> tuple[StepShape, float, float] | None:
+    def measured(self, worker_id: str, step_us: int) -> tuple[StepShape, float, float] | None:
         """Pair a reported step time with the oldest unpaired decision and learn from it;
         (shape, predicted seconds, measured seconds), or None when there was nothing to
         pair (0 = unknown, or no decision with work outstanding)."""

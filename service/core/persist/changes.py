@@ -5,10 +5,11 @@ The Scheduler marks what it changes (`created`, `touched`, `grown`, ...) and cal
 `StateChanges`, which the store applies all or nothing. After a failed save nothing is
 marked saved, so the next save carries it again, and no answer rests on unsaved state.
 """
+
 from __future__ import annotations
 
-from service.core.tables.sequences import Sequence
 from service.core.persist.store import StateChanges, StateStore, StoredWorker, TokenAppend
+from service.core.tables.sequences import Sequence
 from service.core.types import SubmitParams
 
 
@@ -68,33 +69,48 @@ class ChangeSet:
         """Hand everything changed to the store as one change (StoreError: kept for the
         next save). `next_seq_id` is saved when the change hands out new ids,
         `last_incarnation` when workers changed."""
-        if not (self._touched or self._grown or self._created or self._forgotten
-                or self._workers or self._tenants):
+        if not (
+            self._touched
+            or self._grown
+            or self._created
+            or self._forgotten
+            or self._workers
+            or self._tenants
+        ):
             return
         if self._store is None:
             self._clear()
             return
-        grown = [seq for seq in self._grown.values()
-                 if len(seq.output_token_ids) > seq.num_saved_tokens]
-        self._store.save(StateChanges(
-            created=tuple(self._created.items()),
-            progress=tuple(seq.progress() for seq in self._touched.values()),
-            tokens=tuple(
-                TokenAppend(seq.seq_id, seq.num_saved_tokens,
-                            tuple(seq.output_token_ids[seq.num_saved_tokens:]))
-                for seq in grown
-            ),
-            # Every finish touches its sequence, and nothing touches it after.
-            final_outputs=tuple((seq.seq_id, tuple(seq.output_token_ids))
-                                for seq in self._touched.values() if seq.is_finished),
-            forgotten=tuple(self._forgotten),
-            workers_changed=tuple(w for w in self._workers.values() if w is not None),
-            workers_left=tuple(w for w, stored in self._workers.items() if stored is None),
-            next_seq_id=next_seq_id if self._created else None,
-            last_incarnation=last_incarnation if self._workers else None,
-            tenant_service=tuple(self._tenants.items()),
-            sync=sync,
-        ))
+        grown = [
+            seq for seq in self._grown.values() if len(seq.output_token_ids) > seq.num_saved_tokens
+        ]
+        self._store.save(
+            StateChanges(
+                created=tuple(self._created.items()),
+                progress=tuple(seq.progress() for seq in self._touched.values()),
+                tokens=tuple(
+                    TokenAppend(
+                        seq.seq_id,
+                        seq.num_saved_tokens,
+                        tuple(seq.output_token_ids[seq.num_saved_tokens :]),
+                    )
+                    for seq in grown
+                ),
+                # Every finish touches its sequence, and nothing touches it after.
+                final_outputs=tuple(
+                    (seq.seq_id, tuple(seq.output_token_ids))
+                    for seq in self._touched.values()
+                    if seq.is_finished
+                ),
+                forgotten=tuple(self._forgotten),
+                workers_changed=tuple(w for w in self._workers.values() if w is not None),
+                workers_left=tuple(w for w, stored in self._workers.items() if stored is None),
+                next_seq_id=next_seq_id if self._created else None,
+                last_incarnation=last_incarnation if self._workers else None,
+                tenant_service=tuple(self._tenants.items()),
+                sync=sync,
+            )
+        )
         for seq in grown:
             seq.num_saved_tokens = len(seq.output_token_ids)
         self._clear()

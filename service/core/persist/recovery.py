@@ -2,6 +2,7 @@
 replica takes over from a shared store (`adopt`). Both rebuild records as saved; what
 was assigned to a worker the core does not know goes back to the head of the queue.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -18,8 +19,9 @@ from service.core.types import FinishReason, SequenceState
 class Recovery:
     """Rebuilds sequences from stored ones into the core's tables."""
 
-    def __init__(self, tables: Tables, lifecycle: Lifecycle,
-                 wall_clock: Callable[[], float]) -> None:
+    def __init__(
+        self, tables: Tables, lifecycle: Lifecycle, wall_clock: Callable[[], float]
+    ) -> None:
         self._sequences = tables.sequences
         self._queue = tables.queue
         self._ledger = tables.ledger

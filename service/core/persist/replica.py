@@ -2,12 +2,13 @@
 only some of the sequences, takes more from the shared queue (`adopt`), gives some up
 (`disown`), and says how many queued sequences it should hold (prefetch).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from service.core.scheduler import Scheduler
 from service.core.persist.store import StoredSequence
+from service.core.scheduler import Scheduler
 from service.core.types import SequenceState, SubmitParams
 
 
@@ -29,8 +30,9 @@ class ReplicaScheduler(Scheduler):
         that still reports one is told to evict it."""
         self._lifecycle.forget(seq_ids)
 
-    def shed_if_late(self, params: SubmitParams, shared_tokens_ahead: int,
-                     num_replicas: int) -> None:
+    def shed_if_late(
+        self, params: SubmitParams, shared_tokens_ahead: int, num_replicas: int
+    ) -> None:
         """DeadlineUnreachable for a sheddable request (Scheduler.is_sheddable) that this
         replica's workers could not start before its deadline, as the single scheduler
         sheds: behind its own queue's prefill tokens of as urgent requests plus its share
@@ -70,9 +72,13 @@ class ReplicaScheduler(Scheduler):
         servable = self.servable_adapters()
         if not self._reads.num_unservable(servable):
             return []
-        return [seq.seq_id for seq in self._sequences
-                if seq.state is SequenceState.QUEUED and seq.adapter_id
-                and seq.adapter_id not in servable]
+        return [
+            seq.seq_id
+            for seq in self._sequences
+            if seq.state is SequenceState.QUEUED
+            and seq.adapter_id
+            and seq.adapter_id not in servable
+        ]
 
     def queued_tail(self, count: int) -> list[int]:
         """The last `count` queued ids in the queue order (those to hand back first);
@@ -89,5 +95,4 @@ class ReplicaScheduler(Scheduler):
     def hand_out_incarnations_from(self, incarnation: int) -> None:
         """The next registration gets `incarnation` or more (replicas draw it from a
         database sequence, so numbers never repeat across replicas)."""
-        self._workers.last_incarnation = max(self._workers.last_incarnation,
-                                             incarnation - 1)
+        self._workers.last_incarnation = max(self._workers.last_incarnation, incarnation - 1)

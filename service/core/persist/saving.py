@@ -1,5 +1,6 @@
 """The save scope of each state-changing call: what an earlier failed save left is saved
 first, and what the call changed is saved before it returns (undone if that fails)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -23,8 +24,9 @@ class Saver:
     """Saves the tables' changes, giving up the ids a shared store says are another
     replica's now."""
 
-    def __init__(self, tables: Tables, lifecycle: Lifecycle,
-                 last_incarnation: Callable[[], int]) -> None:
+    def __init__(
+        self, tables: Tables, lifecycle: Lifecycle, last_incarnation: Callable[[], int]
+    ) -> None:
         self._changes = tables.changes
         self._sequences = tables.sequences
         self._lifecycle = lifecycle

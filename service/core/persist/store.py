@@ -9,6 +9,7 @@ several replicas (service/state/postgres.py): each replica's core owns some sequ
 and a save that touches one another replica took over is refused whole with `Disowned`;
 the core then forgets those sequences (`Lifecycle.forget`) and saves the rest.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -136,8 +137,12 @@ class MemoryStore:
     def load(self) -> StoredState:
         return StoredState(
             sequences=[
-                StoredSequence(seq_id, self._params[seq_id], self._progress[seq_id],
-                               list(self._tokens.get(seq_id, ())))
+                StoredSequence(
+                    seq_id,
+                    self._params[seq_id],
+                    self._progress[seq_id],
+                    list(self._tokens.get(seq_id, ())),
+                )
                 for seq_id in sorted(self._params)
             ],
             workers=list(self._workers.values()),
@@ -153,8 +158,9 @@ class MemoryStore:
         for append in changes.tokens:  # check first: a refused save changes nothing
             known = len(self._tokens.get(append.seq_id, ()))
             if append.start != known:
-                raise StoreError(f"seq_id {append.seq_id}: tokens from {append.start} "
-                                 f"saved after {known} tokens")
+                raise StoreError(
+                    f"seq_id {append.seq_id}: tokens from {append.start} saved after {known} tokens"
+                )
         for seq_id, params in changes.created:
             self._params[seq_id] = params
         for progress in changes.progress:

@@ -7,26 +7,29 @@ queue, the worker's resume points take the report's cache delta, cache misses go
 to the queue to be admitted again, and ids the worker holds that are no longer its are
 listed for eviction.
 """
+
 from __future__ import annotations
 
 from array import array
 from collections import deque
 from operator import attrgetter, itemgetter
 
-from service.core.vocabulary import PreemptReason
 from service.core.errors import InvalidArgument
 from service.core.observer import EvictReason, RequeueReason
-from service.core.tables.steady import NewTokens, SteadyStep
 from service.core.tables.ledger import WorkerRecord
 from service.core.tables.lifecycle import Lifecycle
 from service.core.tables.sequences import Sequence, compact
+from service.core.tables.steady import NewTokens, SteadyStep
 from service.core.tables.tables import Tables
 from service.core.types import FinishReason, TokenRuns, TokenUpdate, WorkerReport
-
+from service.core.vocabulary import PreemptReason
 
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
-_OUTPUT, _SEQ_ID, _TENANT = (attrgetter("output_token_ids"), attrgetter("seq_id"),
-                             attrgetter("params.tenant"))
+_OUTPUT, _SEQ_ID, _TENANT = (
+    attrgetter("output_token_ids"),
+    attrgetter("seq_id"),
+    attrgetter("params.tenant"),
+)
 _EXTEND = array.extend
 
 
@@ -51,8 +54,9 @@ class Reconciler:
         self._lifecycle = lifecycle
         self._steady = steady
 
-    def apply(self, worker: WorkerRecord, report: WorkerReport,
-              reported: frozenset[int]) -> tuple[int, ...]:
+    def apply(
+        self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int]
+    ) -> tuple[int, ...]:
         """Apply `report` (validated; `reported`: its waiting and running ids) to
         `worker`; returns the reported ids to evict (not, or no longer, this worker's).
         InvalidArgument, with nothing changed, if its tokens leave a gap."""
@@ -75,27 +79,40 @@ class Reconciler:
         strays = reported.difference(assigned)
         lost: list[int] = []
         if len(reported) - len(strays) != len(assigned):
-            mentioned = (reported | {f.seq_id for f in report.finished} | set(report.preempted)
-                         | set(report.cache_misses))
+            mentioned = (
+                reported
+                | {f.seq_id for f in report.finished}
+                | set(report.preempted)
+                | set(report.cache_misses)
+            )
             lost = [s for s in assigned if s not in mentioned]
         # Lost first, so the preempted ones end up at the very head, in the order given;
         # a cache miss goes back where an admitted sequence goes, the head, to be offered
         # a first chunk again.
-        for seq_ids, reason in ((lost, RequeueReason.LOST), (misses, RequeueReason.CACHE_MISS),
-                                (requeue_ids, RequeueReason.PREEMPTED)):
+        for seq_ids, reason in (
+            (lost, RequeueReason.LOST),
+            (misses, RequeueReason.CACHE_MISS),
+            (requeue_ids, RequeueReason.PREEMPTED),
+        ):
             if seq_ids:
                 self._lifecycle.requeue(worker, seq_ids, reason)
         for seq_id in requeue_ids:
             self._observer.on_preempted(seq_id, worker.worker_id, PreemptReason.WORKER)
 
-        evict = (tuple(s for s in (*report.waiting, *report.running) if s in strays)
-                 if strays else ())
+        evict = (
+            tuple(s for s in (*report.waiting, *report.running) if s in strays) if strays else ()
+        )
         for seq_id in evict:
             self._observer.on_evicted(seq_id, worker.worker_id, self._evict_reason(seq_id))
         return evict
 
-    def _apply_cache(self, worker: WorkerRecord, report: WorkerReport,
-                     reported: frozenset[int], preempted: frozenset[int]) -> list[int]:
+    def _apply_cache(
+        self,
+        worker: WorkerRecord,
+        report: WorkerReport,
+        reported: frozenset[int],
+        preempted: frozenset[int],
+    ) -> list[int]:
         """Apply the report's resume-point delta; returns its cache misses (assigned ids
         the worker holds no longer: nothing ran for them), whose resume points are
         forgotten so that the next first chunk starts from another one, or from 0."""
@@ -115,17 +132,24 @@ class Reconciler:
             self._observer.on_resume_points(worker.worker_id, len(resume), num_removed)
         return misses
 
-    def _general_tokens(self, worker: WorkerRecord, report: WorkerReport,
-                        ) -> tuple[NewTokens, dict[int, Sequence], _Logprobs, dict[str, int]]:
+    def _general_tokens(
+        self,
+        worker: WorkerRecord,
+        report: WorkerReport,
+    ) -> tuple[NewTokens, dict[int, Sequence], _Logprobs, dict[str, int]]:
         """The report's tokens by the rules, sequence by sequence (`_new_tokens`, then
         `_apply_tokens`); also the tokens served per tenant."""
         new_tokens, grown, logprobs = self._new_tokens(worker, report)  # refuses a gap first
-        served = (self._apply_tokens(worker.worker_id, new_tokens, grown, logprobs)
-                  if new_tokens else {})
+        served = (
+            self._apply_tokens(worker.worker_id, new_tokens, grown, logprobs) if new_tokens else {}
+        )
         return new_tokens, grown, logprobs, served
 
-    def _new_tokens(self, worker: WorkerRecord, report: WorkerReport,
-                    ) -> tuple[NewTokens, dict[int, Sequence], _Logprobs]:
+    def _new_tokens(
+        self,
+        worker: WorkerRecord,
+        report: WorkerReport,
+    ) -> tuple[NewTokens, dict[int, Sequence], _Logprobs]:
         """The tokens each update adds, the sequences they add to by seq_id, and for the
         entries of sequences that asked for logprobs (by index) the update that carries
         them (None for packed runs, which carry none) with the number of its tokens
@@ -151,7 +175,7 @@ class Reconciler:
             start = update.offset
             if start is not None and start != num_known:
                 index = report.tokens.index(update)
-                token_ids = token_ids[_num_past("tokens", index, seq_id, start, num_known):]
+                token_ids = token_ids[_num_past("tokens", index, seq_id, start, num_known) :]
             if token_ids:
                 if seq.output_logprobs is not None:
                     logprobs[len(new_tokens)] = (update, len(update.token_ids) - len(token_ids))
@@ -163,9 +187,13 @@ class Reconciler:
         return new_tokens, grown, logprobs
 
     @staticmethod
-    def _new_runs(worker: WorkerRecord, runs: TokenRuns,
-                  new_tokens: NewTokens,
-                  grown: dict[int, Sequence], logprobs: _Logprobs) -> None:
+    def _new_runs(
+        worker: WorkerRecord,
+        runs: TokenRuns,
+        new_tokens: NewTokens,
+        grown: dict[int, Sequence],
+        logprobs: _Logprobs,
+    ) -> None:
         """`_new_tokens` for the packed runs (validated: the arrays line up), added to
         `new_tokens`, `grown` and `logprobs` (a None entry for a sequence that asked for
         them: runs carry none); the same rules, the same refusal of a gap."""
@@ -189,8 +217,9 @@ class Reconciler:
                 new_tokens.append((seq, all_ids[begin:end]))
                 grown[seq_id] = seq
 
-    def _apply_tokens(self, worker_id: str, new_tokens: NewTokens,
-                      grown: dict[int, Sequence], logprobs: _Logprobs) -> dict[str, int]:
+    def _apply_tokens(
+        self, worker_id: str, new_tokens: NewTokens, grown: dict[int, Sequence], logprobs: _Logprobs
+    ) -> dict[str, int]:
         """Add `new_tokens`; returns the tokens served per tenant."""
         # Per-sequence steps as map() over C callables: no Python frame per sequence.
         seqs = list(map(_FIRST, new_tokens))
@@ -230,8 +259,10 @@ class Reconciler:
             seq = self._sequences.get(fin.seq_id)
             # A count beyond what this assignment may generate is the worker's error: cap it.
             num_allowed = max(0, seq.params.max_new_tokens - seq.num_generated_at_admission)
-            seq.num_generated = max(len(seq.output_token_ids), seq.num_generated_at_admission
-                                    + min(fin.generated_tokens, num_allowed))
+            seq.num_generated = max(
+                len(seq.output_token_ids),
+                seq.num_generated_at_admission + min(fin.generated_tokens, num_allowed),
+            )
             if fin.reason is FinishReason.FAILED:
                 seq.error_message = fin.error_message
             del worker.assigned[fin.seq_id]
@@ -245,7 +276,6 @@ class Reconciler:
         return EvictReason.NOT_ASSIGNED
 
 
-
 def _num_past(field: str, index: int, seq_id: int, offset: int, num_known: int) -> int:
     """The one check of a token offset, for both wire forms (a TokenUpdate's `offset`,
     packed runs' `token_offsets`): how many leading tokens a retried report repeats (to
@@ -255,5 +285,6 @@ def _num_past(field: str, index: int, seq_id: int, offset: int, num_known: int) 
         raise InvalidArgument(
             f"{field}[{index}]: seq_id {seq_id} offset {offset} is beyond the {num_known} "
             f"tokens known for it since its admission to this worker (tokens "
-            f"{num_known}..{offset - 1} were lost); nothing was applied")
+            f"{num_known}..{offset - 1} were lost); nothing was applied"
+        )
     return num_known - offset

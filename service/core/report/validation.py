@@ -1,16 +1,16 @@
 """Checks of clients' and workers' calls, before the core changes anything."""
+
 from __future__ import annotations
 
-from service.core.decide.batcher import DECISION_FIXED_BYTES
 from service.core.config import SchedulerConfig
+from service.core.decide.batcher import DECISION_FIXED_BYTES
 from service.core.errors import InvalidArgument, Superseded, UnknownWorker
 from service.core.tables.ledger import WorkerRecord
 from service.core.tables.sequences import spec_wire_bytes
 from service.core.types import SubmitParams, TokenRuns, WorkerReport
 
 
-def check_submit(params: SubmitParams, config: SchedulerConfig,
-                 max_decision_bytes: int) -> None:
+def check_submit(params: SubmitParams, config: SchedulerConfig, max_decision_bytes: int) -> None:
     """InvalidArgument if `params` could never run under `config`."""
     prompt_len = len(params.prompt_token_ids)
     if prompt_len == 0:
@@ -54,11 +54,13 @@ def validate_report(report: WorkerReport, max_batch_size: int) -> frozenset[int]
     """Reject contradictory or oversized reports before any state changes; returns the
     ids the report lists waiting or running."""
     limit = 2 * max_batch_size
-    for field_name, num in (("waiting + running", len(report.waiting) + len(report.running)),
-                            ("finished", len(report.finished)),
-                            ("preempted", len(report.preempted)),
-                            ("tokens", len(report.tokens)),
-                            ("token_seq_ids", len(report.token_runs.seq_ids))):
+    for field_name, num in (
+        ("waiting + running", len(report.waiting) + len(report.running)),
+        ("finished", len(report.finished)),
+        ("preempted", len(report.preempted)),
+        ("tokens", len(report.tokens)),
+        ("token_seq_ids", len(report.token_runs.seq_ids)),
+    ):
         if num > limit:
             raise InvalidArgument(
                 f"{field_name} holds {num} entries; a worker with max_batch_size "
@@ -66,8 +68,11 @@ def validate_report(report: WorkerReport, max_batch_size: int) -> frozenset[int]
             )
     if report.token_runs.seq_ids or report.token_runs.token_ids:
         _check_token_runs(report.token_runs)
-    seen = frozenset(report.running) if not report.waiting else frozenset(
-        (*report.waiting, *report.running))
+    seen = (
+        frozenset(report.running)
+        if not report.waiting
+        else frozenset((*report.waiting, *report.running))
+    )
     if len(seen) != len(report.waiting) + len(report.running):
         _refuse_repeated_id(report)
     for fin in report.finished:
@@ -83,15 +88,21 @@ def _check_token_runs(runs: TokenRuns) -> None:
     """InvalidArgument if the packed arrays do not line up (docs/contract.md)."""
     num_runs = len(runs.seq_ids)
     if runs.counts and len(runs.counts) != num_runs:
-        raise InvalidArgument(f"token_counts holds {len(runs.counts)} entries; token_seq_ids "
-                              f"holds {num_runs} (one count per run, or none)")
+        raise InvalidArgument(
+            f"token_counts holds {len(runs.counts)} entries; token_seq_ids "
+            f"holds {num_runs} (one count per run, or none)"
+        )
     if runs.offsets and len(runs.offsets) != num_runs:
-        raise InvalidArgument(f"token_offsets holds {len(runs.offsets)} entries; "
-                              f"token_seq_ids holds {num_runs} (one offset per run, or none)")
+        raise InvalidArgument(
+            f"token_offsets holds {len(runs.offsets)} entries; "
+            f"token_seq_ids holds {num_runs} (one offset per run, or none)"
+        )
     num_tokens = sum(runs.counts) if runs.counts else num_runs
     if num_tokens != len(runs.token_ids):
-        raise InvalidArgument(f"token_ids holds {len(runs.token_ids)} tokens; the runs of "
-                              f"token_seq_ids and token_counts hold {num_tokens}")
+        raise InvalidArgument(
+            f"token_ids holds {len(runs.token_ids)} tokens; the runs of "
+            f"token_seq_ids and token_counts hold {num_tokens}"
+        )
 
 
 def _refuse_repeated_id(report: WorkerReport) -> None:

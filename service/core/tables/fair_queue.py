@@ -13,6 +13,7 @@ list the sort key (band, counter, arrival, seq_id) never decreases (older means 
 better band; the tenant's counter is one number), so the global order is a k-way merge
 of the lists, produced lazily from a heap: O(groups + k log groups) for k candidates.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 
 from sortedcontainers import SortedList
 
-from service.core.tables.queue import Queued, QueueBase, TenantCounter
+from service.core.tables.queue import QueueBase, Queued, TenantCounter
 
 _Group = tuple[int, str]  # (priority, tenant)
 
@@ -70,8 +71,9 @@ class FairQueue(QueueBase):
             if served is None:
                 served = served_of[tenant] = counter(tenant)
             arrived_at, seq_id = entries[0]
-            heap.append((self.band(priority, arrived_at, now), served, arrived_at, seq_id,
-                         index, 0))
+            heap.append(
+                (self.band(priority, arrived_at, now), served, arrived_at, seq_id, index, 0)
+            )
         heapq.heapify(heap)
         while heap:
             band, served, arrived_at, seq_id, index, position = heapq.heappop(heap)
@@ -79,15 +81,23 @@ class FairQueue(QueueBase):
             if counter(tenant) != served:
                 # The tenant was served since this entry was keyed: counters only grow,
                 # so re-keying on the way out keeps the merge exact.
-                heapq.heappush(heap, (band, counter(tenant), arrived_at, seq_id, index,
-                                      position))
+                heapq.heappush(heap, (band, counter(tenant), arrived_at, seq_id, index, position))
                 continue
             yield seq_id
             position += 1
             if position < len(entries):
                 arrived_at, seq_id = entries[position]
-                heapq.heappush(heap, (self.band(priority, arrived_at, now), counter(tenant),
-                                      arrived_at, seq_id, index, position))
+                heapq.heappush(
+                    heap,
+                    (
+                        self.band(priority, arrived_at, now),
+                        counter(tenant),
+                        arrived_at,
+                        seq_id,
+                        index,
+                        position,
+                    ),
+                )
 
     def position(self, seq_id: int, now: float, counter: TenantCounter) -> int:
         """O(groups x log n): in each group, binary searches by arrival find the entries
@@ -108,8 +118,7 @@ class FairQueue(QueueBase):
                 ahead += min(max(earlier, same_band), next_band) - same_band
         return ahead
 
-    def _first_of_band(self, entries: SortedList, priority: int, band: int,
-                       now: float) -> int:
+    def _first_of_band(self, entries: SortedList, priority: int, band: int, now: float) -> int:
         """Index of the first entry whose band is `band` or worse (bands only grow along
         a group, from the oldest entry)."""
         # band(a) >= band  <=>  a > now - (priority - band + 1) * aging_seconds; the

@@ -2,6 +2,7 @@
 
 Mechanism only: it reads no config; the Scheduler hands it each worker's settings.
 """
+
 from __future__ import annotations
 
 from array import array
@@ -9,8 +10,8 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from service.core.errors import UnknownWorker
 from service.core.cache.prefix_cache import FleetCache, ResumePoints
+from service.core.errors import UnknownWorker
 from service.core.types import WorkerRegistration, WorkerSettings
 
 if TYPE_CHECKING:
@@ -95,8 +96,10 @@ class WorkerRecord:
 def no_worker_has(adapter_id: str) -> str:
     """Why a queued sequence waits although workers may be idle: no registered worker
     that an operator has not drained has its adapter (SequenceInfo.error_message)."""
-    return (f"waiting for a worker with adapter_id {adapter_id!r}: no live worker has it "
-            f"(none registered with it, or every one drained by an operator)")
+    return (
+        f"waiting for a worker with adapter_id {adapter_id!r}: no live worker has it "
+        f"(none registered with it, or every one drained by an operator)"
+    )
 
 
 class WorkerLedger:
@@ -139,7 +142,8 @@ class WorkerLedger:
     def expired(self, now: float) -> list[WorkerRecord]:
         """Workers whose last call is older than their lease."""
         return [
-            w for w in self._workers.values()
+            w
+            for w in self._workers.values()
             if (now - w.last_call_at) * 1000.0 > w.settings.lease_ttl_ms
         ]
 

@@ -4,6 +4,7 @@ forgotten (another replica owns it now), and the tokens served on the way.
 Shared by the Scheduler (reports, workers leaving, cancels), the Batcher (preemptions)
 and recovery (orphans), so that none of them calls back into another.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -28,16 +29,14 @@ class Lifecycle:
         self._tenants = tables.tenants
         self._clock = tables.clock
 
-    def requeue(self, worker: WorkerRecord, seq_ids: list[int],
-                reason: RequeueReason) -> list[int]:
+    def requeue(self, worker: WorkerRecord, seq_ids: list[int], reason: RequeueReason) -> list[int]:
         """Take `seq_ids` from `worker` and put them back in the queue (FCFS: at the head,
         in order); returns the ids that went back to the queue (see `back_to_queue`)."""
         for seq_id in seq_ids:
             del worker.assigned[seq_id]
         return self.back_to_queue(seq_ids, worker.worker_id, reason)
 
-    def back_to_queue(self, seq_ids: list[int], worker_id: str,
-                      reason: RequeueReason) -> list[int]:
+    def back_to_queue(self, seq_ids: list[int], worker_id: str, reason: RequeueReason) -> list[int]:
         """Queue sequences no worker holds again; returns those queued. One that already
         generated max_new_tokens has nothing left to resume: it finishes with MAX_LENGTH
         instead (its resume spec would ask for <= 0 tokens)."""

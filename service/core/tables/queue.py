@@ -9,6 +9,7 @@ Two orders, as vLLM v1 keeps FCFS and priority order behind one queue interface
 Both answer `position` in O(log n) and hand candidates out lazily, so a decision that
 admits k sequences costs O(k log n), not O(queue).
 """
+
 from __future__ import annotations
 
 from collections import Counter

@@ -1,5 +1,6 @@
 """The read side of the tables: what a client or an operator is shown of a sequence,
 the queue and the workers. Changes nothing."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,7 +10,11 @@ from service.core.tables.ledger import no_worker_has
 from service.core.tables.sequences import Sequence
 from service.core.tables.tables import Tables
 from service.core.types import (
-    FinishReason, SchedulerStatus, SequenceInfo, SequenceState, WorkerStatus,
+    FinishReason,
+    SchedulerStatus,
+    SequenceInfo,
+    SequenceState,
+    WorkerStatus,
 )
 
 
@@ -58,8 +63,12 @@ class Reads:
     def output(seq: Sequence, start: int) -> OutputView:
         """Generated tokens of `seq` from index `start` on."""
         if seq.output_logprobs is None:
-            return OutputView(tuple(seq.output_token_ids[start:]), seq.is_finished,
-                              seq.finish_reason, seq.error_message)
+            return OutputView(
+                tuple(seq.output_token_ids[start:]),
+                seq.is_finished,
+                seq.finish_reason,
+                seq.error_message,
+            )
         return _view_with_logprobs(seq, start)
 
     def status(self, policy: str) -> SchedulerStatus:
@@ -96,14 +105,20 @@ class Reads:
         """The adapters of the registered workers an operator has not drained (what is
         saved, so a restart tells the same); `admitting_only`: of those that admit now,
         not draining by their own report either."""
-        return frozenset(a for w in self._ledger
-                         if not w.drain_requested and (w.admitting or not admitting_only)
-                         for a in w.registration.adapters)
+        return frozenset(
+            a
+            for w in self._ledger
+            if not w.drain_requested and (w.admitting or not admitting_only)
+            for a in w.registration.adapters
+        )
 
     def num_unservable(self, servable: frozenset[str]) -> int:
         """Queued sequences whose adapter is not in `servable`."""
-        return sum(n for adapter_id, n in self._queue.count_by_adapter().items()
-                   if adapter_id not in servable)
+        return sum(
+            n
+            for adapter_id, n in self._queue.count_by_adapter().items()
+            if adapter_id not in servable
+        )
 
     def _why_waiting(self, seq: Sequence) -> str:
         """For a queued sequence no worker here can run (its adapter), why; else ""."""
@@ -127,5 +142,11 @@ def _view_with_logprobs(seq: Sequence, start: int) -> OutputView:
     finished = seq.is_finished and end == len(seq.output_token_ids)
     known_logprobs = tuple(logprobs[start:end]) if token_ids and logprobs[start] is not None else ()
     prompt = seq.prompt_logprobs if start == 0 and token_ids and seq.prompt_logprobs else ()
-    return OutputView(token_ids, finished, seq.finish_reason if finished else None,
-                      seq.error_message if finished else "", known_logprobs, prompt)
+    return OutputView(
+        token_ids,
+        finished,
+        seq.finish_reason if finished else None,
+        seq.error_message if finished else "",
+        known_logprobs,
+        prompt,
+    )

@@ -3,6 +3,7 @@
 Tokens are held compactly: prompts and outputs are array('I') (4 bytes a token), so a
 queued 4,000-token prompt costs about 16 KB, not a Python int per token.
 """
+
 from __future__ import annotations
 
 from array import array
@@ -10,10 +11,16 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from service.core.errors import InvalidArgument
 from service.core.cache.prefix_cache import PromptHashes
+from service.core.errors import InvalidArgument
 from service.core.persist.store import SequenceProgress, StoredSequence
-from service.core.types import FinishReason, SequenceSpec, SequenceState, SubmitParams, TokenLogprobs
+from service.core.types import (
+    FinishReason,
+    SequenceSpec,
+    SequenceState,
+    SubmitParams,
+    TokenLogprobs,
+)
 
 # Bytes of a decision's PrefillChunk beyond its token ids: tags, lengths, seq_id,
 # chunk bounds, sampling, max_new_tokens (an upper bound; see spec_wire_bytes).
@@ -24,8 +31,11 @@ _MAX_VARINT32_BYTES = 5
 def spec_wire_bytes(num_token_ids: int, adapter_id: str) -> int:
     """An upper bound of the bytes a first chunk whose spec carries `num_token_ids` token
     ids (prompt and stop tokens) takes in a decision: 5 bytes a uint32 varint at most."""
-    return (_CHUNK_OVERHEAD_BYTES + _MAX_VARINT32_BYTES * num_token_ids
-            + len(adapter_id.encode("utf-8", "surrogatepass")))
+    return (
+        _CHUNK_OVERHEAD_BYTES
+        + _MAX_VARINT32_BYTES * num_token_ids
+        + len(adapter_id.encode("utf-8", "surrogatepass"))
+    )
 
 
 def compact(token_ids: Iterable[int], field_name: str = "token ids") -> array:
@@ -109,8 +119,11 @@ class Sequence:
         if done and (sampling.prompt_logprobs or sampling.min_new_tokens):
             # A resumed sequence: its prompt's logprobs came with its first token, and the
             # tokens generated so far count towards min_new_tokens.
-            sampling = replace(sampling, prompt_logprobs=0,
-                               min_new_tokens=max(0, sampling.min_new_tokens - len(done)))
+            sampling = replace(
+                sampling,
+                prompt_logprobs=0,
+                min_new_tokens=max(0, sampling.min_new_tokens - len(done)),
+            )
         return SequenceSpec(
             prompt_token_ids=tuple(p.prompt_token_ids + done),
             max_new_tokens=p.max_new_tokens - len(done),
@@ -119,8 +132,12 @@ class Sequence:
             stop_token_ids=p.stop_token_ids,
         )
 
-    def add_tokens(self, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...] = (),
-                   prompt_logprobs: tuple[TokenLogprobs, ...] = ()) -> None:
+    def add_tokens(
+        self,
+        token_ids: tuple[int, ...],
+        logprobs: tuple[TokenLogprobs, ...] = (),
+        prompt_logprobs: tuple[TokenLogprobs, ...] = (),
+    ) -> None:
         """Append generated tokens, with their logprobs for a sequence that asked for them
         (None for each token the worker sent none for)."""
         if self.output_logprobs is not None:
@@ -158,13 +175,18 @@ class Sequence:
 
     def progress(self) -> SequenceProgress:
         return SequenceProgress(
-            seq_id=self.seq_id, state=self.state, worker_id=self.worker_id,
+            seq_id=self.seq_id,
+            state=self.state,
+            worker_id=self.worker_id,
             queue_key=self.queue_key if self.state is SequenceState.QUEUED else None,
-            cursor=self.cursor, prefilled_tokens=self.prefilled_tokens,
+            cursor=self.cursor,
+            prefilled_tokens=self.prefilled_tokens,
             num_generated=self.num_generated,
             num_generated_at_admission=self.num_generated_at_admission,
-            finish_reason=self.finish_reason, finish_order=self.finish_order,
-            submitted_at=self.submitted_at, admission_order=self.admission_order,
+            finish_reason=self.finish_reason,
+            finish_order=self.finish_order,
+            submitted_at=self.submitted_at,
+            admission_order=self.admission_order,
             error_message=self.error_message,
         )
 
@@ -208,12 +230,20 @@ class SequenceTable:
 
     def create(self, params: SubmitParams, now: float, wall_now: float) -> Sequence:
         """Add a new QUEUED sequence with the next id (ids are never reused)."""
-        params = replace(params,
-                         prompt_token_ids=compact(params.prompt_token_ids, "prompt_token_ids"),
-                         stop_token_ids=tuple(params.stop_token_ids))
-        seq = Sequence(seq_id=self._next_seq_id, params=params, enqueued_at=now,
-                       prompt_len=len(params.prompt_token_ids), arrived_at=now,
-                       submitted_at=wall_now, output_logprobs=_logprobs_list(params))
+        params = replace(
+            params,
+            prompt_token_ids=compact(params.prompt_token_ids, "prompt_token_ids"),
+            stop_token_ids=tuple(params.stop_token_ids),
+        )
+        seq = Sequence(
+            seq_id=self._next_seq_id,
+            params=params,
+            enqueued_at=now,
+            prompt_len=len(params.prompt_token_ids),
+            arrived_at=now,
+            submitted_at=wall_now,
+            output_logprobs=_logprobs_list(params),
+        )
         self._next_seq_id += 1
         self._add(seq)
         return seq
@@ -238,23 +268,34 @@ class SequenceTable:
     def restore(self, stored: StoredSequence, now: float, wall_now: float) -> Sequence:
         """Add a sequence loaded from the store, as it was saved."""
         p = stored.progress
-        params = replace(stored.params,
-                         prompt_token_ids=compact(stored.params.prompt_token_ids))
+        params = replace(stored.params, prompt_token_ids=compact(stored.params.prompt_token_ids))
         seq = Sequence(
-            seq_id=stored.seq_id, params=params, enqueued_at=now,
+            seq_id=stored.seq_id,
+            params=params,
+            enqueued_at=now,
             prompt_len=len(params.prompt_token_ids),
             # The time waited before the restart still counts (aging).
             arrived_at=now - max(0.0, wall_now - p.submitted_at),
-            submitted_at=p.submitted_at, state=p.state, worker_id=p.worker_id,
-            queue_key=p.queue_key or 0, admission_order=p.admission_order,
-            cursor=p.cursor, prefilled_tokens=p.prefilled_tokens,
-            output_token_ids=compact(stored.output_token_ids), num_generated=p.num_generated,
+            submitted_at=p.submitted_at,
+            state=p.state,
+            worker_id=p.worker_id,
+            queue_key=p.queue_key or 0,
+            admission_order=p.admission_order,
+            cursor=p.cursor,
+            prefilled_tokens=p.prefilled_tokens,
+            output_token_ids=compact(stored.output_token_ids),
+            num_generated=p.num_generated,
             num_generated_at_admission=p.num_generated_at_admission,
-            finish_reason=p.finish_reason, num_saved_tokens=len(stored.output_token_ids),
-            finish_order=p.finish_order, error_message=p.error_message,
+            finish_reason=p.finish_reason,
+            num_saved_tokens=len(stored.output_token_ids),
+            finish_order=p.finish_order,
+            error_message=p.error_message,
             # Logprobs are not persisted: those of the tokens restored are unknown.
-            output_logprobs=(None if not params.sampling.wants_logprobs
-                             else [None] * len(stored.output_token_ids)),
+            output_logprobs=(
+                None
+                if not params.sampling.wants_logprobs
+                else [None] * len(stored.output_token_ids)
+            ),
         )
         self._add(seq)
         self.reserve_ids_below(seq.seq_id + 1)
@@ -263,8 +304,9 @@ class SequenceTable:
 
     def restore_finished_order(self) -> None:
         """After restoring every sequence: forget-oldest order is finish order again."""
-        done = sorted((s for s in self._by_id.values() if s.is_finished),
-                      key=lambda s: s.finish_order)
+        done = sorted(
+            (s for s in self._by_id.values() if s.is_finished), key=lambda s: s.finish_order
+        )
         self._finished = OrderedDict((s.seq_id, None) for s in done)
         self._num_finished = max((s.finish_order for s in done), default=0)
 

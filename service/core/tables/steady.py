@@ -12,6 +12,7 @@ beside the record in tables/ledger.py): the Reconciler hands it a
 report's tokens (`SteadyStep.apply_tokens`), the Batcher asks it for the running part of
 a decision (`SteadyStep.running`) and tells it of an admission (`SteadyStep.forget`).
 """
+
 from __future__ import annotations
 
 from array import array
@@ -70,9 +71,14 @@ class SteadyStep:
 
     # ------------------------------------------------------------- report side
 
-    def apply_tokens(self, worker: WorkerRecord, report: WorkerReport,
-                     general: Callable[[WorkerRecord, WorkerReport],
-                                       tuple[NewTokens, dict, dict, dict[str, int]]]) -> None:
+    def apply_tokens(
+        self,
+        worker: WorkerRecord,
+        report: WorkerReport,
+        general: Callable[
+            [WorkerRecord, WorkerReport], tuple[NewTokens, dict, dict, dict[str, int]]
+        ],
+    ) -> None:
         """Apply `report`'s tokens to `worker`'s sequences: as the kept step when they are
         that step again, else by `general` (the rules sequence by sequence; it returns the
         new tokens, the records grown, the logprob entries and the tokens served per
@@ -82,8 +88,7 @@ class SteadyStep:
         if steady is None:
             worker.steady_runs = self.remember(report, *general(worker, report))
         else:
-            self.apply(worker.worker_id, steady,
-                       compact(report.token_runs.token_ids, "token_ids"))
+            self.apply(worker.worker_id, steady, compact(report.token_runs.token_ids, "token_ids"))
 
     @staticmethod
     def match(worker: WorkerRecord, report: WorkerReport) -> SteadyRuns | None:
@@ -112,8 +117,13 @@ class SteadyStep:
         self._lifecycle.serve(steady.served)
 
     @staticmethod
-    def remember(report: WorkerReport, new_tokens: NewTokens, grown: dict[int, Sequence],
-                 logprobs: dict, served: dict[str, int]) -> SteadyRuns | None:
+    def remember(
+        report: WorkerReport,
+        new_tokens: NewTokens,
+        grown: dict[int, Sequence],
+        logprobs: dict,
+        served: dict[str, int],
+    ) -> SteadyRuns | None:
         """What the next report needs to be applied as a steady step, after `report`'s
         tokens were applied one by one: only when they were packed runs that gave each
         sequence named exactly one token (none stale, repeated, past or with logprobs);
@@ -121,14 +131,21 @@ class SteadyStep:
         runs = report.token_runs
         seq_ids = runs.seq_ids
         num_runs = len(seq_ids)
-        if (report.tokens or runs.counts or logprobs or not num_runs
-                or len(new_tokens) != num_runs or len(grown) != num_runs):
+        if (
+            report.tokens
+            or runs.counts
+            or logprobs
+            or not num_runs
+            or len(new_tokens) != num_runs
+            or len(grown) != num_runs
+        ):
             return None
         seqs = list(map(_FIRST, new_tokens))
         outputs = list(map(_OUTPUT, seqs))
         num_known = list(map(sub, map(len, outputs), map(_AT_ADMISSION, seqs)))
-        return SteadyRuns(seq_ids, seqs, outputs, num_known, dict(grown), [1] * num_runs,
-                          dict(served))
+        return SteadyRuns(
+            seq_ids, seqs, outputs, num_known, dict(grown), [1] * num_runs, dict(served)
+        )
 
     # ----------------------------------------------------------- decision side
 
@@ -139,10 +156,15 @@ class SteadyStep:
         page_size = worker.registration.page_size
         steady = self.kept_running(worker, report)
         if steady is not None:  # a steady step of the same running set: no pass
-            return Running(steady.running_seqs, steady.running_ids, [],
-                           steady.page_residues[-steady.num_steps % page_size])
-        running, started, num_decode_pages = _running_pass(worker.assigned.get,
-                                                           report.running, page_size)
+            return Running(
+                steady.running_seqs,
+                steady.running_ids,
+                [],
+                steady.page_residues[-steady.num_steps % page_size],
+            )
+        running, started, num_decode_pages = _running_pass(
+            worker.assigned.get, report.running, page_size
+        )
         running_seqs = tuple(running)
         if len(running) == len(report.running):
             running_ids = report.running
@@ -157,8 +179,7 @@ class SteadyStep:
         """The worker's SteadyRuns when this report's tokens were applied from it and its
         running list is the one its running part was set for; else None."""
         steady = worker.steady_runs
-        if (steady is None or steady.page_residues is None
-                or report.running != steady.running_ids):
+        if steady is None or steady.page_residues is None or report.running != steady.running_ids:
             return None
         return steady
 
@@ -169,8 +190,9 @@ class SteadyStep:
         worker.steady_runs = None
 
 
-def _running_pass(assigned: Callable[[int], Sequence | None], running_ids: Iterable[int],
-                  page_size: int) -> tuple[list[Sequence], list[Sequence], int]:
+def _running_pass(
+    assigned: Callable[[int], Sequence | None], running_ids: Iterable[int], page_size: int
+) -> tuple[list[Sequence], list[Sequence], int]:
     """The running sequences' records (those still assigned), those of them not yet
     DECODING, and how many start a page at their next decode: the one pass over the
     running sequences of a decision that admits nothing, each found in one lookup."""
@@ -191,15 +213,22 @@ def _running_pass(assigned: Callable[[int], Sequence | None], running_ids: Itera
     return running, started, num_decode_pages
 
 
-def _keep_running(worker: WorkerRecord, running_ids: Collection[int],
-                  running: tuple[Sequence, ...], page_size: int) -> None:
+def _keep_running(
+    worker: WorkerRecord,
+    running_ids: Collection[int],
+    running: tuple[Sequence, ...],
+    page_size: int,
+) -> None:
     """Set the running part of the worker's SteadyRuns when the report's running
     sequences (`running_ids`, every one assigned and DECODING) are exactly its runs'
     (the same records, the same order): the next steady step's decision then needs no
     pass over them."""
     steady = worker.steady_runs
-    if (steady is None or len(running) != len(steady.seqs)
-            or not all(map(is_, running, steady.seqs))):
+    if (
+        steady is None
+        or len(running) != len(steady.seqs)
+        or not all(map(is_, running, steady.seqs))
+    ):
         return
     residues = [0] * page_size
     for seq in running:

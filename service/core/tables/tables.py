@@ -1,4 +1,5 @@
 """The core's tables as one object: what every part of the core is handed."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

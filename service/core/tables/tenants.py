@@ -7,6 +7,7 @@ active (its first queued or running sequence) starts no lower than the lowest co
 among the active tenants, so idle time banks no credit ("Fairness in Serving Large
 Language Models", OSDI 2024).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -56,7 +57,7 @@ class TenantLedger:
         self._served[tenant] = served
         return served
 
-    def tentative(self) -> "TentativeService":
+    def tentative(self) -> TentativeService:
         return TentativeService(self)
 
 
@@ -77,5 +78,6 @@ class TentativeService:
 
     def charge(self, tenant: str, num_tokens: int) -> None:
         if self._ledger is not None:
-            self._extra[tenant] = (self._extra.get(tenant, 0.0)
-                                   + num_tokens / self._weights.get(tenant, 1.0))
+            self._extra[tenant] = self._extra.get(tenant, 0.0) + num_tokens / self._weights.get(
+                tenant, 1.0
+            )

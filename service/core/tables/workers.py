@@ -3,6 +3,7 @@
 Over the worker ledger (ledger.py, mechanism only): this is where a worker's settings
 are chosen and where a silent worker's lease runs out, its sequences back to the queue.
 """
+
 from __future__ import annotations
 
 from service.core.cache.prefix_cache import ResumePoints
@@ -18,8 +19,14 @@ from service.core.types import WorkerRegistration, WorkerSettings
 class WorkerRegistry:
     """Adds and removes workers, marking each change for the next save."""
 
-    def __init__(self, tables: Tables, lifecycle: Lifecycle, config: SchedulerConfig,
-                 token_budget: int | None, stall_seconds: float | None) -> None:
+    def __init__(
+        self,
+        tables: Tables,
+        lifecycle: Lifecycle,
+        config: SchedulerConfig,
+        token_budget: int | None,
+        stall_seconds: float | None,
+    ) -> None:
         """`token_budget`: the policy's (None: none); a worker's batch is capped at it."""
         self._config = config
         self._token_budget = token_budget
@@ -40,8 +47,9 @@ class WorkerRegistry:
 
     def add(self, registration: WorkerRegistration, incarnation: int) -> WorkerRecord:
         config = self._config
-        max_batch_size = min(registration.max_batch_size or config.max_batch_size,
-                             config.max_worker_batch_size)
+        max_batch_size = min(
+            registration.max_batch_size or config.max_batch_size, config.max_worker_batch_size
+        )
         if self._token_budget is not None:
             # Each running sequence decodes one token of the budget every iteration.
             max_batch_size = min(max_batch_size, self._token_budget)
@@ -54,20 +62,26 @@ class WorkerRegistry:
         )
         # A new incarnation knows no resume points until its first report (a reset).
         block_tokens = registration.cache_block_tokens if config.prefix_caching == "on" else 0
-        record = WorkerRecord(registration, settings, last_call_at=self._clock(),
-                              resume_points=ResumePoints(block_tokens,
-                                                         fleet=self._ledger.fleet_cache,
-                                                         worker_id=registration.worker_id))
+        record = WorkerRecord(
+            registration,
+            settings,
+            last_call_at=self._clock(),
+            resume_points=ResumePoints(
+                block_tokens, fleet=self._ledger.fleet_cache, worker_id=registration.worker_id
+            ),
+        )
         self._ledger.add(record)
         self._observer.on_worker_registered(
-            registration.worker_id, registration.total_kv_pages, registration.total_gdn_slots)
+            registration.worker_id, registration.total_kv_pages, registration.total_gdn_slots
+        )
         return record
 
     def mark_changed(self, worker: WorkerRecord) -> None:
         """Mark the stored part of `worker` (registration, incarnation, operator drain) for
         the next save: after a registration, and after a drain is set or lifted."""
-        self._changes.worker_changed(StoredWorker(worker.registration, worker.drain_requested,
-                                                 worker.incarnation))
+        self._changes.worker_changed(
+            StoredWorker(worker.registration, worker.drain_requested, worker.incarnation)
+        )
 
     def remove(self, worker: WorkerRecord, reason: RequeueReason) -> list[int]:
         """Take `worker` out; returns the ids that went back to the queue."""

@@ -7,6 +7,7 @@ read, stream or cancel them (`Callers`, which the servicer asks). Health and ref
 grpcurl need no secret. Tokens come from a file (`--auth-tokens`); only their SHA-256
 digests are kept in memory, and no token is ever logged or echoed in a status message.
 """
+
 from __future__ import annotations
 
 import enum
@@ -21,8 +22,8 @@ from pathlib import Path
 
 import grpc
 
-from service.server.interceptors import handlers
 from service.core import SEES_ALL, Caller, ConfigError
+from service.server.interceptors import handlers
 
 # The longest tenant a tokens file may bind a token to, in UTF-8 bytes (as the wire's
 # MAX_STRING_BYTES).
@@ -32,11 +33,13 @@ log = logging.getLogger(__name__)
 
 SCHEDULER_SERVICE = "lattice.scheduler.v1.Scheduler"
 # Callable without a token: probes, load balancers and grpcurl's discovery.
-OPEN_SERVICES = frozenset({
-    "grpc.health.v1.Health",
-    "grpc.reflection.v1alpha.ServerReflection",
-    "grpc.reflection.v1.ServerReflection",
-})
+OPEN_SERVICES = frozenset(
+    {
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
+    }
+)
 
 
 class Role(enum.Enum):
@@ -49,8 +52,7 @@ class Role(enum.Enum):
 # and alone may call those in no list here (DrainWorker).
 ROLE_METHODS: dict[Role, frozenset[str]] = {
     Role.CLIENT: frozenset({"Submit", "Cancel", "GetSequence", "Generate", "GetStatus"}),
-    Role.WORKER: frozenset({"RegisterWorker", "SelectBatch", "WorkerSession",
-                            "DeregisterWorker"}),
+    Role.WORKER: frozenset({"RegisterWorker", "SelectBatch", "WorkerSession", "DeregisterWorker"}),
 }
 
 
@@ -115,8 +117,7 @@ def load_tokens(path: str | Path) -> TokenTable:
         raise ConfigError(f"{where}: not valid {kind}: {err}") from None
     items = data.get("tokens") if isinstance(data, dict) else None
     if not isinstance(items, list) or not items:
-        raise ConfigError(f"{where}: expected a non-empty list `tokens` "
-                          f"(see docs/security.md)")
+        raise ConfigError(f"{where}: expected a non-empty list `tokens` (see docs/security.md)")
     entries, seen = [], set()
     for index, item in enumerate(items):
         digest, grant = _entry(item, f"{where}: tokens[{index}]")
@@ -132,8 +133,10 @@ def _entry(item: object, where: str) -> tuple[bytes, Grant]:
         raise ConfigError(f"{where}: expected a table with token and role")
     unknown = set(item) - {"token", "token_sha256", "role", "worker_id", "name", "tenant"}
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; known: token, "
-                          f"token_sha256, role, worker_id, name, tenant")
+        raise ConfigError(
+            f"{where}: unknown keys {sorted(unknown)}; known: token, "
+            f"token_sha256, role, worker_id, name, tenant"
+        )
     try:
         role = Role(item.get("role"))
     except ValueError:
@@ -159,13 +162,17 @@ def _entry(item: object, where: str) -> tuple[bytes, Grant]:
         raise ConfigError(f"{where}: only worker tokens take a worker_id")
     name = item.get("name")
     if name is not None and (not isinstance(name, str) or not _is_clean(name)):
-        raise ConfigError(f"{where}: name must be a non-empty string without control "
-                          f"characters")
+        raise ConfigError(f"{where}: name must be a non-empty string without control characters")
     tenant = _tenant(item.get("tenant"), role, where)
     default_name = f"worker {worker_id}" if role is Role.WORKER else role.value
     principal = name if name is not None else f"sha256:{digest.hex()[:16]}"
-    return digest, Grant(role, name if name is not None else default_name, worker_id,
-                         principal=principal, tenant=tenant)
+    return digest, Grant(
+        role,
+        name if name is not None else default_name,
+        worker_id,
+        principal=principal,
+        tenant=tenant,
+    )
 
 
 def _tenant(tenant: object, role: Role, where: str) -> str | None:
@@ -173,10 +180,15 @@ def _tenant(tenant: object, role: Role, where: str) -> str | None:
         return None
     if role is not Role.CLIENT:
         raise ConfigError(f"{where}: only client tokens take a tenant")
-    if (not isinstance(tenant, str) or not _is_clean(tenant)
-            or len(tenant.encode("utf-8", "surrogatepass")) > MAX_TENANT_BYTES):
-        raise ConfigError(f"{where}: tenant must be a non-empty string of at most "
-                          f"{MAX_TENANT_BYTES} bytes without control characters")
+    if (
+        not isinstance(tenant, str)
+        or not _is_clean(tenant)
+        or len(tenant.encode("utf-8", "surrogatepass")) > MAX_TENANT_BYTES
+    ):
+        raise ConfigError(
+            f"{where}: tenant must be a non-empty string of at most "
+            f"{MAX_TENANT_BYTES} bytes without control characters"
+        )
     return tenant
 
 
@@ -252,30 +264,38 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             async def refuse(context) -> None:
                 await _abort(context, denied)
+
             return handlers.wrap(handler, on_start=refuse)
         if grant.role is Role.WORKER:
+
             async def check_worker_id(request, context) -> None:
                 denied = _check_worker_id(grant, request)
                 if denied is not None:
                     await _abort(context, denied)
+
             return handlers.wrap(handler, on_request=check_worker_id)
         return handler
 
     def _authenticate(self, metadata) -> Grant:
         values = [v for k, v in (metadata or ()) if k == "authorization"]
         if not values:
-            raise _Denied(grpc.StatusCode.UNAUTHENTICATED,
-                          "this scheduler requires a token: send metadata "
-                          "'authorization: Bearer <token>' (clients: --token or "
-                          "LATTICE_SCHEDULER_TOKEN)")
+            raise _Denied(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "this scheduler requires a token: send metadata "
+                "'authorization: Bearer <token>' (clients: --token or "
+                "LATTICE_SCHEDULER_TOKEN)",
+            )
         scheme, _, token = str(values[0]).partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise _Denied(grpc.StatusCode.UNAUTHENTICATED,
-                          "the authorization metadata must read 'Bearer <token>'")
+            raise _Denied(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the authorization metadata must read 'Bearer <token>'",
+            )
         grant = self._tokens.lookup(token.strip())
         if grant is None:
-            raise _Denied(grpc.StatusCode.UNAUTHENTICATED,
-                          "the token is not one this scheduler knows")
+            raise _Denied(
+                grpc.StatusCode.UNAUTHENTICATED, "the token is not one this scheduler knows"
+            )
         return grant
 
 
@@ -284,12 +304,14 @@ def _authorize(grant: Grant, service: str, method: str) -> None:
         return
     if service == SCHEDULER_SERVICE and method in ROLE_METHODS[grant.role]:
         return
-    needed = " or ".join([r.value for r, methods in ROLE_METHODS.items() if method in methods]
-                         + ["admin"])
+    needed = " or ".join(
+        [r.value for r, methods in ROLE_METHODS.items() if method in methods] + ["admin"]
+    )
     article = "an" if needed.startswith("admin") else "a"
-    raise _Denied(grpc.StatusCode.PERMISSION_DENIED,
-                  f"a {grant.role.value} token may not call {method}; it needs {article} "
-                  f"{needed} token")
+    raise _Denied(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"a {grant.role.value} token may not call {method}; it needs {article} {needed} token",
+    )
 
 
 def _check_worker_id(grant: Grant, request) -> _Denied | None:
@@ -297,12 +319,15 @@ def _check_worker_id(grant: Grant, request) -> _Denied | None:
         return None
     named = request.worker_id
     shown = repr(named) if len(named) <= 64 else f"{named[:64]!r}... ({len(named)} characters)"
-    return _Denied(grpc.StatusCode.PERMISSION_DENIED,
-                   f"this token is bound to worker_id {grant.worker_id!r}; the request "
-                   f"names {shown}")
+    return _Denied(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"this token is bound to worker_id {grant.worker_id!r}; the request names {shown}",
+    )
 
 
 async def _abort(context: grpc.aio.ServicerContext, denied: _Denied) -> None:
-    log.warning("call refused", extra={"code": denied.code.name, "reason": str(denied),
-                                       "peer": context.peer()})
+    log.warning(
+        "call refused",
+        extra={"code": denied.code.name, "reason": str(denied), "peer": context.peer()},
+    )
     await context.abort(denied.code, str(denied))

@@ -7,6 +7,7 @@ for the life of the process: a client sending garbage grows the server without b
 raises; the call is then refused like any other invalid request. A string field that is
 not valid UTF-8 (a lone surrogate, a cut character) is named in the refusal.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -35,9 +36,9 @@ def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], objec
         except Exception as err:  # noqa: BLE001 - DecodeError, or whatever a parser raises
             field_path = bad_utf8_field(descriptor, data) if descriptor is not None else None
             if field_path is not None:
-                return _Undecodable(
-                    f"{field_path} is not valid UTF-8 (a {descriptor.full_name})")
+                return _Undecodable(f"{field_path} is not valid UTF-8 (a {descriptor.full_name})")
             return _Undecodable(str(err)[:300])
+
     return deserialize_or_mark
 
 
@@ -65,7 +66,7 @@ def _bad_utf8_in(descriptor: Descriptor, data: memoryview) -> str | None:
             pos += 4
         elif wire_type == 2:
             size, pos = _varint(data, pos)
-            value, pos = data[pos:pos + size], pos + size
+            value, pos = data[pos : pos + size], pos + size
             if pos > len(data):
                 raise ValueError("truncated")
             field = descriptor.fields_by_number.get(number)
@@ -122,8 +123,13 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
 def _refusing_undecodable(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     async def refuse_undecodable(request, context) -> None:
         if isinstance(request, _Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request to {method} does not parse: {request.reason}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request to {method} does not parse: {request.reason}",
+            )
 
-    return handlers.wrap(handler, on_request=refuse_undecodable,
-                         request_deserializer=_tolerant(handler.request_deserializer))
+    return handlers.wrap(
+        handler,
+        on_request=refuse_undecodable,
+        request_deserializer=_tolerant(handler.request_deserializer),
+    )

@@ -6,6 +6,7 @@ call, each message of a request stream). Either may end the call with `context.a
 The wrapper keeps the kind of the behavior it wraps: grpc.aio runs an async generator as a
 response stream and a coroutine as a call that answers, or writes, by itself.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,18 +37,25 @@ class PerMethod:
     def __init__(self) -> None:
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    def get(self, method: str, handler: grpc.RpcMethodHandler,
-            build: Callable[[], grpc.RpcMethodHandler]) -> grpc.RpcMethodHandler:
+    def get(
+        self,
+        method: str,
+        handler: grpc.RpcMethodHandler,
+        build: Callable[[], grpc.RpcMethodHandler],
+    ) -> grpc.RpcMethodHandler:
         known = self._wrapped.get(method)
         if known is None or known[0] is not handler:
             known = self._wrapped[method] = (handler, build())
         return known[1]
 
 
-def wrap(handler: grpc.RpcMethodHandler, *, on_start: OnStart | None = None,
-         on_request: OnRequest | None = None,
-         request_deserializer: Callable[[bytes], object] | None = None
-         ) -> grpc.RpcMethodHandler:
+def wrap(
+    handler: grpc.RpcMethodHandler,
+    *,
+    on_start: OnStart | None = None,
+    on_request: OnRequest | None = None,
+    request_deserializer: Callable[[bytes], object] | None = None,
+) -> grpc.RpcMethodHandler:
     """`handler` with the checks added (and another request deserializer, if given)."""
     for kind, factory in _FACTORIES.items():
         behavior = getattr(handler, kind)
@@ -55,13 +63,17 @@ def wrap(handler: grpc.RpcMethodHandler, *, on_start: OnStart | None = None,
             streaming_requests = kind.startswith("stream")
             wrapped = _wrap_behavior(behavior, on_start, on_request, streaming_requests)
             deserializer = request_deserializer or handler.request_deserializer
-            return factory(wrapped, request_deserializer=deserializer,
-                           response_serializer=handler.response_serializer)
+            return factory(
+                wrapped,
+                request_deserializer=deserializer,
+                response_serializer=handler.response_serializer,
+            )
     return handler
 
 
-def _wrap_behavior(behavior, on_start: OnStart | None, on_request: OnRequest | None,
-                   streaming_requests: bool):
+def _wrap_behavior(
+    behavior, on_start: OnStart | None, on_request: OnRequest | None, streaming_requests: bool
+):
     async def prepare(request_or_iterator, context):
         if on_start is not None:
             await on_start(context)
@@ -73,16 +85,20 @@ def _wrap_behavior(behavior, on_start: OnStart | None, on_request: OnRequest | N
         return request_or_iterator
 
     if inspect.isasyncgenfunction(behavior):
+
         async def stream(request_or_iterator, context):
             argument = await prepare(request_or_iterator, context)
             async with contextlib.aclosing(behavior(argument, context)) as responses:
                 async for response in responses:
                     yield response
+
         return stream
     if inspect.iscoroutinefunction(behavior):
+
         async def call(request_or_iterator, context):
             argument = await prepare(request_or_iterator, context)
             return await behavior(argument, context)
+
         return call
     raise TypeError(f"{behavior!r}: only async handlers are served (grpc.aio)")
 

@@ -10,6 +10,7 @@ loop that also answers the workers. Two pools, each with its own cap:
 A stream beyond its pool's cap is refused at once with RESOURCE_EXHAUSTED, never queued.
 Worker RPCs (RegisterWorker, SelectBatch, WorkerSession, DeregisterWorker) are in no pool.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,11 +21,13 @@ import grpc
 from service.server.interceptors import handlers
 
 GENERATE_METHODS = frozenset({"/lattice.scheduler.v1.Scheduler/Generate"})
-OPEN_STREAM_METHODS = frozenset({
-    "/grpc.health.v1.Health/Watch",
-    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-})
+OPEN_STREAM_METHODS = frozenset(
+    {
+        "/grpc.health.v1.Health/Watch",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    }
+)
 
 
 @dataclass
@@ -44,18 +47,29 @@ class StreamLimitInterceptor(grpc.aio.ServerInterceptor):
     refusal (metrics).
     """
 
-    def __init__(self, *, max_streams: int, max_open_streams: int,
-                 on_change: Callable[[str, int, bool], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_streams: int,
+        max_open_streams: int,
+        on_change: Callable[[str, int, bool], None] | None = None,
+    ) -> None:
         generate = StreamPool(
-            "generate", max_streams,
+            "generate",
+            max_streams,
             f"this scheduler serves at most {max_streams} Generate streams at once "
-            f"(--max-streams); retry later, or Submit and poll GetSequence")
+            f"(--max-streams); retry later, or Submit and poll GetSequence",
+        )
         open_streams = StreamPool(
-            "open", max_open_streams,
+            "open",
+            max_open_streams,
             f"this scheduler serves at most {max_open_streams} Health.Watch and reflection "
-            f"streams at once (--max-open-streams); retry later, or use Health.Check")
-        self._pools = {**dict.fromkeys(GENERATE_METHODS, generate),
-                       **dict.fromkeys(OPEN_STREAM_METHODS, open_streams)}
+            f"streams at once (--max-open-streams); retry later, or use Health.Check",
+        )
+        self._pools = {
+            **dict.fromkeys(GENERATE_METHODS, generate),
+            **dict.fromkeys(OPEN_STREAM_METHODS, open_streams),
+        }
         self._on_change = on_change or (lambda kind, num_open, refused: None)
         self._wrapped = handlers.PerMethod()
 
@@ -67,8 +81,7 @@ class StreamLimitInterceptor(grpc.aio.ServerInterceptor):
             return handler
         return self._wrapped.get(method, handler, lambda: self._admitting(handler, pool))
 
-    def _admitting(self, handler: grpc.RpcMethodHandler,
-                   pool: StreamPool) -> grpc.RpcMethodHandler:
+    def _admitting(self, handler: grpc.RpcMethodHandler, pool: StreamPool) -> grpc.RpcMethodHandler:
         async def admit(context) -> None:
             if pool.num_open >= pool.max_streams:
                 self._on_change(pool.kind, pool.num_open, True)
@@ -84,25 +97,30 @@ class StreamLimitInterceptor(grpc.aio.ServerInterceptor):
         self._on_change(pool.kind, pool.num_open, False)
 
 
-WORKER_METHODS = frozenset({"RegisterWorker", "SelectBatch", "WorkerSession",
-                            "DeregisterWorker"})
+WORKER_METHODS = frozenset({"RegisterWorker", "SelectBatch", "WorkerSession", "DeregisterWorker"})
 
 
 class WorkerPortInterceptor(grpc.aio.ServerInterceptor):
     """On the separate worker listener (--worker-port): the worker RPCs and health only."""
 
     def __init__(self, port: int) -> None:
-        self._refusal = (f"port {port} (--worker-port) serves only the worker RPCs "
-                         f"({', '.join(sorted(WORKER_METHODS))}) and health; clients call "
-                         f"the main port (--port)")
+        self._refusal = (
+            f"port {port} (--worker-port) serves only the worker RPCs "
+            f"({', '.join(sorted(WORKER_METHODS))}) and health; clients call "
+            f"the main port (--port)"
+        )
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
-        if handler is None or service == "grpc.health.v1.Health" or (
-                service == "lattice.scheduler.v1.Scheduler" and method in WORKER_METHODS):
+        if (
+            handler is None
+            or service == "grpc.health.v1.Health"
+            or (service == "lattice.scheduler.v1.Scheduler" and method in WORKER_METHODS)
+        ):
             return handler
 
         async def refuse(context) -> None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, self._refusal)
+
         return handlers.wrap(handler, on_start=refuse)

@@ -1,4 +1,5 @@
 """Admissions from the queue, in the queue order: the loop every policy shares."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -17,9 +18,12 @@ MAX_SKIPPED = 256
 FirstChunk = Callable[[SequenceView, StepBudget, int], "int | None"]
 
 
-def admit(view: DecisionView, budget: StepBudget, first_chunk: FirstChunk,
-          placement_rule: PlacementRule | None = None,
-          ) -> tuple[tuple[Chunk, ...], BlockReason | None]:
+def admit(
+    view: DecisionView,
+    budget: StepBudget,
+    first_chunk: FirstChunk,
+    placement_rule: PlacementRule | None = None,
+) -> tuple[tuple[Chunk, ...], BlockReason | None]:
     """Admit candidates in queue order while the budget lasts (with a fleet view, in
     the placement's order, less those it defers to a better placed worker). A candidate
     that does not fit is skipped, not waited for: later ones that fit go ahead of it.
@@ -31,7 +35,7 @@ def admit(view: DecisionView, budget: StepBudget, first_chunk: FirstChunk,
         return (), blocked  # without ordering the queue (a full batch is the common case)
     placement = placement_rule.start(view) if placement_rule is not None else None
     num_skipped = 0
-    for seq in (view.queue() if placement is None else placement.candidates()):
+    for seq in view.queue() if placement is None else placement.candidates():
         stop = _stop_reason(budget)
         if stop is not None:
             blocked = stop
@@ -41,8 +45,11 @@ def admit(view: DecisionView, budget: StepBudget, first_chunk: FirstChunk,
         elif budget.fits_adapter(seq.adapter_id):
             cached = view.cached_tokens(seq)
             length = first_chunk(seq, budget, cached)
-            reason = (BlockReason.TOKEN_BUDGET if length is None
-                      else budget.admission_blocker(seq, length, cached))
+            reason = (
+                BlockReason.TOKEN_BUDGET
+                if length is None
+                else budget.admission_blocker(seq, length, cached)
+            )
             if reason is None:
                 budget.take_admission(seq, length, cached)
                 view.service.charge(seq.tenant, length)

@@ -26,15 +26,16 @@ takes at most target x (1 - margin), the margin being the model's recent relativ
 target; never more tokens in all than --max-num-batched-tokens when it is set, else
 MAX_LEARNED_TOKEN_BUDGET.
 """
+
 from __future__ import annotations
 
 import math
 
+from service.core.cache.prefix_cache import align_chunk
 from service.core.config import SchedulerConfig
 from service.core.decide.plan import Chunk, DecisionView, Plan
 from service.core.decide.policies.admit import admit
 from service.core.decide.policies.placement import PlacementRule
-from service.core.cache.prefix_cache import align_chunk
 from service.core.decide.step_budget import StepBudget, decode_pages, held_pages
 from service.core.learn.step_model import StepTimeModel
 from service.core.vocabulary import BlockReason, PreemptReason, SequenceView
@@ -88,22 +89,26 @@ class BudgetPolicy:
         running, waiting = view.running, view.waiting
         margin = min(MAX_MARGIN, max(MIN_MARGIN, model.recent_error))
         prefill = model.prefill_budget(
-            self._tpot_seconds * (1.0 - margin), num_decodes=len(running),
+            self._tpot_seconds * (1.0 - margin),
+            num_decodes=len(running),
             decode_context=view.running_context,
-            prefill_context=(sum(seq.cursor for seq in waiting) / len(waiting)
-                             if waiting else 0.0))
+            prefill_context=(sum(seq.cursor for seq in waiting) / len(waiting) if waiting else 0.0),
+        )
         prefill = max(self._min_prefill_chunk, min(prefill, self.token_budget))
         tokens = len(running) + math.floor(prefill)
-        return min(self.token_budget,
-                   max(_rounded(tokens), len(running) + self._min_prefill_chunk))
+        return min(self.token_budget, max(_rounded(tokens), len(running) + self._min_prefill_chunk))
 
     def step_tokens(self, model: StepTimeModel) -> int:
         """Prefill tokens of a step of this policy's budget, alone on the worker (what
         the deadline estimate counts a step as)."""
         if not self._tpot_seconds:
             return self.token_budget
-        prefill = model.prefill_budget(self._tpot_seconds * (1.0 - MIN_MARGIN), num_decodes=0,
-                                       decode_context=0, prefill_context=0.0)
+        prefill = model.prefill_budget(
+            self._tpot_seconds * (1.0 - MIN_MARGIN),
+            num_decodes=0,
+            decode_context=0,
+            prefill_context=0.0,
+        )
         return math.floor(max(self._min_prefill_chunk, min(prefill, self.token_budget)))
 
     def budget(self, view: DecisionView) -> StepBudget:
@@ -112,38 +117,52 @@ class BudgetPolicy:
         else:
             new_seqs, reason = max(0, view.max_batch_size - view.num_active), BlockReason.BATCH_FULL
         watermark = self._config.kv_watermark(view.total_kv_pages)
-        return StepBudget(new_seqs=new_seqs, new_seqs_reason=reason,
-                          gdn_slots=view.gdn_free_slots, decision_bytes=view.decision_bytes,
-                          page_size=view.page_size, tokens=self.tokens(view),
-                          kv_pages=view.kv_free_pages - watermark,
-                          max_loras=self._config.max_loras, adapters=set(view.adapters_in_use))
+        return StepBudget(
+            new_seqs=new_seqs,
+            new_seqs_reason=reason,
+            gdn_slots=view.gdn_free_slots,
+            decision_bytes=view.decision_bytes,
+            page_size=view.page_size,
+            tokens=self.tokens(view),
+            kv_pages=view.kv_free_pages - watermark,
+            max_loras=self._config.max_loras,
+            adapters=set(view.adapters_in_use),
+        )
 
     def plan(self, view: DecisionView) -> Plan:
         budget = self.budget(view)
         preempt = _preempt_for_growth(view, budget)
         if preempt:
             decode = tuple(seq_id for seq_id in view.running_ids if seq_id not in preempt)
-            new_pages = view.decode_pages - sum(decode_pages(seq, budget.page_size)
-                                                for seq in view.running if seq.seq_id in preempt)
+            new_pages = view.decode_pages - sum(
+                decode_pages(seq, budget.page_size) for seq in view.running if seq.seq_id in preempt
+            )
         else:
             decode, new_pages = view.running_ids, view.decode_pages
         budget.take_decodes(len(decode), new_pages)
         continuations = _continue_prefills(view, budget)
         admissions, blocked = admit(
-            view, budget,
-            lambda seq, left, cached: self._first_chunk(seq, left, cached,
-                                                        view.cache_block_tokens),
-            self._placement)
+            view,
+            budget,
+            lambda seq, left, cached: self._first_chunk(seq, left, cached, view.cache_block_tokens),
+            self._placement,
+        )
         if not (decode or continuations or admissions or preempt):
             stuck = _unstick(view, budget)
             if stuck is not None:
                 return stuck
-        return Plan(decode=decode, continuations=continuations, admissions=admissions,
-                    preempt=tuple(preempt), preempt_reason=PreemptReason.KV_GROWTH,
-                    blocked=blocked)
+        return Plan(
+            decode=decode,
+            continuations=continuations,
+            admissions=admissions,
+            preempt=tuple(preempt),
+            preempt_reason=PreemptReason.KV_GROWTH,
+            blocked=blocked,
+        )
 
-    def _first_chunk(self, seq: SequenceView, budget: StepBudget, cached: int,
-                     block_tokens: int) -> int | None:
+    def _first_chunk(
+        self, seq: SequenceView, budget: StepBudget, cached: int, block_tokens: int
+    ) -> int | None:
         """Tokens after the `cached` ones, within the budget, ending on a block where
         the budget allows (computed tokens only count against the budget and floor)."""
         prompt_len = seq.num_tokens() - cached
@@ -175,8 +194,11 @@ def _preempt_for_growth(view: DecisionView, budget: StepBudget) -> dict[int, Non
         return victims
     # Lowest urgency first: the highest priority value, then the latest admitted.
     page_size = budget.page_size
-    ranked = sorted(((seq, decode_pages(seq, page_size)) for seq in view.running),
-                    key=lambda pair: (pair[0].priority, pair[0].admission_order), reverse=True)
+    ranked = sorted(
+        ((seq, decode_pages(seq, page_size)) for seq in view.running),
+        key=lambda pair: (pair[0].priority, pair[0].admission_order),
+        reverse=True,
+    )
     for seq, new_pages in ranked:
         victims[seq.seq_id] = None
         need -= new_pages
@@ -192,9 +214,11 @@ def _continue_prefills(view: DecisionView, budget: StepBudget) -> tuple[Chunk, .
     for seq in sorted(view.waiting, key=lambda s: s.admission_order):
         if budget.tokens <= 0:
             break
-        length = align_chunk(seq.cursor,
-                             budget.max_chunk(seq.cursor, seq.spec_prompt_len() - seq.cursor),
-                             view.cache_block_tokens)
+        length = align_chunk(
+            seq.cursor,
+            budget.max_chunk(seq.cursor, seq.spec_prompt_len() - seq.cursor),
+            view.cache_block_tokens,
+        )
         if length > 0:
             budget.take_chunk(seq.cursor, length)
             view.service.charge(seq.tenant, length)

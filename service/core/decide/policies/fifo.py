@@ -1,12 +1,13 @@
 """The seed's first-come-first-served scheduler, kept as the simplest policy that
 follows docs/contract.md rules 2-7: a batch-size cap and no token budget."""
+
 from __future__ import annotations
 
+from service.core.cache.prefix_cache import align_chunk
 from service.core.config import SchedulerConfig
 from service.core.decide.plan import Chunk, DecisionView, Plan
 from service.core.decide.policies.admit import admit
 from service.core.decide.policies.placement import PlacementRule
-from service.core.cache.prefix_cache import align_chunk
 from service.core.decide.step_budget import StepBudget
 from service.core.vocabulary import BlockReason, SequenceView
 
@@ -36,25 +37,37 @@ class FifoPolicy:
             new_seqs, reason = 0, BlockReason.KV_RESERVE
         else:
             new_seqs, reason = capacity, BlockReason.BATCH_FULL
-        return StepBudget(new_seqs=new_seqs, new_seqs_reason=reason,
-                          gdn_slots=view.gdn_free_slots, decision_bytes=view.decision_bytes,
-                          page_size=view.page_size, max_loras=self._max_loras,
-                          adapters=set(view.adapters_in_use))
+        return StepBudget(
+            new_seqs=new_seqs,
+            new_seqs_reason=reason,
+            gdn_slots=view.gdn_free_slots,
+            decision_bytes=view.decision_bytes,
+            page_size=view.page_size,
+            max_loras=self._max_loras,
+            adapters=set(view.adapters_in_use),
+        )
 
     def plan(self, view: DecisionView) -> Plan:
         block = view.cache_block_tokens
         admissions, blocked = admit(
-            view, self.budget(view),
-            lambda seq, budget, cached: align_chunk(cached, self._first_chunk(seq, cached),
-                                                    block),
-            self._placement)
+            view,
+            self.budget(view),
+            lambda seq, budget, cached: align_chunk(cached, self._first_chunk(seq, cached), block),
+            self._placement,
+        )
         return Plan(
             decode=view.running_ids,
             continuations=tuple(
-                Chunk(seq.seq_id, align_chunk(
-                    seq.cursor, max(0, min(self._chunk_size, seq.spec_prompt_len() - seq.cursor)),
-                    block))
-                for seq in view.waiting),
+                Chunk(
+                    seq.seq_id,
+                    align_chunk(
+                        seq.cursor,
+                        max(0, min(self._chunk_size, seq.spec_prompt_len() - seq.cursor)),
+                        block,
+                    ),
+                )
+                for seq in view.waiting
+            ),
             admissions=admissions,
             blocked=blocked,
         )

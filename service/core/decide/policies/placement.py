@@ -33,14 +33,15 @@ is bounded: a deferral by its patience and by `--aging-seconds`, the reordering 
 `LOOKAHEAD` candidates. The mechanism offers a `FleetView` only for a worker that keeps
 a cache with --prefix-caching on; otherwise admissions are exactly the queue order's.
 """
+
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
 from itertools import islice
 
-from service.core.config import SchedulerConfig
 from service.core.cache.fleet import CacheSpread, FleetView
+from service.core.config import SchedulerConfig
 from service.core.decide.plan import DecisionView
 from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.vocabulary import SequenceView
@@ -65,15 +66,17 @@ class PlacementRule:
     def start(self, view: DecisionView) -> Placement | None:
         if view.fleet is None:
             return None
-        return Placement(view, view.fleet, self._aging_seconds,
-                         view.step_model or self._default_model)
+        return Placement(
+            view, view.fleet, self._aging_seconds, view.step_model or self._default_model
+        )
 
 
 class Placement:
     """One decision's placement: `candidates` in rank order, `defers` for each."""
 
-    def __init__(self, view: DecisionView, fleet: FleetView, aging_seconds: float,
-                 model: StepTimeModel) -> None:
+    def __init__(
+        self, view: DecisionView, fleet: FleetView, aging_seconds: float, model: StepTimeModel
+    ) -> None:
         self._view = view
         self._fleet = fleet
         self._aging_seconds = aging_seconds
@@ -118,8 +121,11 @@ class Placement:
         """Whether two or more others hold the best prefix and each would leave it by
         load (4.): every one with room holds at least its share and more than W."""
         least = spread.best_other_least_load
-        return (spread.best_other_holders > 1 and least is not None
-                and least >= max(self._fair_load, load + 1))
+        return (
+            spread.best_other_holders > 1
+            and least is not None
+            and least >= max(self._fair_load, load + 1)
+        )
 
     def _rank(self, seq: SequenceView) -> int:
         fleet = self._fleet
@@ -133,5 +139,8 @@ class Placement:
 
     def _step_seconds(self, start: int, num_tokens: int) -> float:
         """W's predicted time for a step that prefills `num_tokens` from `start`."""
-        return self._model.predict(StepShape(num_prefill_tokens=num_tokens,
-                                             prefill_attention=chunk_attention(start, num_tokens)))
+        return self._model.predict(
+            StepShape(
+                num_prefill_tokens=num_tokens, prefill_attention=chunk_attention(start, num_tokens)
+            )
+        )
