@@ -210,9 +210,7 @@ class ScriptedEngine(CacheBooks):
         num_new_pages = self._pages.num_new_pages(held.seq_id, num_tokens)
         if num_new_pages > self.kv_free_pages():
             return False
-        if self._cache is not None:
-            self._cache.reclaim(num_new_pages)
-        self._pages.append(held.seq_id, num_tokens)
+        self._append_pages(held.seq_id, num_tokens)
         held.cached_tokens += num_tokens
         if self._cache is not None:
             self._cache.computed(held, held.cached_tokens)

@@ -248,9 +248,7 @@ class SimEngine(CacheBooks):
             out.preempted.append(victim.seq_id)
             if victim is held:
                 return False
-        if self._cache is not None:
-            self._cache.reclaim(num_new_pages)
-        pages.append(held.seq_id, num_tokens)
+        self._append_pages(held.seq_id, num_tokens)
         return True
 
     def _release(self, seq_id: int) -> None:

@@ -39,6 +39,13 @@ class CacheBooks:
             num_snapshot_slots=snapshot_slots, needs_snapshots=needs_snapshots,
             max_unused_blocks=max_unused_blocks)
 
+    def _append_pages(self, seq_id: int, num_tokens: int) -> None:
+        """`seq_id` grows by `num_tokens` positions, on new pages that unused cached blocks
+        give up first (least recently used); the caller checked that kv_free_pages holds them."""
+        if self._cache is not None:
+            self._cache.reclaim(self._pages.num_new_pages(seq_id, num_tokens))
+        self._pages.append(seq_id, num_tokens)
+
     def _release_books(self, held) -> None:
         """A sequence leaves: its pages go back, its full blocks stay in the cache."""
         self._pages.free(held.seq_id)

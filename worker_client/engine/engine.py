@@ -309,9 +309,7 @@ class ModelEngine(CacheBooks):
             recorder.preempt(victim.seq_id)
             if victim is held:
                 return False
-        if self._cache is not None:
-            self._cache.reclaim(num_new_pages)
-        kv.append(held.seq_id, num_tokens)
+        self._append_pages(held.seq_id, num_tokens)
         return True
 
     def _release(self, seq_id: int) -> None:
