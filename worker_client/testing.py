@@ -14,6 +14,7 @@ the most likely one, its log-probability a hash of the prefix in [-0.98, -0.01],
 alternative one nat below the previous. It has no EOS: `ignore_eos` changes nothing, and
 `min_new_tokens` holds off its stop tokens.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,7 +22,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from worker_client.engine.api import (
-    ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
+    ChunkWork,
+    FinishedSequence,
+    FinishReason,
+    SequenceSpec,
+    StepOutput,
     TokenLogprobs,
 )
 from worker_client.engine.books import CacheBooks
@@ -37,8 +42,9 @@ def next_token(prefix: Sequence[int], vocab_size: int = 1000) -> int:
     return h % vocab_size
 
 
-def scripted_logprobs(prefix: Sequence[int], token_id: int, num_top: int,
-                      vocab_size: int = 1000) -> TokenLogprobs:
+def scripted_logprobs(
+    prefix: Sequence[int], token_id: int, num_top: int, vocab_size: int = 1000
+) -> TokenLogprobs:
     """The scripted model's log-probabilities of `token_id` after `prefix` and of its
     `num_top` most likely tokens: the scripted next token first, at a hash of the prefix in
     [-0.98, -0.01], then the following ids, one nat lower each; any other token is 10
@@ -51,9 +57,13 @@ def scripted_logprobs(prefix: Sequence[int], token_id: int, num_top: int,
     return TokenLogprobs(logprob, top_ids, top)
 
 
-def reference_output(prompt: Sequence[int], max_new_tokens: int,
-                     stop_token_ids: Iterable[int] = (), vocab_size: int = 1000,
-                     min_new_tokens: int = 0) -> list[int]:
+def reference_output(
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int] = (),
+    vocab_size: int = 1000,
+    min_new_tokens: int = 0,
+) -> list[int]:
     """What ScriptedEngine generates for a sequence run without interruption."""
     stops, out, prefix = set(stop_token_ids), [], list(prompt)
     while len(out) < max_new_tokens:
@@ -79,11 +89,20 @@ class _Held:
 class ScriptedEngine(CacheBooks):
     """Implements engine.api.Engine with `next_token` in place of a model."""
 
-    def __init__(self, *, total_kv_pages: int = 256, page_size: int = 16,
-                 total_gdn_slots: int = 32, vocab_size: int = 1000, step_seconds: float = 0.0,
-                 sleep: Callable[[float], None] = time.sleep, cache_block_tokens: int = 0,
-                 total_snapshot_slots: int = 64, recurrent: bool = True,
-                 max_cached_blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        total_kv_pages: int = 256,
+        page_size: int = 16,
+        total_gdn_slots: int = 32,
+        vocab_size: int = 1000,
+        step_seconds: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
+        cache_block_tokens: int = 0,
+        total_snapshot_slots: int = 64,
+        recurrent: bool = True,
+        max_cached_blocks: int | None = None,
+    ) -> None:
         """`step_seconds`: simulated GPU time, slept once by each step that has work.
         `cache_block_tokens` (0: no prefix cache), `total_snapshot_slots`, `recurrent`
         (False: every cached block is a resume point) and `max_cached_blocks` as for
@@ -98,10 +117,13 @@ class ScriptedEngine(CacheBooks):
         self._vocab_size = vocab_size
         self.step_seconds = step_seconds
         self._sleep = sleep
-        self._keep_books(PageTables(num_pages=total_kv_pages, page_size=page_size),
-                         cache_block_tokens=cache_block_tokens,
-                         snapshot_slots=self.total_snapshot_slots, needs_snapshots=recurrent,
-                         max_unused_blocks=max_cached_blocks)
+        self._keep_books(
+            PageTables(num_pages=total_kv_pages, page_size=page_size),
+            cache_block_tokens=cache_block_tokens,
+            snapshot_slots=self.total_snapshot_slots,
+            needs_snapshots=recurrent,
+            max_unused_blocks=max_cached_blocks,
+        )
         self._held: dict[int, _Held] = {}  # admission order
 
     def gdn_free_slots(self) -> int:
@@ -111,8 +133,7 @@ class ScriptedEngine(CacheBooks):
         return [s for s, h in self._held.items() if h.cached_tokens < len(h.spec.prompt_token_ids)]
 
     def running_ids(self) -> list[int]:
-        return [s for s, h in self._held.items()
-                if h.cached_tokens >= len(h.spec.prompt_token_ids)]
+        return [s for s, h in self._held.items() if h.cached_tokens >= len(h.spec.prompt_token_ids)]
 
     def evict(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
@@ -144,7 +165,10 @@ class ScriptedEngine(CacheBooks):
                 self._release(chunk.seq_id)
                 preempted.append(chunk.seq_id)
                 continue
-            num_new = min(chunk.chunk_start + chunk.chunk_len, len(held.spec.prompt_token_ids)) - held.cached_tokens
+            num_new = (
+                min(chunk.chunk_start + chunk.chunk_len, len(held.spec.prompt_token_ids))
+                - held.cached_tokens
+            )
             if num_new <= 0:
                 continue
             if not self._grow(held, num_new):
@@ -162,36 +186,62 @@ class ScriptedEngine(CacheBooks):
                 preempted.append(seq_id)
                 continue
             self._sample(seq_id, held, tokens, finished, logprobs, prompt_logprobs)
-        return StepOutput(tuple(tokens), tuple(finished), tuple(preempted), tuple(misses),
-                          tuple(logprobs), tuple(prompt_logprobs))
+        return StepOutput(
+            tuple(tokens),
+            tuple(finished),
+            tuple(preempted),
+            tuple(misses),
+            tuple(logprobs),
+            tuple(prompt_logprobs),
+        )
 
     def _admit(self, chunk: ChunkWork, finished, misses) -> bool:
         """Hold a new admission, from its resume point if it names one; False if not held."""
         spec, cached = chunk.spec, chunk.cached_tokens
         held = _Held(chunk.seq_id, spec, list(spec.prompt_token_ids))
         if cached:
-            problem = cached_tokens_problem(cached, len(spec.prompt_token_ids), self.cache_block_tokens)
+            problem = cached_tokens_problem(
+                cached, len(spec.prompt_token_ids), self.cache_block_tokens
+            )
             if problem is not None:
                 finished.append(FinishedSequence(chunk.seq_id, FinishReason.FAILED, 0, problem))
                 return False
-            if self._cache is None or not spec.may_resume_from_cache or not self._cache.resume(held, cached):
+            if (
+                self._cache is None
+                or not spec.may_resume_from_cache
+                or not self._cache.resume(held, cached)
+            ):
                 misses.append(chunk.seq_id)
                 return False
             held.cached_tokens = cached
         self._held[chunk.seq_id] = held
         return True
 
-    def _sample(self, seq_id: int, held: _Held, tokens, finished, logprobs, prompt_logprobs) -> None:
+    def _sample(
+        self, seq_id: int, held: _Held, tokens, finished, logprobs, prompt_logprobs
+    ) -> None:
         spec = held.spec
         token = next_token(held.token_ids, self._vocab_size)
         if spec.prompt_logprobs and not held.num_generated:
             prompt = spec.prompt_token_ids
-            prompt_logprobs.append((seq_id, tuple(
-                scripted_logprobs(prompt[:p], prompt[p], spec.prompt_logprobs, self._vocab_size)
-                for p in range(1, len(prompt)))))
+            prompt_logprobs.append(
+                (
+                    seq_id,
+                    tuple(
+                        scripted_logprobs(
+                            prompt[:p], prompt[p], spec.prompt_logprobs, self._vocab_size
+                        )
+                        for p in range(1, len(prompt))
+                    ),
+                )
+            )
         if spec.logprobs:
-            logprobs.append((seq_id, (scripted_logprobs(held.token_ids, token, spec.logprobs,
-                                                        self._vocab_size),)))
+            logprobs.append(
+                (
+                    seq_id,
+                    (scripted_logprobs(held.token_ids, token, spec.logprobs, self._vocab_size),),
+                )
+            )
         held.token_ids.append(token)
         held.num_generated += 1
         tokens.append((seq_id, (token,)))

@@ -33,6 +33,7 @@ Instead of running a model, each step asks a cost model how long it took
 (`last_step_seconds`), from the work actually done: a resumed prompt's cached tokens are
 context for its chunk, not computed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -41,7 +42,11 @@ from typing import Protocol
 
 from common.step_table import StepLoad
 from worker_client.engine.api import (
-    ChunkWork, FinishedSequence, FinishReason, SequenceSpec, StepOutput,
+    ChunkWork,
+    FinishedSequence,
+    FinishReason,
+    SequenceSpec,
+    StepOutput,
 )
 from worker_client.engine.books import CacheBooks
 from worker_client.engine.page_tables import PageTables
@@ -79,9 +84,16 @@ class _Held:
 class SimEngine(CacheBooks):
     """Implements engine.api.Engine: page, slot, cache and progress accounting, and a step time."""
 
-    def __init__(self, cost_model: CostModel, *, total_kv_pages: int, page_size: int,
-                 total_gdn_slots: int, cache_block_tokens: int = 0,
-                 snapshot_slots: int | None = None) -> None:
+    def __init__(
+        self,
+        cost_model: CostModel,
+        *,
+        total_kv_pages: int,
+        page_size: int,
+        total_gdn_slots: int,
+        cache_block_tokens: int = 0,
+        snapshot_slots: int | None = None,
+    ) -> None:
         """`cache_block_tokens`: tokens per prefix-cache block (a multiple of page_size;
         0: no cache). `snapshot_slots`: None models a model without GDN layers (every
         cached block is a resume point); a number, a hybrid model with that many GDN
@@ -100,9 +112,12 @@ class SimEngine(CacheBooks):
         self.last_step_seconds = 0.0
         self.num_steps = 0
         self.num_computed_prefill_tokens = 0  # prompt tokens the steps computed
-        self._keep_books(PageTables(num_pages=total_kv_pages, page_size=page_size),
-                         cache_block_tokens=cache_block_tokens,
-                         snapshot_slots=self.total_snapshot_slots, needs_snapshots=hybrid)
+        self._keep_books(
+            PageTables(num_pages=total_kv_pages, page_size=page_size),
+            cache_block_tokens=cache_block_tokens,
+            snapshot_slots=self.total_snapshot_slots,
+            needs_snapshots=hybrid,
+        )
         self._held: dict[int, _Held] = {}  # in admission order
         self._num_admissions = 0
 
@@ -137,7 +152,8 @@ class SimEngine(CacheBooks):
         self._decode(decode, out)
         self.num_steps += 1
         self.last_step_seconds = self.cost_model.step_seconds(
-            StepLoad(tuple(out.chunks), tuple(out.decodes)))
+            StepLoad(tuple(out.chunks), tuple(out.decodes))
+        )
         return out.output()
 
     # Prefill.
@@ -165,16 +181,22 @@ class SimEngine(CacheBooks):
             if num_tokens > 0 and self._reserve(held, num_tokens, out):
                 segment.num_tokens += num_tokens
         # Sequences released while planning (preempted by a later chunk, restarted) run nothing.
-        return [s for s in planned.values()
-                if s.num_tokens > 0 and self._held.get(s.held.seq_id) is s.held]
+        return [
+            s
+            for s in planned.values()
+            if s.num_tokens > 0 and self._held.get(s.held.seq_id) is s.held
+        ]
 
     def _admit(self, chunk: ChunkWork, out: _Recorder) -> None:
         """Hold a first chunk's sequence, from its resume point if it names one, in
         ModelEngine's order of checks: the prompt, max_new_tokens, a GDN slot, the cache."""
         seq_id, spec, cached_tokens = chunk.seq_id, chunk.spec, chunk.cached_tokens
         prompt_len = len(spec.prompt_token_ids)
-        problem = ("the prompt is empty" if not prompt_len else
-                   cached_tokens_problem(cached_tokens, prompt_len, self.cache_block_tokens))
+        problem = (
+            "the prompt is empty"
+            if not prompt_len
+            else cached_tokens_problem(cached_tokens, prompt_len, self.cache_block_tokens)
+        )
         if problem is not None:
             out.finished.append(FinishedSequence(seq_id, FinishReason.FAILED, 0, problem))
             return
@@ -184,11 +206,15 @@ class SimEngine(CacheBooks):
         if self.gdn_free_slots() == 0:
             out.preempted.append(seq_id)
             return
-        held = _Held(seq_id, spec, list(spec.prompt_token_ids), self._num_admissions + 1,
-                     prompt_len)
+        held = _Held(
+            seq_id, spec, list(spec.prompt_token_ids), self._num_admissions + 1, prompt_len
+        )
         if cached_tokens:
-            if (self._cache is None or not spec.may_resume_from_cache
-                    or not self._cache.resume(held, cached_tokens)):
+            if (
+                self._cache is None
+                or not spec.may_resume_from_cache
+                or not self._cache.resume(held, cached_tokens)
+            ):
                 out.cache_misses.append(seq_id)
                 return
             held.num_prefilled = cached_tokens
@@ -226,7 +252,8 @@ class SimEngine(CacheBooks):
         if held.num_generated >= held.spec.max_new_tokens:
             self._release(held.seq_id)
             out.finished.append(
-                FinishedSequence(held.seq_id, FinishReason.MAX_LENGTH, held.num_generated))
+                FinishedSequence(held.seq_id, FinishReason.MAX_LENGTH, held.num_generated)
+            )
 
     def _reserve(self, held: _Held, num_tokens: int, out: _Recorder) -> bool:
         """Reserve KV room for num_tokens more tokens, preempting the latest admitted and
@@ -235,15 +262,23 @@ class SimEngine(CacheBooks):
         needed = pages.num_pages_for(pages.num_tokens(held.seq_id) + num_tokens)
         if needed > self.total_kv_pages:
             self._release(held.seq_id)
-            out.finished.append(FinishedSequence(
-                held.seq_id, FinishReason.FAILED, held.num_generated,
-                f"the sequence needs {needed} KV pages of {self.page_size} tokens, more than "
-                f"the worker's {self.total_kv_pages} in all"))
+            out.finished.append(
+                FinishedSequence(
+                    held.seq_id,
+                    FinishReason.FAILED,
+                    held.num_generated,
+                    f"the sequence needs {needed} KV pages of {self.page_size} tokens, more than "
+                    f"the worker's {self.total_kv_pages} in all",
+                )
+            )
             return False
         num_new_pages = pages.num_new_pages(held.seq_id, num_tokens)
         while num_new_pages > self.kv_free_pages():
-            victim = next(h for h in reversed(self._held.values())
-                          if h is held or pages.num_pages_held(h.seq_id) > 0)
+            victim = next(
+                h
+                for h in reversed(self._held.values())
+                if h is held or pages.num_pages_held(h.seq_id) > 0
+            )
             self._release(victim.seq_id)
             out.preempted.append(victim.seq_id)
             if victim is held:
@@ -282,5 +317,9 @@ class _Recorder:
         self.decodes: list[int] = []
 
     def output(self) -> StepOutput:
-        return StepOutput(tuple(self.tokens), tuple(self.finished), tuple(self.preempted),
-                          tuple(self.cache_misses))
+        return StepOutput(
+            tuple(self.tokens),
+            tuple(self.finished),
+            tuple(self.preempted),
+            tuple(self.cache_misses),
+        )

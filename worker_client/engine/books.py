@@ -2,6 +2,7 @@
 (engine.ModelEngine) over its KV cache and GDN state pool, the scripted test engine
 (worker_client.testing) and the simulator's engine (service.sim.engine) over bare page
 tables, with snapshots that are bookkeeping only."""
+
 from __future__ import annotations
 
 from .api import CacheDelta
@@ -27,17 +28,31 @@ class CacheBooks:
     _pages: PageTables
     _cache: PrefixCache | None
 
-    def _keep_books(self, pages: PageTables, *, cache_block_tokens: int,
-                    snapshot_slots: int, needs_snapshots: bool,
-                    max_unused_blocks: int | None = None,
-                    states: SlotStates | None = None) -> None:
+    def _keep_books(
+        self,
+        pages: PageTables,
+        *,
+        cache_block_tokens: int,
+        snapshot_slots: int,
+        needs_snapshots: bool,
+        max_unused_blocks: int | None = None,
+        states: SlotStates | None = None,
+    ) -> None:
         """Keep the books of `pages`; `states` (None: NoStates) are what the cache's
         snapshots copy, a GDN state pool in an engine that runs a model."""
         self._pages = pages
-        self._cache = None if not cache_block_tokens else PrefixCache(
-            pages, NoStates() if states is None else states, block_tokens=cache_block_tokens,
-            num_snapshot_slots=snapshot_slots, needs_snapshots=needs_snapshots,
-            max_unused_blocks=max_unused_blocks)
+        self._cache = (
+            None
+            if not cache_block_tokens
+            else PrefixCache(
+                pages,
+                NoStates() if states is None else states,
+                block_tokens=cache_block_tokens,
+                num_snapshot_slots=snapshot_slots,
+                needs_snapshots=needs_snapshots,
+                max_unused_blocks=max_unused_blocks,
+            )
+        )
 
     def _append_pages(self, seq_id: int, num_tokens: int) -> None:
         """`seq_id` grows by `num_tokens` positions, on new pages that unused cached blocks

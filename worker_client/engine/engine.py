@@ -1,4 +1,5 @@
 """ModelEngine: the reference implementation of api.Engine on a Qwen3.5 model."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
@@ -77,11 +78,19 @@ class ModelEngine(CacheBooks):
         cache; `max_cached_blocks` bounds the cached blocks no held sequence uses (None:
         as many as the free pages hold).
         """
-        limits = (total_kv_pages, page_size, total_gdn_slots, max_batch_size or 1, max_prefill_sequences or 1,
-                  max_prefill_tokens)
+        limits = (
+            total_kv_pages,
+            page_size,
+            total_gdn_slots,
+            max_batch_size or 1,
+            max_prefill_sequences or 1,
+            max_prefill_tokens,
+        )
         if min(limits) < 1:
-            raise ValueError("total_kv_pages, page_size, total_gdn_slots, max_batch_size, "
-                             "max_prefill_sequences and max_prefill_tokens must be >= 1")
+            raise ValueError(
+                "total_kv_pages, page_size, total_gdn_slots, max_batch_size, "
+                "max_prefill_sequences and max_prefill_tokens must be >= 1"
+            )
         self.device = torch.device(device)
         config = model.config
         self.model = model
@@ -96,23 +105,40 @@ class ModelEngine(CacheBooks):
             total_snapshot_slots = 0
         self.cache_block_tokens = cache_block_tokens
         self.total_snapshot_slots = total_snapshot_slots
-        check_pools_fit(config, PoolSizes(total_kv_pages, page_size, total_gdn_slots, total_snapshot_slots),
-                        self.device, dtype)
+        check_pools_fit(
+            config,
+            PoolSizes(total_kv_pages, page_size, total_gdn_slots, total_snapshot_slots),
+            self.device,
+            dtype,
+        )
         kv_cache = PagedKVCache(
-            num_layers=config.num_full_attention_layers, num_pages=total_kv_pages, page_size=page_size,
-            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-            device=self.device, dtype=dtype,
+            num_layers=config.num_full_attention_layers,
+            num_pages=total_kv_pages,
+            page_size=page_size,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            device=self.device,
+            dtype=dtype,
         )
         self._state_pool = GdnStatePool(
-            num_layers=config.num_linear_attention_layers, num_slots=total_gdn_slots,
-            conv_dim=config.linear_conv_dim, conv_kernel=config.linear_conv_kernel_dim,
-            num_value_heads=config.linear_num_value_heads, key_head_dim=config.linear_key_head_dim,
-            value_head_dim=config.linear_value_head_dim, device=self.device, dtype=dtype,
+            num_layers=config.num_linear_attention_layers,
+            num_slots=total_gdn_slots,
+            conv_dim=config.linear_conv_dim,
+            conv_kernel=config.linear_conv_kernel_dim,
+            num_value_heads=config.linear_num_value_heads,
+            key_head_dim=config.linear_key_head_dim,
+            value_head_dim=config.linear_value_head_dim,
+            device=self.device,
+            dtype=dtype,
         )
-        self._keep_books(kv_cache, cache_block_tokens=cache_block_tokens,
-                         snapshot_slots=total_snapshot_slots,
-                         needs_snapshots=config.num_linear_attention_layers > 0,
-                         max_unused_blocks=max_cached_blocks, states=self._state_pool)
+        self._keep_books(
+            kv_cache,
+            cache_block_tokens=cache_block_tokens,
+            snapshot_slots=total_snapshot_slots,
+            needs_snapshots=config.num_linear_attention_layers > 0,
+            max_unused_blocks=max_cached_blocks,
+            states=self._state_pool,
+        )
         self._held: dict[int, HeldSequence] = {}  # in admission order
         self._num_admissions = 0
 
@@ -138,7 +164,9 @@ class ModelEngine(CacheBooks):
 
     # Prefill.
 
-    def _plan_prefill(self, prefill: Sequence[ChunkWork], recorder: StepRecorder) -> list[PrefillSegment]:
+    def _plan_prefill(
+        self, prefill: Sequence[ChunkWork], recorder: StepRecorder
+    ) -> list[PrefillSegment]:
         """Admit, check and reserve KV room for every chunk; the prompt tokens each sequence adds this step."""
         planned: dict[int, PrefillSegment] = {}
         for chunk in prefill:
@@ -149,7 +177,9 @@ class ModelEngine(CacheBooks):
             if held is None or held.is_running:
                 continue
             segment = planned.get(chunk.seq_id)
-            if segment is None or segment.held is not held:  # nothing yet, or planned for a restarted one
+            if (
+                segment is None or segment.held is not held
+            ):  # nothing yet, or planned for a restarted one
                 segment = planned[chunk.seq_id] = PrefillSegment(held, held.num_prefilled, 0)
             if chunk.chunk_start > segment.end:
                 # A decision was lost on the way: give the sequence back rather than prefill around a gap.
@@ -161,7 +191,11 @@ class ModelEngine(CacheBooks):
             if num_tokens > 0 and self._reserve(held, num_tokens, recorder):
                 segment.num_tokens += num_tokens
         # Sequences released while planning (preempted by a later chunk, restarted) run nothing.
-        return [s for s in planned.values() if s.num_tokens > 0 and self._held.get(s.held.seq_id) is s.held]
+        return [
+            s
+            for s in planned.values()
+            if s.num_tokens > 0 and self._held.get(s.held.seq_id) is s.held
+        ]
 
     def _prefill(self, segments: list[PrefillSegment], recorder: StepRecorder) -> None:
         """Run the planned tokens, packed; sample the first token of every prompt completed."""
@@ -169,8 +203,13 @@ class ModelEngine(CacheBooks):
             token_ids = [t for s in group for t in s.held.token_ids[s.start : s.end]]
             positions = [p for s in group for p in range(s.start, s.end)]
             logit_rows = _logit_rows(group)
-            logits = self._forward([s.held for s in group], token_ids, [s.num_tokens for s in group], positions,
-                                   logit_rows)
+            logits = self._forward(
+                [s.held for s in group],
+                token_ids,
+                [s.num_tokens for s in group],
+                positions,
+                logit_rows,
+            )
             first = 0  # this segment's first row of `logits`
             for row, segment in enumerate(group):
                 held = segment.held
@@ -187,19 +226,30 @@ class ModelEngine(CacheBooks):
                         recorder.prompt(held.seq_id, held.prompt_logprobs)
                     self._emit(held, segment_logits[-1], recorder)
 
-    def _keep_prompt_logprobs(self, held: HeldSequence, segment: PrefillSegment, logits: torch.Tensor) -> None:
+    def _keep_prompt_logprobs(
+        self, held: HeldSequence, segment: PrefillSegment, logits: torch.Tensor
+    ) -> None:
         """Add the log-probabilities of the prompt tokens this segment's logits predict
         (position p's logits predict token p + 1; the last prompt position's predict the
         first generated token, not a prompt token)."""
         num_predicted = min(segment.end, held.prompt_len - 1) - segment.start
         if num_predicted <= 0:
             return
-        targets = torch.tensor(held.token_ids[segment.start + 1 : segment.start + 1 + num_predicted])
-        held.prompt_logprobs.extend(token_logprobs(logits[:num_predicted], targets, held.spec.prompt_logprobs))
+        targets = torch.tensor(
+            held.token_ids[segment.start + 1 : segment.start + 1 + num_predicted]
+        )
+        held.prompt_logprobs.extend(
+            token_logprobs(logits[:num_predicted], targets, held.spec.prompt_logprobs)
+        )
 
-    def _admit(self, seq_id: int, spec: SequenceSpec, cached_tokens: int, recorder: StepRecorder) -> None:
-        problem = (_prompt_problem(spec.prompt_token_ids, self.model.config.vocab_size)
-                   or cached_tokens_problem(cached_tokens, len(spec.prompt_token_ids), self.cache_block_tokens))
+    def _admit(
+        self, seq_id: int, spec: SequenceSpec, cached_tokens: int, recorder: StepRecorder
+    ) -> None:
+        problem = _prompt_problem(
+            spec.prompt_token_ids, self.model.config.vocab_size
+        ) or cached_tokens_problem(
+            cached_tokens, len(spec.prompt_token_ids), self.cache_block_tokens
+        )
         if problem is not None:
             recorder.finish(seq_id, FinishReason.FAILED, 0, problem)
             return
@@ -211,11 +261,19 @@ class ModelEngine(CacheBooks):
             recorder.preempt(seq_id)
             return
         held = HeldSequence(
-            seq_id=seq_id, spec=spec, slot=slot, admission=self._num_admissions + 1,
-            sampling=SamplingParams.from_spec(spec), token_ids=list(spec.prompt_token_ids),
+            seq_id=seq_id,
+            spec=spec,
+            slot=slot,
+            admission=self._num_admissions + 1,
+            sampling=SamplingParams.from_spec(spec),
+            token_ids=list(spec.prompt_token_ids),
         )
         if cached_tokens:
-            if self._cache is None or not spec.may_resume_from_cache or not self._cache.resume(held, cached_tokens):
+            if (
+                self._cache is None
+                or not spec.may_resume_from_cache
+                or not self._cache.resume(held, cached_tokens)
+            ):
                 self._state_pool.release(slot)
                 recorder.cache_miss(seq_id)
                 return
@@ -229,8 +287,10 @@ class ModelEngine(CacheBooks):
         longest = 0
         for segment in segments:
             longest_with = max(longest, segment.num_tokens)
-            if group and (len(group) == self.max_prefill_sequences
-                          or (len(group) + 1) * longest_with > self.max_prefill_tokens):
+            if group and (
+                len(group) == self.max_prefill_sequences
+                or (len(group) + 1) * longest_with > self.max_prefill_tokens
+            ):
                 yield group
                 group, longest_with = [], segment.num_tokens
             group.append(segment)
@@ -259,8 +319,14 @@ class ModelEngine(CacheBooks):
 
     # Shared.
 
-    def _forward(self, group: list[HeldSequence], token_ids: list[int], seq_lens: list[int],
-                 positions: list[int], logit_rows: list[list[int]] | None = None) -> torch.Tensor:
+    def _forward(
+        self,
+        group: list[HeldSequence],
+        token_ids: list[int],
+        seq_lens: list[int],
+        positions: list[int],
+        logit_rows: list[list[int]] | None = None,
+    ) -> torch.Tensor:
         """Logits [rows, vocab] of each row's last token; row i has seq_lens[i] packed tokens. Caches updated in place.
 
         With `logit_rows` (per row, the packed token indices whose logits are wanted, ending
@@ -272,15 +338,22 @@ class ModelEngine(CacheBooks):
         index = None
         if logit_rows is not None:
             index = torch.tensor([i for rows in logit_rows for i in rows], device=self.device)
-        return self.model.forward_packed(torch.tensor(token_ids, device=self.device), batch, cache, last_only=True,
-                                         logit_index=index)
+        return self.model.forward_packed(
+            torch.tensor(token_ids, device=self.device),
+            batch,
+            cache,
+            last_only=True,
+            logit_index=index,
+        )
 
     def _emit(self, held: HeldSequence, logits: torch.Tensor, recorder: StepRecorder) -> None:
         """Sample the next token of `held`, report it, and finish the sequence if it ends here."""
         token_id = sample_token(logits, held.sampling, position=len(held.token_ids))
         logprobs: TokenLogprobs | None = None
         if held.spec.logprobs > 0:
-            logprobs = token_logprobs(logits.unsqueeze(0), torch.tensor([token_id]), held.spec.logprobs)[0]
+            logprobs = token_logprobs(
+                logits.unsqueeze(0), torch.tensor([token_id]), held.spec.logprobs
+            )[0]
         held.token_ids.append(token_id)
         held.num_generated += 1
         recorder.token(held.seq_id, token_id, logprobs)
@@ -295,9 +368,13 @@ class ModelEngine(CacheBooks):
         num_pages_needed = kv.num_pages_for(kv.num_tokens(held.seq_id) + num_tokens)
         if num_pages_needed > kv.num_pages:
             self._release(held.seq_id)
-            recorder.finish(held.seq_id, FinishReason.FAILED, held.num_generated,
-                            f"the sequence needs {num_pages_needed} KV pages of {kv.page_size} tokens, "
-                            f"more than the worker's {kv.num_pages} in all")
+            recorder.finish(
+                held.seq_id,
+                FinishReason.FAILED,
+                held.num_generated,
+                f"the sequence needs {num_pages_needed} KV pages of {kv.page_size} tokens, "
+                f"more than the worker's {kv.num_pages} in all",
+            )
             return False
         num_new_pages = kv.num_new_pages(held.seq_id, num_tokens)
         while num_new_pages > self.kv_free_pages():
@@ -330,7 +407,9 @@ def _logit_rows(group: list[PrefillSegment]) -> list[list[int]] | None:
     rows, start = [], 0
     for segment in group:
         end = start + segment.num_tokens
-        rows.append(list(range(start, end)) if segment.held.spec.needs_all_prompt_logits else [end - 1])
+        rows.append(
+            list(range(start, end)) if segment.held.spec.needs_all_prompt_logits else [end - 1]
+        )
         start = end
     return rows
 
@@ -343,4 +422,3 @@ def _prompt_problem(prompt_token_ids: Sequence[int], vocab_size: int) -> str | N
         if not 0 <= token_id < vocab_size:
             return f"token id {token_id} is outside the model's vocabulary of {vocab_size}"
     return None
-
