@@ -1,4 +1,4 @@
-"""The target table of issue 20: capacity of the default settings, of the two latency
+"""The capacity table of docs/simulation.md: capacity of the default settings, of the two latency
 targets and of a search over fixed token budgets, per trace and worker count, with the
 same runs (`lattice-scheduler simulate --find-capacity`, one process per search).
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The cost of one decision in instructions (callgrind), next to nano-vllm's scheduler.
 
-The workload (issue 21): one worker with R running sequences decoding, one new token per
+The workload (a worker decoding a full batch): one worker with R running sequences decoding, one new token per
 running sequence per decision, 1,000 queued 512-token prompts, page size 16, a token
 budget of 2,048, the `budget` policy. The running sequences' prompts are 512 + (i % 16)
 tokens, so their page boundaries are spread evenly: each decision, about R/16 of them

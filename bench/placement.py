@@ -8,7 +8,7 @@ family order. Every decision is one worker's call with room for A admissions (th
 admitted ones are finished at its next call and replaced in the queue, so the queue
 stays at Q). Prints the thread CPU time per decision, median and p99, on the same
 calls: --prefix-caching off (the queue order, no lookups); on without placement (the
-queue order with each admission's own-cache lookup: issue 18's path, the placement
+queue order with each admission's own-cache lookup, as before placement existed: the placement
 rule switched off in process); on (placement). Beside each, the admissions per decision
 and the CPU time per admission: placement admits W's hits (64 tokens to compute), the
 queue order mostly other families' prompts (1,088), so under a token budget placement

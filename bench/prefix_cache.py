@@ -1,5 +1,5 @@
-"""Prefix caching through the scheduler, caching on against off, side by side (issue 18's
-targets; docs/prefix-caching.md, "Figures").
+"""Prefix caching through the scheduler, caching on against off, side by side (the
+figures of docs/prefix-caching.md, "Figures").
 
 Each scenario runs a real scheduler on a loopback port and a WorkerLoop on a ModelEngine
 (bench.harness.engine_bench.SchedulerStack), once with the engine's cache and

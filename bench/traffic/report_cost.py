@@ -43,7 +43,7 @@ def _nano_cpu_per_decision(directory: str, batch: int, decisions: int = 200) -> 
 
 def cmd_report_cost(args) -> None:
     """The scheduler process's CPU per report of one scripted worker decoding --batch
-    sequences on a session (issue 21): from /proc (utime + stime) over --seconds of
+    sequences on a session: from /proc (utime + stime) over --seconds of
     steady decoding, the scheduler's idle CPU over the same wall time subtracted. With
     --before, the other checkout's scheduler and worker first, in the same run."""
     print(
