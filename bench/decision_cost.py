@@ -501,14 +501,14 @@ def main() -> int:
         f"{args.n2 - args.n1}); CPU ms per decision (process_time, {args.cpu_decisions} "
         "decisions, this machine's load)"
     )
-    print(f"{'R':>5}{'kind':>8}{'instr':>10}{'x nano':>8}{'CPU ms':>9}{'x nano':>8}")
+    print(f"{'R':>5}{'kind':>11}{'instr':>10}{'x nano':>8}{'CPU ms':>9}{'x nano':>8}")
     nano = {r.running: r for r in rows if r.kind == "nano"}
     for row in rows:
         ref = nano.get(row.running)
         ratio = f"{row.instructions / ref.instructions:.2f}" if ref else "-"
         cpu_ratio = f"{row.cpu_seconds / ref.cpu_seconds:.2f}" if ref else "-"
         print(
-            f"{row.running:>5}{row.kind:>8}{_fmt_count(row.instructions):>10}{ratio:>8}"
+            f"{row.running:>5}{row.kind:>11}{_fmt_count(row.instructions):>10}{ratio:>8}"
             f"{row.cpu_seconds * 1e3:>9.3f}{cpu_ratio:>8}"
         )
     print(f"wall time {time.monotonic() - started:.0f} s")
