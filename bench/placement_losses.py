@@ -21,8 +21,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from service.core.cache import prefix_cache
-from service.core.cache.fleet import has_room
 from service.core.decide import batcher
+from service.core.decide.fleet import has_room
 
 
 @dataclass

@@ -8,7 +8,8 @@ Each scenario runs a real scheduler on a loopback port and a WorkerLoop on a Mod
 - turn2: a conversation's second turn (prompt = turn 1's prompt + its answer + 64 new
   tokens): computed prefill tokens (the scheduler's prefill_tokens_total) and TTFT;
 - shared: one request with a 1,024-token system prompt, then 31 more at once, each with
-  its own part: computed prefill tokens against the issue's bound;
+  its own part: computed prefill tokens against the bound of one
+  shared prefix computed once;
 - random: prompts that share nothing, all at once: generated tokens per second;
 - memory: bytes per snapshot slot and per cached block, beside one sequence's GDN state.
 

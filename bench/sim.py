@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How fast `lattice-scheduler simulate` runs, and what the wire mapping costs in it.
 
-The issue's target: 2,000 requests on 4 workers with the A30 profile in <= 60 s. For each
+The target: 2,000 requests on 4 workers with the A30 profile in <= 60 s. For each
 QPS this prints the wall time of one simulation (the `simulate` path: Scheduler, WorkerLoop,
 convert.py both ways, SimEngine, cost model), the worker iterations it made, the time per
 iteration, and the share spent in service/server/convert.py's mapping (worker_report and

@@ -20,8 +20,8 @@ from service.core.config import SchedulerConfig
 from service.core.decide.batcher import Batcher
 from service.core.decide.orders import queue_order
 from service.core.decide.policies import make_policy
-from service.core.errors import DeadlineUnreachable, InvalidArgument, NotFound, QueueFull
-from service.core.learn.deadlines import prefill_rate, start_seconds
+from service.core.decide.shedding import Shedder
+from service.core.errors import InvalidArgument, NotFound, QueueFull
 from service.core.learn.step_model import StepTimeModel
 from service.core.learn.step_times import StepTimes
 from service.core.observer import RequeueReason, SchedulerObserver
@@ -31,6 +31,7 @@ from service.core.persist.saving import Saver
 from service.core.persist.store import StateStore, StoredState
 from service.core.report.reconcile import Reconciler
 from service.core.report.validation import check_incarnation, check_submit, validate_report
+from service.core.report.workers import WorkerRegistry
 from service.core.tables.ledger import WorkerLedger
 from service.core.tables.lifecycle import Lifecycle
 from service.core.tables.reads import OutputView, Reads
@@ -38,7 +39,6 @@ from service.core.tables.sequences import Sequence, SequenceTable
 from service.core.tables.steady import SteadyStep
 from service.core.tables.tables import Tables
 from service.core.tables.tenants import TenantLedger
-from service.core.tables.workers import WorkerRegistry
 from service.core.types import (
     SEES_ALL,
     Caller,
@@ -137,6 +137,7 @@ class Scheduler:
             if config.learns_step_times
             else None
         )
+        self._shedder = Shedder(config, tables, self._policy, self._step_times)
         # The tenant's service so far, as the queue order reads it (0 without counters).
         self._served = self._tenants.served if self._tenants is not None else _no_service
         self._reads = Reads(tables, self._served)
@@ -292,39 +293,12 @@ class Scheduler:
 
     def is_sheddable(self, params: SubmitParams) -> bool:
         """Whether `params` may be shed: a negative priority under a TTFT target."""
-        return (
-            bool(self.config.ttft_target_ms)
-            and params.priority < 0
-            and self._step_times is not None
-        )
+        return self._shedder.is_sheddable(params)
 
     def _shed_if_late(self, params: SubmitParams, tokens_elsewhere: int = 0) -> None:
-        """DeadlineUnreachable for a sheddable request (negative priority, a TTFT target
-        set) that no worker could start before its deadline (service/core/learn/deadlines.py),
-        behind the queue's prefill tokens of as urgent requests plus `tokens_elsewhere`."""
-        if not self.is_sheddable(params):
-            return
-        target_seconds = self.config.ttft_target_ms / 1000.0
-        workers = [w for w in self._ledger if not (w.draining or w.drain_requested)]
-        tokens_ahead = self._queue.tokens_up_to(params.priority) + tokens_elsewhere
-        rate = prefill_rate(
-            (model, self._policy.step_tokens(model))
-            for model in map(self._step_times.model, (w.worker_id for w in workers))
-        )
-        wait = start_seconds(tokens_ahead, rate)
-        if wait is not None and wait <= target_seconds:
-            return
-        why = (
-            "no worker is registered to start it"
-            if not workers
-            else f"{tokens_ahead} prompt tokens of as urgent requests are queued ahead of it, "
-            f"about {wait:.2f} s of prefill on the {len(workers)} worker(s)"
-        )
-        raise DeadlineUnreachable(
-            f"shed: priority {params.priority} is sheddable and cannot start before its "
-            f"deadline (--ttft-target-ms {self.config.ttft_target_ms:g}): {why}; retry "
-            "later or elsewhere, or submit with priority >= 0 to queue it anyway"
-        )
+        """DeadlineUnreachable for a sheddable request that cannot start in time
+        (service/core/decide/shedding.py)."""
+        self._shedder.check(params, tokens_elsewhere)
 
     def _learn_step_time(self, report: WorkerReport):
         """Learn from the step time `report` carries; the worker's model (None: none

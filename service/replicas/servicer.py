@@ -472,7 +472,7 @@ class ReplicaServicer(SchedulerServicer):
             finally:
                 try:
                     conn.close()
-                except Exception:  # noqa: BLE001
+                except Exception:  # noqa: BLE001 - closing a connection already lost
                     pass
 
     def _on_reconnected(self) -> None:

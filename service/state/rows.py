@@ -36,7 +36,7 @@ def params_json(p: SubmitParams) -> str:
             "adapter_id": p.adapter_id,
             "priority": p.priority,
             "tenant": p.tenant,
-            # Rows saved before the wave-3 fields hold the first four; the rest default.
+            # Rows saved before the sampling fields grew hold the first four; the rest default.
             "sampling": [
                 s.temperature,
                 s.top_p,

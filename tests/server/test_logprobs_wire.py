@@ -1,4 +1,4 @@
-"""The scheduler's wire mapping of the wave-3 sampling fields (SubmitRequest -> core)."""
+"""The scheduler's wire mapping of the sampling fields (logprobs, stop, seed, penalties) (SubmitRequest -> core)."""
 
 from __future__ import annotations
 

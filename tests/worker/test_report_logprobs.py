@@ -1,4 +1,4 @@
-"""The worker's wire mapping of the wave-3 sampling fields and of log-probabilities: a spec's
+"""The worker's wire mapping of the sampling fields and of log-probabilities: a spec's
 fields reach the engine, and a report keeps logprobs with their tokens across a lost answer."""
 
 from __future__ import annotations

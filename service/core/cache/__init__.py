@@ -1,2 +1,2 @@
-"""Prefix caches: resume points and block hashes (prefix_cache), and the fleet's view of
-where a prompt's blocks are (fleet)."""
+"""Prefix caches: resume points and block hashes (prefix_cache). What the tables keep of
+each worker's cache and each sequence's prompt; imports nothing of the tables."""

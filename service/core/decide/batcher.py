@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
 
-from service.core.cache.fleet import FleetView
 from service.core.cache.prefix_cache import longest_resume, prompt_hashes
+from service.core.decide.fleet import FleetView
 from service.core.decide.plan import Chunk, DecisionView, Plan, Policy
 from service.core.decide.plan_check import check_plan
 from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention

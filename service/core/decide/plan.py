@@ -17,7 +17,7 @@ from service.core.tables.tenants import TentativeService
 from service.core.vocabulary import BlockReason, PreemptReason, SequenceView
 
 if TYPE_CHECKING:
-    from service.core.cache.fleet import FleetView
+    from service.core.decide.fleet import FleetView
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
+from collections.abc import Callable
+from functools import partial
 from operator import attrgetter, itemgetter
 
 from service.core.errors import InvalidArgument
@@ -174,8 +176,9 @@ class Reconciler:
             token_ids = update.token_ids
             start = update.offset
             if start is not None and start != num_known:
-                index = report.tokens.index(update)
-                token_ids = token_ids[_num_past("tokens", index, seq_id, start, num_known) :]
+                # The update's index is looked up only for a refusal's message.
+                where = partial(report.tokens.index, update)
+                token_ids = token_ids[_num_past("tokens", where, seq_id, start, num_known) :]
             if token_ids:
                 if seq.output_logprobs is not None:
                     logprobs[len(new_tokens)] = (update, len(update.token_ids) - len(token_ids))
@@ -210,7 +213,8 @@ class Reconciler:
             if seq_id in grown:
                 num_known += sum(len(t) for s, t in new_tokens if s is seq)
             if offsets and offsets[index] != num_known:
-                begin += _num_past("token_offsets", index, seq_id, offsets[index], num_known)
+                where = partial(int, index)  # the index itself
+                begin += _num_past("token_offsets", where, seq_id, offsets[index], num_known)
             if begin < end:
                 if seq.output_logprobs is not None:
                     logprobs[len(new_tokens)] = (None, 0)  # the runs carry no logprobs
@@ -276,14 +280,16 @@ class Reconciler:
         return EvictReason.NOT_ASSIGNED
 
 
-def _num_past(field: str, index: int, seq_id: int, offset: int, num_known: int) -> int:
+def _num_past(
+    field: str, index: Callable[[], int], seq_id: int, offset: int, num_known: int
+) -> int:
     """The one check of a token offset, for both wire forms (a TokenUpdate's `offset`,
     packed runs' `token_offsets`): how many leading tokens a retried report repeats (to
-    drop), for an offset below the tokens known; InvalidArgument, naming `field[index]`,
+    drop), for an offset below the tokens known; InvalidArgument, naming `field[index()]`,
     for one beyond them (tokens were lost on the way: the whole report is refused)."""
     if offset > num_known:
         raise InvalidArgument(
-            f"{field}[{index}]: seq_id {seq_id} offset {offset} is beyond the {num_known} "
+            f"{field}[{index()}]: seq_id {seq_id} offset {offset} is beyond the {num_known} "
             f"tokens known for it since its admission to this worker (tokens "
             f"{num_known}..{offset - 1} were lost); nothing was applied"
         )

@@ -40,8 +40,8 @@ import math
 from collections.abc import Iterator
 from itertools import islice
 
-from service.core.cache.fleet import CacheSpread, FleetView
 from service.core.config import SchedulerConfig
+from service.core.decide.fleet import CacheSpread, FleetView
 from service.core.decide.plan import DecisionView
 from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.vocabulary import SequenceView
