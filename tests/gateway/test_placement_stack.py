@@ -11,7 +11,6 @@ with --prefix-caching off."""
 from __future__ import annotations
 
 import re
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -20,8 +19,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness.processes import scrape
 from common.processes import (
     GATEWAY_LISTENING,
     LOOPBACK,
@@ -115,7 +114,7 @@ def two_worker_stack(checkpoint: Checkpoint, logs: Path, prefix_caching: str) ->
         yield (
             f"http://{LOOPBACK}:{gateway.ports[0]}",
             stub,
-            f"http://{LOOPBACK}:{scheduler.ports[1]}/metrics",
+            scheduler.ports[1],
         )
         channel.close()
     finally:
@@ -149,17 +148,6 @@ def conversations(base_url: str, model: str, stub) -> list[Turn]:
     return [turn for run in runs for turn in run]
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """The scheduler's metrics: {(sample name, sorted labels): value}."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def sequences_finished(logs: Path, worker_id: str) -> int:
     """What the worker's exit line says it finished (a finished sequence's worker_id is
     empty on GetSequence: the contract names it only while assigned)."""
@@ -176,9 +164,13 @@ def test_conversations_resume_on_the_worker_that_holds_them_spread_and_answer_th
 ):
     results, metrics = {}, {}
     for setting in ("on", "off"):
-        with two_worker_stack(checkpoint, tmp_path / setting, setting) as (base_url, stub, url):
+        with two_worker_stack(checkpoint, tmp_path / setting, setting) as (
+            base_url,
+            stub,
+            metrics_port,
+        ):
             results[setting] = conversations(base_url, checkpoint.path.name, stub)
-            metrics[setting] = scrape(url)
+            metrics[setting] = scrape(metrics_port, timeout_seconds=10)
     on, off = results["on"], results["off"]
     by_turn = {(t.conversation, t.turn): t for t in on}
     follow_ups = [t for t in on if t.turn > 0]
