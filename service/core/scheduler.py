@@ -278,7 +278,7 @@ class Scheduler:
             self._workers.expire()
             worker = self._ledger.get(report.worker_id)
             check_incarnation(worker, report.incarnation)
-            reported = validate_report(report, worker.settings.max_batch_size)
+            reported = validate_report(report, worker)
             evict = self._reconciler.apply(worker, report, reported)
             step_model = self._learn_step_time(report)
             decision = self._batcher.decide(worker, report, reported, evict, step_model)
