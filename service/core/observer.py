@@ -94,6 +94,10 @@ class SchedulerObserver:
         the elapsed time or the cadence it broke) and was not learned; `first`: the
         first such claim of this worker."""
 
+    def on_change_refused(self, num_sequences: int, reason: str) -> None:
+        """The store refused a change for its data: `num_sequences` sequences were
+        failed for it (0: the change was dropped whole)."""
+
     def on_prefill_tokens(self, worker_id: str, computed: int, cached: int) -> None:
         """Prompt tokens of one decision's chunks: to compute, and taken from the
         worker's prefix cache (first chunks' cached_tokens)."""

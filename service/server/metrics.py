@@ -276,6 +276,13 @@ class SchedulerMetrics(SchedulerObserver):
             ["reason"],
             registry=r,
         )
+        self.store_refusals = Counter(
+            PREFIX + "store_refusals_total",
+            "Changes the state store refused for their data (not for being unreachable): "
+            "the sequences they named were failed, or the change dropped, instead of "
+            "retried on every later save.",
+            registry=r,
+        )
         self.deadline_misses = Counter(
             PREFIX + "deadline_misses_total",
             "Sequences whose first token came after their deadline (submission + "
@@ -653,6 +660,13 @@ class SchedulerMetrics(SchedulerObserver):
                     "bound_seconds": round(bound_seconds, 6),
                 },
             )
+
+    def on_change_refused(self, num_sequences: int, reason: str) -> None:
+        self.store_refusals.inc()
+        log.error(
+            "the state store refused a change for its data; it is not retried",
+            extra={"failed_sequences": num_sequences, "reason": reason[:500]},
+        )
 
     def on_prefill_tokens(self, worker_id: str, computed: int, cached: int) -> None:
         self.prefill_tokens.labels("computed").inc(computed)
