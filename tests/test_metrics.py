@@ -80,8 +80,9 @@ def _learned_step_and_a_late_first_token():
     )
     register(sched)
     seq_id = submit(sched, prompt_len=40, max_new_tokens=4)
+    clock.advance_ms(370)
     sched.select_batch(report())  # the first chunk: a decision with work
-    clock.advance_ms(400)  # past the 300 ms deadline
+    clock.advance_ms(30)  # past the 300 ms deadline; a 25 ms step fits the 30 ms since
     sched.select_batch(
         WorkerReport(
             "w0",
@@ -205,3 +206,36 @@ def test_the_dashboard_shows_step_times_budgets_and_deadline_misses():
     assert wanted <= used, f"no panel for {sorted(wanted - used)}"
     sampled = {s.name for m in registry.collect() for s in m.samples}
     assert wanted <= sampled, f"not scheduler samples: {sorted(wanted - sampled)}"
+
+
+def test_a_step_time_that_contradicts_the_cadence_is_counted_and_logged_once_per_worker(caplog):
+    """Regression (outside probe): last_step_us = 1 for steps of 20 ms was learned."""
+    clock, registry = FakeClock(), CollectorRegistry()
+    sched = Scheduler(
+        make_config(policy="budget", tpot_target_ms=100.0),
+        observer=SchedulerMetrics(registry, clock=clock),
+        clock=clock,
+    )
+    register(sched)
+    seq_id = submit(sched, prompt_len=40, max_new_tokens=20)
+    sched.select_batch(report())
+    for step in range(5):
+        clock.advance_ms(50)
+        sched.select_batch(
+            WorkerReport(
+                "w0",
+                running=(seq_id,),
+                kv_free_pages=100,
+                gdn_free_slots=8,
+                tokens=(TokenUpdate(seq_id, (1,), offset=step),),
+                last_step_us=1 if step < 3 else 2**32 - 1,
+            )
+        )
+    p = "lattice_scheduler_step_times_refused_total"
+    assert _value(registry, p, reason="shorter_than_cadence") == 3
+    assert _value(registry, p, reason="longer_than_elapsed") == 2
+    assert _value(registry, "lattice_scheduler_step_time_error_ratio_count", worker_id="w0") is None
+    assert [r.getMessage() for r in caplog.records].count(
+        "a reported step time was not learned: it contradicts what the scheduler saw; later "
+        "ones of this worker are counted in lattice_scheduler_step_times_refused_total only"
+    ) == 1

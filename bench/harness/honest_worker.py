@@ -85,9 +85,10 @@ class HonestWorker:
         for seq_id in decision.decode:
             self._generate(seq_id)
 
-    def _cannot_fit(self, seq_id: int, held: Held) -> bool:
-        """As the reference engine: a sequence that outgrows the whole pool fails."""
-        if pages_for(held.num_positions(), self.page_size) <= self.total_pages:
+    def _cannot_fit(self, seq_id: int, held: Held, num_more: int = 0) -> bool:
+        """As the reference engine: a sequence that outgrows the whole pool (with
+        `num_more` positions more) fails, counting the tokens it generated."""
+        if pages_for(held.num_positions() + num_more, self.page_size) <= self.total_pages:
             return False
         self.prefill.pop(seq_id, None)
         self.running.pop(seq_id, None)
@@ -96,9 +97,7 @@ class HonestWorker:
 
     def _generate(self, seq_id: int) -> None:
         held = self.running[seq_id]
-        if held.num_generated and self._cannot_fit(
-            seq_id, Held(held.spec_len, 0, "", held.num_prefilled, held.num_generated + 1)
-        ):
+        if held.num_generated and self._cannot_fit(seq_id, held, num_more=1):
             return
         held.num_generated += 1
         self.tokens.setdefault(seq_id, []).append(7)

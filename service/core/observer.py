@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 
 from service.core.types import Decision, FinishReason, WorkerReport
-from service.core.vocabulary import BlockReason, PreemptReason
+from service.core.vocabulary import BlockReason, PreemptReason, StepTimeRefusal
 
 
 class RequeueReason(enum.Enum):
@@ -81,6 +81,22 @@ class SchedulerObserver:
         self, worker_id: str, predicted_seconds: float, measured_seconds: float
     ) -> None:
         """A worker's measured step and what its model predicted for it beforehand."""
+
+    def on_step_time_refused(
+        self,
+        worker_id: str,
+        reason: StepTimeRefusal,
+        claimed_seconds: float,
+        bound_seconds: float,
+        first: bool,
+    ) -> None:
+        """A worker's reported step time contradicted what the scheduler saw (`bound`:
+        the elapsed time or the cadence it broke) and was not learned; `first`: the
+        first such claim of this worker."""
+
+    def on_change_refused(self, num_sequences: int, reason: str) -> None:
+        """The store refused a change for its data: `num_sequences` sequences were
+        failed for it (0: the change was dropped whole)."""
 
     def on_prefill_tokens(self, worker_id: str, computed: int, cached: int) -> None:
         """Prompt tokens of one decision's chunks: to compute, and taken from the

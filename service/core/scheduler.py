@@ -133,7 +133,7 @@ class Scheduler:
         self._saving = Saver(tables, lifecycle, lambda: self._workers.last_incarnation).scope
         # Each worker's step times, learned while a latency target is set.
         self._step_times = (
-            StepTimes(step_prior.copy if step_prior else StepTimeModel)
+            StepTimes(step_prior.copy if step_prior else StepTimeModel, clock)
             if config.learns_step_times
             else None
         )
@@ -278,14 +278,17 @@ class Scheduler:
             self._workers.expire()
             worker = self._ledger.get(report.worker_id)
             check_incarnation(worker, report.incarnation)
-            reported = validate_report(report, worker.settings.max_batch_size)
+            reported = validate_report(report, worker)
             evict = self._reconciler.apply(worker, report, reported)
             step_model = self._learn_step_time(report)
             decision = self._batcher.decide(worker, report, reported, evict, step_model)
         if saved.disowned:
             decision = _without(decision, saved.disowned, reported)
-        if self._step_times is not None and (decision.prefill or decision.decode):
-            self._step_times.decided(report.worker_id, self._batcher.shape(decision))
+        if self._step_times is not None:
+            busy = decision.prefill or decision.decode
+            self._step_times.decided(
+                report.worker_id, self._batcher.shape(decision) if busy else None
+            )
         self._observer.on_decision(report, decision)
         return decision
 
@@ -306,10 +309,13 @@ class Scheduler:
         if self._step_times is None:
             return None
         worker_id = report.worker_id
-        measured = self._step_times.measured(worker_id, report.last_step_us)
-        if measured is not None:
-            shape, predicted, seconds = measured
-            self._observer.on_step_time(worker_id, predicted, seconds)
+        step = self._step_times.measured(worker_id, report.last_step_us)
+        if step is not None and step.refusal is not None:
+            self._observer.on_step_time_refused(
+                worker_id, step.refusal, step.seconds, step.bound_seconds, step.first_refusal
+            )
+        elif step is not None:
+            self._observer.on_step_time(worker_id, step.predicted_seconds, step.seconds)
         return self._step_times.model(worker_id)
 
     def _recover(self, state: StoredState) -> None:

@@ -198,8 +198,10 @@ class CacheReport:
     """A worker's prefix-cache resume points (block hashes) added and removed since its
     last call; `reset`: forget its earlier reports first (`added` then lists all)."""
 
-    added: tuple[int, ...] = ()
-    removed: tuple[int, ...] = ()
+    # Any sequence of ints (the server hands the message's arrays over as they are: a
+    # report refused for its length is then never copied).
+    added: Sequence[int] = ()
+    removed: Sequence[int] = ()
     reset: bool = False
 
 

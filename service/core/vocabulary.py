@@ -33,6 +33,15 @@ class PreemptReason(enum.Enum):
     WORKER = "worker"  # the worker evicted it on its own and reported it
 
 
+class StepTimeRefusal(enum.Enum):
+    """Why a worker's reported step time was not learned (a bounded metric label)."""
+
+    # Longer than the time since its decision was answered: the step cannot have run so.
+    LONGER_THAN_ELAPSED = "longer_than_elapsed"
+    # Far shorter than the worker's cadence: its busy reports come much slower than that.
+    SHORTER_THAN_CADENCE = "shorter_than_cadence"
+
+
 class SequenceView(Protocol):
     """What a policy may read of a sequence (service.core.tables.sequences.Sequence)."""
 

@@ -47,6 +47,9 @@ class Delta:
     text: str
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob | None, ...] = ()
+    # Characters of the last token's text that are in the answer (None: all of it): a stop
+    # string may end the answer inside a token.
+    last_token_chars: int | None = None
 
 
 @dataclass(frozen=True)
@@ -197,24 +200,29 @@ async def text_events(
     taken = 0  # tokens handed out in a Delta
 
     def delta(text: str) -> Delta:
+        # With logprobs, the tokens that the text handed out so far covers, so that the
+        # tokens of all Deltas joined are the answer's text (none past a stop string).
         nonlocal taken
         if not with_logprobs:
             return Delta(text)
-        start, taken = taken, assembler.num_tokens
+        start, (taken, cut) = taken, assembler.covered()
         return Delta(
-            text, tuple(generation.token_ids[start:taken]), tuple(generation.logprobs[start:taken])
+            text,
+            tuple(generation.token_ids[start:taken]),
+            tuple(generation.logprobs[start:taken]),
+            cut,
         )
 
     async for token_ids in generation.follow():
         text = assembler.add(token_ids)
-        if text or (with_logprobs and assembler.num_tokens > taken):
+        if text or (with_logprobs and assembler.covered()[0] > taken):
             yield delta(text)
         if assembler.stopped:
             generations.stop(generation)
             yield Finish("stop", assembler.num_tokens)
             return
     text = assembler.finish()
-    if text:
+    if text or (with_logprobs and assembler.covered()[0] > taken):
         yield delta(text)
     if assembler.stopped:  # the stop string was in text held back for a split character
         yield Finish("stop", assembler.num_tokens)

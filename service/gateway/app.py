@@ -469,7 +469,9 @@ class _Choice:
 
     def logprobs(self, delta: Delta) -> dict | None:
         return (
-            None if self._builder is None else self._builder.block(delta.token_ids, delta.logprobs)
+            None
+            if self._builder is None
+            else self._builder.block(delta.token_ids, delta.logprobs, delta.last_token_chars)
         )
 
     def whole(self, pieces: list[str], taken: list[Delta], finish: Finish) -> WholeChoice:
@@ -480,7 +482,11 @@ class _Choice:
         if self._builder is None:
             return WholeChoice(text, finish)
         blocks = [self.prompt_logprobs()] if self._echo_text is not None else []
-        blocks += [self._builder.block(d.token_ids, d.logprobs) for d in taken if d.token_ids]
+        blocks += [
+            self._builder.block(d.token_ids, d.logprobs, d.last_token_chars)
+            for d in taken
+            if d.token_ids
+        ]
         return WholeChoice(text, finish, merge(blocks) or self._builder.block((), ()))
 
 

@@ -12,6 +12,7 @@ out never contains, or ends inside, a stop string.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 
 REPLACEMENT_CHARACTER = "\ufffd"
@@ -78,12 +79,20 @@ class StopStrings:
 
 
 class TextAssembler:
-    """Tokens in, text out: detokenization then stop strings, one token at a time."""
+    """Tokens in, text out: detokenization then stop strings, one token at a time.
+
+    It also knows which tokens the text handed out so far covers (`covered`), so that
+    logprobs go with exactly the text a client reads: a token whose text is held back
+    waits for it, and one past a stop string is never handed out."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str]) -> None:
         self._detokenizer = IncrementalDetokenizer(decode)
         self._stop = StopStrings(stop)
         self.num_tokens = 0  # tokens taken, up to and including the one that matched a stop
+        # Per token taken: the length of the detokenized text once it is in (stop strings
+        # not applied); a token inside an unfinished character ends where the one before.
+        self._text_ends: list[int] = []
+        self._num_chars_out = 0  # text handed out
 
     @property
     def stopped(self) -> bool:
@@ -96,12 +105,34 @@ class TextAssembler:
             if self.stopped:
                 break
             self.num_tokens += 1
-            out.append(self._stop.push(self._detokenizer.add([token_id])))
-        return "".join(out)
+            piece = self._detokenizer.add([token_id])
+            self._text_ends.append((self._text_ends[-1] if self._text_ends else 0) + len(piece))
+            out.append(self._stop.push(piece))
+        return self._out("".join(out))
 
     def finish(self) -> str:
         """At the end of the sequence: the rest of the text."""
         if self.stopped:
             return ""
-        text = self._stop.push(self._detokenizer.flush())
-        return text if self.stopped else text + self._stop.flush()
+        piece = self._detokenizer.flush()
+        if self._text_ends:  # unfinished characters: the last token's text
+            self._text_ends[-1] += len(piece)
+        text = self._stop.push(piece)
+        return self._out(text if self.stopped else text + self._stop.flush())
+
+    def covered(self) -> tuple[int, int | None]:
+        """The tokens the text handed out so far covers, from the first: how many, and
+        how many characters of the last one's text are in it (None: all of it). A token
+        is covered once all its text is out; after a stop string, the token the text ends
+        inside is covered too, cut there, and none after it."""
+        num = bisect_right(self._text_ends, self._num_chars_out)
+        if not self.stopped or num == len(self._text_ends):
+            return num, None
+        start = self._text_ends[num - 1] if num else 0
+        if start < self._num_chars_out:
+            return num + 1, self._num_chars_out - start
+        return num, None
+
+    def _out(self, text: str) -> str:
+        self._num_chars_out += len(text)
+        return text

@@ -29,11 +29,21 @@ class CompletionLogprobs:
         self._num_top = num_top
         self._offset = 0
 
-    def block(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None]) -> dict:
-        """The object for these tokens (entries: one per token, None when unknown)."""
+    def block(
+        self,
+        token_ids: Sequence[int],
+        entries: Sequence[TokenLogprob | None],
+        last_token_chars: int | None = None,
+    ) -> dict:
+        """The object for these tokens (entries: one per token, None when unknown);
+        `last_token_chars`: the last token's text is cut to that many characters (a stop
+        string ended the answer inside it)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token_id, entry in zip(token_ids, entries):
+        last = len(token_ids) - 1
+        for index, (token_id, entry) in enumerate(zip(token_ids, entries)):
             text = self._decode([token_id])
+            if index == last and last_token_chars is not None:
+                text = text[:last_token_chars]
             out["tokens"].append(text)
             out["text_offset"].append(self._offset)
             self._offset += len(text)
@@ -59,10 +69,18 @@ class ChatLogprobs:
         self._decode = decode
         self._num_top = num_top
 
-    def block(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None]) -> dict:
+    def block(
+        self,
+        token_ids: Sequence[int],
+        entries: Sequence[TokenLogprob | None],
+        last_token_chars: int | None = None,
+    ) -> dict:
+        """As CompletionLogprobs.block, in the chat shape."""
         content = []
-        for token_id, entry in zip(token_ids, entries):
-            item = self._item(token_id, None if entry is None else entry.logprob)
+        last = len(token_ids) - 1
+        for index, (token_id, entry) in enumerate(zip(token_ids, entries)):
+            cut = last_token_chars if index == last else None
+            item = self._item(token_id, None if entry is None else entry.logprob, cut)
             item["top_logprobs"] = (
                 []
                 if entry is None
@@ -76,8 +94,10 @@ class ChatLogprobs:
             content.append(item)
         return {"content": content}
 
-    def _item(self, token_id: int, logprob: float | None) -> dict:
+    def _item(self, token_id: int, logprob: float | None, num_chars: int | None = None) -> dict:
         text = self._decode([token_id])
+        if num_chars is not None:
+            text = text[:num_chars]
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 

@@ -25,6 +25,7 @@ from service.core import (
 from service.core.types import CacheReport
 
 _FINISH_REASON_NUMBERS = {r.value for r in FinishReason}
+_NO_CACHE = CacheReport()
 _NO_TOKEN_RUNS = TokenRuns()
 
 # Wire-level limits on what one message may carry, on top of the gRPC message size
@@ -223,7 +224,13 @@ def worker_report(
             else _NO_TOKEN_RUNS
         ),
         incarnation=msg.incarnation,
-        cache=CacheReport(tuple(msg.cache.added), tuple(msg.cache.removed), msg.cache.reset),
+        # As they are: the core checks their lengths against the worker's registration
+        # before it reads them (a flood is refused without an object per hash).
+        cache=(
+            CacheReport(msg.cache.added, msg.cache.removed, msg.cache.reset)
+            if msg.cache.added or msg.cache.removed or msg.cache.reset
+            else _NO_CACHE
+        ),
         kv_cached_pages=msg.kv_cached_pages,
         cache_misses=tuple(msg.cache_misses),
         last_step_us=msg.last_step_us,

@@ -6,6 +6,7 @@ values and `worker_id` only registered workers (a worker's series go when it lea
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
@@ -22,7 +23,10 @@ from service.core import (
     WorkerReport,
 )
 from service.core.tables.queue import PRIORITY_BANDS
+from service.core.vocabulary import StepTimeRefusal
 from service.server.histograms import TallyHistogram
+
+log = logging.getLogger(__name__)
 
 PREFIX = "lattice_scheduler_"
 
@@ -262,6 +266,21 @@ class SchedulerMetrics(SchedulerObserver):
             PREFIX + "decision_budget_used_ratio",
             "Share of its token budget a decision spent (budget and fair policies).",
             buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.step_times_refused = Counter(
+            PREFIX + "step_times_refused_total",
+            "Reported step times not learned because they contradicted what the scheduler "
+            "saw: longer than the time since the decision (longer_than_elapsed), or far "
+            "shorter than the worker's busy cadence (shorter_than_cadence).",
+            ["reason"],
+            registry=r,
+        )
+        self.store_refusals = Counter(
+            PREFIX + "store_refusals_total",
+            "Changes the state store refused for their data (not for being unreachable): "
+            "the sequences they named were failed, or the change dropped, instead of "
+            "retried on every later save.",
             registry=r,
         )
         self.deadline_misses = Counter(
@@ -618,6 +637,35 @@ class SchedulerMetrics(SchedulerObserver):
         self.worker_step_measured.labels(worker_id).set(measured_seconds)
         self.step_time_error.labels(worker_id).observe(
             abs(predicted_seconds - measured_seconds) / measured_seconds
+        )
+
+    def on_step_time_refused(
+        self,
+        worker_id: str,
+        reason: StepTimeRefusal,
+        claimed_seconds: float,
+        bound_seconds: float,
+        first: bool,
+    ) -> None:
+        self.step_times_refused.labels(reason.value).inc()
+        if first:  # once per worker: a broken or lying worker would flood the log
+            log.warning(
+                "a reported step time was not learned: it contradicts what the scheduler "
+                "saw; later ones of this worker are counted in "
+                "lattice_scheduler_step_times_refused_total only",
+                extra={
+                    "worker_id": worker_id,
+                    "reason": reason.value,
+                    "claimed_seconds": claimed_seconds,
+                    "bound_seconds": round(bound_seconds, 6),
+                },
+            )
+
+    def on_change_refused(self, num_sequences: int, reason: str) -> None:
+        self.store_refusals.inc()
+        log.error(
+            "the state store refused a change for its data; it is not retried",
+            extra={"failed_sequences": num_sequences, "reason": reason[:500]},
         )
 
     def on_prefill_tokens(self, worker_id: str, computed: int, cached: int) -> None:

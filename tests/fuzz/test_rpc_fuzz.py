@@ -82,12 +82,12 @@ def test_random_calls_read_back_the_same_from_a_server_restarted_on_the_state_di
     target.assert_serving()
 
 
-def test_a_finish_report_counting_uint32_max_tokens_after_a_requeue_reads_back(target):
+def test_a_finish_report_counting_uint32_max_tokens_after_a_requeue_is_refused(target):
     """Regression (found writing these strategies; too deep for the random sequences to
     reach): tokens kept from a first assignment plus a finish report counting
     generated_tokens=2**32-1 overflowed SequenceInfo.generated_tokens (uint32), and
-    GetSequence answered INTERNAL. Then it was saturated at 2**32-1; now the core caps a
-    finish's count at what the sequence may generate (max_new_tokens in all)."""
+    GetSequence answered INTERNAL. Then it was saturated, then capped; now a count above
+    the tokens reported is refused, naming the field, and nothing is applied."""
     seq_id = target.call(
         "Submit", pb.SubmitRequest(prompt_token_ids=[1, 2], max_new_tokens=8)
     ).response.seq_id
@@ -103,17 +103,16 @@ def test_a_finish_report_counting_uint32_max_tokens_after_a_requeue_reads_back(t
     report(running=[seq_id], tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=[7, 8])])
     report(preempted=[seq_id])  # back to the queue, keeping 2 tokens
     assert seq_id in admitted(report())
-    report(
-        finished=[
-            pb.FinishedSequence(
-                seq_id=seq_id, reason=pb.FINISH_REASON_EOS, generated_tokens=UINT32_MAX
-            )
-        ]
+    fin = pb.FinishedSequence(
+        seq_id=seq_id, reason=pb.FINISH_REASON_EOS, generated_tokens=UINT32_MAX
     )
+    with pytest.raises(grpc.RpcError) as refused:
+        report(finished=[fin])
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "generated_tokens" in refused.value.details()
 
     info = stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=RPC_TIMEOUT_SECONDS)
-    assert info.state == pb.SEQUENCE_STATE_FINISHED
-    assert info.generated_tokens == 8  # max_new_tokens: not 2**32-1, wrapped or an error
+    assert info.state != pb.SEQUENCE_STATE_FINISHED and info.generated_tokens == 2
     target.assert_serving()
 
 

@@ -93,6 +93,64 @@ def test_a_chunked_body_over_the_limit_is_a_413(gateway):
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
 
 
+# 10.8 MB: the outside probe's completion request, over the 6 MiB limit here.
+BIG_PROMPT = "word " * (10_800_000 // 5)
+
+
+def test_a_client_that_writes_the_whole_body_before_reading_reads_the_413():
+    """Regression (outside probe): urllib (as requests and httpx) writes a 10.8 MB body
+    whole before it reads; the gateway answered and closed while the body was arriving,
+    and the client saw `Connection reset by peer`, not the 413."""
+    import urllib.error
+    import urllib.request
+
+    # A gateway of its own: the drain must not be helped by earlier tests' connections.
+    started_gateway = InProcessGateway(_model_dir(), max_body_bytes=MAX_BODY_BYTES)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": BIG_PROMPT, "max_tokens": 1}).encode()
+        for _ in range(3):
+            request = urllib.request.Request(
+                started_gateway.base_url + "/v1/completions",
+                data=body,
+                headers={"content-type": "application/json"},
+            )
+            started = time.perf_counter()
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            assert refused.value.code == 413
+            assert b"--max-body-bytes" in refused.value.read()
+            assert time.perf_counter() - started < 3.0
+    finally:
+        started_gateway.stop()
+
+
+def test_the_openai_client_gets_the_413_at_once_and_does_not_retry():
+    openai = pytest.importorskip("openai")
+    started_gateway = InProcessGateway(_model_dir(), max_body_bytes=MAX_BODY_BYTES)
+    try:
+        # No retries: the first upload's answer must be the 413 (a reset would be an
+        # APIConnectionError here; with retries, the SDK would upload the body again).
+        client = openai.OpenAI(
+            base_url=started_gateway.base_url + "/v1", api_key="x", max_retries=0
+        )
+        for _ in range(3):
+            started = time.perf_counter()
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.completions.create(model=MODEL, prompt=BIG_PROMPT, max_tokens=1)
+            assert refused.value.status_code == 413
+            assert time.perf_counter() - started < 3.0
+        assert started_gateway.scheduler.requests == []
+    finally:
+        started_gateway.stop()
+
+
+def _model_dir():
+    import tempfile
+    from pathlib import Path
+
+    return write_model(Path(tempfile.mkdtemp(prefix="body-limit-model-")))
+
+
 def test_a_long_prompt_does_not_delay_another_request(gateway):
     # ~2.3 MB of text: tokenizing it takes seconds of CPU, and it ends in a 400 (longer
     # than max_model_len). Meanwhile GET /v1/models answers at once: the tokenizer runs on

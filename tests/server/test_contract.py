@@ -93,7 +93,7 @@ def test_cancel_of_finished_sequence_answers_cancelled_false(stub, worker):
     worker.register()
     seq_id = submit(stub).seq_id
     worker.select()
-    worker.select(finished=[(seq_id, EOS, 1)])
+    worker.select(finished=[(seq_id, EOS, 0)])
     resp = stub.Cancel(pb.CancelRequest(seq_id=seq_id), timeout=RPC_TIMEOUT_SECONDS)
     assert resp.cancelled is False
     assert get_sequence(stub, seq_id).finish_reason == EOS
@@ -312,7 +312,7 @@ def test_rule1_finished_sequences_end_and_are_not_readmitted(stub, worker):
     worker.register(max_batch_size=1)
     a, b = submit_many(stub, 2)
     assert admitted(worker.select()) == [a]
-    decision = worker.select(finished=[(a, EOS, 3)])
+    decision = worker.select(finished=[(a, EOS, 0)])
     info = get_sequence(stub, a)
     assert (info.state, info.finish_reason, info.worker_id) == (FINISHED, EOS, "")
     assert admitted(decision) == [b]

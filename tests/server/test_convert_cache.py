@@ -52,7 +52,8 @@ def test_a_report_carries_its_cache_delta_cached_pages_and_misses():
     msg.cache.removed.append(3)
     msg.cache.reset = True
     report = convert.worker_report(msg)
-    assert report.cache == CacheReport(added=(2**64 - 1, 5), removed=(3,), reset=True)
+    cache = report.cache
+    assert (tuple(cache.added), tuple(cache.removed), cache.reset) == ((2**64 - 1, 5), (3,), True)
     assert report.kv_cached_pages == 4 and report.cache_misses == (7, 8)
     assert convert.worker_report(pb.SelectBatchRequest(worker_id="w")).cache == CacheReport()
 

@@ -50,7 +50,7 @@ def test_drained_worker_admits_nothing_while_its_sequences_decode_and_finish(stu
 
     decision = worker.select(running=[prefilling, decoding], tokens={decoding: [7]})
     assert admitted(decision) == [] and list(decision.decode) == [prefilling, decoding]
-    worker.select(running=[prefilling], finished=[(decoding, EOS, 2)])
+    worker.select(running=[prefilling], finished=[(decoding, EOS, 1)])
     finished = get_sequence(stub, decoding)
     assert (finished.state, finished.finish_reason) == (pb.SEQUENCE_STATE_FINISHED, EOS)
     assert get_sequence(stub, queued).state == pb.SEQUENCE_STATE_QUEUED

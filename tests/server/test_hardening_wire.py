@@ -167,13 +167,25 @@ def test_a_token_update_with_an_offset_past_the_known_tokens_is_invalid_argument
     assert get_sequence(stub, seq_id).generated_tokens == 5
 
 
-def test_a_finish_counting_uint32_max_tokens_shows_at_most_max_new_tokens(stub, worker):
-    """Regression (outside probe): generated_tokens 2**32-1 showed in GetSequence."""
+@pytest.mark.parametrize("count", [7, UINT32_MAX])
+def test_a_finish_counting_unreported_tokens_is_invalid_argument_naming_generated_tokens(
+    stub, worker, count
+):
+    """Regression (outside probe): a finish counting 7 after 6 reported tokens was
+    accepted (the stream had 6, GetSequence 7); 2**32-1 was capped."""
     worker.register()
-    seq_id = submit(stub, max_new_tokens=7).seq_id
+    seq_id = submit(stub, max_new_tokens=8).seq_id
     worker.select()
-    worker.select(finished=[(seq_id, pb.FINISH_REASON_EOS, UINT32_MAX)])
-    assert get_sequence(stub, seq_id).generated_tokens == 7
+    worker.select(running=[seq_id], tokens={seq_id: [1, 2, 3, 4, 5]})
+    err = rpc_error(
+        lambda: worker.select(
+            finished=[(seq_id, pb.FINISH_REASON_EOS, count)], tokens={seq_id: [6]}
+        )
+    )
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "generated_tokens" in err.details() and "nothing was applied" in err.details()
+    info = get_sequence(stub, seq_id)
+    assert (info.generated_tokens, info.finish_reason) == (5, pb.FINISH_REASON_UNSPECIFIED)
 
 
 # ------------------------------------------------------------------------ FAILED reasons

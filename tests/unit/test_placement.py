@@ -59,7 +59,7 @@ def fleet(policy="budget", workers=("w0", "w1"), observer=None, core=Scheduler, 
     clock = FakeClock()
     sched = core(make_config(**config), observer=observer, clock=clock)
     for worker_id in workers:
-        register(sched, worker_id, cache_block_tokens=B, total_snapshot_slots=8)
+        register(sched, worker_id, cache_block_tokens=B, total_snapshot_slots=256)
     return sched, clock
 
 
@@ -359,7 +359,7 @@ def test_with_prefix_caching_off_decisions_are_todays_exactly(policy, seed):
             config.update(max_num_batched_tokens=96, min_prefill_chunk=8, kv_watermark_pages=1)
         sched = Scheduler(make_config(**config), clock=clock)
         for worker_id in ("w0", "w1", "w2"):
-            register(sched, worker_id, cache_block_tokens=block_tokens, total_snapshot_slots=8)
+            register(sched, worker_id, cache_block_tokens=block_tokens, total_snapshot_slots=256)
         return sched
 
     runs = [
@@ -392,7 +392,7 @@ def test_with_placement_nothing_waits_long_while_a_worker_has_room(policy, seed)
     sched = Scheduler(make_config(**config), clock=clock)
     workers = ["w0", "w1", "w2"]
     for worker_id in workers:
-        register(sched, worker_id, cache_block_tokens=B, total_snapshot_slots=8)
+        register(sched, worker_id, cache_block_tokens=B, total_snapshot_slots=256)
     held = {w: {} for w in workers}
     submitted_at, admitted_at = {}, {}
     for step in range(600):

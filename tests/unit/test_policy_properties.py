@@ -165,7 +165,7 @@ def test_fair_aging_admits_a_sequence_within_the_bound_under_a_flood_of_urgent_w
             sched.submit(params(4, 1, tenant="flood"))
         clock.advance_ms(seconds_per_decision * 1000)
         decision = sched.select_batch(
-            report("w0", finished=[FinishedSequence(s, FinishReason.EOS, 1) for s in held])
+            report("w0", finished=[FinishedSequence(s, FinishReason.EOS, 0) for s in held])
         )
         held = [c.seq_id for c in decision.prefill]
         assert len(held) == 1  # one admission per decision: the bound counts admissions

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.block_hash import block_hashes
 from service.core import SamplingParams, Scheduler, SequenceState
@@ -64,7 +66,7 @@ def cached_scheduler(policy="fifo", observer=None, **overrides):
         )
     config.update(overrides)
     sched = Scheduler(make_config(**config), observer=observer, clock=FakeClock())
-    register(sched, cache_block_tokens=B, total_snapshot_slots=8)
+    register(sched, cache_block_tokens=B, total_snapshot_slots=256)
     return sched
 
 
@@ -413,3 +415,79 @@ def params_for(tokens):
     from service.core import SubmitParams
 
     return SubmitParams(prompt_token_ids=tokens, max_new_tokens=4)
+
+
+# ------------------------------------------- what a worker may say about its cache
+
+
+def test_a_64_page_worker_reporting_450k_resume_points_is_refused_naming_cache_added():
+    """Regression (outside probe): a worker of 64 pages of 16 tokens (64 blocks at most)
+    had 450,000 random hashes per report accepted; six made the scheduler hold 2.7
+    million and grow by 944 MB. Now the report is refused whole, tokens included."""
+    from service.core import InvalidArgument, TokenUpdate
+
+    sched = make_scheduler()
+    register(sched, total_kv_pages=64, page_size=16, cache_block_tokens=16)
+    seq_id = submit(sched, prompt_len=4)
+    sched.select_batch(report())
+    flood = replace(
+        cache_report(added=range(1, 450_001), running=[seq_id]),
+        tokens=(TokenUpdate(seq_id, (5,)),),
+    )
+    with pytest.raises(InvalidArgument, match=r"^cache\.added lists 450000 block hashes; .* 64 "):
+        sched.select_batch(flood)
+    assert sched.read_output(seq_id, 0).token_ids == ()
+    fleet = sched._tables.ledger.fleet_cache.owners  # nothing reached the fleet's index
+    assert not fleet
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    total_kv_pages=st.integers(1, 12),
+    blocks_per_page=st.sampled_from([1, 2]),
+    total_snapshot_slots=st.sampled_from([0, 3, 100]),
+    reports=st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 40), max_size=30),  # added
+            st.lists(st.integers(1, 40), max_size=30),  # removed
+            st.booleans(),  # reset
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_resume_points_never_exceed_what_the_registration_holds_and_a_refusal_applies_nothing(
+    total_kv_pages, blocks_per_page, total_snapshot_slots, reports
+):
+    """Property: whatever cache reports a worker sends, the scheduler holds at most the
+    blocks its pages (and snapshot slots) can hold; a report that would go beyond is
+    INVALID_ARGUMENT naming cache.added or cache.removed and changes nothing; one within
+    them is applied as the set operations say."""
+    from service.core import InvalidArgument
+    from service.core.report.validation import max_resume_points
+
+    page_size = 4
+    sched = make_scheduler()
+    register(
+        sched,
+        total_kv_pages=total_kv_pages,
+        page_size=page_size,
+        cache_block_tokens=page_size * blocks_per_page,
+        total_snapshot_slots=total_snapshot_slots,
+    )
+    worker = sched._tables.ledger.get("w0")
+    limit = max_resume_points(worker.registration)
+    assert limit == min(total_kv_pages // blocks_per_page, total_snapshot_slots or total_kv_pages)
+    model: set[int] = set()
+    for added, removed, reset in reports:
+        expected = (set() if reset else model - set(removed)) | set(added)
+        try:
+            sched.select_batch(cache_report(added=added, removed=removed, reset=reset))
+        except InvalidArgument as err:
+            assert str(err).startswith(("cache.added ", "cache.removed "))
+            assert len(expected) > limit or len(added) > limit or len(removed) > limit
+        else:
+            assert len(expected) <= limit
+            model = expected
+        assert worker.resume_points.points == model
+        assert set(sched._tables.ledger.fleet_cache.owners) == model

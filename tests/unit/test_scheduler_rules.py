@@ -625,12 +625,13 @@ def test_generated_tokens_counts_tokens_reported_across_calls():
     assert sched.get_sequence(seq_id).generated_tokens == 3
 
 
-def test_generated_tokens_uses_the_finish_count_when_tokens_were_not_streamed():
+def test_generated_tokens_counts_the_reported_tokens_when_the_finish_counts_none():
     sched, _ = setup()
     seq_id = submit(sched, max_new_tokens=10)
     admit(sched)
-    sched.select_batch(report(finished=[finished(seq_id, FinishReason.MAX_LENGTH, 10)]))
-    assert sched.get_sequence(seq_id).generated_tokens == 10
+    sched.select_batch(report(running=[seq_id], tokens={seq_id: [5, 6]}))
+    sched.select_batch(report(finished=[finished(seq_id, FinishReason.EOS, 0)]))
+    assert sched.get_sequence(seq_id).generated_tokens == 2
 
 
 @pytest.mark.parametrize("num_reported", [2, 3])

@@ -6,8 +6,12 @@ from __future__ import annotations
 import math
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.learn.step_times import StepTimes
+from tests.unit.factories import FakeClock
 
 
 def _true_seconds(shape: StepShape, speed: float = 1.0) -> float:
@@ -92,29 +96,104 @@ def test_prefill_budget_is_the_most_tokens_within_the_time():
 
 
 def test_step_times_pair_with_the_oldest_unpaired_decision():
-    times = StepTimes()
+    clock = FakeClock()
+    times = StepTimes(clock=clock)
     times.registered("w0")
     first, second = StepShape(num_prefill_tokens=100), StepShape(num_decodes=4)
     assert times.measured("w0", 5000) is None  # nothing decided yet
     times.decided("w0", first)
     times.decided("w0", second)
+    clock.advance_ms(6)
     assert times.measured("w0", 0) is None  # 0: unknown, pairs nothing
-    shape, _, seconds = times.measured("w0", 5000)
-    assert (shape, seconds) == (first, 0.005)
-    assert times.measured("w0", 7000)[0] == second
+    step = times.measured("w0", 5000)
+    assert (step.shape, step.seconds, step.refusal) == (first, 0.005, None)
+    clock.advance_ms(7)
+    assert times.measured("w0", 7000).shape == second
     assert times.measured("w0", 7000) is None
 
 
 def test_a_registration_starts_the_pairing_afresh_and_keeps_the_model():
-    times = StepTimes()
+    clock = FakeClock()
+    times = StepTimes(clock=clock)
     times.registered("w0")
     times.decided("w0", StepShape(num_prefill_tokens=100))
+    clock.advance_ms(6)
     times.measured("w0", 5000)
     model = times.model("w0")
     times.decided("w0", StepShape(num_prefill_tokens=200))
     times.registered("w0")
     assert times.measured("w0", 9000) is None
     assert times.model("w0") is model and model.num_steps == 1
+
+
+def _busy_worker(times: StepTimes, clock: FakeClock, real_ms: float, claim_us: int, steps: int):
+    """A worker that runs `steps` steps of `real_ms` back to back (each answered when the
+    previous one ends), claiming `claim_us` for each; the MeasuredSteps."""
+    out = []
+    shape = StepShape(num_prefill_tokens=256, num_decodes=8)
+    times.decided("w0", shape)
+    for _ in range(steps):
+        clock.advance_ms(real_ms)
+        out.append(times.measured("w0", claim_us))
+        times.decided("w0", shape)
+    return out
+
+
+def test_a_worker_claiming_1_us_steps_that_take_20_ms_is_not_learned_and_refused_once_first():
+    """Regression (outside probe): a worker reporting last_step_us = 1 for steps of
+    20 ms and more made its model believe its steps were free: the budget reached its
+    ceiling and every step on it took 0.84 s against a 100 ms target."""
+    from service.core.vocabulary import StepTimeRefusal
+
+    clock = FakeClock()
+    times = StepTimes(clock=clock)
+    times.registered("w0")
+    steps = _busy_worker(times, clock, real_ms=20, claim_us=1, steps=50)
+    assert times.model("w0").num_steps == 0
+    assert {s.refusal for s in steps} == {StepTimeRefusal.SHORTER_THAN_CADENCE}
+    assert [s.first_refusal for s in steps] == [True] + [False] * 49
+
+
+def test_a_worker_claiming_uint32_max_us_is_not_learned():
+    """Regression (outside probe): 4294967295 us per step starved the worker (budget 33)."""
+    from service.core.vocabulary import StepTimeRefusal
+
+    clock = FakeClock()
+    times = StepTimes(clock=clock)
+    times.registered("w0")
+    steps = _busy_worker(times, clock, real_ms=20, claim_us=2**32 - 1, steps=10)
+    assert times.model("w0").num_steps == 0
+    assert {s.refusal for s in steps} == {StepTimeRefusal.LONGER_THAN_ELAPSED}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    real_ms=st.floats(1, 2000),
+    overhead_ms=st.floats(0, 5),
+    overlap=st.booleans(),
+    steps=st.integers(2, 30),
+)
+def test_an_honest_worker_is_always_learned_and_a_lie_by_10x_never_is(
+    real_ms, overhead_ms, overlap, steps
+):
+    """Property: a worker whose steps take real_ms, reporting once per step (overlapped,
+    or after each step and a round trip of overhead_ms), has every claim learned when it
+    reports the truth, and none when it reports a tenth or ten times of it (beyond the
+    slack)."""
+    for factor in (1.0, 0.1, 10.0):
+        clock = FakeClock()
+        times = StepTimes(clock=clock)
+        times.registered("w0")
+        claim_us = max(1, round(real_ms * factor * 1000))
+        cadence_ms = real_ms if overlap else real_ms + overhead_ms
+        results = _busy_worker(times, clock, cadence_ms, claim_us, steps)
+        refused = [s.refusal is not None for s in results]
+        if factor == 1.0:
+            assert not any(refused)
+            assert times.model("w0").num_steps == steps
+        elif factor == 10.0 or real_ms * (1 - factor * 4) > 10 + overhead_ms:
+            assert all(refused)
+            assert times.model("w0").num_steps == 0
 
 
 def _nonlinear_seconds(prefill: int, chunk_start: int, contexts: list[int]) -> float:

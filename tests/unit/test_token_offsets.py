@@ -1,5 +1,8 @@
 """Token updates that carry an offset are idempotent: a retried report adds nothing twice."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from service.core import TokenUpdate, WorkerReport
 from tests.unit.factories import admit, make_scheduler, register, report, submit
 
@@ -97,18 +100,35 @@ def test_an_offset_exactly_at_the_known_tokens_and_updates_that_chain_in_one_rep
     assert sched.read_output(seq_id, 0).token_ids == (1, 2, 3, 4)
 
 
-def test_a_finish_counting_more_than_max_new_tokens_is_capped_at_max_new_tokens():
-    """Regression (outside probe): generated_tokens 2**32-1 in a finish showed in GetSequence."""
-    from service.core import FinishReason
+def _finishing(**fields) -> WorkerReport:
+    """A report of w0 that holds nothing more (its sequence finishes in it)."""
+    return WorkerReport("w0", kv_free_pages=100, gdn_free_slots=8, **fields)
+
+
+def test_a_finish_counting_more_tokens_than_reported_is_refused_and_nothing_applied():
+    """Regression (outside probe): a finish counting 7 tokens after 6 were reported was
+    accepted (the client's stream had 6, the scheduler recorded 7; 2**32-1 was capped)."""
+    import pytest
+
+    from service.core import FinishReason, InvalidArgument
     from tests.unit.factories import finished
 
     sched, seq_id = _running_sequence()  # max_new_tokens=10
     _tokens(sched, seq_id, TokenUpdate(seq_id, (1, 2), offset=0))
-    sched.select_batch(report(finished=(finished(seq_id, FinishReason.EOS, 2**32 - 1),)))
-    assert sched.get_sequence(seq_id).generated_tokens == 10
+    iteration = sched.status().workers[0].iteration
+    for count in (4, 2**32 - 1):
+        lying = _finishing(
+            tokens=(TokenUpdate(seq_id, (3,), offset=2),),
+            finished=(finished(seq_id, FinishReason.EOS, count),),
+        )
+        with pytest.raises(InvalidArgument, match=r"^finished\[0\]\.generated_tokens: "):
+            sched.select_batch(lying)
+    assert sched.read_output(seq_id, 0).token_ids == (1, 2)
+    assert sched.get_sequence(seq_id).finish_reason is None
+    assert sched.status().workers[0].iteration == iteration
 
 
-def test_after_a_resume_a_finish_count_is_capped_at_what_the_assignment_may_generate():
+def test_after_a_resume_a_finish_counts_the_tokens_of_this_assignment_only():
     from service.core import FinishReason
     from tests.unit.factories import finished
 
@@ -116,5 +136,59 @@ def test_after_a_resume_a_finish_count_is_capped_at_what_the_assignment_may_gene
     _tokens(sched, seq_id, TokenUpdate(seq_id, (11, 12, 13), offset=0))
     sched.select_batch(report(preempted=(seq_id,), gdn_free_slots=0))
     admit(sched)  # resumed with 3 of 10 tokens done: 7 may follow
-    sched.select_batch(report(finished=(finished(seq_id, FinishReason.EOS, 1000),)))
-    assert sched.get_sequence(seq_id).generated_tokens == 10
+    sched.select_batch(
+        _finishing(
+            tokens=(TokenUpdate(seq_id, (14, 15), offset=0),),
+            finished=(finished(seq_id, FinishReason.EOS, 2),),
+        )
+    )
+    info = sched.get_sequence(seq_id)
+    assert (info.generated_tokens, info.finish_reason) == (5, FinishReason.EOS)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    chunks=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+    packed=st.booleans(),
+    extra=st.integers(-3, 3),
+)
+def test_a_finish_is_accepted_exactly_when_it_counts_at_most_the_tokens_reported(
+    chunks, packed, extra
+):
+    """Property: whatever the updates (plain or packed, with offsets, a retried token),
+    a finish counting more than the tokens reported since admission is refused with
+    nothing applied; any count up to them finishes the sequence with those tokens."""
+    from service.core import FinishReason, InvalidArgument, TokenRuns
+    from tests.unit.factories import finished
+
+    sched, seq_id = _running_sequence()
+    num_sent = 0
+    for num in chunks[:-1]:  # earlier reports
+        ids = tuple(range(num_sent, num_sent + num))
+        _tokens(sched, seq_id, TokenUpdate(seq_id, ids, offset=num_sent))
+        num_sent += num
+    num_before = num_sent
+    # The last report repeats one token already applied (a retry) and adds chunks[-1].
+    offset = max(0, num_sent - 1)
+    ids = tuple(range(offset, num_sent + chunks[-1]))
+    num_sent += chunks[-1]
+    count = max(0, num_sent + extra)
+    fin = (finished(seq_id, FinishReason.EOS, count),)
+    if packed:
+        runs = TokenRuns((seq_id,), ids, (len(ids),), (offset,)) if ids else TokenRuns()
+        last = _finishing(token_runs=runs, finished=fin)
+    else:
+        last = _finishing(tokens=(TokenUpdate(seq_id, ids, offset=offset),), finished=fin)
+    if count > num_sent:
+        try:
+            sched.select_batch(last)
+        except InvalidArgument as err:
+            assert "generated_tokens" in str(err)
+        else:
+            raise AssertionError("a finish counting unreported tokens was accepted")
+        assert sched.get_sequence(seq_id).finish_reason is None
+        assert len(sched.read_output(seq_id, 0).token_ids) == num_before
+    else:
+        sched.select_batch(last)
+        info = sched.get_sequence(seq_id)
+        assert (info.finish_reason, info.generated_tokens) == (FinishReason.EOS, num_sent)

@@ -29,6 +29,10 @@ class ClockedEngine(ScriptedEngine):
         self.last_step_seconds = 0.0
         self.num_steps = 0
         self._cost = cost
+        self.now = 0.0  # its clock: the steps' times, one after another
+
+    def clock(self) -> float:
+        return self.now
 
     def step(self, prefill, decode):
         shape = StepShape(
@@ -40,6 +44,7 @@ class ClockedEngine(ScriptedEngine):
         out = super().step(prefill, decode)
         self.num_steps += 1
         self.last_step_seconds = self._cost(shape) if self._cost else self.num_steps / 1000.0
+        self.now += self.last_step_seconds
         return out
 
     def _num_tokens(self, seq_id: int) -> int:
@@ -99,11 +104,12 @@ def _true_seconds(shape: StepShape) -> float:
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_scheduler_pairs_each_step_time_with_the_decision_it_ran(overlap):
     config = SchedulerConfig(policy="budget", tpot_target_ms=50.0)
-    scheduler = Scheduler(config)
+    # The scheduler sees the engine's time pass (it checks each claim against it).
+    engine, stop = ClockedEngine(cost=_true_seconds), threading.Event()
+    scheduler = Scheduler(config, clock=engine.clock)
     rng = random.Random(7)
     for index in range(40):
         scheduler.submit(_params(rng.randrange(20, 400), rng.randrange(2, 12), index))
-    engine, stop = ClockedEngine(cost=_true_seconds), threading.Event()
     loop = _loop(engine, InProcessClient(scheduler), overlap)
     done = threading.Thread(target=lambda: (_wait_empty(scheduler), stop.set()))
     done.start()

@@ -84,6 +84,18 @@ class ResumePoints:
                 fleet.add(block_hash, self.worker_id)
         return removed
 
+    def num_after(self, report: CacheReport) -> int:
+        """How many points `apply(report)` would leave; changes nothing. O(report)."""
+        if not self.block_tokens:
+            return 0
+        if report.reset:
+            return len(set(report.added))
+        points = self.points
+        gone = points.intersection(report.removed)
+        added = set(report.added)
+        # Kept, then new ones, then ones removed and added again in the same report.
+        return len(points) - len(gone) + len(added - points) + len(added & gone)
+
     def forget(self, block_hash: int) -> None:
         """A point the worker missed on: never offered again until it reports it again."""
         if block_hash in self.points:

@@ -40,6 +40,18 @@ class ChangeSet:
             for seq_id in seq_ids & marks.keys():
                 del marks[seq_id]
 
+    def marked_seq_ids(self) -> frozenset[int]:
+        """The sequences with unsaved changes."""
+        return frozenset(self._created.keys() | self._touched.keys() | self._grown.keys())
+
+    def unsaved_creations(self, seq_ids: frozenset[int]) -> frozenset[int]:
+        """Those of `seq_ids` never saved: their creation is among the unsaved changes."""
+        return seq_ids & self._created.keys()
+
+    def drop_all(self) -> None:
+        """Drop every unsaved change (one the store refuses whatever sequences go)."""
+        self._clear()
+
     def touched(self, seq: Sequence) -> None:
         """Its progress (state, worker, cursor, ...) changed."""
         self._touched[seq.seq_id] = seq

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.core.persist.store import Disowned, StoreError
+from service.core.persist.store import Disowned, Refused, StoreError
 from service.core.tables.lifecycle import Lifecycle
 from service.core.tables.tables import Tables
+from service.core.types import FinishReason, SequenceState
 
 
 @dataclass
@@ -29,6 +30,9 @@ class Saver:
     ) -> None:
         self._changes = tables.changes
         self._sequences = tables.sequences
+        self._queue = tables.queue
+        self._ledger = tables.ledger
+        self._observer = tables.observer
         self._lifecycle = lifecycle
         self._last_incarnation = last_incarnation
 
@@ -42,8 +46,12 @@ class Saver:
 
     def save(self, sync: bool) -> frozenset[int]:
         """Save what changed; returns the ids a shared store said are another replica's
-        now (forgotten here, the rest saved)."""
+        now (forgotten here, the rest saved). A change the store refuses for its data
+        (`Refused`) is not kept to be retried on every later save, where it would fail
+        every call: the sequences it names are failed (`_fail_refused`) and the rest
+        saved; one it refuses whatever sequences go is dropped whole."""
         disowned: frozenset[int] = frozenset()
+        refused: frozenset[int] = frozenset()
         while True:
             try:
                 self._changes.save(self._sequences.next_seq_id, self._last_incarnation(), sync)
@@ -53,6 +61,50 @@ class Saver:
                     raise  # the store insists on ids already given up: a store bug
                 disowned |= err.seq_ids
                 self._lifecycle.forget(err.seq_ids)
+            except Refused as err:
+                marked = self._changes.marked_seq_ids()
+                seq_ids = (err.seq_ids & marked) or marked
+                if not seq_ids or seq_ids <= refused:
+                    # Not the sequences' data (or failing them did not help): drop it all.
+                    self._changes.drop_all()
+                    self._observer.on_change_refused(0, str(err))
+                    continue
+                refused |= seq_ids
+                self._fail_refused(seq_ids, str(err))
+                self._observer.on_change_refused(len(seq_ids), str(err))
+
+    def _fail_refused(self, seq_ids: frozenset[int], reason: str) -> None:
+        """Fail the sequences whose data the store refused, with an error that says so;
+        their unsaved changes are dropped. One never saved stays failed in memory only
+        (its creation was the refused data); the failure of one saved before is saved
+        (it holds only what the store took before, and this message)."""
+        never_saved = self._changes.unsaved_creations(seq_ids)
+        self._changes.discard(seq_ids)
+        message = (
+            f"the state store refused to save this sequence ({reason}); it was failed "
+            "rather than retried on every later save: submit it again with values the "
+            "store can hold"
+        )
+        for seq_id in seq_ids:
+            seq = self._sequences.get(seq_id)
+            if seq is None:
+                continue
+            if not seq.is_finished:
+                if seq.state is SequenceState.QUEUED:
+                    self._queue.remove(seq_id)
+                    self._lifecycle.queue_changed()
+                else:
+                    worker = self._ledger.find(seq.worker_id or "")
+                    if worker is not None:
+                        worker.assigned.pop(seq_id, None)
+                seq.error_message = message
+                self._lifecycle.finish(seq, FinishReason.FAILED)
+            elif seq.finish_reason is FinishReason.FAILED:
+                seq.error_message = message  # the worker's message may be what was refused
+                self._changes.touched(seq)
+            else:
+                self._changes.touched(seq)
+        self._changes.discard(never_saved)
 
 
 class SaveScope:

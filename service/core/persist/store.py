@@ -23,6 +23,16 @@ class StoreError(SchedulerError):
     """The store could not save; the call that needed it fails (UNAVAILABLE)."""
 
 
+class Refused(StoreError):
+    """The store refused the change for its data, not for being unreachable: saving the
+    same data again would fail the same way. `seq_ids`: the sequences whose data it
+    refused (empty: it cannot tell which). Nothing of the save was applied."""
+
+    def __init__(self, reason: str, seq_ids: frozenset[int] = frozenset()) -> None:
+        super().__init__(reason)
+        self.seq_ids = seq_ids
+
+
 class Disowned(StoreError):
     """A shared store refused a save: these sequences belong to another replica now
     (this one's lease ran out, or their worker moved). Nothing of the save was applied."""

@@ -62,6 +62,8 @@ class Reconciler:
         """Apply `report` (validated; `reported`: its waiting and running ids) to
         `worker`; returns the reported ids to evict (not, or no longer, this worker's).
         InvalidArgument, with nothing changed, if its tokens leave a gap."""
+        if report.finished:
+            _check_finish_counts(worker, report)  # before anything changes
         # The tokens first: a report they refuse changes nothing.
         self._steady.apply_tokens(worker, report, self._general_tokens)
         worker.last_call_at = self._clock()
@@ -278,6 +280,55 @@ class Reconciler:
         if seq is not None and seq.finish_reason is FinishReason.CANCELLED:
             return EvictReason.CANCELLED
         return EvictReason.NOT_ASSIGNED
+
+
+def _check_finish_counts(worker: WorkerRecord, report: WorkerReport) -> None:
+    """InvalidArgument, naming `generated_tokens`, for a finish of one of `worker`'s
+    sequences that counts more tokens for this assignment than the worker reported for it,
+    this report's included: the clients' streams hold only the reported tokens, so the
+    count would claim tokens nobody can read. A lower count is not an error (an older
+    worker sends 0): the reported tokens stand."""
+    ends: dict[int, int] = {}
+    for index, fin in enumerate(report.finished):
+        seq = worker.assigned.get(fin.seq_id)
+        if seq is None or fin.reason is FinishReason.PREEMPTED:
+            continue  # stale, or back to the queue: the count is not read
+        if not ends:
+            ends = _reported_ends(worker, report)
+        num_known = ends.get(fin.seq_id)
+        if num_known is None:
+            num_known = len(seq.output_token_ids) - seq.num_generated_at_admission
+        if fin.generated_tokens > num_known:
+            raise InvalidArgument(
+                f"finished[{index}].generated_tokens: seq_id {fin.seq_id} is counted "
+                f"{fin.generated_tokens} tokens, but {num_known} were reported for it since "
+                "its admission to this worker (this report's included); send the finish "
+                "with the tokens it counts; nothing was applied"
+            )
+
+
+def _reported_ends(worker: WorkerRecord, report: WorkerReport) -> dict[int, int]:
+    """The tokens known for each of `worker`'s sequences that `report` adds tokens to,
+    since its admission, once the report is applied (offsets as the rules read them; a
+    gap is refused later, by the tokens' own check)."""
+    ends: dict[int, int] = {}
+
+    def add(seq_id: int, offset: int | None, count: int) -> None:
+        seq = worker.assigned.get(seq_id)
+        if seq is None:
+            return
+        known = ends.get(seq_id)
+        if known is None:
+            known = len(seq.output_token_ids) - seq.num_generated_at_admission
+        ends[seq_id] = known + count if offset is None else max(known, offset + count)
+
+    for update in report.tokens:
+        add(update.seq_id, update.offset, len(update.token_ids))
+    runs = report.token_runs
+    counts, offsets = runs.counts, runs.offsets
+    for index, seq_id in enumerate(runs.seq_ids):
+        add(seq_id, offsets[index] if offsets else None, counts[index] if counts else 1)
+    return ends
 
 
 def _num_past(

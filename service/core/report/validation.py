@@ -7,7 +7,7 @@ from service.core.decide.batcher import DECISION_FIXED_BYTES
 from service.core.errors import InvalidArgument, Superseded, UnknownWorker
 from service.core.tables.ledger import WorkerRecord
 from service.core.tables.sequences import spec_wire_bytes
-from service.core.types import SubmitParams, TokenRuns, WorkerReport
+from service.core.types import SubmitParams, TokenRuns, WorkerRegistration, WorkerReport
 
 
 def check_submit(params: SubmitParams, config: SchedulerConfig, max_decision_bytes: int) -> None:
@@ -50,9 +50,10 @@ def check_incarnation(worker: WorkerRecord, incarnation: int) -> None:
     )
 
 
-def validate_report(report: WorkerReport, max_batch_size: int) -> frozenset[int]:
-    """Reject contradictory or oversized reports before any state changes; returns the
-    ids the report lists waiting or running."""
+def validate_report(report: WorkerReport, worker: WorkerRecord) -> frozenset[int]:
+    """Reject contradictory or oversized reports of `worker` before any state changes;
+    returns the ids the report lists waiting or running."""
+    max_batch_size = worker.settings.max_batch_size
     limit = 2 * max_batch_size
     for field_name, num in (
         ("waiting + running", len(report.waiting) + len(report.running)),
@@ -68,6 +69,8 @@ def validate_report(report: WorkerReport, max_batch_size: int) -> frozenset[int]
             )
     if report.token_runs.seq_ids or report.token_runs.token_ids:
         _check_token_runs(report.token_runs)
+    if report.cache.added or report.cache.removed:
+        check_cache_report(worker, report)
     seen = (
         frozenset(report.running)
         if not report.waiting
@@ -82,6 +85,52 @@ def validate_report(report: WorkerReport, max_batch_size: int) -> frozenset[int]
         seq_id = next(s for s in report.preempted if s in seen)
         raise InvalidArgument(f"seq_id {seq_id} is reported both preempted and active")
     return seen
+
+
+def max_resume_points(registration: WorkerRegistration) -> int:
+    """The most resume points a worker can hold: the blocks its KV pages hold, and for
+    a hybrid model (one with snapshot slots) at most one per snapshot slot."""
+    if not registration.cache_block_tokens:
+        return 0
+    num_blocks = registration.total_kv_pages * registration.page_size
+    num_blocks //= registration.cache_block_tokens
+    if registration.total_snapshot_slots:
+        return min(num_blocks, registration.total_snapshot_slots)
+    return num_blocks
+
+
+def check_cache_report(worker: WorkerRecord, report: WorkerReport) -> None:
+    """InvalidArgument if `report`'s cache delta would leave `worker` more resume points
+    than its registration can hold, or removes more than it could have held: what a worker
+    says about its cache is bounded by what it registered (memory, and the report's work
+    on the event loop). Checked before anything changes."""
+    resume, cache = worker.resume_points, report.cache
+    if not resume.block_tokens or not (cache.added or cache.removed):
+        return  # no cache kept for it (the delta is ignored), or nothing to bound
+    registration = worker.registration
+    limit = max_resume_points(registration)
+    for field_name, num in (
+        ("cache.added", len(cache.added)),
+        ("cache.removed", len(cache.removed)),
+    ):
+        if num > limit:
+            _refuse_cache(registration, field_name, f"lists {num} block hashes", limit)
+    num_after = resume.num_after(cache)
+    if num_after > limit:
+        _refuse_cache(registration, "cache.added", f"would leave {num_after} resume points", limit)
+
+
+def _refuse_cache(registration: WorkerRegistration, field_name: str, what: str, limit: int):
+    snapshots = (
+        f" and {registration.total_snapshot_slots} snapshot slots"
+        if registration.total_snapshot_slots
+        else ""
+    )
+    raise InvalidArgument(
+        f"{field_name} {what}; a worker registered with {registration.total_kv_pages} KV "
+        f"pages of {registration.page_size} tokens{snapshots} holds at most {limit} resume "
+        f"points (blocks of {registration.cache_block_tokens} tokens); nothing was applied"
+    )
 
 
 def _check_token_runs(runs: TokenRuns) -> None:
