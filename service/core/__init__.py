@@ -33,6 +33,7 @@ from service.core.types import (
     TokenUpdate,
     WorkerRegistration,
     WorkerReport,
+    WorkerRole,
     WorkerSettings,
     WorkerStatus,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "UnknownWorker",
     "WorkerRegistration",
     "WorkerReport",
+    "WorkerRole",
     "WorkerSettings",
     "WorkerStatus",
 ]

@@ -22,6 +22,22 @@ class FinishReason(enum.Enum):
     FAILED = 6
 
 
+class WorkerRole(enum.Enum):
+    """What a worker runs; values match the wire enum's numbers (0, unset, reads BOTH)."""
+
+    BOTH = 1  # prompts and decodes: today's behaviour, the default
+    PREFILL = 2  # prompts only; each decode is handed off to a decode-capable worker
+    DECODE = 3  # decodes only: sequences arrive prefilled, by handoff
+
+    @property
+    def prefills(self) -> bool:
+        return self is not WorkerRole.DECODE
+
+    @property
+    def decodes(self) -> bool:
+        return self is not WorkerRole.PREFILL
+
+
 class SequenceState(enum.Enum):
     """Where a sequence is in its life; values match the wire enum's numbers."""
 
@@ -138,6 +154,10 @@ class WorkerRegistration:
     cache_block_tokens: int = 0
     # GDN state snapshots it keeps for resume points, besides total_gdn_slots.
     total_snapshot_slots: int = 0
+    # Prefill/decode disaggregation (docs/disaggregation.md): what it runs, and the rate
+    # at which it moves a sequence's pages and states to another worker (0: unknown).
+    role: WorkerRole = WorkerRole.BOTH
+    transfer_bytes_per_second: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
