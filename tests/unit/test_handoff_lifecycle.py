@@ -6,12 +6,8 @@ from __future__ import annotations
 import pytest
 
 from service.core import WorkerRole
-from service.core.tables.handoffs import (
-    HandoffAction,
-    HandoffBook,
-    HandoffFailure,
-    HandoffState,
-)
+from service.core.tables.handoffs import HandoffAction, HandoffBook, HandoffState
+from service.core.vocabulary import HandoffEnd
 from service.state.rows import registration_from_json, registration_json
 from tests.unit.factories import admit, make_scheduler, register, registration, report, submit
 
@@ -64,7 +60,7 @@ def test_sender_gone_requeues_from_saved_tokens(state):
         book.prefilled(1, 101, 1, 0.0)
     (outcome,) = book.worker_gone("p0")
     assert outcome.action is HandoffAction.REQUEUE
-    assert outcome.failure is HandoffFailure.SENDER_GONE
+    assert outcome.failure is HandoffEnd.SENDER_GONE
     assert len(book) == 0
 
 
@@ -73,7 +69,7 @@ def test_receiver_gone_during_transfer_resumes_on_the_sender():
     transferring(book)
     (outcome,) = book.worker_gone("d0")
     assert outcome.action is HandoffAction.RESUME_ON_SENDER
-    assert outcome.failure is HandoffFailure.RECEIVER_GONE
+    assert outcome.failure is HandoffEnd.RECEIVER_GONE
 
 
 def test_receiver_gone_after_the_import_is_an_ordinary_requeue():
@@ -89,7 +85,7 @@ def test_timeout_fails_only_late_transfers():
     transferring(book, 2, now=4.0)
     book.plan(3, "p0", "d0")  # still prefilling: no deadline yet
     (outcome,) = book.expire(now=6.0)
-    assert outcome.seq_id == 1 and outcome.failure is HandoffFailure.TIMEOUT
+    assert outcome.seq_id == 1 and outcome.failure is HandoffEnd.TIMEOUT
     assert outcome.action is HandoffAction.RESUME_ON_SENDER
     assert book.get(2) is not None and book.get(3) is not None
 
@@ -98,11 +94,11 @@ def test_checksum_failure_resumes_on_the_sender_while_it_holds_the_sequence():
     book = HandoffBook(TIMEOUT)
     transferring(book, 1)
     transferring(book, 2)
-    held = book.failed(1, HandoffFailure.CHECKSUM, sender_holds=True)
-    gone = book.failed(2, HandoffFailure.CHECKSUM, sender_holds=False)
+    held = book.failed(1, HandoffEnd.CHECKSUM, sender_holds=True)
+    gone = book.failed(2, HandoffEnd.CHECKSUM, sender_holds=False)
     assert held.action is HandoffAction.RESUME_ON_SENDER
     assert gone.action is HandoffAction.REQUEUE
-    assert book.failed(1, HandoffFailure.CHECKSUM, sender_holds=True) is None  # once
+    assert book.failed(1, HandoffEnd.CHECKSUM, sender_holds=True) is None  # once
 
 
 def test_a_requeued_handoff_resumes_after_its_saved_first_token():

@@ -57,6 +57,13 @@ def test_idle_decode_worker_keeps_the_prefill():
     assert choice.reason is HandoffReason.IDLE_DECODE
 
 
+def test_backed_up_prefill_workers_keep_the_prompt_colocated():
+    settings = HandoffSettings(max_prefill_wait_seconds=2.0)
+    busy = choose_handoff(request(prefill_wait_seconds=2.5), HYBRID, settings)
+    assert busy.reason is HandoffReason.PREFILL_BUSY
+    assert choose_handoff(request(prefill_wait_seconds=1.5), HYBRID, settings).handoff
+
+
 def test_unknown_rate_never_hands_off():
     choice = choose_handoff(request(transfer_bytes_per_second=0), HYBRID, HandoffSettings())
     assert choice.reason is HandoffReason.NO_RATE and choice.transfer_seconds == float("inf")

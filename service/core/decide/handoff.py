@@ -53,12 +53,16 @@ class HandoffSettings:
     max_transfer_share: float = 0.5
     # Fixed cost of one handoff (connection, setup, the receiver's report), seconds.
     latency_seconds: float = 0.001
+    # Prefill work already waiting per prefill worker beyond which a prompt stays
+    # co-located: a backed-up prefill pool would cost its time to first token more than
+    # the decode worker's chunks would (inf: no bound).
+    max_prefill_wait_seconds: float = float("inf")
 
     def __post_init__(self) -> None:
         if self.min_uncached_tokens < 0 or self.max_transfer_share <= 0:
             raise ValueError("min_uncached_tokens >= 0 and max_transfer_share > 0 needed")
-        if self.latency_seconds < 0:
-            raise ValueError(f"latency_seconds must not be negative, got {self.latency_seconds}")
+        if self.latency_seconds < 0 or self.max_prefill_wait_seconds < 0:
+            raise ValueError("latency_seconds and max_prefill_wait_seconds must not be negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,8 @@ class HandoffInput:
     num_decoding: int
     # The slower of the sender's and receiver's reported rates; 0: unknown (no handoff).
     transfer_bytes_per_second: float
+    # Prefill work queued or running per prefill worker, seconds.
+    prefill_wait_seconds: float = 0.0
 
 
 class HandoffReason(enum.Enum):
@@ -82,6 +88,7 @@ class HandoffReason(enum.Enum):
     PAYS = "pays"
     SHORT_PROMPT = "short_prompt"  # few uncached tokens: short or mostly cached
     IDLE_DECODE = "idle_decode"  # nothing decoding there: the prefill delays no one
+    PREFILL_BUSY = "prefill_busy"  # the prefill workers are backed up
     NO_RATE = "no_rate"  # the workers reported no transfer rate
     SLOW_TRANSFER = "slow_transfer"  # the transfer costs more than it saves
 
@@ -99,8 +106,9 @@ class HandoffChoice:
 def choose_handoff(
     request: HandoffInput, shape: ModelShape, settings: HandoffSettings
 ) -> HandoffChoice:
-    """Hand off when the uncached prompt is long, the decode worker is busy and the
-    transfer costs less than `max_transfer_share` of the decode time it saves."""
+    """Hand off when the uncached prompt is long, the decode worker is busy, the prefill
+    workers are not backed up and the transfer costs less than `max_transfer_share` of
+    the decode time it saves."""
     # The sender holds the whole prompt (and the first token) when it hands off.
     num_bytes = shape.handoff_bytes(request.prompt_tokens + 1)
     rate = request.transfer_bytes_per_second
@@ -113,6 +121,8 @@ def choose_handoff(
         reason = HandoffReason.NO_RATE
     elif request.num_decoding == 0:
         reason = HandoffReason.IDLE_DECODE
+    elif request.prefill_wait_seconds > settings.max_prefill_wait_seconds:
+        reason = HandoffReason.PREFILL_BUSY
     elif transfer > settings.max_transfer_share * saved:
         reason = HandoffReason.SLOW_TRANSFER
     else:

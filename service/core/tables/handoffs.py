@@ -23,21 +23,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from service.core.vocabulary import HandoffEnd
+
 
 class HandoffState(enum.Enum):
     PREFILLING = "prefilling"  # the prompt runs on the sender
     TRANSFERRING = "transferring"  # pages and states on the way to the receiver
     RUNNING = "running"  # decoding on the receiver: the handoff is over
-
-
-class HandoffFailure(enum.Enum):
-    """Why a handoff ended before RUNNING (a metrics label: bounded)."""
-
-    SENDER_GONE = "sender_gone"
-    RECEIVER_GONE = "receiver_gone"
-    TIMEOUT = "timeout"
-    CHECKSUM = "checksum"
-    RECEIVER_REFUSED = "receiver_refused"  # no room, or the receiver could not import
 
 
 class HandoffAction(enum.Enum):
@@ -51,7 +43,7 @@ class HandoffAction(enum.Enum):
 class HandoffOutcome:
     seq_id: int
     action: HandoffAction
-    failure: HandoffFailure
+    failure: HandoffEnd  # never DONE
     sender: str
     receiver: str
 
@@ -123,15 +115,13 @@ class HandoffBook:
         stopped: anything else would count a token twice or leave a gap."""
         return first_offset == handoff.num_generated_at_transfer
 
-    def failed(
-        self, seq_id: int, failure: HandoffFailure, sender_holds: bool
-    ) -> HandoffOutcome | None:
+    def failed(self, seq_id: int, failure: HandoffEnd, sender_holds: bool) -> HandoffOutcome | None:
         """End `seq_id`'s handoff; None if none is in flight. `sender_holds`: the sender
         still holds the sequence's pages and states (it reported it in its last report)."""
         handoff = self._by_seq_id.pop(seq_id, None)
         if handoff is None:
             return None
-        resume = sender_holds and failure is not HandoffFailure.SENDER_GONE
+        resume = sender_holds and failure is not HandoffEnd.SENDER_GONE
         action = HandoffAction.RESUME_ON_SENDER if resume else HandoffAction.REQUEUE
         return HandoffOutcome(seq_id, action, failure, handoff.sender, handoff.receiver)
 
@@ -142,10 +132,10 @@ class HandoffBook:
         outcomes = []
         for handoff in list(self._by_seq_id.values()):
             if handoff.sender == worker_id:
-                outcomes.append(self.failed(handoff.seq_id, HandoffFailure.SENDER_GONE, False))
+                outcomes.append(self.failed(handoff.seq_id, HandoffEnd.SENDER_GONE, False))
             elif handoff.receiver == worker_id:
                 holds = handoff.state is HandoffState.TRANSFERRING
-                outcomes.append(self.failed(handoff.seq_id, HandoffFailure.RECEIVER_GONE, holds))
+                outcomes.append(self.failed(handoff.seq_id, HandoffEnd.RECEIVER_GONE, holds))
         return [o for o in outcomes if o is not None]
 
     def expire(self, now: float) -> list[HandoffOutcome]:
@@ -155,7 +145,7 @@ class HandoffBook:
             for h in self._by_seq_id.values()
             if h.state is HandoffState.TRANSFERRING and now > h.deadline
         ]
-        outcomes = [self.failed(seq_id, HandoffFailure.TIMEOUT, True) for seq_id in late]
+        outcomes = [self.failed(seq_id, HandoffEnd.TIMEOUT, True) for seq_id in late]
         return [o for o in outcomes if o is not None]
 
     def _expect(self, seq_id: int, state: HandoffState) -> Handoff:
