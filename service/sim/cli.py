@@ -146,7 +146,7 @@ def add_parser(sub) -> None:
         "--roles",
         metavar="NPMD|search",
         help="N prefill-only and M decode-only workers (e.g. 2P6D; N+M = --workers; "
-        "with --find-capacity a list: 2P6D,3P5D): "
+        "with --find-capacity a list, 'colocated' among them: colocated,3P5D): "
         "each long prompt runs on a prefill worker and is handed off, by the core's "
         "rule, to the decode workers, which keep short ones co-located; 'search' (with "
         "--find-capacity): co-located and every split with N < M, side by side "
@@ -325,7 +325,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.roles:
         print_handoff_bytes(setup, configs[0])
 
-    if args.roles == "search" or (args.roles and "," in args.roles):
+    if args.roles and args.find_capacity:
         objects, results = split_search(args, setup, configs[0])
     elif args.find_capacity:
         objects, results = _capacity(args, setup, configs)
@@ -482,7 +482,7 @@ def _saturation(setup, configs):
 
 
 def _one_split(roles: str | None) -> bool:
-    return bool(roles) and roles != "search" and "," not in roles
+    return bool(roles) and roles not in ("search", "colocated") and "," not in roles
 
 
 def _check_flags(args: argparse.Namespace) -> None:

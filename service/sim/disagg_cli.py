@@ -72,14 +72,17 @@ def print_handoff_bytes(setup: experiments.Setup, config: SchedulerConfig) -> No
 
 def split_search(args: argparse.Namespace, setup: experiments.Setup, config: SchedulerConfig):
     """Capacity at the SLO of co-located and of each split with fewer prefill workers
-    than decode workers (--roles search), or of the splits listed (--roles 2P6D,3P5D:
-    no co-located run, no ratio); a table of each."""
+    than decode workers (--roles search), or of those listed (--roles colocated,3P5D;
+    the ratio needs colocated first); a table of each."""
     slo = experiments.Slo(args.slo_ttft_p99, args.slo_tpot_p99)
     start = args.qps[0] if args.qps else 1.0
     fleets: list[Roles | None] = (
         [None, *Roles.splits(setup.num_workers)]
         if args.roles == "search"
-        else [Roles.parse(text, setup.num_workers) for text in args.roles.split(",")]
+        else [
+            None if text == "colocated" else Roles.parse(text, setup.num_workers)
+            for text in args.roles.split(",")
+        ]
     )
     objects, results = [], []
     rows = [["split", "capacity QPS", "x co-located", "probes", "TTFT p99 s", "TPOT p99 ms"]]
