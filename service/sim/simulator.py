@@ -260,6 +260,14 @@ class Simulation:
         self._cost_model = cost_model
         self._imports: dict[int, int] = {}  # handed-off context by stand-in token (engine)
         self._handoffs = HandoffCounts() if spec.roles else None
+        # The rule's settings: a handoff adds at most one TPOT target before the second token.
+        tpot_seconds = spec.scheduler.tpot_target_ms / 1000.0
+        rule = spec.transfer.rule
+        self._rule = (
+            replace(rule, max_transfer_seconds=min(rule.max_transfer_seconds, tpot_seconds))
+            if tpot_seconds > 0
+            else rule
+        )
         # Prefill seconds of each handed-off request not yet prefilled, by request index.
         self._prefill_outstanding: dict[int, float] = {}
         if spec.roles:
@@ -388,7 +396,7 @@ class Simulation:
                 prefill_wait_seconds=sum(outstanding.values()) / self.spec.roles.num_prefill,
             ),
             transfer.shape,
-            transfer.rule,
+            self._rule,
         )
         counts.reasons[choice.reason.value] = counts.reasons.get(choice.reason.value, 0) + 1
         if choice.handoff:

@@ -64,6 +64,12 @@ def test_backed_up_prefill_workers_keep_the_prompt_colocated():
     assert choose_handoff(request(prefill_wait_seconds=1.5), HYBRID, settings).handoff
 
 
+def test_a_transfer_longer_than_its_bound_does_not_pay():
+    settings = HandoffSettings(max_transfer_seconds=0.01)  # 8k tokens take 23 ms here
+    assert choose_handoff(request(), HYBRID, settings).reason is HandoffReason.SLOW_TRANSFER
+    assert choose_handoff(request(prompt_tokens=1100), HYBRID, settings).handoff  # 9.3 ms
+
+
 def test_unknown_rate_never_hands_off():
     choice = choose_handoff(request(transfer_bytes_per_second=0), HYBRID, HandoffSettings())
     assert choice.reason is HandoffReason.NO_RATE and choice.transfer_seconds == float("inf")

@@ -57,12 +57,15 @@ class HandoffSettings:
     # co-located: a backed-up prefill pool would cost its time to first token more than
     # the decode worker's chunks would (inf: no bound).
     max_prefill_wait_seconds: float = float("inf")
+    # The longest transfer at all: the gap it adds before the sequence's second token
+    # (a TPOT target, say; inf: no bound).
+    max_transfer_seconds: float = float("inf")
 
     def __post_init__(self) -> None:
         if self.min_uncached_tokens < 0 or self.max_transfer_share <= 0:
             raise ValueError("min_uncached_tokens >= 0 and max_transfer_share > 0 needed")
-        if self.latency_seconds < 0 or self.max_prefill_wait_seconds < 0:
-            raise ValueError("latency_seconds and max_prefill_wait_seconds must not be negative")
+        if min(self.latency_seconds, self.max_prefill_wait_seconds, self.max_transfer_seconds) < 0:
+            raise ValueError("latency and the maximum wait and transfer must not be negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +111,7 @@ def choose_handoff(
 ) -> HandoffChoice:
     """Hand off when the uncached prompt is long, the decode worker is busy, the prefill
     workers are not backed up and the transfer costs less than `max_transfer_share` of
-    the decode time it saves."""
+    the decode time it saves, and at most `max_transfer_seconds`."""
     # The sender holds the whole prompt (and the first token) when it hands off.
     num_bytes = shape.handoff_bytes(request.prompt_tokens + 1)
     rate = request.transfer_bytes_per_second
@@ -123,7 +126,7 @@ def choose_handoff(
         reason = HandoffReason.IDLE_DECODE
     elif request.prefill_wait_seconds > settings.max_prefill_wait_seconds:
         reason = HandoffReason.PREFILL_BUSY
-    elif transfer > settings.max_transfer_share * saved:
+    elif transfer > min(settings.max_transfer_share * saved, settings.max_transfer_seconds):
         reason = HandoffReason.SLOW_TRANSFER
     else:
         reason = HandoffReason.PAYS
