@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 
 from service.core.types import Decision, FinishReason, WorkerReport
-from service.core.vocabulary import BlockReason, PreemptReason, StepTimeRefusal
+from service.core.vocabulary import BlockReason, HandoffEnd, PreemptReason, StepTimeRefusal
 
 
 class RequeueReason(enum.Enum):
@@ -108,6 +108,18 @@ class SchedulerObserver:
     def on_resume_points(self, worker_id: str, num_points: int, num_removed: int) -> None:
         """The resume points the core now knows for the worker (after each report), and
         how many of those it knew the report removed (evicted on the worker)."""
+
+    def on_handoff(
+        self,
+        seq_id: int,
+        sender: str,
+        receiver: str,
+        end: HandoffEnd,
+        num_bytes: int,
+        transfer_seconds: float,
+    ) -> None:
+        """A handoff ended (docs/disaggregation.md): done, or failed and its sequence
+        resumed on the sender or requeued; bytes and seconds as the receiver reported."""
 
     def on_served(self, tenant: str, num_tokens: int) -> None:
         """Tokens served to a tenant: prompt tokens handed out, generated tokens reported."""

@@ -22,6 +22,22 @@ class FinishReason(enum.Enum):
     FAILED = 6
 
 
+class WorkerRole(enum.Enum):
+    """What a worker runs; values match the wire enum's numbers (0, unset, reads BOTH)."""
+
+    BOTH = 1  # prompts and decodes: today's behaviour, the default
+    PREFILL = 2  # prompts only; each decode is handed off to a decode-capable worker
+    DECODE = 3  # decodes only: sequences arrive prefilled, by handoff
+
+    @property
+    def prefills(self) -> bool:
+        return self is not WorkerRole.DECODE
+
+    @property
+    def decodes(self) -> bool:
+        return self is not WorkerRole.PREFILL
+
+
 class SequenceState(enum.Enum):
     """Where a sequence is in its life; values match the wire enum's numbers."""
 
@@ -138,6 +154,12 @@ class WorkerRegistration:
     cache_block_tokens: int = 0
     # GDN state snapshots it keeps for resume points, besides total_gdn_slots.
     total_snapshot_slots: int = 0
+    # Prefill/decode disaggregation (docs/disaggregation.md): what it runs, and the rate
+    # at which it moves a sequence's pages and states to another worker (0: unknown).
+    role: WorkerRole = WorkerRole.BOTH
+    transfer_bytes_per_second: float = 0.0
+    # host:port of its handoff channel, for peers to fetch from ("": it cannot send).
+    handoff_address: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +253,54 @@ class WorkerReport:
     # Wall time of the worker's last engine step not reported before, in microseconds
     # (0: unknown, or no step since the last report).
     last_step_us: int = 0
+    # Handoffs this worker received since its last report, done or failed.
+    handoffs: tuple[HandoffResult, ...] = ()
+
+
+class HandoffDirection(enum.Enum):
+    """Which end of a handoff a worker is; values match the wire enum's numbers."""
+
+    SEND = 1  # hold the sequence's pages and states for the peer until evicted
+    RECEIVE = 2  # fetch them from the peer, then run the sequence
+
+
+class HandoffStatus(enum.Enum):
+    """How a handoff ended, as its receiver reports it; values match the wire enum's."""
+
+    DONE = 1
+    SENDER_UNREACHABLE = 2
+    CHECKSUM_MISMATCH = 3
+    NO_ROOM = 4
+    TIMED_OUT = 5
+    UNKNOWN_SEQUENCE = 6
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffInstruction:
+    """One end of a handoff (docs/contract.md, "Prefill/decode disaggregation")."""
+
+    seq_id: int
+    direction: HandoffDirection
+    transfer_id: int  # unique per attempt
+    peer_worker_id: str
+    num_tokens: int  # tokens whose KV moves: all the sequence holds but the last
+    num_generated: int  # generated before the handoff: the receiver's first offset
+    deadline_ms: int
+    peer_address: str = ""  # RECEIVE: the sender's handoff channel
+    spec: SequenceSpec | None = None  # RECEIVE: what to run once imported
+    cached_tokens: int = 0  # RECEIVE: leading tokens from the receiver's own cache
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffResult:
+    """A handoff's end, from its receiver."""
+
+    seq_id: int
+    transfer_id: int
+    status: HandoffStatus
+    num_bytes: int = 0
+    transfer_us: int = 0
+    error_message: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +330,8 @@ class Decision:
     # Running sequences the scheduler took back (budget and fair, KV pages short): the
     # worker frees them before stepping; they resume later from their tokens so far.
     preempt: tuple[int, ...] = ()
+    # Handoffs to start: sequences to hold for a peer (SEND) or to fetch (RECEIVE).
+    handoffs: tuple[HandoffInstruction, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,18 @@ class BlockReason(enum.Enum):
     PLACEMENT = "placement"
 
 
+class HandoffEnd(enum.Enum):
+    """How a handoff ended (a bounded metric label; docs/contract.md, "Prefill/decode
+    disaggregation")."""
+
+    DONE = "done"
+    SENDER_GONE = "sender_gone"
+    RECEIVER_GONE = "receiver_gone"
+    TIMEOUT = "timeout"
+    CHECKSUM = "checksum"
+    RECEIVER_REFUSED = "receiver_refused"  # no room, or the receiver could not import
+
+
 class PreemptReason(enum.Enum):
     """Why a running sequence was preempted (a bounded metric label)."""
 

@@ -7,6 +7,9 @@ from service.core import (
     Decision,
     FinishedSequence,
     FinishReason,
+    HandoffInstruction,
+    HandoffResult,
+    HandoffStatus,
     InvalidArgument,
     PrefillChunk,
     SamplingParams,
@@ -20,6 +23,7 @@ from service.core import (
     TokenUpdate,
     WorkerRegistration,
     WorkerReport,
+    WorkerRole,
     WorkerSettings,
 )
 from service.core.types import CacheReport
@@ -163,7 +167,28 @@ def worker_registration(msg: pb.RegisterWorkerRequest) -> WorkerRegistration:
         adapters=tuple(_checked_string(f"adapters[{i}]", a) for i, a in enumerate(msg.adapters)),
         cache_block_tokens=_cache_block_tokens(msg),
         total_snapshot_slots=msg.total_snapshot_slots,
+        role=_role(msg.role),
+        transfer_bytes_per_second=_transfer_rate(msg.transfer_bytes_per_second),
+        handoff_address=_checked_string("handoff_address", msg.handoff_address),
     )
+
+
+def _role(number: int) -> WorkerRole:
+    """A registration's role; unset (0) is both, today's behaviour."""
+    if number == 0:
+        return WorkerRole.BOTH
+    try:
+        return WorkerRole(number)
+    except ValueError:
+        raise InvalidArgument(
+            f"role must be WORKER_ROLE_BOTH, _PREFILL or _DECODE (1-3), got {number}"
+        ) from None
+
+
+def _transfer_rate(rate: float) -> float:
+    if not 0 <= rate < float("inf"):  # NaN fails too
+        raise InvalidArgument(f"transfer_bytes_per_second must be 0 or above, got {rate}")
+    return rate
 
 
 def _cache_block_tokens(msg: pb.RegisterWorkerRequest) -> int:
@@ -234,6 +259,19 @@ def worker_report(
         kv_cached_pages=msg.kv_cached_pages,
         cache_misses=tuple(msg.cache_misses),
         last_step_us=msg.last_step_us,
+        handoffs=tuple(_handoff_result(h, i) for i, h in enumerate(msg.handoffs)),
+    )
+
+
+def _handoff_result(h: pb.HandoffResult, index: int) -> HandoffResult:
+    try:
+        status = HandoffStatus(h.status)
+    except ValueError:
+        raise InvalidArgument(
+            f"handoffs[{index}].status must be a HandoffStatus (1-6), got {h.status}"
+        ) from None
+    return HandoffResult(
+        h.seq_id, h.transfer_id, status, h.num_bytes, h.transfer_us, _error_message(h.error_message)
     )
 
 
@@ -306,6 +344,22 @@ def decision(d: Decision, decode_all_running: bool = False) -> pb.SchedulerDecis
         iteration=d.iteration,
         preempt=d.preempt,
         decode_all_running=decode_all_running,
+        handoffs=[_handoff(h) for h in d.handoffs] if d.handoffs else None,
+    )
+
+
+def _handoff(h: HandoffInstruction) -> pb.Handoff:
+    return pb.Handoff(
+        seq_id=h.seq_id,
+        direction=h.direction.value,
+        transfer_id=h.transfer_id,
+        peer_worker_id=h.peer_worker_id,
+        peer_address=h.peer_address,
+        num_tokens=h.num_tokens,
+        num_generated=h.num_generated,
+        spec=_spec(h.spec) if h.spec is not None else None,
+        cached_tokens=h.cached_tokens,
+        deadline_ms=h.deadline_ms,
     )
 
 

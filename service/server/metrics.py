@@ -23,7 +23,8 @@ from service.core import (
     WorkerReport,
 )
 from service.core.tables.queue import PRIORITY_BANDS
-from service.core.vocabulary import StepTimeRefusal
+from service.core.vocabulary import HandoffEnd, StepTimeRefusal
+from service.server.handoff_metrics import HandoffMetrics
 from service.server.histograms import TallyHistogram
 
 log = logging.getLogger(__name__)
@@ -424,6 +425,7 @@ class SchedulerMetrics(SchedulerObserver):
         )
         for source in ("computed", "cached"):
             self.prefill_tokens.labels(source)
+        self.handoffs = HandoffMetrics(r)
         self._worker_ids: set[str] = set()
         self._per_worker = (
             self.worker_kv_free_pages,
@@ -593,6 +595,7 @@ class SchedulerMetrics(SchedulerObserver):
             self.worker_prefill_tokens.labels(worker_id, source)
         self.worker_cache_misses.labels(worker_id)
         self.worker_resume_points_removed.labels(worker_id)
+        self.handoffs.worker_registered(worker_id)
         self._worker_ids.add(worker_id)
         self.workers.set(len(self._worker_ids))
 
@@ -611,6 +614,7 @@ class SchedulerMetrics(SchedulerObserver):
                 self.worker_prefill_tokens.remove(worker_id, source)
             except KeyError:
                 pass
+        self.handoffs.worker_removed(worker_id)
         self._worker_ids.discard(worker_id)
         self.workers.set(len(self._worker_ids))
 
@@ -683,6 +687,17 @@ class SchedulerMetrics(SchedulerObserver):
         self.worker_resume_points.labels(worker_id).set(num_points)
         if num_removed:
             self.worker_resume_points_removed.labels(worker_id).inc(num_removed)
+
+    def on_handoff(
+        self,
+        seq_id: int,
+        sender: str,
+        receiver: str,
+        end: HandoffEnd,
+        num_bytes: int,
+        transfer_seconds: float,
+    ) -> None:
+        self.handoffs.ended(sender, receiver, end, num_bytes, transfer_seconds)
 
     def on_served(self, tenant: str, num_tokens: int) -> None:
         label = tenant if tenant in self._named_tenants else OTHER_TENANT

@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
     """Add the `simulate` subcommand to the lattice-scheduler parser."""
     from service import settings  # light: no grpc import
     from service.sim.routing import ROUTINGS
+    from service.sim.transfer import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
 
     p = sub.add_parser(
         "simulate",
@@ -140,6 +141,61 @@ def add_parser(sub) -> None:
         "snapshots per worker (default: a model without GDN layers, "
         "every cached block is a resume point)",
     )
+    split = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    split.add_argument(
+        "--roles",
+        metavar="NPMD|search",
+        help="N prefill-only and M decode-only workers (e.g. 2P6D; N+M = --workers; "
+        "with --find-capacity a list, 'colocated' among them: colocated,3P5D): "
+        "each long prompt runs on a prefill worker and is handed off, by the core's "
+        "rule, to the decode workers, which keep short ones co-located; 'search' (with "
+        "--find-capacity): co-located and every split with N < M, side by side "
+        "(default: every worker runs both)",
+    )
+    split.add_argument(
+        "--transfer-gb-per-s",
+        type=float,
+        default=12.5,
+        metavar="R",
+        help="handoff bandwidth, GB/s (default 12.5: a 100 Gb/s link)",
+    )
+    split.add_argument(
+        "--transfer-latency-ms",
+        type=float,
+        default=1.0,
+        metavar="MS",
+        help="fixed cost of one handoff (default 1)",
+    )
+    split.add_argument(
+        "--handoff-model",
+        choices=sorted(MODEL_SHAPES),
+        default=DEFAULT_MODEL_SHAPE,
+        help="whose shapes size a handoff: attention layers x tokens x KV bytes + GDN "
+        f"layers x state bytes (default {DEFAULT_MODEL_SHAPE})",
+    )
+    split.add_argument(
+        "--handoff-min-tokens",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="prompts with fewer uncached tokens stay co-located (default 1024)",
+    )
+    split.add_argument(
+        "--handoff-max-share",
+        type=float,
+        default=0.5,
+        metavar="F",
+        help="a handoff pays when its transfer costs at most this share of the "
+        "decode-seconds its prefill would delay on a decode worker (default 0.5)",
+    )
+    split.add_argument(
+        "--handoff-max-prefill-wait-s",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="prompts stay co-located while the prefill workers have more than this "
+        "many seconds of prefill waiting each (default 2)",
+    )
     modes = p.add_argument_group("modes and output")
     modes.add_argument(
         "--find-capacity",
@@ -210,7 +266,9 @@ def _run(args: argparse.Namespace) -> int:
     from service import settings
     from service.sim import experiments, report
     from service.sim.costs import load_cost_source
+    from service.sim.disagg_cli import print_handoff_bytes, split_search, transfer_model
     from service.sim.simulator import WorkerShape
+    from service.sim.transfer import Roles
     from service.sim.workload import load_trace
 
     _check_flags(args)
@@ -259,11 +317,17 @@ def _run(args: argparse.Namespace) -> int:
         args.routing,
         progress=not args.no_progress,
         worker_speeds=tuple(args.worker_speeds),
+        roles=Roles.parse(args.roles, args.workers) if _one_split(args.roles) else None,
+        transfer=transfer_model(args),
     )
     _print_header(setup, configs, cost)
     bound = _print_bound(setup, configs[0])
+    if args.roles:
+        print_handoff_bytes(setup, configs[0])
 
-    if args.find_capacity:
+    if args.roles and args.find_capacity:
+        objects, results = split_search(args, setup, configs[0])
+    elif args.find_capacity:
         objects, results = _capacity(args, setup, configs)
         objects = [{**o, **bound} for o in objects]
     elif args.saturation:
@@ -275,6 +339,9 @@ def _run(args: argparse.Namespace) -> int:
         results = [run.result for run in runs]
         objects = [{**r.to_json(), **bound} for r in results]
         print(report.results_table(results))
+        for run in runs:
+            if run.outcome.handoffs is not None:
+                print(f"{run.result.qps:g} QPS, {setup.roles.name}: {run.outcome.handoffs}")
         print(
             f"\n{len(runs)} run(s), {sum(r.wall_seconds for r in runs):.1f} s wall "
             f"({', '.join(f'{r.wall_seconds:.1f}' for r in runs)})"
@@ -414,6 +481,10 @@ def _saturation(setup, configs):
     return objects
 
 
+def _one_split(roles: str | None) -> bool:
+    return bool(roles) and roles not in ("search", "colocated") and "," not in roles
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     if args.profile and args.step_table:
         raise ValueError("give --profile or --step-table, not both")
@@ -425,6 +496,12 @@ def _check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 0:
             raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")
+    if args.roles and not _one_split(args.roles) and not args.find_capacity:
+        raise ValueError(f"--roles {args.roles} needs --find-capacity (and SLOs)")
+    if args.roles and args.routing != "pull":
+        raise ValueError("--roles needs --routing pull: one queue per role")
+    if args.roles and args.compare:
+        raise ValueError("--roles runs one policy: give --policy, not --compare")
     if args.find_capacity:
         if args.slo_ttft_p99 is None or args.slo_tpot_p99 is None:
             raise ValueError("--find-capacity needs --slo-ttft-p99 S and --slo-tpot-p99 S")

@@ -75,6 +75,9 @@ class _Held:
     num_generated: int = 0
     slot: int = 0  # GDN slots are counted, not numbered: the simulated model has no state
     block_hashes: list[int] = field(default_factory=list)  # kept by the prefix cache
+    # Tokens of context handed over by another worker (service/sim/transfer.py): held in
+    # pages and attended to, never computed here.
+    context_offset: int = 0
 
     @property
     def is_running(self) -> bool:
@@ -93,8 +96,11 @@ class SimEngine(CacheBooks):
         total_gdn_slots: int,
         cache_block_tokens: int = 0,
         snapshot_slots: int | None = None,
+        imports: dict[int, int] | None = None,
     ) -> None:
-        """`cache_block_tokens`: tokens per prefix-cache block (a multiple of page_size;
+        """`imports`: a prefill/decode split's handoffs, shared by the decode workers: a
+        prompt whose first token id is a key starts with that many tokens of imported
+        context (service/sim/transfer.py). `cache_block_tokens`: tokens per prefix-cache block (a multiple of page_size;
         0: no cache). `snapshot_slots`: None models a model without GDN layers (every
         cached block is a resume point); a number, a hybrid model with that many GDN
         snapshot slots (ModelEngine's total_snapshot_slots)."""
@@ -112,6 +118,8 @@ class SimEngine(CacheBooks):
         self.last_step_seconds = 0.0
         self.num_steps = 0
         self.num_computed_prefill_tokens = 0  # prompt tokens the steps computed
+        self._imports = imports
+        self.num_imports_resumed = 0  # imported sequences admitted again after a preemption
         self._keep_books(
             PageTables(num_pages=total_kv_pages, page_size=page_size),
             cache_block_tokens=cache_block_tokens,
@@ -142,7 +150,7 @@ class SimEngine(CacheBooks):
         cache = self._cache
         for segment in self._plan_prefill(prefill, out):
             held = segment.held
-            out.chunks.append((segment.num_tokens, segment.start))
+            out.chunks.append((segment.num_tokens, segment.start + held.context_offset))
             self.num_computed_prefill_tokens += segment.num_tokens
             held.num_prefilled = segment.end
             if cache is not None:
@@ -220,6 +228,10 @@ class SimEngine(CacheBooks):
             held.num_prefilled = cached_tokens
         self._num_admissions += 1
         self._held[seq_id] = held
+        if self._imports and spec.prompt_token_ids[0] in self._imports:
+            held.context_offset = self._imports[spec.prompt_token_ids[0]]
+            self.num_imports_resumed += prompt_len > 1
+            self._reserve(held, held.context_offset, out)  # may preempt, or refuse it
 
     # Decode.
 
@@ -238,7 +250,8 @@ class SimEngine(CacheBooks):
         cache = self._cache
         for held in batch.values():
             if held.seq_id in held_by_id:
-                out.decodes.append(len(held.token_ids) - 1)  # the context before this token
+                # The context before this token.
+                out.decodes.append(len(held.token_ids) - 1 + held.context_offset)
                 if cache is not None:
                     cache.computed(held, len(held.token_ids))
                 self._emit(held, out)

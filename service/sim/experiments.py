@@ -11,6 +11,7 @@ from service.core import FinishReason, SchedulerConfig
 from service.sim.costs import CostSource
 from service.sim.metrics import RunResult, summarize
 from service.sim.simulator import RunOutcome, RunSpec, Simulation, WorkerShape
+from service.sim.transfer import Roles, TransferModel
 from service.sim.workload import Trace, make_requests
 
 # A capacity search stops when the highest passing and lowest failing QPS are this close.
@@ -35,6 +36,8 @@ class Setup:
     routing: str
     progress: bool = True
     worker_speeds: tuple[float, ...] = ()
+    roles: Roles | None = None  # a prefill/decode split; None: every worker runs both
+    transfer: TransferModel = field(default_factory=TransferModel)
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,17 @@ def simulate(setup: Setup, config: SchedulerConfig, qps: float) -> Run:
         max_seq_len=config.max_seq_len,
     )
     spec = RunSpec(
-        config, setup.worker, setup.num_workers, setup.routing, setup.worker_speeds, setup.seed
+        config,
+        setup.worker,
+        setup.num_workers,
+        setup.routing,
+        setup.worker_speeds,
+        setup.seed,
+        setup.roles,
+        setup.transfer,
     )
-    bar = _progress_bar(setup, f"{config.policy} {setup.routing} {qps:g} QPS")
+    split = f" {setup.roles.name}" if setup.roles else ""
+    bar = _progress_bar(setup, f"{config.policy} {setup.routing}{split} {qps:g} QPS")
     started = time.perf_counter()
     try:
         outcome = Simulation(

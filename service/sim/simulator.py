@@ -22,9 +22,10 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.block_hash import block_hashes
+from common.step_table import StepLoad
 from service.core import (
     FinishReason,
     Scheduler,
@@ -33,9 +34,11 @@ from service.core import (
     SubmitParams,
     WorkerReport,
 )
+from service.core.decide.handoff import HandoffInput, choose_handoff
 from service.sim.client import InProcessClient
 from service.sim.engine import CostModel, SimEngine
 from service.sim.routing import CACHE_ROUTINGS, ROUTINGS, make_router
+from service.sim.transfer import HANDOFF_TOKEN, HandoffCounts, Roles, TransferModel
 from service.sim.workload import Request, prompt_token_ids
 from worker_client.loop import WorkerLoop
 from worker_client.resources import WorkerResources
@@ -47,7 +50,9 @@ MIN_STEP_SECONDS = 1e-6
 # Virtual seconds without any token, admission or finish (and no arrival left) after which
 # a run is declared stuck.
 STALL_SECONDS = 3600.0
-_ARRIVAL, _WORKER = 0, 1
+_ARRIVAL, _WORKER, _HANDOFF = 0, 1, 2
+# With roles, the schedulers' indexes: decode workers (and co-located requests), prefill.
+_DECODE_POOL, _PREFILL_POOL = 0, 1
 
 
 class SimulationStalled(RuntimeError):
@@ -80,8 +85,16 @@ class RunSpec:
     # all 1. A mixed fleet: --worker-speeds 1,1,0.5,0.5.
     worker_speeds: tuple[float, ...] = ()
     seed: int = 0  # of the routers' tie-breaks
+    # A prefill/decode split (None: every worker runs both) and how handoffs move.
+    roles: Roles | None = None
+    transfer: TransferModel = field(default_factory=TransferModel)
 
     def __post_init__(self) -> None:
+        if self.roles is not None:
+            if self.routing != "pull":
+                raise ValueError("--roles needs --routing pull (one queue per role)")
+            if self.roles.num_prefill + self.roles.num_decode != self.num_workers:
+                raise ValueError(f"--roles {self.roles.name} does not make {self.num_workers}")
         if self.num_workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.num_workers}")
         if self.worker_speeds and len(self.worker_speeds) != self.num_workers:
@@ -131,6 +144,7 @@ class RunOutcome:
     cached_prefill_tokens: int = 0
     cache_misses: int = 0
     worker_ids: tuple[str, ...] = ()
+    handoffs: HandoffCounts | None = None  # with roles
 
 
 @dataclass
@@ -204,6 +218,22 @@ class _Recorder(SchedulerObserver):
         )
 
 
+class _PrefillRecorder(_Recorder):
+    """A prefill worker's scheduler: a sequence that ends there with tokens still to
+    generate is handed off (`on_prefilled`), not finished."""
+
+    def __init__(self, *args, on_prefilled: Callable[[int, RequestRecord], None]) -> None:
+        super().__init__(*args)
+        self._on_prefilled = on_prefilled
+
+    def on_finished(self, seq_id: int, reason: FinishReason) -> None:
+        record = self.by_seq_id[seq_id]
+        if reason is FinishReason.MAX_LENGTH and record.num_tokens < record.request.output_len:
+            self._on_prefilled(seq_id, record)
+        else:
+            super().on_finished(seq_id, reason)
+
+
 class Simulation:
     """Runs `requests` through `spec`'s fleet; `run()` once."""
 
@@ -227,9 +257,28 @@ class Simulation:
         self._recorders = [
             _Recorder(self._clock, self._progress, self._finished) for _ in range(num_schedulers)
         ]
+        self._cost_model = cost_model
+        self._imports: dict[int, int] = {}  # handed-off context by stand-in token (engine)
+        self._handoffs = HandoffCounts() if spec.roles else None
+        # The rule's settings: a handoff adds at most one TPOT target before the second token.
+        tpot_seconds = spec.scheduler.tpot_target_ms / 1000.0
+        rule = spec.transfer.rule
+        self._rule = (
+            replace(rule, max_transfer_seconds=min(rule.max_transfer_seconds, tpot_seconds))
+            if tpot_seconds > 0
+            else rule
+        )
+        # Prefill seconds of each handed-off request not yet prefilled, by request index.
+        self._prefill_outstanding: dict[int, float] = {}
+        if spec.roles:
+            self._recorders.append(
+                _PrefillRecorder(
+                    self._clock, self._progress, self._finished, on_prefilled=self._prefilled
+                )
+            )
         self._schedulers = [
-            Scheduler(spec.scheduler, clock=self._clock, observer=recorder)
-            for recorder in self._recorders
+            Scheduler(config, clock=self._clock, observer=recorder)
+            for config, recorder in zip(self._pool_configs(), self._recorders, strict=True)
         ]
         self._clients = [InProcessClient(s, on_report=self._on_report) for s in self._schedulers]
         self._workers = [self._make_worker(i, cost_model) for i in range(spec.num_workers)]
@@ -252,6 +301,8 @@ class Simulation:
             if kind == _ARRIVAL:
                 self._num_arrivals_left -= 1
                 self._arrive(self._requests[index])
+            elif kind == _HANDOFF:
+                self._handed_off(self._requests[index])
             elif generation == self._workers[index].generation:
                 self._work(self._workers[index])
             self._check_stall()
@@ -277,6 +328,7 @@ class Simulation:
             ),
             cache_misses=sum(c.counts.cache_misses for c in self._clients),
             worker_ids=tuple(w.loop.resources.worker_id for w in self._workers),
+            handoffs=self._handoff_counts(),
         )
 
     # Events.
@@ -285,10 +337,14 @@ class Simulation:
         token_ids = prompt_token_ids(request)
         worker_index = self._route(request, token_ids)
         scheduler_index = 0 if worker_index is None else worker_index
+        max_new_tokens = request.output_len
+        if self.spec.roles and self._hand_off(request, token_ids):
+            # The prefill worker computes the prompt and the first token, then hands off.
+            scheduler_index, max_new_tokens = _PREFILL_POOL, 1
         result = self._schedulers[scheduler_index].submit(
             SubmitParams(
                 prompt_token_ids=token_ids,
-                max_new_tokens=request.output_len,
+                max_new_tokens=max_new_tokens,
                 request_id=f"r{request.index}",
             )
         )
@@ -312,6 +368,93 @@ class Simulation:
         if recorder.queue_depth > depth_before:  # requeued work: idle workers may take it
             self._wake_idle(worker.scheduler_index)
 
+    # Handoffs.
+
+    def _hand_off(self, request: Request, token_ids: tuple[int, ...]) -> bool:
+        """The core's rule (service/core/decide/handoff.py) on this request, against the
+        decode workers' mean load and their caches."""
+        transfer, counts = self.spec.transfer, self._handoffs
+        decoders = [w for w in self._workers if w.scheduler_index == _DECODE_POOL]
+        # Per decode worker, rounded up: any decode running makes the pool busy.
+        num_decoding = -(-sum(len(w.engine.running_ids()) for w in decoders) // len(decoders))
+        cached = 0
+        if self.spec.worker.cache_block_tokens:
+            fleet = self._fleet
+            hashes = block_hashes(token_ids[:-1], "", fleet.block_tokens)
+            cached = fleet.block_tokens * max(
+                fleet.cached_blocks(w.index, hashes) for w in decoders
+            )
+        prefill_seconds = self._prefill_seconds(cached, request.prompt_len)
+        outstanding = self._prefill_outstanding
+        choice = choose_handoff(
+            HandoffInput(
+                prompt_tokens=request.prompt_len,
+                cached_tokens=cached,
+                prefill_seconds=prefill_seconds,
+                num_decoding=num_decoding,
+                transfer_bytes_per_second=transfer.bytes_per_second,
+                prefill_wait_seconds=sum(outstanding.values()) / self.spec.roles.num_prefill,
+            ),
+            transfer.shape,
+            self._rule,
+        )
+        counts.reasons[choice.reason.value] = counts.reasons.get(choice.reason.value, 0) + 1
+        if choice.handoff:
+            outstanding[request.index] = prefill_seconds
+        else:
+            counts.num_colocated += 1
+        return choice.handoff
+
+    def _prefill_seconds(self, start: int, end: int) -> float:
+        """Prompt tokens [start, end) alone on a worker, in chunks of chunk_size."""
+        chunk = self.spec.scheduler.chunk_size
+        return sum(
+            self._cost_model.step_seconds(StepLoad(((min(chunk, end - s), s),), ()))
+            for s in range(start, end, chunk)
+        )
+
+    def _prefilled(self, seq_id: int, record: RequestRecord) -> None:
+        """A prefill worker finished a prompt and its first token: the transfer starts."""
+        request, counts = record.request, self._handoffs
+        self._prefill_outstanding.pop(request.index, None)
+        num_bytes = self.spec.transfer.shape.handoff_bytes(request.prompt_len + 1)
+        seconds = self.spec.transfer.seconds(num_bytes)
+        counts.num_handoffs += 1
+        counts.num_bytes += num_bytes
+        counts.transfer_seconds += seconds
+        self._push(self.now + seconds, _HANDOFF, request.index)
+
+    def _handed_off(self, request: Request) -> None:
+        """The transfer is done: the decode workers' queue takes the sequence, whose
+        stand-in prompt (its first token) the engine that admits it maps to the context."""
+        token = HANDOFF_TOKEN + request.index
+        self._imports[token] = request.prompt_len
+        result = self._schedulers[_DECODE_POOL].submit(
+            SubmitParams(
+                prompt_token_ids=(token,),
+                max_new_tokens=request.output_len - 1,
+                request_id=f"h{request.index}",
+            )
+        )
+        self._recorders[_DECODE_POOL].by_seq_id[result.seq_id] = self._records[request.index]
+        self._last_progress = self.now
+        self._wake_idle(_DECODE_POOL)
+
+    def _pool_configs(self) -> list[SchedulerConfig]:
+        """Each scheduler's config; a prefill pool's has no TPOT target: it runs no decode,
+        so nothing holds its steps short (its prompts still go earliest deadline first)."""
+        configs = [self.spec.scheduler] * len(self._recorders)
+        if self.spec.roles:
+            configs[_PREFILL_POOL] = replace(self.spec.scheduler, tpot_target_ms=0.0)
+        return configs
+
+    def _handoff_counts(self) -> HandoffCounts | None:
+        if self._handoffs is not None:
+            self._handoffs.num_receiver_preemptions = sum(
+                w.engine.num_imports_resumed for w in self._workers
+            )
+        return self._handoffs
+
     # Workers.
 
     def _make_worker(self, index: int, cost_model: CostModel) -> _Worker:
@@ -326,8 +469,11 @@ class Simulation:
             total_gdn_slots=shape.total_gdn_slots,
             cache_block_tokens=shape.cache_block_tokens,
             snapshot_slots=shape.snapshot_slots,
+            imports=self._imports,
         )
         scheduler_index = 0 if self.spec.routing == "pull" else index
+        if self.spec.roles and index < self.spec.roles.num_prefill:
+            scheduler_index = _PREFILL_POOL
         resources = WorkerResources.of(f"sim-{index}", engine, shape.max_batch_size)
         loop = WorkerLoop(
             engine, self._clients[scheduler_index], resources, idle_sleep_seconds=IDLE_POLL_SECONDS
@@ -391,6 +537,7 @@ class Simulation:
 
     def _finished(self, record: RequestRecord) -> None:
         self._num_finished += 1
+        self._prefill_outstanding.pop(record.request.index, None)
         owner = self._fleet.owner.get(record.request.index)
         if owner is not None:
             self._fleet.owned[owner].pop(record.request.index, None)

@@ -8,7 +8,7 @@ import sys
 from array import array
 
 from service.core import SubmitParams
-from service.core.types import SamplingParams, WorkerRegistration
+from service.core.types import SamplingParams, WorkerRegistration, WorkerRole
 
 
 def pack_token_ids(token_ids) -> bytes:
@@ -79,6 +79,8 @@ def registration_json(r: WorkerRegistration) -> str:
             "total_gdn_slots": r.total_gdn_slots,
             "max_batch_size": r.max_batch_size,
             "adapters": list(r.adapters),
+            "role": r.role.value,
+            "transfer_bytes_per_second": r.transfer_bytes_per_second,
         }
     )
 
@@ -92,4 +94,7 @@ def registration_from_json(text: str) -> WorkerRegistration:
         total_gdn_slots=d["total_gdn_slots"],
         max_batch_size=d["max_batch_size"],
         adapters=tuple(d["adapters"]),
+        # Saved before roles: every worker ran both.
+        role=WorkerRole(d.get("role", WorkerRole.BOTH.value)),
+        transfer_bytes_per_second=d.get("transfer_bytes_per_second", 0.0),
     )

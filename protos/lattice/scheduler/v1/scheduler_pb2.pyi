@@ -24,6 +24,29 @@ class SequenceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SEQUENCE_STATE_PREFILLING: _ClassVar[SequenceState]
     SEQUENCE_STATE_DECODING: _ClassVar[SequenceState]
     SEQUENCE_STATE_FINISHED: _ClassVar[SequenceState]
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_BOTH: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+
+class HandoffDirection(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HANDOFF_DIRECTION_UNSPECIFIED: _ClassVar[HandoffDirection]
+    HANDOFF_DIRECTION_SEND: _ClassVar[HandoffDirection]
+    HANDOFF_DIRECTION_RECEIVE: _ClassVar[HandoffDirection]
+
+class HandoffStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HANDOFF_STATUS_UNSPECIFIED: _ClassVar[HandoffStatus]
+    HANDOFF_STATUS_DONE: _ClassVar[HandoffStatus]
+    HANDOFF_STATUS_SENDER_UNREACHABLE: _ClassVar[HandoffStatus]
+    HANDOFF_STATUS_CHECKSUM_MISMATCH: _ClassVar[HandoffStatus]
+    HANDOFF_STATUS_NO_ROOM: _ClassVar[HandoffStatus]
+    HANDOFF_STATUS_TIMED_OUT: _ClassVar[HandoffStatus]
+    HANDOFF_STATUS_UNKNOWN_SEQUENCE: _ClassVar[HandoffStatus]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_MAX_LENGTH: FinishReason
@@ -36,6 +59,60 @@ SEQUENCE_STATE_QUEUED: SequenceState
 SEQUENCE_STATE_PREFILLING: SequenceState
 SEQUENCE_STATE_DECODING: SequenceState
 SEQUENCE_STATE_FINISHED: SequenceState
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_BOTH: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
+HANDOFF_DIRECTION_UNSPECIFIED: HandoffDirection
+HANDOFF_DIRECTION_SEND: HandoffDirection
+HANDOFF_DIRECTION_RECEIVE: HandoffDirection
+HANDOFF_STATUS_UNSPECIFIED: HandoffStatus
+HANDOFF_STATUS_DONE: HandoffStatus
+HANDOFF_STATUS_SENDER_UNREACHABLE: HandoffStatus
+HANDOFF_STATUS_CHECKSUM_MISMATCH: HandoffStatus
+HANDOFF_STATUS_NO_ROOM: HandoffStatus
+HANDOFF_STATUS_TIMED_OUT: HandoffStatus
+HANDOFF_STATUS_UNKNOWN_SEQUENCE: HandoffStatus
+
+class Handoff(_message.Message):
+    __slots__ = ("seq_id", "direction", "transfer_id", "peer_worker_id", "peer_address", "num_tokens", "num_generated", "spec", "cached_tokens", "deadline_ms")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    direction: HandoffDirection
+    transfer_id: int
+    peer_worker_id: str
+    peer_address: str
+    num_tokens: int
+    num_generated: int
+    spec: SequenceSpec
+    cached_tokens: int
+    deadline_ms: int
+    def __init__(self, seq_id: _Optional[int] = ..., direction: _Optional[_Union[HandoffDirection, str]] = ..., transfer_id: _Optional[int] = ..., peer_worker_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_generated: _Optional[int] = ..., spec: _Optional[_Union[SequenceSpec, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+
+class HandoffResult(_message.Message):
+    __slots__ = ("seq_id", "transfer_id", "status", "num_bytes", "transfer_us", "error_message")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_US_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    transfer_id: int
+    status: HandoffStatus
+    num_bytes: int
+    transfer_us: int
+    error_message: str
+    def __init__(self, seq_id: _Optional[int] = ..., transfer_id: _Optional[int] = ..., status: _Optional[_Union[HandoffStatus, str]] = ..., num_bytes: _Optional[int] = ..., transfer_us: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "min_new_tokens")
@@ -128,7 +205,7 @@ class SequenceInfo(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., state: _Optional[_Union[SequenceState, str]] = ..., worker_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_position: _Optional[int] = ..., error_message: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "total_kv_pages", "page_size", "total_gdn_slots", "max_batch_size", "adapters", "cache_block_tokens", "total_snapshot_slots")
+    __slots__ = ("worker_id", "total_kv_pages", "page_size", "total_gdn_slots", "max_batch_size", "adapters", "cache_block_tokens", "total_snapshot_slots", "role", "transfer_bytes_per_second", "handoff_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +214,9 @@ class RegisterWorkerRequest(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SNAPSHOT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     total_kv_pages: int
     page_size: int
@@ -145,7 +225,10 @@ class RegisterWorkerRequest(_message.Message):
     adapters: _containers.RepeatedScalarFieldContainer[str]
     cache_block_tokens: int
     total_snapshot_slots: int
-    def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., total_gdn_slots: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., cache_block_tokens: _Optional[int] = ..., total_snapshot_slots: _Optional[int] = ...) -> None: ...
+    role: WorkerRole
+    transfer_bytes_per_second: float
+    handoff_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., total_gdn_slots: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., cache_block_tokens: _Optional[int] = ..., total_snapshot_slots: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., transfer_bytes_per_second: _Optional[float] = ..., handoff_address: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("chunk_size", "max_batch_size", "prefill_reserve_pages", "lease_ttl_ms", "incarnation", "accepts_token_runs", "accepts_running_unchanged")
@@ -166,7 +249,7 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, chunk_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefill_reserve_pages: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., accepts_token_runs: _Optional[bool] = ..., accepts_running_unchanged: _Optional[bool] = ...) -> None: ...
 
 class SelectBatchRequest(_message.Message):
-    __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens", "incarnation", "idle_wait_ms", "cache", "kv_cached_pages", "cache_misses", "last_step_us", "token_seq_ids", "token_ids", "token_counts", "token_offsets", "running_unchanged_since", "accepts_decode_all_running")
+    __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens", "incarnation", "idle_wait_ms", "cache", "kv_cached_pages", "cache_misses", "last_step_us", "token_seq_ids", "token_ids", "token_counts", "token_offsets", "running_unchanged_since", "accepts_decode_all_running", "handoffs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +271,7 @@ class SelectBatchRequest(_message.Message):
     TOKEN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_UNCHANGED_SINCE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_DECODE_ALL_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     waiting: _containers.RepeatedScalarFieldContainer[int]
     running: _containers.RepeatedScalarFieldContainer[int]
@@ -209,7 +293,8 @@ class SelectBatchRequest(_message.Message):
     token_offsets: _containers.RepeatedScalarFieldContainer[int]
     running_unchanged_since: int
     accepts_decode_all_running: bool
-    def __init__(self, worker_id: _Optional[str] = ..., waiting: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[int]] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., preempted: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., incarnation: _Optional[int] = ..., idle_wait_ms: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., kv_cached_pages: _Optional[int] = ..., cache_misses: _Optional[_Iterable[int]] = ..., last_step_us: _Optional[int] = ..., token_seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., running_unchanged_since: _Optional[int] = ..., accepts_decode_all_running: _Optional[bool] = ...) -> None: ...
+    handoffs: _containers.RepeatedCompositeFieldContainer[HandoffResult]
+    def __init__(self, worker_id: _Optional[str] = ..., waiting: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[int]] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., preempted: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., incarnation: _Optional[int] = ..., idle_wait_ms: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., kv_cached_pages: _Optional[int] = ..., cache_misses: _Optional[_Iterable[int]] = ..., last_step_us: _Optional[int] = ..., token_seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., running_unchanged_since: _Optional[int] = ..., accepts_decode_all_running: _Optional[bool] = ..., handoffs: _Optional[_Iterable[_Union[HandoffResult, _Mapping]]] = ...) -> None: ...
 
 class CacheReport(_message.Message):
     __slots__ = ("added", "removed", "reset")
@@ -258,7 +343,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SchedulerDecision(_message.Message):
-    __slots__ = ("prefill", "decode", "evict", "iteration", "preempt", "decode_all_running", "running_needed")
+    __slots__ = ("prefill", "decode", "evict", "iteration", "preempt", "decode_all_running", "running_needed", "handoffs")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +351,7 @@ class SchedulerDecision(_message.Message):
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ALL_RUNNING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
     decode: _containers.RepeatedScalarFieldContainer[int]
     evict: _containers.RepeatedScalarFieldContainer[int]
@@ -273,7 +359,8 @@ class SchedulerDecision(_message.Message):
     preempt: _containers.RepeatedScalarFieldContainer[int]
     decode_all_running: bool
     running_needed: bool
-    def __init__(self, prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., decode: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., iteration: _Optional[int] = ..., preempt: _Optional[_Iterable[int]] = ..., decode_all_running: _Optional[bool] = ..., running_needed: _Optional[bool] = ...) -> None: ...
+    handoffs: _containers.RepeatedCompositeFieldContainer[Handoff]
+    def __init__(self, prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., decode: _Optional[_Iterable[int]] = ..., evict: _Optional[_Iterable[int]] = ..., iteration: _Optional[int] = ..., preempt: _Optional[_Iterable[int]] = ..., decode_all_running: _Optional[bool] = ..., running_needed: _Optional[bool] = ..., handoffs: _Optional[_Iterable[_Union[Handoff, _Mapping]]] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
     __slots__ = ("seq_id", "chunk_start", "chunk_len", "spec", "cached_tokens")
