@@ -26,6 +26,7 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from service.core.persist.store import (
 )
 from service.core.tables.ledger import no_worker_has
 from service.core.types import SequenceInfo, SubmitResult
+from service.state.pg_batch import SaveBatch
 from service.state.rows import (
     pack_token_ids,
     params_from_row,
@@ -57,7 +59,8 @@ from service.state.rows import (
 log = logging.getLogger(__name__)
 
 # 2: sequences.principal, request_id unique per principal, sequences.adapter_id.
-SCHEMA_VERSION = 2
+# 3: replicas.fence (group commit checks ownership once per commit, not per row).
+SCHEMA_VERSION = 3
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"
 CANCEL_CHANNEL = "lattice_cancel"
@@ -65,6 +68,8 @@ DISOWN_CHANNEL = "lattice_disown"  # "owner:ids": another replica took these ove
 _MAX_NOTIFY_PAYLOAD = 7900  # PostgreSQL's limit is 8000 bytes
 _QUEUED, _FINISHED = SequenceState.QUEUED.value, SequenceState.FINISHED.value
 _ASSIGNED = (SequenceState.PREFILLING.value, SequenceState.DECODING.value)
+# What lattice_disowned() raises: a commit touched a sequence this replica no longer owns.
+_DISOWNED_SQLSTATE = "LT001"
 
 _SCHEMA = """
 CREATE SEQUENCE IF NOT EXISTS lattice_seq_ids;
@@ -72,12 +77,17 @@ CREATE SEQUENCE IF NOT EXISTS lattice_queue_tail;   -- tail keys: 1, 2, ...
 CREATE SEQUENCE IF NOT EXISTS lattice_queue_head;   -- head keys: -1, -2, ... (negated)
 CREATE SEQUENCE IF NOT EXISTS lattice_replica_ids;
 CREATE SEQUENCE IF NOT EXISTS lattice_incarnations; -- worker registrations, all replicas
+CREATE SEQUENCE IF NOT EXISTS lattice_fences;       -- replicas.fence values, never reused
 CREATE TABLE IF NOT EXISTS lattice_meta (key text PRIMARY KEY, value bigint NOT NULL);
 CREATE TABLE IF NOT EXISTS replicas (
     replica_id  bigint PRIMARY KEY,
     name        text NOT NULL,          -- host:port, for people
     started_at  timestamptz NOT NULL DEFAULT now(),
-    lease_until timestamptz NOT NULL    -- renewed while it lives
+    lease_until timestamptz NOT NULL,   -- renewed while it lives
+    -- A new value whenever another replica takes sequences this one owned (or the row is
+    -- written again after its lease ran out): a commit that finds the value it last saw,
+    -- under FOR SHARE, owns every sequence it held then (service/state/postgres.py).
+    fence       bigint NOT NULL DEFAULT nextval('lattice_fences')
 );
 CREATE TABLE IF NOT EXISTS sequences (
     seq_id      bigint PRIMARY KEY,
@@ -128,6 +138,22 @@ CREATE TABLE IF NOT EXISTS tenant_service (
     tenant text PRIMARY KEY,
     served double precision NOT NULL    -- weighted tokens served, all replicas together
 );
+
+-- A group commit's checks: the replica's fence is the one it last saw (held FOR SHARE
+-- until the commit: no take-over commits meanwhile), else the whole commit rolls back.
+CREATE OR REPLACE FUNCTION lattice_disowned() RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'a sequence of this commit belongs to another replica now'
+        USING ERRCODE = 'LT001';
+END $$;
+CREATE OR REPLACE FUNCTION lattice_fence(p_replica bigint, p_fence bigint) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM replicas WHERE replica_id = p_replica AND fence = p_fence FOR SHARE;
+    IF NOT FOUND THEN
+        PERFORM lattice_disowned();
+    END IF;
+END $$;
 
 -- Submit in one statement: idempotency, limits, ids, position, wake-up.
 -- status: 0 new, 1 request_id known for this principal, 2 queue full, 3 tenant's queue full.
@@ -195,6 +221,13 @@ ALTER TABLE sequences DROP CONSTRAINT IF EXISTS sequences_request_id_key;
 DROP FUNCTION IF EXISTS lattice_submit(text, text, bytea, integer, text, integer, bigint,
                                        bigint, boolean);
 UPDATE lattice_meta SET value = 2 WHERE key = 'schema_version';
+"""
+
+# Version 2 becomes 3: every replica row gets a fence.
+_FROM_VERSION_2 = """
+CREATE SEQUENCE IF NOT EXISTS lattice_fences;
+ALTER TABLE replicas ADD COLUMN IF NOT EXISTS fence bigint NOT NULL DEFAULT nextval('lattice_fences');
+UPDATE lattice_meta SET value = 3 WHERE key = 'schema_version';
 """
 
 # Whether a live worker that takes work has the adapter of `sequences s`: registered on a
@@ -275,6 +308,18 @@ class PostgresState:
         self._timeout = connect_timeout_seconds
         # Tenant counters as last saved or read by this replica: saves add the difference.
         self._tenant_base: dict[str, float] = {}
+        # Group commit (defer_saves): saves collected since the last commit, and figures.
+        self._deferred = False
+        self._pending = SaveBatch()
+        self._pending_lock = threading.Lock()
+        self.num_saves = 0  # collected so far (deferred)
+        self.num_saves_committed = 0
+        self.num_commits = 0
+        # Ownership as the last checked commit saw it: the fence read under FOR SHARE and
+        # the unfinished sequences owned then, plus those claimed or adopted since. A
+        # commit touching only these, under the same fence, needs no per-row check.
+        self._fence: int | None = None
+        self._owned: set[int] = set()
         # Blocking exchanges with the server, by purpose (figures; counted where the code
         # waits for the server: one per statement outside a pipeline, one per pipeline sync).
         self.round_trips: Counter[str] = Counter()
@@ -324,38 +369,113 @@ class PostgresState:
         return StoredState(sequences=sequences, workers=[], next_seq_id=1, tenant_service=served)
 
     def save(self, changes: StateChanges) -> None:
+        """Commit `changes` now (Disowned if it touches a sequence another replica owns:
+        nothing applied); after `defer_saves`, add them to the next group commit."""
         if changes.created:
             raise StoreError("replicas submit through the shared queue, not the core")
-        touched = (
-            {p.seq_id for p in changes.progress}
-            | {t.seq_id for t in changes.tokens}
-            | {seq_id for seq_id, _ in changes.final_outputs}
-        )
-        sync = self._fsync == "always" or (self._fsync == "acks" and changes.sync)
-        deltas = self._tenant_deltas(changes.tenant_service)
-        # One pipeline: BEGIN, the ownership check (its answer is one round trip), then
-        # the writes and COMMIT (the second).
+        if self._deferred:
+            with self._pending_lock:
+                self._pending.absorb(changes)
+                self.num_saves += 1
+            return
+        batch = SaveBatch()
+        batch.absorb(changes)
+        self._commit(batch, drop_disowned=False)
+
+    def defer_saves(self) -> None:
+        """From now on `save` only collects; `commit_pending` commits what was collected
+        (the replica's servicer answers a call only after the commit that holds its save:
+        service/state/pg_commit.py)."""
+        self._deferred = True
+
+    def commit_pending(self) -> frozenset[int]:
+        """Commit every save collected so far in one transaction (one round trip when
+        ownership is as last seen); returns the ids another replica owns now, whose
+        changes were left out (the core gives them up). StoreError: nothing committed,
+        and the saves stay for the next commit, ahead of later ones."""
+        with self._pending_lock:
+            batch, self._pending = self._pending, SaveBatch()
+        if batch.num_saves == 0:
+            return frozenset()
+        try:
+            return self._commit(batch, drop_disowned=True)
+        except BaseException:
+            with self._pending_lock:
+                self._pending = batch.then(self._pending)
+            raise
+
+    def _commit(self, batch: SaveBatch, drop_disowned: bool) -> frozenset[int]:
+        """Write `batch` in one transaction. Fast path: this replica's fence is as last
+        seen and every sequence touched is one it knew it owned then: BEGIN, the fence
+        check, the writes and COMMIT in one pipeline (one round trip). Otherwise (or when
+        the fast path finds ownership moved) the slow path locks the rows and checks each,
+        as every save did before group commit."""
+        touched = batch.touched()
+        sync = self._fsync == "always" or (self._fsync == "acks" and batch.sync)
         with self._connection() as conn:
-            with conn.pipeline(), conn.transaction():
-                if sync and self._fsync == "acks":
-                    conn.execute("SET LOCAL synchronous_commit TO on")
-                if touched:
-                    owned = {
-                        row[0]
-                        for row in conn.execute(
-                            "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s "
-                            "FOR UPDATE",
-                            (list(touched), self.replica_id),
-                        )
-                    }
+            if self._fence is not None and touched <= self._owned:
+                try:
+                    with conn.pipeline(), conn.transaction():
+                        if sync and self._fsync == "acks":
+                            conn.execute("SET LOCAL synchronous_commit TO on")
+                        if touched:
+                            conn.execute(
+                                "SELECT lattice_fence(%s, %s)", (self.replica_id, self._fence)
+                            )
+                        self._write(conn, batch, touched)
                     self.round_trips["save"] += 1
-                    lost = touched - owned
-                    if lost:
-                        raise Disowned(frozenset(lost))
-                self._write(conn, changes, deltas, touched)
-            self.round_trips["save"] += 1
-        for tenant, served in changes.tenant_service:
+                    self._committed(batch, frozenset())
+                    return frozenset()
+                except psycopg.Error as err:
+                    if err.sqlstate != _DISOWNED_SQLSTATE:
+                        raise
+                    self.round_trips["save"] += 1
+            return self._commit_checked(conn, batch, touched, sync, drop_disowned)
+
+    def _commit_checked(
+        self, conn, batch: SaveBatch, touched: set[int], sync: bool, drop_disowned: bool
+    ) -> frozenset[int]:
+        """The slow path: read the fence and what this replica owns, lock and check the
+        rows touched; write what is still owned (or refuse it all: Disowned)."""
+        with conn.transaction():
+            if sync and self._fsync == "acks":
+                conn.execute("SET LOCAL synchronous_commit TO on")
+            row = conn.execute(
+                "SELECT fence FROM replicas WHERE replica_id = %s FOR SHARE", (self.replica_id,)
+            ).fetchone()
+            owned = {
+                r[0]
+                for r in conn.execute(
+                    "SELECT seq_id FROM sequences WHERE owner = %s AND state <> 4",
+                    (self.replica_id,),
+                )
+            }
+            locked = {
+                r[0]
+                for r in conn.execute(
+                    "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s FOR UPDATE",
+                    (list(touched), self.replica_id),
+                )
+            }
+            self.round_trips["save"] += 4
+            lost = frozenset(touched - locked)
+            if lost:
+                if not drop_disowned:
+                    raise Disowned(lost)
+                batch = batch.without(lost)
+            self._write(conn, batch, touched - lost)
+        self._fence = None if row is None else row[0]
+        self._owned = owned - lost
+        self._committed(batch, lost)
+        return lost
+
+    def _committed(self, batch: SaveBatch, lost: frozenset[int]) -> None:
+        for tenant, served in batch.tenant_service.items():
             self._tenant_base[tenant] = served
+        self._owned.difference_update(batch.finished())
+        self._owned.difference_update(batch.forgotten)
+        self.num_commits += 1
+        self.num_saves_committed += batch.num_saves
 
     def close(self) -> None:
         pool = getattr(self, "_pool", None)
@@ -558,6 +678,7 @@ class PostgresState:
             # COMMIT.
             self.round_trips["claim"] += 5 + (2 if ids else 0)
         self._tenant_base.update(served)
+        self._owned.update(ids)
         return Claimed(sequences, served, [])
 
     def adopt_worker(self, worker_id: str) -> Claimed:
@@ -565,6 +686,14 @@ class PostgresState:
         worker registered here: it moved). Their old owner's saves are refused from now."""
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
+            # The old owners' fences first (a take-over locks replicas, then sequences, as
+            # their commits do): from now on their commits check each row.
+            conn.execute(
+                "UPDATE replicas SET fence = nextval('lattice_fences') WHERE replica_id IN "
+                "(SELECT DISTINCT owner FROM sequences WHERE worker_id = %(w)s AND state IN "
+                "(2, 3) AND owner IS DISTINCT FROM %(me)s)",
+                {"w": worker_id, "me": self.replica_id},
+            )
             rows = conn.execute(
                 "WITH old AS (SELECT seq_id, owner FROM sequences WHERE worker_id = %(w)s "
                 "AND state IN (2, 3) AND owner IS DISTINCT FROM %(me)s FOR UPDATE) "
@@ -582,6 +711,7 @@ class PostgresState:
                 conn.execute(
                     "SELECT pg_notify(%s, %s)", (DISOWN_CHANNEL, f"{owner}:{_ids_payload(seq_ids)}")
                 )
+        self._owned.update(ids)
         return Claimed(sequences, {}, [seq_id for seq_id, flag, _ in rows if flag])
 
     def next_incarnation(self) -> int:
@@ -697,6 +827,7 @@ class PostgresState:
             ]
             if released:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
+        self._owned.difference_update(released)
         return released
 
     def leave(self) -> None:
@@ -742,6 +873,10 @@ class PostgresState:
                 version = None if row is None else row[0]
             if version == 1:
                 conn.execute(_FROM_VERSION_1)
+                version = 2
+            if version == 2:
+                conn.execute(_FROM_VERSION_2)
+                version = SCHEMA_VERSION
             elif version not in (None, SCHEMA_VERSION):
                 raise ConfigError(
                     f"the database holds schema version {version}; this "
@@ -793,46 +928,57 @@ class PostgresState:
     def _tenant_deltas(self, service: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
         return [(tenant, served - self._tenant_base.get(tenant, 0.0)) for tenant, served in service]
 
-    def _write(self, conn, changes: StateChanges, deltas, touched: set[int]) -> None:
+    def _write(self, conn, batch: SaveBatch, touched: set[int]) -> None:
+        """The batch's statements (in a transaction; the caller commits). A progress row
+        this replica does not own fails the transaction (lattice_disowned)."""
         me = self.replica_id
         cur = conn.cursor()
-        if changes.progress:
-            cur.executemany(
-                "UPDATE sequences SET state = %s, worker_id = %s, queue_key = %s, cursor = %s, "
-                "prefilled_tokens = %s, num_generated = %s, num_generated_at_admission = %s, "
-                "finish_reason = %s, finish_order = %s, admission_order = %s, "
-                "error_message = %s WHERE seq_id = %s AND owner = %s",
-                [
-                    (
-                        p.state.value,
-                        p.worker_id,
-                        p.queue_key,
-                        p.cursor,
-                        p.prefilled_tokens,
-                        p.num_generated,
-                        p.num_generated_at_admission,
-                        None if p.finish_reason is None else p.finish_reason.value,
-                        p.finish_order,
-                        p.admission_order,
-                        p.error_message,
-                        p.seq_id,
-                        me,
-                    )
-                    for p in changes.progress
-                ],
+        if batch.progress:
+            rows = list(batch.progress.values())
+            cur.execute(
+                "WITH v AS (SELECT * FROM unnest(%s::bigint[], %s::smallint[], %s::text[], "
+                "%s::bigint[], %s::integer[], %s::integer[], %s::integer[], %s::integer[], "
+                "%s::smallint[], %s::bigint[], %s::bigint[], %s::text[]) AS v(seq_id, state, "
+                "worker_id, queue_key, cursor, prefilled, generated, at_admission, reason, "
+                "finish_order, admission_order, error_message)), "
+                "u AS (UPDATE sequences s SET state = v.state, worker_id = v.worker_id, "
+                "queue_key = v.queue_key, cursor = v.cursor, prefilled_tokens = v.prefilled, "
+                "num_generated = v.generated, num_generated_at_admission = v.at_admission, "
+                "finish_reason = v.reason, finish_order = v.finish_order, "
+                "admission_order = v.admission_order, error_message = v.error_message "
+                "FROM v WHERE s.seq_id = v.seq_id AND s.owner = %s RETURNING 1) "
+                "SELECT lattice_disowned() FROM (SELECT count(*) AS n FROM u) c WHERE c.n <> %s",
+                (
+                    [p.seq_id for p in rows],
+                    [p.state.value for p in rows],
+                    [p.worker_id for p in rows],
+                    [p.queue_key for p in rows],
+                    [p.cursor for p in rows],
+                    [p.prefilled_tokens for p in rows],
+                    [p.num_generated for p in rows],
+                    [p.num_generated_at_admission for p in rows],
+                    [None if p.finish_reason is None else p.finish_reason.value for p in rows],
+                    [p.finish_order for p in rows],
+                    [p.admission_order for p in rows],
+                    [p.error_message for p in rows],
+                    me,
+                    len(rows),
+                ),
             )
-        if changes.tokens:  # one statement for every sequence's new tokens
+        if batch.tokens:  # one statement for every sequence's new tokens
             cur.execute(
                 "INSERT INTO tokens (seq_id, start, token_ids) SELECT * FROM "
                 "unnest(%s::bigint[], %s::integer[], %s::bytea[])",
                 (
-                    [t.seq_id for t in changes.tokens],
-                    [t.start for t in changes.tokens],
-                    [pack_token_ids(t.token_ids) for t in changes.tokens],
+                    [t.seq_id for t in batch.tokens],
+                    [t.start for t in batch.tokens],
+                    [pack_token_ids(t.token_ids) for t in batch.tokens],
                 ),
                 binary=True,
             )
-        if changes.workers_changed:
+        changed = [w for w in batch.workers.values() if w is not None]
+        left = [worker_id for worker_id, w in batch.workers.items() if w is None]
+        if changed:
             cur.executemany(
                 "INSERT INTO workers (worker_id, replica_id, registration, drain_requested) "
                 "VALUES (%s, %s, %s, %s) ON CONFLICT (worker_id) DO UPDATE SET "
@@ -845,16 +991,15 @@ class PostgresState:
                         registration_json(w.registration),
                         w.drain_requested,
                     )
-                    for w in changes.workers_changed
+                    for w in changed
                 ],
             )
-        if changes.workers_left:
+        if left:
             cur.execute(
-                "DELETE FROM workers WHERE worker_id = ANY(%s) AND replica_id = %s",
-                (list(changes.workers_left), me),
+                "DELETE FROM workers WHERE worker_id = ANY(%s) AND replica_id = %s", (left, me)
             )
-        if changes.forgotten:
-            forgotten = list(changes.forgotten)
+        if batch.forgotten:
+            forgotten = list(batch.forgotten)
             cur.execute(
                 "DELETE FROM tokens WHERE seq_id = ANY(%s) AND seq_id IN (SELECT "
                 "seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s)",
@@ -863,6 +1008,7 @@ class PostgresState:
             cur.execute(
                 "DELETE FROM sequences WHERE seq_id = ANY(%s) AND owner = %s", (forgotten, me)
             )
+        deltas = self._tenant_deltas(batch.tenant_service.items())
         if deltas:
             cur.executemany(
                 "INSERT INTO tenant_service (tenant, served) VALUES (%s, %s) "
@@ -870,7 +1016,7 @@ class PostgresState:
                 "tenant_service.served + excluded.served",
                 deltas,
             )
-        if touched:
+        if touched:  # one notification per commit, for every sequence it changed
             cur.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(touched)))
 
 
