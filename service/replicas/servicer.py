@@ -496,6 +496,11 @@ class ReplicaServicer(SchedulerServicer):
             try:
                 while not self._listener_stop.is_set():
                     for note in conn.notifies(timeout=0.1):
+                        # Progress matters only to streams of other replicas' sequences
+                        # waiting here (read without the loop: at worst one wake-up late,
+                        # and such a stream re-reads every _REMOTE_POLL_SECONDS anyway).
+                        if note.channel == PROGRESS_CHANNEL and not self._remote:
+                            continue
                         loop.call_soon_threadsafe(self._on_notification, note.channel, note.payload)
             except Exception as err:  # noqa: BLE001
                 if not self._listener_stop.is_set():
