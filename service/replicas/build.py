@@ -28,6 +28,7 @@ def open_store(settings: ServeSettings, registry: CollectorRegistry) -> Postgres
         settings.state,
         name=f"{socket.gethostname()}:{settings.port}",
         lease_ttl_seconds=settings.replica_lease_ms / 1000.0,
+        affinity_seconds=settings.replica_affinity_ms / 1000.0,
         fsync=settings.state_fsync,
         order=queue_order(settings.scheduler),
     )

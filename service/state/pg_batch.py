@@ -23,6 +23,8 @@ class SaveBatch:
 
     progress: dict[int, SequenceProgress] = field(default_factory=dict)
     tokens: list[TokenAppend] = field(default_factory=list)
+    # The whole output of each sequence that finished (its text's home key).
+    final_outputs: dict[int, tuple[int, ...]] = field(default_factory=dict)
     forgotten: list[int] = field(default_factory=list)
     workers: dict[str, StoredWorker | None] = field(default_factory=dict)  # None: left
     tenant_service: dict[str, float] = field(default_factory=dict)
@@ -33,6 +35,7 @@ class SaveBatch:
         for progress in changes.progress:
             self.progress[progress.seq_id] = progress
         self.tokens.extend(changes.tokens)
+        self.final_outputs.update(changes.final_outputs)
         self.forgotten.extend(changes.forgotten)
         for worker in changes.workers_changed:
             self.workers[worker.registration.worker_id] = worker
@@ -48,6 +51,7 @@ class SaveBatch:
         merged = SaveBatch(
             progress={**self.progress, **later.progress},
             tokens=[*self.tokens, *later.tokens],
+            final_outputs={**self.final_outputs, **later.final_outputs},
             forgotten=[*self.forgotten, *later.forgotten],
             workers={**self.workers, **later.workers},
             tenant_service={**self.tenant_service, **later.tenant_service},
@@ -75,21 +79,10 @@ class SaveBatch:
         return SaveBatch(
             progress={k: v for k, v in self.progress.items() if k not in seq_ids},
             tokens=[t for t in self.tokens if t.seq_id not in seq_ids],
+            final_outputs={k: v for k, v in self.final_outputs.items() if k not in seq_ids},
             forgotten=[s for s in self.forgotten if s not in seq_ids],
             workers=dict(self.workers),
             tenant_service=dict(self.tenant_service),
             sync=self.sync,
             num_saves=self.num_saves,
-        )
-
-    def changes(self) -> StateChanges:
-        """The batch as one StateChanges (for stores that take those)."""
-        return StateChanges(
-            progress=tuple(self.progress.values()),
-            tokens=tuple(self.tokens),
-            forgotten=tuple(self.forgotten),
-            workers_changed=tuple(w for w in self.workers.values() if w is not None),
-            workers_left=tuple(w for w, stored in self.workers.items() if stored is None),
-            tenant_service=tuple(self.tenant_service.items()),
-            sync=self.sync,
         )

@@ -37,6 +37,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from service.core import SEES_ALL, Caller, ConfigError, FinishReason, SequenceState, SubmitParams
 from service.core.decide.orders import ArrivalOrder, QueueOrder, SortTerm
 from service.core.errors import InvalidArgument, NotFound, QueueFull
+from service.core.persist.homes import finished_key, prompt_keys
 from service.core.persist.store import (
     Disowned,
     SequenceProgress,
@@ -112,7 +113,8 @@ CREATE TABLE IF NOT EXISTS sequences (
     finish_order     bigint NOT NULL DEFAULT 0,
     admission_order  bigint NOT NULL DEFAULT 0,
     error_message    text NOT NULL DEFAULT '',  -- why it failed, for FAILED
-    cancel_requested boolean NOT NULL DEFAULT false
+    cancel_requested boolean NOT NULL DEFAULT false,
+    home        bigint                  -- replica where its prefix is cached (claims prefer)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS sequences_request ON sequences (principal, request_id);
 CREATE INDEX IF NOT EXISTS sequences_unclaimed ON sequences (queue_key, seq_id)
@@ -134,6 +136,14 @@ CREATE TABLE IF NOT EXISTS workers (
     registration text NOT NULL,
     drain_requested boolean NOT NULL DEFAULT false
 );
+-- The replica where a conversation's text was last finished (its workers' caches hold
+-- it), by prefix key (service/core/persist/homes.py); pruned after an hour.
+CREATE TABLE IF NOT EXISTS prefix_homes (
+    prefix_key bigint PRIMARY KEY,
+    replica_id bigint NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS prefix_homes_age ON prefix_homes (updated_at);
 CREATE TABLE IF NOT EXISTS tenant_service (
     tenant text PRIMARY KEY,
     served double precision NOT NULL    -- weighted tokens served, all replicas together
@@ -155,15 +165,17 @@ BEGIN
     END IF;
 END $$;
 
--- Submit in one statement: idempotency, limits, ids, position, wake-up.
+-- Submit in one statement: idempotency, limits, ids, position, home, wake-up.
 -- status: 0 new, 1 request_id known for this principal, 2 queue full, 3 tenant's queue full.
-CREATE OR REPLACE FUNCTION lattice_submit(
+CREATE OR REPLACE FUNCTION lattice_enqueue(
     p_principal text, p_adapter_id text, p_request_id text, p_params text, p_prompt bytea, p_priority integer,
     p_tenant text, p_max_new_tokens integer, p_max_queue bigint, p_max_per_tenant bigint,
-    p_sync boolean, OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
+    p_sync boolean, p_prefix_keys bigint[],
+    OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     v_key bigint;
+    v_home bigint;
 BEGIN
     IF p_sync THEN  -- acknowledged: the commit waits for the WAL flush
         PERFORM set_config('synchronous_commit', 'on', true);
@@ -174,7 +186,7 @@ BEGIN
         IF FOUND THEN
             status := 1;
             SELECT count(*) INTO queue_position FROM sequences q, sequences s
-             WHERE s.seq_id = lattice_submit.seq_id AND s.state = 1 AND q.state = 1
+             WHERE s.seq_id = lattice_enqueue.seq_id AND s.state = 1 AND q.state = 1
                AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id);
             queue_position := coalesce(queue_position, 0);
             RETURN;
@@ -189,12 +201,17 @@ BEGIN
         status := 3; RETURN;
     END IF;
     v_key := nextval('lattice_queue_tail');
+    -- Its home: where the deepest of its prefixes was last finished (keys deepest first).
+    SELECT h.replica_id INTO v_home
+      FROM unnest(p_prefix_keys) WITH ORDINALITY AS k(prefix_key, depth)
+      JOIN prefix_homes h ON h.prefix_key = k.prefix_key
+     ORDER BY k.depth LIMIT 1;
     INSERT INTO sequences AS s (seq_id, request_id, principal, adapter_id, params, prompt,
                                 priority, tenant, max_new_tokens, submitted_at, state,
-                                queue_key)
+                                queue_key, home)
     VALUES (nextval('lattice_seq_ids'), p_request_id, p_principal, p_adapter_id, p_params,
             p_prompt, p_priority, p_tenant, p_max_new_tokens,
-            extract(epoch from clock_timestamp()), 1, v_key)
+            extract(epoch from clock_timestamp()), 1, v_key, v_home)
     ON CONFLICT (principal, request_id) DO NOTHING
     RETURNING s.seq_id INTO seq_id;
     IF NOT FOUND THEN  -- another replica took this request_id a moment ago
@@ -203,10 +220,19 @@ BEGIN
         status := 1; queue_position := 0; RETURN;
     END IF;
     SELECT count(*) INTO queue_position FROM sequences q
-     WHERE q.state = 1 AND (q.queue_key, q.seq_id) < (v_key, lattice_submit.seq_id);
+     WHERE q.state = 1 AND (q.queue_key, q.seq_id) < (v_key, lattice_enqueue.seq_id);
     PERFORM pg_notify('lattice_submit', '');
     status := 0;
 END $$;
+-- The same without prefix keys (schema 2's signature).
+CREATE OR REPLACE FUNCTION lattice_submit(
+    p_principal text, p_adapter_id text, p_request_id text, p_params text, p_prompt bytea, p_priority integer,
+    p_tenant text, p_max_new_tokens integer, p_max_queue bigint, p_max_per_tenant bigint,
+    p_sync boolean, OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
+LANGUAGE sql AS $$
+    SELECT * FROM lattice_enqueue(p_principal, p_adapter_id, p_request_id, p_params, p_prompt,
+        p_priority, p_tenant, p_max_new_tokens, p_max_queue, p_max_per_tenant, p_sync, '{}')
+$$;
 """
 
 # A database of schema version 1 becomes version 2 (run before _SCHEMA, which then adds
@@ -223,10 +249,14 @@ DROP FUNCTION IF EXISTS lattice_submit(text, text, bytea, integer, text, integer
 UPDATE lattice_meta SET value = 2 WHERE key = 'schema_version';
 """
 
-# Version 2 becomes 3: every replica row gets a fence.
+# Version 2 becomes 3: every replica row gets a fence, sequences a home (lattice_enqueue
+# takes prefix keys; lattice_submit becomes a call of it).
 _FROM_VERSION_2 = """
 CREATE SEQUENCE IF NOT EXISTS lattice_fences;
 ALTER TABLE replicas ADD COLUMN IF NOT EXISTS fence bigint NOT NULL DEFAULT nextval('lattice_fences');
+ALTER TABLE sequences ADD COLUMN IF NOT EXISTS home bigint;
+DROP FUNCTION IF EXISTS lattice_submit(text, text, text, text, bytea, integer, text, integer,
+                                       bigint, bigint, boolean);  -- now over lattice_enqueue
 UPDATE lattice_meta SET value = 3 WHERE key = 'schema_version';
 """
 
@@ -291,6 +321,7 @@ class PostgresState:
         *,
         name: str,
         lease_ttl_seconds: float = 5.0,
+        affinity_seconds: float = 0.0,
         fsync: str = "acks",
         order: QueueOrder = ArrivalOrder(),
         pool_size: int = 8,
@@ -305,6 +336,12 @@ class PostgresState:
         # Claims take the head of the shared queue in this order (the cores' own).
         self._claim_order = ", ".join(_ORDER_SQL[term] for term in order.sort_key)
         self._aging_seconds = order.aging_seconds
+        # Claims leave a sequence homed on another live replica (its prefix is cached
+        # there) to that replica for this long after its submission (0: homes off).
+        self._affinity_seconds = affinity_seconds
+        # The prompts of sequences this replica owns, for the home key of their text at
+        # their finish (written by the commit thread, read there and by claims).
+        self._prompts: dict[int, tuple[int, ...]] = {}
         self._timeout = connect_timeout_seconds
         # Tenant counters as last saved or read by this replica: saves add the difference.
         self._tenant_base: dict[str, float] = {}
@@ -469,7 +506,20 @@ class PostgresState:
         self._committed(batch, lost)
         return lost
 
+    def _home_keys(self, batch: SaveBatch) -> list[int]:
+        """The prefix keys of the texts of the sequences that finished in `batch`."""
+        keys = set()
+        for seq_id, output in batch.final_outputs.items():
+            prompt = self._prompts.get(seq_id)
+            if prompt is not None:
+                key = finished_key(prompt, output)
+                if key is not None:
+                    keys.add(key)
+        return sorted(keys)
+
     def _committed(self, batch: SaveBatch, lost: frozenset[int]) -> None:
+        for seq_id in (*batch.final_outputs, *batch.forgotten, *lost):
+            self._prompts.pop(seq_id, None)
         for tenant, served in batch.tenant_service.items():
             self._tenant_base[tenant] = served
         self._owned.difference_update(batch.finished())
@@ -490,8 +540,8 @@ class PostgresState:
         with self._connection() as conn:
             try:
                 status, seq_id, position = conn.execute(
-                    "SELECT status, seq_id, queue_position FROM lattice_submit("
-                    "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    "SELECT status, seq_id, queue_position FROM lattice_enqueue("
+                    "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                     (
                         params.principal,
                         params.adapter_id,
@@ -504,6 +554,7 @@ class PostgresState:
                         max_queue,
                         max_per_tenant,
                         self._fsync != "never",
+                        prompt_keys(params.prompt_token_ids) if self._affinity_seconds else [],
                     ),
                 ).fetchone()
             except psycopg.DataError as err:
@@ -662,13 +713,14 @@ class PostgresState:
                 for row in conn.execute(
                     f"UPDATE sequences s SET owner = %(me)s FROM (SELECT seq_id FROM sequences q "
                     f"WHERE state = 1 AND owner IS NULL AND (adapter_id = '' OR adapter_id = "
-                    f"ANY(%(adapters)s)) ORDER BY {order} LIMIT %(n)s FOR UPDATE SKIP LOCKED) c "
-                    f"WHERE s.seq_id = c.seq_id RETURNING s.seq_id",
+                    f"ANY(%(adapters)s)){self._homes_sql()} ORDER BY {order} LIMIT %(n)s "
+                    f"FOR UPDATE SKIP LOCKED) c WHERE s.seq_id = c.seq_id RETURNING s.seq_id",
                     {
                         "me": self.replica_id,
                         "n": count,
                         "aging": self._aging_seconds,
                         "adapters": sorted(adapters),
+                        "affinity": self._affinity_seconds,
                     },
                 )
             ]
@@ -679,7 +731,25 @@ class PostgresState:
             self.round_trips["claim"] += 5 + (2 if ids else 0)
         self._tenant_base.update(served)
         self._owned.update(ids)
+        self._remember_prompts(sequences)
         return Claimed(sequences, served, [])
+
+    def _homes_sql(self) -> str:
+        """The claim's condition for homes: a sequence homed on another live replica is
+        left to it until `affinity_seconds` after its submission (then anyone's, in the
+        queue order); nothing with homes off."""
+        if not self._affinity_seconds:
+            return ""
+        return (
+            " AND (home IS NULL OR home = %(me)s OR submitted_at < "
+            "extract(epoch from clock_timestamp()) - %(affinity)s OR NOT EXISTS (SELECT 1 "
+            "FROM replicas r WHERE r.replica_id = q.home AND r.lease_until > now()))"
+        )
+
+    def _remember_prompts(self, sequences: list[StoredSequence]) -> None:
+        if self._affinity_seconds:
+            for seq in sequences:
+                self._prompts[seq.seq_id] = seq.params.prompt_token_ids
 
     def adopt_worker(self, worker_id: str) -> Claimed:
         """Take the sequences assigned to `worker_id` from whichever replica held them (the
@@ -712,6 +782,7 @@ class PostgresState:
                     "SELECT pg_notify(%s, %s)", (DISOWN_CHANNEL, f"{owner}:{_ids_payload(seq_ids)}")
                 )
         self._owned.update(ids)
+        self._remember_prompts(sequences)
         return Claimed(sequences, {}, [seq_id for seq_id, flag, _ in rows if flag])
 
     def next_incarnation(self) -> int:
@@ -767,6 +838,8 @@ class PostgresState:
                     "DELETE FROM replicas WHERE lease_until < now() RETURNING replica_id"
                 )
             ]
+            # Homes not renewed for an hour: those caches have long turned over.
+            conn.execute("DELETE FROM prefix_homes WHERE updated_at < now() - interval '1 hour'")
             rows = conn.execute(
                 "SELECT seq_id, state, cancel_requested FROM sequences s WHERE "
                 "owner IS NOT NULL AND state <> 4 AND NOT EXISTS (SELECT 1 FROM replicas r "
@@ -828,6 +901,8 @@ class PostgresState:
             if released:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
         self._owned.difference_update(released)
+        for seq_id in released:
+            self._prompts.pop(seq_id, None)
         return released
 
     def leave(self) -> None:
@@ -975,6 +1050,14 @@ class PostgresState:
                     [pack_token_ids(t.token_ids) for t in batch.tokens],
                 ),
                 binary=True,
+            )
+        homes = self._home_keys(batch)
+        if homes:  # where these conversations' text is cached now: here
+            cur.execute(
+                "INSERT INTO prefix_homes (prefix_key, replica_id) SELECT k, %s FROM "
+                "unnest(%s::bigint[]) AS k ON CONFLICT (prefix_key) DO UPDATE SET "
+                "replica_id = excluded.replica_id, updated_at = now()",
+                (me, homes),
             )
         changed = [w for w in batch.workers.values() if w is not None]
         left = [worker_id for worker_id, w in batch.workers.items() if w is None]
