@@ -408,6 +408,7 @@ class ReplicaServicer(SchedulerServicer):
                 await self._apply_cancels(await asyncio.to_thread(self._state.cancel_requests))
                 await self._hand_back_excess()
                 await self._count_unservable_fleet_wide()
+                await asyncio.to_thread(self._state.collect_token_log)
             except SchedulerError as err:
                 log.warning("replica upkeep failed; retrying: %s", err)
             except Exception:

@@ -16,9 +16,13 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
   `sequence_info`) while no live worker anywhere has it.
 - Leases: a replica renews its row in `replicas`; a live replica returns the sequences
   of replicas whose lease ran out to the shared queue (`reclaim_expired`).
-- Tokens: one row per sequence per save in `tokens`; saves NOTIFY lattice_progress with
-  the ids whose output or state changed, so streams on other replicas wake within one
-  commit.
+- Saves: group commit (service/state/pg_commit.py): the saves collected on a replica go
+  in one transaction, checked against the replica's fence (`replicas.fence`) instead of
+  row by row while ownership is as last seen.
+- Tokens: one `token_log` row per commit holding all its appends (token_log.py; schema 2's
+  `tokens` rows are still read); each commit NOTIFYs lattice_progress once with the ids
+  whose output or state changed, so streams on other replicas wake within one commit.
+  The keepers delete log rows whose sequences were all forgotten.
 - Cancel of a sequence another replica owns: `cancel_requested` is set and committed,
   then NOTIFY lattice_cancel tells the owner, which cancels it in its core.
 """
@@ -56,6 +60,7 @@ from service.state.rows import (
     registration_json,
     unpack_token_ids,
 )
+from service.state.token_log import Outputs, pack_entries, unpack_entries
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +135,13 @@ CREATE TABLE IF NOT EXISTS tokens (
     token_ids bytea NOT NULL,           -- uint32 little-endian
     PRIMARY KEY (seq_id, start)
 );
+-- Since schema 3: one row per group commit holding all its appends (token_log.py).
+CREATE TABLE IF NOT EXISTS token_log (
+    id      bigserial PRIMARY KEY,      -- rises in commit order for any one sequence
+    seq_ids bigint[] NOT NULL,          -- the sequences it holds tokens of
+    entries bytea NOT NULL              -- (seq_id int64, start int32, n int32, n x uint32)
+);
+CREATE INDEX IF NOT EXISTS token_log_seq_ids ON token_log USING gin (seq_ids);
 CREATE TABLE IF NOT EXISTS workers (
     worker_id    text PRIMARY KEY,
     replica_id   bigint NOT NULL,
@@ -357,6 +369,10 @@ class PostgresState:
         # commit touching only these, under the same fence, needs no per-row check.
         self._fence: int | None = None
         self._owned: set[int] = set()
+        # Token log reads: (seq_id, tokens read) -> the last row id they came from, so a
+        # stream reads only newer rows; and where collecting the log goes on from.
+        self._read_cursors: dict[tuple[int, int], int] = {}
+        self._collected_up_to = 0
         # Blocking exchanges with the server, by purpose (figures; counted where the code
         # waits for the server: one per statement outside a pipeline, one per pipeline sync).
         self.round_trips: Counter[str] = Counter()
@@ -611,8 +627,7 @@ class PostgresState:
         with self._connection() as conn:
             row = conn.execute(
                 "SELECT state, worker_id, octet_length(prompt) / 4, prefilled_tokens, "
-                "greatest(num_generated, (SELECT coalesce(sum(octet_length(t.token_ids) / 4), "
-                "0) FROM tokens t WHERE t.seq_id = s.seq_id)), finish_reason, "
+                "num_generated, finish_reason, "
                 "CASE WHEN state = 1 THEN (SELECT count(*) FROM sequences q WHERE q.state = 1 "
                 "AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id)) ELSE 0 END, "
                 "error_message, principal, CASE WHEN state = 1 AND adapter_id <> '' AND NOT "
@@ -620,8 +635,9 @@ class PostgresState:
                 "FROM sequences s WHERE seq_id = %s",
                 (seq_id,),
             ).fetchone()
-        if row is None or not caller.may_see(row[-2]):
-            raise NotFound.seq_id(seq_id)
+            if row is None or not caller.may_see(row[-2]):
+                raise NotFound.seq_id(seq_id)
+            saved = len(self._outputs(conn, [seq_id]).get(seq_id, ()))
         (
             state,
             worker_id,
@@ -642,7 +658,7 @@ class PostgresState:
             worker_id=worker_id or "",
             prompt_len=prompt_len,
             prefilled_tokens=prefilled,
-            generated_tokens=int(generated),
+            generated_tokens=max(int(generated), saved),
             finish_reason=None if reason is None else FinishReason(reason),
             queue_position=int(position),
             error_message=error,
@@ -659,16 +675,14 @@ class PostgresState:
             ).fetchone()
             if row is None or not caller.may_see(row[3]):
                 raise NotFound.seq_id(seq_id)
-            out: list[int] = []
-            rows = conn.execute(
-                "SELECT start, token_ids FROM tokens WHERE seq_id = %s "
-                "AND start + octet_length(token_ids) / 4 > %s ORDER BY start",
-                (seq_id, start),
-            ).fetchall()
-        for first, blob in rows:
-            tokens = unpack_token_ids(blob)
-            out.extend(tokens[max(0, start - first) :])
-            start = first + len(tokens)
+            # A stream reads on from the log row where its last read ended.
+            after = self._read_cursors.pop((seq_id, start), 0)
+            outputs = Outputs(start)
+            last = self._read_log(conn, [seq_id], outputs, after)
+            out = outputs.tokens.get(seq_id, [])
+        if len(self._read_cursors) > 10_000:
+            self._read_cursors.clear()
+        self._read_cursors[seq_id, start + len(out)] = max(after, last)
         state, reason, error, _ = row
         return RemoteOutput(
             tuple(out), state == _FINISHED, None if reason is None else FinishReason(reason), error
@@ -856,13 +870,13 @@ class PostgresState:
                 "worker_id = NULL, queue_key = NULL WHERE seq_id = ANY(%s)",
                 (FinishReason.CANCELLED.value, cancelled),
             )
+            saved = self._outputs(conn, assigned) if assigned else {}
             for seq_id in assigned:  # in seq_id order, each ahead of all
                 conn.execute(
                     "UPDATE sequences s SET owner = NULL, state = 1, worker_id = NULL, "
                     "cursor = 0, prefilled_tokens = 0, queue_key = -nextval('lattice_queue_head'), "
-                    "num_generated = (SELECT coalesce(sum(octet_length(t.token_ids) / 4), 0) "
-                    "FROM tokens t WHERE t.seq_id = s.seq_id) WHERE seq_id = %s",
-                    (seq_id,),
+                    "num_generated = %s WHERE seq_id = %s",
+                    (len(saved.get(seq_id, ())), seq_id),
                 )
             conn.execute(
                 "DELETE FROM workers w WHERE NOT EXISTS (SELECT 1 FROM replicas r "
@@ -979,25 +993,64 @@ class PostgresState:
             (replica_id, self.name, self.lease_ttl_seconds),
         )
 
+    def _outputs(self, conn, seq_ids: list[int]) -> dict[int, list[int]]:
+        """The saved output of each of `seq_ids` (those with none are left out)."""
+        outputs = Outputs()
+        self._read_log(conn, seq_ids, outputs)
+        return outputs.tokens
+
+    def _read_log(self, conn, seq_ids: list[int], outputs: Outputs, after: int = 0) -> int:
+        """Add the appends of `seq_ids` to `outputs`: schema 2's `tokens` rows, then the
+        token log's rows after id `after`, in commit order; returns the last row id read."""
+        for seq_id, start, blob in conn.execute(
+            "SELECT seq_id, start, token_ids FROM tokens WHERE seq_id = ANY(%s) "
+            "ORDER BY seq_id, start",
+            (seq_ids,),
+        ):
+            outputs.add(seq_id, start, unpack_token_ids(blob))
+        wanted, last = set(seq_ids), after
+        for row_id, blob in conn.execute(
+            "SELECT id, entries FROM token_log WHERE seq_ids && %s::bigint[] AND id > %s "
+            "ORDER BY id",
+            (seq_ids, after),
+        ):
+            for seq_id, start, token_ids in unpack_entries(bytes(blob), wanted):
+                outputs.add(seq_id, start, token_ids)
+            last = row_id
+        return last
+
+    def collect_token_log(self, max_rows: int = 2000) -> int:
+        """Delete token log rows none of whose sequences is still in the database (all
+        forgotten), looking at `max_rows` rows per call, round and round the table (a row
+        held by a long sequence is passed over, not waited on). Returns rows deleted."""
+        with self._connection() as conn, conn.transaction():
+            window = None
+            for after in dict.fromkeys((self._collected_up_to, 0)):  # at the end: start over
+                window = conn.execute(
+                    "SELECT min(id), max(id) FROM (SELECT id FROM token_log WHERE id > %s "
+                    "ORDER BY id LIMIT %s) w",
+                    (after, max_rows),
+                ).fetchone()
+                if window[0] is not None:
+                    break
+            if window is None or window[0] is None:
+                self._collected_up_to = 0
+                return 0
+            deleted = conn.execute(
+                "DELETE FROM token_log l WHERE l.id BETWEEN %s AND %s AND NOT EXISTS "
+                "(SELECT 1 FROM sequences s WHERE s.seq_id = ANY(l.seq_ids))",
+                window,
+            ).rowcount
+        self._collected_up_to = window[1]
+        return deleted
+
     def _read_sequences(self, conn, where: str, args: tuple) -> list[StoredSequence]:
         rows = conn.execute(
             f"SELECT {_COLUMNS} FROM sequences {where} ORDER BY seq_id", args
         ).fetchall()
         if not rows:
             return []
-        tokens: dict[int, list[int]] = {}
-        for seq_id, start, blob in conn.execute(
-            "SELECT seq_id, start, token_ids FROM tokens WHERE seq_id = ANY(%s) "
-            "ORDER BY seq_id, start",
-            ([row[0] for row in rows],),
-        ):
-            out = tokens.setdefault(seq_id, [])
-            if start != len(out):
-                raise StoreError(
-                    f"seq_id {seq_id}: tokens from {start} after {len(out)} "
-                    "tokens; the database is damaged"
-                )
-            out.extend(unpack_token_ids(blob))
+        tokens = self._outputs(conn, [row[0] for row in rows])
         return [_stored_sequence(row, tokens.get(row[0], [])) for row in rows]
 
     def _tenant_deltas(self, service: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
@@ -1040,15 +1093,10 @@ class PostgresState:
                     len(rows),
                 ),
             )
-        if batch.tokens:  # one statement for every sequence's new tokens
+        if batch.tokens:  # one token log row for every append of the commit
             cur.execute(
-                "INSERT INTO tokens (seq_id, start, token_ids) SELECT * FROM "
-                "unnest(%s::bigint[], %s::integer[], %s::bytea[])",
-                (
-                    [t.seq_id for t in batch.tokens],
-                    [t.start for t in batch.tokens],
-                    [pack_token_ids(t.token_ids) for t in batch.tokens],
-                ),
+                "INSERT INTO token_log (seq_ids, entries) VALUES (%s, %s)",
+                (sorted({t.seq_id for t in batch.tokens}), pack_entries(batch.tokens)),
                 binary=True,
             )
         homes = self._home_keys(batch)

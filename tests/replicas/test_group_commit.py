@@ -145,3 +145,26 @@ def test_a_follow_up_is_left_to_the_replica_where_its_conversation_finished(repl
         assert a.claim() == [second]
     finally:
         b.state.close()
+
+
+def test_token_log_rows_are_read_on_from_a_stream_s_place_and_collected_once_forgotten(
+    replicas,
+    database_url,
+):
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=8)
+    register(a.core, "w")
+    a.claim()
+    a.core.select_batch(report("w"))
+    a.core.select_batch(report("w", running=(seq_id,), tokens={seq_id: (7, 8)}))
+    assert b.state.read_output(seq_id, 0).token_ids == (7, 8)
+    a.core.select_batch(report("w", running=(seq_id,), tokens={seq_id: (9,)}))
+    assert b.state.read_output(seq_id, 2).token_ids == (9,)  # from its place on
+    assert b.state.read_output(seq_id, 1).token_ids == (8, 9)
+    assert b.state.sequence_info(seq_id).generated_tokens == 3
+    assert a.state.collect_token_log() == 0  # its sequence is still there
+    a.state.save(StateChanges(forgotten=(seq_id,)))
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (2,)
+        assert a.state.collect_token_log() == 2
+        assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (0,)
