@@ -139,9 +139,15 @@ CREATE TABLE IF NOT EXISTS tokens (
 CREATE TABLE IF NOT EXISTS token_log (
     id      bigserial PRIMARY KEY,      -- rises in commit order for any one sequence
     seq_ids bigint[] NOT NULL,          -- the sequences it holds tokens of
+    max_seq_id bigint NOT NULL,         -- the highest of them (collecting)
     entries bytea NOT NULL              -- (seq_id int64, start int32, n int32, n x uint32)
 );
 CREATE INDEX IF NOT EXISTS token_log_seq_ids ON token_log USING gin (seq_ids);
+CREATE INDEX IF NOT EXISTS token_log_max_seq_id ON token_log (max_seq_id);
+-- The sequences that may have tokens (all but those queued that never ran): the lowest
+-- of them bounds which token log rows may still be read.
+CREATE INDEX IF NOT EXISTS sequences_with_tokens ON sequences (seq_id)
+    WHERE state <> 1 OR num_generated > 0;
 CREATE TABLE IF NOT EXISTS workers (
     worker_id    text PRIMARY KEY,
     replica_id   bigint NOT NULL,
@@ -372,7 +378,6 @@ class PostgresState:
         # Token log reads: (seq_id, tokens read) -> the last row id they came from, so a
         # stream reads only newer rows; and where collecting the log goes on from.
         self._read_cursors: dict[tuple[int, int], int] = {}
-        self._collected_up_to = 0
         # Blocking exchanges with the server, by purpose (figures; counted where the code
         # waits for the server: one per statement outside a pipeline, one per pipeline sync).
         self.round_trips: Counter[str] = Counter()
@@ -1019,30 +1024,17 @@ class PostgresState:
             last = row_id
         return last
 
-    def collect_token_log(self, max_rows: int = 2000) -> int:
-        """Delete token log rows none of whose sequences is still in the database (all
-        forgotten), looking at `max_rows` rows per call, round and round the table (a row
-        held by a long sequence is passed over, not waited on). Returns rows deleted."""
-        with self._connection() as conn, conn.transaction():
-            window = None
-            for after in dict.fromkeys((self._collected_up_to, 0)):  # at the end: start over
-                window = conn.execute(
-                    "SELECT min(id), max(id) FROM (SELECT id FROM token_log WHERE id > %s "
-                    "ORDER BY id LIMIT %s) w",
-                    (after, max_rows),
-                ).fetchone()
-                if window[0] is not None:
-                    break
-            if window is None or window[0] is None:
-                self._collected_up_to = 0
-                return 0
-            deleted = conn.execute(
-                "DELETE FROM token_log l WHERE l.id BETWEEN %s AND %s AND NOT EXISTS "
-                "(SELECT 1 FROM sequences s WHERE s.seq_id = ANY(l.seq_ids))",
-                window,
+    def collect_token_log(self) -> int:
+        """Delete the token log rows of sequences that are all gone: those whose highest
+        seq_id is below every sequence that may have tokens (forgotten ones are gone;
+        queued ones that never ran have none). One indexed range delete; a sequence that
+        lives long holds back the rows written since it started. Returns rows deleted."""
+        with self._connection() as conn:
+            return conn.execute(
+                "DELETE FROM token_log WHERE max_seq_id < coalesce((SELECT min(seq_id) FROM "
+                "sequences WHERE state <> 1 OR num_generated > 0), %s)",
+                (2**63 - 1,),
             ).rowcount
-        self._collected_up_to = window[1]
-        return deleted
 
     def _read_sequences(self, conn, where: str, args: tuple) -> list[StoredSequence]:
         rows = conn.execute(
@@ -1095,8 +1087,12 @@ class PostgresState:
             )
         if batch.tokens:  # one token log row for every append of the commit
             cur.execute(
-                "INSERT INTO token_log (seq_ids, entries) VALUES (%s, %s)",
-                (sorted({t.seq_id for t in batch.tokens}), pack_entries(batch.tokens)),
+                "INSERT INTO token_log (seq_ids, max_seq_id, entries) VALUES (%s, %s, %s)",
+                (
+                    seq_ids := sorted({t.seq_id for t in batch.tokens}),
+                    seq_ids[-1],
+                    pack_entries(batch.tokens),
+                ),
                 binary=True,
             )
         homes = self._home_keys(batch)

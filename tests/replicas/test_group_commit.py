@@ -167,4 +167,5 @@ def test_token_log_rows_are_read_on_from_a_stream_s_place_and_collected_once_for
     with psycopg.connect(database_url, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (2,)
         assert a.state.collect_token_log() == 2
+        assert a.state.collect_token_log() == 0
         assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (0,)
