@@ -1,32 +1,43 @@
 #!/usr/bin/env python3
 """Replicas on PostgreSQL beside one scheduler on SQLite: decisions/s, SelectBatch latency,
-CPU per decision, and database round trips per decision and per Submit.
+CPU per decision, and database round trips and commits per decision and per Submit.
 
 Each configuration runs real `lattice-scheduler serve` processes on loopback:
   sqlite       one scheduler, --state-dir (the embedded default)
-  postgres-1   one replica, --state postgresql://... (a private cluster, fsync on)
-  postgres-2   two replicas on the same database
-Load, the same for each: --sequences queued by Submit (timed: p50 of a Submit), then
---workers fake workers (threads here, spread over the replicas) that each hold up to
---batch sequences, report one token per running sequence per call, and finish a sequence
-after --new-tokens tokens, for --seconds. A decision is one answered SelectBatch.
+  postgres-N   N replicas, --state postgresql://... on one private cluster (fsync on),
+               a fresh database per run
+for each count of fake workers in --workers (4,16,64 by default). Load, the same for
+each: workers x batch + --extra-sequences queued by Submit (from 8 threads; p50 of a
+Submit), then the fake workers (threads here, spread over the replicas) that each hold
+up to --batch sequences, report one token per running sequence per call, and finish a
+sequence after --new-tokens tokens, for --seconds. A decision is one answered SelectBatch.
 
 CPU per decision: CPU seconds of the scheduler processes, and of the PostgreSQL server
 (postmaster and its backends), over the timed window, divided by decisions. On a shared
-2-core machine, read cost, not scaling: two replicas share the same two cores.
+2-core machine, read cost, not scaling: the replicas, PostgreSQL and the fake workers
+share the same two cores.
 
-    .venv/bin/python -m bench.replicas --seconds 15
+    .venv/bin/python -m bench.replicas --seconds 8 --workers 4,16,64
+
+`followups` instead: 16 conversations x 4 turns on scripted workers keeping a prefix
+cache, on one scheduler with 4 workers and on 2 replicas with 2 workers each; counts the
+follow-up turns that resumed from their conversation's cache (cached_tokens at least the
+last turn's prompt less one block).
+
+    .venv/bin/python -m bench.replicas followups
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +62,9 @@ class Result:
     scheduler_cpu: float = 0.0
     database_cpu: float = 0.0
     round_trips: dict[str, float] = field(default_factory=dict)
+    commits: float = 0.0
+    saves_committed: float = 0.0
+    workers: int = 0
     submits: int = 0
     claimed: float = 0.0
     tokens: float = 0.0
@@ -79,6 +93,8 @@ def start_scheduler(state: list[str], directory: Path, name: str):
         "fifo",
         "--lease-ttl-ms",
         "30000",
+        "--max-queue",
+        "100000",
         *state,
         port=free_port(),
         cwd=ROOT,
@@ -153,23 +169,27 @@ def worker_thread(
 def run(
     name: str, targets: list[tuple[str, int]], procs, cluster: PrivateCluster | None, args
 ) -> Result:
-    result = Result(name)
+    result = Result(name, workers=args.workers)
     channels = [grpc.insecure_channel(t) for t, _ in targets]
     stubs = [pb_grpc.SchedulerStub(c) for c in channels]
     prompt = list(range(1, 33))
     before = [scrape(m) for _, m in targets]
-    for i in range(args.sequences):
+    num_sequences = args.workers * args.batch + args.extra_sequences
+
+    def submit(i: int) -> float:
         t0 = time.perf_counter()
         stubs[i % len(stubs)].Submit(
             pb.SubmitRequest(
                 prompt_token_ids=prompt, max_new_tokens=args.new_tokens, request_id=f"{name}-{i}"
             ),
-            timeout=10,
+            timeout=30,
         )
-        result.submit_latencies.append(time.perf_counter() - t0)
-    result.submit_latencies.sort()
+        return time.perf_counter() - t0
+
+    with ThreadPoolExecutor(8) as pool:
+        result.submit_latencies = sorted(pool.map(submit, range(num_sequences)))
     after_submit = [scrape(m) for _, m in targets]
-    result.submits = args.sequences
+    result.submits = num_sequences
     result.round_trips["submit"] = sum(
         a.get(("lattice_scheduler_database_round_trips_total", (("purpose", "submit"),)), 0)
         - b.get(("lattice_scheduler_database_round_trips_total", (("purpose", "submit"),)), 0)
@@ -225,63 +245,80 @@ def run(
         result.round_trips[purpose] = sum(
             e.get(key, 0) - s.get(key, 0) for e, s in zip(end_metrics, start_metrics)
         )
+    for attribute, metric in (
+        ("commits", "lattice_scheduler_database_commits_total"),
+        ("saves_committed", "lattice_scheduler_database_saves_committed_total"),
+    ):
+        setattr(
+            result,
+            attribute,
+            sum(
+                e.get((metric, ()), 0) - s.get((metric, ()), 0)
+                for e, s in zip(end_metrics, start_metrics)
+            ),
+        )
     for channel in channels:
         channel.close()
     return result
+
+
+CONFIGS = ("sqlite", "postgres-1", "postgres-2", "postgres-4")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.replicas", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--seconds", type=float, default=15.0, help="timed window per run")
+    parser.add_argument("--seconds", type=float, default=8.0, help="timed window per run")
     parser.add_argument("--warmup", type=float, default=3.0)
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--workers", default="4,16,64", help="fake worker counts, comma-separated")
     parser.add_argument("--batch", type=int, default=32, help="sequences per worker")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument(
-        "--sequences",
+        "--extra-sequences",
         type=int,
-        default=3000,
-        help="queued up front (enough to keep every worker full)",
+        default=500,
+        help="queued up front beyond workers x batch (enough to keep every worker full)",
     )
-    parser.add_argument("--only", choices=("sqlite", "postgres-1", "postgres-2"))
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}"
+    )
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="an extra `serve` argument for the replicas (repeat), e.g. "
+        "--serve-arg=--replica-commit-wait-ms=1",
+    )
     args = parser.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    for config in configs:
+        if config not in CONFIGS:
+            parser.error(f"unknown config {config!r}")
 
     directory = Path(tempfile.mkdtemp(prefix="lattice-bench-replicas-"))
     os.chmod(directory, 0o755)
     results = []
-    for name in ("sqlite", "postgres-1", "postgres-2"):
-        if args.only and name != args.only:
-            continue
-        cluster, procs = None, []
-        try:
-            if name == "sqlite":
-                state = [["--state-dir", str(directory / "sqlite")]]
-            else:
-                cluster = PrivateCluster(directory / f"pg-{name}").start()
-                state = [["--state", cluster.url]] * int(name[-1])
-            started = [start_scheduler(s, directory, f"{name}-{i}") for i, s in enumerate(state)]
-            procs = [p for p, _, _ in started]
-            print(f"{name}: running ({len(procs)} scheduler process(es))...", flush=True)
-            results.append(run(name, [(t, m) for _, t, m in started], procs, cluster, args))
-        finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            if cluster is not None:
-                cluster.destroy()
+    cluster = None
+    try:
+        if any(c != "sqlite" for c in configs):
+            cluster = PrivateCluster(directory / "pg").start()
+        for num_workers in [int(w) for w in args.workers.split(",")]:
+            args.workers = num_workers
+            for name in configs:
+                results.append(run_config(name, directory, cluster, args))
+                print(f"  {_progress(results[-1])}", flush=True)
+    finally:
+        if cluster is not None:
+            cluster.destroy()
     print(
-        f"\n{args.workers} workers x {args.batch} sequences, {args.new_tokens} tokens each, "
-        f"{args.seconds:g} s timed; load average {os.getloadavg()[0]:.1f} "
+        f"\n{args.batch} sequences per worker, {args.new_tokens} tokens each, "
+        f"{args.seconds:g} s timed per run; load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} cores\n"
     )
     print_table(
         [
+            "workers",
             "config",
             "decisions/s",
             "p50 ms",
@@ -289,6 +326,7 @@ def main() -> int:
             "sched CPU ms/dec",
             "db CPU ms/dec",
             "RT/dec",
+            "commits/dec",
             "RT/submit",
             "submit p50 ms",
             "tokens/dec",
@@ -299,22 +337,224 @@ def main() -> int:
     return 0
 
 
+def run_config(name: str, directory: Path, cluster: PrivateCluster | None, args) -> Result:
+    """One configuration at args.workers: start its processes, run, stop them."""
+    label = f"{name}-w{args.workers}"
+    procs = []
+    try:
+        if name == "sqlite":
+            state = [["--state-dir", str(directory / label)]]
+        else:
+            url = _fresh_database(cluster, label.replace("-", "_"))
+            state = [["--state", url, *args.serve_arg]] * int(name.split("-")[1])
+        started = [start_scheduler(s, directory, f"{label}-{i}") for i, s in enumerate(state)]
+        procs = [p for p, _, _ in started]
+        print(
+            f"{args.workers} workers, {name}: running ({len(procs)} scheduler process(es))...",
+            flush=True,
+        )
+        return run(name, [(t, m) for _, t, m in started], procs, cluster, args)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _fresh_database(cluster: PrivateCluster, name: str) -> str:
+    import psycopg
+
+    admin = cluster.url.rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE template0")
+    return cluster.url.rsplit("/", 1)[0] + f"/{name}"
+
+
+def _progress(r: Result) -> str:
+    decisions = max(1, r.decisions)
+    return (
+        f"{r.decisions / r.seconds:.0f} decisions/s, scheduler "
+        f"{r.scheduler_cpu / decisions * 1000:.2f} ms/decision, database "
+        f"{r.database_cpu / decisions * 1000:.2f} ms/decision"
+    )
+
+
 def _row(r: Result) -> list[str]:
     decisions = max(1, r.decisions)
     round_trips = r.round_trips.get("save", 0) + r.round_trips.get("claim", 0)
+    sqlite = r.name == "sqlite"
     return [
+        str(r.workers),
         r.name,
         f"{r.decisions / r.seconds:.0f}",
         f"{percentile(r.latencies, 50) * 1000:.2f}",
         f"{percentile(r.latencies, 99) * 1000:.2f}",
         f"{r.scheduler_cpu / decisions * 1000:.2f}",
         f"{r.database_cpu / decisions * 1000:.2f}",
-        f"{round_trips / decisions:.2f}",
-        f"{r.round_trips.get('submit', 0) / max(1, r.submits):.2f}",
+        "-" if sqlite else f"{round_trips / decisions:.2f}",
+        "-" if sqlite else f"{r.commits / decisions:.2f}",
+        "-" if sqlite else f"{r.round_trips.get('submit', 0) / max(1, r.submits):.2f}",
         f"{percentile(r.submit_latencies, 50) * 1000:.2f}",
         f"{r.tokens / decisions:.1f}",
     ]
 
 
+# --------------------------------------------------------------------------- follow-ups
+
+
+def followups_main(argv: list[str]) -> int:
+    """Follow-up turns that resume from their prefix: one scheduler with 4 scripted workers
+    beside 2 replicas with 2 each (claims following homes, and with homes off)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.replicas followups", description=followups_main.__doc__
+    )
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--cache-block-tokens", type=int, default=64)
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument(
+        "--configs", default="single,replicas,replicas-no-homes", help="comma-separated"
+    )
+    args = parser.parse_args(argv)
+    directory = Path(tempfile.mkdtemp(prefix="lattice-bench-followups-"))
+    os.chmod(directory, 0o755)
+    rows = []
+    cluster = None
+    try:
+        for config in args.configs.split(","):
+            if config != "single" and cluster is None:
+                cluster = PrivateCluster(directory / "pg").start()
+            resumed, follow_ups, cached, prompt = _followups_run(config, directory, cluster, args)
+            print(f"  {config}: {resumed} of {follow_ups} follow-ups resumed", flush=True)
+            rows.append(
+                [
+                    config,
+                    f"{resumed} / {follow_ups}",
+                    f"{resumed / max(1, follow_ups):.2f}",
+                    f"{cached} / {prompt}",
+                ]
+            )
+    finally:
+        if cluster is not None:
+            cluster.destroy()
+    print(
+        f"\n{args.conversations} conversations x {args.turns} turns, scripted workers "
+        f"(--step-ms {args.step_ms:g}, --cache-block-tokens {args.cache_block_tokens}); "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n"
+    )
+    print_table(["config", "follow-ups resumed", "fraction", "cached / prompt tokens"], rows)
+    return 0
+
+
+def _followups_run(config: str, directory: Path, cluster, args) -> tuple[int, int, int, int]:
+    """Run the conversations on `config`; (resumed, follow-ups, cached tokens, prompt
+    tokens of the follow-ups)."""
+    procs = []
+    try:
+        if config == "single":
+            schedulers = [spawn_scheduler(config, directory, "--policy", "fifo", port=free_port())]
+            homes = [0, 0, 0, 0]
+        else:
+            url = _fresh_database(cluster, config.replace("-", "_"))
+            extra = ["--replica-affinity-ms", "0"] if config == "replicas-no-homes" else []
+            schedulers = [
+                spawn_scheduler(
+                    f"{config}-{i}",
+                    directory,
+                    "--policy",
+                    "fifo",
+                    "--state",
+                    url,
+                    *extra,
+                    port=free_port(),
+                )
+                for i in range(2)
+            ]
+            homes = [0, 0, 1, 1]
+        procs.extend(s.popen for s in schedulers)
+        targets = [f"127.0.0.1:{s.ports[0]}" for s in schedulers]
+        for i, home in enumerate(homes):
+            order = targets[home:] + targets[:home]
+            log = open(directory / f"{config}-w{i}.log", "w")
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "worker_client",
+                        "--scheduler",
+                        ",".join(order),
+                        "--worker-id",
+                        f"w{i}",
+                        "--model",
+                        "scripted",
+                        "--step-ms",
+                        str(args.step_ms),
+                        "--cache-block-tokens",
+                        str(args.cache_block_tokens),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )
+            )
+        channels = [grpc.insecure_channel(t) for t in targets]
+        stubs = [pb_grpc.SchedulerStub(c) for c in channels]
+        deadline = time.monotonic() + 60
+        while sum(len(s.GetStatus(pb.GetStatusRequest(), timeout=10).workers) for s in stubs) < 4:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{config}: the workers did not register")
+            time.sleep(0.2)
+
+        def converse(index: int) -> list[tuple[int, int, int]]:
+            """(turn, prompt_len, cached_tokens) of each turn of one conversation."""
+            rng = random.Random(index)
+            prompt: list[int] = []
+            turns = []
+            for turn in range(args.turns):
+                prompt += [rng.randrange(2, 30000) for _ in range(rng.randrange(60, 120))]
+                stub = stubs[(index + turn) % len(stubs)]  # a client's calls spread alike
+                seq_id, output = 0, []
+                for event in stub.Generate(
+                    pb.SubmitRequest(prompt_token_ids=prompt, max_new_tokens=16), timeout=120
+                ):
+                    seq_id = seq_id or event.seq_id
+                    output.extend(event.token_ids)
+                cached = max(
+                    s.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=10).cached_tokens
+                    for s in stubs
+                )
+                turns.append((turn, len(prompt), cached))
+                prompt += output
+            return turns
+
+        with ThreadPoolExecutor(args.conversations) as pool:
+            runs = list(pool.map(converse, range(args.conversations)))
+        for channel in channels:
+            channel.close()
+        resumed = follow_ups = cached_total = prompt_total = 0
+        block = args.cache_block_tokens
+        for turns in runs:
+            for (_, previous_len, _), (_, prompt_len, cached) in zip(turns, turns[1:]):
+                follow_ups += 1
+                resumed += cached >= previous_len - block
+                cached_total += cached
+                prompt_total += prompt_len
+        return resumed, follow_ups, cached_total, prompt_total
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["followups"]:
+        sys.exit(followups_main(sys.argv[2:]))
     sys.exit(main())

@@ -48,6 +48,8 @@ class ServeSettings:
     state: str = ""
     prefetch: int = 8
     replica_lease_ms: int = 5000
+    replica_commit_wait_ms: float = 0.0
+    replica_affinity_ms: int = 1000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     step_table: str = ""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -99,6 +101,14 @@ class ServeSettings:
                 )
         if self.prefetch < 0:
             raise ConfigError(f"prefetch must not be negative, got {self.prefetch}")
+        if not 0 <= self.replica_commit_wait_ms <= 100:
+            raise ConfigError(
+                f"replica_commit_wait_ms must be within 0-100, got {self.replica_commit_wait_ms}"
+            )
+        if self.replica_affinity_ms < 0:
+            raise ConfigError(
+                f"replica_affinity_ms must not be negative, got {self.replica_affinity_ms}"
+            )
         if self.replica_lease_ms < 300:
             raise ConfigError(f"replica_lease_ms must be at least 300, got {self.replica_lease_ms}")
         if self.tls_client_ca and not self.tls_cert:
@@ -143,6 +153,12 @@ _HELP = {
     "places (how far admission may drift from the global order)",
     "replica_lease_ms": "replicas: a replica silent this long is presumed dead; another "
     "returns its sequences to the shared queue",
+    "replica_affinity_ms": "replicas: a follow-up whose conversation finished last on "
+    "another replica (its workers cache the prefix) is left to that replica this long "
+    "after its submission before any replica claims it (0: claims ignore caches)",
+    "replica_commit_wait_ms": "replicas: how long a group commit waits for more saves to "
+    "join before it starts (0: at once; saves made while a commit is in flight join the "
+    "next one anyway)",
     "max_message_bytes": "largest incoming gRPC message in bytes; a larger one gets "
     "RESOURCE_EXHAUSTED",
     "step_table": "with a latency target: a `lattice-worker profile` step table (JSON) that "

@@ -28,6 +28,7 @@ def open_store(settings: ServeSettings, registry: CollectorRegistry) -> Postgres
         settings.state,
         name=f"{socket.gethostname()}:{settings.port}",
         lease_ttl_seconds=settings.replica_lease_ms / 1000.0,
+        affinity_seconds=settings.replica_affinity_ms / 1000.0,
         fsync=settings.state_fsync,
         order=queue_order(settings.scheduler),
     )
@@ -36,7 +37,8 @@ def open_store(settings: ServeSettings, registry: CollectorRegistry) -> Postgres
 
 
 class _RoundTrips:
-    """lattice_scheduler_database_round_trips_total{purpose}: save, submit, claim."""
+    """lattice_scheduler_database_round_trips_total{purpose}: save, submit, claim; and
+    lattice_scheduler_database_commits_total, ..._saves_committed_total."""
 
     def __init__(self, store: PostgresState) -> None:
         self._store = store
@@ -50,6 +52,18 @@ class _RoundTrips:
         for purpose in ("save", "submit", "claim"):
             family.add_metric([purpose], self._store.round_trips[purpose])
         yield family
+        commits = CounterMetricFamily(
+            "lattice_scheduler_database_commits",
+            "Group commits of this replica's saves (each holds one or more saves)",
+        )
+        commits.add_metric([], self._store.num_commits)
+        yield commits
+        saves = CounterMetricFamily(
+            "lattice_scheduler_database_saves_committed",
+            "Saves of this replica's core committed (by group commits)",
+        )
+        saves.add_metric([], self._store.num_saves_committed)
+        yield saves
 
 
 def make_servicer(
@@ -63,7 +77,14 @@ def make_servicer(
 ) -> ReplicaServicer:
     """The replica's servicer over `core`, claiming `settings.prefetch` ahead."""
     return ReplicaServicer(
-        core, wakeups, store, metrics=metrics, lag=lag, prefetch=settings.prefetch, callers=callers
+        core,
+        wakeups,
+        store,
+        metrics=metrics,
+        lag=lag,
+        prefetch=settings.prefetch,
+        callers=callers,
+        commit_wait_seconds=settings.replica_commit_wait_ms / 1000.0,
     )
 
 

@@ -10,9 +10,11 @@ only what this replica owns:
 - SelectBatch decides from the local queue; only when that cannot fill the workers'
   free places while the shared queue may hold work does it claim in line.
 
-The core is called on the event loop only, as in SchedulerServicer; the core's own saves
-talk to the database from there (two round trips a decision). Every other database call
-runs in a thread (`asyncio.to_thread`), so the loop serves other calls meanwhile. Two
+The core is called on the event loop only, as in SchedulerServicer. Its saves are
+collected there and committed in groups on the commit thread (service/state/pg_commit.py):
+each call that changed state answers after the commit that holds its save, and one commit
+serves every call that saved while the previous one was in flight. Every other database
+call runs in a thread (`asyncio.to_thread`), so the loop serves other calls meanwhile. Two
 tasks keep the replica going: the prefetcher claims queued sequences ahead of the
 workers' needs (`prefetch` beyond their free places), and the keeper renews the lease,
 returns dead replicas' sequences to the shared queue, gives up what others took over and
@@ -37,6 +39,7 @@ from service.server.metrics import SchedulerMetrics
 from service.server.servicer import SchedulerServicer, rpc
 from service.server.status_codes import status_code, status_details
 from service.server.wakeups import Wakeups, wait_event
+from service.state.pg_commit import ReplicaCommits
 from service.state.postgres import (
     CANCEL_CHANNEL,
     DISOWN_CHANNEL,
@@ -92,8 +95,20 @@ class ReplicaServicer(SchedulerServicer):
         lag: LoopLag | None = None,
         prefetch: int = 8,
         callers: Callers | None = None,
+        commit_wait_seconds: float = 0.0,
     ) -> None:
-        super().__init__(core, wakeups, metrics=metrics, lag=lag, callers=callers)
+        self._commits = ReplicaCommits(state, self._on_disowned, commit_wait_seconds)
+        # Every call that changed state waits for its commit (durable_worker_progress):
+        # on a replica the commit itself is deferred, not only its WAL flush.
+        super().__init__(
+            core,
+            wakeups,
+            metrics=metrics,
+            lag=lag,
+            callers=callers,
+            durable=self._commits.committed,
+            durable_worker_progress=True,
+        )
         self._state = state
         self._prefetch = prefetch
         self._queue_hint = _Hint()
@@ -124,11 +139,13 @@ class ReplicaServicer(SchedulerServicer):
         return [
             asyncio.create_task(self._prefetch_loop(), name="replica-prefetcher"),
             asyncio.create_task(self._keep_loop(), name="replica-keeper"),
+            asyncio.create_task(self._commits.run(), name="replica-commits"),
         ]
 
     async def leave(self) -> None:
         """A clean stop: unadmitted claims back to the shared queue, the lease ended."""
         self._listener_stop.set()
+        await self._commits.close()
         try:
             await asyncio.to_thread(self._state.leave)
         except SchedulerError as err:
@@ -157,6 +174,7 @@ class ReplicaServicer(SchedulerServicer):
         if self._owns(seq_id):
             info = self._core.get_sequence(seq_id, caller)
             if info.state is not SequenceState.QUEUED:
+                await self._commits.committed()  # nothing told before its commit
                 return convert.sequence_info(info)
         # Queued (its position is the shared queue's) or another replica's.
         return convert.sequence_info(
@@ -179,6 +197,7 @@ class ReplicaServicer(SchedulerServicer):
             self._running_lists.forget(registration.worker_id)
             moved = await asyncio.to_thread(self._state.adopt_worker, registration.worker_id)
             self._adopt(moved, registration.worker_id)
+        await self._commits.committed()
         # Its adapters may serve sequences no claim here could take before.
         self._queue_hint.set()
         self._wake_prefetcher.set()
@@ -276,20 +295,26 @@ class ReplicaServicer(SchedulerServicer):
         async with self._claim_lock:
             if self._owns(seq_id):
                 cancelled = self._core.cancel(seq_id, caller)
-                if self._owns(seq_id):  # still ours: the store took it
+                await self._commits.committed()
+                if self._owns(seq_id):  # still ours: the commit took it
                     return cancelled
             return await asyncio.to_thread(self._state.cancel, seq_id, caller)
 
     async def _read(self, seq_id: int, sent: int):
         """New output of `seq_id` from `sent` on, waiting for some (or for the end) a while."""
         if self._owns(seq_id):
+            # What the core holds is streamed only once committed (a replica killed
+            # before its commit leaves the sequence to resume elsewhere from the database).
             with self._wakeups.watching(seq_id) as changed:
                 view = self._core.read_output(seq_id, sent)
                 if view.token_ids or view.finished:
+                    await self._commits.committed()
                     return view
                 await wait_event(changed, _REMOTE_POLL_SECONDS)
             if self._owns(seq_id):
-                return self._core.read_output(seq_id, sent)
+                view = self._core.read_output(seq_id, sent)
+                await self._commits.committed()
+                return view
         view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
         if view.token_ids or view.finished:
             return view
@@ -304,6 +329,11 @@ class ReplicaServicer(SchedulerServicer):
                 if not events:
                     del self._remote[seq_id]
         return await asyncio.to_thread(self._state.read_output, seq_id, sent)
+
+    def _on_disowned(self, seq_ids: frozenset[int]) -> None:
+        """A commit left these out: another replica owns them now (on the loop)."""
+        self._core.disown(seq_ids & self._core.owned_seq_ids())
+        self._wake_remote(set(seq_ids))
 
     def _wake_remote(self, seq_ids: set[int] | None) -> None:
         keys = list(self._remote) if seq_ids is None else seq_ids & self._remote.keys()
@@ -378,6 +408,7 @@ class ReplicaServicer(SchedulerServicer):
                 await self._apply_cancels(await asyncio.to_thread(self._state.cancel_requests))
                 await self._hand_back_excess()
                 await self._count_unservable_fleet_wide()
+                await asyncio.to_thread(self._state.collect_token_log)
             except SchedulerError as err:
                 log.warning("replica upkeep failed; retrying: %s", err)
             except Exception:
@@ -406,6 +437,7 @@ class ReplicaServicer(SchedulerServicer):
             handed_back = unservable + self._core.queued_tail(max(0, excess))
             if not handed_back:
                 return
+            await self._commits.committed()  # the store holds them as they are
             released = await asyncio.to_thread(
                 self._state.release, list(dict.fromkeys(handed_back))
             )
@@ -465,6 +497,11 @@ class ReplicaServicer(SchedulerServicer):
             try:
                 while not self._listener_stop.is_set():
                     for note in conn.notifies(timeout=0.1):
+                        # Progress matters only to streams of other replicas' sequences
+                        # waiting here (read without the loop: at worst one wake-up late,
+                        # and such a stream re-reads every _REMOTE_POLL_SECONDS anyway).
+                        if note.channel == PROGRESS_CHANNEL and not self._remote:
+                            continue
                         loop.call_soon_threadsafe(self._on_notification, note.channel, note.payload)
             except Exception as err:  # noqa: BLE001
                 if not self._listener_stop.is_set():

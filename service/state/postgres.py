@@ -16,9 +16,13 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
   `sequence_info`) while no live worker anywhere has it.
 - Leases: a replica renews its row in `replicas`; a live replica returns the sequences
   of replicas whose lease ran out to the shared queue (`reclaim_expired`).
-- Tokens: one row per sequence per save in `tokens`; saves NOTIFY lattice_progress with
-  the ids whose output or state changed, so streams on other replicas wake within one
-  commit.
+- Saves: group commit (service/state/pg_commit.py): the saves collected on a replica go
+  in one transaction, checked against the replica's fence (`replicas.fence`) instead of
+  row by row while ownership is as last seen.
+- Tokens: one `token_log` row per commit holding all its appends (token_log.py; schema 2's
+  `tokens` rows are still read); each commit NOTIFYs lattice_progress once with the ids
+  whose output or state changed, so streams on other replicas wake within one commit.
+  The keepers delete log rows whose sequences were all forgotten.
 - Cancel of a sequence another replica owns: `cancel_requested` is set and committed,
   then NOTIFY lattice_cancel tells the owner, which cancels it in its core.
 """
@@ -26,6 +30,7 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -36,6 +41,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from service.core import SEES_ALL, Caller, ConfigError, FinishReason, SequenceState, SubmitParams
 from service.core.decide.orders import ArrivalOrder, QueueOrder, SortTerm
 from service.core.errors import InvalidArgument, NotFound, QueueFull
+from service.core.persist.homes import finished_key, prompt_keys
 from service.core.persist.store import (
     Disowned,
     SequenceProgress,
@@ -46,6 +52,7 @@ from service.core.persist.store import (
 )
 from service.core.tables.ledger import no_worker_has
 from service.core.types import SequenceInfo, SubmitResult
+from service.state.pg_batch import SaveBatch
 from service.state.rows import (
     pack_token_ids,
     params_from_row,
@@ -53,11 +60,13 @@ from service.state.rows import (
     registration_json,
     unpack_token_ids,
 )
+from service.state.token_log import Outputs, pack_entries, unpack_entries
 
 log = logging.getLogger(__name__)
 
 # 2: sequences.principal, request_id unique per principal, sequences.adapter_id.
-SCHEMA_VERSION = 2
+# 3: replicas.fence (group commit checks ownership once per commit, not per row).
+SCHEMA_VERSION = 3
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"
 CANCEL_CHANNEL = "lattice_cancel"
@@ -65,6 +74,8 @@ DISOWN_CHANNEL = "lattice_disown"  # "owner:ids": another replica took these ove
 _MAX_NOTIFY_PAYLOAD = 7900  # PostgreSQL's limit is 8000 bytes
 _QUEUED, _FINISHED = SequenceState.QUEUED.value, SequenceState.FINISHED.value
 _ASSIGNED = (SequenceState.PREFILLING.value, SequenceState.DECODING.value)
+# What lattice_disowned() raises: a commit touched a sequence this replica no longer owns.
+_DISOWNED_SQLSTATE = "LT001"
 
 _SCHEMA = """
 CREATE SEQUENCE IF NOT EXISTS lattice_seq_ids;
@@ -72,12 +83,17 @@ CREATE SEQUENCE IF NOT EXISTS lattice_queue_tail;   -- tail keys: 1, 2, ...
 CREATE SEQUENCE IF NOT EXISTS lattice_queue_head;   -- head keys: -1, -2, ... (negated)
 CREATE SEQUENCE IF NOT EXISTS lattice_replica_ids;
 CREATE SEQUENCE IF NOT EXISTS lattice_incarnations; -- worker registrations, all replicas
+CREATE SEQUENCE IF NOT EXISTS lattice_fences;       -- replicas.fence values, never reused
 CREATE TABLE IF NOT EXISTS lattice_meta (key text PRIMARY KEY, value bigint NOT NULL);
 CREATE TABLE IF NOT EXISTS replicas (
     replica_id  bigint PRIMARY KEY,
     name        text NOT NULL,          -- host:port, for people
     started_at  timestamptz NOT NULL DEFAULT now(),
-    lease_until timestamptz NOT NULL    -- renewed while it lives
+    lease_until timestamptz NOT NULL,   -- renewed while it lives
+    -- A new value whenever another replica takes sequences this one owned (or the row is
+    -- written again after its lease ran out): a commit that finds the value it last saw,
+    -- under FOR SHARE, owns every sequence it held then (service/state/postgres.py).
+    fence       bigint NOT NULL DEFAULT nextval('lattice_fences')
 );
 CREATE TABLE IF NOT EXISTS sequences (
     seq_id      bigint PRIMARY KEY,
@@ -102,7 +118,8 @@ CREATE TABLE IF NOT EXISTS sequences (
     finish_order     bigint NOT NULL DEFAULT 0,
     admission_order  bigint NOT NULL DEFAULT 0,
     error_message    text NOT NULL DEFAULT '',  -- why it failed, for FAILED
-    cancel_requested boolean NOT NULL DEFAULT false
+    cancel_requested boolean NOT NULL DEFAULT false,
+    home        bigint                  -- replica where its prefix is cached (claims prefer)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS sequences_request ON sequences (principal, request_id);
 CREATE INDEX IF NOT EXISTS sequences_unclaimed ON sequences (queue_key, seq_id)
@@ -118,26 +135,65 @@ CREATE TABLE IF NOT EXISTS tokens (
     token_ids bytea NOT NULL,           -- uint32 little-endian
     PRIMARY KEY (seq_id, start)
 );
+-- Since schema 3: one row per group commit holding all its appends (token_log.py).
+CREATE TABLE IF NOT EXISTS token_log (
+    id      bigserial PRIMARY KEY,      -- rises in commit order for any one sequence
+    seq_ids bigint[] NOT NULL,          -- the sequences it holds tokens of
+    max_seq_id bigint NOT NULL,         -- the highest of them (collecting)
+    entries bytea NOT NULL              -- (seq_id int64, start int32, n int32, n x uint32)
+);
+CREATE INDEX IF NOT EXISTS token_log_seq_ids ON token_log USING gin (seq_ids);
+CREATE INDEX IF NOT EXISTS token_log_max_seq_id ON token_log (max_seq_id);
+-- The sequences that may have tokens (all but those queued that never ran): the lowest
+-- of them bounds which token log rows may still be read.
+CREATE INDEX IF NOT EXISTS sequences_with_tokens ON sequences (seq_id)
+    WHERE state <> 1 OR num_generated > 0;
 CREATE TABLE IF NOT EXISTS workers (
     worker_id    text PRIMARY KEY,
     replica_id   bigint NOT NULL,
     registration text NOT NULL,
     drain_requested boolean NOT NULL DEFAULT false
 );
+-- The replica where a conversation's text was last finished (its workers' caches hold
+-- it), by prefix key (service/core/persist/homes.py); pruned after an hour.
+CREATE TABLE IF NOT EXISTS prefix_homes (
+    prefix_key bigint PRIMARY KEY,
+    replica_id bigint NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS prefix_homes_age ON prefix_homes (updated_at);
 CREATE TABLE IF NOT EXISTS tenant_service (
     tenant text PRIMARY KEY,
     served double precision NOT NULL    -- weighted tokens served, all replicas together
 );
 
--- Submit in one statement: idempotency, limits, ids, position, wake-up.
+-- A group commit's checks: the replica's fence is the one it last saw (held FOR SHARE
+-- until the commit: no take-over commits meanwhile), else the whole commit rolls back.
+CREATE OR REPLACE FUNCTION lattice_disowned() RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'a sequence of this commit belongs to another replica now'
+        USING ERRCODE = 'LT001';
+END $$;
+CREATE OR REPLACE FUNCTION lattice_fence(p_replica bigint, p_fence bigint) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM replicas WHERE replica_id = p_replica AND fence = p_fence FOR SHARE;
+    IF NOT FOUND THEN
+        PERFORM lattice_disowned();
+    END IF;
+END $$;
+
+-- Submit in one statement: idempotency, limits, ids, position, home, wake-up.
 -- status: 0 new, 1 request_id known for this principal, 2 queue full, 3 tenant's queue full.
-CREATE OR REPLACE FUNCTION lattice_submit(
+CREATE OR REPLACE FUNCTION lattice_enqueue(
     p_principal text, p_adapter_id text, p_request_id text, p_params text, p_prompt bytea, p_priority integer,
     p_tenant text, p_max_new_tokens integer, p_max_queue bigint, p_max_per_tenant bigint,
-    p_sync boolean, OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
+    p_sync boolean, p_prefix_keys bigint[],
+    OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     v_key bigint;
+    v_home bigint;
 BEGIN
     IF p_sync THEN  -- acknowledged: the commit waits for the WAL flush
         PERFORM set_config('synchronous_commit', 'on', true);
@@ -148,7 +204,7 @@ BEGIN
         IF FOUND THEN
             status := 1;
             SELECT count(*) INTO queue_position FROM sequences q, sequences s
-             WHERE s.seq_id = lattice_submit.seq_id AND s.state = 1 AND q.state = 1
+             WHERE s.seq_id = lattice_enqueue.seq_id AND s.state = 1 AND q.state = 1
                AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id);
             queue_position := coalesce(queue_position, 0);
             RETURN;
@@ -163,12 +219,17 @@ BEGIN
         status := 3; RETURN;
     END IF;
     v_key := nextval('lattice_queue_tail');
+    -- Its home: where the deepest of its prefixes was last finished (keys deepest first).
+    SELECT h.replica_id INTO v_home
+      FROM unnest(p_prefix_keys) WITH ORDINALITY AS k(prefix_key, depth)
+      JOIN prefix_homes h ON h.prefix_key = k.prefix_key
+     ORDER BY k.depth LIMIT 1;
     INSERT INTO sequences AS s (seq_id, request_id, principal, adapter_id, params, prompt,
                                 priority, tenant, max_new_tokens, submitted_at, state,
-                                queue_key)
+                                queue_key, home)
     VALUES (nextval('lattice_seq_ids'), p_request_id, p_principal, p_adapter_id, p_params,
             p_prompt, p_priority, p_tenant, p_max_new_tokens,
-            extract(epoch from clock_timestamp()), 1, v_key)
+            extract(epoch from clock_timestamp()), 1, v_key, v_home)
     ON CONFLICT (principal, request_id) DO NOTHING
     RETURNING s.seq_id INTO seq_id;
     IF NOT FOUND THEN  -- another replica took this request_id a moment ago
@@ -177,10 +238,19 @@ BEGIN
         status := 1; queue_position := 0; RETURN;
     END IF;
     SELECT count(*) INTO queue_position FROM sequences q
-     WHERE q.state = 1 AND (q.queue_key, q.seq_id) < (v_key, lattice_submit.seq_id);
+     WHERE q.state = 1 AND (q.queue_key, q.seq_id) < (v_key, lattice_enqueue.seq_id);
     PERFORM pg_notify('lattice_submit', '');
     status := 0;
 END $$;
+-- The same without prefix keys (schema 2's signature).
+CREATE OR REPLACE FUNCTION lattice_submit(
+    p_principal text, p_adapter_id text, p_request_id text, p_params text, p_prompt bytea, p_priority integer,
+    p_tenant text, p_max_new_tokens integer, p_max_queue bigint, p_max_per_tenant bigint,
+    p_sync boolean, OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
+LANGUAGE sql AS $$
+    SELECT * FROM lattice_enqueue(p_principal, p_adapter_id, p_request_id, p_params, p_prompt,
+        p_priority, p_tenant, p_max_new_tokens, p_max_queue, p_max_per_tenant, p_sync, '{}')
+$$;
 """
 
 # A database of schema version 1 becomes version 2 (run before _SCHEMA, which then adds
@@ -195,6 +265,17 @@ ALTER TABLE sequences DROP CONSTRAINT IF EXISTS sequences_request_id_key;
 DROP FUNCTION IF EXISTS lattice_submit(text, text, bytea, integer, text, integer, bigint,
                                        bigint, boolean);
 UPDATE lattice_meta SET value = 2 WHERE key = 'schema_version';
+"""
+
+# Version 2 becomes 3: every replica row gets a fence, sequences a home (lattice_enqueue
+# takes prefix keys; lattice_submit becomes a call of it).
+_FROM_VERSION_2 = """
+CREATE SEQUENCE IF NOT EXISTS lattice_fences;
+ALTER TABLE replicas ADD COLUMN IF NOT EXISTS fence bigint NOT NULL DEFAULT nextval('lattice_fences');
+ALTER TABLE sequences ADD COLUMN IF NOT EXISTS home bigint;
+DROP FUNCTION IF EXISTS lattice_submit(text, text, text, text, bytea, integer, text, integer,
+                                       bigint, bigint, boolean);  -- now over lattice_enqueue
+UPDATE lattice_meta SET value = 3 WHERE key = 'schema_version';
 """
 
 # Whether a live worker that takes work has the adapter of `sequences s`: registered on a
@@ -258,6 +339,7 @@ class PostgresState:
         *,
         name: str,
         lease_ttl_seconds: float = 5.0,
+        affinity_seconds: float = 0.0,
         fsync: str = "acks",
         order: QueueOrder = ArrivalOrder(),
         pool_size: int = 8,
@@ -272,9 +354,30 @@ class PostgresState:
         # Claims take the head of the shared queue in this order (the cores' own).
         self._claim_order = ", ".join(_ORDER_SQL[term] for term in order.sort_key)
         self._aging_seconds = order.aging_seconds
+        # Claims leave a sequence homed on another live replica (its prefix is cached
+        # there) to that replica for this long after its submission (0: homes off).
+        self._affinity_seconds = affinity_seconds
+        # The prompts of sequences this replica owns, for the home key of their text at
+        # their finish (written by the commit thread, read there and by claims).
+        self._prompts: dict[int, tuple[int, ...]] = {}
         self._timeout = connect_timeout_seconds
         # Tenant counters as last saved or read by this replica: saves add the difference.
         self._tenant_base: dict[str, float] = {}
+        # Group commit (defer_saves): saves collected since the last commit, and figures.
+        self._deferred = False
+        self._pending = SaveBatch()
+        self._pending_lock = threading.Lock()
+        self.num_saves = 0  # collected so far (deferred)
+        self.num_saves_committed = 0
+        self.num_commits = 0
+        # Ownership as the last checked commit saw it: the fence read under FOR SHARE and
+        # the unfinished sequences owned then, plus those claimed or adopted since. A
+        # commit touching only these, under the same fence, needs no per-row check.
+        self._fence: int | None = None
+        self._owned: set[int] = set()
+        # Token log reads: (seq_id, tokens read) -> the last row id they came from, so a
+        # stream reads only newer rows; and where collecting the log goes on from.
+        self._read_cursors: dict[tuple[int, int], int] = {}
         # Blocking exchanges with the server, by purpose (figures; counted where the code
         # waits for the server: one per statement outside a pipeline, one per pipeline sync).
         self.round_trips: Counter[str] = Counter()
@@ -324,38 +427,126 @@ class PostgresState:
         return StoredState(sequences=sequences, workers=[], next_seq_id=1, tenant_service=served)
 
     def save(self, changes: StateChanges) -> None:
+        """Commit `changes` now (Disowned if it touches a sequence another replica owns:
+        nothing applied); after `defer_saves`, add them to the next group commit."""
         if changes.created:
             raise StoreError("replicas submit through the shared queue, not the core")
-        touched = (
-            {p.seq_id for p in changes.progress}
-            | {t.seq_id for t in changes.tokens}
-            | {seq_id for seq_id, _ in changes.final_outputs}
-        )
-        sync = self._fsync == "always" or (self._fsync == "acks" and changes.sync)
-        deltas = self._tenant_deltas(changes.tenant_service)
-        # One pipeline: BEGIN, the ownership check (its answer is one round trip), then
-        # the writes and COMMIT (the second).
+        if self._deferred:
+            with self._pending_lock:
+                self._pending.absorb(changes)
+                self.num_saves += 1
+            return
+        batch = SaveBatch()
+        batch.absorb(changes)
+        self._commit(batch, drop_disowned=False)
+
+    def defer_saves(self) -> None:
+        """From now on `save` only collects; `commit_pending` commits what was collected
+        (the replica's servicer answers a call only after the commit that holds its save:
+        service/state/pg_commit.py)."""
+        self._deferred = True
+
+    def commit_pending(self) -> frozenset[int]:
+        """Commit every save collected so far in one transaction (one round trip when
+        ownership is as last seen); returns the ids another replica owns now, whose
+        changes were left out (the core gives them up). StoreError: nothing committed,
+        and the saves stay for the next commit, ahead of later ones."""
+        with self._pending_lock:
+            batch, self._pending = self._pending, SaveBatch()
+        if batch.num_saves == 0:
+            return frozenset()
+        try:
+            return self._commit(batch, drop_disowned=True)
+        except BaseException:
+            with self._pending_lock:
+                self._pending = batch.then(self._pending)
+            raise
+
+    def _commit(self, batch: SaveBatch, drop_disowned: bool) -> frozenset[int]:
+        """Write `batch` in one transaction. Fast path: this replica's fence is as last
+        seen and every sequence touched is one it knew it owned then: BEGIN, the fence
+        check, the writes and COMMIT in one pipeline (one round trip). Otherwise (or when
+        the fast path finds ownership moved) the slow path locks the rows and checks each,
+        as every save did before group commit."""
+        touched = batch.touched()
+        sync = self._fsync == "always" or (self._fsync == "acks" and batch.sync)
         with self._connection() as conn:
-            with conn.pipeline(), conn.transaction():
-                if sync and self._fsync == "acks":
-                    conn.execute("SET LOCAL synchronous_commit TO on")
-                if touched:
-                    owned = {
-                        row[0]
-                        for row in conn.execute(
-                            "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s "
-                            "FOR UPDATE",
-                            (list(touched), self.replica_id),
-                        )
-                    }
+            if self._fence is not None and touched <= self._owned:
+                try:
+                    with conn.pipeline(), conn.transaction():
+                        if sync and self._fsync == "acks":
+                            conn.execute("SET LOCAL synchronous_commit TO on")
+                        if touched:
+                            conn.execute(
+                                "SELECT lattice_fence(%s, %s)", (self.replica_id, self._fence)
+                            )
+                        self._write(conn, batch, touched)
                     self.round_trips["save"] += 1
-                    lost = touched - owned
-                    if lost:
-                        raise Disowned(frozenset(lost))
-                self._write(conn, changes, deltas, touched)
-            self.round_trips["save"] += 1
-        for tenant, served in changes.tenant_service:
+                    self._committed(batch, frozenset())
+                    return frozenset()
+                except psycopg.Error as err:
+                    if err.sqlstate != _DISOWNED_SQLSTATE:
+                        raise
+                    self.round_trips["save"] += 1
+            return self._commit_checked(conn, batch, touched, sync, drop_disowned)
+
+    def _commit_checked(
+        self, conn, batch: SaveBatch, touched: set[int], sync: bool, drop_disowned: bool
+    ) -> frozenset[int]:
+        """The slow path: read the fence and what this replica owns, lock and check the
+        rows touched; write what is still owned (or refuse it all: Disowned)."""
+        with conn.transaction():
+            if sync and self._fsync == "acks":
+                conn.execute("SET LOCAL synchronous_commit TO on")
+            row = conn.execute(
+                "SELECT fence FROM replicas WHERE replica_id = %s FOR SHARE", (self.replica_id,)
+            ).fetchone()
+            owned = {
+                r[0]
+                for r in conn.execute(
+                    "SELECT seq_id FROM sequences WHERE owner = %s AND state <> 4",
+                    (self.replica_id,),
+                )
+            }
+            locked = {
+                r[0]
+                for r in conn.execute(
+                    "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s FOR UPDATE",
+                    (list(touched), self.replica_id),
+                )
+            }
+            self.round_trips["save"] += 4
+            lost = frozenset(touched - locked)
+            if lost:
+                if not drop_disowned:
+                    raise Disowned(lost)
+                batch = batch.without(lost)
+            self._write(conn, batch, touched - lost)
+        self._fence = None if row is None else row[0]
+        self._owned = owned - lost
+        self._committed(batch, lost)
+        return lost
+
+    def _home_keys(self, batch: SaveBatch) -> list[int]:
+        """The prefix keys of the texts of the sequences that finished in `batch`."""
+        keys = set()
+        for seq_id, output in batch.final_outputs.items():
+            prompt = self._prompts.get(seq_id)
+            if prompt is not None:
+                key = finished_key(prompt, output)
+                if key is not None:
+                    keys.add(key)
+        return sorted(keys)
+
+    def _committed(self, batch: SaveBatch, lost: frozenset[int]) -> None:
+        for seq_id in (*batch.final_outputs, *batch.forgotten, *lost):
+            self._prompts.pop(seq_id, None)
+        for tenant, served in batch.tenant_service.items():
             self._tenant_base[tenant] = served
+        self._owned.difference_update(batch.finished())
+        self._owned.difference_update(batch.forgotten)
+        self.num_commits += 1
+        self.num_saves_committed += batch.num_saves
 
     def close(self) -> None:
         pool = getattr(self, "_pool", None)
@@ -370,8 +561,8 @@ class PostgresState:
         with self._connection() as conn:
             try:
                 status, seq_id, position = conn.execute(
-                    "SELECT status, seq_id, queue_position FROM lattice_submit("
-                    "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    "SELECT status, seq_id, queue_position FROM lattice_enqueue("
+                    "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                     (
                         params.principal,
                         params.adapter_id,
@@ -384,6 +575,7 @@ class PostgresState:
                         max_queue,
                         max_per_tenant,
                         self._fsync != "never",
+                        prompt_keys(params.prompt_token_ids) if self._affinity_seconds else [],
                     ),
                 ).fetchone()
             except psycopg.DataError as err:
@@ -440,8 +632,7 @@ class PostgresState:
         with self._connection() as conn:
             row = conn.execute(
                 "SELECT state, worker_id, octet_length(prompt) / 4, prefilled_tokens, "
-                "greatest(num_generated, (SELECT coalesce(sum(octet_length(t.token_ids) / 4), "
-                "0) FROM tokens t WHERE t.seq_id = s.seq_id)), finish_reason, "
+                "num_generated, finish_reason, "
                 "CASE WHEN state = 1 THEN (SELECT count(*) FROM sequences q WHERE q.state = 1 "
                 "AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id)) ELSE 0 END, "
                 "error_message, principal, CASE WHEN state = 1 AND adapter_id <> '' AND NOT "
@@ -449,8 +640,9 @@ class PostgresState:
                 "FROM sequences s WHERE seq_id = %s",
                 (seq_id,),
             ).fetchone()
-        if row is None or not caller.may_see(row[-2]):
-            raise NotFound.seq_id(seq_id)
+            if row is None or not caller.may_see(row[-2]):
+                raise NotFound.seq_id(seq_id)
+            saved = len(self._outputs(conn, [seq_id]).get(seq_id, ()))
         (
             state,
             worker_id,
@@ -471,7 +663,7 @@ class PostgresState:
             worker_id=worker_id or "",
             prompt_len=prompt_len,
             prefilled_tokens=prefilled,
-            generated_tokens=int(generated),
+            generated_tokens=max(int(generated), saved),
             finish_reason=None if reason is None else FinishReason(reason),
             queue_position=int(position),
             error_message=error,
@@ -488,16 +680,14 @@ class PostgresState:
             ).fetchone()
             if row is None or not caller.may_see(row[3]):
                 raise NotFound.seq_id(seq_id)
-            out: list[int] = []
-            rows = conn.execute(
-                "SELECT start, token_ids FROM tokens WHERE seq_id = %s "
-                "AND start + octet_length(token_ids) / 4 > %s ORDER BY start",
-                (seq_id, start),
-            ).fetchall()
-        for first, blob in rows:
-            tokens = unpack_token_ids(blob)
-            out.extend(tokens[max(0, start - first) :])
-            start = first + len(tokens)
+            # A stream reads on from the log row where its last read ended.
+            after = self._read_cursors.pop((seq_id, start), 0)
+            outputs = Outputs(start)
+            last = self._read_log(conn, [seq_id], outputs, after)
+            out = outputs.tokens.get(seq_id, [])
+        if len(self._read_cursors) > 10_000:
+            self._read_cursors.clear()
+        self._read_cursors[seq_id, start + len(out)] = max(after, last)
         state, reason, error, _ = row
         return RemoteOutput(
             tuple(out), state == _FINISHED, None if reason is None else FinishReason(reason), error
@@ -542,13 +732,14 @@ class PostgresState:
                 for row in conn.execute(
                     f"UPDATE sequences s SET owner = %(me)s FROM (SELECT seq_id FROM sequences q "
                     f"WHERE state = 1 AND owner IS NULL AND (adapter_id = '' OR adapter_id = "
-                    f"ANY(%(adapters)s)) ORDER BY {order} LIMIT %(n)s FOR UPDATE SKIP LOCKED) c "
-                    f"WHERE s.seq_id = c.seq_id RETURNING s.seq_id",
+                    f"ANY(%(adapters)s)){self._homes_sql()} ORDER BY {order} LIMIT %(n)s "
+                    f"FOR UPDATE SKIP LOCKED) c WHERE s.seq_id = c.seq_id RETURNING s.seq_id",
                     {
                         "me": self.replica_id,
                         "n": count,
                         "aging": self._aging_seconds,
                         "adapters": sorted(adapters),
+                        "affinity": self._affinity_seconds,
                     },
                 )
             ]
@@ -558,13 +749,40 @@ class PostgresState:
             # COMMIT.
             self.round_trips["claim"] += 5 + (2 if ids else 0)
         self._tenant_base.update(served)
+        self._owned.update(ids)
+        self._remember_prompts(sequences)
         return Claimed(sequences, served, [])
+
+    def _homes_sql(self) -> str:
+        """The claim's condition for homes: a sequence homed on another live replica is
+        left to it until `affinity_seconds` after its submission (then anyone's, in the
+        queue order); nothing with homes off."""
+        if not self._affinity_seconds:
+            return ""
+        return (
+            " AND (home IS NULL OR home = %(me)s OR submitted_at < "
+            "extract(epoch from clock_timestamp()) - %(affinity)s OR NOT EXISTS (SELECT 1 "
+            "FROM replicas r WHERE r.replica_id = q.home AND r.lease_until > now()))"
+        )
+
+    def _remember_prompts(self, sequences: list[StoredSequence]) -> None:
+        if self._affinity_seconds:
+            for seq in sequences:
+                self._prompts[seq.seq_id] = seq.params.prompt_token_ids
 
     def adopt_worker(self, worker_id: str) -> Claimed:
         """Take the sequences assigned to `worker_id` from whichever replica held them (the
         worker registered here: it moved). Their old owner's saves are refused from now."""
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
+            # The old owners' fences first (a take-over locks replicas, then sequences, as
+            # their commits do): from now on their commits check each row.
+            conn.execute(
+                "UPDATE replicas SET fence = nextval('lattice_fences') WHERE replica_id IN "
+                "(SELECT DISTINCT owner FROM sequences WHERE worker_id = %(w)s AND state IN "
+                "(2, 3) AND owner IS DISTINCT FROM %(me)s)",
+                {"w": worker_id, "me": self.replica_id},
+            )
             rows = conn.execute(
                 "WITH old AS (SELECT seq_id, owner FROM sequences WHERE worker_id = %(w)s "
                 "AND state IN (2, 3) AND owner IS DISTINCT FROM %(me)s FOR UPDATE) "
@@ -582,6 +800,8 @@ class PostgresState:
                 conn.execute(
                     "SELECT pg_notify(%s, %s)", (DISOWN_CHANNEL, f"{owner}:{_ids_payload(seq_ids)}")
                 )
+        self._owned.update(ids)
+        self._remember_prompts(sequences)
         return Claimed(sequences, {}, [seq_id for seq_id, flag, _ in rows if flag])
 
     def next_incarnation(self) -> int:
@@ -637,6 +857,8 @@ class PostgresState:
                     "DELETE FROM replicas WHERE lease_until < now() RETURNING replica_id"
                 )
             ]
+            # Homes not renewed for an hour: those caches have long turned over.
+            conn.execute("DELETE FROM prefix_homes WHERE updated_at < now() - interval '1 hour'")
             rows = conn.execute(
                 "SELECT seq_id, state, cancel_requested FROM sequences s WHERE "
                 "owner IS NOT NULL AND state <> 4 AND NOT EXISTS (SELECT 1 FROM replicas r "
@@ -653,13 +875,13 @@ class PostgresState:
                 "worker_id = NULL, queue_key = NULL WHERE seq_id = ANY(%s)",
                 (FinishReason.CANCELLED.value, cancelled),
             )
+            saved = self._outputs(conn, assigned) if assigned else {}
             for seq_id in assigned:  # in seq_id order, each ahead of all
                 conn.execute(
                     "UPDATE sequences s SET owner = NULL, state = 1, worker_id = NULL, "
                     "cursor = 0, prefilled_tokens = 0, queue_key = -nextval('lattice_queue_head'), "
-                    "num_generated = (SELECT coalesce(sum(octet_length(t.token_ids) / 4), 0) "
-                    "FROM tokens t WHERE t.seq_id = s.seq_id) WHERE seq_id = %s",
-                    (seq_id,),
+                    "num_generated = %s WHERE seq_id = %s",
+                    (len(saved.get(seq_id, ())), seq_id),
                 )
             conn.execute(
                 "DELETE FROM workers w WHERE NOT EXISTS (SELECT 1 FROM replicas r "
@@ -697,6 +919,9 @@ class PostgresState:
             ]
             if released:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
+        self._owned.difference_update(released)
+        for seq_id in released:
+            self._prompts.pop(seq_id, None)
         return released
 
     def leave(self) -> None:
@@ -742,6 +967,10 @@ class PostgresState:
                 version = None if row is None else row[0]
             if version == 1:
                 conn.execute(_FROM_VERSION_1)
+                version = 2
+            if version == 2:
+                conn.execute(_FROM_VERSION_2)
+                version = SCHEMA_VERSION
             elif version not in (None, SCHEMA_VERSION):
                 raise ConfigError(
                     f"the database holds schema version {version}; this "
@@ -769,70 +998,114 @@ class PostgresState:
             (replica_id, self.name, self.lease_ttl_seconds),
         )
 
+    def _outputs(self, conn, seq_ids: list[int]) -> dict[int, list[int]]:
+        """The saved output of each of `seq_ids` (those with none are left out)."""
+        outputs = Outputs()
+        self._read_log(conn, seq_ids, outputs)
+        return outputs.tokens
+
+    def _read_log(self, conn, seq_ids: list[int], outputs: Outputs, after: int = 0) -> int:
+        """Add the appends of `seq_ids` to `outputs`: schema 2's `tokens` rows, then the
+        token log's rows after id `after`, in commit order; returns the last row id read."""
+        for seq_id, start, blob in conn.execute(
+            "SELECT seq_id, start, token_ids FROM tokens WHERE seq_id = ANY(%s) "
+            "ORDER BY seq_id, start",
+            (seq_ids,),
+        ):
+            outputs.add(seq_id, start, unpack_token_ids(blob))
+        wanted, last = set(seq_ids), after
+        for row_id, blob in conn.execute(
+            "SELECT id, entries FROM token_log WHERE seq_ids && %s::bigint[] AND id > %s "
+            "ORDER BY id",
+            (seq_ids, after),
+        ):
+            for seq_id, start, token_ids in unpack_entries(bytes(blob), wanted):
+                outputs.add(seq_id, start, token_ids)
+            last = row_id
+        return last
+
+    def collect_token_log(self) -> int:
+        """Delete the token log rows of sequences that are all gone: those whose highest
+        seq_id is below every sequence that may have tokens (forgotten ones are gone;
+        queued ones that never ran have none). One indexed range delete; a sequence that
+        lives long holds back the rows written since it started. Returns rows deleted."""
+        with self._connection() as conn:
+            return conn.execute(
+                "DELETE FROM token_log WHERE max_seq_id < coalesce((SELECT min(seq_id) FROM "
+                "sequences WHERE state <> 1 OR num_generated > 0), %s)",
+                (2**63 - 1,),
+            ).rowcount
+
     def _read_sequences(self, conn, where: str, args: tuple) -> list[StoredSequence]:
         rows = conn.execute(
             f"SELECT {_COLUMNS} FROM sequences {where} ORDER BY seq_id", args
         ).fetchall()
         if not rows:
             return []
-        tokens: dict[int, list[int]] = {}
-        for seq_id, start, blob in conn.execute(
-            "SELECT seq_id, start, token_ids FROM tokens WHERE seq_id = ANY(%s) "
-            "ORDER BY seq_id, start",
-            ([row[0] for row in rows],),
-        ):
-            out = tokens.setdefault(seq_id, [])
-            if start != len(out):
-                raise StoreError(
-                    f"seq_id {seq_id}: tokens from {start} after {len(out)} "
-                    "tokens; the database is damaged"
-                )
-            out.extend(unpack_token_ids(blob))
+        tokens = self._outputs(conn, [row[0] for row in rows])
         return [_stored_sequence(row, tokens.get(row[0], [])) for row in rows]
 
     def _tenant_deltas(self, service: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
         return [(tenant, served - self._tenant_base.get(tenant, 0.0)) for tenant, served in service]
 
-    def _write(self, conn, changes: StateChanges, deltas, touched: set[int]) -> None:
+    def _write(self, conn, batch: SaveBatch, touched: set[int]) -> None:
+        """The batch's statements (in a transaction; the caller commits). A progress row
+        this replica does not own fails the transaction (lattice_disowned)."""
         me = self.replica_id
         cur = conn.cursor()
-        if changes.progress:
-            cur.executemany(
-                "UPDATE sequences SET state = %s, worker_id = %s, queue_key = %s, cursor = %s, "
-                "prefilled_tokens = %s, num_generated = %s, num_generated_at_admission = %s, "
-                "finish_reason = %s, finish_order = %s, admission_order = %s, "
-                "error_message = %s WHERE seq_id = %s AND owner = %s",
-                [
-                    (
-                        p.state.value,
-                        p.worker_id,
-                        p.queue_key,
-                        p.cursor,
-                        p.prefilled_tokens,
-                        p.num_generated,
-                        p.num_generated_at_admission,
-                        None if p.finish_reason is None else p.finish_reason.value,
-                        p.finish_order,
-                        p.admission_order,
-                        p.error_message,
-                        p.seq_id,
-                        me,
-                    )
-                    for p in changes.progress
-                ],
-            )
-        if changes.tokens:  # one statement for every sequence's new tokens
+        if batch.progress:
+            rows = list(batch.progress.values())
             cur.execute(
-                "INSERT INTO tokens (seq_id, start, token_ids) SELECT * FROM "
-                "unnest(%s::bigint[], %s::integer[], %s::bytea[])",
+                "WITH v AS (SELECT * FROM unnest(%s::bigint[], %s::smallint[], %s::text[], "
+                "%s::bigint[], %s::integer[], %s::integer[], %s::integer[], %s::integer[], "
+                "%s::smallint[], %s::bigint[], %s::bigint[], %s::text[]) AS v(seq_id, state, "
+                "worker_id, queue_key, cursor, prefilled, generated, at_admission, reason, "
+                "finish_order, admission_order, error_message)), "
+                "u AS (UPDATE sequences s SET state = v.state, worker_id = v.worker_id, "
+                "queue_key = v.queue_key, cursor = v.cursor, prefilled_tokens = v.prefilled, "
+                "num_generated = v.generated, num_generated_at_admission = v.at_admission, "
+                "finish_reason = v.reason, finish_order = v.finish_order, "
+                "admission_order = v.admission_order, error_message = v.error_message "
+                "FROM v WHERE s.seq_id = v.seq_id AND s.owner = %s RETURNING 1) "
+                "SELECT lattice_disowned() FROM (SELECT count(*) AS n FROM u) c WHERE c.n <> %s",
                 (
-                    [t.seq_id for t in changes.tokens],
-                    [t.start for t in changes.tokens],
-                    [pack_token_ids(t.token_ids) for t in changes.tokens],
+                    [p.seq_id for p in rows],
+                    [p.state.value for p in rows],
+                    [p.worker_id for p in rows],
+                    [p.queue_key for p in rows],
+                    [p.cursor for p in rows],
+                    [p.prefilled_tokens for p in rows],
+                    [p.num_generated for p in rows],
+                    [p.num_generated_at_admission for p in rows],
+                    [None if p.finish_reason is None else p.finish_reason.value for p in rows],
+                    [p.finish_order for p in rows],
+                    [p.admission_order for p in rows],
+                    [p.error_message for p in rows],
+                    me,
+                    len(rows),
+                ),
+            )
+        if batch.tokens:  # one token log row for every append of the commit
+            cur.execute(
+                "INSERT INTO token_log (seq_ids, max_seq_id, entries) VALUES (%s, %s, %s)",
+                (
+                    seq_ids := sorted({t.seq_id for t in batch.tokens}),
+                    seq_ids[-1],
+                    pack_entries(batch.tokens),
                 ),
                 binary=True,
             )
-        if changes.workers_changed:
+        homes = self._home_keys(batch)
+        if homes:  # where these conversations' text is cached now: here
+            cur.execute(
+                "INSERT INTO prefix_homes (prefix_key, replica_id) SELECT k, %s FROM "
+                "unnest(%s::bigint[]) AS k ON CONFLICT (prefix_key) DO UPDATE SET "
+                "replica_id = excluded.replica_id, updated_at = now()",
+                (me, homes),
+            )
+        changed = [w for w in batch.workers.values() if w is not None]
+        left = [worker_id for worker_id, w in batch.workers.items() if w is None]
+        if changed:
             cur.executemany(
                 "INSERT INTO workers (worker_id, replica_id, registration, drain_requested) "
                 "VALUES (%s, %s, %s, %s) ON CONFLICT (worker_id) DO UPDATE SET "
@@ -845,16 +1118,15 @@ class PostgresState:
                         registration_json(w.registration),
                         w.drain_requested,
                     )
-                    for w in changes.workers_changed
+                    for w in changed
                 ],
             )
-        if changes.workers_left:
+        if left:
             cur.execute(
-                "DELETE FROM workers WHERE worker_id = ANY(%s) AND replica_id = %s",
-                (list(changes.workers_left), me),
+                "DELETE FROM workers WHERE worker_id = ANY(%s) AND replica_id = %s", (left, me)
             )
-        if changes.forgotten:
-            forgotten = list(changes.forgotten)
+        if batch.forgotten:
+            forgotten = list(batch.forgotten)
             cur.execute(
                 "DELETE FROM tokens WHERE seq_id = ANY(%s) AND seq_id IN (SELECT "
                 "seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s)",
@@ -863,6 +1135,7 @@ class PostgresState:
             cur.execute(
                 "DELETE FROM sequences WHERE seq_id = ANY(%s) AND owner = %s", (forgotten, me)
             )
+        deltas = self._tenant_deltas(batch.tenant_service.items())
         if deltas:
             cur.executemany(
                 "INSERT INTO tenant_service (tenant, served) VALUES (%s, %s) "
@@ -870,7 +1143,7 @@ class PostgresState:
                 "tenant_service.served + excluded.served",
                 deltas,
             )
-        if touched:
+        if touched:  # one notification per commit, for every sequence it changed
             cur.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(touched)))
 
 

@@ -41,6 +41,7 @@ class ReplicaStack:
         step_ms: float = 10.0,
         lease_ttl_ms: int = 3000,
         replica_lease_ms: int = 1500,
+        replica_args: tuple[str, ...] = (),
     ) -> None:
         self.directory = Path(directory)
         self.database_url = database_url
@@ -49,6 +50,8 @@ class ReplicaStack:
         self.step_ms = step_ms
         self.lease_ttl_ms = lease_ttl_ms
         self.replica_lease_ms = replica_lease_ms
+        self.replica_args = replica_args  # more `serve` flags for every replica
+        self.metrics_ports: list[int | None] = [None] * num_replicas
         self.replicas: list[Proc | None] = [None] * num_replicas
         self.workers: dict[str, Proc] = {}
         self.all_procs: list[Proc] = []
@@ -87,14 +90,17 @@ class ReplicaStack:
                 str(self.lease_ttl_ms),
                 "--replica-lease-ms",
                 str(self.replica_lease_ms),
+                *self.replica_args,
                 port=self.ports[index],
             ),
             self.directory / f"replica{index}.{len(self.all_procs)}.log",
         )
         self.all_procs.append(proc)
         self.replicas[index] = proc
-        if proc.wait_for_line(SCHEDULER_LISTENING, START_TIMEOUT_SECONDS) is None:
+        banner = proc.wait_for_line(SCHEDULER_LISTENING, START_TIMEOUT_SECONDS)
+        if banner is None:
             raise AssertionError(f"replica {index} did not start:\n{proc.log_text()}")
+        self.metrics_ports[index] = int(banner.groups()[-1])
 
     def kill_replica(self, index: int) -> None:
         proc = self.replicas[index]

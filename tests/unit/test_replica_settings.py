@@ -20,6 +20,8 @@ def test_a_postgresql_url_is_accepted_with_the_replica_defaults():
         ({"state": "postgresql://h/db", "state_dir": "/tmp/x"}, "exclude each other"),
         ({"prefetch": -1}, "prefetch must not be negative"),
         ({"replica_lease_ms": 100}, "replica_lease_ms must be at least 300"),
+        ({"replica_commit_wait_ms": 500}, "replica_commit_wait_ms must be within 0-100"),
+        ({"replica_affinity_ms": -1}, "replica_affinity_ms must not be negative"),
     ],
 )
 def test_bad_replica_settings_stop_the_start_with_one_line(fields, message):

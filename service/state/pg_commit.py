@@ -1,0 +1,103 @@
+"""Group commit on PostgreSQL: the saves of concurrent calls on one replica go to the
+database in one transaction, and each call answers after the commit that holds its save.
+
+The core saves on the event loop (PostgresState.save, after `defer_saves`, only adds the
+change to the batch collecting: no round trip on the loop). A call that must not answer
+before its change is committed awaits `committed()`: if no commit is running, one starts
+on the commit thread after `max_wait_seconds` (0: at once) and takes every save collected
+until then; if one is running, the caller waits for it and then for the next, which
+starts as soon as it ends and takes every save made meanwhile. So while one commit is in
+flight, every worker's SelectBatch (and Cancel, RegisterWorker, ...) on the replica saves
+and waits, and the next single commit answers all of them.
+
+What this keeps (docs/replicas.md, "What is guaranteed"):
+- Nothing is acknowledged before its commit: every call that changed the core's state
+  awaits `committed()` before it answers, streams included (ReplicaServicer).
+- A failed commit applies nothing; its saves stay collected, ahead of later ones, and the
+  next commit carries them (StoreError to the calls that waited: UNAVAILABLE).
+- One owner per sequence: a commit checks the replica's fence (or each row), and leaves
+  out the changes of sequences another replica took over; `on_disowned` gives those up
+  in the core on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from service.core.persist.store import StoreError
+from service.state.postgres import PostgresState
+
+log = logging.getLogger(__name__)
+
+# How often pending saves nobody waits for (the sweeper's, the keeper's) are committed.
+IDLE_COMMIT_SECONDS = 0.05
+
+
+class ReplicaCommits:
+    """Shares commits of a PostgresState among the calls waiting for them."""
+
+    def __init__(
+        self,
+        store: PostgresState,
+        on_disowned: Callable[[frozenset[int]], None],
+        max_wait_seconds: float = 0.0,
+    ) -> None:
+        """`on_disowned(seq_ids)`, on the loop: a commit left these out, another replica
+        owns them now. The store counts commits and the saves they held (figures)."""
+        self._store = store
+        self._on_disowned = on_disowned
+        self._max_wait_seconds = max_wait_seconds
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="replica-commit")
+        self._num_committed = 0  # saves known committed
+        self._flush: asyncio.Future | None = None  # the commit running now
+        store.defer_saves()
+
+    async def committed(self) -> None:
+        """Return once every save made so far is committed; StoreError if the commit that
+        was to hold them failed (they stay collected for the next one)."""
+        wanted = self._store.num_saves
+        while self._num_committed < wanted:
+            if self._flush is None:
+                self._flush = asyncio.ensure_future(self._commit())
+            # Shielded: a caller that goes away does not stop the commit others wait for.
+            await asyncio.shield(self._flush)
+
+    async def _commit(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            if self._max_wait_seconds > 0:
+                await asyncio.sleep(self._max_wait_seconds)  # let more saves join
+            covered = self._store.num_saves  # collected before the commit takes them
+            disowned = await loop.run_in_executor(self._executor, self._store.commit_pending)
+            self._num_committed = max(self._num_committed, covered)
+            if disowned:
+                log.warning(
+                    "a commit left out sequences another replica owns now; given up here",
+                    extra={"sequences": len(disowned)},
+                )
+                self._on_disowned(disowned)
+        finally:
+            self._flush = None
+
+    async def run(self) -> None:
+        """Until cancelled: commit saves that nobody waits for (a sweep's, an upkeep's)."""
+        while True:
+            await asyncio.sleep(IDLE_COMMIT_SECONDS)
+            if self._flush is None and self._num_committed < self._store.num_saves:
+                try:
+                    await self.committed()
+                except StoreError as err:
+                    log.warning("could not commit; retrying: %s", err)
+                    await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        """A last commit of what is collected, then the thread ends."""
+        try:
+            await self.committed()
+        except StoreError as err:
+            log.error("last commit at shutdown failed: %s", err)
+        finally:
+            self._executor.shutdown(wait=True)

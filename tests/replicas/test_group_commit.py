@@ -1,0 +1,171 @@
+"""Group commit on PostgreSQL (service/state/pg_commit.py), prefix homes
+(service/core/persist/homes.py) and the save batch they rest on, against a real private
+cluster where a database is needed."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import psycopg
+
+from service.core.persist.homes import HOME_BLOCK_TOKENS, finished_key, prompt_keys
+from service.core.persist.store import SequenceProgress, StateChanges, TokenAppend
+from service.core.types import FinishReason, SequenceState
+from service.state.pg_batch import SaveBatch
+from service.state.pg_commit import ReplicaCommits
+from tests.unit.factories import finished, params, register, report
+
+from .test_state_postgres import Replica, replicas  # noqa: F401 - the fixture
+
+
+def _progress(seq_id: int, state=SequenceState.DECODING, worker="w") -> SequenceProgress:
+    return SequenceProgress(seq_id, state, worker, None, 0, 0, 0, 0, None)
+
+
+def test_a_batch_keeps_the_latest_progress_and_every_append_in_order():
+    batch = SaveBatch()
+    batch.absorb(StateChanges(progress=(_progress(1),), tokens=(TokenAppend(1, 0, (5,)),)))
+    batch.absorb(
+        StateChanges(
+            progress=(_progress(1, SequenceState.FINISHED),),
+            tokens=(TokenAppend(1, 1, (6,)), TokenAppend(2, 0, (7,))),
+            final_outputs=((1, (5, 6)),),
+            sync=True,
+        )
+    )
+    assert batch.progress[1].state is SequenceState.FINISHED
+    assert [(t.seq_id, t.start) for t in batch.tokens] == [(1, 0), (1, 1), (2, 0)]
+    assert (batch.num_saves, batch.sync, batch.touched()) == (2, True, {1, 2})
+    assert batch.without({1}).touched() == {2}
+    assert batch.without({1}).final_outputs == {}
+
+
+def test_a_failed_batch_goes_back_ahead_of_later_saves():
+    failed, later = SaveBatch(), SaveBatch()
+    failed.absorb(StateChanges(tokens=(TokenAppend(1, 0, (5,)),), progress=(_progress(1),)))
+    later.absorb(
+        StateChanges(
+            tokens=(TokenAppend(1, 1, (6,)),), progress=(_progress(1, SequenceState.FINISHED),)
+        )
+    )
+    merged = failed.then(later)
+    assert [t.start for t in merged.tokens] == [0, 1]
+    assert merged.progress[1].state is SequenceState.FINISHED
+    assert merged.num_saves == 2
+
+
+def test_a_finished_text_is_found_again_among_the_prefixes_of_its_next_turn():
+    prompt, output = list(range(1, 40)), [9] * 20
+    key = finished_key(prompt, output)
+    assert key in prompt_keys([*prompt, *output, 3, 4, 5])
+    assert key not in prompt_keys([*prompt, 8, *output])
+    assert finished_key([1] * (HOME_BLOCK_TOKENS - 1), []) is None
+    assert prompt_keys([1] * (HOME_BLOCK_TOKENS - 1)) == []
+
+
+def test_saves_of_several_calls_commit_together_and_only_then_count_as_committed(replicas):
+    a, b = replicas("a"), replicas("b")
+    ids = [b.submit(max_new_tokens=8) for _ in range(3)]
+    register(a.core, "w", max_batch_size=3)
+    a.claim()
+
+    async def scenario() -> tuple[int, int]:
+        commits = ReplicaCommits(a.state, on_disowned=lambda seq_ids: None)
+        a.core.select_batch(report("w"))  # admits all three
+        a.core.select_batch(report("w", running=tuple(ids), tokens={i: (4,) for i in ids}))
+        # Collected, not committed: another replica sees nothing yet.
+        assert b.state.read_output(ids[0], 0).token_ids == ()
+        before = a.state.num_commits
+        await asyncio.gather(commits.committed(), commits.committed())
+        await commits.close()
+        return a.state.num_commits - before, a.state.num_saves_committed
+
+    num_commits, num_saves = asyncio.run(scenario())
+    assert num_commits == 1 and num_saves >= 2
+    assert [b.state.read_output(i, 0).token_ids for i in ids] == [(4,), (4,), (4,)]
+
+
+def test_a_group_commit_leaves_out_what_another_replica_took_and_commits_the_rest(
+    replicas,
+    database_url,
+):
+    a, b = replicas("a"), replicas("b")
+    kept, taken = b.submit(max_new_tokens=8), b.submit(max_new_tokens=8)
+    register(a.core, "w", max_batch_size=2)
+    a.claim()
+    disowned: list[frozenset[int]] = []
+
+    async def scenario() -> None:
+        commits = ReplicaCommits(a.state, on_disowned=disowned.append)
+        a.core.select_batch(report("w"))
+        await commits.committed()
+        # Another replica takes one over (as a worker moving there would).
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE replicas SET fence = nextval('lattice_fences') WHERE replica_id = %s",
+                (a.state.replica_id,),
+            )
+            conn.execute(
+                "UPDATE sequences SET owner = %s WHERE seq_id = %s", (b.state.replica_id, taken)
+            )
+        a.core.select_batch(report("w", running=(kept, taken), tokens={kept: (1,), taken: (2,)}))
+        await commits.committed()
+        await commits.close()
+
+    asyncio.run(scenario())
+    assert disowned == [frozenset({taken})]
+    assert b.state.read_output(kept, 0).token_ids == (1,)
+    assert b.state.read_output(taken, 0).token_ids == ()
+
+
+def test_a_follow_up_is_left_to_the_replica_where_its_conversation_finished(replicas):
+    a = replicas("a")
+    b = Replica(a.state.url, "b")
+    b.state._affinity_seconds = 60.0
+    a.state._affinity_seconds = 60.0
+    try:
+        prompt = tuple(range(2, 2 + 2 * HOME_BLOCK_TOKENS))
+        first = a.state.submit(
+            replace(params(max_new_tokens=2), prompt_token_ids=prompt), 1000, 0
+        ).seq_id
+        register(a.core, "w")
+        a.claim()
+        a.core.select_batch(report("w"))
+        a.core.select_batch(
+            report(
+                "w", tokens={first: (7, 8)}, finished=(finished(first, FinishReason.MAX_LENGTH, 2),)
+            )
+        )
+        follow_up = prompt + (7, 8) + tuple(range(100, 100 + HOME_BLOCK_TOKENS))
+        second = b.state.submit(replace(params(), prompt_token_ids=follow_up), 1000, 0).seq_id
+        other = b.state.submit(replace(params(), prompt_token_ids=(5, 6, 7)), 1000, 0).seq_id
+        register(b.core, "v")
+        assert b.claim() == [other]  # the follow-up waits for a, its home
+        assert a.claim() == [second]
+    finally:
+        b.state.close()
+
+
+def test_token_log_rows_are_read_on_from_a_stream_s_place_and_collected_once_forgotten(
+    replicas,
+    database_url,
+):
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=8)
+    register(a.core, "w")
+    a.claim()
+    a.core.select_batch(report("w"))
+    a.core.select_batch(report("w", running=(seq_id,), tokens={seq_id: (7, 8)}))
+    assert b.state.read_output(seq_id, 0).token_ids == (7, 8)
+    a.core.select_batch(report("w", running=(seq_id,), tokens={seq_id: (9,)}))
+    assert b.state.read_output(seq_id, 2).token_ids == (9,)  # from its place on
+    assert b.state.read_output(seq_id, 1).token_ids == (8, 9)
+    assert b.state.sequence_info(seq_id).generated_tokens == 3
+    assert a.state.collect_token_log() == 0  # its sequence is still there
+    a.state.save(StateChanges(forgotten=(seq_id,)))
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (2,)
+        assert a.state.collect_token_log() == 2
+        assert a.state.collect_token_log() == 0
+        assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (0,)
