@@ -32,6 +32,8 @@ class CacheSpread:
     # of those of them with room (None: none has room).
     best_other_holders: int = 0
     best_other_least_load: int | None = None
+    # The least load of any of those holders, room or not (None: no other holds it).
+    best_other_any_load: int | None = None
 
 
 COLD = CacheSpread(0, 0, False)
@@ -118,7 +120,7 @@ class FleetView:
             owners = owners_of.get(hashes[i])
             if owners is None:
                 continue
-            holders, least_load = 0, None
+            holders, least_load, any_load = 0, None, None
             for worker_id in owners:
                 peer = self._peers.get(worker_id)
                 if (
@@ -127,13 +129,17 @@ class FleetView:
                     and peer.can_run(seq.adapter_id)
                 ):
                     holders += 1
+                    if any_load is None or len(peer.assigned) < any_load:
+                        any_load = len(peer.assigned)
                     if has_room(peer) and (least_load is None or len(peer.assigned) < least_load):
                         least_load = len(peer.assigned)
             tokens = (i + 1) * block_tokens
             room = least_load is not None
             if own_id in owners:
                 # The asker's longest point; another worker's too (a tie) or not.
-                return CacheSpread(tokens, tokens if holders else 0, room, holders, least_load)
+                return CacheSpread(
+                    tokens, tokens if holders else 0, room, holders, least_load, any_load
+                )
             if holders:
                 # The best other point is this one; the asker's own, if any, lies below.
                 own, own_points = 0, self._own_points
@@ -141,5 +147,5 @@ class FleetView:
                     if hashes[j] in own_points:
                         own = (j + 1) * block_tokens
                         break
-                return CacheSpread(own, tokens, room, holders, least_load)
+                return CacheSpread(own, tokens, room, holders, least_load, any_load)
         return COLD

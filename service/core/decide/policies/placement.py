@@ -43,6 +43,7 @@ from itertools import islice
 from service.core.config import SchedulerConfig
 from service.core.decide.fleet import CacheSpread, FleetView
 from service.core.decide.plan import DecisionView
+from service.core.decide.policies.affinity import AffinityPrice, Place
 from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.vocabulary import SequenceView
 
@@ -81,6 +82,7 @@ class Placement:
         self._fleet = fleet
         self._aging_seconds = aging_seconds
         self._model = model
+        self._price = AffinityPrice(model)
         # W's share of the fleet's work: assigned plus queued sequences, per admitting
         # worker (admissions only move sequences from the queue to W: it stays the same).
         self._fair_load = math.ceil((fleet.total_load + fleet.num_queued) / fleet.num_workers)
@@ -104,10 +106,25 @@ class Placement:
         spread = fleet.spread(seq)
         own, other = spread.own_tokens, spread.best_other_tokens
         load = fleet.own_load + num_admitted
+        num_tokens = seq.num_tokens()
+        here = Place(own, load)
         if other > own and not self._holders_leave_it(spread, load):
+            # Waiting for the holder must pay: its saved prefill against the wait and
+            # the holder's batch carrying the rest (an idle W takes a small hit's work).
+            holder = self._holder(spread)
+            if not self._price.prefers(num_tokens, here, holder):
+                return False
             return waited < self._step_seconds(own, other - own)
         if own > other:
-            return False  # W's alone
+            # W's alone: W keeps it unless a less loaded worker runs it for less (W's
+            # batch carrying a prefill a small hit barely shortens).
+            least = fleet.least_peer_load(seq.adapter_id)
+            if least is None or least >= load:
+                return False
+            peer = Place(0, least, self._price.wait_seconds(least))
+            if not self._price.prefers(num_tokens, here, peer):
+                return False
+            return waited < self._step_seconds(own, num_tokens - own)
         # Cold, a tie (W and another hold the same prefix), or a tie among the others
         # that each leave it by load: placed by load.
         if load < self._fair_load:
@@ -115,7 +132,15 @@ class Placement:
         least = fleet.least_peer_load(seq.adapter_id)
         if least is None or least >= load:
             return False
-        return waited < self._step_seconds(own, seq.num_tokens() - own)
+        return waited < self._step_seconds(own, num_tokens - own)
+
+    def _holder(self, spread: CacheSpread) -> Place:
+        """The best other holder as a place: the least loaded with room, else the least
+        loaded of all (it takes the sequence once a place frees: one step at least)."""
+        load = spread.best_other_least_load
+        if load is None:
+            load = spread.best_other_any_load or 0
+        return Place(spread.best_other_tokens, load, self._price.wait_seconds(load))
 
     def _holders_leave_it(self, spread: CacheSpread, load: int) -> bool:
         """Whether two or more others hold the best prefix and each would leave it by
