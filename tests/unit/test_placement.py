@@ -190,26 +190,28 @@ def test_a_prefix_both_workers_hold_goes_by_load_and_one_only_w0_holds_stays_on_
     assert admitted(sched.select_batch(report("w0", waiting=[*busy[:2], late]))) == [(w0_only, 96)]
 
 
-def test_a_prefix_two_loaded_workers_hold_goes_at_once_to_an_idle_third():
-    """Both holders hold their share and more than w2: each leaves the tie to the least
-    loaded by 4., so w2 must not wait for them in turn (all three deferred it, for a step
-    or so, before)."""
+def test_a_short_prefix_two_loaded_workers_hold_goes_at_once_to_an_idle_third():
+    """Both holders hold their share and more than w2, and their 32 tokens of a 400-token
+    prompt save less than their batches pay for the rest: each leaves it, and w2 must not
+    wait for them in turn (all three deferred it, for a step or so, before). A prefix
+    that saves most of the prompt stays with a holder (issue 32: before, a tie was
+    placed by load whatever it saved)."""
     sched, _ = fleet(max_batch_size=8, workers=("w0", "w1", "w2"))
     for worker_id in ("w0", "w1"):
-        sched.select_batch(cache_report(worker_id, added=hashes(100), reset=True))
+        sched.select_batch(
+            cache_report(worker_id, added=hashes(400)[:2] + hashes(100, 5000), reset=True)
+        )
     sched.select_batch(cache_report("w2", reset=True))
     busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 5)]
     assert [s for s, _ in admitted(sched.select_batch(report("w0")))] == busy[:2]
     assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy[2:]
-    tie = submit(sched, prompt_len=100)
+    tie = submit(sched, prompt_len=400)
     assert admitted(sched.select_batch(report("w0", waiting=busy[:2]))) == []
     assert admitted(sched.select_batch(report("w1", waiting=busy[2:]))) == []
     assert admitted(sched.select_batch(report("w2"))) == [(tie, 0)]
-    # A holder below its share takes the next one itself; w2, cold, leaves it to it.
-    sched.select_batch(report("w1", waiting=busy[2:3], finished=[finished(busy[3])]))
-    after = submit(sched, prompt_len=100)
-    assert admitted(sched.select_batch(report("w2", waiting=[tie]))) == []
-    assert admitted(sched.select_batch(report("w1", waiting=busy[2:3]))) == [(after, 96)]
+    # 96 of 100 tokens cached: the holder that asks keeps it, at its share.
+    long_tie = submit_tokens(sched, prompt(100, 5000))
+    assert admitted(sched.select_batch(report("w0", waiting=busy[:2]))) == [(long_tie, 96)]
 
 
 def test_a_prefix_two_loaded_workers_hold_goes_by_load_among_the_others():

@@ -86,6 +86,9 @@ class Placement:
         # W's share of the fleet's work: assigned plus queued sequences, per admitting
         # worker (admissions only move sequences from the queue to W: it stays the same).
         self._fair_load = math.ceil((fleet.total_load + fleet.num_queued) / fleet.num_workers)
+        # Balance is a constraint: no worker takes a sequence for its cache at this load
+        # or more (its share and a quarter, at least one more), whatever the price.
+        self._max_load = self._fair_load + max(1, self._fair_load // 4)
 
     def candidates(self) -> Iterator[SequenceView]:
         """The queue order's candidates, the first LOOKAHEAD of them ranked (overdue,
@@ -110,19 +113,20 @@ class Placement:
         here = Place(own, load)
         if other > own and not self._holders_leave_it(spread, load):
             # Waiting for the holder must pay: its saved prefill against the wait and
-            # the holder's batch carrying the rest (an idle W takes a small hit's work).
+            # the holder's batch carrying the rest (an idle W takes a small hit's work),
+            # and never past the holder's cap.
             holder = self._holder(spread)
-            if not self._price.prefers(num_tokens, here, holder):
+            if holder.load >= self._max_load or not self._price.prefers(num_tokens, here, holder):
                 return False
             return waited < self._step_seconds(own, other - own)
         if own > other:
             # W's alone: W keeps it unless a less loaded worker runs it for less (W's
-            # batch carrying a prefill a small hit barely shortens).
+            # batch carrying a prefill a small hit barely shortens), or W is at its cap.
             least = fleet.least_peer_load(seq.adapter_id)
             if least is None or least >= load:
                 return False
             peer = Place(0, least, self._price.wait_seconds(least))
-            if not self._price.prefers(num_tokens, here, peer):
+            if load < self._max_load and not self._price.prefers(num_tokens, here, peer):
                 return False
             return waited < self._step_seconds(own, num_tokens - own)
         # Cold, a tie (W and another hold the same prefix), or a tie among the others
@@ -132,6 +136,13 @@ class Placement:
         least = fleet.least_peer_load(seq.adapter_id)
         if least is None or least >= load:
             return False
+        holder = spread.best_other_least_load
+        if own and (holder is None or holder >= load) and load < self._max_load:
+            # A tie whose least loaded place is a cold worker: only if it runs it for
+            # less (else that worker, pricing W against itself, leaves it to W too).
+            peer = Place(0, least, self._price.wait_seconds(least))
+            if not self._price.prefers(num_tokens, here, peer):
+                return False
         return waited < self._step_seconds(own, num_tokens - own)
 
     def _holder(self, spread: CacheSpread) -> Place:
