@@ -54,12 +54,14 @@ class AffinityPrice:
         shape = StepShape(todo, chunk_attention(cached_tokens, todo))
         return max(0.0, self._model.predict(shape) - self._empty_step)
 
-    def wait_seconds(self, load: int) -> float:
-        """How long a worker holding `load` sequences takes to ask again: 0 when idle
-        (new work wakes it), else one of its decode steps."""
+    def wait_seconds(self, load: int, backlog_tokens: int = 0) -> float:
+        """How long a worker holding `load` sequences, with `backlog_tokens` of prompts
+        still to prefill, takes to start another: 0 when idle (new work wakes it), else
+        one of its decode steps, plus its backlog's prefill (which goes first)."""
         if load <= 0:
             return 0.0
-        return self._model.predict(StepShape(num_decodes=load))
+        step = self._model.predict(StepShape(num_decodes=load))
+        return step + self.prefill_seconds(backlog_tokens, 0)
 
     def cost_seconds(self, num_tokens: int, place: Place) -> float:
         """Sequence-seconds the sequence costs at `place`: its wait, plus its prefill

@@ -112,46 +112,59 @@ class Placement:
         num_tokens = seq.num_tokens()
         here = Place(own, load)
         if other > own and not self._holders_leave_it(spread, load):
-            # Waiting for the holder must pay: its saved prefill against the wait and
-            # the holder's batch carrying the rest (an idle W takes a small hit's work),
-            # and never past the holder's cap.
-            holder = self._holder(spread)
+            # 3. Waiting for the holder must pay (its saved prefill against the wait and
+            # its batch carrying the rest), and never past the holder's cap.
+            holder = self._place(spread.best_other_holder, other)
             if holder.load >= self._max_load or not self._price.prefers(num_tokens, here, holder):
                 return False
             return waited < self._step_seconds(own, other - own)
+        # At most one of W's steps: a less loaded worker that asks meanwhile takes it.
+        patience = self._step_seconds(own, min(num_tokens - own, self._view.chunk_size))
         if own > other:
-            # W's alone: W keeps it unless a less loaded worker runs it for less (W's
-            # batch carrying a prefill a small hit barely shortens), or W is at its cap.
-            least = fleet.least_peer_load(seq.adapter_id)
-            if least is None or least >= load:
+            # 2. W's alone: W keeps it unless a less loaded worker runs it for less (W's
+            # batch carrying a prefill that a small hit barely shortens), or W is at its
+            # cap.
+            peer = self._least_loaded(seq, spread, alone=True)
+            if peer is None or peer.load >= load:
                 return False
-            peer = Place(0, least, self._price.wait_seconds(least))
             if load < self._max_load and not self._price.prefers(num_tokens, here, peer):
                 return False
-            return waited < self._step_seconds(own, num_tokens - own)
-        # Cold, a tie (W and another hold the same prefix), or a tie among the others
-        # that each leave it by load: placed by load.
+            return waited < patience
+        # 4. Cold or a tie: placed by load. W keeps it below its share; past that it
+        # leaves it to the least loaded place that would start it within W's step (not
+        # one busy with a backlog of prefill) and, for a tie, a cold place only if that
+        # runs it for less; at W's cap to any less loaded place.
         if load < self._fair_load:
             return False
-        least = fleet.least_peer_load(seq.adapter_id)
-        if least is None or least >= load:
+        peer = self._least_loaded(seq, spread, alone=False)
+        if peer is None or peer.load >= load:
             return False
-        holder = spread.best_other_least_load
-        if own and (holder is None or holder >= load) and load < self._max_load:
-            # A tie whose least loaded place is a cold worker: only if it runs it for
-            # less (else that worker, pricing W against itself, leaves it to W too).
-            peer = Place(0, least, self._price.wait_seconds(least))
-            if not self._price.prefers(num_tokens, here, peer):
-                return False
-        return waited < self._step_seconds(own, num_tokens - own)
+        if load < self._max_load and (
+            peer.wait_seconds >= patience
+            or (peer.cached_tokens < own and not self._price.prefers(num_tokens, here, peer))
+        ):
+            return False
+        return waited < patience
 
-    def _holder(self, spread: CacheSpread) -> Place:
-        """The best other holder as a place: the least loaded with room, else the least
-        loaded of all (it takes the sequence once a place frees: one step at least)."""
-        load = spread.best_other_least_load
-        if load is None:
-            load = spread.best_other_any_load or 0
-        return Place(spread.best_other_tokens, load, self._price.wait_seconds(load))
+    def _least_loaded(self, seq: SequenceView, spread: CacheSpread, *, alone: bool) -> Place | None:
+        """The least loaded other place for `seq`: another holder of W's prefix (a tie)
+        when one is the least loaded, else the least loaded worker, counted as cold."""
+        if not alone:
+            holder = spread.best_other_least_load
+            least = self._fleet.least_peer_load(seq.adapter_id)
+            if holder is not None and (least is None or holder <= least):
+                return self._place(spread.best_other_holder, spread.best_other_tokens)
+        worker_id = self._fleet.least_loaded_peer(seq.adapter_id)
+        return None if worker_id is None else self._place(worker_id, 0)
+
+    def _place(self, worker_id: str | None, cached_tokens: int) -> Place:
+        """Another worker as a place: its load, and its wait (a step, and its backlog)."""
+        if worker_id is None:
+            return Place(cached_tokens, 0)
+        fleet = self._fleet
+        load = fleet.load(worker_id)
+        wait = self._price.wait_seconds(load, fleet.backlog_tokens(worker_id))
+        return Place(cached_tokens, load, wait)
 
     def _holders_leave_it(self, spread: CacheSpread, load: int) -> bool:
         """Whether two or more others hold the best prefix and each would leave it by
