@@ -4,29 +4,34 @@ fleet is (docs/policies.md, "Placement").
 
 Late binding: nothing is routed on arrival. When W asks, for each candidate (the queue
 order's) the rule compares what W has cached of its prompt with the best other
-admitting worker that can run it (`FleetView.spread`):
+admitting worker that can run it (`FleetView.spread`), and prices the places with
+`AffinityPrice` (policies/affinity.py): wait + uncached prefill x (1 + load), in
+sequence-seconds, a place's wait being one of its decode steps and the prefill of its
+backlog (0 when idle). A prefix hit is kept for its holder only when it pays.
 
 1. **Overdue** (queued for `--aging-seconds` or more): W takes it if it fits; never
    deferred, and ranked first.
-2. **A hit on W** (W alone holds its longest cached prefix): W takes it, ranked before
-   the others of its window (the saving is W's alone: a hit elsewhere is deferred
-   there, and a cold sequence costs the same wherever it runs). A tie (another worker
-   holds as long a prefix) is ranked so too, but placed by load as a cold one (4.): W
-   saves nothing over the other holder, and without it the workers holding a
-   fleet-wide common prefix would take every request that starts with it.
-3. **Better elsewhere** (another worker holds a longer prefix): W defers it, so that
-   the owner takes it at its next call, for at most the time W would spend computing
-   the tokens the owner has cached (W's step model's prediction of that prefill step,
-   or the cautious default model's); after that W takes it. Waiting never costs the
-   sequence much more than the prefill it saves, and W loses nothing while it waits.
-   When the owners tie among themselves (two or more hold that prefix) and each of them
-   would place it by load away from itself (4.: every one with room holds at least its
-   share and more than W), no owner takes it: it is placed by load as a cold one.
-4. **Cold** (cached nowhere) or a tie: W takes it unless W already holds at least its
-   share of the fleet's work (the assigned and queued sequences over the admitting
-   workers, rounded up) and another admitting worker with room holds fewer; then W
-   defers it, for at most the predicted step of the prefill it would compute, so that
-   the least loaded worker takes it.
+2. **A hit on W** (W alone holds its longest cached prefix): ranked before the others
+   of its window. W takes it unless a less loaded worker runs it for less (a short hit
+   on a busy W: its batch would carry most of the prefill anyway), or W is at its cap.
+3. **Better elsewhere** (another worker holds a longer prefix): W leaves it for the
+   holder only if the holder costs less than W (the saved prefill outweighs the wait
+   and the holder's batch carrying the rest) and is below its cap; then for at most the
+   time W would spend computing the tokens the holder has cached (W's step model's
+   prediction, or the cautious default model's); after that W takes it. When the
+   holders tie among themselves and each of them would place it by load away from
+   itself (4.), it is placed by load as a cold one.
+4. **Cold** (cached nowhere) or a **tie** (another worker holds as long a prefix):
+   placed by load. W takes it unless W holds at least its share of the fleet's work
+   (the assigned and queued sequences over the admitting workers, rounded up) and a less
+   loaded place would start it within one of W's steps (its wait, backlog included);
+   for a tie a cold place must also cost less than W.
+
+**Balance is a constraint**: the cap is W's share and a quarter (at least one more): no
+worker waits for a holder at its cap, and a worker at its cap leaves a hit or a cold
+sequence to any less loaded worker, whatever the price. A deferral for load (2., 4.)
+lasts at most one of W's steps (a chunk's prefill): a less loaded worker that asks
+meanwhile takes it.
 
 A deferred candidate is skipped, not waited for: later ones still go ahead. Everything
 is bounded: a deferral by its patience and by `--aging-seconds`, the reordering by
