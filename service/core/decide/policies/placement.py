@@ -18,7 +18,8 @@ backlog (0 when idle). A prefix hit is kept for its holder only when it pays.
    holder only if the holder costs less than W (the saved prefill outweighs the wait
    and the holder's batch carrying the rest) and is below its cap; then for at most the
    time W would spend computing the tokens the holder has cached (W's step model's
-   prediction, or the cautious default model's); after that W takes it. When the
+   prediction, or the cautious default model's) or the holder's predicted wait, the
+   longer; after that W takes it. When the
    holders tie among themselves and each of them would place it by load away from
    itself (4.), it is placed by load as a cold one.
 4. **Cold** (cached nowhere) or a **tie** (another worker holds as long a prefix):
@@ -122,7 +123,9 @@ class Placement:
             holder = self._place(spread.best_other_holder, other)
             if holder.load >= self._max_load or not self._price.prefers(num_tokens, here, holder):
                 return False
-            return waited < self._step_seconds(own, other - own)
+            # For the saved prefill's time, or until the holder's predicted start if
+            # later (the price already said that wait pays).
+            return waited < max(self._step_seconds(own, other - own), holder.wait_seconds)
         # At most one of W's steps: a less loaded worker that asks meanwhile takes it.
         patience = self._step_seconds(own, min(num_tokens - own, self._view.chunk_size))
         if own > other:
