@@ -115,7 +115,7 @@ def test_prefix_cache_metrics_count_computed_and_cached_tokens_misses_and_points
     from tests.unit.factories import prompt
 
     _, registry, sched = _setup()
-    register(sched, cache_block_tokens=16)
+    register(sched, cache_block_tokens=16, total_snapshot_slots=8)  # aligned chunks
     seq_id = submit(sched, prompt_len=100)
     points = tuple(block_hashes(prompt(100), "", 16)[:4])
     sched.select_batch(replace(report(), cache=CacheReport(added=points, reset=True)))

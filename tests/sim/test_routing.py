@@ -3,6 +3,7 @@ and in a simulation each worker's own prefix cache serves what is routed to it."
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -172,3 +173,44 @@ def test_a_hybrid_models_snapshot_slots_bound_what_it_resumes():
     assert many.cached_prefill_tokens == 2 * (3 + 5 + 7) * B
     assert one.cached_prefill_tokens < many.cached_prefill_tokens
     assert one.computed_prefill_tokens > many.computed_prefill_tokens
+
+
+def test_pull_spreads_a_light_load_whose_prompts_share_only_their_first_block():
+    """Issue 32: every prompt starts with the same block (a system prompt) and 9 of its
+    own. Before, the first worker to hold that block took nearly every request, the
+    idle ones deferring to it; the block saves a tenth of each prefill, less than the
+    holder's batch pays for carrying the rest."""
+    reqs = [
+        Request(i, 0.25 * i, 10 * B, 60, (0, *range(100 + 10 * i, 109 + 10 * i)), B)
+        for i in range(40)
+    ]
+    outcome = run(reqs, "pull", workers=4)
+    shares = Counter(r.worker_id for r in outcome.records)
+    assert max(shares.values()) <= 1.5 * len(reqs) / 4, shares  # main: all 40 on one
+
+
+def test_pull_keeps_each_conversation_on_the_worker_that_holds_it_at_light_load():
+    reqs = sorted(
+        (
+            Request(
+                0,
+                c * 0.2 + t * 2.0,
+                (3 + 2 * t) * B,
+                20,
+                tuple(range(1000 * c, 1000 * c + 3 + 2 * t)),
+                B,
+            )
+            for c in range(4)
+            for t in range(3)
+        ),
+        key=lambda r: r.arrival_seconds,
+    )
+    reqs = [
+        Request(i, r.arrival_seconds, r.prompt_len, r.output_len, r.hash_ids, B)
+        for i, r in enumerate(reqs)
+    ]
+    outcome = run(reqs, "pull", workers=2)
+    # Every follow-up resumes from all of its previous prompt's blocks.
+    assert outcome.cached_prefill_tokens == 4 * sum((1 + 2 * t) * B for t in range(1, 3))
+    shares = Counter(r.worker_id for r in outcome.records)
+    assert min(shares.values()) >= 0.3 * len(reqs), shares

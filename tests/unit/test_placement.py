@@ -11,6 +11,7 @@ import pytest
 
 from common.block_hash import block_hashes
 from service.core import FinishReason, Scheduler, SequenceState
+from service.core.decide.policies.affinity import AffinityPrice, Place
 from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.observer import SchedulerObserver
 from service.core.persist.replica import ReplicaScheduler
@@ -189,26 +190,28 @@ def test_a_prefix_both_workers_hold_goes_by_load_and_one_only_w0_holds_stays_on_
     assert admitted(sched.select_batch(report("w0", waiting=[*busy[:2], late]))) == [(w0_only, 96)]
 
 
-def test_a_prefix_two_loaded_workers_hold_goes_at_once_to_an_idle_third():
-    """Both holders hold their share and more than w2: each leaves the tie to the least
-    loaded by 4., so w2 must not wait for them in turn (all three deferred it, for a step
-    or so, before)."""
+def test_a_short_prefix_two_loaded_workers_hold_goes_at_once_to_an_idle_third():
+    """Both holders hold their share and more than w2, and their 32 tokens of a 400-token
+    prompt save less than their batches pay for the rest: each leaves it, and w2 must not
+    wait for them in turn (all three deferred it, for a step or so, before). A prefix
+    that saves most of the prompt stays with a holder (issue 32: before, a tie was
+    placed by load whatever it saved)."""
     sched, _ = fleet(max_batch_size=8, workers=("w0", "w1", "w2"))
     for worker_id in ("w0", "w1"):
-        sched.select_batch(cache_report(worker_id, added=hashes(100), reset=True))
+        sched.select_batch(
+            cache_report(worker_id, added=hashes(400)[:2] + hashes(100, 5000), reset=True)
+        )
     sched.select_batch(cache_report("w2", reset=True))
     busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 5)]
     assert [s for s, _ in admitted(sched.select_batch(report("w0")))] == busy[:2]
     assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy[2:]
-    tie = submit(sched, prompt_len=100)
+    tie = submit(sched, prompt_len=400)
     assert admitted(sched.select_batch(report("w0", waiting=busy[:2]))) == []
     assert admitted(sched.select_batch(report("w1", waiting=busy[2:]))) == []
     assert admitted(sched.select_batch(report("w2"))) == [(tie, 0)]
-    # A holder below its share takes the next one itself; w2, cold, leaves it to it.
-    sched.select_batch(report("w1", waiting=busy[2:3], finished=[finished(busy[3])]))
-    after = submit(sched, prompt_len=100)
-    assert admitted(sched.select_batch(report("w2", waiting=[tie]))) == []
-    assert admitted(sched.select_batch(report("w1", waiting=busy[2:3]))) == [(after, 96)]
+    # 96 of 100 tokens cached: the holder that asks keeps it, at its share.
+    long_tie = submit_tokens(sched, prompt(100, 5000))
+    assert admitted(sched.select_batch(report("w0", waiting=busy[:2]))) == [(long_tie, 96)]
 
 
 def test_a_prefix_two_loaded_workers_hold_goes_by_load_among_the_others():
@@ -423,3 +426,68 @@ def test_with_placement_nothing_waits_long_while_a_worker_has_room(policy, seed)
     waits = [admitted_at[s] - submitted_at[s] for s in submitted_at]
     assert max(waits) < 1.0  # far below aging (5 s): patience is a step or so
     assert all(sched.get_sequence(s).state is SequenceState.FINISHED for s in submitted_at)
+
+
+# ----------------------------------------------------------------- the price (issue 32)
+
+
+def test_the_price_counts_the_prefill_once_for_the_sequence_and_once_per_sequence_there():
+    price = AffinityPrice(StepTimeModel())
+    prefill = price.prefill_seconds(400, 0)
+    assert prefill == pytest.approx(
+        default_step_seconds(0, 400) - StepTimeModel().predict(StepShape())
+    )
+    assert price.prefill_seconds(400, 400) == 0.0
+    assert price.cost_seconds(400, Place(0, 3)) == pytest.approx(4 * prefill)
+    assert price.wait_seconds(0) == 0.0  # new work wakes an idle worker
+    assert price.wait_seconds(4) == pytest.approx(StepTimeModel().predict(StepShape(num_decodes=4)))
+    # A conversation's next turn, nearly all cached on a worker holding one sequence,
+    # costs less there than cold on an idle one; a short shared prefix does not.
+    idle = Place(0, 0)
+    assert price.prefers(400, idle, Place(384, 1, price.wait_seconds(1)))
+    assert not price.prefers(400, idle, Place(32, 1, price.wait_seconds(1)))
+
+
+@pytest.mark.parametrize("policy", ["fifo", "budget", "fair"])
+def test_at_light_load_an_idle_worker_takes_a_request_whose_short_prefix_a_busy_one_holds(
+    policy,
+):
+    """Mooncake's conversations share their first blocks: the worker that held them took
+    every request starting with them while the idle ones deferred to it (one worker with
+    2.00x the mean share at 0.7 QPS). A 32-token hit on a 400-token prompt saves less
+    than the holder's two sequences pay for carrying the rest of its prefill."""
+    sched, _ = fleet(policy)
+    sched.select_batch(cache_report("w1", added=hashes(400)[:2], reset=True))
+    busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 3)]
+    assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy
+    sched.select_batch(cache_report("w0", reset=True))
+    seq = submit(sched, prompt_len=400)
+    assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]
+
+
+@pytest.mark.parametrize("policy", ["fifo", "budget", "fair"])
+def test_a_loaded_holder_leaves_its_short_hit_to_an_idle_worker(policy):
+    """The same price from the holder's side: w1 asks first, holding the 32-token prefix
+    and two sequences; w0 is idle. w1 leaves it (for one step of the prefill at most)."""
+    blocked = Blocked()
+    sched, _ = fleet(policy, observer=blocked, workers=("w1",))
+    sched.select_batch(cache_report("w1", added=hashes(400)[:2], reset=True))
+    busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 3)]
+    assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy
+    register(sched, "w0", cache_block_tokens=B, total_snapshot_slots=8)
+    sched.select_batch(cache_report("w0", reset=True))
+    seq = submit(sched, prompt_len=400)
+    assert admitted(sched.select_batch(report("w1", waiting=busy))) == []
+    assert blocked.reasons[-1] == ("w1", "placement")
+    assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]
+
+
+def test_a_next_turn_still_waits_for_a_busy_holder_that_saves_most_of_its_prompt():
+    sched, _ = fleet()
+    sched.select_batch(cache_report("w1", added=hashes(400), reset=True))
+    busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 3)]
+    assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy
+    sched.select_batch(cache_report("w0", reset=True))
+    seq = submit(sched, prompt_len=400)
+    assert admitted(sched.select_batch(report("w0"))) == []  # w1 has 384 of its 400
+    assert admitted(sched.select_batch(report("w1", waiting=busy))) == [(seq, 384)]

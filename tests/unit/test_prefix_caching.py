@@ -195,6 +195,25 @@ def test_without_a_cache_chunks_are_not_aligned(setting):
     assert first_chunks(sched.select_batch(report())) == [(seq, 0, 0, 40)]
 
 
+@pytest.mark.parametrize("policy", ["fifo", "budget"])
+def test_a_worker_that_keeps_no_snapshots_gets_unaligned_chunks_and_still_resumes(policy):
+    """An attention-only model (no GDN snapshot slots) caches every full block whatever
+    the chunks: aligning would only cost each prompt one more step (issue 32)."""
+    limits = (
+        dict(max_num_batched_tokens=40, min_prefill_chunk=8, kv_watermark_pages=1)
+        if policy == "budget"
+        else dict(chunk_size=40)
+    )
+    cold, cached = (make_scheduler(policy=policy, max_batch_size=8, **limits) for _ in range(2))
+    for sched in (cold, cached):
+        register(sched, cache_block_tokens=B)  # a cache, no snapshot slots
+    seq = submit(cold, prompt_len=100)
+    assert first_chunks(cold.select_batch(report())) == [(seq, 0, 0, 40)]
+    hit = submit(cached, prompt_len=100)
+    decision = cached.select_batch(cache_report(added=hashes(100)[:4], reset=True))
+    assert first_chunks(decision) == [(hit, 64, 64, 36)]  # from its resume point, to its end
+
+
 # ----------------------------------------------------------------- misses
 
 
@@ -271,7 +290,7 @@ def test_a_new_registration_forgets_the_old_incarnations_points():
     sched = cached_scheduler(observer=recorder)
     sched.select_batch(cache_report(added=hashes(100), reset=True, gdn_free_slots=0))
     assert recorder.points == [6]
-    register(sched, cache_block_tokens=B)
+    register(sched, cache_block_tokens=B, total_snapshot_slots=8)
     seq = submit(sched, prompt_len=100)
     assert first_chunks(sched.select_batch(report())) == [(seq, 0, 0, 96)]
 

@@ -147,7 +147,7 @@ class Batcher:
 
         block_tokens = worker.resume_points.block_tokens
         return DecisionView(
-            cache_block_tokens=block_tokens,
+            align_block_tokens=(block_tokens if worker.registration.total_snapshot_slots else 0),
             cached_tokens=self._cache_lookup(worker),
             fleet=(
                 FleetView(worker, self._ledger, self._ledger.fleet_cache, len(self._queue), now)

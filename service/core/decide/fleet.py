@@ -32,6 +32,9 @@ class CacheSpread:
     # of those of them with room (None: none has room).
     best_other_holders: int = 0
     best_other_least_load: int | None = None
+    # The holder a sequence would wait for: the least loaded of those with room, else
+    # the least loaded of all (None: no other holds it).
+    best_other_holder: str | None = None
 
 
 COLD = CacheSpread(0, 0, False)
@@ -79,10 +82,38 @@ class FleetView:
             (len(w.assigned) for w in self._peers.values() if has_room(w)), default=None
         )
         self._found: dict[int, CacheSpread] = {}
+        self._backlog: dict[str, int] = {}
 
     def waited_seconds(self, seq: Sequence) -> float:
         """How long `seq` has been queued this time (since it last entered the queue)."""
         return max(0.0, self.now - seq.enqueued_at)
+
+    def load(self, worker_id: str) -> int:
+        """Sequences assigned to the peer `worker_id`."""
+        return len(self._peers[worker_id].assigned)
+
+    def backlog_tokens(self, worker_id: str) -> int:
+        """Prompt tokens the peer `worker_id` has still to be handed (its assigned
+        sequences' prompts past their cursors): prefill it runs before, or beside, any
+        admission. O(its assigned sequences), memoized for this decision."""
+        known = self._backlog.get(worker_id)
+        if known is None:
+            known = self._backlog[worker_id] = sum(
+                max(0, seq.spec_prompt_len() - seq.cursor)
+                for seq in self._peers[worker_id].assigned.values()
+            )
+        return known
+
+    def least_loaded_peer(self, adapter_id: str) -> str | None:
+        """Another admitting worker with room that can run `adapter_id`, with the least
+        load; None: there is none."""
+        best, best_load = None, None
+        for worker_id, peer in self._peers.items():
+            if (not adapter_id or peer.can_run(adapter_id)) and has_room(peer):
+                load = len(peer.assigned)
+                if best_load is None or load < best_load:
+                    best, best_load = worker_id, load
+        return best
 
     def least_peer_load(self, adapter_id: str) -> int | None:
         """The least load of another admitting worker with room that can run
@@ -118,7 +149,7 @@ class FleetView:
             owners = owners_of.get(hashes[i])
             if owners is None:
                 continue
-            holders, least_load = 0, None
+            holders, least_load, holder, any_load, any_holder = 0, None, None, None, None
             for worker_id in owners:
                 peer = self._peers.get(worker_id)
                 if (
@@ -127,13 +158,23 @@ class FleetView:
                     and peer.can_run(seq.adapter_id)
                 ):
                     holders += 1
-                    if has_room(peer) and (least_load is None or len(peer.assigned) < least_load):
-                        least_load = len(peer.assigned)
+                    load = len(peer.assigned)
+                    if any_load is None or load < any_load:
+                        any_load, any_holder = load, worker_id
+                    if has_room(peer) and (least_load is None or load < least_load):
+                        least_load, holder = load, worker_id
             tokens = (i + 1) * block_tokens
             room = least_load is not None
             if own_id in owners:
                 # The asker's longest point; another worker's too (a tie) or not.
-                return CacheSpread(tokens, tokens if holders else 0, room, holders, least_load)
+                return CacheSpread(
+                    tokens,
+                    tokens if holders else 0,
+                    room,
+                    holders,
+                    least_load,
+                    holder or any_holder,
+                )
             if holders:
                 # The best other point is this one; the asker's own, if any, lies below.
                 own, own_points = 0, self._own_points
@@ -141,5 +182,5 @@ class FleetView:
                     if hashes[j] in own_points:
                         own = (j + 1) * block_tokens
                         break
-                return CacheSpread(own, tokens, room, holders, least_load)
+                return CacheSpread(own, tokens, room, holders, least_load, holder or any_holder)
         return COLD

@@ -55,9 +55,12 @@ class DecisionView:
     step_model: StepTimeModel | None = None
     # With a step model: the tokens of the running sequences, summed (their decode context).
     running_context: int = 0
-    # The worker's prefix-cache block (0: no cache, or --prefix-caching off): chunks that
-    # can end on a multiple of it should (docs/contract.md, "Prefix caching").
-    cache_block_tokens: int = 0
+    # The block chunks that can end on a multiple of it should (docs/contract.md, "Prefix
+    # caching"): the worker's cache block when it keeps GDN snapshots (a hybrid model
+    # snapshots only where a forward ends on a block); 0 without a cache, with
+    # --prefix-caching off, or for a worker that keeps no snapshots (an attention-only
+    # model caches every full block whatever the chunks: aligning would only add a step).
+    align_block_tokens: int = 0
     # Prompt tokens a queued sequence may take from this worker's cache: its longest
     # resume point here strictly below its prompt's length (0: none).
     cached_tokens: Callable[[SequenceView], int] = lambda seq: 0

@@ -144,7 +144,7 @@ class BudgetPolicy:
         admissions, blocked = admit(
             view,
             budget,
-            lambda seq, left, cached: self._first_chunk(seq, left, cached, view.cache_block_tokens),
+            lambda seq, left, cached: self._first_chunk(seq, left, cached, view.align_block_tokens),
             self._placement,
         )
         if not (decode or continuations or admissions or preempt):
@@ -217,7 +217,7 @@ def _continue_prefills(view: DecisionView, budget: StepBudget) -> tuple[Chunk, .
         length = align_chunk(
             seq.cursor,
             budget.max_chunk(seq.cursor, seq.spec_prompt_len() - seq.cursor),
-            view.cache_block_tokens,
+            view.align_block_tokens,
         )
         if length > 0:
             budget.take_chunk(seq.cursor, length)

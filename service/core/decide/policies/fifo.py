@@ -48,7 +48,7 @@ class FifoPolicy:
         )
 
     def plan(self, view: DecisionView) -> Plan:
-        block = view.cache_block_tokens
+        block = view.align_block_tokens
         admissions, blocked = admit(
             view,
             self.budget(view),

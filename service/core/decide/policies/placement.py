@@ -4,29 +4,35 @@ fleet is (docs/policies.md, "Placement").
 
 Late binding: nothing is routed on arrival. When W asks, for each candidate (the queue
 order's) the rule compares what W has cached of its prompt with the best other
-admitting worker that can run it (`FleetView.spread`):
+admitting worker that can run it (`FleetView.spread`), and prices the places with
+`AffinityPrice` (policies/affinity.py): wait + uncached prefill x (1 + load), in
+sequence-seconds, a place's wait being one of its decode steps and the prefill of its
+backlog (0 when idle). A prefix hit is kept for its holder only when it pays.
 
 1. **Overdue** (queued for `--aging-seconds` or more): W takes it if it fits; never
    deferred, and ranked first.
-2. **A hit on W** (W alone holds its longest cached prefix): W takes it, ranked before
-   the others of its window (the saving is W's alone: a hit elsewhere is deferred
-   there, and a cold sequence costs the same wherever it runs). A tie (another worker
-   holds as long a prefix) is ranked so too, but placed by load as a cold one (4.): W
-   saves nothing over the other holder, and without it the workers holding a
-   fleet-wide common prefix would take every request that starts with it.
-3. **Better elsewhere** (another worker holds a longer prefix): W defers it, so that
-   the owner takes it at its next call, for at most the time W would spend computing
-   the tokens the owner has cached (W's step model's prediction of that prefill step,
-   or the cautious default model's); after that W takes it. Waiting never costs the
-   sequence much more than the prefill it saves, and W loses nothing while it waits.
-   When the owners tie among themselves (two or more hold that prefix) and each of them
-   would place it by load away from itself (4.: every one with room holds at least its
-   share and more than W), no owner takes it: it is placed by load as a cold one.
-4. **Cold** (cached nowhere) or a tie: W takes it unless W already holds at least its
-   share of the fleet's work (the assigned and queued sequences over the admitting
-   workers, rounded up) and another admitting worker with room holds fewer; then W
-   defers it, for at most the predicted step of the prefill it would compute, so that
-   the least loaded worker takes it.
+2. **A hit on W** (W alone holds its longest cached prefix): ranked before the others
+   of its window. W takes it unless a less loaded worker runs it for less (a short hit
+   on a busy W: its batch would carry most of the prefill anyway), or W is at its cap.
+3. **Better elsewhere** (another worker holds a longer prefix): W leaves it for the
+   holder only if the holder costs less than W (the saved prefill outweighs the wait
+   and the holder's batch carrying the rest) and is below its cap; then for at most the
+   time W would spend computing the tokens the holder has cached (W's step model's
+   prediction, or the cautious default model's) or the holder's predicted wait, the
+   longer; after that W takes it. When the
+   holders tie among themselves and each of them would place it by load away from
+   itself (4.), it is placed by load as a cold one.
+4. **Cold** (cached nowhere) or a **tie** (another worker holds as long a prefix):
+   placed by load. W takes it unless W holds at least its share of the fleet's work
+   (the assigned and queued sequences over the admitting workers, rounded up) and a less
+   loaded place would start it within one of W's steps (its wait, backlog included);
+   for a tie a cold place must also cost less than W.
+
+**Balance is a constraint**: the cap is W's share and a quarter (at least one more): no
+worker waits for a holder at its cap, and a worker at its cap leaves a hit or a cold
+sequence to any less loaded worker, whatever the price. A deferral for load (2., 4.)
+lasts at most one of W's steps (a chunk's prefill): a less loaded worker that asks
+meanwhile takes it.
 
 A deferred candidate is skipped, not waited for: later ones still go ahead. Everything
 is bounded: a deferral by its patience and by `--aging-seconds`, the reordering by
@@ -43,6 +49,7 @@ from itertools import islice
 from service.core.config import SchedulerConfig
 from service.core.decide.fleet import CacheSpread, FleetView
 from service.core.decide.plan import DecisionView
+from service.core.decide.policies.affinity import AffinityPrice, Place
 from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 from service.core.vocabulary import SequenceView
 
@@ -81,9 +88,13 @@ class Placement:
         self._fleet = fleet
         self._aging_seconds = aging_seconds
         self._model = model
+        self._price = AffinityPrice(model)
         # W's share of the fleet's work: assigned plus queued sequences, per admitting
         # worker (admissions only move sequences from the queue to W: it stays the same).
         self._fair_load = math.ceil((fleet.total_load + fleet.num_queued) / fleet.num_workers)
+        # Balance is a constraint: no worker takes a sequence for its cache at this load
+        # or more (its share and a quarter, at least one more), whatever the price.
+        self._max_load = self._fair_load + max(1, self._fair_load // 4)
 
     def candidates(self) -> Iterator[SequenceView]:
         """The queue order's candidates, the first LOOKAHEAD of them ranked (overdue,
@@ -104,18 +115,64 @@ class Placement:
         spread = fleet.spread(seq)
         own, other = spread.own_tokens, spread.best_other_tokens
         load = fleet.own_load + num_admitted
+        num_tokens = seq.num_tokens()
+        here = Place(own, load)
         if other > own and not self._holders_leave_it(spread, load):
-            return waited < self._step_seconds(own, other - own)
+            # 3. Waiting for the holder must pay (its saved prefill against the wait and
+            # its batch carrying the rest), and never past the holder's cap.
+            holder = self._place(spread.best_other_holder, other)
+            if holder.load >= self._max_load or not self._price.prefers(num_tokens, here, holder):
+                return False
+            # For the saved prefill's time, or until the holder's predicted start if
+            # later (the price already said that wait pays).
+            return waited < max(self._step_seconds(own, other - own), holder.wait_seconds)
+        # At most one of W's steps: a less loaded worker that asks meanwhile takes it.
+        patience = self._step_seconds(own, min(num_tokens - own, self._view.chunk_size))
         if own > other:
-            return False  # W's alone
-        # Cold, a tie (W and another hold the same prefix), or a tie among the others
-        # that each leave it by load: placed by load.
+            # 2. W's alone: W keeps it unless a less loaded worker runs it for less (W's
+            # batch carrying a prefill that a small hit barely shortens), or W is at its
+            # cap.
+            peer = self._least_loaded(seq, spread, alone=True)
+            if peer is None or peer.load >= load:
+                return False
+            if load < self._max_load and not self._price.prefers(num_tokens, here, peer):
+                return False
+            return waited < patience
+        # 4. Cold or a tie: placed by load. W keeps it below its share; past that it
+        # leaves it to the least loaded place that would start it within W's step (not
+        # one busy with a backlog of prefill) and, for a tie, a cold place only if that
+        # runs it for less; at W's cap to any less loaded place.
         if load < self._fair_load:
             return False
-        least = fleet.least_peer_load(seq.adapter_id)
-        if least is None or least >= load:
+        peer = self._least_loaded(seq, spread, alone=False)
+        if peer is None or peer.load >= load:
             return False
-        return waited < self._step_seconds(own, seq.num_tokens() - own)
+        if load < self._max_load and (
+            peer.wait_seconds >= patience
+            or (peer.cached_tokens < own and not self._price.prefers(num_tokens, here, peer))
+        ):
+            return False
+        return waited < patience
+
+    def _least_loaded(self, seq: SequenceView, spread: CacheSpread, *, alone: bool) -> Place | None:
+        """The least loaded other place for `seq`: another holder of W's prefix (a tie)
+        when one is the least loaded, else the least loaded worker, counted as cold."""
+        if not alone:
+            holder = spread.best_other_least_load
+            least = self._fleet.least_peer_load(seq.adapter_id)
+            if holder is not None and (least is None or holder <= least):
+                return self._place(spread.best_other_holder, spread.best_other_tokens)
+        worker_id = self._fleet.least_loaded_peer(seq.adapter_id)
+        return None if worker_id is None else self._place(worker_id, 0)
+
+    def _place(self, worker_id: str | None, cached_tokens: int) -> Place:
+        """Another worker as a place: its load, and its wait (a step, and its backlog)."""
+        if worker_id is None:
+            return Place(cached_tokens, 0)
+        fleet = self._fleet
+        load = fleet.load(worker_id)
+        wait = self._price.wait_seconds(load, fleet.backlog_tokens(worker_id))
+        return Place(cached_tokens, load, wait)
 
     def _holders_leave_it(self, spread: CacheSpread, load: int) -> bool:
         """Whether two or more others hold the best prefix and each would leave it by

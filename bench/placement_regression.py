@@ -1,0 +1,348 @@
+"""Placement's regression table (docs/policies.md, "Placement: what it costs where
+caching cannot help"): prefix caching on against off, and pull against a peer's router,
+on both Mooncake traces, per setting, at 1 and 2 QPS and at 80% of the capacity with
+caching off, plus the capacity with caching on and off; with the load balance column.
+
+    .venv/bin/python -m bench.placement_regression            # the whole table
+    .venv/bin/python -m bench.placement_regression --settings conv-128-budget --num-requests 1000
+
+Runs the simulator in this process (`lattice-scheduler simulate`'s own pieces: the same
+Setup, config resolution and runs), 4 workers, A30 profile, seed 0, Poisson arrivals,
+one run per cell. A setting is a trace, its --block-tokens (the scale of its prompts),
+a --max-seq-len and the policy's budget: fixed 512 tokens or the latency targets
+(--tpot-target-ms 100 --ttft-target-ms 2000). The capacity is at TTFT p99 <= 2 s and
+TPOT p99 <= 100 ms, bisected to --capacity-tolerance. Progress goes to stderr, the
+Markdown table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+
+from bench.harness.tables import markdown_table
+
+TARGETS = ("--tpot-target-ms", "100", "--ttft-target-ms", "2000")
+BUDGET_512 = ("--policy", "budget", "--max-num-batched-tokens", "512")
+
+
+def _slo():
+    from service.sim.experiments import Slo
+
+    return Slo(ttft_p99=2.0, tpot_p99=0.1)
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    trace: str
+    flags: tuple[str, ...]
+
+
+SETTINGS = (
+    Setting(
+        "conv-128-budget",
+        "mooncake_conversation",
+        ("--block-tokens", "128", "--max-seq-len", "8192", *BUDGET_512),
+    ),
+    Setting(
+        "conv-128-targets",
+        "mooncake_conversation",
+        ("--block-tokens", "128", "--max-seq-len", "8192", *TARGETS),
+    ),
+    Setting("conv-64-budget", "mooncake_conversation", ("--block-tokens", "64", *BUDGET_512)),
+    Setting("conv-64-targets", "mooncake_conversation", ("--block-tokens", "64", *TARGETS)),
+    Setting(
+        "syn-64-budget",
+        "mooncake_synthetic",
+        ("--block-tokens", "64", "--max-seq-len", "8192", *BUDGET_512),
+    ),
+    Setting(
+        "syn-64-targets",
+        "mooncake_synthetic",
+        ("--block-tokens", "64", "--max-seq-len", "8192", *TARGETS),
+    ),
+    Setting(
+        "syn-128-budget",
+        "mooncake_synthetic",
+        ("--block-tokens", "128", "--max-seq-len", "8192", *BUDGET_512),
+    ),
+    Setting(
+        "syn-128-targets",
+        "mooncake_synthetic",
+        ("--block-tokens", "128", "--max-seq-len", "8192", *TARGETS),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run's figures, as the table shows them."""
+
+    load: str
+    qps: float
+    routing: str
+    caching: str
+    ttft_p99: float
+    tpot_p99: float
+    queue_p99: float
+    max_share: float
+    hit_rate: float
+
+
+class Runner:
+    """Runs of one setting in this process (the trace and cost model loaded once)."""
+
+    def __init__(self, setting: Setting, num_requests: int, seed: int, workers: int) -> None:
+        from service.cli.main import main as _  # noqa: F401  (the CLI's imports, once)
+        from service.sim import cli
+
+        parser = argparse.ArgumentParser()
+        cli.add_parser(parser.add_subparsers(dest="command"))
+        self._parser = parser
+        self._base = (
+            "simulate",
+            "--trace",
+            setting.trace,
+            "--workers",
+            str(workers),
+            "--num-requests",
+            str(num_requests),
+            "--seed",
+            str(seed),
+            "--no-progress",
+            *setting.flags,
+        )
+        self._setups: dict[str, object] = {}
+
+    def _setup_and_config(self, routing: str, caching: str):
+        from service import settings
+        from service.sim import experiments
+        from service.sim.costs import load_cost_source
+        from service.sim.simulator import WorkerShape
+        from service.sim.workload import load_trace
+
+        args = self._parser.parse_args(
+            [*self._base, "--routing", routing, "--prefix-caching", caching]
+        )
+        config = settings.resolve(args, os.environ).scheduler
+        setup = self._setups.get("base")
+        if setup is None:
+            cost = load_cost_source(
+                profile=args.profile, step_table_path=args.step_table, page_size=args.page_size
+            )
+            trace = load_trace(args.trace, block_tokens=args.block_tokens)
+            worker = WorkerShape(
+                args.kv_pages or cost.default_kv_pages,
+                args.page_size,
+                args.gdn_slots or cost.default_gdn_slots,
+                cache_block_tokens=trace.block_tokens,
+            )
+            setup = experiments.Setup(
+                trace,
+                cost,
+                worker,
+                args.workers,
+                args.num_requests,
+                args.arrivals,
+                args.seed,
+                routing,
+                progress=False,
+            )
+            self._setups["base"] = setup
+        return replace(setup, routing=routing), config
+
+    def run(self, load: str, qps: float, routing: str, caching: str) -> Cell:
+        from service.sim import experiments
+
+        setup, config = self._setup_and_config(routing, caching)
+        r = experiments.simulate(setup, config, qps).result
+        return Cell(
+            load,
+            qps,
+            routing,
+            caching,
+            r.ttft_p99,
+            r.tpot_p99,
+            r.queue_p99,
+            r.max_share_over_mean,
+            r.prefix_hit_rate,
+        )
+
+    def meets_slo(self, caching: str, qps: float) -> bool:
+        """Whether pull with `caching` meets the SLO at `qps` (one probe)."""
+        from service.sim import experiments
+
+        setup, config = self._setup_and_config("pull", caching)
+        return _slo().met_by(experiments.simulate(setup, config, qps).result)
+
+    def capacity(self, caching: str, start_qps: float, tolerance: float, log) -> float:
+        from service.sim import experiments
+
+        setup, config = self._setup_and_config("pull", caching)
+        slo = _slo()
+
+        def on_step(n, run, meets):
+            r = run.result
+            log(
+                f"    capacity, caching {caching}, probe {n}: {r.qps:.2f} QPS -> TTFT p99 "
+                f"{r.ttft_p99:.3f} s, TPOT p99 {r.tpot_p99 * 1000:.1f} ms"
+                f" {'meets' if meets else 'misses'}"
+            )
+
+        found = experiments.find_capacity(
+            lambda qps: experiments.simulate(setup, config, qps),
+            slo,
+            start_qps=start_qps,
+            on_step=on_step,
+            tolerance=tolerance,
+        )
+        return found.capacity_qps
+
+
+def measure(setting: Setting, args: argparse.Namespace) -> tuple[list[Cell], dict[str, float]]:
+    """Every cell of one setting: the capacities, then each load's runs."""
+    started = time.perf_counter()
+
+    def log(text: str) -> None:
+        print(f"[{setting.name} {time.perf_counter() - started:5.0f} s] {text}", file=sys.stderr)
+
+    runner = Runner(setting, args.num_requests, args.seed, args.workers)
+    # The capacity with caching off, searched; with it on, one probe at that rate: if it
+    # meets the SLO there, on >= off (to the search's tolerance), else it is searched.
+    capacity = {"off": runner.capacity("off", args.capacity_start, args.capacity_tolerance, log)}
+    log(f"capacity, caching off: {capacity['off']:.2f} QPS")
+    if capacity["off"] and runner.meets_slo("on", capacity["off"]):
+        capacity["on"] = capacity["off"]
+        log(f"caching on meets the SLO at {capacity['off']:.2f} QPS too")
+    else:
+        capacity["on"] = runner.capacity("on", args.capacity_start, args.capacity_tolerance, log)
+        log(f"capacity, caching on: {capacity['on']:.2f} QPS")
+    loads = [(f"{q:g} QPS", q) for q in args.qps]
+    if capacity["off"]:
+        loads.append(("80% of capacity", round(0.8 * capacity["off"], 2)))
+    runs = [("pull", "on"), ("pull", "off")] + [(r, "on") for r in args.routers]
+    cells = []
+    for load, qps in loads:
+        for routing, caching in runs:
+            cell = runner.run(load, qps, routing, caching)
+            log(
+                f"{load} ({qps:g}), {routing}, caching {caching}: TTFT p99 {cell.ttft_p99:.3f}"
+                f" s, TPOT p99 {cell.tpot_p99 * 1000:.1f} ms, max share {cell.max_share:.2f}"
+            )
+            cells.append(cell)
+    return cells, capacity
+
+
+def table(results: list[tuple[Setting, list[Cell], dict[str, float]]]) -> str:
+    rows = []
+    for setting, cells, capacity in results:
+        off = {c.load: c for c in cells if c.routing == "pull" and c.caching == "off"}
+        for c in cells:
+            base = off[c.load]
+            ratio = (
+                f"{c.ttft_p99 / base.ttft_p99:.2f} / {c.tpot_p99 / base.tpot_p99:.2f}"
+                if c is not base
+                else ""
+            )
+            rows.append(
+                [
+                    setting.name,
+                    f"{c.load} ({c.qps:g})" if c.load.startswith("80") else c.load,
+                    c.routing,
+                    c.caching,
+                    f"{c.ttft_p99:.3f}",
+                    f"{c.tpot_p99 * 1000:.1f}",
+                    ratio,
+                    f"{c.queue_p99:.3f}",
+                    f"{c.max_share:.2f}",
+                    f"{c.hit_rate:.3f}",
+                ]
+            )
+        if capacity["on"] == capacity["off"]:
+            on, ratio = f">= {capacity['off']:.2f}", ">= 1.00"
+        else:
+            on = f"{capacity['on']:.2f}"
+            ratio = f"{capacity['on'] / capacity['off']:.2f}" if capacity["off"] else ""
+        rows.append(
+            [
+                setting.name,
+                "capacity QPS",
+                "pull",
+                "on / off",
+                f"{on} / {capacity['off']:.2f}",
+                "",
+                ratio,
+                "",
+                "",
+                "",
+            ]
+        )
+    header = [
+        "setting",
+        "load",
+        "routing",
+        "caching",
+        "TTFT p99 s",
+        "TPOT p99 ms",
+        "vs pull off (TTFT / TPOT)",
+        "queue p99 s",
+        "max share / mean",
+        "hit rate",
+    ]
+    return markdown_table(header, rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.placement_regression", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--settings",
+        default=",".join(s.name for s in SETTINGS),
+        help="comma-separated, of: " + ", ".join(s.name for s in SETTINGS),
+    )
+    p.add_argument("--num-requests", type=int, default=200, help="per run (default %(default)s)")
+    p.add_argument("--qps", default="1,2", help="the light loads (default %(default)s)")
+    p.add_argument(
+        "--routers",
+        default="prefix-load",
+        help="the peers' routers run beside pull, caching on (default: llm-d's, the best of "
+        "them in docs/simulation.md's tables)",
+    )
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--capacity-start", type=float, default=4.0)
+    p.add_argument("--capacity-tolerance", type=float, default=0.1)
+    p.add_argument("--jobs", type=int, default=1, help="settings run at once (processes)")
+    args = p.parse_args()
+    args.qps = [float(q) for q in args.qps.split(",") if q]
+    args.routers = [r for r in args.routers.split(",") if r]
+    by_name = {s.name: s for s in SETTINGS}
+    settings = [by_name[name] for name in args.settings.split(",") if name]
+    started = time.perf_counter()
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            measured = list(pool.map(measure, settings, [args] * len(settings)))
+    else:
+        measured = []
+        for setting in settings:
+            measured.append(measure(setting, args))
+            # Each setting's rows as it ends, so that a run cut short keeps them.
+            print(table([(setting, *measured[-1])]), file=sys.stderr)
+    results = [(s, cells, cap) for s, (cells, cap) in zip(settings, measured, strict=True)]
+    print(table(results))
+    print(
+        f"\n{args.num_requests} requests a run, {args.workers} workers, seed {args.seed}; "
+        f"{time.perf_counter() - started:.0f} s wall; load average "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The price of running one sequence at a place: what placement weighs a cached prefix
+against (docs/policies.md, "Placement").
+
+A place is a worker as seen by one decision: how much of the sequence's prompt it has
+cached, how many sequences it holds, and how long until it would take the sequence. Its
+cost, in sequence-seconds, is the wait plus the sequence's prefill (the tokens it does
+not have cached, at the learned step cost), paid once by the sequence itself and once
+by every sequence already there, whose next steps carry that prefill beside their
+decodes (their TPOT). A prefix hit saves prefill; holding a sequence for its holder, or
+piling work onto one worker while another is idle, costs waiting and TPOT. Affinity
+pays only when the first outweighs the second:
+
+    cost(place) = wait + prefill(uncached tokens) x (1 + load)
+
+So at light load an idle worker (load 0, no wait) takes a sequence unless its holder
+saves most of the prompt (a conversation's next turn), and under load, where every
+place carries the prefill for many, the hit wins. Pure and small: placement in the
+pull design calls it per candidate, and anything that chooses among workers for a
+queued sequence (a replica's claim) can call the same `prefers`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """A worker as a place to run one sequence."""
+
+    # Prompt tokens of the sequence cached there (its longest resume point).
+    cached_tokens: int
+    # Sequences assigned there, which each carry the prefill's time in their steps.
+    load: int
+    # Until it would take the sequence: 0 for the worker asking now.
+    wait_seconds: float = 0.0
+
+
+class AffinityPrice:
+    """Prices places on one worker's step model (the asker's, learned or cautious)."""
+
+    def __init__(self, model: StepTimeModel) -> None:
+        self._model = model
+        self._empty_step = model.predict(StepShape())
+
+    def prefill_seconds(self, num_tokens: int, cached_tokens: int) -> float:
+        """What prefilling a `num_tokens` prompt from `cached_tokens` adds to the steps
+        that carry it (the model's prediction less a step's fixed cost)."""
+        todo = max(0, num_tokens - cached_tokens)
+        if todo == 0:
+            return 0.0
+        shape = StepShape(todo, chunk_attention(cached_tokens, todo))
+        return max(0.0, self._model.predict(shape) - self._empty_step)
+
+    def wait_seconds(self, load: int, backlog_tokens: int = 0) -> float:
+        """How long a worker holding `load` sequences, with `backlog_tokens` of prompts
+        still to prefill, takes to start another: 0 when idle (new work wakes it), else
+        one of its decode steps, plus its backlog's prefill (which goes first)."""
+        if load <= 0:
+            return 0.0
+        step = self._model.predict(StepShape(num_decodes=load))
+        return step + self.prefill_seconds(backlog_tokens, 0)
+
+    def cost_seconds(self, num_tokens: int, place: Place) -> float:
+        """Sequence-seconds the sequence costs at `place`: its wait, plus its prefill
+        paid by itself and by each sequence already there."""
+        prefill = self.prefill_seconds(num_tokens, place.cached_tokens)
+        return place.wait_seconds + prefill * (1 + place.load)
+
+    def prefers(self, num_tokens: int, here: Place, there: Place) -> bool:
+        """Whether a `num_tokens` prompt costs less at `there` than `here`."""
+        return self.cost_seconds(num_tokens, there) < self.cost_seconds(num_tokens, here)
