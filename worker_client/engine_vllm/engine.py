@@ -4,8 +4,9 @@ Each `step` turns the Lattice decision into a plan {request id: tokens} for
 `PlannedScheduler`, steps vLLM once, and checks that vLLM scheduled exactly the plan.
 
 Refusals. Before a step, a chunk vLLM could not run exactly is refused: a continuation
-whose start is not where vLLM's prefill stands, a chunk that ends off a block boundary
-before the prompt's end while vLLM aligns chunks (prefix caching on a hybrid model), a
+whose start is not where vLLM's prefill stands, a chunk that crosses a block boundary
+without starting and ending on one while vLLM aligns chunks (prefix caching on a hybrid
+model), a
 first chunk whose `cached_tokens` is not what vLLM's cache would give it, a step over
 vLLM's token or sequence limits. After a step, a sequence whose scheduled tokens differ
 from the plan, or that vLLM preempted on its own, is refused too: its tokens of that step
@@ -185,6 +186,8 @@ class VllmEngine:
         refused: list[int] = []
         misses: list[int] = []
         for chunk in prefill:
+            if chunk.spec is None and chunk.seq_id not in self._held:
+                continue  # it ended or was handed back in the step before: no token
             try:
                 request_id = self._plan_chunk(chunk)
             except Refused as why:
@@ -213,16 +216,14 @@ class VllmEngine:
         """The request id that runs `chunk`; None for a cache miss (nothing held)."""
         end = chunk.chunk_start + chunk.chunk_len
         if chunk.spec is None:
-            held = self._held.get(chunk.seq_id)
-            if held is None:
-                raise Refused("a continuation chunk of a sequence this worker does not hold")
+            held = self._held[chunk.seq_id]
             computed = held.request.num_computed_tokens
             if chunk.chunk_start != computed:
                 raise Refused(
                     f"chunk starts at token {chunk.chunk_start}, vLLM's prefill stands at "
                     f"{computed}"
                 )
-            self._check_alignment(end, held.request.num_prompt_tokens)
+            self._check_alignment(chunk.chunk_start, end)
             return held.request_id
         if chunk.seq_id in self._held:
             raise Refused("a first chunk of a sequence this worker already holds")
@@ -234,7 +235,7 @@ class VllmEngine:
         prompt_len = len(chunk.spec.prompt_token_ids)
         if end > prompt_len:
             raise Refused(f"chunk ends at {end}, past the prompt's {prompt_len} tokens")
-        self._check_alignment(end, prompt_len)
+        self._check_alignment(chunk.chunk_start, end)
         request = self._request(chunk.seq_id, chunk.spec, chunk.cached_tokens)
         if chunk.cached_tokens:
             hit = self._manager.get_computed_blocks(request)[1]
@@ -249,12 +250,18 @@ class VllmEngine:
         self._held[chunk.seq_id] = _Held(chunk.seq_id, request)
         return request.request_id
 
-    def _check_alignment(self, end: int, prompt_len: int) -> None:
-        if self._aligned and end < prompt_len and end % self.page_size:
+    def _check_alignment(self, start: int, end: int) -> None:
+        """vLLM's align rule (prefix caching on a hybrid model): a chunk that crosses a
+        block boundary starts and ends on one, so that each boundary's GDN state is
+        written; a chunk inside one block (a prompt's tail, or a budget's remainder) runs
+        as vLLM runs a block wider than its budget."""
+        block = self.page_size
+        crosses = (start // block + 1) * block < end
+        if self._aligned and crosses and (start % block or end % block):
             raise Refused(
-                f"chunk ends at token {end}: vLLM caches GDN states at block boundaries "
-                f"(prefix caching on a hybrid model) and runs chunks that end at multiples "
-                f"of {self.page_size} or at the prompt's end"
+                f"chunk [{start}, {end}) crosses a block boundary off the boundaries: "
+                f"vLLM writes GDN states at block boundaries (prefix caching on a hybrid "
+                f"model), so a chunk that crosses one starts and ends at multiples of {block}"
             )
 
     def _request(self, seq_id: int, spec: SequenceSpec, cached_tokens: int):

@@ -46,6 +46,31 @@ class PlannedScheduler(Scheduler):
         self.last_output = output
         return output
 
+    def _mamba_block_aligned_split(
+        self,
+        request,
+        num_new_tokens,
+        num_new_local_computed_tokens=0,
+        num_external_computed_tokens=0,
+    ):
+        # vLLM clips a chunk that ends inside a block to nothing unless the block is wider
+        # than its token budget; then it runs it (the next chunk stops at the boundary).
+        # The engine plans only such chunks or aligned ones, so a planned chunk inside one
+        # block runs as that path runs it.
+        split = super()._mamba_block_aligned_split(
+            request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
+        )
+        planned = min(num_new_tokens, self.plan.get(request.request_id, 0))
+        start = (
+            request.num_computed_tokens
+            + num_new_local_computed_tokens
+            + num_external_computed_tokens
+        )
+        block = self.cache_config.block_size
+        if split < planned and start + planned <= (start // block + 1) * block:
+            return planned
+        return split
+
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         num_new_tokens = super()._reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens
