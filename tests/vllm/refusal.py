@@ -26,6 +26,7 @@ def main() -> None:
         kv_cache_memory_bytes=256 << 20,
         num_blocks=64,
         max_num_seqs=4,
+        max_model_len=1024,
     )
     engine = VllmEngine(settings)
     spec = SequenceSpec(tuple(prompt), max_tokens)

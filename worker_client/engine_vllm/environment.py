@@ -80,15 +80,21 @@ def load_torchvision() -> None:
         importlib.import_module("torchvision")
 
 
-@functools.cache
-def import_vllm():
-    """The `vllm` module, checked and set up for an in-process engine."""
+def prepare_vllm():
+    """The `vllm` module, checked, with torchvision loaded as above (also in vLLM's
+    model-inspection subprocess): for any use of vLLM in this environment."""
     check_version(installed_vllm_version())
-    # One process: the worker steps vLLM's EngineCore itself (no engine-core subprocess).
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     load_torchvision()
     vllm = importlib.import_module("vllm")
     registry = importlib.import_module("vllm.model_executor.models.registry")
     # vLLM documents this list as the command of its model-inspection subprocess.
     registry._SUBPROCESS_COMMAND = [sys.executable, "-m", "worker_client.engine_vllm.inspect"]
     return vllm
+
+
+@functools.cache
+def import_vllm():
+    """The `vllm` module, set up for an in-process engine (the worker steps vLLM's
+    EngineCore itself: no engine-core subprocess)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return prepare_vllm()

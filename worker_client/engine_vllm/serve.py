@@ -1,0 +1,20 @@
+"""Plain `vllm serve` in this environment (vLLM's own scheduler, no Lattice): what the
+benchmark compares Lattice's vLLM workers with.
+
+    .venv-vllm/bin/python -m worker_client.engine_vllm.serve MODEL_DIR [vllm serve flags]
+
+The same as `vllm serve`, after torchvision is loaded as the adapter loads it
+(environment.py): on a CPU machine PyPI's CUDA torchvision otherwise breaks Qwen3.5.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from .environment import prepare_vllm
+
+if __name__ == "__main__":
+    prepare_vllm()
+    sys.argv = ["vllm", "serve", *sys.argv[1:]]
+    sys.exit(importlib.import_module("vllm.entrypoints.cli.main").main())
