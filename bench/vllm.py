@@ -168,7 +168,7 @@ def shared_prefix(num_groups: int, per_group: int, turns: int, seed: int) -> lis
     rng = random.Random(seed)
     conversations = []
     for g in range(num_groups):
-        system = f"({g}) " + _text(rng, 700)
+        system = f"({g}) " + _text(rng, 150)
         for c in range(per_group):
             first = [
                 {"role": "system", "content": system},
@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 "fixed": run_conversations(url, name, fixed, 1, 32),
             }
         print(f"  {label}: done ({_load_line()})", flush=True)
+    print_overhead(results, len(saturation), len(fixed))
     for label, stack in (
         ("2 vllm serve, round-robin", lambda: plain(args.model, 2, "round-robin", logs, eager)),
         ("2 vllm serve, prefix-load", lambda: plain(args.model, 2, "prefix-load", logs, eager)),
@@ -334,13 +335,11 @@ def main(argv: list[str] | None = None) -> int:
             run_conversations(url, name, independent(2, 98), 2, 4)  # warm up
             results[label] = {"conversations": run_conversations(url, name, conversations, 8, 24)}
         print(f"  {label}: done ({_load_line()})", flush=True)
-    print_table(results, len(saturation), len(fixed), len(conversations))
+    print_decisions(results, len(conversations))
     return 0
 
 
-def print_table(
-    results: dict[str, dict[str, Load]], num_sat: int, num_fixed: int, num_conv: int
-) -> None:
+def print_overhead(results: dict[str, dict[str, Load]], num_sat: int, num_fixed: int) -> None:
     print()
     print(
         f"overhead: {num_sat} requests x 32 tokens at concurrency 16 (saturation); "
@@ -356,9 +355,13 @@ def print_table(
             f"{fixed.ttft(0.99) * 1000:.0f} | {fixed.tpot(0.5) * 1000:.1f} / "
             f"{fixed.tpot(0.99) * 1000:.1f} | {errors} |"
         )
+    sys.stdout.flush()
+
+
+def print_decisions(results: dict[str, dict[str, Load]], num_conv: int) -> None:
     print()
     print(
-        f"decisions: {num_conv} conversations x 3 turns, groups of 2 (or 4) sharing a "
+        f"decisions: {num_conv} conversations x 3 turns in 4 groups, each group sharing a "
         f"system prompt, 24 tokens a turn, concurrency 8"
     )
     print("| servers | output tok/s | TTFT p50 / p99 ms | errors |")

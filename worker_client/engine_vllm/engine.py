@@ -58,6 +58,11 @@ class Refused(Exception):
     """A chunk or decode vLLM would not run exactly as decided; the message says why."""
 
 
+class Invalid(Exception):
+    """A sequence vLLM will not take at all (its prompt past max_model_len, say): it
+    fails, with vLLM's words."""
+
+
 class VllmEngine:
     """Implements worker_client.engine.api.Engine with vLLM (module docstring)."""
 
@@ -185,6 +190,7 @@ class VllmEngine:
         plan: dict[str, int] = {}
         refused: list[int] = []
         misses: list[int] = []
+        failed: list[FinishedSequence] = []
         for chunk in prefill:
             if chunk.spec is None and chunk.seq_id not in self._held:
                 continue  # it ended or was handed back in the step before: no token
@@ -192,6 +198,9 @@ class VllmEngine:
                 request_id = self._plan_chunk(chunk)
             except Refused as why:
                 self._refuse(chunk.seq_id, str(why), refused)
+                continue
+            except Invalid as why:
+                failed.append(FinishedSequence(chunk.seq_id, FinishReason.FAILED, 0, str(why)))
                 continue
             if request_id is None:
                 misses.append(chunk.seq_id)
@@ -206,7 +215,7 @@ class VllmEngine:
         out = self._run(plan)
         return StepOutput(
             tokens=out.tokens,
-            finished=out.finished,
+            finished=(*failed, *out.finished),
             preempted=(*refused, *out.preempted),
             cache_misses=tuple(misses),
             logprobs=out.logprobs,
@@ -236,7 +245,10 @@ class VllmEngine:
         if end > prompt_len:
             raise Refused(f"chunk ends at {end}, past the prompt's {prompt_len} tokens")
         self._check_alignment(chunk.chunk_start, end)
-        request = self._request(chunk.seq_id, chunk.spec, chunk.cached_tokens)
+        try:
+            request = self._request(chunk.seq_id, chunk.spec, chunk.cached_tokens)
+        except Exception as err:  # vLLM's validation errors are of many kinds
+            raise Invalid(f"vLLM does not take it: {str(err).splitlines()[0]}") from err
         if chunk.cached_tokens:
             hit = self._manager.get_computed_blocks(request)[1]
             if hit < chunk.cached_tokens:
