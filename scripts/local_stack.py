@@ -37,6 +37,9 @@ from service.gateway.demo_load import HttpLoadSpec, run_http_load
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL = ROOT / ".artifacts" / "demo-model"
+# --engine vllm: the demo model with heads wide enough for vLLM's CPU kernels.
+DEMO_MODEL_WIDE = ROOT / ".artifacts" / "demo-model-wide"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def main() -> int:
@@ -55,6 +58,14 @@ def main() -> int:
         "uses the demo checkpoint's tokenizer)",
     )
     parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    parser.add_argument(
+        "--engine",
+        default="reference",
+        choices=("reference", "vllm"),
+        help="the workers' engine; vllm: workers run from .venv-vllm "
+        "(scripts/run_local.sh --engine vllm sets it up) on a checkpoint directory "
+        "(default: the demo checkpoint with wider heads)",
+    )
     parser.add_argument(
         "--requests",
         type=int,
@@ -92,6 +103,10 @@ def main() -> int:
         parser.error(f"--replicas must not be negative, got {args.replicas}")
     if args.turns < 1:
         parser.error(f"--turns must be at least 1, got {args.turns}")
+    if args.engine == "vllm" and args.model == str(DEMO_MODEL):
+        args.model = str(DEMO_MODEL_WIDE)
+    if args.engine == "vllm" and args.model in ("tiny", "scripted"):
+        parser.error(f"--engine vllm runs a checkpoint directory, not --model {args.model}")
     _stop_on_signals()
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -141,27 +156,27 @@ def main() -> int:
             worker_id = f"cpu-worker-{i + 1}"
             home = i % num_schedulers  # its own replica first, then the others
             order = ",".join(targets[home:] + targets[:home])
-            procs.append(
-                _spawn(
-                    [
-                        sys.executable,
-                        "-m",
-                        "worker_client",
-                        "--scheduler",
-                        order,
-                        "--worker-id",
-                        worker_id,
-                        "--model",
-                        args.model,
-                        "--device",
-                        args.device,
-                        "--threads",
-                        str(threads),
-                    ],
-                    logs / f"{worker_id}.log",
-                    env,
-                )
-            )
+            argv = [
+                sys.executable,
+                "-m",
+                "worker_client",
+                "--scheduler",
+                order,
+                "--worker-id",
+                worker_id,
+                "--model",
+                args.model,
+            ]
+            worker_env = env
+            if args.engine == "vllm":
+                # vLLM binds its CPU threads itself: give each worker its own cores.
+                first = i * threads % (os.cpu_count() or 1)
+                worker_env = dict(env, VLLM_CPU_OMP_THREADS_BIND=f"{first}-{first + threads - 1}")
+                argv[0] = str(VLLM_PYTHON)
+                argv += ["--engine", "vllm", "--kv-cache-gib", "1"]
+            else:
+                argv += ["--device", args.device, "--threads", str(threads)]
+            procs.append(_spawn(argv, logs / f"{worker_id}.log", worker_env))
         model_name = gateway_model.name
         base_url = f"http://127.0.0.1:{args.gateway_port}"
         procs.append(
@@ -304,23 +319,24 @@ def _start_cluster(logs: Path):
 def _model_dirs(model: str) -> Path:
     """The directory the gateway reads (the demo checkpoint's for tiny / scripted); builds
     the demo checkpoint on the first run."""
-    if model not in ("tiny", "scripted") and Path(model) != DEMO_MODEL:
+    if model not in ("tiny", "scripted") and Path(model) not in (DEMO_MODEL, DEMO_MODEL_WIDE):
         if not (Path(model) / "tokenizer.json").is_file():
             raise RuntimeError(
                 f"--model {model}: no tokenizer.json there; the gateway needs "
                 f"the checkpoint's tokenizer"
             )
         return Path(model)
-    if not (DEMO_MODEL / "config.json").is_file():
+    path = DEMO_MODEL_WIDE if Path(model) == DEMO_MODEL_WIDE else DEMO_MODEL
+    if not (path / "config.json").is_file():
         print(
             f"demo model: building the tiny model (seed 0) with a BPE tokenizer and a chat "
-            f"template in {DEMO_MODEL} (first run only)",
+            f"template in {path} (first run only)",
             flush=True,
         )
         from worker_client.demo_model import write_demo_checkpoint
 
-        write_demo_checkpoint(DEMO_MODEL, seed=0)
-    return DEMO_MODEL
+        write_demo_checkpoint(path, seed=0, wide=path == DEMO_MODEL_WIDE)
+    return path
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:

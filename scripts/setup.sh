@@ -4,8 +4,16 @@
 #   PYTHON=python3.11 scripts/setup.sh      choose the interpreter
 #   LATTICE_KEEP_TORCH=1 scripts/setup.sh   keep a torch already in .venv (a CUDA build on GPU hosts)
 #   LATTICE_SETUP_EXTRAS=eval scripts/setup.sh   more extras (scripts/test.sh adds `eval`)
+#   scripts/setup.sh --engine vllm          instead: .venv-vllm, vLLM's environment (below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--engine" ] && [ "${2:-}" = "vllm" ]; then
+  exec scripts/setup_vllm.sh
+elif [ $# -gt 0 ]; then
+  echo "setup: unknown arguments: $* (only --engine vllm)" >&2
+  exit 2
+fi
 
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), make sure Prometheus' tools and PostgreSQL's binaries are there,
-# run the whole test suite.
+# Set up (scripts/setup.sh, and .venv-vllm: scripts/setup.sh --engine vllm), make sure
+# Prometheus' tools and PostgreSQL's binaries are there, run the whole test suite.
 # Extra arguments go to pytest, e.g. scripts/test.sh tests/unit -q
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The tests also run a real evaluation harness (lm-eval, the `eval` extra).
 LATTICE_SETUP_EXTRAS=eval scripts/setup.sh
+# vLLM's own environment, for tests/vllm (vLLM workers against plain vLLM).
+scripts/setup.sh --engine vllm
 if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "test: installing Prometheus (Debian package) for the observability tests"

@@ -53,8 +53,12 @@ ALLOWED: dict[str, frozenset[str]] = {
     "service.gateway": frozenset({"common", "lattice"}),
     # The reference engine: a library the worker loop drives (the block hash is common's).
     "worker_client.engine": frozenset({"common"}),
-    # The worker process: loop, client, session, conversion.
-    "worker_client": frozenset({"common", "lattice", "worker_client.engine"}),
+    # The vLLM engine behind the same protocol (vllm itself is imported only here).
+    "worker_client.engine_vllm": frozenset({"common", "worker_client.engine"}),
+    # The worker process: loop, client, session, conversion, the engines registry.
+    "worker_client": frozenset(
+        {"common", "lattice", "worker_client.engine", "worker_client.engine_vllm"}
+    ),
     # The simulator: the real core and the real worker loop on a virtual clock.
     "service.sim": frozenset(
         {
@@ -135,6 +139,9 @@ FORBIDDEN_THIRD_PARTY = {
     ),
     "common": frozenset({"torch"}),
 }
+
+# vLLM lives in an environment of its own: only its adapter imports it.
+ONLY_IMPORTED_BY = {"vllm": frozenset({"worker_client.engine_vllm"})}
 
 # Only the simulator joins the scheduling core and the worker loop (and bench, which no
 # product package imports: checked below).
@@ -410,3 +417,33 @@ def test_the_product_check_would_see_an_import_of_bench(tmp_path):
     (tmp_path / "service" / "leaf.py").write_text("def later():\n    from bench import x\n")
     edges = _edges(_modules({"service": tmp_path / "service"}))
     assert [(e.importer, e.imported) for e in edges] == [("service.leaf", "bench")]
+
+
+def test_vllm_is_imported_only_by_its_adapter():
+    wrong = [
+        str(e)
+        for e in EDGES
+        if package_of(e.imported) is None
+        and e.imported in ONLY_IMPORTED_BY
+        and package_of(e.importer) not in ONLY_IMPORTED_BY[e.imported]
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_vllm_adapter_is_imported_lazily_outside_its_package():
+    """The worker imports worker_client.engine_vllm inside functions only, so that the
+    reference engine's workers never load it (nor need vLLM's environment)."""
+    wrong = []
+    for name, path in MODULES.items():
+        if package_of(name) == "worker_client.engine_vllm":
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "worker_client.engine_vllm"
+            ):
+                wrong.append(f"{_shown(path)}:{node.lineno}")
+            if isinstance(node, ast.Import) and any(
+                a.name.startswith("worker_client.engine_vllm") for a in node.names
+            ):
+                wrong.append(f"{_shown(path)}:{node.lineno}")
+    assert not wrong, "\n".join(wrong)

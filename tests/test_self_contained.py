@@ -51,11 +51,12 @@ def test_nothing_in_the_repository_names_the_shared_folder():
     """The contract lives in docs/contract.md; README, docs, protos and code point there."""
     hits = []
     for folder, dirs, files in os.walk(ROOT):
-        # Not the repository's: git, the virtual environment, build and run outputs.
+        # Not the repository's: git, the virtual environments, build and run outputs.
         dirs[:] = [
             d
             for d in dirs
-            if d not in (".git", ".venv", ".artifacts", "__pycache__", "build", "dist")
+            if d
+            not in (".git", ".venv", ".venv-vllm", ".artifacts", "__pycache__", "build", "dist")
             and not d.endswith(".egg-info")
         ]
         for name in files:

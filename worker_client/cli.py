@@ -63,13 +63,22 @@ def main(argv: list[str] | None = None) -> int:
         help="scripted model only: simulated GPU time per step with work, in "
         "milliseconds (default 0), so that faults can land mid-run",
     )
+    from worker_client.engines import ENGINES
+
+    parser.add_argument(
+        "--engine",
+        default="reference",
+        choices=tuple(ENGINES),
+        help="; ".join(f"{e.name}: {e.help}" for e in ENGINES.values()),
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument(
         "--dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16", "float16"),
-        help="auto: bfloat16 on CUDA, float32 on CPU",
+        help="auto: bfloat16 on CUDA, float32 on CPU (vllm: bfloat16)",
     )
+    _add_vllm_arguments(parser)
     parser.add_argument(
         "--kv-pages", type=int, help="KV-cache pages (default: sized for the device)"
     )
@@ -155,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.step_ms < 0:
             parser.error(f"--step-ms must not be negative, got {args.step_ms:g}")
+    if args.engine == "vllm":
+        _check_vllm_arguments(parser, args)
+    else:
+        for name in VLLM_ONLY:
+            if getattr(args, name) not in (None, "auto", 1):
+                parser.error(f"--{name.replace('_', '-')} is a vLLM setting: add --engine vllm")
     from common.credentials import client_args_credentials
     from common.errors import ConfigError
 
@@ -174,74 +189,74 @@ def main(argv: list[str] | None = None) -> int:
     return _run(args, engine, credentials)
 
 
+# Flags of the vLLM engine only, and flags of the reference engine only.
+VLLM_ONLY = (
+    "max_model_len",
+    "kv_cache_gib",
+    "gpu_memory_utilization",
+    "num_blocks",
+    "block_size",
+    "tensor_parallel_size",
+    "cuda_graphs",
+)
+REFERENCE_ONLY = ("kv_pages", "cache_block_tokens", "prefix_cache_blocks", "snapshot_slots")
+
+
+def _add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("vLLM (--engine vllm)")
+    group.add_argument("--max-model-len", type=int, help="vLLM's max_model_len")
+    group.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="memory for vLLM's KV and GDN state pool, in GiB (default on CPU: 1)",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="instead of --kv-cache-gib: the fraction of GPU memory vLLM may use",
+    )
+    group.add_argument(
+        "--num-blocks", type=int, help="blocks in vLLM's pool, overriding its memory sizing"
+    )
+    group.add_argument(
+        "--block-size",
+        type=int,
+        help="tokens per vLLM block (with prefix caching on a hybrid model vLLM picks it)",
+    )
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per worker")
+    group.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="run vLLM with CUDA graphs (auto: on CUDA) or eagerly",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="the most tokens vLLM runs in one step (a decision over it is refused)",
+    )
+
+
+def _check_vllm_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.model in ("tiny", "tiny-moe", "tiny-next", "scripted"):
+        parser.error(f"--engine vllm runs a checkpoint directory, not --model {args.model}")
+    for name in (*REFERENCE_ONLY, "step_ms"):
+        if getattr(args, name) is not None:
+            parser.error(
+                f"--{name.replace('_', '-')} is a reference-engine setting; vLLM sizes its "
+                f"own pool (--kv-cache-gib, --num-blocks, --block-size)"
+            )
+    for name in ("max_model_len", "num_blocks", "block_size", "tensor_parallel_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
 def _build_engine(args: argparse.Namespace):
-    if args.model == "scripted":
-        from worker_client.testing import ScriptedEngine
+    from worker_client.engines import ENGINES
 
-        # The scripted model keeps a prefix cache only when asked (--cache-block-tokens).
-        return ScriptedEngine(
-            total_kv_pages=args.kv_pages or 4096,
-            page_size=args.page_size,
-            total_gdn_slots=args.gdn_slots or 64,
-            step_seconds=(args.step_ms or 0.0) / 1000.0,
-            cache_block_tokens=(0 if args.no_prefix_cache else args.cache_block_tokens or 0),
-            total_snapshot_slots=(64 if args.snapshot_slots is None else args.snapshot_slots),
-            max_cached_blocks=args.prefix_cache_blocks,
-        )
-    from common import extras
-
-    extras.require("worker", f"--model {args.model}")
-    import torch
-
-    from worker_client.engine.engine import ModelEngine, default_pool_sizes
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from worker_client.engine.loading import load_model
-
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda, but torch sees no CUDA device")
-    dtype_name = args.dtype
-    if dtype_name == "auto":
-        dtype_name = "bfloat16" if device == "cuda" else "float32"
-    model = load_model(args.model, device=device, dtype=getattr(torch, dtype_name), seed=args.seed)
-    prefix_cache = not args.no_prefix_cache
-    pools = default_pool_sizes(
-        model.config, device, page_size=args.page_size, prefix_cache=prefix_cache
-    )
-    from worker_client.engine.sizing import DEFAULT_CACHE_BLOCK_PAGES
-
-    block_tokens = args.cache_block_tokens or DEFAULT_CACHE_BLOCK_PAGES * args.page_size
-    engine = ModelEngine(
-        model,
-        total_kv_pages=args.kv_pages or pools.total_kv_pages,
-        page_size=args.page_size,
-        total_gdn_slots=args.gdn_slots or pools.total_gdn_slots,
-        device=device,
-        cache_block_tokens=block_tokens if prefix_cache else 0,
-        total_snapshot_slots=(
-            pools.total_snapshot_slots if args.snapshot_slots is None else args.snapshot_slots
-        ),
-        max_cached_blocks=args.prefix_cache_blocks,
-    )
-    log.info(
-        "engine ready",
-        extra={
-            "worker_id": args.worker_id,
-            "model": str(args.model),
-            "device": device,
-            "dtype": dtype_name,
-            "kv_pages": engine.total_kv_pages,
-            "page_size": engine.page_size,
-            "gdn_slots": engine.total_gdn_slots,
-            "cache_block_tokens": engine.cache_block_tokens,
-            "snapshot_slots": engine.total_snapshot_slots,
-        },
-    )
-    return engine
+    return ENGINES[getattr(args, "engine", "reference")].build(args)
 
 
 def _run(args: argparse.Namespace, engine, credentials) -> int:

@@ -81,15 +81,29 @@ def write_tokenizer_files(model_dir: Path, tokenizer) -> None:
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def write_demo_checkpoint(model_dir: Path, seed: int = 0) -> None:
+# The tiny model with heads wide enough for vLLM's CPU kernels (`--wide`).
+WIDE_SIZES = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    head_dim=64,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+)
+
+
+def write_demo_checkpoint(model_dir: Path, seed: int = 0, wide: bool = False) -> None:
     """config.json, generation_config.json and model.safetensors of the tiny model with
-    weights from `seed`, plus the tokenizer files."""
+    weights from `seed`, plus the tokenizer files; `wide`: WIDE_SIZES (for vLLM)."""
+    import dataclasses
+
     from safetensors.torch import save_file
 
     from worker_client.engine.config import tiny_config
     from worker_client.engine.loading import random_model
 
     config = tiny_config()
+    if wide:
+        config = dataclasses.replace(config, **WIDE_SIZES)
     write_tokenizer_files(model_dir, build_tokenizer(config.vocab_size))
     model = random_model(config, seed)
     tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
@@ -131,11 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0, help="weights seed")
+    parser.add_argument(
+        "--wide", action="store_true", help="heads wide enough for vLLM's CPU kernels"
+    )
     args = parser.parse_args(argv)
     if (args.model_dir / "config.json").is_file():
         print(f"demo model: {args.model_dir} already holds a checkpoint; left as it is")
         return 0
-    write_demo_checkpoint(args.model_dir, args.seed)
+    write_demo_checkpoint(args.model_dir, args.seed, wide=args.wide)
     print(
         f"demo model: wrote the tiny model (seed {args.seed}) with its tokenizer to "
         f"{args.model_dir}"

@@ -40,24 +40,32 @@ class Checkpoint:
         )
 
 
-def build_checkpoint(path: Path, seed: int = 0) -> Checkpoint:
+# The layers' sizes of the tiny checkpoint; vLLM's CPU kernels want wider heads
+# (tests/vllm: VLLM_SIZES).
+TINY_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+
+
+def build_checkpoint(path: Path, seed: int = 0, sizes: dict | None = None) -> Checkpoint:
+    """3 GDN layers and 1 attention layer, seeded; `sizes` overrides TINY_SIZES."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     config = transformers.Qwen3_5TextConfig(
         vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         eos_token_id=EOS_TOKEN_ID,
         pad_token_id=0,
         tie_word_embeddings=False,
+        **{**TINY_SIZES, **(sizes or {})},
     )
     model = transformers.Qwen3_5ForCausalLM(config).eval()
     with torch.no_grad():  # transformers starts norms at identity: make every weight matter

@@ -355,6 +355,8 @@ def test_longest_resume_and_align_chunk():
     assert align_chunk(64, 36, B) == 32  # a prompt's last chunk too
     assert align_chunk(32, 32, B) == 32  # ends on a boundary
     assert align_chunk(0, 10, B) == 10  # no boundary inside
+    assert align_chunk(40, 60, B) == 8  # from inside a block: to its end
+    assert align_chunk(40, 5, B) == 5  # from inside a block, not past its end
     assert align_chunk(32, 40, 0) == 40  # no cache
 
 

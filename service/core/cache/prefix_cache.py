@@ -171,10 +171,15 @@ def align_chunk(start: int, length: int, block_tokens: int) -> int:
     when one lies inside it (vLLM's align rule: the worker can only snapshot GDN state
     where a forward ends on a block). The prompt's last chunk too: its full blocks then
     get a resume point (a conversation's next turn starts there), and the tokens after
-    the last boundary follow in the next step. Unchanged with `block_tokens` 0 (no
-    cache) or when no boundary lies inside."""
+    the last boundary follow in the next step. A chunk that starts inside a block (after
+    a chunk the budget cut short) ends at that block's end, so that every boundary a
+    prefill crosses gets its snapshot (vLLM runs no other). Unchanged with
+    `block_tokens` 0 (no cache) or when no boundary lies inside."""
     if not block_tokens:
         return length
     end = start + length
+    if start % block_tokens:
+        next_boundary = start - start % block_tokens + block_tokens
+        return next_boundary - start if next_boundary < end else length
     aligned = end - end % block_tokens
     return aligned - start if aligned > start else length

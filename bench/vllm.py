@@ -1,0 +1,383 @@
+"""vLLM workers behind Lattice against plain vLLM, side by side, on one machine.
+
+    .venv/bin/python -m bench.vllm [--model DIR] [--quick]
+
+Needs .venv-vllm (scripts/setup.sh --engine vllm). One run, one table:
+- overhead: one vLLM worker behind Lattice (scheduler, worker, gateway) against one plain
+  `vllm serve` (vLLM's own scheduler), the same load generator (streamed chat completions
+  with the `openai` client, greedy, ignore_eos): output tokens/s at saturation, TTFT and
+  TPOT p50/p99 at a fixed low load;
+- decisions: two vLLM workers behind Lattice (one queue, placement, the learned budget)
+  against two plain `vllm serve` behind a round-robin router and behind a prefix-aware one
+  (bench/router.py), on multi-turn conversations whose groups share a long system prompt:
+  throughput and TTFT p99 at the same load.
+Every server runs the same checkpoint (default: the demo checkpoint with wider heads,
+built under .artifacts/), bfloat16, eager, prefix caching on, 1 GiB of KV pool; each of
+two servers gets its own CPU cores (VLLM_CPU_OMP_THREADS_BIND).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.harness.processes import ROOT
+from bench.router import Router, serve
+from common.processes import (
+    GATEWAY_LISTENING,
+    LOOPBACK,
+    SCHEDULER_LISTENING,
+    Process,
+    clean_env,
+    free_port,
+    scheduler_argv,
+    spawn,
+)
+from common.waiting import wait_until
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+MODEL = ROOT / ".artifacts" / "bench-vllm-model"
+MAX_MODEL_LEN = 2048
+START_SECONDS = 300.0
+WORDS = (
+    "scheduler queue worker page block prefix cache token chunk decode prefill state "
+    "attention delta gate lease budget placement fleet replica step batch"
+).split()
+
+
+@dataclass
+class Request:
+    ttft: float | None = None
+    e2e: float = 0.0
+    tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class Load:
+    """What one load measured."""
+
+    wall: float
+    requests: list[Request] = field(default_factory=list)
+
+    @property
+    def ok(self) -> list[Request]:
+        return [r for r in self.requests if not r.error and r.ttft is not None]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(r.tokens for r in self.ok) / self.wall
+
+    def ttft(self, q: float) -> float:
+        return _quantile([r.ttft for r in self.ok], q)
+
+    def tpot(self, q: float) -> float:
+        return _quantile([(r.e2e - r.ttft) / (r.tokens - 1) for r in self.ok if r.tokens > 1], q)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _text(rng: random.Random, num_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+def run_conversations(
+    base_url: str,
+    model: str,
+    conversations: list[list[list[dict]]],
+    concurrency: int,
+    max_tokens: int,
+) -> Load:
+    """Each conversation's turns in order (a turn: the messages it adds), `concurrency`
+    conversations at a time; a turn carries the conversation so far."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    load = Load(0.0)
+    queue = list(range(len(conversations)))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                index = queue.pop(0)
+            messages: list[dict] = []
+            for turn in conversations[index]:
+                messages += turn
+                request = Request()
+                with lock:
+                    load.requests.append(request)
+                started = time.perf_counter()
+                pieces = []
+                try:
+                    stream = client.chat.completions.create(
+                        model=model,
+                        messages=messages,
+                        max_tokens=max_tokens,
+                        temperature=0,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                        extra_body={"ignore_eos": True},
+                    )
+                    for chunk in stream:
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            if request.ttft is None:
+                                request.ttft = time.perf_counter() - started
+                            pieces.append(chunk.choices[0].delta.content)
+                        if chunk.usage is not None:
+                            request.tokens = chunk.usage.completion_tokens
+                except openai.APIError as err:
+                    request.error = str(err)
+                request.e2e = time.perf_counter() - started
+                messages = [*messages, {"role": "assistant", "content": "".join(pieces)}]
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    load.wall = time.perf_counter() - started
+    client.close()
+    return load
+
+
+def independent(num: int, seed: int) -> list[list[list[dict]]]:
+    rng = random.Random(seed)
+    return [[[{"role": "user", "content": _text(rng, 60)}]] for _ in range(num)]
+
+
+def shared_prefix(num_groups: int, per_group: int, turns: int, seed: int) -> list:
+    """Conversations in groups; a group's share one long system prompt."""
+    rng = random.Random(seed)
+    conversations = []
+    for g in range(num_groups):
+        system = f"({g}) " + _text(rng, 150)
+        for c in range(per_group):
+            first = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"[{c}] " + _text(rng, 20)},
+            ]
+            later = [[{"role": "user", "content": _text(rng, 12)}] for _ in range(turns - 1)]
+            conversations.append([first, *later])
+    rng.shuffle(conversations)
+    return conversations
+
+
+def _cores(index: int, count: int) -> str:
+    """The cores of server `index` of `count` (all of them for one server)."""
+    cpus = os.cpu_count() or 1
+    share = max(1, cpus // count)
+    first = index * share % cpus
+    return f"{first}-{first + share - 1}"
+
+
+@contextlib.contextmanager
+def lattice(model: Path, num_workers: int, logs: Path) -> Iterator[str]:
+    started: list[Process] = []
+    try:
+        scheduler = spawn("scheduler", scheduler_argv(), logs, SCHEDULER_LISTENING)
+        started.append(scheduler)
+        target = f"{LOOPBACK}:{scheduler.ports[0]}"
+        for i in range(num_workers):
+            argv = [
+                str(VLLM_PYTHON), "-m", "worker_client", "--engine", "vllm",
+                "--scheduler", target, "--worker-id", f"vllm-{i + 1}", "--model", str(model),
+                "--kv-cache-gib", "1", "--max-model-len", str(MAX_MODEL_LEN),
+            ]  # fmt: skip
+            env = clean_env(VLLM_CPU_OMP_THREADS_BIND=_cores(i, num_workers))
+            started.append(Process(f"vllm-{i + 1}", argv, logs / f"vllm-{i + 1}.log", env=env))
+        gateway_argv = [
+            sys.executable, "-m", "service", "gateway", "--target", target,
+            "--model", str(model), "--host", LOOPBACK, "--port", "0",
+        ]  # fmt: skip
+        gateway = spawn("gateway", gateway_argv, logs, GATEWAY_LISTENING)
+        started.append(gateway)
+        wait_until(
+            lambda: _registered(scheduler.ports[1]) >= num_workers,
+            f"{num_workers} vLLM workers to register",
+            START_SECONDS,
+            every_seconds=1.0,
+            gone=lambda: next((p.log_text()[-2000:] for p in started if not p.alive()), None),
+        )
+        yield f"http://{LOOPBACK}:{gateway.ports[0]}"
+    finally:
+        for p in reversed(started):
+            p.stop(30)
+
+
+def _registered(metrics_port: int) -> int:
+    from bench.harness.processes import scrape
+
+    samples = scrape(metrics_port)
+    return sum(
+        1 for (name, _), _ in samples.items() if name == "lattice_scheduler_worker_kv_free_pages"
+    )
+
+
+@contextlib.contextmanager
+def plain(model: Path, num_servers: int, rule: str, logs: Path, eager: bool) -> Iterator[str]:
+    """`num_servers` plain vllm serve, behind a `rule` router when more than one; `eager`:
+    no CUDA graphs (CPU)."""
+    started: list[Process] = []
+    router = None
+    try:
+        ports = []
+        for i in range(num_servers):
+            port = free_port()
+            ports.append(port)
+            argv = [
+                str(VLLM_PYTHON), "-m", "worker_client.engine_vllm.serve", str(model),
+                "--host", LOOPBACK, "--port", str(port), "--dtype", "bfloat16",
+                *(["--enforce-eager"] if eager else []), "--enable-prefix-caching",
+                "--seed", "0",
+                "--kv-cache-memory-bytes", str(2**30), "--max-model-len", str(MAX_MODEL_LEN),
+                "--served-model-name", model.name,
+            ]  # fmt: skip
+            env = clean_env(VLLM_CPU_OMP_THREADS_BIND=_cores(i, num_servers))
+            started.append(Process(f"vllm-serve-{i + 1}", argv, logs / f"serve-{i}.log", env=env))
+        for port, proc in zip(ports, started):
+            wait_until(
+                lambda port=port: _healthy(port),
+                "vllm serve to answer /health",
+                START_SECONDS,
+                every_seconds=1.0,
+                gone=lambda proc=proc: None if proc.alive() else proc.log_text()[-2000:],
+            )
+        if num_servers == 1:
+            yield f"http://{LOOPBACK}:{ports[0]}"
+            return
+        router = serve(Router(ports, rule))
+        yield f"http://{LOOPBACK}:{router.server_address[1]}"
+    finally:
+        if router is not None:
+            router.shutdown()
+        for p in reversed(started):
+            p.stop(30)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _load_line() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} CPUs"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=MODEL, help="a checkpoint directory")
+    parser.add_argument("--quick", action="store_true", help="smaller loads (a smoke run)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: plain vllm serve with CUDA graphs, as the workers run there",
+    )
+    args = parser.parse_args(argv)
+    eager = args.device == "cpu"
+    if not VLLM_PYTHON.exists():
+        print("bench.vllm: .venv-vllm is missing: run scripts/setup.sh --engine vllm")
+        return 2
+    if not (args.model / "config.json").is_file():
+        from worker_client.demo_model import write_demo_checkpoint
+
+        write_demo_checkpoint(args.model, seed=0, wide=True)
+    scale = 1 if args.quick else 2
+    saturation = independent(16 * scale, args.seed)
+    fixed = independent(6 * scale, args.seed + 1)
+    conversations = shared_prefix(4, 2 * scale, 3, args.seed + 2)
+    name = args.model.name
+    logs = ROOT / ".artifacts" / "bench-vllm"
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"bench.vllm: {args.model} ({_load_line()})", flush=True)
+    results: dict[str, dict[str, Load]] = {}
+    for label, stack in (
+        ("plain vllm serve", lambda: plain(args.model, 1, "round-robin", logs, eager)),
+        ("lattice, 1 vLLM worker", lambda: lattice(args.model, 1, logs)),
+    ):
+        with stack() as url:
+            run_conversations(url, name, independent(2, 99), 2, 4)  # warm up
+            results[label] = {
+                "saturation": run_conversations(url, name, saturation, 16, 32),
+                "fixed": run_conversations(url, name, fixed, 1, 32),
+            }
+        print(f"  {label}: done ({_load_line()})", flush=True)
+    print_overhead(results, len(saturation), len(fixed))
+    for label, stack in (
+        ("2 vllm serve, round-robin", lambda: plain(args.model, 2, "round-robin", logs, eager)),
+        ("2 vllm serve, prefix-load", lambda: plain(args.model, 2, "prefix-load", logs, eager)),
+        ("lattice, 2 vLLM workers", lambda: lattice(args.model, 2, logs)),
+    ):
+        with stack() as url:
+            run_conversations(url, name, independent(2, 98), 2, 4)  # warm up
+            results[label] = {"conversations": run_conversations(url, name, conversations, 8, 24)}
+        print(f"  {label}: done ({_load_line()})", flush=True)
+    print_decisions(results, len(conversations))
+    return 0
+
+
+def print_overhead(results: dict[str, dict[str, Load]], num_sat: int, num_fixed: int) -> None:
+    print()
+    print(
+        f"overhead: {num_sat} requests x 32 tokens at concurrency 16 (saturation); "
+        f"{num_fixed} at concurrency 1 (fixed load)"
+    )
+    print("| server | output tok/s (saturation) | TTFT p50 / p99 ms | TPOT p50 / p99 ms | errors |")
+    print("| --- | --- | --- | --- | --- |")
+    for label in ("lattice, 1 vLLM worker", "plain vllm serve"):
+        sat, fixed = results[label]["saturation"], results[label]["fixed"]
+        errors = len(sat.requests) - len(sat.ok) + len(fixed.requests) - len(fixed.ok)
+        print(
+            f"| {label} | {sat.tokens_per_second:.1f} | {fixed.ttft(0.5) * 1000:.0f} / "
+            f"{fixed.ttft(0.99) * 1000:.0f} | {fixed.tpot(0.5) * 1000:.1f} / "
+            f"{fixed.tpot(0.99) * 1000:.1f} | {errors} |"
+        )
+    sys.stdout.flush()
+
+
+def print_decisions(results: dict[str, dict[str, Load]], num_conv: int) -> None:
+    print()
+    print(
+        f"decisions: {num_conv} conversations x 3 turns in 4 groups, each group sharing a "
+        f"system prompt, 24 tokens a turn, concurrency 8"
+    )
+    print("| servers | output tok/s | TTFT p50 / p99 ms | errors |")
+    print("| --- | --- | --- | --- |")
+    for label in (
+        "lattice, 2 vLLM workers",
+        "2 vllm serve, round-robin",
+        "2 vllm serve, prefix-load",
+    ):
+        load = results[label]["conversations"]
+        print(
+            f"| {label} | {load.tokens_per_second:.1f} | {load.ttft(0.5) * 1000:.0f} / "
+            f"{load.ttft(0.99) * 1000:.0f} | {len(load.requests) - len(load.ok)} |"
+        )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The vLLM engine's books and checks that need no vLLM: how its one block pool becomes KV
+pages and GDN slots, its resume points, the version check, the `--engine vllm` flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from common.block_hash import block_hashes
+from worker_client import cli
+from worker_client.engine_vllm import SUPPORTED_VLLM_VERSION
+from worker_client.engine_vllm.books import PoolBooks, ResumePoints
+from worker_client.engine_vllm.environment import VllmUnavailable, check_version
+
+
+def test_the_pool_sets_aside_each_gdn_slots_blocks_and_the_rest_are_kv_pages():
+    books = PoolBooks(
+        num_usable_blocks=56, num_mamba_groups=3, blocks_per_state=2, total_gdn_slots=8
+    )
+    assert books.blocks_per_slot == 6
+    assert books.total_kv_pages == 8
+    assert books.kv_free_pages(num_free_blocks=56, num_mamba_blocks_held=0) == 8
+    # Two sequences hold their states (12 blocks) and 3 attention blocks: 41 free blocks,
+    # of which 36 are still set aside for the 6 other slots.
+    assert books.kv_free_pages(num_free_blocks=41, num_mamba_blocks_held=12) == 5
+    assert books.kv_free_pages(num_free_blocks=3, num_mamba_blocks_held=0) == 0
+
+
+@dataclass
+class _Request:
+    """What ResumePoints reads of a vLLM request."""
+
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+def _request(tokens: list[int], computed: int, hash_block: int) -> _Request:
+    hashes = [bytes([i]) for i in range(len(tokens) // hash_block)]  # stand-ins
+    return _Request(tokens, computed, hashes)
+
+
+def test_resume_points_are_the_contracts_hashes_of_blocks_vllm_still_hits():
+    points = ResumePoints(block_tokens=4, hash_block_tokens=2)
+    tokens = list(range(2, 14))  # 3 blocks of 4
+    request, contract = _request(tokens, computed=9, hash_block=2), []
+    points.note(request, contract)
+    assert contract == block_hashes(tokens[:8], "", 4)
+    hits = {2: 8, 4: 8}  # vLLM hits both blocks (by the number of its hashes asked for)
+    delta = points.delta(lambda hashes, num_tokens: hits[len(hashes)])
+    assert delta.added == tuple(contract) and not delta.removed
+    assert points.tokens_of(contract[1]) == 8
+    hits[4] = 4  # the second block's GDN state was evicted
+    delta = points.delta(lambda hashes, num_tokens: hits[len(hashes)])
+    assert delta.removed == (contract[1],) and not delta.added
+    full = points.delta(lambda hashes, num_tokens: hits[len(hashes)], full=True)
+    assert full.reset and full.added == (contract[0],)
+
+
+def test_a_candidate_vllm_never_hit_is_never_reported():
+    points = ResumePoints(block_tokens=4, hash_block_tokens=4)
+    request, contract = _request(list(range(2, 10)), computed=8, hash_block=4), []
+    points.note(request, contract)
+    delta = points.delta(lambda hashes, num_tokens: 0)  # computed, but no GDN state kept
+    assert not delta.added and not delta.removed
+    assert points.tokens_of(contract[1]) is None
+    assert not points.delta(lambda hashes, num_tokens: 8, full=True).added
+
+
+@pytest.mark.parametrize("version", [None, "0.31.1", "0.33.0"])
+def test_an_unsupported_vllm_is_one_line_naming_the_supported_one(version):
+    with pytest.raises(VllmUnavailable) as err:
+        check_version(version)
+    assert SUPPORTED_VLLM_VERSION in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_supported_vllm_passes_with_or_without_a_local_suffix():
+    check_version(SUPPORTED_VLLM_VERSION)
+    check_version(f"{SUPPORTED_VLLM_VERSION}+cpu")
+
+
+def test_engine_vllm_refuses_the_reference_engines_pool_flags(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--worker-id", "w", "--model", "/m", "--engine", "vllm", "--kv-pages", "8"])
+    assert "--kv-pages is a reference-engine setting" in capsys.readouterr().err
+
+
+def test_vllm_flags_without_engine_vllm_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--worker-id", "w", "--model", "tiny", "--num-blocks", "8"])
+    assert "add --engine vllm" in capsys.readouterr().err
+
+
+def test_engine_vllm_without_vllm_installed_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(
+        "worker_client.engine_vllm.environment.installed_vllm_version", lambda: None
+    )
+    assert cli.main(["--worker-id", "w", "--model", "/m", "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert f"needs vLLM {SUPPORTED_VLLM_VERSION}" in err and err.count("\n") == 1
