@@ -172,6 +172,15 @@ def test_budget_chunks_end_on_block_boundaries_where_the_budget_allows():
     assert [(c.chunk_start, c.chunk_len) for c in last.prefill] == [(96, 4)]  # the rest
 
 
+def test_budget_chunks_end_on_a_block_boundary_even_below_the_floor():
+    # 40 tokens of budget, a floor of 40: the aligned chunk (32) is under the floor, but
+    # a worker that aligns (snapshot slots) is never sent a chunk ending off a boundary
+    # it crossed (vLLM's align mode refuses one).
+    sched = cached_scheduler("budget", max_num_batched_tokens=40, min_prefill_chunk=40)
+    seq = submit(sched, prompt_len=100)
+    assert first_chunks(sched.select_batch(report())) == [(seq, 0, 0, 32)]
+
+
 def test_fifo_chunks_end_on_block_boundaries_for_a_worker_with_a_cache():
     sched = cached_scheduler(chunk_size=40)
     seq = submit(sched, prompt_len=70)

@@ -171,7 +171,11 @@ class BudgetPolicy:
         aligned = align_chunk(cached, length, block_tokens)
         if aligned >= floor:
             return aligned
-        return length if length >= floor else None
+        if length < floor:
+            return None
+        # A boundary lies inside: on a worker that aligns, the chunk still ends on it
+        # (below the floor: an engine such as vLLM in its align mode runs no other).
+        return aligned if block_tokens else length
 
 
 def _rounded(tokens: int) -> int:
@@ -234,7 +238,11 @@ def _unstick(view: DecisionView, budget: StepBudget) -> Plan | None:
         return None
     if view.num_active == 1:
         seq = stuck[0]
-        length = min(seq.spec_prompt_len() - seq.cursor, budget.tokens)
+        length = align_chunk(
+            seq.cursor,
+            min(seq.spec_prompt_len() - seq.cursor, budget.tokens),
+            view.align_block_tokens,
+        )
         view.service.charge(seq.tenant, length)
         return Plan(continuations=(Chunk(seq.seq_id, length),))
     victim = max(view.waiting, key=lambda s: (s.priority, s.admission_order))
