@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from array import array
+from dataclasses import fields
 
 from service.core import SubmitParams
 from service.core.types import SamplingParams, WorkerRegistration, WorkerRole
@@ -71,30 +72,20 @@ def params_from_row(text: str, prompt: bytes) -> SubmitParams:
 
 
 def registration_json(r: WorkerRegistration) -> str:
-    return json.dumps(
-        {
-            "worker_id": r.worker_id,
-            "total_kv_pages": r.total_kv_pages,
-            "page_size": r.page_size,
-            "total_gdn_slots": r.total_gdn_slots,
-            "max_batch_size": r.max_batch_size,
-            "adapters": list(r.adapters),
-            "role": r.role.value,
-            "transfer_bytes_per_second": r.transfer_bytes_per_second,
-        }
-    )
+    """Every field of the registration: a recovered worker runs as it registered (its
+    cache's block size and snapshot slots decide how its chunks are aligned)."""
+    d = {f.name: getattr(r, f.name) for f in fields(WorkerRegistration)}
+    d["adapters"] = list(r.adapters)
+    d["role"] = r.role.value
+    return json.dumps(d)
 
 
 def registration_from_json(text: str) -> WorkerRegistration:
+    """The registration saved; a field saved by no older version keeps its default (roles:
+    every worker ran both; the cache fields: saved since wave 4)."""
     d = json.loads(text)
-    return WorkerRegistration(
-        worker_id=d["worker_id"],
-        total_kv_pages=d["total_kv_pages"],
-        page_size=d["page_size"],
-        total_gdn_slots=d["total_gdn_slots"],
-        max_batch_size=d["max_batch_size"],
-        adapters=tuple(d["adapters"]),
-        # Saved before roles: every worker ran both.
-        role=WorkerRole(d.get("role", WorkerRole.BOTH.value)),
-        transfer_bytes_per_second=d.get("transfer_bytes_per_second", 0.0),
-    )
+    known = {f.name for f in fields(WorkerRegistration)}
+    values = {name: value for name, value in d.items() if name in known}
+    values["adapters"] = tuple(d.get("adapters", ()))
+    values["role"] = WorkerRole(d.get("role", WorkerRole.BOTH.value))
+    return WorkerRegistration(**values)

@@ -130,3 +130,12 @@ def test_a_worker_role_survives_the_store():
     old = '{"worker_id": "w", "total_kv_pages": 1, "page_size": 1, "total_gdn_slots": 1, '
     old += '"max_batch_size": 0, "adapters": []}'
     assert registration_from_json(old).role is WorkerRole.BOTH
+
+
+def test_every_field_of_a_registration_survives_the_store():
+    # A recovered worker keeps its cache's block size and snapshot slots: without them it
+    # would be sent chunks that a vLLM worker in align mode refuses, again and again.
+    saved = registration(
+        "w", cache_block_tokens=256, total_snapshot_slots=12, handoff_address="10.0.0.2:7000"
+    )
+    assert registration_from_json(registration_json(saved)) == saved
