@@ -99,3 +99,28 @@ def test_engine_vllm_without_vllm_installed_is_one_line(capsys, monkeypatch):
     assert cli.main(["--worker-id", "w", "--model", "/m", "--engine", "vllm"]) == 2
     err = capsys.readouterr().err
     assert f"needs vLLM {SUPPORTED_VLLM_VERSION}" in err and err.count("\n") == 1
+
+
+def test_past_vllms_step_limits_prefill_chunks_are_refused_before_decodes():
+    # A refused decode would recompute all its tokens when it comes back; a refused
+    # prefill chunk only what it had prefilled. (No vLLM needed: the limits' check only.)
+    from types import SimpleNamespace
+
+    from worker_client.engine_vllm.engine import VllmEngine, _Held
+    from worker_client.engine_vllm.settings import VllmSettings
+
+    engine = VllmEngine.__new__(VllmEngine)
+    engine.settings = VllmSettings(model="unused", max_num_seqs=8)
+    engine._max_tokens_per_step = 300
+    engine._held = {
+        seq_id: _Held(seq_id, SimpleNamespace(request_id=f"{seq_id}.0")) for seq_id in range(4)
+    }
+    refusals: list[int] = []
+    engine._refuse = lambda seq_id, why, refused: refused.append(seq_id)
+    # Two chunks first, as planned; a refused chunk's tokens do not count against the
+    # chunk after it.
+    plan = {"0.0": 200, "1.0": 200, "4.0": 90, "2.0": 1, "3.0": 1}
+    engine._held[4] = _Held(4, SimpleNamespace(request_id="4.0"))
+    engine._fit_limits(plan, refusals)
+    assert plan == {"0.0": 200, "4.0": 90, "2.0": 1, "3.0": 1}
+    assert refusals == [1]

@@ -301,12 +301,19 @@ class VllmEngine:
         return self._core.preprocess_add_request(core_request)[0]
 
     def _fit_limits(self, plan: dict[str, int], refused: list[int]) -> None:
-        """Refuse the last planned sequences past vLLM's token or sequence limits."""
+        """Refuse the last planned sequences past vLLM's token or sequence limits, prefill
+        chunks before decodes (a refused decode recomputes all its tokens when it comes
+        back; a refused chunk only what it had prefilled)."""
         by_request = {h.request_id: h.seq_id for h in self._held.values()}
-        total = 0
-        for number, (request_id, tokens) in enumerate(list(plan.items())):
-            total += tokens
-            if total > self._max_tokens_per_step or number >= self.settings.max_num_seqs:
+        num_tokens = num_kept = 0
+        for request_id, tokens in sorted(plan.items(), key=lambda item: item[1] > 1):
+            if (
+                num_tokens + tokens <= self._max_tokens_per_step
+                and num_kept < self.settings.max_num_seqs
+            ):
+                num_tokens += tokens
+                num_kept += 1
+            else:
                 del plan[request_id]
                 self._refuse(
                     by_request[request_id],
