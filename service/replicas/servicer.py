@@ -474,6 +474,7 @@ class ReplicaServicer(SchedulerServicer):
             lost &= self._core.owned_seq_ids()  # finished here meanwhile: nothing to give up
             if lost:
                 self._core.disown(lost)
+                self._state.forget_prompts(lost)
         if lost:
             self._wake_remote(lost)
             log.warning(

@@ -770,6 +770,11 @@ class PostgresState:
             for seq in sequences:
                 self._prompts[seq.seq_id] = seq.params.prompt_token_ids
 
+    def forget_prompts(self, seq_ids: Iterable[int]) -> None:
+        """Sequences given up (another replica owns them now): no home key here."""
+        for seq_id in seq_ids:
+            self._prompts.pop(seq_id, None)
+
     def adopt_worker(self, worker_id: str) -> Claimed:
         """Take the sequences assigned to `worker_id` from whichever replica held them (the
         worker registered here: it moved). Their old owner's saves are refused from now."""

@@ -162,6 +162,28 @@ def test_a_reader_is_not_given_tokens_their_commit_left_out(
     assert b.state.read_output(seq_id, 0).token_ids == (1,)
 
 
+def test_a_sequence_given_up_leaves_no_prompt_behind(replicas, database_url):
+    a, b = replicas("a"), replicas("b")
+    a.state._affinity_seconds = 60.0  # homes on: claims remember prompts
+    seq_id = b.submit(max_new_tokens=8)
+    register(a.core, "w")
+    a.claim()
+    assert seq_id in a.state._prompts
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE sequences SET owner = %s WHERE seq_id = %s", (b.state.replica_id, seq_id)
+        )
+
+    async def scenario() -> None:
+        servicer = replica_servicer.ReplicaServicer(a.core, Wakeups(), a.state)
+        await servicer._give_up(None)  # the keeper's reconciliation
+        await servicer._commits.close()
+
+    asyncio.run(scenario())
+    assert seq_id not in a.core.owned_seq_ids()
+    assert seq_id not in a.state._prompts
+
+
 def test_a_follow_up_is_left_to_the_replica_where_its_conversation_finished(replicas):
     a = replicas("a")
     b = Replica(a.state.url, "b")
