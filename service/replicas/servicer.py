@@ -175,7 +175,8 @@ class ReplicaServicer(SchedulerServicer):
             info = self._core.get_sequence(seq_id, caller)
             if info.state is not SequenceState.QUEUED:
                 await self._commits.committed()  # nothing told before its commit
-                return convert.sequence_info(info)
+                if self._owns(seq_id):  # still ours: the commit took what `info` holds
+                    return convert.sequence_info(info)
         # Queued (its position is the shared queue's) or another replica's.
         return convert.sequence_info(
             await asyncio.to_thread(self._state.sequence_info, seq_id, caller)
@@ -307,14 +308,16 @@ class ReplicaServicer(SchedulerServicer):
             # before its commit leaves the sequence to resume elsewhere from the database).
             with self._wakeups.watching(seq_id) as changed:
                 view = self._core.read_output(seq_id, sent)
-                if view.token_ids or view.finished:
-                    await self._commits.committed()
-                    return view
-                await wait_event(changed, _REMOTE_POLL_SECONDS)
-            if self._owns(seq_id):
-                view = self._core.read_output(seq_id, sent)
+                if not (view.token_ids or view.finished):
+                    await wait_event(changed, _REMOTE_POLL_SECONDS)
+                    view = self._core.read_output(seq_id, sent) if self._owns(seq_id) else None
+            if view is not None:
                 await self._commits.committed()
-                return view
+                # Still ours: the commit took the view. One that left the sequence out (it
+                # moved) committed none of it: the new owner writes those places again,
+                # so the stream reads them from the database.
+                if self._owns(seq_id):
+                    return view
         view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
         if view.token_ids or view.finished:
             return view
@@ -471,6 +474,7 @@ class ReplicaServicer(SchedulerServicer):
             lost &= self._core.owned_seq_ids()  # finished here meanwhile: nothing to give up
             if lost:
                 self._core.disown(lost)
+                self._state.forget_prompts(lost)
         if lost:
             self._wake_remote(lost)
             log.warning(

@@ -770,6 +770,11 @@ class PostgresState:
             for seq in sequences:
                 self._prompts[seq.seq_id] = seq.params.prompt_token_ids
 
+    def forget_prompts(self, seq_ids: Iterable[int]) -> None:
+        """Sequences given up (another replica owns them now): no home key here."""
+        for seq_id in seq_ids:
+            self._prompts.pop(seq_id, None)
+
     def adopt_worker(self, worker_id: str) -> Claimed:
         """Take the sequences assigned to `worker_id` from whichever replica held them (the
         worker registered here: it moved). Their old owner's saves are refused from now."""
@@ -969,6 +974,17 @@ class PostgresState:
                 conn.execute(_FROM_VERSION_1)
                 version = 2
             if version == 2:
+                # A version-2 replica never moves a fence: one still running could take
+                # sequences from a version-3 replica whose fast-path commits then pass.
+                live = conn.execute(
+                    "SELECT count(*) FROM replicas WHERE lease_until > now()"
+                ).fetchone()[0]
+                if live:
+                    raise ConfigError(
+                        f"the database holds schema version 2 and {live} replica(s) with a "
+                        "live lease: stop every version-2 replica (and wait for its lease to "
+                        f"run out) before a version-{SCHEMA_VERSION} replica starts"
+                    )
                 conn.execute(_FROM_VERSION_2)
                 version = SCHEMA_VERSION
             elif version not in (None, SCHEMA_VERSION):

@@ -8,10 +8,14 @@ import asyncio
 from dataclasses import replace
 
 import psycopg
+import pytest
 
+from lattice.scheduler.v1 import scheduler_pb2 as pb
 from service.core.persist.homes import HOME_BLOCK_TOKENS, finished_key, prompt_keys
 from service.core.persist.store import SequenceProgress, StateChanges, TokenAppend
 from service.core.types import FinishReason, SequenceState
+from service.replicas import servicer as replica_servicer
+from service.server.wakeups import Wakeups
 from service.state.pg_batch import SaveBatch
 from service.state.pg_commit import ReplicaCommits
 from tests.unit.factories import finished, params, register, report
@@ -117,6 +121,67 @@ def test_a_group_commit_leaves_out_what_another_replica_took_and_commits_the_res
     assert disowned == [frozenset({taken})]
     assert b.state.read_output(kept, 0).token_ids == (1,)
     assert b.state.read_output(taken, 0).token_ids == ()
+
+
+@pytest.mark.parametrize("via", ["stream", "GetSequence"])
+def test_a_reader_is_not_given_tokens_their_commit_left_out(
+    replicas, database_url, monkeypatch, via
+):
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=8)
+    register(a.core, "w")
+    a.claim()
+    monkeypatch.setattr(replica_servicer, "_REMOTE_POLL_SECONDS", 0.05)
+
+    async def scenario():
+        servicer = replica_servicer.ReplicaServicer(a.core, Wakeups(), a.state)
+        a.core.select_batch(report("w"))
+        await servicer._commits.committed()
+        a.core.select_batch(report("w", running=(seq_id,), tokens={seq_id: (1,)}))
+        assert (await servicer._read(seq_id, 0)).token_ids == (1,)
+        # Another replica takes it over; tokens generated here meanwhile are not committed.
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE replicas SET fence = nextval('lattice_fences') WHERE replica_id = %s",
+                (a.state.replica_id,),
+            )
+            conn.execute(
+                "UPDATE sequences SET owner = %s WHERE seq_id = %s", (b.state.replica_id, seq_id)
+            )
+        a.core.select_batch(report("w", running=(seq_id,), tokens={seq_id: (2,)}))
+        # The commit the read waits for leaves the (2,) out.
+        if via == "GetSequence":
+            info = await servicer.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), None)
+            read = info.generated_tokens
+        else:
+            read = len((await servicer._read(seq_id, 0)).token_ids)
+        await servicer._commits.close()
+        return read
+
+    assert asyncio.run(scenario()) == 1  # only the committed (1,)
+    assert b.state.read_output(seq_id, 0).token_ids == (1,)
+
+
+def test_a_sequence_given_up_leaves_no_prompt_behind(replicas, database_url):
+    a, b = replicas("a"), replicas("b")
+    a.state._affinity_seconds = 60.0  # homes on: claims remember prompts
+    seq_id = b.submit(max_new_tokens=8)
+    register(a.core, "w")
+    a.claim()
+    assert seq_id in a.state._prompts
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE sequences SET owner = %s WHERE seq_id = %s", (b.state.replica_id, seq_id)
+        )
+
+    async def scenario() -> None:
+        servicer = replica_servicer.ReplicaServicer(a.core, Wakeups(), a.state)
+        await servicer._give_up(None)  # the keeper's reconciliation
+        await servicer._commits.close()
+
+    asyncio.run(scenario())
+    assert seq_id not in a.core.owned_seq_ids()
+    assert seq_id not in a.state._prompts
 
 
 def test_a_follow_up_is_left_to_the_replica_where_its_conversation_finished(replicas):

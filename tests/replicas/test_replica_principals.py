@@ -15,7 +15,7 @@ import pytest
 from common.credentials import open_channel
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from service.core import SEES_ALL, Caller, NotFound
+from service.core import SEES_ALL, Caller, ConfigError, NotFound
 from service.state.postgres import SCHEMA_VERSION, PostgresState
 from tests.server.wire import RPC_TIMEOUT_SECONDS as T
 from tests.unit.factories import params
@@ -62,6 +62,7 @@ def test_another_principals_sequence_is_not_found_in_the_database(store):
 def test_a_version_1_database_is_migrated_and_its_sequences_are_anonymous(database_url):
     first = PostgresState(database_url, name="a")
     old = first.submit(params(request_id="old", adapter_id="lora-x"), 1000, 0).seq_id
+    first.leave()  # no replica of the old version runs during the migration
     first.close()
     with psycopg.connect(database_url, autocommit=True) as conn:  # back to version 1
         conn.execute("DROP INDEX sequences_request")
@@ -163,3 +164,23 @@ def test_across_replicas_a_client_sees_and_cancels_only_its_own(database_url, to
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_version_2_database_is_not_migrated_while_a_version_2_replica_runs(database_url):
+    old = PostgresState(database_url, name="a")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE lattice_meta SET value = 2 WHERE key = 'schema_version'")
+    try:
+        with pytest.raises(ConfigError, match="stop every version-2 replica"):
+            PostgresState(database_url, name="b")
+    finally:
+        old.leave()
+        old.close()
+    migrated = PostgresState(database_url, name="b")
+    try:
+        with psycopg.connect(database_url) as conn:
+            assert conn.execute(
+                "SELECT value FROM lattice_meta WHERE key = 'schema_version'"
+            ).fetchone() == (SCHEMA_VERSION,)
+    finally:
+        migrated.close()
