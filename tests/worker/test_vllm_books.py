@@ -68,6 +68,20 @@ def test_a_candidate_vllm_never_hit_is_never_reported():
     assert not points.delta(lambda hashes, num_tokens: 8, full=True).added
 
 
+def test_resume_points_beyond_the_registrations_bound_are_not_reported():
+    # The scheduler refuses a report that would leave more points than the registration
+    # holds (and the worker then stops): vLLM may cache more in its free blocks, so the
+    # oldest beyond the bound are dropped, in the same delta.
+    points = ResumePoints(block_tokens=4, hash_block_tokens=4, max_points=2)
+    request, contract = _request(list(range(2, 14)), computed=12, hash_block=4), []
+    points.note(request, contract)  # 3 blocks: 3 candidates, all hit
+    delta = points.delta(lambda hashes, num_tokens: num_tokens)
+    assert delta.added == tuple(contract[1:]) and not delta.removed
+    assert points.tokens_of(contract[0]) is None
+    full = points.delta(lambda hashes, num_tokens: num_tokens, full=True)
+    assert full.reset and full.added == tuple(contract[1:])
+
+
 @pytest.mark.parametrize("version", [None, "0.31.1", "0.33.0"])
 def test_an_unsupported_vllm_is_one_line_naming_the_supported_one(version):
     with pytest.raises(VllmUnavailable) as err:

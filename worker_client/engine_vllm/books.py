@@ -65,6 +65,10 @@ class ResumePoints:
 
     block_tokens: int
     hash_block_tokens: int  # tokens per vLLM block hash (block_tokens or a divisor)
+    # The most points the registration lets it report (docs/contract.md: its KV pages'
+    # blocks, at most one per snapshot slot); 0: no bound. vLLM may cache more in its free
+    # blocks: the oldest beyond the bound are not reported (a hit lost, never a wrong one).
+    max_points: int = 0
     _known: dict[int, _Candidate] = field(default_factory=dict)
     _log: ResumePointLog = field(default_factory=ResumePointLog)
 
@@ -98,6 +102,10 @@ class ResumePoints:
             if len(candidate.vllm_hashes) * self.hash_block_tokens < candidate.num_tokens or (
                 hit_length(candidate.vllm_hashes, candidate.num_tokens) < candidate.num_tokens
             ):
+                del self._known[block_hash]
+                self._log.remove(block_hash)
+        if self.max_points:
+            for block_hash in list(self._known)[: max(0, len(self._known) - self.max_points)]:
                 del self._known[block_hash]
                 self._log.remove(block_hash)
         if full:

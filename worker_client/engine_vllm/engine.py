@@ -127,14 +127,18 @@ class VllmEngine:
             )
         self.total_gdn_slots = self._books.total_gdn_slots
         self.cache_block_tokens = self.page_size if settings.prefix_caching else 0
-        # Snapshots come out of the same pool as pages: as many as the pages could hold.
+        # A resume point's GDN states (one block of each Mamba group) come out of the same
+        # pool as pages: at most as many as the pool holds.
         self.total_snapshot_slots = (
-            self.total_kv_pages // max(1, len(mamba_groups))
+            self._books.num_usable_blocks // len(mamba_groups)
             if settings.prefix_caching and mamba_groups
             else 0
         )
+        max_points = self.total_kv_pages  # a block per page (cache_block_tokens = page_size)
+        if self.total_snapshot_slots:
+            max_points = min(max_points, self.total_snapshot_slots)
         self._resume_points = (
-            ResumePoints(self.page_size, scheduler.hash_block_size)
+            ResumePoints(self.page_size, scheduler.hash_block_size, max_points)
             if settings.prefix_caching
             else None
         )
