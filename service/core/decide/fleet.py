@@ -78,10 +78,8 @@ class FleetView:
         self.num_workers = 1 + len(self._peers)
         self.num_queued = num_queued
         self.now = now
-        self._least_peer_load = min(
-            (len(w.assigned) for w in self._peers.values() if has_room(w)), default=None
-        )
         self._found: dict[int, CacheSpread] = {}
+        self._least_loaded: dict[str, str | None] = {}  # by adapter_id, for this decision
         self._backlog: dict[str, int] = {}
 
     def waited_seconds(self, seq: Sequence) -> float:
@@ -106,28 +104,24 @@ class FleetView:
 
     def least_loaded_peer(self, adapter_id: str) -> str | None:
         """Another admitting worker with room that can run `adapter_id`, with the least
-        load; None: there is none."""
+        load; None: there is none. One pass over the peers per adapter and decision (the
+        fleet does not change within one)."""
+        if adapter_id in self._least_loaded:
+            return self._least_loaded[adapter_id]
         best, best_load = None, None
         for worker_id, peer in self._peers.items():
             if (not adapter_id or peer.can_run(adapter_id)) and has_room(peer):
                 load = len(peer.assigned)
                 if best_load is None or load < best_load:
                     best, best_load = worker_id, load
+        self._least_loaded[adapter_id] = best
         return best
 
     def least_peer_load(self, adapter_id: str) -> int | None:
         """The least load of another admitting worker with room that can run
         `adapter_id`; None: there is none."""
-        if not adapter_id:
-            return self._least_peer_load
-        return min(
-            (
-                len(w.assigned)
-                for w in self._peers.values()
-                if w.can_run(adapter_id) and has_room(w)
-            ),
-            default=None,
-        )
+        best = self.least_loaded_peer(adapter_id)
+        return None if best is None else len(self._peers[best].assigned)
 
     def spread(self, seq: Sequence) -> CacheSpread:
         """Where `seq`'s prefix is cached: one walk from its longest block strictly below
