@@ -335,7 +335,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         runs = [experiments.simulate(setup, config, qps) for config in configs for qps in args.qps]
         for run in runs:
-            _warn_failed(run)
+            experiments.warn_failed(run)
         results = [run.result for run in runs]
         objects = [{**r.to_json(), **bound} for r in results]
         print(report.results_table(results))
@@ -385,26 +385,11 @@ def _capacity(args, setup, configs):
         ],
     )
     for config in configs:
-        print(
-            f"\nfind capacity: {config.policy}, {setup.routing}, SLO TTFT p99 <= "
-            f"{slo.ttft_p99:g} s and TPOT p99 <= {slo.tpot_p99 * 1000:g} ms"
-        )
-
-        def on_step(n, run, meets):
-            r = run.result
-            _warn_failed(run)
-            print(
-                f"  step {n}: {r.qps:.3f} QPS -> TTFT p99 {r.ttft_p99:.3f} s, TPOT p99 "
-                f"{r.tpot_p99 * 1000:.1f} ms: {'meets' if meets else 'misses'} the SLO "
-                f"({run.wall_seconds:.1f} s wall)",
-                flush=True,
-            )
-
-        capacity = experiments.find_capacity(
+        capacity = experiments.find_capacity_shown(
+            f"{config.policy}, {setup.routing}",
             lambda qps, config=config: experiments.simulate(setup, config, qps),
             slo,
             start_qps=start,
-            on_step=on_step,
             tolerance=args.capacity_tolerance,
         )
         print(f"  capacity: {capacity.capacity_qps:.3f} QPS")
@@ -577,15 +562,6 @@ def _print_bound(setup, config) -> dict:
         flush=True,
     )
     return {"prefix_hit_rate_bound": bound, "prefix_hit_rate_bound_workers_cache": same_cache}
-
-
-def _warn_failed(run) -> None:
-    if run.num_failed:
-        print(
-            f"warning: {run.num_failed} request(s) at {run.result.qps:g} QPS finished "
-            f"FAILED (longer than a worker's whole KV pool); the figures leave them out",
-            file=sys.stderr,
-        )
 
 
 def _qps_list(text: str) -> list[float]:

@@ -90,28 +90,14 @@ def split_search(args: argparse.Namespace, setup: experiments.Setup, config: Sch
     colocated = 0.0
     for roles in fleets:
         name = roles.name if roles else "co-located"
-        print(
-            f"\nfind capacity: {config.policy}, {name}, SLO TTFT p99 <= {slo.ttft_p99:g} s "
-            f"and TPOT p99 <= {slo.tpot_p99 * 1000:g} ms",
-            flush=True,
-        )
         fleet = replace(setup, roles=roles)
-
-        def on_step(n, run, meets):
-            r = run.result
-            print(
-                f"  step {n}: {r.qps:.3f} QPS -> TTFT p99 {r.ttft_p99:.3f} s, TPOT p99 "
-                f"{r.tpot_p99 * 1000:.1f} ms: {'meets' if meets else 'misses'} the SLO "
-                f"({_handoffs(run)}; {run.wall_seconds:.1f} s wall)",
-                flush=True,
-            )
-
-        capacity = experiments.find_capacity(
+        capacity = experiments.find_capacity_shown(
+            f"{config.policy}, {name}",
             lambda qps, fleet=fleet: experiments.simulate(fleet, config, qps),
             slo,
             start_qps=start,
-            on_step=on_step,
             tolerance=args.capacity_tolerance,
+            detail=_handoffs,
         )
         if roles is None:
             colocated = capacity.capacity_qps

@@ -159,6 +159,48 @@ def find_capacity(
     return Capacity(passing, tuple(runs))
 
 
+def find_capacity_shown(
+    title: str,
+    run_at: Callable[[float], Run],
+    slo: Slo,
+    *,
+    start_qps: float,
+    tolerance: float = CAPACITY_TOLERANCE,
+    detail: Callable[[Run], str] | None = None,
+) -> Capacity:
+    """find_capacity with its progress printed: a heading naming `title` and the SLO, then
+    one line per probe (what `detail` says of the run added in its parentheses), and a
+    warning for a probe whose requests finished FAILED."""
+    print(
+        f"\nfind capacity: {title}, SLO TTFT p99 <= {slo.ttft_p99:g} s and TPOT p99 <= "
+        f"{slo.tpot_p99 * 1000:g} ms",
+        flush=True,
+    )
+
+    def on_step(n: int, run: Run, meets: bool) -> None:
+        r = run.result
+        warn_failed(run)
+        extra = f"{detail(run)}; " if detail else ""
+        print(
+            f"  step {n}: {r.qps:.3f} QPS -> TTFT p99 {r.ttft_p99:.3f} s, TPOT p99 "
+            f"{r.tpot_p99 * 1000:.1f} ms: {'meets' if meets else 'misses'} the SLO "
+            f"({extra}{run.wall_seconds:.1f} s wall)",
+            flush=True,
+        )
+
+    return find_capacity(run_at, slo, start_qps=start_qps, on_step=on_step, tolerance=tolerance)
+
+
+def warn_failed(run: Run) -> None:
+    """On stderr: the requests of `run` that finished FAILED, left out of its figures."""
+    if run.num_failed:
+        print(
+            f"warning: {run.num_failed} request(s) at {run.result.qps:g} QPS finished "
+            f"FAILED (longer than a worker's whole KV pool); the figures leave them out",
+            file=sys.stderr,
+        )
+
+
 @dataclass(frozen=True)
 class Saturation:
     """The steady-state completion rate of an overloaded fleet: N requests over the
