@@ -127,8 +127,13 @@ class HandoffAgent:
 
     @property
     def busy(self) -> bool:
-        """Whether a fetch is under way (its outcome is reported as soon as it ends)."""
+        """Whether a received handoff is not yet reported (its fetch under way, or ended
+        and not yet imported): the loop then does not ask for a long poll."""
         return bool(self._receiving)
+
+    def num_fetching(self) -> int:
+        """Fetches still under way."""
+        return sum(not r.fetch.done() for r in self._receiving.values())
 
     def start(self, orders: Iterable[HandoffOrder]) -> None:
         for order in orders:
