@@ -3,7 +3,11 @@ disaggregation"), between the loop and the handoff channel.
 
 - SEND: the engine's state of the sequence is exported (a copy, taken while no step runs)
   and offered under the transfer_id until the scheduler evicts the sequence; the loop
-  decodes it no more (`holding_back`), but keeps it in its running list.
+  decodes it no more (`holding_back`), but keeps it in its running list. A sequence held
+  for a SEND that a later decision names in its decode list is the sender's again (the
+  handoff failed): it is no longer served, and decodes (`reclaim`). A sender whose
+  sequence has moved past the SEND's `num_tokens` (it decoded meanwhile) serves nothing:
+  its state is no longer the one the receiver is told to run.
 - RECEIVE: a background thread fetches and checks the transfer, so the decode steps of
   the other sequences go on meanwhile; the loop then imports it (`finish_ready`, with no
   step in flight) and reports one outcome per transfer_id in its next SelectBatch. A fetch
@@ -21,7 +25,14 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from worker_client.engine.api import Engine, ImportProblem, ImportRefused, SequenceSpec
+from worker_client.engine.api import (
+    Engine,
+    ImportProblem,
+    ImportRefused,
+    SequenceSpec,
+    StateChunk,
+    StateKind,
+)
 from worker_client.handoff_channel import Fetched, FetchFailed, FetchProblem, OfferBook
 
 log = logging.getLogger(__name__)
@@ -153,6 +164,16 @@ class HandoffAgent:
         chunks = self._engine.export_sequence(order.seq_id)
         if chunks is None:
             return  # not held (finished, preempted): the receiver hears UNKNOWN_SEQUENCE
+        extent = kv_extent(chunks)
+        if extent is not None and extent != order.num_tokens:
+            log.warning(
+                "told to send sequence %d at %d tokens, but it holds %d: not served (the "
+                "receiver hears UNKNOWN_SEQUENCE and the sequence stays here)",
+                order.seq_id,
+                order.num_tokens,
+                extent,
+            )
+            return
         self._offers.offer(order.transfer_id, order.seq_id, chunks)
         self._sending.add(order.seq_id)
         self.num_sent_offers += 1
@@ -167,6 +188,15 @@ class HandoffAgent:
             return
         fetch = self._fetches.submit(self._fetcher, order, seconds)
         self._receiving[order.transfer_id] = _Receiving(order, now, now + seconds, fetch)
+
+    def reclaim(self, decode: Iterable[int]) -> None:
+        """Sequences held for a SEND that the scheduler now asks to decode are this
+        worker's again: serve them no more."""
+        again = self._sending.intersection(decode)
+        if again:
+            self._sending -= again
+            if self._offers is not None:
+                self._offers.withdraw(again)
 
     def finish_ready(self) -> list[HandoffOutcome]:
         """Import every fetch that has ended; the outcomes to report (each once)."""
@@ -230,6 +260,12 @@ class HandoffAgent:
 
     def _since(self, receiving: _Receiving) -> float:
         return self._clock() - receiving.started
+
+
+def kv_extent(chunks: Iterable[StateChunk]) -> int | None:
+    """The KV positions the chunks reach (None: no attention layer)."""
+    ends = [c.first_token + c.num_tokens for c in chunks if c.kind is StateKind.ATTENTION_KV]
+    return max(ends) if ends else None
 
 
 def _failed(order: HandoffOrder, end: HandoffEnd, message: str, seconds: float) -> HandoffOutcome:

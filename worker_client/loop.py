@@ -299,6 +299,9 @@ class WorkerLoop:
         for seq_id in work.admitted:
             self._pending.admitted(seq_id)
         if self._handoffs is not None:
+            # A sequence held for an earlier SEND and named in decode is ours again; one
+            # sent now is not decoded in the same step.
+            self._handoffs.reclaim(work.decode)
             self._handoffs.start(work.handoffs)
             held_back = self._handoffs.holding_back
             if held_back and any(s in held_back for s in work.decode):

@@ -263,3 +263,35 @@ def test_a_worker_of_role_both_registers_as_before_roles():
     assert request == pb.RegisterWorkerRequest(
         worker_id="w", total_kv_pages=8, page_size=4, total_gdn_slots=2
     )
+
+
+def _prefilled_sender(workers, num_tokens: int) -> Worker:
+    """A prefill worker that prefilled PROMPT as sequence 1 and was told to SEND it."""
+    sender = workers("prefill-0", WorkerRole.PREFILL, serve=True)
+    prefill = pb.PrefillChunk(seq_id=1, chunk_start=0, chunk_len=len(PROMPT))
+    prefill.spec.CopyFrom(_wire_spec(PROMPT, NUM_NEW))
+    sender.step(pb.SchedulerDecision(prefill=[prefill]))
+    send = pb.Handoff(
+        seq_id=1,
+        direction=pb.HANDOFF_DIRECTION_SEND,
+        transfer_id=77,
+        num_tokens=num_tokens,
+        num_generated=1,
+    )
+    sender.step(pb.SchedulerDecision(handoffs=[send]))
+    return sender
+
+
+def test_a_sequence_held_for_a_send_and_named_in_decode_is_the_senders_again(workers):
+    sender = _prefilled_sender(workers, len(PROMPT))
+    assert len(sender.offers) == 1
+    sender.step(pb.SchedulerDecision(decode=[1]))  # the handoff failed: decode it here
+    assert len(sender.offers) == 0
+    report = sender.step(pb.SchedulerDecision(decode=[1]))
+    assert [offset for offset, _ in _tokens(report, 1)] == [1]
+
+
+def test_a_sender_past_the_sends_tokens_serves_nothing(workers):
+    # It decoded once more than the scheduler knew when it sent the SEND.
+    sender = _prefilled_sender(workers, len(PROMPT) - 1)
+    assert len(sender.offers) == 0 and sender.engine.running_ids() == [1]
