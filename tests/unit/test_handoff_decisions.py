@@ -276,6 +276,13 @@ def test_a_sequence_its_sender_finishes_mid_transfer_is_not_imported():
     assert sched.get_sequence(seq_id).state is SequenceState.FINISHED
 
 
+def test_a_sequence_cancelled_before_its_receive_is_delivered_is_not_sent():
+    sched = fleet()
+    seq_id, _ = prefilled(sched)
+    assert sched.cancel(seq_id)
+    assert sched.select_batch(report("d0")).handoffs == ()
+
+
 def test_a_restart_fails_the_transfer_in_flight_and_the_sender_hands_off_anew():
     clock, store = FakeClock(), MemoryStore()
     sched = fleet(store=store, clock=clock)

@@ -283,9 +283,9 @@ class Disaggregation:
         for index, (seq_id, transfer_id) in enumerate(waiting):
             handoff = self._book.get(seq_id)
             sender = self._ledger.find(handoff.sender) if handoff is not None else None
-            if handoff is None or handoff.transfer_id != transfer_id or sender is None:
-                continue  # ended before it was delivered
-            seq = self._sequences.get(seq_id)
+            seq = sender.assigned.get(seq_id) if sender is not None else None
+            if seq is None or handoff.transfer_id != transfer_id:
+                continue  # ended, or no longer the sender's to give, before it was delivered
             spec = seq.spec()
             free_bytes -= seq.spec_wire_bytes()
             if free_bytes < 0 and handoffs:
