@@ -306,3 +306,55 @@ def test_a_restart_fails_the_transfer_in_flight_and_the_sender_hands_off_anew():
     assert old.evict == (seq_id,)
     assert restarted.get_sequence(seq_id).worker_id == "p0"
     assert tuple(restarted.read_output(seq_id, 0).token_ids) == (FIRST,)
+
+
+def test_a_full_receiver_is_passed_over_and_with_none_left_the_sender_decodes():
+    sched = fleet()
+    for worker_id in ("d0", "d1"):
+        register(
+            sched,
+            worker_id,
+            role=WorkerRole.DECODE,
+            transfer_bytes_per_second=1e9,
+            max_batch_size=1,
+        )
+        sched.select_batch(report(worker_id))
+    first, second, third = (submit(sched, prompt_len=LONG) for _ in range(3))
+    assert admit(sched, "p0") == (first, second, third)
+    tokens = {seq_id: [FIRST] for seq_id in (first, second, third)}
+    decision = sched.select_batch(report("p0", running=[first, second, third], tokens=tokens))
+    assert [(h.seq_id, h.peer_worker_id) for h in decision.handoffs] == [
+        (first, "d0"),
+        (second, "d1"),
+    ]
+    assert decision.decode == (third,)
+
+
+def test_a_done_handoff_survives_a_restart_on_its_receiver():
+    clock, store = FakeClock(), MemoryStore()
+    sched = fleet(store=store, clock=clock)
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))
+    sched.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    restarted = Scheduler(make_config(chunk_size=2048), clock=clock, store=store)
+    assert restarted.get_sequence(seq_id).worker_id == "d0"
+    assert restarted.select_batch(report("d0", running=[seq_id])).decode == (seq_id,)
+    assert restarted.select_batch(report("p0", running=[seq_id])).evict == (seq_id,)
+
+
+def test_a_prefill_worker_chunks_ignore_the_tpot_target():
+    chunks = {}
+    for role in (WorkerRole.BOTH, WorkerRole.PREFILL):
+        sched = Scheduler(
+            make_config(policy="budget", chunk_size=2048, tpot_target_ms=20), clock=FakeClock()
+        )
+        register(sched, "w0", role=role)
+        seq_id = submit(sched, prompt_len=LONG)
+        (chunk,) = sched.select_batch(report("w0")).prefill
+        assert chunk.seq_id == seq_id
+        chunks[role] = chunk.chunk_len
+    assert chunks[WorkerRole.PREFILL] == LONG
+    assert chunks[WorkerRole.BOTH] < LONG

@@ -231,6 +231,7 @@ class Disaggregation:
                 continue
             handoffs.append(self._start(worker, seq, receiver.worker_id))
             loads = [_one_more(w, seq.num_tokens()) if w is receiver else w for w in loads]
+            loads = [w for w in loads if w.num_decoding < self._batch_limit(w.worker_id)]
         return tuple(decode)
 
     def _receivers(self, sender: WorkerRecord) -> list[WorkerLoad]:
@@ -249,7 +250,13 @@ class Disaggregation:
             if w is not sender
             and w.registration.role is WorkerRole.DECODE
             and w.registration.transfer_bytes_per_second > 0
+            and len(w.assigned) + len(self._receives.get(w.worker_id, ()))
+            < w.settings.max_batch_size
         ]
+
+    def _batch_limit(self, worker_id: str) -> int:
+        """The most sequences `worker_id` holds (its batch: a receiver takes no more)."""
+        return self._ledger.get(worker_id).settings.max_batch_size
 
     def _start(self, sender: WorkerRecord, seq: Sequence, receiver: str) -> HandoffInstruction:
         transfer_id = self._next_transfer_id
