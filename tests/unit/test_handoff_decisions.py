@@ -358,3 +358,18 @@ def test_a_prefill_worker_chunks_ignore_the_tpot_target():
         chunks[role] = chunk.chunk_len
     assert chunks[WorkerRole.PREFILL] == LONG
     assert chunks[WorkerRole.BOTH] < LONG
+
+
+def test_a_done_for_an_earlier_assignment_does_not_move_the_sequence_admitted_again():
+    sched = fleet()
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))
+    # p0 lost it (its report leaves it out): requeued, and admitted to p0 again at once.
+    assert admit(sched, "p0") == (seq_id,)
+    late = sched.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    assert late.evict == (seq_id,)
+    info = sched.get_sequence(seq_id)
+    assert (info.worker_id, info.state) == ("p0", SequenceState.PREFILLING)

@@ -23,7 +23,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from service.core.decide.handoff import WorkerLoad, pick_decode_worker
-from service.core.tables.handoffs import HandoffAction, HandoffBook, HandoffOutcome, HandoffState
+from service.core.tables.handoffs import (
+    Handoff,
+    HandoffAction,
+    HandoffBook,
+    HandoffOutcome,
+    HandoffState,
+)
 from service.core.tables.ledger import WorkerRecord
 from service.core.tables.sequences import Sequence
 from service.core.tables.steady import SteadyStep
@@ -78,8 +84,9 @@ class Disaggregation:
         self._next_transfer_id = first_transfer_id
         # Per receiver, the (seq_id, transfer_id) whose RECEIVE its next decision carries.
         self._receives: dict[str, list[tuple[int, int]]] = {}
-        # Per sender, sequences whose handoff failed while it held them: decoded there.
-        self._kept: dict[str, set[int]] = {}
+        # Per sender, sequences whose handoff failed while it held them, by seq_id with
+        # their admission_order: decoded there to the end of that assignment.
+        self._kept: dict[str, dict[int, int]] = {}
 
     @property
     def book(self) -> HandoffBook:
@@ -125,10 +132,8 @@ class Disaggregation:
                     evict.append(result.seq_id)
                 continue  # else a repeat of the DONE that made it this worker's: ignored
             sender = self._ledger.find(handoff.sender)
-            seq = self._sequences.get(result.seq_id)
-            holds = (
-                sender is not None and seq is not None and sender.assigned.get(seq.seq_id) is seq
-            )
+            seq = self._held(handoff, sender)
+            holds = seq is not None
             seconds = result.transfer_us / 1e6
             if result.status is HandoffStatus.DONE and holds:
                 self._book.imported(result.seq_id, worker.worker_id)
@@ -197,13 +202,14 @@ class Disaggregation:
         """Book a handoff for each of `worker`'s decodes that has its first token and a
         receiver; returns the decodes left to it."""
         for handoff in self._book.sent_by(worker.worker_id):
-            if handoff.seq_id not in worker.assigned:  # finished, preempted, lost, cancelled
+            if self._held(handoff, worker) is None:  # finished, preempted, lost, cancelled
                 outcome = self._book.failed(handoff.seq_id, HandoffEnd.SENDER_GONE, False)
                 if outcome is not None:
                     self._ended(outcome)
         kept = self._kept.get(worker.worker_id)
         if kept:
-            kept.intersection_update(worker.assigned)
+            for seq_id in [s for s in kept if s not in worker.assigned]:
+                del kept[seq_id]
         address = worker.registration.handoff_address
         rate = worker.registration.transfer_bytes_per_second
         loads: list[WorkerLoad] | None = None
@@ -215,7 +221,7 @@ class Disaggregation:
             if (
                 not address
                 or rate <= 0
-                or (kept and seq_id in kept)
+                or (kept and kept.get(seq_id) == seq.admission_order)
                 or len(seq.output_token_ids) <= seq.num_generated_at_admission
             ):
                 decode.append(seq_id)
@@ -263,7 +269,7 @@ class Disaggregation:
         self._next_transfer_id += 1
         num_tokens = seq.num_tokens() - 1  # the last one is fed by the receiver's decode
         num_generated = len(seq.output_token_ids) - seq.num_generated_at_admission
-        self._book.plan(seq.seq_id, sender.worker_id, receiver, transfer_id)
+        self._book.plan(seq.seq_id, sender.worker_id, receiver, transfer_id, seq.admission_order)
         self._book.prefilled(seq.seq_id, num_tokens, num_generated, self._clock())
         self._receives.setdefault(receiver, []).append((seq.seq_id, transfer_id))
         self._observer.on_handoff_started(seq.seq_id, sender.worker_id, receiver)
@@ -290,7 +296,7 @@ class Disaggregation:
         for index, (seq_id, transfer_id) in enumerate(waiting):
             handoff = self._book.get(seq_id)
             sender = self._ledger.find(handoff.sender) if handoff is not None else None
-            seq = sender.assigned.get(seq_id) if sender is not None else None
+            seq = self._held(handoff, sender) if sender is not None else None
             if seq is None or handoff.transfer_id != transfer_id:
                 continue  # ended, or no longer the sender's to give, before it was delivered
             spec = seq.spec()
@@ -315,6 +321,15 @@ class Disaggregation:
 
     # ------------------------------------------------------------- outcomes
 
+    @staticmethod
+    def _held(handoff: Handoff, sender: WorkerRecord | None) -> Sequence | None:
+        """The sequence `handoff` moves, if `sender` still holds it in the assignment
+        handed off (not finished, requeued or admitted anew since)."""
+        seq = sender.assigned.get(handoff.seq_id) if sender is not None else None
+        if seq is None or seq.admission_order != handoff.admission_order:
+            return None
+        return seq
+
     def _move(self, seq: Sequence, sender: WorkerRecord, receiver: WorkerRecord) -> None:
         """DONE: the sequence is the receiver's, in the same assignment (its offsets and
         finish counts go on from the sender's)."""
@@ -328,8 +343,10 @@ class Disaggregation:
     def _ended(self, outcome: HandoffOutcome, num_bytes: int = 0, seconds: float = 0.0) -> None:
         """A failed handoff's outcome: the sequence stays with a sender that holds it and
         is decoded there; a requeue was already made by what took it from the sender."""
-        if outcome.action is HandoffAction.RESUME_ON_SENDER:
-            self._kept.setdefault(outcome.sender, set()).add(outcome.seq_id)
+        sender = self._ledger.find(outcome.sender)
+        seq = sender.assigned.get(outcome.seq_id) if sender is not None else None
+        if outcome.action is HandoffAction.RESUME_ON_SENDER and seq is not None:
+            self._kept.setdefault(outcome.sender, {})[seq.seq_id] = seq.admission_order
         self._observer.on_handoff(
             outcome.seq_id, outcome.sender, outcome.receiver, outcome.failure, num_bytes, seconds
         )
