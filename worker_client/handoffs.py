@@ -80,6 +80,11 @@ class HandoffOutcome:
 
 # The receiver's own deadline when the scheduler gave none.
 DEFAULT_DEADLINE_SECONDS = 30.0
+# A RECEIVE may reach the receiver before the SEND reaches the sender (both go out in
+# their workers' next decisions): a transfer the sender does not hold yet is asked for
+# again for this long (within the deadline) before it is UNKNOWN_SEQUENCE.
+UNKNOWN_GRACE_SECONDS = 2.0
+_RETRY_SECONDS = 0.02
 
 _FETCH_END = {
     FetchProblem.SENDER_UNREACHABLE: HandoffEnd.SENDER_UNREACHABLE,
@@ -186,7 +191,7 @@ class HandoffAgent:
                 _failed(order, HandoffEnd.NO_ROOM, "this worker's engine cannot import", 0.0)
             )
             return
-        fetch = self._fetches.submit(self._fetcher, order, seconds)
+        fetch = self._fetches.submit(self._fetch, order, now + seconds)
         self._receiving[order.transfer_id] = _Receiving(order, now, now + seconds, fetch)
 
     def reclaim(self, decode: Iterable[int]) -> None:
@@ -197,6 +202,18 @@ class HandoffAgent:
             self._sending -= again
             if self._offers is not None:
                 self._offers.withdraw(again)
+
+    def _fetch(self, order: HandoffOrder, deadline: float) -> Fetched:
+        """The fetcher's answer, asking again while the sender does not know the transfer
+        yet (UNKNOWN_GRACE_SECONDS); on the fetch thread."""
+        give_up = min(deadline, self._clock() + UNKNOWN_GRACE_SECONDS)
+        while True:
+            try:
+                return self._fetcher(order, max(0.001, deadline - self._clock()))
+            except FetchFailed as err:
+                if err.problem is not FetchProblem.UNKNOWN_SEQUENCE or self._clock() >= give_up:
+                    raise
+            time.sleep(_RETRY_SECONDS)
 
     def finish_ready(self) -> list[HandoffOutcome]:
         """Import every fetch that has ended; the outcomes to report (each once)."""
