@@ -1,6 +1,6 @@
 """The whole handoff path on loopback: the real scheduler (roles, SEND and RECEIVE, results
 applied), one prefill worker and two decode workers with the reference engine on the tiny
-Qwen3.5 model, each with its handoff channel. Greedy outputs equal a co-located worker's;
+Qwen3.5 and Qwen3-Next models, each with its handoff channel. Greedy outputs equal a co-located worker's;
 the prompts are computed on the prefill worker."""
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ NUM_PROMPTS = 4
 MAX_NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model("tiny", device="cpu", dtype=torch.float32, seed=0)
+@pytest.fixture(scope="module", params=["tiny", "tiny-next"])  # Qwen3.5, Qwen3-Next
+def model(request):
+    return load_model(request.param, device="cpu", dtype=torch.float32, seed=0)
 
 
 def _prompts() -> list[list[int]]:
