@@ -31,6 +31,11 @@ pytestmark = pytest.mark.slow  # three engines and a scheduler: tens of seconds
 # The scheduler keeps prompts under 1,024 tokens to compute co-located (its rule's
 # min_uncached_tokens): these are all long enough to go to the prefill worker.
 NUM_PROMPTS = 4
+SPLIT = {
+    "prefill-0": WorkerRole.PREFILL,
+    "decode-0": WorkerRole.DECODE,
+    "decode-1": WorkerRole.DECODE,
+}
 MAX_NEW_TOKENS = 8
 
 
@@ -57,13 +62,19 @@ def _fetch(order, timeout_seconds):
 class Worker:
     """A worker loop of `role` on its own thread, with a handoff channel."""
 
-    def __init__(self, model, port: int, worker_id: str, role: WorkerRole) -> None:
+    def __init__(
+        self, model, port: int, worker_id: str, role: WorkerRole, *, channel_up: bool = True
+    ) -> None:
+        """`channel_up` False: the handoff channel is registered but gone (its server
+        stopped), as after a sender's crash that its lease has not yet noticed."""
         self.engine = ModelEngine(
             model, total_kv_pages=512, page_size=16, total_gdn_slots=8, device="cpu"
         )
         self.offers = OfferBook()
         self.server = HandoffServer(self.offers, host="127.0.0.1")
         self.server.start()
+        if not channel_up:
+            self.server.stop(0)
         self.agent = HandoffAgent(self.engine, self.offers, _fetch)
         resources = dataclasses.replace(
             WorkerResources.of(worker_id, self.engine),
@@ -104,11 +115,16 @@ def _prefill_tokens_metric(registry) -> dict[str, float]:
     return totals
 
 
-def _run(model, roles: dict[str, WorkerRole]) -> tuple[list[list[int]], dict[str, Worker], dict]:
+def _run(
+    model, roles: dict[str, WorkerRole], channels_down: frozenset[str] = frozenset()
+) -> tuple[list[list[int]], dict[str, Worker], dict]:
     """Every prompt through a scheduler with workers of `roles`: outputs, workers and the
     scheduler's prompt tokens computed per worker."""
     scheduler = start_scheduler()
-    workers = {name: Worker(model, scheduler.port, name, role) for name, role in roles.items()}
+    workers = {
+        name: Worker(model, scheduler.port, name, role, channel_up=name not in channels_down)
+        for name, role in roles.items()
+    }
     channel = grpc.insecure_channel(f"127.0.0.1:{scheduler.port}")
     stub = pb_grpc.SchedulerStub(channel)
     sampling = pb.SamplingParams(ignore_eos=True)
@@ -132,14 +148,7 @@ def _run(model, roles: dict[str, WorkerRole]) -> tuple[list[list[int]], dict[str
 
 def test_one_prefill_and_two_decode_workers_give_the_co_located_tokens(model):
     colocated, _, _ = _run(model, {"both-0": WorkerRole.BOTH})
-    split, workers, metric = _run(
-        model,
-        {
-            "prefill-0": WorkerRole.PREFILL,
-            "decode-0": WorkerRole.DECODE,
-            "decode-1": WorkerRole.DECODE,
-        },
-    )
+    split, workers, metric = _run(model, SPLIT)
     assert split == colocated
     assert all(len(tokens) == MAX_NEW_TOKENS for tokens in split)
 
@@ -152,3 +161,12 @@ def test_one_prefill_and_two_decode_workers_give_the_co_located_tokens(model):
     print(f"lattice_scheduler_worker_prefill_tokens_total: {metric}")
     assert share >= 0.9
     assert metric.get("prefill-0", 0) / sum(metric.values()) >= 0.9
+
+
+def test_a_sender_whose_channel_is_gone_decodes_its_sequences_itself(model):
+    colocated, _, _ = _run(model, {"both-0": WorkerRole.BOTH})
+    split, workers, _ = _run(model, SPLIT, channels_down=frozenset({"prefill-0"}))
+    # Every handoff failed (SENDER_UNREACHABLE): the sender kept each sequence and
+    # decoded it; nothing lost, no token twice.
+    assert split == colocated
+    assert sum(w.agent.num_imported for w in workers.values()) == 0
