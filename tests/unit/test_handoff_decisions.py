@@ -373,3 +373,9 @@ def test_a_done_for_an_earlier_assignment_does_not_move_the_sequence_admitted_ag
     assert late.evict == (seq_id,)
     info = sched.get_sequence(seq_id)
     assert (info.worker_id, info.state) == ("p0", SequenceState.PREFILLING)
+
+
+def test_a_sequence_with_no_token_left_to_generate_is_not_handed_off():
+    sched = fleet()
+    seq_id, decision = prefilled(sched, max_new_tokens=1)  # its finish not reported yet
+    assert decision.handoffs == () and decision.decode == (seq_id,)

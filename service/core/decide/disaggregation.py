@@ -223,6 +223,7 @@ class Disaggregation:
                 or rate <= 0
                 or (kept and kept.get(seq_id) == seq.admission_order)
                 or len(seq.output_token_ids) <= seq.num_generated_at_admission
+                or len(seq.output_token_ids) >= seq.params.max_new_tokens  # nothing to decode
             ):
                 decode.append(seq_id)
                 continue
