@@ -463,6 +463,13 @@ def _serve(
         f"{stats.preempted} preempted",
         flush=True,
     )
+    if loop.handoffs is not None:
+        print(
+            f"lattice-worker {args.worker_id}: {stats.prefill_tokens} prompt tokens computed, "
+            f"{loop.handoffs.num_sent_offers} sequences offered to peers, "
+            f"{loop.handoffs.num_imported} imported from peers",
+            flush=True,
+        )
     cache = getattr(engine, "prefix_cache", None)
     if cache is not None:
         print(f"lattice-worker {args.worker_id}: {cache.stats_line()}", flush=True)

@@ -99,6 +99,11 @@ class WorkerLoop:
         self._step_us = 0  # the latest step's time, until a report carries it
         self._handoffs = handoffs
 
+    @property
+    def handoffs(self) -> HandoffAgent | None:
+        """This worker's ends of handoffs (None: it takes part in none)."""
+        return self._handoffs
+
     def run(self, stop: threading.Event, drain: threading.Event | None = None) -> LoopStats:
         """Until `stop`, or the end of a `drain`. A client built with the same stop event
         ends its waits (registration and other retries included) within a second of it."""
