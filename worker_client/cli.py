@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 
 log = logging.getLogger("lattice_worker")
 
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "the next step while the engine runs this one",
     )
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
+    _add_handoff_arguments(parser)
     args = parser.parse_args(argv)
 
     from common.logs import configure
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.step_ms < 0:
             parser.error(f"--step-ms must not be negative, got {args.step_ms:g}")
+    _check_handoff_arguments(parser, args)
     if args.engine == "vllm":
         _check_vllm_arguments(parser, args)
     else:
@@ -186,7 +189,112 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - one clear line, not a traceback
         print(f"lattice-worker: {err}", file=sys.stderr)
         return 2
+    if args.role != "both" and not getattr(engine, "can_hand_off", False):
+        print(
+            f"lattice-worker: --role {args.role}: this engine cannot hand sequences to a "
+            f"peer (only the reference engine with a model can); run it with --role both",
+            file=sys.stderr,
+        )
+        return 2
     return _run(args, engine, credentials)
+
+
+def _add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    group.add_argument(
+        "--role",
+        default="both",
+        choices=("both", "prefill", "decode"),
+        help="both: prompts and decodes (the default, as before roles); prefill: prompts "
+        "only, each sequence handed to a decode worker after its first token; decode: "
+        "decodes only, sequences arrive by handoff",
+    )
+    group.add_argument(
+        "--handoff-port",
+        type=int,
+        help="serve the handoff channel (peers fetch sequences from it) on this port, "
+        "0: any free one; needed by --role prefill",
+    )
+    group.add_argument(
+        "--handoff-host",
+        default="127.0.0.1",
+        help="the host peers reach the handoff channel at (registered as "
+        "handoff_address HOST:PORT; the channel listens on every interface)",
+    )
+    group.add_argument(
+        "--transfer-gb-per-s",
+        type=float,
+        help="how fast this worker moves a sequence to a peer, in GB/s (1e9 bytes); the "
+        "scheduler weighs handoffs with it; needed by --role prefill and decode",
+    )
+    group.add_argument(
+        "--handoff-token",
+        default=os.environ.get("LATTICE_HANDOFF_TOKEN") or None,
+        help="bearer token of the handoff channel, sent to peers and required from them "
+        "(env LATTICE_HANDOFF_TOKEN; default: --token); every worker of a fleet uses the same",
+    )
+    group.add_argument(
+        "--handoff-tls-cert",
+        metavar="FILE",
+        help="serve the handoff channel with TLS: this certificate (PEM); peers check it "
+        "against their --tls-ca",
+    )
+    group.add_argument(
+        "--handoff-tls-key", metavar="FILE", help="private key of --handoff-tls-cert"
+    )
+
+
+def _check_handoff_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.handoff_port is not None and not 0 <= args.handoff_port <= 65535:
+        parser.error(f"--handoff-port must be 0..65535, got {args.handoff_port}")
+    rate = args.transfer_gb_per_s
+    if rate is not None and not (rate > 0 and rate != float("inf")):
+        parser.error(f"--transfer-gb-per-s must be a positive number, got {rate:g}")
+    if bool(args.handoff_tls_cert) != bool(args.handoff_tls_key):
+        parser.error("--handoff-tls-cert and --handoff-tls-key go together: give both or neither")
+    if args.role == "prefill" and args.handoff_port is None:
+        parser.error("--role prefill serves its sequences to peers: give --handoff-port")
+    if args.role != "both" and rate is None:
+        parser.error(
+            f"--role {args.role} needs --transfer-gb-per-s (the scheduler hands nothing off "
+            f"without a rate)"
+        )
+
+
+def _handoffs(args: argparse.Namespace, engine, credentials):
+    """(the HandoffAgent, its server or None, the address it registers) for these flags;
+    (None, None, "") for a worker of role both without a handoff channel."""
+    if args.role == "both" and args.handoff_port is None:
+        return None, None, ""
+
+    from common.credentials import server_credentials
+    from worker_client.handoff_channel import HandoffServer, OfferBook, fetch_sequence
+    from worker_client.handoffs import HandoffAgent
+
+    token = args.handoff_token or args.token
+    server, address, offers = None, "", None
+    if args.handoff_port is not None:
+        offers = OfferBook()
+        server = HandoffServer(
+            offers,
+            port=args.handoff_port,
+            credentials=server_credentials(args.handoff_tls_cert or "", args.handoff_tls_key or ""),
+            token=token,
+        )
+        address = f"{args.handoff_host}:{server.port}"
+
+    def fetch(order, timeout_seconds):
+        return fetch_sequence(
+            order.peer_address,
+            order.transfer_id,
+            order.seq_id,
+            order.cached_tokens,
+            timeout_seconds=timeout_seconds,
+            credentials=credentials,
+            token=token,
+        )
+
+    return HandoffAgent(engine, offers, fetch), server, address
 
 
 # Flags of the vLLM engine only, and flags of the reference engine only.
@@ -264,7 +372,7 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     from common.targets import TargetError, expand
     from worker_client.client import SchedulerClient
     from worker_client.loop import WorkerLoop
-    from worker_client.resources import WorkerResources
+    from worker_client.resources import WorkerResources, WorkerRole
 
     try:
         targets = expand(args.scheduler)  # a dns:/// name: each of its addresses
@@ -279,8 +387,28 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
         session=not args.no_session,
         stop=stop,
     )
-    resources = WorkerResources.of(args.worker_id, engine, args.max_batch_size)
-    loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap)
+    try:
+        agent, handoff_server, handoff_address = _handoffs(args, engine, credentials)
+    except Exception as err:  # noqa: BLE001 - one clear line (a port taken, a bad PEM)
+        print(f"lattice-worker: handoff channel: {err}", file=sys.stderr)
+        return 2
+    resources = replace(
+        WorkerResources.of(args.worker_id, engine, args.max_batch_size),
+        role=WorkerRole(args.role),
+        transfer_bytes_per_second=(args.transfer_gb_per_s or 0.0) * 1e9,
+        handoff_address=handoff_address,
+    )
+    # A prefill worker reports in turn: with overlap its engine would decode a sequence
+    # once more while the report of its first token travels, and the state it then holds
+    # is no longer the one the scheduler's SEND books (docs/disaggregation.md).
+    overlap = not args.no_overlap and args.role != "prefill"
+    loop = WorkerLoop(engine, client, resources, overlap=overlap, handoffs=agent)
+    if handoff_server is not None:
+        handoff_server.start()
+        log.info(
+            "handoff channel serving",
+            extra={"worker_id": args.worker_id, "handoff_address": handoff_address},
+        )
 
     def on_signal(signum):  # on the signal thread, not in a handler (common/signals.py)
         if signum == signal.SIGTERM and not drain.is_set() and loop.stats.registrations:
@@ -301,7 +429,11 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     # Kept until the process returns: a second SIGTERM or SIGINT while it leaves is
     # acted on (stop at once), not the default's exit code or traceback.
     with SignalThread((signal.SIGTERM, signal.SIGINT), on_signal):
-        return _serve(args, engine, client, loop, stop, drain)
+        try:
+            return _serve(args, engine, client, loop, stop, drain)
+        finally:
+            if handoff_server is not None:
+                handoff_server.stop()
 
 
 def _serve(
@@ -331,6 +463,13 @@ def _serve(
         f"{stats.preempted} preempted",
         flush=True,
     )
+    if loop.handoffs is not None:
+        print(
+            f"lattice-worker {args.worker_id}: {stats.prefill_tokens} prompt tokens computed, "
+            f"{loop.handoffs.num_sent_offers} sequences offered to peers, "
+            f"{loop.handoffs.num_imported} imported from peers",
+            flush=True,
+        )
     cache = getattr(engine, "prefix_cache", None)
     if cache is not None:
         print(f"lattice-worker {args.worker_id}: {cache.stats_line()}", flush=True)

@@ -19,7 +19,8 @@ from worker_client.engine.api import (
     TokenLogprobs,
 )
 from worker_client.engine.resume_points import ResumePointLog
-from worker_client.resources import WorkerResources
+from worker_client.handoffs import HandoffEnd, HandoffOrder, HandoffOutcome
+from worker_client.resources import WorkerResources, WorkerRole
 
 _FINISH_REASON = {
     FinishReason.EOS: pb.FINISH_REASON_EOS,
@@ -27,6 +28,20 @@ _FINISH_REASON = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.FAILED: pb.FINISH_REASON_FAILED,
 }
+_ROLE = {
+    WorkerRole.BOTH: pb.WORKER_ROLE_BOTH,
+    WorkerRole.PREFILL: pb.WORKER_ROLE_PREFILL,
+    WorkerRole.DECODE: pb.WORKER_ROLE_DECODE,
+}
+_HANDOFF_STATUS = {
+    HandoffEnd.DONE: pb.HANDOFF_STATUS_DONE,
+    HandoffEnd.SENDER_UNREACHABLE: pb.HANDOFF_STATUS_SENDER_UNREACHABLE,
+    HandoffEnd.CHECKSUM_MISMATCH: pb.HANDOFF_STATUS_CHECKSUM_MISMATCH,
+    HandoffEnd.NO_ROOM: pb.HANDOFF_STATUS_NO_ROOM,
+    HandoffEnd.TIMED_OUT: pb.HANDOFF_STATUS_TIMED_OUT,
+    HandoffEnd.UNKNOWN_SEQUENCE: pb.HANDOFF_STATUS_UNKNOWN_SEQUENCE,
+}
+_MAX_TRANSFER_US = 2**32 - 1  # HandoffResult.transfer_us is a uint32
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,8 @@ class Work:
     # The engine step: prefill chunks (admissions first), then one decode per id.
     prefill: tuple[ChunkWork, ...]
     decode: tuple[int, ...]
+    # Handoffs to start, as sender or receiver (before the step).
+    handoffs: tuple[HandoffOrder, ...] = ()
 
     @property
     def has_step(self) -> bool:
@@ -56,6 +73,33 @@ def work(decision: pb.SchedulerDecision, reported_running: tuple[int, ...] = ())
         admitted=tuple(c.seq_id for c in decision.prefill if c.HasField("spec")),
         prefill=tuple(chunk_work(c) for c in decision.prefill),
         decode=reported_running if decision.decode_all_running else tuple(decision.decode),
+        handoffs=tuple(handoff_order(h) for h in decision.handoffs),
+    )
+
+
+def handoff_order(handoff: pb.Handoff) -> HandoffOrder:
+    return HandoffOrder(
+        seq_id=handoff.seq_id,
+        send=handoff.direction == pb.HANDOFF_DIRECTION_SEND,
+        transfer_id=handoff.transfer_id,
+        peer_worker_id=handoff.peer_worker_id,
+        peer_address=handoff.peer_address,
+        num_tokens=handoff.num_tokens,
+        num_generated=handoff.num_generated,
+        spec=sequence_spec(handoff.spec) if handoff.HasField("spec") else None,
+        cached_tokens=handoff.cached_tokens,
+        deadline_seconds=handoff.deadline_ms / 1000,
+    )
+
+
+def handoff_result(outcome: HandoffOutcome) -> pb.HandoffResult:
+    return pb.HandoffResult(
+        seq_id=outcome.seq_id,
+        transfer_id=outcome.transfer_id,
+        status=_HANDOFF_STATUS[outcome.end],
+        num_bytes=outcome.num_bytes,
+        transfer_us=min(_MAX_TRANSFER_US, round(outcome.transfer_seconds * 1e6)),
+        error_message=outcome.error_message,
     )
 
 
@@ -69,6 +113,12 @@ def register_request(resources: WorkerResources) -> pb.RegisterWorkerRequest:
         adapters=resources.adapters,
         cache_block_tokens=resources.cache_block_tokens,
         total_snapshot_slots=resources.total_snapshot_slots,
+        # A worker of role BOTH says nothing of roles: today's registration, exactly.
+        role=pb.WORKER_ROLE_UNSPECIFIED
+        if resources.role is WorkerRole.BOTH
+        else _ROLE[resources.role],
+        transfer_bytes_per_second=resources.transfer_bytes_per_second,
+        handoff_address=resources.handoff_address,
     )
 
 
@@ -76,24 +126,25 @@ def deregister_request(worker_id: str, incarnation: int) -> pb.DeregisterWorkerR
     return pb.DeregisterWorkerRequest(worker_id=worker_id, incarnation=incarnation)
 
 
+def sequence_spec(s: pb.SequenceSpec) -> SequenceSpec:
+    return SequenceSpec(
+        prompt_token_ids=tuple(s.prompt_token_ids),
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.sampling.temperature,
+        top_p=s.sampling.top_p,
+        top_k=s.sampling.top_k,
+        seed=s.sampling.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        adapter_id=s.adapter_id,
+        logprobs=s.sampling.logprobs,
+        prompt_logprobs=s.sampling.prompt_logprobs,
+        ignore_eos=s.sampling.ignore_eos,
+        min_new_tokens=s.sampling.min_new_tokens,
+    )
+
+
 def chunk_work(chunk: pb.PrefillChunk) -> ChunkWork:
-    spec = None
-    if chunk.HasField("spec"):
-        s = chunk.spec
-        spec = SequenceSpec(
-            prompt_token_ids=tuple(s.prompt_token_ids),
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.sampling.temperature,
-            top_p=s.sampling.top_p,
-            top_k=s.sampling.top_k,
-            seed=s.sampling.seed,
-            stop_token_ids=tuple(s.stop_token_ids),
-            adapter_id=s.adapter_id,
-            logprobs=s.sampling.logprobs,
-            prompt_logprobs=s.sampling.prompt_logprobs,
-            ignore_eos=s.sampling.ignore_eos,
-            min_new_tokens=s.sampling.min_new_tokens,
-        )
+    spec = sequence_spec(chunk.spec) if chunk.HasField("spec") else None
     return ChunkWork(
         chunk.seq_id,
         chunk.chunk_start,
@@ -123,6 +174,8 @@ class PendingReport:
         # seq_id -> its prompt's logprobs, reported with its first token (and retried with it).
         self.prompt_logprobs: dict[int, list[pb.TokenLogprobs]] = {}
         self.cache_misses: list[int] = []
+        # Outcomes of handoffs received, each reported once (retried with the report).
+        self.handoffs: list[pb.HandoffResult] = []
         self.cache = ResumePointLog()
         # Whether the scheduler takes the packed token arrays (its registration said so:
         # RegisterWorkerResponse.accepts_token_runs); until then, TokenUpdate messages only.
@@ -141,7 +194,9 @@ class PendingReport:
         self._delivered: dict[int, int] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.finished or self.preempted or self.tokens or self.cache_misses)
+        return bool(
+            self.finished or self.preempted or self.tokens or self.cache_misses or self.handoffs
+        )
 
     def add_cache(self, delta: CacheDelta) -> None:
         """The engine's cache changes since it was last asked (a reset starts over)."""
@@ -172,6 +227,14 @@ class PendingReport:
         self.tokens.pop(seq_id, None)
         self.logprobs.pop(seq_id, None)
         self.prompt_logprobs.pop(seq_id, None)
+
+    def add_handoff(self, outcome: HandoffOutcome) -> None:
+        """A received handoff ended; DONE: the sequence is held running here, its next
+        token at offset `num_generated` (the sender reported those before)."""
+        self.handoffs.append(handoff_result(outcome))
+        if outcome.end is HandoffEnd.DONE:
+            self.admitted(outcome.seq_id)
+            self._delivered[outcome.seq_id] = outcome.num_generated
 
     def delivered(self, iteration: int = 0) -> None:
         """The last request was answered (by the decision with `iteration`): all of it
@@ -211,6 +274,7 @@ class PendingReport:
         self.logprobs.clear()
         self.prompt_logprobs.clear()
         self.cache_misses.clear()
+        self.handoffs.clear()
 
     def request(
         self,
@@ -276,6 +340,7 @@ class PendingReport:
             kv_cached_pages=kv_cached_pages,
             cache_misses=self.cache_misses,
             last_step_us=last_step_us,
+            handoffs=self.handoffs,
         )
         if self.cache:
             delta = self.cache.peek()

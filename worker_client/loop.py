@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from worker_client import convert
@@ -15,6 +15,7 @@ from worker_client.client import NotRegistered, SchedulerClient, Stopped, Supers
 from worker_client.convert import PendingReport, Work
 from worker_client.engine.api import ChunkWork, Engine, FinishReason, StepOutput
 from worker_client.forecast import Forecast, Holding
+from worker_client.handoffs import HandoffAgent
 from worker_client.resources import WorkerResources
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,12 @@ class WorkerLoop:
         idle_sleep_seconds: float = 0.01,
         idle_wait_seconds: float = DEFAULT_IDLE_WAIT_SECONDS,
         overlap: bool = True,
+        handoffs: HandoffAgent | None = None,
     ) -> None:
         """`idle_sleep_seconds`: the pause after a decision with nothing to run, when the
-        scheduler did not hold its answer (it holds none for a worker that holds work)."""
+        scheduler did not hold its answer (it holds none for a worker that holds work).
+        `handoffs`: this worker's ends of prefill/decode handoffs (None: it takes part in
+        none, and a Handoff in a decision is ignored)."""
         self.engine = engine
         self.client = client
         self.resources = resources
@@ -93,6 +97,12 @@ class WorkerLoop:
         self._moves_at_registration = 0
         self._forecast = Forecast(engine.page_size)
         self._step_us = 0  # the latest step's time, until a report carries it
+        self._handoffs = handoffs
+
+    @property
+    def handoffs(self) -> HandoffAgent | None:
+        """This worker's ends of handoffs (None: it takes part in none)."""
+        return self._handoffs
 
     def run(self, stop: threading.Event, drain: threading.Event | None = None) -> LoopStats:
         """Until `stop`, or the end of a `drain`. A client built with the same stop event
@@ -111,6 +121,8 @@ class WorkerLoop:
             pass  # what is held goes back in _leave
         finally:
             self._leave()
+            if self._handoffs is not None:
+                self._handoffs.close()
         return self.stats
 
     def iterate(self, draining: bool = False) -> bool:
@@ -124,7 +136,7 @@ class WorkerLoop:
         while not stop.is_set():
             draining = drain.is_set()
             held = self._holding()
-            if draining and held.is_empty and not self._pending:
+            if draining and held.is_empty and not self._pending and not self._fetching:
                 return
             started = time.monotonic()
             if not self._iterate(draining, held, long_poll=True):
@@ -132,12 +144,15 @@ class WorkerLoop:
 
     def _iterate(self, draining: bool, held: Holding, long_poll: bool) -> bool:
         """One iteration, from `held`; False when there was nothing to run."""
-        idle = long_poll and not draining and held.is_empty and not self._pending
+        idle = long_poll and not draining and self._is_idle(held)
         work = self._exchange(self._request(draining, held, idle), held)
-        if work is None or not self._apply(work):
-            return work is None
-        out, self._step_us = self._timed_step(work.prefill, work.decode)
-        self._record(work, out)
+        if work is None:
+            return True
+        step = self._apply(work)
+        if step is None:
+            return False
+        out, self._step_us = self._timed_step(step.prefill, step.decode)
+        self._record(step, out)
         return True
 
     # ------------------------------------------------------------------ overlapped
@@ -152,7 +167,7 @@ class WorkerLoop:
                 if work is None:
                     work = self._decide_in_turn(stop, draining)
                     if work is None:
-                        if draining and self._holding().is_empty and not self._pending:
+                        if draining and self._is_idle(self._holding()):
                             return
                         continue
                 held = self._holding()
@@ -181,30 +196,42 @@ class WorkerLoop:
                 self._step_us = step_us  # reported with the next report, as its outputs
                 self.stats.iterations += 1
                 self._record(work, out)
-                next_work = convert.work(decision, self._pending.reported_running)
-                work = next_work if self._apply(next_work) else None
+                work = self._apply(convert.work(decision, self._pending.reported_running))
 
     def _decide_in_turn(self, stop: threading.Event, draining: bool) -> Work | None:
         """Report what is held now and wait for the answer (nothing in flight); the decision
         if it has a step, else None (after a pause when the scheduler did not hold it)."""
         held = self._holding()
-        if draining and held.is_empty and not self._pending:
+        if draining and self._is_idle(held):
             return None
-        idle = not draining and held.is_empty and not self._pending
+        idle = not draining and self._is_idle(held)
         started = time.monotonic()
         work = self._exchange(self._request(draining, held, idle), held)
-        if work is not None and self._apply(work):
-            return work
-        if work is not None:
+        if work is None:
+            return None
+        step = self._apply(work)
+        if step is None:
             self._pause_if_not_held(stop, started)
-        return None
+        return step
 
     # ------------------------------------------------------------------ shared
 
+    @property
+    def _fetching(self) -> bool:
+        return self._handoffs is not None and self._handoffs.busy
+
+    def _is_idle(self, held: Holding) -> bool:
+        """Nothing held, nothing to report, no handoff being fetched."""
+        return held.is_empty and not self._pending and not self._fetching
+
     def _holding(self) -> Holding:
-        """What the engine holds now (no step in flight); its cache changes since it was
-        last asked go to the next report."""
+        """What the engine holds now (no step in flight), after importing the handoffs
+        fetched meanwhile; its cache changes since it was last asked, and the handoffs'
+        outcomes, go to the next report."""
         engine = self.engine
+        if self._handoffs is not None:
+            for outcome in self._handoffs.finish_ready():
+                self._pending.add_handoff(outcome)
         self._pending.add_cache(engine.cache_delta())
         return Holding(
             tuple(engine.waiting_ids()),
@@ -264,21 +291,34 @@ class WorkerLoop:
             seconds = time.perf_counter() - started
         return out, min(_MAX_STEP_US, max(1, round(seconds * 1e6)))
 
-    def _apply(self, work: Work) -> bool:
-        """Evict and preempt what the decision says, note new admissions; whether it has
-        anything to run."""
+    def _apply(self, work: Work) -> Work | None:
+        """Evict and preempt what the decision says, note new admissions, start its
+        handoffs; the step to run (without the sequences held for a peer), or None when
+        there is nothing to run."""
         if work.drop:
             # Preempted ones were requeued by the scheduler already: freed, not reported.
             self.engine.evict(work.drop)
             self._pending.forget(work.drop)
+            if self._handoffs is not None:
+                self._handoffs.dropped(work.drop)
         for seq_id in work.admitted:
             self._pending.admitted(seq_id)
-        return work.has_step
+        if self._handoffs is not None:
+            # A sequence held for an earlier SEND and named in decode is ours again; one
+            # sent now is not decoded in the same step.
+            self._handoffs.reclaim(work.decode)
+            self._handoffs.start(work.handoffs)
+            held_back = self._handoffs.holding_back
+            if held_back and any(s in held_back for s in work.decode):
+                work = replace(work, decode=tuple(s for s in work.decode if s not in held_back))
+        return work if work.has_step else None
 
     def _record(self, work: Work, out: StepOutput) -> None:
         """Keep a step's outputs for the next report, and count them."""
         self._pending.add(out)
         self._count(work, out)
+        if self._handoffs is not None and (out.preempted or out.finished):
+            self._handoffs.dropped([*out.preempted, *(f.seq_id for f in out.finished)])
 
     def _count(self, work: Work, out: StepOutput) -> None:
         _log_failures(self.resources.worker_id, out)
@@ -311,6 +351,8 @@ class WorkerLoop:
         held_ids = [*held.waiting, *held.running]
         self.engine.evict(held_ids)
         self._pending.reset()
+        if self._handoffs is not None:
+            self._handoffs.reset()
         self._register()
 
     def _num_moves(self) -> int:

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from worker_client.engine.api import Engine
+
+
+class WorkerRole(enum.Enum):
+    """What a worker runs (docs/disaggregation.md)."""
+
+    BOTH = "both"  # prompts and decodes: today's behaviour, the default
+    PREFILL = "prefill"  # prompts only; each sequence is handed off after its first token
+    DECODE = "decode"  # decodes only; sequences arrive by handoff
 
 
 @dataclass(frozen=True)
@@ -19,6 +28,9 @@ class WorkerResources:
     adapters: tuple[str, ...] = ()
     cache_block_tokens: int = 0  # tokens per prefix-cache block; 0 = no prefix cache
     total_snapshot_slots: int = 0  # GDN snapshots for resume points, besides the GDN slots
+    role: WorkerRole = WorkerRole.BOTH
+    transfer_bytes_per_second: float = 0.0  # how fast it moves a sequence to a peer; 0: unknown
+    handoff_address: str = ""  # HOST:PORT of its handoff channel; empty: it cannot send
 
     @classmethod
     def of(

@@ -135,6 +135,16 @@ class ScriptedEngine(CacheBooks):
     def running_ids(self) -> list[int]:
         return [s for s, h in self._held.items() if h.cached_tokens >= len(h.spec.prompt_token_ids)]
 
+    # Handoffs: not supported (the scripted engine keeps no state to move).
+    # lattice-worker refuses --role prefill and decode for it.
+    can_hand_off = False
+
+    def export_sequence(self, seq_id: int, first_token: int = 0):
+        raise NotImplementedError("ScriptedEngine cannot hand sequences off")
+
+    def import_sequence(self, seq_id, spec, chunks, cached_tokens: int = 0) -> None:
+        raise NotImplementedError("ScriptedEngine cannot hand sequences off")
+
     def evict(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
             self._release(seq_id)

@@ -121,5 +121,9 @@ class SchedulerObserver:
         """A handoff ended (docs/disaggregation.md): done, or failed and its sequence
         resumed on the sender or requeued; bytes and seconds as the receiver reported."""
 
+    def on_handoff_started(self, seq_id: int, sender: str, receiver: str) -> None:
+        """A handoff was booked: a SEND in `sender`'s decision, a RECEIVE for `receiver`'s
+        next one (a receiver parked on a long poll should ask again)."""
+
     def on_served(self, tenant: str, num_tokens: int) -> None:
         """Tokens served to a tenant: prompt tokens handed out, generated tokens reported."""

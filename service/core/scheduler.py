@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from service.core.config import SchedulerConfig
 from service.core.decide.batcher import Batcher
+from service.core.decide.disaggregation import Disaggregation
 from service.core.decide.orders import queue_order
 from service.core.decide.policies import make_policy
 from service.core.decide.shedding import Shedder
@@ -115,7 +116,10 @@ class Scheduler:
         self._max_decision_bytes = max_decision_bytes
         self._lifecycle = lifecycle = Lifecycle(tables)
         steady = SteadyStep(tables, lifecycle)
-        self._reconciler = Reconciler(tables, lifecycle, steady)
+        # Transfer ids: above any a scheduler started earlier handed out (2**20 a ms).
+        first_transfer_id = int(wall_clock() * 1000) << 20
+        handoffs = Disaggregation(tables, steady, config.lease_ttl_ms / 1000, first_transfer_id)
+        self._reconciler = Reconciler(tables, lifecycle, steady, handoffs)
         self._recovery = Recovery(tables, lifecycle, wall_clock)
         self._batcher = Batcher(
             tables,
@@ -125,9 +129,10 @@ class Scheduler:
             config.policy,
             max_decision_bytes,
             config.max_loras,
+            handoffs,
         )
         self._workers = WorkerRegistry(
-            tables, lifecycle, config, self._policy.token_budget, stall_seconds
+            tables, lifecycle, config, self._policy.token_budget, stall_seconds, handoffs
         )
         # `with self._saving() as saved:` is the save scope of each state-changing call.
         self._saving = Saver(tables, lifecycle, lambda: self._workers.last_incarnation).scope
@@ -361,5 +366,6 @@ def _without(decision: Decision, disowned: frozenset[int], reported: frozenset[i
         prefill=tuple(c for c in decision.prefill if c.seq_id not in disowned),
         decode=tuple(s for s in decision.decode if s not in disowned),
         preempt=tuple(s for s in decision.preempt if s not in disowned),
+        handoffs=tuple(h for h in decision.handoffs if h.seq_id not in disowned),
         evict=tuple(dict.fromkeys([*decision.evict, *(disowned & reported)])),
     )

@@ -32,6 +32,8 @@ class HandoffEnd(enum.Enum):
     DONE = "done"
     SENDER_GONE = "sender_gone"
     RECEIVER_GONE = "receiver_gone"
+    # The receiver could not reach the sender's handoff channel (the sender may live on).
+    SENDER_UNREACHABLE = "sender_unreachable"
     TIMEOUT = "timeout"
     CHECKSUM = "checksum"
     RECEIVER_REFUSED = "receiver_refused"  # no room, or the receiver could not import

@@ -17,6 +17,11 @@ class HandoffMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
+        self.handoffs_started = Counter(
+            PREFIX + "handoffs_started",
+            "Handoffs begun: a SEND to a prefill worker, a RECEIVE booked for a decode worker.",
+            registry=r,
+        )
         self.handoffs = Counter(
             PREFIX + "handoffs",
             "Handoffs of a prefilled sequence from one worker to another, by how they ended.",
@@ -48,6 +53,9 @@ class HandoffMetrics:
         )
         for end in HandoffEnd:  # every end shows from the start at 0
             self.handoffs.labels(end.value)
+
+    def started(self) -> None:
+        self.handoffs_started.inc()
 
     def ended(
         self, sender: str, receiver: str, end: HandoffEnd, num_bytes: int, seconds: float

@@ -688,6 +688,9 @@ class SchedulerMetrics(SchedulerObserver):
         if num_removed:
             self.worker_resume_points_removed.labels(worker_id).inc(num_removed)
 
+    def on_handoff_started(self, seq_id: int, sender: str, receiver: str) -> None:
+        self.handoffs.started()
+
     def on_handoff(
         self,
         seq_id: int,

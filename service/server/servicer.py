@@ -302,6 +302,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             or report.preempted
             or report.tokens
             or report.token_runs.seq_ids
+            or report.handoffs
             or not _is_empty(decision)
         ):
             return 0.0
@@ -334,7 +335,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
 
 def _is_empty(decision: Decision) -> bool:
-    return not (decision.prefill or decision.decode or decision.evict or decision.preempt)
+    return not (
+        decision.prefill
+        or decision.decode
+        or decision.evict
+        or decision.preempt
+        or decision.handoffs
+    )
 
 
 async def _nothing_to_wait_for() -> None:

@@ -88,6 +88,9 @@ class Wakeups(SchedulerObserver):
     def on_finished(self, seq_id: int, reason: FinishReason) -> None:
         self._wake(seq_id)
 
+    def on_handoff_started(self, seq_id: int, sender: str, receiver: str) -> None:
+        self.work_may_have_arrived()  # the receiver, parked, has a RECEIVE to fetch
+
     def on_queue_depth(self, depth: int) -> None:
         if depth > 0:
             self.work_may_have_arrived()

@@ -108,18 +108,18 @@ def test_a_requeued_handoff_resumes_after_its_saved_first_token():
     sched = make_scheduler()
     register(sched, "p0", role=WorkerRole.PREFILL, transfer_bytes_per_second=1e9)
     register(sched, "d0", role=WorkerRole.DECODE, transfer_bytes_per_second=1e9)
-    seq_id = submit(sched, prompt_len=8, max_new_tokens=4)
+    seq_id = submit(sched, prompt_len=1024, max_new_tokens=4)  # long: prefilled on p0
     assert admit(sched, "p0") == (seq_id,)
     sched.select_batch(report("p0", running=[seq_id], tokens={seq_id: [42]}))
     book = HandoffBook(TIMEOUT)
     book.plan(seq_id, "p0", "d0")
-    book.prefilled(seq_id, num_tokens=9, num_generated=1, now=0.0)
+    book.prefilled(seq_id, num_tokens=1025, num_generated=1, now=0.0)
     assert sched.deregister_worker("p0") == 1  # the mechanism requeues its sequences
     (outcome,) = book.worker_gone("p0")
     assert outcome.action is HandoffAction.REQUEUE
     decision = sched.select_batch(report("d0"))
     (chunk,) = decision.prefill
-    assert tuple(chunk.spec.prompt_token_ids) == (*range(1, 9), 42)
+    assert tuple(chunk.spec.prompt_token_ids) == (*range(1, 1025), 42)
     assert chunk.spec.max_new_tokens == 3
     assert tuple(sched.read_output(seq_id, 0).token_ids) == (42,)
 

@@ -137,6 +137,50 @@ class CacheDelta:
     reset: bool = False
 
 
+class StateKind(enum.Enum):
+    """What a StateChunk holds."""
+
+    ATTENTION_KV = "attention_kv"  # keys then values of some positions of one attention layer
+    GDN_RECURRENT = "gdn_recurrent"  # one GDN layer's recurrent (delta rule) state
+    GDN_CONV = "gdn_conv"  # one GDN layer's causal-convolution state
+
+
+@dataclass(frozen=True)
+class StateChunk:
+    """One piece of a held sequence's state, as `Engine.export_sequence` gives it and
+    `Engine.import_sequence` takes it: raw bytes in the engine's own layout and dtypes
+    (both ends run the same model, dtype and page layout; a size that does not fit is
+    refused at import).
+
+    `layer` counts layers of its kind (the i-th attention layer, the i-th GDN layer).
+    ATTENTION_KV holds positions [first_token, first_token + num_tokens): that many
+    [kv_heads, head_dim] keys, then as many values.
+    """
+
+    kind: StateKind
+    layer: int
+    data: bytes
+    first_token: int = 0
+    num_tokens: int = 0
+
+
+class ImportProblem(enum.Enum):
+    """Why an engine refused an import; it then holds nothing of the sequence."""
+
+    NO_ROOM = "no_room"  # KV pages or a GDN slot short
+    CACHE_MISS = "cache_miss"  # the resume point at cached_tokens is gone
+    MALFORMED = "malformed"  # chunks missing, overlapping or of the wrong size
+    INVALID = "invalid"  # the spec cannot run here (empty prompt, token out of vocabulary)
+
+
+class ImportRefused(Exception):
+    """`Engine.import_sequence` could not hold the sequence; `problem` says why."""
+
+    def __init__(self, problem: ImportProblem, message: str) -> None:
+        super().__init__(message)
+        self.problem = problem
+
+
 class Engine(Protocol):
     """What a worker loop drives; see ModelEngine for the reference implementation."""
 
@@ -176,4 +220,24 @@ class Engine(Protocol):
 
     def step(self, prefill: Sequence[ChunkWork], decode: Sequence[int]) -> StepOutput:
         """Run the named prefill chunks, then one decode pass over `decode`."""
+        ...
+
+    # Handoffs (docs/disaggregation.md): an engine that cannot move a sequence to a peer
+    # says so with `can_hand_off = False` and raises NotImplementedError from both.
+    can_hand_off: bool
+
+    def export_sequence(self, seq_id: int, first_token: int = 0) -> tuple[StateChunk, ...] | None:
+        """A copy of running `seq_id`'s state: the attention KV of positions
+        [first_token, len(tokens) - 1), then each GDN layer's recurrent and convolution
+        state; None if it does not hold `seq_id` running. The sequence is left as it was."""
+        ...
+
+    def import_sequence(
+        self, seq_id: int, spec: SequenceSpec, chunks: Iterable[StateChunk], cached_tokens: int = 0
+    ) -> None:
+        """Hold `seq_id` running from `spec` as if it had prefilled it: KV positions
+        [0, cached_tokens) from its own prefix cache, the rest and the GDN states from
+        `chunks` (exported by a peer with `first_token = cached_tokens`); the last token of
+        the prompt is fed by its first decode. Takes free pages and a free slot, never
+        preempts. Raises ImportRefused (holding nothing of it) when it cannot."""
         ...

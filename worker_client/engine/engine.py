@@ -6,9 +6,19 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from .api import ChunkWork, FinishReason, SequenceSpec, StepOutput, TokenLogprobs
+from .api import (
+    ChunkWork,
+    FinishReason,
+    ImportProblem,
+    ImportRefused,
+    SequenceSpec,
+    StateChunk,
+    StepOutput,
+    TokenLogprobs,
+)
 from .batch import PackedBatch
 from .books import CacheBooks
+from .handoff import export_state, parse_chunks, write_state
 from .kv_cache import PagedKVCache
 from .model import Qwen35ForCausalLM
 from .paged_forward_cache import PagedForwardCache
@@ -51,6 +61,7 @@ class ModelEngine(CacheBooks):
     """
 
     _pages: PagedKVCache  # the books' page tables, with the K/V tensors
+    can_hand_off = True
 
     def __init__(
         self,
@@ -161,6 +172,84 @@ class ModelEngine(CacheBooks):
             self._prefill(self._plan_prefill(prefill, recorder), recorder)
             self._decode(decode, recorder)
         return recorder.output()
+
+    # Handoffs.
+
+    def export_sequence(self, seq_id: int, first_token: int = 0) -> tuple[StateChunk, ...] | None:
+        held = self._held.get(seq_id)
+        if held is None or not held.is_running:
+            return None
+        num_tokens = len(held.token_ids) - 1  # the last is fed by the next decode
+        with torch.inference_mode():
+            return export_state(
+                self._pages, self._state_pool, seq_id, held.slot, first_token, num_tokens
+            )
+
+    def import_sequence(
+        self,
+        seq_id: int,
+        spec: SequenceSpec,
+        chunks: Iterable[StateChunk],
+        cached_tokens: int = 0,
+    ) -> None:
+        num_tokens = len(spec.prompt_token_ids) - 1
+        problem = _prompt_problem(spec.prompt_token_ids, self.model.config.vocab_size)
+        if problem is None and spec.max_new_tokens <= 0:
+            problem = "nothing left to generate (max_new_tokens 0)"
+        if problem is None and num_tokens < 1:
+            problem = "a handoff needs a prompt of at least 2 tokens"
+        if problem is None:
+            problem = cached_tokens_problem(
+                cached_tokens, len(spec.prompt_token_ids), self.cache_block_tokens
+            )
+        if problem is not None:
+            raise ImportRefused(ImportProblem.INVALID, problem)
+        with torch.inference_mode():
+            parsed = parse_chunks(self._pages, self._state_pool, chunks, cached_tokens, num_tokens)
+            self._release(seq_id)
+            held = self._hold_imported(seq_id, spec, cached_tokens, num_tokens)
+            write_state(self._pages, self._state_pool, seq_id, held.slot, parsed)
+        held.num_prefilled = held.prompt_len
+        self._held[seq_id] = held
+        if self._cache is not None:
+            self._cache.computed(held, num_tokens)
+
+    def _hold_imported(
+        self, seq_id: int, spec: SequenceSpec, cached_tokens: int, num_tokens: int
+    ) -> HeldSequence:
+        """A slot and pages for an imported sequence (its cached blocks mapped), not yet
+        in `_held`; raises ImportRefused, holding nothing, when they are short."""
+        slot = self._state_pool.acquire()
+        if slot is None:
+            raise ImportRefused(ImportProblem.NO_ROOM, "no free GDN state slot")
+        self._num_admissions += 1
+        held = HeldSequence(
+            seq_id=seq_id,
+            spec=spec,
+            slot=slot,
+            admission=self._num_admissions,
+            sampling=SamplingParams.from_spec(spec),
+            token_ids=list(spec.prompt_token_ids),
+        )
+        if cached_tokens and (
+            self._cache is None
+            or not spec.may_resume_from_cache
+            or not self._cache.resume(held, cached_tokens)
+        ):
+            self._state_pool.release(slot)
+            raise ImportRefused(
+                ImportProblem.CACHE_MISS, f"the resume point at {cached_tokens} tokens is gone"
+            )
+        num_new_pages = self._pages.num_new_pages(seq_id, num_tokens - cached_tokens)
+        if num_new_pages > self.kv_free_pages():
+            self._release_books(held)
+            self._state_pool.release(slot)
+            raise ImportRefused(
+                ImportProblem.NO_ROOM,
+                f"{num_new_pages} KV pages needed, {self.kv_free_pages()} free",
+            )
+        self._append_pages(seq_id, num_tokens - cached_tokens)
+        return held
 
     # Prefill.
 

@@ -183,6 +183,16 @@ class VllmEngine:
     def running_ids(self) -> list[int]:
         return [s for s, h in self._held.items() if h.prefilled]
 
+    # Handoffs: not supported (vLLM's KV connectors would move it; not built (docs/disaggregation.md)).
+    # lattice-worker refuses --role prefill and decode for it.
+    can_hand_off = False
+
+    def export_sequence(self, seq_id: int, first_token: int = 0):
+        raise NotImplementedError("VllmEngine cannot hand sequences off")
+
+    def import_sequence(self, seq_id, spec, chunks, cached_tokens: int = 0) -> None:
+        raise NotImplementedError("VllmEngine cannot hand sequences off")
+
     def evict(self, seq_ids: Iterable[int]) -> None:
         gone = [self._held.pop(s) for s in seq_ids if s in self._held]
         if gone:

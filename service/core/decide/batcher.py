@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator
 
 from service.core.cache.prefix_cache import longest_resume, prompt_hashes
+from service.core.decide.disaggregation import Disaggregation
 from service.core.decide.fleet import FleetView
 from service.core.decide.plan import Chunk, DecisionView, Plan, Policy
 from service.core.decide.plan_check import check_plan
@@ -22,7 +23,7 @@ from service.core.tables.sequences import Sequence
 from service.core.tables.steady import SteadyStep
 from service.core.tables.tables import Tables
 from service.core.tables.tenants import TentativeService
-from service.core.types import Decision, PrefillChunk, SequenceState, WorkerReport
+from service.core.types import Decision, PrefillChunk, SequenceState, WorkerReport, WorkerRole
 
 # Upper bounds of a decision's parts other than admissions' specs, in bytes: its fixed
 # fields, one id (a uint64 varint and its share of framing), one continuation chunk.
@@ -44,8 +45,10 @@ class Batcher:
         policy_name: str,
         max_decision_bytes: int,
         max_loras: int,
+        handoffs: Disaggregation,
     ) -> None:
-        """`policy_name`: config.policy, for PlanError's message."""
+        """`policy_name`: config.policy, for PlanError's message; `handoffs`: the
+        roles' admissions and the handoffs of each decision."""
         self._policy = policy
         self._policy_name = policy_name
         self._ledger = tables.ledger  # the fleet a worker with a prefix cache is placed in
@@ -60,6 +63,7 @@ class Batcher:
         self._max_decision_bytes = max_decision_bytes
         self._tracks_adapters = max_loras > 0
         self._decode_context = 0  # of the latest decision made with a step model
+        self._handoffs = handoffs
 
     def decide(
         self,
@@ -72,6 +76,9 @@ class Batcher:
         """The decision for `worker`, whose report was applied (docs/contract.md rule 1)."""
         # The running sequences (the only per-sequence work of a decision that admits
         # nothing: one pass, or none in a steady step), then the waiting ones.
+        role = worker.registration.role
+        if role is WorkerRole.PREFILL:
+            step_model = None  # it decodes nothing for long: no TPOT target to keep
         running = self._steady.running(worker, report)
         assigned = worker.assigned.get
         waiting = tuple(seq for s in report.waiting if (seq := assigned(s)) is not None)
@@ -98,7 +105,13 @@ class Batcher:
         )
         if step_model is not None:
             self._decode_context = _decode_context(view, plan)
-        return self._apply(worker, running.started, waiting, plan, evict, token_budget)
+        decision = self._apply(worker, running.started, waiting, plan, evict, token_budget)
+        if role is WorkerRole.BOTH:
+            return decision
+        free_bytes = view.decision_bytes - sum(
+            self._sequences.get(c.seq_id).spec_wire_bytes() for c in decision.prefill if c.spec
+        )
+        return self._handoffs.decide(worker, decision, free_bytes, view.cached_tokens)
 
     def shape(self, decision: Decision) -> StepShape:
         """What the step of the latest `decision` (made with a step model) holds."""
@@ -138,17 +151,23 @@ class Batcher:
         )
         service = self._tenants.tentative() if self._tenants is not None else TentativeService(None)
         now = self._clock()
+        cached_tokens = self._cache_lookup(worker)
+        admits = self._handoffs.admits(worker, cached_tokens)  # None: any, by its role
 
         def queue() -> Iterator[Sequence]:
             for seq_id in self._queue.candidates(now, service.served):
                 seq = sequences.get(seq_id)
-                if seq_id not in reported and worker.can_run(seq.adapter_id):
+                if (
+                    seq_id not in reported
+                    and worker.can_run(seq.adapter_id)
+                    and (admits is None or admits(seq))
+                ):
                     yield seq
 
         block_tokens = worker.resume_points.block_tokens
         return DecisionView(
             align_block_tokens=(block_tokens if worker.registration.total_snapshot_slots else 0),
-            cached_tokens=self._cache_lookup(worker),
+            cached_tokens=cached_tokens,
             fleet=(
                 FleetView(worker, self._ledger, self._ledger.fleet_cache, len(self._queue), now)
                 if block_tokens

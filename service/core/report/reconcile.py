@@ -16,6 +16,7 @@ from collections.abc import Callable
 from functools import partial
 from operator import attrgetter, itemgetter
 
+from service.core.decide.disaggregation import Disaggregation
 from service.core.errors import InvalidArgument
 from service.core.observer import EvictReason, RequeueReason
 from service.core.tables.ledger import WorkerRecord
@@ -48,13 +49,16 @@ def _consume(iterator) -> None:
 class Reconciler:
     """Applies worker reports to the sequence table."""
 
-    def __init__(self, tables: Tables, lifecycle: Lifecycle, steady: SteadyStep) -> None:
+    def __init__(
+        self, tables: Tables, lifecycle: Lifecycle, steady: SteadyStep, handoffs: Disaggregation
+    ) -> None:
         self._sequences = tables.sequences
         self._changes = tables.changes
         self._observer = tables.observer
         self._clock = tables.clock
         self._lifecycle = lifecycle
         self._steady = steady
+        self._handoffs = handoffs
 
     def apply(
         self, worker: WorkerRecord, report: WorkerReport, reported: frozenset[int]
@@ -71,6 +75,10 @@ class Reconciler:
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots
         worker.draining = report.draining
+        # Handoffs before the lists: a sequence imported is the receiver's when they are read.
+        handed_evict = (
+            self._handoffs.apply_results(worker, report.handoffs) if report.handoffs else ()
+        )
 
         preempted = [*self._apply_finished(worker, report), *report.preempted]
         assigned = worker.assigned
@@ -106,6 +114,8 @@ class Reconciler:
         evict = (
             tuple(s for s in (*report.waiting, *report.running) if s in strays) if strays else ()
         )
+        if handed_evict:
+            evict = tuple(dict.fromkeys([*evict, *handed_evict]))
         for seq_id in evict:
             self._observer.on_evicted(seq_id, worker.worker_id, self._evict_reason(seq_id))
         return evict

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from service.core.cache.prefix_cache import ResumePoints
 from service.core.config import SchedulerConfig
+from service.core.decide.disaggregation import Disaggregation
 from service.core.observer import RequeueReason
 from service.core.persist.store import StoredWorker
 from service.core.tables.ledger import WorkerRecord
@@ -26,8 +27,10 @@ class WorkerRegistry:
         config: SchedulerConfig,
         token_budget: int | None,
         stall_seconds: float | None,
+        handoffs: Disaggregation,
     ) -> None:
-        """`token_budget`: the policy's (None: none); a worker's batch is capped at it."""
+        """`token_budget`: the policy's (None: none); a worker's batch is capped at it.
+        `handoffs`: told of every worker that leaves or registers again, and of the sweep."""
         self._config = config
         self._token_budget = token_budget
         self._ledger = tables.ledger
@@ -36,6 +39,7 @@ class WorkerRegistry:
         self._observer = tables.observer
         self._clock = tables.clock
         self._stall_seconds = stall_seconds
+        self._handoffs = handoffs
         self._last_lease_check: float | None = None
         # The latest incarnation handed out (saved with every change of the workers).
         self.last_incarnation = 0
@@ -46,6 +50,8 @@ class WorkerRegistry:
         return self.last_incarnation
 
     def add(self, registration: WorkerRegistration, incarnation: int) -> WorkerRecord:
+        # A new incarnation holds nothing of the old one's handoffs (failure rules 1, 2).
+        self._handoffs.worker_gone(registration.worker_id)
         config = self._config
         max_batch_size = min(
             registration.max_batch_size or config.max_batch_size, config.max_worker_batch_size
@@ -88,6 +94,7 @@ class WorkerRegistry:
         self._ledger.remove(worker.worker_id)
         requeued = self._lifecycle.requeue(worker, list(worker.assigned), reason)
         self._changes.worker_left(worker.worker_id)
+        self._handoffs.worker_gone(worker.worker_id)
         self._observer.on_worker_removed(worker.worker_id)
         return requeued
 
@@ -98,6 +105,7 @@ class WorkerRegistry:
         expired = self._ledger.expired(now)
         for worker in expired:
             self.remove(worker, RequeueReason.LEASE_EXPIRED)
+        self._handoffs.expire()
         return [worker.worker_id for worker in expired]
 
     def _forgive_own_stall(self, now: float) -> None:

@@ -62,6 +62,11 @@ class Handoff:
     num_tokens: int = 0
     # Scheduler clock by which the receiver must report the import (TRANSFERRING).
     deadline: float = 0.0
+    # The attempt's id on the wire (Handoff.transfer_id): unique per attempt.
+    transfer_id: int = 0
+    # The sequence's admission to the sender that is handed off (Sequence.admission_order):
+    # a sequence requeued and admitted again is another assignment, not this handoff's.
+    admission_order: int = 0
 
 
 class HandoffBook:
@@ -79,13 +84,27 @@ class HandoffBook:
     def get(self, seq_id: int) -> Handoff | None:
         return self._by_seq_id.get(seq_id)
 
-    def plan(self, seq_id: int, sender: str, receiver: str) -> Handoff:
+    def plan(
+        self,
+        seq_id: int,
+        sender: str,
+        receiver: str,
+        transfer_id: int = 0,
+        admission_order: int = 0,
+    ) -> Handoff:
         """A sequence placed on `sender` for its prompt, to decode on `receiver`."""
         if seq_id in self._by_seq_id:
             raise ValueError(f"sequence {seq_id} is already being handed off")
         if sender == receiver:
             raise ValueError(f"a handoff needs two workers, got {sender!r} twice")
-        handoff = Handoff(seq_id, sender, receiver, HandoffState.PREFILLING)
+        handoff = Handoff(
+            seq_id,
+            sender,
+            receiver,
+            HandoffState.PREFILLING,
+            transfer_id=transfer_id,
+            admission_order=admission_order,
+        )
         self._by_seq_id[seq_id] = handoff
         return handoff
 
@@ -137,6 +156,10 @@ class HandoffBook:
                 holds = handoff.state is HandoffState.TRANSFERRING
                 outcomes.append(self.failed(handoff.seq_id, HandoffEnd.RECEIVER_GONE, holds))
         return [o for o in outcomes if o is not None]
+
+    def sent_by(self, worker_id: str) -> list[Handoff]:
+        """The handoffs `worker_id` sends."""
+        return [h for h in self._by_seq_id.values() if h.sender == worker_id]
 
     def expire(self, now: float) -> list[HandoffOutcome]:
         """Transfers past their deadline fail (TIMEOUT); the sender still holds them."""

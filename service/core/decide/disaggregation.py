@@ -1,0 +1,367 @@
+"""Prefill/decode disaggregation in a SelectBatch (docs/contract.md, "Prefill/decode
+disaggregation"; docs/disaggregation.md): which prompts a worker of a role admits, the
+handoffs a decision starts, the receivers' results applied, and the failure rules of
+workers leaving and deadlines passing.
+
+The decision rule's parts (service/core/decide/handoff.py) choose; the handoff book
+(service/core/tables/handoffs.py) keeps the states; this class applies them to the core's
+tables. A fleet in which every worker is `BOTH` passes through here untouched: no filter,
+no handoff, nothing booked.
+
+A handoff here: a prefill-only worker's sequence, once its first token is reported, is
+booked to the decode-capable worker with the fewest sequences that has room
+(`pick_decode_worker`); the sender's decision carries a SEND (the sequence is decoded no
+more there, but stays the sender's), the receiver's next decision a RECEIVE. DONE moves
+the sequence to the receiver, whose token offsets go on from the sender's; the sender's
+next report of it is answered with an evict. A failed handoff leaves the sequence with
+its sender when the sender still holds it (it decodes it from then on: one attempt per
+admission), otherwise the sequence is back in the queue already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from service.core.decide.handoff import WorkerLoad, pick_decode_worker
+from service.core.tables.handoffs import (
+    Handoff,
+    HandoffAction,
+    HandoffBook,
+    HandoffOutcome,
+    HandoffState,
+)
+from service.core.tables.ledger import WorkerRecord
+from service.core.tables.sequences import Sequence
+from service.core.tables.steady import SteadyStep
+from service.core.tables.tables import Tables
+from service.core.types import (
+    Decision,
+    HandoffDirection,
+    HandoffInstruction,
+    HandoffResult,
+    HandoffStatus,
+    WorkerRole,
+)
+from service.core.vocabulary import HandoffEnd
+
+# How each failure the receiver reports ends its handoff (a metric label).
+_FAILURE_END = {
+    HandoffStatus.SENDER_UNREACHABLE: HandoffEnd.SENDER_UNREACHABLE,
+    HandoffStatus.CHECKSUM_MISMATCH: HandoffEnd.CHECKSUM,
+    HandoffStatus.NO_ROOM: HandoffEnd.RECEIVER_REFUSED,
+    HandoffStatus.TIMED_OUT: HandoffEnd.TIMEOUT,
+    HandoffStatus.UNKNOWN_SEQUENCE: HandoffEnd.RECEIVER_REFUSED,
+}
+# Prompts shorter than this (tokens to compute) stay with a decode worker: their prefill
+# delays its decodes little (HandoffSettings.min_uncached_tokens' default).
+DEFAULT_MIN_UNCACHED_TOKENS = 1024
+
+
+class Disaggregation:
+    """Roles and handoffs over the core's tables, called from each SelectBatch and from
+    the worker registry (a worker leaving, the lease sweep)."""
+
+    def __init__(
+        self,
+        tables: Tables,
+        steady: SteadyStep,
+        timeout_seconds: float,
+        first_transfer_id: int,
+        min_uncached_tokens: int = DEFAULT_MIN_UNCACHED_TOKENS,
+    ) -> None:
+        """`timeout_seconds`: how long a receiver has to report an import;
+        `first_transfer_id`: the first attempt's id (each next one is one higher): above
+        every id a scheduler before this one handed out."""
+        self._sequences = tables.sequences
+        self._ledger = tables.ledger
+        self._changes = tables.changes
+        self._observer = tables.observer
+        self._clock = tables.clock
+        self._steady = steady
+        self._timeout_seconds = timeout_seconds
+        self._min_uncached_tokens = min_uncached_tokens
+        self._book = HandoffBook(timeout_seconds)
+        self._next_transfer_id = first_transfer_id
+        # Per receiver, the (seq_id, transfer_id) whose RECEIVE its next decision carries.
+        self._receives: dict[str, list[tuple[int, int]]] = {}
+        # Per sender, sequences whose handoff failed while it held them, by seq_id with
+        # their admission_order: decoded there to the end of that assignment.
+        self._kept: dict[str, dict[int, int]] = {}
+
+    @property
+    def book(self) -> HandoffBook:
+        return self._book
+
+    # ------------------------------------------------------------- admission
+
+    def admits(
+        self, worker: WorkerRecord, cached_tokens: Callable[[Sequence], int]
+    ) -> Callable[[Sequence], bool] | None:
+        """Which queued sequences `worker` may be given, by its role; None: any. A
+        prefill-only worker leaves short prompts to the workers that decode; a
+        decode-only one takes only prompts with few tokens to compute (the rule keeps
+        them co-located), or any while no prefill-only worker takes prompts."""
+        role = worker.registration.role
+        if role is WorkerRole.BOTH:
+            return None
+        others = [w for w in self._ledger if w is not worker and w.admitting]
+        minimum = self._min_uncached_tokens
+        if role is WorkerRole.PREFILL:
+            if not any(w.registration.role.decodes for w in others):
+                return None
+            return lambda seq: seq.num_tokens() >= minimum
+        if not any(w.registration.role is WorkerRole.PREFILL for w in others):
+            return None
+        return lambda seq: seq.num_tokens() - cached_tokens(seq) < minimum
+
+    # ------------------------------------------------------------- reports
+
+    def apply_results(self, worker: WorkerRecord, results: Iterable[HandoffResult]) -> list[int]:
+        """Apply the results `worker` reports as a receiver; returns the ids to evict on
+        it (results of handoffs not, or no longer, booked to it: rules 1 and 5)."""
+        evict: list[int] = []
+        for result in results:
+            handoff = self._book.get(result.seq_id)
+            if (
+                handoff is None
+                or handoff.transfer_id != result.transfer_id
+                or handoff.receiver != worker.worker_id
+                or handoff.state is not HandoffState.TRANSFERRING
+            ):
+                if worker.assigned.get(result.seq_id) is None:
+                    evict.append(result.seq_id)
+                continue  # else a repeat of the DONE that made it this worker's: ignored
+            sender = self._ledger.find(handoff.sender)
+            seq = self._held(handoff, sender)
+            holds = seq is not None
+            seconds = result.transfer_us / 1e6
+            if result.status is HandoffStatus.DONE and holds:
+                self._book.imported(result.seq_id, worker.worker_id)
+                self._move(seq, sender, worker)
+                self._observer.on_handoff(
+                    seq.seq_id, sender.worker_id, worker.worker_id, HandoffEnd.DONE,
+                    result.num_bytes, seconds,
+                )  # fmt: skip
+                continue
+            end = _FAILURE_END.get(result.status, HandoffEnd.SENDER_GONE)
+            outcome = self._book.failed(result.seq_id, end, holds)
+            if outcome is not None:
+                self._ended(outcome, result.num_bytes, seconds)
+            if result.status is HandoffStatus.DONE:
+                evict.append(result.seq_id)  # imported, but no longer the sender's to give
+        return evict
+
+    def worker_gone(self, worker_id: str) -> None:
+        """`worker_id` left (deregistered, lease out, registered again): each handoff it
+        sends or receives fails (failure rules 1 and 2); call after its sequences went
+        back to the queue."""
+        self._receives.pop(worker_id, None)
+        self._kept.pop(worker_id, None)
+        for outcome in self._book.worker_gone(worker_id):
+            self._ended(outcome)
+
+    def expire(self) -> None:
+        """Transfers past their deadline fail; their senders decode them (rule 2)."""
+        if len(self._book):
+            for outcome in self._book.expire(self._clock()):
+                self._ended(outcome)
+
+    # ------------------------------------------------------------- decisions
+
+    def decide(
+        self,
+        worker: WorkerRecord,
+        decision: Decision,
+        free_bytes: int,
+        cached_tokens: Callable[[Sequence], int],
+    ) -> Decision:
+        """`decision` with this worker's handoffs: a prefill-only worker's decodes
+        become SENDs where a receiver has room, and those it sends are decoded no more;
+        the RECEIVEs booked to it are added while they fit in `free_bytes`
+        (`cached_tokens`: its prefix cache's resume points, for each sequence)."""
+        handoffs: list[HandoffInstruction] = []
+        decode = decision.decode
+        if worker.registration.role is WorkerRole.PREFILL:
+            decode = self._send(worker, decision, handoffs)
+        if worker.worker_id in self._receives:
+            self._receive(worker, handoffs, free_bytes, cached_tokens)
+        if not handoffs and decode is decision.decode:
+            return decision
+        return Decision(
+            decision.prefill,
+            decode,
+            decision.evict,
+            decision.iteration,
+            decision.preempt,
+            (*decision.handoffs, *handoffs),
+        )
+
+    def _send(
+        self, worker: WorkerRecord, decision: Decision, handoffs: list[HandoffInstruction]
+    ) -> tuple[int, ...]:
+        """Book a handoff for each of `worker`'s decodes that has its first token and a
+        receiver; returns the decodes left to it."""
+        for handoff in self._book.sent_by(worker.worker_id):
+            if self._held(handoff, worker) is None:  # finished, preempted, lost, cancelled
+                outcome = self._book.failed(handoff.seq_id, HandoffEnd.SENDER_GONE, False)
+                if outcome is not None:
+                    self._ended(outcome)
+        kept = self._kept.get(worker.worker_id)
+        if kept:
+            for seq_id in [s for s in kept if s not in worker.assigned]:
+                del kept[seq_id]
+        address = worker.registration.handoff_address
+        rate = worker.registration.transfer_bytes_per_second
+        loads: list[WorkerLoad] | None = None
+        decode = []
+        for seq_id in decision.decode:
+            if self._book.get(seq_id) is not None:
+                continue  # being sent: held for the receiver, not decoded
+            seq = worker.assigned[seq_id]
+            if (
+                not address
+                or rate <= 0
+                or (kept and kept.get(seq_id) == seq.admission_order)
+                or len(seq.output_token_ids) <= seq.num_generated_at_admission
+                or len(seq.output_token_ids) >= seq.params.max_new_tokens  # nothing to decode
+            ):
+                decode.append(seq_id)
+                continue
+            if loads is None:
+                loads = self._receivers(worker)
+            receiver = pick_decode_worker(
+                (w for w in loads if self._ledger.get(w.worker_id).can_run(seq.adapter_id)),
+                seq.num_tokens(),
+            )
+            if receiver is None:
+                decode.append(seq_id)  # no room anywhere: it decodes here this step
+                continue
+            handoffs.append(self._start(worker, seq, receiver.worker_id))
+            loads = [_one_more(w, seq.num_tokens()) if w is receiver else w for w in loads]
+            loads = [w for w in loads if w.num_decoding < self._batch_limit(w.worker_id)]
+        return tuple(decode)
+
+    def _receivers(self, sender: WorkerRecord) -> list[WorkerLoad]:
+        """The workers a sequence of `sender` may be handed to, as the rule reads them."""
+        return [
+            WorkerLoad(
+                worker_id=w.worker_id,
+                role=w.registration.role,
+                num_decoding=len(w.assigned) + len(self._receives.get(w.worker_id, ())),
+                free_kv_pages=w.kv_free_pages,
+                page_size=w.registration.page_size,
+                transfer_bytes_per_second=w.registration.transfer_bytes_per_second,
+                draining=not w.admitting,
+            )
+            for w in self._ledger
+            if w is not sender
+            and w.registration.role is WorkerRole.DECODE
+            and w.registration.transfer_bytes_per_second > 0
+            and len(w.assigned) + len(self._receives.get(w.worker_id, ()))
+            < w.settings.max_batch_size
+        ]
+
+    def _batch_limit(self, worker_id: str) -> int:
+        """The most sequences `worker_id` holds (its batch: a receiver takes no more)."""
+        return self._ledger.get(worker_id).settings.max_batch_size
+
+    def _start(self, sender: WorkerRecord, seq: Sequence, receiver: str) -> HandoffInstruction:
+        transfer_id = self._next_transfer_id
+        self._next_transfer_id += 1
+        num_tokens = seq.num_tokens() - 1  # the last one is fed by the receiver's decode
+        num_generated = len(seq.output_token_ids) - seq.num_generated_at_admission
+        self._book.plan(seq.seq_id, sender.worker_id, receiver, transfer_id, seq.admission_order)
+        self._book.prefilled(seq.seq_id, num_tokens, num_generated, self._clock())
+        self._receives.setdefault(receiver, []).append((seq.seq_id, transfer_id))
+        self._observer.on_handoff_started(seq.seq_id, sender.worker_id, receiver)
+        return HandoffInstruction(
+            seq_id=seq.seq_id,
+            direction=HandoffDirection.SEND,
+            transfer_id=transfer_id,
+            peer_worker_id=receiver,
+            num_tokens=num_tokens,
+            num_generated=num_generated,
+            deadline_ms=max(1, round(self._timeout_seconds * 1000)),
+        )
+
+    def _receive(
+        self,
+        worker: WorkerRecord,
+        handoffs: list[HandoffInstruction],
+        free_bytes: int,
+        cached: Callable[[Sequence], int],
+    ) -> None:
+        """The RECEIVEs booked to `worker` still in flight, while they fit."""
+        waiting = self._receives.pop(worker.worker_id)
+        now = self._clock()
+        for index, (seq_id, transfer_id) in enumerate(waiting):
+            handoff = self._book.get(seq_id)
+            sender = self._ledger.find(handoff.sender) if handoff is not None else None
+            seq = self._held(handoff, sender) if sender is not None else None
+            if seq is None or handoff.transfer_id != transfer_id:
+                continue  # ended, or no longer the sender's to give, before it was delivered
+            spec = seq.spec()
+            free_bytes -= seq.spec_wire_bytes()
+            if free_bytes < 0 and handoffs:
+                self._receives[worker.worker_id] = waiting[index:]  # the next decision's
+                return
+            handoffs.append(
+                HandoffInstruction(
+                    seq_id=seq_id,
+                    direction=HandoffDirection.RECEIVE,
+                    transfer_id=transfer_id,
+                    peer_worker_id=sender.worker_id,
+                    num_tokens=handoff.num_tokens,
+                    num_generated=handoff.num_generated_at_transfer,
+                    deadline_ms=max(1, round((handoff.deadline - now) * 1000)),
+                    peer_address=sender.registration.handoff_address,
+                    spec=spec,
+                    cached_tokens=min(cached(seq), handoff.num_tokens),
+                )
+            )
+
+    # ------------------------------------------------------------- outcomes
+
+    @staticmethod
+    def _held(handoff: Handoff, sender: WorkerRecord | None) -> Sequence | None:
+        """The sequence `handoff` moves, if `sender` still holds it in the assignment
+        handed off (not finished, requeued or admitted anew since)."""
+        seq = sender.assigned.get(handoff.seq_id) if sender is not None else None
+        if seq is None or seq.admission_order != handoff.admission_order:
+            return None
+        return seq
+
+    def _move(self, seq: Sequence, sender: WorkerRecord, receiver: WorkerRecord) -> None:
+        """DONE: the sequence is the receiver's, in the same assignment (its offsets and
+        finish counts go on from the sender's)."""
+        del sender.assigned[seq.seq_id]
+        receiver.assigned[seq.seq_id] = seq
+        seq.worker_id = receiver.worker_id
+        self._steady.forget(sender)
+        self._steady.forget(receiver)
+        self._changes.touched(seq)
+
+    def _ended(self, outcome: HandoffOutcome, num_bytes: int = 0, seconds: float = 0.0) -> None:
+        """A failed handoff's outcome: the sequence stays with a sender that holds it and
+        is decoded there; a requeue was already made by what took it from the sender."""
+        sender = self._ledger.find(outcome.sender)
+        seq = sender.assigned.get(outcome.seq_id) if sender is not None else None
+        if outcome.action is HandoffAction.RESUME_ON_SENDER and seq is not None:
+            self._kept.setdefault(outcome.sender, {})[seq.seq_id] = seq.admission_order
+        self._observer.on_handoff(
+            outcome.seq_id, outcome.sender, outcome.receiver, outcome.failure, num_bytes, seconds
+        )
+
+
+def _one_more(load: WorkerLoad, num_tokens: int) -> WorkerLoad:
+    """`load` with one more sequence of `num_tokens` booked to it."""
+    pages = -(-(num_tokens + 1) // max(1, load.page_size))
+    return WorkerLoad(
+        load.worker_id,
+        load.role,
+        load.num_decoding + 1,
+        max(0, load.free_kv_pages - pages),
+        load.page_size,
+        load.transfer_bytes_per_second,
+        load.draining,
+    )

@@ -1,0 +1,381 @@
+"""Handoffs in SelectBatch (service/core/decide/disaggregation.py): a prompt prefilled on
+a prefill-only worker is handed to a decode-only one, and every failure rule of
+docs/contract.md, "Prefill/decode disaggregation", loses nothing and counts no token
+twice."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from service.core import Scheduler, SequenceState, WorkerRole
+from service.core.observer import SchedulerObserver
+from service.core.persist.store import MemoryStore
+from service.core.types import (
+    HandoffDirection,
+    HandoffResult,
+    HandoffStatus,
+    TokenUpdate,
+)
+from service.core.vocabulary import HandoffEnd
+
+from .factories import FakeClock, admit, make_config, register, report, submit
+
+LONG = 1100  # past the 1,024 tokens under which a prompt stays with a decode worker
+FIRST = 42  # the first token, computed on the prefill worker
+LEASE_MS = 10_000
+
+
+class Ends(SchedulerObserver):
+    def __init__(self) -> None:
+        self.ends: list[HandoffEnd] = []
+        self.started: list[tuple[int, str, str]] = []
+
+    def on_handoff(self, seq_id, sender, receiver, end, num_bytes, transfer_seconds) -> None:
+        self.ends.append(end)
+
+    def on_handoff_started(self, seq_id, sender, receiver) -> None:
+        self.started.append((seq_id, sender, receiver))
+
+
+def fleet(store=None, clock=None, observer=None, roles=("p0", "d0", "d1")):
+    """1 prefill + 2 decode workers that have each reported once (free pages known)."""
+    sched = Scheduler(
+        make_config(chunk_size=2048, lease_ttl_ms=LEASE_MS),
+        clock=clock or FakeClock(),
+        observer=observer,
+        store=store,
+    )
+    for worker_id in roles:
+        role = WorkerRole.PREFILL if worker_id.startswith("p") else WorkerRole.DECODE
+        register(
+            sched,
+            worker_id,
+            role=role,
+            transfer_bytes_per_second=1e9,
+            handoff_address=f"{worker_id}:7000",
+        )
+        sched.select_batch(report(worker_id))
+    return sched
+
+
+def prefilled(sched: Scheduler, max_new_tokens: int = 8):
+    """A long prompt admitted by p0 and reported done with its first token; returns its
+    seq_id and p0's decision to that report."""
+    seq_id = submit(sched, prompt_len=LONG, max_new_tokens=max_new_tokens)
+    assert admit(sched, "d0") == ()  # a decode worker leaves a long prompt to p0
+    assert admit(sched, "p0") == (seq_id,)
+    decision = sched.select_batch(report("p0", running=[seq_id], tokens={seq_id: [FIRST]}))
+    return seq_id, decision
+
+
+def result(seq_id, transfer_id, status=HandoffStatus.DONE):
+    return HandoffResult(seq_id, transfer_id, status, num_bytes=1000, transfer_us=2000)
+
+
+def with_results(worker_report, *results, tokens=()):
+    return replace(worker_report, handoffs=tuple(results), tokens=tuple(tokens))
+
+
+def test_a_prefilled_sequence_is_sent_to_a_decode_worker_and_decodes_there_once():
+    observer = Ends()
+    sched = fleet(observer=observer)
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    assert decision.decode == ()  # held for the receiver, decoded no more on p0
+    assert send.direction is HandoffDirection.SEND and send.peer_worker_id == "d0"
+    assert (send.num_tokens, send.num_generated) == (LONG, 1)
+    assert observer.started == [(seq_id, "p0", "d0")]
+
+    (receive,) = sched.select_batch(report("d0")).handoffs
+    assert receive.direction is HandoffDirection.RECEIVE
+    assert receive.transfer_id == send.transfer_id
+    assert receive.peer_worker_id == "p0" and receive.peer_address == "p0:7000"
+    assert tuple(receive.spec.prompt_token_ids) == (*range(1, LONG + 1), FIRST)
+    assert receive.spec.max_new_tokens == 7
+    assert (receive.num_tokens, receive.num_generated, receive.cached_tokens) == (LONG, 1, 0)
+    assert receive.deadline_ms == LEASE_MS
+    assert sched.select_batch(report("d0")).handoffs == ()  # delivered once
+
+    again = sched.select_batch(report("p0", running=[seq_id]))
+    assert again.decode == () and again.handoffs == ()  # one handoff, still held
+
+    done = sched.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    assert done.decode == (seq_id,) and done.evict == ()
+    assert sched.get_sequence(seq_id).worker_id == "d0"
+    assert observer.ends == [HandoffEnd.DONE]
+    assert sched.select_batch(report("p0", running=[seq_id])).evict == (seq_id,)
+
+    # The receiver's offsets go on from the sender's: its first token is at offset 1.
+    second = TokenUpdate(seq_id, (43,), offset=1)
+    sched.select_batch(with_results(report("d0", running=[seq_id]), tokens=[second]))
+    sched.select_batch(with_results(report("d0", running=[seq_id]), tokens=[second]))  # retried
+    assert tuple(sched.read_output(seq_id, 0).token_ids) == (FIRST, 43)
+
+
+def test_a_short_prompt_stays_on_the_decode_worker_that_admits_it():
+    sched = fleet()
+    seq_id = submit(sched, prompt_len=100)
+    assert admit(sched, "p0") == ()  # the prefill worker leaves it to a decode worker
+    assert admit(sched, "d0") == (seq_id,)
+    decision = sched.select_batch(report("d0", running=[seq_id], tokens={seq_id: [FIRST]}))
+    assert decision.decode == (seq_id,) and decision.handoffs == ()
+
+
+def test_a_prefill_worker_with_no_decode_worker_beside_it_takes_every_prompt_and_decodes():
+    sched = fleet(roles=("p0",))
+    seq_id = submit(sched, prompt_len=100)
+    assert admit(sched, "p0") == (seq_id,)
+    decision = sched.select_batch(report("p0", running=[seq_id], tokens={seq_id: [FIRST]}))
+    assert decision.decode == (seq_id,) and decision.handoffs == ()
+
+
+def test_workers_of_role_both_never_see_a_handoff():
+    sched = Scheduler(make_config(chunk_size=2048), clock=FakeClock())
+    for worker_id in ("w0", "w1"):
+        register(sched, worker_id, transfer_bytes_per_second=1e9, handoff_address="x:1")
+        sched.select_batch(report(worker_id))
+    seq_id = submit(sched, prompt_len=LONG)
+    assert admit(sched, "w0") == (seq_id,)
+    decision = sched.select_batch(report("w0", running=[seq_id], tokens={seq_id: [FIRST]}))
+    assert decision.decode == (seq_id,) and decision.handoffs == ()
+    assert sched.select_batch(report("w1")).handoffs == ()
+
+
+def test_sender_gone_mid_transfer_requeues_from_the_saved_tokens_and_evicts_the_import():
+    observer = Ends()
+    sched = fleet(observer=observer)
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))  # the RECEIVE
+    assert sched.deregister_worker("p0") == 1
+    assert observer.ends == [HandoffEnd.SENDER_GONE]
+    assert sched.get_sequence(seq_id).state is SequenceState.QUEUED
+    late = sched.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    assert late.evict == (seq_id,) and late.prefill == ()
+    (chunk,) = sched.select_batch(report("d1")).prefill  # no prefill worker left: d1 takes it
+    assert tuple(chunk.spec.prompt_token_ids) == (*range(1, LONG + 1), FIRST)
+    assert chunk.spec.max_new_tokens == 7
+
+
+@pytest.mark.parametrize("how", ["deregistered", "registered_again"])
+def test_receiver_gone_before_done_leaves_the_sequence_decoding_on_its_sender(how):
+    observer = Ends()
+    sched = fleet(observer=observer)
+    seq_id, _ = prefilled(sched)
+    sched.select_batch(report("d0"))
+    if how == "deregistered":
+        sched.deregister_worker("d0")
+    else:
+        register(sched, "d0", role=WorkerRole.DECODE, transfer_bytes_per_second=1e9)
+    assert observer.ends == [HandoffEnd.RECEIVER_GONE]
+    decision = sched.select_batch(report("p0", running=[seq_id]))
+    assert decision.decode == (seq_id,) and decision.handoffs == ()  # no second attempt
+    assert sched.get_sequence(seq_id).worker_id == "p0"
+
+
+def test_receiver_gone_after_done_is_an_ordinary_requeue():
+    sched = fleet()
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))
+    sched.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    assert sched.deregister_worker("d0") == 1
+    assert sched.get_sequence(seq_id).state is SequenceState.QUEUED
+    assert sched.select_batch(report("p0", running=[seq_id])).evict == (seq_id,)
+
+
+def test_a_transfer_past_its_deadline_fails_and_its_sender_decodes_it():
+    clock, observer = FakeClock(), Ends()
+    sched = fleet(clock=clock, observer=observer)
+    seq_id, _ = prefilled(sched)
+    sched.select_batch(report("d0"))
+    for _ in range(2):  # both ends keep their leases; the import never comes
+        clock.advance_ms(LEASE_MS * 0.6)
+        sched.select_batch(report("d0"))
+        sched.select_batch(report("d1"))
+        decision = sched.select_batch(report("p0", running=[seq_id]))
+    assert observer.ends == [HandoffEnd.TIMEOUT]
+    assert decision.decode == (seq_id,)
+
+
+@pytest.mark.parametrize(
+    "status, end",
+    [
+        (HandoffStatus.CHECKSUM_MISMATCH, HandoffEnd.CHECKSUM),
+        (HandoffStatus.NO_ROOM, HandoffEnd.RECEIVER_REFUSED),
+        (HandoffStatus.SENDER_UNREACHABLE, HandoffEnd.SENDER_UNREACHABLE),
+        (HandoffStatus.TIMED_OUT, HandoffEnd.TIMEOUT),
+    ],
+)
+def test_a_failed_import_leaves_the_sequence_with_its_sender(status, end):
+    observer = Ends()
+    sched = fleet(observer=observer)
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))
+    failed = sched.select_batch(
+        with_results(report("d0"), result(seq_id, send.transfer_id, status))
+    )
+    assert failed.decode == () and failed.evict == ()
+    assert observer.ends == [end]
+    assert sched.select_batch(report("p0", running=[seq_id])).decode == (seq_id,)
+    # A DONE after the failure is for a handoff no longer booked: evicted.
+    late = sched.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    assert late.evict == (seq_id,) and sched.get_sequence(seq_id).worker_id == "p0"
+
+
+def test_a_second_done_is_ignored():
+    observer = Ends()
+    sched = fleet(observer=observer)
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))
+    done = with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    sched.select_batch(done)
+    again = sched.select_batch(done)
+    assert again.evict == () and again.decode == (seq_id,)
+    assert observer.ends == [HandoffEnd.DONE]
+
+
+def test_a_result_for_an_unknown_transfer_is_answered_with_an_evict():
+    sched = fleet()
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))
+    stray = sched.select_batch(with_results(report("d0"), result(seq_id, send.transfer_id + 1)))
+    assert stray.evict == (seq_id,)
+    wrong_worker = sched.select_batch(with_results(report("d1"), result(seq_id, send.transfer_id)))
+    assert wrong_worker.evict == (seq_id,)
+    # The real handoff is still in flight.
+    sched.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    assert sched.get_sequence(seq_id).worker_id == "d0"
+
+
+def test_a_sequence_its_sender_finishes_mid_transfer_is_not_imported():
+    sched = fleet()
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))
+    assert sched.cancel(seq_id)
+    late = sched.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    assert late.evict == (seq_id,)
+    assert sched.get_sequence(seq_id).state is SequenceState.FINISHED
+
+
+def test_a_sequence_cancelled_before_its_receive_is_delivered_is_not_sent():
+    sched = fleet()
+    seq_id, _ = prefilled(sched)
+    assert sched.cancel(seq_id)
+    assert sched.select_batch(report("d0")).handoffs == ()
+
+
+def test_a_restart_fails_the_transfer_in_flight_and_the_sender_hands_off_anew():
+    clock, store = FakeClock(), MemoryStore()
+    sched = fleet(store=store, clock=clock)
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))
+    clock.advance_ms(1)
+    restarted = Scheduler(
+        make_config(chunk_size=2048, lease_ttl_ms=LEASE_MS),
+        clock=clock,
+        store=store,
+        wall_clock=lambda: 2e9,  # later than the first scheduler's start
+    )
+    for worker_id in ("d0", "d1"):
+        restarted.select_batch(report(worker_id))
+    (again,) = restarted.select_batch(report("p0", running=[seq_id])).handoffs
+    assert again.direction is HandoffDirection.SEND and again.transfer_id > send.transfer_id
+    old = restarted.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    assert old.evict == (seq_id,)
+    assert restarted.get_sequence(seq_id).worker_id == "p0"
+    assert tuple(restarted.read_output(seq_id, 0).token_ids) == (FIRST,)
+
+
+def test_a_full_receiver_is_passed_over_and_with_none_left_the_sender_decodes():
+    sched = fleet()
+    for worker_id in ("d0", "d1"):
+        register(
+            sched,
+            worker_id,
+            role=WorkerRole.DECODE,
+            transfer_bytes_per_second=1e9,
+            max_batch_size=1,
+        )
+        sched.select_batch(report(worker_id))
+    first, second, third = (submit(sched, prompt_len=LONG) for _ in range(3))
+    assert admit(sched, "p0") == (first, second, third)
+    tokens = {seq_id: [FIRST] for seq_id in (first, second, third)}
+    decision = sched.select_batch(report("p0", running=[first, second, third], tokens=tokens))
+    assert [(h.seq_id, h.peer_worker_id) for h in decision.handoffs] == [
+        (first, "d0"),
+        (second, "d1"),
+    ]
+    assert decision.decode == (third,)
+
+
+def test_a_done_handoff_survives_a_restart_on_its_receiver():
+    clock, store = FakeClock(), MemoryStore()
+    sched = fleet(store=store, clock=clock)
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))
+    sched.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    restarted = Scheduler(make_config(chunk_size=2048), clock=clock, store=store)
+    assert restarted.get_sequence(seq_id).worker_id == "d0"
+    assert restarted.select_batch(report("d0", running=[seq_id])).decode == (seq_id,)
+    assert restarted.select_batch(report("p0", running=[seq_id])).evict == (seq_id,)
+
+
+def test_a_prefill_worker_chunks_ignore_the_tpot_target():
+    chunks = {}
+    for role in (WorkerRole.BOTH, WorkerRole.PREFILL):
+        sched = Scheduler(
+            make_config(policy="budget", chunk_size=2048, tpot_target_ms=20), clock=FakeClock()
+        )
+        register(sched, "w0", role=role)
+        seq_id = submit(sched, prompt_len=LONG)
+        (chunk,) = sched.select_batch(report("w0")).prefill
+        assert chunk.seq_id == seq_id
+        chunks[role] = chunk.chunk_len
+    assert chunks[WorkerRole.PREFILL] == LONG
+    assert chunks[WorkerRole.BOTH] < LONG
+
+
+def test_a_done_for_an_earlier_assignment_does_not_move_the_sequence_admitted_again():
+    sched = fleet()
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))
+    # p0 lost it (its report leaves it out): requeued, and admitted to p0 again at once.
+    assert admit(sched, "p0") == (seq_id,)
+    late = sched.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    assert late.evict == (seq_id,)
+    info = sched.get_sequence(seq_id)
+    assert (info.worker_id, info.state) == ("p0", SequenceState.PREFILLING)
+
+
+def test_a_sequence_with_no_token_left_to_generate_is_not_handed_off():
+    sched = fleet()
+    seq_id, decision = prefilled(sched, max_new_tokens=1)  # its finish not reported yet
+    assert decision.handoffs == () and decision.decode == (seq_id,)
