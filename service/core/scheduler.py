@@ -116,9 +116,7 @@ class Scheduler:
         self._max_decision_bytes = max_decision_bytes
         self._lifecycle = lifecycle = Lifecycle(tables)
         steady = SteadyStep(tables, lifecycle)
-        # Transfer ids: above any a scheduler started earlier handed out (2**20 a ms).
-        first_transfer_id = int(wall_clock() * 1000) << 20
-        handoffs = Disaggregation(tables, steady, config.lease_ttl_ms / 1000, first_transfer_id)
+        handoffs = Disaggregation(tables, steady, config.lease_ttl_ms / 1000, wall_clock())
         self._reconciler = Reconciler(tables, lifecycle, steady, handoffs)
         self._recovery = Recovery(tables, lifecycle, wall_clock)
         self._batcher = Batcher(

@@ -66,12 +66,12 @@ class Disaggregation:
         tables: Tables,
         steady: SteadyStep,
         timeout_seconds: float,
-        first_transfer_id: int,
+        started_at: float,
         min_uncached_tokens: int = DEFAULT_MIN_UNCACHED_TOKENS,
     ) -> None:
         """`timeout_seconds`: how long a receiver has to report an import;
-        `first_transfer_id`: the first attempt's id (each next one is one higher): above
-        every id a scheduler before this one handed out."""
+        `started_at`: the wall clock now, in seconds (transfer ids start above any a
+        scheduler started before this one handed out: 2**20 a millisecond)."""
         self._sequences = tables.sequences
         self._ledger = tables.ledger
         self._changes = tables.changes
@@ -81,7 +81,7 @@ class Disaggregation:
         self._timeout_seconds = timeout_seconds
         self._min_uncached_tokens = min_uncached_tokens
         self._book = HandoffBook(timeout_seconds)
-        self._next_transfer_id = first_transfer_id
+        self._next_transfer_id = int(started_at * 1000) << 20
         # Per receiver, the (seq_id, transfer_id) whose RECEIVE its next decision carries.
         self._receives: dict[str, list[tuple[int, int]]] = {}
         # Per sender, sequences whose handoff failed while it held them, by seq_id with
