@@ -30,6 +30,9 @@ class SaveBatch:
     tenant_service: dict[str, float] = field(default_factory=dict)
     sync: bool = False  # some save in it is acknowledged to a client
     num_saves: int = 0
+    # Its number among this replica's commits, drawn at its first attempt and kept for
+    # retries (replicas.last_commit: a retry of a commit that did commit applies nothing).
+    commit_no: int = 0
 
     def absorb(self, changes: StateChanges) -> None:
         for progress in changes.progress:
@@ -85,4 +88,5 @@ class SaveBatch:
             tenant_service=dict(self.tenant_service),
             sync=self.sync,
             num_saves=self.num_saves,
+            commit_no=self.commit_no,
         )
