@@ -462,6 +462,8 @@ class PostgresState:
         # Token log reads: (seq_id, tokens read) -> the last row id they came from, so a
         # stream reads only newer rows; and where collecting the log goes on from.
         self._read_cursors: dict[tuple[int, int], int] = {}
+        # The token log's retention, in rows behind the newest (collect_token_log).
+        self.max_log_rows_behind = FOLD_ROWS_BEHIND
         # Blocking exchanges with the server, by purpose (figures; counted where the code
         # waits for the server: one per statement outside a pipeline, one per pipeline sync).
         self.round_trips: Counter[str] = Counter()
@@ -1198,13 +1200,14 @@ class PostgresState:
             binary=True,
         )
 
-    def collect_token_log(self, max_rows_behind: int = FOLD_ROWS_BEHIND) -> int:
+    def collect_token_log(self) -> int:
         """Bound the token log: fold the tokens of every sequence whose first log row is
-        more than `max_rows_behind` rows behind the newest into its head, then delete the
-        rows below the first one any sequence still points at (forgotten sequences point at
-        none; neither do queued ones that never ran). So rows live at most
-        `max_rows_behind` rows plus one keeper interval, whatever lives long. Returns rows
-        deleted."""
+        more than `max_log_rows_behind` rows behind the newest into its head, then delete
+        the rows below the first one any sequence still points at (forgotten sequences
+        point at none; neither do queued ones that never ran). So a row lives until it is
+        `max_log_rows_behind` rows old, plus one keeper interval, whatever lives long.
+        Returns rows deleted."""
+        max_rows_behind = self.max_log_rows_behind
         with self._connection() as conn, conn.transaction():
             newest = conn.execute("SELECT max(id) FROM token_log").fetchone()[0]
             if newest is None:
