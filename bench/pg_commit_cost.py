@@ -85,6 +85,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--commits", type=int, default=400)
     parser.add_argument("--sequences", type=int, default=224)
+    parser.add_argument(
+        "--shapes",
+        default="empty,number,number+notify,progress,progress+tokens",
+        help="which commits to time (comma-separated)",
+    )
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="lattice-pgcost-")
     cluster = PrivateCluster(directory, fsync=True).start()
@@ -108,7 +113,8 @@ def main() -> int:
             ("progress", _steps(store, seq_ids, tokens=False)),
             ("progress+tokens", _steps(store, seq_ids, tokens=True)),
         ]
-        for name, commit in shapes:
+        wanted = args.shapes.split(",")
+        for name, commit in [(name, commit) for name, commit in shapes if name in wanted]:
             cpu, wall = measure(cluster, commit, args.commits)
             rows.append([name, f"{cpu:.3f}", f"{wall:.3f}"])
         with store._connection() as conn:

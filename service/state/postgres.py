@@ -91,6 +91,10 @@ _DONE_SQLSTATE = "LT002"
 # The keepers fold the tokens of a sequence whose first unfolded log row is more than this
 # many rows behind the newest into its head, so log rows older than that can go.
 FOLD_ROWS_BEHIND = 2000
+# A sequence's row is written by a commit that only appends to it (a steady decode step)
+# once its count lags this many tokens, or when it has no log rows yet: the row updates of
+# every step cost PostgreSQL more than everything else of a commit (bench/pg_commit_cost.py).
+COUNT_EVERY_TOKENS = 16
 
 _SCHEMA = """
 CREATE SEQUENCE IF NOT EXISTS lattice_seq_ids;
@@ -138,9 +142,12 @@ CREATE TABLE IF NOT EXISTS sequences (
     error_message    text NOT NULL DEFAULT '',  -- why it failed, for FAILED
     cancel_requested boolean NOT NULL DEFAULT false,
     home        bigint,                 -- replica where its prefix is cached (claims prefer)
-    -- Its saved output: num_saved tokens, the first octet_length(output_head) / 4 of them
-    -- folded here, the rest in token_log rows of log_replica with id >= log_from.
+    -- Its saved output: the first octet_length(output_head) / 4 tokens folded here, the
+    -- rest in token_log rows of log_replica with id >= log_from. num_saved counts them
+    -- through log row counted_log (the appends of later rows are not counted here yet:
+    -- a steady step writes no sequence row, one in COUNT_EVERY_TOKENS does).
     num_saved   integer NOT NULL DEFAULT 0,
+    counted_log bigint,
     output_head bytea NOT NULL DEFAULT '',
     log_replica bigint,
     log_from    bigint
@@ -191,20 +198,13 @@ CREATE TABLE IF NOT EXISTS tenant_service (
     served double precision NOT NULL    -- weighted tokens served, all replicas together
 );
 
--- A group commit's checks: the replica's fence is the one it last saw (held FOR SHARE
--- until the commit: no take-over commits meanwhile), else the whole commit rolls back.
+-- A group commit's checks (lattice_commit, below): the replica's fence is the one it last
+-- saw (its row locked until the commit: no take-over commits meanwhile), else the whole
+-- commit rolls back.
 CREATE OR REPLACE FUNCTION lattice_disowned() RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
     RAISE EXCEPTION 'a sequence of this commit belongs to another replica now'
         USING ERRCODE = 'LT001';
-END $$;
-CREATE OR REPLACE FUNCTION lattice_fence(p_replica bigint, p_fence bigint) RETURNS void
-LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM 1 FROM replicas WHERE replica_id = p_replica AND fence = p_fence FOR SHARE;
-    IF NOT FOUND THEN
-        PERFORM lattice_disowned();
-    END IF;
 END $$;
 -- A commit's number recorded on its replica's row (locked until the commit: no take-over
 -- commits meanwhile). LT002 when it is there already: an earlier attempt committed, roll
@@ -332,10 +332,12 @@ UPDATE lattice_meta SET value = 3 WHERE key = 'schema_version';
 _FROM_VERSION_3 = """
 ALTER TABLE replicas ADD COLUMN IF NOT EXISTS last_commit bigint NOT NULL DEFAULT 0;
 ALTER TABLE sequences ADD COLUMN IF NOT EXISTS num_saved integer NOT NULL DEFAULT 0;
+ALTER TABLE sequences ADD COLUMN IF NOT EXISTS counted_log bigint;
 ALTER TABLE sequences ADD COLUMN IF NOT EXISTS output_head bytea NOT NULL DEFAULT '';
 ALTER TABLE sequences ADD COLUMN IF NOT EXISTS log_replica bigint;
 ALTER TABLE sequences ADD COLUMN IF NOT EXISTS log_from bigint;
 DROP INDEX IF EXISTS sequences_with_tokens;
+DROP FUNCTION IF EXISTS lattice_fence(bigint, bigint);  -- now within lattice_commit()
 """
 _FROM_VERSION_3_AFTER_FOLDING = """
 DELETE FROM token_log;
@@ -379,9 +381,18 @@ _ORDER_SQL = {
 # its head when it was claimed or adopted: `_fold`). %s: this replica.
 _SAVED_SET = (
     "num_saved = coalesce(v.saved, s.num_saved), "
+    "counted_log = CASE WHEN v.saved IS NULL THEN s.counted_log "
+    "ELSE currval('token_log_id_seq') END, "
     "log_replica = CASE WHEN v.saved IS NULL THEN s.log_replica ELSE %s END, "
     "log_from = CASE WHEN v.saved IS NULL OR s.log_from IS NOT NULL THEN s.log_from "
     "ELSE currval('token_log_id_seq') END"
+)
+
+# The log rows of `sequences s` after the one its num_saved counts through (at most the
+# commits of its last COUNT_EVERY_TOKENS - 1 appends), as an array.
+_UNCOUNTED = (
+    "ARRAY(SELECT t.entries FROM token_log t WHERE t.replica_id = s.log_replica "
+    "AND t.id >= s.log_from AND t.id > coalesce(s.counted_log, 0) ORDER BY t.id)"
 )
 
 _COLUMNS = (
@@ -459,6 +470,11 @@ class PostgresState:
         # whose commit failed, retried under its number before anything newer.
         self._last_commit_no = 0
         self._unsettled: SaveBatch | None = None
+        # Each owned sequence's num_saved as this replica last wrote it (commit thread; a
+        # sequence taken or handed back leaves it, so its next append writes its row), and
+        # those the commit being written writes.
+        self._counted: dict[int, int] = {}
+        self._counts_written: dict[int, int] = {}
         # Token log reads: (seq_id, tokens read) -> the last row id they came from, so a
         # stream reads only newer rows; and where collecting the log goes on from.
         self._read_cursors: dict[tuple[int, int], int] = {}
@@ -645,6 +661,10 @@ class PostgresState:
         return sorted(keys)
 
     def _committed(self, batch: SaveBatch, lost: frozenset[int]) -> None:
+        self._counted.update(self._counts_written)
+        self._counts_written = {}
+        for seq_id in (*batch.finished(), *batch.forgotten, *lost):
+            self._counted.pop(seq_id, None)
         for seq_id in (*batch.final_outputs, *batch.forgotten, *lost):
             self._prompts.pop(seq_id, None)
         for tenant, served in batch.tenant_service.items():
@@ -741,12 +761,16 @@ class PostgresState:
                 "CASE WHEN state = 1 THEN (SELECT count(*) FROM sequences q WHERE q.state = 1 "
                 "AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id)) ELSE 0 END, "
                 "error_message, principal, CASE WHEN state = 1 AND adapter_id <> '' AND NOT "
-                f"{_SERVED_BY_A_LIVE_WORKER} THEN adapter_id END "
+                f"{_SERVED_BY_A_LIVE_WORKER} THEN adapter_id END, {_UNCOUNTED} "
                 "FROM sequences s WHERE seq_id = %s",
                 (seq_id,),
             ).fetchone()
-            if row is None or not caller.may_see(row[-2]):
+            if row is None or not caller.may_see(row[-3]):
                 raise NotFound.seq_id(seq_id)
+        *row, uncounted = row
+        for blob in uncounted:  # the appends its row does not count yet
+            for _, start, token_ids in unpack_entries(bytes(blob), {seq_id}):
+                row[4] = max(row[4], start + len(token_ids))
         (
             state,
             worker_id,
@@ -854,6 +878,7 @@ class PostgresState:
             # COMMIT.
             self.round_trips["claim"] += 5 + (2 if ids else 0)
         self._tenant_base.update(served)
+        self._uncount(ids)
         self._owned.add(ids)
         self._remember_prompts(sequences)
         return Claimed(sequences, served, [])
@@ -863,10 +888,13 @@ class PostgresState:
         replica's log rows: into their heads, so this replica's commits log them on in
         its own rows. Nothing (no statement) when none has tokens: a fresh claim."""
         self._fold(
-            conn,
-            {seq.seq_id: seq.output_token_ids for seq in sequences if seq.output_token_ids},
-            only_others=True,
+            conn, {seq.seq_id: seq.output_token_ids for seq in sequences if seq.output_token_ids}
         )
+
+    def _uncount(self, seq_ids: Iterable[int]) -> None:
+        """Their rows were (or will be) written elsewhere: the next append writes its own."""
+        for seq_id in seq_ids:
+            self._counted.pop(seq_id, None)
 
     def _homes_sql(self) -> str:
         """The claim's condition for homes: a sequence homed on another live replica is
@@ -921,6 +949,7 @@ class PostgresState:
                 conn.execute(
                     "SELECT pg_notify(%s, %s)", (DISOWN_CHANNEL, f"{owner}:{_ids_payload(seq_ids)}")
                 )
+        self._uncount(ids)
         self._owned.add(ids)
         self._remember_prompts(sequences)
         return Claimed(sequences, {}, [seq_id for seq_id, flag, _ in rows if flag])
@@ -996,12 +1025,13 @@ class PostgresState:
                 "worker_id = NULL, queue_key = NULL WHERE seq_id = ANY(%s)",
                 (FinishReason.CANCELLED.value, cancelled),
             )
+            saved = self._outputs(conn, assigned) if assigned else {}
             for seq_id in assigned:  # in seq_id order, each ahead of all
                 conn.execute(
                     "UPDATE sequences s SET owner = NULL, state = 1, worker_id = NULL, "
                     "cursor = 0, prefilled_tokens = 0, queue_key = -nextval('lattice_queue_head'), "
-                    "num_generated = num_saved WHERE seq_id = %s",
-                    (seq_id,),
+                    "num_generated = %s WHERE seq_id = %s",
+                    (len(saved.get(seq_id, ())), seq_id),
                 )
             conn.execute(
                 "DELETE FROM workers w WHERE NOT EXISTS (SELECT 1 FROM replicas r "
@@ -1040,6 +1070,7 @@ class PostgresState:
             if released:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
         self._owned.discard(released)
+        self._uncount(released)
         for seq_id in released:
             self._prompts.pop(seq_id, None)
         return released
@@ -1177,24 +1208,23 @@ class PostgresState:
             last = row_id
         return last
 
-    def _fold(self, conn, outputs: dict[int, list[int]], only_others: bool) -> None:
-        """Write each sequence's whole saved output (`outputs`, read in this transaction
-        with the rows locked) into its head; its log rows are no longer needed. With
-        `only_others`, only those whose log rows are another replica's (a claim or a
-        take-over: this replica's commits go on in its own rows)."""
+    def _fold(self, conn, outputs: dict[int, list[int]]) -> None:
+        """Sequences this replica just took (rows locked; `outputs` their whole saved
+        output, read in this transaction) whose tokens sit in another replica's log rows:
+        into their heads, so that this replica's commits log them on in its own rows (the
+        first append writes the row: `_uncount`)."""
         if not outputs:
             return
         seq_ids = list(outputs)
         conn.execute(
-            "UPDATE sequences s SET output_head = v.head, num_saved = v.n, log_replica = NULL, "
-            "log_from = NULL FROM unnest(%s::bigint[], %s::bytea[], %s::integer[]) AS "
-            "v(seq_id, head, n) WHERE s.seq_id = v.seq_id AND s.log_from IS NOT NULL "
-            "AND (NOT %s OR s.log_replica <> %s)",
+            "UPDATE sequences s SET output_head = v.head, num_saved = v.n, counted_log = NULL, "
+            "log_replica = NULL, log_from = NULL FROM unnest(%s::bigint[], %s::bytea[], "
+            "%s::integer[]) AS v(seq_id, head, n) WHERE s.seq_id = v.seq_id "
+            "AND s.log_from IS NOT NULL AND s.log_replica <> %s",
             (
                 seq_ids,
                 [pack_token_ids(outputs[s]) for s in seq_ids],
                 [len(outputs[s]) for s in seq_ids],
-                only_others,
                 self.replica_id,
             ),
             binary=True,
@@ -1212,15 +1242,40 @@ class PostgresState:
             newest = conn.execute("SELECT max(id) FROM token_log").fetchone()[0]
             if newest is None:
                 return 0
+            bound = newest - max_rows_behind
+            # Their owners' commits wait meanwhile (each locks its replica row first): every
+            # row of theirs is committed and read here, and their next rows come after.
+            conn.execute(
+                "SELECT 1 FROM replicas WHERE replica_id IN (SELECT log_replica FROM "
+                "sequences WHERE log_from < %s) ORDER BY replica_id FOR UPDATE",
+                (bound,),
+            )
             behind = [
                 row[0]
                 for row in conn.execute(
                     "SELECT seq_id FROM sequences WHERE log_from < %s ORDER BY seq_id FOR UPDATE",
-                    (newest - max_rows_behind,),
+                    (bound,),
                 )
             ]
             if behind:
-                self._fold(conn, self._outputs(conn, behind), only_others=False)
+                outputs = self._outputs(conn, behind)
+                seq_ids = list(outputs)
+                # Their owners' next rows get higher ids than any handed out by now.
+                last = conn.execute("SELECT last_value FROM token_log_id_seq").fetchone()[0]
+                conn.execute(
+                    "UPDATE sequences s SET output_head = v.head, num_saved = v.n, "
+                    "counted_log = %s, log_from = %s "
+                    "FROM unnest(%s::bigint[], %s::bytea[], %s::integer[]) AS v(seq_id, head, n) "
+                    "WHERE s.seq_id = v.seq_id",
+                    (
+                        last,
+                        last + 1,
+                        seq_ids,
+                        [pack_token_ids(outputs[s]) for s in seq_ids],
+                        [len(outputs[s]) for s in seq_ids],
+                    ),
+                    binary=True,
+                )
             return conn.execute(
                 "DELETE FROM token_log WHERE id < coalesce((SELECT min(log_from) FROM "
                 "sequences WHERE log_from IS NOT NULL), %s)",
@@ -1229,12 +1284,12 @@ class PostgresState:
 
     def _read_sequences(self, conn, where: str, args: tuple) -> list[StoredSequence]:
         rows = conn.execute(
-            f"SELECT {_COLUMNS} FROM sequences {where} ORDER BY seq_id", args
+            f"SELECT {_COLUMNS}, num_saved FROM sequences {where} ORDER BY seq_id", args
         ).fetchall()
-        if not rows:
-            return []
-        tokens = self._outputs(conn, [row[0] for row in rows])
-        return [_stored_sequence(row, tokens.get(row[0], [])) for row in rows]
+        # Only sequences with tokens are read on (a first append writes num_saved).
+        with_tokens = [row[0] for row in rows if row[-1]]
+        tokens = self._outputs(conn, with_tokens) if with_tokens else {}
+        return [_stored_sequence(row[:-1], tokens.get(row[0], [])) for row in rows]
 
     def _tenant_deltas(self, service: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
         return [(tenant, served - self._tenant_base.get(tenant, 0.0)) for tenant, served in service]
@@ -1250,6 +1305,11 @@ class PostgresState:
         for append in batch.tokens:
             end = append.start + len(append.token_ids)
             saved_end[append.seq_id] = max(saved_end.get(append.seq_id, 0), end)
+        counted = self._counts_written = {}
+        for seq_id, end in saved_end.items():
+            last = self._counted.get(seq_id)
+            if seq_id in batch.progress or last is None or end - last >= COUNT_EVERY_TOKENS:
+                counted[seq_id] = end
         if batch.tokens:  # one token log row for every append of the commit
             cur.execute(
                 "INSERT INTO token_log (replica_id, entries) VALUES (%s, %s)",
@@ -1284,21 +1344,21 @@ class PostgresState:
                     [p.finish_order for p in rows],
                     [p.admission_order for p in rows],
                     [p.error_message for p in rows],
-                    [saved_end.get(p.seq_id) for p in rows],
+                    [counted.get(p.seq_id) for p in rows],
                     me,
                     me,
                     len(rows),
                 ),
                 binary=True,
             )
-        unreported = [seq_id for seq_id in saved_end if seq_id not in batch.progress]
+        unreported = [seq_id for seq_id in counted if seq_id not in batch.progress]
         if unreported:  # appends without a progress change: only the count and the log
             cur.execute(
                 "WITH v AS (SELECT * FROM unnest(%s::bigint[], %s::integer[]) AS "
                 f"v(seq_id, saved)), u AS (UPDATE sequences s SET {_SAVED_SET} FROM v "
                 "WHERE s.seq_id = v.seq_id AND s.owner = %s RETURNING 1) "
                 "SELECT lattice_disowned() FROM (SELECT count(*) AS n FROM u) c WHERE c.n <> %s",
-                (unreported, [saved_end[s] for s in unreported], me, me, len(unreported)),
+                (unreported, [counted[s] for s in unreported], me, me, len(unreported)),
             )
         homes = self._home_keys(batch)
         if homes:  # where these conversations' text is cached now: here
