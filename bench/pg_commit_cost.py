@@ -9,10 +9,13 @@ committed under --state-fsync acks).
   number+notify     + one NOTIFY carrying --sequences ids
   progress          a replica's real commit (PostgresState.commit_pending): the number,
                     the progress of --sequences sequences, the NOTIFY
-  progress+tokens   the same with one token appended to each (the steady decode step)
+  progress+tokens   the same with one token appended to each (every row written)
+  tokens            one token appended to each sequence and no progress: the steady
+                    decode step as the core saves it (its rows are written once in
+                    COUNT_EVERY_TOKENS appends)
 
-The last is what a replica commits per group of decisions; divide by the saves a commit
-holds (bench.replicas: commits per decision) for the cost per decision.
+Divide by the saves a commit holds (bench.replicas: commits per decision) for the cost per
+decision.
 
     .venv/bin/python -m bench.pg_commit_cost --commits 400 --sequences 224
 """
@@ -50,8 +53,8 @@ def _raw(store: PostgresState, args, notify: bool, number: bool):
     return commit
 
 
-def _steps(store: PostgresState, seq_ids: list[int], tokens: bool):
-    step = iter(range(10**9))
+def _steps(store: PostgresState, seq_ids: list[int], step, tokens: bool, progress: bool = True):
+    """`step`: an iterator shared by the shapes, so that each appends where the last ended."""
 
     def commit() -> None:
         n = next(step)
@@ -60,7 +63,9 @@ def _steps(store: PostgresState, seq_ids: list[int], tokens: bool):
                 progress=tuple(
                     SequenceProgress(s, SequenceState.DECODING, "w", None, n, 32, n + 1, 0, None)
                     for s in seq_ids
-                ),
+                )
+                if progress
+                else (),
                 tokens=tuple(TokenAppend(s, n, (n % 1000,)) for s in seq_ids) if tokens else (),
             )
         )
@@ -87,7 +92,7 @@ def main() -> int:
     parser.add_argument("--sequences", type=int, default=224)
     parser.add_argument(
         "--shapes",
-        default="empty,number,number+notify,progress,progress+tokens",
+        default="empty,number,number+notify,progress,progress+tokens,tokens",
         help="which commits to time (comma-separated)",
     )
     args = parser.parse_args()
@@ -106,12 +111,14 @@ def main() -> int:
         store.claim(args.sequences)
         store.defer_saves()
         rows = []
+        step = iter(range(10**9))
         shapes = [
             ("empty", _raw(store, args, notify=False, number=False)),
             ("number", _raw(store, args, notify=False, number=True)),
             ("number+notify", _raw(store, args, notify=True, number=True)),
-            ("progress", _steps(store, seq_ids, tokens=False)),
-            ("progress+tokens", _steps(store, seq_ids, tokens=True)),
+            ("progress", _steps(store, seq_ids, step, tokens=False)),
+            ("progress+tokens", _steps(store, seq_ids, step, tokens=True)),
+            ("tokens", _steps(store, seq_ids, step, tokens=True, progress=False)),
         ]
         wanted = args.shapes.split(",")
         for name, commit in [(name, commit) for name, commit in shapes if name in wanted]:
