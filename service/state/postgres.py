@@ -470,6 +470,9 @@ class PostgresState:
         # whose commit failed, retried under its number before anything newer.
         self._last_commit_no = 0
         self._unsettled: SaveBatch | None = None
+        # Sequences a commit left out (another replica owns them) not yet returned to the
+        # caller: a retry committed, then a newer batch failed.
+        self._unreported: frozenset[int] = frozenset()
         # Each owned sequence's num_saved as this replica last wrote it (commit thread; a
         # sequence taken or handed back leaves it, so its next append writes its row), and
         # those the commit being written writes.
@@ -554,19 +557,19 @@ class PostgresState:
         core gives them up). StoreError: nothing newer is committed, and the saves stay for
         the next call. A batch whose commit failed is retried first, alone and under its
         commit number: if the failed attempt did commit, the retry applies nothing twice."""
-        lost: frozenset[int] = frozenset()
         if self._unsettled is not None:
-            lost = self._commit(self._unsettled, drop_disowned=True)
+            self._unreported |= self._commit(self._unsettled, drop_disowned=True)
             self._unsettled = None
         with self._pending_lock:
             batch, self._pending = self._pending, SaveBatch()
-        if batch.num_saves == 0:
-            return lost
-        try:
-            return lost | self._commit(batch, drop_disowned=True)
-        except BaseException:
-            self._unsettled = batch
-            raise
+        if batch.num_saves:
+            try:
+                self._unreported |= self._commit(batch, drop_disowned=True)
+            except BaseException:
+                self._unsettled = batch
+                raise
+        lost, self._unreported = self._unreported, frozenset()
+        return lost
 
     def _commit(self, batch: SaveBatch, drop_disowned: bool) -> frozenset[int]:
         """Write `batch` in one transaction under its commit number (drawn at its first
@@ -914,9 +917,11 @@ class PostgresState:
                 self._prompts[seq.seq_id] = seq.params.prompt_token_ids
 
     def forget_prompts(self, seq_ids: Iterable[int]) -> None:
-        """Sequences given up (another replica owns them now): no home key here."""
+        """Sequences given up (another replica owns them now): no home key here, and no
+        count of theirs kept."""
         for seq_id in seq_ids:
             self._prompts.pop(seq_id, None)
+            self._counted.pop(seq_id, None)
 
     def adopt_worker(self, worker_id: str) -> Claimed:
         """Take the sequences assigned to `worker_id` from whichever replica held them (the
