@@ -111,7 +111,7 @@ CREATE TABLE IF NOT EXISTS replicas (
     lease_until timestamptz NOT NULL,   -- renewed while it lives
     -- A new value whenever another replica takes sequences this one owned (or the row is
     -- written again after its lease ran out): a commit that finds the value it last saw,
-    -- under FOR SHARE, owns every sequence it held then (service/state/postgres.py).
+    -- with its row locked, owns every sequence it held then (lattice_commit()).
     fence       bigint NOT NULL DEFAULT nextval('lattice_fences'),
     -- The number of its last commit (each commit's is higher): a retried commit whose
     -- number is here already committed, and applies nothing (lattice_commit()).

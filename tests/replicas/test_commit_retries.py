@@ -48,6 +48,9 @@ class _Connection:
 
     @contextmanager
     def pipeline(self):
+        self._faults["pipelines"] = self._faults.get("pipelines", 0) + 1
+        if self._faults.get("refuse_pipeline") == self._faults["pipelines"]:
+            raise psycopg.OperationalError("connection refused")  # nothing sent
         self._in_pipeline = True
         try:
             with self._conn.pipeline() as pipeline:
@@ -118,6 +121,37 @@ def test_a_retried_commit_that_had_committed_adds_tenant_service_and_tokens_once
         assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (1,)
     assert b.state.read_output(seq_id, 0).token_ids == (7, 8)
     assert a.state.num_saves_committed == a.state.num_saves
+
+
+def test_sequences_a_retry_left_out_are_reported_even_when_the_next_commit_fails(
+    replicas, database_url, faulty
+):
+    a, b = replicas("a"), replicas("b")
+    first, second = b.submit(max_new_tokens=8), b.submit(max_new_tokens=8)
+    a.state.claim(2)
+    a.state.defer_saves()
+    a.state.save(StateChanges(progress=(_progress(first), _progress(second))))
+    a.state.commit_pending()  # the fence is known: commits take the fast path
+    faults = faulty(a.state)
+    a.state.save(StateChanges(progress=(_progress(first, 1),)))
+    faults["refuse_pipeline"] = 1
+    with pytest.raises(StoreError):
+        a.state.commit_pending()
+    with psycopg.connect(database_url, autocommit=True) as conn:  # b takes `first`
+        conn.execute(
+            "UPDATE sequences SET owner = %s WHERE seq_id = %s", (b.state.replica_id, first)
+        )
+        conn.execute(
+            "UPDATE replicas SET fence = nextval('lattice_fences') WHERE replica_id = %s",
+            (a.state.replica_id,),
+        )
+    a.state.save(StateChanges(progress=(_progress(second, 1),)))
+    # The retry meets the moved fence (pipeline 2), commits without `first` on the slow
+    # path; the newer batch's pipeline (3) is refused.
+    faults["refuse_pipeline"] = 3
+    with pytest.raises(StoreError):
+        a.state.commit_pending()
+    assert a.state.commit_pending() == {first}  # told once the newer batch commits
 
 
 def test_a_claim_made_while_the_slow_path_reads_ownership_stays_owned(replicas, faulty):
