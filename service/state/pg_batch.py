@@ -5,8 +5,9 @@ Each `StateChanges` the core saves is absorbed in order; a batch is written by o
 transaction. Merging keeps what each change means: the latest progress of a sequence
 wins, token appends stay separate rows in order (a sequence's appends are contiguous),
 workers end as their last change left them, tenants' counters are the latest. A batch
-whose commit failed goes back in front of what was saved since, so nothing is lost and
-nothing is reordered.
+whose commit failed is retried alone, under its commit number, before what was saved
+since (service/state/postgres.py `commit_pending`), so nothing is lost, reordered or
+applied twice; `then` merges two batches in order.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class SaveBatch:
     tenant_service: dict[str, float] = field(default_factory=dict)
     sync: bool = False  # some save in it is acknowledged to a client
     num_saves: int = 0
+    # Its number among this replica's commits, drawn at its first attempt and kept for
+    # retries (replicas.last_commit: a retry of a commit that did commit applies nothing).
+    commit_no: int = 0
 
     def absorb(self, changes: StateChanges) -> None:
         for progress in changes.progress:
@@ -85,4 +89,5 @@ class SaveBatch:
             tenant_service=dict(self.tenant_service),
             sync=self.sync,
             num_saves=self.num_saves,
+            commit_no=self.commit_no,
         )

@@ -13,8 +13,9 @@ and waits, and the next single commit answers all of them.
 What this keeps (docs/replicas.md, "What is guaranteed"):
 - Nothing is acknowledged before its commit: every call that changed the core's state
   awaits `committed()` before it answers, streams included (ReplicaServicer).
-- A failed commit applies nothing; its saves stay collected, ahead of later ones, and the
-  next commit carries them (StoreError to the calls that waited: UNAVAILABLE).
+- A failed commit applies nothing, or (its reply lost after COMMIT) everything: it is
+  retried first, alone, under its commit number, and applies nothing twice (StoreError
+  to the calls that waited: UNAVAILABLE).
 - One owner per sequence: a commit checks the replica's fence (or each row), and leaves
   out the changes of sequences another replica took over; `on_disowned` gives those up
   in the core on the loop.

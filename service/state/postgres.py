@@ -19,10 +19,16 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
 - Saves: group commit (service/state/pg_commit.py): the saves collected on a replica go
   in one transaction, checked against the replica's fence (`replicas.fence`) instead of
   row by row while ownership is as last seen.
-- Tokens: one `token_log` row per commit holding all its appends (token_log.py; schema 2's
-  `tokens` rows are still read); each commit NOTIFYs lattice_progress once with the ids
-  whose output or state changed, so streams on other replicas wake within one commit.
-  The keepers delete log rows whose sequences were all forgotten.
+- Tokens: one `token_log` row per commit holding all its appends (token_log.py); a
+  sequence's row says how many tokens are saved (`num_saved`) and where they are: its
+  folded head (`output_head`), then the log rows of `log_replica` from `log_from` on.
+  Each commit NOTIFYs lattice_progress once with the ids whose output or state changed,
+  so streams on other replicas wake within one commit. The keepers fold the tokens of
+  sequences whose log rows fall too far behind into their heads, then delete the log
+  rows no sequence points at (`collect_token_log`: the retention bound).
+- Retries: each commit carries a number recorded on the replica's row in the same
+  transaction (`replicas.last_commit`); a commit whose outcome was unknown is retried
+  under its number, and if the first attempt did commit, the retry applies nothing.
 - Cancel of a sequence another replica owns: `cancel_requested` is set and committed,
   then NOTIFY lattice_cancel tells the owner, which cancels it in its core.
 """
@@ -53,6 +59,7 @@ from service.core.persist.store import (
 from service.core.tables.ledger import no_worker_has
 from service.core.types import SequenceInfo, SubmitResult
 from service.state.pg_batch import SaveBatch
+from service.state.pg_owned import OwnedSet
 from service.state.rows import (
     pack_token_ids,
     params_from_row,
@@ -66,7 +73,9 @@ log = logging.getLogger(__name__)
 
 # 2: sequences.principal, request_id unique per principal, sequences.adapter_id.
 # 3: replicas.fence (group commit checks ownership once per commit, not per row).
-SCHEMA_VERSION = 3
+# 4: commit numbers (replicas.last_commit); token counts and heads on sequences
+#    (num_saved, output_head, log_replica, log_from); token_log by (replica_id, id).
+SCHEMA_VERSION = 4
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"
 CANCEL_CHANNEL = "lattice_cancel"
@@ -76,6 +85,16 @@ _QUEUED, _FINISHED = SequenceState.QUEUED.value, SequenceState.FINISHED.value
 _ASSIGNED = (SequenceState.PREFILLING.value, SequenceState.DECODING.value)
 # What lattice_disowned() raises: a commit touched a sequence this replica no longer owns.
 _DISOWNED_SQLSTATE = "LT001"
+# What lattice_commit() raises: this commit's number is recorded, an earlier attempt of it
+# committed (its outcome was unknown to this replica).
+_DONE_SQLSTATE = "LT002"
+# The keepers fold the tokens of a sequence whose first unfolded log row is more than this
+# many rows behind the newest into its head, so log rows older than that can go.
+FOLD_ROWS_BEHIND = 2000
+# A sequence's row is written by a commit that only appends to it (a steady decode step)
+# once its count lags this many tokens, or when it has no log rows yet: the row updates of
+# every step cost PostgreSQL more than everything else of a commit (bench/pg_commit_cost.py).
+COUNT_EVERY_TOKENS = 16
 
 _SCHEMA = """
 CREATE SEQUENCE IF NOT EXISTS lattice_seq_ids;
@@ -92,8 +111,11 @@ CREATE TABLE IF NOT EXISTS replicas (
     lease_until timestamptz NOT NULL,   -- renewed while it lives
     -- A new value whenever another replica takes sequences this one owned (or the row is
     -- written again after its lease ran out): a commit that finds the value it last saw,
-    -- under FOR SHARE, owns every sequence it held then (service/state/postgres.py).
-    fence       bigint NOT NULL DEFAULT nextval('lattice_fences')
+    -- with its row locked, owns every sequence it held then (lattice_commit()).
+    fence       bigint NOT NULL DEFAULT nextval('lattice_fences'),
+    -- The number of its last commit (each commit's is higher): a retried commit whose
+    -- number is here already committed, and applies nothing (lattice_commit()).
+    last_commit bigint NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS sequences (
     seq_id      bigint PRIMARY KEY,
@@ -119,8 +141,19 @@ CREATE TABLE IF NOT EXISTS sequences (
     admission_order  bigint NOT NULL DEFAULT 0,
     error_message    text NOT NULL DEFAULT '',  -- why it failed, for FAILED
     cancel_requested boolean NOT NULL DEFAULT false,
-    home        bigint                  -- replica where its prefix is cached (claims prefer)
+    home        bigint,                 -- replica where its prefix is cached (claims prefer)
+    -- Its saved output: the first octet_length(output_head) / 4 tokens folded here, the
+    -- rest in token_log rows of log_replica with id >= log_from. num_saved counts them
+    -- through log row counted_log (the appends of later rows are not counted here yet:
+    -- a steady step writes no sequence row, one in COUNT_EVERY_TOKENS does).
+    num_saved   integer NOT NULL DEFAULT 0,
+    counted_log bigint,
+    output_head bytea NOT NULL DEFAULT '',
+    log_replica bigint,
+    log_from    bigint
 );
+-- Progress updates change no indexed column (HOT updates): room on the page for them.
+ALTER TABLE sequences SET (fillfactor = 70);
 CREATE UNIQUE INDEX IF NOT EXISTS sequences_request ON sequences (principal, request_id);
 CREATE INDEX IF NOT EXISTS sequences_unclaimed ON sequences (queue_key, seq_id)
     WHERE state = 1 AND owner IS NULL;
@@ -135,19 +168,17 @@ CREATE TABLE IF NOT EXISTS tokens (
     token_ids bytea NOT NULL,           -- uint32 little-endian
     PRIMARY KEY (seq_id, start)
 );
--- Since schema 3: one row per group commit holding all its appends (token_log.py).
+-- One row per group commit holding all its appends (token_log.py); a sequence's rows are
+-- found through its own row (log_replica, log_from), so one index key per commit.
 CREATE TABLE IF NOT EXISTS token_log (
     id      bigserial PRIMARY KEY,      -- rises in commit order for any one sequence
-    seq_ids bigint[] NOT NULL,          -- the sequences it holds tokens of
-    max_seq_id bigint NOT NULL,         -- the highest of them (collecting)
+    replica_id bigint NOT NULL,         -- the replica that committed it
     entries bytea NOT NULL              -- (seq_id int64, start int32, n int32, n x uint32)
 );
-CREATE INDEX IF NOT EXISTS token_log_seq_ids ON token_log USING gin (seq_ids);
-CREATE INDEX IF NOT EXISTS token_log_max_seq_id ON token_log (max_seq_id);
--- The sequences that may have tokens (all but those queued that never ran): the lowest
--- of them bounds which token log rows may still be read.
-CREATE INDEX IF NOT EXISTS sequences_with_tokens ON sequences (seq_id)
-    WHERE state <> 1 OR num_generated > 0;
+CREATE INDEX IF NOT EXISTS token_log_replica ON token_log (replica_id, id);
+-- The oldest log row a sequence still needs bounds which rows may go.
+CREATE INDEX IF NOT EXISTS sequences_log_from ON sequences (log_from)
+    WHERE log_from IS NOT NULL;
 CREATE TABLE IF NOT EXISTS workers (
     worker_id    text PRIMARY KEY,
     replica_id   bigint NOT NULL,
@@ -167,18 +198,35 @@ CREATE TABLE IF NOT EXISTS tenant_service (
     served double precision NOT NULL    -- weighted tokens served, all replicas together
 );
 
--- A group commit's checks: the replica's fence is the one it last saw (held FOR SHARE
--- until the commit: no take-over commits meanwhile), else the whole commit rolls back.
+-- A group commit's checks (lattice_commit, below): the replica's fence is the one it last
+-- saw (its row locked until the commit: no take-over commits meanwhile), else the whole
+-- commit rolls back.
 CREATE OR REPLACE FUNCTION lattice_disowned() RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
     RAISE EXCEPTION 'a sequence of this commit belongs to another replica now'
         USING ERRCODE = 'LT001';
 END $$;
-CREATE OR REPLACE FUNCTION lattice_fence(p_replica bigint, p_fence bigint) RETURNS void
-LANGUAGE plpgsql AS $$
+-- A commit's number recorded on its replica's row (locked until the commit: no take-over
+-- commits meanwhile). LT002 when it is there already: an earlier attempt committed, roll
+-- back. With p_fence, also the fence check (LT001 when it moved or the row is gone);
+-- without, a replica row that is gone records nothing.
+CREATE OR REPLACE FUNCTION lattice_commit(p_replica bigint, p_fence bigint, p_commit bigint)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_last bigint;
 BEGIN
-    PERFORM 1 FROM replicas WHERE replica_id = p_replica AND fence = p_fence FOR SHARE;
-    IF NOT FOUND THEN
+    UPDATE replicas SET last_commit = p_commit
+     WHERE replica_id = p_replica AND last_commit < p_commit
+       AND (p_fence IS NULL OR fence = p_fence);
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    SELECT last_commit INTO v_last FROM replicas WHERE replica_id = p_replica;
+    IF FOUND AND v_last >= p_commit THEN
+        RAISE EXCEPTION 'commit % of replica % is recorded already', p_commit, p_replica
+            USING ERRCODE = 'LT002';
+    END IF;
+    IF p_fence IS NOT NULL THEN
         PERFORM lattice_disowned();
     END IF;
 END $$;
@@ -278,6 +326,29 @@ DROP FUNCTION IF EXISTS lattice_submit(text, text, text, text, bytea, integer, t
 UPDATE lattice_meta SET value = 3 WHERE key = 'schema_version';
 """
 
+# Version 3 becomes 4 (with _fold_all_tokens between the two halves): commit numbers, the
+# token counts and heads on sequence rows; the token log loses its GIN-indexed id arrays
+# (every row is folded into its sequences' heads first) and gains the replica's id.
+_FROM_VERSION_3 = """
+ALTER TABLE replicas ADD COLUMN IF NOT EXISTS last_commit bigint NOT NULL DEFAULT 0;
+ALTER TABLE sequences ADD COLUMN IF NOT EXISTS num_saved integer NOT NULL DEFAULT 0;
+ALTER TABLE sequences ADD COLUMN IF NOT EXISTS counted_log bigint;
+ALTER TABLE sequences ADD COLUMN IF NOT EXISTS output_head bytea NOT NULL DEFAULT '';
+ALTER TABLE sequences ADD COLUMN IF NOT EXISTS log_replica bigint;
+ALTER TABLE sequences ADD COLUMN IF NOT EXISTS log_from bigint;
+DROP INDEX IF EXISTS sequences_with_tokens;
+DROP FUNCTION IF EXISTS lattice_fence(bigint, bigint);  -- now within lattice_commit()
+"""
+_FROM_VERSION_3_AFTER_FOLDING = """
+DELETE FROM token_log;
+DELETE FROM tokens;
+ALTER TABLE token_log DROP COLUMN IF EXISTS seq_ids;
+ALTER TABLE token_log DROP COLUMN IF EXISTS max_seq_id;
+ALTER TABLE token_log ADD COLUMN IF NOT EXISTS replica_id bigint NOT NULL DEFAULT 0;
+ALTER TABLE token_log ALTER COLUMN replica_id DROP DEFAULT;
+UPDATE lattice_meta SET value = 4 WHERE key = 'schema_version';
+"""
+
 # Whether a live worker that takes work has the adapter of `sequences s`: registered on a
 # replica whose lease runs, not drained by an operator, its registration listing it.
 _SERVED_BY_A_LIVE_WORKER = (
@@ -303,6 +374,26 @@ _ORDER_SQL = {
     SortTerm.DEADLINE: "submitted_at",
     SortTerm.SEQ_ID: "seq_id",
 }
+
+# A commit's writes of where a sequence's tokens are (`v.saved`: where its output ends
+# after the commit; NULL: no appends): the count, and its log rows are this replica's from
+# this commit's row on unless they already were (another replica's rows were folded into
+# its head when it was claimed or adopted: `_fold`). %s: this replica.
+_SAVED_SET = (
+    "num_saved = coalesce(v.saved, s.num_saved), "
+    "counted_log = CASE WHEN v.saved IS NULL THEN s.counted_log "
+    "ELSE currval('token_log_id_seq') END, "
+    "log_replica = CASE WHEN v.saved IS NULL THEN s.log_replica ELSE %s END, "
+    "log_from = CASE WHEN v.saved IS NULL OR s.log_from IS NOT NULL THEN s.log_from "
+    "ELSE currval('token_log_id_seq') END"
+)
+
+# The log rows of `sequences s` after the one its num_saved counts through (at most the
+# commits of its last COUNT_EVERY_TOKENS - 1 appends), as an array.
+_UNCOUNTED = (
+    "ARRAY(SELECT t.entries FROM token_log t WHERE t.replica_id = s.log_replica "
+    "AND t.id >= s.log_from AND t.id > coalesce(s.counted_log, 0) ORDER BY t.id)"
+)
 
 _COLUMNS = (
     "seq_id, params, prompt, state, worker_id, queue_key, cursor, prefilled_tokens, "
@@ -374,10 +465,24 @@ class PostgresState:
         # the unfinished sequences owned then, plus those claimed or adopted since. A
         # commit touching only these, under the same fence, needs no per-row check.
         self._fence: int | None = None
-        self._owned: set[int] = set()
+        self._owned = OwnedSet()
+        # Commit numbers (replicas.last_commit): the last one handed out, and the batch
+        # whose commit failed, retried under its number before anything newer.
+        self._last_commit_no = 0
+        self._unsettled: SaveBatch | None = None
+        # Sequences a commit left out (another replica owns them) not yet returned to the
+        # caller: a retry committed, then a newer batch failed.
+        self._unreported: frozenset[int] = frozenset()
+        # Each owned sequence's num_saved as this replica last wrote it (commit thread; a
+        # sequence taken or handed back leaves it, so its next append writes its row), and
+        # those the commit being written writes.
+        self._counted: dict[int, int] = {}
+        self._counts_written: dict[int, int] = {}
         # Token log reads: (seq_id, tokens read) -> the last row id they came from, so a
         # stream reads only newer rows; and where collecting the log goes on from.
         self._read_cursors: dict[tuple[int, int], int] = {}
+        # The token log's retention, in rows behind the newest (collect_token_log).
+        self.max_log_rows_behind = FOLD_ROWS_BEHIND
         # Blocking exchanges with the server, by purpose (figures; counted where the code
         # waits for the server: one per statement outside a pipeline, one per pipeline sync).
         self.round_trips: Counter[str] = Counter()
@@ -447,57 +552,77 @@ class PostgresState:
         self._deferred = True
 
     def commit_pending(self) -> frozenset[int]:
-        """Commit every save collected so far in one transaction (one round trip when
-        ownership is as last seen); returns the ids another replica owns now, whose
-        changes were left out (the core gives them up). StoreError: nothing committed,
-        and the saves stay for the next commit, ahead of later ones."""
+        """Commit every save collected so far (one round trip when ownership is as last
+        seen); returns the ids another replica owns now, whose changes were left out (the
+        core gives them up). StoreError: nothing newer is committed, and the saves stay for
+        the next call. A batch whose commit failed is retried first, alone and under its
+        commit number: if the failed attempt did commit, the retry applies nothing twice."""
+        if self._unsettled is not None:
+            self._unreported |= self._commit(self._unsettled, drop_disowned=True)
+            self._unsettled = None
         with self._pending_lock:
             batch, self._pending = self._pending, SaveBatch()
-        if batch.num_saves == 0:
-            return frozenset()
-        try:
-            return self._commit(batch, drop_disowned=True)
-        except BaseException:
-            with self._pending_lock:
-                self._pending = batch.then(self._pending)
-            raise
+        if batch.num_saves:
+            try:
+                self._unreported |= self._commit(batch, drop_disowned=True)
+            except BaseException:
+                self._unsettled = batch
+                raise
+        lost, self._unreported = self._unreported, frozenset()
+        return lost
 
     def _commit(self, batch: SaveBatch, drop_disowned: bool) -> frozenset[int]:
-        """Write `batch` in one transaction. Fast path: this replica's fence is as last
-        seen and every sequence touched is one it knew it owned then: BEGIN, the fence
-        check, the writes and COMMIT in one pipeline (one round trip). Otherwise (or when
-        the fast path finds ownership moved) the slow path locks the rows and checks each,
-        as every save did before group commit."""
+        """Write `batch` in one transaction under its commit number (drawn at its first
+        attempt). Fast path: this replica's fence is as last seen and every sequence
+        touched is one it knew it owned then: BEGIN, the number and fence check, the
+        writes and COMMIT in one pipeline (one round trip). Otherwise (or when the fast
+        path finds ownership moved) the slow path locks the rows and checks each, as every
+        save did before group commit. An attempt that finds its number recorded (an
+        earlier one committed) rolls back and counts as committed."""
+        if batch.commit_no == 0:
+            self._last_commit_no += 1
+            batch.commit_no = self._last_commit_no
         touched = batch.touched()
         sync = self._fsync == "always" or (self._fsync == "acks" and batch.sync)
         with self._connection() as conn:
-            if self._fence is not None and touched <= self._owned:
+            if self._fence is not None and self._owned.covers(touched):
                 try:
                     with conn.pipeline(), conn.transaction():
                         if sync and self._fsync == "acks":
                             conn.execute("SET LOCAL synchronous_commit TO on")
-                        if touched:
-                            conn.execute(
-                                "SELECT lattice_fence(%s, %s)", (self.replica_id, self._fence)
-                            )
+                        conn.execute(
+                            "SELECT lattice_commit(%s, %s, %s)",
+                            (self.replica_id, self._fence if touched else None, batch.commit_no),
+                        )
                         self._write(conn, batch, touched)
                     self.round_trips["save"] += 1
                     self._committed(batch, frozenset())
                     return frozenset()
                 except psycopg.Error as err:
+                    self.round_trips["save"] += 1
+                    if err.sqlstate == _DONE_SQLSTATE:
+                        self._committed(batch, frozenset())
+                        return frozenset()
                     if err.sqlstate != _DISOWNED_SQLSTATE:
                         raise
-                    self.round_trips["save"] += 1
-            return self._commit_checked(conn, batch, touched, sync, drop_disowned)
+            try:
+                return self._commit_checked(conn, batch, touched, sync, drop_disowned)
+            except psycopg.Error as err:
+                if err.sqlstate != _DONE_SQLSTATE:
+                    raise
+                self._committed(batch, frozenset())
+                return frozenset()
 
     def _commit_checked(
         self, conn, batch: SaveBatch, touched: set[int], sync: bool, drop_disowned: bool
     ) -> frozenset[int]:
-        """The slow path: read the fence and what this replica owns, lock and check the
-        rows touched; write what is still owned (or refuse it all: Disowned)."""
-        with conn.transaction():
+        """The slow path: record the commit number, read the fence and what this replica
+        owns, lock and check the rows touched; write what is still owned (or refuse it
+        all: Disowned)."""
+        with self._owned.refreshing() as read, conn.transaction():
             if sync and self._fsync == "acks":
                 conn.execute("SET LOCAL synchronous_commit TO on")
+            conn.execute("SELECT lattice_commit(%s, NULL, %s)", (self.replica_id, batch.commit_no))
             row = conn.execute(
                 "SELECT fence FROM replicas WHERE replica_id = %s FOR SHARE", (self.replica_id,)
             ).fetchone()
@@ -515,15 +640,15 @@ class PostgresState:
                     (list(touched), self.replica_id),
                 )
             }
-            self.round_trips["save"] += 4
+            self.round_trips["save"] += 5
             lost = frozenset(touched - locked)
             if lost:
                 if not drop_disowned:
                     raise Disowned(lost)
                 batch = batch.without(lost)
             self._write(conn, batch, touched - lost)
+            read.append(owned - lost)
         self._fence = None if row is None else row[0]
-        self._owned = owned - lost
         self._committed(batch, lost)
         return lost
 
@@ -539,12 +664,15 @@ class PostgresState:
         return sorted(keys)
 
     def _committed(self, batch: SaveBatch, lost: frozenset[int]) -> None:
+        self._counted.update(self._counts_written)
+        self._counts_written = {}
+        for seq_id in (*batch.finished(), *batch.forgotten, *lost):
+            self._counted.pop(seq_id, None)
         for seq_id in (*batch.final_outputs, *batch.forgotten, *lost):
             self._prompts.pop(seq_id, None)
         for tenant, served in batch.tenant_service.items():
             self._tenant_base[tenant] = served
-        self._owned.difference_update(batch.finished())
-        self._owned.difference_update(batch.forgotten)
+        self._owned.discard((*batch.finished(), *batch.forgotten))
         self.num_commits += 1
         self.num_saves_committed += batch.num_saves
 
@@ -632,17 +760,20 @@ class PostgresState:
         with self._connection() as conn:
             row = conn.execute(
                 "SELECT state, worker_id, octet_length(prompt) / 4, prefilled_tokens, "
-                "num_generated, finish_reason, "
+                "greatest(num_generated, num_saved), finish_reason, "
                 "CASE WHEN state = 1 THEN (SELECT count(*) FROM sequences q WHERE q.state = 1 "
                 "AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id)) ELSE 0 END, "
                 "error_message, principal, CASE WHEN state = 1 AND adapter_id <> '' AND NOT "
-                f"{_SERVED_BY_A_LIVE_WORKER} THEN adapter_id END "
+                f"{_SERVED_BY_A_LIVE_WORKER} THEN adapter_id END, {_UNCOUNTED} "
                 "FROM sequences s WHERE seq_id = %s",
                 (seq_id,),
             ).fetchone()
-            if row is None or not caller.may_see(row[-2]):
+            if row is None or not caller.may_see(row[-3]):
                 raise NotFound.seq_id(seq_id)
-            saved = len(self._outputs(conn, [seq_id]).get(seq_id, ()))
+        *row, uncounted = row
+        for blob in uncounted:  # the appends its row does not count yet
+            for _, start, token_ids in unpack_entries(bytes(blob), {seq_id}):
+                row[4] = max(row[4], start + len(token_ids))
         (
             state,
             worker_id,
@@ -663,7 +794,7 @@ class PostgresState:
             worker_id=worker_id or "",
             prompt_len=prompt_len,
             prefilled_tokens=prefilled,
-            generated_tokens=max(int(generated), saved),
+            generated_tokens=int(generated),
             finish_reason=None if reason is None else FinishReason(reason),
             queue_position=int(position),
             error_message=error,
@@ -683,7 +814,7 @@ class PostgresState:
             # A stream reads on from the log row where its last read ended.
             after = self._read_cursors.pop((seq_id, start), 0)
             outputs = Outputs(start)
-            last = self._read_log(conn, [seq_id], outputs, after)
+            last = self._read_log(conn, [seq_id], outputs, after, start)
             out = outputs.tokens.get(seq_id, [])
         if len(self._read_cursors) > 10_000:
             self._read_cursors.clear()
@@ -744,14 +875,29 @@ class PostgresState:
                 )
             ]
             sequences = self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,)) if ids else []
+            self._fold_claimed(conn, sequences)
             served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))
             # BEGIN, SET LOCAL, UPDATE, the rows and their tokens (when any), counters,
             # COMMIT.
             self.round_trips["claim"] += 5 + (2 if ids else 0)
         self._tenant_base.update(served)
-        self._owned.update(ids)
+        self._uncount(ids)
+        self._owned.add(ids)
         self._remember_prompts(sequences)
         return Claimed(sequences, served, [])
+
+    def _fold_claimed(self, conn, sequences: list[StoredSequence]) -> None:
+        """Sequences this replica just took (rows locked) whose tokens sit in another
+        replica's log rows: into their heads, so this replica's commits log them on in
+        its own rows. Nothing (no statement) when none has tokens: a fresh claim."""
+        self._fold(
+            conn, {seq.seq_id: seq.output_token_ids for seq in sequences if seq.output_token_ids}
+        )
+
+    def _uncount(self, seq_ids: Iterable[int]) -> None:
+        """Their rows were (or will be) written elsewhere: the next append writes its own."""
+        for seq_id in seq_ids:
+            self._counted.pop(seq_id, None)
 
     def _homes_sql(self) -> str:
         """The claim's condition for homes: a sequence homed on another live replica is
@@ -771,9 +917,11 @@ class PostgresState:
                 self._prompts[seq.seq_id] = seq.params.prompt_token_ids
 
     def forget_prompts(self, seq_ids: Iterable[int]) -> None:
-        """Sequences given up (another replica owns them now): no home key here."""
+        """Sequences given up (another replica owns them now): no home key here, and no
+        count of theirs kept."""
         for seq_id in seq_ids:
             self._prompts.pop(seq_id, None)
+            self._counted.pop(seq_id, None)
 
     def adopt_worker(self, worker_id: str) -> Claimed:
         """Take the sequences assigned to `worker_id` from whichever replica held them (the
@@ -797,6 +945,7 @@ class PostgresState:
             ).fetchall()
             ids = [seq_id for seq_id, _, _ in rows]
             sequences = self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,)) if ids else []
+            self._fold_claimed(conn, sequences)
             by_owner: dict[int, list[int]] = {}
             for seq_id, _, owner in rows:
                 if owner is not None:
@@ -805,7 +954,8 @@ class PostgresState:
                 conn.execute(
                     "SELECT pg_notify(%s, %s)", (DISOWN_CHANNEL, f"{owner}:{_ids_payload(seq_ids)}")
                 )
-        self._owned.update(ids)
+        self._uncount(ids)
+        self._owned.add(ids)
         self._remember_prompts(sequences)
         return Claimed(sequences, {}, [seq_id for seq_id, flag, _ in rows if flag])
 
@@ -924,7 +1074,8 @@ class PostgresState:
             ]
             if released:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
-        self._owned.difference_update(released)
+        self._owned.discard(released)
+        self._uncount(released)
         for seq_id in released:
             self._prompts.pop(seq_id, None)
         return released
@@ -986,6 +1137,22 @@ class PostgresState:
                         f"run out) before a version-{SCHEMA_VERSION} replica starts"
                     )
                 conn.execute(_FROM_VERSION_2)
+                version = 3
+            if version == 3:
+                # A version-3 replica writes token log rows no version-4 replica finds, and
+                # no commit numbers: none may run while the log is folded away.
+                live = conn.execute(
+                    "SELECT count(*) FROM replicas WHERE lease_until > now()"
+                ).fetchone()[0]
+                if live:
+                    raise ConfigError(
+                        f"the database holds schema version 3 and {live} replica(s) with a "
+                        "live lease: stop every version-3 replica (and wait for its lease to "
+                        f"run out) before a version-{SCHEMA_VERSION} replica starts"
+                    )
+                conn.execute(_FROM_VERSION_3)
+                _fold_all_tokens(conn)
+                conn.execute(_FROM_VERSION_3_AFTER_FOLDING)
                 version = SCHEMA_VERSION
             elif version not in (None, SCHEMA_VERSION):
                 raise ConfigError(
@@ -1020,46 +1187,114 @@ class PostgresState:
         self._read_log(conn, seq_ids, outputs)
         return outputs.tokens
 
-    def _read_log(self, conn, seq_ids: list[int], outputs: Outputs, after: int = 0) -> int:
-        """Add the appends of `seq_ids` to `outputs`: schema 2's `tokens` rows, then the
-        token log's rows after id `after`, in commit order; returns the last row id read."""
-        for seq_id, start, blob in conn.execute(
-            "SELECT seq_id, start, token_ids FROM tokens WHERE seq_id = ANY(%s) "
-            "ORDER BY seq_id, start",
-            (seq_ids,),
-        ):
-            outputs.add(seq_id, start, unpack_token_ids(blob))
+    def _read_log(
+        self, conn, seq_ids: list[int], outputs: Outputs, after: int = 0, start: int = 0
+    ) -> int:
+        """Add the saved tokens of `seq_ids` from index `start` on to `outputs`: each one's
+        head, then its log rows (those of its `log_replica` from `log_from` on, and after
+        id `after`), in commit order; returns the last row id read. One statement (one
+        snapshot: a fold committing meanwhile is seen whole or not at all), on indexes."""
         wanted, last = set(seq_ids), after
-        for row_id, blob in conn.execute(
-            "SELECT id, entries FROM token_log WHERE seq_ids && %s::bigint[] AND id > %s "
-            "ORDER BY id",
-            (seq_ids, after),
+        for row_id, seq_id, blob in conn.execute(
+            "WITH s AS (SELECT seq_id, output_head, log_replica, log_from FROM sequences "
+            "WHERE seq_id = ANY(%(ids)s)) "
+            "SELECT 0 AS id, seq_id, substring(output_head from %(from)s) FROM s "
+            "WHERE octet_length(output_head) > %(skip)s "
+            "UNION ALL SELECT t.id, NULL, t.entries FROM token_log t WHERE t.id IN (SELECT "
+            "l.id FROM s JOIN token_log l ON l.replica_id = s.log_replica AND l.id >= s.log_from "
+            "AND l.id > %(after)s) ORDER BY id",
+            {"ids": seq_ids, "from": 4 * start + 1, "skip": 4 * start, "after": after},
         ):
-            for seq_id, start, token_ids in unpack_entries(bytes(blob), wanted):
-                outputs.add(seq_id, start, token_ids)
+            if row_id == 0:
+                outputs.add(seq_id, start, unpack_token_ids(blob))
+                continue
+            for seq_id, first, token_ids in unpack_entries(bytes(blob), wanted):
+                outputs.add(seq_id, first, token_ids)
             last = row_id
         return last
 
+    def _fold(self, conn, outputs: dict[int, list[int]]) -> None:
+        """Sequences this replica just took (rows locked; `outputs` their whole saved
+        output, read in this transaction) whose tokens sit in another replica's log rows:
+        into their heads, so that this replica's commits log them on in its own rows (the
+        first append writes the row: `_uncount`)."""
+        if not outputs:
+            return
+        seq_ids = list(outputs)
+        conn.execute(
+            "UPDATE sequences s SET output_head = v.head, num_saved = v.n, counted_log = NULL, "
+            "log_replica = NULL, log_from = NULL FROM unnest(%s::bigint[], %s::bytea[], "
+            "%s::integer[]) AS v(seq_id, head, n) WHERE s.seq_id = v.seq_id "
+            "AND s.log_from IS NOT NULL AND s.log_replica <> %s",
+            (
+                seq_ids,
+                [pack_token_ids(outputs[s]) for s in seq_ids],
+                [len(outputs[s]) for s in seq_ids],
+                self.replica_id,
+            ),
+            binary=True,
+        )
+
     def collect_token_log(self) -> int:
-        """Delete the token log rows of sequences that are all gone: those whose highest
-        seq_id is below every sequence that may have tokens (forgotten ones are gone;
-        queued ones that never ran have none). One indexed range delete; a sequence that
-        lives long holds back the rows written since it started. Returns rows deleted."""
-        with self._connection() as conn:
+        """Bound the token log: fold the tokens of every sequence whose first log row is
+        more than `max_log_rows_behind` rows behind the newest into its head, then delete
+        the rows below the first one any sequence still points at (forgotten sequences
+        point at none; neither do queued ones that never ran). So a row lives until it is
+        `max_log_rows_behind` rows old, plus one keeper interval, whatever lives long.
+        Returns rows deleted."""
+        max_rows_behind = self.max_log_rows_behind
+        with self._connection() as conn, conn.transaction():
+            newest = conn.execute("SELECT max(id) FROM token_log").fetchone()[0]
+            if newest is None:
+                return 0
+            bound = newest - max_rows_behind
+            # Their owners' commits wait meanwhile (each locks its replica row first): every
+            # row of theirs is committed and read here, and their next rows come after.
+            conn.execute(
+                "SELECT 1 FROM replicas WHERE replica_id IN (SELECT log_replica FROM "
+                "sequences WHERE log_from < %s) ORDER BY replica_id FOR UPDATE",
+                (bound,),
+            )
+            behind = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT seq_id FROM sequences WHERE log_from < %s ORDER BY seq_id FOR UPDATE",
+                    (bound,),
+                )
+            ]
+            if behind:
+                outputs = self._outputs(conn, behind)
+                seq_ids = list(outputs)
+                # Their owners' next rows get higher ids than any handed out by now.
+                last = conn.execute("SELECT last_value FROM token_log_id_seq").fetchone()[0]
+                conn.execute(
+                    "UPDATE sequences s SET output_head = v.head, num_saved = v.n, "
+                    "counted_log = %s, log_from = %s "
+                    "FROM unnest(%s::bigint[], %s::bytea[], %s::integer[]) AS v(seq_id, head, n) "
+                    "WHERE s.seq_id = v.seq_id",
+                    (
+                        last,
+                        last + 1,
+                        seq_ids,
+                        [pack_token_ids(outputs[s]) for s in seq_ids],
+                        [len(outputs[s]) for s in seq_ids],
+                    ),
+                    binary=True,
+                )
             return conn.execute(
-                "DELETE FROM token_log WHERE max_seq_id < coalesce((SELECT min(seq_id) FROM "
-                "sequences WHERE state <> 1 OR num_generated > 0), %s)",
-                (2**63 - 1,),
+                "DELETE FROM token_log WHERE id < coalesce((SELECT min(log_from) FROM "
+                "sequences WHERE log_from IS NOT NULL), %s)",
+                (newest + 1,),
             ).rowcount
 
     def _read_sequences(self, conn, where: str, args: tuple) -> list[StoredSequence]:
         rows = conn.execute(
-            f"SELECT {_COLUMNS} FROM sequences {where} ORDER BY seq_id", args
+            f"SELECT {_COLUMNS}, num_saved FROM sequences {where} ORDER BY seq_id", args
         ).fetchall()
-        if not rows:
-            return []
-        tokens = self._outputs(conn, [row[0] for row in rows])
-        return [_stored_sequence(row, tokens.get(row[0], [])) for row in rows]
+        # Only sequences with tokens are read on (a first append writes num_saved).
+        with_tokens = [row[0] for row in rows if row[-1]]
+        tokens = self._outputs(conn, with_tokens) if with_tokens else {}
+        return [_stored_sequence(row[:-1], tokens.get(row[0], [])) for row in rows]
 
     def _tenant_deltas(self, service: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
         return [(tenant, served - self._tenant_base.get(tenant, 0.0)) for tenant, served in service]
@@ -1069,20 +1304,37 @@ class PostgresState:
         this replica does not own fails the transaction (lattice_disowned)."""
         me = self.replica_id
         cur = conn.cursor()
+        # Where each sequence's saved output ends after this commit (absolute: a retry
+        # writes the same), and the token log row that holds the appends.
+        saved_end: dict[int, int] = {}
+        for append in batch.tokens:
+            end = append.start + len(append.token_ids)
+            saved_end[append.seq_id] = max(saved_end.get(append.seq_id, 0), end)
+        counted = self._counts_written = {}
+        for seq_id, end in saved_end.items():
+            last = self._counted.get(seq_id)
+            if seq_id in batch.progress or last is None or end - last >= COUNT_EVERY_TOKENS:
+                counted[seq_id] = end
+        if batch.tokens:  # one token log row for every append of the commit
+            cur.execute(
+                "INSERT INTO token_log (replica_id, entries) VALUES (%s, %s)",
+                (me, pack_entries(batch.tokens)),
+                binary=True,
+            )
         if batch.progress:
             rows = list(batch.progress.values())
             cur.execute(
                 "WITH v AS (SELECT * FROM unnest(%s::bigint[], %s::smallint[], %s::text[], "
                 "%s::bigint[], %s::integer[], %s::integer[], %s::integer[], %s::integer[], "
-                "%s::smallint[], %s::bigint[], %s::bigint[], %s::text[]) AS v(seq_id, state, "
-                "worker_id, queue_key, cursor, prefilled, generated, at_admission, reason, "
-                "finish_order, admission_order, error_message)), "
+                "%s::smallint[], %s::bigint[], %s::bigint[], %s::text[], %s::integer[]) AS "
+                "v(seq_id, state, worker_id, queue_key, cursor, prefilled, generated, "
+                "at_admission, reason, finish_order, admission_order, error_message, saved)), "
                 "u AS (UPDATE sequences s SET state = v.state, worker_id = v.worker_id, "
                 "queue_key = v.queue_key, cursor = v.cursor, prefilled_tokens = v.prefilled, "
                 "num_generated = v.generated, num_generated_at_admission = v.at_admission, "
                 "finish_reason = v.reason, finish_order = v.finish_order, "
-                "admission_order = v.admission_order, error_message = v.error_message "
-                "FROM v WHERE s.seq_id = v.seq_id AND s.owner = %s RETURNING 1) "
+                "admission_order = v.admission_order, error_message = v.error_message, "
+                f"{_SAVED_SET} FROM v WHERE s.seq_id = v.seq_id AND s.owner = %s RETURNING 1) "
                 "SELECT lattice_disowned() FROM (SELECT count(*) AS n FROM u) c WHERE c.n <> %s",
                 (
                     [p.seq_id for p in rows],
@@ -1097,19 +1349,21 @@ class PostgresState:
                     [p.finish_order for p in rows],
                     [p.admission_order for p in rows],
                     [p.error_message for p in rows],
+                    [counted.get(p.seq_id) for p in rows],
+                    me,
                     me,
                     len(rows),
                 ),
-            )
-        if batch.tokens:  # one token log row for every append of the commit
-            cur.execute(
-                "INSERT INTO token_log (seq_ids, max_seq_id, entries) VALUES (%s, %s, %s)",
-                (
-                    seq_ids := sorted({t.seq_id for t in batch.tokens}),
-                    seq_ids[-1],
-                    pack_entries(batch.tokens),
-                ),
                 binary=True,
+            )
+        unreported = [seq_id for seq_id in counted if seq_id not in batch.progress]
+        if unreported:  # appends without a progress change: only the count and the log
+            cur.execute(
+                "WITH v AS (SELECT * FROM unnest(%s::bigint[], %s::integer[]) AS "
+                f"v(seq_id, saved)), u AS (UPDATE sequences s SET {_SAVED_SET} FROM v "
+                "WHERE s.seq_id = v.seq_id AND s.owner = %s RETURNING 1) "
+                "SELECT lattice_disowned() FROM (SELECT count(*) AS n FROM u) c WHERE c.n <> %s",
+                (unreported, [counted[s] for s in unreported], me, me, len(unreported)),
             )
         homes = self._home_keys(batch)
         if homes:  # where these conversations' text is cached now: here
@@ -1143,11 +1397,6 @@ class PostgresState:
             )
         if batch.forgotten:
             forgotten = list(batch.forgotten)
-            cur.execute(
-                "DELETE FROM tokens WHERE seq_id = ANY(%s) AND seq_id IN (SELECT "
-                "seq_id FROM sequences WHERE seq_id = ANY(%s) AND owner = %s)",
-                (forgotten, forgotten, me),
-            )
             cur.execute(
                 "DELETE FROM sequences WHERE seq_id = ANY(%s) AND owner = %s", (forgotten, me)
             )
@@ -1188,6 +1437,33 @@ class _PooledConnection:
         if isinstance(error, psycopg.Error):
             raise _store_error(error) from None
         return False
+
+
+def _fold_all_tokens(conn) -> None:
+    """Schema 3 to 4: every saved token of every sequence into its row's head (from the
+    `tokens` rows of schema 2 and the token log of schema 3, in commit order)."""
+    wanted = {row[0] for row in conn.execute("SELECT seq_id FROM sequences")}
+    outputs = Outputs()
+    for seq_id, start, blob in conn.execute(
+        "SELECT seq_id, start, token_ids FROM tokens ORDER BY seq_id, start"
+    ):
+        if seq_id in wanted:
+            outputs.add(seq_id, start, unpack_token_ids(blob))
+    for (blob,) in conn.execute("SELECT entries FROM token_log ORDER BY id"):
+        for seq_id, start, token_ids in unpack_entries(bytes(blob), wanted):
+            outputs.add(seq_id, start, token_ids)
+    if outputs.tokens:
+        seq_ids = list(outputs.tokens)
+        conn.execute(
+            "UPDATE sequences s SET output_head = v.head, num_saved = v.n, log_replica = NULL, "
+            "log_from = NULL FROM unnest(%s::bigint[], %s::bytea[], %s::integer[]) "
+            "AS v(seq_id, head, n) WHERE s.seq_id = v.seq_id",
+            (
+                seq_ids,
+                [pack_token_ids(outputs.tokens[s]) for s in seq_ids],
+                [len(outputs.tokens[s]) for s in seq_ids],
+            ),
+        )
 
 
 def _store_error(err: psycopg.Error) -> StoreError:

@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""What one group commit costs PostgreSQL, part by part: server CPU (postmaster and its
+backends, from /proc) and wall time per commit, for commits of growing content, on one
+private cluster with fsync on and `synchronous_commit = off` (as worker progress is
+committed under --state-fsync acks).
+
+  empty             BEGIN; COMMIT (one pipeline, one round trip)
+  number            + lattice_commit(): the commit number and fence (one row update)
+  number+notify     + one NOTIFY carrying --sequences ids
+  progress          a replica's real commit (PostgresState.commit_pending): the number,
+                    the progress of --sequences sequences, the NOTIFY
+  progress+tokens   the same with one token appended to each (every row written)
+  tokens            one token appended to each sequence and no progress: the steady
+                    decode step as the core saves it (its rows are written once in
+                    COUNT_EVERY_TOKENS appends)
+
+Divide by the saves a commit holds (bench.replicas: commits per decision) for the cost per
+decision.
+
+    .venv/bin/python -m bench.pg_commit_cost --commits 400 --sequences 224
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+from bench.harness.processes import cpu_seconds
+from bench.harness.tables import print_table
+from bench.replicas import database_pids
+from service.core import SubmitParams
+from service.core.persist.store import SequenceProgress, StateChanges, TokenAppend
+from service.core.types import SequenceState
+from service.state.pg_cluster import PrivateCluster
+from service.state.postgres import PostgresState
+
+
+def _raw(store: PostgresState, args, notify: bool, number: bool):
+    payload = ",".join(str(i) for i in range(1, args.sequences + 1))
+
+    def commit() -> None:
+        with store._connection() as conn, conn.pipeline(), conn.transaction():
+            if number:  # numbered as the store's own commits, which come later
+                store._last_commit_no += 1
+                conn.execute(
+                    "SELECT lattice_commit(%s, NULL, %s)", (store.replica_id, store._last_commit_no)
+                )
+            if notify:
+                conn.execute("SELECT pg_notify('lattice_progress', %s)", (payload,))
+
+    return commit
+
+
+def _steps(store: PostgresState, seq_ids: list[int], step, tokens: bool, progress: bool = True):
+    """`step`: an iterator shared by the shapes, so that each appends where the last ended."""
+
+    def commit() -> None:
+        n = next(step)
+        store.save(
+            StateChanges(
+                progress=tuple(
+                    SequenceProgress(s, SequenceState.DECODING, "w", None, n, 32, n + 1, 0, None)
+                    for s in seq_ids
+                )
+                if progress
+                else (),
+                tokens=tuple(TokenAppend(s, n, (n % 1000,)) for s in seq_ids) if tokens else (),
+            )
+        )
+        store.commit_pending()
+
+    return commit
+
+
+def measure(cluster: PrivateCluster, commit, count: int) -> tuple[float, float]:
+    for _ in range(20):  # warm up
+        commit()
+    pids = database_pids(cluster)
+    cpu0, t0 = cpu_seconds(pids), time.monotonic()
+    for _ in range(count):
+        commit()
+    wall = time.monotonic() - t0
+    cpu = cpu_seconds(pids) - cpu0
+    return cpu / count * 1000, wall / count * 1000
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--commits", type=int, default=400)
+    parser.add_argument("--sequences", type=int, default=224)
+    parser.add_argument(
+        "--shapes",
+        default="empty,number,number+notify,progress,progress+tokens,tokens",
+        help="which commits to time (comma-separated)",
+    )
+    args = parser.parse_args()
+    directory = tempfile.mkdtemp(prefix="lattice-pgcost-")
+    cluster = PrivateCluster(directory, fsync=True).start()
+    try:
+        store = PostgresState(cluster.url, name="cost")
+        seq_ids = [
+            store.submit(
+                SubmitParams(prompt_token_ids=tuple(range(1, 33)), max_new_tokens=10**6),
+                10**6,
+                0,
+            ).seq_id
+            for _ in range(args.sequences)
+        ]
+        store.claim(args.sequences)
+        store.defer_saves()
+        rows = []
+        step = iter(range(10**9))
+        shapes = [
+            ("empty", _raw(store, args, notify=False, number=False)),
+            ("number", _raw(store, args, notify=False, number=True)),
+            ("number+notify", _raw(store, args, notify=True, number=True)),
+            ("progress", _steps(store, seq_ids, step, tokens=False)),
+            ("progress+tokens", _steps(store, seq_ids, step, tokens=True)),
+            ("tokens", _steps(store, seq_ids, step, tokens=True, progress=False)),
+        ]
+        wanted = args.shapes.split(",")
+        for name, commit in [(name, commit) for name, commit in shapes if name in wanted]:
+            cpu, wall = measure(cluster, commit, args.commits)
+            rows.append([name, f"{cpu:.3f}", f"{wall:.3f}"])
+        with store._connection() as conn:
+            time.sleep(1.0)  # statistics reach the views
+            upd, hot = conn.execute(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+                "WHERE relname = 'sequences'"
+            ).fetchone()
+        store.close()
+    finally:
+        cluster.destroy()
+    print(
+        f"\n{args.commits} commits per shape, {args.sequences} sequences, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n"
+    )
+    print_table(["commit", "PostgreSQL CPU ms / commit", "wall ms / commit"], rows)
+    print(f"\nsequence row updates: {upd}, of them HOT: {hot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

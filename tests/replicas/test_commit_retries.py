@@ -1,0 +1,303 @@
+"""What a replica's commits keep under retries, races and long lives (schema 4): a retried
+commit applies nothing twice, a claim made while the slow path re-reads ownership is not
+lost, GetSequence counts from the sequence row and the few log rows it does not count
+yet, and the token log stays bounded while a sequence lives long. Against a real
+private cluster."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import psycopg
+import pytest
+
+from service.core import ConfigError
+from service.core.persist.store import SequenceProgress, StateChanges, StoreError, TokenAppend
+from service.core.types import SequenceState
+from service.state.postgres import COUNT_EVERY_TOKENS, SCHEMA_VERSION, PostgresState
+
+from .test_state_postgres import Replica, replicas  # noqa: F401 - the fixture
+
+
+def _progress(seq_id: int, generated: int = 0) -> SequenceProgress:
+    return SequenceProgress(seq_id, SequenceState.DECODING, "w", None, 0, 0, generated, 0, None)
+
+
+def _decoding(seq_id: int, token_ids: tuple[int, ...], start: int = 0) -> StateChanges:
+    return StateChanges(
+        progress=(_progress(seq_id, start + len(token_ids)),),
+        tokens=(TokenAppend(seq_id, start, token_ids),),
+    )
+
+
+class _Connection:
+    """A pooled connection that can fail as a lost connection does after the server
+    committed, and run a hook right after one statement's rows are read."""
+
+    def __init__(self, conn, faults: dict) -> None:
+        self._conn = conn
+        self._faults = faults
+        self._in_pipeline = False
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+    def _lose_reply(self) -> None:
+        if self._faults.pop("lose_reply", False):
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    @contextmanager
+    def pipeline(self):
+        self._faults["pipelines"] = self._faults.get("pipelines", 0) + 1
+        if self._faults.get("refuse_pipeline") == self._faults["pipelines"]:
+            raise psycopg.OperationalError("connection refused")  # nothing sent
+        self._in_pipeline = True
+        try:
+            with self._conn.pipeline() as pipeline:
+                yield pipeline
+        finally:
+            self._in_pipeline = False
+        self._lose_reply()  # the pipeline's sync carried COMMIT: committed, reply lost
+
+    @contextmanager
+    def transaction(self):
+        with self._conn.transaction() as transaction:
+            yield transaction
+        if not self._in_pipeline:
+            self._lose_reply()
+
+    def execute(self, query, *args, **kwargs):
+        self._faults.setdefault("queries", []).append(query)
+        cursor = self._conn.execute(query, *args, **kwargs)
+        hook = self._faults.get("after_read")
+        if hook is not None and hook[0] in query:
+            del self._faults["after_read"]
+            rows = cursor.fetchall()
+            hook[1]()
+            return rows
+        return cursor
+
+
+@pytest.fixture
+def faulty():
+    """`faulty(store)` -> the dict of faults its connections obey from now on."""
+
+    def install(store: PostgresState) -> dict:
+        faults: dict = {}
+        real = store._connection
+
+        @contextmanager
+        def connection():
+            with real() as conn:
+                yield _Connection(conn, faults)
+
+        store._connection = connection
+        return faults
+
+    return install
+
+
+@pytest.mark.parametrize("path", ["fast", "slow"])
+def test_a_retried_commit_that_had_committed_adds_tenant_service_and_tokens_once(
+    replicas, database_url, faulty, path
+):
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=8)
+    a.state.claim(1)
+    a.state.defer_saves()
+    if path == "fast":  # a first commit sees the fence: the next one takes the fast path
+        a.state.save(StateChanges(progress=(_progress(seq_id),)))
+        a.state.commit_pending()
+    faults = faulty(a.state)
+    a.state.save(_decoding(seq_id, (7, 8)))
+    a.state.save(StateChanges(tenant_service=(("t", 5.0),)))
+    faults["lose_reply"] = True
+    with pytest.raises(StoreError):
+        a.state.commit_pending()  # committed, but this replica cannot know it
+    a.state.save(StateChanges(tenant_service=(("t", 6.0),)))
+    a.state.commit_pending()  # the retry, then the later save
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT served FROM tenant_service").fetchall() == [(6.0,)]
+        assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (1,)
+    assert b.state.read_output(seq_id, 0).token_ids == (7, 8)
+    assert a.state.num_saves_committed == a.state.num_saves
+
+
+def test_sequences_a_retry_left_out_are_reported_even_when_the_next_commit_fails(
+    replicas, database_url, faulty
+):
+    a, b = replicas("a"), replicas("b")
+    first, second = b.submit(max_new_tokens=8), b.submit(max_new_tokens=8)
+    a.state.claim(2)
+    a.state.defer_saves()
+    a.state.save(StateChanges(progress=(_progress(first), _progress(second))))
+    a.state.commit_pending()  # the fence is known: commits take the fast path
+    faults = faulty(a.state)
+    a.state.save(StateChanges(progress=(_progress(first, 1),)))
+    faults["refuse_pipeline"] = 1
+    with pytest.raises(StoreError):
+        a.state.commit_pending()
+    with psycopg.connect(database_url, autocommit=True) as conn:  # b takes `first`
+        conn.execute(
+            "UPDATE sequences SET owner = %s WHERE seq_id = %s", (b.state.replica_id, first)
+        )
+        conn.execute(
+            "UPDATE replicas SET fence = nextval('lattice_fences') WHERE replica_id = %s",
+            (a.state.replica_id,),
+        )
+    a.state.save(StateChanges(progress=(_progress(second, 1),)))
+    # The retry meets the moved fence (pipeline 2), commits without `first` on the slow
+    # path; the newer batch's pipeline (3) is refused.
+    faults["refuse_pipeline"] = 3
+    with pytest.raises(StoreError):
+        a.state.commit_pending()
+    assert a.state.commit_pending() == {first}  # told once the newer batch commits
+
+
+def test_a_claim_made_while_the_slow_path_reads_ownership_stays_owned(replicas, faulty):
+    a, b = replicas("a"), replicas("b")
+    first, second = b.submit(max_new_tokens=8), b.submit(max_new_tokens=8)
+    assert [s.seq_id for s in a.state.claim(1).sequences] == [first]
+    a.state.defer_saves()
+    faults = faulty(a.state)
+    # The first commit has no fence yet: the slow path reads what the replica owns, and
+    # right then (on another connection, as the prefetcher does) the replica claims more.
+    faults["after_read"] = (
+        "WHERE owner = %s AND state <> 4",
+        lambda: a.state.claim(1),
+    )
+    a.state.save(StateChanges(progress=(_progress(first),)))
+    a.state.commit_pending()
+    assert "after_read" not in faults  # the claim did run inside the read
+    before = a.state.round_trips["save"]
+    a.state.save(StateChanges(progress=(_progress(second),)))
+    a.state.commit_pending()
+    assert a.state.round_trips["save"] - before == 1  # the fast path: `second` is known owned
+
+
+def test_get_sequence_counts_from_the_row_and_only_the_log_rows_it_does_not_count_yet(
+    replicas, database_url
+):
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=8)
+    a.state.claim(1)
+    a.state.save(_decoding(seq_id, (7, 8, 9)))  # a first append writes the count: 3
+    for start in (3, 4):  # steady steps: appends only, the row's count lags
+        a.state.save(StateChanges(tokens=(TokenAppend(seq_id, start, (10,)),)))
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert conn.execute(
+            "SELECT num_saved FROM sequences WHERE seq_id = %s", (seq_id,)
+        ).fetchone() == (3,)
+        # The rows the count covers are not read: without them the answer is the same.
+        conn.execute("DELETE FROM token_log WHERE id = (SELECT min(id) FROM token_log)")
+    assert b.state.sequence_info(seq_id).generated_tokens == 5
+    for start in range(5, 5 + COUNT_EVERY_TOKENS):  # a lag this long writes the count
+        a.state.save(StateChanges(tokens=(TokenAppend(seq_id, start, (11,)),)))
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute(
+            "SELECT num_saved FROM sequences WHERE seq_id = %s", (seq_id,)
+        ).fetchone() == (3 + COUNT_EVERY_TOKENS,)  # written once it lagged that much
+    assert b.state.sequence_info(seq_id).generated_tokens == 5 + COUNT_EVERY_TOKENS
+
+
+def test_a_long_lived_sequence_does_not_hold_back_token_log_collection(replicas, database_url):
+    a, b = replicas("a"), replicas("b")
+    long_lived = b.submit(max_new_tokens=1000)
+    others = [b.submit(max_new_tokens=2) for _ in range(4)]
+    a.state.claim(5)
+    a.state.save(_decoding(long_lived, (1, 2)))
+    for seq_id in others:  # rows written after it started, of sequences that go
+        a.state.save(_decoding(seq_id, (5,)))
+        a.state.save(StateChanges(forgotten=(seq_id,)))
+    a.state.save(_decoding(long_lived, (3,), start=2))
+    a.state.max_log_rows_behind = 1
+    assert b.state.read_output(long_lived, 1).token_ids == (2, 3)  # a stream's place
+    # Its tokens go into its head; then no sequence points at any of the 6 rows.
+    assert a.state.collect_token_log() == 6
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (0,)
+    assert b.state.read_output(long_lived, 0).token_ids == (1, 2, 3)
+    assert b.state.read_output(long_lived, 1).token_ids == (2, 3)
+    a.state.save(_decoding(long_lived, (4,), start=3))
+    assert b.state.read_output(long_lived, 3).token_ids == (4,)
+    assert b.state.sequence_info(long_lived).generated_tokens == 4
+    # Another replica taking it over reads the folded head and the rest.
+    c = replicas("c")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE sequences SET worker_id = 'w', state = 3 WHERE seq_id = %s", (long_lived,)
+        )
+    [taken] = c.state.adopt_worker("w").sequences
+    assert taken.output_token_ids == [1, 2, 3, 4]
+    c.state.save(_decoding(long_lived, (5,), start=4))
+    assert b.state.read_output(long_lived, 0).token_ids == (1, 2, 3, 4, 5)
+
+
+def _to_version_3(database_url: str, seq_id: int, rows: list[bytes]) -> None:
+    """Turn a fresh database into schema 3's shape, with token log rows as it wrote them."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DROP TABLE token_log")
+        conn.execute(
+            "CREATE TABLE token_log (id bigserial PRIMARY KEY, seq_ids bigint[] NOT NULL, "
+            "max_seq_id bigint NOT NULL, entries bytea NOT NULL)"
+        )
+        conn.execute("CREATE INDEX token_log_seq_ids ON token_log USING gin (seq_ids)")
+        for blob in rows:
+            conn.execute(
+                "INSERT INTO token_log (seq_ids, max_seq_id, entries) VALUES (%s, %s, %s)",
+                ([seq_id], seq_id, blob),
+            )
+        for column in ("num_saved", "output_head", "log_replica", "log_from"):
+            conn.execute(f"ALTER TABLE sequences DROP COLUMN {column}")
+        conn.execute("ALTER TABLE replicas DROP COLUMN last_commit")
+        conn.execute("UPDATE lattice_meta SET value = 3 WHERE key = 'schema_version'")
+
+
+def test_a_version_3_database_migrates_its_token_log_into_sequence_heads(database_url):
+    from service.state.token_log import pack_entries
+
+    first = PostgresState(database_url, name="a")
+    seq_id = first.submit(_params(), 1000, 0).seq_id
+    first.leave()
+    first.close()
+    _to_version_3(
+        database_url,
+        seq_id,
+        [
+            pack_entries([TokenAppend(seq_id, 0, (7, 8))]),
+            pack_entries([TokenAppend(seq_id, 2, (9,))]),
+        ],
+    )
+    migrated = PostgresState(database_url, name="b")
+    try:
+        assert migrated.read_output(seq_id, 0).token_ids == (7, 8, 9)
+        assert migrated.sequence_info(seq_id).generated_tokens == 3
+        with psycopg.connect(database_url) as conn:
+            assert conn.execute(
+                "SELECT value FROM lattice_meta WHERE key = 'schema_version'"
+            ).fetchone() == (SCHEMA_VERSION,)
+            assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (0,)
+            assert conn.execute(
+                "SELECT count(*) FROM pg_indexes WHERE indexname = 'token_log_seq_ids'"
+            ).fetchone() == (0,)
+    finally:
+        migrated.close()
+
+
+def test_a_version_3_database_is_not_migrated_while_a_version_3_replica_runs(database_url):
+    old = PostgresState(database_url, name="a")
+    _to_version_3(database_url, 0, [])
+    try:
+        with pytest.raises(ConfigError, match="stop every version-3 replica"):
+            PostgresState(database_url, name="b")
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM replicas")  # its lease is over
+        old.close()
+    PostgresState(database_url, name="b").close()
+
+
+def _params():
+    from tests.unit.factories import params
+
+    return params(max_new_tokens=8)
