@@ -319,6 +319,8 @@ def measure(
 
     for q in args.qps:
         run_load(f"{q:g} QPS", q)
+    if args.light_only:
+        return cells, {"off": None, "on": None}
     # The capacity with caching off, searched; with it on, one probe at that rate: if it
     # meets the SLO there, on >= off (to the search's tolerance), else it is searched.
     tolerance = args.capacity_tolerance
@@ -427,6 +429,11 @@ def main() -> int:
     p.add_argument("--capacity-start", type=float, default=4.0)
     p.add_argument("--capacity-tolerance", type=float, default=0.1)
     p.add_argument("--jobs", type=int, default=1, help="settings run at once (processes)")
+    p.add_argument(
+        "--light-only",
+        action="store_true",
+        help="the light loads' cells only, no capacity (a first pass over many settings)",
+    )
     p.add_argument("--cache", help="a folder that keeps each run's figures (resumable)")
     p.add_argument(
         "--from-cache",
