@@ -407,6 +407,31 @@ def table(results: list[tuple[Setting, list[Cell], dict[str, float]]]) -> str:
     return markdown_table(header, rows)
 
 
+def misses(results: list[tuple[Setting, list[Cell], dict[str, float | None]]]) -> list[str]:
+    """The cells off the issue's targets: pull with caching on against off above 1.05x
+    (TTFT or TPOT p99, unrounded), pull's max share / mean above 1.2, capacity on < off."""
+    found = []
+    for setting, cells, capacity in results:
+        off = {c.load: c for c in cells if c.routing == "pull" and c.caching == "off"}
+        for c in cells:
+            if c.routing != "pull":
+                continue
+            where = f"{setting.name}, {c.load}, caching {c.caching}"
+            if c.max_share > 1.2:
+                found.append(f"{where}: max share / mean {c.max_share:.2f}")
+            base = off.get(c.load)
+            if c.caching == "on" and base is not None:
+                for name, on, of in (
+                    ("TTFT", c.ttft_p99, base.ttft_p99),
+                    ("TPOT", c.tpot_p99, base.tpot_p99),
+                ):
+                    if on > 1.05 * of:
+                        found.append(f"{where}: {name} p99 {on / of:.3f}x off's")
+        if capacity["on"] is not None and capacity["off"] and capacity["on"] < capacity["off"]:
+            found.append(f"{setting.name}: capacity on {capacity['on'] / capacity['off']:.2f}x")
+    return found
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.placement_regression", description=__doc__.split("\n\n")[0]
@@ -459,6 +484,9 @@ def main() -> int:
             print(table([(setting, *measured[-1])]), file=sys.stderr)
     results = [(s, cells, cap) for s, (cells, cap) in zip(settings, measured, strict=True)]
     print(table(results))
+    print("\nOff target:" if misses(results) else "\nEvery cell on target.")
+    for line in misses(results):
+        print(f"- {line}")
     print(
         f"\n{args.num_requests} requests a run, {args.workers} workers, seed {args.seed}; "
         f"{time.perf_counter() - started:.0f} s wall; load average "
