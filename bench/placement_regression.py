@@ -24,6 +24,7 @@ keyed by the run's parameters, not by the code: empty DIR after changing the rul
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -123,10 +124,17 @@ class Probe:
     result: Figures
 
 
+@functools.cache
 def _commit() -> str:
+    """The last commit that changed service/ (+dirty: with uncommitted changes there),
+    read once per process, when its first Runner imports the service's code: the code
+    this process runs, whatever is committed later."""
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ["git", "log", "-1", "--format=%h", "--", "service"],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "service"]).returncode
     except (OSError, subprocess.CalledProcessError):
