@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -102,6 +103,7 @@ class Cell:
     queue_p99: float
     max_share: float
     hit_rate: float
+    commit: str = ""  # the service code it ran on
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,7 @@ class Runner:
             r.queue_p99,
             r.max_share_over_mean,
             r.prefix_hit_rate,
+            r.commit,
         )
 
     def meets_slo(self, caching: str, qps: float) -> bool | None:
@@ -495,6 +498,8 @@ def main() -> int:
     print("\nOff target:" if misses(results) else "\nEvery cell on target.")
     for line in misses(results):
         print(f"- {line}")
+    commits = Counter(c.commit for _, cells, _ in results for c in cells)
+    print("\nService code of the cells: " + ", ".join(f"{k} ({n})" for k, n in commits.items()))
     print(
         f"\n{args.num_requests} requests a run, {args.workers} workers, seed {args.seed}; "
         f"{time.perf_counter() - started:.0f} s wall; load average "
