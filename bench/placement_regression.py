@@ -219,6 +219,13 @@ class Runner:
             self._setups["base"] = setup
         return replace(setup, routing=routing), config
 
+    def outcome(self, qps: float, routing: str, caching: str):
+        """One run's raw outcome (every request's record), run now, not cached."""
+        from service.sim import experiments
+
+        setup, config = self._setup_and_config(routing, caching)
+        return experiments.simulate(setup, config, qps).outcome
+
     def figures(self, qps: float, routing: str, caching: str) -> Figures | None:
         """One run's figures, from the cache or run (None: not cached, cached_only)."""
         path = None
