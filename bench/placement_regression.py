@@ -1,10 +1,11 @@
-"""Placement's regression table (docs/policies.md, "Placement: what it costs where
-caching cannot help"): prefix caching on against off, and pull against a peer's router,
+"""Placement's regression table (docs/policies.md, "Placement: the regression
+table"): prefix caching on against off, and pull against a peer's router,
 on both Mooncake traces, per setting, at 1 and 2 QPS and at 80% of the capacity with
 caching off, plus the capacity with caching on and off; with the load balance column.
 
     .venv/bin/python -m bench.placement_regression            # the whole table
     .venv/bin/python -m bench.placement_regression --settings conv-128-budget --num-requests 1000
+    .venv/bin/python -m bench.placement_regression --num-requests 1000 --cache DIR  # resumable
 
 Runs the simulator in this process (`lattice-scheduler simulate`'s own pieces: the same
 Setup, config resolution and runs), 4 workers, A30 profile, seed 0, Poisson arrivals,
