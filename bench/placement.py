@@ -14,6 +14,12 @@ and the CPU time per admission: placement admits W's hits (64 tokens to compute)
 queue order mostly other families' prompts (1,088), so under a token budget placement
 admits more per decision and its decisions cost more for that alone;
 `--max-num-batched-tokens 100000` lets every setting admit --admit a decision.
+
+The placement row also says how much of its time went to the peers' prompt backlogs
+(`FleetView.backlog_tokens`: a sum over a peer's assigned sequences, once per peer and
+decision that prices a deferral), timed around every call (memoized ones included: an
+upper bound). A worker holds at most --admit sequences here (each finished at its next
+call), so --admit sets the length of those sums.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import replace
 from common.block_hash import block_hashes
 from service.core import FinishReason, Scheduler
 from service.core.config import SchedulerConfig
+from service.core.decide import fleet
 from service.core.decide.policies import placement
 from service.core.types import (
     CacheReport,
@@ -131,13 +138,29 @@ def main() -> None:
         f"{args.max_num_batched_tokens}"
     )
     start = placement.PlacementRule.start
+    backlog_tokens = fleet.FleetView.backlog_tokens
+    in_backlog = [0.0, 0]  # thread CPU seconds, calls
+
+    def timed_backlog_tokens(self, worker_id: str) -> int:
+        started = time.thread_time()
+        try:
+            return backlog_tokens(self, worker_id)
+        finally:
+            in_backlog[0] += time.thread_time() - started
+            in_backlog[1] += 1
+
     for label, setting, rule in (
         ("off", "off", start),
         ("on, without placement", "on", lambda self, view: None),
         ("on, with placement", "on", start),
     ):
         placement.PlacementRule.start = rule
-        seconds, num_admitted = run(setting, args)
+        fleet.FleetView.backlog_tokens = timed_backlog_tokens
+        in_backlog[:] = [0.0, 0]
+        try:
+            seconds, num_admitted = run(setting, args)
+        finally:
+            fleet.FleetView.backlog_tokens = backlog_tokens
         us = sorted(s * 1e6 for s in seconds)
         print(
             f"--prefix-caching {label}: median {statistics.median(us):.0f} us, "
@@ -145,6 +168,12 @@ def main() -> None:
             f"{num_admitted / len(us):.2f} admissions a decision, "
             f"{sum(us) / max(1, num_admitted):.0f} us per admission"
         )
+        calls = args.decisions  # the backlog timer ran in every decision, the first ones too
+        if in_backlog[1]:
+            print(
+                f"    of which peers' backlogs: {in_backlog[0] * 1e6 / calls:.1f} us per "
+                f"decision, {in_backlog[1] / calls:.1f} calls per decision"
+            )
     placement.PlacementRule.start = start
 
 

@@ -1,10 +1,11 @@
-"""Placement's regression table (docs/policies.md, "Placement: what it costs where
-caching cannot help"): prefix caching on against off, and pull against a peer's router,
+"""Placement's regression table (docs/policies.md, "Placement: the regression
+table"): prefix caching on against off, and pull against a peer's router,
 on both Mooncake traces, per setting, at 1 and 2 QPS and at 80% of the capacity with
 caching off, plus the capacity with caching on and off; with the load balance column.
 
     .venv/bin/python -m bench.placement_regression            # the whole table
     .venv/bin/python -m bench.placement_regression --settings conv-128-budget --num-requests 1000
+    .venv/bin/python -m bench.placement_regression --num-requests 1000 --cache DIR  # resumable
 
 Runs the simulator in this process (`lattice-scheduler simulate`'s own pieces: the same
 Setup, config resolution and runs), 4 workers, A30 profile, seed 0, Poisson arrivals,
@@ -13,16 +14,27 @@ a --max-seq-len and the policy's budget: fixed 512 tokens or the latency targets
 (--tpot-target-ms 100 --ttft-target-ms 2000). The capacity is at TTFT p99 <= 2 s and
 TPOT p99 <= 100 ms, bisected to --capacity-tolerance. Progress goes to stderr, the
 Markdown table to stdout.
+
+With --cache DIR every run (a cell or a capacity probe) is kept in DIR as one JSON file,
+with the commit it ran on, and read back instead of run again: a table cut short resumes
+where it stopped, and settings run in separate processes come together in one table
+(`--from-cache` prints it from DIR alone, leaving out what is not there). The cache is
+keyed by the run's parameters, not by the code: empty DIR after changing the rule.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
+import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from bench.harness.tables import markdown_table
 
@@ -92,12 +104,64 @@ class Cell:
     queue_p99: float
     max_share: float
     hit_rate: float
+    commit: str = ""  # the service code it ran on
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the table and the capacity search read of one run."""
+
+    qps: float
+    ttft_p99: float
+    tpot_p99: float
+    queue_p99: float
+    max_share_over_mean: float
+    prefix_hit_rate: float
+    commit: str = ""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A run as `experiments.find_capacity` reads it."""
+
+    result: Figures
+
+
+@functools.cache
+def _commit() -> str:
+    """The last commit that changed service/ (+dirty: with uncommitted changes there),
+    read once per process, when its first Runner imports the service's code: the code
+    this process runs, whatever is committed later."""
+    try:
+        out = subprocess.run(
+            ["git", "log", "-1", "--format=%h", "--", "service"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "service"]).returncode
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip() + ("+dirty" if dirty else "")
 
 
 class Runner:
-    """Runs of one setting in this process (the trace and cost model loaded once)."""
+    """Runs of one setting in this process (the trace and cost model loaded once), each
+    read from the cache when it is there."""
 
-    def __init__(self, setting: Setting, num_requests: int, seed: int, workers: int) -> None:
+    def __init__(
+        self,
+        setting: Setting,
+        num_requests: int,
+        seed: int,
+        workers: int,
+        cache: Path | None = None,
+        cached_only: bool = False,
+    ) -> None:
+        self._name = f"{setting.name}-n{num_requests}-s{seed}-w{workers}"
+        self._cache = cache
+        self._cached_only = cached_only
+        self._commit = _commit()
         from service.cli.main import main as _  # noqa: F401  (the CLI's imports, once)
         from service.sim import cli
 
@@ -156,11 +220,43 @@ class Runner:
             self._setups["base"] = setup
         return replace(setup, routing=routing), config
 
-    def run(self, load: str, qps: float, routing: str, caching: str) -> Cell:
+    def outcome(self, qps: float, routing: str, caching: str):
+        """One run's raw outcome (every request's record), run now, not cached."""
+        from service.sim import experiments
+
+        setup, config = self._setup_and_config(routing, caching)
+        return experiments.simulate(setup, config, qps).outcome
+
+    def figures(self, qps: float, routing: str, caching: str) -> Figures | None:
+        """One run's figures, from the cache or run (None: not cached, cached_only)."""
+        path = None
+        if self._cache is not None:
+            path = self._cache / f"{self._name}-{routing}-{caching}-{qps:.6g}.json"
+            if path.exists():
+                return Figures(**json.loads(path.read_text()))
+        if self._cached_only:
+            return None
         from service.sim import experiments
 
         setup, config = self._setup_and_config(routing, caching)
         r = experiments.simulate(setup, config, qps).result
+        figures = Figures(
+            qps,
+            r.ttft_p99,
+            r.tpot_p99,
+            r.queue_p99,
+            r.max_share_over_mean,
+            r.prefix_hit_rate,
+            self._commit,
+        )
+        if path is not None:
+            path.write_text(json.dumps(asdict(figures)))
+        return figures
+
+    def run(self, load: str, qps: float, routing: str, caching: str) -> Cell | None:
+        r = self.figures(qps, routing, caching)
+        if r is None:
+            return None
         return Cell(
             load,
             qps,
@@ -171,20 +267,29 @@ class Runner:
             r.queue_p99,
             r.max_share_over_mean,
             r.prefix_hit_rate,
+            r.commit,
         )
 
-    def meets_slo(self, caching: str, qps: float) -> bool:
-        """Whether pull with `caching` meets the SLO at `qps` (one probe)."""
+    def meets_slo(self, caching: str, qps: float) -> bool | None:
+        """Whether pull with `caching` meets the SLO at `qps` (one probe; None: not
+        cached, cached_only)."""
+        r = self.figures(qps, "pull", caching)
+        return None if r is None else _slo().met_by(r)
+
+    def capacity(self, caching: str, start_qps: float, tolerance: float, log) -> float | None:
+        """Pull's capacity with `caching` (None: a probe not cached, cached_only)."""
         from service.sim import experiments
 
-        setup, config = self._setup_and_config("pull", caching)
-        return _slo().met_by(experiments.simulate(setup, config, qps).result)
-
-    def capacity(self, caching: str, start_qps: float, tolerance: float, log) -> float:
-        from service.sim import experiments
-
-        setup, config = self._setup_and_config("pull", caching)
         slo = _slo()
+
+        class NotCached(Exception):
+            pass
+
+        def probe(qps: float) -> Probe:
+            r = self.figures(qps, "pull", caching)
+            if r is None:
+                raise NotCached
+            return Probe(r)
 
         def on_step(n, run, meets):
             r = run.result
@@ -194,47 +299,67 @@ class Runner:
                 f" {'meets' if meets else 'misses'}"
             )
 
-        found = experiments.find_capacity(
-            lambda qps: experiments.simulate(setup, config, qps),
-            slo,
-            start_qps=start_qps,
-            on_step=on_step,
-            tolerance=tolerance,
-        )
+        try:
+            found = experiments.find_capacity(
+                probe, slo, start_qps=start_qps, on_step=on_step, tolerance=tolerance
+            )
+        except NotCached:
+            return None
         return found.capacity_qps
 
 
-def measure(setting: Setting, args: argparse.Namespace) -> tuple[list[Cell], dict[str, float]]:
-    """Every cell of one setting: the capacities, then each load's runs."""
+def measure(
+    setting: Setting, args: argparse.Namespace
+) -> tuple[list[Cell], dict[str, float | None]]:
+    """Every cell of one setting: the light loads' runs, the capacities, then the runs
+    at 80% of capacity (with --from-cache, those the cache holds)."""
     started = time.perf_counter()
 
     def log(text: str) -> None:
         print(f"[{setting.name} {time.perf_counter() - started:5.0f} s] {text}", file=sys.stderr)
 
-    runner = Runner(setting, args.num_requests, args.seed, args.workers)
-    # The capacity with caching off, searched; with it on, one probe at that rate: if it
-    # meets the SLO there, on >= off (to the search's tolerance), else it is searched.
-    capacity = {"off": runner.capacity("off", args.capacity_start, args.capacity_tolerance, log)}
-    log(f"capacity, caching off: {capacity['off']:.2f} QPS")
-    if capacity["off"] and runner.meets_slo("on", capacity["off"]):
-        capacity["on"] = capacity["off"]
-        log(f"caching on meets the SLO at {capacity['off']:.2f} QPS too")
-    else:
-        capacity["on"] = runner.capacity("on", args.capacity_start, args.capacity_tolerance, log)
-        log(f"capacity, caching on: {capacity['on']:.2f} QPS")
-    loads = [(f"{q:g} QPS", q) for q in args.qps]
-    if capacity["off"]:
-        loads.append(("80% of capacity", round(0.8 * capacity["off"], 2)))
+    cache = Path(args.cache) if args.cache else None
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+    runner = Runner(setting, args.num_requests, args.seed, args.workers, cache, args.from_cache)
     runs = [("pull", "on"), ("pull", "off")] + [(r, "on") for r in args.routers]
     cells = []
-    for load, qps in loads:
+
+    def run_load(load: str, qps: float) -> None:
         for routing, caching in runs:
             cell = runner.run(load, qps, routing, caching)
+            if cell is None:
+                continue
             log(
                 f"{load} ({qps:g}), {routing}, caching {caching}: TTFT p99 {cell.ttft_p99:.3f}"
                 f" s, TPOT p99 {cell.tpot_p99 * 1000:.1f} ms, max share {cell.max_share:.2f}"
             )
             cells.append(cell)
+
+    for q in args.qps:
+        run_load(f"{q:g} QPS", q)
+    if args.light_only:
+        return cells, {"off": None, "on": None}
+    # The capacity with caching off, searched; with it on, one probe at that rate: if it
+    # meets the SLO there, on >= off (to the search's tolerance), else it is searched.
+    tolerance = args.capacity_tolerance
+    capacity: dict[str, float | None] = {
+        "off": runner.capacity("off", args.capacity_start, tolerance, log),
+        "on": None,
+    }
+    if capacity["off"] is None:
+        return cells, capacity
+    log(f"capacity, caching off: {capacity['off']:.2f} QPS")
+    meets = runner.meets_slo("on", capacity["off"]) if capacity["off"] else False
+    if meets:
+        capacity["on"] = capacity["off"]
+        log(f"caching on meets the SLO at {capacity['off']:.2f} QPS too")
+    elif meets is not None:
+        capacity["on"] = runner.capacity("on", args.capacity_start, tolerance, log)
+        if capacity["on"] is not None:
+            log(f"capacity, caching on: {capacity['on']:.2f} QPS")
+    if capacity["off"]:
+        run_load("80% of capacity", round(0.8 * capacity["off"], 2))
     return cells, capacity
 
 
@@ -243,10 +368,10 @@ def table(results: list[tuple[Setting, list[Cell], dict[str, float]]]) -> str:
     for setting, cells, capacity in results:
         off = {c.load: c for c in cells if c.routing == "pull" and c.caching == "off"}
         for c in cells:
-            base = off[c.load]
+            base = off.get(c.load)
             ratio = (
                 f"{c.ttft_p99 / base.ttft_p99:.2f} / {c.tpot_p99 / base.tpot_p99:.2f}"
-                if c is not base
+                if base is not None and c is not base
                 else ""
             )
             rows.append(
@@ -263,7 +388,11 @@ def table(results: list[tuple[Setting, list[Cell], dict[str, float]]]) -> str:
                     f"{c.hit_rate:.3f}",
                 ]
             )
-        if capacity["on"] == capacity["off"]:
+        if capacity["off"] is None:
+            continue
+        if capacity["on"] is None:
+            on, ratio = "not run", ""
+        elif capacity["on"] == capacity["off"]:
             on, ratio = f">= {capacity['off']:.2f}", ">= 1.00"
         else:
             on = f"{capacity['on']:.2f}"
@@ -297,6 +426,31 @@ def table(results: list[tuple[Setting, list[Cell], dict[str, float]]]) -> str:
     return markdown_table(header, rows)
 
 
+def misses(results: list[tuple[Setting, list[Cell], dict[str, float | None]]]) -> list[str]:
+    """The cells off the issue's targets: pull with caching on against off above 1.05x
+    (TTFT or TPOT p99, unrounded), pull's max share / mean above 1.2, capacity on < off."""
+    found = []
+    for setting, cells, capacity in results:
+        off = {c.load: c for c in cells if c.routing == "pull" and c.caching == "off"}
+        for c in cells:
+            if c.routing != "pull":
+                continue
+            where = f"{setting.name}, {c.load}, caching {c.caching}"
+            if c.max_share > 1.2:
+                found.append(f"{where}: max share / mean {c.max_share:.2f}")
+            base = off.get(c.load)
+            if c.caching == "on" and base is not None:
+                for name, on, of in (
+                    ("TTFT", c.ttft_p99, base.ttft_p99),
+                    ("TPOT", c.tpot_p99, base.tpot_p99),
+                ):
+                    if on > 1.05 * of:
+                        found.append(f"{where}: {name} p99 {on / of:.3f}x off's")
+        if capacity["on"] is not None and capacity["off"] and capacity["on"] < capacity["off"]:
+            found.append(f"{setting.name}: capacity on {capacity['on'] / capacity['off']:.2f}x")
+    return found
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.placement_regression", description=__doc__.split("\n\n")[0]
@@ -319,9 +473,22 @@ def main() -> int:
     p.add_argument("--capacity-start", type=float, default=4.0)
     p.add_argument("--capacity-tolerance", type=float, default=0.1)
     p.add_argument("--jobs", type=int, default=1, help="settings run at once (processes)")
+    p.add_argument(
+        "--light-only",
+        action="store_true",
+        help="the light loads' cells only, no capacity (a first pass over many settings)",
+    )
+    p.add_argument("--cache", help="a folder that keeps each run's figures (resumable)")
+    p.add_argument(
+        "--from-cache",
+        action="store_true",
+        help="run nothing: the table of what --cache holds",
+    )
     args = p.parse_args()
     args.qps = [float(q) for q in args.qps.split(",") if q]
     args.routers = [r for r in args.routers.split(",") if r]
+    if args.from_cache and not args.cache:
+        p.error("--from-cache needs --cache")
     by_name = {s.name: s for s in SETTINGS}
     settings = [by_name[name] for name in args.settings.split(",") if name]
     started = time.perf_counter()
@@ -336,6 +503,11 @@ def main() -> int:
             print(table([(setting, *measured[-1])]), file=sys.stderr)
     results = [(s, cells, cap) for s, (cells, cap) in zip(settings, measured, strict=True)]
     print(table(results))
+    print("\nOff target:" if misses(results) else "\nEvery cell on target.")
+    for line in misses(results):
+        print(f"- {line}")
+    commits = Counter(c.commit for _, cells, _ in results for c in cells)
+    print("\nService code of the cells: " + ", ".join(f"{k} ({n})" for k, n in commits.items()))
     print(
         f"\n{args.num_requests} requests a run, {args.workers} workers, seed {args.seed}; "
         f"{time.perf_counter() - started:.0f} s wall; load average "

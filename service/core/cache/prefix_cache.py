@@ -23,19 +23,23 @@ class FleetCache:
     resume point on any worker (O(prompt blocks), whatever the number of workers)."""
 
     def __init__(self) -> None:
-        self.owners: dict[int, set[str]] = {}  # block hash -> worker ids that report it
+        # Block hash -> the worker ids that report it, in the order they reported it: a
+        # dict used as an ordered set, so that placement, which breaks ties between
+        # holders by this order, decides alike in every process (a set's order of
+        # strings follows the process's hash seed).
+        self.owners: dict[int, dict[str, None]] = {}
 
     def add(self, block_hash: int, worker_id: str) -> None:
         owners = self.owners.get(block_hash)
         if owners is None:
-            self.owners[block_hash] = {worker_id}
+            self.owners[block_hash] = {worker_id: None}
         else:
-            owners.add(worker_id)
+            owners[worker_id] = None
 
     def discard(self, block_hash: int, worker_id: str) -> None:
         owners = self.owners.get(block_hash)
         if owners is not None:
-            owners.discard(worker_id)
+            owners.pop(worker_id, None)
             if not owners:
                 del self.owners[block_hash]
 
