@@ -491,17 +491,3 @@ def test_a_next_turn_still_waits_for_a_busy_holder_that_saves_most_of_its_prompt
     seq = submit(sched, prompt_len=400)
     assert admitted(sched.select_batch(report("w0"))) == []  # w1 has 384 of its 400
     assert admitted(sched.select_batch(report("w1", waiting=busy))) == [(seq, 384)]
-
-
-def test_a_next_turn_does_not_wait_for_a_holder_whose_long_prefill_it_would_decode_beside():
-    """With chunked prefill a sequence that joins a holder mid-prefill pays the rest of
-    that prefill twice: waiting for it, then between its own tokens (TPOT). The holder
-    w1 saves 384 of the 400 tokens but still has ~200 of a long prompt to prefill: worth
-    the wait alone, not the wait and the TPOT, so the idle w0 takes it at once."""
-    sched, _ = fleet()
-    sched.select_batch(cache_report("w1", added=hashes(400), reset=True))
-    long_one = submit_tokens(sched, prompt(1224, 5000))
-    assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == [long_one]
-    sched.select_batch(cache_report("w0", reset=True))
-    seq = submit(sched, prompt_len=400)
-    assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]

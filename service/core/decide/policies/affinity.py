@@ -10,11 +10,7 @@ decodes (their TPOT). A prefix hit saves prefill; holding a sequence for its hol
 piling work onto one worker while another is idle, costs waiting and TPOT. Affinity
 pays only when the first outweighs the second:
 
-    cost(place) = wait + backlog + prefill(uncached tokens) x (1 + load)
-
-where backlog is the prefill of prompts the place still has to run: the sequence waits
-for it and then, as chunked prefill runs it beside the sequence's decodes, pays it
-again between its own tokens (TPOT).
+    cost(place) = wait + prefill(uncached tokens) x (1 + load)
 
 So at light load an idle worker (load 0, no wait) takes a sequence unless its holder
 saves most of the prompt (a conversation's next turn), and under load, where every
@@ -40,9 +36,6 @@ class Place:
     load: int
     # Until it would take the sequence: 0 for the worker asking now.
     wait_seconds: float = 0.0
-    # Prefill of prompts there still to run: with chunked prefill the sequence's own
-    # decode steps carry it too (its TPOT), beyond the wait before it starts.
-    backlog_seconds: float = 0.0
 
 
 class AffinityPrice:
@@ -71,11 +64,10 @@ class AffinityPrice:
         return step + self.prefill_seconds(backlog_tokens, 0)
 
     def cost_seconds(self, num_tokens: int, place: Place) -> float:
-        """Sequence-seconds the sequence costs at `place`: its wait, the backlog's
-        prefill its decodes carry, plus its prefill paid by itself and by each sequence
-        already there."""
+        """Sequence-seconds the sequence costs at `place`: its wait, plus its prefill
+        paid by itself and by each sequence already there."""
         prefill = self.prefill_seconds(num_tokens, place.cached_tokens)
-        return place.wait_seconds + place.backlog_seconds + prefill * (1 + place.load)
+        return place.wait_seconds + prefill * (1 + place.load)
 
     def prefers(self, num_tokens: int, here: Place, there: Place) -> bool:
         """Whether a `num_tokens` prompt costs less at `there` than `here`."""

@@ -171,11 +171,8 @@ class Placement:
             return Place(cached_tokens, 0)
         fleet = self._fleet
         load = fleet.load(worker_id)
-        backlog_tokens = fleet.backlog_tokens(worker_id)
-        wait = self._price.wait_seconds(load, backlog_tokens)
-        # The backlog also runs beside the sequence's decodes, as its TPOT (0 if idle).
-        backlog = self._price.prefill_seconds(backlog_tokens, 0) if load > 0 else 0.0
-        return Place(cached_tokens, load, wait, backlog)
+        wait = self._price.wait_seconds(load, fleet.backlog_tokens(worker_id))
+        return Place(cached_tokens, load, wait)
 
     def _holders_leave_it(self, spread: CacheSpread, load: int) -> bool:
         """Whether two or more others hold the best prefix and each would leave it by
