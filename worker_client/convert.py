@@ -69,6 +69,7 @@ def register_request(resources: WorkerResources) -> pb.RegisterWorkerRequest:
         adapters=resources.adapters,
         cache_block_tokens=resources.cache_block_tokens,
         total_snapshot_slots=resources.total_snapshot_slots,
+        max_step_tokens=resources.max_step_tokens,
     )
 
 

@@ -19,6 +19,7 @@ class WorkerResources:
     adapters: tuple[str, ...] = ()
     cache_block_tokens: int = 0  # tokens per prefix-cache block; 0 = no prefix cache
     total_snapshot_slots: int = 0  # GDN snapshots for resume points, besides the GDN slots
+    max_step_tokens: int = 0  # most tokens its engine runs in one step; 0 = no limit
 
     @classmethod
     def of(
@@ -34,4 +35,5 @@ class WorkerResources:
             adapters,
             engine.cache_block_tokens,
             engine.total_snapshot_slots,
+            getattr(engine, "max_step_tokens", 0),
         )
