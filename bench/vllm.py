@@ -12,8 +12,11 @@ Needs .venv-vllm (scripts/setup.sh --engine vllm). One run, one table:
   (bench/router.py), on multi-turn conversations whose groups share a long system prompt:
   throughput and TTFT p99 at the same load.
 Every server runs the same checkpoint (default: the demo checkpoint with wider heads,
-built under .artifacts/), bfloat16, eager, prefix caching on, 1 GiB of KV pool; each of
-two servers gets its own CPU cores (VLLM_CPU_OMP_THREADS_BIND).
+built under .artifacts/), bfloat16, eager, prefix caching on, 1 GiB of KV pool, 2,048
+tokens a step; each of two servers gets its own CPU cores (VLLM_CPU_OMP_THREADS_BIND).
+Under each table, where the time went: CPU seconds by process (/proc, children included)
+over the load, output tokens per CPU second (the comparison at equal CPU), engine steps
+and their tokens, prompt tokens computed (not taken from a prefix cache).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ from common.waiting import wait_until
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MODEL = ROOT / ".artifacts" / "bench-vllm-model"
 MAX_MODEL_LEN = 2048
+# Tokens per engine step on every server (vLLM's own default for `vllm serve` on a CPU);
+# a Lattice vLLM worker registers it, and the scheduler's budget for it is the same.
+STEP_TOKENS = 2048
 START_SECONDS = 300.0
 WORDS = (
     "scheduler queue worker page block prefix cache token chunk decode prefill state "
@@ -257,6 +263,7 @@ def lattice(model: Path, num_workers: int, logs: Path) -> Iterator[Stack]:
                 str(VLLM_PYTHON), "-m", "worker_client", "--engine", "vllm",
                 "--scheduler", target, "--worker-id", f"vllm-{i + 1}", "--model", str(model),
                 "--kv-cache-gib", "1", "--max-model-len", str(MAX_MODEL_LEN),
+                "--max-num-batched-tokens", str(STEP_TOKENS),
             ]  # fmt: skip
             env = clean_env(VLLM_CPU_OMP_THREADS_BIND=_cores(i, num_workers))
             started.append(Process(f"vllm-{i + 1}", argv, logs / f"vllm-{i + 1}.log", env=env))
@@ -346,6 +353,7 @@ def plain(model: Path, num_servers: int, rule: str, logs: Path, eager: bool) -> 
                 *(["--enforce-eager"] if eager else []), "--enable-prefix-caching",
                 "--seed", "0",
                 "--kv-cache-memory-bytes", str(2**30), "--max-model-len", str(MAX_MODEL_LEN),
+                "--max-num-batched-tokens", str(STEP_TOKENS),
                 "--served-model-name", model.name,
             ]  # fmt: skip
             env = clean_env(VLLM_CPU_OMP_THREADS_BIND=_cores(i, num_servers))
