@@ -165,6 +165,8 @@ class VllmEngine:
             else None
         )
         self._max_tokens_per_step = scheduler.max_num_scheduled_tokens
+        self._evicted = True  # whether vLLM dropped cached blocks since the last delta
+        self._note_evictions()
         # Registered: the scheduler's token budget for this worker is at most vLLM's own
         # (and vLLM's when none is configured), so no decision is refused for its size.
         self.max_step_tokens = self._max_tokens_per_step
@@ -207,7 +209,20 @@ class VllmEngine:
         def hit_length(vllm_hashes, num_tokens: int) -> int:
             return coordinator.find_longest_cache_hit(vllm_hashes, num_tokens)[1]
 
-        return self._resume_points.delta(hit_length, full)
+        evicted, self._evicted = self._evicted, False
+        return self._resume_points.delta(hit_length, full, evicted)
+
+    def _note_evictions(self) -> None:
+        """Have vLLM's pool tell us when it drops a cached block (it does so only as it
+        reuses a free block, or when asked to): until then no resume point can be lost."""
+        pool, drop = self._pool, self._pool._maybe_evict_cached_block
+
+        def dropping(block) -> bool:
+            dropped = drop(block)
+            self._evicted = self._evicted or dropped
+            return dropped
+
+        pool._maybe_evict_cached_block = dropping
 
     def waiting_ids(self) -> list[int]:
         return [s for s, h in self._held.items() if not h.prefilled]
