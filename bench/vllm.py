@@ -337,13 +337,9 @@ def _registered(metrics_port: int) -> int:
 
 
 @contextlib.contextmanager
-def plain(
-    model: Path, num_servers: int, rule: str, logs: Path, eager: bool, executor: str = "mp"
-) -> Iterator[Stack]:
+def plain(model: Path, num_servers: int, rule: str, logs: Path, eager: bool) -> Iterator[Stack]:
     """`num_servers` plain vllm serve, behind a `rule` router when more than one; `eager`:
-    no CUDA graphs (CPU); `executor` "uni": the model runs in the engine core's process
-    (on a CPU vLLM otherwise runs it in a third process, and the engine core spin-waits on
-    it through shared memory for a second after each message)."""
+    no CUDA graphs (CPU)."""
     started: list[Process] = []
     router = None
     try:
@@ -358,11 +354,9 @@ def plain(
                 "--seed", "0",
                 "--kv-cache-memory-bytes", str(2**30), "--max-model-len", str(MAX_MODEL_LEN),
                 "--max-num-batched-tokens", str(STEP_TOKENS),
-                "--served-model-name", model.name, "--distributed-executor-backend", executor,
+                "--served-model-name", model.name,
             ]  # fmt: skip
             env = clean_env(VLLM_CPU_OMP_THREADS_BIND=_cores(i, num_servers))
-            if executor == "uni":
-                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM's CPU platform forces mp
             started.append(Process(f"vllm-serve-{i + 1}", argv, logs / f"serve-{i}.log", env=env))
         for port, proc in zip(ports, started):
             wait_until(
@@ -417,12 +411,6 @@ def main(argv: list[str] | None = None) -> int:
         help="decisions: 4 groups of conversations per round (more rounds, less noise)",
     )
     parser.add_argument(
-        "--plain-executor",
-        default="mp",
-        choices=("mp", "uni"),
-        help="plain vllm serve's executor (mp: its default on a CPU; uni: no model process)",
-    )
-    parser.add_argument(
         "--only", default="all", choices=("all", "overhead", "decisions"), help="one row"
     )
     args = parser.parse_args(argv)
@@ -445,10 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Load]] = {}
     if args.only in ("all", "overhead"):
         for label, stack in (
-            (
-                "plain vllm serve",
-                lambda: plain(args.model, 1, "round-robin", logs, eager, args.plain_executor),
-            ),
+            ("plain vllm serve", lambda: plain(args.model, 1, "round-robin", logs, eager)),
             ("lattice, 1 vLLM worker", lambda: lattice(args.model, 1, logs)),
         ):
             with stack() as s:
@@ -464,14 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         print_costs(results, "saturation", ("lattice, 1 vLLM worker", "plain vllm serve"))
     if args.only in ("all", "decisions"):
         for label, stack in (
-            (
-                "2 vllm serve, round-robin",
-                lambda: plain(args.model, 2, "round-robin", logs, eager, args.plain_executor),
-            ),
-            (
-                "2 vllm serve, prefix-load",
-                lambda: plain(args.model, 2, "prefix-load", logs, eager, args.plain_executor),
-            ),
+            ("2 vllm serve, round-robin", lambda: plain(args.model, 2, "round-robin", logs, eager)),
+            ("2 vllm serve, prefix-load", lambda: plain(args.model, 2, "prefix-load", logs, eager)),
             ("lattice, 2 vLLM workers", lambda: lattice(args.model, 2, logs)),
         ):
             with stack() as s:
