@@ -12,8 +12,11 @@ Needs .venv-vllm (scripts/setup.sh --engine vllm). One run, one table:
   (bench/router.py), on multi-turn conversations whose groups share a long system prompt:
   throughput and TTFT p99 at the same load.
 Every server runs the same checkpoint (default: the demo checkpoint with wider heads,
-built under .artifacts/), bfloat16, eager, prefix caching on, 1 GiB of KV pool; each of
-two servers gets its own CPU cores (VLLM_CPU_OMP_THREADS_BIND).
+built under .artifacts/), bfloat16, eager, prefix caching on, 1 GiB of KV pool, 2,048
+tokens a step; each of two servers gets its own CPU cores (VLLM_CPU_OMP_THREADS_BIND).
+Under each table, where the time went: CPU seconds by process (/proc, children included)
+over the load, output tokens per CPU second (the comparison at equal CPU), engine steps
+and their tokens, prompt tokens computed (not taken from a prefix cache).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +50,9 @@ from common.waiting import wait_until
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MODEL = ROOT / ".artifacts" / "bench-vllm-model"
 MAX_MODEL_LEN = 2048
+# Tokens per engine step on every server (vLLM's own default for `vllm serve` on a CPU);
+# a Lattice vLLM worker registers it, and the scheduler's budget for it is the same.
+STEP_TOKENS = 2048
 START_SECONDS = 300.0
 WORDS = (
     "scheduler queue worker page block prefix cache token chunk decode prefill state "
@@ -63,11 +69,26 @@ class Request:
 
 
 @dataclass
+class Stack:
+    """A running stack: where to send requests, its processes by role, its step counts."""
+
+    url: str
+    pids: dict[str, int]
+    # () -> (engine steps, tokens run in them, prompt tokens computed rather than taken
+    # from a prefix cache), summed over the stack's servers so far
+    steps: Callable[[], tuple[float, float, float]]
+
+
+@dataclass
 class Load:
     """What one load measured."""
 
     wall: float
     requests: list[Request] = field(default_factory=list)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # by process role
+    num_steps: float = 0.0
+    num_step_tokens: float = 0.0
+    num_computed_prompt_tokens: float = 0.0
 
     @property
     def ok(self) -> list[Request]:
@@ -158,6 +179,48 @@ def run_conversations(
     return load
 
 
+def measured(stack: Stack, run: Callable[[], Load]) -> Load:
+    """`run`, with the CPU time each process of `stack` (its children included) and the
+    load generator (with the router, in this process) spent, and the steps run."""
+    before_cpu = {role: process_cpu_seconds(pid) for role, pid in stack.pids.items()}
+    before_own = time.process_time()
+    before_steps = stack.steps()
+    load = run()
+    load.cpu_seconds = {
+        role: process_cpu_seconds(pid) - before_cpu[role] for role, pid in stack.pids.items()
+    }
+    load.cpu_seconds["load generator"] = time.process_time() - before_own
+    after_steps = stack.steps()
+    load.num_steps = after_steps[0] - before_steps[0]
+    load.num_step_tokens = after_steps[1] - before_steps[1]
+    load.num_computed_prompt_tokens = after_steps[2] - before_steps[2]
+    return load
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its living descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        todo += children.get(current, [])
+    return total
+
+
 def independent(num: int, seed: int) -> list[list[list[dict]]]:
     rng = random.Random(seed)
     return [[[{"role": "user", "content": _text(rng, 60)}]] for _ in range(num)]
@@ -189,7 +252,7 @@ def _cores(index: int, count: int) -> str:
 
 
 @contextlib.contextmanager
-def lattice(model: Path, num_workers: int, logs: Path) -> Iterator[str]:
+def lattice(model: Path, num_workers: int, logs: Path) -> Iterator[Stack]:
     started: list[Process] = []
     try:
         scheduler = spawn("scheduler", scheduler_argv(), logs, SCHEDULER_LISTENING)
@@ -200,6 +263,7 @@ def lattice(model: Path, num_workers: int, logs: Path) -> Iterator[str]:
                 str(VLLM_PYTHON), "-m", "worker_client", "--engine", "vllm",
                 "--scheduler", target, "--worker-id", f"vllm-{i + 1}", "--model", str(model),
                 "--kv-cache-gib", "1", "--max-model-len", str(MAX_MODEL_LEN),
+                "--max-num-batched-tokens", str(STEP_TOKENS),
             ]  # fmt: skip
             env = clean_env(VLLM_CPU_OMP_THREADS_BIND=_cores(i, num_workers))
             started.append(Process(f"vllm-{i + 1}", argv, logs / f"vllm-{i + 1}.log", env=env))
@@ -216,10 +280,51 @@ def lattice(model: Path, num_workers: int, logs: Path) -> Iterator[str]:
             every_seconds=1.0,
             gone=lambda: next((p.log_text()[-2000:] for p in started if not p.alive()), None),
         )
-        yield f"http://{LOOPBACK}:{gateway.ports[0]}"
+        metrics_port = scheduler.ports[1]
+        yield Stack(
+            f"http://{LOOPBACK}:{gateway.ports[0]}",
+            {p.name: p.popen.pid for p in started},
+            lambda: _lattice_steps(metrics_port),
+        )
     finally:
         for p in reversed(started):
             p.stop(30)
+
+
+def _lattice_steps(metrics_port: int) -> tuple[float, float, float]:
+    """Decisions with work and their tokens, from the scheduler's metrics."""
+    from bench.harness.processes import scrape
+
+    samples = scrape(metrics_port)
+    name = "lattice_scheduler_decision_batched_tokens"
+    computed = samples.get(("lattice_scheduler_prefill_tokens_total", (("source", "computed"),)))
+    return (
+        samples.get((f"{name}_count", ()), 0.0),
+        samples.get((f"{name}_sum", ()), 0.0),
+        computed or 0.0,
+    )
+
+
+def _plain_steps(ports: list[int]) -> tuple[float, float, float]:
+    """Engine steps and their tokens, from each vLLM server's metrics."""
+    totals = dict.fromkeys(
+        (
+            "vllm:iteration_tokens_total_count",
+            "vllm:iteration_tokens_total_sum",
+            "vllm:prompt_tokens_total",
+            "vllm:prompt_tokens_cached_total",
+        ),
+        0.0,
+    )
+    for port in ports:
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in totals:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    steps, tokens, prompt, cached = totals.values()
+    return steps, tokens, prompt - cached
 
 
 def _registered(metrics_port: int) -> int:
@@ -232,7 +337,7 @@ def _registered(metrics_port: int) -> int:
 
 
 @contextlib.contextmanager
-def plain(model: Path, num_servers: int, rule: str, logs: Path, eager: bool) -> Iterator[str]:
+def plain(model: Path, num_servers: int, rule: str, logs: Path, eager: bool) -> Iterator[Stack]:
     """`num_servers` plain vllm serve, behind a `rule` router when more than one; `eager`:
     no CUDA graphs (CPU)."""
     started: list[Process] = []
@@ -248,6 +353,7 @@ def plain(model: Path, num_servers: int, rule: str, logs: Path, eager: bool) -> 
                 *(["--enforce-eager"] if eager else []), "--enable-prefix-caching",
                 "--seed", "0",
                 "--kv-cache-memory-bytes", str(2**30), "--max-model-len", str(MAX_MODEL_LEN),
+                "--max-num-batched-tokens", str(STEP_TOKENS),
                 "--served-model-name", model.name,
             ]  # fmt: skip
             env = clean_env(VLLM_CPU_OMP_THREADS_BIND=_cores(i, num_servers))
@@ -260,11 +366,13 @@ def plain(model: Path, num_servers: int, rule: str, logs: Path, eager: bool) -> 
                 every_seconds=1.0,
                 gone=lambda proc=proc: None if proc.alive() else proc.log_text()[-2000:],
             )
+        pids = {p.name: p.popen.pid for p in started}
         if num_servers == 1:
-            yield f"http://{LOOPBACK}:{ports[0]}"
+            yield Stack(f"http://{LOOPBACK}:{ports[0]}", pids, lambda: _plain_steps(ports))
             return
         router = serve(Router(ports, rule))
-        yield f"http://{LOOPBACK}:{router.server_address[1]}"
+        url = f"http://{LOOPBACK}:{router.server_address[1]}"
+        yield Stack(url, pids, lambda: _plain_steps(ports))
     finally:
         if router is not None:
             router.shutdown()
@@ -296,6 +404,15 @@ def main(argv: list[str] | None = None) -> int:
         choices=("cpu", "cuda"),
         help="cuda: plain vllm serve with CUDA graphs, as the workers run there",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="decisions: 4 groups of conversations per round (more rounds, less noise)",
+    )
+    parser.add_argument(
+        "--only", default="all", choices=("all", "overhead", "decisions"), help="one row"
+    )
     args = parser.parse_args(argv)
     eager = args.device == "cpu"
     if not VLLM_PYTHON.exists():
@@ -308,34 +425,45 @@ def main(argv: list[str] | None = None) -> int:
     scale = 1 if args.quick else 2
     saturation = independent(16 * scale, args.seed)
     fixed = independent(6 * scale, args.seed + 1)
-    conversations = shared_prefix(4, 2 * scale, 3, args.seed + 2)
+    conversations = shared_prefix(4 * args.rounds, 2 * scale, 3, args.seed + 2)
     name = args.model.name
     logs = ROOT / ".artifacts" / "bench-vllm"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"bench.vllm: {args.model} ({_load_line()})", flush=True)
     results: dict[str, dict[str, Load]] = {}
-    for label, stack in (
-        ("plain vllm serve", lambda: plain(args.model, 1, "round-robin", logs, eager)),
-        ("lattice, 1 vLLM worker", lambda: lattice(args.model, 1, logs)),
-    ):
-        with stack() as url:
-            run_conversations(url, name, independent(2, 99), 2, 4)  # warm up
-            results[label] = {
-                "saturation": run_conversations(url, name, saturation, 16, 32),
-                "fixed": run_conversations(url, name, fixed, 1, 32),
-            }
-        print(f"  {label}: done ({_load_line()})", flush=True)
-    print_overhead(results, len(saturation), len(fixed))
-    for label, stack in (
-        ("2 vllm serve, round-robin", lambda: plain(args.model, 2, "round-robin", logs, eager)),
-        ("2 vllm serve, prefix-load", lambda: plain(args.model, 2, "prefix-load", logs, eager)),
-        ("lattice, 2 vLLM workers", lambda: lattice(args.model, 2, logs)),
-    ):
-        with stack() as url:
-            run_conversations(url, name, independent(2, 98), 2, 4)  # warm up
-            results[label] = {"conversations": run_conversations(url, name, conversations, 8, 24)}
-        print(f"  {label}: done ({_load_line()})", flush=True)
-    print_decisions(results, len(conversations))
+    if args.only in ("all", "overhead"):
+        for label, stack in (
+            ("plain vllm serve", lambda: plain(args.model, 1, "round-robin", logs, eager)),
+            ("lattice, 1 vLLM worker", lambda: lattice(args.model, 1, logs)),
+        ):
+            with stack() as s:
+                run_conversations(s.url, name, independent(2, 99), 2, 4)  # warm up
+                results[label] = {
+                    "saturation": measured(
+                        s, lambda s=s: run_conversations(s.url, name, saturation, 16, 32)
+                    ),
+                    "fixed": run_conversations(s.url, name, fixed, 1, 32),
+                }
+            print(f"  {label}: done ({_load_line()})", flush=True)
+        print_overhead(results, len(saturation), len(fixed))
+        print_costs(results, "saturation", ("lattice, 1 vLLM worker", "plain vllm serve"))
+    if args.only in ("all", "decisions"):
+        for label, stack in (
+            ("2 vllm serve, round-robin", lambda: plain(args.model, 2, "round-robin", logs, eager)),
+            ("2 vllm serve, prefix-load", lambda: plain(args.model, 2, "prefix-load", logs, eager)),
+            ("lattice, 2 vLLM workers", lambda: lattice(args.model, 2, logs)),
+        ):
+            with stack() as s:
+                run_conversations(s.url, name, independent(2, 98), 2, 4)  # warm up
+                results[label] = {
+                    "conversations": measured(
+                        s, lambda s=s: run_conversations(s.url, name, conversations, 8, 24)
+                    )
+                }
+            print(f"  {label}: done ({_load_line()})", flush=True)
+        print_decisions(results, len(conversations))
+        print_costs(results, "conversations", DECISION_ROWS)
+        print_worker_lines(logs, 2)
     return 0
 
 
@@ -358,10 +486,53 @@ def print_overhead(results: dict[str, dict[str, Load]], num_sat: int, num_fixed:
     sys.stdout.flush()
 
 
+DECISION_ROWS = (
+    "lattice, 2 vLLM workers",
+    "2 vllm serve, round-robin",
+    "2 vllm serve, prefix-load",
+)
+
+
+def print_costs(results: dict[str, dict[str, Load]], load_name: str, labels) -> None:
+    """Where the time went: CPU seconds by process over the load's wall time, the steps
+    the engines ran and their tokens."""
+    print()
+    print(f"where the time went ({load_name}): CPU s by process (children included)")
+    print(
+        "| servers | wall s | CPU s by process | CPU s in all | output tokens per CPU s | "
+        "steps | tokens a step | prompt tokens computed |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label in labels:
+        if label not in results:
+            continue
+        load = results[label][load_name]
+        by_role = ", ".join(f"{role} {sec:.1f}" for role, sec in load.cpu_seconds.items())
+        per_step = load.num_step_tokens / load.num_steps if load.num_steps else float("nan")
+        cpu = sum(load.cpu_seconds.values())
+        tokens = sum(r.tokens for r in load.ok)
+        print(
+            f"| {label} | {load.wall:.1f} | {by_role} | {cpu:.1f} | {tokens / cpu:.0f} | "
+            f"{load.num_steps:.0f} | {per_step:.1f} | {load.num_computed_prompt_tokens:.0f} |"
+        )
+    sys.stdout.flush()
+
+
+def print_worker_lines(logs: Path, num_workers: int) -> None:
+    """What each Lattice vLLM worker said it ran when it left (warm-up included)."""
+    for i in range(num_workers):
+        path = logs / f"vllm-{i + 1}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        for line in lines:
+            if "vLLM steps" in line:
+                print(f"  {line}")
+    sys.stdout.flush()
+
+
 def print_decisions(results: dict[str, dict[str, Load]], num_conv: int) -> None:
     print()
     print(
-        f"decisions: {num_conv} conversations x 3 turns in 4 groups, each group sharing a "
+        f"decisions: {num_conv} conversations x 3 turns, 2 to 4 a group, each group sharing a "
         f"system prompt, 24 tokens a turn, concurrency 8"
     )
     print("| servers | output tok/s | TTFT p50 / p99 ms | errors |")

@@ -470,6 +470,9 @@ def _serve(
             f"{loop.handoffs.num_imported} imported from peers",
             flush=True,
         )
+    step_stats = getattr(engine, "stats", None)
+    if step_stats is not None:
+        print(f"lattice-worker {args.worker_id}: {step_stats.line()}", flush=True)
     cache = getattr(engine, "prefix_cache", None)
     if cache is not None:
         print(f"lattice-worker {args.worker_id}: {cache.stats_line()}", flush=True)

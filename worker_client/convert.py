@@ -119,6 +119,7 @@ def register_request(resources: WorkerResources) -> pb.RegisterWorkerRequest:
         else _ROLE[resources.role],
         transfer_bytes_per_second=resources.transfer_bytes_per_second,
         handoff_address=resources.handoff_address,
+        max_step_tokens=resources.max_step_tokens,
     )
 
 

@@ -31,6 +31,7 @@ class WorkerResources:
     role: WorkerRole = WorkerRole.BOTH
     transfer_bytes_per_second: float = 0.0  # how fast it moves a sequence to a peer; 0: unknown
     handoff_address: str = ""  # HOST:PORT of its handoff channel; empty: it cannot send
+    max_step_tokens: int = 0  # most tokens its engine runs in one step; 0 = no limit
 
     @classmethod
     def of(
@@ -46,4 +47,5 @@ class WorkerResources:
             adapters,
             engine.cache_block_tokens,
             engine.total_snapshot_slots,
+            max_step_tokens=getattr(engine, "max_step_tokens", 0),
         )

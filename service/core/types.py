@@ -154,6 +154,9 @@ class WorkerRegistration:
     cache_block_tokens: int = 0
     # GDN state snapshots it keeps for resume points, besides total_gdn_slots.
     total_snapshot_slots: int = 0
+    # Most tokens its engine runs in one step (0: no limit of its own); the budget
+    # policies' token budget for it is at most this, and this when none is configured.
+    max_step_tokens: int = 0
     # Prefill/decode disaggregation (docs/disaggregation.md): what it runs, and the rate
     # at which it moves a sequence's pages and states to another worker (0: unknown).
     role: WorkerRole = WorkerRole.BOTH

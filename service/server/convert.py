@@ -167,6 +167,7 @@ def worker_registration(msg: pb.RegisterWorkerRequest) -> WorkerRegistration:
         adapters=tuple(_checked_string(f"adapters[{i}]", a) for i, a in enumerate(msg.adapters)),
         cache_block_tokens=_cache_block_tokens(msg),
         total_snapshot_slots=msg.total_snapshot_slots,
+        max_step_tokens=msg.max_step_tokens,
         role=_role(msg.role),
         transfer_bytes_per_second=_transfer_rate(msg.transfer_bytes_per_second),
         handoff_address=_checked_string("handoff_address", msg.handoff_address),

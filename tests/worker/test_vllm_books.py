@@ -58,6 +58,26 @@ def test_resume_points_are_the_contracts_hashes_of_blocks_vllm_still_hits():
     assert full.reset and full.added == (contract[0],)
 
 
+def test_without_an_eviction_only_new_candidates_are_looked_up_in_vllms_cache():
+    # vLLM loses a cached block only when it evicts it: until then the points it hit
+    # stay hits, so a report looks up only the candidates noted since the last one.
+    points = ResumePoints(block_tokens=4, hash_block_tokens=4)
+    first, contract = _request(list(range(2, 10)), computed=8, hash_block=4), []
+    points.note(first, contract)  # 2 candidates
+    asked: list[int] = []
+
+    def hit(hashes, num_tokens):
+        asked.append(num_tokens)
+        return num_tokens
+
+    assert len(points.delta(hit, evicted=False).added) == 2 and len(asked) == 2
+    asked.clear()
+    assert points.delta(hit, evicted=False) == points.delta(hit, evicted=False)
+    assert asked == []  # nothing new, nothing evicted: no lookup at all
+    delta = points.delta(lambda hashes, num_tokens: 4, evicted=True)  # block 2 evicted
+    assert delta.removed == (contract[1],)
+
+
 def test_a_candidate_vllm_never_hit_is_never_reported():
     points = ResumePoints(block_tokens=4, hash_block_tokens=4)
     request, contract = _request(list(range(2, 10)), computed=8, hash_block=4), []

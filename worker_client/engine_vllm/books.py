@@ -71,6 +71,7 @@ class ResumePoints:
     max_points: int = 0
     _known: dict[int, _Candidate] = field(default_factory=dict)
     _log: ResumePointLog = field(default_factory=ResumePointLog)
+    _unchecked: list[int] = field(default_factory=list)  # noted since the last delta
 
     def note(self, request, contract_hashes: list[int]) -> None:
         """Extend `contract_hashes` (the request's, h_0 first) to its computed full blocks
@@ -94,11 +95,20 @@ class ResumePoints:
                 hashes = list(request.block_hashes[: (i + 1) * per_block])
                 self._known[contract_hashes[i]] = _Candidate(hashes, num_tokens)
                 self._log.add(contract_hashes[i])
+                self._unchecked.append(contract_hashes[i])
 
-    def delta(self, hit_length, full: bool = False) -> CacheDelta:
+    def delta(self, hit_length, full: bool = False, evicted: bool = True) -> CacheDelta:
         """Drop the candidates vLLM no longer hits (`hit_length(vllm_hashes, num_tokens)`),
-        then the changes since the last call (with `full`, a reset listing all)."""
-        for block_hash, candidate in list(self._known.items()):
+        then the changes since the last call (with `full`, a reset listing all).
+        `evicted`: whether vLLM may have dropped cached blocks since the last call; when
+        not, a hit cannot have shrunk, so only the candidates noted since are looked up
+        (a lookup per candidate and iteration would grow with the cache)."""
+        checked = list(self._known) if evicted or full else self._unchecked
+        self._unchecked = []
+        for block_hash in checked:
+            candidate = self._known.get(block_hash)
+            if candidate is None:
+                continue
             if len(candidate.vllm_hashes) * self.hash_block_tokens < candidate.num_tokens or (
                 hit_length(candidate.vllm_hashes, candidate.num_tokens) < candidate.num_tokens
             ):

@@ -176,6 +176,7 @@ class Batcher:
             worker_id=worker.worker_id,
             max_batch_size=worker.settings.max_batch_size,
             chunk_size=worker.settings.chunk_size,
+            max_step_tokens=worker.registration.max_step_tokens,
             page_size=worker.registration.page_size,
             total_kv_pages=worker.registration.total_kv_pages,
             running=running,

@@ -68,6 +68,8 @@ class DecisionView:
     # policy (policies/placement.py). None (a worker without a cache, or --prefix-caching
     # off): admissions follow the queue order exactly.
     fleet: FleetView | None = None
+    # The most tokens the worker's engine runs in one step (0: no limit of its own).
+    max_step_tokens: int = 0
 
 
 @dataclass(frozen=True)

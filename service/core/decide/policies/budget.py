@@ -25,6 +25,10 @@ takes at most target x (1 - margin), the margin being the model's recent relativ
 (--min-prefill-chunk), so that prefill keeps moving when the decodes alone take the
 target; never more tokens in all than --max-num-batched-tokens when it is set, else
 MAX_LEARNED_TOKEN_BUDGET.
+
+A worker that registers `max_step_tokens` (its engine's own limit per step, as a vLLM
+worker does) gets a budget of at most that, fixed or learned; without a configured
+--max-num-batched-tokens its fixed budget is that limit (what its engine would batch).
 """
 
 from __future__ import annotations
@@ -78,14 +82,25 @@ class BudgetPolicy:
         once per view: the mechanism asks again to check the plan)."""
         model = view.step_model
         if not self._tpot_seconds or model is None:
-            return self.token_budget
+            return self._worker_budget(view.max_step_tokens)
         if self._tokens_of[0] is view:
             return self._tokens_of[1]
         tokens = self._learned_tokens(view, model)
         self._tokens_of = (view, tokens)
         return tokens
 
+    def _worker_budget(self, max_step_tokens: int) -> int:
+        """The budget (or a learned budget's cap) for a worker whose engine runs at most
+        `max_step_tokens` in a step (0: no limit): never more than that, and that when
+        no budget is configured (the engine's own batch, not the default)."""
+        if not max_step_tokens:
+            return self.token_budget
+        if self._config.max_num_batched_tokens or self._tpot_seconds:
+            return min(self.token_budget, max_step_tokens)
+        return max_step_tokens
+
     def _learned_tokens(self, view: DecisionView, model: StepTimeModel) -> int:
+        cap = self._worker_budget(view.max_step_tokens)
         running, waiting = view.running, view.waiting
         margin = min(MAX_MARGIN, max(MIN_MARGIN, model.recent_error))
         prefill = model.prefill_budget(
@@ -94,9 +109,9 @@ class BudgetPolicy:
             decode_context=view.running_context,
             prefill_context=(sum(seq.cursor for seq in waiting) / len(waiting) if waiting else 0.0),
         )
-        prefill = max(self._min_prefill_chunk, min(prefill, self.token_budget))
+        prefill = max(self._min_prefill_chunk, min(prefill, cap))
         tokens = len(running) + math.floor(prefill)
-        return min(self.token_budget, max(_rounded(tokens), len(running) + self._min_prefill_chunk))
+        return min(cap, max(_rounded(tokens), len(running) + self._min_prefill_chunk))
 
     def step_tokens(self, model: StepTimeModel) -> int:
         """Prefill tokens of a step of this policy's budget, alone on the worker (what
