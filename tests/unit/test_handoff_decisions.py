@@ -379,3 +379,29 @@ def test_a_sequence_with_no_token_left_to_generate_is_not_handed_off():
     sched = fleet()
     seq_id, decision = prefilled(sched, max_new_tokens=1)  # its finish not reported yet
     assert decision.handoffs == () and decision.decode == (seq_id,)
+
+
+def test_an_overlapping_prefill_worker_is_not_told_to_decode_before_its_first_token():
+    # With overlap the worker reports while the last prefill chunk runs: decoding the
+    # sequence then would leave it holding more tokens than the SEND books.
+    sched = fleet()
+    seq_id = submit(sched, prompt_len=LONG)
+    assert admit(sched, "p0") == (seq_id,)
+    in_flight = sched.select_batch(report("p0", running=[seq_id]))
+    assert in_flight.decode == () and in_flight.handoffs == ()
+
+    decision = sched.select_batch(report("p0", running=[seq_id], tokens={seq_id: [FIRST]}))
+    (send,) = decision.handoffs
+    assert decision.decode == ()
+    assert (send.num_tokens, send.num_generated) == (LONG, 1)
+
+
+def test_an_overlapping_prefill_worker_with_no_receiver_room_decodes_at_once():
+    sched = fleet(roles=("p0", "d0"))
+    register(sched, "d0", role=WorkerRole.DECODE, transfer_bytes_per_second=1e9, max_batch_size=1)
+    sched.select_batch(report("d0"))
+    first, second = (submit(sched, prompt_len=LONG) for _ in range(2))
+    assert admit(sched, "p0") == (first, second)
+    in_flight = sched.select_batch(report("p0", running=[first, second]))
+    # d0 has room for one: the first waits for its token and is sent, the second decodes.
+    assert in_flight.decode == (second,) and in_flight.handoffs == ()

@@ -218,11 +218,12 @@ class Disaggregation:
             if self._book.get(seq_id) is not None:
                 continue  # being sent: held for the receiver, not decoded
             seq = worker.assigned[seq_id]
+            first_in_flight = len(seq.output_token_ids) <= seq.num_generated_at_admission
             if (
                 not address
                 or rate <= 0
                 or (kept and kept.get(seq_id) == seq.admission_order)
-                or len(seq.output_token_ids) <= seq.num_generated_at_admission
+                or seq.params.max_new_tokens <= 1  # its first token is its last
                 or len(seq.output_token_ids) >= seq.params.max_new_tokens  # nothing to decode
             ):
                 decode.append(seq_id)
@@ -231,14 +232,19 @@ class Disaggregation:
                 loads = self._receivers(worker)
             receiver = pick_decode_worker(
                 (w for w in loads if self._ledger.get(w.worker_id).can_run(seq.adapter_id)),
-                seq.num_tokens(),
+                seq.num_tokens() + (1 if first_in_flight else 0),
             )
             if receiver is None:
                 decode.append(seq_id)  # no room anywhere: it decodes here this step
                 continue
-            handoffs.append(self._start(worker, seq, receiver.worker_id))
             loads = [_one_more(w, seq.num_tokens()) if w is receiver else w for w in loads]
             loads = [w for w in loads if w.num_decoding < self._batch_limit(w.worker_id)]
+            if first_in_flight:
+                # Its last prefill chunk is in flight (an overlapping worker): decoding it
+                # now would leave the sender holding more than the SEND books. It waits
+                # for its first token (the receiver's room counted for it), then is sent.
+                continue
+            handoffs.append(self._start(worker, seq, receiver.worker_id))
         return tuple(decode)
 
     def _receivers(self, sender: WorkerRecord) -> list[WorkerLoad]:
