@@ -405,3 +405,13 @@ def test_an_overlapping_prefill_worker_with_no_receiver_room_decodes_at_once():
     in_flight = sched.select_batch(report("p0", running=[first, second]))
     # d0 has room for one: the first waits for its token and is sent, the second decodes.
     assert in_flight.decode == (second,) and in_flight.handoffs == ()
+
+
+def test_handoff_min_tokens_sets_which_prompts_a_prefill_worker_takes():
+    sched = Scheduler(make_config(chunk_size=2048, handoff_min_tokens=2000), clock=FakeClock())
+    for worker_id, role in (("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)):
+        register(sched, worker_id, role=role, transfer_bytes_per_second=1e9, handoff_address="x:1")
+        sched.select_batch(report(worker_id))
+    seq_id = submit(sched, prompt_len=LONG)  # long by the default, short by this setting
+    assert admit(sched, "p0") == ()
+    assert admit(sched, "d0") == (seq_id,)
