@@ -397,6 +397,9 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
         role=WorkerRole(args.role),
         transfer_bytes_per_second=(args.transfer_gb_per_s or 0.0) * 1e9,
         handoff_address=handoff_address,
+        # A worker of role both registers as before roles: nothing of handoffs.
+        handoff_bytes_per_token=engine.handoff_bytes_per_token if args.role != "both" else 0.0,
+        handoff_fixed_bytes=engine.handoff_fixed_bytes if args.role != "both" else 0.0,
     )
     loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap, handoffs=agent)
     if handoff_server is not None:

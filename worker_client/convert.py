@@ -119,6 +119,8 @@ def register_request(resources: WorkerResources) -> pb.RegisterWorkerRequest:
         else _ROLE[resources.role],
         transfer_bytes_per_second=resources.transfer_bytes_per_second,
         handoff_address=resources.handoff_address,
+        handoff_bytes_per_token=resources.handoff_bytes_per_token,
+        handoff_fixed_bytes=resources.handoff_fixed_bytes,
     )
 
 
