@@ -415,3 +415,43 @@ def test_handoff_min_tokens_sets_which_prompts_a_prefill_worker_takes():
     seq_id = submit(sched, prompt_len=LONG)  # long by the default, short by this setting
     assert admit(sched, "p0") == ()
     assert admit(sched, "d0") == (seq_id,)
+
+
+def sized_fleet(bytes_per_token: float, decoding: int):
+    """p0 and d0 with handoff sizes registered (1 GB/s each); d0 decoding `decoding`
+    short sequences."""
+    sched = Scheduler(make_config(chunk_size=2048), clock=FakeClock())
+    for worker_id, role in (("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)):
+        register(
+            sched,
+            worker_id,
+            role=role,
+            transfer_bytes_per_second=1e9,
+            handoff_address=f"{worker_id}:7000",
+            handoff_bytes_per_token=bytes_per_token,
+            handoff_fixed_bytes=1e5,
+        )
+        sched.select_batch(report(worker_id))
+    short = [submit(sched, prompt_len=16) for _ in range(decoding)]
+    assert admit(sched, "d0") == tuple(short)
+    return sched, short
+
+
+@pytest.mark.parametrize(
+    ("bytes_per_token", "decoding", "prompt_len", "taker"),
+    [
+        (4096, 2, LONG, "p0"),  # pays: a small transfer beside the decodes it spares
+        (4096, 2, 100, "d0"),  # short prompt
+        (4096, 0, LONG, "d0"),  # idle decode worker: its prefill delays no one
+        (1e6, 2, LONG, "d0"),  # slow transfer: 1.1 GB at 1 GB/s costs more than it saves
+    ],
+)
+def test_with_handoff_sizes_the_rule_chooses_who_prefills(
+    bytes_per_token, decoding, prompt_len, taker
+):
+    sched, short = sized_fleet(bytes_per_token, decoding)
+    seq_id = submit(sched, prompt_len=prompt_len)
+    held = {"p0": [], "d0": short}  # d0 still runs its short sequences
+    other = "d0" if taker == "p0" else "p0"
+    assert admit(sched, other, running=held[other]) == ()
+    assert admit(sched, taker, running=held[taker]) == (seq_id,)
