@@ -396,15 +396,19 @@ def test_an_overlapping_prefill_worker_is_not_told_to_decode_before_its_first_to
     assert (send.num_tokens, send.num_generated) == (LONG, 1)
 
 
-def test_an_overlapping_prefill_worker_with_no_receiver_room_decodes_at_once():
+def test_an_overlapping_prefill_worker_with_no_receiver_room_decodes_after_its_token():
     sched = fleet(roles=("p0", "d0"))
     register(sched, "d0", role=WorkerRole.DECODE, transfer_bytes_per_second=1e9, max_batch_size=1)
     sched.select_batch(report("d0"))
     first, second = (submit(sched, prompt_len=LONG) for _ in range(2))
     assert admit(sched, "p0") == (first, second)
     in_flight = sched.select_batch(report("p0", running=[first, second]))
-    # d0 has room for one: the first waits for its token and is sent, the second decodes.
-    assert in_flight.decode == (second,) and in_flight.handoffs == ()
+    assert in_flight.decode == () and in_flight.handoffs == ()  # both wait for their token
+    tokens = {first: [FIRST], second: [FIRST]}
+    decision = sched.select_batch(report("p0", running=[first, second], tokens=tokens))
+    # d0 has room for one: the first is sent, the second decodes on p0.
+    assert [h.seq_id for h in decision.handoffs] == [first]
+    assert decision.decode == (second,)
 
 
 def test_handoff_min_tokens_sets_which_prompts_a_prefill_worker_takes():

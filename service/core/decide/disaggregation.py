@@ -287,23 +287,23 @@ class Disaggregation:
             ):
                 decode.append(seq_id)
                 continue
+            if first_in_flight:
+                # Its last prefill chunk is in flight (an overlapping worker): decoded now,
+                # the sender would hold more than a later SEND books. It waits for its
+                # first token; then it is sent, or decoded here if no receiver has room.
+                continue
             if loads is None:
                 loads = self._receivers(worker)
             receiver = pick_decode_worker(
                 (w for w in loads if self._ledger.get(w.worker_id).can_run(seq.adapter_id)),
-                seq.num_tokens() + (1 if first_in_flight else 0),
+                seq.num_tokens(),
             )
             if receiver is None:
                 decode.append(seq_id)  # no room anywhere: it decodes here this step
                 continue
+            handoffs.append(self._start(worker, seq, receiver.worker_id))
             loads = [_one_more(w, seq.num_tokens()) if w is receiver else w for w in loads]
             loads = [w for w in loads if w.num_decoding < self._batch_limit(w.worker_id)]
-            if first_in_flight:
-                # Its last prefill chunk is in flight (an overlapping worker): decoding it
-                # now would leave the sender holding more than the SEND books. It waits
-                # for its first token (the receiver's room counted for it), then is sent.
-                continue
-            handoffs.append(self._start(worker, seq, receiver.worker_id))
         return tuple(decode)
 
     def _receivers(self, sender: WorkerRecord) -> list[WorkerLoad]:
