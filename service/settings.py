@@ -192,6 +192,8 @@ _HELP = {
     "earliest deadline (arrival + target) first, and a request of negative "
     "priority that no worker can start in time is refused with "
     "RESOURCE_EXHAUSTED (0: off)",
+    "handoff_min_tokens": "prefill/decode disaggregation: prompts with fewer tokens to "
+    "compute stay with a worker that decodes; longer ones go to a prefill-only worker",
     "prefix_caching": "on: first chunks start from the asking worker's longest resume "
     "point (its prefix cache); off: ignore every cache report",
 }

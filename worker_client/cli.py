@@ -397,12 +397,11 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
         role=WorkerRole(args.role),
         transfer_bytes_per_second=(args.transfer_gb_per_s or 0.0) * 1e9,
         handoff_address=handoff_address,
+        # A worker of role both registers as before roles: nothing of handoffs.
+        handoff_bytes_per_token=engine.handoff_bytes_per_token if args.role != "both" else 0.0,
+        handoff_fixed_bytes=engine.handoff_fixed_bytes if args.role != "both" else 0.0,
     )
-    # A prefill worker reports in turn: with overlap its engine would decode a sequence
-    # once more while the report of its first token travels, and the state it then holds
-    # is no longer the one the scheduler's SEND books (docs/disaggregation.md).
-    overlap = not args.no_overlap and args.role != "prefill"
-    loop = WorkerLoop(engine, client, resources, overlap=overlap, handoffs=agent)
+    loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap, handoffs=agent)
     if handoff_server is not None:
         handoff_server.start()
         log.info(

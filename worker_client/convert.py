@@ -120,6 +120,8 @@ def register_request(resources: WorkerResources) -> pb.RegisterWorkerRequest:
         transfer_bytes_per_second=resources.transfer_bytes_per_second,
         handoff_address=resources.handoff_address,
         max_step_tokens=resources.max_step_tokens,
+        handoff_bytes_per_token=resources.handoff_bytes_per_token,
+        handoff_fixed_bytes=resources.handoff_fixed_bytes,
     )
 
 

@@ -85,17 +85,23 @@ class _Offer:
     chunks: tuple[StateChunk, ...]
 
 
+# How long a fetch waits for its transfer to be offered: an overlapping sender applies a
+# SEND only once the step it runs ends, and its receiver may ask before that.
+OFFER_WAIT_SECONDS = 5.0
+
+
 class OfferBook:
     """The transfers a sender serves: transfer_id -> the sequence's exported chunks
     (thread-safe: the loop offers and withdraws, the server's threads read)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._offers: dict[int, _Offer] = {}
 
     def offer(self, transfer_id: int, seq_id: int, chunks: tuple[StateChunk, ...]) -> None:
         with self._lock:
             self._offers[transfer_id] = _Offer(seq_id, chunks)
+            self._lock.notify_all()
 
     def withdraw(self, seq_ids) -> None:
         """Stop serving every transfer of these sequences."""
@@ -104,8 +110,13 @@ class OfferBook:
             for transfer_id in [t for t, o in self._offers.items() if o.seq_id in gone]:
                 del self._offers[transfer_id]
 
-    def get(self, transfer_id: int, seq_id: int) -> tuple[StateChunk, ...] | None:
+    def get(
+        self, transfer_id: int, seq_id: int, wait_seconds: float = 0.0
+    ) -> tuple[StateChunk, ...] | None:
+        """The transfer's chunks; None if it is not offered within `wait_seconds` (a
+        receiver may ask while its sender still runs the step before its SEND)."""
         with self._lock:
+            self._lock.wait_for(lambda: transfer_id in self._offers, max(0.0, wait_seconds))
             offer = self._offers.get(transfer_id)
         return None if offer is None or offer.seq_id != seq_id else offer.chunks
 
@@ -115,14 +126,19 @@ class OfferBook:
 
 
 class _Servicer(hpb_grpc.HandoffChannelServicer):
-    def __init__(self, offers: OfferBook, token: str | None) -> None:
+    def __init__(self, offers: OfferBook, token: str | None, offer_wait_seconds: float) -> None:
         self._offers = offers
         self._token = token
+        self._offer_wait_seconds = offer_wait_seconds
 
     def FetchSequence(self, request, context):
         if self._token is not None and not _has_token(context, self._token):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "handoff channel: wrong or no token")
-        chunks = self._offers.get(request.transfer_id, request.seq_id)
+        remaining = context.time_remaining()
+        wait = self._offer_wait_seconds
+        if remaining is not None:
+            wait = min(wait, remaining)
+        chunks = self._offers.get(request.transfer_id, request.seq_id, wait)
         if chunks is None:
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
@@ -153,13 +169,18 @@ class HandoffServer:
         credentials: grpc.ServerCredentials | None = None,
         token: str | None = None,
         max_workers: int = 4,
+        offer_wait_seconds: float = OFFER_WAIT_SECONDS,
     ) -> None:
+        """`offer_wait_seconds`: how long a fetch waits for its transfer to be offered
+        before it is answered NOT_FOUND (UNKNOWN_SEQUENCE)."""
         self.offers = offers
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers, thread_name_prefix="handoff"),
             options=_CHANNEL_OPTIONS,
         )
-        hpb_grpc.add_HandoffChannelServicer_to_server(_Servicer(offers, token), self._server)
+        hpb_grpc.add_HandoffChannelServicer_to_server(
+            _Servicer(offers, token, offer_wait_seconds), self._server
+        )
         address = f"{host}:{port}"
         if credentials is None:
             self.port = self._server.add_insecure_port(address)

@@ -32,6 +32,10 @@ class WorkerResources:
     transfer_bytes_per_second: float = 0.0  # how fast it moves a sequence to a peer; 0: unknown
     handoff_address: str = ""  # HOST:PORT of its handoff channel; empty: it cannot send
     max_step_tokens: int = 0  # most tokens its engine runs in one step; 0 = no limit
+    # What one handoff moves: attention KV bytes per token (every attention layer) and
+    # the GDN states' bytes (whatever the length); 0: unknown.
+    handoff_bytes_per_token: float = 0.0
+    handoff_fixed_bytes: float = 0.0
 
     @classmethod
     def of(

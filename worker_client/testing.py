@@ -138,6 +138,8 @@ class ScriptedEngine(CacheBooks):
     # Handoffs: not supported (the scripted engine keeps no state to move).
     # lattice-worker refuses --role prefill and decode for it.
     can_hand_off = False
+    handoff_bytes_per_token = 0.0
+    handoff_fixed_bytes = 0.0
 
     def export_sequence(self, seq_id: int, first_token: int = 0):
         raise NotImplementedError("ScriptedEngine cannot hand sequences off")

@@ -51,6 +51,9 @@ class SchedulerConfig:
     # Every policy: "on" uses the workers' prefix caches (resume points, cached_tokens on
     # first chunks); "off" ignores every cache report and never sets cached_tokens.
     prefix_caching: str = "on"
+    # Prefill/decode disaggregation: prompts with fewer tokens to compute than this stay
+    # with a worker that decodes (a prefill-only worker is not given them).
+    handoff_min_tokens: int = 1024
 
     def validate(self) -> SchedulerConfig:
         """Return self, or raise ConfigError naming the first bad setting and its limit."""
@@ -68,6 +71,7 @@ class SchedulerConfig:
         _at_least("min_prefill_chunk", self.min_prefill_chunk, 0)
         _at_least("kv_watermark_pages", self.kv_watermark_pages, 0)
         _at_least("max_loras", self.max_loras, 0)
+        _at_least("handoff_min_tokens", self.handoff_min_tokens, 0)
         if self.chunk_size > self.max_seq_len:
             raise ConfigError(
                 f"chunk_size ({self.chunk_size}) must not exceed max_seq_len ({self.max_seq_len})"
@@ -84,6 +88,7 @@ class SchedulerConfig:
             "min_prefill_chunk",
             "kv_watermark_pages",
             "max_loras",
+            "handoff_min_tokens",
         ):
             # Every one of these travels in a uint32 field on the wire, or bounds one.
             if getattr(self, name) > _UINT32_MAX:

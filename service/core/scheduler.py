@@ -116,7 +116,13 @@ class Scheduler:
         self._max_decision_bytes = max_decision_bytes
         self._lifecycle = lifecycle = Lifecycle(tables)
         steady = SteadyStep(tables, lifecycle)
-        handoffs = Disaggregation(tables, steady, config.lease_ttl_ms / 1000, wall_clock())
+        handoffs = Disaggregation(
+            tables,
+            steady,
+            config.lease_ttl_ms / 1000,
+            wall_clock(),
+            min_uncached_tokens=config.handoff_min_tokens,
+        )
         self._reconciler = Reconciler(tables, lifecycle, steady, handoffs)
         self._recovery = Recovery(tables, lifecycle, wall_clock)
         self._batcher = Batcher(

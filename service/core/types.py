@@ -163,6 +163,10 @@ class WorkerRegistration:
     transfer_bytes_per_second: float = 0.0
     # host:port of its handoff channel, for peers to fetch from ("": it cannot send).
     handoff_address: str = ""
+    # What one handoff moves: attention KV bytes per token over every attention layer,
+    # and the bytes of the GDN states (whatever the length); 0: unknown.
+    handoff_bytes_per_token: float = 0.0
+    handoff_fixed_bytes: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

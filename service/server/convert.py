@@ -171,6 +171,10 @@ def worker_registration(msg: pb.RegisterWorkerRequest) -> WorkerRegistration:
         role=_role(msg.role),
         transfer_bytes_per_second=_transfer_rate(msg.transfer_bytes_per_second),
         handoff_address=_checked_string("handoff_address", msg.handoff_address),
+        handoff_bytes_per_token=_not_negative(
+            "handoff_bytes_per_token", msg.handoff_bytes_per_token
+        ),
+        handoff_fixed_bytes=_not_negative("handoff_fixed_bytes", msg.handoff_fixed_bytes),
     )
 
 
@@ -187,9 +191,14 @@ def _role(number: int) -> WorkerRole:
 
 
 def _transfer_rate(rate: float) -> float:
-    if not 0 <= rate < float("inf"):  # NaN fails too
-        raise InvalidArgument(f"transfer_bytes_per_second must be 0 or above, got {rate}")
-    return rate
+    return _not_negative("transfer_bytes_per_second", rate)
+
+
+def _not_negative(name: str, value: float) -> float:
+    """A finite number of 0 or above (0: unknown)."""
+    if not 0 <= value < float("inf"):  # NaN fails too
+        raise InvalidArgument(f"{name} must be 0 or above, got {value}")
+    return value
 
 
 def _cache_block_tokens(msg: pb.RegisterWorkerRequest) -> int:

@@ -173,13 +173,8 @@ def add_parser(sub) -> None:
         help="whose shapes size a handoff: attention layers x tokens x KV bytes + GDN "
         f"layers x state bytes (default {DEFAULT_MODEL_SHAPE})",
     )
-    split.add_argument(
-        "--handoff-min-tokens",
-        type=int,
-        default=1024,
-        metavar="N",
-        help="prompts with fewer uncached tokens stay co-located (default 1024)",
-    )
+    # --handoff-min-tokens is a scheduler setting (service/settings.py): the same flag,
+    # the same meaning, in `serve` and here.
     split.add_argument(
         "--handoff-max-share",
         type=float,
@@ -318,7 +313,7 @@ def _run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         worker_speeds=tuple(args.worker_speeds),
         roles=Roles.parse(args.roles, args.workers) if _one_split(args.roles) else None,
-        transfer=transfer_model(args),
+        transfer=transfer_model(args, base.handoff_min_tokens),
     )
     _print_header(setup, configs, cost)
     bound = _print_bound(setup, configs[0])

@@ -18,7 +18,9 @@ _TABLE_PROMPTS = (1024, 4096, 8192)
 _ATTENTION_ONLY = {"qwen3-next-80b": "qwen3-next-80b-attention"}
 
 
-def transfer_model(args: argparse.Namespace) -> TransferModel:
+def transfer_model(args: argparse.Namespace, min_uncached_tokens: int) -> TransferModel:
+    """The transfer model of the flags; `min_uncached_tokens`: the scheduler setting
+    handoff_min_tokens, which the simulated rule shares with the core's."""
     if not args.transfer_gb_per_s > 0 or args.transfer_latency_ms < 0:
         raise ValueError("--transfer-gb-per-s must be above 0, --transfer-latency-ms not below")
     return TransferModel(
@@ -26,7 +28,7 @@ def transfer_model(args: argparse.Namespace) -> TransferModel:
         shape=MODEL_SHAPES[args.handoff_model],
         shape_name=args.handoff_model,
         rule=HandoffSettings(
-            min_uncached_tokens=args.handoff_min_tokens,
+            min_uncached_tokens=min_uncached_tokens,
             max_transfer_share=args.handoff_max_share,
             latency_seconds=args.transfer_latency_ms / 1000.0,
             max_prefill_wait_seconds=args.handoff_max_prefill_wait_s,

@@ -87,6 +87,18 @@ def test_export_carries_every_attention_position_and_gdn_layer(model):
     assert engine.export_sequence(99) is None
 
 
+def test_the_registered_handoff_sizes_are_what_an_export_moves(model):
+    engine = make_engine(model)
+    for seq_id, prompt_len in ((1, 21), (2, 40)):
+        spec = SequenceSpec(random_prompt(prompt_len, seed=seq_id), max_new_tokens=4)
+        _prefill_first_token(engine, seq_id, spec)
+        chunks = engine.export_sequence(seq_id)
+        kv = sum(len(c.data) for c in chunks if c.kind is StateKind.ATTENTION_KV)
+        assert kv == engine.handoff_bytes_per_token * prompt_len
+        assert sum(len(c.data) for c in chunks) - kv == engine.handoff_fixed_bytes
+    assert engine.handoff_fixed_bytes > 0  # a hybrid model: GDN states travel too
+
+
 def test_a_receiver_with_the_prefix_cached_fetches_only_the_rest(model):
     shared = random_prompt(2 * BLOCK, seed=5)
     spec = SequenceSpec((*shared, *random_prompt(13, seed=6)), NUM_NEW, ignore_eos=True)

@@ -51,6 +51,21 @@ def test_a_nonsense_transfer_rate_is_refused(rate):
         convert.worker_registration(registration(transfer_bytes_per_second=rate))
 
 
+def test_a_registration_carries_the_handoff_sizes():
+    assert convert.worker_registration(registration()).handoff_bytes_per_token == 0.0
+    reg = convert.worker_registration(
+        registration(handoff_bytes_per_token=4096.0, handoff_fixed_bytes=1.5e6)
+    )
+    assert (reg.handoff_bytes_per_token, reg.handoff_fixed_bytes) == (4096.0, 1.5e6)
+
+
+@pytest.mark.parametrize("name", ["handoff_bytes_per_token", "handoff_fixed_bytes"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_a_nonsense_handoff_size_is_refused(name, value):
+    with pytest.raises(InvalidArgument, match=name):
+        convert.worker_registration(registration(**{name: value}))
+
+
 def test_an_unknown_role_is_refused():
     with pytest.raises(InvalidArgument, match="role must be"):
         convert.worker_registration(registration(role=9))

@@ -379,3 +379,83 @@ def test_a_sequence_with_no_token_left_to_generate_is_not_handed_off():
     sched = fleet()
     seq_id, decision = prefilled(sched, max_new_tokens=1)  # its finish not reported yet
     assert decision.handoffs == () and decision.decode == (seq_id,)
+
+
+def test_an_overlapping_prefill_worker_is_not_told_to_decode_before_its_first_token():
+    # With overlap the worker reports while the last prefill chunk runs: decoding the
+    # sequence then would leave it holding more tokens than the SEND books.
+    sched = fleet()
+    seq_id = submit(sched, prompt_len=LONG)
+    assert admit(sched, "p0") == (seq_id,)
+    in_flight = sched.select_batch(report("p0", running=[seq_id]))
+    assert in_flight.decode == () and in_flight.handoffs == ()
+
+    decision = sched.select_batch(report("p0", running=[seq_id], tokens={seq_id: [FIRST]}))
+    (send,) = decision.handoffs
+    assert decision.decode == ()
+    assert (send.num_tokens, send.num_generated) == (LONG, 1)
+
+
+def test_an_overlapping_prefill_worker_with_no_receiver_room_decodes_after_its_token():
+    sched = fleet(roles=("p0", "d0"))
+    register(sched, "d0", role=WorkerRole.DECODE, transfer_bytes_per_second=1e9, max_batch_size=1)
+    sched.select_batch(report("d0"))
+    first, second = (submit(sched, prompt_len=LONG) for _ in range(2))
+    assert admit(sched, "p0") == (first, second)
+    in_flight = sched.select_batch(report("p0", running=[first, second]))
+    assert in_flight.decode == () and in_flight.handoffs == ()  # both wait for their token
+    tokens = {first: [FIRST], second: [FIRST]}
+    decision = sched.select_batch(report("p0", running=[first, second], tokens=tokens))
+    # d0 has room for one: the first is sent, the second decodes on p0.
+    assert [h.seq_id for h in decision.handoffs] == [first]
+    assert decision.decode == (second,)
+
+
+def test_handoff_min_tokens_sets_which_prompts_a_prefill_worker_takes():
+    sched = Scheduler(make_config(chunk_size=2048, handoff_min_tokens=2000), clock=FakeClock())
+    for worker_id, role in (("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)):
+        register(sched, worker_id, role=role, transfer_bytes_per_second=1e9, handoff_address="x:1")
+        sched.select_batch(report(worker_id))
+    seq_id = submit(sched, prompt_len=LONG)  # long by the default, short by this setting
+    assert admit(sched, "p0") == ()
+    assert admit(sched, "d0") == (seq_id,)
+
+
+def sized_fleet(bytes_per_token: float, decoding: int):
+    """p0 and d0 with handoff sizes registered (1 GB/s each); d0 decoding `decoding`
+    short sequences."""
+    sched = Scheduler(make_config(chunk_size=2048), clock=FakeClock())
+    for worker_id, role in (("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)):
+        register(
+            sched,
+            worker_id,
+            role=role,
+            transfer_bytes_per_second=1e9,
+            handoff_address=f"{worker_id}:7000",
+            handoff_bytes_per_token=bytes_per_token,
+            handoff_fixed_bytes=1e5,
+        )
+        sched.select_batch(report(worker_id))
+    short = [submit(sched, prompt_len=16) for _ in range(decoding)]
+    assert admit(sched, "d0") == tuple(short)
+    return sched, short
+
+
+@pytest.mark.parametrize(
+    ("bytes_per_token", "decoding", "prompt_len", "taker"),
+    [
+        (4096, 2, LONG, "p0"),  # pays: a small transfer beside the decodes it spares
+        (4096, 2, 100, "d0"),  # short prompt
+        (4096, 0, LONG, "d0"),  # idle decode worker: its prefill delays no one
+        (1e6, 2, LONG, "d0"),  # slow transfer: 1.1 GB at 1 GB/s costs more than it saves
+    ],
+)
+def test_with_handoff_sizes_the_rule_chooses_who_prefills(
+    bytes_per_token, decoding, prompt_len, taker
+):
+    sched, short = sized_fleet(bytes_per_token, decoding)
+    seq_id = submit(sched, prompt_len=prompt_len)
+    held = {"p0": [], "d0": short}  # d0 still runs its short sequences
+    other = "d0" if taker == "p0" else "p0"
+    assert admit(sched, other, running=held[other]) == ()
+    assert admit(sched, taker, running=held[taker]) == (seq_id,)

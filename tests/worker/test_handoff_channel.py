@@ -24,6 +24,8 @@ from worker_client.handoff_channel import (
 )
 
 TOKEN = "handoff-secret"
+# How long the sender waits for a transfer to be offered before NOT_FOUND.
+WAIT = 1.0
 
 
 def _chunks() -> tuple[StateChunk, ...]:
@@ -48,7 +50,7 @@ def _chunks() -> tuple[StateChunk, ...]:
 @pytest.fixture
 def sender():
     offers = OfferBook()
-    server = HandoffServer(offers, host="127.0.0.1", token=TOKEN)
+    server = HandoffServer(offers, host="127.0.0.1", token=TOKEN, offer_wait_seconds=WAIT)
     server.start()
     yield offers, f"127.0.0.1:{server.port}"
     server.stop(0)
@@ -84,6 +86,13 @@ def test_trim_drops_chunks_wholly_before_the_first_token():
     assert trim(chunk, 4) is None
     assert trim(chunk, 2) is chunk
     assert trim(chunk, 3) == StateChunk(StateKind.ATTENTION_KV, 0, b"cdYZ", 3, 1)
+
+
+def test_a_fetch_that_comes_before_its_offer_gets_it_once_offered(sender):
+    # An overlapping sender applies its SEND when its step ends; the receiver may ask first.
+    offers, address = sender
+    threading.Timer(WAIT / 4, offers.offer, (7, 3, _chunks())).start()
+    assert _fetch(address).chunks == _chunks()
 
 
 def test_an_unknown_or_withdrawn_transfer_is_unknown_sequence(sender):

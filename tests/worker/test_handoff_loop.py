@@ -265,6 +265,20 @@ def test_a_worker_of_role_both_registers_as_before_roles():
     )
 
 
+def test_a_prefill_worker_registers_its_handoff_sizes():
+    resources = WorkerResources(
+        "w",
+        total_kv_pages=8,
+        page_size=4,
+        total_gdn_slots=2,
+        role=WorkerRole.PREFILL,
+        handoff_bytes_per_token=512.0,
+        handoff_fixed_bytes=16384.0,
+    )
+    request = convert.register_request(resources)
+    assert (request.handoff_bytes_per_token, request.handoff_fixed_bytes) == (512.0, 16384.0)
+
+
 def _prefilled_sender(workers, num_tokens: int) -> Worker:
     """A prefill worker that prefilled PROMPT as sequence 1 and was told to SEND it."""
     sender = workers("prefill-0", WorkerRole.PREFILL, serve=True)

@@ -90,7 +90,7 @@ class Worker:
             self.client,
             resources,
             idle_sleep_seconds=0.002,
-            overlap=role is not WorkerRole.PREFILL,  # as lattice-worker runs them
+            overlap=True,  # as lattice-worker runs them, prefill workers too
             handoffs=self.agent if role is not WorkerRole.BOTH else None,
         )
         self.stop = threading.Event()

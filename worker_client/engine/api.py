@@ -225,6 +225,10 @@ class Engine(Protocol):
     # Handoffs (docs/disaggregation.md): an engine that cannot move a sequence to a peer
     # says so with `can_hand_off = False` and raises NotImplementedError from both.
     can_hand_off: bool
+    # What one handoff moves (0 where it cannot hand off): attention KV bytes per token
+    # over every attention layer, and the bytes of the GDN states whatever the length.
+    handoff_bytes_per_token: float
+    handoff_fixed_bytes: float
 
     def export_sequence(self, seq_id: int, first_token: int = 0) -> tuple[StateChunk, ...] | None:
         """A copy of running `seq_id`'s state: the attention KV of positions

@@ -152,6 +152,27 @@ class ModelEngine(CacheBooks):
         )
         self._held: dict[int, HeldSequence] = {}  # in admission order
         self._num_admissions = 0
+        # What a handoff moves (export_sequence's chunks, less their framing).
+        self.handoff_bytes_per_token = float(
+            PagedKVCache.bytes_per_page(
+                config.num_full_attention_layers,
+                1,
+                config.num_key_value_heads,
+                config.head_dim,
+                dtype,
+            )
+        )
+        self.handoff_fixed_bytes = float(
+            GdnStatePool.bytes_per_slot(
+                config.num_linear_attention_layers,
+                config.linear_conv_dim,
+                config.linear_conv_kernel_dim,
+                config.linear_num_value_heads,
+                config.linear_key_head_dim,
+                config.linear_value_head_dim,
+                dtype,
+            )
+        )
 
     def gdn_free_slots(self) -> int:
         return self._state_pool.num_free_slots()

@@ -233,6 +233,8 @@ class VllmEngine:
     # Handoffs: not supported (vLLM's KV connectors would move it; not built (docs/disaggregation.md)).
     # lattice-worker refuses --role prefill and decode for it.
     can_hand_off = False
+    handoff_bytes_per_token = 0.0
+    handoff_fixed_bytes = 0.0
 
     def export_sequence(self, seq_id: int, first_token: int = 0):
         raise NotImplementedError("VllmEngine cannot hand sequences off")

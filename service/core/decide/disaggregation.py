@@ -22,7 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from service.core.decide.handoff import WorkerLoad, pick_decode_worker
+from service.core.decide.handoff import (
+    HandoffInput,
+    HandoffSettings,
+    ModelShape,
+    WorkerLoad,
+    choose_handoff,
+    pick_decode_worker,
+)
+from service.core.decide.policies.affinity import AffinityPrice
+from service.core.learn.step_model import StepTimeModel
 from service.core.tables.handoffs import (
     Handoff,
     HandoffAction,
@@ -80,6 +89,9 @@ class Disaggregation:
         self._steady = steady
         self._timeout_seconds = timeout_seconds
         self._min_uncached_tokens = min_uncached_tokens
+        self._rule_settings = HandoffSettings(min_uncached_tokens=min_uncached_tokens)
+        # A prompt's prefill time as the rule weighs it: the cautious default step model.
+        self._price = AffinityPrice(StepTimeModel())
         self._book = HandoffBook(timeout_seconds)
         self._next_transfer_id = int(started_at * 1000) << 20
         # Per receiver, the (seq_id, transfer_id) whose RECEIVE its next decision carries.
@@ -109,10 +121,57 @@ class Disaggregation:
         if role is WorkerRole.PREFILL:
             if not any(w.registration.role.decodes for w in others):
                 return None
+            rule = self._rule(worker, others)
+            if rule is not None:
+                return lambda seq: rule(seq, 0)
             return lambda seq: seq.num_tokens() >= minimum
-        if not any(w.registration.role is WorkerRole.PREFILL for w in others):
+        senders = [w for w in others if w.registration.role is WorkerRole.PREFILL]
+        if not senders:
             return None
+        rule = self._rule(senders[0], [worker, *others])
+        if rule is not None:
+            return lambda seq: not rule(seq, cached_tokens(seq))
         return lambda seq: seq.num_tokens() - cached_tokens(seq) < minimum
+
+    def _rule(
+        self, sender: WorkerRecord, fleet: list[WorkerRecord]
+    ) -> Callable[[Sequence, int], bool] | None:
+        """Whether a prompt (with its tokens cached where it would stay) is handed off,
+        by choose_handoff: against the least busy decode-only worker of `fleet` and the
+        slower of the two rates. None when `sender` registered no handoff sizes (the
+        token threshold alone decides, as before sizes were known). Both sides ask the
+        same question of the same fleet, so a prompt one refuses the other takes."""
+        registration = sender.registration
+        if registration.handoff_bytes_per_token <= 0:
+            return None
+        receivers = [w for w in fleet if w.registration.role is WorkerRole.DECODE]
+        if not receivers:
+            return None
+        shape = ModelShape(
+            attention_layers=1,
+            kv_bytes_per_token=round(registration.handoff_bytes_per_token),
+            gdn_layers=1,
+            gdn_state_bytes=round(registration.handoff_fixed_bytes),
+        )
+        receiver = min(receivers, key=lambda w: (len(w.assigned), w.worker_id))
+        rate = min(
+            registration.transfer_bytes_per_second,
+            receiver.registration.transfer_bytes_per_second,
+        )
+        settings, price = self._rule_settings, self._price
+
+        def hands_off(seq: Sequence, cached: int) -> bool:
+            num_tokens = seq.num_tokens()
+            request = HandoffInput(
+                prompt_tokens=num_tokens,
+                cached_tokens=cached,
+                prefill_seconds=price.prefill_seconds(num_tokens, cached),
+                num_decoding=len(receiver.assigned),
+                transfer_bytes_per_second=rate,
+            )
+            return choose_handoff(request, shape, settings).handoff
+
+        return hands_off
 
     # ------------------------------------------------------------- reports
 
@@ -218,14 +277,20 @@ class Disaggregation:
             if self._book.get(seq_id) is not None:
                 continue  # being sent: held for the receiver, not decoded
             seq = worker.assigned[seq_id]
+            first_in_flight = len(seq.output_token_ids) <= seq.num_generated_at_admission
             if (
                 not address
                 or rate <= 0
                 or (kept and kept.get(seq_id) == seq.admission_order)
-                or len(seq.output_token_ids) <= seq.num_generated_at_admission
+                or seq.params.max_new_tokens <= 1  # its first token is its last
                 or len(seq.output_token_ids) >= seq.params.max_new_tokens  # nothing to decode
             ):
                 decode.append(seq_id)
+                continue
+            if first_in_flight:
+                # Its last prefill chunk is in flight (an overlapping worker): decoded now,
+                # the sender would hold more than a later SEND books. It waits for its
+                # first token; then it is sent, or decoded here if no receiver has room.
                 continue
             if loads is None:
                 loads = self._receivers(worker)

@@ -205,7 +205,7 @@ class SequenceInfo(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., state: _Optional[_Union[SequenceState, str]] = ..., worker_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_position: _Optional[int] = ..., error_message: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "total_kv_pages", "page_size", "total_gdn_slots", "max_batch_size", "adapters", "cache_block_tokens", "total_snapshot_slots", "max_step_tokens", "role", "transfer_bytes_per_second", "handoff_address")
+    __slots__ = ("worker_id", "total_kv_pages", "page_size", "total_gdn_slots", "max_batch_size", "adapters", "cache_block_tokens", "total_snapshot_slots", "max_step_tokens", "role", "transfer_bytes_per_second", "handoff_address", "handoff_bytes_per_token", "handoff_fixed_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,8 @@ class RegisterWorkerRequest(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIXED_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     total_kv_pages: int
     page_size: int
@@ -230,7 +232,9 @@ class RegisterWorkerRequest(_message.Message):
     role: WorkerRole
     transfer_bytes_per_second: float
     handoff_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., total_gdn_slots: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., cache_block_tokens: _Optional[int] = ..., total_snapshot_slots: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., transfer_bytes_per_second: _Optional[float] = ..., handoff_address: _Optional[str] = ...) -> None: ...
+    handoff_bytes_per_token: float
+    handoff_fixed_bytes: float
+    def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., total_gdn_slots: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., cache_block_tokens: _Optional[int] = ..., total_snapshot_slots: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., transfer_bytes_per_second: _Optional[float] = ..., handoff_address: _Optional[str] = ..., handoff_bytes_per_token: _Optional[float] = ..., handoff_fixed_bytes: _Optional[float] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("chunk_size", "max_batch_size", "prefill_reserve_pages", "lease_ttl_ms", "incarnation", "accepts_token_runs", "accepts_running_unchanged")

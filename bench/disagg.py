@@ -1,0 +1,235 @@
+"""Prefill/decode disaggregation on the real CPU stack (issue 31's target: "2 workers,
+long prompts mixed with decodes at a fixed load: TPOT p99 with 1P1D vs 2 co-located").
+
+A `lattice-scheduler serve` process and two `lattice-worker --model tiny` processes (the
+reference engine, seeded random Qwen3.5 weights, CPU): once as two co-located workers
+(`--role both`), once as one prefill and one decode worker (`--role prefill` / `decode`,
+handoff channels on loopback). The same arrival trace against each: Poisson arrivals, a
+mix of long prompts (--long-tokens, above the scheduler's 1,024-token handoff threshold)
+and short ones, every request --max-new-tokens output tokens (ignore_eos), so decodes
+overlap the long prefills. Prints side by side: TTFT p50/p99, TPOT p50/p99 (per request,
+(end - first token) / (tokens - 1)), output tokens per second, prompt tokens computed per
+worker (the scheduler's lattice_scheduler_worker_prefill_tokens_total) and handoffs by
+how they ended (lattice_scheduler_handoffs_total), with the load average.
+
+    .venv/bin/python -m bench.disagg --quick
+
+What it does not show: the scheduler and both workers share this machine's cores (2 on
+the development box), so the prefill worker's compute slows the decode worker's as much
+as a co-located prefill would; the figure shows the mechanism's cost and where prompts
+ran, not the overlap two accelerators would give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from bench.harness.processes import (
+    Proc,
+    Scheduler,
+    start_scheduler,
+    stop_all,
+    wait_for_workers,
+)
+from bench.harness.tables import load_note, pct, print_table
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+SETUPS = {
+    "2 co-located": ("both", "both"),
+    "1P1D": ("prefill", "decode"),
+}
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at_seconds: float
+    prompt: list[int]
+
+
+@dataclass
+class Outcome:
+    ttft_seconds: float | None = None
+    e2e_seconds: float = 0.0
+    num_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class Result:
+    outcomes: list[Outcome] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    prompt_tokens: dict[str, float] = field(default_factory=dict)
+    handoffs: dict[str, float] = field(default_factory=dict)
+    load: str = ""
+
+
+def trace(args) -> list[Arrival]:
+    """Poisson arrivals at --qps; a --long-share of the prompts --long-tokens long, the
+    others --short-tokens."""
+    rng = random.Random(args.seed)
+    at, arrivals = 0.0, []
+    for _ in range(args.num_requests):
+        at += rng.expovariate(args.qps)
+        length = args.long_tokens if rng.random() < args.long_share else args.short_tokens
+        arrivals.append(Arrival(at, [rng.randrange(2, 500) for _ in range(length)]))
+    return arrivals
+
+
+def _worker(scheduler: Scheduler, index: int, role: str, args) -> Proc:
+    argv = [
+        sys.executable, "-m", "worker_client",
+        "--scheduler", scheduler.target,
+        "--worker-id", f"{role}-{index}",
+        "--model", "tiny",
+        "--device", "cpu",
+        "--threads", str(args.threads),
+        "--kv-pages", str(args.kv_pages),
+        "--log-format", "json",
+        "--role", role,
+    ]  # fmt: skip
+    if role != "both":
+        argv += ["--handoff-port", "0", "--transfer-gb-per-s", str(args.transfer_gb_per_s)]
+    return Proc(argv)
+
+
+def _one(stub, arrival: Arrival, args, started: float, outcome: Outcome) -> None:
+    time.sleep(max(0.0, started + arrival.at_seconds - time.perf_counter()))
+    sent = time.perf_counter()
+    try:
+        for event in stub.Generate(
+            pb.SubmitRequest(
+                prompt_token_ids=arrival.prompt,
+                max_new_tokens=args.max_new_tokens,
+                sampling=pb.SamplingParams(ignore_eos=True),
+            ),
+            timeout=args.request_timeout_s,
+        ):
+            if event.token_ids and outcome.ttft_seconds is None:
+                outcome.ttft_seconds = time.perf_counter() - sent
+            outcome.num_tokens += len(event.token_ids)
+    except grpc.RpcError as exc:
+        outcome.error = exc.code().name
+    outcome.e2e_seconds = time.perf_counter() - sent
+
+
+def run(roles: tuple[str, str], arrivals: list[Arrival], args) -> Result:
+    scheduler = start_scheduler()
+    workers = [_worker(scheduler, i, role, args) for i, role in enumerate(roles)]
+    channel = grpc.insecure_channel(scheduler.target)
+    stub = pb_grpc.SchedulerStub(channel)
+    result = Result(outcomes=[Outcome() for _ in arrivals])
+    try:
+        wait_for_workers(stub, len(workers), timeout_seconds=180)
+        # One short request first, so that both setups start with warm engines.
+        stub.Generate(pb.SubmitRequest(prompt_token_ids=[3] * 16, max_new_tokens=2), timeout=120)
+        started = time.perf_counter()
+        threads = [
+            threading.Thread(target=_one, args=(stub, a, args, started, o))
+            for a, o in zip(arrivals, result.outcomes)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        result.wall_seconds = time.perf_counter() - started
+        result.load = load_note()
+        result.prompt_tokens = {
+            dict(labels)["worker_id"]: value
+            for labels, value in _summed(
+                scheduler.samples("lattice_scheduler_worker_prefill_tokens_total"), "worker_id"
+            ).items()
+        }
+        result.handoffs = {
+            dict(labels)["end"]: value
+            for labels, value in scheduler.samples("lattice_scheduler_handoffs_total").items()
+        }
+    finally:
+        channel.close()
+        stop_all(*workers, scheduler.proc)
+    return result
+
+
+def _summed(samples: dict[tuple, float], key: str) -> dict[tuple, float]:
+    """Samples added up over every label but `key`."""
+    totals: dict[tuple, float] = {}
+    for labels, value in samples.items():
+        k = ((key, dict(labels)[key]),)
+        totals[k] = totals.get(k, 0.0) + value
+    return totals
+
+
+def _row(label: str, result: Result) -> list[object]:
+    ok = [o for o in result.outcomes if not o.error and o.ttft_seconds is not None]
+    ttft = [o.ttft_seconds for o in ok]
+    tpot = [(o.e2e_seconds - o.ttft_seconds) / (o.num_tokens - 1) for o in ok if o.num_tokens > 1]
+    tokens = sum(o.num_tokens for o in ok)
+    done = result.handoffs.get("done", 0.0)
+    failed = sum(v for end, v in result.handoffs.items() if end != "done")
+    return [
+        label,
+        f"{pct(ttft, 50) * 1000:.0f} / {pct(ttft, 99) * 1000:.0f}" if ttft else "-",
+        f"{pct(tpot, 50) * 1000:.1f} / {pct(tpot, 99) * 1000:.1f}" if tpot else "-",
+        f"{tokens / result.wall_seconds:.1f}",
+        " ".join(f"{w}={v:.0f}" for w, v in sorted(result.prompt_tokens.items())),
+        f"{done:.0f} / {failed:.0f}",
+        len(result.outcomes) - len(ok),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.disagg", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="a short trace (a few minutes)")
+    parser.add_argument("--num-requests", type=int, default=60)
+    parser.add_argument("--qps", type=float, default=0.5)
+    parser.add_argument("--long-share", type=float, default=0.3)
+    parser.add_argument("--long-tokens", type=int, default=2048)
+    parser.add_argument("--short-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--kv-pages", type=int, default=2048)
+    parser.add_argument("--transfer-gb-per-s", type=float, default=1.0)
+    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.max_new_tokens = 16, 32
+    arrivals = trace(args)
+    num_long = sum(len(a.prompt) == args.long_tokens for a in arrivals)
+    print(
+        f"{len(arrivals)} requests, Poisson at {args.qps} /s, {num_long} of "
+        f"{args.long_tokens} tokens, the others {args.short_tokens}, {args.max_new_tokens} "
+        f"output tokens each; tiny Qwen3.5 on CPU, {args.threads} torch thread(s) a worker"
+    )
+    rows = []
+    for label in args.setups:
+        result = run(SETUPS[label], arrivals, args)
+        print(f"{label}: {result.wall_seconds:.1f} s {result.load}", flush=True)
+        rows.append(_row(label, result))
+    print_table(
+        [
+            "setup",
+            "TTFT p50 / p99 ms",
+            "TPOT p50 / p99 ms",
+            "out tok/s",
+            "prompt tokens per worker",
+            "handoffs done / failed",
+            "errors",
+        ],
+        rows,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
