@@ -194,6 +194,9 @@ _HELP = {
     "RESOURCE_EXHAUSTED (0: off)",
     "handoff_min_tokens": "prefill/decode disaggregation: prompts with fewer tokens to "
     "compute stay with a worker that decodes; longer ones go to a prefill-only worker",
+    "handoff_rule": "prefill/decode disaggregation: threshold hands off every prompt of at "
+    "least handoff_min_tokens; priced hands off only where the transfer pays against the "
+    "decode worker's load (needs workers that register their handoff sizes)",
     "prefix_caching": "on: first chunks start from the asking worker's longest resume "
     "point (its prefix cache); off: ignore every cache report",
 }

@@ -54,6 +54,12 @@ class SchedulerConfig:
     # Prefill/decode disaggregation: prompts with fewer tokens to compute than this stay
     # with a worker that decodes (a prefill-only worker is not given them).
     handoff_min_tokens: int = 1024
+    # Prefill/decode disaggregation: "threshold" hands off every prompt of at least
+    # handoff_min_tokens to compute; "priced" asks service/core/decide/handoff.py's rule
+    # (transfer time against the receiver's decodes) where the sender registered its
+    # handoff sizes. Default threshold: the priced rule kept long prompts on an idle decode
+    # worker and made later decodes wait (docs/disaggregation.md, bench/disagg.py).
+    handoff_rule: str = "threshold"
 
     def validate(self) -> SchedulerConfig:
         """Return self, or raise ConfigError naming the first bad setting and its limit."""
@@ -138,6 +144,10 @@ class SchedulerConfig:
                 f"max_batch_size ({self.max_batch_size}) must not exceed max_worker_batch_size "
                 f"({self.max_worker_batch_size})"
             )
+        if self.handoff_rule not in ("threshold", "priced"):
+            raise ConfigError(
+                f"handoff_rule must be threshold or priced, got {self.handoff_rule!r}"
+            )
         if self.prefix_caching not in ("on", "off"):
             raise ConfigError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
         if self.policy not in POLICIES:
@@ -173,7 +183,7 @@ class SchedulerConfig:
 
 
 def _check_type(name: str, value: object) -> None:
-    if name in ("policy", "prefix_caching"):
+    if name in ("policy", "prefix_caching", "handoff_rule"):
         ok, expected = isinstance(value, str), "str"
     elif name in ("aging_seconds", "tpot_target_ms", "ttft_target_ms"):
         ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"

@@ -122,6 +122,7 @@ class Scheduler:
             config.lease_ttl_ms / 1000,
             wall_clock(),
             min_uncached_tokens=config.handoff_min_tokens,
+            priced=config.handoff_rule == "priced",
         )
         self._reconciler = Reconciler(tables, lifecycle, steady, handoffs)
         self._recovery = Recovery(tables, lifecycle, wall_clock)

@@ -421,10 +421,10 @@ def test_handoff_min_tokens_sets_which_prompts_a_prefill_worker_takes():
     assert admit(sched, "d0") == (seq_id,)
 
 
-def sized_fleet(bytes_per_token: float, decoding: int):
+def sized_fleet(bytes_per_token: float, decoding: int, rule: str = "priced"):
     """p0 and d0 with handoff sizes registered (1 GB/s each); d0 decoding `decoding`
-    short sequences."""
-    sched = Scheduler(make_config(chunk_size=2048), clock=FakeClock())
+    short sequences; the scheduler's handoff_rule `rule`."""
+    sched = Scheduler(make_config(chunk_size=2048, handoff_rule=rule), clock=FakeClock())
     for worker_id, role in (("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)):
         register(
             sched,
@@ -459,3 +459,15 @@ def test_with_handoff_sizes_the_rule_chooses_who_prefills(
     other = "d0" if taker == "p0" else "p0"
     assert admit(sched, other, running=held[other]) == ()
     assert admit(sched, taker, running=held[taker]) == (seq_id,)
+
+
+@pytest.mark.parametrize(("bytes_per_token", "decoding"), [(4096, 0), (1e6, 2)])
+def test_the_default_threshold_rule_hands_off_every_long_prompt_despite_sizes(
+    bytes_per_token, decoding
+):
+    # The cases the priced rule keeps on the decode worker (idle there; a slow
+    # transfer): under the default rule the prefill worker takes them all the same.
+    sched, short = sized_fleet(bytes_per_token, decoding, rule="threshold")
+    seq_id = submit(sched, prompt_len=LONG)
+    assert admit(sched, "d0", running=short) == ()
+    assert admit(sched, "p0") == (seq_id,)

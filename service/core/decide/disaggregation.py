@@ -77,10 +77,12 @@ class Disaggregation:
         timeout_seconds: float,
         started_at: float,
         min_uncached_tokens: int = DEFAULT_MIN_UNCACHED_TOKENS,
+        priced: bool = False,
     ) -> None:
         """`timeout_seconds`: how long a receiver has to report an import;
         `started_at`: the wall clock now, in seconds (transfer ids start above any a
-        scheduler started before this one handed out: 2**20 a millisecond)."""
+        scheduler started before this one handed out: 2**20 a millisecond); `priced`: ask
+        the handoff rule where a sender registered its sizes (else the threshold alone)."""
         self._sequences = tables.sequences
         self._ledger = tables.ledger
         self._changes = tables.changes
@@ -89,6 +91,7 @@ class Disaggregation:
         self._steady = steady
         self._timeout_seconds = timeout_seconds
         self._min_uncached_tokens = min_uncached_tokens
+        self._priced = priced
         self._rule_settings = HandoffSettings(min_uncached_tokens=min_uncached_tokens)
         # A prompt's prefill time as the rule weighs it: the cautious default step model.
         self._price = AffinityPrice(StepTimeModel())
@@ -142,7 +145,7 @@ class Disaggregation:
         token threshold alone decides, as before sizes were known). Both sides ask the
         same question of the same fleet, so a prompt one refuses the other takes."""
         registration = sender.registration
-        if registration.handoff_bytes_per_token <= 0:
+        if not self._priced or registration.handoff_bytes_per_token <= 0:
             return None
         receivers = [w for w in fleet if w.registration.role is WorkerRole.DECODE]
         if not receivers:
