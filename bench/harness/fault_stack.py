@@ -416,6 +416,11 @@ class Clients:
             thread.join(max(0.0, end - time.monotonic()))
         self._channel.close()
 
+    def stop_submitting(self) -> None:
+        """Submit no more jobs; those acknowledged are still collected."""
+        with self._lock:
+            self._to_submit = iter(())
+
     def running(self) -> bool:
         """Whether the submitter or any collector is still at work."""
         return any(thread.is_alive() for thread in self._threads)
