@@ -35,8 +35,9 @@ from pathlib import Path
 from bench.harness.fault_stack import Clients, Stack, check
 from bench.harness.handoff_stack import (
     handoff_counts,
-    handoff_jobs,
+    handoff_prompts,
     handoffs_in_flight,
+    set_expected,
     start_role_worker,
 )
 from bench.harness.tables import markdown_table
@@ -52,7 +53,9 @@ class Cycles:
         self.roles = {SENDER: "prefill"}
         self.roles.update({f"decode-{i}": "decode" for i in range(args.decoders)})
         self.stack = Stack(directory, num_workers=0, lease_ttl_ms=args.lease_ttl_ms)
-        self.jobs = handoff_jobs(args.sequences, seed=args.seed, prefix=f"kills-{args.seed}")
+        # A stream longer than the run needs; only the jobs submitted get their expected
+        # tokens from the reference engine, after the run.
+        self.jobs = handoff_prompts(args.sequences, seed=args.seed, prefix=f"kills-{args.seed}")
         self.clients: Clients | None = None
         self.kills = {"sender": 0, "receiver": 0}
         self.kills_mid_handoff = 0
@@ -101,6 +104,8 @@ class Cycles:
             paused = [self.stack.workers[w] for w in receivers]
             for proc in paused:
                 proc.popen.send_signal(signal.SIGSTOP)
+            # Only a handoff begun from here on is one no receiver can have fetched.
+            self.started_at_last_kill = handoff_counts(self.stack)["started"]
             try:
                 # Well inside the receivers' lease: they must not lose it while paused.
                 pause_seconds = 0.5 * self.args.lease_ttl_ms / 1000
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sequences",
         type=int,
         default=0,
-        help="jobs prepared for the stream (0: 10 per cycle); submissions stop after "
+        help="jobs prepared for the stream (0: 40 per cycle); submissions stop after "
         "the last cycle",
     )
     parser.add_argument("--submit-interval-seconds", type=float, default=0.4)
@@ -221,15 +226,18 @@ def main(argv: list[str] | None = None) -> int:
         args.cycles = 4
     if args.cycles < 1 or args.decoders < 1:
         parser.error("--cycles and --decoders must be at least 1")
-    args.sequences = args.sequences or 10 * args.cycles
+    args.sequences = args.sequences or 40 * args.cycles
 
     directory = Path(tempfile.mkdtemp(prefix="lattice-handoff-kills-"))
     started = time.monotonic()
     cycles = Cycles(args, directory)
-    print(f"{len(cycles.jobs)} jobs prepared; stack and logs in {directory}", flush=True)
+    print(f"{len(cycles.jobs)} prompts prepared; stack and logs in {directory}", flush=True)
     try:
         cycles.run()
         counts = handoff_counts(cycles.stack)
+        submitted = [j for j in cycles.jobs if j.first_sent_at is not None]
+        print(f"reference engine: expected tokens of the {len(submitted)} jobs submitted")
+        set_expected(submitted)
         outcome = check(cycles.stack.stub, cycles.jobs)
     finally:
         if cycles.clients is not None:

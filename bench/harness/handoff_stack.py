@@ -22,6 +22,28 @@ NEW_TOKENS_RANGE = (16, 32)
 def handoff_jobs(count: int, *, seed: int = 7, prefix: str = "handoff") -> list[Job]:
     """`count` jobs of long random prompts, each with the tokens the reference engine
     generates for it alone (greedy) and its finish reason (EOS or max length)."""
+    jobs = handoff_prompts(count, seed=seed, prefix=prefix)
+    set_expected(jobs)
+    return jobs
+
+
+def handoff_prompts(count: int, *, seed: int = 7, prefix: str = "handoff") -> list[Job]:
+    """`count` jobs of long random prompts, their expected tokens not set yet (cheap: a
+    long stream can be prepared, and only the jobs submitted given `set_expected`)."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(count):
+        prompt = [rng.randrange(2, 500) for _ in range(rng.randint(*PROMPT_TOKENS_RANGE))]
+        max_new_tokens = rng.randint(*NEW_TOKENS_RANGE)
+        jobs.append(
+            Job(f"{prefix}-{i}", prompt, max_new_tokens, [], [], pb.FINISH_REASON_UNSPECIFIED)
+        )
+    return jobs
+
+
+def set_expected(jobs: list[Job]) -> None:
+    """Set each job's expected tokens and finish reason from the reference engine run
+    on it alone (greedy, CPU, float32)."""
     import torch
 
     from worker_client.engine.api import ChunkWork, SequenceSpec
@@ -29,23 +51,18 @@ def handoff_jobs(count: int, *, seed: int = 7, prefix: str = "handoff") -> list[
     from worker_client.engine.loading import load_model
 
     model = load_model("tiny", device="cpu", dtype=torch.float32, seed=0)
-    rng = random.Random(seed)
-    jobs = []
-    for i in range(count):
-        prompt = [rng.randrange(2, 500) for _ in range(rng.randint(*PROMPT_TOKENS_RANGE))]
-        max_new_tokens = rng.randint(*NEW_TOKENS_RANGE)
+    for job in jobs:
         engine = ModelEngine(
             model, total_kv_pages=80, page_size=16, total_gdn_slots=1, device="cpu"
         )
-        spec = SequenceSpec(tuple(prompt), max_new_tokens)
-        out = engine.step([ChunkWork(1, 0, len(prompt), spec)], [])
+        spec = SequenceSpec(tuple(job.prompt), job.max_new_tokens)
+        out = engine.step([ChunkWork(1, 0, len(job.prompt), spec)], [])
         tokens = [t for _, ids in out.tokens for t in ids]
         while engine.running_ids():
             tokens += [t for _, ids in engine.step([], [1]).tokens for t in ids]
         eos = tokens[-1] in model.config.eos_token_ids
-        reason = pb.FINISH_REASON_EOS if eos else pb.FINISH_REASON_MAX_LENGTH
-        jobs.append(Job(f"{prefix}-{i}", prompt, max_new_tokens, [], tokens, reason))
-    return jobs
+        job.expected_tokens = tokens
+        job.expected_reason = pb.FINISH_REASON_EOS if eos else pb.FINISH_REASON_MAX_LENGTH
 
 
 def start_role_worker(stack: Stack, worker_id: str, role: str) -> None:
