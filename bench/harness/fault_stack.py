@@ -9,7 +9,7 @@ and collects every acknowledged sequence's output by re-attaching with `Generate
 
 Every wait is bounded, and `Stack.close` kills every process it started, whatever
 happened. Each process logs to its own file under the stack's directory. Used by
-tests/faults, tests/replicas and bench/chaos.py.
+tests/faults, tests/replicas, bench/chaos.py and bench/handoff_kills.py.
 """
 
 from __future__ import annotations
