@@ -13,14 +13,20 @@ import pytest
 
 from service.core import ConfigError
 from service.core.persist.store import SequenceProgress, StateChanges, StoreError, TokenAppend
-from service.core.types import SequenceState
-from service.state.postgres import COUNT_EVERY_TOKENS, SCHEMA_VERSION, PostgresState
+from service.core.types import FinishReason, SequenceState
+from service.state.postgres import _UNCOUNTED, COUNT_EVERY_TOKENS, SCHEMA_VERSION, PostgresState
 
 from .test_state_postgres import Replica, replicas  # noqa: F401 - the fixture
 
 
 def _progress(seq_id: int, generated: int = 0) -> SequenceProgress:
     return SequenceProgress(seq_id, SequenceState.DECODING, "w", None, 0, 0, generated, 0, None)
+
+
+def _finished(seq_id: int, generated: int) -> SequenceProgress:
+    return SequenceProgress(
+        seq_id, SequenceState.FINISHED, "w", None, 0, 0, generated, 0, FinishReason.STOP
+    )
 
 
 def _decoding(seq_id: int, token_ids: tuple[int, ...], start: int = 0) -> StateChanges:
@@ -231,6 +237,57 @@ def test_a_long_lived_sequence_does_not_hold_back_token_log_collection(replicas,
     assert taken.output_token_ids == [1, 2, 3, 4]
     c.state.save(_decoding(long_lived, (5,), start=4))
     assert b.state.read_output(long_lived, 0).token_ids == (1, 2, 3, 4, 5)
+
+
+def test_a_fold_with_no_new_tokens_rewrites_no_finished_row(replicas, database_url):
+    a, b = replicas("a"), replicas("b")
+    done = [b.submit(max_new_tokens=8) for _ in range(3)]
+    busy = b.submit(max_new_tokens=1000)
+    a.state.claim(4)
+    for seq_id in done:
+        a.state.save(_decoding(seq_id, (1, 2)))
+        a.state.save(StateChanges(progress=(_finished(seq_id, 2),)))
+    a.state.save(_decoding(busy, (5, 5)))
+    a.state.save(StateChanges(tokens=(TokenAppend(busy, 2, (5,)),)))
+    a.state.max_log_rows_behind = 1
+
+    def versions() -> dict[int, str]:  # a row's xmin changes when it is rewritten
+        with psycopg.connect(database_url) as conn:
+            return dict(
+                conn.execute(
+                    "SELECT seq_id, xmin::text FROM sequences WHERE seq_id = ANY(%s)", (done,)
+                ).fetchall()
+            )
+
+    a.state.collect_token_log()  # folds them once
+    before = versions()
+    for start in range(3, 7):  # another sequence's steps: the finished ones fall behind
+        a.state.save(StateChanges(tokens=(TokenAppend(busy, start, (5,)),)))
+        a.state.collect_token_log()
+    assert versions() == before
+    for seq_id in done:
+        assert b.state.read_output(seq_id, 0).token_ids == (1, 2)
+        assert b.state.sequence_info(seq_id).generated_tokens == 2
+    assert b.state.read_output(busy, 0).token_ids == (5,) * 7
+
+
+def test_get_sequence_of_a_finished_sequence_reads_no_log_row(replicas, database_url):
+    a, b = replicas("a"), replicas("b")
+    done, busy = b.submit(max_new_tokens=8), b.submit(max_new_tokens=1000)
+    a.state.claim(2)
+    a.state.save(_decoding(done, (1, 2)))
+    a.state.save(StateChanges(tokens=(TokenAppend(done, 2, (3,)),)))  # the count lags
+    a.state.save(StateChanges(progress=(_finished(done, 3),)))  # a stop: no append
+    a.state.save(_decoding(busy, (9,)))
+    for start in range(1, 201):  # another sequence's steady steps on the same replica
+        a.state.save(StateChanges(tokens=(TokenAppend(busy, start, (9,)),)))
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute(
+            f"SELECT num_saved, cardinality({_UNCOUNTED}) FROM sequences s WHERE seq_id = %s",
+            (done,),
+        ).fetchone() == (3, 0)
+    assert b.state.sequence_info(done).generated_tokens == 3
+    assert b.state.read_output(done, 0).token_ids == (1, 2, 3)
 
 
 def _to_version_3(database_url: str, seq_id: int, rows: list[bytes]) -> None:
