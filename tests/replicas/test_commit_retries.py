@@ -36,9 +36,20 @@ def _decoding(seq_id: int, token_ids: tuple[int, ...], start: int = 0) -> StateC
     )
 
 
+class _Rows(list):
+    """A statement's rows, read before a hook ran, as its cursor would give them."""
+
+    def fetchall(self) -> list:
+        return list(self)
+
+    def fetchone(self):
+        return self[0] if self else None
+
+
 class _Connection:
     """A pooled connection that can fail as a lost connection does after the server
-    committed, and run a hook right after one statement's rows are read."""
+    committed, and run a hook right after one statement's rows are read (`after_read`:
+    (text of the statement, hook), or a list of them met in that order)."""
 
     def __init__(self, conn, faults: dict) -> None:
         self._conn = conn
@@ -75,13 +86,20 @@ class _Connection:
     def execute(self, query, *args, **kwargs):
         self._faults.setdefault("queries", []).append(query)
         cursor = self._conn.execute(query, *args, **kwargs)
-        hook = self._faults.get("after_read")
-        if hook is not None and hook[0] in query:
+        hooks = self._faults.get("after_read")
+        if hooks is None:
+            return cursor
+        hooks = [hooks] if isinstance(hooks, tuple) else hooks
+        text, hook = hooks[0]
+        if text not in query:
+            return cursor
+        if hooks[1:]:
+            self._faults["after_read"] = hooks[1:]
+        else:
             del self._faults["after_read"]
-            rows = cursor.fetchall()
-            hook[1]()
-            return rows
-        return cursor
+        rows = _Rows(cursor.fetchall())
+        hook()
+        return rows
 
 
 @pytest.fixture
@@ -288,6 +306,52 @@ def test_get_sequence_of_a_finished_sequence_reads_no_log_row(replicas, database
         ).fetchone() == (3, 0)
     assert b.state.sequence_info(done).generated_tokens == 3
     assert b.state.read_output(done, 0).token_ids == (1, 2, 3)
+
+
+def test_a_fold_locks_an_owner_whose_commit_landed_while_it_locked_the_others(
+    replicas, database_url, faulty
+):
+    a, b, c = replicas("a"), replicas("b"), replicas("c")
+    mine, theirs = b.submit(max_new_tokens=8), b.submit(max_new_tokens=8)
+    a.state.claim(1)
+    c.state.claim(1)
+    a.state.save(_decoding(mine, (1,)))
+    c.state.save(_decoding(theirs, (2,)))
+    for start in (1, 2):
+        a.state.save(StateChanges(tokens=(TokenAppend(mine, start, (1,)),)))
+    a.state.max_log_rows_behind = 1
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        # c's commit of `theirs` is under way: not visible when the keeper reads owners.
+        log_from = conn.execute(
+            "SELECT log_from FROM sequences WHERE seq_id = %s", (theirs,)
+        ).fetchone()[0]
+        conn.execute("UPDATE sequences SET log_from = NULL WHERE seq_id = %s", (theirs,))
+    held: list[bool] = []
+
+    def commit_lands() -> None:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute("UPDATE sequences SET log_from = %s WHERE seq_id = %s", (log_from, theirs))
+
+    def c_row_held() -> None:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            try:
+                conn.execute(
+                    "SELECT 1 FROM replicas WHERE replica_id = %s FOR UPDATE NOWAIT",
+                    (c.state.replica_id,),
+                )
+                held.append(False)
+            except psycopg.errors.LockNotAvailable:
+                held.append(True)
+
+    faults = faulty(a.state)
+    faults["after_read"] = [
+        ("SELECT 1 FROM replicas WHERE replica_id", commit_lands),
+        ("ORDER BY seq_id FOR UPDATE", c_row_held),
+    ]
+    a.state.collect_token_log()
+    assert "after_read" not in faults  # both ran inside the fold
+    assert held == [True]  # c's commits wait while its rows are folded
+    assert b.state.read_output(theirs, 0).token_ids == (2,)
 
 
 def _to_version_3(database_url: str, seq_id: int, rows: list[bytes]) -> None:
