@@ -1047,12 +1047,12 @@ class PostgresState:
                 (FinishReason.CANCELLED.value, cancelled),
             )
             saved = self._outputs(conn, assigned + cancelled) if rows else {}
-            # A finished row's count is whole (GetSequence reads no log row for it).
-            conn.execute(
-                "UPDATE sequences s SET num_saved = v.n FROM unnest(%s::bigint[], "
-                "%s::integer[]) AS v(seq_id, n) WHERE s.seq_id = v.seq_id",
-                (cancelled, [len(saved.get(seq_id, ())) for seq_id in cancelled]),
-            )
+            if cancelled:  # a finished row's count is whole (GetSequence reads no log row)
+                conn.execute(
+                    "UPDATE sequences s SET num_saved = v.n FROM unnest(%s::bigint[], "
+                    "%s::integer[]) AS v(seq_id, n) WHERE s.seq_id = v.seq_id",
+                    (cancelled, [len(saved.get(seq_id, ())) for seq_id in cancelled]),
+                )
             for seq_id in assigned:  # in seq_id order, each ahead of all
                 conn.execute(
                     "UPDATE sequences s SET owner = NULL, state = 1, worker_id = NULL, "

@@ -308,6 +308,25 @@ def test_get_sequence_of_a_finished_sequence_reads_no_log_row(replicas, database
     assert b.state.read_output(done, 0).token_ids == (1, 2, 3)
 
 
+def test_a_sequence_cancelled_when_its_replica_died_counts_every_saved_token(
+    replicas, database_url
+):
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=8)
+    a.state.claim(1)
+    a.state.save(_decoding(seq_id, (1, 2)))
+    a.state.save(StateChanges(tokens=(TokenAppend(seq_id, 2, (3,)),)))  # the count lags
+    assert b.state.cancel(seq_id)  # requested of its owner, a
+    with psycopg.connect(database_url, autocommit=True) as conn:  # a's lease runs out
+        conn.execute(
+            "UPDATE replicas SET lease_until = now() - interval '1 second' WHERE replica_id = %s",
+            (a.state.replica_id,),
+        )
+    assert b.state.reclaim_expired() == 1
+    info = b.state.sequence_info(seq_id)
+    assert (info.state, info.generated_tokens) == (SequenceState.FINISHED, 3)
+
+
 def test_a_fold_locks_an_owner_whose_commit_landed_while_it_locked_the_others(
     replicas, database_url, faulty
 ):
