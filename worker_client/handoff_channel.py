@@ -110,6 +110,11 @@ class OfferBook:
             for transfer_id in [t for t, o in self._offers.items() if o.seq_id in gone]:
                 del self._offers[transfer_id]
 
+    def offers(self, transfer_id: int) -> bool:
+        """Whether `transfer_id` is served."""
+        with self._lock:
+            return transfer_id in self._offers
+
     def get(
         self, transfer_id: int, seq_id: int, wait_seconds: float = 0.0
     ) -> tuple[StateChunk, ...] | None:

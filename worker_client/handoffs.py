@@ -166,6 +166,8 @@ class HandoffAgent:
                 order.seq_id,
             )
             return
+        if order.seq_id in self._sending and self._offers.offers(order.transfer_id):
+            return  # a repeat of the SEND it serves (the scheduler repeats it until DONE)
         chunks = self._engine.export_sequence(order.seq_id)
         if chunks is None:
             return  # not held (finished, preempted): the receiver hears UNKNOWN_SEQUENCE
@@ -179,6 +181,9 @@ class HandoffAgent:
                 extent,
             )
             return
+        # A SEND with a new transfer_id replaces any older one of the sequence (a
+        # scheduler restarted): only the new id is served, one host copy.
+        self._offers.withdraw([order.seq_id])
         self._offers.offer(order.transfer_id, order.seq_id, chunks)
         self._sending.add(order.seq_id)
         self.num_sent_offers += 1
@@ -255,20 +260,20 @@ class HandoffAgent:
 
     def dropped(self, seq_ids: Iterable[int]) -> None:
         """These sequences left the engine (evicted, preempted, finished): serve them no
-        more; a fetch of one under way is forgotten (the scheduler gave it up)."""
+        more. A receive of one under way is kept: an evict concerns the state the engine
+        held (a stale transfer's import, say), not a newer transfer still fetched, and
+        each receive ends with its own outcome (the scheduler evicts an unwanted DONE)."""
         gone = set(seq_ids)
         if not gone:
             return
         self._sending -= gone
         if self._offers is not None:
             self._offers.withdraw(gone)
-        for transfer_id, receiving in list(self._receiving.items()):
-            if receiving.order.seq_id in gone:
-                del self._receiving[transfer_id]
 
     def reset(self) -> None:
         """The scheduler forgot this worker: nothing is served or fetched any more."""
-        self.dropped([*self._sending, *(r.order.seq_id for r in self._receiving.values())])
+        self.dropped(list(self._sending))
+        self._receiving.clear()
         self._ready.clear()
 
     def close(self) -> None:
