@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -282,6 +283,16 @@ class HandoffAgent:
 
     def _since(self, receiving: _Receiving) -> float:
         return self._clock() - receiving.started
+
+
+def max_transfer_bytes(engine: Engine, order: HandoffOrder) -> int | None:
+    """The chunk data a RECEIVE of `order` takes, by this engine's own handoff sizes (the
+    sender runs the same model): KV of the positions past `cached_tokens`, and the GDN
+    states. None when the engine registered no sizes (no bound)."""
+    if engine.handoff_bytes_per_token <= 0:
+        return None
+    num_tokens = max(0, order.num_tokens - order.cached_tokens)
+    return math.ceil(engine.handoff_bytes_per_token * num_tokens + engine.handoff_fixed_bytes)
 
 
 def kv_extent(chunks: Iterable[StateChunk]) -> int | None:

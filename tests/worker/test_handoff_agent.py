@@ -8,7 +8,7 @@ import threading
 from common.waiting import wait_until
 from worker_client.engine.api import SequenceSpec, StateChunk, StateKind
 from worker_client.handoff_channel import Fetched, OfferBook
-from worker_client.handoffs import HandoffAgent, HandoffEnd, HandoffOrder
+from worker_client.handoffs import HandoffAgent, HandoffEnd, HandoffOrder, max_transfer_bytes
 
 NUM_TOKENS = 10
 
@@ -70,3 +70,12 @@ def test_an_evict_of_a_stale_import_leaves_a_newer_receive_under_way():
     agent.close()
     assert [(o.transfer_id, o.end) for o in outcomes] == [(200, HandoffEnd.DONE)]
     assert engine.imported == [5]
+
+
+def test_a_receive_expects_the_bytes_its_own_engine_would_export():
+    engine = FakeEngine()
+    engine.handoff_bytes_per_token, engine.handoff_fixed_bytes = 2.0, 30.0
+    order = HandoffOrder(5, False, 200, "p0", num_tokens=NUM_TOKENS, cached_tokens=4)
+    assert max_transfer_bytes(engine, order) == 2 * (NUM_TOKENS - 4) + 30
+    engine.handoff_bytes_per_token = 0.0  # no sizes registered: no bound
+    assert max_transfer_bytes(engine, order) is None
