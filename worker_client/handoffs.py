@@ -132,6 +132,9 @@ class HandoffAgent:
         self._clock = clock
         self._fetches = ThreadPoolExecutor(max_fetches, thread_name_prefix="handoff-fetch")
         self._sending: set[int] = set()
+        # By seq_id, the transfer it was told to SEND at a token count it no longer holds:
+        # the scheduler repeats that SEND, and the state (decoded no more) stays as it is.
+        self._not_served: dict[int, int] = {}
         self._receiving: dict[int, _Receiving] = {}  # by transfer_id
         self._ready: list[HandoffOutcome] = []  # ended before a fetch started
         self.num_sent_offers = 0
@@ -169,6 +172,8 @@ class HandoffAgent:
             return
         if order.seq_id in self._sending and self._offers.offers(order.transfer_id):
             return  # a repeat of the SEND it serves (the scheduler repeats it until DONE)
+        if self._not_served.get(order.seq_id) == order.transfer_id:
+            return  # a repeat of one it could not serve: refused and logged once
         chunks = self._engine.export_sequence(order.seq_id)
         if chunks is None:
             return  # not held (finished, preempted): the receiver hears UNKNOWN_SEQUENCE
@@ -181,6 +186,7 @@ class HandoffAgent:
                 order.num_tokens,
                 extent,
             )
+            self._not_served[order.seq_id] = order.transfer_id
             return
         # A SEND with a new transfer_id replaces any older one of the sequence (a
         # scheduler restarted): only the new id is served, one host copy.
@@ -203,6 +209,9 @@ class HandoffAgent:
     def reclaim(self, decode: Iterable[int]) -> None:
         """Sequences held for a SEND that the scheduler now asks to decode are this
         worker's again: serve them no more."""
+        if self._not_served:
+            for seq_id in self._not_served.keys() & set(decode):
+                del self._not_served[seq_id]
         again = self._sending.intersection(decode)
         if again:
             self._sending -= again
@@ -268,6 +277,8 @@ class HandoffAgent:
         if not gone:
             return
         self._sending -= gone
+        for seq_id in gone.intersection(self._not_served):
+            del self._not_served[seq_id]
         if self._offers is not None:
             self._offers.withdraw(gone)
 

@@ -79,3 +79,18 @@ def test_a_receive_expects_the_bytes_its_own_engine_would_export():
     assert max_transfer_bytes(engine, order) == 2 * (NUM_TOKENS - 4) + 30
     engine.handoff_bytes_per_token = 0.0  # no sizes registered: no bound
     assert max_transfer_bytes(engine, order) is None
+
+
+def test_a_repeated_send_it_could_not_serve_is_not_exported_again():
+    class Moved(FakeEngine):
+        def export_sequence(self, seq_id, first_token=0):
+            self.num_exports += 1
+            data = b"\0" * (2 * (NUM_TOKENS + 1))  # one token past what the SEND books
+            return (StateChunk(StateKind.ATTENTION_KV, 0, data, 0, NUM_TOKENS + 1),)
+
+    engine, offers = Moved(), OfferBook()
+    agent = HandoffAgent(engine, offers, fetcher=lambda order, seconds: None)
+    agent.start([_send(100)])
+    agent.start([_send(100)])
+    assert engine.num_exports == 1 and len(offers) == 0
+    assert agent.holding_back == frozenset()
