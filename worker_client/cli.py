@@ -269,7 +269,7 @@ def _handoffs(args: argparse.Namespace, engine, credentials):
 
     from common.credentials import server_credentials
     from worker_client.handoff_channel import HandoffServer, OfferBook, fetch_sequence
-    from worker_client.handoffs import HandoffAgent
+    from worker_client.handoffs import HandoffAgent, max_transfer_bytes
 
     token = args.handoff_token or args.token
     server, address, offers = None, "", None
@@ -292,6 +292,7 @@ def _handoffs(args: argparse.Namespace, engine, credentials):
             timeout_seconds=timeout_seconds,
             credentials=credentials,
             token=token,
+            max_bytes=max_transfer_bytes(engine, order),
         )
 
     return HandoffAgent(engine, offers, fetch), server, address

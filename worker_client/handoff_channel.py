@@ -110,6 +110,11 @@ class OfferBook:
             for transfer_id in [t for t, o in self._offers.items() if o.seq_id in gone]:
                 del self._offers[transfer_id]
 
+    def offers(self, transfer_id: int) -> bool:
+        """Whether `transfer_id` is served."""
+        with self._lock:
+            return transfer_id in self._offers
+
     def get(
         self, transfer_id: int, seq_id: int, wait_seconds: float = 0.0
     ) -> tuple[StateChunk, ...] | None:
@@ -206,9 +211,12 @@ def fetch_sequence(
     timeout_seconds: float,
     credentials: grpc.ChannelCredentials | None = None,
     token: str | None = None,
+    max_bytes: int | None = None,
 ) -> Fetched:
     """Fetch and check one transfer from the sender at `address` (HOST:PORT); raises
-    FetchFailed, having kept nothing, when it cannot."""
+    FetchFailed, having kept nothing, when it cannot. `max_bytes`: the most chunk data the
+    receiver expects (None: no bound); a stream past it is cut there and fails its check,
+    so a wrong or hostile sender cannot fill the receiver's memory."""
     if credentials is None:
         channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
     else:
@@ -222,12 +230,12 @@ def fetch_sequence(
             responses = stub.FetchSequence(
                 request, timeout=timeout_seconds, metadata=token_metadata(token)
             )
-            return _receive(responses, address)
+            return _receive(responses, address, max_bytes)
         except grpc.RpcError as err:
             raise _failure(err, address) from None
 
 
-def _receive(responses, address: str) -> Fetched:
+def _receive(responses, address: str, max_bytes: int | None = None) -> Fetched:
     chunks: list[StateChunk] = []
     num_bytes = 0
     for response in responses:
@@ -241,6 +249,11 @@ def _receive(responses, address: str) -> Fetched:
                 )
             return Fetched(tuple(chunks), num_bytes)
         wire = response.chunk
+        if max_bytes is not None and num_bytes + len(wire.data) > max_bytes:
+            raise FetchFailed(
+                FetchProblem.CHECKSUM_MISMATCH,
+                f"{address} sent more than the {max_bytes} bytes this transfer takes",
+            )
         if crc32c(wire.data) != wire.crc32c:
             raise FetchFailed(
                 FetchProblem.CHECKSUM_MISMATCH,

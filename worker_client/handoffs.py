@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -131,6 +132,9 @@ class HandoffAgent:
         self._clock = clock
         self._fetches = ThreadPoolExecutor(max_fetches, thread_name_prefix="handoff-fetch")
         self._sending: set[int] = set()
+        # By seq_id, the transfer it was told to SEND at a token count it no longer holds:
+        # the scheduler repeats that SEND, and the state (decoded no more) stays as it is.
+        self._not_served: dict[int, int] = {}
         self._receiving: dict[int, _Receiving] = {}  # by transfer_id
         self._ready: list[HandoffOutcome] = []  # ended before a fetch started
         self.num_sent_offers = 0
@@ -166,6 +170,10 @@ class HandoffAgent:
                 order.seq_id,
             )
             return
+        if order.seq_id in self._sending and self._offers.offers(order.transfer_id):
+            return  # a repeat of the SEND it serves (the scheduler repeats it until DONE)
+        if self._not_served.get(order.seq_id) == order.transfer_id:
+            return  # a repeat of one it could not serve: refused and logged once
         chunks = self._engine.export_sequence(order.seq_id)
         if chunks is None:
             return  # not held (finished, preempted): the receiver hears UNKNOWN_SEQUENCE
@@ -178,7 +186,11 @@ class HandoffAgent:
                 order.num_tokens,
                 extent,
             )
+            self._not_served[order.seq_id] = order.transfer_id
             return
+        # A SEND with a new transfer_id replaces any older one of the sequence (a
+        # scheduler restarted): only the new id is served, one host copy.
+        self._offers.withdraw([order.seq_id])
         self._offers.offer(order.transfer_id, order.seq_id, chunks)
         self._sending.add(order.seq_id)
         self.num_sent_offers += 1
@@ -197,6 +209,9 @@ class HandoffAgent:
     def reclaim(self, decode: Iterable[int]) -> None:
         """Sequences held for a SEND that the scheduler now asks to decode are this
         worker's again: serve them no more."""
+        if self._not_served:
+            for seq_id in self._not_served.keys() & set(decode):
+                del self._not_served[seq_id]
         again = self._sending.intersection(decode)
         if again:
             self._sending -= again
@@ -255,20 +270,22 @@ class HandoffAgent:
 
     def dropped(self, seq_ids: Iterable[int]) -> None:
         """These sequences left the engine (evicted, preempted, finished): serve them no
-        more; a fetch of one under way is forgotten (the scheduler gave it up)."""
+        more. A receive of one under way is kept: an evict concerns the state the engine
+        held (a stale transfer's import, say), not a newer transfer still fetched, and
+        each receive ends with its own outcome (the scheduler evicts an unwanted DONE)."""
         gone = set(seq_ids)
         if not gone:
             return
         self._sending -= gone
+        for seq_id in gone.intersection(self._not_served):
+            del self._not_served[seq_id]
         if self._offers is not None:
             self._offers.withdraw(gone)
-        for transfer_id, receiving in list(self._receiving.items()):
-            if receiving.order.seq_id in gone:
-                del self._receiving[transfer_id]
 
     def reset(self) -> None:
         """The scheduler forgot this worker: nothing is served or fetched any more."""
-        self.dropped([*self._sending, *(r.order.seq_id for r in self._receiving.values())])
+        self.dropped(list(self._sending))
+        self._receiving.clear()
         self._ready.clear()
 
     def close(self) -> None:
@@ -277,6 +294,16 @@ class HandoffAgent:
 
     def _since(self, receiving: _Receiving) -> float:
         return self._clock() - receiving.started
+
+
+def max_transfer_bytes(engine: Engine, order: HandoffOrder) -> int | None:
+    """The chunk data a RECEIVE of `order` takes, by this engine's own handoff sizes (the
+    sender runs the same model): KV of the positions past `cached_tokens`, and the GDN
+    states. None when the engine registered no sizes (no bound)."""
+    if engine.handoff_bytes_per_token <= 0:
+        return None
+    num_tokens = max(0, order.num_tokens - order.cached_tokens)
+    return math.ceil(engine.handoff_bytes_per_token * num_tokens + engine.handoff_fixed_bytes)
 
 
 def kv_extent(chunks: Iterable[StateChunk]) -> int | None:

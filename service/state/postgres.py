@@ -330,6 +330,8 @@ UPDATE lattice_meta SET value = 3 WHERE key = 'schema_version';
 # token counts and heads on sequence rows; the token log loses its GIN-indexed id arrays
 # (every row is folded into its sequences' heads first) and gains the replica's id.
 _FROM_VERSION_3 = """
+-- A database that was version 2 (or 1) when this step began has no token log yet.
+CREATE TABLE IF NOT EXISTS token_log (id bigserial PRIMARY KEY, entries bytea NOT NULL);
 ALTER TABLE replicas ADD COLUMN IF NOT EXISTS last_commit bigint NOT NULL DEFAULT 0;
 ALTER TABLE sequences ADD COLUMN IF NOT EXISTS num_saved integer NOT NULL DEFAULT 0;
 ALTER TABLE sequences ADD COLUMN IF NOT EXISTS counted_log bigint;
@@ -379,20 +381,25 @@ _ORDER_SQL = {
 # after the commit; NULL: no appends): the count, and its log rows are this replica's from
 # this commit's row on unless they already were (another replica's rows were folded into
 # its head when it was claimed or adopted: `_fold`). %s: this replica.
-_SAVED_SET = (
-    "num_saved = coalesce(v.saved, s.num_saved), "
+_LOG_SET = (
     "counted_log = CASE WHEN v.saved IS NULL THEN s.counted_log "
     "ELSE currval('token_log_id_seq') END, "
     "log_replica = CASE WHEN v.saved IS NULL THEN s.log_replica ELSE %s END, "
     "log_from = CASE WHEN v.saved IS NULL OR s.log_from IS NOT NULL THEN s.log_from "
     "ELSE currval('token_log_id_seq') END"
 )
+_SAVED_SET = "num_saved = coalesce(v.saved, s.num_saved), " + _LOG_SET
+# A progress row also carries `v.final`: where the output of a sequence it finishes ends
+# (its last appends may be in earlier, uncounted rows), so a finished row's count is whole.
+_PROGRESS_SAVED_SET = "num_saved = greatest(coalesce(v.saved, s.num_saved), v.final), " + _LOG_SET
 
 # The log rows of `sequences s` after the one its num_saved counts through (at most the
-# commits of its last COUNT_EVERY_TOKENS - 1 appends), as an array.
+# commits of its last COUNT_EVERY_TOKENS - 1 appends), as an array; none for a finished
+# sequence, whose count is whole (the finishing commit writes it: `v.final`).
 _UNCOUNTED = (
-    "ARRAY(SELECT t.entries FROM token_log t WHERE t.replica_id = s.log_replica "
-    "AND t.id >= s.log_from AND t.id > coalesce(s.counted_log, 0) ORDER BY t.id)"
+    "ARRAY(SELECT t.entries FROM token_log t WHERE s.state <> 4 "
+    "AND t.replica_id = s.log_replica AND t.id >= s.log_from "
+    "AND t.id > coalesce(s.counted_log, 0) ORDER BY t.id)"
 )
 
 _COLUMNS = (
@@ -478,6 +485,10 @@ class PostgresState:
         # those the commit being written writes.
         self._counted: dict[int, int] = {}
         self._counts_written: dict[int, int] = {}
+        # Where each of those sequences' saved output ends (the count a finishing commit
+        # writes when its own appends do not: `_PROGRESS_SAVED_SET`), and the commit's.
+        self._saved_ends: dict[int, int] = {}
+        self._ends_written: dict[int, int] = {}
         # Token log reads: (seq_id, tokens read) -> the last row id they came from, so a
         # stream reads only newer rows; and where collecting the log goes on from.
         self._read_cursors: dict[tuple[int, int], int] = {}
@@ -666,8 +677,11 @@ class PostgresState:
     def _committed(self, batch: SaveBatch, lost: frozenset[int]) -> None:
         self._counted.update(self._counts_written)
         self._counts_written = {}
+        self._saved_ends.update(self._ends_written)
+        self._ends_written = {}
         for seq_id in (*batch.finished(), *batch.forgotten, *lost):
             self._counted.pop(seq_id, None)
+            self._saved_ends.pop(seq_id, None)
         for seq_id in (*batch.final_outputs, *batch.forgotten, *lost):
             self._prompts.pop(seq_id, None)
         for tenant, served in batch.tenant_service.items():
@@ -898,6 +912,7 @@ class PostgresState:
         """Their rows were (or will be) written elsewhere: the next append writes its own."""
         for seq_id in seq_ids:
             self._counted.pop(seq_id, None)
+            self._saved_ends.pop(seq_id, None)
 
     def _homes_sql(self) -> str:
         """The claim's condition for homes: a sequence homed on another live replica is
@@ -922,6 +937,7 @@ class PostgresState:
         for seq_id in seq_ids:
             self._prompts.pop(seq_id, None)
             self._counted.pop(seq_id, None)
+            self._saved_ends.pop(seq_id, None)
 
     def adopt_worker(self, worker_id: str) -> Claimed:
         """Take the sequences assigned to `worker_id` from whichever replica held them (the
@@ -1030,7 +1046,13 @@ class PostgresState:
                 "worker_id = NULL, queue_key = NULL WHERE seq_id = ANY(%s)",
                 (FinishReason.CANCELLED.value, cancelled),
             )
-            saved = self._outputs(conn, assigned) if assigned else {}
+            saved = self._outputs(conn, assigned + cancelled) if rows else {}
+            if cancelled:  # a finished row's count is whole (GetSequence reads no log row)
+                conn.execute(
+                    "UPDATE sequences s SET num_saved = v.n FROM unnest(%s::bigint[], "
+                    "%s::integer[]) AS v(seq_id, n) WHERE s.seq_id = v.seq_id",
+                    (cancelled, [len(saved.get(seq_id, ())) for seq_id in cancelled]),
+                )
             for seq_id in assigned:  # in seq_id order, each ahead of all
                 conn.execute(
                     "UPDATE sequences s SET owner = NULL, state = 1, worker_id = NULL, "
@@ -1248,44 +1270,71 @@ class PostgresState:
             if newest is None:
                 return 0
             bound = newest - max_rows_behind
-            # Their owners' commits wait meanwhile (each locks its replica row first): every
-            # row of theirs is committed and read here, and their next rows come after.
-            conn.execute(
-                "SELECT 1 FROM replicas WHERE replica_id IN (SELECT log_replica FROM "
-                "sequences WHERE log_from < %s) ORDER BY replica_id FOR UPDATE",
+            self._lock_log_owners(conn, bound)
+            behind = conn.execute(
+                "SELECT seq_id, state = 4, octet_length(output_head) / 4 FROM sequences "
+                "WHERE log_from < %s ORDER BY seq_id FOR UPDATE",
                 (bound,),
-            )
-            behind = [
-                row[0]
-                for row in conn.execute(
-                    "SELECT seq_id FROM sequences WHERE log_from < %s ORDER BY seq_id FOR UPDATE",
-                    (bound,),
-                )
-            ]
+            ).fetchall()
             if behind:
-                outputs = self._outputs(conn, behind)
-                seq_ids = list(outputs)
-                # Their owners' next rows get higher ids than any handed out by now.
-                last = conn.execute("SELECT last_value FROM token_log_id_seq").fetchone()[0]
-                conn.execute(
-                    "UPDATE sequences s SET output_head = v.head, num_saved = v.n, "
-                    "counted_log = %s, log_from = %s "
-                    "FROM unnest(%s::bigint[], %s::bytea[], %s::integer[]) AS v(seq_id, head, n) "
-                    "WHERE s.seq_id = v.seq_id",
-                    (
-                        last,
-                        last + 1,
-                        seq_ids,
-                        [pack_token_ids(outputs[s]) for s in seq_ids],
-                        [len(outputs[s]) for s in seq_ids],
-                    ),
-                    binary=True,
-                )
+                self._fold_behind(conn, behind)
             return conn.execute(
                 "DELETE FROM token_log WHERE id < coalesce((SELECT min(log_from) FROM "
                 "sequences WHERE log_from IS NOT NULL), %s)",
                 (newest + 1,),
             ).rowcount
+
+    def _lock_log_owners(self, conn, bound: int) -> None:
+        """Lock the rows of the replicas whose log rows below id `bound` sequences point
+        at. Their commits wait meanwhile (each locks its replica row first): every row of
+        theirs is committed and read by the fold, and their next rows come after. A commit
+        that was under way when the owners were first read may add one: read again until
+        none is new."""
+        locked: set[int] = set()
+        while True:
+            owners = {
+                row[0]
+                for row in conn.execute(
+                    "SELECT DISTINCT log_replica FROM sequences WHERE log_from < %s", (bound,)
+                )
+            }
+            new = sorted(owners - locked)
+            if not new:
+                return
+            conn.execute(
+                "SELECT 1 FROM replicas WHERE replica_id = ANY(%s) ORDER BY replica_id FOR UPDATE",
+                (new,),
+            )
+            locked.update(new)
+
+    def _fold_behind(self, conn, behind: list[tuple[int, bool, int]]) -> None:
+        """Fold the sequences of `behind` (seq_id, finished, tokens in its head; rows and
+        owners locked). A finished one's tokens go into its head and it points at no log
+        row from then on (it appends no more: no later fold touches it). An unfinished one
+        points past every row handed out by now; its head is rewritten only when its log
+        rows held tokens."""
+        seq_ids = [seq_id for seq_id, _, _ in behind]
+        outputs = self._outputs(conn, seq_ids)
+        heads: list[bytes | None] = []
+        counts: list[int | None] = []
+        for seq_id, _, num_in_head in behind:
+            output = outputs.get(seq_id, [])
+            grown = len(output) > num_in_head
+            heads.append(pack_token_ids(output) if grown else None)
+            counts.append(len(output) if grown else None)
+        # Their owners' next rows get higher ids than any handed out by now.
+        last = conn.execute("SELECT last_value FROM token_log_id_seq").fetchone()[0]
+        conn.execute(
+            "UPDATE sequences s SET output_head = coalesce(v.head, s.output_head), "
+            "num_saved = coalesce(v.n, s.num_saved), "
+            "counted_log = CASE WHEN v.done THEN NULL ELSE %s::bigint END, "
+            "log_replica = CASE WHEN v.done THEN NULL ELSE s.log_replica END, "
+            "log_from = CASE WHEN v.done THEN NULL ELSE %s::bigint END "
+            "FROM unnest(%s::bigint[], %s::boolean[], %s::bytea[], %s::integer[]) "
+            "AS v(seq_id, done, head, n) WHERE s.seq_id = v.seq_id",
+            (last, last + 1, seq_ids, [done for _, done, _ in behind], heads, counts),
+            binary=True,
+        )
 
     def _read_sequences(self, conn, where: str, args: tuple) -> list[StoredSequence]:
         rows = conn.execute(
@@ -1310,6 +1359,7 @@ class PostgresState:
         for append in batch.tokens:
             end = append.start + len(append.token_ids)
             saved_end[append.seq_id] = max(saved_end.get(append.seq_id, 0), end)
+        self._ends_written = saved_end
         counted = self._counts_written = {}
         for seq_id, end in saved_end.items():
             last = self._counted.get(seq_id)
@@ -1326,15 +1376,17 @@ class PostgresState:
             cur.execute(
                 "WITH v AS (SELECT * FROM unnest(%s::bigint[], %s::smallint[], %s::text[], "
                 "%s::bigint[], %s::integer[], %s::integer[], %s::integer[], %s::integer[], "
-                "%s::smallint[], %s::bigint[], %s::bigint[], %s::text[], %s::integer[]) AS "
-                "v(seq_id, state, worker_id, queue_key, cursor, prefilled, generated, "
-                "at_admission, reason, finish_order, admission_order, error_message, saved)), "
+                "%s::smallint[], %s::bigint[], %s::bigint[], %s::text[], %s::integer[], "
+                "%s::integer[]) AS v(seq_id, state, worker_id, queue_key, cursor, prefilled, "
+                "generated, at_admission, reason, finish_order, admission_order, "
+                "error_message, saved, final)), "
                 "u AS (UPDATE sequences s SET state = v.state, worker_id = v.worker_id, "
                 "queue_key = v.queue_key, cursor = v.cursor, prefilled_tokens = v.prefilled, "
                 "num_generated = v.generated, num_generated_at_admission = v.at_admission, "
                 "finish_reason = v.reason, finish_order = v.finish_order, "
                 "admission_order = v.admission_order, error_message = v.error_message, "
-                f"{_SAVED_SET} FROM v WHERE s.seq_id = v.seq_id AND s.owner = %s RETURNING 1) "
+                f"{_PROGRESS_SAVED_SET} FROM v WHERE s.seq_id = v.seq_id AND s.owner = %s "
+                "RETURNING 1) "
                 "SELECT lattice_disowned() FROM (SELECT count(*) AS n FROM u) c WHERE c.n <> %s",
                 (
                     [p.seq_id for p in rows],
@@ -1350,6 +1402,12 @@ class PostgresState:
                     [p.admission_order for p in rows],
                     [p.error_message for p in rows],
                     [counted.get(p.seq_id) for p in rows],
+                    [
+                        self._saved_ends.get(p.seq_id)
+                        if p.state is SequenceState.FINISHED
+                        else None
+                        for p in rows
+                    ],
                     me,
                     me,
                     len(rows),

@@ -160,3 +160,36 @@ def test_an_import_without_room_is_refused_without_preempting(model):
         )
     assert refused.value.problem is ImportProblem.CACHE_MISS
     assert cached.running_ids() == [] and cached.gdn_free_slots() == cached.total_gdn_slots
+
+
+def test_an_import_of_a_sequence_held_already_is_refused_and_leaves_it_held(model):
+    spec = SequenceSpec(random_prompt(17, seed=11), max_new_tokens=4)
+    sender, receiver = make_engine(model), make_engine(model)
+    first = _prefill_first_token(sender, 1, spec)
+    chunks = sender.export_sequence(1)
+    receiver.import_sequence(7, _handed_off_spec(spec, first), chunks)
+    pages, slots = receiver.kv_free_pages(), receiver.gdn_free_slots()
+    with pytest.raises(ImportRefused) as refused:
+        receiver.import_sequence(7, _handed_off_spec(spec, first), chunks)
+    assert refused.value.problem is ImportProblem.INVALID
+    assert receiver.running_ids() == [7]
+    assert (receiver.kv_free_pages(), receiver.gdn_free_slots()) == (pages, slots)
+    assert receiver.export_sequence(7) is not None  # its state still there
+
+
+def test_an_import_whose_state_write_fails_gives_back_its_pages_and_slot(model, monkeypatch):
+    import worker_client.engine.engine as engine_module
+
+    spec = SequenceSpec(random_prompt(17, seed=12), max_new_tokens=4)
+    sender, receiver = make_engine(model), make_engine(model)
+    first = _prefill_first_token(sender, 1, spec)
+    pages, slots = receiver.kv_free_pages(), receiver.gdn_free_slots()
+
+    def failing_write(*args, **kwargs):
+        raise RuntimeError("device write failed")
+
+    monkeypatch.setattr(engine_module, "write_state", failing_write)
+    with pytest.raises(RuntimeError):
+        receiver.import_sequence(7, _handed_off_spec(spec, first), sender.export_sequence(1))
+    assert receiver.running_ids() == []
+    assert (receiver.kv_free_pages(), receiver.gdn_free_slots()) == (pages, slots)

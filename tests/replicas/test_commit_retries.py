@@ -13,14 +13,20 @@ import pytest
 
 from service.core import ConfigError
 from service.core.persist.store import SequenceProgress, StateChanges, StoreError, TokenAppend
-from service.core.types import SequenceState
-from service.state.postgres import COUNT_EVERY_TOKENS, SCHEMA_VERSION, PostgresState
+from service.core.types import FinishReason, SequenceState
+from service.state.postgres import _UNCOUNTED, COUNT_EVERY_TOKENS, SCHEMA_VERSION, PostgresState
 
 from .test_state_postgres import Replica, replicas  # noqa: F401 - the fixture
 
 
 def _progress(seq_id: int, generated: int = 0) -> SequenceProgress:
     return SequenceProgress(seq_id, SequenceState.DECODING, "w", None, 0, 0, generated, 0, None)
+
+
+def _finished(seq_id: int, generated: int) -> SequenceProgress:
+    return SequenceProgress(
+        seq_id, SequenceState.FINISHED, "w", None, 0, 0, generated, 0, FinishReason.STOP
+    )
 
 
 def _decoding(seq_id: int, token_ids: tuple[int, ...], start: int = 0) -> StateChanges:
@@ -30,9 +36,20 @@ def _decoding(seq_id: int, token_ids: tuple[int, ...], start: int = 0) -> StateC
     )
 
 
+class _Rows(list):
+    """A statement's rows, read before a hook ran, as its cursor would give them."""
+
+    def fetchall(self) -> list:
+        return list(self)
+
+    def fetchone(self):
+        return self[0] if self else None
+
+
 class _Connection:
     """A pooled connection that can fail as a lost connection does after the server
-    committed, and run a hook right after one statement's rows are read."""
+    committed, and run a hook right after one statement's rows are read (`after_read`:
+    (text of the statement, hook), or a list of them met in that order)."""
 
     def __init__(self, conn, faults: dict) -> None:
         self._conn = conn
@@ -69,13 +86,20 @@ class _Connection:
     def execute(self, query, *args, **kwargs):
         self._faults.setdefault("queries", []).append(query)
         cursor = self._conn.execute(query, *args, **kwargs)
-        hook = self._faults.get("after_read")
-        if hook is not None and hook[0] in query:
+        hooks = self._faults.get("after_read")
+        if hooks is None:
+            return cursor
+        hooks = [hooks] if isinstance(hooks, tuple) else hooks
+        text, hook = hooks[0]
+        if text not in query:
+            return cursor
+        if hooks[1:]:
+            self._faults["after_read"] = hooks[1:]
+        else:
             del self._faults["after_read"]
-            rows = cursor.fetchall()
-            hook[1]()
-            return rows
-        return cursor
+        rows = _Rows(cursor.fetchall())
+        hook()
+        return rows
 
 
 @pytest.fixture
@@ -231,6 +255,122 @@ def test_a_long_lived_sequence_does_not_hold_back_token_log_collection(replicas,
     assert taken.output_token_ids == [1, 2, 3, 4]
     c.state.save(_decoding(long_lived, (5,), start=4))
     assert b.state.read_output(long_lived, 0).token_ids == (1, 2, 3, 4, 5)
+
+
+def test_a_fold_with_no_new_tokens_rewrites_no_finished_row(replicas, database_url):
+    a, b = replicas("a"), replicas("b")
+    done = [b.submit(max_new_tokens=8) for _ in range(3)]
+    busy = b.submit(max_new_tokens=1000)
+    a.state.claim(4)
+    for seq_id in done:
+        a.state.save(_decoding(seq_id, (1, 2)))
+        a.state.save(StateChanges(progress=(_finished(seq_id, 2),)))
+    a.state.save(_decoding(busy, (5, 5)))
+    a.state.save(StateChanges(tokens=(TokenAppend(busy, 2, (5,)),)))
+    a.state.max_log_rows_behind = 1
+
+    def versions() -> dict[int, str]:  # a row's xmin changes when it is rewritten
+        with psycopg.connect(database_url) as conn:
+            return dict(
+                conn.execute(
+                    "SELECT seq_id, xmin::text FROM sequences WHERE seq_id = ANY(%s)", (done,)
+                ).fetchall()
+            )
+
+    a.state.collect_token_log()  # folds them once
+    before = versions()
+    for start in range(3, 7):  # another sequence's steps: the finished ones fall behind
+        a.state.save(StateChanges(tokens=(TokenAppend(busy, start, (5,)),)))
+        a.state.collect_token_log()
+    assert versions() == before
+    for seq_id in done:
+        assert b.state.read_output(seq_id, 0).token_ids == (1, 2)
+        assert b.state.sequence_info(seq_id).generated_tokens == 2
+    assert b.state.read_output(busy, 0).token_ids == (5,) * 7
+
+
+def test_get_sequence_of_a_finished_sequence_reads_no_log_row(replicas, database_url):
+    a, b = replicas("a"), replicas("b")
+    done, busy = b.submit(max_new_tokens=8), b.submit(max_new_tokens=1000)
+    a.state.claim(2)
+    a.state.save(_decoding(done, (1, 2)))
+    a.state.save(StateChanges(tokens=(TokenAppend(done, 2, (3,)),)))  # the count lags
+    a.state.save(StateChanges(progress=(_finished(done, 3),)))  # a stop: no append
+    a.state.save(_decoding(busy, (9,)))
+    for start in range(1, 201):  # another sequence's steady steps on the same replica
+        a.state.save(StateChanges(tokens=(TokenAppend(busy, start, (9,)),)))
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute(
+            f"SELECT num_saved, cardinality({_UNCOUNTED}) FROM sequences s WHERE seq_id = %s",
+            (done,),
+        ).fetchone() == (3, 0)
+    assert b.state.sequence_info(done).generated_tokens == 3
+    assert b.state.read_output(done, 0).token_ids == (1, 2, 3)
+
+
+def test_a_sequence_cancelled_when_its_replica_died_counts_every_saved_token(
+    replicas, database_url
+):
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=8)
+    a.state.claim(1)
+    a.state.save(_decoding(seq_id, (1, 2)))
+    a.state.save(StateChanges(tokens=(TokenAppend(seq_id, 2, (3,)),)))  # the count lags
+    assert b.state.cancel(seq_id)  # requested of its owner, a
+    with psycopg.connect(database_url, autocommit=True) as conn:  # a's lease runs out
+        conn.execute(
+            "UPDATE replicas SET lease_until = now() - interval '1 second' WHERE replica_id = %s",
+            (a.state.replica_id,),
+        )
+    assert b.state.reclaim_expired() == 1
+    info = b.state.sequence_info(seq_id)
+    assert (info.state, info.generated_tokens) == (SequenceState.FINISHED, 3)
+
+
+def test_a_fold_locks_an_owner_whose_commit_landed_while_it_locked_the_others(
+    replicas, database_url, faulty
+):
+    a, b, c = replicas("a"), replicas("b"), replicas("c")
+    mine, theirs = b.submit(max_new_tokens=8), b.submit(max_new_tokens=8)
+    a.state.claim(1)
+    c.state.claim(1)
+    a.state.save(_decoding(mine, (1,)))
+    c.state.save(_decoding(theirs, (2,)))
+    for start in (1, 2):
+        a.state.save(StateChanges(tokens=(TokenAppend(mine, start, (1,)),)))
+    a.state.max_log_rows_behind = 1
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        # c's commit of `theirs` is under way: not visible when the keeper reads owners.
+        log_from = conn.execute(
+            "SELECT log_from FROM sequences WHERE seq_id = %s", (theirs,)
+        ).fetchone()[0]
+        conn.execute("UPDATE sequences SET log_from = NULL WHERE seq_id = %s", (theirs,))
+    held: list[bool] = []
+
+    def commit_lands() -> None:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute("UPDATE sequences SET log_from = %s WHERE seq_id = %s", (log_from, theirs))
+
+    def c_row_held() -> None:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            try:
+                conn.execute(
+                    "SELECT 1 FROM replicas WHERE replica_id = %s FOR UPDATE NOWAIT",
+                    (c.state.replica_id,),
+                )
+                held.append(False)
+            except psycopg.errors.LockNotAvailable:
+                held.append(True)
+
+    faults = faulty(a.state)
+    faults["after_read"] = [
+        ("SELECT 1 FROM replicas WHERE replica_id", commit_lands),
+        ("ORDER BY seq_id FOR UPDATE", c_row_held),
+    ]
+    a.state.collect_token_log()
+    assert "after_read" not in faults  # both ran inside the fold
+    assert held == [True]  # c's commits wait while its rows are folded
+    assert b.state.read_output(theirs, 0).token_ids == (2,)
 
 
 def _to_version_3(database_url: str, seq_id: int, rows: list[bytes]) -> None:

@@ -20,7 +20,7 @@ from service.core.types import (
 )
 from service.core.vocabulary import HandoffEnd
 
-from .factories import FakeClock, admit, make_config, register, report, submit
+from .factories import FakeClock, admit, finished, make_config, register, report, submit
 
 LONG = 1100  # past the 1,024 tokens under which a prompt stays with a decode worker
 FIRST = 42  # the first token, computed on the prefill worker
@@ -99,7 +99,8 @@ def test_a_prefilled_sequence_is_sent_to_a_decode_worker_and_decodes_there_once(
     assert sched.select_batch(report("d0")).handoffs == ()  # delivered once
 
     again = sched.select_batch(report("p0", running=[seq_id]))
-    assert again.decode == () and again.handoffs == ()  # one handoff, still held
+    # One handoff, still held: its SEND repeated (same transfer) while it transfers.
+    assert again.decode == () and again.handoffs == (send,)
 
     done = sched.select_batch(
         with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
@@ -471,3 +472,78 @@ def test_the_default_threshold_rule_hands_off_every_long_prompt_despite_sizes(
     seq_id = submit(sched, prompt_len=LONG)
     assert admit(sched, "d0", running=short) == ()
     assert admit(sched, "p0") == (seq_id,)
+
+
+def test_a_sequence_decoded_for_want_of_room_is_sent_only_once_no_decode_is_in_flight():
+    # With overlap, p0's report comes while the step of its last decision runs: a
+    # sequence decoded in that step holds one token more than the report says. Sent
+    # then, the SEND would book fewer tokens than p0 holds and nothing would be served.
+    sched = fleet(roles=("p0", "d0"))
+    register(sched, "d0", role=WorkerRole.DECODE, transfer_bytes_per_second=1e9, max_batch_size=1)
+    sched.select_batch(report("d0"))
+    first, second = (submit(sched, prompt_len=LONG, max_new_tokens=50) for _ in range(2))
+    assert admit(sched, "p0") == (first, second)
+    sched.select_batch(report("p0", running=[first, second]))  # prefill in flight
+    tokens = {first: [FIRST], second: [FIRST]}
+    decided = sched.select_batch(report("p0", running=[first, second], tokens=tokens))
+    (send,) = decided.handoffs
+    assert decided.decode == (second,)  # no room for it: decoded on p0
+    # d0 imports `first` and finishes it: it has room again.
+    sched.select_batch(report("d0"))
+    sched.select_batch(with_results(report("d0", running=[first]), result(first, send.transfer_id)))
+    sched.select_batch(report("d0", finished=[finished(first)], tokens={first: [7]}))
+
+    # p0 reports while the step decoding `second` may still run: neither sent nor decoded.
+    waiting = sched.select_batch(report("p0", running=[second]))
+    assert waiting.decode == () and waiting.handoffs == ()
+    # Its next report carries that step's token: the SEND books exactly what p0 holds.
+    sent = sched.select_batch(report("p0", running=[second], tokens={second: [9]}))
+    (send_second,) = sent.handoffs
+    assert sent.decode == ()
+    assert (send_second.seq_id, send_second.peer_worker_id) == (second, "d0")
+    assert (send_second.num_tokens, send_second.num_generated) == (LONG + 1, 2)
+
+
+def test_a_send_whose_answer_was_lost_is_repeated_until_the_transfer_ends():
+    sched = fleet()
+    seq_id, decision = prefilled(sched)  # p0 never gets this answer
+    (send,) = decision.handoffs
+    retried = sched.select_batch(report("p0", running=[seq_id], tokens={seq_id: [FIRST]}))
+    assert retried.handoffs == (send,) and retried.decode == ()
+    (receive,) = sched.select_batch(report("d0")).handoffs
+    sched.select_batch(
+        with_results(report("d0", running=[seq_id]), result(seq_id, send.transfer_id))
+    )
+    after = sched.select_batch(report("p0", running=[seq_id]))
+    assert after.handoffs == () and after.evict == (seq_id,)
+
+
+def test_a_stale_done_and_the_new_done_in_one_report_do_not_evict_the_sequence():
+    # A restart leaves the receiver fetching the old transfer and the new one (its sender
+    # serves both ids): it may report both DONEs at once, the old one first.
+    clock, store = FakeClock(), MemoryStore()
+    sched = fleet(store=store, clock=clock)
+    seq_id, decision = prefilled(sched)
+    (send,) = decision.handoffs
+    sched.select_batch(report("d0"))  # RECEIVE (old) delivered to d0
+    clock.advance_ms(1)
+    restarted = Scheduler(
+        make_config(chunk_size=2048, lease_ttl_ms=LEASE_MS),
+        clock=clock,
+        store=store,
+        wall_clock=lambda: 2e9,
+    )
+    restarted.select_batch(report("d1", kv_free_pages=0))
+    restarted.select_batch(report("d0"))
+    (again,) = restarted.select_batch(report("p0", running=[seq_id])).handoffs
+    assert again.peer_worker_id == "d0"
+    restarted.select_batch(report("d0"))  # RECEIVE (new)
+    both = restarted.select_batch(
+        with_results(
+            report("d0", running=[seq_id]),
+            result(seq_id, send.transfer_id),
+            result(seq_id, again.transfer_id),
+        )
+    )
+    assert restarted.get_sequence(seq_id).worker_id == "d0"
+    assert seq_id not in both.evict and seq_id in both.decode

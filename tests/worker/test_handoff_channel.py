@@ -81,6 +81,17 @@ def test_a_fetch_past_cached_tokens_gets_only_the_later_positions(sender):
     assert len(fetched.chunks) == 4  # the GDN states whole
 
 
+def test_a_stream_past_the_bytes_the_receiver_expects_is_cut_and_fails_its_check(sender):
+    offers, address = sender
+    offers.offer(7, 3, _chunks())
+    total = sum(len(c.data) for c in _chunks())
+    fetched = fetch_sequence(address, 7, 3, 0, timeout_seconds=10.0, token=TOKEN, max_bytes=total)
+    assert fetched.num_bytes == total
+    with pytest.raises(FetchFailed) as failed:
+        fetch_sequence(address, 7, 3, 0, timeout_seconds=10.0, token=TOKEN, max_bytes=total - 1)
+    assert failed.value.problem is FetchProblem.CHECKSUM_MISMATCH
+
+
 def test_trim_drops_chunks_wholly_before_the_first_token():
     chunk = StateChunk(StateKind.ATTENTION_KV, 0, b"abcdWXYZ", 2, 2)
     assert trim(chunk, 4) is None

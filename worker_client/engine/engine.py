@@ -223,13 +223,20 @@ class ModelEngine(CacheBooks):
             problem = cached_tokens_problem(
                 cached_tokens, len(spec.prompt_token_ids), self.cache_block_tokens
             )
+        if problem is None and seq_id in self._held:
+            # Refused before anything is freed: what it holds stays as it was.
+            problem = f"sequence {seq_id} is held already; evict it before importing it"
         if problem is not None:
             raise ImportRefused(ImportProblem.INVALID, problem)
         with torch.inference_mode():
             parsed = parse_chunks(self._pages, self._state_pool, chunks, cached_tokens, num_tokens)
-            self._release(seq_id)
             held = self._hold_imported(seq_id, spec, cached_tokens, num_tokens)
-            write_state(self._pages, self._state_pool, seq_id, held.slot, parsed)
+            try:
+                write_state(self._pages, self._state_pool, seq_id, held.slot, parsed)
+            except BaseException:
+                self._release_books(held)  # its pages and slot back, nothing held
+                self._state_pool.release(held.slot)
+                raise
         held.num_prefilled = held.prompt_len
         self._held[seq_id] = held
         if self._cache is not None:

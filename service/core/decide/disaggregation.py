@@ -102,6 +102,9 @@ class Disaggregation:
         # Per sender, sequences whose handoff failed while it held them, by seq_id with
         # their admission_order: decoded there to the end of that assignment.
         self._kept: dict[str, dict[int, int]] = {}
+        # Per prefill-only worker, the decode list of its last decision: with overlap that
+        # step may still run when the next report comes, one token past what it reports.
+        self._decoded: dict[str, frozenset[int]] = {}
 
     @property
     def book(self) -> HandoffBook:
@@ -190,8 +193,7 @@ class Disaggregation:
                 or handoff.receiver != worker.worker_id
                 or handoff.state is not HandoffState.TRANSFERRING
             ):
-                if worker.assigned.get(result.seq_id) is None:
-                    evict.append(result.seq_id)
+                evict.append(result.seq_id)
                 continue  # else a repeat of the DONE that made it this worker's: ignored
             sender = self._ledger.find(handoff.sender)
             seq = self._held(handoff, sender)
@@ -211,7 +213,9 @@ class Disaggregation:
                 self._ended(outcome, result.num_bytes, seconds)
             if result.status is HandoffStatus.DONE:
                 evict.append(result.seq_id)  # imported, but no longer the sender's to give
-        return evict
+        # A sequence this worker now runs (a DONE of this report or an earlier one) is
+        # never evicted, whichever stale result of it came first.
+        return [s for s in dict.fromkeys(evict) if s not in worker.assigned]
 
     def worker_gone(self, worker_id: str) -> None:
         """`worker_id` left (deregistered, lease out, registered again): each handoff it
@@ -219,6 +223,7 @@ class Disaggregation:
         back to the queue."""
         self._receives.pop(worker_id, None)
         self._kept.pop(worker_id, None)
+        self._decoded.pop(worker_id, None)
         for outcome in self._book.worker_gone(worker_id):
             self._ended(outcome)
 
@@ -245,6 +250,7 @@ class Disaggregation:
         decode = decision.decode
         if worker.registration.role is WorkerRole.PREFILL:
             decode = self._send(worker, decision, handoffs)
+            self._decoded[worker.worker_id] = frozenset(decode)
         if worker.worker_id in self._receives:
             self._receive(worker, handoffs, free_bytes, cached_tokens)
         if not handoffs and decode is decision.decode:
@@ -262,12 +268,18 @@ class Disaggregation:
         self, worker: WorkerRecord, decision: Decision, handoffs: list[HandoffInstruction]
     ) -> tuple[int, ...]:
         """Book a handoff for each of `worker`'s decodes that has its first token and a
-        receiver; returns the decodes left to it."""
+        receiver; returns the decodes left to it. The SENDs still transferring are
+        repeated (same transfer_id): an answer lost with its SEND is made good by the
+        next one, and a worker that already offers the transfer ignores the repeat."""
+        now = self._clock()
         for handoff in self._book.sent_by(worker.worker_id):
             if self._held(handoff, worker) is None:  # finished, preempted, lost, cancelled
                 outcome = self._book.failed(handoff.seq_id, HandoffEnd.SENDER_GONE, False)
                 if outcome is not None:
                     self._ended(outcome)
+            elif handoff.state is HandoffState.TRANSFERRING:
+                handoffs.append(self._send_instruction(handoff, now))
+        decoded = self._decoded.get(worker.worker_id, frozenset())
         kept = self._kept.get(worker.worker_id)
         if kept:
             for seq_id in [s for s in kept if s not in worker.assigned]:
@@ -304,6 +316,11 @@ class Disaggregation:
             if receiver is None:
                 decode.append(seq_id)  # no room anywhere: it decodes here this step
                 continue
+            if seq_id in decoded:
+                # Decoded in the last decision (no room then): with overlap that step may
+                # run still, one token past this report, and the sender would hold more
+                # than the SEND books. Left out one round, it is sent at its next report.
+                continue
             handoffs.append(self._start(worker, seq, receiver.worker_id))
             loads = [_one_more(w, seq.num_tokens()) if w is receiver else w for w in loads]
             loads = [w for w in loads if w.num_decoding < self._batch_limit(w.worker_id)]
@@ -338,18 +355,24 @@ class Disaggregation:
         self._next_transfer_id += 1
         num_tokens = seq.num_tokens() - 1  # the last one is fed by the receiver's decode
         num_generated = len(seq.output_token_ids) - seq.num_generated_at_admission
+        now = self._clock()
         self._book.plan(seq.seq_id, sender.worker_id, receiver, transfer_id, seq.admission_order)
-        self._book.prefilled(seq.seq_id, num_tokens, num_generated, self._clock())
+        self._book.prefilled(seq.seq_id, num_tokens, num_generated, now)
         self._receives.setdefault(receiver, []).append((seq.seq_id, transfer_id))
         self._observer.on_handoff_started(seq.seq_id, sender.worker_id, receiver)
+        return self._send_instruction(self._book.get(seq.seq_id), now)
+
+    @staticmethod
+    def _send_instruction(handoff: Handoff, now: float) -> HandoffInstruction:
+        """The SEND of `handoff` (TRANSFERRING), its deadline what is left of it."""
         return HandoffInstruction(
-            seq_id=seq.seq_id,
+            seq_id=handoff.seq_id,
             direction=HandoffDirection.SEND,
-            transfer_id=transfer_id,
-            peer_worker_id=receiver,
-            num_tokens=num_tokens,
-            num_generated=num_generated,
-            deadline_ms=max(1, round(self._timeout_seconds * 1000)),
+            transfer_id=handoff.transfer_id,
+            peer_worker_id=handoff.receiver,
+            num_tokens=handoff.num_tokens,
+            num_generated=handoff.num_generated_at_transfer,
+            deadline_ms=max(1, round((handoff.deadline - now) * 1000)),
         )
 
     def _receive(
