@@ -9,7 +9,7 @@ and collects every acknowledged sequence's output by re-attaching with `Generate
 
 Every wait is bounded, and `Stack.close` kills every process it started, whatever
 happened. Each process logs to its own file under the stack's directory. Used by
-tests/faults, tests/replicas and bench/chaos.py.
+tests/faults, tests/replicas, bench/chaos.py and bench/handoff_kills.py.
 """
 
 from __future__ import annotations
@@ -415,6 +415,11 @@ class Clients:
         for thread in self._threads:
             thread.join(max(0.0, end - time.monotonic()))
         self._channel.close()
+
+    def stop_submitting(self) -> None:
+        """Submit no more jobs; those acknowledged are still collected."""
+        with self._lock:
+            self._to_submit = iter(())
 
     def running(self) -> bool:
         """Whether the submitter or any collector is still at work."""

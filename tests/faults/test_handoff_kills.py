@@ -12,20 +12,13 @@ expected tokens come from the reference engine run alone.
 
 from __future__ import annotations
 
-import random
-import sys
-
 import pytest
 
-from bench.harness.fault_stack import Job, Proc, check
-from common.processes import free_port
+from bench.harness.fault_stack import check
+from bench.harness.handoff_stack import handoff_counts, handoff_jobs, start_role_worker
 from common.waiting import wait_until
-from lattice.scheduler.v1 import scheduler_pb2 as pb
 
-torch = pytest.importorskip("torch")
-from worker_client.engine.api import ChunkWork, SequenceSpec  # noqa: E402
-from worker_client.engine.engine import ModelEngine  # noqa: E402
-from worker_client.engine.loading import load_model  # noqa: E402
+pytest.importorskip("torch")
 
 pytestmark = pytest.mark.slow
 
@@ -33,65 +26,16 @@ NUM_SEQUENCES = 10
 ROLES = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
 
 
-def _jobs() -> list[Job]:
-    model = load_model("tiny", device="cpu", dtype=torch.float32, seed=0)
-    rng = random.Random(7)
-    jobs = []
-    for i in range(NUM_SEQUENCES):
-        prompt = [rng.randrange(2, 500) for _ in range(rng.randint(1030, 1100))]
-        max_new_tokens = rng.randint(16, 32)
-        engine = ModelEngine(
-            model, total_kv_pages=80, page_size=16, total_gdn_slots=1, device="cpu"
-        )
-        spec = SequenceSpec(tuple(prompt), max_new_tokens)
-        out = engine.step([ChunkWork(1, 0, len(prompt), spec)], [])
-        tokens = [t for _, ids in out.tokens for t in ids]
-        while engine.running_ids():
-            tokens += [t for _, ids in engine.step([], [1]).tokens for t in ids]
-        eos = tokens[-1] in model.config.eos_token_ids
-        reason = pb.FINISH_REASON_EOS if eos else pb.FINISH_REASON_MAX_LENGTH
-        jobs.append(Job(f"handoff-{i}", prompt, max_new_tokens, [], tokens, reason))
-    return jobs
-
-
 def _start_worker(stack, worker_id: str) -> None:
-    number = sum(p.name.startswith(worker_id + ".") for p in stack.all_procs)
-    argv = [
-        sys.executable,
-        "-m",
-        "worker_client",
-        "--scheduler",
-        stack.target,
-        "--worker-id",
-        worker_id,
-        "--model",
-        "tiny",
-        "--kv-pages",
-        "1024",
-        "--page-size",
-        "16",
-        "--gdn-slots",
-        "8",
-        "--threads",
-        "1",
-        "--role",
-        ROLES[worker_id],
-        "--transfer-gb-per-s",
-        "1",
-        "--handoff-port",
-        str(free_port()),
-    ]
-    proc = Proc(f"{worker_id}.{number}", argv, stack.directory / f"{worker_id}.{number}.log")
-    stack.all_procs.append(proc)
-    stack.workers[worker_id] = proc
+    start_role_worker(stack, worker_id, ROLES[worker_id])
 
 
 def _handoffs_done(stack) -> float:
-    return stack.metrics().get(("lattice_scheduler_handoffs_total", (("end", "done"),)), 0.0)
+    return handoff_counts(stack).get("done", 0.0)
 
 
 def test_killing_a_sender_then_a_receiver_mid_handoff_loses_nothing(make_stack, make_clients):
-    jobs = _jobs()
+    jobs = handoff_jobs(NUM_SEQUENCES)
     stack = make_stack(num_workers=0, lease_ttl_ms=5000)
     for worker_id in ROLES:
         _start_worker(stack, worker_id)
