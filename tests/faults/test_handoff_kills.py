@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.harness.fault_stack import check
 from bench.harness.handoff_stack import handoff_counts, handoff_jobs, start_role_worker
 from common.waiting import wait_until
+from tests.faults.outcome import assert_nothing_lost
 
 pytest.importorskip("torch")
 
@@ -53,13 +53,5 @@ def test_killing_a_sender_then_a_receiver_mid_handoff_loses_nothing(make_stack, 
     _start_worker(stack, "decode-0")
 
     clients.wait_done(240)
-    outcome = check(stack.stub, jobs)
-    assert outcome.problems == [], "\n".join(outcome.problems[:20])
-    assert outcome.acknowledged == len(jobs)
-    assert (
-        outcome.lost,
-        outcome.duplicated_tokens,
-        outcome.missing_tokens,
-        outcome.wrong_outputs,
-    ) == (0, 0, 0, 0)
+    assert_nothing_lost(stack.stub, jobs)
     print(f"handoffs done: {_handoffs_done(stack):g}, worker kills: {stack.worker_kills}")

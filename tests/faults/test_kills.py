@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from bench.harness.fault_stack import Job, check, check_known, make_jobs
+from bench.harness.fault_stack import Job, check_known, make_jobs
 from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
+from tests.faults.outcome import assert_nothing_lost
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +30,7 @@ def _unfinished(jobs: list[Job]) -> int:
 
 
 def _assert_all_good(stack, jobs: list[Job]) -> None:
-    outcome = check(stack.stub, jobs)
-    assert outcome.problems == [], "\n".join(outcome.problems[:20])
-    assert outcome.acknowledged == len(jobs)
-    assert (
-        outcome.lost,
-        outcome.duplicated_tokens,
-        outcome.missing_tokens,
-        outcome.wrong_outputs,
-    ) == (0, 0, 0, 0)
+    assert_nothing_lost(stack.stub, jobs)
 
 
 def _requeues(stack, reason: str) -> float:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.harness.fault_stack import check, make_jobs
+from bench.harness.fault_stack import make_jobs
 from bench.harness.processes import scrape
 from common.waiting import wait_until
+from tests.faults.outcome import assert_nothing_lost
 
 from .harness import ReplicaClients, ReplicaStack, wait_all_done
 
@@ -61,15 +62,7 @@ def _grouped(metrics) -> bool:
 
 def _assert_each_finished_once(stack: ReplicaStack, clients: list[ReplicaClients]) -> None:
     jobs = [job for c in clients for job in c.jobs]
-    outcome = check(stack.stub, jobs)
-    assert outcome.problems == [], "\n".join(outcome.problems[:20])
-    assert outcome.acknowledged == len(jobs)
-    assert (
-        outcome.lost,
-        outcome.duplicated_tokens,
-        outcome.missing_tokens,
-        outcome.wrong_outputs,
-    ) == (0, 0, 0, 0)
+    assert_nothing_lost(stack.stub, jobs)
 
 
 def test_a_replica_killed_in_the_middle_of_group_commits_loses_nothing(stack, clients):

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.harness.fault_stack import check, make_jobs
+from bench.harness.fault_stack import make_jobs
 from common.waiting import wait_until
+from tests.faults.outcome import assert_nothing_lost
 
 from .harness import ReplicaClients, ReplicaStack, wait_all_done
 
@@ -50,15 +51,7 @@ def clients(stack):
 
 def _assert_all_good(stack: ReplicaStack, clients: list[ReplicaClients]) -> None:
     jobs = [job for c in clients for job in c.jobs]
-    outcome = check(stack.stub, jobs)
-    assert outcome.problems == [], "\n".join(outcome.problems[:20])
-    assert outcome.acknowledged == len(jobs)
-    assert (
-        outcome.lost,
-        outcome.duplicated_tokens,
-        outcome.missing_tokens,
-        outcome.wrong_outputs,
-    ) == (0, 0, 0, 0)
+    assert_nothing_lost(stack.stub, jobs)
 
 
 def _acknowledged(clients) -> int:
