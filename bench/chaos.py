@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness.fault_stack import Clients, Stack, check, make_jobs
+from bench.harness.fault_stack import Clients, Stack, check, make_jobs, report_run
 from bench.harness.tables import markdown_table
 
 PROGRESS_EVERY_SECONDS = 2.0
@@ -295,16 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         f"acknowledged sequences unfinished at each scheduler kill "
         f"{chaos.unfinished_at_kills}"
     )
-    failed = outcome.lost or outcome.duplicated_tokens or outcome.wrong_outputs or outcome.problems
-    for problem in outcome.problems[:30]:
-        print(f"PROBLEM: {problem}")
-    print()
-    print(table(args, chaos, outcome, wall_seconds))
-    if failed or args.keep:
-        print(f"\nstate dir and process logs kept in {directory}")
-    else:
-        shutil.rmtree(directory, ignore_errors=True)
-    return 1 if failed else 0
+    return report_run(
+        outcome,
+        table(args, chaos, outcome, wall_seconds),
+        directory,
+        keep=args.keep,
+        kept="state dir and process logs",
+    )
 
 
 if __name__ == "__main__":

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.harness.fault_stack import Clients, Stack, check
+from bench.harness.fault_stack import Clients, Stack, check, report_run
 from bench.harness.handoff_stack import (
     handoff_counts,
     handoff_prompts,
@@ -244,16 +243,13 @@ def main(argv: list[str] | None = None) -> int:
             cycles.clients.close()
         cycles.stack.close()
     wall_seconds = time.monotonic() - started
-    failed = outcome.lost or outcome.duplicated_tokens or outcome.wrong_outputs or outcome.problems
-    for problem in outcome.problems[:30]:
-        print(f"PROBLEM: {problem}")
-    print()
-    print(table(args, cycles, counts, outcome, wall_seconds))
-    if failed or args.keep:
-        print(f"\nprocess logs kept in {directory}")
-    else:
-        shutil.rmtree(directory, ignore_errors=True)
-    return 1 if failed else 0
+    return report_run(
+        outcome,
+        table(args, cycles, counts, outcome, wall_seconds),
+        directory,
+        keep=args.keep,
+        kept="process logs",
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import queue
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -660,6 +661,22 @@ def count_duplicated_and_missing(output: list[int], reference: list[int]) -> tup
         duplicated += repeat
         i += repeat
     return duplicated, len(reference) - j
+
+
+def report_run(outcome: Outcome, table: str, directory: Path, *, keep: bool, kept: str) -> int:
+    """A fault run's end: its problems and `table` printed, `directory` removed unless the
+    run failed or `keep` (then `kept`, what it holds, is named); the exit status, 1 when
+    anything was lost, duplicated, wrong or otherwise a problem."""
+    failed = outcome.lost or outcome.duplicated_tokens or outcome.wrong_outputs or outcome.problems
+    for problem in outcome.problems[:30]:
+        print(f"PROBLEM: {problem}")
+    print()
+    print(table)
+    if failed or keep:
+        print(f"\n{kept} kept in {directory}")
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
+    return 1 if failed else 0
 
 
 def check_known(stub: pb_grpc.SchedulerStub, jobs: list[Job]) -> list[str]:
