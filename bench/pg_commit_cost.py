@@ -5,7 +5,7 @@ private cluster with fsync on and `synchronous_commit = off` (as worker progress
 committed under --state-fsync acks).
 
   empty             BEGIN; COMMIT (one pipeline, one round trip)
-  number            + lattice_commit(): the commit number and fence (one row update)
+  number            + the commit number and fence (one row update: _RECORD_COMMIT)
   number+notify     + one NOTIFY carrying --sequences ids
   progress          a replica's real commit (PostgresState.commit_pending): the number,
                     the progress of --sequences sequences, the NOTIFY
@@ -27,14 +27,14 @@ import os
 import tempfile
 import time
 
-from bench.harness.processes import cpu_seconds
+from bench.harness.processes import cpu_seconds_single_threaded as cpu_seconds
 from bench.harness.tables import print_table
 from bench.replicas import database_pids
 from service.core import SubmitParams
 from service.core.persist.store import SequenceProgress, StateChanges, TokenAppend
 from service.core.types import SequenceState
 from service.state.pg_cluster import PrivateCluster
-from service.state.postgres import PostgresState
+from service.state.postgres import _RECORD_COMMIT, PostgresState
 
 
 def _raw(store: PostgresState, args, notify: bool, number: bool):
@@ -45,7 +45,8 @@ def _raw(store: PostgresState, args, notify: bool, number: bool):
             if number:  # numbered as the store's own commits, which come later
                 store._last_commit_no += 1
                 conn.execute(
-                    "SELECT lattice_commit(%s, NULL, %s)", (store.replica_id, store._last_commit_no)
+                    _RECORD_COMMIT,
+                    {"me": store.replica_id, "fence": None, "no": store._last_commit_no},
                 )
             if notify:
                 conn.execute("SELECT pg_notify('lattice_progress', %s)", (payload,))
