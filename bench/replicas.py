@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,7 @@ class Result:
     # pg_stat_user_tables): where its time goes, by statement and by table.
     statements: list[tuple[int, int, float, int, str]] = field(default_factory=list)
     table_rows: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    database_cpu_by_kind: dict[str, float] = field(default_factory=dict)
 
 
 def database_pids(cluster: PrivateCluster) -> list[int]:
@@ -180,6 +182,24 @@ _TABLE_ROWS = (
 )
 
 
+def _database_cpu_by_kind(url: str, before: dict[int, float], after: dict[int, float]):
+    """CPU seconds over the window by kind of PostgreSQL process (pg_stat_activity's
+    backend_type; a client backend whose last statement was LISTEN is a listener)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        kinds = {
+            pid: "listener" if (query or "").startswith("LISTEN") else kind
+            for pid, kind, query in conn.execute(
+                "SELECT pid, backend_type, query FROM pg_stat_activity"
+            )
+        }
+    by_kind: Counter[str] = Counter()
+    for pid, cpu in after.items():
+        by_kind[kinds.get(pid, "postmaster or gone")] += cpu - before.get(pid, 0.0)
+    return dict(by_kind)
+
+
 def _database_counts(url: str | None, reset: bool):
     """Statements since the last reset (and reset them), and rows written by table."""
     import psycopg
@@ -258,6 +278,7 @@ def run(
     start_metrics = [scrape(m) for _, m in targets]
     counted = url if args.statements else None
     _, tables0 = _database_counts(counted, reset=True)
+    by_pid0 = {pid: cpu_seconds_single_threaded([pid]) for pid in db_pids}
     cpu0, db0, t0 = cpu_seconds(pids), cpu_seconds_single_threaded(db_pids), time.monotonic()
     started.set()
     time.sleep(args.seconds)
@@ -267,6 +288,9 @@ def run(
     result.seconds = time.monotonic() - t0
     end_metrics = [scrape(m) for _, m in targets]
     result.statements, tables1 = _database_counts(counted, reset=False)
+    if counted:
+        by_pid1 = {pid: cpu_seconds_single_threaded([pid]) for pid in database_pids(cluster)}
+        result.database_cpu_by_kind = _database_cpu_by_kind(counted, by_pid0, by_pid1)
     result.table_rows = {
         table: tuple(a - b for a, b in zip(rows, tables0.get(table, (0, 0, 0, 0))))
         for table, rows in tables1.items()
@@ -408,6 +432,14 @@ def _print_statements(r: Result, limit: int) -> None:
                 f"{int(wal) / decisions:.0f}",
             ]
             for calls, rows, ms, wal, query in r.statements[:limit]
+        ],
+    )
+    print()
+    print_table(
+        ["PostgreSQL process", "CPU ms/dec"],
+        [
+            [kind, f"{cpu / decisions * 1000:.4f}"]
+            for kind, cpu in sorted(r.database_cpu_by_kind.items(), key=lambda kv: -kv[1])
         ],
     )
     print()
