@@ -11,7 +11,8 @@ committed under --state-fsync acks).
                     the progress of --sequences sequences, the NOTIFY
   progress+tokens   the same with one token appended to each (every row written)
   tokens            one token appended to each sequence and no progress: the steady
-                    decode step as the core saves it (its rows are written once in
+                    decode step as the core saves it (the replica's counts row written
+                    by one commit in COUNT_EVERY_COMMITS, a sequence's row once in
                     COUNT_EVERY_TOKENS appends)
 
 Divide by the saves a commit holds (bench.replicas: commits per decision) for the cost per

@@ -19,6 +19,12 @@ share the same two cores.
 
     .venv/bin/python -m bench.replicas --seconds 8 --workers 4,16,64
 
+With `--statements N`, PostgreSQL's own view of each PostgreSQL configuration's window
+as well: its N costliest statements (pg_stat_statements: calls, rows, execution time and
+WAL bytes per decision), its CPU by kind of process (client backends, the listeners,
+walwriter, ...) and the rows written per table per decision. The extension's hooks cost
+a little CPU themselves: take the headline figures from a run without it.
+
 `followups` instead: 16 conversations x 4 turns on scripted workers keeping a prefix
 cache, on one scheduler with 4 workers and on 2 replicas with 2 workers each; counts the
 follow-up turns that resumed from their conversation's cache (cached_tokens at least the
