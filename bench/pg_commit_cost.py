@@ -5,13 +5,14 @@ private cluster with fsync on and `synchronous_commit = off` (as worker progress
 committed under --state-fsync acks).
 
   empty             BEGIN; COMMIT (one pipeline, one round trip)
-  number            + lattice_commit(): the commit number and fence (one row update)
+  number            + the commit number and fence (one row update: _RECORD_COMMIT)
   number+notify     + one NOTIFY carrying --sequences ids
   progress          a replica's real commit (PostgresState.commit_pending): the number,
                     the progress of --sequences sequences, the NOTIFY
   progress+tokens   the same with one token appended to each (every row written)
   tokens            one token appended to each sequence and no progress: the steady
-                    decode step as the core saves it (its rows are written once in
+                    decode step as the core saves it (the replica's counts row written
+                    by one commit in COUNT_EVERY_COMMITS, a sequence's row once in
                     COUNT_EVERY_TOKENS appends)
 
 Divide by the saves a commit holds (bench.replicas: commits per decision) for the cost per
@@ -27,14 +28,14 @@ import os
 import tempfile
 import time
 
-from bench.harness.processes import cpu_seconds
+from bench.harness.processes import cpu_seconds_single_threaded as cpu_seconds
 from bench.harness.tables import print_table
 from bench.replicas import database_pids
 from service.core import SubmitParams
 from service.core.persist.store import SequenceProgress, StateChanges, TokenAppend
 from service.core.types import SequenceState
 from service.state.pg_cluster import PrivateCluster
-from service.state.postgres import PostgresState
+from service.state.postgres import _RECORD_COMMIT, PostgresState
 
 
 def _raw(store: PostgresState, args, notify: bool, number: bool):
@@ -45,7 +46,8 @@ def _raw(store: PostgresState, args, notify: bool, number: bool):
             if number:  # numbered as the store's own commits, which come later
                 store._last_commit_no += 1
                 conn.execute(
-                    "SELECT lattice_commit(%s, NULL, %s)", (store.replica_id, store._last_commit_no)
+                    _RECORD_COMMIT,
+                    {"me": store.replica_id, "fence": None, "no": store._last_commit_no},
                 )
             if notify:
                 conn.execute("SELECT pg_notify('lattice_progress', %s)", (payload,))
@@ -74,16 +76,19 @@ def _steps(store: PostgresState, seq_ids: list[int], step, tokens: bool, progres
     return commit
 
 
-def measure(cluster: PrivateCluster, commit, count: int) -> tuple[float, float]:
+def measure(
+    cluster: PrivateCluster, backend: int, commit, count: int
+) -> tuple[float, float, float]:
+    """(PostgreSQL CPU ms, the store's backend's CPU ms, wall ms) per commit."""
     for _ in range(20):  # warm up
         commit()
     pids = database_pids(cluster)
-    cpu0, t0 = cpu_seconds(pids), time.monotonic()
+    cpu0, own0, t0 = cpu_seconds(pids), cpu_seconds([backend]), time.monotonic()
     for _ in range(count):
         commit()
     wall = time.monotonic() - t0
-    cpu = cpu_seconds(pids) - cpu0
-    return cpu / count * 1000, wall / count * 1000
+    cpu, own = cpu_seconds(pids) - cpu0, cpu_seconds([backend]) - own0
+    return cpu / count * 1000, own / count * 1000, wall / count * 1000
 
 
 def main() -> int:
@@ -99,7 +104,8 @@ def main() -> int:
     directory = tempfile.mkdtemp(prefix="lattice-pgcost-")
     cluster = PrivateCluster(directory, fsync=True).start()
     try:
-        store = PostgresState(cluster.url, name="cost")
+        # One connection, so that its backend's CPU is the commits' alone.
+        store = PostgresState(cluster.url, name="cost", pool_size=1)
         seq_ids = [
             store.submit(
                 SubmitParams(prompt_token_ids=tuple(range(1, 33)), max_new_tokens=10**6),
@@ -110,6 +116,8 @@ def main() -> int:
         ]
         store.claim(args.sequences)
         store.defer_saves()
+        with store._connection() as conn:
+            backend = conn.info.backend_pid
         rows = []
         step = iter(range(10**9))
         shapes = [
@@ -122,8 +130,8 @@ def main() -> int:
         ]
         wanted = args.shapes.split(",")
         for name, commit in [(name, commit) for name, commit in shapes if name in wanted]:
-            cpu, wall = measure(cluster, commit, args.commits)
-            rows.append([name, f"{cpu:.3f}", f"{wall:.3f}"])
+            cpu, own, wall = measure(cluster, backend, commit, args.commits)
+            rows.append([name, f"{cpu:.3f}", f"{own:.3f}", f"{wall:.3f}"])
         with store._connection() as conn:
             time.sleep(1.0)  # statistics reach the views
             upd, hot = conn.execute(
@@ -137,7 +145,10 @@ def main() -> int:
         f"\n{args.commits} commits per shape, {args.sequences} sequences, "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n"
     )
-    print_table(["commit", "PostgreSQL CPU ms / commit", "wall ms / commit"], rows)
+    print_table(
+        ["commit", "PostgreSQL CPU ms / commit", "its backend's ms / commit", "wall ms / commit"],
+        rows,
+    )
     print(f"\nsequence row updates: {upd}, of them HOT: {hot}")
     return 0
 

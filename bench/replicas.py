@@ -19,6 +19,12 @@ share the same two cores.
 
     .venv/bin/python -m bench.replicas --seconds 8 --workers 4,16,64
 
+With `--statements N`, PostgreSQL's own view of each PostgreSQL configuration's window
+as well: its N costliest statements (pg_stat_statements: calls, rows, execution time and
+WAL bytes per decision), its CPU by kind of process (client backends, the listeners,
+walwriter, ...) and the rows written per table per decision. The extension's hooks cost
+a little CPU themselves: take the headline figures from a run without it.
+
 `followups` instead: 16 conversations x 4 turns on scripted workers keeping a prefix
 cache, on one scheduler with 4 workers and on 2 replicas with 2 workers each; counts the
 follow-up turns that resumed from their conversation's cache (cached_tokens at least the
@@ -37,13 +43,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from bench.harness.processes import ROOT, cpu_seconds, scrape
+from bench.harness.processes import ROOT, cpu_seconds, cpu_seconds_single_threaded, scrape
 from bench.harness.tables import print_table
 from common.loadgen import percentile
 from common.processes import spawn_scheduler
@@ -68,6 +75,11 @@ class Result:
     submits: int = 0
     claimed: float = 0.0
     tokens: float = 0.0
+    # --statements: PostgreSQL's own counts over the timed window (pg_stat_statements,
+    # pg_stat_user_tables): where its time goes, by statement and by table.
+    statements: list[tuple[int, int, float, int, str]] = field(default_factory=list)
+    table_rows: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    database_cpu_by_kind: dict[str, float] = field(default_factory=dict)
 
 
 def database_pids(cluster: PrivateCluster) -> list[int]:
@@ -166,8 +178,56 @@ def worker_thread(
                 waiting.append(chunk.seq_id)  # one chunk holds the whole prompt here
 
 
+_STATEMENTS = (
+    "SELECT calls, rows, total_exec_time, wal_bytes, query FROM pg_stat_statements "
+    "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND toplevel ORDER BY total_exec_time DESC"
+)
+_TABLE_ROWS = (
+    "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del FROM pg_stat_user_tables"
+)
+
+
+def _database_cpu_by_kind(url: str, before: dict[int, float], after: dict[int, float]):
+    """CPU seconds over the window by kind of PostgreSQL process (pg_stat_activity's
+    backend_type; a client backend whose last statement was LISTEN is a listener)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        kinds = {
+            pid: "listener" if (query or "").startswith("LISTEN") else kind
+            for pid, kind, query in conn.execute(
+                "SELECT pid, backend_type, query FROM pg_stat_activity"
+            )
+        }
+    by_kind: Counter[str] = Counter()
+    for pid, cpu in after.items():
+        by_kind[kinds.get(pid, "postmaster or gone")] += cpu - before.get(pid, 0.0)
+    return dict(by_kind)
+
+
+def _database_counts(url: str | None, reset: bool):
+    """Statements since the last reset (and reset them), and rows written by table."""
+    import psycopg
+
+    if url is None:
+        return [], {}
+    with psycopg.connect(url, autocommit=True) as conn:
+        statements = [] if reset else conn.execute(_STATEMENTS).fetchall()
+        if reset:
+            conn.execute("SELECT pg_stat_statements_reset()")
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        tables = {row[0]: row[1:] for row in conn.execute(_TABLE_ROWS)}
+    return statements, tables
+
+
 def run(
-    name: str, targets: list[tuple[str, int]], procs, cluster: PrivateCluster | None, args
+    name: str,
+    targets: list[tuple[str, int]],
+    procs,
+    cluster: PrivateCluster | None,
+    args,
+    url: str | None = None,
 ) -> Result:
     result = Result(name, workers=args.workers)
     channels = [grpc.insecure_channel(t) for t, _ in targets]
@@ -222,14 +282,25 @@ def run(
     pids = [p.pid for p in procs]
     db_pids = database_pids(cluster) if cluster else []
     start_metrics = [scrape(m) for _, m in targets]
-    cpu0, db0, t0 = cpu_seconds(pids), cpu_seconds(db_pids), time.monotonic()
+    counted = url if args.statements else None
+    _, tables0 = _database_counts(counted, reset=True)
+    by_pid0 = {pid: cpu_seconds_single_threaded([pid]) for pid in db_pids}
+    cpu0, db0, t0 = cpu_seconds(pids), cpu_seconds_single_threaded(db_pids), time.monotonic()
     started.set()
     time.sleep(args.seconds)
     started.clear()
     cpu1 = cpu_seconds(pids)
-    db1 = cpu_seconds(database_pids(cluster) if cluster else [])
+    db1 = cpu_seconds_single_threaded(database_pids(cluster) if cluster else [])
     result.seconds = time.monotonic() - t0
     end_metrics = [scrape(m) for _, m in targets]
+    result.statements, tables1 = _database_counts(counted, reset=False)
+    if counted:
+        by_pid1 = {pid: cpu_seconds_single_threaded([pid]) for pid in database_pids(cluster)}
+        result.database_cpu_by_kind = _database_cpu_by_kind(counted, by_pid0, by_pid1)
+    result.table_rows = {
+        table: tuple(a - b for a, b in zip(rows, tables0.get(table, (0, 0, 0, 0))))
+        for table, rows in tables1.items()
+    }
     stop.set()
     for t in threads:
         t.join(30)
@@ -290,6 +361,13 @@ def main() -> int:
         help="an extra `serve` argument for the replicas (repeat), e.g. "
         "--serve-arg=--replica-commit-wait-ms=1",
     )
+    parser.add_argument(
+        "--statements",
+        type=int,
+        default=0,
+        help="print PostgreSQL's N costliest statements and the rows written per table, "
+        "per decision, for each PostgreSQL configuration (pg_stat_statements)",
+    )
     args = parser.parse_args()
     configs = [c for c in args.configs.split(",") if c]
     for config in configs:
@@ -302,7 +380,8 @@ def main() -> int:
     cluster = None
     try:
         if any(c != "sqlite" for c in configs):
-            cluster = PrivateCluster(directory / "pg").start()
+            settings = ("shared_preload_libraries=pg_stat_statements",) if args.statements else ()
+            cluster = PrivateCluster(directory / "pg", settings=settings).start()
         for num_workers in [int(w) for w in args.workers.split(",")]:
             args.workers = num_workers
             for name in configs:
@@ -333,14 +412,58 @@ def main() -> int:
         ],
         [_row(r) for r in results],
     )
+    for r in results:
+        if r.statements:
+            _print_statements(r, args.statements)
     print(f"\nlogs in {directory}")
     return 0
+
+
+def _print_statements(r: Result, limit: int) -> None:
+    decisions = max(1, r.decisions)
+    total = sum(ms for _, _, ms, _, _ in r.statements)
+    print(
+        f"\n{r.workers} workers, {r.name}: statements by execution time "
+        f"({total / decisions:.3f} ms a decision in all; parse, commit and WAL flush not "
+        "included)\n"
+    )
+    print_table(
+        ["statement", "calls/dec", "rows/dec", "exec ms/dec", "WAL bytes/dec"],
+        [
+            [
+                " ".join(query.split())[:90],
+                f"{calls / decisions:.3f}",
+                f"{rows / decisions:.2f}",
+                f"{ms / decisions:.4f}",
+                f"{int(wal) / decisions:.0f}",
+            ]
+            for calls, rows, ms, wal, query in r.statements[:limit]
+        ],
+    )
+    print()
+    print_table(
+        ["PostgreSQL process", "CPU ms/dec"],
+        [
+            [kind, f"{cpu / decisions * 1000:.4f}"]
+            for kind, cpu in sorted(r.database_cpu_by_kind.items(), key=lambda kv: -kv[1])
+        ],
+    )
+    print()
+    print_table(
+        ["table", "inserted/dec", "updated/dec", "of them HOT/dec", "deleted/dec"],
+        [
+            [table, *(f"{n / decisions:.3f}" for n in rows)]
+            for table, rows in sorted(r.table_rows.items())
+            if any(rows)
+        ],
+    )
 
 
 def run_config(name: str, directory: Path, cluster: PrivateCluster | None, args) -> Result:
     """One configuration at args.workers: start its processes, run, stop them."""
     label = f"{name}-w{args.workers}"
     procs = []
+    url = None
     try:
         if name == "sqlite":
             state = [["--state-dir", str(directory / label)]]
@@ -353,7 +476,7 @@ def run_config(name: str, directory: Path, cluster: PrivateCluster | None, args)
             f"{args.workers} workers, {name}: running ({len(procs)} scheduler process(es))...",
             flush=True,
         )
-        return run(name, [(t, m) for _, t, m in started], procs, cluster, args)
+        return run(name, [(t, m) for _, t, m in started], procs, cluster, args, url)
     finally:
         for p in procs:
             p.terminate()
@@ -370,7 +493,11 @@ def _fresh_database(cluster: PrivateCluster, name: str) -> str:
     admin = cluster.url.rsplit("/", 1)[0] + "/postgres"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name} TEMPLATE template0")
-    return cluster.url.rsplit("/", 1)[0] + f"/{name}"
+    url = cluster.url.rsplit("/", 1)[0] + f"/{name}"
+    if "pg_stat_statements" in " ".join(cluster.settings):
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+    return url
 
 
 def _progress(r: Result) -> str:

@@ -64,6 +64,8 @@ class PrivateCluster:
     directory: Path
     port: int = 0
     fsync: bool = True  # tests turn it off: the machine's disk is shared and slow
+    # More server settings, each `name=value` (benchmarks: shared_preload_libraries=...).
+    settings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory).resolve()
@@ -112,6 +114,7 @@ class PrivateCluster:
             f"-k {self.directory} -c fsync={'on' if self.fsync else 'off'} "
             "-c max_connections=200 -c shared_buffers=64MB"
         )
+        options += "".join(f" -c {setting}" for setting in self.settings)
         self._tool(
             "pg_ctl",
             "-D",

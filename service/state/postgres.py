@@ -75,7 +75,8 @@ log = logging.getLogger(__name__)
 # 3: replicas.fence (group commit checks ownership once per commit, not per row).
 # 4: commit numbers (replicas.last_commit); token counts and heads on sequences
 #    (num_saved, output_head, log_replica, log_from); token_log by (replica_id, id).
-SCHEMA_VERSION = 4
+# 5: replica_counts (every running sequence's count in one row per replica).
+SCHEMA_VERSION = 5
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"
 CANCEL_CHANNEL = "lattice_cancel"
@@ -88,13 +89,27 @@ _DISOWNED_SQLSTATE = "LT001"
 # What lattice_commit() raises: this commit's number is recorded, an earlier attempt of it
 # committed (its outcome was unknown to this replica).
 _DONE_SQLSTATE = "LT002"
+# A commit's number (and fence check) as one plain UPDATE: lattice_commit(), a PL/pgSQL
+# call that costs PostgreSQL more than the update itself, runs only when it matched no row,
+# to say why (LT002, LT001) or, with no fence to check, that the replica row is gone.
+_RECORD_COMMIT = (
+    "WITH u AS (UPDATE replicas SET last_commit = %(no)s WHERE replica_id = %(me)s "
+    "AND last_commit < %(no)s AND (%(fence)s::bigint IS NULL OR fence = %(fence)s) "
+    "RETURNING 1) SELECT lattice_commit(%(me)s, %(fence)s, %(no)s) "
+    "WHERE NOT EXISTS (SELECT 1 FROM u)"
+)
 # The keepers fold the tokens of a sequence whose first unfolded log row is more than this
 # many rows behind the newest into its head, so log rows older than that can go.
 FOLD_ROWS_BEHIND = 2000
-# A sequence's row is written by a commit that only appends to it (a steady decode step)
-# once its count lags this many tokens, or when it has no log rows yet: the row updates of
-# every step cost PostgreSQL more than everything else of a commit (bench/pg_commit_cost.py).
-COUNT_EVERY_TOKENS = 16
+# A replica's counts row (replica_counts: where the saved output of each sequence it
+# appends to ends) is written by one commit in this many of those that append, so that a
+# GetSequence of a running sequence reads at most this many - 1 log rows past it.
+COUNT_EVERY_COMMITS = 16
+# A sequence's own row is written by a commit that only appends to it (a steady decode
+# step) when it has no log rows yet and once its count lags this many tokens: row updates
+# are what a commit costs PostgreSQL (bench/pg_commit_cost.py), and the counts row bounds
+# the reads in its stead (16 before it existed: two row updates a decision).
+COUNT_EVERY_TOKENS = 256
 
 _SCHEMA = """
 CREATE SEQUENCE IF NOT EXISTS lattice_seq_ids;
@@ -176,6 +191,25 @@ CREATE TABLE IF NOT EXISTS token_log (
     entries bytea NOT NULL              -- (seq_id int64, start int32, n int32, n x uint32)
 );
 CREATE INDEX IF NOT EXISTS token_log_replica ON token_log (replica_id, id);
+-- A commit's row stays in its page uncompressed up to 8 KB: compressing it (pglz, past
+-- 2 KB by default) cost PostgreSQL more CPU than the rest of the insert; larger rows take
+-- lz4 where the server has it (bench/pg_commit_cost.py).
+ALTER TABLE token_log SET (toast_tuple_target = 8160);
+DO $$ BEGIN
+    ALTER TABLE token_log ALTER COLUMN entries SET COMPRESSION lz4;
+EXCEPTION WHEN OTHERS THEN NULL;  -- before PostgreSQL 14, or built without lz4
+END $$;
+-- Where the saved output of each sequence a replica appends to ends, through its log row
+-- through_log: one row per replica, written by one commit in COUNT_EVERY_COMMITS, so
+-- GetSequence reads a running sequence's log rows after it, not after its own row's
+-- count (which a steady step leaves alone).
+CREATE TABLE IF NOT EXISTS replica_counts (
+    replica_id  bigint PRIMARY KEY,
+    through_log bigint NOT NULL,
+    seq_ids     bigint[] NOT NULL,
+    ends        integer[] NOT NULL      -- ends[i]: saved tokens of seq_ids[i]
+);
+ALTER TABLE replica_counts SET (toast_tuple_target = 8160);
 -- The oldest log row a sequence still needs bounds which rows may go.
 CREATE INDEX IF NOT EXISTS sequences_log_from ON sequences (log_from)
     WHERE log_from IS NOT NULL;
@@ -351,6 +385,11 @@ ALTER TABLE token_log ALTER COLUMN replica_id DROP DEFAULT;
 UPDATE lattice_meta SET value = 4 WHERE key = 'schema_version';
 """
 
+# Version 4 becomes 5: replica_counts (created by _SCHEMA, which runs next).
+_FROM_VERSION_4 = """
+UPDATE lattice_meta SET value = 5 WHERE key = 'schema_version';
+"""
+
 # Whether a live worker that takes work has the adapter of `sequences s`: registered on a
 # replica whose lease runs, not drained by an operator, its registration listing it.
 _SERVED_BY_A_LIVE_WORKER = (
@@ -393,13 +432,24 @@ _SAVED_SET = "num_saved = coalesce(v.saved, s.num_saved), " + _LOG_SET
 # (its last appends may be in earlier, uncounted rows), so a finished row's count is whole.
 _PROGRESS_SAVED_SET = "num_saved = greatest(coalesce(v.saved, s.num_saved), v.final), " + _LOG_SET
 
-# The log rows of `sequences s` after the one its num_saved counts through (at most the
-# commits of its last COUNT_EVERY_TOKENS - 1 appends), as an array; none for a finished
-# sequence, whose count is whole (the finishing commit writes it: `v.final`).
+# Its owner's counts row when that lists `sequences s` (its count through c.through_log).
+_COUNTS_ROW = (
+    "(SELECT c FROM replica_counts c WHERE c.replica_id = s.log_replica "
+    "AND s.seq_id = ANY(c.seq_ids))"
+)
+# The log rows of `sequences s` after those counted, by its row's num_saved or by its
+# owner's counts row (at most COUNT_EVERY_COMMITS - 1 rows), as an array; none for a
+# finished sequence, whose count is whole (the finishing commit writes it: `v.final`).
 _UNCOUNTED = (
     "ARRAY(SELECT t.entries FROM token_log t WHERE s.state <> 4 "
     "AND t.replica_id = s.log_replica AND t.id >= s.log_from "
-    "AND t.id > coalesce(s.counted_log, 0) ORDER BY t.id)"
+    "AND t.id > greatest(coalesce(s.counted_log, 0), "
+    f"coalesce(({_COUNTS_ROW}).through_log, 0)) ORDER BY t.id)"
+)
+# The count its owner's counts row holds for `sequences s` (0 when none lists it).
+_LISTED_COUNT = (
+    f"coalesce((SELECT (c).ends[array_position((c).seq_ids, s.seq_id)] FROM {_COUNTS_ROW} "
+    "AS x(c)), 0)"
 )
 
 _COLUMNS = (
@@ -489,6 +539,11 @@ class PostgresState:
         # writes when its own appends do not: `_PROGRESS_SAVED_SET`), and the commit's.
         self._saved_ends: dict[int, int] = {}
         self._ends_written: dict[int, int] = {}
+        # This replica's log rows since its counts row was last written (replica_counts),
+        # and what the commit being written does: None (no log row), False (a log row),
+        # True (a log row and the counts row).
+        self._log_rows_uncounted = 0
+        self._counts_row_written: bool | None = None
         # Token log reads: (seq_id, tokens read) -> the last row id they came from, so a
         # stream reads only newer rows; and where collecting the log goes on from.
         self._read_cursors: dict[tuple[int, int], int] = {}
@@ -602,8 +657,12 @@ class PostgresState:
                         if sync and self._fsync == "acks":
                             conn.execute("SET LOCAL synchronous_commit TO on")
                         conn.execute(
-                            "SELECT lattice_commit(%s, %s, %s)",
-                            (self.replica_id, self._fence if touched else None, batch.commit_no),
+                            _RECORD_COMMIT,
+                            {
+                                "me": self.replica_id,
+                                "fence": self._fence if touched else None,
+                                "no": batch.commit_no,
+                            },
                         )
                         self._write(conn, batch, touched)
                     self.round_trips["save"] += 1
@@ -633,7 +692,9 @@ class PostgresState:
         with self._owned.refreshing() as read, conn.transaction():
             if sync and self._fsync == "acks":
                 conn.execute("SET LOCAL synchronous_commit TO on")
-            conn.execute("SELECT lattice_commit(%s, NULL, %s)", (self.replica_id, batch.commit_no))
+            conn.execute(
+                _RECORD_COMMIT, {"me": self.replica_id, "fence": None, "no": batch.commit_no}
+            )
             row = conn.execute(
                 "SELECT fence FROM replicas WHERE replica_id = %s FOR SHARE", (self.replica_id,)
             ).fetchone()
@@ -677,6 +738,11 @@ class PostgresState:
     def _committed(self, batch: SaveBatch, lost: frozenset[int]) -> None:
         self._counted.update(self._counts_written)
         self._counts_written = {}
+        if self._counts_row_written is not None:
+            self._log_rows_uncounted = (
+                0 if self._counts_row_written else self._log_rows_uncounted + 1
+            )
+        self._counts_row_written = None
         self._saved_ends.update(self._ends_written)
         self._ends_written = {}
         for seq_id in (*batch.finished(), *batch.forgotten, *lost):
@@ -774,7 +840,7 @@ class PostgresState:
         with self._connection() as conn:
             row = conn.execute(
                 "SELECT state, worker_id, octet_length(prompt) / 4, prefilled_tokens, "
-                "greatest(num_generated, num_saved), finish_reason, "
+                f"greatest(num_generated, num_saved, {_LISTED_COUNT}), finish_reason, "
                 "CASE WHEN state = 1 THEN (SELECT count(*) FROM sequences q WHERE q.state = 1 "
                 "AND (q.queue_key, q.seq_id) < (s.queue_key, s.seq_id)) ELSE 0 END, "
                 "error_message, principal, CASE WHEN state = 1 AND adapter_id <> '' AND NOT "
@@ -1064,6 +1130,10 @@ class PostgresState:
                 "DELETE FROM workers w WHERE NOT EXISTS (SELECT 1 FROM replicas r "
                 "WHERE r.replica_id = w.replica_id)"
             )
+            conn.execute(
+                "DELETE FROM replica_counts c WHERE NOT EXISTS (SELECT 1 FROM replicas r "
+                "WHERE r.replica_id = c.replica_id)"
+            )
             if rows:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
                 conn.execute(
@@ -1112,6 +1182,7 @@ class PostgresState:
                 (self.replica_id,),
             )
             conn.execute("DELETE FROM replicas WHERE replica_id = %s", (self.replica_id,))
+            conn.execute("DELETE FROM replica_counts WHERE replica_id = %s", (self.replica_id,))
             conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
 
     def listen_connection(self) -> psycopg.Connection:
@@ -1175,6 +1246,21 @@ class PostgresState:
                 conn.execute(_FROM_VERSION_3)
                 _fold_all_tokens(conn)
                 conn.execute(_FROM_VERSION_3_AFTER_FOLDING)
+                version = 4
+            if version == 4:
+                # A version-4 replica rewrites a sequence's count every 16 tokens and reads
+                # past it; with version-5 replicas counting in replica_counts, its reads of
+                # their sequences would cover 16 times the log rows: one version at a time.
+                live = conn.execute(
+                    "SELECT count(*) FROM replicas WHERE lease_until > now()"
+                ).fetchone()[0]
+                if live:
+                    raise ConfigError(
+                        f"the database holds schema version 4 and {live} replica(s) with a "
+                        "live lease: stop every version-4 replica (and wait for its lease to "
+                        f"run out) before a version-{SCHEMA_VERSION} replica starts"
+                    )
+                conn.execute(_FROM_VERSION_4)
                 version = SCHEMA_VERSION
             elif version not in (None, SCHEMA_VERSION):
                 raise ConfigError(
@@ -1345,6 +1431,24 @@ class PostgresState:
         tokens = self._outputs(conn, with_tokens) if with_tokens else {}
         return [_stored_sequence(row[:-1], tokens.get(row[0], [])) for row in rows]
 
+    def _write_counts_row(self, cur, batch: SaveBatch, saved_end: dict[int, int]) -> None:
+        """This replica's counts row, through the log row this commit inserts: where the
+        saved output of every unfinished sequence it appended to ends. An entry of one
+        another replica took meanwhile is still true of this replica's rows, and unread:
+        the taker folded its tokens, so its `log_replica` is no longer this replica."""
+        ends = {**self._saved_ends, **saved_end}
+        for seq_id in (*batch.finished(), *batch.forgotten):
+            ends.pop(seq_id, None)
+        seq_ids = sorted(ends)
+        cur.execute(
+            "INSERT INTO replica_counts (replica_id, through_log, seq_ids, ends) VALUES "
+            "(%s, currval('token_log_id_seq'), %s, %s) ON CONFLICT (replica_id) DO UPDATE "
+            "SET through_log = excluded.through_log, seq_ids = excluded.seq_ids, "
+            "ends = excluded.ends",
+            (self.replica_id, seq_ids, [ends[seq_id] for seq_id in seq_ids]),
+            binary=True,
+        )
+
     def _tenant_deltas(self, service: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
         return [(tenant, served - self._tenant_base.get(tenant, 0.0)) for tenant, served in service]
 
@@ -1365,12 +1469,16 @@ class PostgresState:
             last = self._counted.get(seq_id)
             if seq_id in batch.progress or last is None or end - last >= COUNT_EVERY_TOKENS:
                 counted[seq_id] = end
+        self._counts_row_written = None
         if batch.tokens:  # one token log row for every append of the commit
             cur.execute(
                 "INSERT INTO token_log (replica_id, entries) VALUES (%s, %s)",
                 (me, pack_entries(batch.tokens)),
                 binary=True,
             )
+            self._counts_row_written = self._log_rows_uncounted + 1 >= COUNT_EVERY_COMMITS
+            if self._counts_row_written:
+                self._write_counts_row(cur, batch, saved_end)
         if batch.progress:
             rows = list(batch.progress.values())
             cur.execute(

@@ -1,0 +1,120 @@
+"""Schema 5: a replica counts the tokens of the sequences it runs in one row of its own
+(`replica_counts`), not in each sequence's row, and GetSequence reads on from that row.
+Against a real private cluster."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from service.core import ConfigError
+from service.core.persist.store import StateChanges, TokenAppend
+from service.state.postgres import _UNCOUNTED, COUNT_EVERY_COMMITS, SCHEMA_VERSION, PostgresState
+
+from .test_commit_retries import _decoding, _params
+from .test_state_postgres import Replica, replicas  # noqa: F401 - the fixture
+
+
+def _row_version(database_url: str, seq_id: int) -> str:
+    """The sequence row's xmin: it changes whenever the row is written."""
+    with psycopg.connect(database_url) as conn:
+        return conn.execute(
+            "SELECT xmin::text FROM sequences WHERE seq_id = %s", (seq_id,)
+        ).fetchone()[0]
+
+
+def test_steady_steps_leave_the_sequence_row_alone_and_get_sequence_stays_exact(
+    replicas, database_url
+):
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=1000)
+    a.state.claim(1)
+    a.state.save(_decoding(seq_id, (1, 2, 3)))  # a first append writes the row
+    written = _row_version(database_url, seq_id)
+    for start in range(3, 3 + 3 * COUNT_EVERY_COMMITS):  # 48 steady steps, one token each
+        a.state.save(StateChanges(tokens=(TokenAppend(seq_id, start, (4,)),)))
+        assert b.state.sequence_info(seq_id).generated_tokens == start + 1
+    assert _row_version(database_url, seq_id) == written
+    assert b.state.read_output(seq_id, 0).token_ids == (1, 2, 3) + (4,) * 48
+
+
+def test_get_sequence_reads_only_the_log_rows_after_its_replicas_counts_row(replicas, database_url):
+    a, b = replicas("a"), replicas("b")
+    seq_id, other = b.submit(max_new_tokens=1000), b.submit(max_new_tokens=1000)
+    a.state.claim(2)
+    a.state.save(_decoding(seq_id, (1,)))
+    a.state.save(_decoding(other, (1,)))
+    for start in range(1, 1 + 2 * COUNT_EVERY_COMMITS + 5):
+        a.state.save(
+            StateChanges(tokens=(TokenAppend(seq_id, start, (2,)), TokenAppend(other, start, (3,))))
+        )
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        [(through,)] = conn.execute(
+            "SELECT through_log FROM replica_counts WHERE replica_id = %s", (a.state.replica_id,)
+        ).fetchall()
+        uncounted = conn.execute(
+            f"SELECT cardinality({_UNCOUNTED}) FROM sequences s WHERE seq_id = %s", (seq_id,)
+        ).fetchone()[0]
+        assert 0 < uncounted < COUNT_EVERY_COMMITS
+        # The rows the counts row covers are not read: without them the answer is the same.
+        conn.execute("DELETE FROM token_log WHERE id <= %s", (through,))
+    assert b.state.sequence_info(seq_id).generated_tokens == 2 * COUNT_EVERY_COMMITS + 6
+    assert b.state.sequence_info(other).generated_tokens == 2 * COUNT_EVERY_COMMITS + 6
+
+
+def test_a_sequence_taken_over_is_counted_by_its_new_owner_not_the_old_counts_row(
+    replicas, database_url
+):
+    a, b, c = replicas("a"), replicas("b"), replicas("c")
+    seq_id = b.submit(max_new_tokens=1000)
+    a.state.claim(1)
+    a.state.save(_decoding(seq_id, (1,)))
+    for start in range(1, 1 + COUNT_EVERY_COMMITS):  # a's counts row lists it at 17
+        a.state.save(StateChanges(tokens=(TokenAppend(seq_id, start, (2,)),)))
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE sequences SET worker_id = 'w', state = 3 WHERE seq_id = %s", (seq_id,))
+    [taken] = c.state.adopt_worker("w").sequences
+    assert len(taken.output_token_ids) == 1 + COUNT_EVERY_COMMITS
+    c.state.save(_decoding(seq_id, (5,), start=1 + COUNT_EVERY_COMMITS))
+    c.state.save(StateChanges(tokens=(TokenAppend(seq_id, 2 + COUNT_EVERY_COMMITS, (6,)),)))
+    assert b.state.sequence_info(seq_id).generated_tokens == 3 + COUNT_EVERY_COMMITS
+    assert b.state.read_output(seq_id, COUNT_EVERY_COMMITS).token_ids == (2, 5, 6)
+
+
+def _to_version_4(database_url: str) -> None:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DROP TABLE replica_counts")
+        conn.execute("UPDATE lattice_meta SET value = 4 WHERE key = 'schema_version'")
+
+
+def test_a_version_4_database_migrates_to_version_5(database_url):
+    first = PostgresState(database_url, name="a")
+    seq_id = first.submit(_params(), 1000, 0).seq_id
+    first.leave()
+    first.close()
+    _to_version_4(database_url)
+    migrated = PostgresState(database_url, name="b")
+    try:
+        assert migrated.sequence_info(seq_id).generated_tokens == 0
+        with psycopg.connect(database_url) as conn:
+            assert conn.execute(
+                "SELECT value FROM lattice_meta WHERE key = 'schema_version'"
+            ).fetchone() == (SCHEMA_VERSION,)
+            assert conn.execute("SELECT to_regclass('replica_counts') IS NOT NULL").fetchone() == (
+                True,
+            )
+    finally:
+        migrated.close()
+
+
+def test_a_version_4_database_is_not_migrated_while_a_version_4_replica_runs(database_url):
+    old = PostgresState(database_url, name="a")
+    _to_version_4(database_url)
+    try:
+        with pytest.raises(ConfigError, match="stop every version-4 replica"):
+            PostgresState(database_url, name="b")
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM replicas")  # its lease is over
+        old.close()
+    PostgresState(database_url, name="b").close()
