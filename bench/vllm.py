@@ -413,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", default="all", choices=("all", "overhead", "decisions"), help="one row"
     )
+    parser.add_argument(
+        "--lattice-only",
+        action="store_true",
+        help="decisions: only the Lattice stack (to profile it; no comparison printed)",
+    )
     args = parser.parse_args(argv)
     eager = args.device == "cpu"
     if not VLLM_PYTHON.exists():
@@ -448,11 +453,12 @@ def main(argv: list[str] | None = None) -> int:
         print_overhead(results, len(saturation), len(fixed))
         print_costs(results, "saturation", ("lattice, 1 vLLM worker", "plain vllm serve"))
     if args.only in ("all", "decisions"):
-        for label, stack in (
+        stacks = (
             ("2 vllm serve, round-robin", lambda: plain(args.model, 2, "round-robin", logs, eager)),
             ("2 vllm serve, prefix-load", lambda: plain(args.model, 2, "prefix-load", logs, eager)),
             ("lattice, 2 vLLM workers", lambda: lattice(args.model, 2, logs)),
-        ):
+        )
+        for label, stack in stacks[2:] if args.lattice_only else stacks:
             with stack() as s:
                 run_conversations(s.url, name, independent(2, 98), 2, 4)  # warm up
                 results[label] = {
@@ -542,6 +548,8 @@ def print_decisions(results: dict[str, dict[str, Load]], num_conv: int) -> None:
         "2 vllm serve, round-robin",
         "2 vllm serve, prefix-load",
     ):
+        if label not in results:
+            continue
         load = results[label]["conversations"]
         print(
             f"| {label} | {load.tokens_per_second:.1f} | {load.ttft(0.5) * 1000:.0f} / "
