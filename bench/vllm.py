@@ -66,6 +66,8 @@ class Request:
     e2e: float = 0.0
     tokens: int = 0
     error: str = ""
+    turn: int = 0  # its place in its conversation, 1 first
+    sent: float = 0.0  # seconds into the load when it was sent
 
 
 @dataclass
@@ -139,12 +141,12 @@ def run_conversations(
                     return
                 index = queue.pop(0)
             messages: list[dict] = []
-            for turn in conversations[index]:
+            for number, turn in enumerate(conversations[index], 1):
                 messages += turn
-                request = Request()
+                started = time.perf_counter()
+                request = Request(turn=number, sent=started - load_started)
                 with lock:
                     load.requests.append(request)
-                started = time.perf_counter()
                 pieces = []
                 try:
                     stream = client.chat.completions.create(
@@ -168,7 +170,7 @@ def run_conversations(
                 request.e2e = time.perf_counter() - started
                 messages = [*messages, {"role": "assistant", "content": "".join(pieces)}]
 
-    started = time.perf_counter()
+    started = load_started = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
@@ -252,7 +254,9 @@ def _cores(index: int, count: int) -> str:
 
 
 @contextlib.contextmanager
-def lattice(model: Path, num_workers: int, logs: Path) -> Iterator[Stack]:
+def lattice(
+    model: Path, num_workers: int, logs: Path, worker_flags: tuple[str, ...] = ()
+) -> Iterator[Stack]:
     started: list[Process] = []
     try:
         scheduler = spawn("scheduler", scheduler_argv(), logs, SCHEDULER_LISTENING)
@@ -263,7 +267,7 @@ def lattice(model: Path, num_workers: int, logs: Path) -> Iterator[Stack]:
                 str(VLLM_PYTHON), "-m", "worker_client", "--engine", "vllm",
                 "--scheduler", target, "--worker-id", f"vllm-{i + 1}", "--model", str(model),
                 "--kv-cache-gib", "1", "--max-model-len", str(MAX_MODEL_LEN),
-                "--max-num-batched-tokens", str(STEP_TOKENS),
+                "--max-num-batched-tokens", str(STEP_TOKENS), *worker_flags,
             ]  # fmt: skip
             env = clean_env(VLLM_CPU_OMP_THREADS_BIND=_cores(i, num_workers))
             started.append(Process(f"vllm-{i + 1}", argv, logs / f"vllm-{i + 1}.log", env=env))
@@ -413,6 +417,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", default="all", choices=("all", "overhead", "decisions"), help="one row"
     )
+    parser.add_argument(
+        "--lattice-only",
+        action="store_true",
+        help="decisions: only the Lattice stack (to profile it; no comparison printed)",
+    )
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="decisions: Lattice workers report after each step, not during it",
+    )
     args = parser.parse_args(argv)
     eager = args.device == "cpu"
     if not VLLM_PYTHON.exists():
@@ -448,11 +462,15 @@ def main(argv: list[str] | None = None) -> int:
         print_overhead(results, len(saturation), len(fixed))
         print_costs(results, "saturation", ("lattice, 1 vLLM worker", "plain vllm serve"))
     if args.only in ("all", "decisions"):
-        for label, stack in (
+        stacks = (
             ("2 vllm serve, round-robin", lambda: plain(args.model, 2, "round-robin", logs, eager)),
             ("2 vllm serve, prefix-load", lambda: plain(args.model, 2, "prefix-load", logs, eager)),
-            ("lattice, 2 vLLM workers", lambda: lattice(args.model, 2, logs)),
-        ):
+            (
+                "lattice, 2 vLLM workers",
+                lambda: lattice(args.model, 2, logs, ("--no-overlap",) if args.no_overlap else ()),
+            ),
+        )
+        for label, stack in stacks[2:] if args.lattice_only else stacks:
             with stack() as s:
                 run_conversations(s.url, name, independent(2, 98), 2, 4)  # warm up
                 results[label] = {
@@ -542,11 +560,20 @@ def print_decisions(results: dict[str, dict[str, Load]], num_conv: int) -> None:
         "2 vllm serve, round-robin",
         "2 vllm serve, prefix-load",
     ):
+        if label not in results:
+            continue
         load = results[label]["conversations"]
         print(
             f"| {label} | {load.tokens_per_second:.1f} | {load.ttft(0.5) * 1000:.0f} / "
             f"{load.ttft(0.99) * 1000:.0f} | {len(load.requests) - len(load.ok)} |"
         )
+    print()
+    print("slowest first tokens: TTFT ms (turn, seconds into the load when sent)")
+    for label in DECISION_ROWS:
+        if label in results:
+            slowest = sorted(results[label]["conversations"].ok, key=lambda r: -r.ttft)[:4]
+            cells = ", ".join(f"{r.ttft * 1000:.0f} ({r.turn}, {r.sent:.1f} s)" for r in slowest)
+            print(f"  {label}: {cells}")
     sys.stdout.flush()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -100,9 +101,14 @@ def build_reference(args: argparse.Namespace) -> Engine:
 
 def build_vllm(args: argparse.Namespace) -> Engine:
     """vLLM, in-process and step by step (worker_client/engine_vllm/)."""
-    from worker_client.engine_vllm.environment import check_version, installed_vllm_version
+    from worker_client.engine_vllm.environment import (
+        check_version,
+        installed_vllm_version,
+        set_omp_threads,
+    )
 
     check_version(installed_vllm_version())  # before the slow imports: one line if wrong
+    set_omp_threads()  # before torch is imported (the CUDA check below imports it)
     from worker_client.engine_vllm.engine import VllmEngine
     from worker_client.engine_vllm.settings import VllmSettings
 
@@ -140,6 +146,9 @@ def build_vllm(args: argparse.Namespace) -> Engine:
             "page_size": engine.page_size,
             "gdn_slots": engine.total_gdn_slots,
             "cache_block_tokens": engine.cache_block_tokens,
+            # OpenMP's threads and CPUs for the model (environment.omp_settings)
+            "omp_threads": os.environ.get("OMP_NUM_THREADS", "default"),
+            "omp_places": os.environ.get("OMP_PLACES", "default"),
         },
     )
     return engine

@@ -11,7 +11,7 @@ from common.block_hash import block_hashes
 from worker_client import cli
 from worker_client.engine_vllm import SUPPORTED_VLLM_VERSION
 from worker_client.engine_vllm.books import PoolBooks, ResumePoints
-from worker_client.engine_vllm.environment import VllmUnavailable, check_version
+from worker_client.engine_vllm.environment import VllmUnavailable, check_version, omp_settings
 
 
 def test_the_pool_sets_aside_each_gdn_slots_blocks_and_the_rest_are_kv_pages():
@@ -158,3 +158,24 @@ def test_past_vllms_step_limits_prefill_chunks_are_refused_before_decodes():
     engine._fit_limits(plan, refusals)
     assert plan == {"0.0": 200, "4.0": 90, "2.0": 1, "3.0": 1}
     assert refusals == [1]
+
+
+def test_a_cpu_worker_binds_openmp_to_the_cpus_vllm_would_give_its_model_process():
+    environ = {"VLLM_CPU_OMP_THREADS_BIND": "2-3,6|0-1"}
+    assert omp_settings(environ, cpu_build=True) == {
+        "OMP_NUM_THREADS": "3",
+        "OMP_PLACES": "{2,3,6}",
+        "OMP_PROC_BIND": "true",
+    }
+
+
+def test_openmp_is_left_alone_without_a_cpu_list_on_a_gpu_build_or_when_set_by_hand():
+    assert omp_settings({}, cpu_build=True) == {}
+    assert omp_settings({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, cpu_build=True) == {}
+    assert omp_settings({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, cpu_build=True) == {}
+    assert omp_settings({"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, cpu_build=False) == {}
+    by_hand = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "1"}
+    assert omp_settings(by_hand, cpu_build=True) == {
+        "OMP_PLACES": "{0,1}",
+        "OMP_PROC_BIND": "true",
+    }

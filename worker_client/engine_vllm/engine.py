@@ -65,14 +65,18 @@ class StepStats:
     num_decodes: int = 0
     step_seconds: float = 0.0  # wall time inside vLLM's step
     step_cpu_seconds: float = 0.0  # CPU time of the stepping thread inside vLLM's step
+    # CPU time of `VllmEngine.step` around vLLM's step: planning, checks, resume points
+    adapter_cpu_seconds: float = 0.0
 
     def line(self) -> str:
         per_step = (self.num_prefill_tokens + self.num_decodes) / max(1, self.num_steps)
+        adapter_ms = self.adapter_cpu_seconds * 1000 / max(1, self.num_steps)
         return (
             f"vLLM steps {self.num_steps} in {self.step_seconds:.2f} s "
             f"({self.step_cpu_seconds:.2f} s CPU), "
             f"{per_step:.1f} tokens a step; {self.num_chunks} prefill chunks of "
-            f"{self.num_prefill_tokens} tokens; {self.num_decodes} decodes"
+            f"{self.num_prefill_tokens} tokens; {self.num_decodes} decodes; "
+            f"{adapter_ms:.2f} ms of CPU a step around it"
         )
 
 
@@ -250,6 +254,14 @@ class VllmEngine:
     # ------------------------------------------------------------------ step
 
     def step(self, prefill: Sequence[ChunkWork], decode: Sequence[int]) -> StepOutput:
+        cpu_started, inside_before = time.thread_time(), self.stats.step_cpu_seconds
+        try:
+            return self._step(prefill, decode)
+        finally:
+            inside = self.stats.step_cpu_seconds - inside_before
+            self.stats.adapter_cpu_seconds += time.thread_time() - cpu_started - inside
+
+    def _step(self, prefill: Sequence[ChunkWork], decode: Sequence[int]) -> StepOutput:
         plan: dict[str, int] = {}
         refused: list[int] = []
         misses: list[int] = []

@@ -10,6 +10,13 @@ nothing here runs them) when, and only when, the extension did not load; nothing
 an installed package is edited. vLLM inspects a model's class in a subprocess of its own
 (`python -m vllm.model_executor.models.registry`); that subprocess goes through
 `worker_client.engine_vllm.inspect` instead, which does the same first.
+
+OpenMP threads on a CPU. vLLM's multiprocess executor starts its model process with the
+OpenMP settings of `VLLM_CPU_OMP_THREADS_BIND` (so many threads, bound to those CPUs); an
+in-process engine core (the worker's) gets none, and OpenMP then runs a team of one thread
+per CPU of the machine, unbound, in every thread that steps the model. `omp_settings`
+gives the worker's process the settings vLLM gives its model process; they must be in the
+environment before torch is imported (OpenMP reads them once, as it loads).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 
 from . import SUPPORTED_VLLM_VERSION
@@ -109,6 +117,49 @@ def prepare_vllm():
     # vLLM documents this list as the command of its model-inspection subprocess.
     registry._SUBPROCESS_COMMAND = [sys.executable, "-m", "worker_client.engine_vllm.inspect"]
     return vllm
+
+
+def omp_settings(environ: Mapping[str, str], cpu_build: bool) -> dict[str, str]:
+    """The OpenMP variables to add to `environ` for an in-process vLLM, as vLLM's executor
+    sets them for its model process on a CPU build (`cpu_build`): OMP_NUM_THREADS,
+    OMP_PLACES and OMP_PROC_BIND from rank 0's CPUs in VLLM_CPU_OMP_THREADS_BIND ("0-3",
+    "0,2|4-7": ranks apart by "|"). None for its "auto" and "nobind" (OpenMP's defaults
+    stay), on a GPU build, or for a variable `environ` sets already (a person's choice)."""
+    cpus = parse_cpu_ids(environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto").split("|")[0])
+    if not cpus or not cpu_build:
+        return {}
+    wanted = {
+        "OMP_NUM_THREADS": str(len(cpus)),
+        "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
+        "OMP_PROC_BIND": "true",
+    }
+    return {name: value for name, value in wanted.items() if name not in environ}
+
+
+def parse_cpu_ids(text: str) -> tuple[int, ...]:
+    """CPU ids of a list such as "0-3,6" (() for "auto", "nobind" or anything else)."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            return ()
+        cpus += range(int(first), int(last or first) + 1)
+    return tuple(cpus)
+
+
+def set_omp_threads() -> dict[str, str]:
+    """Put `omp_settings` into this process's environment (before torch is imported:
+    afterwards OpenMP would not read them, and nothing is set); what was set."""
+    if "torch" in sys.modules:
+        return {}
+    try:
+        metadata.version("vllm-cpu")
+        cpu_build = True
+    except metadata.PackageNotFoundError:
+        cpu_build = False
+    settings = omp_settings(os.environ, cpu_build)
+    os.environ.update(settings)
+    return settings
 
 
 @functools.cache
