@@ -26,7 +26,9 @@ backlog (0 when idle). A prefix hit is kept for its holder only when it pays.
    placed by load. W takes it unless W holds at least its share of the fleet's work
    (the assigned and queued sequences over the admitting workers, rounded up) and a less
    loaded place would start it within one of W's steps (its wait, backlog included);
-   for a tie a cold place must also cost less than W.
+   for a tie a cold place must also cost less than W. Below its share W leaves only a
+   prefill longer than a chunk, and only to a less loaded place that starts it within
+   W's step and costs less (W's decodes would carry each of its chunks).
 
 **Balance is a constraint**: the cap is W's share and a quarter (at least one more): no
 worker waits for a holder at its cap, and a worker at its cap leaves a hit or a cold
