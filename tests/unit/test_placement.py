@@ -491,3 +491,28 @@ def test_a_next_turn_still_waits_for_a_busy_holder_that_saves_most_of_its_prompt
     seq = submit(sched, prompt_len=400)
     assert admitted(sched.select_batch(report("w0"))) == []  # w1 has 384 of its 400
     assert admitted(sched.select_batch(report("w1", waiting=busy))) == [(seq, 384)]
+
+
+@pytest.mark.parametrize("policy", ["fifo", "budget", "fair"])
+def test_below_its_share_a_worker_leaves_a_long_cold_prompt_to_a_less_loaded_one(policy):
+    """Loads 2, 1 and 4, a share of 3: w0 is below it, but its two decodes would carry
+    every chunk of an 800-token prefill that w1's one decode carries for less (the
+    short-output requests decoding beside a long prefill set the TPOT p99 at light
+    load: docs/policies.md, "Placement: the regression table"). w0 leaves it to w1; a
+    short prompt, whose prefill costs less than w1's wait, it keeps."""
+    sched, clock = fleet(
+        policy, max_batch_size=8, workers=("w0", "w1", "w2"), aging_seconds=0.001
+    )  # overdue at once: the loads are set by hand
+    for worker_id in ("w0", "w1", "w2"):
+        sched.select_batch(cache_report(worker_id, reset=True))
+    held = {}
+    for worker_id, n in (("w2", 4), ("w0", 2), ("w1", 1)):
+        ids = [submit_tokens(sched, prompt(8, 100 * i + len(held))) for i in range(1, n + 1)]
+        clock.advance_ms(2)
+        assert [s for s, _ in admitted(sched.select_batch(report(worker_id)))] == ids
+        held[worker_id] = ids
+    long = submit_tokens(sched, prompt(800, 5000))
+    assert admitted(sched.select_batch(report("w0", waiting=held["w0"]))) == []
+    assert admitted(sched.select_batch(report("w1", waiting=held["w1"]))) == [(long, 0)]
+    short = submit_tokens(sched, prompt(8, 7000))
+    assert admitted(sched.select_batch(report("w0", waiting=held["w0"]))) == [(short, 0)]

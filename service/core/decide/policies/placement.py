@@ -26,7 +26,9 @@ backlog (0 when idle). A prefix hit is kept for its holder only when it pays.
    placed by load. W takes it unless W holds at least its share of the fleet's work
    (the assigned and queued sequences over the admitting workers, rounded up) and a less
    loaded place would start it within one of W's steps (its wait, backlog included);
-   for a tie a cold place must also cost less than W.
+   for a tie a cold place must also cost less than W. Below its share W leaves only a
+   prefill longer than a chunk, and only to a less loaded place that starts it within
+   W's step and costs less (W's decodes would carry each of its chunks).
 
 **Balance is a constraint**: the cap is W's share and a quarter (at least one more): no
 worker waits for a holder at its cap, and a worker at its cap leaves a hit or a cold
@@ -138,20 +140,24 @@ class Placement:
             if load < self._max_load and not self._price.prefers(num_tokens, here, peer):
                 return False
             return waited < patience
-        # 4. Cold or a tie: placed by load. W keeps it below its share; past that it
-        # leaves it to the least loaded place that would start it within W's step (not
-        # one busy with a backlog of prefill) and, for a tie, a cold place only if that
-        # runs it for less; at W's cap to any less loaded place.
-        if load < self._fair_load:
+        # 4. Cold or a tie: placed by load. W leaves it to the least loaded place that
+        # would start it within W's step (not one busy with a backlog of prefill): below
+        # W's share only a prefill longer than a chunk (W's decodes would carry it for
+        # several steps, which sets their TPOT) and only if that place runs it for less;
+        # from the share on whatever the price, except that a tie goes to a cold place
+        # only if that runs it for less; at W's cap to any less loaded place.
+        below_share = load < self._fair_load
+        if below_share and num_tokens - own <= self._view.chunk_size:
             return False
         peer = self._least_loaded(seq, spread, alone=False)
         if peer is None or peer.load >= load:
             return False
-        if load < self._max_load and (
-            peer.wait_seconds >= patience
-            or (peer.cached_tokens < own and not self._price.prefers(num_tokens, here, peer))
-        ):
-            return False
+        if load < self._max_load:
+            if peer.wait_seconds >= patience:
+                return False
+            priced = below_share or peer.cached_tokens < own
+            if priced and not self._price.prefers(num_tokens, here, peer):
+                return False
         return waited < patience
 
     def _least_loaded(self, seq: SequenceView, spread: CacheSpread, *, alone: bool) -> Place | None:
