@@ -13,7 +13,10 @@ committed under --state-fsync acks).
   tokens            one token appended to each sequence and no progress: the steady
                     decode step as the core saves it (the replica's counts row written
                     by one commit in COUNT_EVERY_COMMITS, a sequence's row once in
-                    COUNT_EVERY_TOKENS appends)
+                    COUNT_EVERY_TOKENS appends), as separate statements in a pipeline
+                    between BEGIN and COMMIT
+  tokens-1stmt      the same as the store commits it: one lattice_append call in
+                    autocommit
 
 Divide by the saves a commit holds (bench.replicas: commits per decision) for the cost per
 decision.
@@ -55,10 +58,18 @@ def _raw(store: PostgresState, args, notify: bool, number: bool):
     return commit
 
 
-def _steps(store: PostgresState, seq_ids: list[int], step, tokens: bool, progress: bool = True):
+def _steps(
+    store: PostgresState,
+    seq_ids: list[int],
+    step,
+    tokens: bool,
+    progress: bool = True,
+    one_statement: bool = False,
+):
     """`step`: an iterator shared by the shapes, so that each appends where the last ended."""
 
     def commit() -> None:
+        store._steady_in_one_statement = one_statement
         n = next(step)
         store.save(
             StateChanges(
@@ -96,8 +107,11 @@ def main() -> int:
     parser.add_argument("--commits", type=int, default=400)
     parser.add_argument("--sequences", type=int, default=224)
     parser.add_argument(
+        "--rounds", type=int, default=1, help="time the shapes this many times, alternating"
+    )
+    parser.add_argument(
         "--shapes",
-        default="empty,number,number+notify,progress,progress+tokens,tokens",
+        default="empty,number,number+notify,progress,progress+tokens,tokens,tokens-1stmt",
         help="which commits to time (comma-separated)",
     )
     args = parser.parse_args()
@@ -127,11 +141,16 @@ def main() -> int:
             ("progress", _steps(store, seq_ids, step, tokens=False)),
             ("progress+tokens", _steps(store, seq_ids, step, tokens=True)),
             ("tokens", _steps(store, seq_ids, step, tokens=True, progress=False)),
+            (
+                "tokens-1stmt",
+                _steps(store, seq_ids, step, tokens=True, progress=False, one_statement=True),
+            ),
         ]
         wanted = args.shapes.split(",")
-        for name, commit in [(name, commit) for name, commit in shapes if name in wanted]:
-            cpu, own, wall = measure(cluster, backend, commit, args.commits)
-            rows.append([name, f"{cpu:.3f}", f"{own:.3f}", f"{wall:.3f}"])
+        for _ in range(args.rounds):
+            for name, commit in [(name, commit) for name, commit in shapes if name in wanted]:
+                cpu, own, wall = measure(cluster, backend, commit, args.commits)
+                rows.append([name, f"{cpu:.3f}", f"{own:.3f}", f"{wall:.3f}"])
         with store._connection() as conn:
             time.sleep(1.0)  # statistics reach the views
             upd, hot = conn.execute(

@@ -214,8 +214,10 @@ class ReplicaServicer(SchedulerServicer):
 
     async def _select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
         freeing = len(request.finished)
-        if self._short(freeing):  # the prefetcher fell behind: claim in line
-            await self._top_up(only_if_short=True, num_freeing=freeing)
+        # A report that is not draining takes work, even if this worker's last one drained.
+        resuming = "" if request.draining else request.worker_id
+        if self._short(freeing, resuming):  # the prefetcher fell behind: claim in line
+            await self._top_up(only_if_short=True, num_freeing=freeing, resuming=resuming)
         answer = await super()._select(request)
         if self._core.prefetch_wanted(self._prefetch):
             self._wake_prefetcher.set()
@@ -357,18 +359,21 @@ class ReplicaServicer(SchedulerServicer):
                 pass
         self._wakeups.work_may_have_arrived()
 
-    def _short(self, num_freeing: int) -> bool:
+    def _short(self, num_freeing: int, resuming: str = "") -> bool:
         """Whether the local queue cannot fill the workers' free places (with those a
-        report is about to free) while the shared queue may hold work."""
-        return self._queue_hint.is_set() and bool(self._core.prefetch_wanted(0, num_freeing))
+        report is about to free, or give back: `resuming`) while the shared queue may
+        hold work."""
+        return self._queue_hint.is_set() and bool(
+            self._core.prefetch_wanted(0, num_freeing, resuming)
+        )
 
-    async def _top_up(self, only_if_short: bool, num_freeing: int = 0) -> None:
+    async def _top_up(self, only_if_short: bool, num_freeing: int = 0, resuming: str = "") -> None:
         """Claim what the workers could use, plus `prefetch` ahead, one claim at a time: a
         SelectBatch that needs the claim in flight waits for it instead of claiming past."""
         async with self._claim_lock:
-            if only_if_short and not self._core.prefetch_wanted(0, num_freeing):
+            if only_if_short and not self._core.prefetch_wanted(0, num_freeing, resuming):
                 return
-            wanted = self._core.prefetch_wanted(self._prefetch, num_freeing)
+            wanted = self._core.prefetch_wanted(self._prefetch, num_freeing, resuming)
             if not wanted:
                 return
             generation = self._queue_hint.generation()
@@ -445,6 +450,10 @@ class ReplicaServicer(SchedulerServicer):
                 self._state.release, list(dict.fromkeys(handed_back))
             )
             self._core.disown(released)
+            if released:
+                # The shared queue holds work now: a worker that takes work again before
+                # this release's own notification arrives claims them back in line.
+                self._queue_hint.set()
         if released:
             log.info(
                 "handed queued sequences back to the shared queue",

@@ -265,6 +265,49 @@ BEGIN
     END IF;
 END $$;
 
+-- A steady commit (appends only, ownership as last seen) as one statement run on its own
+-- (autocommit: no BEGIN and COMMIT exchanges): the number and fence (lattice_commit()'s
+-- errors when they fail), the log row, the counts row when p_counts_ids is not NULL, the
+-- counts of p_counted_ids (as _SAVED_SET writes them), the NOTIFY. The same rows, in the
+-- same order, as the commit's separate statements.
+CREATE OR REPLACE FUNCTION lattice_append(
+    p_replica bigint, p_fence bigint, p_commit bigint, p_sync boolean, p_entries bytea,
+    p_counts_ids bigint[], p_counts_ends integer[], p_counted_ids bigint[],
+    p_counted integer[], p_payload text)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_log bigint;
+    v_rows integer;
+BEGIN
+    IF p_sync THEN  -- acknowledged: the commit waits for the WAL flush
+        PERFORM set_config('synchronous_commit', 'on', true);
+    END IF;
+    UPDATE replicas SET last_commit = p_commit
+     WHERE replica_id = p_replica AND last_commit < p_commit AND fence = p_fence;
+    IF NOT FOUND THEN
+        PERFORM lattice_commit(p_replica, p_fence, p_commit);  -- LT002 or LT001
+    END IF;
+    INSERT INTO token_log (replica_id, entries) VALUES (p_replica, p_entries)
+    RETURNING id INTO v_log;
+    IF p_counts_ids IS NOT NULL THEN
+        INSERT INTO replica_counts (replica_id, through_log, seq_ids, ends)
+        VALUES (p_replica, v_log, p_counts_ids, p_counts_ends)
+        ON CONFLICT (replica_id) DO UPDATE SET through_log = excluded.through_log,
+            seq_ids = excluded.seq_ids, ends = excluded.ends;
+    END IF;
+    IF cardinality(p_counted_ids) > 0 THEN
+        UPDATE sequences s SET num_saved = v.saved, counted_log = v_log,
+               log_replica = p_replica, log_from = coalesce(s.log_from, v_log)
+          FROM unnest(p_counted_ids, p_counted) AS v(seq_id, saved)
+         WHERE s.seq_id = v.seq_id AND s.owner = p_replica;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows <> cardinality(p_counted_ids) THEN
+            PERFORM lattice_disowned();
+        END IF;
+    END IF;
+    PERFORM pg_notify('lattice_progress', p_payload);
+END $$;
+
 -- Submit in one statement: idempotency, limits, ids, position, home, wake-up.
 -- status: 0 new, 1 request_id known for this principal, 2 queue full, 3 tenant's queue full.
 CREATE OR REPLACE FUNCTION lattice_enqueue(
@@ -527,6 +570,9 @@ class PostgresState:
         # whose commit failed, retried under its number before anything newer.
         self._last_commit_no = 0
         self._unsettled: SaveBatch | None = None
+        # A steady batch (appends only) on the fast path commits as one lattice_append call
+        # (bench/pg_commit_cost.py compares it with the separate statements).
+        self._steady_in_one_statement = True
         # Sequences a commit left out (another replica owns them) not yet returned to the
         # caller: a retry committed, then a newer batch failed.
         self._unreported: frozenset[int] = frozenset()
@@ -641,7 +687,8 @@ class PostgresState:
         """Write `batch` in one transaction under its commit number (drawn at its first
         attempt). Fast path: this replica's fence is as last seen and every sequence
         touched is one it knew it owned then: BEGIN, the number and fence check, the
-        writes and COMMIT in one pipeline (one round trip). Otherwise (or when the fast
+        writes and COMMIT in one pipeline (one round trip); a batch of appends only (a
+        steady decode step) as one statement on its own (lattice_append). Otherwise (or when the fast
         path finds ownership moved) the slow path locks the rows and checks each, as every
         save did before group commit. An attempt that finds its number recorded (an
         earlier one committed) rolls back and counts as committed."""
@@ -653,6 +700,11 @@ class PostgresState:
         with self._connection() as conn:
             if self._fence is not None and self._owned.covers(touched):
                 try:
+                    if self._steady_in_one_statement and self._is_steady(batch):
+                        self._append(conn, batch, touched, sync)
+                        self.round_trips["save"] += 1
+                        self._committed(batch, frozenset())
+                        return frozenset()
                     with conn.pipeline(), conn.transaction():
                         if sync and self._fsync == "acks":
                             conn.execute("SET LOCAL synchronous_commit TO on")
@@ -1431,7 +1483,9 @@ class PostgresState:
         tokens = self._outputs(conn, with_tokens) if with_tokens else {}
         return [_stored_sequence(row[:-1], tokens.get(row[0], [])) for row in rows]
 
-    def _write_counts_row(self, cur, batch: SaveBatch, saved_end: dict[int, int]) -> None:
+    def _counts_entries(
+        self, batch: SaveBatch, saved_end: dict[int, int]
+    ) -> tuple[list[int], list[int]]:
         """This replica's counts row, through the log row this commit inserts: where the
         saved output of every unfinished sequence it appended to ends. An entry of one
         another replica took meanwhile is still true of this replica's rows, and unread:
@@ -1440,25 +1494,26 @@ class PostgresState:
         for seq_id in (*batch.finished(), *batch.forgotten):
             ends.pop(seq_id, None)
         seq_ids = sorted(ends)
+        return seq_ids, [ends[seq_id] for seq_id in seq_ids]
+
+    def _write_counts_row(self, cur, batch: SaveBatch, saved_end: dict[int, int]) -> None:
+        seq_ids, ends = self._counts_entries(batch, saved_end)
         cur.execute(
             "INSERT INTO replica_counts (replica_id, through_log, seq_ids, ends) VALUES "
             "(%s, currval('token_log_id_seq'), %s, %s) ON CONFLICT (replica_id) DO UPDATE "
             "SET through_log = excluded.through_log, seq_ids = excluded.seq_ids, "
             "ends = excluded.ends",
-            (self.replica_id, seq_ids, [ends[seq_id] for seq_id in seq_ids]),
+            (self.replica_id, seq_ids, ends),
             binary=True,
         )
 
     def _tenant_deltas(self, service: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
         return [(tenant, served - self._tenant_base.get(tenant, 0.0)) for tenant, served in service]
 
-    def _write(self, conn, batch: SaveBatch, touched: set[int]) -> None:
-        """The batch's statements (in a transaction; the caller commits). A progress row
-        this replica does not own fails the transaction (lattice_disowned)."""
-        me = self.replica_id
-        cur = conn.cursor()
-        # Where each sequence's saved output ends after this commit (absolute: a retry
-        # writes the same), and the token log row that holds the appends.
+    def _plan_counts(self, batch: SaveBatch) -> tuple[dict[int, int], dict[int, int]]:
+        """Where each sequence's saved output ends after this commit (absolute: a retry
+        writes the same), and which of those ends the commit writes to sequence rows;
+        remembered as what the commit being written writes (`_committed`)."""
         saved_end: dict[int, int] = {}
         for append in batch.tokens:
             end = append.start + len(append.token_ids)
@@ -1470,6 +1525,53 @@ class PostgresState:
             if seq_id in batch.progress or last is None or end - last >= COUNT_EVERY_TOKENS:
                 counted[seq_id] = end
         self._counts_row_written = None
+        return saved_end, counted
+
+    @staticmethod
+    def _is_steady(batch: SaveBatch) -> bool:
+        """Appends and nothing else (a decode step's save): one lattice_append call."""
+        return bool(batch.tokens) and not (
+            batch.progress
+            or batch.forgotten
+            or batch.workers
+            or batch.tenant_service
+            or batch.final_outputs
+        )
+
+    def _append(self, conn, batch: SaveBatch, touched: set[int], sync: bool) -> None:
+        """A steady batch as one statement in autocommit (its own transaction): the
+        number, fence, log row, counts and NOTIFY of `_RECORD_COMMIT` and `_write`."""
+        saved_end, counted = self._plan_counts(batch)
+        self._counts_row_written = self._log_rows_uncounted + 1 >= COUNT_EVERY_COMMITS
+        counts_ids, counts_ends = (
+            self._counts_entries(batch, saved_end) if self._counts_row_written else (None, None)
+        )
+        conn.execute(
+            "SELECT lattice_append(%s, %s, %s, %s, %s, %s::bigint[], %s::integer[], "
+            "%s::bigint[], %s::integer[], %s)",
+            (
+                self.replica_id,
+                self._fence,
+                batch.commit_no,
+                sync and self._fsync == "acks",
+                pack_entries(batch.tokens),
+                counts_ids,
+                counts_ends,
+                list(counted),
+                list(counted.values()),
+                _ids_payload(touched),
+            ),
+            prepare=True,
+            binary=True,
+        )
+
+    def _write(self, conn, batch: SaveBatch, touched: set[int]) -> None:
+        """The batch's statements (in a transaction; the caller commits). A progress row
+        this replica does not own fails the transaction (lattice_disowned)."""
+        me = self.replica_id
+        cur = conn.cursor()
+        # And the token log row that holds the appends.
+        saved_end, counted = self._plan_counts(batch)
         if batch.tokens:  # one token log row for every append of the commit
             cur.execute(
                 "INSERT INTO token_log (replica_id, entries) VALUES (%s, %s)",

@@ -55,6 +55,7 @@ class _Connection:
         self._conn = conn
         self._faults = faults
         self._in_pipeline = False
+        self._in_transaction = False
 
     def __getattr__(self, name):
         return getattr(self._conn, name)
@@ -78,14 +79,21 @@ class _Connection:
 
     @contextmanager
     def transaction(self):
-        with self._conn.transaction() as transaction:
-            yield transaction
+        self._faults["transactions"] = self._faults.get("transactions", 0) + 1
+        self._in_transaction = True
+        try:
+            with self._conn.transaction() as transaction:
+                yield transaction
+        finally:
+            self._in_transaction = False
         if not self._in_pipeline:
             self._lose_reply()
 
     def execute(self, query, *args, **kwargs):
         self._faults.setdefault("queries", []).append(query)
         cursor = self._conn.execute(query, *args, **kwargs)
+        if not (self._in_pipeline or self._in_transaction):
+            self._lose_reply()  # a statement on its own (autocommit) committed
         hooks = self._faults.get("after_read")
         if hooks is None:
             return cursor
@@ -441,3 +449,59 @@ def _params():
     from tests.unit.factories import params
 
     return params(max_new_tokens=8)
+
+
+def _steady(replicas, faulty):
+    """Replica a decoding a sequence b submitted, its fence known (commits take the fast
+    path): (a, b, seq_id, the faults of a's connections)."""
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=64)
+    a.state.claim(1)
+    a.state.defer_saves()
+    a.state.save(_decoding(seq_id, (5,)))
+    a.state.commit_pending()
+    return a, b, seq_id, faulty(a.state)
+
+
+def test_a_steady_commit_is_one_statement_without_begin_or_commit(replicas, faulty):
+    a, b, seq_id, faults = _steady(replicas, faulty)
+    for n in range(1, 4):  # appends only, as a decode step saves them
+        a.state.save(StateChanges(tokens=(TokenAppend(seq_id, n, (5 + n,)),)))
+        a.state.commit_pending()
+    assert len(faults["queries"]) == 3
+    assert "pipelines" not in faults and "transactions" not in faults
+    assert b.state.read_output(seq_id, 0).token_ids == (5, 6, 7, 8)
+
+
+def test_a_retried_steady_commit_that_had_committed_appends_once(replicas, database_url, faulty):
+    a, b, seq_id, faults = _steady(replicas, faulty)
+    a.state.save(StateChanges(tokens=(TokenAppend(seq_id, 1, (6, 7)),)))
+    faults["lose_reply"] = True
+    with pytest.raises(StoreError):
+        a.state.commit_pending()  # committed, but this replica cannot know it
+    a.state.save(StateChanges(tokens=(TokenAppend(seq_id, 3, (8,)),)))
+    a.state.commit_pending()  # the retry (applies nothing), then the later save
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (3,)
+    assert b.state.read_output(seq_id, 0).token_ids == (5, 6, 7, 8)
+    assert a.state.num_saves_committed == a.state.num_saves
+
+
+def test_a_steady_commit_after_a_take_over_leaves_the_taken_sequence_out(
+    replicas, database_url, faulty
+):
+    a, b, seq_id, _ = _steady(replicas, faulty)
+    kept = b.submit(max_new_tokens=64)
+    a.state.claim(1)
+    with psycopg.connect(database_url, autocommit=True) as conn:  # b takes `seq_id`
+        conn.execute(
+            "UPDATE sequences SET owner = %s WHERE seq_id = %s", (b.state.replica_id, seq_id)
+        )
+        conn.execute(
+            "UPDATE replicas SET fence = nextval('lattice_fences') WHERE replica_id = %s",
+            (a.state.replica_id,),
+        )
+    a.state.save(StateChanges(tokens=(TokenAppend(seq_id, 1, (6,)), TokenAppend(kept, 0, (9,)))))
+    assert a.state.commit_pending() == {seq_id}  # the fence moved: checked row by row
+    assert b.state.read_output(seq_id, 0).token_ids == (5,)
+    assert b.state.read_output(kept, 0).token_ids == (9,)

@@ -234,3 +234,31 @@ def test_token_log_rows_are_read_on_from_a_stream_s_place_and_collected_once_for
         assert a.state.collect_token_log() == 2
         assert a.state.collect_token_log() == 0
         assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (0,)
+
+
+def test_sequences_handed_back_are_claimed_in_line_before_their_notification(replicas):
+    """A replica hands its queue back while its only worker drains; the worker's next
+    report, before the release's NOTIFY reaches the listener (here: never, none runs),
+    still claims them back and admits them."""
+    a, b = replicas("a"), replicas("b")
+    seq_ids = [b.submit(max_new_tokens=8) for _ in range(3)]
+    register(a.core, "w", max_batch_size=2)
+
+    async def scenario() -> list[int]:
+        servicer = replica_servicer.ReplicaServicer(a.core, Wakeups(), a.state)
+        await servicer._top_up(only_if_short=False)  # all 3: the claim came back short
+        first = a.core.select_batch(report("w"))
+        assert [s.seq_id for s in first.prefill] == seq_ids[:2]
+        a.core.select_batch(report("w", draining=True))  # both lost: queued again
+        await servicer._commits.committed()
+        await servicer._hand_back_excess()  # a draining worker needs no queue here
+        assert a.core.num_queued() == 0
+        answer = await servicer._select(
+            pb.SelectBatchRequest(
+                worker_id="w", kv_free_pages=100, gdn_free_slots=100, running_unchanged_since=0
+            )
+        )
+        await servicer._commits.close()
+        return [c.seq_id for c in answer.prefill if c.HasField("spec")]
+
+    assert asyncio.run(scenario()) == seq_ids[:2]

@@ -47,15 +47,21 @@ class ReplicaScheduler(Scheduler):
         """Every unfinished sequence this core holds (queued or assigned)."""
         return {seq.seq_id for seq in self._sequences if not seq.is_finished}
 
-    def prefetch_wanted(self, depth: int, num_freeing: int = 0) -> int:
+    def prefetch_wanted(self, depth: int, num_freeing: int = 0, resuming: str = "") -> int:
         """How many more queued sequences this core should hold (`prefetch_target`, with
         `num_freeing` places a report is about to free) less what its queue holds."""
-        return max(0, self.prefetch_target(depth, num_freeing) - len(self._queue))
+        return max(0, self.prefetch_target(depth, num_freeing, resuming) - len(self._queue))
 
-    def prefetch_target(self, depth: int, num_freeing: int = 0) -> int:
+    def prefetch_target(self, depth: int, num_freeing: int = 0, resuming: str = "") -> int:
         """Queued sequences worth holding: the workers' free places (drained ones have
-        none) plus `depth` ahead; nothing without a worker that takes work."""
-        workers = [w for w in self._ledger if not (w.draining or w.drain_requested)]
+        none) plus `depth` ahead; nothing without a worker that takes work. `resuming`:
+        a worker whose report, about to be read, ends its own draining (its places
+        count)."""
+        workers = [
+            w
+            for w in self._ledger
+            if not w.drain_requested and (not w.draining or w.worker_id == resuming)
+        ]
         if not workers:
             return 0
         free = sum(max(0, w.settings.max_batch_size - len(w.assigned)) for w in workers)
