@@ -98,6 +98,7 @@ class WorkerLoop:
         self._forecast = Forecast(engine.page_size)
         self._step_us = 0  # the latest step's time, until a report carries it
         self._handoffs = handoffs
+        self._decided_at = 0.0  # wall clock when the latest decision arrived
 
     @property
     def handoffs(self) -> HandoffAgent | None:
@@ -279,6 +280,7 @@ class WorkerLoop:
         next report)."""
         self._pending.delivered(decision.iteration)
         self._step_us = 0
+        self._decided_at = time.time()
 
     def _timed_step(
         self, prefill: Sequence[ChunkWork], decode: Sequence[int]
@@ -307,10 +309,11 @@ class WorkerLoop:
             # A sequence held for an earlier SEND and named in decode is ours again; one
             # sent now is not decoded in the same step.
             self._handoffs.reclaim(work.decode)
-            self._handoffs.start(work.handoffs)
+            self._handoffs.start(work.handoffs, self._decided_at)
             held_back = self._handoffs.holding_back
             if held_back and any(s in held_back for s in work.decode):
                 work = replace(work, decode=tuple(s for s in work.decode if s not in held_back))
+            self._handoffs.decoding(work.decode)
         return work if work.has_step else None
 
     def _record(self, work: Work, out: StepOutput) -> None:
