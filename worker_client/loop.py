@@ -176,6 +176,7 @@ class WorkerLoop:
                 after = self._forecast.after_step(held, work.prefill, work.decode)
                 try:
                     decision = self.client.select(self._request(draining, after, idle=False))
+                    self._decided_at = time.time()  # applied once the step ends
                     if decision.running_needed:
                         # Nothing of the report was applied: this step's outputs go with
                         # the previous ones in the next report, its running list in full.
@@ -267,6 +268,7 @@ class WorkerLoop:
         except NotRegistered:
             self._register_again(held)
             return None
+        self._decided_at = time.time()
         if decision.running_needed:  # nothing applied: all again, the list in full
             self._pending.running_needed()
             return None
@@ -280,7 +282,6 @@ class WorkerLoop:
         next report)."""
         self._pending.delivered(decision.iteration)
         self._step_us = 0
-        self._decided_at = time.time()
 
     def _timed_step(
         self, prefill: Sequence[ChunkWork], decode: Sequence[int]
