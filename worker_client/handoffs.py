@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from worker_client.engine.api import (
@@ -141,6 +141,8 @@ class HandoffAgent:
         self._ready: list[HandoffOutcome] = []  # ended before a fetch started
         # Imported sequences not yet decoded here: their first decode ends the timeline.
         self._first_decode: dict[int, int] = {}  # seq_id -> transfer_id
+        # RECEIVEs started when their decision arrived (`receive_early`): `start` skips them.
+        self._started_early: set[int] = set()  # transfer_ids
         self.num_sent_offers = 0
         self.num_imported = 0
 
@@ -165,8 +167,25 @@ class HandoffAgent:
         for order in orders:
             if order.send:
                 self._send(order, decided_at)
+            elif order.transfer_id in self._started_early:
+                self._started_early.discard(order.transfer_id)
             else:
                 self._receive(order, decided_at)
+
+    def receive_early(self, orders: Iterable[HandoffOrder], decided_at: float = 0.0) -> None:
+        """Start the RECEIVEs among `orders` now, while a step may run: a fetch touches no
+        engine state until it is imported (`finish_ready`, with no step in flight). The
+        decision's `start` then applies its SENDs and skips these."""
+        for order in orders:
+            if not order.send:
+                self._receive(order, decided_at)
+                self._started_early.add(order.transfer_id)
+
+    def wait_for_fetch(self, timeout_seconds: float) -> None:
+        """Until a fetch under way ends, at most `timeout_seconds` (now if none runs)."""
+        running = [r.fetch for r in self._receiving.values() if not r.fetch.done()]
+        if running:
+            wait(running, timeout_seconds, return_when=FIRST_COMPLETED)
 
     def _send(self, order: HandoffOrder, decided_at: float) -> None:
         if self._offers is None or not self._engine.can_hand_off:
@@ -338,6 +357,7 @@ class HandoffAgent:
         self.dropped(list(self._sending))
         self._receiving.clear()
         self._ready.clear()
+        self._started_early.clear()
 
     def close(self) -> None:
         self.reset()

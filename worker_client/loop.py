@@ -177,6 +177,10 @@ class WorkerLoop:
                 try:
                     decision = self.client.select(self._request(draining, after, idle=False))
                     self._decided_at = time.time()  # applied once the step ends
+                    if self._handoffs is not None and decision.handoffs:
+                        # A fetch touches no engine state: it need not wait for the step.
+                        orders = convert.handoff_orders(decision)
+                        self._handoffs.receive_early(orders, self._decided_at)
                     if decision.running_needed:
                         # Nothing of the report was applied: this step's outputs go with
                         # the previous ones in the next report, its running list in full.
@@ -336,7 +340,10 @@ class WorkerLoop:
         """After a decision with nothing to run: pause, unless the scheduler held the
         answer (a long poll) for at least half of what was asked."""
         if time.monotonic() - started < self._idle_wait() / 2:
-            stop.wait(self._idle_sleep_seconds)
+            if self._fetching:  # a fetch that ends is imported at once, not after the pause
+                self._handoffs.wait_for_fetch(self._idle_sleep_seconds)
+            else:
+                stop.wait(self._idle_sleep_seconds)
 
     def _register_again(self, held: Holding) -> None:
         if self._num_moves() != self._moves_at_registration:
