@@ -10,9 +10,15 @@ and short ones, every request --max-new-tokens output tokens (ignore_eos), so de
 overlap the long prefills. Prints side by side: TTFT p50/p99, TPOT p50/p99 (per request,
 (end - first token) / (tokens - 1)), output tokens per second, prompt tokens computed per
 worker (the scheduler's lattice_scheduler_worker_prefill_tokens_total) and handoffs by
-how they ended (lattice_scheduler_handoffs_total), with the load average.
+how they ended (lattice_scheduler_handoffs_total), with the load average. Then two
+tables: the token gaps at the client per setup and kind of prompt (long: past 1,024
+tokens, handed off in 1P1D; short), the first-to-second gap apart from the gaps after it;
+and, for the handed-off requests, the handoff's timeline from the workers' log lines
+(worker_client/handoffs.py): each step's time after the request's first token reached the
+client, p50 / p99 (negative: before it), up to its second token.
 
     .venv/bin/python -m bench.disagg --quick
+    .venv/bin/python -m bench.disagg --setups 1P1D     # one setup (an A/B of two trees)
 
 What it does not show: the scheduler and both workers share this machine's cores (2 on
 the development box), so the prefill worker's compute slows the decode worker's as much
@@ -73,6 +79,8 @@ class Result:
     wall_seconds: float = 0.0
     prompt_tokens: dict[str, float] = field(default_factory=dict)
     handoffs: dict[str, float] = field(default_factory=dict)
+    # Sequences sent back to the queue, and preempted, by reason.
+    requeues: dict[str, float] = field(default_factory=dict)
     load: str = ""
     # By seq_id, the handoff's timeline from the workers' logs: event -> wall-clock time.
     timelines: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -160,6 +168,10 @@ def run(roles: tuple[str, str], arrivals: list[Arrival], args) -> Result:
             dict(labels)["end"]: value
             for labels, value in scheduler.samples("lattice_scheduler_handoffs_total").items()
         }
+        for name in ("requeues", "preemptions"):
+            for labels, value in scheduler.samples(f"lattice_scheduler_{name}_total").items():
+                if value:
+                    result.requeues[f"{name[:-1]} {dict(labels)['reason']}"] = value
         result.timelines = timelines(w.log_text() for w in workers)
     finally:
         channel.close()
@@ -221,6 +233,7 @@ def _row(label: str, result: Result) -> list[object]:
         f"{tokens / result.wall_seconds:.1f}",
         " ".join(f"{w}={v:.0f}" for w, v in sorted(result.prompt_tokens.items())),
         f"{done:.0f} / {failed:.0f}",
+        " ".join(f"{k}={v:.0f}" for k, v in sorted(result.requeues.items())) or "-",
         len(result.outcomes) - len(ok),
     ]
 
@@ -314,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             "out tok/s",
             "prompt tokens per worker",
             "handoffs done / failed",
+            "requeued, preempted",
             "errors",
         ],
         rows,
