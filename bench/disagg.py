@@ -10,9 +10,15 @@ and short ones, every request --max-new-tokens output tokens (ignore_eos), so de
 overlap the long prefills. Prints side by side: TTFT p50/p99, TPOT p50/p99 (per request,
 (end - first token) / (tokens - 1)), output tokens per second, prompt tokens computed per
 worker (the scheduler's lattice_scheduler_worker_prefill_tokens_total) and handoffs by
-how they ended (lattice_scheduler_handoffs_total), with the load average.
+how they ended (lattice_scheduler_handoffs_total), with the load average. Then two
+tables: the token gaps at the client per setup and kind of prompt (long: past 1,024
+tokens, handed off in 1P1D; short), the first-to-second gap apart from the gaps after it;
+and, for the handed-off requests, the handoff's timeline from the workers' log lines
+(worker_client/handoffs.py): each step's time after the request's first token reached the
+client, p50 / p99 (negative: before it), up to its second token.
 
     .venv/bin/python -m bench.disagg --quick
+    .venv/bin/python -m bench.disagg --setups 1P1D     # one setup (an A/B of two trees)
 
 What it does not show: the scheduler and both workers share this machine's cores (2 on
 the development box), so the prefill worker's compute slows the decode worker's as much
@@ -23,6 +29,7 @@ ran, not the overlap two accelerators would give.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import threading
@@ -60,6 +67,10 @@ class Outcome:
     e2e_seconds: float = 0.0
     num_tokens: int = 0
     error: str = ""
+    seq_id: int = 0
+    long: bool = False
+    # Wall-clock time (time.time()) each token arrived at the client, in order.
+    token_times: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -68,7 +79,11 @@ class Result:
     wall_seconds: float = 0.0
     prompt_tokens: dict[str, float] = field(default_factory=dict)
     handoffs: dict[str, float] = field(default_factory=dict)
+    # Sequences sent back to the queue, and preempted, by reason.
+    requeues: dict[str, float] = field(default_factory=dict)
     load: str = ""
+    # By seq_id, the handoff's timeline from the workers' logs: event -> wall-clock time.
+    timelines: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 def trace(args) -> list[Arrival]:
@@ -112,9 +127,11 @@ def _one(stub, arrival: Arrival, args, started: float, outcome: Outcome) -> None
             ),
             timeout=args.request_timeout_s,
         ):
+            outcome.seq_id = event.seq_id
             if event.token_ids and outcome.ttft_seconds is None:
                 outcome.ttft_seconds = time.perf_counter() - sent
             outcome.num_tokens += len(event.token_ids)
+            outcome.token_times += [time.time()] * len(event.token_ids)
     except grpc.RpcError as exc:
         outcome.error = exc.code().name
     outcome.e2e_seconds = time.perf_counter() - sent
@@ -125,7 +142,7 @@ def run(roles: tuple[str, str], arrivals: list[Arrival], args) -> Result:
     workers = [_worker(scheduler, i, role, args) for i, role in enumerate(roles)]
     channel = grpc.insecure_channel(scheduler.target)
     stub = pb_grpc.SchedulerStub(channel)
-    result = Result(outcomes=[Outcome() for _ in arrivals])
+    result = Result(outcomes=[Outcome(long=len(a.prompt) >= 1024) for a in arrivals])
     try:
         wait_for_workers(stub, len(workers), timeout_seconds=180)
         # One short request first, so that both setups start with warm engines.
@@ -151,10 +168,46 @@ def run(roles: tuple[str, str], arrivals: list[Arrival], args) -> Result:
             dict(labels)["end"]: value
             for labels, value in scheduler.samples("lattice_scheduler_handoffs_total").items()
         }
+        for name in ("requeues", "preemptions"):
+            for labels, value in scheduler.samples(f"lattice_scheduler_{name}_total").items():
+                if value:
+                    result.requeues[f"{name[:-1]} {dict(labels)['reason']}"] = value
+        result.timelines = timelines(w.log_text() for w in workers)
     finally:
         channel.close()
         stop_all(*workers, scheduler.proc)
     return result
+
+
+# The workers' log lines of a handoff (worker_client/handoffs.py): their time fields, by
+# the name of the step in the handoff's timeline, in the order they happen.
+_TIMELINE_FIELDS = {
+    "handoff offered": {"decided_at": "SEND decision at sender", "offered_at": "SEND applied"},
+    "handoff imported": {
+        "decided_at": "RECEIVE decision at receiver",
+        "received_at": "RECEIVE applied",
+        "fetch_started_at": "fetch started",
+        "fetch_ended_at": "fetch ended",
+        "imported_at": "imported",
+    },
+    "handoff first decode": {"decode_at": "first decode on receiver"},
+}
+TIMELINE = [name for fields in _TIMELINE_FIELDS.values() for name in fields.values()]
+
+
+def timelines(logs) -> dict[int, dict[str, float]]:
+    """By seq_id, the wall-clock time of each step of its handoff, from the workers' JSON
+    logs (of its last handoff, when it had more than one)."""
+    found: dict[int, dict[str, float]] = {}
+    for text in logs:
+        for line in text.splitlines():
+            if not line.startswith("{") or '"handoff ' not in line:
+                continue
+            entry = json.loads(line)
+            fields = _TIMELINE_FIELDS.get(entry.get("message"), {})
+            times = found.setdefault(int(entry.get("seq_id", -1)), {})
+            times.update({name: float(entry[f]) for f, name in fields.items() if f in entry})
+    return found
 
 
 def _summed(samples: dict[tuple, float], key: str) -> dict[tuple, float]:
@@ -180,8 +233,55 @@ def _row(label: str, result: Result) -> list[object]:
         f"{tokens / result.wall_seconds:.1f}",
         " ".join(f"{w}={v:.0f}" for w, v in sorted(result.prompt_tokens.items())),
         f"{done:.0f} / {failed:.0f}",
+        " ".join(f"{k}={v:.0f}" for k, v in sorted(result.requeues.items())) or "-",
         len(result.outcomes) - len(ok),
     ]
+
+
+def _p50_p99(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{pct(values, 50) * 1000:.1f} / {pct(values, 99) * 1000:.1f}"
+
+
+def _gap_rows(label: str, result: Result) -> list[list[object]]:
+    """Per kind of prompt: the gap between the first and second token at the client, the
+    gaps after it, and TPOT (their mean per request)."""
+    rows = []
+    for kind, long in (("long", True), ("short", False)):
+        ok = [
+            o for o in result.outcomes
+            if o.long is long and not o.error and len(o.token_times) > 2
+        ]  # fmt: skip
+        handed_off = sum("imported" in result.timelines.get(o.seq_id, {}) for o in ok)
+        first = [o.token_times[1] - o.token_times[0] for o in ok]
+        later = [b - a for o in ok for a, b in zip(o.token_times[1:], o.token_times[2:])]
+        tpot = [(o.token_times[-1] - o.token_times[0]) / (len(o.token_times) - 1) for o in ok]
+        rows.append(
+            [
+                f"{label}, {kind}",
+                f"{len(ok)} ({handed_off})",
+                _p50_p99(first),
+                _p50_p99(later),
+                _p50_p99(tpot),
+            ]
+        )
+    return rows
+
+
+def _timeline_rows(result: Result) -> list[list[object]]:
+    """For each handed-off request: each step of its handoff, in ms after its first token
+    reached the client, then its second token."""
+    steps: dict[str, list[float]] = {name: [] for name in [*TIMELINE, "second token at client"]}
+    for o in result.outcomes:
+        times = result.timelines.get(o.seq_id, {})
+        if "imported" not in times or len(o.token_times) < 2:
+            continue
+        times = {**times, "second token at client": o.token_times[1]}
+        for name, values in steps.items():
+            if name in times:
+                values.append(times[name] - o.token_times[0])
+    return [[name, len(values), _p50_p99(values)] for name, values in steps.items() if values]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,11 +311,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.long_tokens} tokens, the others {args.short_tokens}, {args.max_new_tokens} "
         f"output tokens each; tiny Qwen3.5 on CPU, {args.threads} torch thread(s) a worker"
     )
-    rows = []
+    rows, gap_rows, timeline_rows = [], [], []
     for label in args.setups:
         result = run(SETUPS[label], arrivals, args)
         print(f"{label}: {result.wall_seconds:.1f} s {result.load}", flush=True)
         rows.append(_row(label, result))
+        gap_rows += _gap_rows(label, result)
+        if result.timelines:
+            timeline_rows = _timeline_rows(result)
     print_table(
         [
             "setup",
@@ -224,10 +327,19 @@ def main(argv: list[str] | None = None) -> int:
             "out tok/s",
             "prompt tokens per worker",
             "handoffs done / failed",
+            "requeued, preempted",
             "errors",
         ],
         rows,
     )
+    print("\nToken gaps at the client, ms (requests: done, of which handed off)")
+    print_table(
+        ["setup, prompts", "requests", "1st->2nd p50 / p99", "later p50 / p99", "TPOT p50 / p99"],
+        gap_rows,
+    )
+    if timeline_rows:
+        print("\nHandoff timeline, ms after the first token reached the client (1P1D)")
+        print_table(["step", "handoffs", "p50 / p99"], timeline_rows)
     return 0
 
 

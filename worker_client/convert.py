@@ -73,8 +73,12 @@ def work(decision: pb.SchedulerDecision, reported_running: tuple[int, ...] = ())
         admitted=tuple(c.seq_id for c in decision.prefill if c.HasField("spec")),
         prefill=tuple(chunk_work(c) for c in decision.prefill),
         decode=reported_running if decision.decode_all_running else tuple(decision.decode),
-        handoffs=tuple(handoff_order(h) for h in decision.handoffs),
+        handoffs=handoff_orders(decision),
     )
+
+
+def handoff_orders(decision: pb.SchedulerDecision) -> tuple[HandoffOrder, ...]:
+    return tuple(handoff_order(h) for h in decision.handoffs)
 
 
 def handoff_order(handoff: pb.Handoff) -> HandoffOrder:

@@ -23,8 +23,8 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 
 from worker_client.engine.api import (
     Engine,
@@ -110,7 +110,9 @@ class _Receiving:
     order: HandoffOrder
     started: float
     deadline: float
-    fetch: Future
+    fetch: Future | None = None
+    # Wall-clock times (time.time()) of the handoff's timeline, for its log line.
+    times: dict[str, float] = field(default_factory=dict)
 
 
 class HandoffAgent:
@@ -137,6 +139,10 @@ class HandoffAgent:
         self._not_served: dict[int, int] = {}
         self._receiving: dict[int, _Receiving] = {}  # by transfer_id
         self._ready: list[HandoffOutcome] = []  # ended before a fetch started
+        # Imported sequences not yet decoded here: their first decode ends the timeline.
+        self._first_decode: dict[int, int] = {}  # seq_id -> transfer_id
+        # RECEIVEs started when their decision arrived (`receive_early`): `start` skips them.
+        self._started_early: set[int] = set()  # transfer_ids
         self.num_sent_offers = 0
         self.num_imported = 0
 
@@ -155,14 +161,33 @@ class HandoffAgent:
         """Fetches still under way."""
         return sum(not r.fetch.done() for r in self._receiving.values())
 
-    def start(self, orders: Iterable[HandoffOrder]) -> None:
+    def start(self, orders: Iterable[HandoffOrder], decided_at: float = 0.0) -> None:
+        """Apply a decision's handoffs; `decided_at`: when the decision arrived (wall
+        clock), logged with the handoff's timeline."""
         for order in orders:
             if order.send:
-                self._send(order)
+                self._send(order, decided_at)
+            elif order.transfer_id in self._started_early:
+                self._started_early.discard(order.transfer_id)
             else:
-                self._receive(order)
+                self._receive(order, decided_at)
 
-    def _send(self, order: HandoffOrder) -> None:
+    def receive_early(self, orders: Iterable[HandoffOrder], decided_at: float = 0.0) -> None:
+        """Start the RECEIVEs among `orders` now, while a step may run: a fetch touches no
+        engine state until it is imported (`finish_ready`, with no step in flight). The
+        decision's `start` then applies its SENDs and skips these."""
+        for order in orders:
+            if not order.send:
+                self._receive(order, decided_at)
+                self._started_early.add(order.transfer_id)
+
+    def wait_for_fetch(self, timeout_seconds: float) -> None:
+        """Until a fetch under way ends, at most `timeout_seconds` (now if none runs)."""
+        running = [r.fetch for r in self._receiving.values() if not r.fetch.done()]
+        if running:
+            wait(running, timeout_seconds, return_when=FIRST_COMPLETED)
+
+    def _send(self, order: HandoffOrder, decided_at: float) -> None:
         if self._offers is None or not self._engine.can_hand_off:
             log.warning(
                 "told to send sequence %d, but this worker serves no handoff channel "
@@ -194,8 +219,18 @@ class HandoffAgent:
         self._offers.offer(order.transfer_id, order.seq_id, chunks)
         self._sending.add(order.seq_id)
         self.num_sent_offers += 1
+        log.info(
+            "handoff offered",
+            extra={
+                "seq_id": order.seq_id,
+                "transfer_id": order.transfer_id,
+                "num_tokens": order.num_tokens,
+                "decided_at": decided_at,
+                "offered_at": time.time(),
+            },
+        )
 
-    def _receive(self, order: HandoffOrder) -> None:
+    def _receive(self, order: HandoffOrder, decided_at: float) -> None:
         now = self._clock()
         seconds = order.deadline_seconds or DEFAULT_DEADLINE_SECONDS
         if order.spec is None or not self._engine.can_hand_off:
@@ -203,8 +238,10 @@ class HandoffAgent:
                 _failed(order, HandoffEnd.NO_ROOM, "this worker's engine cannot import", 0.0)
             )
             return
-        fetch = self._fetches.submit(self._fetch, order, now + seconds)
-        self._receiving[order.transfer_id] = _Receiving(order, now, now + seconds, fetch)
+        receiving = _Receiving(order, now, now + seconds)
+        receiving.times.update(decided_at=decided_at, received_at=time.time())
+        receiving.fetch = self._fetches.submit(self._fetch, receiving)
+        self._receiving[order.transfer_id] = receiving
 
     def reclaim(self, decode: Iterable[int]) -> None:
         """Sequences held for a SEND that the scheduler now asks to decode are this
@@ -218,17 +255,37 @@ class HandoffAgent:
             if self._offers is not None:
                 self._offers.withdraw(again)
 
-    def _fetch(self, order: HandoffOrder, deadline: float) -> Fetched:
+    def decoding(self, decode: Iterable[int]) -> None:
+        """The step about to run decodes `decode`: an imported sequence's first decode
+        here is logged (the end of its handoff's timeline)."""
+        if not self._first_decode:
+            return
+        for seq_id in self._first_decode.keys() & set(decode):
+            log.info(
+                "handoff first decode",
+                extra={
+                    "seq_id": seq_id,
+                    "transfer_id": self._first_decode.pop(seq_id),
+                    "decode_at": time.time(),
+                },
+            )
+
+    def _fetch(self, receiving: _Receiving) -> Fetched:
         """The fetcher's answer, asking again while the sender does not know the transfer
         yet (UNKNOWN_GRACE_SECONDS); on the fetch thread."""
+        order, deadline = receiving.order, receiving.deadline
+        receiving.times["fetch_started_at"] = time.time()
         give_up = min(deadline, self._clock() + UNKNOWN_GRACE_SECONDS)
-        while True:
-            try:
-                return self._fetcher(order, max(0.001, deadline - self._clock()))
-            except FetchFailed as err:
-                if err.problem is not FetchProblem.UNKNOWN_SEQUENCE or self._clock() >= give_up:
-                    raise
-            time.sleep(_RETRY_SECONDS)
+        try:
+            while True:
+                try:
+                    return self._fetcher(order, max(0.001, deadline - self._clock()))
+                except FetchFailed as err:
+                    if err.problem is not FetchProblem.UNKNOWN_SEQUENCE or self._clock() >= give_up:
+                        raise
+                time.sleep(_RETRY_SECONDS)
+        finally:
+            receiving.times["fetch_ended_at"] = time.time()
 
     def finish_ready(self) -> list[HandoffOutcome]:
         """Import every fetch that has ended; the outcomes to report (each once)."""
@@ -259,6 +316,17 @@ class HandoffAgent:
         except ImportRefused as err:
             return _failed(order, _IMPORT_END[err.problem], str(err), self._since(receiving))
         self.num_imported += 1
+        self._first_decode[order.seq_id] = order.transfer_id
+        log.info(
+            "handoff imported",
+            extra={
+                "seq_id": order.seq_id,
+                "transfer_id": order.transfer_id,
+                "num_bytes": fetched.num_bytes,
+                **receiving.times,
+                "imported_at": time.time(),
+            },
+        )
         return HandoffOutcome(
             order.seq_id,
             order.transfer_id,
@@ -277,6 +345,8 @@ class HandoffAgent:
         if not gone:
             return
         self._sending -= gone
+        for seq_id in gone.intersection(self._first_decode):
+            del self._first_decode[seq_id]
         for seq_id in gone.intersection(self._not_served):
             del self._not_served[seq_id]
         if self._offers is not None:
@@ -287,6 +357,7 @@ class HandoffAgent:
         self.dropped(list(self._sending))
         self._receiving.clear()
         self._ready.clear()
+        self._started_early.clear()
 
     def close(self) -> None:
         self.reset()

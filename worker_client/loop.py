@@ -98,6 +98,7 @@ class WorkerLoop:
         self._forecast = Forecast(engine.page_size)
         self._step_us = 0  # the latest step's time, until a report carries it
         self._handoffs = handoffs
+        self._decided_at = 0.0  # wall clock when the latest decision arrived
 
     @property
     def handoffs(self) -> HandoffAgent | None:
@@ -175,6 +176,11 @@ class WorkerLoop:
                 after = self._forecast.after_step(held, work.prefill, work.decode)
                 try:
                     decision = self.client.select(self._request(draining, after, idle=False))
+                    self._decided_at = time.time()  # applied once the step ends
+                    if self._handoffs is not None and decision.handoffs:
+                        # A fetch touches no engine state: it need not wait for the step.
+                        orders = convert.handoff_orders(decision)
+                        self._handoffs.receive_early(orders, self._decided_at)
                     if decision.running_needed:
                         # Nothing of the report was applied: this step's outputs go with
                         # the previous ones in the next report, its running list in full.
@@ -266,6 +272,7 @@ class WorkerLoop:
         except NotRegistered:
             self._register_again(held)
             return None
+        self._decided_at = time.time()
         if decision.running_needed:  # nothing applied: all again, the list in full
             self._pending.running_needed()
             return None
@@ -307,10 +314,11 @@ class WorkerLoop:
             # A sequence held for an earlier SEND and named in decode is ours again; one
             # sent now is not decoded in the same step.
             self._handoffs.reclaim(work.decode)
-            self._handoffs.start(work.handoffs)
+            self._handoffs.start(work.handoffs, self._decided_at)
             held_back = self._handoffs.holding_back
             if held_back and any(s in held_back for s in work.decode):
                 work = replace(work, decode=tuple(s for s in work.decode if s not in held_back))
+            self._handoffs.decoding(work.decode)
         return work if work.has_step else None
 
     def _record(self, work: Work, out: StepOutput) -> None:
@@ -332,7 +340,10 @@ class WorkerLoop:
         """After a decision with nothing to run: pause, unless the scheduler held the
         answer (a long poll) for at least half of what was asked."""
         if time.monotonic() - started < self._idle_wait() / 2:
-            stop.wait(self._idle_sleep_seconds)
+            if self._fetching:  # a fetch that ends is imported at once, not after the pause
+                self._handoffs.wait_for_fetch(self._idle_sleep_seconds)
+            else:
+                stop.wait(self._idle_sleep_seconds)
 
     def _register_again(self, held: Holding) -> None:
         if self._num_moves() != self._moves_at_registration:

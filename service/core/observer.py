@@ -125,5 +125,10 @@ class SchedulerObserver:
         """A handoff was booked: a SEND in `sender`'s decision, a RECEIVE for `receiver`'s
         next one (a receiver parked on a long poll should ask again)."""
 
+    def on_receive_ready(self, seq_id: int, receiver: str) -> None:
+        """A booked RECEIVE waited for a token the sender's step had in flight; the
+        sender reported it, so `receiver`'s next decision carries it (a receiver parked
+        on a long poll should ask again)."""
+
     def on_served(self, tenant: str, num_tokens: int) -> None:
         """Tokens served to a tenant: prompt tokens handed out, generated tokens reported."""

@@ -91,6 +91,9 @@ class Wakeups(SchedulerObserver):
     def on_handoff_started(self, seq_id: int, sender: str, receiver: str) -> None:
         self.work_may_have_arrived()  # the receiver, parked, has a RECEIVE to fetch
 
+    def on_receive_ready(self, seq_id: int, receiver: str) -> None:
+        self.work_may_have_arrived()  # the RECEIVE waited for its last token; it has it
+
     def on_queue_depth(self, depth: int) -> None:
         if depth > 0:
             self.work_may_have_arrived()

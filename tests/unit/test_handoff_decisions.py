@@ -382,34 +382,54 @@ def test_a_sequence_with_no_token_left_to_generate_is_not_handed_off():
     assert decision.handoffs == () and decision.decode == (seq_id,)
 
 
-def test_an_overlapping_prefill_worker_is_not_told_to_decode_before_its_first_token():
-    # With overlap the worker reports while the last prefill chunk runs: decoding the
-    # sequence then would leave it holding more tokens than the SEND books.
-    sched = fleet()
+def test_an_overlapping_prefill_worker_is_sent_its_sequence_with_the_first_token_in_flight():
+    # With overlap the worker reports while the last prefill chunk runs, and applies the
+    # decision once that step ends: the SEND books the first token that step computes,
+    # so it is applied with no round lost; the RECEIVE, whose spec carries that token,
+    # waits until the worker reports it.
+    sched = fleet(roles=("p0", "d0"))
     seq_id = submit(sched, prompt_len=LONG)
     assert admit(sched, "p0") == (seq_id,)
     in_flight = sched.select_batch(report("p0", running=[seq_id]))
-    assert in_flight.decode == () and in_flight.handoffs == ()
+    (send,) = in_flight.handoffs
+    assert in_flight.decode == ()
+    assert (send.direction, send.peer_worker_id) == (HandoffDirection.SEND, "d0")
+    assert (send.num_tokens, send.num_generated) == (LONG, 1)
+    assert sched.select_batch(report("d0")).handoffs == ()  # its first token not known yet
 
     decision = sched.select_batch(report("p0", running=[seq_id], tokens={seq_id: [FIRST]}))
-    (send,) = decision.handoffs
-    assert decision.decode == ()
-    assert (send.num_tokens, send.num_generated) == (LONG, 1)
+    assert decision.handoffs == (send,) and decision.decode == ()  # the SEND, repeated
+    (receive,) = sched.select_batch(report("d0")).handoffs
+    assert receive.direction is HandoffDirection.RECEIVE
+    assert (receive.transfer_id, receive.num_tokens) == (send.transfer_id, LONG)
+    assert receive.spec.prompt_token_ids[-1] == FIRST
+    assert len(receive.spec.prompt_token_ids) == LONG + 1
 
 
-def test_an_overlapping_prefill_worker_with_no_receiver_room_decodes_after_its_token():
+def test_a_parked_receiver_is_woken_when_its_receive_gets_its_last_token():
+    ends = Ends()
+    woken: list[tuple[int, str]] = []
+    ends.on_receive_ready = lambda seq_id, receiver: woken.append((seq_id, receiver))
+    sched = fleet(observer=ends, roles=("p0", "d0"))
+    seq_id = submit(sched, prompt_len=LONG)
+    assert admit(sched, "p0") == (seq_id,)
+    sched.select_batch(report("p0", running=[seq_id]))  # SEND booked, token in flight
+    assert ends.started == [(seq_id, "p0", "d0")] and woken == []
+    sched.select_batch(report("p0", running=[seq_id], tokens={seq_id: [FIRST]}))
+    assert woken == [(seq_id, "d0")]
+
+
+def test_an_overlapping_prefill_worker_with_no_receiver_room_decodes_with_its_first_token():
     sched = fleet(roles=("p0", "d0"))
     register(sched, "d0", role=WorkerRole.DECODE, transfer_bytes_per_second=1e9, max_batch_size=1)
     sched.select_batch(report("d0"))
     first, second = (submit(sched, prompt_len=LONG) for _ in range(2))
     assert admit(sched, "p0") == (first, second)
     in_flight = sched.select_batch(report("p0", running=[first, second]))
-    assert in_flight.decode == () and in_flight.handoffs == ()  # both wait for their token
-    tokens = {first: [FIRST], second: [FIRST]}
-    decision = sched.select_batch(report("p0", running=[first, second], tokens=tokens))
-    # d0 has room for one: the first is sent, the second decodes on p0.
-    assert [h.seq_id for h in decision.handoffs] == [first]
-    assert decision.decode == (second,)
+    # d0 has room for one: the first is sent, the second decodes on p0 (its first token,
+    # in flight, is fed by that decode as after any prefill).
+    assert [h.seq_id for h in in_flight.handoffs] == [first]
+    assert in_flight.decode == (second,)
 
 
 def test_handoff_min_tokens_sets_which_prompts_a_prefill_worker_takes():
@@ -474,16 +494,13 @@ def test_the_default_threshold_rule_hands_off_every_long_prompt_despite_sizes(
     assert admit(sched, "p0") == (seq_id,)
 
 
-def test_a_sequence_decoded_for_want_of_room_is_sent_only_once_no_decode_is_in_flight():
-    # With overlap, p0's report comes while the step of its last decision runs: a
-    # sequence decoded in that step holds one token more than the report says. Sent
-    # then, the SEND would book fewer tokens than p0 holds and nothing would be served.
-    sched = fleet(roles=("p0", "d0"))
+def _decoded_for_want_of_room(sched):
+    """p0 prefilled two long prompts; d0 (room for one) took the first and finished it;
+    the second decoded on p0 meanwhile. Returns the second's seq_id."""
     register(sched, "d0", role=WorkerRole.DECODE, transfer_bytes_per_second=1e9, max_batch_size=1)
     sched.select_batch(report("d0"))
     first, second = (submit(sched, prompt_len=LONG, max_new_tokens=50) for _ in range(2))
     assert admit(sched, "p0") == (first, second)
-    sched.select_batch(report("p0", running=[first, second]))  # prefill in flight
     tokens = {first: [FIRST], second: [FIRST]}
     decided = sched.select_batch(report("p0", running=[first, second], tokens=tokens))
     (send,) = decided.handoffs
@@ -492,16 +509,54 @@ def test_a_sequence_decoded_for_want_of_room_is_sent_only_once_no_decode_is_in_f
     sched.select_batch(report("d0"))
     sched.select_batch(with_results(report("d0", running=[first]), result(first, send.transfer_id)))
     sched.select_batch(report("d0", finished=[finished(first)], tokens={first: [7]}))
+    return second
 
-    # p0 reports while the step decoding `second` may still run: neither sent nor decoded.
-    waiting = sched.select_batch(report("p0", running=[second]))
-    assert waiting.decode == () and waiting.handoffs == ()
-    # Its next report carries that step's token: the SEND books exactly what p0 holds.
-    sent = sched.select_batch(report("p0", running=[second], tokens={second: [9]}))
-    (send_second,) = sent.handoffs
+
+def test_a_send_on_an_overlapping_worker_books_the_decode_in_flight_and_loses_no_round():
+    # With overlap, p0's report comes while the step of its last decision runs: the
+    # sequence decoded there holds one token more when p0 applies the next decision. The
+    # SEND books that token, so the sequence is sent at once (no round in which it is
+    # neither decoded nor sent) and p0 serves exactly what the SEND books.
+    sched = fleet(roles=("p0", "d0"))
+    second = _decoded_for_want_of_room(sched)
+    sent = sched.select_batch(report("p0", running=[second]))  # its decode in flight
+    (send,) = sent.handoffs
     assert sent.decode == ()
-    assert (send_second.seq_id, send_second.peer_worker_id) == (second, "d0")
-    assert (send_second.num_tokens, send_second.num_generated) == (LONG + 1, 2)
+    assert (send.seq_id, send.peer_worker_id) == (second, "d0")
+    assert (send.num_tokens, send.num_generated) == (LONG + 1, 2)
+    assert sched.select_batch(report("d0")).handoffs == ()  # that token is not known yet
+    # p0's next report carries the token: d0 is told to fetch, the spec complete.
+    again = sched.select_batch(report("p0", running=[second], tokens={second: [9]}))
+    assert again.handoffs == (send,) and again.decode == ()
+    (receive,) = sched.select_batch(report("d0")).handoffs
+    assert receive.spec.prompt_token_ids[-2:] == (FIRST, 9)
+    assert (receive.num_tokens, receive.num_generated) == (LONG + 1, 2)
+
+
+def test_a_send_on_a_worker_that_reports_after_its_step_books_what_it_reported():
+    # A worker that reports once its step ended (no overlap) has no token in flight: the
+    # SEND books the tokens its report carries, and the RECEIVE goes out at once.
+    sched = fleet(roles=("p0", "d0"))
+    second = _decoded_for_want_of_room(sched)
+    sent = sched.select_batch(report("p0", running=[second], tokens={second: [9]}))
+    (send,) = sent.handoffs
+    assert (send.num_tokens, send.num_generated) == (LONG + 1, 2)
+    (receive,) = sched.select_batch(report("d0")).handoffs
+    assert receive.spec.prompt_token_ids[-2:] == (FIRST, 9)
+
+
+def test_a_sequence_that_ends_with_its_token_in_flight_is_never_received():
+    # The token the SEND booked ended the sequence (a stop token): the handoff ends as the
+    # sender's, and the receiver is never told to fetch it.
+    ends = Ends()
+    sched = fleet(observer=ends, roles=("p0", "d0"))
+    seq_id = submit(sched, prompt_len=LONG)
+    assert admit(sched, "p0") == (seq_id,)
+    (send,) = sched.select_batch(report("p0", running=[seq_id])).handoffs
+    sched.select_batch(report("p0", finished=[finished(seq_id)], tokens={seq_id: [FIRST]}))
+    assert sched.select_batch(report("d0")).handoffs == ()
+    assert ends.ends == [HandoffEnd.SENDER_GONE]
+    assert sched.get_sequence(seq_id).state is SequenceState.FINISHED
 
 
 def test_a_send_whose_answer_was_lost_is_repeated_until_the_transfer_ends():

@@ -4,7 +4,10 @@ workers of each role (docs/contract.md, "Prefill/decode disaggregation"): 1 pref
 allows, workers die and register again, leases and deadlines run out, the scheduler
 restarts from its store. After every step each sequence's tokens are exactly the tokens
 its positions should hold (none twice, none missing) and each unfinished sequence is
-queued or on one worker; at the end every sequence finishes with all its tokens."""
+queued or on one worker; at the end every sequence finishes with all its tokens. The
+prefill worker overlaps (what a step produces is reported one report later, as with
+lattice-worker), and a SEND always books exactly what it holds when it applies it,
+except after a scheduler restart."""
 
 from __future__ import annotations
 
@@ -78,6 +81,11 @@ class SimWorker:
     results: list[HandoffResult] = field(default_factory=list)
     # RECEIVEs not yet imported: transfer_id -> the instruction.
     imports: dict[int, object] = field(default_factory=dict)
+    # Overlap: the worker reports while its step runs, so what a decision's step produces
+    # is reported one report later (the sequences it ends are held until then).
+    overlap: bool = False
+    flight: list[TokenUpdate] = field(default_factory=list)
+    flight_finished: list[int] = field(default_factory=list)
 
     def report(self) -> WorkerReport:
         running = tuple(s for s, h in self.held.items() if h.prompt_done)
@@ -95,17 +103,33 @@ class SimWorker:
         return out
 
     def reported(self) -> None:
+        """The report was answered; with overlap, the step in flight then ends."""
         self.tokens, self.finished, self.results = [], [], []
+        self.tokens, self.flight = self.flight, []
+        for seq_id in self.flight_finished:
+            held = self.held.pop(seq_id)
+            self.finished.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH, held.offset))
+        self.flight_finished = []
 
     def generate(self, seq_id: int) -> None:
         held = self.held[seq_id]
-        self.tokens.append(
-            TokenUpdate(seq_id, (token(seq_id, held.base + held.offset),), held.offset)
-        )
+        if held.offset >= held.limit:
+            return  # ended in the step before (overlap): dropped without a token
+        update = TokenUpdate(seq_id, (token(seq_id, held.base + held.offset),), held.offset)
+        (self.flight if self.overlap else self.tokens).append(update)
         held.offset += 1
         if held.offset >= held.limit:
+            if self.overlap:
+                self.flight_finished.append(seq_id)
+                return
             del self.held[seq_id]
             self.finished.append(FinishedSequence(seq_id, FinishReason.MAX_LENGTH, held.offset))
+
+
+def _diff(extent, num_tokens) -> str:
+    if extent is None:
+        return "not held"
+    return "holds more" if extent > num_tokens else "holds less"
 
 
 class HandoffMachine(RuleBasedStateMachine):
@@ -115,6 +139,7 @@ class HandoffMachine(RuleBasedStateMachine):
         self.store = MemoryStore()
         self.core = self._new_core()
         self.workers: dict[str, SimWorker] = {}
+        self.restarted = False
         self.prompt_lens: dict[int, int] = {}
         self.max_new: dict[int, int] = {}
         for worker_id in ROLES:
@@ -132,7 +157,10 @@ class HandoffMachine(RuleBasedStateMachine):
                 handoff_address=f"{worker_id}:1",
             )
         )
-        self.workers[worker_id] = SimWorker(worker_id)
+        # The prefill worker overlaps its reports with its steps, as lattice-worker does.
+        self.workers[worker_id] = SimWorker(
+            worker_id, overlap=ROLES[worker_id] is WorkerRole.PREFILL
+        )
 
     # ------------------------------------------------------------- clients
 
@@ -185,8 +213,18 @@ class HandoffMachine(RuleBasedStateMachine):
             worker.generate(seq_id)
         for handoff in decision.handoffs:
             if handoff.direction is HandoffDirection.SEND:
-                event("a SEND")
-                worker.held[handoff.seq_id].sending = handoff.transfer_id
+                held = worker.held.get(handoff.seq_id)
+                # An honest sender serves only the state the SEND books (the KV of every
+                # token but the last): holding more or less, it serves nothing.
+                if held is None or held.spec_len + held.offset - 1 != handoff.num_tokens:
+                    extent = None if held is None else held.spec_len + held.offset - 1
+                    # Only a restarted scheduler, which does not know the last decision,
+                    # may book what the sender does not hold (docs/contract.md).
+                    assert self.restarted, (handoff, extent)
+                    event(f"a SEND not served after a restart: {_diff(extent, handoff.num_tokens)}")
+                    continue
+                event("a SEND served")
+                held.sending = handoff.transfer_id
             else:
                 worker.imports[handoff.transfer_id] = handoff
 
@@ -224,6 +262,7 @@ class HandoffMachine(RuleBasedStateMachine):
     @rule()
     def scheduler_restarts(self) -> None:
         self.core = self._new_core()
+        self.restarted = True
 
     # ------------------------------------------------------------- checks
 

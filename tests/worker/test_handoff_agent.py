@@ -94,3 +94,26 @@ def test_a_repeated_send_it_could_not_serve_is_not_exported_again():
     agent.start([_send(100)])
     assert engine.num_exports == 1 and len(offers) == 0
     assert agent.holding_back == frozenset()
+
+
+def test_a_receive_started_when_its_decision_arrives_is_fetched_and_reported_once():
+    # The loop starts a RECEIVE's fetch while its step runs; applying the decision after
+    # the step then starts nothing more: one fetch, one import, one outcome.
+    engine, fetches = FakeEngine(), []
+
+    def fetcher(order, seconds):
+        fetches.append(order.transfer_id)
+        return Fetched((), 0)
+
+    agent = HandoffAgent(engine, None, fetcher=fetcher)
+    spec = SequenceSpec(tuple(range(1, 12)), max_new_tokens=4)
+    receive = HandoffOrder(5, False, 200, "p0", "p0:7000", NUM_TOKENS, 1, spec)
+    agent.receive_early([receive, _send(100, seq_id=6)])  # a SEND waits for the step
+    assert agent.busy
+    agent.wait_for_fetch(5)
+    agent.start([receive])
+    wait_until(lambda: agent.num_fetching() == 0, "the fetch ends", 5)
+    outcomes = agent.finish_ready()
+    agent.close()
+    assert fetches == [200] and engine.imported == [5] and engine.num_exports == 0
+    assert [(o.transfer_id, o.end) for o in outcomes] == [(200, HandoffEnd.DONE)]

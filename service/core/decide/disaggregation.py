@@ -102,9 +102,13 @@ class Disaggregation:
         # Per sender, sequences whose handoff failed while it held them, by seq_id with
         # their admission_order: decoded there to the end of that assignment.
         self._kept: dict[str, dict[int, int]] = {}
-        # Per prefill-only worker, the decode list of its last decision: with overlap that
-        # step may still run when the next report comes, one token past what it reports.
-        self._decoded: dict[str, frozenset[int]] = {}
+        # Per prefill-only worker, by seq_id, the tokens each sequence of its last decode
+        # list has once that step's token is reported: with overlap the next report comes
+        # while the step runs, one token short of what the worker will hold.
+        self._decoded: dict[str, dict[int, int]] = {}
+        # Handoffs whose SEND booked a token still in flight on the sender: their RECEIVE
+        # (its spec carries every token) waits until the sender reports that token.
+        self._awaiting_token: set[int] = set()
 
     @property
     def book(self) -> HandoffBook:
@@ -200,6 +204,7 @@ class Disaggregation:
             holds = seq is not None
             seconds = result.transfer_us / 1e6
             if result.status is HandoffStatus.DONE and holds:
+                self._awaiting_token.discard(result.seq_id)
                 self._book.imported(result.seq_id, worker.worker_id)
                 self._move(seq, sender, worker)
                 self._observer.on_handoff(
@@ -250,7 +255,6 @@ class Disaggregation:
         decode = decision.decode
         if worker.registration.role is WorkerRole.PREFILL:
             decode = self._send(worker, decision, handoffs)
-            self._decoded[worker.worker_id] = frozenset(decode)
         if worker.worker_id in self._receives:
             self._receive(worker, handoffs, free_bytes, cached_tokens)
         if not handoffs and decode is decision.decode:
@@ -267,19 +271,26 @@ class Disaggregation:
     def _send(
         self, worker: WorkerRecord, decision: Decision, handoffs: list[HandoffInstruction]
     ) -> tuple[int, ...]:
-        """Book a handoff for each of `worker`'s decodes that has its first token and a
-        receiver; returns the decodes left to it. The SENDs still transferring are
-        repeated (same transfer_id): an answer lost with its SEND is made good by the
-        next one, and a worker that already offers the transfer ignores the repeat."""
+        """Book a handoff for each of `worker`'s decodes that has a receiver; returns the
+        decodes left to it. A SEND books the tokens the worker holds when it applies it:
+        with a token still in flight (its step running computes the sequence's first
+        token, or decodes it), that token too. The SENDs still transferring are repeated
+        (same transfer_id): an answer lost with its SEND is made good by the next one,
+        and a worker that already offers the transfer ignores the repeat."""
         now = self._clock()
         for handoff in self._book.sent_by(worker.worker_id):
-            if self._held(handoff, worker) is None:  # finished, preempted, lost, cancelled
+            seq = self._held(handoff, worker)
+            if seq is None:  # finished, preempted, lost, cancelled
+                self._awaiting_token.discard(handoff.seq_id)
                 outcome = self._book.failed(handoff.seq_id, HandoffEnd.SENDER_GONE, False)
                 if outcome is not None:
                     self._ended(outcome)
             elif handoff.state is HandoffState.TRANSFERRING:
                 handoffs.append(self._send_instruction(handoff, now))
-        decoded = self._decoded.get(worker.worker_id, frozenset())
+                if handoff.seq_id in self._awaiting_token and _has_every_token(seq, handoff):
+                    self._awaiting_token.discard(handoff.seq_id)
+                    self._observer.on_receive_ready(handoff.seq_id, handoff.receiver)
+        decoded = self._decoded.get(worker.worker_id, {})
         kept = self._kept.get(worker.worker_id)
         if kept:
             for seq_id in [s for s in kept if s not in worker.assigned]:
@@ -287,43 +298,40 @@ class Disaggregation:
         address = worker.registration.handoff_address
         rate = worker.registration.transfer_bytes_per_second
         loads: list[WorkerLoad] | None = None
-        decode = []
+        decode: dict[int, int] = {}  # seq_id -> its tokens once this step's is reported
         for seq_id in decision.decode:
             if self._book.get(seq_id) is not None:
                 continue  # being sent: held for the receiver, not decoded
             seq = worker.assigned[seq_id]
-            first_in_flight = len(seq.output_token_ids) <= seq.num_generated_at_admission
+            # A token the worker's step in flight computes (overlap): the sequence's last
+            # prompt chunk runs, or the decode of the last decision.
+            in_flight = int(
+                len(seq.output_token_ids) <= seq.num_generated_at_admission
+                or seq.num_tokens() < decoded.get(seq_id, 0)
+            )
             if (
                 not address
                 or rate <= 0
                 or (kept and kept.get(seq_id) == seq.admission_order)
-                or seq.params.max_new_tokens <= 1  # its first token is its last
-                or len(seq.output_token_ids) >= seq.params.max_new_tokens  # nothing to decode
+                # nothing left to decode after the tokens computed or in flight
+                or len(seq.output_token_ids) + in_flight >= seq.params.max_new_tokens
             ):
-                decode.append(seq_id)
-                continue
-            if first_in_flight:
-                # Its last prefill chunk is in flight (an overlapping worker): decoded now,
-                # the sender would hold more than a later SEND books. It waits for its
-                # first token; then it is sent, or decoded here if no receiver has room.
+                decode[seq_id] = seq.num_tokens() + in_flight + 1
                 continue
             if loads is None:
                 loads = self._receivers(worker)
+            num_tokens = seq.num_tokens() + in_flight
             receiver = pick_decode_worker(
                 (w for w in loads if self._ledger.get(w.worker_id).can_run(seq.adapter_id)),
-                seq.num_tokens(),
+                num_tokens,
             )
             if receiver is None:
-                decode.append(seq_id)  # no room anywhere: it decodes here this step
+                decode[seq_id] = num_tokens + 1  # no room anywhere: it decodes here this step
                 continue
-            if seq_id in decoded:
-                # Decoded in the last decision (no room then): with overlap that step may
-                # run still, one token past this report, and the sender would hold more
-                # than the SEND books. Left out one round, it is sent at its next report.
-                continue
-            handoffs.append(self._start(worker, seq, receiver.worker_id))
-            loads = [_one_more(w, seq.num_tokens()) if w is receiver else w for w in loads]
+            handoffs.append(self._start(worker, seq, receiver.worker_id, in_flight))
+            loads = [_one_more(w, num_tokens) if w is receiver else w for w in loads]
             loads = [w for w in loads if w.num_decoding < self._batch_limit(w.worker_id)]
+        self._decoded[worker.worker_id] = decode
         return tuple(decode)
 
     def _receivers(self, sender: WorkerRecord) -> list[WorkerLoad]:
@@ -350,15 +358,22 @@ class Disaggregation:
         """The most sequences `worker_id` holds (its batch: a receiver takes no more)."""
         return self._ledger.get(worker_id).settings.max_batch_size
 
-    def _start(self, sender: WorkerRecord, seq: Sequence, receiver: str) -> HandoffInstruction:
+    def _start(
+        self, sender: WorkerRecord, seq: Sequence, receiver: str, in_flight: int
+    ) -> HandoffInstruction:
+        """Book the handoff of `seq` to `receiver`, counting the `in_flight` tokens (0 or
+        1) the sender's running step adds before it applies the SEND."""
         transfer_id = self._next_transfer_id
         self._next_transfer_id += 1
-        num_tokens = seq.num_tokens() - 1  # the last one is fed by the receiver's decode
-        num_generated = len(seq.output_token_ids) - seq.num_generated_at_admission
+        # The last token is fed by the receiver's first decode.
+        num_tokens = seq.num_tokens() + in_flight - 1
+        num_generated = len(seq.output_token_ids) + in_flight - seq.num_generated_at_admission
         now = self._clock()
         self._book.plan(seq.seq_id, sender.worker_id, receiver, transfer_id, seq.admission_order)
         self._book.prefilled(seq.seq_id, num_tokens, num_generated, now)
         self._receives.setdefault(receiver, []).append((seq.seq_id, transfer_id))
+        if in_flight:
+            self._awaiting_token.add(seq.seq_id)
         self._observer.on_handoff_started(seq.seq_id, sender.worker_id, receiver)
         return self._send_instruction(self._book.get(seq.seq_id), now)
 
@@ -382,8 +397,10 @@ class Disaggregation:
         free_bytes: int,
         cached: Callable[[Sequence], int],
     ) -> None:
-        """The RECEIVEs booked to `worker` still in flight, while they fit."""
+        """The RECEIVEs booked to `worker` still in flight, while they fit; one whose
+        sender has not yet reported every token it books waits (its spec would lack it)."""
         waiting = self._receives.pop(worker.worker_id)
+        later: list[tuple[int, int]] = []  # the next decision's
         now = self._clock()
         for index, (seq_id, transfer_id) in enumerate(waiting):
             handoff = self._book.get(seq_id)
@@ -391,11 +408,14 @@ class Disaggregation:
             seq = self._held(handoff, sender) if sender is not None else None
             if seq is None or handoff.transfer_id != transfer_id:
                 continue  # ended, or no longer the sender's to give, before it was delivered
+            if not _has_every_token(seq, handoff):
+                later.append((seq_id, transfer_id))
+                continue
             spec = seq.spec()
             free_bytes -= seq.spec_wire_bytes()
             if free_bytes < 0 and handoffs:
-                self._receives[worker.worker_id] = waiting[index:]  # the next decision's
-                return
+                later += waiting[index:]
+                break
             handoffs.append(
                 HandoffInstruction(
                     seq_id=seq_id,
@@ -410,6 +430,8 @@ class Disaggregation:
                     cached_tokens=min(cached(seq), handoff.num_tokens),
                 )
             )
+        if later:
+            self._receives[worker.worker_id] = later
 
     # ------------------------------------------------------------- outcomes
 
@@ -435,6 +457,7 @@ class Disaggregation:
     def _ended(self, outcome: HandoffOutcome, num_bytes: int = 0, seconds: float = 0.0) -> None:
         """A failed handoff's outcome: the sequence stays with a sender that holds it and
         is decoded there; a requeue was already made by what took it from the sender."""
+        self._awaiting_token.discard(outcome.seq_id)
         sender = self._ledger.find(outcome.sender)
         seq = sender.assigned.get(outcome.seq_id) if sender is not None else None
         if outcome.action is HandoffAction.RESUME_ON_SENDER and seq is not None:
@@ -442,6 +465,12 @@ class Disaggregation:
         self._observer.on_handoff(
             outcome.seq_id, outcome.sender, outcome.receiver, outcome.failure, num_bytes, seconds
         )
+
+
+def _has_every_token(seq: Sequence, handoff: Handoff) -> bool:
+    """Whether the scheduler has every token of `seq` that `handoff` moves (its
+    `num_tokens`, and the last one, fed by the receiver's first decode)."""
+    return seq.num_tokens() > handoff.num_tokens
 
 
 def _one_more(load: WorkerLoad, num_tokens: int) -> WorkerLoad:
