@@ -231,7 +231,13 @@ CREATE TABLE IF NOT EXISTS tenant_service (
     tenant text PRIMARY KEY,
     served double precision NOT NULL    -- weighted tokens served, all replicas together
 );
+"""
 
+# The functions, created again by every replica at start (CREATE OR REPLACE takes no table
+# lock); the tables and indexes above only where the schema is created or migrated: their
+# ALTER TABLE and CREATE INDEX lock tables every commit writes, and a replica starting
+# beside running ones stalled their commits (and could deadlock with them).
+_FUNCTIONS = """
 -- A group commit's checks (lattice_commit, below): the replica's fence is the one it last
 -- saw (its row locked until the commit: no take-over commits meanwhile), else the whole
 -- commit rolls back.
@@ -1266,6 +1272,7 @@ class PostgresState:
                     "SELECT value FROM lattice_meta WHERE key = 'schema_version'"
                 ).fetchone()
                 version = None if row is None else row[0]
+            current = version == SCHEMA_VERSION
             if version == 1:
                 conn.execute(_FROM_VERSION_1)
                 version = 2
@@ -1319,7 +1326,10 @@ class PostgresState:
                     f"the database holds schema version {version}; this "
                     f"scheduler reads version {SCHEMA_VERSION}"
                 )
-            conn.execute(_SCHEMA)
+            if current:
+                conn.execute(_FUNCTIONS)
+            else:
+                conn.execute(_SCHEMA + _FUNCTIONS)
             if version is None:
                 conn.execute(
                     "INSERT INTO lattice_meta VALUES ('schema_version', %s) "

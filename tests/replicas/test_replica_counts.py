@@ -4,6 +4,8 @@ Against a real private cluster."""
 
 from __future__ import annotations
 
+import threading
+
 import psycopg
 import pytest
 
@@ -118,3 +120,23 @@ def test_a_version_4_database_is_not_migrated_while_a_version_4_replica_runs(dat
             conn.execute("DELETE FROM replicas")  # its lease is over
         old.close()
     PostgresState(database_url, name="b").close()
+
+
+def test_a_replica_starts_beside_running_commits_without_waiting_for_their_tables(database_url):
+    """A replica starting on a database of the current schema takes no lock on the tables
+    commits write: its table DDL (ALTER TABLE, CREATE INDEX) runs only where the schema is
+    created or migrated, so a start neither stalls the fleet's commits nor waits on them."""
+    first = PostgresState(database_url, name="a")
+    started: list[PostgresState] = []
+    with psycopg.connect(database_url) as conn:
+        # What a commit in flight holds on the tables it writes.
+        conn.execute("LOCK TABLE token_log, sequences, replica_counts IN ROW EXCLUSIVE MODE")
+        starting = threading.Thread(
+            target=lambda: started.append(PostgresState(database_url, name="b")), daemon=True
+        )
+        starting.start()
+        starting.join(timeout=30)
+        assert started, "the second replica's start waited for the commit in flight"
+    starting.join()
+    for state in (first, *started):
+        state.close()
