@@ -683,3 +683,40 @@ def test_a_report_that_names_no_decision_kept_leaves_its_decode_out_one_round(na
     assert (send.num_tokens, send.num_generated) == (LONG + 4, 5)
     (receive,) = sched.select_batch(report("d0")).handoffs
     assert receive.spec.prompt_token_ids[-5:] == (FIRST, 1, 2, 3, 4)
+
+
+def test_after_a_restart_an_iteration_named_from_before_is_never_trusted():
+    # The restarted scheduler numbers p0's decisions from 1 again. p0 (overlapping) named
+    # the old scheduler's decision that decodes `seq_id`; its answers lost, it names that
+    # number until the new scheduler has given a decision the same number: still not the
+    # decision it applied, so the sequence waits a round and the SEND books what p0 holds.
+    clock, store = FakeClock(), MemoryStore()
+    sched = fleet(store=store, clock=clock, roles=("p0", "d0"))
+    sched.select_batch(report("d0", kv_free_pages=0))  # no room: p0 decodes it
+    seq_id = submit(sched, prompt_len=LONG, max_new_tokens=50)
+    assert admit(sched, "p0") == (seq_id,)
+    decoding = sched.select_batch(
+        _in_turn(report("p0", running=[seq_id]), 1, TokenUpdate(seq_id, (FIRST,), 0))
+    )
+    assert decoding.decode == (seq_id,) and decoding.iteration == 3
+    restarted = Scheduler(
+        make_config(chunk_size=2048, lease_ttl_ms=LEASE_MS),
+        clock=clock,
+        store=store,
+        wall_clock=lambda: 2e9,
+    )
+    restarted.select_batch(report("d0"))  # room now
+    # p0's decode of token 1 runs; the report goes again while answers are lost.
+    before = _in_turn(report("p0", running=[seq_id]), decoding.iteration)
+    lost = [restarted.select_batch(before) for _ in range(decoding.iteration)]
+    assert [d.iteration for d in lost] == [1, 2, 3]
+    assert all(d.decode == () and d.handoffs == () for d in lost)
+    applied = restarted.select_batch(before)  # this answer arrives
+    assert applied.decode == () and applied.handoffs == ()
+    sent = restarted.select_batch(
+        _in_turn(report("p0", running=[seq_id]), applied.iteration, TokenUpdate(seq_id, (1,), 1))
+    )
+    (send,) = sent.handoffs
+    assert (send.num_tokens, send.num_generated) == (LONG + 1, 2)
+    (receive,) = restarted.select_batch(report("d0")).handoffs
+    assert receive.spec.prompt_token_ids[-2:] == (FIRST, 1)

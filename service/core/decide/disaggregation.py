@@ -21,6 +21,7 @@ admission), otherwise the sequence is back in the queue already.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from service.core.decide.handoff import (
     HandoffInput,
@@ -69,6 +70,23 @@ _DECISIONS_KEPT = 3
 DEFAULT_MIN_UNCACHED_TOKENS = 1024
 
 
+@dataclass
+class _Decodes:
+    """A prefill-only worker's latest decode lists and what its reports named of the
+    decision they applied (`WorkerReport.applied_iteration`)."""
+
+    # The latest _DECISIONS_KEPT decisions by iteration: by seq_id, the tokens each
+    # sequence of the decode list has once that step's token is reported (None: not known,
+    # a token may have been in flight when it was decided). With overlap the next report
+    # comes while the step runs, one token short of what the worker will hold.
+    by_iteration: dict[int, dict[int, int | None]] = field(default_factory=dict)
+    # Whether a report named a decision: one that names none tells nothing of it since.
+    names_applied: bool = False
+    # What it named before this scheduler decided anything for it (a decision of the
+    # scheduler before a restart, whose numbers this one reuses): never trusted.
+    foreign: int = 0
+
+
 class Disaggregation:
     """Roles and handoffs over the core's tables, called from each SelectBatch and from
     the worker registry (a worker leaving, the lease sweep)."""
@@ -105,16 +123,8 @@ class Disaggregation:
         # Per sender, sequences whose handoff failed while it held them, by seq_id with
         # their admission_order: decoded there to the end of that assignment.
         self._kept: dict[str, dict[int, int]] = {}
-        # Per prefill-only worker, its latest decisions by iteration (the last
-        # _DECISIONS_KEPT): by seq_id, the tokens each sequence of the decode list has
-        # once that step's token is reported (None: not known, a token may have been in
-        # flight when it was decided). With overlap the next report comes while the step
-        # runs, one token short of what the worker will hold.
-        self._decoded: dict[str, dict[int, dict[int, int | None]]] = {}
-        # Prefill-only workers that have named the decision they applied
-        # (`WorkerReport.applied_iteration`): a report of theirs that names none, or one
-        # no longer kept, tells nothing of a token in flight.
-        self._names_applied: set[str] = set()
+        # Per prefill-only worker, its latest decode lists and what its reports named.
+        self._decoded: dict[str, _Decodes] = {}
         # Handoffs whose SEND booked a token still in flight on the sender: their RECEIVE
         # (its spec carries every token) waits until the sender reports that token.
         self._awaiting_token: set[int] = set()
@@ -238,7 +248,6 @@ class Disaggregation:
         self._receives.pop(worker_id, None)
         self._kept.pop(worker_id, None)
         self._decoded.pop(worker_id, None)
-        self._names_applied.discard(worker_id)
         for outcome in self._book.worker_gone(worker_id):
             self._ended(outcome)
 
@@ -359,14 +368,22 @@ class Disaggregation:
         self, worker_id: str, applied_iteration: int
     ) -> dict[int, int | None] | None:
         """The decode list of the decision `worker_id` applied, as `_decoded` keeps it;
-        None when not known: the report names a decision no longer kept, or none from a
-        worker that named one before. A worker that never names one applied the latest
-        decision (its answer lost, it did not: the contract's limit for such clients)."""
-        decisions = self._decoded.get(worker_id)
+        None when not known: the report names a decision no longer kept, one numbered by
+        a scheduler before this one (a restart), or none from a worker that named one
+        before. A worker that never names one applied the latest decision (if its answer
+        was lost, it did not: the contract's limit for such clients)."""
+        book = self._decoded.setdefault(worker_id, _Decodes())
+        decisions = book.by_iteration
         if applied_iteration:
-            self._names_applied.add(worker_id)
-            return decisions.get(applied_iteration) if decisions else None
-        if worker_id in self._names_applied:
+            book.names_applied = True
+            if not decisions:  # this scheduler decided nothing for it yet
+                book.foreign = applied_iteration
+                return None
+            if applied_iteration == book.foreign:
+                return None  # the same number this scheduler gave may name another decision
+            book.foreign = 0  # it got a decision of this scheduler's since
+            return decisions.get(applied_iteration)
+        if book.names_applied:
             return None
         if not decisions:
             return {}
@@ -375,7 +392,7 @@ class Disaggregation:
     def _remember(self, worker_id: str, iteration: int, decode: dict[int, int | None]) -> None:
         """Keep the decode list of `worker_id`'s decision `iteration`, and the latest few
         before it."""
-        decisions = self._decoded.setdefault(worker_id, {})
+        decisions = self._decoded[worker_id].by_iteration
         decisions[iteration] = decode
         while len(decisions) > _DECISIONS_KEPT:
             del decisions[next(iter(decisions))]
