@@ -199,6 +199,9 @@ class PendingReport:
         self._running_baseline: tuple[int, tuple[int, ...]] | None = None
         # seq_id -> tokens delivered to the scheduler since its admission here
         self._delivered: dict[int, int] = {}
+        # The iteration of the last decision answered, which the loop applies at once (0:
+        # none since the registration); each request names it (applied_iteration).
+        self.applied_iteration = 0
 
     def __bool__(self) -> bool:
         return bool(
@@ -248,6 +251,7 @@ class PendingReport:
         reached the scheduler."""
         if self._sent_running:
             self._running_baseline = (iteration, self.reported_running)
+        self.applied_iteration = iteration
         for seq_id, token_ids in self.tokens.items():
             self._delivered[seq_id] = self._delivered.get(seq_id, 0) + len(token_ids)
         for fin in self.finished:
@@ -263,6 +267,12 @@ class PendingReport:
         full."""
         self._running_baseline = None
 
+    def registered(self) -> None:
+        """A new registration: the scheduler holds no running list of ours and made no
+        decision for this incarnation yet."""
+        self._running_baseline = None
+        self.applied_iteration = 0
+
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:
             self._delivered.pop(seq_id, None)
@@ -272,7 +282,7 @@ class PendingReport:
         cache is reported in full after the next registration: add_cache with a reset)."""
         self.clear()
         self._delivered.clear()
-        self._running_baseline = None
+        self.registered()
 
     def clear(self) -> None:
         self.finished.clear()
@@ -348,6 +358,7 @@ class PendingReport:
             cache_misses=self.cache_misses,
             last_step_us=last_step_us,
             handoffs=self.handoffs,
+            applied_iteration=self.applied_iteration,
         )
         if self.cache:
             delta = self.cache.peek()

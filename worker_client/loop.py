@@ -386,7 +386,7 @@ class WorkerLoop:
         self._lease_seconds = settings.lease_ttl_ms / 1000
         self._pending.packed_tokens = settings.accepts_token_runs
         self._pending.running_unchanged = settings.accepts_running_unchanged
-        self._pending.running_needed()  # a new registration holds no list of ours yet
+        self._pending.registered()  # no list of ours, no decision for us yet
         log.info(
             "registered",
             extra={

@@ -262,6 +262,9 @@ class WorkerReport:
     last_step_us: int = 0
     # Handoffs this worker received since its last report, done or failed.
     handoffs: tuple[HandoffResult, ...] = ()
+    # The iteration of the last decision the worker applied (0: none, or a client that
+    # does not say): which decode may still be in flight on a prefill-only worker.
+    applied_iteration: int = 0
 
 
 class HandoffDirection(enum.Enum):

@@ -270,6 +270,7 @@ def worker_report(
         cache_misses=tuple(msg.cache_misses),
         last_step_us=msg.last_step_us,
         handoffs=tuple(_handoff_result(h, i) for i, h in enumerate(msg.handoffs)),
+        applied_iteration=msg.applied_iteration,
     )
 
 

@@ -99,6 +99,12 @@ def test_a_report_without_handoffs_reads_as_before():
     assert convert.worker_report(pb.SelectBatchRequest(worker_id="w")).handoffs == ()
 
 
+def test_a_report_carries_the_decision_it_applied_and_an_old_client_none():
+    msg = pb.SelectBatchRequest(worker_id="w", applied_iteration=12)
+    assert convert.worker_report(msg).applied_iteration == 12
+    assert convert.worker_report(pb.SelectBatchRequest(worker_id="w")).applied_iteration == 0
+
+
 def test_a_decision_carries_both_ends_of_a_handoff():
     spec = SequenceSpec((1, 2, 3, 42), 7, "", SamplingParams(), ())
     send = HandoffInstruction(3, HandoffDirection.SEND, 77, "d0", 3, 1, 5000)

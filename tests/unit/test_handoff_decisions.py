@@ -602,3 +602,121 @@ def test_a_stale_done_and_the_new_done_in_one_report_do_not_evict_the_sequence()
     )
     assert restarted.get_sequence(seq_id).worker_id == "d0"
     assert seq_id not in both.evict and seq_id in both.decode
+
+
+def _in_turn(worker_report, applied_iteration, *tokens):
+    """`worker_report` from a worker that names the decision it applied and reports
+    `tokens` (TokenUpdates) by offset, so that sending it again adds none twice."""
+    return replace(worker_report, tokens=tokens, applied_iteration=applied_iteration)
+
+
+def test_a_report_sent_again_after_a_lost_answer_books_only_the_tokens_held():
+    # p0 reports once its step ended (no overlap) and names the decision it applied. An
+    # answer lost, it sends the same report again: no decode is in flight, so once d0 has
+    # room the SEND books exactly what p0 holds and d0 is told to fetch at once.
+    sched = fleet(roles=("p0", "d0"))
+    register(sched, "d0", role=WorkerRole.DECODE, transfer_bytes_per_second=1e9, max_batch_size=1)
+    sched.select_batch(report("d0"))
+    first, second = (submit(sched, prompt_len=LONG, max_new_tokens=50) for _ in range(2))
+    assert admit(sched, "p0") == (first, second)
+    prefilled_both = [TokenUpdate(first, (FIRST,), 0), TokenUpdate(second, (FIRST,), 0)]
+    decided = sched.select_batch(
+        _in_turn(report("p0", running=[first, second]), 0, *prefilled_both)
+    )
+    (send,) = decided.handoffs
+    assert decided.decode == (second,)  # no room for it on d0
+    ran = _in_turn(
+        report("p0", running=[first, second]), decided.iteration, TokenUpdate(second, (9,), 1)
+    )
+    assert sched.select_batch(ran).decode == (second,)  # this answer is lost
+    retried = sched.select_batch(ran)
+    assert retried.decode == (second,)
+    # d0 imports `first` and finishes it: it has room again.
+    sched.select_batch(report("d0"))
+    sched.select_batch(with_results(report("d0", running=[first]), result(first, send.transfer_id)))
+    sched.select_batch(report("d0", finished=[finished(first)], tokens={first: [7]}))
+    # p0 ran the decode of `retried`: it holds the prompt, FIRST, 9 and 10.
+    sent = sched.select_batch(
+        _in_turn(report("p0", running=[second]), retried.iteration, TokenUpdate(second, (10,), 2))
+    )
+    (send,) = sent.handoffs
+    assert (send.num_tokens, send.num_generated) == (LONG + 2, 3)
+    (receive,) = sched.select_batch(report("d0")).handoffs
+    assert receive.spec.prompt_token_ids[-3:] == (FIRST, 9, 10)
+
+
+@pytest.mark.parametrize("named", ["none", "one no longer kept"])
+def test_a_report_that_names_no_decision_kept_leaves_its_decode_out_one_round(named):
+    # An overlapping p0 reports while a decode of `seq_id` runs, but names no decision the
+    # scheduler keeps (0 after naming one, or one older than the latest three): whether a
+    # token is in flight is not known, so the sequence is neither sent nor decoded; the
+    # next report names that decision, carries the token, and the SEND books it all.
+    sched = fleet(roles=("p0", "d0"))
+    register(sched, "d0", role=WorkerRole.DECODE, transfer_bytes_per_second=1e9, max_batch_size=1)
+    sched.select_batch(report("d0", kv_free_pages=0))  # no room yet: p0 decodes it
+    seq_id = submit(sched, prompt_len=LONG, max_new_tokens=50)
+    assert admit(sched, "p0") == (seq_id,)
+    first = sched.select_batch(
+        _in_turn(report("p0", running=[seq_id]), 1, TokenUpdate(seq_id, (FIRST,), 0))
+    )
+    decisions = [first]
+    for offset in (1, 2, 3):
+        decisions.append(
+            sched.select_batch(
+                _in_turn(
+                    report("p0", running=[seq_id]),
+                    decisions[-1].iteration,
+                    TokenUpdate(seq_id, (offset,), offset),
+                )
+            )
+        )
+    assert all(d.decode == (seq_id,) and d.handoffs == () for d in decisions)
+    sched.select_batch(report("d0"))  # room now
+    stale = 0 if named == "none" else first.iteration
+    unknown = sched.select_batch(_in_turn(report("p0", running=[seq_id]), stale))
+    assert unknown.decode == () and unknown.handoffs == ()
+    # The decode in flight (token 4) ended; p0 applied `unknown` and reports it.
+    sent = sched.select_batch(
+        _in_turn(report("p0", running=[seq_id]), unknown.iteration, TokenUpdate(seq_id, (4,), 4))
+    )
+    (send,) = sent.handoffs
+    assert (send.num_tokens, send.num_generated) == (LONG + 4, 5)
+    (receive,) = sched.select_batch(report("d0")).handoffs
+    assert receive.spec.prompt_token_ids[-5:] == (FIRST, 1, 2, 3, 4)
+
+
+def test_after_a_restart_an_iteration_named_from_before_is_never_trusted():
+    # The restarted scheduler numbers p0's decisions from 1 again. p0 (overlapping) named
+    # the old scheduler's decision that decodes `seq_id`; its answers lost, it names that
+    # number until the new scheduler has given a decision the same number: still not the
+    # decision it applied, so the sequence waits a round and the SEND books what p0 holds.
+    clock, store = FakeClock(), MemoryStore()
+    sched = fleet(store=store, clock=clock, roles=("p0", "d0"))
+    sched.select_batch(report("d0", kv_free_pages=0))  # no room: p0 decodes it
+    seq_id = submit(sched, prompt_len=LONG, max_new_tokens=50)
+    assert admit(sched, "p0") == (seq_id,)
+    decoding = sched.select_batch(
+        _in_turn(report("p0", running=[seq_id]), 1, TokenUpdate(seq_id, (FIRST,), 0))
+    )
+    assert decoding.decode == (seq_id,) and decoding.iteration == 3
+    restarted = Scheduler(
+        make_config(chunk_size=2048, lease_ttl_ms=LEASE_MS),
+        clock=clock,
+        store=store,
+        wall_clock=lambda: 2e9,
+    )
+    restarted.select_batch(report("d0"))  # room now
+    # p0's decode of token 1 runs; the report goes again while answers are lost.
+    before = _in_turn(report("p0", running=[seq_id]), decoding.iteration)
+    lost = [restarted.select_batch(before) for _ in range(decoding.iteration)]
+    assert [d.iteration for d in lost] == [1, 2, 3]
+    assert all(d.decode == () and d.handoffs == () for d in lost)
+    applied = restarted.select_batch(before)  # this answer arrives
+    assert applied.decode == () and applied.handoffs == ()
+    sent = restarted.select_batch(
+        _in_turn(report("p0", running=[seq_id]), applied.iteration, TokenUpdate(seq_id, (1,), 1))
+    )
+    (send,) = sent.handoffs
+    assert (send.num_tokens, send.num_generated) == (LONG + 1, 2)
+    (receive,) = restarted.select_batch(report("d0")).handoffs
+    assert receive.spec.prompt_token_ids[-2:] == (FIRST, 1)

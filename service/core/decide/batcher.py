@@ -111,7 +111,9 @@ class Batcher:
         free_bytes = view.decision_bytes - sum(
             self._sequences.get(c.seq_id).spec_wire_bytes() for c in decision.prefill if c.spec
         )
-        return self._handoffs.decide(worker, decision, free_bytes, view.cached_tokens)
+        return self._handoffs.decide(
+            worker, decision, free_bytes, view.cached_tokens, report.applied_iteration
+        )
 
     def shape(self, decision: Decision) -> StepShape:
         """What the step of the latest `decision` (made with a step model) holds."""

@@ -21,6 +21,7 @@ admission), otherwise the sequence is back in the queue already.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from service.core.decide.handoff import (
     HandoffInput,
@@ -61,9 +62,29 @@ _FAILURE_END = {
     HandoffStatus.TIMED_OUT: HandoffEnd.TIMEOUT,
     HandoffStatus.UNKNOWN_SEQUENCE: HandoffEnd.RECEIVER_REFUSED,
 }
+# How many of a prefill-only worker's latest decisions keep their decode lists: the
+# report names the one it applied, which is older than the latest only after lost answers.
+_DECISIONS_KEPT = 3
 # Prompts shorter than this (tokens to compute) stay with a decode worker: their prefill
 # delays its decodes little (HandoffSettings.min_uncached_tokens' default).
 DEFAULT_MIN_UNCACHED_TOKENS = 1024
+
+
+@dataclass
+class _Decodes:
+    """A prefill-only worker's latest decode lists and what its reports named of the
+    decision they applied (`WorkerReport.applied_iteration`)."""
+
+    # The latest _DECISIONS_KEPT decisions by iteration: by seq_id, the tokens each
+    # sequence of the decode list has once that step's token is reported (None: not known,
+    # a token may have been in flight when it was decided). With overlap the next report
+    # comes while the step runs, one token short of what the worker will hold.
+    by_iteration: dict[int, dict[int, int | None]] = field(default_factory=dict)
+    # Whether a report named a decision: one that names none tells nothing of it since.
+    names_applied: bool = False
+    # What it named before this scheduler decided anything for it (a decision of the
+    # scheduler before a restart, whose numbers this one reuses): never trusted.
+    foreign: int = 0
 
 
 class Disaggregation:
@@ -102,10 +123,8 @@ class Disaggregation:
         # Per sender, sequences whose handoff failed while it held them, by seq_id with
         # their admission_order: decoded there to the end of that assignment.
         self._kept: dict[str, dict[int, int]] = {}
-        # Per prefill-only worker, by seq_id, the tokens each sequence of its last decode
-        # list has once that step's token is reported: with overlap the next report comes
-        # while the step runs, one token short of what the worker will hold.
-        self._decoded: dict[str, dict[int, int]] = {}
+        # Per prefill-only worker, its latest decode lists and what its reports named.
+        self._decoded: dict[str, _Decodes] = {}
         # Handoffs whose SEND booked a token still in flight on the sender: their RECEIVE
         # (its spec carries every token) waits until the sender reports that token.
         self._awaiting_token: set[int] = set()
@@ -246,15 +265,17 @@ class Disaggregation:
         decision: Decision,
         free_bytes: int,
         cached_tokens: Callable[[Sequence], int],
+        applied_iteration: int = 0,
     ) -> Decision:
         """`decision` with this worker's handoffs: a prefill-only worker's decodes
         become SENDs where a receiver has room, and those it sends are decoded no more;
         the RECEIVEs booked to it are added while they fit in `free_bytes`
-        (`cached_tokens`: its prefix cache's resume points, for each sequence)."""
+        (`cached_tokens`: its prefix cache's resume points, for each sequence;
+        `applied_iteration`: the report's, the last decision the worker applied)."""
         handoffs: list[HandoffInstruction] = []
         decode = decision.decode
         if worker.registration.role is WorkerRole.PREFILL:
-            decode = self._send(worker, decision, handoffs)
+            decode = self._send(worker, decision, handoffs, applied_iteration)
         if worker.worker_id in self._receives:
             self._receive(worker, handoffs, free_bytes, cached_tokens)
         if not handoffs and decode is decision.decode:
@@ -269,14 +290,20 @@ class Disaggregation:
         )
 
     def _send(
-        self, worker: WorkerRecord, decision: Decision, handoffs: list[HandoffInstruction]
+        self,
+        worker: WorkerRecord,
+        decision: Decision,
+        handoffs: list[HandoffInstruction],
+        applied_iteration: int,
     ) -> tuple[int, ...]:
         """Book a handoff for each of `worker`'s decodes that has a receiver; returns the
         decodes left to it. A SEND books the tokens the worker holds when it applies it:
         with a token still in flight (its step running computes the sequence's first
-        token, or decodes it), that token too. The SENDs still transferring are repeated
-        (same transfer_id): an answer lost with its SEND is made good by the next one,
-        and a worker that already offers the transfer ignores the repeat."""
+        token, or decodes it), that token too. A sequence whose token in flight is not
+        known (the decision the worker applied is not) is left out one round, neither
+        sent nor decoded, unless it stays here anyway. The SENDs still transferring are
+        repeated (same transfer_id): an answer lost with its SEND is made good by the
+        next one, and a worker that already offers the transfer ignores the repeat."""
         now = self._clock()
         for handoff in self._book.sent_by(worker.worker_id):
             seq = self._held(handoff, worker)
@@ -290,7 +317,7 @@ class Disaggregation:
                 if handoff.seq_id in self._awaiting_token and _has_every_token(seq, handoff):
                     self._awaiting_token.discard(handoff.seq_id)
                     self._observer.on_receive_ready(handoff.seq_id, handoff.receiver)
-        decoded = self._decoded.get(worker.worker_id, {})
+        decoded = self._applied_decodes(worker.worker_id, applied_iteration)
         kept = self._kept.get(worker.worker_id)
         if kept:
             for seq_id in [s for s in kept if s not in worker.assigned]:
@@ -298,17 +325,16 @@ class Disaggregation:
         address = worker.registration.handoff_address
         rate = worker.registration.transfer_bytes_per_second
         loads: list[WorkerLoad] | None = None
-        decode: dict[int, int] = {}  # seq_id -> its tokens once this step's is reported
+        # seq_id -> its tokens once this step's is reported (None: not known)
+        decode: dict[int, int | None] = {}
         for seq_id in decision.decode:
             if self._book.get(seq_id) is not None:
                 continue  # being sent: held for the receiver, not decoded
             seq = worker.assigned[seq_id]
-            # A token the worker's step in flight computes (overlap): the sequence's last
-            # prompt chunk runs, or the decode of the last decision.
-            in_flight = int(
-                len(seq.output_token_ids) <= seq.num_generated_at_admission
-                or seq.num_tokens() < decoded.get(seq_id, 0)
-            )
+            known = _in_flight(seq, decoded)
+            # Where not known, counted in: a sequence that may be at its last token or
+            # not fit a receiver is not sent.
+            in_flight = 1 if known is None else known
             if (
                 not address
                 or rate <= 0
@@ -316,7 +342,7 @@ class Disaggregation:
                 # nothing left to decode after the tokens computed or in flight
                 or len(seq.output_token_ids) + in_flight >= seq.params.max_new_tokens
             ):
-                decode[seq_id] = seq.num_tokens() + in_flight + 1
+                decode[seq_id] = None if known is None else seq.num_tokens() + in_flight + 1
                 continue
             if loads is None:
                 loads = self._receivers(worker)
@@ -325,14 +351,51 @@ class Disaggregation:
                 (w for w in loads if self._ledger.get(w.worker_id).can_run(seq.adapter_id)),
                 num_tokens,
             )
-            if receiver is None:
-                decode[seq_id] = num_tokens + 1  # no room anywhere: it decodes here this step
+            if receiver is None:  # no room anywhere: it decodes here this step
+                decode[seq_id] = None if known is None else num_tokens + 1
+                continue
+            if known is None:
+                # A SEND could book a token more or fewer than the worker holds. Left out
+                # of this decision, it is sent at the report that names the decision.
                 continue
             handoffs.append(self._start(worker, seq, receiver.worker_id, in_flight))
             loads = [_one_more(w, num_tokens) if w is receiver else w for w in loads]
             loads = [w for w in loads if w.num_decoding < self._batch_limit(w.worker_id)]
-        self._decoded[worker.worker_id] = decode
+        self._remember(worker.worker_id, decision.iteration, decode)
         return tuple(decode)
+
+    def _applied_decodes(
+        self, worker_id: str, applied_iteration: int
+    ) -> dict[int, int | None] | None:
+        """The decode list of the decision `worker_id` applied, as `_decoded` keeps it;
+        None when not known: the report names a decision no longer kept, one numbered by
+        a scheduler before this one (a restart), or none from a worker that named one
+        before. A worker that never names one applied the latest decision (if its answer
+        was lost, it did not: the contract's limit for such clients)."""
+        book = self._decoded.setdefault(worker_id, _Decodes())
+        decisions = book.by_iteration
+        if applied_iteration:
+            book.names_applied = True
+            if not decisions:  # this scheduler decided nothing for it yet
+                book.foreign = applied_iteration
+                return None
+            if applied_iteration == book.foreign:
+                return None  # the same number this scheduler gave may name another decision
+            book.foreign = 0  # it got a decision of this scheduler's since
+            return decisions.get(applied_iteration)
+        if book.names_applied:
+            return None
+        if not decisions:
+            return {}
+        return decisions[next(reversed(decisions))]
+
+    def _remember(self, worker_id: str, iteration: int, decode: dict[int, int | None]) -> None:
+        """Keep the decode list of `worker_id`'s decision `iteration`, and the latest few
+        before it."""
+        decisions = self._decoded[worker_id].by_iteration
+        decisions[iteration] = decode
+        while len(decisions) > _DECISIONS_KEPT:
+            del decisions[next(iter(decisions))]
 
     def _receivers(self, sender: WorkerRecord) -> list[WorkerLoad]:
         """The workers a sequence of `sender` may be handed to, as the rule reads them."""
@@ -465,6 +528,21 @@ class Disaggregation:
         self._observer.on_handoff(
             outcome.seq_id, outcome.sender, outcome.receiver, outcome.failure, num_bytes, seconds
         )
+
+
+def _in_flight(seq: Sequence, decoded: dict[int, int | None] | None) -> int | None:
+    """Whether the worker's step in flight computes a token of `seq` (1) or not (0), by
+    `decoded`, the decode list of the decision it applied (None: not known): its last
+    prompt chunk runs (the first token not reported), or that decision decoded it and the
+    report lacks that token. None when it cannot be told."""
+    if len(seq.output_token_ids) <= seq.num_generated_at_admission:
+        return 1
+    if decoded is None:
+        return None
+    expected = decoded.get(seq.seq_id, 0)
+    if expected is None:
+        return None
+    return int(seq.num_tokens() < expected)
 
 
 def _has_every_token(seq: Sequence, handoff: Handoff) -> bool:

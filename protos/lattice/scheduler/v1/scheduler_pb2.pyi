@@ -255,7 +255,7 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, chunk_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefill_reserve_pages: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., accepts_token_runs: _Optional[bool] = ..., accepts_running_unchanged: _Optional[bool] = ...) -> None: ...
 
 class SelectBatchRequest(_message.Message):
-    __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens", "incarnation", "idle_wait_ms", "cache", "kv_cached_pages", "cache_misses", "last_step_us", "token_seq_ids", "token_ids", "token_counts", "token_offsets", "running_unchanged_since", "accepts_decode_all_running", "handoffs")
+    __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens", "incarnation", "idle_wait_ms", "cache", "kv_cached_pages", "cache_misses", "last_step_us", "token_seq_ids", "token_ids", "token_counts", "token_offsets", "running_unchanged_since", "accepts_decode_all_running", "handoffs", "applied_iteration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,7 @@ class SelectBatchRequest(_message.Message):
     RUNNING_UNCHANGED_SINCE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_DECODE_ALL_RUNNING_FIELD_NUMBER: _ClassVar[int]
     HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_ITERATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     waiting: _containers.RepeatedScalarFieldContainer[int]
     running: _containers.RepeatedScalarFieldContainer[int]
@@ -300,7 +301,8 @@ class SelectBatchRequest(_message.Message):
     running_unchanged_since: int
     accepts_decode_all_running: bool
     handoffs: _containers.RepeatedCompositeFieldContainer[HandoffResult]
-    def __init__(self, worker_id: _Optional[str] = ..., waiting: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[int]] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., preempted: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., incarnation: _Optional[int] = ..., idle_wait_ms: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., kv_cached_pages: _Optional[int] = ..., cache_misses: _Optional[_Iterable[int]] = ..., last_step_us: _Optional[int] = ..., token_seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., running_unchanged_since: _Optional[int] = ..., accepts_decode_all_running: _Optional[bool] = ..., handoffs: _Optional[_Iterable[_Union[HandoffResult, _Mapping]]] = ...) -> None: ...
+    applied_iteration: int
+    def __init__(self, worker_id: _Optional[str] = ..., waiting: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[int]] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., preempted: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., incarnation: _Optional[int] = ..., idle_wait_ms: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., kv_cached_pages: _Optional[int] = ..., cache_misses: _Optional[_Iterable[int]] = ..., last_step_us: _Optional[int] = ..., token_seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., running_unchanged_since: _Optional[int] = ..., accepts_decode_all_running: _Optional[bool] = ..., handoffs: _Optional[_Iterable[_Union[HandoffResult, _Mapping]]] = ..., applied_iteration: _Optional[int] = ...) -> None: ...
 
 class CacheReport(_message.Message):
     __slots__ = ("added", "removed", "reset")
