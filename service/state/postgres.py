@@ -1279,29 +1279,13 @@ class PostgresState:
             if version == 2:
                 # A version-2 replica never moves a fence: one still running could take
                 # sequences from a version-3 replica whose fast-path commits then pass.
-                live = conn.execute(
-                    "SELECT count(*) FROM replicas WHERE lease_until > now()"
-                ).fetchone()[0]
-                if live:
-                    raise ConfigError(
-                        f"the database holds schema version 2 and {live} replica(s) with a "
-                        "live lease: stop every version-2 replica (and wait for its lease to "
-                        f"run out) before a version-{SCHEMA_VERSION} replica starts"
-                    )
+                _refuse_while_live(conn, 2)
                 conn.execute(_FROM_VERSION_2)
                 version = 3
             if version == 3:
                 # A version-3 replica writes token log rows no version-4 replica finds, and
                 # no commit numbers: none may run while the log is folded away.
-                live = conn.execute(
-                    "SELECT count(*) FROM replicas WHERE lease_until > now()"
-                ).fetchone()[0]
-                if live:
-                    raise ConfigError(
-                        f"the database holds schema version 3 and {live} replica(s) with a "
-                        "live lease: stop every version-3 replica (and wait for its lease to "
-                        f"run out) before a version-{SCHEMA_VERSION} replica starts"
-                    )
+                _refuse_while_live(conn, 3)
                 conn.execute(_FROM_VERSION_3)
                 _fold_all_tokens(conn)
                 conn.execute(_FROM_VERSION_3_AFTER_FOLDING)
@@ -1310,15 +1294,7 @@ class PostgresState:
                 # A version-4 replica rewrites a sequence's count every 16 tokens and reads
                 # past it; with version-5 replicas counting in replica_counts, its reads of
                 # their sequences would cover 16 times the log rows: one version at a time.
-                live = conn.execute(
-                    "SELECT count(*) FROM replicas WHERE lease_until > now()"
-                ).fetchone()[0]
-                if live:
-                    raise ConfigError(
-                        f"the database holds schema version 4 and {live} replica(s) with a "
-                        "live lease: stop every version-4 replica (and wait for its lease to "
-                        f"run out) before a version-{SCHEMA_VERSION} replica starts"
-                    )
+                _refuse_while_live(conn, 4)
                 conn.execute(_FROM_VERSION_4)
                 version = SCHEMA_VERSION
             elif version not in (None, SCHEMA_VERSION):
@@ -1814,3 +1790,15 @@ def _redacted(url: str) -> str:
     if at and ":" in userinfo:
         userinfo = userinfo.split(":", 1)[0] + ":***"
     return f"{scheme}{sep}{userinfo}{at}{host}"
+
+
+def _refuse_while_live(conn, version: int) -> None:
+    """A migration from `version` runs only when no replica holds a live lease: a replica
+    of that version still running would read or write the old rows."""
+    live = conn.execute("SELECT count(*) FROM replicas WHERE lease_until > now()").fetchone()[0]
+    if live:
+        raise ConfigError(
+            f"the database holds schema version {version} and {live} replica(s) with a "
+            f"live lease: stop every version-{version} replica (and wait for its lease to "
+            f"run out) before a version-{SCHEMA_VERSION} replica starts"
+        )
