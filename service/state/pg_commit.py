@@ -15,7 +15,7 @@ longer than it takes `expected_saves()` saves to be collected (the replica passe
 number of workers: each has at most one SelectBatch in flight, so once every worker has
 saved, nobody is left to wait for). A commit that starts at once gathers only the saves
 made while the one before it ran, and the cheaper a commit, the fewer: at 16 workers on
-one replica 0.3 commits a decision without a wait, 0.1 with one (docs/replicas.md).
+one replica 0.2-0.3 commits a decision without a wait, about 0.1 with one (docs/replicas.md).
 
 What this keeps (docs/replicas.md, "What is guaranteed"):
 - Nothing is acknowledged before its commit: every call that changed the core's state
