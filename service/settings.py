@@ -48,7 +48,7 @@ class ServeSettings:
     state: str = ""
     prefetch: int = 8
     replica_lease_ms: int = 5000
-    replica_commit_wait_ms: float = 0.0
+    replica_commit_wait_ms: float = 5.0
     replica_affinity_ms: int = 1000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     step_table: str = ""
@@ -156,9 +156,9 @@ _HELP = {
     "replica_affinity_ms": "replicas: a follow-up whose conversation finished last on "
     "another replica (its workers cache the prefix) is left to that replica this long "
     "after its submission before any replica claims it (0: claims ignore caches)",
-    "replica_commit_wait_ms": "replicas: how long a group commit waits for more saves to "
-    "join before it starts (0: at once; saves made while a commit is in flight join the "
-    "next one anyway)",
+    "replica_commit_wait_ms": "replicas: how long a group commit waits at most for more "
+    "saves to join before it starts; it starts sooner once every worker of the replica has "
+    "saved (0: at once; saves made while a commit is in flight join the next one anyway)",
     "max_message_bytes": "largest incoming gRPC message in bytes; a larger one gets "
     "RESOURCE_EXHAUSTED",
     "step_table": "with a latency target: a `lattice-worker profile` step table (JSON) that "

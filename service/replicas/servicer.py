@@ -97,7 +97,14 @@ class ReplicaServicer(SchedulerServicer):
         callers: Callers | None = None,
         commit_wait_seconds: float = 0.0,
     ) -> None:
-        self._commits = ReplicaCommits(state, self._on_disowned, commit_wait_seconds)
+        # A commit waits for more saves until each worker of this replica has saved (at
+        # most one SelectBatch each in flight), at most commit_wait_seconds.
+        self._commits = ReplicaCommits(
+            state,
+            self._on_disowned,
+            commit_wait_seconds,
+            expected_saves=lambda: max(1, len(self._core.worker_ids())),
+        )
         # Every call that changed state waits for its commit (durable_worker_progress):
         # on a replica the commit itself is deferred, not only its WAL flush.
         super().__init__(

@@ -4,11 +4,18 @@ database in one transaction, and each call answers after the commit that holds i
 The core saves on the event loop (PostgresState.save, after `defer_saves`, only adds the
 change to the batch collecting: no round trip on the loop). A call that must not answer
 before its change is committed awaits `committed()`: if no commit is running, one starts
-on the commit thread after `max_wait_seconds` (0: at once) and takes every save collected
-until then; if one is running, the caller waits for it and then for the next, which
-starts as soon as it ends and takes every save made meanwhile. So while one commit is in
-flight, every worker's SelectBatch (and Cancel, RegisterWorker, ...) on the replica saves
-and waits, and the next single commit answers all of them.
+on the commit thread and takes every save collected until then; if one is running, the
+caller waits for it and then for the next, which starts as soon as it ends and takes every
+save made meanwhile. So while one commit is in flight, every worker's SelectBatch (and
+Cancel, RegisterWorker, ...) on the replica saves and waits, and the next single commit
+answers all of them.
+
+Before it starts, a commit waits up to `max_wait_seconds` for more saves to join, and no
+longer than it takes `expected_saves()` saves to be collected (the replica passes its
+number of workers: each has at most one SelectBatch in flight, so once every worker has
+saved, nobody is left to wait for). A commit that starts at once gathers only the saves
+made while the one before it ran, and the cheaper a commit, the fewer: at 16 workers on
+one replica 0.2-0.3 commits a decision without a wait, about 0.1 with one (docs/replicas.md).
 
 What this keeps (docs/replicas.md, "What is guaranteed"):
 - Nothing is acknowledged before its commit: every call that changed the core's state
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,12 +53,18 @@ class ReplicaCommits:
         store: PostgresState,
         on_disowned: Callable[[frozenset[int]], None],
         max_wait_seconds: float = 0.0,
+        expected_saves: Callable[[], float] = lambda: math.inf,
     ) -> None:
         """`on_disowned(seq_ids)`, on the loop: a commit left these out, another replica
-        owns them now. The store counts commits and the saves they held (figures)."""
+        owns them now. A commit waits up to `max_wait_seconds` for more saves, and not
+        once `expected_saves()` are collected. The store counts commits and the saves
+        they held (figures)."""
         self._store = store
         self._on_disowned = on_disowned
         self._max_wait_seconds = max_wait_seconds
+        self._expected_saves = expected_saves
+        # Set while a commit waits for saves: wakes it once enough are collected.
+        self._gathered: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="replica-commit")
         self._num_committed = 0  # saves known committed
         self._flush: asyncio.Future | None = None  # the commit running now
@@ -60,6 +74,8 @@ class ReplicaCommits:
         """Return once every save made so far is committed; StoreError if the commit that
         was to hold them failed (they stay collected for the next one)."""
         wanted = self._store.num_saves
+        if self._gathered is not None and self._enough_collected():
+            self._gathered.set()
         while self._num_committed < wanted:
             if self._flush is None:
                 self._flush = asyncio.ensure_future(self._commit())
@@ -69,8 +85,8 @@ class ReplicaCommits:
     async def _commit(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            if self._max_wait_seconds > 0:
-                await asyncio.sleep(self._max_wait_seconds)  # let more saves join
+            if self._max_wait_seconds > 0 and not self._enough_collected():
+                await self._gather()
             covered = self._store.num_saves  # collected before the commit takes them
             disowned = await loop.run_in_executor(self._executor, self._store.commit_pending)
             self._num_committed = max(self._num_committed, covered)
@@ -82,6 +98,20 @@ class ReplicaCommits:
                 self._on_disowned(disowned)
         finally:
             self._flush = None
+
+    def _enough_collected(self) -> bool:
+        return self._store.num_saves - self._num_committed >= self._expected_saves()
+
+    async def _gather(self) -> None:
+        """Let more saves join: until `expected_saves()` are collected (each saving call
+        checks, in `committed`), at most `max_wait_seconds`."""
+        self._gathered = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._gathered.wait(), self._max_wait_seconds)
+        except TimeoutError:
+            pass
+        finally:
+            self._gathered = None
 
     async def run(self) -> None:
         """Until cancelled: commit saves that nobody waits for (a sweep's, an upkeep's)."""

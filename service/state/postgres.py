@@ -249,7 +249,10 @@ END $$;
 -- A commit's number recorded on its replica's row (locked until the commit: no take-over
 -- commits meanwhile). LT002 when it is there already: an earlier attempt committed, roll
 -- back. With p_fence, also the fence check (LT001 when it moved or the row is gone);
--- without, a replica row that is gone records nothing.
+-- without, a replica row that is gone records nothing. A row deleted when its lease ran
+-- out leaves its number in lattice_meta ('last_commit:<replica_id>', reclaim_expired),
+-- checked while the row is gone and carried into the row written again (renew_lease), so
+-- a retry after the lease ran out still finds an earlier attempt that committed.
 CREATE OR REPLACE FUNCTION lattice_commit(p_replica bigint, p_fence bigint, p_commit bigint)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
@@ -262,7 +265,10 @@ BEGIN
         RETURN;
     END IF;
     SELECT last_commit INTO v_last FROM replicas WHERE replica_id = p_replica;
-    IF FOUND AND v_last >= p_commit THEN
+    IF NOT FOUND THEN  -- its lease ran out: the number its row held when it was deleted
+        SELECT value INTO v_last FROM lattice_meta WHERE key = 'last_commit:' || p_replica;
+    END IF;
+    IF v_last >= p_commit THEN
         RAISE EXCEPTION 'commit % of replica % is recorded already', p_commit, p_replica
             USING ERRCODE = 'LT002';
     END IF;
@@ -1146,10 +1152,16 @@ class PostgresState:
         sequences moved."""
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
+            # A dead replica's last commit number outlives its row: a commit it retries
+            # once it is back must still find an earlier attempt that committed.
             dead = [
                 row[0]
                 for row in conn.execute(
-                    "DELETE FROM replicas WHERE lease_until < now() RETURNING replica_id"
+                    "WITH d AS (DELETE FROM replicas WHERE lease_until < now() "
+                    "RETURNING replica_id, last_commit), k AS (INSERT INTO lattice_meta "
+                    "(key, value) SELECT 'last_commit:' || replica_id, last_commit FROM d "
+                    "WHERE last_commit > 0 ON CONFLICT (key) DO UPDATE SET value = "
+                    "greatest(lattice_meta.value, excluded.value)) SELECT replica_id FROM d"
                 )
             ]
             # Homes not renewed for an hour: those caches have long turned over.
@@ -1320,11 +1332,15 @@ class PostgresState:
         return replica_id
 
     def _insert_lease(self, conn, replica_id: int) -> None:
+        """Write this replica's row (again, after its lease ran out: a new fence, and the
+        commit number its deleted row held, taken back from lattice_meta)."""
         conn.execute(
-            "INSERT INTO replicas (replica_id, name, lease_until) VALUES "
-            "(%s, %s, now() + make_interval(secs => %s)) ON CONFLICT (replica_id) "
+            "WITH k AS (DELETE FROM lattice_meta WHERE key = 'last_commit:' || %(id)s "
+            "RETURNING value) INSERT INTO replicas (replica_id, name, lease_until, "
+            "last_commit) VALUES (%(id)s, %(name)s, now() + make_interval(secs => %(ttl)s), "
+            "coalesce((SELECT value FROM k), 0)) ON CONFLICT (replica_id) "
             "DO UPDATE SET lease_until = excluded.lease_until",
-            (replica_id, self.name, self.lease_ttl_seconds),
+            {"id": replica_id, "name": self.name, "ttl": self.lease_ttl_seconds},
         )
 
     def _outputs(self, conn, seq_ids: list[int]) -> dict[int, list[int]]:

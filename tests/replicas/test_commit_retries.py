@@ -155,6 +155,42 @@ def test_a_retried_commit_that_had_committed_adds_tenant_service_and_tokens_once
     assert a.state.num_saves_committed == a.state.num_saves
 
 
+@pytest.mark.parametrize("renewed", [False, True])
+@pytest.mark.parametrize("lost", ["reply", "request"])
+def test_a_commit_retried_after_its_lease_ran_out_adds_tenant_service_once(
+    replicas, database_url, faulty, renewed, lost
+):
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=8)
+    a.state.claim(1)
+    a.state.defer_saves()
+    a.state.save(StateChanges(progress=(_progress(seq_id),)))
+    a.state.commit_pending()  # the fence is known: the next commit takes the fast path
+    faults = faulty(a.state)
+    a.state.save(_decoding(seq_id, (7, 8)))
+    a.state.save(StateChanges(tenant_service=(("t", 5.0),)))
+    if lost == "reply":  # committed, but this replica cannot know it
+        faults["lose_reply"] = True
+    else:  # nothing reached the server
+        faults["refuse_pipeline"] = 1
+    with pytest.raises(StoreError):
+        a.state.commit_pending()
+    with psycopg.connect(database_url, autocommit=True) as conn:  # a's lease runs out
+        conn.execute(
+            "UPDATE replicas SET lease_until = now() - interval '1 second' WHERE replica_id = %s",
+            (a.state.replica_id,),
+        )
+    b.state.reclaim_expired()  # deletes a's row, returns its sequence
+    if renewed:  # a writes its row again before the retry (or retries while it is gone)
+        assert not a.state.renew_lease()
+    a.state.save(StateChanges(tenant_service=(("t", 6.0),)))
+    a.state.commit_pending()  # the retry (applies what had not committed), the later save
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT served FROM tenant_service").fetchall() == [(6.0,)]
+    # The sequence went back to the shared queue with the tokens committed before.
+    assert b.state.read_output(seq_id, 0).token_ids == ((7, 8) if lost == "reply" else ())
+
+
 def test_sequences_a_retry_left_out_are_reported_even_when_the_next_commit_fails(
     replicas, database_url, faulty
 ):

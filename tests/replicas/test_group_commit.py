@@ -262,3 +262,113 @@ def test_sequences_handed_back_are_claimed_in_line_before_their_notification(rep
         return [c.seq_id for c in answer.prefill if c.HasField("spec")]
 
     assert asyncio.run(scenario()) == seq_ids[:2]
+
+
+class _CountingStore:
+    """Stands in for PostgresState under ReplicaCommits: saves counted, each commit's
+    number of saves recorded."""
+
+    def __init__(self) -> None:
+        self.num_saves = 0
+        self.commits: list[int] = []
+        self._committed = 0
+
+    def defer_saves(self) -> None:
+        pass
+
+    def save(self) -> None:
+        self.num_saves += 1
+
+    def commit_pending(self) -> frozenset[int]:
+        self.commits.append(self.num_saves - self._committed)
+        self._committed = self.num_saves
+        return frozenset()
+
+
+async def _saves_of_calls(commits: ReplicaCommits, store: _CountingStore, calls: int) -> None:
+    """`calls` calls, each saving then waiting for its commit, one after another on the
+    loop (as SelectBatch handlers run): the first save's commit starts gathering."""
+
+    async def call() -> None:
+        store.save()
+        await commits.committed()
+
+    waiting = []
+    for _ in range(calls):
+        waiting.append(asyncio.ensure_future(call()))
+        await asyncio.sleep(0)  # the call runs up to its wait
+    # A safety limit only: a commit that waited for its whole max_wait_seconds (an hour)
+    # would hold the test this long.
+    await asyncio.wait_for(asyncio.gather(*waiting), 60)
+
+
+def test_a_waiting_commit_starts_once_every_worker_has_saved_not_at_its_limit():
+    store = _CountingStore()
+
+    async def scenario() -> None:
+        commits = ReplicaCommits(
+            store, on_disowned=lambda ids: None, max_wait_seconds=3600, expected_saves=lambda: 3
+        )
+        await _saves_of_calls(commits, store, 3)
+        await _saves_of_calls(commits, store, 3)
+        await commits.close()
+
+    asyncio.run(scenario())
+    assert store.commits == [3, 3]  # one commit for each round of the three workers
+
+
+def test_a_replica_with_one_worker_commits_its_save_without_waiting():
+    store = _CountingStore()
+
+    async def scenario() -> None:
+        commits = ReplicaCommits(
+            store, on_disowned=lambda ids: None, max_wait_seconds=3600, expected_saves=lambda: 1
+        )
+        for _ in range(3):
+            await _saves_of_calls(commits, store, 1)
+        await commits.close()
+
+    asyncio.run(scenario())
+    assert store.commits == [1, 1, 1]
+
+
+def test_a_waiting_commit_that_too_few_saves_reach_starts_at_its_limit():
+    store = _CountingStore()
+
+    async def scenario() -> None:
+        commits = ReplicaCommits(
+            store, on_disowned=lambda ids: None, max_wait_seconds=0.01, expected_saves=lambda: 4
+        )
+        await _saves_of_calls(commits, store, 2)
+        await commits.close()
+
+    asyncio.run(scenario())
+    assert store.commits == [2]
+
+
+def test_a_replicas_commit_waits_for_the_saves_of_its_workers_and_no_longer(replicas):
+    a, b = replicas("a"), replicas("b")
+    ids = [b.submit(max_new_tokens=8) for _ in range(2)]
+    register(a.core, "w1", max_batch_size=1)
+    register(a.core, "w2", max_batch_size=1)
+    a.claim()
+
+    async def scenario() -> int:
+        servicer = replica_servicer.ReplicaServicer(
+            a.core, Wakeups(), a.state, commit_wait_seconds=3600
+        )
+        commits = servicer._commits
+        a.core.select_batch(report("w1"))
+        a.core.select_batch(report("w2"))
+        await asyncio.wait_for(commits.committed(), 60)  # safety limit, not a timing
+        before = a.state.num_commits
+        a.core.select_batch(report("w1", running=(ids[0],), tokens={ids[0]: (4,)}))
+        first = asyncio.ensure_future(commits.committed())
+        await asyncio.sleep(0)  # w1's call waits: its commit gathers until w2 saves too
+        a.core.select_batch(report("w2", running=(ids[1],), tokens={ids[1]: (5,)}))
+        await asyncio.wait_for(asyncio.gather(first, commits.committed()), 60)
+        await commits.close()
+        return a.state.num_commits - before
+
+    assert asyncio.run(scenario()) == 1
+    assert [b.state.read_output(i, 0).token_ids for i in ids] == [(4,), (5,)]
