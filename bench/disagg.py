@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation on the real CPU stack (issue 31's target: "2 workers,
 long prompts mixed with decodes at a fixed load: TPOT p99 with 1P1D vs 2 co-located").
 
-A `lattice-scheduler serve` process and two `lattice-worker --model tiny` processes (the
-reference engine, seeded random Qwen3.5 weights, CPU): once as two co-located workers
+A `lattice-scheduler serve` process and two `lattice-worker --model small|tiny` processes
+(the reference engine, seeded random Qwen3.5 weights, CPU): once as two co-located workers
 (`--role both`), once as one prefill and one decode worker (`--role prefill` / `decode`,
 handoff channels on loopback). The same arrival trace against each: Poisson arrivals, a
 mix of long prompts (--long-tokens, above the scheduler's 1,024-token handoff threshold)
@@ -10,15 +10,23 @@ and short ones, every request --max-new-tokens output tokens (ignore_eos), so de
 overlap the long prefills. Prints side by side: TTFT p50/p99, TPOT p50/p99 (per request,
 (end - first token) / (tokens - 1)), output tokens per second, prompt tokens computed per
 worker (the scheduler's lattice_scheduler_worker_prefill_tokens_total) and handoffs by
-how they ended (lattice_scheduler_handoffs_total), with the load average. Then two
-tables: the token gaps at the client per setup and kind of prompt (long: past 1,024
-tokens, handed off in 1P1D; short), the first-to-second gap apart from the gaps after it;
+how they ended (lattice_scheduler_handoffs_total), each worker's CPU time over the trace's
+wall time (its utilisation), with the load average. Then two tables: the token gaps at
+the client per setup and kind of prompt (long: past 1,024 tokens, handed off in 1P1D;
+short), the first-to-second gap apart from the gaps after it;
 and, for the handed-off requests, the handoff's timeline from the workers' log lines
 (worker_client/handoffs.py): each step's time after the request's first token reached the
 client, p50 / p99 (negative: before it), up to its second token.
 
     .venv/bin/python -m bench.disagg --quick
     .venv/bin/python -m bench.disagg --setups 1P1D     # one setup (an A/B of two trees)
+    .venv/bin/python -m bench.disagg --model tiny      # the earlier figures' model
+
+The model (--model, default small): `small` (hidden 512, 8 layers), whose 2,048-token
+prefill costs about as many decode steps as a real model's does, so that a long prompt's
+chunks stall the decodes that share its steps; `tiny` (hidden 64, 4 layers), whose steps
+cost about the same whatever they hold (overhead-bound), so there is little interference
+for disaggregation to remove. Each model has its default --qps (MODELS).
 
 What it does not show: the scheduler and both workers share this machine's cores (2 on
 the development box), so the prefill worker's compute slows the decode worker's as much
@@ -56,6 +64,21 @@ SETUPS = {
 
 
 @dataclass(frozen=True)
+class ModelSetting:
+    """A `--model` preset and the arrival rate of its default trace."""
+
+    description: str
+    # Loads two co-located workers without overloading them (docs/disaggregation.md).
+    qps: float
+
+
+MODELS = {
+    "small": ModelSetting("small Qwen3.5 (hidden 512, 6 GDN + 2 attention layers)", qps=0.5),
+    "tiny": ModelSetting("tiny Qwen3.5 (hidden 64, 3 GDN + 1 attention layers)", qps=0.5),
+}
+
+
+@dataclass(frozen=True)
 class Arrival:
     at_seconds: float
     prompt: list[int]
@@ -84,6 +107,8 @@ class Result:
     load: str = ""
     # By seq_id, the handoff's timeline from the workers' logs: event -> wall-clock time.
     timelines: dict[int, dict[str, float]] = field(default_factory=dict)
+    # By worker id, its process's CPU seconds over the trace (from /proc).
+    worker_cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def trace(args) -> list[Arrival]:
@@ -103,7 +128,7 @@ def _worker(scheduler: Scheduler, index: int, role: str, args) -> Proc:
         sys.executable, "-m", "worker_client",
         "--scheduler", scheduler.target,
         "--worker-id", f"{role}-{index}",
-        "--model", "tiny",
+        "--model", args.model,
         "--device", "cpu",
         "--threads", str(args.threads),
         "--kv-pages", str(args.kv_pages),
@@ -147,6 +172,7 @@ def run(roles: tuple[str, str], arrivals: list[Arrival], args) -> Result:
         wait_for_workers(stub, len(workers), timeout_seconds=180)
         # One short request first, so that both setups start with warm engines.
         stub.Generate(pb.SubmitRequest(prompt_token_ids=[3] * 16, max_new_tokens=2), timeout=120)
+        cpu_before = [w.cpu_seconds() for w in workers]
         started = time.perf_counter()
         threads = [
             threading.Thread(target=_one, args=(stub, a, args, started, o))
@@ -157,6 +183,10 @@ def run(roles: tuple[str, str], arrivals: list[Arrival], args) -> Result:
         for t in threads:
             t.join()
         result.wall_seconds = time.perf_counter() - started
+        result.worker_cpu_seconds = {
+            f"{role}-{i}": w.cpu_seconds() - before
+            for i, (role, w, before) in enumerate(zip(roles, workers, cpu_before))
+        }
         result.load = load_note()
         result.prompt_tokens = {
             dict(labels)["worker_id"]: value
@@ -234,6 +264,10 @@ def _row(label: str, result: Result) -> list[object]:
         " ".join(f"{w}={v:.0f}" for w, v in sorted(result.prompt_tokens.items())),
         f"{done:.0f} / {failed:.0f}",
         " ".join(f"{k}={v:.0f}" for k, v in sorted(result.requeues.items())) or "-",
+        " ".join(
+            f"{w}={v / result.wall_seconds:.2f}"
+            for w, v in sorted(result.worker_cpu_seconds.items())
+        ),
         len(result.outcomes) - len(ok),
     ]
 
@@ -290,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a short trace (a few minutes)")
     parser.add_argument("--num-requests", type=int, default=60)
-    parser.add_argument("--qps", type=float, default=0.5)
+    parser.add_argument("--model", default="small", choices=list(MODELS))
+    parser.add_argument("--qps", type=float, help="arrival rate (default: the model's, MODELS)")
     parser.add_argument("--long-share", type=float, default=0.3)
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--short-tokens", type=int, default=64)
@@ -304,12 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.num_requests, args.max_new_tokens = 16, 32
+    if args.qps is None:
+        args.qps = MODELS[args.model].qps
     arrivals = trace(args)
     num_long = sum(len(a.prompt) == args.long_tokens for a in arrivals)
     print(
         f"{len(arrivals)} requests, Poisson at {args.qps} /s, {num_long} of "
         f"{args.long_tokens} tokens, the others {args.short_tokens}, {args.max_new_tokens} "
-        f"output tokens each; tiny Qwen3.5 on CPU, {args.threads} torch thread(s) a worker"
+        f"output tokens each; {MODELS[args.model].description} on CPU, {args.threads} torch "
+        f"thread(s) a worker"
     )
     rows, gap_rows, timeline_rows = [], [], []
     for label in args.setups:
@@ -328,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt tokens per worker",
             "handoffs done / failed",
             "requeued, preempted",
+            "worker CPU s / wall s",
             "errors",
         ],
         rows,
