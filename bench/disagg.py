@@ -73,7 +73,7 @@ class ModelSetting:
 
 
 MODELS = {
-    "small": ModelSetting("small Qwen3.5 (hidden 512, 6 GDN + 2 attention layers)", qps=0.5),
+    "small": ModelSetting("small Qwen3.5 (hidden 512, 6 GDN + 2 attention layers)", qps=0.3),
     "tiny": ModelSetting("tiny Qwen3.5 (hidden 64, 3 GDN + 1 attention layers)", qps=0.5),
 }
 
@@ -132,6 +132,7 @@ def _worker(scheduler: Scheduler, index: int, role: str, args) -> Proc:
         "--device", "cpu",
         "--threads", str(args.threads),
         "--kv-pages", str(args.kv_pages),
+        "--gdn-slots", str(args.gdn_slots),
         "--log-format", "json",
         "--role", role,
     ]  # fmt: skip
@@ -255,14 +256,16 @@ def _row(label: str, result: Result) -> list[object]:
     tpot = [(o.e2e_seconds - o.ttft_seconds) / (o.num_tokens - 1) for o in ok if o.num_tokens > 1]
     tokens = sum(o.num_tokens for o in ok)
     done = result.handoffs.get("done", 0.0)
-    failed = sum(v for end, v in result.handoffs.items() if end != "done")
+    failed = " ".join(
+        f"{end}={v:.0f}" for end, v in sorted(result.handoffs.items()) if end != "done" and v
+    )
     return [
         label,
         f"{pct(ttft, 50) * 1000:.0f} / {pct(ttft, 99) * 1000:.0f}" if ttft else "-",
         f"{pct(tpot, 50) * 1000:.1f} / {pct(tpot, 99) * 1000:.1f}" if tpot else "-",
         f"{tokens / result.wall_seconds:.1f}",
         " ".join(f"{w}={v:.0f}" for w, v in sorted(result.prompt_tokens.items())),
-        f"{done:.0f} / {failed:.0f}",
+        f"{done:.0f} / {failed or 0}",
         " ".join(f"{k}={v:.0f}" for k, v in sorted(result.requeues.items())) or "-",
         " ".join(
             f"{w}={v / result.wall_seconds:.2f}"
@@ -332,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--kv-pages", type=int, default=2048)
+    # Room for every sequence of the trace on the one decode worker of 1P1D (the CPU
+    # default is 8 GDN slots a worker, which a loaded decode worker outgrows).
+    parser.add_argument("--gdn-slots", type=int, default=32)
     parser.add_argument("--transfer-gb-per-s", type=float, default=1.0)
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
