@@ -321,6 +321,69 @@ def _timeline_rows(result: Result) -> list[list[object]]:
     return [[name, len(values), _p50_p99(values)] for name, values in steps.items() if values]
 
 
+def _prefill(engine, seq_id: int, length: int) -> None:
+    """Prefill a `length`-token prompt as `seq_id`, in chunks of 512."""
+    from worker_client.engine.api import ChunkWork, SequenceSpec
+
+    spec = SequenceSpec(tuple([7] * length), max_new_tokens=1 << 20, ignore_eos=True)
+    for start in range(0, length, 512):
+        engine.step(
+            [ChunkWork(seq_id, start, min(512, length - start), spec if not start else None)], []
+        )
+
+
+def step_costs(args) -> None:
+    """For each model, in this process's CPU time at one torch thread: a --long-tokens
+    prompt prefilled in chunks of 512 (the scheduler's default chunk), and a decode step of
+    1, 4 and 8 sequences of --short-tokens context; how many such steps the prefill costs."""
+    import torch
+
+    from worker_client.engine.engine import ModelEngine
+    from worker_client.engine.loading import load_model
+
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in MODELS:
+        engine = ModelEngine(
+            load_model(name),
+            total_kv_pages=args.kv_pages,
+            page_size=16,
+            total_gdn_slots=16,
+            device="cpu",
+        )
+
+        _prefill(engine, 0, args.short_tokens)  # warm-up
+        started = time.process_time()
+        _prefill(engine, 1, args.long_tokens)
+        prefill = time.process_time() - started
+        for seq_id in range(2, 10):
+            _prefill(engine, seq_id, args.short_tokens)
+        decode = {}
+        for size in (1, 4, 8):
+            started = time.process_time()
+            for _ in range(5):
+                engine.step([], list(range(2, 2 + size)))
+            decode[size] = (time.process_time() - started) / 5
+        rows.append(
+            [
+                name,
+                f"{prefill:.2f}",
+                " / ".join(f"{decode[n] * 1000:.1f}" for n in (1, 4, 8)),
+                f"{prefill / decode[4]:.0f}",
+            ]
+        )
+    print(f"CPU time, {args.threads} torch thread(s); {load_note()}")
+    print_table(
+        [
+            "model",
+            f"prefill {args.long_tokens} tokens s",
+            "decode step of 1 / 4 / 8 ms",
+            "prefill / decode step of 4",
+        ],
+        rows,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.disagg", description=__doc__.split("\n")[0]
@@ -342,7 +405,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--step-costs",
+        action="store_true",
+        help="print each model's prefill and decode step costs (CPU time) and exit",
+    )
     args = parser.parse_args(argv)
+    if args.step_costs:
+        step_costs(args)
+        return 0
     if args.quick:
         args.num_requests, args.max_new_tokens = 16, 32
     if args.qps is None:
