@@ -21,12 +21,15 @@ client, p50 / p99 (negative: before it), up to its second token.
     .venv/bin/python -m bench.disagg --quick
     .venv/bin/python -m bench.disagg --setups 1P1D     # one setup (an A/B of two trees)
     .venv/bin/python -m bench.disagg --model tiny      # the earlier figures' model
+    .venv/bin/python -m bench.disagg --step-costs      # each model's step costs, CPU time
 
-The model (--model, default small): `small` (hidden 512, 8 layers), whose 2,048-token
-prefill costs about as many decode steps as a real model's does, so that a long prompt's
-chunks stall the decodes that share its steps; `tiny` (hidden 64, 4 layers), whose steps
-cost about the same whatever they hold (overhead-bound), so there is little interference
-for disaggregation to remove. Each model has its default --qps (MODELS).
+The model (--model, default small): `small` (hidden 512, 8 layers, 35M parameters), whose
+2,048-token prompt costs ~3 s of CPU and a 512-token chunk as much as ~18 decode steps of
+4 sequences, so that a long prompt's chunks stall the decodes that share its steps by far
+more than the stack's own per-step cost, as a real model's prefill does; `tiny` (hidden
+64, 4 layers), whose 512-token chunk costs ~45 ms, so a decode behind it loses little
+beside the stack's per-step overhead, and there is little interference for
+disaggregation to remove. Each model has its default --qps (MODELS).
 
 What it does not show: the scheduler and both workers share this machine's cores (2 on
 the development box), so the prefill worker's compute slows the decode worker's as much
@@ -68,7 +71,8 @@ class ModelSetting:
     """A `--model` preset and the arrival rate of its default trace."""
 
     description: str
-    # Loads two co-located workers without overloading them (docs/disaggregation.md).
+    # Loads two co-located workers without overloading them: each busy a third to a half
+    # of the trace's wall time on 2 shared cores (docs/disaggregation.md).
     qps: float
 
 
