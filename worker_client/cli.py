@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a Hugging Face checkpoint directory (config.json + "
         "*.safetensors); 'tiny', 'tiny-moe' or 'tiny-next' (small Qwen3.5, "
         "Qwen3.5 MoE or Qwen3-Next models with seeded random weights, for "
-        "trying things out), or 'small' (a ~36M-parameter Qwen3.5 with seeded "
+        "trying things out), or 'small' (a 35M-parameter Qwen3.5 with seeded "
         "random weights, for CPU benchmarks); or 'scripted' (no model: "
         "worker_client.testing.ScriptedEngine, for load-testing a scheduler)",
     )
