@@ -357,6 +357,16 @@ def test_a_receiver_with_every_gdn_slot_taken_is_passed_over_like_a_full_batch()
     assert decision.decode == (third,)
 
 
+def test_a_receiver_admits_no_prompt_into_the_gdn_slot_its_incoming_handoff_needs():
+    sched = fleet(roles=("p0", "d0"))
+    seq_id, decision = prefilled(sched)
+    assert [(h.seq_id, h.peer_worker_id) for h in decision.handoffs] == [(seq_id, "d0")]
+    short = submit(sched, prompt_len=16)
+    # d0's one free slot is the import's: the short prompt waits for another.
+    assert sched.select_batch(report("d0", gdn_free_slots=1)).prefill == ()
+    assert admit(sched, "d0", gdn_free_slots=2) == (short,)  # one for each
+
+
 def test_a_done_handoff_survives_a_restart_on_its_receiver():
     clock, store = FakeClock(), MemoryStore()
     sched = fleet(store=store, clock=clock)

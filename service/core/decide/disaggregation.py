@@ -135,6 +135,11 @@ class Disaggregation:
 
     # ------------------------------------------------------------- admission
 
+    def num_incoming(self, worker_id: str) -> int:
+        """Sequences booked to `worker_id` by handoffs not yet imported: each will take one
+        of its GDN slots, which its report still counts free."""
+        return self._book.num_incoming(worker_id) if len(self._book) else 0
+
     def admits(
         self, worker: WorkerRecord, cached_tokens: Callable[[Sequence], int]
     ) -> Callable[[Sequence], bool] | None:
