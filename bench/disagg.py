@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation on the real CPU stack (issue 31's target: "2 workers,
 long prompts mixed with decodes at a fixed load: TPOT p99 with 1P1D vs 2 co-located").
 
-A `lattice-scheduler serve` process and two `lattice-worker --model tiny` processes (the
-reference engine, seeded random Qwen3.5 weights, CPU): once as two co-located workers
+A `lattice-scheduler serve` process and two `lattice-worker --model small|tiny` processes
+(the reference engine, seeded random Qwen3.5 weights, CPU): once as two co-located workers
 (`--role both`), once as one prefill and one decode worker (`--role prefill` / `decode`,
 handoff channels on loopback). The same arrival trace against each: Poisson arrivals, a
 mix of long prompts (--long-tokens, above the scheduler's 1,024-token handoff threshold)
@@ -10,15 +10,26 @@ and short ones, every request --max-new-tokens output tokens (ignore_eos), so de
 overlap the long prefills. Prints side by side: TTFT p50/p99, TPOT p50/p99 (per request,
 (end - first token) / (tokens - 1)), output tokens per second, prompt tokens computed per
 worker (the scheduler's lattice_scheduler_worker_prefill_tokens_total) and handoffs by
-how they ended (lattice_scheduler_handoffs_total), with the load average. Then two
-tables: the token gaps at the client per setup and kind of prompt (long: past 1,024
-tokens, handed off in 1P1D; short), the first-to-second gap apart from the gaps after it;
+how they ended (lattice_scheduler_handoffs_total), each worker's CPU time over the trace's
+wall time (its utilisation), with the load average. Then two tables: the token gaps at
+the client per setup and kind of prompt (long: past 1,024 tokens, handed off in 1P1D;
+short), the first-to-second gap apart from the gaps after it;
 and, for the handed-off requests, the handoff's timeline from the workers' log lines
 (worker_client/handoffs.py): each step's time after the request's first token reached the
 client, p50 / p99 (negative: before it), up to its second token.
 
     .venv/bin/python -m bench.disagg --quick
     .venv/bin/python -m bench.disagg --setups 1P1D     # one setup (an A/B of two trees)
+    .venv/bin/python -m bench.disagg --model tiny      # the earlier figures' model
+    .venv/bin/python -m bench.disagg --step-costs      # each model's step costs, CPU time
+
+The model (--model, default small): `small` (hidden 512, 8 layers, 35M parameters), whose
+2,048-token prompt costs ~3 s of CPU and a 512-token chunk as much as ~18 decode steps of
+4 sequences, so that a long prompt's chunks stall the decodes that share its steps by far
+more than the stack's own per-step cost, as a real model's prefill does; `tiny` (hidden
+64, 4 layers), whose 512-token chunk costs ~45 ms, so a decode behind it loses little
+beside the stack's per-step overhead, and there is little interference for
+disaggregation to remove. Each model has its default --qps (MODELS).
 
 What it does not show: the scheduler and both workers share this machine's cores (2 on
 the development box), so the prefill worker's compute slows the decode worker's as much
@@ -56,6 +67,22 @@ SETUPS = {
 
 
 @dataclass(frozen=True)
+class ModelSetting:
+    """A `--model` preset and the arrival rate of its default trace."""
+
+    description: str
+    # Loads two co-located workers without overloading them: each busy a third to a half
+    # of the trace's wall time on 2 shared cores (docs/disaggregation.md).
+    qps: float
+
+
+MODELS = {
+    "small": ModelSetting("small Qwen3.5 (hidden 512, 6 GDN + 2 attention layers)", qps=0.3),
+    "tiny": ModelSetting("tiny Qwen3.5 (hidden 64, 3 GDN + 1 attention layers)", qps=0.5),
+}
+
+
+@dataclass(frozen=True)
 class Arrival:
     at_seconds: float
     prompt: list[int]
@@ -84,6 +111,8 @@ class Result:
     load: str = ""
     # By seq_id, the handoff's timeline from the workers' logs: event -> wall-clock time.
     timelines: dict[int, dict[str, float]] = field(default_factory=dict)
+    # By worker id, its process's CPU seconds over the trace (from /proc).
+    worker_cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def trace(args) -> list[Arrival]:
@@ -103,10 +132,11 @@ def _worker(scheduler: Scheduler, index: int, role: str, args) -> Proc:
         sys.executable, "-m", "worker_client",
         "--scheduler", scheduler.target,
         "--worker-id", f"{role}-{index}",
-        "--model", "tiny",
+        "--model", args.model,
         "--device", "cpu",
         "--threads", str(args.threads),
         "--kv-pages", str(args.kv_pages),
+        "--gdn-slots", str(args.gdn_slots),
         "--log-format", "json",
         "--role", role,
     ]  # fmt: skip
@@ -147,6 +177,7 @@ def run(roles: tuple[str, str], arrivals: list[Arrival], args) -> Result:
         wait_for_workers(stub, len(workers), timeout_seconds=180)
         # One short request first, so that both setups start with warm engines.
         stub.Generate(pb.SubmitRequest(prompt_token_ids=[3] * 16, max_new_tokens=2), timeout=120)
+        cpu_before = [w.cpu_seconds() for w in workers]
         started = time.perf_counter()
         threads = [
             threading.Thread(target=_one, args=(stub, a, args, started, o))
@@ -157,6 +188,10 @@ def run(roles: tuple[str, str], arrivals: list[Arrival], args) -> Result:
         for t in threads:
             t.join()
         result.wall_seconds = time.perf_counter() - started
+        result.worker_cpu_seconds = {
+            f"{role}-{i}": w.cpu_seconds() - before
+            for i, (role, w, before) in enumerate(zip(roles, workers, cpu_before))
+        }
         result.load = load_note()
         result.prompt_tokens = {
             dict(labels)["worker_id"]: value
@@ -225,15 +260,21 @@ def _row(label: str, result: Result) -> list[object]:
     tpot = [(o.e2e_seconds - o.ttft_seconds) / (o.num_tokens - 1) for o in ok if o.num_tokens > 1]
     tokens = sum(o.num_tokens for o in ok)
     done = result.handoffs.get("done", 0.0)
-    failed = sum(v for end, v in result.handoffs.items() if end != "done")
+    failed = " ".join(
+        f"{end}={v:.0f}" for end, v in sorted(result.handoffs.items()) if end != "done" and v
+    )
     return [
         label,
         f"{pct(ttft, 50) * 1000:.0f} / {pct(ttft, 99) * 1000:.0f}" if ttft else "-",
         f"{pct(tpot, 50) * 1000:.1f} / {pct(tpot, 99) * 1000:.1f}" if tpot else "-",
         f"{tokens / result.wall_seconds:.1f}",
         " ".join(f"{w}={v:.0f}" for w, v in sorted(result.prompt_tokens.items())),
-        f"{done:.0f} / {failed:.0f}",
+        f"{done:.0f} / {failed or 0}",
         " ".join(f"{k}={v:.0f}" for k, v in sorted(result.requeues.items())) or "-",
+        " ".join(
+            f"{w}={v / result.wall_seconds:.2f}"
+            for w, v in sorted(result.worker_cpu_seconds.items())
+        ),
         len(result.outcomes) - len(ok),
     ]
 
@@ -284,32 +325,110 @@ def _timeline_rows(result: Result) -> list[list[object]]:
     return [[name, len(values), _p50_p99(values)] for name, values in steps.items() if values]
 
 
+def _prefill(engine, seq_id: int, length: int) -> None:
+    """Prefill a `length`-token prompt as `seq_id`, in chunks of 512."""
+    from worker_client.engine.api import ChunkWork, SequenceSpec
+
+    spec = SequenceSpec(tuple([7] * length), max_new_tokens=1 << 20, ignore_eos=True)
+    for start in range(0, length, 512):
+        engine.step(
+            [ChunkWork(seq_id, start, min(512, length - start), spec if not start else None)], []
+        )
+
+
+def step_costs(args) -> None:
+    """For each model, in this process's CPU time at one torch thread: a --long-tokens
+    prompt prefilled in chunks of 512 (the scheduler's default chunk), and a decode step of
+    1, 4 and 8 sequences of --short-tokens context; how many such steps the prefill costs."""
+    import torch
+
+    from worker_client.engine.engine import ModelEngine
+    from worker_client.engine.loading import load_model
+
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in MODELS:
+        engine = ModelEngine(
+            load_model(name),
+            total_kv_pages=args.kv_pages,
+            page_size=16,
+            total_gdn_slots=16,
+            device="cpu",
+        )
+
+        _prefill(engine, 0, args.short_tokens)  # warm-up
+        started = time.process_time()
+        _prefill(engine, 1, args.long_tokens)
+        prefill = time.process_time() - started
+        for seq_id in range(2, 10):
+            _prefill(engine, seq_id, args.short_tokens)
+        decode = {}
+        for size in (1, 4, 8):
+            started = time.process_time()
+            for _ in range(5):
+                engine.step([], list(range(2, 2 + size)))
+            decode[size] = (time.process_time() - started) / 5
+        rows.append(
+            [
+                name,
+                f"{prefill:.2f}",
+                " / ".join(f"{decode[n] * 1000:.1f}" for n in (1, 4, 8)),
+                f"{prefill / decode[4]:.0f}",
+            ]
+        )
+    print(f"CPU time, {args.threads} torch thread(s); {load_note()}")
+    print_table(
+        [
+            "model",
+            f"prefill {args.long_tokens} tokens s",
+            "decode step of 1 / 4 / 8 ms",
+            "prefill / decode step of 4",
+        ],
+        rows,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.disagg", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="a short trace (a few minutes)")
     parser.add_argument("--num-requests", type=int, default=60)
-    parser.add_argument("--qps", type=float, default=0.5)
+    parser.add_argument("--model", default="small", choices=list(MODELS))
+    parser.add_argument("--qps", type=float, help="arrival rate (default: the model's, MODELS)")
     parser.add_argument("--long-share", type=float, default=0.3)
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--short-tokens", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--kv-pages", type=int, default=2048)
+    # Room for every sequence of the trace on the one decode worker of 1P1D (the CPU
+    # default is 8 GDN slots a worker, which a loaded decode worker outgrows).
+    parser.add_argument("--gdn-slots", type=int, default=32)
     parser.add_argument("--transfer-gb-per-s", type=float, default=1.0)
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--step-costs",
+        action="store_true",
+        help="print each model's prefill and decode step costs (CPU time) and exit",
+    )
     args = parser.parse_args(argv)
+    if args.step_costs:
+        step_costs(args)
+        return 0
     if args.quick:
         args.num_requests, args.max_new_tokens = 16, 32
+    if args.qps is None:
+        args.qps = MODELS[args.model].qps
     arrivals = trace(args)
     num_long = sum(len(a.prompt) == args.long_tokens for a in arrivals)
     print(
         f"{len(arrivals)} requests, Poisson at {args.qps} /s, {num_long} of "
         f"{args.long_tokens} tokens, the others {args.short_tokens}, {args.max_new_tokens} "
-        f"output tokens each; tiny Qwen3.5 on CPU, {args.threads} torch thread(s) a worker"
+        f"output tokens each; {MODELS[args.model].description} on CPU, {args.threads} torch "
+        f"thread(s) a worker"
     )
     rows, gap_rows, timeline_rows = [], [], []
     for label in args.setups:
@@ -328,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt tokens per worker",
             "handoffs done / failed",
             "requeued, preempted",
+            "worker CPU s / wall s",
             "errors",
         ],
         rows,

@@ -28,9 +28,8 @@ from bench.harness.tables import load_note, ms, print_table
 from worker_client.engine.api import ChunkWork, SequenceSpec, StateKind
 from worker_client.engine.config import LayerType
 from worker_client.engine.engine import ModelEngine
-from worker_client.engine.loading import random_model
+from worker_client.engine.loading import PRESETS, random_model
 from worker_client.handoff_channel import HandoffServer, OfferBook, fetch_sequence
-from worker_client.profiling import PRESETS
 
 PAGE_SIZE = 16
 

@@ -51,10 +51,9 @@ from bench.harness.engine_bench import (
     synchronize,
 )
 from bench.harness.tables import print_table
-from worker_client.engine.config import ModelConfig, MoeConfig
+from worker_client.engine.config import ModelConfig, MoeConfig, small_config
 from worker_client.engine.loading import PRESETS, load_model, random_model
 from worker_client.engine.model import Qwen35ForCausalLM
-from worker_client.profiling import small_config
 
 
 def small_moe_config() -> ModelConfig:

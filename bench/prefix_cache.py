@@ -31,9 +31,8 @@ import torch
 
 from bench.harness.engine_bench import PAGE_SIZE, SchedulerStack
 from worker_client.engine.engine import ModelEngine
-from worker_client.engine.loading import random_model
+from worker_client.engine.loading import PRESETS, random_model
 from worker_client.engine.sizing import gdn_slot_bytes, kv_page_bytes
-from worker_client.profiling import PRESETS
 
 BLOCK = 64  # cache_block_tokens: 4 pages of 16
 COMPUTED = "lattice_scheduler_prefill_tokens_total"

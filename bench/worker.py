@@ -58,10 +58,11 @@ from bench.harness.engine_bench import (
 )
 from bench.harness.tables import print_table
 from worker_client.engine.config import ModelConfig
-from worker_client.engine.loading import load_model, random_model
+from worker_client.engine.loading import PRESETS, load_model, random_model
 from worker_client.engine.model import Qwen35ForCausalLM
-from worker_client.profiling import PRESETS
 
+# The dense presets (transformers' Qwen3_5ForCausalLM is the reference here).
+DENSE_PRESETS = ("tiny", "small")
 PAD_TOKEN_ID = 0  # pads the static batch; random_prompts' ids start at 2
 NUM_WARMUP_PROMPTS = 2
 NUM_WARMUP_TOKENS = 4
@@ -292,7 +293,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_workload_arguments(
-        parser, PRESETS, num_prompts=8, min_prompt_len=32, max_prompt_len=256, max_new_tokens=64
+        parser,
+        DENSE_PRESETS,
+        num_prompts=8,
+        min_prompt_len=32,
+        max_prompt_len=256,
+        max_new_tokens=64,
     )
     args = parser.parse_args(argv)
     check_workload_arguments(parser, args, min_num_prompts=NUM_WARMUP_PROMPTS)

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         help="a Hugging Face checkpoint directory (config.json + "
         "*.safetensors); 'tiny', 'tiny-moe' or 'tiny-next' (small Qwen3.5, "
         "Qwen3.5 MoE or Qwen3-Next models with seeded random weights, for "
-        "trying things out); or 'scripted' (no model: "
+        "trying things out), or 'small' (a 35M-parameter Qwen3.5 with seeded "
+        "random weights, for CPU benchmarks); or 'scripted' (no model: "
         "worker_client.testing.ScriptedEngine, for load-testing a scheduler)",
     )
     parser.add_argument(
@@ -348,7 +349,9 @@ def _add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_vllm_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.model in ("tiny", "tiny-moe", "tiny-next", "scripted"):
+    from worker_client.engine.config import PRESETS
+
+    if args.model in (*PRESETS, "scripted"):
         parser.error(f"--engine vllm runs a checkpoint directory, not --model {args.model}")
     for name in (*REFERENCE_ONLY, "step_ms"):
         if getattr(args, name) is not None:
@@ -481,6 +484,7 @@ def _serve(
 
 def _profile(argv: list[str]) -> int:
     from common.cli_values import OneLineParser
+    from worker_client.engine.config import PRESETS
 
     parser = OneLineParser(
         prog="lattice-worker profile",
@@ -492,7 +496,8 @@ def _profile(argv: list[str]) -> int:
     parser.add_argument(
         "--model",
         default="tiny",
-        help="'tiny' or 'small' (seeded random weights) or a Hugging Face checkpoint directory",
+        help=f"{', '.join(map(repr, PRESETS))} (seeded random weights) or a Hugging Face "
+        "checkpoint directory",
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument(
@@ -568,7 +573,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     from common import step_table
     from worker_client import profiling
     from worker_client.engine.engine import ModelEngine, default_pool_sizes
-    from worker_client.engine.loading import load_model, random_model
+    from worker_client.engine.loading import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -584,11 +589,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         args.decode_batch or default.decode_batch,
         args.context_lens or default.context_len,
     )
-    if args.model in profiling.PRESETS:
-        model = random_model(profiling.PRESETS[args.model](), args.seed)
-        model = model.to(device=args.device, dtype=dtype).eval()
-    else:
-        model = load_model(args.model, device=args.device, dtype=dtype)
+    model = load_model(args.model, device=args.device, dtype=dtype, seed=args.seed)
     pages_per_sequence = -(-grid.max_tokens_per_sequence // args.page_size)
     engine = ModelEngine(
         model,

@@ -26,7 +26,6 @@ import torch
 
 from common.step_table import HeldOutPoint, StepLoad, StepTable, StepTableModel
 from worker_client.engine.api import ChunkWork, SequenceSpec
-from worker_client.engine.config import LayerType, ModelConfig, tiny_config
 from worker_client.engine.engine import ModelEngine
 
 # Token id of every profiled prompt (ids do not change a step's time).
@@ -36,27 +35,6 @@ _MAX_NEW_TOKENS = 1 << 20
 _SPLIT_CHUNKS = 4
 
 
-def small_config() -> ModelConfig:
-    """A ~36M-parameter model: 8 layers (6 Gated DeltaNet, 2 attention), hidden 512."""
-    return ModelConfig(
-        vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1536,
-        layer_types=((LayerType.LINEAR_ATTENTION,) * 3 + (LayerType.FULL_ATTENTION,)) * 2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        rope_theta=10000.0,
-        partial_rotary_factor=0.25,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-    )
-
-
-# Seeded random-weight models by name (`--model tiny|small`).
 def next_prefill_chunks(
     specs: Sequence[SequenceSpec], num_scheduled: list[int], chunk_size: int
 ) -> list[ChunkWork]:
@@ -71,9 +49,6 @@ def next_prefill_chunks(
             chunks.append(ChunkWork(seq_id, start, chunk_len, spec if start == 0 else None))
             num_scheduled[seq_id] += chunk_len
     return chunks
-
-
-PRESETS: dict[str, Callable[[], ModelConfig]] = {"tiny": tiny_config, "small": small_config}
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ from worker_client.engine.model import Qwen35ForCausalLM
 from worker_client.engine.paged_forward_cache import PagedForwardCache
 from worker_client.engine.state_pool import GdnStatePool
 
+# One preset of each model family (dense, MoE, Qwen3-Next): the float64 equivalence tests
+# run each. "small" is the dense family again, larger, for benchmarks (and slow in float64).
+FAMILY_PRESETS = ("tiny", "tiny-moe", "tiny-next")
+
 
 def random_prompt(length: int, seed: int, vocab_size: int = 512) -> tuple[int, ...]:
     # Token ids from 2 up: the tiny configs use 1 as EOS.

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from worker_client.engine.api import SequenceSpec
-from worker_client.engine.loading import PRESETS, load_model
+from worker_client.engine.loading import load_model
 from worker_client.engine.reference import generate_reference
 
 from .factories import (
+    FAMILY_PRESETS,
     PagedPools,
     chunks_for,
     make_engine,
@@ -22,7 +23,7 @@ from .tolerance import assert_float64_equal
 PROMPT_LENGTHS = (3, 17, 70, 9)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
 def test_batched_decode_logits_equal_each_sequence_decoded_alone_in_float64(preset):
     # Float64 (tolerance.py): rows batched together must not see each other, whatever the host.
     tiny_model = load_model(preset, dtype=torch.float64)

@@ -72,6 +72,30 @@ def test_decoding_after_a_handoff_matches_decoding_where_prefilled(model):
     assert sender.running_ids() == [1]
 
 
+def test_the_small_preset_hands_off_exactly_and_registers_its_larger_sizes():
+    # The benchmarks' preset (bench/disagg.py: hidden 512, 2 attention + 6 GDN layers).
+    small, tiny = load_model("small"), load_model("tiny")
+    spec = SequenceSpec(random_prompt(29, seed=8), max_new_tokens=6, ignore_eos=True)
+    alone = run_to_completion(make_engine(small), 1, spec)
+
+    sender, receiver = make_engine(small), make_engine(small)
+    first = _prefill_first_token(sender, 1, spec)
+    chunks = sender.export_sequence(1)
+    receiver.import_sequence(7, _handed_off_spec(spec, first), chunks)
+    assert [first, *_decode_all(receiver, 7)] == alone
+
+    kv = sum(len(c.data) for c in chunks if c.kind is StateKind.ATTENTION_KV)
+    assert kv == sender.handoff_bytes_per_token * 29
+    assert sum(len(c.data) for c in chunks) - kv == sender.handoff_fixed_bytes
+    # fp32: 2 attention layers x (K + V) x 2 heads x 64; 6 GDN layers x (8 heads x 64 x 64
+    # recurrent + 1,024 channels x 3 convolution columns), against tiny's 1 and 3 smaller.
+    assert sender.handoff_bytes_per_token == 2 * 2 * 2 * 64 * 4
+    assert sender.handoff_fixed_bytes == 6 * (8 * 64 * 64 + 1024 * 3) * 4
+    tiny_engine = make_engine(tiny)
+    assert sender.handoff_bytes_per_token == 8 * tiny_engine.handoff_bytes_per_token
+    assert sender.handoff_fixed_bytes > 50 * tiny_engine.handoff_fixed_bytes
+
+
 def test_export_carries_every_attention_position_and_gdn_layer(model):
     spec = SequenceSpec(random_prompt(21, seed=4), max_new_tokens=4)
     engine = make_engine(model)

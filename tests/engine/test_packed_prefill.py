@@ -8,10 +8,10 @@ import torch
 
 from worker_client.engine.api import ChunkWork, FinishReason, SequenceSpec
 from worker_client.engine.batch import PackedBatch
-from worker_client.engine.loading import PRESETS, load_model
+from worker_client.engine.loading import load_model
 from worker_client.engine.reference import generate_reference
 
-from .factories import PagedPools, chunks_for, make_engine, random_prompt, tokens_of
+from .factories import FAMILY_PRESETS, PagedPools, chunks_for, make_engine, random_prompt, tokens_of
 from .tolerance import assert_float64_equal
 
 # (tokens already prefilled, tokens in this step's chunk) per sequence: fresh and continuing
@@ -37,7 +37,7 @@ def test_packed_batch_refuses_empty_rows_and_mismatched_positions():
         PackedBatch([2, 2], torch.arange(3))
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
 def test_packed_forward_of_rows_of_different_lengths_equals_each_row_alone_in_float64(preset):
     model = load_model(preset, dtype=torch.float64)
     prompts = [list(random_prompt(done + new, seed=40 + i)) for i, (done, new) in enumerate(ROWS)]
@@ -136,7 +136,7 @@ class ForwardCounter:
         monkeypatch.setattr(model, "forward_packed", counted)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
 def test_engine_packing_a_steps_chunks_generates_what_one_forward_per_chunk_generates(preset):
     model = load_model(preset)
     lengths = (3, 40, 17, 90, 1, 64, 33, 8)

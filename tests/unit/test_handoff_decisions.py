@@ -331,6 +331,42 @@ def test_a_full_receiver_is_passed_over_and_with_none_left_the_sender_decodes():
     assert decision.decode == (third,)
 
 
+def test_a_receiver_with_every_gdn_slot_taken_is_passed_over_like_a_full_batch():
+    # An import never preempts: a receiver with no free GDN slot would refuse it (NO_ROOM)
+    # and leave the sequence decoding on its sender, among its prompts' chunks.
+    sched = fleet()
+    for worker_id in ("d0", "d1"):
+        register(
+            sched,
+            worker_id,
+            role=WorkerRole.DECODE,
+            transfer_bytes_per_second=1e9,
+            handoff_address=f"{worker_id}:7000",
+            total_kv_pages=1000,
+            total_gdn_slots=1,
+        )
+        sched.select_batch(report(worker_id, kv_free_pages=1000))  # pages for all three
+    first, second, third = (submit(sched, prompt_len=LONG) for _ in range(3))
+    assert admit(sched, "p0") == (first, second, third)
+    tokens = {seq_id: [FIRST] for seq_id in (first, second, third)}
+    decision = sched.select_batch(report("p0", running=[first, second, third], tokens=tokens))
+    assert [(h.seq_id, h.peer_worker_id) for h in decision.handoffs] == [
+        (first, "d0"),
+        (second, "d1"),
+    ]
+    assert decision.decode == (third,)
+
+
+def test_a_receiver_admits_no_prompt_into_the_gdn_slot_its_incoming_handoff_needs():
+    sched = fleet(roles=("p0", "d0"))
+    seq_id, decision = prefilled(sched)
+    assert [(h.seq_id, h.peer_worker_id) for h in decision.handoffs] == [(seq_id, "d0")]
+    short = submit(sched, prompt_len=16)
+    # d0's one free slot is the import's: the short prompt waits for another.
+    assert sched.select_batch(report("d0", gdn_free_slots=1)).prefill == ()
+    assert admit(sched, "d0", gdn_free_slots=2) == (short,)  # one for each
+
+
 def test_a_done_handoff_survives_a_restart_on_its_receiver():
     clock, store = FakeClock(), MemoryStore()
     sched = fleet(store=store, clock=clock)

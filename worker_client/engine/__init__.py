@@ -17,14 +17,13 @@ from .api import (
     StepOutput,
     TokenLogprobs,
 )
-from .config import LayerType, ModelConfig, MoeConfig, load_config, tiny_config
+from .config import PRESETS, LayerType, ModelConfig, MoeConfig, load_config, tiny_config
 from .errors import CheckpointError, ConfigError, EngineError, ModelDoesNotFit
 
 # Names whose modules import torch, loaded on first use: a worker that runs no model
 # (`--model scripted`) or only reads api.py does not pay torch's import.
 _TORCH_NAMES = {
     "ModelEngine": ".engine",
-    "PRESETS": ".loading",
     "load_model": ".loading",
     "load_tokenizer": ".loading",
     "GeneratedSequence": ".reference",

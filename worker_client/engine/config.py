@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -275,6 +275,29 @@ def tiny_config() -> ModelConfig:
     )
 
 
+def small_config() -> ModelConfig:
+    """A 35M-parameter model for CPU benchmarks: 8 layers (6 Gated DeltaNet, 2 attention),
+    hidden 512, whose long prompts cost many decode steps, as a real model's do (on one CPU
+    thread a 512-token chunk costs ~0.75 s, 18 decode steps of 4 sequences; tiny_config's
+    ~45 ms, near the stack's own per-step cost)."""
+    return ModelConfig(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        layer_types=((LayerType.LINEAR_ATTENTION,) * 3 + (LayerType.FULL_ATTENTION,)) * 2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+    )
+
+
 def tiny_moe_config() -> ModelConfig:
     """tiny_config() as a Qwen3.5 MoE: 8 experts, top-2, and a shared expert in every layer."""
     return _with_moe(tiny_config(), GdnProjection.SPLIT)
@@ -293,6 +316,15 @@ def _with_moe(config: ModelConfig, gdn_projection: GdnProjection) -> ModelConfig
         shared_expert_intermediate_size=64,
     )
     return replace(config, intermediate_size=0, moe=moe, gdn_projection=gdn_projection)
+
+
+# `--model` names of random-weight models (weights fully determined by the seed).
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny_config,  # dense Qwen3.5 (qwen3_5_text)
+    "tiny-moe": tiny_moe_config,  # Qwen3.5 MoE (qwen3_5_moe_text)
+    "tiny-next": tiny_next_config,  # Qwen3-Next (qwen3_next)
+    "small": small_config,  # dense Qwen3.5, 35M parameters: CPU benchmarks
+}
 
 
 def _default_layer_types(num_layers: int, full_attention_interval: int) -> list[str]:

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .checkpoint import read_checkpoint
-from .config import ModelConfig, load_config, tiny_config, tiny_moe_config, tiny_next_config
+from .config import PRESETS, ModelConfig, load_config
 from .errors import CheckpointError
 from .model import Qwen35ForCausalLM
-
-# `--model` names of random-weight models (weights fully determined by the seed).
-PRESETS: dict[str, Callable[[], ModelConfig]] = {
-    "tiny": tiny_config,  # dense Qwen3.5 (qwen3_5_text)
-    "tiny-moe": tiny_moe_config,  # Qwen3.5 MoE (qwen3_5_moe_text)
-    "tiny-next": tiny_next_config,  # Qwen3-Next (qwen3_next)
-}
 
 
 def load_model(
@@ -30,7 +22,7 @@ def load_model(
 ) -> Qwen35ForCausalLM:
     """Return an eval-mode model on `device` in `dtype`.
 
-    `source` is a preset name (PRESETS: "tiny", "tiny-moe", "tiny-next"; random
+    `source` is a preset name (PRESETS: "tiny", "tiny-moe", "tiny-next", "small"; random
     weights fully determined by `seed`) or a directory with config.json and
     *.safetensors as transformers writes them. Raises ConfigError /
     CheckpointError with the reason.

@@ -187,7 +187,10 @@ class Batcher:
             waiting=waiting,
             num_active=len(report.waiting) + len(report.running),
             kv_free_pages=report.kv_free_pages,
-            gdn_free_slots=report.gdn_free_slots,
+            # A handoff booked here takes a slot at its import (which never preempts).
+            gdn_free_slots=max(
+                0, report.gdn_free_slots - self._handoffs.num_incoming(worker.worker_id)
+            ),
             draining=report.draining or worker.drain_requested,
             adapters_in_use=adapters,
             decision_bytes=decision_bytes,

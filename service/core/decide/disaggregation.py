@@ -135,6 +135,11 @@ class Disaggregation:
 
     # ------------------------------------------------------------- admission
 
+    def num_incoming(self, worker_id: str) -> int:
+        """Sequences booked to `worker_id` by handoffs not yet imported: each will take one
+        of its GDN slots, which its report still counts free."""
+        return self._book.num_incoming(worker_id) if len(self._book) else 0
+
     def admits(
         self, worker: WorkerRecord, cached_tokens: Callable[[Sequence], int]
     ) -> Callable[[Sequence], bool] | None:
@@ -414,12 +419,20 @@ class Disaggregation:
             and w.registration.role is WorkerRole.DECODE
             and w.registration.transfer_bytes_per_second > 0
             and len(w.assigned) + len(self._receives.get(w.worker_id, ()))
-            < w.settings.max_batch_size
+            < self._batch_limit(w.worker_id)
         ]
 
     def _batch_limit(self, worker_id: str) -> int:
-        """The most sequences `worker_id` holds (its batch: a receiver takes no more)."""
-        return self._ledger.get(worker_id).settings.max_batch_size
+        """The most sequences `worker_id` holds (a receiver takes no more): its batch, and
+        its GDN slots, one per sequence (an import never preempts: a receiver with none
+        free refuses it, NO_ROOM, and the sequence stays on its sender)."""
+        worker = self._ledger.get(worker_id)
+        slots = worker.registration.total_gdn_slots
+        return (
+            min(worker.settings.max_batch_size, slots)
+            if slots > 0
+            else worker.settings.max_batch_size
+        )
 
     def _start(
         self, sender: WorkerRecord, seq: Sequence, receiver: str, in_flight: int

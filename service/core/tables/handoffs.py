@@ -161,6 +161,13 @@ class HandoffBook:
         """The handoffs `worker_id` sends."""
         return [h for h in self._by_seq_id.values() if h.sender == worker_id]
 
+    def num_incoming(self, worker_id: str) -> int:
+        """The handoffs `worker_id` receives and has not yet reported imported."""
+        return sum(
+            h.receiver == worker_id and h.state is not HandoffState.RUNNING
+            for h in self._by_seq_id.values()
+        )
+
     def expire(self, now: float) -> list[HandoffOutcome]:
         """Transfers past their deadline fail (TIMEOUT); the sender still holds them."""
         late = [
