@@ -22,6 +22,7 @@ client, p50 / p99 (negative: before it), up to its second token.
     .venv/bin/python -m bench.disagg --setups 1P1D     # one setup (an A/B of two trees)
     .venv/bin/python -m bench.disagg --model tiny      # the earlier figures' model
     .venv/bin/python -m bench.disagg --step-costs      # each model's step costs, CPU time
+    .venv/bin/python -m bench.disagg --pin-cpus        # worker i on CPU i (taskset)
 
 The model (--model, default small): `small` (hidden 512, 8 layers, 35M parameters), whose
 2,048-token prompt costs ~3 s of CPU and a 512-token chunk as much as ~18 decode steps of
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import threading
@@ -142,6 +144,10 @@ def _worker(scheduler: Scheduler, index: int, role: str, args) -> Proc:
     ]  # fmt: skip
     if role != "both":
         argv += ["--handoff-port", "0", "--transfer-gb-per-s", str(args.transfer_gb_per_s)]
+    if args.pin_cpus:
+        # Worker i on CPU i (mod the machine's): each worker a core of its own, as each
+        # would have its accelerator; the scheduler and the load generator float.
+        argv = ["taskset", "-c", str(index % os.cpu_count()), *argv]
     return Proc(argv)
 
 
@@ -405,6 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     # Room for every sequence of the trace on the one decode worker of 1P1D (the CPU
     # default is 8 GDN slots a worker, which a loaded decode worker outgrows).
     parser.add_argument("--gdn-slots", type=int, default=32)
+    parser.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="each worker pinned to a CPU of its own (taskset; the scheduler floats)",
+    )
     parser.add_argument("--transfer-gb-per-s", type=float, default=1.0)
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
