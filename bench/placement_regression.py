@@ -441,7 +441,7 @@ def table(results: list[tuple[Setting, list[Cell], dict[str, float]]]) -> str:
             base = off.get(c.load)
             ratio = (
                 f"{c.ttft_p99 / base.ttft_p99:.2f} / {c.tpot_p99 / base.tpot_p99:.2f}"
-                if base is not None and c is not base
+                if _comparable(c, base)
                 else ""
             )
             mean = "" if c.pooled else " *"
@@ -500,6 +500,11 @@ def table(results: list[tuple[Setting, list[Cell], dict[str, float]]]) -> str:
     return markdown_table(header, rows)
 
 
+def _comparable(cell: Cell, base: Cell | None) -> bool:
+    """Whether `cell` is read against `base`: another cell, of the same seeds."""
+    return base is not None and cell is not base and cell.runs.keys() == base.runs.keys()
+
+
 def _seeds(cell: Cell) -> str:
     """The seeds of a cell's runs: "0-2", or "0, 2" when not consecutive."""
     seeds = sorted(cell.runs)
@@ -550,7 +555,7 @@ def misses(results: list[tuple[Setting, list[Cell], dict[str, float | None]]]) -
             if c.max_share > 1.2:
                 found.append(f"{where}: max share / mean {c.max_share:.2f}")
             base = off.get(c.load)
-            if c.caching == "on" and base is not None:
+            if c.caching == "on" and _comparable(c, base):
                 for name, on, of in (
                     ("TTFT", c.ttft_p99, base.ttft_p99),
                     ("TPOT", c.tpot_p99, base.tpot_p99),
