@@ -514,10 +514,10 @@ def _seeds(cell: Cell) -> str:
 
 
 def seed_ratios(
-    results: list[tuple[Setting, list[Cell], dict[str, float | None]]], near: float = 0.95
+    results: list[tuple[Setting, list[Cell], dict[str, float | None]]], near: float = 1.0
 ) -> list[str]:
     """Pull with caching on against off, seed by seed, for the cells near the target:
-    pooled above `near`, or a seed above 1.05x (TTFT or TPOT p99)."""
+    pooled at `near` or above, or a seed above 1.05x (TTFT or TPOT p99)."""
     found = []
     for setting, cells, _ in results:
         off = {c.load: c for c in cells if c.routing == "pull" and c.caching == "off"}
@@ -534,7 +534,7 @@ def seed_ratios(
                 ("TPOT", c.tpot_p99 / base.tpot_p99, "tpot_p99"),
             ):
                 each = [getattr(c.runs[s], attr) / getattr(base.runs[s], attr) for s in seeds]
-                shown |= pooled > near or max(each) > 1.05
+                shown |= pooled >= near or max(each) > 1.05
                 per_seed = ", ".join(f"s{s} {r:.3f}" for s, r in zip(seeds, each, strict=True))
                 parts.append(f"{name} {pooled:.3f} ({per_seed})")
             if shown:
