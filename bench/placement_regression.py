@@ -523,9 +523,9 @@ def seed_ratios(
         off = {c.load: c for c in cells if c.routing == "pull" and c.caching == "off"}
         for c in cells:
             base = off.get(c.load)
-            if c.routing != "pull" or c.caching != "on" or base is None:
+            if c.routing != "pull" or c.caching != "on" or not _comparable(c, base):
                 continue
-            seeds = sorted(c.runs.keys() & base.runs.keys())
+            seeds = sorted(c.runs)
             if len(seeds) < 2:
                 continue
             parts, shown = [], False
