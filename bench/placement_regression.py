@@ -28,15 +28,17 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench.harness.tables import markdown_table
+from common.loadgen import percentile
 
 TARGETS = ("--tpot-target-ms", "100", "--ttft-target-ms", "2000")
 BUDGET_512 = ("--policy", "budget", "--max-num-batched-tokens", "512")
@@ -92,22 +94,6 @@ SETTINGS = (
 
 
 @dataclass(frozen=True)
-class Cell:
-    """One run's figures, as the table shows them."""
-
-    load: str
-    qps: float
-    routing: str
-    caching: str
-    ttft_p99: float
-    tpot_p99: float
-    queue_p99: float
-    max_share: float
-    hit_rate: float
-    commit: str = ""  # the service code it ran on
-
-
-@dataclass(frozen=True)
 class Figures:
     """What the table and the capacity search read of one run."""
 
@@ -118,6 +104,33 @@ class Figures:
     max_share_over_mean: float
     prefix_hit_rate: float
     commit: str = ""
+    # Its requests' latencies, sorted (seconds), and its prefill tokens, to pool seeds
+    # (empty: a run kept before they were; its cell then takes the seeds' mean p99s).
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+    cached_prefill_tokens: int = 0
+    computed_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell's figures, as the table shows them: one run's, or pooled over seeds."""
+
+    load: str
+    qps: float
+    routing: str
+    caching: str
+    ttft_p99: float
+    tpot_p99: float
+    queue_p99: float
+    max_share: float  # the highest of its runs'
+    hit_rate: float
+    commit: str = ""  # the service code it ran on
+    # Each seed's run, by seed (one seed: the cell is that run).
+    runs: dict[int, Figures] = field(default_factory=dict)
+    # Whether the p99s are of the seeds' requests pooled (else the mean of their p99s).
+    pooled: bool = True
 
 
 @dataclass(frozen=True)
@@ -158,6 +171,7 @@ class Runner:
         cache: Path | None = None,
         cached_only: bool = False,
     ) -> None:
+        self.seed = seed
         self._name = f"{setting.name}-n{num_requests}-s{seed}-w{workers}"
         self._cache = cache
         self._cached_only = cached_only
@@ -237,9 +251,11 @@ class Runner:
         if self._cached_only:
             return None
         from service.sim import experiments
+        from service.sim.metrics import latency_samples
 
         setup, config = self._setup_and_config(routing, caching)
-        r = experiments.simulate(setup, config, qps).result
+        run = experiments.simulate(setup, config, qps)
+        r, samples = run.result, latency_samples(run.outcome)
         figures = Figures(
             qps,
             r.ttft_p99,
@@ -248,6 +264,11 @@ class Runner:
             r.max_share_over_mean,
             r.prefix_hit_rate,
             self._commit,
+            samples.ttft,
+            samples.tpot,
+            samples.queue,
+            r.cached_prefill_tokens,
+            r.computed_prefill_tokens,
         )
         if path is not None:
             path.write_text(json.dumps(asdict(figures)))
@@ -268,6 +289,7 @@ class Runner:
             r.max_share_over_mean,
             r.prefix_hit_rate,
             r.commit,
+            {self.seed: r},
         )
 
     def meets_slo(self, caching: str, qps: float) -> bool | None:
@@ -308,11 +330,50 @@ class Runner:
         return found.capacity_qps
 
 
+def pool(cells: list[Cell]) -> Cell:
+    """One cell of the same cell's runs at several seeds: its p99s over all their
+    requests (the mean of their p99s when a run kept no latencies), its max share the
+    highest of theirs, its hit rate over all their prefill tokens."""
+    if len(cells) == 1:
+        return cells[0]
+    runs = {seed: r for c in cells for seed, r in c.runs.items()}
+    figures = list(runs.values())
+    pooled = all(r.ttft and r.tpot and r.queue for r in figures)
+    if pooled:
+        ttft_p99, tpot_p99, queue_p99 = (
+            percentile(sorted(x for r in figures for x in getattr(r, name)), 99)
+            for name in ("ttft", "tpot", "queue")
+        )
+        prefilled = sum(r.cached_prefill_tokens + r.computed_prefill_tokens for r in figures)
+        hit_rate = sum(r.cached_prefill_tokens for r in figures) / prefilled if prefilled else 0.0
+    else:
+        ttft_p99, tpot_p99, queue_p99, hit_rate = (
+            statistics.fmean(getattr(r, name) for r in figures)
+            for name in ("ttft_p99", "tpot_p99", "queue_p99", "prefix_hit_rate")
+        )
+    first = cells[0]
+    return Cell(
+        first.load,
+        first.qps,
+        first.routing,
+        first.caching,
+        ttft_p99,
+        tpot_p99,
+        queue_p99,
+        max(r.max_share_over_mean for r in figures),
+        hit_rate,
+        ",".join(sorted({r.commit for r in figures})),
+        runs,
+        pooled,
+    )
+
+
 def measure(
     setting: Setting, args: argparse.Namespace
 ) -> tuple[list[Cell], dict[str, float | None]]:
     """Every cell of one setting: the light loads' runs, the capacities, then the runs
-    at 80% of capacity (with --from-cache, those the cache holds)."""
+    at 80% of capacity (with --from-cache, those the cache holds); each cell run at
+    every seed and pooled, the capacities at the first seed."""
     started = time.perf_counter()
 
     def log(text: str) -> None:
@@ -321,20 +382,29 @@ def measure(
     cache = Path(args.cache) if args.cache else None
     if cache is not None:
         cache.mkdir(parents=True, exist_ok=True)
-    runner = Runner(setting, args.num_requests, args.seed, args.workers, cache, args.from_cache)
+    runners = [
+        Runner(setting, args.num_requests, seed, args.workers, cache, args.from_cache)
+        for seed in args.seeds
+    ]
+    runner = runners[0]  # the capacities'
     runs = [("pull", "on"), ("pull", "off")] + [(r, "on") for r in args.routers]
     cells = []
 
     def run_load(load: str, qps: float) -> None:
         for routing, caching in runs:
-            cell = runner.run(load, qps, routing, caching)
-            if cell is None:
-                continue
-            log(
-                f"{load} ({qps:g}), {routing}, caching {caching}: TTFT p99 {cell.ttft_p99:.3f}"
-                f" s, TPOT p99 {cell.tpot_p99 * 1000:.1f} ms, max share {cell.max_share:.2f}"
-            )
-            cells.append(cell)
+            kept = []
+            for seed_runner in runners:
+                cell = seed_runner.run(load, qps, routing, caching)
+                if cell is None:
+                    continue
+                log(
+                    f"{load} ({qps:g}), {routing}, caching {caching}, seed {seed_runner.seed}:"
+                    f" TTFT p99 {cell.ttft_p99:.3f} s, TPOT p99 {cell.tpot_p99 * 1000:.1f} ms,"
+                    f" max share {cell.max_share:.2f}"
+                )
+                kept.append(cell)
+            if kept:
+                cells.append(pool(kept))
 
     for q in args.qps:
         run_load(f"{q:g} QPS", q)
@@ -371,19 +441,21 @@ def table(results: list[tuple[Setting, list[Cell], dict[str, float]]]) -> str:
             base = off.get(c.load)
             ratio = (
                 f"{c.ttft_p99 / base.ttft_p99:.2f} / {c.tpot_p99 / base.tpot_p99:.2f}"
-                if base is not None and c is not base
+                if _comparable(c, base)
                 else ""
             )
+            mean = "" if c.pooled else " *"
             rows.append(
                 [
                     setting.name,
                     f"{c.load} ({c.qps:g})" if c.load.startswith("80") else c.load,
                     c.routing,
                     c.caching,
-                    f"{c.ttft_p99:.3f}",
-                    f"{c.tpot_p99 * 1000:.1f}",
+                    _seeds(c),
+                    f"{c.ttft_p99:.3f}{mean}",
+                    f"{c.tpot_p99 * 1000:.1f}{mean}",
                     ratio,
-                    f"{c.queue_p99:.3f}",
+                    f"{c.queue_p99:.3f}{mean}",
                     f"{c.max_share:.2f}",
                     f"{c.hit_rate:.3f}",
                 ]
@@ -403,6 +475,7 @@ def table(results: list[tuple[Setting, list[Cell], dict[str, float]]]) -> str:
                 "capacity QPS",
                 "pull",
                 "on / off",
+                "",
                 f"{on} / {capacity['off']:.2f}",
                 "",
                 ratio,
@@ -416,6 +489,7 @@ def table(results: list[tuple[Setting, list[Cell], dict[str, float]]]) -> str:
         "load",
         "routing",
         "caching",
+        "seeds",
         "TTFT p99 s",
         "TPOT p99 ms",
         "vs pull off (TTFT / TPOT)",
@@ -424,6 +498,48 @@ def table(results: list[tuple[Setting, list[Cell], dict[str, float]]]) -> str:
         "hit rate",
     ]
     return markdown_table(header, rows)
+
+
+def _comparable(cell: Cell, base: Cell | None) -> bool:
+    """Whether `cell` is read against `base`: another cell, of the same seeds."""
+    return base is not None and cell is not base and cell.runs.keys() == base.runs.keys()
+
+
+def _seeds(cell: Cell) -> str:
+    """The seeds of a cell's runs: "0-2", or "0, 2" when not consecutive."""
+    seeds = sorted(cell.runs)
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def seed_ratios(
+    results: list[tuple[Setting, list[Cell], dict[str, float | None]]], near: float = 1.0
+) -> list[str]:
+    """Pull with caching on against off, seed by seed, for the cells near the target:
+    pooled at `near` or above, or a seed above 1.05x (TTFT or TPOT p99)."""
+    found = []
+    for setting, cells, _ in results:
+        off = {c.load: c for c in cells if c.routing == "pull" and c.caching == "off"}
+        for c in cells:
+            base = off.get(c.load)
+            if c.routing != "pull" or c.caching != "on" or not _comparable(c, base):
+                continue
+            seeds = sorted(c.runs)
+            if len(seeds) < 2:
+                continue
+            parts, shown = [], False
+            for name, pooled, attr in (
+                ("TTFT", c.ttft_p99 / base.ttft_p99, "ttft_p99"),
+                ("TPOT", c.tpot_p99 / base.tpot_p99, "tpot_p99"),
+            ):
+                each = [getattr(c.runs[s], attr) / getattr(base.runs[s], attr) for s in seeds]
+                shown |= pooled >= near or max(each) > 1.05
+                per_seed = ", ".join(f"s{s} {r:.3f}" for s, r in zip(seeds, each, strict=True))
+                parts.append(f"{name} {pooled:.3f} ({per_seed})")
+            if shown:
+                found.append(f"{setting.name}, {c.load}: " + "; ".join(parts))
+    return found
 
 
 def misses(results: list[tuple[Setting, list[Cell], dict[str, float | None]]]) -> list[str]:
@@ -439,7 +555,7 @@ def misses(results: list[tuple[Setting, list[Cell], dict[str, float | None]]]) -
             if c.max_share > 1.2:
                 found.append(f"{where}: max share / mean {c.max_share:.2f}")
             base = off.get(c.load)
-            if c.caching == "on" and base is not None:
+            if c.caching == "on" and _comparable(c, base):
                 for name, on, of in (
                     ("TTFT", c.ttft_p99, base.ttft_p99),
                     ("TPOT", c.tpot_p99, base.tpot_p99),
@@ -469,7 +585,12 @@ def main() -> int:
         "them in docs/simulation.md's tables)",
     )
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated: each cell run at each, its figures pooled; the capacities "
+        "at the first (default %(default)s)",
+    )
     p.add_argument("--capacity-start", type=float, default=4.0)
     p.add_argument("--capacity-tolerance", type=float, default=0.1)
     p.add_argument("--jobs", type=int, default=1, help="settings run at once (processes)")
@@ -487,6 +608,7 @@ def main() -> int:
     args = p.parse_args()
     args.qps = [float(q) for q in args.qps.split(",") if q]
     args.routers = [r for r in args.routers.split(",") if r]
+    args.seeds = [int(x) for x in args.seeds.split(",") if x]
     if args.from_cache and not args.cache:
         p.error("--from-cache needs --cache")
     by_name = {s.name: s for s in SETTINGS}
@@ -506,10 +628,18 @@ def main() -> int:
     print("\nOff target:" if misses(results) else "\nEvery cell on target.")
     for line in misses(results):
         print(f"- {line}")
+    near = seed_ratios(results)
+    if near:
+        print("\nPull, caching on vs off, per seed (the cells near the target):")
+        for line in near:
+            print(f"- {line}")
+    if any(not c.pooled for _, cells, _ in results for c in cells):
+        print("\n* the mean of the seeds' p99s (runs kept without their latencies)")
     commits = Counter(c.commit for _, cells, _ in results for c in cells)
     print("\nService code of the cells: " + ", ".join(f"{k} ({n})" for k, n in commits.items()))
     print(
-        f"\n{args.num_requests} requests a run, {args.workers} workers, seed {args.seed}; "
+        f"\n{args.num_requests} requests a run, {args.workers} workers, seeds "
+        f"{','.join(map(str, args.seeds))} (capacities: seed {args.seeds[0]}); "
         f"{time.perf_counter() - started:.0f} s wall; load average "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )

@@ -85,21 +85,39 @@ class RunResult:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class LatencySamples:
+    """One run's per-request latencies, each list sorted (seconds): what its percentiles
+    are of, kept to pool runs (several seeds) into one percentile."""
+
+    ttft: list[float]
+    tpot: list[float]
+    queue: list[float]
+
+
+def latency_samples(outcome: RunOutcome) -> LatencySamples:
+    records = outcome.records
+    served = [r for r in records if r.first_token_at is not None]  # FAILED ones may have none
+    return LatencySamples(
+        ttft=sorted(r.first_token_at - r.request.arrival_seconds for r in served),
+        tpot=sorted(
+            (r.last_token_at - r.first_token_at) / (r.num_tokens - 1)
+            for r in served
+            if r.num_tokens > 1
+        ),
+        queue=sorted(
+            r.admitted_at - r.request.arrival_seconds for r in records if r.admitted_at is not None
+        ),
+    )
+
+
 def summarize(
     outcome: RunOutcome, *, policy: str, qps: float, workers: int, routing: str
 ) -> RunResult:
     records = outcome.records
-    served = [r for r in records if r.first_token_at is not None]  # FAILED ones may have none
-    ttft = sorted(r.first_token_at - r.request.arrival_seconds for r in served)
-    tpot = sorted(
-        (r.last_token_at - r.first_token_at) / (r.num_tokens - 1)
-        for r in served
-        if r.num_tokens > 1
-    )
+    samples = latency_samples(outcome)
+    ttft, tpot, queue = samples.ttft, samples.tpot, samples.queue
     e2e = sorted(r.finished_at - r.request.arrival_seconds for r in records)
-    queue = sorted(
-        r.admitted_at - r.request.arrival_seconds for r in records if r.admitted_at is not None
-    )
     start = min(r.request.arrival_seconds for r in records)
     makespan = max(r.finished_at for r in records) - start
     num_tokens = sum(r.num_tokens for r in records)

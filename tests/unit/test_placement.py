@@ -516,3 +516,49 @@ def test_below_its_share_a_worker_leaves_a_long_cold_prompt_to_a_less_loaded_one
     assert admitted(sched.select_batch(report("w1", waiting=held["w1"]))) == [(long, 0)]
     short = submit_tokens(sched, prompt(8, 7000))
     assert admitted(sched.select_batch(report("w0", waiting=held["w0"]))) == [(short, 0)]
+
+
+def _busy_holder(gap_ms: float):
+    """w1 holds a 400-token prompt's prefix and two sequences, and has called every
+    `gap_ms` (its step and round trip: longer than any step the rule predicts); w0 is
+    idle. Returns the scheduler, its clock, w1's sequences and the prompt's seq_id
+    (just queued)."""
+    sched, clock = fleet()
+    sched.select_batch(cache_report("w1", added=hashes(400), reset=True))
+    busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 3)]
+    assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy
+    sched.select_batch(cache_report("w0", reset=True))
+    for _ in range(4):
+        clock.advance_ms(gap_ms)
+        sched.select_batch(report("w1", waiting=busy))
+    clock.advance_ms(1)
+    return sched, clock, busy, submit(sched, prompt_len=400)
+
+
+def test_a_next_turn_waits_for_its_holder_to_ask_once_though_its_steps_are_fast():
+    """The step model predicts the holder's start (a decode step) and the saved prefill
+    in well under 150 ms; the holder asks every 200 ms (a fast step, a slow round trip):
+    the asker waits until the holder has asked once since the turn was queued, which
+    then resumes it, for at most the holder's usual gap."""
+    sched, clock, busy, seq = _busy_holder(gap_ms=200)
+    assert default_step_seconds(0, 384) < 0.15
+    clock.advance_ms(150)
+    assert admitted(sched.select_batch(report("w0"))) == []  # w1 has not asked yet
+    clock.advance_ms(55)
+    assert admitted(sched.select_batch(report("w1", waiting=busy))) == [(seq, 384)]
+
+
+def test_once_the_holder_asked_and_left_it_or_went_silent_the_asker_takes_it():
+    sched, clock, busy, seq = _busy_holder(gap_ms=200)
+    clock.advance_ms(100)
+    # w1 asks without room (no free GDN slot): it had its chance.
+    assert admitted(sched.select_batch(report("w1", waiting=busy, gdn_free_slots=0))) == []
+    clock.advance_ms(50)
+    assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]
+    # A holder that stops asking is waited for no longer than its usual gap (its mean
+    # 200 ms and four deviations, under 400 ms here).
+    sched, clock, busy, seq = _busy_holder(gap_ms=200)
+    clock.advance_ms(300)
+    assert admitted(sched.select_batch(report("w0"))) == []
+    clock.advance_ms(100)
+    assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]

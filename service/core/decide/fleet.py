@@ -90,6 +90,17 @@ class FleetView:
         """Sequences assigned to the peer `worker_id`."""
         return len(self._peers[worker_id].assigned)
 
+    def called_since_queued(self, worker_id: str, seq: Sequence) -> bool:
+        """Whether the peer `worker_id` has called since `seq` last entered the queue
+        (so it had `seq` to take or leave)."""
+        last = self._peers[worker_id].call_gaps.last_call_at
+        return last is not None and last > seq.enqueued_at
+
+    def call_gap_seconds(self, worker_id: str) -> float:
+        """How long the peer `worker_id` may take to call again while busy (its measured
+        gaps between calls: CallGaps.bound_seconds; 0 until measured)."""
+        return self._peers[worker_id].call_gaps.bound_seconds()
+
     def backlog_tokens(self, worker_id: str) -> int:
         """Prompt tokens the peer `worker_id` has still to be handed (its assigned
         sequences' prompts past their cursors): prefill it runs before, or beside, any

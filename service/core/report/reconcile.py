@@ -71,6 +71,7 @@ class Reconciler:
         # The tokens first: a report they refuse changes nothing.
         self._steady.apply_tokens(worker, report, self._general_tokens)
         worker.last_call_at = self._clock()
+        worker.call_gaps.called(worker.last_call_at, busy=bool(worker.assigned))
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots

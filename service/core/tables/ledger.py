@@ -51,6 +51,36 @@ class SteadyRuns:
     page_residues: list[int] | None = None
 
 
+@dataclass(slots=True)
+class CallGaps:
+    """How long a busy worker takes to call again (its step, its report's round trip, its
+    wake-up), smoothed as TCP smooths round-trip times (RFC 6298): how long another worker
+    may wait for this one to ask. Read by the placement (FleetView); 0 until measured."""
+
+    last_call_at: float | None = None
+    mean_seconds: float = 0.0
+    deviation_seconds: float = 0.0
+
+    def called(self, now: float, busy: bool) -> None:
+        """A call at `now` (the scheduler's clock); `busy`: the worker held sequences
+        since its previous call, so it ran steps between the two and the gap counts (an
+        idle worker's gap is the time it had nothing to do)."""
+        last, self.last_call_at = self.last_call_at, now
+        if not busy or last is None:
+            return
+        gap = now - last
+        if not self.mean_seconds:
+            self.mean_seconds, self.deviation_seconds = gap, gap / 2
+            return
+        self.deviation_seconds += (abs(gap - self.mean_seconds) - self.deviation_seconds) / 4
+        self.mean_seconds += (gap - self.mean_seconds) / 8
+
+    def bound_seconds(self) -> float:
+        """How long its next call may take: the mean gap and four deviations (TCP's
+        retransmission timeout, which few gaps exceed)."""
+        return self.mean_seconds + 4 * self.deviation_seconds
+
+
 @dataclass
 class WorkerRecord:
     """One registered worker incarnation."""
@@ -75,6 +105,8 @@ class WorkerRecord:
     # is checked against it instead of sequence by sequence. Cleared at every admission
     # to this worker; a sequence that left `assigned` makes it fail its check.
     steady_runs: SteadyRuns | None = None
+    # When it called, and how long it takes to call again while busy.
+    call_gaps: CallGaps = field(default_factory=CallGaps)
 
     @property
     def worker_id(self) -> str:

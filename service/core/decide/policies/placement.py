@@ -19,7 +19,9 @@ backlog (0 when idle). A prefix hit is kept for its holder only when it pays.
    and the holder's batch carrying the rest) and is below its cap; then for at most the
    time W would spend computing the tokens the holder has cached (W's step model's
    prediction, or the cautious default model's) or the holder's predicted wait, the
-   longer; after that W takes it. When the
+   longer, and while the holder has not asked since the candidate was queued, for up to
+   its measured gap between calls (`CallGaps`: a step and a report's round trip, longer
+   than the predicted step on fast steps); after that W takes it. When the
    holders tie among themselves and each of them would place it by load away from
    itself (4.), it is placed by load as a cold one.
 4. **Cold** (cached nowhere) or a **tie** (another worker holds as long a prefix):
@@ -127,7 +129,17 @@ class Placement:
                 return False
             # For the saved prefill's time, or until the holder's predicted start if
             # later (the price already said that wait pays).
-            return waited < max(self._step_seconds(own, other - own), holder.wait_seconds)
+            if waited < max(self._step_seconds(own, other - own), holder.wait_seconds):
+                return True
+            # Those are step times; the holder asks again after its step, its report's
+            # round trip and its wake-up, longer on fast steps: until it has asked once
+            # since `seq` was queued, for at most its measured gap between calls.
+            holder_id = spread.best_other_holder
+            return (
+                holder_id is not None
+                and not fleet.called_since_queued(holder_id, seq)
+                and waited < fleet.call_gap_seconds(holder_id)
+            )
         # At most one of W's steps: a less loaded worker that asks meanwhile takes it.
         patience = self._step_seconds(own, min(num_tokens - own, self._view.chunk_size))
         if own > other:
