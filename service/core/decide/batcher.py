@@ -284,6 +284,7 @@ class Batcher:
             self._observer.on_admission_blocked(worker.worker_id, plan.blocked)
         if served:
             self._lifecycle.serve(served)
+        worker.decided_prefill_tokens = sum(c.chunk_len for c in prefill)
         if prefill:
             self._observer.on_prefill_tokens(
                 worker.worker_id,

@@ -75,6 +75,11 @@ class WorkerRecord:
     # is checked against it instead of sequence by sequence. Cleared at every admission
     # to this worker; a sequence that left `assigned` makes it fail its check.
     steady_runs: SteadyRuns | None = None
+    # Prompt tokens its latest decision handed it to compute (first chunks and
+    # continuations). The worker runs them before anything a later decision hands it,
+    # and with overlapped iterations it calls next as that step starts, so until then
+    # they are work ahead of any admission (placement counts them in its wait).
+    decided_prefill_tokens: int = 0
 
     @property
     def worker_id(self) -> str:
