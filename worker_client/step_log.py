@@ -52,7 +52,9 @@ class StepLog:
             ended=round(ended, 6),
             chunks=[[c.seq_id, c.chunk_start, c.chunk_len, c.cached_tokens] for c in work.prefill],
             num_decodes=len(work.decode),
-            first_tokens=[seq_id for seq_id, tokens in out.tokens if seq_id in prefilled and tokens],
+            first_tokens=[
+                seq_id for seq_id, tokens in out.tokens if seq_id in prefilled and tokens
+            ],
         )
 
     def close(self) -> None:
