@@ -137,11 +137,14 @@ def burst_lines(
             if s.worker == admission.worker and started_at <= s.started < own[0].started
         )
         seen = f"{ms(r.sent_at + r.ttft)}" if r.ttft is not None else "-"
-        last_first_token = max(last_first_token, own[-1].ended)
+        made = "-"
+        if r.seq_id in own[-1].first_tokens:
+            made = ms(own[-1].ended)
+            last_first_token = max(last_first_token, own[-1].ended)
         lines.append(
             f"| {r.seq_id} | {r.prompt_tokens} | {ms(r.sent_at)} | {admission.worker}: "
             f"{ms(admission.asked)} / {ms(admission.answered)} | {cells} | {before} | "
-            f"{ms(own[-1].ended)} | {seen} |"
+            f"{made} | {seen} |"
         )
     workers = sorted({s.worker for s in timeline.steps})
     for worker in workers:
