@@ -571,14 +571,18 @@ def print_worker_lines(logs: Path, num_workers: int) -> None:
 
 
 def print_burst(load: Load, logs: Path, num_workers: int) -> None:
-    """Where the Lattice stack's opening burst spent its time, from the workers' step logs."""
-    from bench.harness.timeline import Timeline, burst_lines
+    """Where the Lattice stack's opening burst and its slowest first tokens spent their
+    time, from the workers' step logs."""
+    from bench.harness.timeline import Timeline, burst_lines, slowest_lines
 
     timeline = Timeline.read(step_log_path(logs, i) for i in range(num_workers))
-    lines = burst_lines(load.requests, load.started_at, timeline)
-    if lines:
-        print()
-        print("\n".join(lines))
+    for lines in (
+        burst_lines(load.requests, load.started_at, timeline),
+        slowest_lines(load.requests, load.started_at, timeline),
+    ):
+        if lines:
+            print()
+            print("\n".join(lines))
     sys.stdout.flush()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from bench.harness.timeline import Timeline, burst_lines
+from bench.harness.timeline import Timeline, burst_lines, slowest_lines
 
 T0 = 1000.0  # the load's start, wall clock
 
@@ -48,10 +48,13 @@ def test_each_request_of_the_burst_is_traced_to_its_steps_and_worker(tmp_path):
     lines = burst_lines(requests, T0, timeline)
     rows = [line for line in lines if line.startswith("| 3 ") or line.startswith("| 4 ")]
     assert rows[0] == (
-        "| 3 | 600 | 1 | w1: -50 / 10 | 10-50 (512 + 0), 50-120 (600 + 0) | 0 | 120 | 131 |"
+        "| 3 | 1 | 600 | 1 | w1: -50 / 10 | 10-50 (512 + 0), 50-120 (600 + 0) | 0 | 120 | 131 |"
     )
     # Seq 4 has no first token in the logs yet: its steps so far, no time seen.
-    assert rows[1].startswith("| 4 | 600 | 2 | w1: 10 / 20 | 50-120 (600 + 0) | 1 |")
+    assert rows[1].startswith("| 4 | 1 | 600 | 2 | w1: 10 / 20 | 50-120 (600 + 0) | 1 |")
     assert rows[1].endswith("| 1 | - | - |")
     assert len(rows) == 2
     assert lines[-1].startswith("  w1: 2 steps, 110 ms stepping and 10 ms not")
+    slowest = slowest_lines(requests, T0, timeline, num=2)
+    assert [line.split(" |")[0] for line in slowest[3:]] == ["| 3", "| 5"]
+    assert slowest[4].endswith("not in the logs |")

@@ -94,6 +94,14 @@ class Timeline:
         return out
 
 
+_HEADER = (
+    "| seq | turn | prompt tokens | sent | worker: decision asked / answered | its prompt's "
+    "steps: start-end (prompt tokens + decodes in the step) | steps the worker ran between "
+    "its sending and its first chunk | first token made | seen by the client |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+)
+
+
 def burst_lines(
     requests: Sequence[Sent], started_at: float, timeline: Timeline, window_seconds: float = 0.5
 ) -> list[str]:
@@ -109,45 +117,18 @@ def burst_lines(
     )
     if not burst:
         return []
-
-    def ms(t: float) -> str:
-        return f"{(t - started_at) * 1000:.0f}"
-
     lines = [
         f"opening burst: {len(burst)} first turns sent in the first {window_seconds} s "
         "(ms from the load's start)",
-        "| seq | prompt tokens | sent | worker: decision asked / answered | its prompt's "
-        "steps: start-end (prompt tokens + decodes in the step) | steps the worker ran "
-        "before | first token made | seen by the client |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *_HEADER,
     ]
     last_first_token = started_at
     for r in burst:
-        admission = timeline.admitted.get(r.seq_id)
-        own = timeline.steps_of(r.seq_id)
-        if admission is None or not own:
-            lines.append(f"| {r.seq_id} | {r.prompt_tokens} | {ms(r.sent_at)} | not in the logs |")
-            continue
-        cells = ", ".join(
-            f"{ms(s.started)}-{ms(s.ended)} ({s.num_prompt_tokens} + {s.num_decodes})" for s in own
-        )
-        before = sum(
-            1
-            for s in timeline.steps
-            if s.worker == admission.worker and started_at <= s.started < own[0].started
-        )
-        seen = f"{ms(r.sent_at + r.ttft)}" if r.ttft is not None else "-"
-        made = "-"
-        if r.seq_id in own[-1].first_tokens:
-            made = ms(own[-1].ended)
-            last_first_token = max(last_first_token, own[-1].ended)
-        lines.append(
-            f"| {r.seq_id} | {r.prompt_tokens} | {ms(r.sent_at)} | {admission.worker}: "
-            f"{ms(admission.asked)} / {ms(admission.answered)} | {cells} | {before} | "
-            f"{made} | {seen} |"
-        )
-    workers = sorted({s.worker for s in timeline.steps})
-    for worker in workers:
+        row, made = _row(r, started_at, timeline)
+        lines.append(row)
+        if made is not None:
+            last_first_token = max(last_first_token, made)
+    for worker in sorted({s.worker for s in timeline.steps}):
         steps = [
             s
             for s in timeline.steps
@@ -159,7 +140,8 @@ def burst_lines(
         busy = sum(s.ended - s.started for s in steps)
         idle = steps[-1].ended - started_at - busy
         cells = ", ".join(
-            f"{ms(s.started)}-{ms(s.ended)} ({s.num_prompt_tokens} + {s.num_decodes})"
+            f"{_ms(s.started, started_at)}-{_ms(s.ended, started_at)} "
+            f"({s.num_prompt_tokens} + {s.num_decodes})"
             for s in steps
         )
         lines.append(
@@ -167,3 +149,51 @@ def burst_lines(
             f"{idle * 1000:.0f} ms not, from the start to its last step: {cells}"
         )
     return lines
+
+
+def slowest_lines(
+    requests: Sequence[Sent], started_at: float, timeline: Timeline, num: int = 4
+) -> list[str]:
+    """The per-request lines of the `num` slowest first tokens of the load."""
+    slowest = sorted(
+        (r for r in requests if r.seq_id is not None and r.ttft is not None),
+        key=lambda r: -r.ttft,
+    )[:num]
+    if not slowest:
+        return []
+    return [
+        f"the {len(slowest)} slowest first tokens (ms from the load's start)",
+        *_HEADER,
+        *(_row(r, started_at, timeline)[0] for r in slowest),
+    ]
+
+
+def _ms(t: float, started_at: float) -> str:
+    return f"{(t - started_at) * 1000:.0f}"
+
+
+def _row(r: Sent, started_at: float, timeline: Timeline) -> tuple[str, float | None]:
+    """One request's table row, and when its first token was made (None: not logged)."""
+    admission = timeline.admitted.get(r.seq_id)
+    own = timeline.steps_of(r.seq_id)
+    head = f"| {r.seq_id} | {r.turn} | {r.prompt_tokens} | {_ms(r.sent_at, started_at)} |"
+    if admission is None or not own:
+        return f"{head} not in the logs |", None
+    cells = ", ".join(
+        f"{_ms(s.started, started_at)}-{_ms(s.ended, started_at)} "
+        f"({s.num_prompt_tokens} + {s.num_decodes})"
+        for s in own
+    )
+    before = sum(
+        1
+        for s in timeline.steps
+        if s.worker == admission.worker and r.sent_at <= s.started < own[0].started
+    )
+    seen = _ms(r.sent_at + r.ttft, started_at) if r.ttft is not None else "-"
+    made = own[-1].ended if r.seq_id in own[-1].first_tokens else None
+    row = (
+        f"{head} {admission.worker}: {_ms(admission.asked, started_at)} / "
+        f"{_ms(admission.answered, started_at)} | {cells} | {before} | "
+        f"{'-' if made is None else _ms(made, started_at)} | {seen} |"
+    )
+    return row, made
