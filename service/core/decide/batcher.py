@@ -74,8 +74,6 @@ class Batcher:
         step_model: StepTimeModel | None = None,
     ) -> Decision:
         """The decision for `worker`, whose report was applied (docs/contract.md rule 1)."""
-        if report.last_step_us and worker.unran_prefill:
-            worker.unran_prefill.popleft()  # the oldest decision's step ended
         # The running sequences (the only per-sequence work of a decision that admits
         # nothing: one pass, or none in a steady step), then the waiting ones.
         role = worker.registration.role
@@ -286,8 +284,6 @@ class Batcher:
             self._observer.on_admission_blocked(worker.worker_id, plan.blocked)
         if served:
             self._lifecycle.serve(served)
-        if plan.decode or prefill:
-            worker.unran_prefill.append(sum(c.chunk_len for c in prefill))
         if prefill:
             self._observer.on_prefill_tokens(
                 worker.worker_id,

@@ -91,16 +91,14 @@ class FleetView:
         return len(self._peers[worker_id].assigned)
 
     def backlog_tokens(self, worker_id: str) -> int:
-        """Prompt tokens the peer `worker_id` has still to compute: those handed to it
-        in decisions whose steps have not ended (WorkerRecord.unran_prefill) and those
-        it has still to be handed (its assigned sequences' prompts past their cursors):
-        prefill it runs before, or beside, any admission. O(its assigned sequences),
-        memoized for this decision."""
+        """Prompt tokens the peer `worker_id` has still to be handed (its assigned
+        sequences' prompts past their cursors): prefill it runs before, or beside, any
+        admission. O(its assigned sequences), memoized for this decision."""
         known = self._backlog.get(worker_id)
         if known is None:
-            peer = self._peers[worker_id]
-            known = self._backlog[worker_id] = peer.unran_prefill_tokens + sum(
-                max(0, seq.spec_prompt_len() - seq.cursor) for seq in peer.assigned.values()
+            known = self._backlog[worker_id] = sum(
+                max(0, seq.spec_prompt_len() - seq.cursor)
+                for seq in self._peers[worker_id].assigned.values()
             )
         return known
 

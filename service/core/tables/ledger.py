@@ -6,7 +6,6 @@ Mechanism only: it reads no config; the Scheduler hands it each worker's setting
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -52,11 +51,6 @@ class SteadyRuns:
     page_residues: list[int] | None = None
 
 
-# Decisions a worker may hold without having run their steps: with overlapped
-# iterations, the one whose step runs and the one answered as it started.
-MAX_UNRAN_DECISIONS = 2
-
-
 @dataclass
 class WorkerRecord:
     """One registered worker incarnation."""
@@ -81,23 +75,10 @@ class WorkerRecord:
     # is checked against it instead of sequence by sequence. Cleared at every admission
     # to this worker; a sequence that left `assigned` makes it fail its check.
     steady_runs: SteadyRuns | None = None
-    # Prompt tokens (first chunks and continuations) of each decision with work whose
-    # step is not known to have ended, oldest first: a report that carries a step time
-    # (`last_step_us`) ends the oldest, as the worker runs its decisions in order. With
-    # overlapped iterations a worker calls as a step starts, so that step's decision and
-    # the one it gets now are both ahead of anything it is handed later (two at most;
-    # a worker that reports no step times keeps its latest two).
-    unran_prefill: deque[int] = field(default_factory=lambda: deque(maxlen=MAX_UNRAN_DECISIONS))
 
     @property
     def worker_id(self) -> str:
         return self.registration.worker_id
-
-    @property
-    def unran_prefill_tokens(self) -> int:
-        """Prompt tokens handed to it that it has not computed yet, as far as its step
-        times tell: prefill it runs before anything it is handed next."""
-        return sum(self.unran_prefill)
 
     @property
     def incarnation(self) -> int:
