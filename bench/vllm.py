@@ -68,6 +68,9 @@ class Request:
     error: str = ""
     turn: int = 0  # its place in its conversation, 1 first
     sent: float = 0.0  # seconds into the load when it was sent
+    sent_at: float = 0.0  # wall clock (time.time()) when it was sent
+    seq_id: int | None = None  # Lattice's, from the answer's id (chatcmpl-<seq_id>)
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Load:
     """What one load measured."""
 
     wall: float
+    started_at: float = 0.0  # wall clock (time.time()) when the load started
     requests: list[Request] = field(default_factory=list)
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # by process role
     num_steps: float = 0.0
@@ -144,7 +148,7 @@ def run_conversations(
             for number, turn in enumerate(conversations[index], 1):
                 messages += turn
                 started = time.perf_counter()
-                request = Request(turn=number, sent=started - load_started)
+                request = Request(turn=number, sent=started - load_started, sent_at=time.time())
                 with lock:
                     load.requests.append(request)
                 pieces = []
@@ -159,18 +163,22 @@ def run_conversations(
                         extra_body={"ignore_eos": True},
                     )
                     for chunk in stream:
+                        if request.seq_id is None:
+                            request.seq_id = _seq_id(chunk.id)
                         if chunk.choices and chunk.choices[0].delta.content:
                             if request.ttft is None:
                                 request.ttft = time.perf_counter() - started
                             pieces.append(chunk.choices[0].delta.content)
                         if chunk.usage is not None:
                             request.tokens = chunk.usage.completion_tokens
+                            request.prompt_tokens = chunk.usage.prompt_tokens
                 except openai.APIError as err:
                     request.error = str(err)
                 request.e2e = time.perf_counter() - started
                 messages = [*messages, {"role": "assistant", "content": "".join(pieces)}]
 
     started = load_started = time.perf_counter()
+    load.started_at = time.time()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
@@ -179,6 +187,12 @@ def run_conversations(
     load.wall = time.perf_counter() - started
     client.close()
     return load
+
+
+def _seq_id(answer_id: str) -> int | None:
+    """Lattice's seq_id in an answer's id (chatcmpl-<seq_id>); None for vLLM's ids."""
+    tail = answer_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
 
 
 def measured(stack: Stack, run: Callable[[], Load]) -> Load:
@@ -263,11 +277,14 @@ def lattice(
         started.append(scheduler)
         target = f"{LOOPBACK}:{scheduler.ports[0]}"
         for i in range(num_workers):
+            steps = step_log_path(logs, i)
+            steps.unlink(missing_ok=True)
             argv = [
                 str(VLLM_PYTHON), "-m", "worker_client", "--engine", "vllm",
                 "--scheduler", target, "--worker-id", f"vllm-{i + 1}", "--model", str(model),
                 "--kv-cache-gib", "1", "--max-model-len", str(MAX_MODEL_LEN),
-                "--max-num-batched-tokens", str(STEP_TOKENS), *worker_flags,
+                "--max-num-batched-tokens", str(STEP_TOKENS), "--step-log", str(steps),
+                *worker_flags,
             ]  # fmt: skip
             env = clean_env(VLLM_CPU_OMP_THREADS_BIND=_cores(i, num_workers))
             started.append(Process(f"vllm-{i + 1}", argv, logs / f"vllm-{i + 1}.log", env=env))
@@ -293,6 +310,11 @@ def lattice(
     finally:
         for p in reversed(started):
             p.stop(30)
+
+
+def step_log_path(logs: Path, index: int) -> Path:
+    """Where Lattice worker `index` (from 0) writes its decisions and steps."""
+    return logs / f"vllm-{index + 1}.steps.jsonl"
 
 
 def _lattice_steps(metrics_port: int) -> tuple[float, float, float]:
@@ -482,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         print_decisions(results, len(conversations))
         print_costs(results, "conversations", DECISION_ROWS)
         print_worker_lines(logs, 2)
+        print_burst(results["lattice, 2 vLLM workers"]["conversations"], logs, 2)
     return 0
 
 
@@ -544,6 +567,22 @@ def print_worker_lines(logs: Path, num_workers: int) -> None:
         for line in lines:
             if "vLLM steps" in line:
                 print(f"  {line}")
+    sys.stdout.flush()
+
+
+def print_burst(load: Load, logs: Path, num_workers: int) -> None:
+    """Where the Lattice stack's opening burst and its slowest first tokens spent their
+    time, from the workers' step logs."""
+    from bench.harness.timeline import Timeline, burst_lines, slowest_lines
+
+    timeline = Timeline.read(step_log_path(logs, i) for i in range(num_workers))
+    for lines in (
+        burst_lines(load.requests, load.started_at, timeline),
+        slowest_lines(load.requests, load.started_at, timeline),
+    ):
+        if lines:
+            print()
+            print("\n".join(lines))
     sys.stdout.flush()
 
 

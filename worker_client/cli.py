@@ -140,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         "the next step while the engine runs this one",
     )
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
+    parser.add_argument(
+        "--step-log",
+        metavar="PATH",
+        help="append a JSON line per decision and per engine step to PATH: when each "
+        "was asked for, answered, started and ended, the chunks it carried and the first "
+        "tokens it made (worker_client/step_log.py)",
+    )
     _add_handoff_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -377,6 +384,7 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
     from worker_client.client import SchedulerClient
     from worker_client.loop import WorkerLoop
     from worker_client.resources import WorkerResources, WorkerRole
+    from worker_client.step_log import StepLog
 
     try:
         targets = expand(args.scheduler)  # a dns:/// name: each of its addresses
@@ -405,7 +413,15 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
         handoff_bytes_per_token=engine.handoff_bytes_per_token if args.role != "both" else 0.0,
         handoff_fixed_bytes=engine.handoff_fixed_bytes if args.role != "both" else 0.0,
     )
-    loop = WorkerLoop(engine, client, resources, overlap=not args.no_overlap, handoffs=agent)
+    step_log = StepLog(args.step_log, args.worker_id) if args.step_log else None
+    loop = WorkerLoop(
+        engine,
+        client,
+        resources,
+        overlap=not args.no_overlap,
+        handoffs=agent,
+        step_log=step_log,
+    )
     if handoff_server is not None:
         handoff_server.start()
         log.info(
@@ -437,6 +453,8 @@ def _run(args: argparse.Namespace, engine, credentials) -> int:
         finally:
             if handoff_server is not None:
                 handoff_server.stop()
+            if step_log is not None:
+                step_log.close()
 
 
 def _serve(

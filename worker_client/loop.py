@@ -17,6 +17,7 @@ from worker_client.engine.api import ChunkWork, Engine, FinishReason, StepOutput
 from worker_client.forecast import Forecast, Holding
 from worker_client.handoffs import HandoffAgent
 from worker_client.resources import WorkerResources
+from worker_client.step_log import StepLog
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,13 @@ class WorkerLoop:
         idle_wait_seconds: float = DEFAULT_IDLE_WAIT_SECONDS,
         overlap: bool = True,
         handoffs: HandoffAgent | None = None,
+        step_log: StepLog | None = None,
     ) -> None:
         """`idle_sleep_seconds`: the pause after a decision with nothing to run, when the
         scheduler did not hold its answer (it holds none for a worker that holds work).
         `handoffs`: this worker's ends of prefill/decode handoffs (None: it takes part in
-        none, and a Handoff in a decision is ignored)."""
+        none, and a Handoff in a decision is ignored). `step_log`: where to write each
+        decision's and step's times (worker_client/step_log.py), if anywhere."""
         self.engine = engine
         self.client = client
         self.resources = resources
@@ -99,6 +102,8 @@ class WorkerLoop:
         self._step_us = 0  # the latest step's time, until a report carries it
         self._handoffs = handoffs
         self._decided_at = 0.0  # wall clock when the latest decision arrived
+        self._step_log = step_log
+        self._step_wall = (0.0, 0.0)  # wall clock when the latest step started and ended
 
     @property
     def handoffs(self) -> HandoffAgent | None:
@@ -175,6 +180,7 @@ class WorkerLoop:
                 stepping = stepper.submit(self._timed_step, work.prefill, work.decode)
                 after = self._forecast.after_step(held, work.prefill, work.decode)
                 try:
+                    asked_at = time.time()
                     decision = self.client.select(self._request(draining, after, idle=False))
                     self._decided_at = time.time()  # applied once the step ends
                     if self._handoffs is not None and decision.handoffs:
@@ -202,7 +208,9 @@ class WorkerLoop:
                 self._step_us = step_us  # reported with the next report, as its outputs
                 self.stats.iterations += 1
                 self._record(work, out)
-                work = self._apply(convert.work(decision, self._pending.reported_running))
+                work = convert.work(decision, self._pending.reported_running)
+                self._log_decision(asked_at, decision, work)
+                work = self._apply(work)
 
     def _decide_in_turn(self, stop: threading.Event, draining: bool) -> Work | None:
         """Report what is held now and wait for the answer (nothing in flight); the decision
@@ -267,6 +275,7 @@ class WorkerLoop:
 
     def _exchange(self, request: pb.SelectBatchRequest, held: Holding) -> Work | None:
         """Report and get the decision; None when the scheduler forgot us (registered again)."""
+        asked_at = time.time()
         try:
             decision = self.client.select(request)
         except NotRegistered:
@@ -278,7 +287,13 @@ class WorkerLoop:
             return None
         self._delivered(decision)
         self.stats.iterations += 1
-        return convert.work(decision, self._pending.reported_running)
+        work = convert.work(decision, self._pending.reported_running)
+        self._log_decision(asked_at, decision, work)
+        return work
+
+    def _log_decision(self, asked_at: float, decision: pb.SchedulerDecision, work: Work) -> None:
+        if self._step_log is not None and (work.has_step or work.drop):
+            self._step_log.decision(asked_at, self._decided_at, decision.iteration, work)
 
     def _delivered(self, decision: pb.SchedulerDecision) -> None:
         """The last request was answered with `decision`: its outputs and step time
@@ -291,11 +306,12 @@ class WorkerLoop:
         self, prefill: Sequence[ChunkWork], decode: Sequence[int]
     ) -> tuple[StepOutput, int]:
         """One engine step and its time in microseconds (at least 1: 0 means unknown)."""
-        started = time.perf_counter()
+        started, started_wall = time.perf_counter(), time.time()
         out = self.engine.step(prefill, decode)
         seconds = getattr(self.engine, "last_step_seconds", None)
         if seconds is None:
             seconds = time.perf_counter() - started
+        self._step_wall = (started_wall, time.time())  # read after the step's result
         return out, min(_MAX_STEP_US, max(1, round(seconds * 1e6)))
 
     def _apply(self, work: Work) -> Work | None:
@@ -325,6 +341,8 @@ class WorkerLoop:
         """Keep a step's outputs for the next report, and count them."""
         self._pending.add(out)
         self._count(work, out)
+        if self._step_log is not None:
+            self._step_log.step(*self._step_wall, work, out)
         if self._handoffs is not None and (out.preempted or out.finished):
             self._handoffs.dropped([*out.preempted, *(f.seq_id for f in out.finished)])
 
