@@ -97,13 +97,14 @@ class ReplicaServicer(SchedulerServicer):
         callers: Callers | None = None,
         commit_wait_seconds: float = 0.0,
     ) -> None:
-        # A commit waits for more saves until each worker of this replica has saved (at
-        # most one SelectBatch each in flight), at most commit_wait_seconds.
+        # A commit waits for more saves until each busy worker of this replica has saved
+        # (at most one SelectBatch each in flight; an idle worker's long poll saves
+        # nothing), at most commit_wait_seconds.
         self._commits = ReplicaCommits(
             state,
             self._on_disowned,
             commit_wait_seconds,
-            expected_saves=lambda: max(1, len(self._core.worker_ids())),
+            expected_saves=lambda: max(1, self._core.num_busy_workers()),
         )
         # Every call that changed state waits for its commit (durable_worker_progress):
         # on a replica the commit itself is deferred, not only its WAL flush.

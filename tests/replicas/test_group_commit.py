@@ -372,3 +372,29 @@ def test_a_replicas_commit_waits_for_the_saves_of_its_workers_and_no_longer(repl
 
     assert asyncio.run(scenario()) == 1
     assert [b.state.read_output(i, 0).token_ids for i in ids] == [(4,), (5,)]
+
+
+def test_a_replicas_commit_does_not_wait_for_an_idle_worker(replicas):
+    """w2 holds nothing (an idle worker waits in a long poll and saves nothing): w1's
+    save commits without waiting for a save of w2's, whatever the wait's limit."""
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=8)
+    register(a.core, "w1", max_batch_size=1)
+    register(a.core, "w2", max_batch_size=1)
+    a.claim()
+
+    async def scenario() -> tuple[int, ...]:
+        servicer = replica_servicer.ReplicaServicer(
+            a.core, Wakeups(), a.state, commit_wait_seconds=3600
+        )
+        commits = servicer._commits
+        a.core.select_batch(report("w1"))
+        assert a.core.num_busy_workers() == 1
+        # Safety limits only: the commit that would wait for w2 waits an hour.
+        await asyncio.wait_for(commits.committed(), 10)
+        a.core.select_batch(report("w1", running=(seq_id,), tokens={seq_id: (4,)}))
+        await asyncio.wait_for(commits.committed(), 10)
+        await commits.close()
+        return b.state.read_output(seq_id, 0).token_ids
+
+    assert asyncio.run(scenario()) == (4,)

@@ -15,6 +15,11 @@ from service.core.types import SequenceState, SubmitParams
 class ReplicaScheduler(Scheduler):
     """A Scheduler plus what a replica's servicer (service/replicas/) asks of its core."""
 
+    def num_busy_workers(self) -> int:
+        """Workers that hold sequences now: those whose SelectBatch comes every step (an
+        idle worker waits in a long poll and saves nothing until it gets work)."""
+        return self._ledger.num_busy()
+
     def adopt(self, stored: Iterable[StoredSequence], worker_id: str = "") -> list[int]:
         """Take over sequences from a shared store: queued ones join the local queue at
         their place (queue_key, arrival); with `worker_id`, assigned ones become that

@@ -181,3 +181,7 @@ class WorkerLedger:
 
     def num_assigned(self) -> int:
         return sum(len(w.assigned) for w in self._workers.values())
+
+    def num_busy(self) -> int:
+        """Workers that hold sequences (each reports every step it runs)."""
+        return sum(1 for w in self._workers.values() if w.assigned)
