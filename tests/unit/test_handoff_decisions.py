@@ -357,6 +357,34 @@ def test_a_receiver_with_every_gdn_slot_taken_is_passed_over_like_a_full_batch()
     assert decision.decode == (third,)
 
 
+def test_a_receive_delivered_but_not_imported_still_holds_the_receivers_gdn_slot():
+    # Between its RECEIVE's delivery and its DONE the import is nowhere in the receiver's
+    # assigned sequences, yet it will take the receiver's one GDN slot: a second handoff
+    # booked there meanwhile would be refused (NO_ROOM) and decode on its sender.
+    sched = fleet(roles=("p0",))
+    register(
+        sched,
+        "d0",
+        role=WorkerRole.DECODE,
+        transfer_bytes_per_second=1e9,
+        handoff_address="d0:7000",
+        total_kv_pages=1000,
+        total_gdn_slots=1,
+    )
+    sched.select_batch(report("d0", kv_free_pages=1000))
+    first = submit(sched, prompt_len=LONG)
+    assert admit(sched, "p0") == (first,)
+    decision = sched.select_batch(report("p0", running=[first], tokens={first: [FIRST]}))
+    assert [(h.seq_id, h.peer_worker_id) for h in decision.handoffs] == [(first, "d0")]
+    (receive,) = sched.select_batch(report("d0", kv_free_pages=1000)).handoffs  # delivered
+    assert receive.seq_id == first
+    second = submit(sched, prompt_len=LONG)
+    assert admit(sched, "p0", running=[first]) == (second,)
+    decision = sched.select_batch(report("p0", running=[first, second], tokens={second: [FIRST]}))
+    assert [h.seq_id for h in decision.handoffs if h.seq_id == second] == []
+    assert second in decision.decode  # it decodes where it is, for now
+
+
 def test_a_receiver_admits_no_prompt_into_the_gdn_slot_its_incoming_handoff_needs():
     sched = fleet(roles=("p0", "d0"))
     seq_id, decision = prefilled(sched)

@@ -688,6 +688,28 @@ def test_a_scheduler_that_stood_still_does_not_count_it_against_the_leases():
     assert [w.worker_id for w in sched.status().workers] == []
 
 
+def test_a_scheduler_that_stood_still_does_not_count_it_in_a_workers_call_gap():
+    # Placement waits for a holder up to its usual gap between calls; a stall of the
+    # scheduler's own is not the worker's gap.
+    clock = FakeClock()
+    sched = Scheduler(make_config(lease_ttl_ms=10_000), clock=clock, stall_seconds=0.5)
+    register(sched, "w0")
+    seq_id = submit(sched, max_new_tokens=100)
+    admit(sched, "w0")
+    for _ in range(4):
+        clock.advance_ms(50)
+        sched.expire_leases()
+        sched.select_batch(report(running=[seq_id], tokens={seq_id: [7]}))
+    gaps = sched._ledger.get("w0").call_gaps
+    before = gaps.bound_seconds()
+    assert 0.04 < before < 0.1
+    clock.advance_ms(3000)  # frozen: the worker's calls could not be heard
+    sched.expire_leases()
+    clock.advance_ms(50)
+    sched.select_batch(report(running=[seq_id], tokens={seq_id: [7]}))
+    assert gaps.bound_seconds() <= before  # another 50 ms gap, not 3.05 s
+
+
 def test_without_stall_detection_every_gap_counts():
     clock = FakeClock()
     sched = Scheduler(make_config(lease_ttl_ms=1000), clock=clock)

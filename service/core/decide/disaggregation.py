@@ -403,12 +403,15 @@ class Disaggregation:
             del decisions[next(iter(decisions))]
 
     def _receivers(self, sender: WorkerRecord) -> list[WorkerLoad]:
-        """The workers a sequence of `sender` may be handed to, as the rule reads them."""
+        """The workers a sequence of `sender` may be handed to, as the rule reads them.
+        A receiver holds its assigned sequences and every handoff booked to it and not yet
+        imported (its RECEIVE delivered or not: the import takes a GDN slot only when it
+        lands, so a delivered one still counts)."""
         return [
             WorkerLoad(
                 worker_id=w.worker_id,
                 role=w.registration.role,
-                num_decoding=len(w.assigned) + len(self._receives.get(w.worker_id, ())),
+                num_decoding=held,
                 free_kv_pages=w.kv_free_pages,
                 page_size=w.registration.page_size,
                 transfer_bytes_per_second=w.registration.transfer_bytes_per_second,
@@ -418,7 +421,7 @@ class Disaggregation:
             if w is not sender
             and w.registration.role is WorkerRole.DECODE
             and w.registration.transfer_bytes_per_second > 0
-            and len(w.assigned) + len(self._receives.get(w.worker_id, ()))
+            and (held := len(w.assigned) + self.num_incoming(w.worker_id))
             < self._batch_limit(w.worker_id)
         ]
 

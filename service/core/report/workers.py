@@ -117,3 +117,6 @@ class WorkerRegistry:
         stalled = now - last
         for worker in self._ledger:
             worker.last_call_at = min(now, worker.last_call_at + stalled)
+            gaps = worker.call_gaps  # nor its gap between calls (placement's wait bound)
+            if gaps.last_call_at is not None:
+                gaps.last_call_at = min(now, gaps.last_call_at + stalled)
