@@ -29,6 +29,8 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
 - Retries: each commit carries a number recorded on the replica's row in the same
   transaction (`replicas.last_commit`); a commit whose outcome was unknown is retried
   under its number, and if the first attempt did commit, the retry applies nothing.
+  While the replica's row is gone (its lease ran out) nothing commits: the number could
+  not be recorded.
 - Cancel of a sequence another replica owns: `cancel_requested` is set and committed,
   then NOTIFY lattice_cancel tells the owner, which cancels it in its core.
 """
@@ -91,7 +93,8 @@ _DISOWNED_SQLSTATE = "LT001"
 _DONE_SQLSTATE = "LT002"
 # A commit's number (and fence check) as one plain UPDATE: lattice_commit(), a PL/pgSQL
 # call that costs PostgreSQL more than the update itself, runs only when it matched no row,
-# to say why (LT002, LT001) or, with no fence to check, that the replica row is gone.
+# to say why: LT002, LT001, or LT003 when the replica's row is gone (its lease ran out; a
+# StoreError, and the batch is retried under its number once renew_lease wrote the row).
 _RECORD_COMMIT = (
     "WITH u AS (UPDATE replicas SET last_commit = %(no)s WHERE replica_id = %(me)s "
     "AND last_commit < %(no)s AND (%(fence)s::bigint IS NULL OR fence = %(fence)s) "
@@ -248,15 +251,18 @@ BEGIN
 END $$;
 -- A commit's number recorded on its replica's row (locked until the commit: no take-over
 -- commits meanwhile). LT002 when it is there already: an earlier attempt committed, roll
--- back. With p_fence, also the fence check (LT001 when it moved or the row is gone);
--- without, a replica row that is gone records nothing. A row deleted when its lease ran
--- out leaves its number in lattice_meta ('last_commit:<replica_id>', reclaim_expired),
--- checked while the row is gone and carried into the row written again (renew_lease), so
--- a retry after the lease ran out still finds an earlier attempt that committed.
+-- back. With p_fence, also the fence check (LT001 when it moved). A row deleted when its
+-- lease ran out leaves its number in lattice_meta ('last_commit:<replica_id>',
+-- reclaim_expired), checked while the row is gone and carried into the row written again
+-- (renew_lease), so a retry after the lease ran out still finds an earlier attempt that
+-- committed. Otherwise, while the row is gone (or was written again just after the UPDATE
+-- looked), LT003: the number would be recorded nowhere and a retry would apply the commit
+-- twice, so nothing commits until the row is back.
 CREATE OR REPLACE FUNCTION lattice_commit(p_replica bigint, p_fence bigint, p_commit bigint)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     v_last bigint;
+    v_fence bigint;
 BEGIN
     UPDATE replicas SET last_commit = p_commit
      WHERE replica_id = p_replica AND last_commit < p_commit
@@ -264,7 +270,7 @@ BEGIN
     IF FOUND THEN
         RETURN;
     END IF;
-    SELECT last_commit INTO v_last FROM replicas WHERE replica_id = p_replica;
+    SELECT last_commit, fence INTO v_last, v_fence FROM replicas WHERE replica_id = p_replica;
     IF NOT FOUND THEN  -- its lease ran out: the number its row held when it was deleted
         SELECT value INTO v_last FROM lattice_meta WHERE key = 'last_commit:' || p_replica;
     END IF;
@@ -272,9 +278,11 @@ BEGIN
         RAISE EXCEPTION 'commit % of replica % is recorded already', p_commit, p_replica
             USING ERRCODE = 'LT002';
     END IF;
-    IF p_fence IS NOT NULL THEN
+    IF v_fence <> p_fence THEN  -- NULL (no fence to check, or no row): not disowned
         PERFORM lattice_disowned();
     END IF;
+    RAISE EXCEPTION 'replica % has no row (its lease ran out): no commit until it renews',
+        p_replica USING ERRCODE = 'LT003';
 END $$;
 
 -- A steady commit (appends only, ownership as last seen) as one statement run on its own
@@ -297,7 +305,7 @@ BEGIN
     UPDATE replicas SET last_commit = p_commit
      WHERE replica_id = p_replica AND last_commit < p_commit AND fence = p_fence;
     IF NOT FOUND THEN
-        PERFORM lattice_commit(p_replica, p_fence, p_commit);  -- LT002 or LT001
+        PERFORM lattice_commit(p_replica, p_fence, p_commit);  -- LT002, LT001, LT003
     END IF;
     INSERT INTO token_log (replica_id, entries) VALUES (p_replica, p_entries)
     RETURNING id INTO v_log;
@@ -1253,6 +1261,10 @@ class PostgresState:
             )
             conn.execute("DELETE FROM replicas WHERE replica_id = %s", (self.replica_id,))
             conn.execute("DELETE FROM replica_counts WHERE replica_id = %s", (self.replica_id,))
+            # The number a keeper kept if the lease had run out: no retry will read it now.
+            conn.execute(
+                "DELETE FROM lattice_meta WHERE key = 'last_commit:' || %s", (self.replica_id,)
+            )
             conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
 
     def listen_connection(self) -> psycopg.Connection:

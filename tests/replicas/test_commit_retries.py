@@ -181,14 +181,80 @@ def test_a_commit_retried_after_its_lease_ran_out_adds_tenant_service_once(
             (a.state.replica_id,),
         )
     b.state.reclaim_expired()  # deletes a's row, returns its sequence
-    if renewed:  # a writes its row again before the retry (or retries while it is gone)
-        assert not a.state.renew_lease()
+    if not renewed and lost == "reply":  # retried while the row is gone: the kept number
+        a.state.commit_pending()  # says it committed, settled
+    elif not renewed:  # retried while the row is gone: nothing commits
+        with pytest.raises(StoreError, match="no row"):
+            a.state.commit_pending()
+    assert not a.state.renew_lease()  # a writes its row again
     a.state.save(StateChanges(tenant_service=(("t", 6.0),)))
     a.state.commit_pending()  # the retry (applies what had not committed), the later save
     with psycopg.connect(database_url) as conn:
         assert conn.execute("SELECT served FROM tenant_service").fetchall() == [(6.0,)]
     # The sequence went back to the shared queue with the tokens committed before.
     assert b.state.read_output(seq_id, 0).token_ids == ((7, 8) if lost == "reply" else ())
+
+
+def _gone(replicas, database_url):
+    """Replica a owning a sequence b submitted, its fence known, then its lease run out
+    and its row deleted by b's keeper: (a, b, seq_id)."""
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=8)
+    a.state.claim(1)
+    a.state.defer_saves()
+    a.state.save(_decoding(seq_id, (5,)))
+    a.state.commit_pending()  # commit 1, recorded on the row, kept in lattice_meta
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE replicas SET lease_until = now() - interval '1 second' WHERE replica_id = %s",
+            (a.state.replica_id,),
+        )
+    b.state.reclaim_expired()
+    return a, b, seq_id
+
+
+@pytest.mark.parametrize("touching", [False, True])
+def test_a_commit_attempted_while_the_row_is_gone_adds_tenant_service_once(
+    replicas, database_url, faulty, touching
+):
+    a, b, seq_id = _gone(replicas, database_url)
+    faults = faulty(a.state)
+    if touching:  # also a step of the sequence b's keeper took back: the slow path
+        a.state.save(StateChanges(tokens=(TokenAppend(seq_id, 1, (6,)),)))
+    a.state.save(StateChanges(tenant_service=(("t", 5.0),)))
+    faults["lose_reply"] = True  # were it to commit, its reply would be lost
+    with pytest.raises(StoreError):
+        a.state.commit_pending()
+    faults.pop("lose_reply", None)  # a refused attempt had no commit reply to lose
+    with pytest.raises(StoreError, match="no row"):
+        a.state.commit_pending()  # retried before the row is written again
+    assert not a.state.renew_lease()
+    assert a.state.commit_pending() == ({seq_id} if touching else frozenset())
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT served FROM tenant_service").fetchall() == [(5.0,)]
+    assert b.state.read_output(seq_id, 0).token_ids == (5,)
+
+
+def test_a_steady_commit_while_the_row_is_gone_commits_nothing(replicas, database_url):
+    a, b, seq_id = _gone(replicas, database_url)
+    a.state.save(StateChanges(tokens=(TokenAppend(seq_id, 1, (6,)),)))  # lattice_append
+    with pytest.raises(StoreError, match="no row"):
+        a.state.commit_pending()
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM token_log").fetchone() == (1,)
+    assert not a.state.renew_lease()
+    assert a.state.commit_pending() == {seq_id}  # retried: b's keeper took it back
+    assert b.state.read_output(seq_id, 0).token_ids == (5,)
+
+
+def test_a_replica_that_leaves_takes_its_kept_commit_number_with_it(replicas, database_url):
+    a, _, _ = _gone(replicas, database_url)
+    key = f"last_commit:{a.state.replica_id}"
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT value FROM lattice_meta WHERE key = %s", (key,)).fetchone()
+    a.state.leave()
+    with psycopg.connect(database_url) as conn:
+        assert not conn.execute("SELECT 1 FROM lattice_meta WHERE key = %s", (key,)).fetchone()
 
 
 def test_sequences_a_retry_left_out_are_reported_even_when_the_next_commit_fails(

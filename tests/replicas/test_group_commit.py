@@ -12,7 +12,7 @@ import pytest
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from service.core.persist.homes import HOME_BLOCK_TOKENS, finished_key, prompt_keys
-from service.core.persist.store import SequenceProgress, StateChanges, TokenAppend
+from service.core.persist.store import SequenceProgress, StateChanges, StoreError, TokenAppend
 from service.core.types import FinishReason, SequenceState
 from service.replicas import servicer as replica_servicer
 from service.server.wakeups import Wakeups
@@ -121,6 +121,39 @@ def test_a_group_commit_leaves_out_what_another_replica_took_and_commits_the_res
     assert disowned == [frozenset({taken})]
     assert b.state.read_output(kept, 0).token_ids == (1,)
     assert b.state.read_output(taken, 0).token_ids == ()
+
+
+def test_calls_saving_while_the_replica_row_is_gone_fail_until_its_lease_is_renewed(
+    replicas, database_url
+):
+    a, b = replicas("a"), replicas("b")
+    seq_id = b.submit(max_new_tokens=8)
+    register(a.core, "w", max_batch_size=1)
+    a.claim()
+    disowned: list[frozenset[int]] = []
+
+    async def scenario() -> None:
+        commits = ReplicaCommits(a.state, on_disowned=disowned.append)
+        a.core.select_batch(report("w"))
+        a.core.select_batch(report("w", running=(seq_id,), tokens={seq_id: (4,)}))
+        await commits.committed()  # acknowledged
+        with psycopg.connect(database_url, autocommit=True) as conn:  # a's lease runs out
+            conn.execute(
+                "UPDATE replicas SET lease_until = now() - interval '1 second' "
+                "WHERE replica_id = %s",
+                (a.state.replica_id,),
+            )
+        b.state.reclaim_expired()  # deletes a's row, takes the sequence back
+        a.core.select_batch(report("w", running=(seq_id,), tokens={seq_id: (5,)}))
+        with pytest.raises(StoreError, match="no row"):  # UNAVAILABLE to the caller
+            await commits.committed()
+        assert not a.state.renew_lease()  # the keeper writes the row again
+        await commits.committed()  # the retry: the sequence is another's now
+        await commits.close()
+
+    asyncio.run(scenario())
+    assert disowned == [frozenset({seq_id})]
+    assert b.state.read_output(seq_id, 0).token_ids == (4,)  # what was acknowledged
 
 
 @pytest.mark.parametrize("via", ["stream", "GetSequence"])
