@@ -65,6 +65,7 @@ class ReplicaCommits:
         self._expected_saves = expected_saves
         # Set while a commit waits for saves: wakes it once enough are collected.
         self._gathered: asyncio.Event | None = None
+        self._expected = 0.0  # expected_saves(), read once as a commit starts gathering
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="replica-commit")
         self._num_committed = 0  # saves known committed
         self._flush: asyncio.Future | None = None  # the commit running now
@@ -85,8 +86,11 @@ class ReplicaCommits:
     async def _commit(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            if self._max_wait_seconds > 0 and not self._enough_collected():
-                await self._gather()
+            if self._max_wait_seconds > 0:
+                # Once a commit, not at every save: each call checks while it gathers.
+                self._expected = self._expected_saves()
+                if not self._enough_collected():
+                    await self._gather()
             covered = self._store.num_saves  # collected before the commit takes them
             disowned = await loop.run_in_executor(self._executor, self._store.commit_pending)
             self._num_committed = max(self._num_committed, covered)
@@ -100,7 +104,7 @@ class ReplicaCommits:
             self._flush = None
 
     def _enough_collected(self) -> bool:
-        return self._store.num_saves - self._num_committed >= self._expected_saves()
+        return self._store.num_saves - self._num_committed >= self._expected
 
     async def _gather(self) -> None:
         """Let more saves join: until `expected_saves()` are collected (each saving call

@@ -335,48 +335,37 @@ async def _saves_of_calls(commits: ReplicaCommits, store: _CountingStore, calls:
     await asyncio.wait_for(asyncio.gather(*waiting), 60)
 
 
-def test_a_waiting_commit_starts_once_every_worker_has_saved_not_at_its_limit():
+def _commits_of_rounds(rounds: list[int], expected: int, max_wait_seconds: float) -> list[int]:
+    """The saves each commit held, for rounds of calls (`rounds[i]` calls in round i, one
+    round after the other) on ReplicaCommits expecting `expected` saves a commit."""
     store = _CountingStore()
 
     async def scenario() -> None:
         commits = ReplicaCommits(
-            store, on_disowned=lambda ids: None, max_wait_seconds=3600, expected_saves=lambda: 3
+            store,
+            on_disowned=lambda ids: None,
+            max_wait_seconds=max_wait_seconds,
+            expected_saves=lambda: expected,
         )
-        await _saves_of_calls(commits, store, 3)
-        await _saves_of_calls(commits, store, 3)
+        for calls in rounds:
+            await _saves_of_calls(commits, store, calls)
         await commits.close()
 
     asyncio.run(scenario())
-    assert store.commits == [3, 3]  # one commit for each round of the three workers
+    return store.commits
+
+
+def test_a_waiting_commit_starts_once_every_worker_has_saved_not_at_its_limit():
+    # One commit for each round of the three workers.
+    assert _commits_of_rounds([3, 3], expected=3, max_wait_seconds=3600) == [3, 3]
 
 
 def test_a_replica_with_one_worker_commits_its_save_without_waiting():
-    store = _CountingStore()
-
-    async def scenario() -> None:
-        commits = ReplicaCommits(
-            store, on_disowned=lambda ids: None, max_wait_seconds=3600, expected_saves=lambda: 1
-        )
-        for _ in range(3):
-            await _saves_of_calls(commits, store, 1)
-        await commits.close()
-
-    asyncio.run(scenario())
-    assert store.commits == [1, 1, 1]
+    assert _commits_of_rounds([1, 1, 1], expected=1, max_wait_seconds=3600) == [1, 1, 1]
 
 
 def test_a_waiting_commit_that_too_few_saves_reach_starts_at_its_limit():
-    store = _CountingStore()
-
-    async def scenario() -> None:
-        commits = ReplicaCommits(
-            store, on_disowned=lambda ids: None, max_wait_seconds=0.01, expected_saves=lambda: 4
-        )
-        await _saves_of_calls(commits, store, 2)
-        await commits.close()
-
-    asyncio.run(scenario())
-    assert store.commits == [2]
+    assert _commits_of_rounds([2], expected=4, max_wait_seconds=0.01) == [2]
 
 
 def test_a_replicas_commit_waits_for_the_saves_of_its_workers_and_no_longer(replicas):

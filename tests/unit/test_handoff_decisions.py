@@ -309,6 +309,34 @@ def test_a_restart_fails_the_transfer_in_flight_and_the_sender_hands_off_anew():
     assert tuple(restarted.read_output(seq_id, 0).token_ids) == (FIRST,)
 
 
+def register_one_slot_receiver(sched, worker_id: str) -> None:
+    """A decode worker with one GDN slot and 1,000 free KV pages, reported once."""
+    register(
+        sched,
+        worker_id,
+        role=WorkerRole.DECODE,
+        transfer_bytes_per_second=1e9,
+        handoff_address=f"{worker_id}:7000",
+        total_kv_pages=1000,
+        total_gdn_slots=1,
+    )
+    sched.select_batch(report(worker_id, kv_free_pages=1000))
+
+
+def assert_two_of_three_handed_off(sched) -> None:
+    """Three long prompts prefilled on p0: the first goes to d0, the second to d1, and
+    the third, with no receiver left, decodes on p0."""
+    first, second, third = (submit(sched, prompt_len=LONG) for _ in range(3))
+    assert admit(sched, "p0") == (first, second, third)
+    tokens = {seq_id: [FIRST] for seq_id in (first, second, third)}
+    decision = sched.select_batch(report("p0", running=[first, second, third], tokens=tokens))
+    assert [(h.seq_id, h.peer_worker_id) for h in decision.handoffs] == [
+        (first, "d0"),
+        (second, "d1"),
+    ]
+    assert decision.decode == (third,)
+
+
 def test_a_full_receiver_is_passed_over_and_with_none_left_the_sender_decodes():
     sched = fleet()
     for worker_id in ("d0", "d1"):
@@ -320,15 +348,7 @@ def test_a_full_receiver_is_passed_over_and_with_none_left_the_sender_decodes():
             max_batch_size=1,
         )
         sched.select_batch(report(worker_id))
-    first, second, third = (submit(sched, prompt_len=LONG) for _ in range(3))
-    assert admit(sched, "p0") == (first, second, third)
-    tokens = {seq_id: [FIRST] for seq_id in (first, second, third)}
-    decision = sched.select_batch(report("p0", running=[first, second, third], tokens=tokens))
-    assert [(h.seq_id, h.peer_worker_id) for h in decision.handoffs] == [
-        (first, "d0"),
-        (second, "d1"),
-    ]
-    assert decision.decode == (third,)
+    assert_two_of_three_handed_off(sched)
 
 
 def test_a_receiver_with_every_gdn_slot_taken_is_passed_over_like_a_full_batch():
@@ -336,25 +356,8 @@ def test_a_receiver_with_every_gdn_slot_taken_is_passed_over_like_a_full_batch()
     # and leave the sequence decoding on its sender, among its prompts' chunks.
     sched = fleet()
     for worker_id in ("d0", "d1"):
-        register(
-            sched,
-            worker_id,
-            role=WorkerRole.DECODE,
-            transfer_bytes_per_second=1e9,
-            handoff_address=f"{worker_id}:7000",
-            total_kv_pages=1000,
-            total_gdn_slots=1,
-        )
-        sched.select_batch(report(worker_id, kv_free_pages=1000))  # pages for all three
-    first, second, third = (submit(sched, prompt_len=LONG) for _ in range(3))
-    assert admit(sched, "p0") == (first, second, third)
-    tokens = {seq_id: [FIRST] for seq_id in (first, second, third)}
-    decision = sched.select_batch(report("p0", running=[first, second, third], tokens=tokens))
-    assert [(h.seq_id, h.peer_worker_id) for h in decision.handoffs] == [
-        (first, "d0"),
-        (second, "d1"),
-    ]
-    assert decision.decode == (third,)
+        register_one_slot_receiver(sched, worker_id)  # pages for all three
+    assert_two_of_three_handed_off(sched)
 
 
 def test_a_receive_delivered_but_not_imported_still_holds_the_receivers_gdn_slot():
@@ -362,16 +365,7 @@ def test_a_receive_delivered_but_not_imported_still_holds_the_receivers_gdn_slot
     # assigned sequences, yet it will take the receiver's one GDN slot: a second handoff
     # booked there meanwhile would be refused (NO_ROOM) and decode on its sender.
     sched = fleet(roles=("p0",))
-    register(
-        sched,
-        "d0",
-        role=WorkerRole.DECODE,
-        transfer_bytes_per_second=1e9,
-        handoff_address="d0:7000",
-        total_kv_pages=1000,
-        total_gdn_slots=1,
-    )
-    sched.select_batch(report("d0", kv_free_pages=1000))
+    register_one_slot_receiver(sched, "d0")
     first = submit(sched, prompt_len=LONG)
     assert admit(sched, "p0") == (first,)
     decision = sched.select_batch(report("p0", running=[first], tokens={first: [FIRST]}))
