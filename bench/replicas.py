@@ -434,7 +434,7 @@ def main() -> int:
         [_row(r) for r in results],
     )
     for r in results:
-        if r.saves_per_commit:
+        if r.commits:  # replicas only
             _print_commits(r)
     for r in results:
         if r.statements:
