@@ -453,9 +453,12 @@ def _print_commits(r: Result) -> None:
         below = cumulative
     gathers = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(r.gathers.items()))
     saves = r.saves_committed / max(1.0, r.commits)
+    decisions = max(1, r.decisions)
     print(
         f"\n{r.workers} workers, {r.name}: {saves:.1f} saves a commit; by count "
-        f"({', '.join(shares)}); the wait ended: {gathers}"
+        f"({', '.join(shares)}); the wait ended: {gathers}; round trips a decision: "
+        f"save {r.round_trips.get('save', 0) / decisions:.3f}, "
+        f"claim {r.round_trips.get('claim', 0) / decisions:.3f}"
     )
 
 
