@@ -18,6 +18,11 @@ committed under --state-fsync acks).
   tokens-1stmt      the same as the store commits it: one lattice_append call in
                     autocommit
 
+With `--listeners K`, K more connections LISTEN on the replicas' channels meanwhile (as
+K replicas' listener threads do, draining their notifications), and their backends' CPU
+per commit is shown apart: PostgreSQL wakes every listening backend of the database for
+each NOTIFY, whatever its channel.
+
 Divide by the saves a commit holds (bench.replicas: commits per decision) for the cost per
 decision.
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import threading
 import time
 
 from bench.harness.processes import cpu_seconds_single_threaded as cpu_seconds
@@ -88,18 +94,49 @@ def _steps(
 
 
 def measure(
-    cluster: PrivateCluster, backend: int, commit, count: int
-) -> tuple[float, float, float]:
-    """(PostgreSQL CPU ms, the store's backend's CPU ms, wall ms) per commit."""
+    cluster: PrivateCluster, backend: int, commit, count: int, listeners: list[int]
+) -> tuple[float, float, float, float]:
+    """(PostgreSQL CPU ms, the store's backend's CPU ms, the listeners' backends' CPU ms,
+    wall ms) per commit."""
     for _ in range(20):  # warm up
         commit()
     pids = database_pids(cluster)
-    cpu0, own0, t0 = cpu_seconds(pids), cpu_seconds([backend]), time.monotonic()
+    cpu0, own0, heard0 = cpu_seconds(pids), cpu_seconds([backend]), cpu_seconds(listeners)
+    t0 = time.monotonic()
     for _ in range(count):
         commit()
     wall = time.monotonic() - t0
+    time.sleep(0.2)  # the listeners' backends catch up with the last notifications
     cpu, own = cpu_seconds(pids) - cpu0, cpu_seconds([backend]) - own0
-    return cpu / count * 1000, own / count * 1000, wall / count * 1000
+    heard = cpu_seconds(listeners) - heard0
+    return cpu / count * 1000, own / count * 1000, heard / count * 1000, wall / count * 1000
+
+
+class _Listeners:
+    """`count` connections listening on the replicas' channels, each drained by a thread
+    of its own (as a replica's listener thread drains its connection)."""
+
+    def __init__(self, store: PostgresState, count: int) -> None:
+        self._stop = threading.Event()
+        self._conns = [store.listen_connection() for _ in range(count)]
+        self.pids = [conn.info.backend_pid for conn in self._conns]
+        self._threads = [
+            threading.Thread(target=self._drain, args=(conn,), daemon=True) for conn in self._conns
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _drain(self, conn) -> None:
+        while not self._stop.is_set():
+            for _ in conn.notifies(timeout=0.1):
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+        for conn in self._conns:
+            conn.close()
 
 
 def main() -> int:
@@ -113,6 +150,12 @@ def main() -> int:
         "--shapes",
         default="empty,number,number+notify,progress,progress+tokens,tokens,tokens-1stmt",
         help="which commits to time (comma-separated)",
+    )
+    parser.add_argument(
+        "--listeners",
+        type=int,
+        default=0,
+        help="connections listening on the replicas' channels meanwhile (one a replica)",
     )
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="lattice-pgcost-")
@@ -132,6 +175,7 @@ def main() -> int:
         store.defer_saves()
         with store._connection() as conn:
             backend = conn.info.backend_pid
+        listeners = _Listeners(store, args.listeners)
         rows = []
         step = iter(range(10**9))
         shapes = [
@@ -149,8 +193,11 @@ def main() -> int:
         wanted = args.shapes.split(",")
         for _ in range(args.rounds):
             for name, commit in [(name, commit) for name, commit in shapes if name in wanted]:
-                cpu, own, wall = measure(cluster, backend, commit, args.commits)
-                rows.append([name, f"{cpu:.3f}", f"{own:.3f}", f"{wall:.3f}"])
+                cpu, own, heard, wall = measure(
+                    cluster, backend, commit, args.commits, listeners.pids
+                )
+                rows.append([name, f"{cpu:.3f}", f"{own:.3f}", f"{heard:.3f}", f"{wall:.3f}"])
+        listeners.close()
         with store._connection() as conn:
             time.sleep(1.0)  # statistics reach the views
             upd, hot = conn.execute(
@@ -162,10 +209,17 @@ def main() -> int:
         cluster.destroy()
     print(
         f"\n{args.commits} commits per shape, {args.sequences} sequences, "
+        f"{args.listeners} listener(s), "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n"
     )
     print_table(
-        ["commit", "PostgreSQL CPU ms / commit", "its backend's ms / commit", "wall ms / commit"],
+        [
+            "commit",
+            "PostgreSQL CPU ms / commit",
+            "its backend's ms / commit",
+            "listeners' ms / commit",
+            "wall ms / commit",
+        ],
         rows,
     )
     print(f"\nsequence row updates: {upd}, of them HOT: {hot}")

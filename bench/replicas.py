@@ -80,6 +80,10 @@ class Result:
     statements: list[tuple[int, int, float, int, str]] = field(default_factory=list)
     table_rows: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     database_cpu_by_kind: dict[str, float] = field(default_factory=dict)
+    # Group commits over the timed window: how many held up to each count of saves
+    # (cumulative, by histogram bound), and how their wait for saves ended.
+    saves_per_commit: dict[float, float] = field(default_factory=dict)
+    gathers: dict[str, float] = field(default_factory=dict)
 
 
 def database_pids(cluster: PrivateCluster) -> list[int]:
@@ -328,6 +332,15 @@ def run(
                 for e, s in zip(end_metrics, start_metrics)
             ),
         )
+    for e, s in zip(end_metrics, start_metrics):
+        for (metric, labels), value in e.items():
+            delta = value - s.get((metric, labels), 0)
+            if metric == "lattice_scheduler_replica_saves_per_commit_bucket":
+                bound = float(dict(labels)["le"])
+                result.saves_per_commit[bound] = result.saves_per_commit.get(bound, 0) + delta
+            elif metric == "lattice_scheduler_replica_commit_gathers_total":
+                outcome = dict(labels)["outcome"]
+                result.gathers[outcome] = result.gathers.get(outcome, 0) + delta
     for channel in channels:
         channel.close()
     return result
@@ -362,6 +375,13 @@ def main() -> int:
         "--serve-arg=--replica-commit-wait-ms=1",
     )
     parser.add_argument(
+        "--pg-setting",
+        action="append",
+        default=[],
+        help="an extra PostgreSQL server setting NAME=VALUE (repeat), e.g. "
+        "--pg-setting=log_min_duration_statement=5",
+    )
+    parser.add_argument(
         "--statements",
         type=int,
         default=0,
@@ -381,6 +401,7 @@ def main() -> int:
     try:
         if any(c != "sqlite" for c in configs):
             settings = ("shared_preload_libraries=pg_stat_statements",) if args.statements else ()
+            settings += tuple(args.pg_setting)
             cluster = PrivateCluster(directory / "pg", settings=settings).start()
         for num_workers in [int(w) for w in args.workers.split(",")]:
             args.workers = num_workers
@@ -413,10 +434,32 @@ def main() -> int:
         [_row(r) for r in results],
     )
     for r in results:
+        if r.commits:  # replicas only
+            _print_commits(r)
+    for r in results:
         if r.statements:
             _print_statements(r, args.statements)
     print(f"\nlogs in {directory}")
     return 0
+
+
+def _print_commits(r: Result) -> None:
+    """The saves each group commit held, and how its wait for them ended."""
+    total = max(1.0, r.gathers and sum(r.gathers.values()) or 1.0)
+    below, shares = 0.0, []
+    for bound, cumulative in sorted(r.saves_per_commit.items()):
+        if cumulative > below:
+            shares.append(f"<={bound:g}: {(cumulative - below) / total:.0%}")
+        below = cumulative
+    gathers = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(r.gathers.items()))
+    saves = r.saves_committed / max(1.0, r.commits)
+    decisions = max(1, r.decisions)
+    print(
+        f"\n{r.workers} workers, {r.name}: {saves:.1f} saves a commit; by count "
+        f"({', '.join(shares)}); the wait ended: {gathers}; round trips a decision: "
+        f"save {r.round_trips.get('save', 0) / decisions:.3f}, "
+        f"claim {r.round_trips.get('claim', 0) / decisions:.3f}"
+    )
 
 
 def _print_statements(r: Result, limit: int) -> None:

@@ -105,6 +105,7 @@ class ReplicaServicer(SchedulerServicer):
             self._on_disowned,
             commit_wait_seconds,
             expected_saves=lambda: max(1, self._core.num_busy_workers()),
+            on_commit=None if metrics is None else metrics.on_replica_commit,
         )
         # Every call that changed state waits for its commit (durable_worker_progress):
         # on a replica the commit itself is deferred, not only its WAL flush.
@@ -306,7 +307,8 @@ class ReplicaServicer(SchedulerServicer):
         async with self._claim_lock:
             if self._owns(seq_id):
                 cancelled = self._core.cancel(seq_id, caller)
-                await self._commits.committed()
+                # Promptly: a SelectBatch that must claim waits for this lock meanwhile.
+                await self._commits.committed(promptly=True)
                 if self._owns(seq_id):  # still ours: the commit took it
                     return cancelled
             return await asyncio.to_thread(self._state.cancel, seq_id, caller)
@@ -453,7 +455,8 @@ class ReplicaServicer(SchedulerServicer):
             handed_back = unservable + self._core.queued_tail(max(0, excess))
             if not handed_back:
                 return
-            await self._commits.committed()  # the store holds them as they are
+            # The store holds them as they are; promptly, as the claim lock is held.
+            await self._commits.committed(promptly=True)
             released = await asyncio.to_thread(
                 self._state.release, list(dict.fromkeys(handed_back))
             )

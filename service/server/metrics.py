@@ -233,6 +233,22 @@ class SchedulerMetrics(SchedulerObserver):
             buckets=_SEQ_BUCKETS,
             registry=r,
         )
+        self.replica_saves_per_commit = Histogram(
+            PREFIX + "replica_saves_per_commit",
+            "Saves (calls' changes) that one group commit of a replica held.",
+            buckets=_SEQ_BUCKETS,
+            registry=r,
+        )
+        self.replica_commit_gathers = Counter(
+            PREFIX + "replica_commit_gathers_total",
+            "How a replica's group commit stopped waiting for saves before it started: "
+            "enough (every busy worker had saved), expired (--replica-commit-wait-ms), "
+            "promptly (a call holding the claim lock asked), none (it did not wait).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("enough", "expired", "promptly", "none"):
+            self.replica_commit_gathers.labels(outcome)
         self.streams_open = Gauge(
             PREFIX + "streams_open",
             "Streams open now, by pool: generate (Generate), open (Health.Watch, reflection).",
@@ -467,6 +483,12 @@ class SchedulerMetrics(SchedulerObserver):
         self.state_fsyncs.inc()
         self.state_fsync_duration.observe(seconds)
         self.state_commits_per_fsync.observe(num_commits)
+
+    def on_replica_commit(self, num_saves: int, gathered: str) -> None:
+        """One group commit of a replica (service/state/pg_commit.py): the saves it held,
+        and how its wait for them ended."""
+        self.replica_saves_per_commit.observe(num_saves)
+        self.replica_commit_gathers.labels(gathered).inc()
 
     def on_streams(self, kind: str, num_open: int, refused: bool) -> None:
         """A stream pool changed (service/server/interceptors/limits.py): `num_open` now; `refused` one more."""

@@ -54,11 +54,14 @@ class ReplicaCommits:
         on_disowned: Callable[[frozenset[int]], None],
         max_wait_seconds: float = 0.0,
         expected_saves: Callable[[], float] = lambda: math.inf,
+        on_commit: Callable[[int, str], None] | None = None,
     ) -> None:
         """`on_disowned(seq_ids)`, on the loop: a commit left these out, another replica
         owns them now. A commit waits up to `max_wait_seconds` for more saves, and not
         once `expected_saves()` are collected. The store counts commits and the saves
-        they held (figures)."""
+        they held; `on_commit(num_saves, gathered)` after each commit that succeeded
+        (figures): how many saves it took and how its wait ended ("enough", "expired",
+        "promptly", "none")."""
         self._store = store
         self._on_disowned = on_disowned
         self._max_wait_seconds = max_wait_seconds
@@ -66,16 +69,24 @@ class ReplicaCommits:
         # Set while a commit waits for saves: wakes it once enough are collected.
         self._gathered: asyncio.Event | None = None
         self._expected = 0.0  # expected_saves(), read once as a commit starts gathering
+        # A caller asked for its save to be committed without waiting for more (until the
+        # next commit takes the saves collected).
+        self._promptly = False
+        self._on_commit = on_commit or (lambda num_saves, gathered: None)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="replica-commit")
         self._num_committed = 0  # saves known committed
         self._flush: asyncio.Future | None = None  # the commit running now
         store.defer_saves()
 
-    async def committed(self) -> None:
+    async def committed(self, promptly: bool = False) -> None:
         """Return once every save made so far is committed; StoreError if the commit that
-        was to hold them failed (they stay collected for the next one)."""
+        was to hold them failed (they stay collected for the next one). `promptly`: the
+        commit that takes them waits for no more saves (a caller holding what others
+        wait for, such as the claim lock, would hold them for the whole wait)."""
         wanted = self._store.num_saves
-        if self._gathered is not None and self._enough_collected():
+        if promptly:
+            self._promptly = True
+        if self._gathered is not None and (promptly or self._enough_collected()):
             self._gathered.set()
         while self._num_committed < wanted:
             if self._flush is None:
@@ -86,13 +97,17 @@ class ReplicaCommits:
     async def _commit(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            if self._max_wait_seconds > 0:
+            gathered = "none"
+            if self._max_wait_seconds > 0 and not self._promptly:
                 # Once a commit, not at every save: each call checks while it gathers.
                 self._expected = self._expected_saves()
                 if not self._enough_collected():
-                    await self._gather()
+                    gathered = await self._gather()
+            # Saves from here on go to the next commit, which waits unless asked again.
+            self._promptly = False
             covered = self._store.num_saves  # collected before the commit takes them
             disowned = await loop.run_in_executor(self._executor, self._store.commit_pending)
+            self._on_commit(covered - self._num_committed, gathered)
             self._num_committed = max(self._num_committed, covered)
             if disowned:
                 log.warning(
@@ -106,16 +121,17 @@ class ReplicaCommits:
     def _enough_collected(self) -> bool:
         return self._store.num_saves - self._num_committed >= self._expected
 
-    async def _gather(self) -> None:
+    async def _gather(self) -> str:
         """Let more saves join: until `expected_saves()` are collected (each saving call
-        checks, in `committed`), at most `max_wait_seconds`."""
+        checks, in `committed`: "enough"), at most `max_wait_seconds` ("expired")."""
         self._gathered = asyncio.Event()
         try:
             await asyncio.wait_for(self._gathered.wait(), self._max_wait_seconds)
         except TimeoutError:
-            pass
+            return "expired"
         finally:
             self._gathered = None
+        return "promptly" if self._promptly else "enough"
 
     async def run(self) -> None:
         """Until cancelled: commit saves that nobody waits for (a sweep's, an upkeep's)."""

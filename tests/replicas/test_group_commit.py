@@ -368,6 +368,56 @@ def test_a_waiting_commit_that_too_few_saves_reach_starts_at_its_limit():
     assert _commits_of_rounds([2], expected=4, max_wait_seconds=0.01) == [2]
 
 
+def test_a_commit_asked_for_promptly_starts_without_waiting_for_more_saves():
+    """A call that holds what others wait for (the claim lock) asks for its commit
+    promptly: the commit gathering for four saves starts with the three it has."""
+    store = _CountingStore()
+
+    async def scenario() -> None:
+        commits = ReplicaCommits(
+            store, on_disowned=lambda ids: None, max_wait_seconds=3600, expected_saves=lambda: 4
+        )
+        waiting = []
+        for promptly in (False, False, True):
+            store.save()
+            waiting.append(asyncio.ensure_future(commits.committed(promptly=promptly)))
+            await asyncio.sleep(0)
+        # A safety limit only: without `promptly` the commit waits an hour.
+        await asyncio.wait_for(asyncio.gather(*waiting), 10)
+        # The next commit waits again for every worker's save.
+        await _saves_of_calls(commits, store, 4)
+        await commits.close()
+
+    asyncio.run(scenario())
+    assert store.commits == [3, 4]
+
+
+def test_a_cancel_of_an_owned_sequence_does_not_wait_out_the_commit_wait(replicas):
+    """The cancel holds the claim lock until its commit: with two workers busy after it
+    (each holds another sequence), it does not hold the lock for the whole wait (an hour
+    here) for their saves."""
+    a, b = replicas("a"), replicas("b")
+    ids = [b.submit(max_new_tokens=8) for _ in range(4)]
+    register(a.core, "w1", max_batch_size=2)
+    register(a.core, "w2", max_batch_size=2)
+    a.claim()
+
+    async def scenario() -> tuple[bool, str]:
+        servicer = replica_servicer.ReplicaServicer(
+            a.core, Wakeups(), a.state, commit_wait_seconds=3600
+        )
+        a.core.select_batch(report("w1"))
+        a.core.select_batch(report("w2"))
+        await asyncio.wait_for(servicer._commits.committed(), 10)
+        assert a.core.num_busy_workers() == 2
+        # Safety limit only: a cancel that waited for w2's save would wait an hour.
+        cancelled = await asyncio.wait_for(servicer._cancel(ids[0]), 10)
+        await servicer._commits.close()
+        return cancelled, b.state.sequence_info(ids[0]).state.name
+
+    assert asyncio.run(scenario()) == (True, "FINISHED")
+
+
 def test_a_replicas_commit_waits_for_the_saves_of_its_workers_and_no_longer(replicas):
     a, b = replicas("a"), replicas("b")
     ids = [b.submit(max_new_tokens=8) for _ in range(2)]
