@@ -101,6 +101,11 @@ class FleetView:
         gaps between calls: CallGaps.bound_seconds; 0 until measured)."""
         return self._peers[worker_id].call_gaps.bound_seconds()
 
+    def mean_call_gap_seconds(self, worker_id: str) -> float:
+        """The peer `worker_id`'s mean gap between calls while busy (CallGaps; 0 until
+        measured)."""
+        return self._peers[worker_id].call_gaps.mean_seconds
+
     def backlog_tokens(self, worker_id: str) -> int:
         """Prompt tokens the peer `worker_id` has still to be handed (its assigned
         sequences' prompts past their cursors): prefill it runs before, or beside, any

@@ -184,13 +184,14 @@ class Placement:
         return None if worker_id is None else self._place(worker_id, 0)
 
     def _place(self, worker_id: str | None, cached_tokens: int) -> Place:
-        """Another worker as a place: its load, and its wait (a step, and its backlog)."""
+        """Another worker as a place: its load, its wait (a step, and its backlog) and its
+        mean gap between calls."""
         if worker_id is None:
             return Place(cached_tokens, 0)
         fleet = self._fleet
         load = fleet.load(worker_id)
         wait = self._price.wait_seconds(load, fleet.backlog_tokens(worker_id))
-        return Place(cached_tokens, load, wait)
+        return Place(cached_tokens, load, wait, fleet.mean_call_gap_seconds(worker_id))
 
     def _holders_leave_it(self, spread: CacheSpread, load: int) -> bool:
         """Whether two or more others hold the best prefix and each would leave it by
