@@ -7,7 +7,9 @@ order's) the rule compares what W has cached of its prompt with the best other
 admitting worker that can run it (`FleetView.spread`), and prices the places with
 `AffinityPrice` (policies/affinity.py): wait + uncached prefill x (1 + load), in
 sequence-seconds, a place's wait being one of its decode steps and the prefill of its
-backlog (0 when idle). A prefix hit is kept for its holder only when it pays.
+backlog (0 when idle). A prefix hit is kept for its holder only when it pays; costs
+within one decode step, or one of the places' gap between calls, are a tie, which goes
+to the longer cached prefix (`AffinityPrice.prefers`).
 
 1. **Overdue** (queued for `--aging-seconds` or more): W takes it if it fits; never
    deferred, and ranked first.
