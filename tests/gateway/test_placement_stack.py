@@ -61,10 +61,10 @@ LATENCY_TARGET_MS = "1000"
 # average (standard deviation 3.5). Measured (docs/policies.md, "In the real system"):
 # before near ties went to the cached prefix 28, 38 and 42 on an idle machine (most
 # misses a second turn priced a few ms cheaper cold than on its busy holder); since,
-# nine runs at load 1.7-9.1: 36-48, mean 42.8 (the misses left: a holder at its cap or with
-# no free GDN slot, and second turns whose holder is loaded by two or more sequences more
-# than the asker). Issue 32's target (0.9, 43) is met by some runs, not all; the floor
-# catches a fall back to the price before near ties, with a margin for a loaded CI
+# eleven runs at load 1.7-9.1: 36-48, mean 43.1 (the misses left: a holder at its cap or
+# with no free GDN slot, and second turns whose holder is loaded by two or more sequences
+# more than the asker). Issue 32's target (0.9, 43) is met on average, not by every run; the
+# floor catches a fall back to the price before near ties, with a margin for a loaded CI
 # machine. The placement deferrals counted below tell the rule from no rule.
 MIN_RESUMED = 30
 
