@@ -467,6 +467,41 @@ def test_costs_within_a_step_or_a_call_gap_are_a_tie_that_goes_to_the_longer_pre
     assert price.prefers(85, idle, slow) and not price.prefers(85, slow, idle)
     # Equal prefixes: no tie rule, the cheaper place wins.
     assert price.prefers(85, Place(0, 2), cold) and not price.prefers(85, cold, Place(0, 2))
+    # A gap between calls widens a tie by at most MAX_GAP_STEPS steps: a holder that once
+    # stalled (a mean gap of 10 s) does not win a difference of many steps.
+    stalled = Place(32, 6, price.wait_seconds(6), call_gap_seconds=10.0)
+    apart = price.cost_seconds(400, stalled) - price.cost_seconds(400, idle)
+    assert apart > 4 * price.step_seconds(6)
+    assert price.prefers(400, stalled, idle) and not price.prefers(400, idle, stalled)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "budget"])
+def test_a_slow_calling_holder_and_an_idle_worker_never_both_leave_a_sequence(policy):
+    """w1 holds a one-block prefix and two sequences and calls every 100 ms (its mean gap
+    between calls), w0 is idle: whichever way the price goes, the two agree on who takes
+    the sequence, so one of them takes it when both have asked (review of e248b98: the
+    asker counted only the other's gap, and both deferred)."""
+    sched, clock = fleet(policy)
+    sched.select_batch(cache_report("w1", added=hashes(85)[:1], reset=True))
+    sched.select_batch(cache_report("w0", reset=True))
+    held: list[int] = []
+    for i in (100, 200):
+        submit_tokens(sched, prompt(8, i))
+        for _ in range(20):
+            got = [s for s, _ in admitted(sched.select_batch(report("w1", waiting=held)))]
+            if got:
+                break
+            clock.advance_ms(10)
+        held += got
+    assert len(held) == 2, held
+    for _ in range(4):  # busy, calling every 100 ms
+        clock.advance_ms(100)
+        sched.select_batch(report("w1", waiting=held))
+    seq = submit(sched, prompt_len=85)
+    taken = admitted(sched.select_batch(report("w0"))) + admitted(
+        sched.select_batch(report("w1", waiting=held))
+    )
+    assert [s for s, _ in taken] == [seq]
 
 
 @pytest.mark.parametrize("policy", ["fifo", "budget", "fair"])

@@ -28,6 +28,10 @@ from dataclasses import dataclass
 
 from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 
+# The most a place's gap between calls widens a near tie, in decode steps of the busier
+# place.
+MAX_GAP_STEPS = 4
+
 
 @dataclass(frozen=True, slots=True)
 class Place:
@@ -39,8 +43,8 @@ class Place:
     load: int
     # Until it would take the sequence: 0 for the worker asking now.
     wait_seconds: float = 0.0
-    # Its mean time between calls while busy (0: the asker, or not measured): it takes a
-    # sequence only when it calls, so its wait is known to within this.
+    # Its mean time between calls while busy (0: not measured): a place takes a sequence
+    # only when it calls, so its wait is known to within this.
     call_gap_seconds: float = 0.0
 
 
@@ -90,11 +94,13 @@ class AffinityPrice:
         here_cost = self.cost_seconds(num_tokens, here)
         if there.cached_tokens == here.cached_tokens:
             return there_cost < here_cost
-        tie = max(
-            self.step_seconds(max(here.load, there.load)),
-            here.call_gap_seconds,
-            there.call_gap_seconds,
-        )
+        # One margin for both places, so that the asker and the place it prices agree on
+        # which of them a tie goes to (each asking in turn, neither leaves the sequence to
+        # the other); the gaps at most MAX_GAP_STEPS steps, so that one long gap (a
+        # warm-up, a stall) does not make every difference a tie.
+        step = self.step_seconds(max(here.load, there.load))
+        gap = min(max(here.call_gap_seconds, there.call_gap_seconds), MAX_GAP_STEPS * step)
+        tie = max(step, gap)
         if there.cached_tokens > here.cached_tokens:
             return there_cost < here_cost + tie
         return there_cost < here_cost - tie

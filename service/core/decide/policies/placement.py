@@ -122,7 +122,7 @@ class Placement:
         own, other = spread.own_tokens, spread.best_other_tokens
         load = fleet.own_load + num_admitted
         num_tokens = seq.num_tokens()
-        here = Place(own, load)
+        here = Place(own, load, 0.0, fleet.own_mean_call_gap_seconds)
         if other > own and not self._holders_leave_it(spread, load):
             # 3. Waiting for the holder must pay (its saved prefill against the wait and
             # its batch carrying the rest), and never past the holder's cap.
