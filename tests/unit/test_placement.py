@@ -448,6 +448,79 @@ def test_the_price_counts_the_prefill_once_for_the_sequence_and_once_per_sequenc
     assert not price.prefers(400, idle, Place(32, 1, price.wait_seconds(1)))
 
 
+def test_costs_within_a_step_or_a_call_gap_are_a_tie_that_goes_to_the_longer_prefix():
+    """A second turn: 32 of 85 tokens cached on a worker holding one sequence, against
+    cold on another holding one. Cold is cheaper by less than one decode step, so the
+    cache wins from either side; a cold place cheaper by more than that wins, and the
+    holder's gap between calls widens the tie."""
+    price = AffinityPrice(StepTimeModel())
+    step = StepTimeModel().predict(StepShape(num_decodes=1))  # one decode step
+    holder = Place(32, 1, price.wait_seconds(1))
+    cold = Place(0, 1)
+    gap = price.cost_seconds(85, holder) - price.cost_seconds(85, cold)
+    assert 0 < gap < step  # cold is cheaper, by less than a step
+    assert price.prefers(85, cold, holder) and not price.prefers(85, holder, cold)
+    idle = Place(0, 0)  # cheaper by more than a step: it takes it
+    assert step < price.cost_seconds(85, holder) - price.cost_seconds(85, idle)
+    assert price.prefers(85, holder, idle) and not price.prefers(85, idle, holder)
+    slow = replace(holder, call_gap_seconds=0.1)  # calls every 100 ms: a tie again
+    assert price.prefers(85, idle, slow) and not price.prefers(85, slow, idle)
+    # Equal prefixes: no tie rule, the cheaper place wins.
+    assert price.prefers(85, Place(0, 2), cold) and not price.prefers(85, cold, Place(0, 2))
+    # A gap between calls widens a tie by at most MAX_GAP_STEPS steps: a holder that once
+    # stalled (a mean gap of 10 s) does not win a difference of many steps.
+    stalled = Place(32, 6, price.wait_seconds(6), call_gap_seconds=10.0)
+    apart = price.cost_seconds(400, stalled) - price.cost_seconds(400, idle)
+    assert apart > 4 * price.step_seconds(6)
+    assert price.prefers(400, stalled, idle) and not price.prefers(400, idle, stalled)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "budget"])
+def test_a_slow_calling_holder_and_an_idle_worker_never_both_leave_a_sequence(policy):
+    """w1 holds a one-block prefix and two sequences and calls every 100 ms (its mean gap
+    between calls), w0 is idle: whichever way the price goes, the two agree on who takes
+    the sequence, so one of them takes it when both have asked (review of e248b98: the
+    asker counted only the other's gap, and both deferred)."""
+    sched, clock = fleet(policy)
+    sched.select_batch(cache_report("w1", added=hashes(85)[:1], reset=True))
+    sched.select_batch(cache_report("w0", reset=True))
+    held: list[int] = []
+    for i in (100, 200):
+        submit_tokens(sched, prompt(8, i))
+        for _ in range(20):
+            got = [s for s, _ in admitted(sched.select_batch(report("w1", waiting=held)))]
+            if got:
+                break
+            clock.advance_ms(10)
+        held += got
+    assert len(held) == 2, held
+    for _ in range(4):  # busy, calling every 100 ms
+        clock.advance_ms(100)
+        sched.select_batch(report("w1", waiting=held))
+    seq = submit(sched, prompt_len=85)
+    taken = admitted(sched.select_batch(report("w0"))) + admitted(
+        sched.select_batch(report("w1", waiting=held))
+    )
+    assert [s for s, _ in taken] == [seq]
+
+
+@pytest.mark.parametrize("policy", ["fifo", "budget", "fair"])
+def test_a_second_turn_waits_for_its_holder_when_cold_is_cheaper_by_less_than_a_step(policy):
+    """The real system's second turns (docs/policies.md, "In the real system"): 32 of 85
+    tokens cached on w1, each worker holding one sequence. Computing it cold on w0 is
+    priced a few ms cheaper, less than a step: w0 leaves it, w1 resumes it."""
+    sched, _ = fleet(policy)
+    sched.select_batch(cache_report("w1", added=hashes(85)[:2], reset=True))
+    sched.select_batch(cache_report("w0", reset=True))
+    held = {}
+    for i, worker_id in enumerate(("w1", "w0"), start=1):
+        held[worker_id] = [submit_tokens(sched, prompt(8, 100 * i))]
+        assert [s for s, _ in admitted(sched.select_batch(report(worker_id)))] == held[worker_id]
+    seq = submit(sched, prompt_len=85)
+    assert admitted(sched.select_batch(report("w0", waiting=held["w0"]))) == []
+    assert admitted(sched.select_batch(report("w1", waiting=held["w1"]))) == [(seq, 32)]
+
+
 @pytest.mark.parametrize("policy", ["fifo", "budget", "fair"])
 def test_at_light_load_an_idle_worker_takes_a_request_whose_short_prefix_a_busy_one_holds(
     policy,

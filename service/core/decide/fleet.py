@@ -69,6 +69,7 @@ class FleetView:
         self.worker_id = worker.worker_id
         self.block_tokens = worker.resume_points.block_tokens
         self._own_points = worker.resume_points.points
+        self._own_call_gaps = worker.call_gaps
         self._owners = fleet_cache.owners
         # The other workers that admit now (expired leases were dropped before the call).
         self._peers = {w.worker_id: w for w in workers if w is not worker and w.admitting}
@@ -100,6 +101,16 @@ class FleetView:
         """How long the peer `worker_id` may take to call again while busy (its measured
         gaps between calls: CallGaps.bound_seconds; 0 until measured)."""
         return self._peers[worker_id].call_gaps.bound_seconds()
+
+    @property
+    def own_mean_call_gap_seconds(self) -> float:
+        """The asking worker's own mean gap between calls while busy (0 until measured)."""
+        return self._own_call_gaps.mean_seconds
+
+    def mean_call_gap_seconds(self, worker_id: str) -> float:
+        """The peer `worker_id`'s mean gap between calls while busy (CallGaps; 0 until
+        measured)."""
+        return self._peers[worker_id].call_gaps.mean_seconds
 
     def backlog_tokens(self, worker_id: str) -> int:
         """Prompt tokens the peer `worker_id` has still to be handed (its assigned

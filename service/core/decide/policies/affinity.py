@@ -12,6 +12,9 @@ pays only when the first outweighs the second:
 
     cost(place) = wait + prefill(uncached tokens) x (1 + load)
 
+Two places whose costs differ by less than one decode step (of the busier one), or than
+the time either takes to call again, are a tie, which goes to the longer cached prefix.
+
 So at light load an idle worker (load 0, no wait) takes a sequence unless its holder
 saves most of the prompt (a conversation's next turn), and under load, where every
 place carries the prefill for many, the hit wins. Pure and small: placement in the
@@ -25,6 +28,10 @@ from dataclasses import dataclass
 
 from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
 
+# The most a place's gap between calls widens a near tie, in decode steps of the busier
+# place.
+MAX_GAP_STEPS = 4
+
 
 @dataclass(frozen=True, slots=True)
 class Place:
@@ -36,6 +43,9 @@ class Place:
     load: int
     # Until it would take the sequence: 0 for the worker asking now.
     wait_seconds: float = 0.0
+    # Its mean time between calls while busy (0: not measured): a place takes a sequence
+    # only when it calls, so its wait is known to within this.
+    call_gap_seconds: float = 0.0
 
 
 class AffinityPrice:
@@ -69,6 +79,28 @@ class AffinityPrice:
         prefill = self.prefill_seconds(num_tokens, place.cached_tokens)
         return place.wait_seconds + prefill * (1 + place.load)
 
+    def step_seconds(self, load: int) -> float:
+        """One decode step of a worker holding `load` sequences (its fixed cost when idle)."""
+        return self._model.predict(StepShape(num_decodes=load))
+
     def prefers(self, num_tokens: int, here: Place, there: Place) -> bool:
-        """Whether a `num_tokens` prompt costs less at `there` than `here`."""
-        return self.cost_seconds(num_tokens, there) < self.cost_seconds(num_tokens, here)
+        """Whether a `num_tokens` prompt costs less at `there` than `here`. Costs closer
+        than one decode step of the busier place, or than either place's mean gap between
+        calls, are a tie, and a tie goes to the place with the longer cached prefix: a
+        place starts a sequence only at a step's boundary, after it calls, and its wait is
+        priced as one predicted step, so a smaller difference is below what the price
+        resolves, while the cached tokens are certainly not computed again."""
+        there_cost = self.cost_seconds(num_tokens, there)
+        here_cost = self.cost_seconds(num_tokens, here)
+        if there.cached_tokens == here.cached_tokens:
+            return there_cost < here_cost
+        # One margin for both places, so that the asker and the place it prices agree on
+        # which of them a tie goes to (each asking in turn, neither leaves the sequence to
+        # the other); the gaps at most MAX_GAP_STEPS steps, so that one long gap (a
+        # warm-up, a stall) does not make every difference a tie.
+        step = self.step_seconds(max(here.load, there.load))
+        gap = min(max(here.call_gap_seconds, there.call_gap_seconds), MAX_GAP_STEPS * step)
+        tie = max(step, gap)
+        if there.cached_tokens > here.cached_tokens:
+            return there_cost < here_cost + tie
+        return there_cost < here_cost - tie

@@ -7,7 +7,9 @@ order's) the rule compares what W has cached of its prompt with the best other
 admitting worker that can run it (`FleetView.spread`), and prices the places with
 `AffinityPrice` (policies/affinity.py): wait + uncached prefill x (1 + load), in
 sequence-seconds, a place's wait being one of its decode steps and the prefill of its
-backlog (0 when idle). A prefix hit is kept for its holder only when it pays.
+backlog (0 when idle). A prefix hit is kept for its holder only when it pays; costs
+within one decode step, or one of the places' gap between calls, are a tie, which goes
+to the longer cached prefix (`AffinityPrice.prefers`).
 
 1. **Overdue** (queued for `--aging-seconds` or more): W takes it if it fits; never
    deferred, and ranked first.
@@ -120,7 +122,7 @@ class Placement:
         own, other = spread.own_tokens, spread.best_other_tokens
         load = fleet.own_load + num_admitted
         num_tokens = seq.num_tokens()
-        here = Place(own, load)
+        here = Place(own, load, 0.0, fleet.own_mean_call_gap_seconds)
         if other > own and not self._holders_leave_it(spread, load):
             # 3. Waiting for the holder must pay (its saved prefill against the wait and
             # its batch carrying the rest), and never past the holder's cap.
@@ -184,13 +186,14 @@ class Placement:
         return None if worker_id is None else self._place(worker_id, 0)
 
     def _place(self, worker_id: str | None, cached_tokens: int) -> Place:
-        """Another worker as a place: its load, and its wait (a step, and its backlog)."""
+        """Another worker as a place: its load, its wait (a step, and its backlog) and its
+        mean gap between calls."""
         if worker_id is None:
             return Place(cached_tokens, 0)
         fleet = self._fleet
         load = fleet.load(worker_id)
         wait = self._price.wait_seconds(load, fleet.backlog_tokens(worker_id))
-        return Place(cached_tokens, load, wait)
+        return Place(cached_tokens, load, wait, fleet.mean_call_gap_seconds(worker_id))
 
     def _holders_leave_it(self, spread: CacheSpread, load: int) -> bool:
         """Whether two or more others hold the best prefix and each would leave it by
