@@ -305,9 +305,11 @@ class PendingReport:
         idle_wait_seconds: float = 0.0,
         kv_cached_pages: int = 0,
         last_step_us: int = 0,
+        decide_later: bool = False,
     ) -> pb.SelectBatchRequest:
         """The report; `idle_wait_seconds` > 0 asks for a long poll; `last_step_us` is the
-        latest step's time not yet reported (0: none)."""
+        latest step's time not yet reported (0: none); `decide_later`: the decision comes
+        with the next report (docs/contract.md, "Late decisions")."""
         # The tokens in the packed form (docs/contract.md, "Packed tokens"): one array
         # each, which protobuf writes and the scheduler parses in C; a sequence with
         # logprobs goes as a TokenUpdate (the packed form has no per-token fields), and
@@ -359,6 +361,7 @@ class PendingReport:
             last_step_us=last_step_us,
             handoffs=self.handoffs,
             applied_iteration=self.applied_iteration,
+            decide_later=decide_later,
         )
         if self.cache:
             delta = self.cache.peek()

@@ -294,6 +294,8 @@ class Scheduler:
             decision = self._batcher.decide(worker, report, reported, evict, step_model)
         if saved.disowned:
             decision = _without(decision, saved.disowned, reported)
+        if report.decide_later and _runs_nothing(decision):
+            return decision  # the step's decision comes with the next report: none to learn
         if self._step_times is not None:
             busy = decision.prefill or decision.decode
             self._step_times.decided(
@@ -357,6 +359,16 @@ class Scheduler:
         if seq is None or not caller.may_see(seq.params.principal):
             raise NotFound.seq_id(seq_id)
         return seq
+
+
+def _runs_nothing(decision: Decision) -> bool:
+    return not (
+        decision.prefill
+        or decision.decode
+        or decision.evict
+        or decision.preempt
+        or decision.handoffs
+    )
 
 
 def _no_service(tenant: str) -> float:
