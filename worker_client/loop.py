@@ -62,7 +62,7 @@ class WorkerLoop:
     a round trip. A sequence that ends in step n may be scheduled for step n+1; the
     engine drops it without a token. Step outputs are reported one iteration later. When
     step n is predicted to be long and the scheduler takes it, the report asks for its
-    decision later (`decide_later`) and a second one, with nothing new, asks for it two
+    decision later (`decide_later`) and a second one, with nothing new, asks for it a few
     round trips before step n's predicted end, so that step n+1 can start a prompt that
     arrived during step n (worker_client/step_clock.py).
 

@@ -62,11 +62,13 @@ class RoundTrips:
 
 @dataclass(frozen=True)
 class LateAsk:
-    """When to ask for the next decision during a step: `margin` round trips before the
-    step's predicted end, and only when that leaves at least `min_delay_seconds` after
-    the step's start (a short step is not worth a second call)."""
+    """When to ask for the next decision during a step: `margin` round trips and
+    `slack_seconds` before the step's predicted end (an answer that comes after the step
+    ended keeps the engine waiting), and only when that leaves at least
+    `min_delay_seconds` after the step's start (a short step is not worth a second call)."""
 
-    margin: float = 2.0
+    margin: float = 3.0
+    slack_seconds: float = 0.003
     min_delay_seconds: float = 0.02
 
     def delay(
@@ -76,7 +78,7 @@ class LateAsk:
         predicted = clock.predict(num_prompt_tokens)
         if predicted is None or round_trips.seconds is None:
             return None
-        delay = predicted - self.margin * round_trips.seconds
+        delay = predicted - self.margin * round_trips.seconds - self.slack_seconds
         return delay if delay >= self.min_delay_seconds else None
 
 
