@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from service.core.config import SchedulerConfig
-from service.core.decide.batcher import Batcher
+from service.core.decide.batcher import Batcher, decides_later
 from service.core.decide.disaggregation import Disaggregation
 from service.core.decide.orders import queue_order
 from service.core.decide.policies import make_policy
@@ -289,13 +289,18 @@ class Scheduler:
             worker = self._ledger.get(report.worker_id)
             check_incarnation(worker, report.incarnation)
             reported = validate_report(report, worker)
+            busy = bool(worker.assigned)  # it held sequences since its previous call
             evict = self._reconciler.apply(worker, report, reported)
             step_model = self._learn_step_time(report)
+            if decides_later(worker, report, evict):
+                # Nothing decided: the step's decision comes with the next report, which
+                # also evicts what a commit disowns now (a stray then). Not a chance to
+                # admit either, so not a call for placement (CallGaps: its wait bound).
+                return Decision(iteration=worker.iteration)
+            worker.call_gaps.called(worker.last_call_at, busy)
             decision = self._batcher.decide(worker, report, reported, evict, step_model)
         if saved.disowned:
             decision = _without(decision, saved.disowned, reported)
-        if report.decide_later and _runs_nothing(decision):
-            return decision  # the step's decision comes with the next report: none to learn
         if self._step_times is not None:
             busy = decision.prefill or decision.decode
             self._step_times.decided(
@@ -359,16 +364,6 @@ class Scheduler:
         if seq is None or not caller.may_see(seq.params.principal):
             raise NotFound.seq_id(seq_id)
         return seq
-
-
-def _runs_nothing(decision: Decision) -> bool:
-    return not (
-        decision.prefill
-        or decision.decode
-        or decision.evict
-        or decision.preempt
-        or decision.handoffs
-    )
 
 
 def _no_service(tenant: str) -> float:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from service.core import TokenUpdate
+import pytest
 
-from .factories import admit, make_scheduler, register, report, submit
+from service.core import Scheduler, TokenUpdate
+from service.core.persist.store import Disowned, MemoryStore
+
+from .factories import FakeClock, admit, make_config, make_scheduler, register, report, submit
 
 
 def _running_one():
@@ -49,3 +52,54 @@ def test_a_draining_worker_is_decided_at_once():
         replace(report(running=[first], draining=True), decide_later=True)
     )
     assert decision.decode == (first,)
+
+
+class _DisowningStore(MemoryStore):
+    """A store whose next save with tokens fails for `armed`: another replica took
+    them over (service/core/persist/store.py, Disowned)."""
+
+    armed: frozenset[int] = frozenset()
+
+    def save(self, changes):
+        if self.armed and changes.tokens:
+            seq_ids, self.armed = self.armed, frozenset()
+            raise Disowned(seq_ids)
+        super().save(changes)
+
+
+def test_a_deferred_answer_runs_nothing_when_a_commit_disowns_a_sequence():
+    # An answer with an evict only would be applied as the step's decision, which then
+    # would not decode the sequence still this worker's; the next report evicts instead.
+    store = _DisowningStore()
+    sched = Scheduler(make_config(), clock=FakeClock(), store=store)
+    register(sched)
+    kept, taken = submit(sched), submit(sched)
+    assert set(admit(sched)) == {kept, taken}
+    tokens = (TokenUpdate(kept, (7,)), TokenUpdate(taken, (7,)))
+    sched.select_batch(replace(report(running=[kept, taken]), tokens=tokens))
+    store.armed = frozenset({taken})
+    later = replace(
+        report(running=[kept, taken]), tokens=(TokenUpdate(kept, (8,)),), decide_later=True
+    )
+    decision = sched.select_batch(later)
+    assert (decision.prefill, decision.decode, decision.evict, decision.preempt) == ((),) * 4
+    second = sched.select_batch(report(running=[kept, taken]))
+    assert (second.decode, second.evict) == ((kept,), (taken,))
+
+
+def test_a_deferred_report_is_not_a_call_between_steps():
+    # A worker that asks twice a step (a deferred report, then the late one) calls once
+    # a step for placement: its gap between calls is its step, not half of it on average.
+    clock = FakeClock()
+    sched = make_scheduler(clock)
+    register(sched)
+    first = submit(sched)
+    assert admit(sched) == (first,)
+    gaps = sched._ledger.get("w0").call_gaps
+    for _ in range(6):
+        clock.advance_ms(10)
+        sched.select_batch(replace(report(running=[first]), decide_later=True))
+        clock.advance_ms(190)
+        sched.select_batch(report(running=[first]))
+    assert gaps.mean_seconds == pytest.approx(0.2)
+    assert gaps.deviation_seconds < 0.1 / 4  # gap / 2 at first, down a quarter each call

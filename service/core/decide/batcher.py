@@ -73,10 +73,7 @@ class Batcher:
         evict: tuple[int, ...],
         step_model: StepTimeModel | None = None,
     ) -> Decision:
-        """The decision for `worker`, whose report was applied (docs/contract.md rule 1);
-        one that runs nothing when the report asks for it later and may have it then."""
-        if _decides_later(worker, report, evict):
-            return Decision(iteration=worker.iteration)  # asked again with nothing new
+        """The decision for `worker`, whose report was applied (docs/contract.md rule 1)."""
         # The running sequences (the only per-sequence work of a decision that admits
         # nothing: one pass, or none in a steady step), then the waiting ones.
         role = worker.registration.role
@@ -339,10 +336,11 @@ def _decode_context(view: DecisionView, plan: Plan) -> int:
     return sum(seq.num_tokens() for seq in view.running if seq.seq_id in decoding)
 
 
-def _decides_later(worker: WorkerRecord, report: WorkerReport, evict: tuple[int, ...]) -> bool:
+def decides_later(worker: WorkerRecord, report: WorkerReport, evict: tuple[int, ...]) -> bool:
     """Whether a report that asks for its decision later gets it later (docs/contract.md,
     "Late decisions"): not when the worker must drop something now (evictions, a drain),
-    nor for a prefill or decode worker (its handoffs are planned with each decision)."""
+    nor for a prefill or decode worker (its handoffs are planned with each decision).
+    The answer is then an empty decision, made by no policy, and the worker asks again."""
     return (
         report.decide_later
         and not evict

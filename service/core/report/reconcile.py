@@ -70,8 +70,7 @@ class Reconciler:
             _check_finish_counts(worker, report)  # before anything changes
         # The tokens first: a report they refuse changes nothing.
         self._steady.apply_tokens(worker, report, self._general_tokens)
-        worker.last_call_at = self._clock()
-        worker.call_gaps.called(worker.last_call_at, busy=bool(worker.assigned))
+        worker.last_call_at = self._clock()  # its lease; its call gaps once it is decided
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots
