@@ -246,12 +246,14 @@ class PendingReport:
             self.admitted(outcome.seq_id)
             self._delivered[outcome.seq_id] = outcome.num_generated
 
-    def delivered(self, iteration: int = 0) -> None:
+    def delivered(self, iteration: int = 0, deferred: bool = False) -> None:
         """The last request was answered (by the decision with `iteration`): all of it
-        reached the scheduler."""
+        reached the scheduler. `deferred`: the answer put the decision off (decide_later),
+        so the decision applied is still the one before, whose step runs."""
         if self._sent_running:
             self._running_baseline = (iteration, self.reported_running)
-        self.applied_iteration = iteration
+        if not deferred:
+            self.applied_iteration = iteration
         for seq_id, token_ids in self.tokens.items():
             self._delivered[seq_id] = self._delivered.get(seq_id, 0) + len(token_ids)
         for fin in self.finished:

@@ -16,7 +16,7 @@ from worker_client.convert import PendingReport, Work
 from worker_client.engine.api import ChunkWork, Engine, FinishReason, StepOutput
 from worker_client.forecast import Forecast, Holding
 from worker_client.handoffs import HandoffAgent
-from worker_client.resources import WorkerResources
+from worker_client.resources import WorkerResources, WorkerRole
 from worker_client.step_clock import LateAsk, RoundTrips, StepClock
 from worker_client.step_log import StepLog
 
@@ -189,7 +189,7 @@ class WorkerLoop:
                             return
                         continue
                 held = self._holding()
-                delay = self._late_ask_delay(work)
+                delay = self._late_ask_delay(work, draining)
                 stepping = stepper.submit(self._timed_step, work.prefill, work.decode)
                 step_started = time.monotonic()
                 after = self._forecast.after_step(held, work.prefill, work.decode)
@@ -199,11 +199,13 @@ class WorkerLoop:
                     request.decide_later = delay is not None
                     decision = self._select_timed(request)
                     if delay is not None and _runs_nothing(decision):
-                        # Its outputs are in; the decision is asked for near the step's
-                        # end, so that it can take a prompt that arrives meanwhile.
-                        self._delivered(decision)
+                        # Its outputs are in, but the decision whose step runs is still the
+                        # one applied; the next is asked for near the step's end, so that
+                        # it can take a prompt that arrives meanwhile.
+                        self._delivered(decision, deferred=True)
                         wait([stepping], timeout=max(0.0, step_started + delay - time.monotonic()))
                         asked_at = time.time()
+                        draining = drain.is_set()  # a drain asked meanwhile is decided now
                         decision = self._select_timed(self._request(draining, after, idle=False))
                     self._decided_at = time.time()  # applied once the step ends
                     if self._handoffs is not None and decision.handoffs:
@@ -235,10 +237,12 @@ class WorkerLoop:
                 self._log_decision(asked_at, decision, work)
                 work = self._apply(work)
 
-    def _late_ask_delay(self, work: Work) -> float | None:
+    def _late_ask_delay(self, work: Work, draining: bool) -> float | None:
         """Seconds into `work`'s step at which to ask for the next decision, or None: ask
-        now (docs/contract.md, "Late decisions"; worker_client/step_clock.py)."""
-        if not self._decides_later:
+        now (docs/contract.md, "Late decisions"; worker_client/step_clock.py). Only where
+        the scheduler defers: a worker of role both that does not drain (any other is
+        decided at once, and an answer that runs nothing is then its next decision)."""
+        if not self._decides_later or draining or self.resources.role is not WorkerRole.BOTH:
             return None
         num_prompt_tokens = sum(c.chunk_len for c in work.prefill)
         return self._late_ask.delay(self._step_clock, self._round_trips, num_prompt_tokens)
@@ -334,11 +338,11 @@ class WorkerLoop:
         if self._step_log is not None and (work.has_step or work.drop):
             self._step_log.decision(asked_at, self._decided_at, decision.iteration, work)
 
-    def _delivered(self, decision: pb.SchedulerDecision) -> None:
+    def _delivered(self, decision: pb.SchedulerDecision, deferred: bool = False) -> None:
         """The last request was answered with `decision`: its outputs and step time
         reached the scheduler (a step that ended meanwhile keeps its own time for the
-        next report)."""
-        self._pending.delivered(decision.iteration)
+        next report). `deferred`: an answer to decide_later, no step's decision."""
+        self._pending.delivered(decision.iteration, deferred)
         self._step_us = 0
 
     def _timed_step(
