@@ -289,15 +289,11 @@ class Scheduler:
             worker = self._ledger.get(report.worker_id)
             check_incarnation(worker, report.incarnation)
             reported = validate_report(report, worker)
-            busy = bool(worker.assigned)  # it held sequences since its previous call
             evict = self._reconciler.apply(worker, report, reported)
             step_model = self._learn_step_time(report)
             if decides_later(worker, report, evict):
-                # Nothing decided: the step's decision comes with the next report, which
-                # also evicts what a commit disowns now (a stray then). Not a chance to
-                # admit either, so not a call for placement (CallGaps: its wait bound).
+                # Runs and evicts nothing: what a commit disowns now is the next report's stray.
                 return Decision(iteration=worker.iteration)
-            worker.call_gaps.called(worker.last_call_at, busy)
             decision = self._batcher.decide(worker, report, reported, evict, step_model)
         if saved.disowned:
             decision = _without(decision, saved.disowned, reported)
