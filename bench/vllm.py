@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import sys
@@ -30,7 +31,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.harness.processes import ROOT
@@ -505,7 +506,23 @@ def main(argv: list[str] | None = None) -> int:
         print_costs(results, "conversations", DECISION_ROWS)
         print_worker_lines(logs, 2)
         print_burst(results["lattice, 2 vLLM workers"]["conversations"], logs, 2)
+        write_requests(results, logs / "requests.json")
     return 0
+
+
+def write_requests(results: dict[str, dict[str, Load]], path: Path) -> None:
+    """Every request of the decisions row by stack, with its load's start (for
+    bench/harness/waits.py, beside the Lattice workers' step logs)."""
+    rows = {
+        label: {
+            "started_at": by_load["conversations"].started_at,
+            "requests": [asdict(r) for r in by_load["conversations"].requests],
+        }
+        for label, by_load in results.items()
+        if "conversations" in by_load
+    }
+    path.write_text(json.dumps(rows))
+    print(f"  requests: {path}")
 
 
 def print_overhead(results: dict[str, dict[str, Load]], num_sat: int, num_fixed: int) -> None:

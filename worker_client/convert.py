@@ -246,12 +246,14 @@ class PendingReport:
             self.admitted(outcome.seq_id)
             self._delivered[outcome.seq_id] = outcome.num_generated
 
-    def delivered(self, iteration: int = 0) -> None:
+    def delivered(self, iteration: int = 0, deferred: bool = False) -> None:
         """The last request was answered (by the decision with `iteration`): all of it
-        reached the scheduler."""
+        reached the scheduler. `deferred`: the answer put the decision off (decide_later),
+        so the decision applied is still the one before, whose step runs."""
         if self._sent_running:
             self._running_baseline = (iteration, self.reported_running)
-        self.applied_iteration = iteration
+        if not deferred:
+            self.applied_iteration = iteration
         for seq_id, token_ids in self.tokens.items():
             self._delivered[seq_id] = self._delivered.get(seq_id, 0) + len(token_ids)
         for fin in self.finished:
@@ -305,9 +307,11 @@ class PendingReport:
         idle_wait_seconds: float = 0.0,
         kv_cached_pages: int = 0,
         last_step_us: int = 0,
+        decide_later: bool = False,
     ) -> pb.SelectBatchRequest:
         """The report; `idle_wait_seconds` > 0 asks for a long poll; `last_step_us` is the
-        latest step's time not yet reported (0: none)."""
+        latest step's time not yet reported (0: none); `decide_later`: the decision comes
+        with the next report (docs/contract.md, "Late decisions")."""
         # The tokens in the packed form (docs/contract.md, "Packed tokens"): one array
         # each, which protobuf writes and the scheduler parses in C; a sequence with
         # logprobs goes as a TokenUpdate (the packed form has no per-token fields), and
@@ -359,6 +363,7 @@ class PendingReport:
             last_step_us=last_step_us,
             handoffs=self.handoffs,
             applied_iteration=self.applied_iteration,
+            decide_later=decide_later,
         )
         if self.cache:
             delta = self.cache.peek()

@@ -16,7 +16,8 @@ from worker_client.convert import PendingReport, Work
 from worker_client.engine.api import ChunkWork, Engine, FinishReason, StepOutput
 from worker_client.forecast import Forecast, Holding
 from worker_client.handoffs import HandoffAgent
-from worker_client.resources import WorkerResources
+from worker_client.resources import WorkerResources, WorkerRole
+from worker_client.step_clock import LateAsk, RoundTrips, StepClock
 from worker_client.step_log import StepLog
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,11 @@ class WorkerLoop:
     n+1 (what the engine will hold after step n: worker_client/forecast.py) goes to the
     scheduler, and its decision is there when step n ends, so the engine never waits for
     a round trip. A sequence that ends in step n may be scheduled for step n+1; the
-    engine drops it without a token. Step outputs are reported one iteration later.
+    engine drops it without a token. Step outputs are reported one iteration later. When
+    step n is predicted to be long and the scheduler takes it, the report asks for its
+    decision later (`decide_later`) and a second one, with nothing new, asks for it a few
+    round trips before step n's predicted end, so that step n+1 can start a prompt that
+    arrived during step n (worker_client/step_clock.py).
 
     With nothing held and nothing to report, the loop asks for a long poll
     (`idle_wait_seconds`) instead of polling.
@@ -82,12 +87,14 @@ class WorkerLoop:
         overlap: bool = True,
         handoffs: HandoffAgent | None = None,
         step_log: StepLog | None = None,
+        late_ask: LateAsk | None = None,
     ) -> None:
         """`idle_sleep_seconds`: the pause after a decision with nothing to run, when the
         scheduler did not hold its answer (it holds none for a worker that holds work).
         `handoffs`: this worker's ends of prefill/decode handoffs (None: it takes part in
         none, and a Handoff in a decision is ignored). `step_log`: where to write each
-        decision's and step's times (worker_client/step_log.py), if anywhere."""
+        decision's and step's times (worker_client/step_log.py), if anywhere. `late_ask`:
+        when, in a step, to ask for the next decision (worker_client/step_clock.py)."""
         self.engine = engine
         self.client = client
         self.resources = resources
@@ -104,6 +111,11 @@ class WorkerLoop:
         self._decided_at = 0.0  # wall clock when the latest decision arrived
         self._step_log = step_log
         self._step_wall = (0.0, 0.0)  # wall clock when the latest step started and ended
+        # Asking for a decision near the step's end, where the scheduler takes it.
+        self._decides_later = False
+        self._step_clock = StepClock()
+        self._round_trips = RoundTrips()
+        self._late_ask = late_ask if late_ask is not None else LateAsk()
 
     @property
     def handoffs(self) -> HandoffAgent | None:
@@ -177,11 +189,24 @@ class WorkerLoop:
                             return
                         continue
                 held = self._holding()
+                delay = self._late_ask_delay(work, draining)
                 stepping = stepper.submit(self._timed_step, work.prefill, work.decode)
+                step_started = time.monotonic()
                 after = self._forecast.after_step(held, work.prefill, work.decode)
                 try:
                     asked_at = time.time()
-                    decision = self.client.select(self._request(draining, after, idle=False))
+                    request = self._request(draining, after, idle=False)
+                    request.decide_later = delay is not None
+                    decision = self._select_timed(request)
+                    if delay is not None and _runs_nothing(decision):
+                        # Its outputs are in, but the decision whose step runs is still the
+                        # one applied; the next is asked for near the step's end, so that
+                        # it can take a prompt that arrives meanwhile.
+                        self._delivered(decision, deferred=True)
+                        wait([stepping], timeout=max(0.0, step_started + delay - time.monotonic()))
+                        asked_at = time.time()
+                        draining = drain.is_set()  # a drain asked meanwhile is decided now
+                        decision = self._select_timed(self._request(draining, after, idle=False))
                     self._decided_at = time.time()  # applied once the step ends
                     if self._handoffs is not None and decision.handoffs:
                         # A fetch touches no engine state: it need not wait for the step.
@@ -211,6 +236,24 @@ class WorkerLoop:
                 work = convert.work(decision, self._pending.reported_running)
                 self._log_decision(asked_at, decision, work)
                 work = self._apply(work)
+
+    def _late_ask_delay(self, work: Work, draining: bool) -> float | None:
+        """Seconds into `work`'s step at which to ask for the next decision, or None: ask
+        now (docs/contract.md, "Late decisions"; worker_client/step_clock.py). Only where
+        the scheduler defers: a worker of role both that does not drain (any other is
+        decided at once, and an answer that runs nothing is then its next decision)."""
+        if not self._decides_later or draining or self.resources.role is not WorkerRole.BOTH:
+            return None
+        num_prompt_tokens = sum(c.chunk_len for c in work.prefill)
+        return self._late_ask.delay(self._step_clock, self._round_trips, num_prompt_tokens)
+
+    def _select_timed(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
+        """An overlapped report's answer; its round trip is learned when it is not a
+        long poll."""
+        started = time.monotonic()
+        decision = self.client.select(request)
+        self._round_trips.observe(time.monotonic() - started)
+        return decision
 
     def _decide_in_turn(self, stop: threading.Event, draining: bool) -> Work | None:
         """Report what is held now and wait for the answer (nothing in flight); the decision
@@ -295,11 +338,11 @@ class WorkerLoop:
         if self._step_log is not None and (work.has_step or work.drop):
             self._step_log.decision(asked_at, self._decided_at, decision.iteration, work)
 
-    def _delivered(self, decision: pb.SchedulerDecision) -> None:
+    def _delivered(self, decision: pb.SchedulerDecision, deferred: bool = False) -> None:
         """The last request was answered with `decision`: its outputs and step time
         reached the scheduler (a step that ended meanwhile keeps its own time for the
-        next report)."""
-        self._pending.delivered(decision.iteration)
+        next report). `deferred`: an answer to decide_later, no step's decision."""
+        self._pending.delivered(decision.iteration, deferred)
         self._step_us = 0
 
     def _timed_step(
@@ -312,6 +355,7 @@ class WorkerLoop:
         if seconds is None:
             seconds = time.perf_counter() - started
         self._step_wall = (started_wall, time.time())  # read after the step's result
+        self._step_clock.observe(sum(c.chunk_len for c in prefill), seconds)
         return out, min(_MAX_STEP_US, max(1, round(seconds * 1e6)))
 
     def _apply(self, work: Work) -> Work | None:
@@ -404,6 +448,7 @@ class WorkerLoop:
         self._lease_seconds = settings.lease_ttl_ms / 1000
         self._pending.packed_tokens = settings.accepts_token_runs
         self._pending.running_unchanged = settings.accepts_running_unchanged
+        self._decides_later = settings.accepts_decide_later
         self._pending.registered()  # no list of ours, no decision for us yet
         log.info(
             "registered",
@@ -435,6 +480,19 @@ class WorkerLoop:
                 err,
                 extra={"worker_id": self.resources.worker_id},
             )
+
+
+def _runs_nothing(decision: pb.SchedulerDecision) -> bool:
+    """An answer with nothing to apply: the scheduler decides later (or had nothing)."""
+    return not (
+        decision.running_needed
+        or decision.prefill
+        or decision.decode
+        or decision.decode_all_running
+        or decision.evict
+        or decision.preempt
+        or decision.handoffs
+    )
 
 
 def _log_failures(worker_id: str, out: StepOutput) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from service.core.config import SchedulerConfig
-from service.core.decide.batcher import Batcher
+from service.core.decide.batcher import Batcher, decides_later
 from service.core.decide.disaggregation import Disaggregation
 from service.core.decide.orders import queue_order
 from service.core.decide.policies import make_policy
@@ -291,6 +291,9 @@ class Scheduler:
             reported = validate_report(report, worker)
             evict = self._reconciler.apply(worker, report, reported)
             step_model = self._learn_step_time(report)
+            if decides_later(worker, report, evict):
+                # Runs and evicts nothing: what a commit disowns now is the next report's stray.
+                return Decision(iteration=worker.iteration)
             decision = self._batcher.decide(worker, report, reported, evict, step_model)
         if saved.disowned:
             decision = _without(decision, saved.disowned, reported)

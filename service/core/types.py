@@ -265,6 +265,10 @@ class WorkerReport:
     # The iteration of the last decision the worker applied (0: none, or a client that
     # does not say): which decode may still be in flight on a prefill-only worker.
     applied_iteration: int = 0
+    # A step is in flight and the worker asks for the next step's decision in another
+    # report near its end: apply this one, decide nothing (docs/contract.md, "Late
+    # decisions").
+    decide_later: bool = False
 
 
 class HandoffDirection(enum.Enum):

@@ -219,6 +219,7 @@ def worker_settings(settings: WorkerSettings) -> pb.RegisterWorkerResponse:
         incarnation=settings.incarnation,
         accepts_token_runs=True,
         accepts_running_unchanged=True,
+        accepts_decide_later=True,
     )
 
 
@@ -271,6 +272,7 @@ def worker_report(
         last_step_us=msg.last_step_us,
         handoffs=tuple(_handoff_result(h, i) for i, h in enumerate(msg.handoffs)),
         applied_iteration=msg.applied_iteration,
+        decide_later=msg.decide_later,
     )
 
 

@@ -635,3 +635,16 @@ def test_once_the_holder_asked_and_left_it_or_went_silent_the_asker_takes_it():
     assert admitted(sched.select_batch(report("w0"))) == []
     clock.advance_ms(100)
     assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]
+
+
+def test_a_deferred_report_of_the_holder_is_not_its_chance_to_take_the_turn():
+    """A report that asks for its decision later admits nothing (docs/contract.md, "Late
+    decisions"): the asker still waits for the holder's next call, which resumes it."""
+    sched, clock, busy, seq = _busy_holder(gap_ms=200)
+    clock.advance_ms(100)
+    later = replace(report("w1", waiting=busy), decide_later=True)
+    assert admitted(sched.select_batch(later)) == []
+    clock.advance_ms(50)
+    assert admitted(sched.select_batch(report("w0"))) == []  # w1 has not asked yet
+    clock.advance_ms(5)
+    assert admitted(sched.select_batch(report("w1", waiting=busy))) == [(seq, 384)]

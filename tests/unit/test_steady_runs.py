@@ -252,3 +252,58 @@ def test_a_step_with_an_id_out_of_range_is_refused_with_none_of_its_tokens_added
     assert _outputs(sched, ids) == (
         [(11, 12), (21, 22), (31, 32)] if steady else [(12,), (22,), (32,)]
     )
+
+
+def _late_ask(sched, running):
+    """The second report of a late pair (docs/contract.md, "Late decisions"): no tokens."""
+    return sched.select_batch(
+        WorkerReport("w0", running=tuple(running), kv_free_pages=100, gdn_free_slots=8)
+    )
+
+
+def test_late_pairs_keep_the_steady_step_and_decide_as_the_pass_does(monkeypatch):
+    """A deferred report with the step's tokens, then one with none: the kept step is
+    still the one the next tokens are applied from, and the late ask's decision sees
+    the running records and pages that a pass over them sees."""
+
+    def run(steady_path: bool):
+        sched = make_scheduler()
+        register(sched, page_size=4)
+        ids = tuple(submit(sched, prompt_len=n, max_new_tokens=100) for n in (3, 3, 3, 4))
+        admit(sched)
+        seen, kept = [], []
+        policy = sched._policy
+        plan = policy.plan
+
+        def spy(view):
+            seen.append((view.running_ids, [s.seq_id for s in view.running], view.decode_pages))
+            return plan(view)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(policy, "plan", spy)
+            if not steady_path:
+                patch.setattr(SteadyStep, "kept_running", staticmethod(lambda worker, report: None))
+            for step in range(12):
+                _step(sched, ids, [step] * len(ids), [step] * len(ids), decide_later=True)
+                decision = _late_ask(sched, ids)
+                assert decision.decode == ids
+                kept.append(_steady(sched))
+        return seen, kept, _outputs(sched, ids)
+
+    seen, kept, outputs = run(steady_path=True)
+    reference, _, reference_outputs = run(steady_path=False)
+    assert (seen, outputs) == (reference, reference_outputs)
+    assert outputs[0] == tuple(range(12))
+    assert kept[1] is not None and all(k is kept[1] for k in kept[1:])  # never rebuilt
+
+
+def test_a_sequence_cancelled_within_a_late_pair_is_evicted_not_decoded():
+    sched, (a, b, c) = _running()
+    _step(sched, (a, b, c), (11, 21, 31), (0, 0, 0))
+    _step(sched, (a, b, c), (12, 22, 32), (1, 1, 1))  # a steady decision: its view kept
+    _step(sched, (a, b, c), (13, 23, 33), (2, 2, 2), decide_later=True)
+    sched.cancel(b)
+    decision = _late_ask(sched, (a, b, c))
+    assert (decision.decode, decision.evict) == ((a, c), (b,))
+    _step(sched, (a, c), (14, 34), (3, 3))
+    assert _outputs(sched, (a, b, c)) == [(11, 12, 13, 14), (21, 22, 23), (31, 32, 33, 34)]

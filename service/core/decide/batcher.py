@@ -334,3 +334,17 @@ def _decode_context(view: DecisionView, plan: Plan) -> int:
         return view.running_context
     decoding = set(plan.decode)
     return sum(seq.num_tokens() for seq in view.running if seq.seq_id in decoding)
+
+
+def decides_later(worker: WorkerRecord, report: WorkerReport, evict: tuple[int, ...]) -> bool:
+    """Whether a report that asks for its decision later gets it later (docs/contract.md,
+    "Late decisions"): not when the worker must drop something now (evictions, a drain),
+    nor for a prefill or decode worker (its handoffs are planned with each decision).
+    The answer is then an empty decision, made by no policy, and the worker asks again."""
+    return (
+        report.decide_later
+        and not evict
+        and not report.draining
+        and not worker.drain_requested
+        and worker.registration.role is WorkerRole.BOTH
+    )

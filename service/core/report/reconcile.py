@@ -16,6 +16,7 @@ from collections.abc import Callable
 from functools import partial
 from operator import attrgetter, itemgetter
 
+from service.core.decide.batcher import decides_later
 from service.core.decide.disaggregation import Disaggregation
 from service.core.errors import InvalidArgument
 from service.core.observer import EvictReason, RequeueReason
@@ -71,7 +72,7 @@ class Reconciler:
         # The tokens first: a report they refuse changes nothing.
         self._steady.apply_tokens(worker, report, self._general_tokens)
         worker.last_call_at = self._clock()
-        worker.call_gaps.called(worker.last_call_at, busy=bool(worker.assigned))
+        busy = bool(worker.assigned)  # it held sequences since its previous call
         worker.iteration += 1
         worker.kv_free_pages = report.kv_free_pages
         worker.gdn_free_slots = report.gdn_free_slots
@@ -119,6 +120,9 @@ class Reconciler:
             evict = tuple(dict.fromkeys([*evict, *handed_evict]))
         for seq_id in evict:
             self._observer.on_evicted(seq_id, worker.worker_id, self._evict_reason(seq_id))
+        if not decides_later(worker, report, evict):
+            # A call for placement (its wait bound); a deferred report admits nothing.
+            worker.call_gaps.called(worker.last_call_at, busy)
         return evict
 
     def _apply_cache(

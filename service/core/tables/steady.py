@@ -85,10 +85,12 @@ class SteadyStep:
         tenant), after which what the next report needs is kept. Either refuses a bad
         report (InvalidArgument) before anything changes."""
         steady = self.match(worker, report)
-        if steady is None:
-            worker.steady_runs = self.remember(report, *general(worker, report))
-        else:
+        if steady is not None:
             self.apply(worker.worker_id, steady, compact(report.token_runs.token_ids, "token_ids"))
+        elif report.tokens or report.token_runs.seq_ids or not _still_assigned(worker):
+            worker.steady_runs = self.remember(report, *general(worker, report))
+        # else no tokens at all (the late ask after a deferred report, docs/contract.md
+        # "Late decisions"): nothing to apply, and the kept step stays for the next one.
 
     @staticmethod
     def match(worker: WorkerRecord, report: WorkerReport) -> SteadyRuns | None:
@@ -188,6 +190,19 @@ class SteadyStep:
         """`worker` was given a sequence: its admission count starts again, so the next
         report is checked anew."""
         worker.steady_runs = None
+
+
+def _still_assigned(worker: WorkerRecord) -> bool:
+    """Whether `worker` keeps a step whose sequences (its runs' and its running part's)
+    are all still assigned to it, by identity."""
+    steady = worker.steady_runs
+    if steady is None:
+        return False
+    assigned = worker.assigned.get
+    running_ids = steady.running_ids if steady.running_ids is not None else ()
+    return all(map(is_, map(assigned, steady.seq_ids), steady.seqs)) and all(
+        map(is_, map(assigned, running_ids), steady.running_seqs)
+    )
 
 
 def _running_pass(
