@@ -197,7 +197,7 @@ class WorkerLoop:
                     asked_at = time.time()
                     request = self._request(draining, after, idle=False)
                     request.decide_later = delay is not None
-                    decision = self._select_timed(request)
+                    decision, took = self._select_timed(request)
                     if delay is not None and _runs_nothing(decision):
                         # Its outputs are in, but the decision whose step runs is still the
                         # one applied; the next is asked for near the step's end, so that
@@ -206,7 +206,12 @@ class WorkerLoop:
                         wait([stepping], timeout=max(0.0, step_started + delay - time.monotonic()))
                         asked_at = time.time()
                         draining = drain.is_set()  # a drain asked meanwhile is decided now
-                        decision = self._select_timed(self._request(draining, after, idle=False))
+                        decision, took = self._select_timed(
+                            self._request(draining, after, idle=False)
+                        )
+                    # The round trip of a decision (a deferred answer decides nothing and
+                    # is quicker: the late ask's margin is in deciding round trips).
+                    self._round_trips.observe(took)
                     self._decided_at = time.time()  # applied once the step ends
                     if self._handoffs is not None and decision.handoffs:
                         # A fetch touches no engine state: it need not wait for the step.
@@ -247,13 +252,11 @@ class WorkerLoop:
         num_prompt_tokens = sum(c.chunk_len for c in work.prefill)
         return self._late_ask.delay(self._step_clock, self._round_trips, num_prompt_tokens)
 
-    def _select_timed(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
-        """An overlapped report's answer; its round trip is learned when it is not a
-        long poll."""
+    def _select_timed(self, request: pb.SelectBatchRequest) -> tuple[pb.SchedulerDecision, float]:
+        """An overlapped report's answer (never a long poll) and its round trip's seconds."""
         started = time.monotonic()
         decision = self.client.select(request)
-        self._round_trips.observe(time.monotonic() - started)
-        return decision
+        return decision, time.monotonic() - started
 
     def _decide_in_turn(self, stop: threading.Event, draining: bool) -> Work | None:
         """Report what is held now and wait for the answer (nothing in flight); the decision

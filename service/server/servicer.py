@@ -291,10 +291,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self, request: pb.SelectBatchRequest, report: WorkerReport, decision: Decision
     ) -> float:
         """How long this call may park: only a worker with nothing held, nothing to report
-        and nothing admitted, that asked for it; never near its lease."""
+        and nothing admitted, that asked for it; never near its lease. Not a report that
+        asks to be decided later (its wake-ups would be deferred too)."""
         if (
             not request.idle_wait_ms
             or self._stopping
+            or report.decide_later
             or report.draining
             or report.waiting
             or report.running

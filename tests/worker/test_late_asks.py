@@ -97,3 +97,44 @@ def test_a_drain_asked_during_the_step_goes_with_the_late_ask():
     assert deferred.decide_later and not deferred.draining
     assert late.draining
     assert not any(r.decide_later for r in client.requests[2:])
+
+
+class _SeenRoundTrips(_AskLate):
+    """_AskLate that notes the round trip the loop has learned at each step."""
+
+    def __init__(self) -> None:
+        self.seen: list[float | None] = []
+
+    def delay(self, clock, round_trips, num_prompt_tokens) -> float | None:
+        self.seen.append(round_trips.seconds)
+        return 0.0
+
+
+def test_the_round_trip_learned_is_the_deciding_calls_not_the_deferred_ones():
+    # A deferred answer is cheap (nothing decided); the late ask's margin is in round
+    # trips of a real decision, which here take 50 ms: the cheap ones must not halve it.
+    decide_ms = 0.05
+
+    def slow_unless_deferred(request: pb.SelectBatchRequest) -> None:
+        if not request.decide_later:
+            threading.Event().wait(decide_ms)
+
+    decisions = [
+        pb.SchedulerDecision(iteration=1, prefill=[_admit(7)]),
+        pb.SchedulerDecision(iteration=2),
+        pb.SchedulerDecision(iteration=3, decode=[7]),
+        pb.SchedulerDecision(iteration=4),
+        pb.SchedulerDecision(iteration=5, decode=[7]),
+        pb.SchedulerDecision(iteration=6),
+        pb.SchedulerDecision(iteration=7, decode=[7]),
+    ]
+    stop = threading.Event()
+    client = _LateClient(decisions, stop, slow_unless_deferred)
+    engine = ScriptedEngine()
+    resources = WorkerResources(
+        "w", engine.total_kv_pages, engine.page_size, engine.total_gdn_slots
+    )
+    late_ask = _SeenRoundTrips()
+    WorkerLoop(engine, client, resources, idle_sleep_seconds=0.001, late_ask=late_ask).run(stop)
+    learned = [s for s in late_ask.seen if s is not None]
+    assert learned and all(s >= 0.9 * decide_ms for s in learned), late_ask.seen

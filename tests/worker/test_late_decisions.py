@@ -12,6 +12,8 @@ import pytest
 from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from tests.worker.conftest import WorkerThread, generate
+from worker_client import convert
+from worker_client.client import WorkerResources
 from worker_client.testing import ScriptedEngine, reference_output
 
 STEP_SECONDS = 0.3
@@ -86,3 +88,26 @@ def test_a_worker_that_asks_later_gets_every_token_once(scheduler, stub):
     worker.join()
     for i, prompt in enumerate(prompts):
         assert results[str(i)][1] == reference_output(prompt, 6)
+
+
+def test_a_report_asking_to_be_decided_later_is_never_parked_as_a_long_poll(scheduler, stub):
+    # A worker that holds nothing and asks both for a long poll and to be decided later:
+    # each wake-up of a parked call would be deferred again, so the call returns at once.
+    reg = stub.RegisterWorker(convert.register_request(WorkerResources("w9", 4096, 16, 8)))
+    assert reg.accepts_decide_later
+    request = pb.SelectBatchRequest(
+        worker_id="w9",
+        incarnation=reg.incarnation,
+        kv_free_pages=4000,
+        gdn_free_slots=8,
+        idle_wait_ms=5000,
+        decide_later=True,
+    )
+    answered = threading.Event()
+
+    def ask() -> None:
+        stub.SelectBatch(request, timeout=10)
+        answered.set()
+
+    threading.Thread(target=ask, daemon=True).start()
+    assert answered.wait(2.0), "a decide_later report was parked for its long poll"
