@@ -37,10 +37,18 @@ class Step:
     chunks: tuple[tuple[int, int, int, int], ...]  # (seq_id, start, length, cached)
     num_decodes: int
     first_tokens: tuple[int, ...]
+    # When the decision it ran was answered (the latest logged before it by its worker;
+    # None when none was).
+    decided: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return sum(chunk[2] for chunk in self.chunks)
+
+    @property
+    def seq_ids(self) -> frozenset[int]:
+        """The prompts it ran a chunk of."""
+        return frozenset(chunk[0] for chunk in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class Timeline:
         for path in paths:
             if not Path(path).exists():
                 continue
+            decided = None
             for line in read(path):
                 if line["event"] == "step":
                     steps.append(
@@ -73,9 +82,11 @@ class Timeline:
                             tuple(tuple(c) for c in line["chunks"]),
                             line["num_decodes"],
                             tuple(line["first_tokens"]),
+                            decided,
                         )
                     )
                 elif line["event"] == "decision":
+                    decided = line["answered"]
                     for seq_id in line["admitted"]:
                         admitted[seq_id] = Admission(
                             line["worker"], line["asked"], line["answered"]

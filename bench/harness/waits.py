@@ -28,20 +28,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker_client.step_log import read
+from bench.harness.timeline import Step, Timeline
 
 LATTICE = "lattice, 2 vLLM workers"
-
-
-@dataclass(frozen=True)
-class Step:
-    worker: str
-    started: float
-    ended: float
-    decided: float  # when its decision was answered
-    seq_ids: frozenset[int]  # the prompts it ran a chunk of
-    num_prompt_tokens: int
-    num_decodes: int
 
 
 @dataclass(frozen=True)
@@ -61,24 +50,8 @@ class Wait:
 
 
 def steps_of(path: Path) -> list[Step]:
-    """A worker's steps, each with the decision it ran (the latest one logged before it)."""
-    steps, decided = [], None
-    for line in read(path):
-        if line["event"] == "decision":
-            decided = line["answered"]
-        elif line["event"] == "step" and decided is not None:
-            steps.append(
-                Step(
-                    line["worker"],
-                    line["started"],
-                    line["ended"],
-                    decided,
-                    frozenset(c[0] for c in line["chunks"]),
-                    sum(c[2] for c in line["chunks"]),
-                    line["num_decodes"],
-                )
-            )
-    return steps
+    """A worker's steps, each with the decision it ran (bench/harness/timeline.py)."""
+    return [step for step in Timeline.read([path]).steps if step.decided is not None]
 
 
 def waits(requests: list[dict], steps: list[Step]) -> list[Wait]:
