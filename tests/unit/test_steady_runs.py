@@ -5,6 +5,7 @@ once, a gap refused whole, a sequence that left or came back checked anew."""
 
 import copy
 import random
+from contextlib import contextmanager
 
 import pytest
 
@@ -187,6 +188,32 @@ def test_random_reports_give_what_the_general_rules_give(seed, monkeypatch):
     assert run(steady_path=True) == run(steady_path=False)
 
 
+@contextmanager
+def _plans_seen(monkeypatch, steady_path: bool):
+    """A scheduler with four sequences running, three a token apart from the fourth (the
+    count of pages their decodes start goes 3, 0, 0, 1, or 3, 1, 0, 0 read backwards,
+    every four steps), whose policy notes each view it plans from (running ids, running
+    records' ids, pages): (scheduler, ids, views). `steady_path` False: no decision is
+    made from a kept steady step."""
+    sched = make_scheduler()
+    register(sched, page_size=4)
+    ids = tuple(submit(sched, prompt_len=n, max_new_tokens=100) for n in (3, 3, 3, 4))
+    admit(sched)
+    seen = []
+    policy = sched._policy
+    plan = policy.plan
+
+    def spy(view):
+        seen.append((view.running_ids, [s.seq_id for s in view.running], view.decode_pages))
+        return plan(view)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(policy, "plan", spy)
+        if not steady_path:
+            patch.setattr(SteadyStep, "kept_running", staticmethod(lambda worker, report: None))
+        yield sched, ids, seen
+
+
 @pytest.mark.parametrize("stray", [False, True])
 def test_steady_decisions_count_the_pages_a_pass_over_the_sequences_counts(stray, monkeypatch):
     """The decision's view of a steady step (its running records, ids and the pages
@@ -194,24 +221,7 @@ def test_steady_decisions_count_the_pages_a_pass_over_the_sequences_counts(stray
     also when the running list names an id that is not the worker's (evicted)."""
 
     def views(steady_path: bool):
-        sched = make_scheduler()
-        register(sched, page_size=4)
-        # Three sequences a token apart from the fourth: the count of pages started goes
-        # 3, 0, 0, 1 (or 3, 1, 0, 0 read backwards) every four steps.
-        ids = tuple(submit(sched, prompt_len=n, max_new_tokens=100) for n in (3, 3, 3, 4))
-        admit(sched)
-        seen = []
-        policy = sched._policy
-        plan = policy.plan
-
-        def spy(view):
-            seen.append((view.running_ids, [s.seq_id for s in view.running], view.decode_pages))
-            return plan(view)
-
-        with monkeypatch.context() as patch:
-            patch.setattr(policy, "plan", spy)
-            if not steady_path:
-                patch.setattr(SteadyStep, "kept_running", staticmethod(lambda worker, report: None))
+        with _plans_seen(monkeypatch, steady_path) as (sched, ids, seen):
             running = (*ids, 9999) if stray else ids
             for step in range(30):
                 _step(sched, running, [step] * len(ids), [step] * len(ids), runs_of=ids)
@@ -267,22 +277,8 @@ def test_late_pairs_keep_the_steady_step_and_decide_as_the_pass_does(monkeypatch
     the running records and pages that a pass over them sees."""
 
     def run(steady_path: bool):
-        sched = make_scheduler()
-        register(sched, page_size=4)
-        ids = tuple(submit(sched, prompt_len=n, max_new_tokens=100) for n in (3, 3, 3, 4))
-        admit(sched)
-        seen, kept = [], []
-        policy = sched._policy
-        plan = policy.plan
-
-        def spy(view):
-            seen.append((view.running_ids, [s.seq_id for s in view.running], view.decode_pages))
-            return plan(view)
-
-        with monkeypatch.context() as patch:
-            patch.setattr(policy, "plan", spy)
-            if not steady_path:
-                patch.setattr(SteadyStep, "kept_running", staticmethod(lambda worker, report: None))
+        kept = []
+        with _plans_seen(monkeypatch, steady_path) as (sched, ids, seen):
             for step in range(12):
                 _step(sched, ids, [step] * len(ids), [step] * len(ids), decide_later=True)
                 decision = _late_ask(sched, ids)
