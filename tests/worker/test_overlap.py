@@ -272,3 +272,43 @@ def test_forecast_of_a_readmission_frees_the_old_pages_and_keeps_the_slot():
     forecast.after_step(Holding((), (), 100, 8), [_chunk(1, 0, 8, prompt_len=8)], [])
     after = forecast.after_step(Holding((), (1,), 98, 7), [_chunk(1, 0, 4, prompt_len=12)], [])
     assert after == Holding((1,), (), 99, 7)
+
+
+class CountingEngine(ScriptedEngine):
+    """A ScriptedEngine that counts the steps it has started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_started = 0
+
+    def step(self, prefill, decode):
+        self.num_started += 1
+        return super().step(prefill, decode)
+
+
+class StartsSeenClient(ScriptedClient):
+    """A ScriptedClient that notes, at each report, how many steps the engine had started."""
+
+    def __init__(self, decisions, stop: threading.Event, engine: CountingEngine) -> None:
+        super().__init__(decisions, stop)
+        self.started_at_report: list[int] = []
+        self._engine = engine
+
+    def select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
+        self.started_at_report.append(self._engine.num_started)
+        return super().select(request)
+
+
+def test_overlapped_loop_starts_the_step_before_it_sends_the_report_beside_it():
+    # The loop's thread holds the GIL until it blocks: had it built and sent the report
+    # first, the step's thread would have started only after it (a gap between steps).
+    engine, stop = CountingEngine(), threading.Event()
+    decisions = [
+        pb.SchedulerDecision(prefill=[_admit(1, max_new_tokens=8)]),
+        *[pb.SchedulerDecision(decode=[1]) for _ in range(6)],
+    ]
+    client = StartsSeenClient(decisions, stop, engine)
+    _loop(engine, client, overlap=True).run(stop)
+    # Report 0 asked for the first step (nothing in flight); report n went out while step
+    # n ran, so steps 1..n had started.
+    assert client.started_at_report[:7] == list(range(7))
