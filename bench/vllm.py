@@ -552,8 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             round_logs = logs if args.rounds == 1 else logs / f"round-{index + 1}"
             round_logs.mkdir(parents=True, exist_ok=True)
             by_stack = {}
-            # Rotated each round: no stack always runs first, or last, on a shared machine.
-            for label in labels[index % len(labels) :] + labels[: index % len(labels)]:
+            for label in round_order(labels, index):
                 by_stack[label] = run_decisions(
                     stacks[label],
                     round_logs,
@@ -706,30 +705,17 @@ def print_decisions(rounds: list[dict[str, Load]], num_conv: int) -> None:
         for label in DECISION_ROWS:
             if label in by_stack:
                 print(_decisions_row(str(index), label, by_stack[label]))
-    medians = {}
-    for label in DECISION_ROWS:
-        loads = [by_stack[label] for by_stack in rounds if label in by_stack]
-        if loads:
-            medians[label] = Medians(
-                statistics.median(load.tokens_per_second for load in loads),
-                statistics.median(load.ttft(0.5) for load in loads),
-                statistics.median(load.ttft(0.99) for load in loads),
-                sum(len(load.requests) - len(load.ok) for load in loads),
-            )
-            m = medians[label]
-            print(
-                f"| median | {label} | | {m.tokens_per_second:.1f} | {m.ttft_p50 * 1000:.0f} / "
-                f"{m.ttft_p99 * 1000:.0f} | {m.num_errors} |"
-            )
-    routers = [m for label, m in medians.items() if label != LATTICE]
-    if LATTICE in medians and routers:
-        ours = medians[LATTICE]
-        best_throughput = max(m.tokens_per_second for m in routers)
-        best_p99 = min(m.ttft_p99 for m in routers)
+    medians = stack_medians(rounds)
+    for label, m in medians.items():
+        print(
+            f"| median | {label} | | {m.tokens_per_second:.1f} | {m.ttft_p50 * 1000:.0f} / "
+            f"{m.ttft_p99 * 1000:.0f} | {m.num_errors} |"
+        )
+    ratios = target_ratios(medians)
+    if ratios is not None:
         print(
             f"Lattice against the best alternative, from the medians: throughput "
-            f"{ours.tokens_per_second / best_throughput:.2f}x (target >= 1.0x), TTFT p99 "
-            f"{ours.ttft_p99 / best_p99:.2f}x (target <= 0.8x)"
+            f"{ratios[0]:.2f}x (target >= 1.0x), TTFT p99 {ratios[1]:.2f}x (target <= 0.8x)"
         )
     print()
     print("slowest first tokens: TTFT ms (turn, seconds into the load when sent)")
@@ -752,6 +738,41 @@ class Medians:
     ttft_p50: float
     ttft_p99: float
     num_errors: int  # over all rounds
+
+
+def round_order(labels: list[str], index: int) -> list[str]:
+    """The stacks of round `index` (from 0) in the order they run: `labels` rotated by
+    `index`, so that over len(labels) rounds each stack runs once first and once last."""
+    shift = index % len(labels)
+    return labels[shift:] + labels[:shift]
+
+
+def stack_medians(rounds: list[dict[str, Load]]) -> dict[str, Medians]:
+    """Each stack's medians over the rounds it ran in (DECISION_ROWS' order)."""
+    medians = {}
+    for label in DECISION_ROWS:
+        loads = [by_stack[label] for by_stack in rounds if label in by_stack]
+        if loads:
+            medians[label] = Medians(
+                statistics.median(load.tokens_per_second for load in loads),
+                statistics.median(load.ttft(0.5) for load in loads),
+                statistics.median(load.ttft(0.99) for load in loads),
+                sum(len(load.requests) - len(load.ok) for load in loads),
+            )
+    return medians
+
+
+def target_ratios(medians: dict[str, Medians]) -> tuple[float, float] | None:
+    """Lattice's median throughput over the best router's, and its median TTFT p99 over the
+    best alternative's (the targets: >= 1.0x, <= 0.8x); None without Lattice and a router."""
+    routers = [m for label, m in medians.items() if label != LATTICE]
+    if LATTICE not in medians or not routers:
+        return None
+    ours = medians[LATTICE]
+    return (
+        ours.tokens_per_second / max(m.tokens_per_second for m in routers),
+        ours.ttft_p99 / min(m.ttft_p99 for m in routers),
+    )
 
 
 def _decisions_row(round_name: str, label: str, load: Load) -> str:
