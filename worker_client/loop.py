@@ -27,9 +27,6 @@ log = logging.getLogger(__name__)
 DEFAULT_IDLE_WAIT_SECONDS = 1.0
 # SelectBatchRequest.last_step_us is a uint32.
 _MAX_STEP_US = 2**32 - 1
-# While the loop waits for a submitted step to start, how often it looks whether the step
-# ended without starting (its thread could not run it).
-_STEP_START_POLL_SECONDS = 0.05
 
 
 @dataclass
@@ -183,7 +180,6 @@ class WorkerLoop:
         # is touched from here only while no step is in flight.
         with ThreadPoolExecutor(1, thread_name_prefix="engine-step") as stepper:
             work: Work | None = None  # the next step's, with something to run
-            started = threading.Event()  # set by each step as it starts
             while not stop.is_set():
                 draining = drain.is_set()
                 if work is None:
@@ -194,14 +190,7 @@ class WorkerLoop:
                         continue
                 held = self._holding()
                 delay = self._late_ask_delay(work, draining)
-                stepping = stepper.submit(self._timed_step, work.prefill, work.decode, started)
-                # The step goes first: this thread holds the GIL until it blocks, so the
-                # step's thread would otherwise start only once the report below is built
-                # and sent (0.5-1 ms a step on a CPU worker, the largest part of the gap
-                # between its steps).
-                while not started.wait(_STEP_START_POLL_SECONDS) and not stepping.done():
-                    pass
-                started.clear()
+                stepping = stepper.submit(self._timed_step, work.prefill, work.decode)
                 step_started = time.monotonic()
                 after = self._forecast.after_step(held, work.prefill, work.decode)
                 try:
@@ -360,20 +349,14 @@ class WorkerLoop:
         self._step_us = 0
 
     def _timed_step(
-        self,
-        prefill: Sequence[ChunkWork],
-        decode: Sequence[int],
-        started: threading.Event | None = None,
+        self, prefill: Sequence[ChunkWork], decode: Sequence[int]
     ) -> tuple[StepOutput, int]:
-        """One engine step and its time in microseconds (at least 1: 0 means unknown);
-        `started`, if given, is set as the step starts."""
-        if started is not None:
-            started.set()
-        started_at, started_wall = time.perf_counter(), time.time()
+        """One engine step and its time in microseconds (at least 1: 0 means unknown)."""
+        started, started_wall = time.perf_counter(), time.time()
         out = self.engine.step(prefill, decode)
         seconds = getattr(self.engine, "last_step_seconds", None)
         if seconds is None:
-            seconds = time.perf_counter() - started_at
+            seconds = time.perf_counter() - started
         self._step_wall = (started_wall, time.time())  # read after the step's result
         self._step_clock.observe(sum(c.chunk_len for c in prefill), seconds)
         return out, min(_MAX_STEP_US, max(1, round(seconds * 1e6)))
