@@ -1,6 +1,6 @@
 """vLLM workers behind Lattice against plain vLLM, side by side, on one machine.
 
-    .venv/bin/python -m bench.vllm [--model DIR] [--quick]
+    .venv/bin/python -m bench.vllm [--model DIR] [--quick] [--only decisions --rounds N]
 
 Needs .venv-vllm (scripts/setup.sh --engine vllm). One run, one table:
 - overhead: one vLLM worker behind Lattice (scheduler, worker, gateway) against one plain
@@ -10,7 +10,9 @@ Needs .venv-vllm (scripts/setup.sh --engine vllm). One run, one table:
 - decisions: two vLLM workers behind Lattice (one queue, placement, the learned budget)
   against two plain `vllm serve` behind a round-robin router and behind a prefix-aware one
   (bench/router.py), on multi-turn conversations whose groups share a long system prompt:
-  throughput and TTFT p99 at the same load.
+  throughput and TTFT p99 at the same load. With --rounds N the three stacks run N times,
+  each round in an order rotated by one; the targets' ratios come from each stack's
+  medians over the rounds.
 Every server runs the same checkpoint (default: the demo checkpoint with wider heads,
 built under .artifacts/), bfloat16, eager, prefix caching on, 1 GiB of KV pool, 2,048
 tokens a step; each of two servers gets its own CPU cores (VLLM_CPU_OMP_THREADS_BIND).
