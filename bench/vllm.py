@@ -1,6 +1,6 @@
 """vLLM workers behind Lattice against plain vLLM, side by side, on one machine.
 
-    .venv/bin/python -m bench.vllm [--model DIR] [--quick]
+    .venv/bin/python -m bench.vllm [--model DIR] [--quick] [--only decisions --rounds N]
 
 Needs .venv-vllm (scripts/setup.sh --engine vllm). One run, one table:
 - overhead: one vLLM worker behind Lattice (scheduler, worker, gateway) against one plain
@@ -10,7 +10,9 @@ Needs .venv-vllm (scripts/setup.sh --engine vllm). One run, one table:
 - decisions: two vLLM workers behind Lattice (one queue, placement, the learned budget)
   against two plain `vllm serve` behind a round-robin router and behind a prefix-aware one
   (bench/router.py), on multi-turn conversations whose groups share a long system prompt:
-  throughput and TTFT p99 at the same load.
+  throughput and TTFT p99 at the same load. With --rounds N the three stacks run N times,
+  each round in an order rotated by one; the targets' ratios come from each stack's
+  medians over the rounds.
 Every server runs the same checkpoint (default: the demo checkpoint with wider heads,
 built under .artifacts/), bfloat16, eager, prefix caching on, 1 GiB of KV pool, 2,048
 tokens a step; each of two servers gets its own CPU cores (VLLM_CPU_OMP_THREADS_BIND).
@@ -26,6 +28,8 @@ import contextlib
 import json
 import os
 import random
+import signal
+import statistics
 import sys
 import threading
 import time
@@ -55,6 +59,8 @@ MAX_MODEL_LEN = 2048
 # a Lattice vLLM worker registers it, and the scheduler's budget for it is the same.
 STEP_TOKENS = 2048
 START_SECONDS = 300.0
+# How long a stopped stack's processes may take to exit before they count as left running.
+ENDED_SECONDS = 20.0
 WORDS = (
     "scheduler queue worker page block prefix cache token chunk decode prefill state "
     "attention delta gate lease budget placement fleet replica step batch"
@@ -96,6 +102,8 @@ class Load:
     num_steps: float = 0.0
     num_step_tokens: float = 0.0
     num_computed_prompt_tokens: float = 0.0
+    # The 1-minute load average when the stack was started and when the load had run.
+    load_average: tuple[float, float] = (float("nan"), float("nan"))
 
     @property
     def ok(self) -> list[Request]:
@@ -216,26 +224,62 @@ def measured(stack: Stack, run: Callable[[], Load]) -> Load:
 
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of `pid` and its living descendants, from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for current, _ in process_tree(pid):
+        fields = _stat_fields(current)
+        if fields is not None:
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
+def _left_running(started: dict[int, int], wait_seconds: float) -> dict[int, str]:
+    """Those of `started` (pid: start time) still running after `wait_seconds` (a server's
+    children may finish shutting down after it), with their command names."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        left = [pid for pid, start in started.items() if _start_time(pid) == start]
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    names = {}
+    for pid in left:
+        with contextlib.suppress(OSError):
+            names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+    return names
+
+
+def process_tree(pid: int) -> list[tuple[int, int]]:
+    """`pid` and its living descendants, each with its start time (clock ticks after boot:
+    a pid reused later has another), from /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    ticks = os.sysconf("SC_CLK_TCK")
-    total, todo = 0.0, [pid]
+            fields = _stat_fields(int(entry))
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    tree, todo = [], [pid]
     while todo:
         current = todo.pop()
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-        todo += children.get(current, [])
-    return total
+        start = _start_time(current)
+        if start is not None:
+            tree.append((current, start))
+            todo += children.get(current, [])
+    return tree
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first); None: it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks after boot); None: it is gone, or a zombie."""
+    fields = _stat_fields(pid)
+    return None if fields is None or fields[0] == "Z" else int(fields[19])
 
 
 def independent(num: int, seed: int) -> list[list[list[dict]]]:
@@ -432,10 +476,17 @@ def main(argv: list[str] | None = None) -> int:
         help="cuda: plain vllm serve with CUDA graphs, as the workers run there",
     )
     parser.add_argument(
+        "--groups",
+        type=int,
+        default=12,
+        help="decisions: groups of conversations sharing a system prompt (2 to 4 a group)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
-        default=3,
-        help="decisions: 4 groups of conversations per round (more rounds, less noise)",
+        default=1,
+        help="decisions: run the three stacks this many times, interleaved (the order "
+        "rotated each round); the figures compared are each stack's medians",
     )
     parser.add_argument(
         "--only", default="all", choices=("all", "overhead", "decisions"), help="one row"
@@ -462,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = 1 if args.quick else 2
     saturation = independent(16 * scale, args.seed)
     fixed = independent(6 * scale, args.seed + 1)
-    conversations = shared_prefix(4 * args.rounds, 2 * scale, 3, args.seed + 2)
+    conversations = shared_prefix(args.groups, 2 * scale, 3, args.seed + 2)
     name = args.model.name
     logs = ROOT / ".artifacts" / "bench-vllm"
     logs.mkdir(parents=True, exist_ok=True)
@@ -485,44 +536,79 @@ def main(argv: list[str] | None = None) -> int:
         print_overhead(results, len(saturation), len(fixed))
         print_costs(results, "saturation", ("lattice, 1 vLLM worker", "plain vllm serve"))
     if args.only in ("all", "decisions"):
-        stacks = (
-            ("2 vllm serve, round-robin", lambda: plain(args.model, 2, "round-robin", logs, eager)),
-            ("2 vllm serve, prefix-load", lambda: plain(args.model, 2, "prefix-load", logs, eager)),
-            (
-                "lattice, 2 vLLM workers",
-                lambda: lattice(args.model, 2, logs, ("--no-overlap",) if args.no_overlap else ()),
+        stacks = {
+            "2 vllm serve, round-robin": lambda logs: plain(
+                args.model, 2, "round-robin", logs, eager
             ),
-        )
-        for label, stack in stacks[2:] if args.lattice_only else stacks:
-            with stack() as s:
-                run_conversations(s.url, name, independent(2, 98), 2, 4)  # warm up
-                results[label] = {
-                    "conversations": measured(
-                        s, lambda s=s: run_conversations(s.url, name, conversations, 8, 24)
-                    )
-                }
-            print(f"  {label}: done ({_load_line()})", flush=True)
-        print_decisions(results, len(conversations))
-        print_costs(results, "conversations", DECISION_ROWS)
-        print_worker_lines(logs, 2)
-        print_burst(results["lattice, 2 vLLM workers"]["conversations"], logs, 2)
-        write_requests(results, logs / "requests.json")
+            "2 vllm serve, prefix-load": lambda logs: plain(
+                args.model, 2, "prefix-load", logs, eager
+            ),
+            "lattice, 2 vLLM workers": lambda logs: lattice(
+                args.model, 2, logs, ("--no-overlap",) if args.no_overlap else ()
+            ),
+        }
+        labels = [LATTICE] if args.lattice_only else list(stacks)
+        rounds = []
+        for index in range(args.rounds):
+            # One round's logs apart, so that bench.harness.waits reads each.
+            round_logs = logs if args.rounds == 1 else logs / f"round-{index + 1}"
+            round_logs.mkdir(parents=True, exist_ok=True)
+            by_stack = {}
+            for label in round_order(labels, index):
+                by_stack[label] = run_decisions(
+                    stacks[label],
+                    round_logs,
+                    name,
+                    lambda url: run_conversations(url, name, conversations, 8, 24),
+                )
+                print(f"  round {index + 1}, {label}: done ({_load_line()})", flush=True)
+            rounds.append(by_stack)
+            write_requests(by_stack, round_logs / "requests.json")
+            if args.rounds > 1:
+                print_round(index + 1, by_stack, round_logs)
+        results.update({label: {"conversations": load} for label, load in rounds[-1].items()})
+        print_decisions(rounds, len(conversations))
+        if args.rounds == 1:
+            print_costs(results, "conversations", DECISION_ROWS)
+            print_worker_lines(logs, 2)
+            if LATTICE in results:
+                print_burst(results[LATTICE]["conversations"], logs, 2)
     return 0
 
 
-def write_requests(results: dict[str, dict[str, Load]], path: Path) -> None:
-    """Every request of the decisions row by stack, with its load's start (for
+def write_requests(by_stack: dict[str, Load], path: Path) -> None:
+    """Every request of one round of the decisions row by stack, with its load's start (for
     bench/harness/waits.py, beside the Lattice workers' step logs)."""
     rows = {
-        label: {
-            "started_at": by_load["conversations"].started_at,
-            "requests": [asdict(r) for r in by_load["conversations"].requests],
-        }
-        for label, by_load in results.items()
-        if "conversations" in by_load
+        label: {"started_at": load.started_at, "requests": [asdict(r) for r in load.requests]}
+        for label, load in by_stack.items()
     }
     path.write_text(json.dumps(rows))
     print(f"  requests: {path}")
+
+
+def run_decisions(
+    stack: Callable[[Path], contextlib.AbstractContextManager[Stack]],
+    logs: Path,
+    name: str,
+    run: Callable[[str], Load],
+) -> Load:
+    """One stack of the decisions row: started, warmed up, measured over `run`, stopped;
+    then every process it started (children included) is checked to have ended."""
+    with stack(logs) as s:
+        run_conversations(s.url, name, independent(2, 98), 2, 4)  # warm up
+        load_before = os.getloadavg()[0]
+        load = measured(s, lambda: run(s.url))
+        started = {pid: start for root in s.pids.values() for pid, start in process_tree(root)}
+    load.load_average = (load_before, os.getloadavg()[0])
+    left = _left_running(started, ENDED_SECONDS)
+    if left:
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        names = ", ".join(f"{pid} {name}" for pid, name in left.items())
+        print(f"  still running {ENDED_SECONDS:.0f} s after the stack stopped, killed: {names}")
+    return load
 
 
 def print_overhead(results: dict[str, dict[str, Load]], num_sat: int, num_fixed: int) -> None:
@@ -544,8 +630,9 @@ def print_overhead(results: dict[str, dict[str, Load]], num_sat: int, num_fixed:
     sys.stdout.flush()
 
 
+LATTICE = "lattice, 2 vLLM workers"
 DECISION_ROWS = (
-    "lattice, 2 vLLM workers",
+    LATTICE,
     "2 vllm serve, round-robin",
     "2 vllm serve, prefix-load",
 )
@@ -603,33 +690,113 @@ def print_burst(load: Load, logs: Path, num_workers: int) -> None:
     sys.stdout.flush()
 
 
-def print_decisions(results: dict[str, dict[str, Load]], num_conv: int) -> None:
+def print_decisions(rounds: list[dict[str, Load]], num_conv: int) -> None:
+    """Every round's row, then each stack's medians over the rounds and the targets' ratios
+    computed from them (with one round: its figures)."""
     print()
     print(
         f"decisions: {num_conv} conversations x 3 turns, 2 to 4 a group, each group sharing a "
-        f"system prompt, 24 tokens a turn, concurrency 8"
+        f"system prompt, 24 tokens a turn, concurrency 8; {len(rounds)} round(s), the stacks' "
+        "order rotated each round; medians over the rounds, ratios from the medians"
     )
-    print("| servers | output tok/s | TTFT p50 / p99 ms | errors |")
-    print("| --- | --- | --- | --- |")
-    for label in (
-        "lattice, 2 vLLM workers",
-        "2 vllm serve, round-robin",
-        "2 vllm serve, prefix-load",
-    ):
-        if label not in results:
-            continue
-        load = results[label]["conversations"]
+    print(
+        "| round | servers | load average, start / end | output tok/s | TTFT p50 / p99 ms | errors |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for index, by_stack in enumerate(rounds, 1):
+        for label in DECISION_ROWS:
+            if label in by_stack:
+                print(_decisions_row(str(index), label, by_stack[label]))
+    medians = stack_medians(rounds)
+    for label, m in medians.items():
         print(
-            f"| {label} | {load.tokens_per_second:.1f} | {load.ttft(0.5) * 1000:.0f} / "
-            f"{load.ttft(0.99) * 1000:.0f} | {len(load.requests) - len(load.ok)} |"
+            f"| median | {label} | | {m.tokens_per_second:.1f} | {m.ttft_p50 * 1000:.0f} / "
+            f"{m.ttft_p99 * 1000:.0f} | {m.num_errors} |"
+        )
+    ratios = target_ratios(medians)
+    if ratios is not None:
+        print(
+            f"Lattice against the best alternative, from the medians: throughput "
+            f"{ratios[0]:.2f}x (target >= 1.0x), TTFT p99 {ratios[1]:.2f}x (target <= 0.8x)"
         )
     print()
     print("slowest first tokens: TTFT ms (turn, seconds into the load when sent)")
+    for index, by_stack in enumerate(rounds, 1):
+        for label in DECISION_ROWS:
+            if label in by_stack:
+                slowest = sorted(by_stack[label].ok, key=lambda r: -r.ttft)[:4]
+                cells = ", ".join(
+                    f"{r.ttft * 1000:.0f} ({r.turn}, {r.sent:.1f} s)" for r in slowest
+                )
+                print(f"  {f'round {index}, ' if len(rounds) > 1 else ''}{label}: {cells}")
+    sys.stdout.flush()
+
+
+@dataclass(frozen=True)
+class Medians:
+    """One stack's medians over the rounds (each figure's own median)."""
+
+    tokens_per_second: float
+    ttft_p50: float
+    ttft_p99: float
+    num_errors: int  # over all rounds
+
+
+def round_order(labels: list[str], index: int) -> list[str]:
+    """The stacks of round `index` (from 0) in the order they run: `labels` rotated by
+    `index`, so that over len(labels) rounds each stack runs once first and once last."""
+    shift = index % len(labels)
+    return labels[shift:] + labels[:shift]
+
+
+def stack_medians(rounds: list[dict[str, Load]]) -> dict[str, Medians]:
+    """Each stack's medians over the rounds it ran in (DECISION_ROWS' order)."""
+    medians = {}
     for label in DECISION_ROWS:
-        if label in results:
-            slowest = sorted(results[label]["conversations"].ok, key=lambda r: -r.ttft)[:4]
-            cells = ", ".join(f"{r.ttft * 1000:.0f} ({r.turn}, {r.sent:.1f} s)" for r in slowest)
-            print(f"  {label}: {cells}")
+        loads = [by_stack[label] for by_stack in rounds if label in by_stack]
+        if loads:
+            medians[label] = Medians(
+                statistics.median(load.tokens_per_second for load in loads),
+                statistics.median(load.ttft(0.5) for load in loads),
+                statistics.median(load.ttft(0.99) for load in loads),
+                sum(len(load.requests) - len(load.ok) for load in loads),
+            )
+    return medians
+
+
+def target_ratios(medians: dict[str, Medians]) -> tuple[float, float] | None:
+    """Lattice's median throughput over the best router's, and its median TTFT p99 over the
+    best alternative's (the targets: >= 1.0x, <= 0.8x); None without Lattice and a router."""
+    routers = [m for label, m in medians.items() if label != LATTICE]
+    if LATTICE not in medians or not routers:
+        return None
+    ours = medians[LATTICE]
+    return (
+        ours.tokens_per_second / max(m.tokens_per_second for m in routers),
+        ours.ttft_p99 / min(m.ttft_p99 for m in routers),
+    )
+
+
+def _decisions_row(round_name: str, label: str, load: Load) -> str:
+    start, end = load.load_average
+    return (
+        f"| {round_name} | {label} | {start:.2f} / {end:.2f} | {load.tokens_per_second:.1f} | "
+        f"{load.ttft(0.5) * 1000:.0f} / {load.ttft(0.99) * 1000:.0f} | "
+        f"{len(load.requests) - len(load.ok)} |"
+    )
+
+
+def print_round(index: int, by_stack: dict[str, Load], logs: Path) -> None:
+    """One round's rows as soon as it ends, and where the Lattice stack's requests waited
+    before their first step (bench/harness/waits.py reads `logs` for the details)."""
+    from bench.harness.waits import summary
+
+    print()
+    for label in DECISION_ROWS:
+        if label in by_stack:
+            print(_decisions_row(str(index), label, by_stack[label]))
+    if LATTICE in by_stack:
+        print(f"  lattice, round {index}: {summary(logs)} (bench.harness.waits {logs})")
     sys.stdout.flush()
 
 

@@ -109,16 +109,33 @@ def busy_with_room(
     return out
 
 
-def report(logs: Path, max_step_tokens: int = 2048) -> list[str]:
-    loads = json.loads((logs / "requests.json").read_text())
-    load = loads[LATTICE]
+def _read(logs: Path) -> tuple[float, list[dict], list[Step]]:
+    """The Lattice load's start, its requests without errors and its workers' steps over
+    the load (not the warm-up), from a decisions run's `logs`."""
+    load = json.loads((logs / "requests.json").read_text())[LATTICE]
     steps = sorted(
         (s for p in sorted(logs.glob("vllm-*.steps.jsonl")) for s in steps_of(p)),
         key=lambda s: s.started,
     )
     started_at = load["started_at"]
-    steps = [s for s in steps if s.started >= started_at]  # not the warm-up
-    requests = [r for r in load["requests"] if not r["error"]]
+    steps = [s for s in steps if s.started >= started_at]
+    return started_at, [r for r in load["requests"] if not r["error"]], steps
+
+
+def summary(logs: Path) -> str:
+    """One line: the waits before the first step, summed over the traced requests."""
+    _, requests, steps = _read(logs)
+    found = waits(requests, steps)
+    return (
+        f"waited before the first step {sum(w.total for w in found):.2f} s "
+        f"({sum(w.until_next_step for w in found):.2f} until the next step, "
+        f"{sum(w.decided_already for w in found):.2f} decided already, "
+        f"{sum(w.queued_on for w in found):.2f} queued on; {len(found)} requests)"
+    )
+
+
+def report(logs: Path, max_step_tokens: int = 2048) -> list[str]:
+    started_at, requests, steps = _read(logs)
     found = waits(requests, steps)
     lines = [f"{len(found)} of {len(requests)} requests traced (seconds, summed over them)"]
     lines += [
