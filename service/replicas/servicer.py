@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 # (notifications wake it sooner; this bounds the wait if one is lost, or when the
 # sequence moves to this replica).
 _REMOTE_POLL_SECONDS = 1.0
+# While such a stream waits, the replicas' commit numbers are read this often: a steady
+# commit (a decode step's tokens) notifies no one, so a changed number is what wakes it.
+_COMMIT_MARKS_SECONDS = 0.005
 
 
 class _Hint:
@@ -127,6 +130,7 @@ class ReplicaServicer(SchedulerServicer):
         self._claim_lock = asyncio.Lock()
         # Streams of sequences another replica owns, woken by notifications.
         self._remote: dict[int, set[asyncio.Event]] = {}
+        self._remote_waiting = asyncio.Event()  # set while _remote has a waiter
         self._listener_stop = threading.Event()
         self._listener: threading.Thread | None = None
         # Tasks started from callbacks (cancels, notifications): the loop keeps only weak
@@ -149,6 +153,7 @@ class ReplicaServicer(SchedulerServicer):
             asyncio.create_task(self._prefetch_loop(), name="replica-prefetcher"),
             asyncio.create_task(self._keep_loop(), name="replica-keeper"),
             asyncio.create_task(self._commits.run(), name="replica-commits"),
+            asyncio.create_task(self._watch_commits(), name="replica-commit-marks"),
         ]
 
     async def leave(self) -> None:
@@ -330,12 +335,15 @@ class ReplicaServicer(SchedulerServicer):
                 # so the stream reads them from the database.
                 if self._owns(seq_id):
                     return view
-        view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
-        if view.token_ids or view.finished:
-            return view
+        # Watching before reading: a commit that lands while the read runs, and that the
+        # read missed, still wakes the wait below (which then returns at once).
         event = asyncio.Event()
         self._remote.setdefault(seq_id, set()).add(event)
+        self._remote_waiting.set()
         try:
+            view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
+            if view.token_ids or view.finished:
+                return view
             await wait_event(event, _REMOTE_POLL_SECONDS)
         finally:
             events = self._remote.get(seq_id)
@@ -343,7 +351,32 @@ class ReplicaServicer(SchedulerServicer):
                 events.discard(event)
                 if not events:
                     del self._remote[seq_id]
+            if not self._remote:
+                self._remote_waiting.clear()
         return await asyncio.to_thread(self._state.read_output, seq_id, sent)
+
+    async def _watch_commits(self) -> None:
+        """While a stream of another replica's sequence waits here, read the replicas'
+        commit numbers every _COMMIT_MARKS_SECONDS, and wake every such stream when one
+        moved (a steady commit notifies no one). The first reading after an idle spell
+        wakes them all: a commit may have landed between a stream's read and this one.
+        Every stream is woken, not only those of the replica that committed: which replica
+        owns a sequence is not known here, and a woken stream only reads again."""
+        marks: dict[int, int] | None = None
+        while True:
+            if not self._remote:
+                marks = None
+                await self._remote_waiting.wait()
+            try:
+                now = await asyncio.to_thread(self._state.commit_marks)
+            except SchedulerError as err:
+                log.warning("cannot read the replicas' commit numbers; retrying: %s", err)
+                await asyncio.sleep(_REMOTE_POLL_SECONDS)
+                continue
+            if now != marks:
+                marks = now
+                self._wake_remote(None)
+            await asyncio.sleep(_COMMIT_MARKS_SECONDS)
 
     def _on_disowned(self, seq_ids: frozenset[int]) -> None:
         """A commit left these out: another replica owns them now (on the loop)."""

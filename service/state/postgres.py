@@ -22,8 +22,12 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
 - Tokens: one `token_log` row per commit holding all its appends (token_log.py); a
   sequence's row says how many tokens are saved (`num_saved`) and where they are: its
   folded head (`output_head`), then the log rows of `log_replica` from `log_from` on.
-  Each commit NOTIFYs lattice_progress once with the ids whose output or state changed,
-  so streams on other replicas wake within one commit. The keepers fold the tokens of
+  A commit that changes a sequence's state NOTIFYs lattice_progress once with the ids
+  it changed. A steady commit (appends only) notifies no one: PostgreSQL wakes every
+  listening backend at each NOTIFY, so one per decode step would cost every replica CPU
+  at every other replica's step. A stream of another replica's sequence follows the
+  replicas' commit numbers instead (`commit_marks`, read every few milliseconds while
+  such a stream waits). The keepers fold the tokens of
   sequences whose log rows fall too far behind into their heads, then delete the log
   rows no sequence points at (`collect_token_log`: the retention bound).
 - Retries: each commit carries a number recorded on the replica's row in the same
@@ -288,8 +292,10 @@ END $$;
 -- A steady commit (appends only, ownership as last seen) as one statement run on its own
 -- (autocommit: no BEGIN and COMMIT exchanges): the number and fence (lattice_commit()'s
 -- errors when they fail), the log row, the counts row when p_counts_ids is not NULL, the
--- counts of p_counted_ids (as _SAVED_SET writes them), the NOTIFY. The same rows, in the
--- same order, as the commit's separate statements.
+-- counts of p_counted_ids (as _SAVED_SET writes them), and a NOTIFY only when p_payload
+-- is not NULL. The same rows, in the same order, as the commit's separate statements.
+-- A replica passes NULL: a steady commit wakes no listener (streams of other replicas
+-- follow replicas.last_commit instead: commit_marks).
 CREATE OR REPLACE FUNCTION lattice_append(
     p_replica bigint, p_fence bigint, p_commit bigint, p_sync boolean, p_entries bytea,
     p_counts_ids bigint[], p_counts_ends integer[], p_counted_ids bigint[],
@@ -325,7 +331,9 @@ BEGIN
             PERFORM lattice_disowned();
         END IF;
     END IF;
-    PERFORM pg_notify('lattice_progress', p_payload);
+    IF p_payload IS NOT NULL THEN
+        PERFORM pg_notify('lattice_progress', p_payload);
+    END IF;
 END $$;
 
 -- Submit in one statement: idempotency, limits, ids, position, home, wake-up.
@@ -721,7 +729,7 @@ class PostgresState:
             if self._fence is not None and self._owned.covers(touched):
                 try:
                     if self._steady_in_one_statement and self._is_steady(batch):
-                        self._append(conn, batch, touched, sync)
+                        self._append(conn, batch, sync)
                         self.round_trips["save"] += 1
                         self._committed(batch, frozenset())
                         return frozenset()
@@ -1267,6 +1275,17 @@ class PostgresState:
             )
             conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
 
+    def commit_marks(self) -> dict[int, int]:
+        """Every other live replica's last commit number (`replicas.last_commit`): a
+        commit of theirs that notified no one (a steady one) still moves its number."""
+        with self._connection() as conn:
+            rows = conn.execute(
+                "SELECT replica_id, last_commit FROM replicas WHERE replica_id <> %s",
+                (self.replica_id,),
+                prepare=True,
+            ).fetchall()
+        return dict(rows)
+
     def listen_connection(self) -> psycopg.Connection:
         """A connection of its own (not pooled) listening on the replicas' channels."""
         conn = psycopg.connect(self.url, autocommit=True, connect_timeout=int(self._timeout))
@@ -1552,9 +1571,13 @@ class PostgresState:
             or batch.final_outputs
         )
 
-    def _append(self, conn, batch: SaveBatch, touched: set[int], sync: bool) -> None:
+    def _append(self, conn, batch: SaveBatch, sync: bool) -> None:
         """A steady batch as one statement in autocommit (its own transaction): the
-        number, fence, log row, counts and NOTIFY of `_RECORD_COMMIT` and `_write`."""
+        number, fence, log row and counts of `_RECORD_COMMIT` and `_write`, and no
+        NOTIFY. PostgreSQL wakes every listening backend at each NOTIFY, whatever the
+        channel, so a notifying steady commit would cost every replica's listener CPU at
+        every decode step; a stream on another replica follows this replica's commit
+        number instead (`commit_marks`)."""
         saved_end, counted = self._plan_counts(batch)
         self._counts_row_written = self._log_rows_uncounted + 1 >= COUNT_EVERY_COMMITS
         counts_ids, counts_ends = (
@@ -1573,7 +1596,7 @@ class PostgresState:
                 counts_ends,
                 list(counted),
                 list(counted.values()),
-                _ids_payload(touched),
+                None,
             ),
             prepare=True,
             binary=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -72,6 +73,27 @@ def test_generate_on_one_replica_streams_tokens_a_worker_reports_to_the_other(st
     events = stream.rest(10)
     assert [t for e in events for t in e.token_ids] == [9]
     assert events[-1].finished and events[-1].finish_reason == EOS
+
+
+def test_steady_tokens_reach_a_stream_on_the_other_replica_without_a_notification(
+    start_replicas,
+):
+    # A decode step's commit notifies no one (a NOTIFY wakes every replica's listener);
+    # r1 follows r0's commit number instead. Each step's token must arrive well before
+    # the stream's one-second poll would fetch it: 20 steps in far less than 20 s.
+    r0, r1 = start_replicas(2)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=64))
+    seq_id = stream.next_event().seq_id
+    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
+    worker.select(running=[seq_id], tokens={seq_id: [100]})
+    assert stream.tokens_until(1, 10) == [100]
+    started = time.monotonic()
+    for n in range(1, 21):
+        worker.select(running=[seq_id], tokens={seq_id: [100 + n]})
+        assert stream.tokens_until(1, 10) == [100 + n]
+    assert time.monotonic() - started < 8.0
 
 
 def test_submit_on_either_replica_is_idempotent_by_request_id(start_replicas):
