@@ -16,7 +16,10 @@ committed under --state-fsync acks).
                     COUNT_EVERY_TOKENS appends), as separate statements in a pipeline
                     between BEGIN and COMMIT
   tokens-1stmt      the same as the store commits it: one lattice_append call in
-                    autocommit
+                    autocommit (no NOTIFY: a steady commit notifies no one)
+  marks             not a commit: one reading of the other replicas' commit numbers
+                    (PostgresState.commit_marks), which a replica makes every 5 ms while
+                    a stream of another replica's sequence waits on it
 
 With `--listeners K`, K more connections LISTEN on the replicas' channels meanwhile (as
 K replicas' listener threads do, draining their notifications), and their backends' CPU
@@ -148,7 +151,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--shapes",
-        default="empty,number,number+notify,progress,progress+tokens,tokens,tokens-1stmt",
+        default="empty,number,number+notify,progress,progress+tokens,tokens,tokens-1stmt,marks",
         help="which commits to time (comma-separated)",
     )
     parser.add_argument(
@@ -189,6 +192,7 @@ def main() -> int:
                 "tokens-1stmt",
                 _steps(store, seq_ids, step, tokens=True, progress=False, one_statement=True),
             ),
+            ("marks", store.commit_marks),
         ]
         wanted = args.shapes.split(",")
         for _ in range(args.rounds):
