@@ -538,6 +538,7 @@ class RemoteOutput:
     finished: bool
     finish_reason: FinishReason | None
     error_message: str = ""
+    owner: int | None = None  # the replica that owned it when read (None: unclaimed)
 
 
 @dataclass(frozen=True)
@@ -965,7 +966,7 @@ class PostgresState:
         as in `cancel`."""
         with self._connection() as conn:
             row = conn.execute(
-                "SELECT state, finish_reason, error_message, principal FROM "
+                "SELECT state, finish_reason, error_message, principal, owner FROM "
                 "sequences WHERE seq_id = %s",
                 (seq_id,),
             ).fetchone()
@@ -979,9 +980,13 @@ class PostgresState:
         if len(self._read_cursors) > 10_000:
             self._read_cursors.clear()
         self._read_cursors[seq_id, start + len(out)] = max(after, last)
-        state, reason, error, _ = row
+        state, reason, error, _, owner = row
         return RemoteOutput(
-            tuple(out), state == _FINISHED, None if reason is None else FinishReason(reason), error
+            tuple(out),
+            state == _FINISHED,
+            None if reason is None else FinishReason(reason),
+            error,
+            owner,
         )
 
     def unservable_queued(self) -> int:
@@ -1275,20 +1280,24 @@ class PostgresState:
             )
             conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
 
-    def commit_marks(self) -> dict[int, int]:
-        """Every other live replica's last commit number (`replicas.last_commit`): a
-        commit of theirs that notified no one (a steady one) still moves its number."""
-        with self._connection() as conn:
-            rows = conn.execute(
-                "SELECT replica_id, last_commit FROM replicas WHERE replica_id <> %s",
-                (self.replica_id,),
-                prepare=True,
-            ).fetchall()
+    def commit_marks(self, conn: psycopg.Connection) -> dict[int, int]:
+        """Every other live replica's last commit number (`replicas.last_commit`), read on
+        `conn` (one of `own_connection`'s: no pool): a commit of theirs that notified no
+        one (a steady one) still moves its number."""
+        rows = conn.execute(
+            "SELECT replica_id, last_commit FROM replicas WHERE replica_id <> %s",
+            (self.replica_id,),
+            prepare=True,
+        ).fetchall()
         return dict(rows)
+
+    def own_connection(self) -> psycopg.Connection:
+        """A connection of its own (not pooled), in autocommit."""
+        return psycopg.connect(self.url, autocommit=True, connect_timeout=int(self._timeout))
 
     def listen_connection(self) -> psycopg.Connection:
         """A connection of its own (not pooled) listening on the replicas' channels."""
-        conn = psycopg.connect(self.url, autocommit=True, connect_timeout=int(self._timeout))
+        conn = self.own_connection()
         for channel in (SUBMIT_CHANNEL, PROGRESS_CHANNEL, CANCEL_CHANNEL, DISOWN_CHANNEL):
             conn.execute(f"LISTEN {channel}")
         return conn

@@ -226,3 +226,12 @@ def test_a_replica_sheds_sheddable_requests_its_workers_could_not_start_in_time(
     assert "shed: priority -1 is sheddable" in refused.value.details()
     # Priority 0 is never shed: it queues, late.
     submit(r0.stub, prompt=prompt, priority=0)
+
+
+def test_the_replicas_whose_commit_number_moved_or_that_left():
+    from service.replicas.servicer import _moved
+
+    assert _moved(None, {1: 5}) is None  # a first reading: anything may have moved
+    assert _moved({1: 5, 2: 7}, {1: 5, 2: 7}) == frozenset()
+    assert _moved({1: 5, 2: 7}, {1: 6, 2: 7}) == {1}
+    assert _moved({1: 5, 2: 7}, {2: 7, 3: 1}) == {1, 3}  # 1 left (its lease ran out), 3 came
