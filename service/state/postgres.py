@@ -22,12 +22,12 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
 - Tokens: one `token_log` row per commit holding all its appends (token_log.py); a
   sequence's row says how many tokens are saved (`num_saved`) and where they are: its
   folded head (`output_head`), then the log rows of `log_replica` from `log_from` on.
-  A commit that changes a sequence's state NOTIFYs lattice_progress once with the ids
-  it changed. A steady commit (appends only) notifies no one: PostgreSQL wakes every
-  listening backend at each NOTIFY, so one per decode step would cost every replica CPU
-  at every other replica's step. A stream of another replica's sequence follows the
-  replicas' commit numbers instead (`commit_marks`, read every few milliseconds while
-  such a stream waits). The keepers fold the tokens of
+  A commit notifies no one: PostgreSQL wakes every listening backend at each NOTIFY, so
+  one per commit would cost every replica CPU at every other replica's commit. A stream
+  of another replica's sequence follows the replicas' commit numbers instead
+  (`commit_marks`, read every few milliseconds while such a stream waits); what changes
+  a sequence outside its owner's commits (a cancel of an unclaimed one, a keeper's
+  cancel, a hand-back) still NOTIFYs lattice_progress with its ids. The keepers fold the tokens of
   sequences whose log rows fall too far behind into their heads, then delete the log
   rows no sequence points at (`collect_token_log`: the retention bound).
 - Retries: each commit carries a number recorded on the replica's row in the same
@@ -294,8 +294,8 @@ END $$;
 -- errors when they fail), the log row, the counts row when p_counts_ids is not NULL, the
 -- counts of p_counted_ids (as _SAVED_SET writes them), and a NOTIFY only when p_payload
 -- is not NULL. The same rows, in the same order, as the commit's separate statements.
--- A replica passes NULL: a steady commit wakes no listener (streams of other replicas
--- follow replicas.last_commit instead: commit_marks).
+-- A replica passes NULL: no commit wakes the listeners (streams of other replicas follow
+-- replicas.last_commit instead: commit_marks); p_payload stays for older replicas.
 CREATE OR REPLACE FUNCTION lattice_append(
     p_replica bigint, p_fence bigint, p_commit bigint, p_sync boolean, p_entries bytea,
     p_counts_ids bigint[], p_counts_ends integer[], p_counted_ids bigint[],
@@ -745,7 +745,7 @@ class PostgresState:
                                 "no": batch.commit_no,
                             },
                         )
-                        self._write(conn, batch, touched)
+                        self._write(conn, batch)
                     self.round_trips["save"] += 1
                     self._committed(batch, frozenset())
                     return frozenset()
@@ -799,7 +799,7 @@ class PostgresState:
                 if not drop_disowned:
                     raise Disowned(lost)
                 batch = batch.without(lost)
-            self._write(conn, batch, touched - lost)
+            self._write(conn, batch)
             read.append(owned - lost)
         self._fence = None if row is None else row[0]
         self._committed(batch, lost)
@@ -1257,6 +1257,11 @@ class PostgresState:
             ]
             if released:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
+                # Streams elsewhere follow the commits of the replica that held these;
+                # they are no one's now (a rare event: one notification is cheap here).
+                conn.execute(
+                    "SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(released))
+                )
         self._owned.discard(released)
         self._uncount(released)
         for seq_id in released:
@@ -1582,11 +1587,8 @@ class PostgresState:
 
     def _append(self, conn, batch: SaveBatch, sync: bool) -> None:
         """A steady batch as one statement in autocommit (its own transaction): the
-        number, fence, log row and counts of `_RECORD_COMMIT` and `_write`, and no
-        NOTIFY. PostgreSQL wakes every listening backend at each NOTIFY, whatever the
-        channel, so a notifying steady commit would cost every replica's listener CPU at
-        every decode step; a stream on another replica follows this replica's commit
-        number instead (`commit_marks`)."""
+        number, fence, log row and counts of `_RECORD_COMMIT` and `_write` (no commit
+        notifies: the module docstring)."""
         saved_end, counted = self._plan_counts(batch)
         self._counts_row_written = self._log_rows_uncounted + 1 >= COUNT_EVERY_COMMITS
         counts_ids, counts_ends = (
@@ -1611,7 +1613,7 @@ class PostgresState:
             binary=True,
         )
 
-    def _write(self, conn, batch: SaveBatch, touched: set[int]) -> None:
+    def _write(self, conn, batch: SaveBatch) -> None:
         """The batch's statements (in a transaction; the caller commits). A progress row
         this replica does not own fails the transaction (lattice_disowned)."""
         me = self.replica_id
@@ -1722,8 +1724,6 @@ class PostgresState:
                 "tenant_service.served + excluded.served",
                 deltas,
             )
-        if touched:  # one notification per commit, for every sequence it changed
-            cur.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(touched)))
 
 
 class _PooledConnection:
