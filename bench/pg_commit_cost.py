@@ -18,8 +18,9 @@ committed under --state-fsync acks).
   tokens-1stmt      the same as the store commits it: one lattice_append call in
                     autocommit (no NOTIFY: a steady commit notifies no one)
   marks             not a commit: one reading of the other replicas' commit numbers
-                    (PostgresState.commit_marks), which a replica makes every 5 ms while
-                    a stream of another replica's sequence waits on it
+                    (PostgresState.commit_marks, on a connection of its own), which a
+                    replica makes every --replica-watch-ms while a stream of another
+                    replica's sequence waits on it
 
 With `--listeners K`, K more connections LISTEN on the replicas' channels meanwhile (as
 K replicas' listener threads do, draining their notifications), and their backends' CPU
@@ -179,6 +180,7 @@ def main() -> int:
         with store._connection() as conn:
             backend = conn.info.backend_pid
         listeners = _Listeners(store, args.listeners)
+        watch = store.own_connection()  # the marks shape's, as a replica's watcher has one
         rows = []
         step = iter(range(10**9))
         shapes = [
@@ -192,7 +194,7 @@ def main() -> int:
                 "tokens-1stmt",
                 _steps(store, seq_ids, step, tokens=True, progress=False, one_statement=True),
             ),
-            ("marks", store.commit_marks),
+            ("marks", lambda: store.commit_marks(watch)),
         ]
         wanted = args.shapes.split(",")
         for _ in range(args.rounds):
@@ -202,6 +204,7 @@ def main() -> int:
                 )
                 rows.append([name, f"{cpu:.3f}", f"{own:.3f}", f"{heard:.3f}", f"{wall:.3f}"])
         listeners.close()
+        watch.close()
         with store._connection() as conn:
             time.sleep(1.0)  # statistics reach the views
             upd, hot = conn.execute(
