@@ -368,7 +368,7 @@ class ReplicaServicer(SchedulerServicer):
         return await asyncio.to_thread(self._state.read_output, seq_id, sent)
 
     def _on_commits(self, moved: frozenset[int] | None) -> None:
-        """The replicas in `moved` committed (or left) since the listener's last reading
+        """The replicas in `moved` committed (or left) since the watcher's last reading
         of the commit numbers (None: its first reading, anything may have): wake the
         streams of their sequences, and those whose owner is not known to be another live
         replica that did not commit (on the loop)."""

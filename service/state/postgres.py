@@ -27,9 +27,9 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
   of another replica's sequence follows the replicas' commit numbers instead
   (`commit_marks`, read every few milliseconds while such a stream waits); what changes
   a sequence outside its owner's commits (a cancel of an unclaimed one, a keeper's
-  cancel, a hand-back) still NOTIFYs lattice_progress with its ids. The keepers fold the tokens of
-  sequences whose log rows fall too far behind into their heads, then delete the log
-  rows no sequence points at (`collect_token_log`: the retention bound).
+  cancel, a hand-back) still NOTIFYs lattice_progress with its ids. The keepers fold
+  the tokens of sequences whose log rows fall too far behind into their heads, then
+  delete the log rows no sequence points at (`collect_token_log`: the retention bound).
 - Retries: each commit carries a number recorded on the replica's row in the same
   transaction (`replicas.last_commit`); a commit whose outcome was unknown is retried
   under its number, and if the first attempt did commit, the retry applies nothing.
