@@ -16,12 +16,21 @@ committed under --state-fsync acks).
                     COUNT_EVERY_TOKENS appends), as separate statements in a pipeline
                     between BEGIN and COMMIT
   tokens-1stmt      the same as the store commits it: one lattice_append call in
-                    autocommit
+                    autocommit (no NOTIFY: a steady commit notifies no one)
+  marks             not a commit: one reading of the other replicas' commit numbers
+                    (PostgresState.commit_marks, on a connection of its own), which a
+                    replica makes every --replica-watch-ms while a stream of another
+                    replica's sequence waits on it
 
 With `--listeners K`, K more connections LISTEN on the replicas' channels meanwhile (as
 K replicas' listener threads do, draining their notifications), and their backends' CPU
 per commit is shown apart: PostgreSQL wakes every listening backend of the database for
 each NOTIFY, whatever its channel.
+
+With `--watch-ms 5,20`, a second table: a thread reading the commit numbers at each
+interval for `--watch-seconds`, as a replica's watcher does while a stream of another
+replica's sequence waits on it: readings/s, the thread's own CPU (`time.thread_time`)
+and PostgreSQL's, per reading and as a share of a core.
 
 Divide by the saves a commit holds (bench.replicas: commits per decision) for the cost per
 decision.
@@ -112,6 +121,36 @@ def measure(
     return cpu / count * 1000, own / count * 1000, heard / count * 1000, wall / count * 1000
 
 
+def watch_cost(
+    cluster: PrivateCluster, store: PostgresState, interval: float, seconds: float
+) -> tuple[float, float, float]:
+    """(readings/s, the reading thread's CPU ms a reading, PostgreSQL's CPU ms a reading)
+    of `commit_marks` every `interval` on a connection of its own, as the watcher reads."""
+    conn = store.own_connection()
+    stop = threading.Event()
+    result: list[tuple[int, float]] = []
+
+    def read() -> None:
+        count, started = 0, time.thread_time()
+        while not stop.is_set():
+            store.commit_marks(conn)
+            count += 1
+            stop.wait(interval)
+        result.append((count, time.thread_time() - started))
+
+    pids = database_pids(cluster)
+    cpu0, t0 = cpu_seconds(pids), time.monotonic()
+    thread = threading.Thread(target=read)
+    thread.start()
+    time.sleep(seconds)
+    stop.set()
+    thread.join()
+    wall, cpu = time.monotonic() - t0, cpu_seconds(pids) - cpu0
+    conn.close()
+    count, own = result[0]
+    return count / wall, own / count * 1000, cpu / count * 1000
+
+
 class _Listeners:
     """`count` connections listening on the replicas' channels, each drained by a thread
     of its own (as a replica's listener thread drains its connection)."""
@@ -148,7 +187,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--shapes",
-        default="empty,number,number+notify,progress,progress+tokens,tokens,tokens-1stmt",
+        default="empty,number,number+notify,progress,progress+tokens,tokens,tokens-1stmt,marks",
         help="which commits to time (comma-separated)",
     )
     parser.add_argument(
@@ -157,6 +196,12 @@ def main() -> int:
         default=0,
         help="connections listening on the replicas' channels meanwhile (one a replica)",
     )
+    parser.add_argument(
+        "--watch-ms",
+        default="",
+        help="intervals of a commit-number watcher to time (comma-separated ms; none: skip)",
+    )
+    parser.add_argument("--watch-seconds", type=float, default=8.0)
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="lattice-pgcost-")
     cluster = PrivateCluster(directory, fsync=True).start()
@@ -176,6 +221,7 @@ def main() -> int:
         with store._connection() as conn:
             backend = conn.info.backend_pid
         listeners = _Listeners(store, args.listeners)
+        watch = store.own_connection()  # the marks shape's, as a replica's watcher has one
         rows = []
         step = iter(range(10**9))
         shapes = [
@@ -189,6 +235,7 @@ def main() -> int:
                 "tokens-1stmt",
                 _steps(store, seq_ids, step, tokens=True, progress=False, one_statement=True),
             ),
+            ("marks", lambda: store.commit_marks(watch)),
         ]
         wanted = args.shapes.split(",")
         for _ in range(args.rounds):
@@ -198,6 +245,21 @@ def main() -> int:
                 )
                 rows.append([name, f"{cpu:.3f}", f"{own:.3f}", f"{heard:.3f}", f"{wall:.3f}"])
         listeners.close()
+        watch.close()
+        watched = []
+        for _ in range(args.rounds):
+            for ms in [float(x) for x in args.watch_ms.split(",") if x]:
+                rate, own, pg = watch_cost(cluster, store, ms / 1000, args.watch_seconds)
+                watched.append(
+                    [
+                        f"{ms:g}",
+                        f"{rate:.0f}",
+                        f"{own:.3f}",
+                        f"{rate * own / 10:.1f}%",
+                        f"{pg:.3f}",
+                        f"{rate * pg / 10:.1f}%",
+                    ]
+                )
         with store._connection() as conn:
             time.sleep(1.0)  # statistics reach the views
             upd, hot = conn.execute(
@@ -223,6 +285,19 @@ def main() -> int:
         rows,
     )
     print(f"\nsequence row updates: {upd}, of them HOT: {hot}")
+    if watched:
+        print()
+        print_table(
+            [
+                "watch ms",
+                "readings/s",
+                "thread CPU ms / reading",
+                "of a core",
+                "PostgreSQL CPU ms / reading",
+                "of a core",
+            ],
+            watched,
+        )
     return 0
 
 

@@ -85,6 +85,7 @@ def make_servicer(
         prefetch=settings.prefetch,
         callers=callers,
         commit_wait_seconds=settings.replica_commit_wait_ms / 1000.0,
+        watch_seconds=settings.replica_watch_ms / 1000.0,
     )
 
 

@@ -96,6 +96,7 @@ class ReplicaServicer(SchedulerServicer):
         prefetch: int = 8,
         callers: Callers | None = None,
         commit_wait_seconds: float = 0.0,
+        watch_seconds: float = 0.005,
     ) -> None:
         # A commit waits for more saves until each busy worker of this replica has saved
         # (at most one SelectBatch each in flight; an idle worker's long poll saves
@@ -127,8 +128,16 @@ class ReplicaServicer(SchedulerServicer):
         self._claim_lock = asyncio.Lock()
         # Streams of sequences another replica owns, woken by notifications.
         self._remote: dict[int, set[asyncio.Event]] = {}
+        # Which replica owned each of them at its stream's last read (None: unclaimed).
+        self._remote_owner: dict[int, int | None] = {}
+        self._remote_waiting = threading.Event()  # set when a stream starts waiting
+        # While such a stream waits, a thread reads the other replicas' commit numbers this
+        # often: a steady commit (a decode step's tokens) notifies no one, so a number that
+        # moved is what wakes it (--replica-watch-ms).
+        self._watch_seconds = watch_seconds
         self._listener_stop = threading.Event()
         self._listener: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
         # Tasks started from callbacks (cancels, notifications): the loop keeps only weak
         # references to tasks, so these are held here until they are done.
         self._side_tasks: set[asyncio.Task] = set()
@@ -145,6 +154,10 @@ class ReplicaServicer(SchedulerServicer):
             target=self._listen, args=(self._loop,), name="replica-listener", daemon=True
         )
         self._listener.start()
+        self._watcher = threading.Thread(
+            target=self._watch_commits, args=(self._loop,), name="replica-commit-marks", daemon=True
+        )
+        self._watcher.start()
         return [
             asyncio.create_task(self._prefetch_loop(), name="replica-prefetcher"),
             asyncio.create_task(self._keep_loop(), name="replica-keeper"),
@@ -163,8 +176,10 @@ class ReplicaServicer(SchedulerServicer):
                 "lease runs out: %s",
                 err,
             )
-        if self._listener is not None:
-            await asyncio.to_thread(self._listener.join, 5.0)
+        self._remote_waiting.set()  # the watcher sees the stop at once
+        for thread in (self._listener, self._watcher):
+            if thread is not None:
+                await asyncio.to_thread(thread.join, 5.0)
 
     # ------------------------------------------------------------------ clients
 
@@ -330,12 +345,18 @@ class ReplicaServicer(SchedulerServicer):
                 # so the stream reads them from the database.
                 if self._owns(seq_id):
                     return view
-        view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
-        if view.token_ids or view.finished:
-            return view
+        # Watching before reading: a commit that lands while the read runs, and that the
+        # read missed, still wakes the wait below (which then returns at once). Until the
+        # read says which replica owns the sequence, any replica's commit wakes it.
         event = asyncio.Event()
         self._remote.setdefault(seq_id, set()).add(event)
+        self._remote_owner.pop(seq_id, None)
+        self._remote_waiting.set()
         try:
+            view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
+            if view.token_ids or view.finished:
+                return view
+            self._remote_owner[seq_id] = view.owner
             await wait_event(event, _REMOTE_POLL_SECONDS)
         finally:
             events = self._remote.get(seq_id)
@@ -343,7 +364,22 @@ class ReplicaServicer(SchedulerServicer):
                 events.discard(event)
                 if not events:
                     del self._remote[seq_id]
+                    self._remote_owner.pop(seq_id, None)
         return await asyncio.to_thread(self._state.read_output, seq_id, sent)
+
+    def _on_commits(self, moved: frozenset[int] | None) -> None:
+        """The replicas in `moved` committed (or left) since the watcher's last reading
+        of the commit numbers (None: its first reading, anything may have): wake the
+        streams of their sequences, and those whose owner is not known to be another live
+        replica that did not commit (on the loop)."""
+        if moved is None:
+            self._wake_remote(None)
+            return
+        for seq_id, events in self._remote.items():
+            owner = self._remote_owner.get(seq_id)
+            if owner is None or owner in moved or owner == self.replica_id:
+                for event in events:
+                    event.set()
 
     def _on_disowned(self, seq_ids: frozenset[int]) -> None:
         """A commit left these out: another replica owns them now (on the loop)."""
@@ -536,6 +572,46 @@ class ReplicaServicer(SchedulerServicer):
                 except Exception:  # noqa: BLE001 - closing a connection already lost
                     pass
 
+    def _watch_commits(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On its own thread, with a connection of its own: while a stream of another
+        replica's sequence waits here, read the other replicas' commit numbers every
+        `watch_seconds` and hand the loop those that moved (`_on_commits`). The
+        first reading after an idle spell, or after the connection was lost, counts as
+        every replica moved: a commit may have landed since a stream's read. (`_remote`
+        is read without the loop, as the listener does: at worst one reading late.)"""
+        conn = None
+        marks: dict[int, int] | None = None
+        delay = 0.1
+        while not self._listener_stop.is_set():
+            if not self._remote:
+                marks = None
+                self._remote_waiting.clear()
+                if not self._remote:  # a stream that registered before the clear is seen
+                    self._remote_waiting.wait(1.0)
+                continue
+            try:
+                if conn is None:
+                    conn = self._state.own_connection()
+                now = self._state.commit_marks(conn)
+            except Exception as err:  # noqa: BLE001 - the database may be away: retry
+                log.warning("cannot read the replicas' commit numbers; retrying: %s", err)
+                if conn is not None:
+                    try:
+                        conn.close()
+                    except Exception:  # noqa: BLE001 - closing a connection already lost
+                        pass
+                conn, marks = None, None
+                self._listener_stop.wait(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            delay = 0.1
+            if now != marks:
+                loop.call_soon_threadsafe(self._on_commits, _moved(marks, now))
+                marks = now
+            self._listener_stop.wait(self._watch_seconds)
+        if conn is not None:
+            conn.close()
+
     def _on_reconnected(self) -> None:
         self._queue_hint.set()
         self._wake_prefetcher.set()
@@ -550,12 +626,23 @@ class ReplicaServicer(SchedulerServicer):
             self._wake_remote(parse_ids_payload(payload))
         elif channel in (CANCEL_CHANNEL, DISOWN_CHANNEL):
             owner, _, ids = payload.partition(":")
+            if channel == DISOWN_CHANNEL:
+                # Another replica took these: their streams here follow the new owner.
+                self._wake_remote(parse_ids_payload(ids))
             if int(owner) != self.replica_id:
                 return
             if channel == CANCEL_CHANNEL:
                 self._start_side_task(self._apply_cancels([int(ids)]))
             else:
                 self._start_side_task(self._give_up(parse_ids_payload(ids)))
+
+
+def _moved(before: dict[int, int] | None, now: dict[int, int]) -> frozenset[int] | None:
+    """The replicas whose commit number moved, or that left, from `before` to `now`
+    (None: there was no reading before)."""
+    if before is None:
+        return None
+    return frozenset(r for r, n in before.items() if now.get(r) != n) | (now.keys() - before)
 
 
 def _log_cancel_failure(seq_id: int):

@@ -22,10 +22,14 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
 - Tokens: one `token_log` row per commit holding all its appends (token_log.py); a
   sequence's row says how many tokens are saved (`num_saved`) and where they are: its
   folded head (`output_head`), then the log rows of `log_replica` from `log_from` on.
-  Each commit NOTIFYs lattice_progress once with the ids whose output or state changed,
-  so streams on other replicas wake within one commit. The keepers fold the tokens of
-  sequences whose log rows fall too far behind into their heads, then delete the log
-  rows no sequence points at (`collect_token_log`: the retention bound).
+  A commit notifies no one: PostgreSQL wakes every listening backend at each NOTIFY, so
+  one per commit would cost every replica CPU at every other replica's commit. A stream
+  of another replica's sequence follows the replicas' commit numbers instead
+  (`commit_marks`, read every few milliseconds while such a stream waits); what changes
+  a sequence outside its owner's commits (a cancel of an unclaimed one, a keeper's
+  cancel, a hand-back) still NOTIFYs lattice_progress with its ids. The keepers fold
+  the tokens of sequences whose log rows fall too far behind into their heads, then
+  delete the log rows no sequence points at (`collect_token_log`: the retention bound).
 - Retries: each commit carries a number recorded on the replica's row in the same
   transaction (`replicas.last_commit`); a commit whose outcome was unknown is retried
   under its number, and if the first attempt did commit, the retry applies nothing.
@@ -288,8 +292,10 @@ END $$;
 -- A steady commit (appends only, ownership as last seen) as one statement run on its own
 -- (autocommit: no BEGIN and COMMIT exchanges): the number and fence (lattice_commit()'s
 -- errors when they fail), the log row, the counts row when p_counts_ids is not NULL, the
--- counts of p_counted_ids (as _SAVED_SET writes them), the NOTIFY. The same rows, in the
--- same order, as the commit's separate statements.
+-- counts of p_counted_ids (as _SAVED_SET writes them), and a NOTIFY only when p_payload
+-- is not NULL. The same rows, in the same order, as the commit's separate statements.
+-- A replica passes NULL: no commit wakes the listeners (streams of other replicas follow
+-- replicas.last_commit instead: commit_marks); p_payload stays for older replicas.
 CREATE OR REPLACE FUNCTION lattice_append(
     p_replica bigint, p_fence bigint, p_commit bigint, p_sync boolean, p_entries bytea,
     p_counts_ids bigint[], p_counts_ends integer[], p_counted_ids bigint[],
@@ -325,7 +331,9 @@ BEGIN
             PERFORM lattice_disowned();
         END IF;
     END IF;
-    PERFORM pg_notify('lattice_progress', p_payload);
+    IF p_payload IS NOT NULL THEN
+        PERFORM pg_notify('lattice_progress', p_payload);
+    END IF;
 END $$;
 
 -- Submit in one statement: idempotency, limits, ids, position, home, wake-up.
@@ -530,6 +538,7 @@ class RemoteOutput:
     finished: bool
     finish_reason: FinishReason | None
     error_message: str = ""
+    owner: int | None = None  # the replica that owned it when read (None: unclaimed)
 
 
 @dataclass(frozen=True)
@@ -721,7 +730,7 @@ class PostgresState:
             if self._fence is not None and self._owned.covers(touched):
                 try:
                     if self._steady_in_one_statement and self._is_steady(batch):
-                        self._append(conn, batch, touched, sync)
+                        self._append(conn, batch, sync)
                         self.round_trips["save"] += 1
                         self._committed(batch, frozenset())
                         return frozenset()
@@ -736,7 +745,7 @@ class PostgresState:
                                 "no": batch.commit_no,
                             },
                         )
-                        self._write(conn, batch, touched)
+                        self._write(conn, batch)
                     self.round_trips["save"] += 1
                     self._committed(batch, frozenset())
                     return frozenset()
@@ -790,7 +799,7 @@ class PostgresState:
                 if not drop_disowned:
                     raise Disowned(lost)
                 batch = batch.without(lost)
-            self._write(conn, batch, touched - lost)
+            self._write(conn, batch)
             read.append(owned - lost)
         self._fence = None if row is None else row[0]
         self._committed(batch, lost)
@@ -957,7 +966,7 @@ class PostgresState:
         as in `cancel`."""
         with self._connection() as conn:
             row = conn.execute(
-                "SELECT state, finish_reason, error_message, principal FROM "
+                "SELECT state, finish_reason, error_message, principal, owner FROM "
                 "sequences WHERE seq_id = %s",
                 (seq_id,),
             ).fetchone()
@@ -971,9 +980,13 @@ class PostgresState:
         if len(self._read_cursors) > 10_000:
             self._read_cursors.clear()
         self._read_cursors[seq_id, start + len(out)] = max(after, last)
-        state, reason, error, _ = row
+        state, reason, error, _, owner = row
         return RemoteOutput(
-            tuple(out), state == _FINISHED, None if reason is None else FinishReason(reason), error
+            tuple(out),
+            state == _FINISHED,
+            None if reason is None else FinishReason(reason),
+            error,
+            owner,
         )
 
     def unservable_queued(self) -> int:
@@ -1244,6 +1257,11 @@ class PostgresState:
             ]
             if released:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
+                # Streams elsewhere follow the commits of the replica that held these;
+                # they are no one's now (a rare event: one notification is cheap here).
+                conn.execute(
+                    "SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(released))
+                )
         self._owned.discard(released)
         self._uncount(released)
         for seq_id in released:
@@ -1267,9 +1285,24 @@ class PostgresState:
             )
             conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
 
+    def commit_marks(self, conn: psycopg.Connection) -> dict[int, int]:
+        """Every other live replica's last commit number (`replicas.last_commit`), read on
+        `conn` (one of `own_connection`'s: no pool): a commit of theirs that notified no
+        one (a steady one) still moves its number."""
+        rows = conn.execute(
+            "SELECT replica_id, last_commit FROM replicas WHERE replica_id <> %s",
+            (self.replica_id,),
+            prepare=True,
+        ).fetchall()
+        return dict(rows)
+
+    def own_connection(self) -> psycopg.Connection:
+        """A connection of its own (not pooled), in autocommit."""
+        return psycopg.connect(self.url, autocommit=True, connect_timeout=int(self._timeout))
+
     def listen_connection(self) -> psycopg.Connection:
         """A connection of its own (not pooled) listening on the replicas' channels."""
-        conn = psycopg.connect(self.url, autocommit=True, connect_timeout=int(self._timeout))
+        conn = self.own_connection()
         for channel in (SUBMIT_CHANNEL, PROGRESS_CHANNEL, CANCEL_CHANNEL, DISOWN_CHANNEL):
             conn.execute(f"LISTEN {channel}")
         return conn
@@ -1552,9 +1585,10 @@ class PostgresState:
             or batch.final_outputs
         )
 
-    def _append(self, conn, batch: SaveBatch, touched: set[int], sync: bool) -> None:
+    def _append(self, conn, batch: SaveBatch, sync: bool) -> None:
         """A steady batch as one statement in autocommit (its own transaction): the
-        number, fence, log row, counts and NOTIFY of `_RECORD_COMMIT` and `_write`."""
+        number, fence, log row and counts of `_RECORD_COMMIT` and `_write` (no commit
+        notifies: the module docstring)."""
         saved_end, counted = self._plan_counts(batch)
         self._counts_row_written = self._log_rows_uncounted + 1 >= COUNT_EVERY_COMMITS
         counts_ids, counts_ends = (
@@ -1573,13 +1607,13 @@ class PostgresState:
                 counts_ends,
                 list(counted),
                 list(counted.values()),
-                _ids_payload(touched),
+                None,
             ),
             prepare=True,
             binary=True,
         )
 
-    def _write(self, conn, batch: SaveBatch, touched: set[int]) -> None:
+    def _write(self, conn, batch: SaveBatch) -> None:
         """The batch's statements (in a transaction; the caller commits). A progress row
         this replica does not own fails the transaction (lattice_disowned)."""
         me = self.replica_id
@@ -1690,8 +1724,6 @@ class PostgresState:
                 "tenant_service.served + excluded.served",
                 deltas,
             )
-        if touched:  # one notification per commit, for every sequence it changed
-            cur.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(touched)))
 
 
 class _PooledConnection:
