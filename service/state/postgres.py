@@ -1259,9 +1259,7 @@ class PostgresState:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
                 # Streams elsewhere follow the commits of the replica that held these;
                 # they are no one's now (a rare event: one notification is cheap here).
-                conn.execute(
-                    "SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(released))
-                )
+                conn.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(released)))
         self._owned.discard(released)
         self._uncount(released)
         for seq_id in released:
