@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import replace
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
@@ -47,6 +48,7 @@ from service.state.postgres import (
     SUBMIT_CHANNEL,
     Claimed,
     PostgresState,
+    Watched,
     parse_ids_payload,
 )
 
@@ -56,6 +58,12 @@ log = logging.getLogger(__name__)
 # (notifications wake it sooner; this bounds the wait if one is lost, or when the
 # sequence moves to this replica).
 _REMOTE_POLL_SECONDS = 1.0
+# The prefetcher claims at least this often, whatever the hints say.
+_PREFETCH_ANYWAY_SECONDS = 0.5
+# A seq_id handed out below the newest one the watcher saw, not visible yet, is looked for
+# this long (its submit may commit late; one refused by a conflict never will).
+_GAP_SECONDS = 1.0
+_MAX_GAPS = 10_000  # more ids than this between two readings: no gaps are tracked
 
 
 class _Hint:
@@ -80,6 +88,36 @@ class _Hint:
     def clear_unless_set_since(self, generation: int) -> None:
         if self._generation == generation:
             self._set = False
+
+
+class _Submits:
+    """What the watcher knows of the shared queue's submits (no submit notifies): the
+    newest seq_id it saw visible, and the ids below that not visible when it looked,
+    handed out to submits that had not committed yet. A submit is seen when its id is
+    newer than that or one of those. Used on the watcher's thread only."""
+
+    def __init__(self) -> None:
+        self.after: int | None = None  # None: not read yet
+        self.pending: dict[int, float] = {}  # seq_id -> until when it is looked for
+
+    def update(self, watched: Watched, now: float) -> bool:
+        """Take one reading in; whether a submit may have landed since the last one (on
+        the first reading: yes, anything may have)."""
+        first = self.after is None
+        arrived = first or bool(watched.filled)
+        for seq_id in watched.filled:
+            self.pending.pop(seq_id, None)
+        if watched.new_ids:
+            arrived = True
+            visible = set(watched.new_ids)
+            if watched.newest - self.after <= _MAX_GAPS:
+                for seq_id in range(self.after + 1, watched.newest):
+                    if seq_id not in visible:
+                        self.pending[seq_id] = now + _GAP_SECONDS
+        self.after = watched.newest
+        for seq_id in [s for s, until in self.pending.items() if until < now]:
+            del self.pending[seq_id]
+        return arrived
 
 
 class ReplicaServicer(SchedulerServicer):
@@ -130,10 +168,8 @@ class ReplicaServicer(SchedulerServicer):
         self._remote: dict[int, set[asyncio.Event]] = {}
         # Which replica owned each of them at its stream's last read (None: unclaimed).
         self._remote_owner: dict[int, int | None] = {}
-        self._remote_waiting = threading.Event()  # set when a stream starts waiting
-        # While such a stream waits, a thread reads the other replicas' commit numbers this
-        # often: a steady commit (a decode step's tokens) notifies no one, so a number that
-        # moved is what wakes it (--replica-watch-ms).
+        # A thread reads the other replicas' commit numbers and the new submits this often
+        # (--replica-watch-ms): neither commits nor submits notify.
         self._watch_seconds = watch_seconds
         self._listener_stop = threading.Event()
         self._listener: threading.Thread | None = None
@@ -155,7 +191,7 @@ class ReplicaServicer(SchedulerServicer):
         )
         self._listener.start()
         self._watcher = threading.Thread(
-            target=self._watch_commits, args=(self._loop,), name="replica-commit-marks", daemon=True
+            target=self._watch, args=(self._loop,), name="replica-watcher", daemon=True
         )
         self._watcher.start()
         return [
@@ -176,7 +212,6 @@ class ReplicaServicer(SchedulerServicer):
                 "lease runs out: %s",
                 err,
             )
-        self._remote_waiting.set()  # the watcher sees the stop at once
         for thread in (self._listener, self._watcher):
             if thread is not None:
                 await asyncio.to_thread(thread.join, 5.0)
@@ -351,7 +386,6 @@ class ReplicaServicer(SchedulerServicer):
         event = asyncio.Event()
         self._remote.setdefault(seq_id, set()).add(event)
         self._remote_owner.pop(seq_id, None)
-        self._remote_waiting.set()
         try:
             view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
             if view.token_ids or view.finished:
@@ -431,13 +465,22 @@ class ReplicaServicer(SchedulerServicer):
             self._adopt(claimed)
 
     async def _prefetch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            woken = await wait_event(self._wake_prefetcher, 0.5)
+            woken = await wait_event(self._wake_prefetcher, _PREFETCH_ANYWAY_SECONDS)
             self._wake_prefetcher.clear()
             # Woken: only if the shared queue may hold work. Every half second: anyway,
-            # in case a hint was cleared just as a submit landed.
-            if woken and not self._queue_hint.is_set():
+            # in case a hint was cleared just as a submit landed (counted from the last
+            # claim, not from the last wake-up: each SelectBatch that leaves room wakes
+            # this loop, so busy workers would otherwise put it off for good).
+            if (
+                woken
+                and not self._queue_hint.is_set()
+                and loop.time() - last < _PREFETCH_ANYWAY_SECONDS
+            ):
                 continue
+            last = loop.time()
             try:
                 await self._top_up(only_if_short=False)
             except SchedulerError as err:
@@ -572,45 +615,49 @@ class ReplicaServicer(SchedulerServicer):
                 except Exception:  # noqa: BLE001 - closing a connection already lost
                     pass
 
-    def _watch_commits(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On its own thread, with a connection of its own: while a stream of another
-        replica's sequence waits here, read the other replicas' commit numbers every
-        `watch_seconds` and hand the loop those that moved (`_on_commits`). The
-        first reading after an idle spell, or after the connection was lost, counts as
-        every replica moved: a commit may have landed since a stream's read. (`_remote`
-        is read without the loop, as the listener does: at worst one reading late.)"""
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On its own thread, with a connection of its own, every `watch_seconds`: read
+        what no notification announces (`PostgresState.watch`), and hand the loop the
+        submits that landed (`_on_submitted`) and, while streams of other replicas'
+        sequences wait here, the replicas whose commit number moved (`_on_commits`). The
+        first reading, and the first after the connection was lost, counts as everything
+        moved. (`_remote` is read without the loop, as the listener does: at worst one
+        reading late, and a stream that registers after it reads the database after.)"""
         conn = None
         marks: dict[int, int] | None = None
+        submits = _Submits()
         delay = 0.1
         while not self._listener_stop.is_set():
-            if not self._remote:
-                marks = None
-                self._remote_waiting.clear()
-                if not self._remote:  # a stream that registered before the clear is seen
-                    self._remote_waiting.wait(1.0)
-                continue
             try:
                 if conn is None:
                     conn = self._state.own_connection()
-                now = self._state.commit_marks(conn)
+                watched = self._state.watch(conn, submits.after, list(submits.pending))
             except Exception as err:  # noqa: BLE001 - the database may be away: retry
-                log.warning("cannot read the replicas' commit numbers; retrying: %s", err)
+                log.warning("cannot read the replicas' commits and submits; retrying: %s", err)
                 if conn is not None:
                     try:
                         conn.close()
                     except Exception:  # noqa: BLE001 - closing a connection already lost
                         pass
-                conn, marks = None, None
+                conn, marks, submits = None, None, _Submits()
                 self._listener_stop.wait(delay)
                 delay = min(delay * 2, 2.0)
                 continue
             delay = 0.1
-            if now != marks:
-                loop.call_soon_threadsafe(self._on_commits, _moved(marks, now))
-                marks = now
+            if submits.update(watched, time.monotonic()):
+                loop.call_soon_threadsafe(self._on_submitted)
+            if watched.marks != marks:
+                if self._remote or marks is None:
+                    loop.call_soon_threadsafe(self._on_commits, _moved(marks, watched.marks))
+                marks = watched.marks
             self._listener_stop.wait(self._watch_seconds)
         if conn is not None:
             conn.close()
+
+    def _on_submitted(self) -> None:
+        """On the loop: the shared queue holds new work."""
+        self._queue_hint.set()
+        self._wake_prefetcher.set()
 
     def _on_reconnected(self) -> None:
         self._queue_hint.set()
@@ -619,9 +666,8 @@ class ReplicaServicer(SchedulerServicer):
 
     def _on_notification(self, channel: str, payload: str) -> None:
         """On the loop."""
-        if channel == SUBMIT_CHANNEL:
-            self._queue_hint.set()
-            self._wake_prefetcher.set()
+        if channel == SUBMIT_CHANNEL:  # a requeue (submits are found by the watcher)
+            self._on_submitted()
         elif channel == PROGRESS_CHANNEL:
             self._wake_remote(parse_ids_payload(payload))
         elif channel in (CANCEL_CHANNEL, DISOWN_CHANNEL):

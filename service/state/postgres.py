@@ -7,8 +7,10 @@ rows, and every save of a replica first locks the rows it touches and checks tha
 still owns them (`Disowned` otherwise), so two replicas never both write one sequence.
 
 - Submit (any replica): `lattice_submit()`, one statement and one synchronous commit:
-  request_id idempotency per principal (a unique index on both), the queue limits, a new seq_id and tail key
-  from database sequences, the queue position, and NOTIFY lattice_submit.
+  request_id idempotency per principal (a unique index on both), the queue limits, a new
+  seq_id and tail key from database sequences, the queue position. No NOTIFY: every
+  replica's watcher finds new seq_ids in its reading (`watch`). Requeues (a hand-back, a
+  leave, a dead replica's sequences) NOTIFY lattice_submit.
 - Claim: the replica's prefetcher takes the head of the unclaimed queue in the queue
   order's sort key (service/core/decide/orders.py) with FOR UPDATE SKIP LOCKED, of the sequences
   its workers can run (no adapter, or one of theirs): an adapter's sequence waits in the
@@ -336,7 +338,7 @@ BEGIN
     END IF;
 END $$;
 
--- Submit in one statement: idempotency, limits, ids, position, home, wake-up.
+-- Submit in one statement: idempotency, limits, ids, position, home.
 -- status: 0 new, 1 request_id known for this principal, 2 queue full, 3 tenant's queue full.
 CREATE OR REPLACE FUNCTION lattice_enqueue(
     p_principal text, p_adapter_id text, p_request_id text, p_params text, p_prompt bytea, p_priority integer,
@@ -392,7 +394,8 @@ BEGIN
     END IF;
     SELECT count(*) INTO queue_position FROM sequences q
      WHERE q.state = 1 AND (q.queue_key, q.seq_id) < (v_key, lattice_enqueue.seq_id);
-    PERFORM pg_notify('lattice_submit', '');
+    -- No NOTIFY: it would wake every replica's listener at every submit; replicas find
+    -- new seq_ids in their watcher's reading (PostgresState.watch).
     status := 0;
 END $$;
 -- The same without prefix keys (schema 2's signature).
@@ -539,6 +542,16 @@ class RemoteOutput:
     finish_reason: FinishReason | None
     error_message: str = ""
     owner: int | None = None  # the replica that owned it when read (None: unclaimed)
+
+
+@dataclass(frozen=True)
+class Watched:
+    """One reading of `PostgresState.watch`."""
+
+    marks: dict[int, int]  # the other live replicas' last commit numbers
+    newest: int  # the largest seq_id seen visible (the `after` asked, when none is newer)
+    new_ids: tuple[int, ...]  # seq_ids above `after` visible now, ascending
+    filled: tuple[int, ...]  # those of `pending` visible now
 
 
 @dataclass(frozen=True)
@@ -1287,12 +1300,40 @@ class PostgresState:
         """Every other live replica's last commit number (`replicas.last_commit`), read on
         `conn` (one of `own_connection`'s: no pool): a commit of theirs that notified no
         one (a steady one) still moves its number."""
-        rows = conn.execute(
-            "SELECT replica_id, last_commit FROM replicas WHERE replica_id <> %s",
-            (self.replica_id,),
+        return self.watch(conn, None, ()).marks
+
+    def watch(
+        self, conn: psycopg.Connection, after: int | None, pending: Collection[int]
+    ) -> Watched:
+        """One reading of what no notification announces, on `conn` (one of
+        `own_connection`'s), in one statement: the other live replicas' commit numbers,
+        the submitted seq_ids above `after` that are visible now (at most 1,000; None:
+        the newest seq_id only), and which of `pending` are."""
+        if after is None:
+            newest, _, ids, numbers = conn.execute(
+                "SELECT (SELECT coalesce(max(seq_id), 0) FROM sequences), NULL, "
+                "ARRAY(SELECT replica_id FROM replicas WHERE replica_id <> %(me)s "
+                "ORDER BY replica_id), ARRAY(SELECT last_commit FROM replicas "
+                "WHERE replica_id <> %(me)s ORDER BY replica_id)",
+                {"me": self.replica_id},
+            ).fetchone()
+            return Watched(dict(zip(ids, numbers, strict=True)), newest, (), ())
+        new, filled, ids, numbers = conn.execute(
+            "SELECT ARRAY(SELECT seq_id FROM sequences WHERE seq_id > %(after)s "
+            "ORDER BY seq_id LIMIT 1000), ARRAY(SELECT seq_id FROM sequences "
+            "WHERE seq_id = ANY(%(pending)s::bigint[])), "
+            "ARRAY(SELECT replica_id FROM replicas WHERE replica_id <> %(me)s "
+            "ORDER BY replica_id), ARRAY(SELECT last_commit FROM replicas "
+            "WHERE replica_id <> %(me)s ORDER BY replica_id)",
+            {"after": after, "pending": list(pending), "me": self.replica_id},
             prepare=True,
-        ).fetchall()
-        return dict(rows)
+        ).fetchone()
+        return Watched(
+            dict(zip(ids, numbers, strict=True)),
+            new[-1] if new else after,
+            tuple(new),
+            tuple(filled),
+        )
 
     def own_connection(self) -> psycopg.Connection:
         """A connection of its own (not pooled), in autocommit."""

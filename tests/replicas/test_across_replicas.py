@@ -236,3 +236,63 @@ def test_the_replicas_whose_commit_number_moved_or_that_left():
     assert _moved({1: 5, 2: 7}, {1: 5, 2: 7}) == frozenset()
     assert _moved({1: 5, 2: 7}, {1: 6, 2: 7}) == {1}
     assert _moved({1: 5, 2: 7}, {2: 7, 3: 1}) == {1, 3}  # 1 left (its lease ran out), 3 came
+
+
+def test_a_submit_that_commits_after_a_newer_one_is_still_seen():
+    from service.replicas.servicer import _GAP_SECONDS, _Submits
+    from service.state.postgres import Watched
+
+    submits = _Submits()
+    assert submits.update(Watched({}, 10, (), ()), now=0.0)  # the first: anything may have
+    assert not submits.update(Watched({}, 10, (), ()), now=0.1)
+    # 12 became visible while 11 (handed out before it) had not committed yet.
+    assert submits.update(Watched({}, 12, (12,), ()), now=0.2)
+    assert submits.after == 12 and set(submits.pending) == {11}
+    assert not submits.update(Watched({}, 12, (), ()), now=0.3)
+    assert submits.update(Watched({}, 12, (), (11,)), now=0.4)  # 11 committed
+    assert submits.pending == {}
+    # One that never commits (a conflict took its id) is given up after _GAP_SECONDS.
+    submits.update(Watched({}, 14, (14,), ()), now=1.0)
+    assert set(submits.pending) == {13}
+    submits.update(Watched({}, 14, (), ()), now=1.0 + _GAP_SECONDS + 0.01)
+    assert submits.pending == {}
+
+
+def test_a_submit_on_one_replica_reaches_the_other_without_a_notification(start_replicas):
+    # No submit notifies (a NOTIFY wakes every replica's listener): r0's watcher finds it.
+    # Without that, r0's prefetcher would find each within its half-second poll: a
+    # median near 0.25 s over 20 submits.
+    r0, r1 = start_replicas(2)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    waits = []
+    for _ in range(20):
+        started = time.monotonic()
+        seq_id = submit(r1.stub).seq_id
+
+        def taken(seq_id: int = seq_id) -> bool:
+            return admitted(worker.select()) == [seq_id]
+
+        wait_until(taken, "admission on r0", 10, every_seconds=0.005)
+        waits.append(time.monotonic() - started)
+        worker.select(tokens={seq_id: [7]}, finished=[(seq_id, EOS, 1)])
+    assert sorted(waits)[len(waits) // 2] < 0.15, waits
+
+
+def test_busy_workers_do_not_put_off_the_prefetchers_claim_every_half_second(
+    start_replicas, monkeypatch
+):
+    # With every hint of the submit lost (the watcher's here), the prefetcher still
+    # claims every half second, though a worker calling every 5 ms wakes it far more
+    # often (each call that leaves room does).
+    from service.replicas import servicer as replica_servicer
+
+    monkeypatch.setattr(replica_servicer._Submits, "update", lambda self, watched, now: False)
+    r0, r1 = start_replicas(2)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    time.sleep(1.0)  # past the first claims, which any start makes
+    seq_id = submit(r1.stub).seq_id
+    wait_until(
+        lambda: admitted(worker.select()) == [seq_id], "admission on r0", 3, every_seconds=0.005
+    )
