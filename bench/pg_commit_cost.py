@@ -17,20 +17,19 @@ committed under --state-fsync acks).
                     between BEGIN and COMMIT
   tokens-1stmt      the same as the store commits it: one lattice_append call in
                     autocommit (no NOTIFY: a steady commit notifies no one)
-  marks             not a commit: one reading of the other replicas' commit numbers
-                    (PostgresState.commit_marks, on a connection of its own), which a
-                    replica makes every --replica-watch-ms while a stream of another
-                    replica's sequence waits on it
+  watch             not a commit: one reading of what no notification announces
+                    (PostgresState.watch, on a connection of its own: the other
+                    replicas' commit numbers and the new seq_ids), which a replica
+                    makes every --replica-watch-ms
 
 With `--listeners K`, K more connections LISTEN on the replicas' channels meanwhile (as
 K replicas' listener threads do, draining their notifications), and their backends' CPU
 per commit is shown apart: PostgreSQL wakes every listening backend of the database for
 each NOTIFY, whatever its channel.
 
-With `--watch-ms 5,20`, a second table: a thread reading the commit numbers at each
-interval for `--watch-seconds`, as a replica's watcher does while a stream of another
-replica's sequence waits on it: readings/s, the thread's own CPU (`time.thread_time`)
-and PostgreSQL's, per reading and as a share of a core.
+With `--watch-ms 5,20`, a second table: a thread making that reading at each interval
+for `--watch-seconds`, as a replica's watcher does: readings/s, the thread's own CPU
+(`time.thread_time`) and PostgreSQL's, per reading and as a share of a core.
 
 Divide by the saves a commit holds (bench.replicas: commits per decision) for the cost per
 decision.
@@ -125,15 +124,16 @@ def watch_cost(
     cluster: PrivateCluster, store: PostgresState, interval: float, seconds: float
 ) -> tuple[float, float, float]:
     """(readings/s, the reading thread's CPU ms a reading, PostgreSQL's CPU ms a reading)
-    of `commit_marks` every `interval` on a connection of its own, as the watcher reads."""
+    of `PostgresState.watch` every `interval` on a connection of its own, as the watcher
+    reads."""
     conn = store.own_connection()
     stop = threading.Event()
     result: list[tuple[int, float]] = []
 
     def read() -> None:
-        count, started = 0, time.thread_time()
+        count, started, after = 0, time.thread_time(), None
         while not stop.is_set():
-            store.commit_marks(conn)
+            after = store.watch(conn, after, ()).newest
             count += 1
             stop.wait(interval)
         result.append((count, time.thread_time() - started))
@@ -187,7 +187,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--shapes",
-        default="empty,number,number+notify,progress,progress+tokens,tokens,tokens-1stmt,marks",
+        default="empty,number,number+notify,progress,progress+tokens,tokens,tokens-1stmt,watch",
         help="which commits to time (comma-separated)",
     )
     parser.add_argument(
@@ -221,7 +221,8 @@ def main() -> int:
         with store._connection() as conn:
             backend = conn.info.backend_pid
         listeners = _Listeners(store, args.listeners)
-        watch = store.own_connection()  # the marks shape's, as a replica's watcher has one
+        watch = store.own_connection()  # the watch shape's, as a replica's watcher has one
+        watched = [store.watch(watch, None, ()).newest]
         rows = []
         step = iter(range(10**9))
         shapes = [
@@ -235,7 +236,7 @@ def main() -> int:
                 "tokens-1stmt",
                 _steps(store, seq_ids, step, tokens=True, progress=False, one_statement=True),
             ),
-            ("marks", lambda: store.commit_marks(watch)),
+            ("watch", lambda: watched.__setitem__(0, store.watch(watch, watched[0], ()).newest)),
         ]
         wanted = args.shapes.split(",")
         for _ in range(args.rounds):
