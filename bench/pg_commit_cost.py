@@ -17,6 +17,8 @@ committed under --state-fsync acks).
                     between BEGIN and COMMIT
   tokens-1stmt      the same as the store commits it: one lattice_append call in
                     autocommit (no NOTIFY: a steady commit notifies no one)
+  submit            not a group commit: one Submit (lattice_enqueue, its own synchronous
+                    commit), which notified every listener until stop 41
   watch             not a commit: one reading of what no notification announces
                     (PostgresState.watch, on a connection of its own: the other
                     replicas' commit numbers and the new seq_ids), which a replica
@@ -222,7 +224,7 @@ def main() -> int:
             backend = conn.info.backend_pid
         listeners = _Listeners(store, args.listeners)
         watch = store.own_connection()  # the watch shape's, as a replica's watcher has one
-        watched = [store.watch(watch, None, ()).newest]
+        watched: list[int | None] = [None]  # the newest seq_id the watch shape saw
         rows = []
         step = iter(range(10**9))
         shapes = [
@@ -235,6 +237,14 @@ def main() -> int:
             (
                 "tokens-1stmt",
                 _steps(store, seq_ids, step, tokens=True, progress=False, one_statement=True),
+            ),
+            (
+                "submit",
+                lambda: store.submit(
+                    SubmitParams(prompt_token_ids=tuple(range(1, 33)), max_new_tokens=16),
+                    10**7,
+                    0,
+                ),
             ),
             ("watch", lambda: watched.__setitem__(0, store.watch(watch, watched[0], ()).newest)),
         ]
