@@ -133,9 +133,9 @@ def watch_cost(
     result: list[tuple[int, float]] = []
 
     def read() -> None:
-        count, started, after = 0, time.thread_time(), None
+        count, started = 0, time.thread_time()
         while not stop.is_set():
-            after = store.watch(conn, after, ()).newest
+            store.watch(conn)
             count += 1
             stop.wait(interval)
         result.append((count, time.thread_time() - started))
@@ -224,7 +224,6 @@ def main() -> int:
             backend = conn.info.backend_pid
         listeners = _Listeners(store, args.listeners)
         watch = store.own_connection()  # the watch shape's, as a replica's watcher has one
-        watched: list[int | None] = [None]  # the newest seq_id the watch shape saw
         rows = []
         step = iter(range(10**9))
         shapes = [
@@ -246,7 +245,7 @@ def main() -> int:
                     0,
                 ),
             ),
-            ("watch", lambda: watched.__setitem__(0, store.watch(watch, watched[0], ()).newest)),
+            ("watch", lambda: store.watch(watch)),
         ]
         wanted = args.shapes.split(",")
         for _ in range(args.rounds):

@@ -60,8 +60,8 @@ log = logging.getLogger(__name__)
 _REMOTE_POLL_SECONDS = 1.0
 # The prefetcher claims at least this often, whatever the hints say.
 _PREFETCH_ANYWAY_SECONDS = 0.5
-# A seq_id handed out below the newest one the watcher saw, not visible yet, is looked for
-# this long (its submit may commit late; one refused by a conflict never will).
+# A seq_id below the newest one the watcher saw, not seen visible yet, is looked for this
+# long (its submit may commit late; one refused by a conflict never will).
 _GAP_SECONDS = 1.0
 _MAX_GAPS = 10_000  # more ids than this between two readings: no gaps are tracked
 
@@ -92,9 +92,10 @@ class _Hint:
 
 class _Submits:
     """What the watcher knows of the shared queue's submits (no submit notifies): the
-    newest seq_id it saw visible, and the ids below that not visible when it looked,
-    handed out to submits that had not committed yet. A submit is seen when its id is
-    newer than that or one of those. Used on the watcher's thread only."""
+    newest seq_id it saw visible, and the ids below it it has not seen visible yet (handed
+    out to submits that may not have committed when it looked). A submit is seen when
+    the newest id moves past the last, or one of those shows up. Used on the watcher's
+    thread only."""
 
     def __init__(self) -> None:
         self.after: int | None = None  # None: not read yet
@@ -103,18 +104,16 @@ class _Submits:
     def update(self, watched: Watched, now: float) -> bool:
         """Take one reading in; whether a submit may have landed since the last one (on
         the first reading: yes, anything may have)."""
-        first = self.after is None
-        arrived = first or bool(watched.filled)
+        arrived = self.after is None or bool(watched.filled)
         for seq_id in watched.filled:
             self.pending.pop(seq_id, None)
-        if watched.new_ids:
+        if self.after is not None and watched.newest > self.after:
             arrived = True
-            visible = set(watched.new_ids)
-            if watched.newest - self.after <= _MAX_GAPS:
+            if watched.newest - self.after <= _MAX_GAPS:  # looked for from the next reading
                 for seq_id in range(self.after + 1, watched.newest):
-                    if seq_id not in visible:
-                        self.pending[seq_id] = now + _GAP_SECONDS
-        self.after = watched.newest
+                    self.pending[seq_id] = now + _GAP_SECONDS
+        # Not lowered when the newest rows are deleted (forgotten): ids only grow.
+        self.after = max(self.after or 0, watched.newest)
         for seq_id in [s for s, until in self.pending.items() if until < now]:
             del self.pending[seq_id]
         return arrived
@@ -631,7 +630,7 @@ class ReplicaServicer(SchedulerServicer):
             try:
                 if conn is None:
                     conn = self._state.own_connection()
-                watched = self._state.watch(conn, submits.after, list(submits.pending))
+                watched = self._state.watch(conn, list(submits.pending))
             except Exception as err:  # noqa: BLE001 - the database may be away: retry
                 log.warning("cannot read the replicas' commits and submits; retrying: %s", err)
                 if conn is not None:

@@ -549,8 +549,7 @@ class Watched:
     """One reading of `PostgresState.watch`."""
 
     marks: dict[int, int]  # the other live replicas' last commit numbers
-    newest: int  # the largest seq_id seen visible (the `after` asked, when none is newer)
-    new_ids: tuple[int, ...]  # seq_ids above `after` visible now, ascending
+    newest: int  # the largest seq_id visible (0: none)
     filled: tuple[int, ...]  # those of `pending` visible now
 
 
@@ -1300,40 +1299,24 @@ class PostgresState:
         """Every other live replica's last commit number (`replicas.last_commit`), read on
         `conn` (one of `own_connection`'s: no pool): a commit of theirs that notified no
         one (a steady one) still moves its number."""
-        return self.watch(conn, None, ()).marks
+        return self.watch(conn).marks
 
-    def watch(
-        self, conn: psycopg.Connection, after: int | None, pending: Collection[int]
-    ) -> Watched:
+    def watch(self, conn: psycopg.Connection, pending: Collection[int] = ()) -> Watched:
         """One reading of what no notification announces, on `conn` (one of
         `own_connection`'s), in one statement: the other live replicas' commit numbers,
-        the submitted seq_ids above `after` that are visible now (at most 1,000; None:
-        the newest seq_id only), and which of `pending` are."""
-        if after is None:
-            newest, _, ids, numbers = conn.execute(
-                "SELECT (SELECT coalesce(max(seq_id), 0) FROM sequences), NULL, "
-                "ARRAY(SELECT replica_id FROM replicas WHERE replica_id <> %(me)s "
-                "ORDER BY replica_id), ARRAY(SELECT last_commit FROM replicas "
-                "WHERE replica_id <> %(me)s ORDER BY replica_id)",
-                {"me": self.replica_id},
-            ).fetchone()
-            return Watched(dict(zip(ids, numbers, strict=True)), newest, (), ())
-        new, filled, ids, numbers = conn.execute(
-            "SELECT ARRAY(SELECT seq_id FROM sequences WHERE seq_id > %(after)s "
-            "ORDER BY seq_id LIMIT 1000), ARRAY(SELECT seq_id FROM sequences "
-            "WHERE seq_id = ANY(%(pending)s::bigint[])), "
+        the largest seq_id visible, and which of `pending` are visible. (Not "the ids
+        above the last newest": a range on a small or bloated table is planned as a scan
+        of it; max() and `= ANY` take the primary key's index whatever its size.)"""
+        newest, filled, ids, numbers = conn.execute(
+            "SELECT (SELECT coalesce(max(seq_id), 0) FROM sequences), "
+            "ARRAY(SELECT seq_id FROM sequences WHERE seq_id = ANY(%(pending)s::bigint[])), "
             "ARRAY(SELECT replica_id FROM replicas WHERE replica_id <> %(me)s "
             "ORDER BY replica_id), ARRAY(SELECT last_commit FROM replicas "
             "WHERE replica_id <> %(me)s ORDER BY replica_id)",
-            {"after": after, "pending": list(pending), "me": self.replica_id},
+            {"pending": list(pending), "me": self.replica_id},
             prepare=True,
         ).fetchone()
-        return Watched(
-            dict(zip(ids, numbers, strict=True)),
-            new[-1] if new else after,
-            tuple(new),
-            tuple(filled),
-        )
+        return Watched(dict(zip(ids, numbers, strict=True)), newest, tuple(filled))
 
     def own_connection(self) -> psycopg.Connection:
         """A connection of its own (not pooled), in autocommit."""

@@ -243,18 +243,20 @@ def test_a_submit_that_commits_after_a_newer_one_is_still_seen():
     from service.state.postgres import Watched
 
     submits = _Submits()
-    assert submits.update(Watched({}, 10, (), ()), now=0.0)  # the first: anything may have
-    assert not submits.update(Watched({}, 10, (), ()), now=0.1)
-    # 12 became visible while 11 (handed out before it) had not committed yet.
-    assert submits.update(Watched({}, 12, (12,), ()), now=0.2)
+    assert submits.update(Watched({}, 10, ()), now=0.0)  # the first: anything may have
+    assert not submits.update(Watched({}, 10, ()), now=0.1)
+    # 12 is the newest now; 11 (handed out before it) may not have committed yet.
+    assert submits.update(Watched({}, 12, ()), now=0.2)
     assert submits.after == 12 and set(submits.pending) == {11}
-    assert not submits.update(Watched({}, 12, (), ()), now=0.3)
-    assert submits.update(Watched({}, 12, (), (11,)), now=0.4)  # 11 committed
+    assert not submits.update(Watched({}, 12, ()), now=0.3)
+    assert submits.update(Watched({}, 12, (11,)), now=0.4)  # 11 is there now
     assert submits.pending == {}
+    # The newest rows deleted (forgotten): nothing moves back.
+    assert not submits.update(Watched({}, 9, ()), now=0.5) and submits.after == 12
     # One that never commits (a conflict took its id) is given up after _GAP_SECONDS.
-    submits.update(Watched({}, 14, (14,), ()), now=1.0)
+    submits.update(Watched({}, 14, ()), now=1.0)
     assert set(submits.pending) == {13}
-    submits.update(Watched({}, 14, (), ()), now=1.0 + _GAP_SECONDS + 0.01)
+    submits.update(Watched({}, 14, ()), now=1.0 + _GAP_SECONDS + 0.01)
     assert submits.pending == {}
 
 
