@@ -128,7 +128,7 @@ def watch_cost(
     """(readings/s, the reading thread's CPU ms a reading, PostgreSQL's CPU ms a reading)
     of `PostgresState.watch` every `interval` on a connection of its own, as the watcher
     reads."""
-    conn = store.own_connection()
+    conn = store.watch_connection()
     stop = threading.Event()
     result: list[tuple[int, float]] = []
 
@@ -223,7 +223,7 @@ def main() -> int:
         with store._connection() as conn:
             backend = conn.info.backend_pid
         listeners = _Listeners(store, args.listeners)
-        watch = store.own_connection()  # the watch shape's, as a replica's watcher has one
+        watch = store.watch_connection()  # the watch shape's, as a replica's watcher has one
         rows = []
         step = iter(range(10**9))
         shapes = [

@@ -629,7 +629,7 @@ class ReplicaServicer(SchedulerServicer):
         while not self._listener_stop.is_set():
             try:
                 if conn is None:
-                    conn = self._state.own_connection()
+                    conn = self._state.watch_connection()
                 watched = self._state.watch(conn, list(submits.pending))
             except Exception as err:  # noqa: BLE001 - the database may be away: retry
                 log.warning("cannot read the replicas' commits and submits; retrying: %s", err)

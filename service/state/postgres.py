@@ -1297,26 +1297,43 @@ class PostgresState:
 
     def commit_marks(self, conn: psycopg.Connection) -> dict[int, int]:
         """Every other live replica's last commit number (`replicas.last_commit`), read on
-        `conn` (one of `own_connection`'s: no pool): a commit of theirs that notified no
-        one (a steady one) still moves its number."""
+        `conn` (a `watch_connection`): a commit of theirs that notified no one (a steady
+        one) still moves its number."""
         return self.watch(conn).marks
 
     def watch(self, conn: psycopg.Connection, pending: Collection[int] = ()) -> Watched:
-        """One reading of what no notification announces, on `conn` (one of
-        `own_connection`'s), in one statement: the other live replicas' commit numbers,
-        the largest seq_id visible, and which of `pending` are visible. (Not "the ids
-        above the last newest": a range on a small or bloated table is planned as a scan
-        of it; max() and `= ANY` take the primary key's index whatever its size.)"""
-        newest, filled, ids, numbers = conn.execute(
-            "SELECT (SELECT coalesce(max(seq_id), 0) FROM sequences), "
-            "ARRAY(SELECT seq_id FROM sequences WHERE seq_id = ANY(%(pending)s::bigint[])), "
-            "ARRAY(SELECT replica_id FROM replicas WHERE replica_id <> %(me)s "
-            "ORDER BY replica_id), ARRAY(SELECT last_commit FROM replicas "
-            "WHERE replica_id <> %(me)s ORDER BY replica_id)",
-            {"pending": list(pending), "me": self.replica_id},
+        """One reading of what no notification announces, on `conn` (a
+        `watch_connection`): the other live replicas' commit numbers and the largest
+        seq_id visible, in one statement, and which of `pending` are visible, in a second
+        only when there are any. (Not "the ids above the last newest": a range on a small
+        or bloated table is planned as a scan of it; max() and `= ANY` take the primary
+        key's index whatever its size.)"""
+        rows = conn.execute(
+            "SELECT r.replica_id, r.last_commit, m.newest FROM (SELECT "
+            "coalesce(max(seq_id), 0) AS newest FROM sequences) m LEFT JOIN replicas r "
+            "ON r.replica_id <> %s",
+            (self.replica_id,),
             prepare=True,
-        ).fetchone()
-        return Watched(dict(zip(ids, numbers, strict=True)), newest, tuple(filled))
+        ).fetchall()
+        filled: tuple[int, ...] = ()
+        if pending:
+            filled = tuple(
+                row[0]
+                for row in conn.execute(
+                    "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s::bigint[])",
+                    (list(pending),),
+                    prepare=True,
+                )
+            )
+        marks = {replica: number for replica, number, _ in rows if replica is not None}
+        return Watched(marks, rows[0][2], filled)
+
+    def watch_connection(self) -> psycopg.Connection:
+        """A connection of its own for `watch`: generic plans (a custom plan for each
+        reading cost PostgreSQL twice the CPU of the reading itself)."""
+        conn = self.own_connection()
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        return conn
 
     def own_connection(self) -> psycopg.Connection:
         """A connection of its own (not pooled), in autocommit."""

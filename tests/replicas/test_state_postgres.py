@@ -278,7 +278,7 @@ def test_unclaimed_tokens_count_as_urgent_unclaimed_prompts_and_live_replicas(re
 
 def test_a_watch_reading_sees_the_newest_seq_id_and_which_of_those_asked_are_there(replicas):
     a, b = replicas("a"), replicas("b")
-    conn = b.state.own_connection()
+    conn = b.state.watch_connection()
     first = b.state.watch(conn)
     assert first.marks == {a.state.replica_id: 0} and first.filled == ()
     ids = [a.submit() for _ in range(3)]
