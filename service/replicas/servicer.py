@@ -133,7 +133,7 @@ class ReplicaServicer(SchedulerServicer):
         prefetch: int = 8,
         callers: Callers | None = None,
         commit_wait_seconds: float = 0.0,
-        watch_seconds: float = 0.005,
+        watch_seconds: float = 0.02,
     ) -> None:
         # A commit waits for more saves until each busy worker of this replica has saved
         # (at most one SelectBatch each in flight; an idle worker's long poll saves
