@@ -403,14 +403,21 @@ class ReplicaServicer(SchedulerServicer):
     def _on_commits(self, moved: frozenset[int] | None) -> None:
         """The replicas in `moved` committed (or left) since the watcher's last reading
         of the commit numbers (None: its first reading, anything may have): wake the
-        streams of their sequences, and those whose owner is not known to be another live
-        replica that did not commit (on the loop)."""
+        streams of their sequences, those whose read is in flight, and those the database
+        says are this replica's; not those of unclaimed sequences, whose claim notifies
+        their ids (on the loop)."""
         if moved is None:
             self._wake_remote(None)
             return
         for seq_id, events in self._remote.items():
-            owner = self._remote_owner.get(seq_id)
-            if owner is None or owner in moved or owner == self.replica_id:
+            if seq_id not in self._remote_owner:  # its read is in flight: owner unknown
+                wake = True
+            else:
+                # Unclaimed (None): its claim notifies its id; any replica's commit would
+                # make every queued stream read the database again for nothing.
+                owner = self._remote_owner[seq_id]
+                wake = owner is not None and (owner in moved or owner == self.replica_id)
+            if wake:
                 for event in events:
                     event.set()
 
@@ -431,6 +438,9 @@ class ReplicaServicer(SchedulerServicer):
         if not claimed.sequences:
             return
         self._core.adopt(claimed.sequences, worker_id)
+        # Streams here that wait on them as another replica's read them from the core now
+        # (this replica's own commits wake no watcher).
+        self._wake_remote({stored.seq_id for stored in claimed.sequences})
         for seq_id in claimed.cancel_requested:
             try:
                 self._core.cancel(seq_id)
@@ -643,12 +653,15 @@ class ReplicaServicer(SchedulerServicer):
                 delay = min(delay * 2, 2.0)
                 continue
             delay = 0.1
-            if submits.update(watched, time.monotonic()):
-                loop.call_soon_threadsafe(self._on_submitted)
-            if watched.marks != marks:
-                if self._remote or marks is None:
-                    loop.call_soon_threadsafe(self._on_commits, _moved(marks, watched.marks))
-                marks = watched.marks
+            try:
+                if submits.update(watched, time.monotonic()):
+                    loop.call_soon_threadsafe(self._on_submitted)
+                if watched.marks != marks:
+                    if self._remote or marks is None:
+                        loop.call_soon_threadsafe(self._on_commits, _moved(marks, watched.marks))
+                    marks = watched.marks
+            except RuntimeError:  # the loop is closed: the server stopped without leave()
+                break
             self._listener_stop.wait(self._watch_seconds)
         if conn is not None:
             conn.close()

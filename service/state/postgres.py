@@ -84,7 +84,9 @@ log = logging.getLogger(__name__)
 # 4: commit numbers (replicas.last_commit); token counts and heads on sequences
 #    (num_saved, output_head, log_replica, log_from); token_log by (replica_id, id).
 # 5: replica_counts (every running sequence's count in one row per replica).
-SCHEMA_VERSION = 5
+# 6: no commit or submit NOTIFYs (each replica's watcher reads commit numbers and the
+#    newest seq_id instead); the tables are version 5's.
+SCHEMA_VERSION = 6
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"
 CANCEL_CHANNEL = "lattice_cancel"
@@ -462,6 +464,14 @@ UPDATE lattice_meta SET value = 4 WHERE key = 'schema_version';
 # Version 4 becomes 5: replica_counts (created by _SCHEMA, which runs next).
 _FROM_VERSION_4 = """
 UPDATE lattice_meta SET value = 5 WHERE key = 'schema_version';
+"""
+
+# Version 5 becomes 6: nothing in the tables. A version-5 replica waits for the commits'
+# and submits' NOTIFYs (its streams would fall to a one-second poll, its prefetcher would
+# not see other replicas' submits), and one starting later would put its notifying
+# functions back for every replica: one version at a time.
+_FROM_VERSION_5 = """
+UPDATE lattice_meta SET value = 6 WHERE key = 'schema_version';
 """
 
 # Whether a live worker that takes work has the adapter of `sequences s`: registered on a
@@ -1053,6 +1063,8 @@ class PostgresState:
             ]
             sequences = self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,)) if ids else []
             self._fold_claimed(conn, sequences)
+            if ids:  # streams elsewhere of these unclaimed ones follow this replica now
+                conn.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(ids)))
             served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))
             # BEGIN, SET LOCAL, UPDATE, the rows and their tokens (when any), counters,
             # COMMIT.
@@ -1239,8 +1251,11 @@ class PostgresState:
             )
             if rows:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
+                # Every one of them: streams elsewhere followed the replica that left (a
+                # clean leave keeps its assigned ones until a keeper requeues them here).
                 conn.execute(
-                    "SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(cancelled))
+                    "SELECT pg_notify(%s, %s)",
+                    (PROGRESS_CHANNEL, _ids_payload(queued + assigned + cancelled)),
                 )
         if rows:
             log.warning(
@@ -1392,8 +1407,12 @@ class PostgresState:
                 # their sequences would cover 16 times the log rows: one version at a time.
                 _refuse_while_live(conn, 4)
                 conn.execute(_FROM_VERSION_4)
+                version = 5
+            if version == 5:
+                _refuse_while_live(conn, 5)
+                conn.execute(_FROM_VERSION_5)
                 version = SCHEMA_VERSION
-            elif version not in (None, SCHEMA_VERSION):
+            if version not in (None, SCHEMA_VERSION):
                 raise ConfigError(
                     f"the database holds schema version {version}; this "
                     f"scheduler reads version {SCHEMA_VERSION}"

@@ -293,8 +293,78 @@ def test_busy_workers_do_not_put_off_the_prefetchers_claim_every_half_second(
     r0, r1 = start_replicas(2)
     worker = Worker(r0.stub, "w")
     worker.register()
-    time.sleep(1.0)  # past the first claims, which any start makes
+    time.sleep(1.25)  # past the first claims, and not in step with a half-second timer
     seq_id = submit(r1.stub).seq_id
     wait_until(
         lambda: admitted(worker.select()) == [seq_id], "admission on r0", 3, every_seconds=0.005
     )
+
+
+def test_a_stream_on_the_replica_that_claims_its_sequence_gets_its_first_token_at_once(
+    start_replicas,
+):
+    # Generate's first read can come before this replica's own claim lands: it waits as
+    # if another replica ran the sequence, and this replica's commits wake no watcher.
+    # The claim wakes it, so the first token does not wait for the one-second poll.
+    (r0,) = start_replicas(1)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    waits = []
+    for n in range(6):
+        stream = Stream(r0.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2))
+        seq_id = stream.next_event().seq_id
+        wait_until(
+            lambda seq_id=seq_id: admitted(worker.select()) == [seq_id],
+            "admission",
+            10,
+            every_seconds=0.005,
+        )
+        started = time.monotonic()
+        worker.select(running=[seq_id], tokens={seq_id: [40 + n]})
+        assert stream.tokens_until(1, 10) == [40 + n]
+        waits.append(time.monotonic() - started)
+        worker.select(tokens={seq_id: [50]}, finished=[(seq_id, EOS, 2)])
+        stream.rest(10)
+    assert max(waits) < 0.5, waits
+
+
+def test_streams_of_unclaimed_sequences_do_not_read_again_at_every_commit_elsewhere(
+    start_replicas,
+):
+    # 40 streams on r1 of sequences no replica can claim (an adapter no worker has) while
+    # r0 commits a steady step every ~10 ms: they follow their claim's notification and
+    # the one-second poll, not every commit number that moves (about 2 reads a stream a
+    # second, against several a commit before).
+    r0, r1 = start_replicas(2)
+    plain = Worker(r0.stub, "plain")
+    plain.register()
+    base = submit(r0.stub, max_new_tokens=4000).seq_id
+    wait_until(lambda: admitted(plain.select()) == [base], "admission on r0", 10)
+    streams = [
+        Stream(
+            r1.stub,
+            pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2, adapter_id="none"),
+            timeout_seconds=30,
+        )
+        for _ in range(40)
+    ]
+    for stream in streams:
+        stream.next_event()
+    state = r1.running._serving.servicer._state
+    reads = [0]
+    read_output = state.read_output
+
+    def counted(*args, **kwargs):
+        reads[0] += 1
+        return read_output(*args, **kwargs)
+
+    state.read_output = counted
+    time.sleep(0.5)
+    reads[0] = 0
+    started = time.monotonic()
+    while time.monotonic() - started < 2.0:
+        plain.select(running=[base], tokens={base: [5]})  # a steady commit on r0
+        time.sleep(0.01)
+    for stream in streams:
+        stream.call.cancel()
+    assert reads[0] < 40 * 2 * 2 * 1.5, reads[0]

@@ -235,8 +235,8 @@ def test_cancel_of_a_sequence_another_replica_owns_is_committed_and_signalled(re
 def test_commits_and_submits_notify_no_one_and_a_change_outside_them_does(replicas):
     # PostgreSQL wakes every listening backend at each NOTIFY: a commit moves its
     # replica's number instead (streams elsewhere read it), a submit adds a seq_id the
-    # watchers read, while a change neither shows (a cancel of an unclaimed sequence)
-    # still notifies with its id.
+    # watchers read, while a change neither shows (a claim, a cancel of an unclaimed
+    # sequence) still notifies with its id.
     a, b = replicas("a"), replicas("b")
     listener = b.state.listen_connection()
     seq_id = a.submit()
@@ -250,8 +250,9 @@ def test_commits_and_submits_notify_no_one_and_a_change_outside_them_does(replic
     assert b.state.cancel(unclaimed) is True
     seen = [(n.channel, n.payload) for n in listener.notifies(timeout=1.0)]
     listener.close()
-    # Nor do submits: the replicas' watchers find new seq_ids in their readings.
-    assert seen == [("lattice_progress", str(unclaimed))]
+    # Nor do submits: the replicas' watchers find new seq_ids in their readings. The
+    # claim (no commit number shows it to a stream elsewhere) and the cancel do.
+    assert seen == [("lattice_progress", str(seq_id)), ("lattice_progress", str(unclaimed))]
 
 
 def test_a_submit_the_database_cannot_hold_is_invalid_argument_not_unavailable(replicas):
