@@ -17,20 +17,21 @@ committed under --state-fsync acks).
                     between BEGIN and COMMIT
   tokens-1stmt      the same as the store commits it: one lattice_append call in
                     autocommit (no NOTIFY: a steady commit notifies no one)
-  marks             not a commit: one reading of the other replicas' commit numbers
-                    (PostgresState.commit_marks, on a connection of its own), which a
-                    replica makes every --replica-watch-ms while a stream of another
-                    replica's sequence waits on it
+  submit            not a group commit: one Submit (lattice_enqueue, its own synchronous
+                    commit), which notified every listener until stop 41
+  watch             not a commit: one reading of what no notification announces
+                    (PostgresState.watch, on a connection of its own: the other
+                    replicas' commit numbers and the new seq_ids), which a replica
+                    makes every --replica-watch-ms
 
 With `--listeners K`, K more connections LISTEN on the replicas' channels meanwhile (as
 K replicas' listener threads do, draining their notifications), and their backends' CPU
 per commit is shown apart: PostgreSQL wakes every listening backend of the database for
 each NOTIFY, whatever its channel.
 
-With `--watch-ms 5,20`, a second table: a thread reading the commit numbers at each
-interval for `--watch-seconds`, as a replica's watcher does while a stream of another
-replica's sequence waits on it: readings/s, the thread's own CPU (`time.thread_time`)
-and PostgreSQL's, per reading and as a share of a core.
+With `--watch-ms 5,20`, a second table: a thread making that reading at each interval
+for `--watch-seconds`, as a replica's watcher does: readings/s, the thread's own CPU
+(`time.thread_time`) and PostgreSQL's, per reading and as a share of a core.
 
 Divide by the saves a commit holds (bench.replicas: commits per decision) for the cost per
 decision.
@@ -125,15 +126,16 @@ def watch_cost(
     cluster: PrivateCluster, store: PostgresState, interval: float, seconds: float
 ) -> tuple[float, float, float]:
     """(readings/s, the reading thread's CPU ms a reading, PostgreSQL's CPU ms a reading)
-    of `commit_marks` every `interval` on a connection of its own, as the watcher reads."""
-    conn = store.own_connection()
+    of `PostgresState.watch` every `interval` on a connection of its own, as the watcher
+    reads."""
+    conn = store.watch_connection()
     stop = threading.Event()
     result: list[tuple[int, float]] = []
 
     def read() -> None:
         count, started = 0, time.thread_time()
         while not stop.is_set():
-            store.commit_marks(conn)
+            store.watch(conn)
             count += 1
             stop.wait(interval)
         result.append((count, time.thread_time() - started))
@@ -187,7 +189,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--shapes",
-        default="empty,number,number+notify,progress,progress+tokens,tokens,tokens-1stmt,marks",
+        default="empty,number,number+notify,progress,progress+tokens,tokens,tokens-1stmt,watch",
         help="which commits to time (comma-separated)",
     )
     parser.add_argument(
@@ -221,7 +223,7 @@ def main() -> int:
         with store._connection() as conn:
             backend = conn.info.backend_pid
         listeners = _Listeners(store, args.listeners)
-        watch = store.own_connection()  # the marks shape's, as a replica's watcher has one
+        watch = store.watch_connection()  # the watch shape's, as a replica's watcher has one
         rows = []
         step = iter(range(10**9))
         shapes = [
@@ -235,7 +237,15 @@ def main() -> int:
                 "tokens-1stmt",
                 _steps(store, seq_ids, step, tokens=True, progress=False, one_statement=True),
             ),
-            ("marks", lambda: store.commit_marks(watch)),
+            (
+                "submit",
+                lambda: store.submit(
+                    SubmitParams(prompt_token_ids=tuple(range(1, 33)), max_new_tokens=16),
+                    10**7,
+                    0,
+                ),
+            ),
+            ("watch", lambda: store.watch(watch)),
         ]
         wanted = args.shapes.split(",")
         for _ in range(args.rounds):

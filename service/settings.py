@@ -49,7 +49,7 @@ class ServeSettings:
     prefetch: int = 8
     replica_lease_ms: int = 5000
     replica_commit_wait_ms: float = 5.0
-    replica_watch_ms: float = 5.0
+    replica_watch_ms: float = 20.0
     replica_affinity_ms: int = 1000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     step_table: str = ""
@@ -164,10 +164,10 @@ _HELP = {
     "replica_commit_wait_ms": "replicas: how long a group commit waits at most for more "
     "saves to join before it starts; it starts sooner once every worker of the replica has "
     "saved (0: at once; saves made while a commit is in flight join the next one anyway)",
-    "replica_watch_ms": "replicas: while a stream of a sequence another replica runs waits "
-    "here, how often this replica reads the others' commit numbers (a decode step's commit "
-    "notifies no one): the most a streamed token waits beyond its commit, against one small "
-    "read of PostgreSQL each time",
+    "replica_watch_ms": "replicas: how often this replica reads the others' commit numbers "
+    "and the newest submit (neither notifies): the most a token streamed here from another "
+    "replica's sequence, or a submit made on another replica, waits to be seen, against one "
+    "small read of PostgreSQL each time (docs/replicas.md)",
     "max_message_bytes": "largest incoming gRPC message in bytes; a larger one gets "
     "RESOURCE_EXHAUSTED",
     "step_table": "with a latency target: a `lattice-worker profile` step table (JSON) that "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import replace
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
@@ -47,6 +48,7 @@ from service.state.postgres import (
     SUBMIT_CHANNEL,
     Claimed,
     PostgresState,
+    Watched,
     parse_ids_payload,
 )
 
@@ -56,6 +58,12 @@ log = logging.getLogger(__name__)
 # (notifications wake it sooner; this bounds the wait if one is lost, or when the
 # sequence moves to this replica).
 _REMOTE_POLL_SECONDS = 1.0
+# The prefetcher claims at least this often, whatever the hints say.
+_PREFETCH_ANYWAY_SECONDS = 0.5
+# A seq_id below the newest one the watcher saw, not seen visible yet, is looked for this
+# long (its submit may commit late; one refused by a conflict never will).
+_GAP_SECONDS = 1.0
+_MAX_GAPS = 10_000  # more ids than this between two readings: no gaps are tracked
 
 
 class _Hint:
@@ -82,6 +90,35 @@ class _Hint:
             self._set = False
 
 
+class _Submits:
+    """What the watcher knows of the shared queue's submits (no submit notifies): the
+    newest seq_id it saw visible, and the ids below it it has not seen visible yet (handed
+    out to submits that may not have committed when it looked). A submit is seen when
+    the newest id moves past the last, or one of those shows up. Used on the watcher's
+    thread only."""
+
+    def __init__(self) -> None:
+        self.after: int | None = None  # None: not read yet
+        self.pending: dict[int, float] = {}  # seq_id -> until when it is looked for
+
+    def update(self, watched: Watched, now: float) -> bool:
+        """Take one reading in; whether a submit may have landed since the last one (on
+        the first reading: yes, anything may have)."""
+        arrived = self.after is None or bool(watched.filled)
+        for seq_id in watched.filled:
+            self.pending.pop(seq_id, None)
+        if self.after is not None and watched.newest > self.after:
+            arrived = True
+            if watched.newest - self.after <= _MAX_GAPS:  # looked for from the next reading
+                for seq_id in range(self.after + 1, watched.newest):
+                    self.pending[seq_id] = now + _GAP_SECONDS
+        # Not lowered when the newest rows are deleted (forgotten): ids only grow.
+        self.after = max(self.after or 0, watched.newest)
+        for seq_id in [s for s, until in self.pending.items() if until < now]:
+            del self.pending[seq_id]
+        return arrived
+
+
 class ReplicaServicer(SchedulerServicer):
     """The Scheduler service of one replica; see the module docstring."""
 
@@ -96,7 +133,7 @@ class ReplicaServicer(SchedulerServicer):
         prefetch: int = 8,
         callers: Callers | None = None,
         commit_wait_seconds: float = 0.0,
-        watch_seconds: float = 0.005,
+        watch_seconds: float = 0.02,
     ) -> None:
         # A commit waits for more saves until each busy worker of this replica has saved
         # (at most one SelectBatch each in flight; an idle worker's long poll saves
@@ -130,10 +167,8 @@ class ReplicaServicer(SchedulerServicer):
         self._remote: dict[int, set[asyncio.Event]] = {}
         # Which replica owned each of them at its stream's last read (None: unclaimed).
         self._remote_owner: dict[int, int | None] = {}
-        self._remote_waiting = threading.Event()  # set when a stream starts waiting
-        # While such a stream waits, a thread reads the other replicas' commit numbers this
-        # often: a steady commit (a decode step's tokens) notifies no one, so a number that
-        # moved is what wakes it (--replica-watch-ms).
+        # A thread reads the other replicas' commit numbers and the new submits this often
+        # (--replica-watch-ms): neither commits nor submits notify.
         self._watch_seconds = watch_seconds
         self._listener_stop = threading.Event()
         self._listener: threading.Thread | None = None
@@ -155,7 +190,7 @@ class ReplicaServicer(SchedulerServicer):
         )
         self._listener.start()
         self._watcher = threading.Thread(
-            target=self._watch_commits, args=(self._loop,), name="replica-commit-marks", daemon=True
+            target=self._watch, args=(self._loop,), name="replica-watcher", daemon=True
         )
         self._watcher.start()
         return [
@@ -176,7 +211,6 @@ class ReplicaServicer(SchedulerServicer):
                 "lease runs out: %s",
                 err,
             )
-        self._remote_waiting.set()  # the watcher sees the stop at once
         for thread in (self._listener, self._watcher):
             if thread is not None:
                 await asyncio.to_thread(thread.join, 5.0)
@@ -351,7 +385,6 @@ class ReplicaServicer(SchedulerServicer):
         event = asyncio.Event()
         self._remote.setdefault(seq_id, set()).add(event)
         self._remote_owner.pop(seq_id, None)
-        self._remote_waiting.set()
         try:
             view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
             if view.token_ids or view.finished:
@@ -370,14 +403,21 @@ class ReplicaServicer(SchedulerServicer):
     def _on_commits(self, moved: frozenset[int] | None) -> None:
         """The replicas in `moved` committed (or left) since the watcher's last reading
         of the commit numbers (None: its first reading, anything may have): wake the
-        streams of their sequences, and those whose owner is not known to be another live
-        replica that did not commit (on the loop)."""
+        streams of their sequences, those whose read is in flight, and those the database
+        says are this replica's; not those of unclaimed sequences, whose claim notifies
+        their ids (on the loop)."""
         if moved is None:
             self._wake_remote(None)
             return
         for seq_id, events in self._remote.items():
-            owner = self._remote_owner.get(seq_id)
-            if owner is None or owner in moved or owner == self.replica_id:
+            if seq_id not in self._remote_owner:  # its read is in flight: owner unknown
+                wake = True
+            else:
+                # Unclaimed (None): its claim notifies its id; any replica's commit would
+                # make every queued stream read the database again for nothing.
+                owner = self._remote_owner[seq_id]
+                wake = owner is not None and (owner in moved or owner == self.replica_id)
+            if wake:
                 for event in events:
                     event.set()
 
@@ -398,6 +438,9 @@ class ReplicaServicer(SchedulerServicer):
         if not claimed.sequences:
             return
         self._core.adopt(claimed.sequences, worker_id)
+        # Streams here that wait on them as another replica's read them from the core now
+        # (this replica's own commits wake no watcher).
+        self._wake_remote({stored.seq_id for stored in claimed.sequences})
         for seq_id in claimed.cancel_requested:
             try:
                 self._core.cancel(seq_id)
@@ -431,13 +474,22 @@ class ReplicaServicer(SchedulerServicer):
             self._adopt(claimed)
 
     async def _prefetch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            woken = await wait_event(self._wake_prefetcher, 0.5)
+            woken = await wait_event(self._wake_prefetcher, _PREFETCH_ANYWAY_SECONDS)
             self._wake_prefetcher.clear()
             # Woken: only if the shared queue may hold work. Every half second: anyway,
-            # in case a hint was cleared just as a submit landed.
-            if woken and not self._queue_hint.is_set():
+            # in case a hint was cleared just as a submit landed (counted from the last
+            # claim, not from the last wake-up: each SelectBatch that leaves room wakes
+            # this loop, so busy workers would otherwise put it off for good).
+            if (
+                woken
+                and not self._queue_hint.is_set()
+                and loop.time() - last < _PREFETCH_ANYWAY_SECONDS
+            ):
                 continue
+            last = loop.time()
             try:
                 await self._top_up(only_if_short=False)
             except SchedulerError as err:
@@ -572,45 +624,52 @@ class ReplicaServicer(SchedulerServicer):
                 except Exception:  # noqa: BLE001 - closing a connection already lost
                     pass
 
-    def _watch_commits(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On its own thread, with a connection of its own: while a stream of another
-        replica's sequence waits here, read the other replicas' commit numbers every
-        `watch_seconds` and hand the loop those that moved (`_on_commits`). The
-        first reading after an idle spell, or after the connection was lost, counts as
-        every replica moved: a commit may have landed since a stream's read. (`_remote`
-        is read without the loop, as the listener does: at worst one reading late.)"""
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On its own thread, with a connection of its own, every `watch_seconds`: read
+        what no notification announces (`PostgresState.watch`), and hand the loop the
+        submits that landed (`_on_submitted`) and, while streams of other replicas'
+        sequences wait here, the replicas whose commit number moved (`_on_commits`). The
+        first reading, and the first after the connection was lost, counts as everything
+        moved. (`_remote` is read without the loop, as the listener does: at worst one
+        reading late, and a stream that registers after it reads the database after.)"""
         conn = None
         marks: dict[int, int] | None = None
+        submits = _Submits()
         delay = 0.1
         while not self._listener_stop.is_set():
-            if not self._remote:
-                marks = None
-                self._remote_waiting.clear()
-                if not self._remote:  # a stream that registered before the clear is seen
-                    self._remote_waiting.wait(1.0)
-                continue
             try:
                 if conn is None:
-                    conn = self._state.own_connection()
-                now = self._state.commit_marks(conn)
+                    conn = self._state.watch_connection()
+                watched = self._state.watch(conn, list(submits.pending))
             except Exception as err:  # noqa: BLE001 - the database may be away: retry
-                log.warning("cannot read the replicas' commit numbers; retrying: %s", err)
+                log.warning("cannot read the replicas' commits and submits; retrying: %s", err)
                 if conn is not None:
                     try:
                         conn.close()
                     except Exception:  # noqa: BLE001 - closing a connection already lost
                         pass
-                conn, marks = None, None
+                conn, marks, submits = None, None, _Submits()
                 self._listener_stop.wait(delay)
                 delay = min(delay * 2, 2.0)
                 continue
             delay = 0.1
-            if now != marks:
-                loop.call_soon_threadsafe(self._on_commits, _moved(marks, now))
-                marks = now
+            try:
+                if submits.update(watched, time.monotonic()):
+                    loop.call_soon_threadsafe(self._on_submitted)
+                if watched.marks != marks:
+                    if self._remote or marks is None:
+                        loop.call_soon_threadsafe(self._on_commits, _moved(marks, watched.marks))
+                    marks = watched.marks
+            except RuntimeError:  # the loop is closed: the server stopped without leave()
+                break
             self._listener_stop.wait(self._watch_seconds)
         if conn is not None:
             conn.close()
+
+    def _on_submitted(self) -> None:
+        """On the loop: the shared queue holds new work."""
+        self._queue_hint.set()
+        self._wake_prefetcher.set()
 
     def _on_reconnected(self) -> None:
         self._queue_hint.set()
@@ -619,9 +678,8 @@ class ReplicaServicer(SchedulerServicer):
 
     def _on_notification(self, channel: str, payload: str) -> None:
         """On the loop."""
-        if channel == SUBMIT_CHANNEL:
-            self._queue_hint.set()
-            self._wake_prefetcher.set()
+        if channel == SUBMIT_CHANNEL:  # a requeue (submits are found by the watcher)
+            self._on_submitted()
         elif channel == PROGRESS_CHANNEL:
             self._wake_remote(parse_ids_payload(payload))
         elif channel in (CANCEL_CHANNEL, DISOWN_CHANNEL):

@@ -7,8 +7,10 @@ rows, and every save of a replica first locks the rows it touches and checks tha
 still owns them (`Disowned` otherwise), so two replicas never both write one sequence.
 
 - Submit (any replica): `lattice_submit()`, one statement and one synchronous commit:
-  request_id idempotency per principal (a unique index on both), the queue limits, a new seq_id and tail key
-  from database sequences, the queue position, and NOTIFY lattice_submit.
+  request_id idempotency per principal (a unique index on both), the queue limits, a new
+  seq_id and tail key from database sequences, the queue position. No NOTIFY: every
+  replica's watcher finds new seq_ids in its reading (`watch`). Requeues (a hand-back, a
+  leave, a dead replica's sequences) NOTIFY lattice_submit.
 - Claim: the replica's prefetcher takes the head of the unclaimed queue in the queue
   order's sort key (service/core/decide/orders.py) with FOR UPDATE SKIP LOCKED, of the sequences
   its workers can run (no adapter, or one of theirs): an adapter's sequence waits in the
@@ -82,7 +84,9 @@ log = logging.getLogger(__name__)
 # 4: commit numbers (replicas.last_commit); token counts and heads on sequences
 #    (num_saved, output_head, log_replica, log_from); token_log by (replica_id, id).
 # 5: replica_counts (every running sequence's count in one row per replica).
-SCHEMA_VERSION = 5
+# 6: no commit or submit NOTIFYs (each replica's watcher reads commit numbers and the
+#    newest seq_id instead); the tables are version 5's.
+SCHEMA_VERSION = 6
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"
 CANCEL_CHANNEL = "lattice_cancel"
@@ -336,7 +340,7 @@ BEGIN
     END IF;
 END $$;
 
--- Submit in one statement: idempotency, limits, ids, position, home, wake-up.
+-- Submit in one statement: idempotency, limits, ids, position, home.
 -- status: 0 new, 1 request_id known for this principal, 2 queue full, 3 tenant's queue full.
 CREATE OR REPLACE FUNCTION lattice_enqueue(
     p_principal text, p_adapter_id text, p_request_id text, p_params text, p_prompt bytea, p_priority integer,
@@ -392,7 +396,8 @@ BEGIN
     END IF;
     SELECT count(*) INTO queue_position FROM sequences q
      WHERE q.state = 1 AND (q.queue_key, q.seq_id) < (v_key, lattice_enqueue.seq_id);
-    PERFORM pg_notify('lattice_submit', '');
+    -- No NOTIFY: it would wake every replica's listener at every submit; replicas find
+    -- new seq_ids in their watcher's reading (PostgresState.watch).
     status := 0;
 END $$;
 -- The same without prefix keys (schema 2's signature).
@@ -459,6 +464,14 @@ UPDATE lattice_meta SET value = 4 WHERE key = 'schema_version';
 # Version 4 becomes 5: replica_counts (created by _SCHEMA, which runs next).
 _FROM_VERSION_4 = """
 UPDATE lattice_meta SET value = 5 WHERE key = 'schema_version';
+"""
+
+# Version 5 becomes 6: nothing in the tables. A version-5 replica waits for the commits'
+# and submits' NOTIFYs (its streams would fall to a one-second poll, its prefetcher would
+# not see other replicas' submits), and one starting later would put its notifying
+# functions back for every replica: one version at a time.
+_FROM_VERSION_5 = """
+UPDATE lattice_meta SET value = 6 WHERE key = 'schema_version';
 """
 
 # Whether a live worker that takes work has the adapter of `sequences s`: registered on a
@@ -539,6 +552,15 @@ class RemoteOutput:
     finish_reason: FinishReason | None
     error_message: str = ""
     owner: int | None = None  # the replica that owned it when read (None: unclaimed)
+
+
+@dataclass(frozen=True)
+class Watched:
+    """One reading of `PostgresState.watch`."""
+
+    marks: dict[int, int]  # the other live replicas' last commit numbers
+    newest: int  # the largest seq_id visible (0: none)
+    filled: tuple[int, ...]  # those of `pending` visible now
 
 
 @dataclass(frozen=True)
@@ -1041,6 +1063,8 @@ class PostgresState:
             ]
             sequences = self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,)) if ids else []
             self._fold_claimed(conn, sequences)
+            if ids:  # streams elsewhere of these unclaimed ones follow this replica now
+                conn.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(ids)))
             served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))
             # BEGIN, SET LOCAL, UPDATE, the rows and their tokens (when any), counters,
             # COMMIT.
@@ -1227,8 +1251,11 @@ class PostgresState:
             )
             if rows:
                 conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
+                # Every one of them: streams elsewhere followed the replica that left (a
+                # clean leave keeps its assigned ones until a keeper requeues them here).
                 conn.execute(
-                    "SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(cancelled))
+                    "SELECT pg_notify(%s, %s)",
+                    (PROGRESS_CHANNEL, _ids_payload(queued + assigned + cancelled)),
                 )
         if rows:
             log.warning(
@@ -1285,14 +1312,43 @@ class PostgresState:
 
     def commit_marks(self, conn: psycopg.Connection) -> dict[int, int]:
         """Every other live replica's last commit number (`replicas.last_commit`), read on
-        `conn` (one of `own_connection`'s: no pool): a commit of theirs that notified no
-        one (a steady one) still moves its number."""
+        `conn` (a `watch_connection`): a commit of theirs that notified no one (a steady
+        one) still moves its number."""
+        return self.watch(conn).marks
+
+    def watch(self, conn: psycopg.Connection, pending: Collection[int] = ()) -> Watched:
+        """One reading of what no notification announces, on `conn` (a
+        `watch_connection`): the other live replicas' commit numbers and the largest
+        seq_id visible, in one statement, and which of `pending` are visible, in a second
+        only when there are any. (Not "the ids above the last newest": a range on a small
+        or bloated table is planned as a scan of it; max() and `= ANY` take the primary
+        key's index whatever its size.)"""
         rows = conn.execute(
-            "SELECT replica_id, last_commit FROM replicas WHERE replica_id <> %s",
+            "SELECT r.replica_id, r.last_commit, m.newest FROM (SELECT "
+            "coalesce(max(seq_id), 0) AS newest FROM sequences) m LEFT JOIN replicas r "
+            "ON r.replica_id <> %s",
             (self.replica_id,),
             prepare=True,
         ).fetchall()
-        return dict(rows)
+        filled: tuple[int, ...] = ()
+        if pending:
+            filled = tuple(
+                row[0]
+                for row in conn.execute(
+                    "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s::bigint[])",
+                    (list(pending),),
+                    prepare=True,
+                )
+            )
+        marks = {replica: number for replica, number, _ in rows if replica is not None}
+        return Watched(marks, rows[0][2], filled)
+
+    def watch_connection(self) -> psycopg.Connection:
+        """A connection of its own for `watch`: generic plans (a custom plan for each
+        reading cost PostgreSQL twice the CPU of the reading itself)."""
+        conn = self.own_connection()
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        return conn
 
     def own_connection(self) -> psycopg.Connection:
         """A connection of its own (not pooled), in autocommit."""
@@ -1351,8 +1407,12 @@ class PostgresState:
                 # their sequences would cover 16 times the log rows: one version at a time.
                 _refuse_while_live(conn, 4)
                 conn.execute(_FROM_VERSION_4)
+                version = 5
+            if version == 5:
+                _refuse_while_live(conn, 5)
+                conn.execute(_FROM_VERSION_5)
                 version = SCHEMA_VERSION
-            elif version not in (None, SCHEMA_VERSION):
+            if version not in (None, SCHEMA_VERSION):
                 raise ConfigError(
                     f"the database holds schema version {version}; this "
                     f"scheduler reads version {SCHEMA_VERSION}"

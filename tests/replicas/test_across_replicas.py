@@ -236,3 +236,135 @@ def test_the_replicas_whose_commit_number_moved_or_that_left():
     assert _moved({1: 5, 2: 7}, {1: 5, 2: 7}) == frozenset()
     assert _moved({1: 5, 2: 7}, {1: 6, 2: 7}) == {1}
     assert _moved({1: 5, 2: 7}, {2: 7, 3: 1}) == {1, 3}  # 1 left (its lease ran out), 3 came
+
+
+def test_a_submit_that_commits_after_a_newer_one_is_still_seen():
+    from service.replicas.servicer import _GAP_SECONDS, _Submits
+    from service.state.postgres import Watched
+
+    submits = _Submits()
+    assert submits.update(Watched({}, 10, ()), now=0.0)  # the first: anything may have
+    assert not submits.update(Watched({}, 10, ()), now=0.1)
+    # 12 is the newest now; 11 (handed out before it) may not have committed yet.
+    assert submits.update(Watched({}, 12, ()), now=0.2)
+    assert submits.after == 12 and set(submits.pending) == {11}
+    assert not submits.update(Watched({}, 12, ()), now=0.3)
+    assert submits.update(Watched({}, 12, (11,)), now=0.4)  # 11 is there now
+    assert submits.pending == {}
+    # The newest rows deleted (forgotten): nothing moves back.
+    assert not submits.update(Watched({}, 9, ()), now=0.5) and submits.after == 12
+    # One that never commits (a conflict took its id) is given up after _GAP_SECONDS.
+    submits.update(Watched({}, 14, ()), now=1.0)
+    assert set(submits.pending) == {13}
+    submits.update(Watched({}, 14, ()), now=1.0 + _GAP_SECONDS + 0.01)
+    assert submits.pending == {}
+
+
+def test_a_submit_on_one_replica_reaches_the_other_without_a_notification(start_replicas):
+    # No submit notifies (a NOTIFY wakes every replica's listener): r0's watcher finds it.
+    # Without that, r0's prefetcher would find each within its half-second poll: a
+    # median near 0.25 s over 20 submits.
+    r0, r1 = start_replicas(2)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    waits = []
+    for _ in range(20):
+        started = time.monotonic()
+        seq_id = submit(r1.stub).seq_id
+
+        def taken(seq_id: int = seq_id) -> bool:
+            return admitted(worker.select()) == [seq_id]
+
+        wait_until(taken, "admission on r0", 10, every_seconds=0.005)
+        waits.append(time.monotonic() - started)
+        worker.select(tokens={seq_id: [7]}, finished=[(seq_id, EOS, 1)])
+    assert sorted(waits)[len(waits) // 2] < 0.15, waits
+
+
+def test_busy_workers_do_not_put_off_the_prefetchers_claim_every_half_second(
+    start_replicas, monkeypatch
+):
+    # With every hint of the submit lost (the watcher's here), the prefetcher still
+    # claims every half second, though a worker calling every 5 ms wakes it far more
+    # often (each call that leaves room does).
+    from service.replicas import servicer as replica_servicer
+
+    monkeypatch.setattr(replica_servicer._Submits, "update", lambda self, watched, now: False)
+    r0, r1 = start_replicas(2)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    time.sleep(1.25)  # past the first claims, and not in step with a half-second timer
+    seq_id = submit(r1.stub).seq_id
+    wait_until(
+        lambda: admitted(worker.select()) == [seq_id], "admission on r0", 3, every_seconds=0.005
+    )
+
+
+def test_a_stream_on_the_replica_that_claims_its_sequence_gets_its_first_token_at_once(
+    start_replicas,
+):
+    # Generate's first read can come before this replica's own claim lands: it waits as
+    # if another replica ran the sequence, and this replica's commits wake no watcher.
+    # The claim wakes it, so the first token does not wait for the one-second poll.
+    (r0,) = start_replicas(1)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    waits = []
+    for n in range(6):
+        stream = Stream(r0.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2))
+        seq_id = stream.next_event().seq_id
+        wait_until(
+            lambda seq_id=seq_id: admitted(worker.select()) == [seq_id],
+            "admission",
+            10,
+            every_seconds=0.005,
+        )
+        started = time.monotonic()
+        worker.select(running=[seq_id], tokens={seq_id: [40 + n]})
+        assert stream.tokens_until(1, 10) == [40 + n]
+        waits.append(time.monotonic() - started)
+        worker.select(tokens={seq_id: [50]}, finished=[(seq_id, EOS, 2)])
+        stream.rest(10)
+    assert max(waits) < 0.5, waits
+
+
+def test_streams_of_unclaimed_sequences_do_not_read_again_at_every_commit_elsewhere(
+    start_replicas,
+):
+    # 40 streams on r1 of sequences no replica can claim (an adapter no worker has) while
+    # r0 commits a steady step every ~10 ms: they follow their claim's notification and
+    # the one-second poll, not every commit number that moves (about 2 reads a stream a
+    # second, against several a commit before).
+    r0, r1 = start_replicas(2)
+    plain = Worker(r0.stub, "plain")
+    plain.register()
+    base = submit(r0.stub, max_new_tokens=4000).seq_id
+    wait_until(lambda: admitted(plain.select()) == [base], "admission on r0", 10)
+    streams = [
+        Stream(
+            r1.stub,
+            pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2, adapter_id="none"),
+            timeout_seconds=30,
+        )
+        for _ in range(40)
+    ]
+    for stream in streams:
+        stream.next_event()
+    state = r1.running._serving.servicer._state
+    reads = [0]
+    read_output = state.read_output
+
+    def counted(*args, **kwargs):
+        reads[0] += 1
+        return read_output(*args, **kwargs)
+
+    state.read_output = counted
+    time.sleep(0.5)
+    reads[0] = 0
+    started = time.monotonic()
+    while time.monotonic() - started < 2.0:
+        plain.select(running=[base], tokens={base: [5]})  # a steady commit on r0
+        time.sleep(0.01)
+    for stream in streams:
+        stream.call.cancel()
+    assert reads[0] < 40 * 2 * 2 * 1.5, reads[0]

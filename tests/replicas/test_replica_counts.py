@@ -122,6 +122,28 @@ def test_a_version_4_database_is_not_migrated_while_a_version_4_replica_runs(dat
     PostgresState(database_url, name="b").close()
 
 
+def test_a_version_5_database_waits_for_its_replicas_to_stop_then_becomes_version_6(
+    database_url,
+):
+    # A version-5 replica waits for NOTIFYs that version 6 no longer sends, and would put
+    # its notifying functions back on start: the two never run together.
+    old = PostgresState(database_url, name="a")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE lattice_meta SET value = 5 WHERE key = 'schema_version'")
+    try:
+        with pytest.raises(ConfigError, match="stop every version-5 replica"):
+            PostgresState(database_url, name="b")
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM replicas")  # its lease is over
+        old.close()
+    PostgresState(database_url, name="b").close()
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute(
+            "SELECT value FROM lattice_meta WHERE key = 'schema_version'"
+        ).fetchone() == (6,)
+
+
 def test_a_replica_starts_beside_running_commits_without_waiting_for_their_tables(database_url):
     """A replica starting on a database of the current schema takes no lock on the tables
     commits write: its table DDL (ALTER TABLE, CREATE INDEX) runs only where the schema is

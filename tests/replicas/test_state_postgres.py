@@ -232,10 +232,11 @@ def test_cancel_of_a_sequence_another_replica_owns_is_committed_and_signalled(re
     assert b.state.cancel(seq_id) is False
 
 
-def test_commits_notify_no_one_and_a_change_outside_them_carries_its_ids(replicas):
+def test_commits_and_submits_notify_no_one_and_a_change_outside_them_does(replicas):
     # PostgreSQL wakes every listening backend at each NOTIFY: a commit moves its
-    # replica's number instead (streams elsewhere read it), while a change no commit
-    # number shows (a cancel of an unclaimed sequence) still notifies with its id.
+    # replica's number instead (streams elsewhere read it), a submit adds a seq_id the
+    # watchers read, while a change neither shows (a claim, a cancel of an unclaimed
+    # sequence) still notifies with its id.
     a, b = replicas("a"), replicas("b")
     listener = b.state.listen_connection()
     seq_id = a.submit()
@@ -249,10 +250,9 @@ def test_commits_notify_no_one_and_a_change_outside_them_carries_its_ids(replica
     assert b.state.cancel(unclaimed) is True
     seen = [(n.channel, n.payload) for n in listener.notifies(timeout=1.0)]
     listener.close()
-    assert ("lattice_submit", "") in seen
-    assert [payload for channel, payload in seen if channel == "lattice_progress"] == [
-        str(unclaimed)
-    ]
+    # Nor do submits: the replicas' watchers find new seq_ids in their readings. The
+    # claim (no commit number shows it to a stream elsewhere) and the cancel do.
+    assert seen == [("lattice_progress", str(seq_id)), ("lattice_progress", str(unclaimed))]
 
 
 def test_a_submit_the_database_cannot_hold_is_invalid_argument_not_unavailable(replicas):
@@ -275,3 +275,15 @@ def test_unclaimed_tokens_count_as_urgent_unclaimed_prompts_and_live_replicas(re
     assert b.state.unclaimed_tokens_up_to(0) == (130, 2)
     a.claim(1)  # the first, claimed: no longer the shared queue's
     assert a.state.unclaimed_tokens_up_to(5) == (37, 2)
+
+
+def test_a_watch_reading_sees_the_newest_seq_id_and_which_of_those_asked_are_there(replicas):
+    a, b = replicas("a"), replicas("b")
+    conn = b.state.watch_connection()
+    first = b.state.watch(conn)
+    assert first.marks == {a.state.replica_id: 0} and first.filled == ()
+    ids = [a.submit() for _ in range(3)]
+    later = b.state.watch(conn, (ids[1], ids[-1] + 50))
+    assert later.newest == ids[-1] > first.newest
+    assert later.filled == (ids[1],)  # one that never came is not there
+    conn.close()
