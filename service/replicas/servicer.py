@@ -19,7 +19,10 @@ tasks keep the replica going: the prefetcher claims queued sequences ahead of th
 workers' needs (`prefetch` beyond their free places), and the keeper renews the lease,
 returns dead replicas' sequences to the shared queue, gives up what others took over and
 hands back claims its workers cannot use. A listener thread turns notifications into
-wake-ups on the loop (submits, tokens for streams, cancels and take-overs for this owner).
+wake-ups on the loop (requeues, claims, cancels and take-overs). Commits and submits
+notify no one (PostgreSQL wakes every listener at each NOTIFY): a watcher thread reads the
+other replicas' commit numbers and the newest seq_id every --replica-watch-ms, and wakes
+the prefetcher for new submits and the streams of sequences whose owner committed.
 """
 
 from __future__ import annotations
