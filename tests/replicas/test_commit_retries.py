@@ -11,7 +11,6 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
-from service.core import ConfigError
 from service.core.persist.store import SequenceProgress, StateChanges, StoreError, TokenAppend
 from service.core.types import FinishReason, SequenceState
 from service.state.postgres import _UNCOUNTED, COUNT_EVERY_TOKENS, SCHEMA_VERSION, PostgresState
@@ -535,16 +534,9 @@ def test_a_version_3_database_migrates_its_token_log_into_sequence_heads(databas
 
 
 def test_a_version_3_database_is_not_migrated_while_a_version_3_replica_runs(database_url):
-    old = PostgresState(database_url, name="a")
-    _to_version_3(database_url, 0, [])
-    try:
-        with pytest.raises(ConfigError, match="stop every version-3 replica"):
-            PostgresState(database_url, name="b")
-    finally:
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute("DELETE FROM replicas")  # its lease is over
-        old.close()
-    PostgresState(database_url, name="b").close()
+    from .test_replica_counts import refused_while_a_replica_runs
+
+    refused_while_a_replica_runs(database_url, 3, lambda url: _to_version_3(url, 0, []))
 
 
 def _params():

@@ -109,17 +109,29 @@ def test_a_version_4_database_migrates_to_version_5(database_url):
         migrated.close()
 
 
-def test_a_version_4_database_is_not_migrated_while_a_version_4_replica_runs(database_url):
+def refused_while_a_replica_runs(database_url: str, version: int, downgrade) -> None:
+    """With a replica running, `downgrade(database_url)` leaves the database at `version`:
+    a new replica refuses to start (one line: stop every version-`version` replica), and
+    starts, migrating it, once that replica's lease is gone."""
     old = PostgresState(database_url, name="a")
-    _to_version_4(database_url)
+    downgrade(database_url)
     try:
-        with pytest.raises(ConfigError, match="stop every version-4 replica"):
+        with pytest.raises(ConfigError, match=f"stop every version-{version} replica"):
             PostgresState(database_url, name="b")
     finally:
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute("DELETE FROM replicas")  # its lease is over
         old.close()
     PostgresState(database_url, name="b").close()
+
+
+def test_a_version_4_database_is_not_migrated_while_a_version_4_replica_runs(database_url):
+    refused_while_a_replica_runs(database_url, 4, _to_version_4)
+
+
+def _to_version_5(database_url: str) -> None:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE lattice_meta SET value = 5 WHERE key = 'schema_version'")
 
 
 def test_a_version_5_database_waits_for_its_replicas_to_stop_then_becomes_version_6(
@@ -127,17 +139,7 @@ def test_a_version_5_database_waits_for_its_replicas_to_stop_then_becomes_versio
 ):
     # A version-5 replica waits for NOTIFYs that version 6 no longer sends, and would put
     # its notifying functions back on start: the two never run together.
-    old = PostgresState(database_url, name="a")
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute("UPDATE lattice_meta SET value = 5 WHERE key = 'schema_version'")
-    try:
-        with pytest.raises(ConfigError, match="stop every version-5 replica"):
-            PostgresState(database_url, name="b")
-    finally:
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute("DELETE FROM replicas")  # its lease is over
-        old.close()
-    PostgresState(database_url, name="b").close()
+    refused_while_a_replica_runs(database_url, 5, _to_version_5)
     with psycopg.connect(database_url) as conn:
         assert conn.execute(
             "SELECT value FROM lattice_meta WHERE key = 'schema_version'"
