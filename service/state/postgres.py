@@ -27,7 +27,7 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
   A commit notifies no one: PostgreSQL wakes every listening backend at each NOTIFY, so
   one per commit would cost every replica CPU at every other replica's commit. A stream
   of another replica's sequence follows the replicas' commit numbers instead
-  (`commit_marks`, read every few milliseconds while such a stream waits); what changes
+  (`watch`, read every --replica-watch-ms by each replica's watcher); what changes
   a sequence outside its owner's commits (a cancel of an unclaimed one, a keeper's
   cancel, a hand-back) still NOTIFYs lattice_progress with its ids. The keepers fold
   the tokens of sequences whose log rows fall too far behind into their heads, then
@@ -299,7 +299,7 @@ END $$;
 -- counts of p_counted_ids (as _SAVED_SET writes them), and a NOTIFY only when p_payload
 -- is not NULL. The same rows, in the same order, as the commit's separate statements.
 -- A replica passes NULL: no commit wakes the listeners (streams of other replicas follow
--- replicas.last_commit instead: commit_marks); p_payload stays for older replicas.
+-- replicas.last_commit instead: watch); p_payload is always NULL since schema 6.
 CREATE OR REPLACE FUNCTION lattice_append(
     p_replica bigint, p_fence bigint, p_commit bigint, p_sync boolean, p_entries bytea,
     p_counts_ids bigint[], p_counts_ends integer[], p_counted_ids bigint[],
@@ -1309,12 +1309,6 @@ class PostgresState:
                 "DELETE FROM lattice_meta WHERE key = 'last_commit:' || %s", (self.replica_id,)
             )
             conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
-
-    def commit_marks(self, conn: psycopg.Connection) -> dict[int, int]:
-        """Every other live replica's last commit number (`replicas.last_commit`), read on
-        `conn` (a `watch_connection`): a commit of theirs that notified no one (a steady
-        one) still moves its number."""
-        return self.watch(conn).marks
 
     def watch(self, conn: psycopg.Connection, pending: Collection[int] = ()) -> Watched:
         """One reading of what no notification announces, on `conn` (a

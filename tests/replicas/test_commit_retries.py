@@ -604,18 +604,18 @@ def test_a_steady_commit_after_a_take_over_leaves_the_taken_sequence_out(
 def test_commits_send_no_notification_and_the_commit_number_moves(replicas, faulty):
     a, b, seq_id, faults = _steady(replicas, faulty)
     listener = b.state.listen_connection()
-    before = b.state.commit_marks(listener)[a.state.replica_id]
+    before = b.state.watch(listener).marks[a.state.replica_id]
     for n in range(1, 4):  # appends only, as a decode step saves them
         a.state.save(StateChanges(tokens=(TokenAppend(seq_id, n, (5 + n,)),)))
         a.state.commit_pending()
     assert len(faults["queries"]) == 3  # the one-statement path
     assert [n.channel for n in listener.notifies(timeout=0.5)] == []
-    assert b.state.commit_marks(listener)[a.state.replica_id] == before + 3
-    assert a.state.replica_id not in a.state.commit_marks(listener)  # only the others'
+    assert b.state.watch(listener).marks[a.state.replica_id] == before + 3
+    assert a.state.replica_id not in a.state.watch(listener).marks  # only the others'
     # A commit that changes a sequence's state (the transaction path) notifies no one
     # either, and moves the number too.
     a.state.save(_decoding(seq_id, (9,), start=4))
     a.state.commit_pending()
-    assert b.state.commit_marks(listener)[a.state.replica_id] == before + 4
+    assert b.state.watch(listener).marks[a.state.replica_id] == before + 4
     assert [n.channel for n in listener.notifies(timeout=0.5)] == []
     listener.close()

@@ -243,10 +243,10 @@ def test_commits_and_submits_notify_no_one_and_a_change_outside_them_does(replic
     unclaimed = a.submit()
     register(a.core)
     a.claim(1)
-    before = b.state.commit_marks(listener)[a.state.replica_id]
+    before = b.state.watch(listener).marks[a.state.replica_id]
     a.core.select_batch(report())  # admits seq_id
     a.core.select_batch(report(running=(seq_id,), tokens={seq_id: (1,)}))
-    assert b.state.commit_marks(listener)[a.state.replica_id] >= before + 2
+    assert b.state.watch(listener).marks[a.state.replica_id] >= before + 2
     assert b.state.cancel(unclaimed) is True
     seen = [(n.channel, n.payload) for n in listener.notifies(timeout=1.0)]
     listener.close()
