@@ -86,7 +86,7 @@ log = logging.getLogger(__name__)
 # 5: replica_counts (every running sequence's count in one row per replica).
 # 6: no commit or submit NOTIFYs (each replica's watcher reads commit numbers and the
 #    newest seq_id instead); the tables are version 5's.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 SUBMIT_CHANNEL = "lattice_submit"
 PROGRESS_CHANNEL = "lattice_progress"
 CANCEL_CHANNEL = "lattice_cancel"
@@ -116,6 +116,9 @@ FOLD_ROWS_BEHIND = 2000
 # appends to ends) is written by one commit in this many of those that append, so that a
 # GetSequence of a running sequence reads at most this many - 1 log rows past it.
 COUNT_EVERY_COMMITS = 16
+# Finished sequences of replicas that are gone whose owner a keeper round takes off, at
+# most (reclaim_expired): the rest in the rounds after.
+FINISHED_OWNERS_A_ROUND = 2_000
 # A sequence's own row is written by a commit that only appends to it (a steady decode
 # step) when it has no log rows yet and once its count lags this many tokens: row updates
 # are what a commit costs PostgreSQL (bench/pg_commit_cost.py), and the counts row bounds
@@ -188,6 +191,9 @@ CREATE INDEX IF NOT EXISTS sequences_queued ON sequences (queue_key, seq_id)
 CREATE INDEX IF NOT EXISTS sequences_owner ON sequences (owner) WHERE owner IS NOT NULL;
 CREATE INDEX IF NOT EXISTS sequences_worker ON sequences (worker_id)
     WHERE worker_id IS NOT NULL;
+-- Queued sequences with an adapter (few), for the fleet-wide unservable count.
+CREATE INDEX IF NOT EXISTS sequences_adapter_queued ON sequences (adapter_id)
+    WHERE state = 1 AND adapter_id <> '';
 CREATE TABLE IF NOT EXISTS tokens (
     seq_id    bigint NOT NULL,
     start     integer NOT NULL,         -- index of the first token in the output
@@ -249,6 +255,27 @@ CREATE TABLE IF NOT EXISTS tenant_service (
 # ALTER TABLE and CREATE INDEX lock tables every commit writes, and a replica starting
 # beside running ones stalled their commits (and could deadlock with them).
 _FUNCTIONS = """
+-- The queue's size (sequences in state 1), kept by the transactions that queue or unqueue
+-- a sequence (triggers on sequences, _QUEUE_COUNTING): each adds to the row of its own
+-- server process, so no two transactions wait on one row (or deadlock over it).
+CREATE OR REPLACE FUNCTION lattice_count_queued() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    v_delta integer := 0;
+BEGIN
+    IF TG_OP <> 'INSERT' AND OLD.state = 1 THEN v_delta := v_delta - 1; END IF;
+    IF TG_OP <> 'DELETE' AND NEW.state = 1 THEN v_delta := v_delta + 1; END IF;
+    IF v_delta <> 0 THEN
+        INSERT INTO queue_counts (backend, queued) VALUES (pg_backend_pid(), v_delta)
+        ON CONFLICT (backend) DO UPDATE SET queued = queue_counts.queued + excluded.queued;
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE OR REPLACE FUNCTION lattice_queue_emptied() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM queue_counts;
+    INSERT INTO queue_counts VALUES (0, 0);
+    RETURN NULL;
+END $$;
 -- A group commit's checks (lattice_commit, below): the replica's fence is the one it last
 -- saw (its row locked until the commit: no take-over commits meanwhile), else the whole
 -- commit rolls back.
@@ -367,13 +394,17 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    IF (SELECT count(*) FROM sequences s WHERE s.state = 1) >= p_max_queue THEN
-        status := 2; RETURN;
+    -- The queue's size (queue_counts: counting the queue read every queued sequence) is
+    -- also the new sequence's position: every queued sequence holds a key ahead of a new
+    -- tail key but those of concurrent submits that took a later key and committed first.
+    SELECT coalesce(sum(c.queued), 0)::bigint INTO queue_position FROM queue_counts c;
+    IF queue_position >= p_max_queue THEN
+        status := 2; queue_position := NULL; RETURN;
     END IF;
     IF p_max_per_tenant > 0 AND (SELECT count(*) FROM sequences s
                                   WHERE s.state = 1 AND s.tenant = p_tenant)
                                 >= p_max_per_tenant THEN
-        status := 3; RETURN;
+        status := 3; queue_position := NULL; RETURN;
     END IF;
     v_key := nextval('lattice_queue_tail');
     -- Its home: where the deepest of its prefixes was last finished (keys deepest first).
@@ -394,8 +425,6 @@ BEGIN
          WHERE s.request_id = p_request_id AND s.principal = p_principal;
         status := 1; queue_position := 0; RETURN;
     END IF;
-    SELECT count(*) INTO queue_position FROM sequences q
-     WHERE q.state = 1 AND (q.queue_key, q.seq_id) < (v_key, lattice_enqueue.seq_id);
     -- No NOTIFY: it would wake every replica's listener at every submit; replicas find
     -- new seq_ids in their watcher's reading (PostgresState.watch).
     status := 0;
@@ -473,6 +502,61 @@ UPDATE lattice_meta SET value = 5 WHERE key = 'schema_version';
 _FROM_VERSION_5 = """
 UPDATE lattice_meta SET value = 6 WHERE key = 'schema_version';
 """
+
+# Version 6 becomes 7: an index of the queued sequences with an adapter, which the
+# keepers' fleet-wide count reads instead of the whole table, and (_QUEUE_COUNTING, run
+# next) the queue's kept size. A version-6 replica works beside both, so this runs while
+# they do: it locks `sequences` against writes from the index's build to the end of the
+# migration's transaction (the queue's count and the triggers included), and runs
+# nothing else of _SCHEMA (whose ALTER TABLEs could deadlock with running commits).
+_FROM_VERSION_6 = """
+LOCK TABLE sequences IN SHARE ROW EXCLUSIVE MODE;  -- _QUEUE_COUNTING's, from the start
+CREATE INDEX IF NOT EXISTS sequences_adapter_queued ON sequences (adapter_id)
+    WHERE state = 1 AND adapter_id <> '';
+UPDATE lattice_meta SET value = 7 WHERE key = 'schema_version';
+"""
+
+# The queue's size in `queue_counts` (summed: a submit read every queued sequence's index
+# entry, twice, to count them), set up where the schema is created or migrated: the count
+# taken and the triggers created under one lock on `sequences`, so none of its writes
+# falls between (a version-6 replica running beside a migration waits for it). Row 0
+# holds the start and what the rows of ended server processes held (the keepers fold
+# them: reclaim_expired).
+_QUEUE_COUNTING = """
+LOCK TABLE sequences IN SHARE ROW EXCLUSIVE MODE;
+CREATE TABLE IF NOT EXISTS queue_counts (
+    backend bigint PRIMARY KEY,         -- pg_backend_pid() of the writer; 0: folded
+    queued  bigint NOT NULL
+);
+DELETE FROM queue_counts;
+INSERT INTO queue_counts SELECT 0, count(*) FROM sequences WHERE state = 1;
+DROP TRIGGER IF EXISTS sequences_queued_in ON sequences;
+DROP TRIGGER IF EXISTS sequences_queued_moved ON sequences;
+DROP TRIGGER IF EXISTS sequences_queued_out ON sequences;
+CREATE TRIGGER sequences_queued_in AFTER INSERT ON sequences FOR EACH ROW
+    WHEN (NEW.state = 1) EXECUTE FUNCTION lattice_count_queued();
+CREATE TRIGGER sequences_queued_moved AFTER UPDATE OF state ON sequences FOR EACH ROW
+    WHEN ((OLD.state = 1) <> (NEW.state = 1)) EXECUTE FUNCTION lattice_count_queued();
+CREATE TRIGGER sequences_queued_out AFTER DELETE ON sequences FOR EACH ROW
+    WHEN (OLD.state = 1) EXECUTE FUNCTION lattice_count_queued();
+DROP TRIGGER IF EXISTS sequences_emptied ON sequences;
+CREATE TRIGGER sequences_emptied AFTER TRUNCATE ON sequences FOR EACH STATEMENT
+    EXECUTE FUNCTION lattice_queue_emptied();
+-- A row version a queue change: vacuumed often (it is a page or two when vacuumed).
+ALTER TABLE queue_counts SET (autovacuum_vacuum_scale_factor = 0,
+                              autovacuum_vacuum_threshold = 1000);
+"""
+
+# At every replica start, in one statement (one snapshot: the committed queue and the
+# committed counts agree unless something wrote `sequences` past the triggers, such as a
+# restore with session_replication_role = replica): what the counts miss goes to row 0.
+_QUEUE_RECOUNT = (
+    "WITH d AS (SELECT (SELECT count(*) FROM sequences WHERE state = 1) - (SELECT "
+    "coalesce(sum(queued), 0) FROM queue_counts) AS drift), u AS (INSERT INTO queue_counts "
+    "(backend, queued) SELECT 0, drift FROM d WHERE drift <> 0 ON CONFLICT (backend) DO "
+    "UPDATE SET queued = queue_counts.queued + excluded.queued) "
+    "SELECT drift FROM d WHERE drift <> 0"
+)
 
 # Whether a live worker that takes work has the adapter of `sequences s`: registered on a
 # replica whose lease runs, not drained by an operator, its registration listing it.
@@ -1034,7 +1118,9 @@ class PostgresState:
 
     def queue_depth(self) -> int:
         with self._connection() as conn:
-            return conn.execute("SELECT count(*) FROM sequences WHERE state = 1").fetchone()[0]
+            return conn.execute(
+                "SELECT coalesce(sum(queued), 0)::bigint FROM queue_counts"
+            ).fetchone()[0]
 
     # ------------------------------------------------------------------ ownership
 
@@ -1194,7 +1280,25 @@ class PostgresState:
         """Return what replicas whose lease ran out owned to the shared queue: claimed
         but unadmitted sequences keep their place, assigned ones go to the head and resume
         from their saved tokens (asked-to-cancel ones finish CANCELLED). Returns how many
-        sequences moved."""
+        sequences moved. Then take the owner off up to `FINISHED_OWNERS_A_ROUND` of those
+        replicas' finished sequences, in a transaction of its own (a replica's retained
+        finished sequences can be many: one transaction for all held the requeue, and
+        cancels of those rows, for seconds)."""
+        moved, orphaned = self._reclaim()
+        if orphaned:
+            with self._connection() as conn:
+                conn.execute(
+                    "UPDATE sequences SET owner = NULL WHERE seq_id IN (SELECT seq_id FROM "
+                    "sequences s WHERE owner = ANY(%s) AND state = 4 AND NOT EXISTS (SELECT "
+                    "1 FROM replicas r WHERE r.replica_id = s.owner) LIMIT %s FOR UPDATE "
+                    "SKIP LOCKED)",
+                    (orphaned, FINISHED_OWNERS_A_ROUND),
+                )
+        return moved
+
+    def _reclaim(self) -> tuple[int, list[int]]:
+        """reclaim_expired's requeue: (sequences moved, the owners without a replica
+        row)."""
         with self._connection() as conn, conn.transaction():
             self._durable(conn)
             # A dead replica's last commit number outlives its row: a commit it retries
@@ -1211,13 +1315,43 @@ class PostgresState:
             ]
             # Homes not renewed for an hour: those caches have long turned over.
             conn.execute("DELETE FROM prefix_homes WHERE updated_at < now() - interval '1 hour'")
-            rows = conn.execute(
-                "SELECT seq_id, state, cancel_requested FROM sequences s WHERE "
-                "owner IS NOT NULL AND state <> 4 AND NOT EXISTS (SELECT 1 FROM replicas r "
-                "WHERE r.replica_id = s.owner) ORDER BY seq_id FOR UPDATE"
-            ).fetchall()
+            # Owners with no replica row (these dead, and any that left cleanly), found
+            # by skipping through the owner index, one probe an owner: a scan of the
+            # table ran on every replica at every keeper round and grew with the fleet.
+            orphaned = [
+                row[0]
+                for row in conn.execute(
+                    "WITH RECURSIVE o(owner) AS ((SELECT owner FROM sequences WHERE owner "
+                    "IS NOT NULL ORDER BY owner LIMIT 1) UNION ALL SELECT (SELECT s.owner "
+                    "FROM sequences s WHERE s.owner > o.owner ORDER BY s.owner LIMIT 1) "
+                    "FROM o WHERE o.owner IS NOT NULL) SELECT owner FROM o WHERE owner IS "
+                    "NOT NULL AND NOT EXISTS (SELECT 1 FROM replicas r WHERE "
+                    "r.replica_id = o.owner)"
+                )
+            ]
+            # Their unfinished rows in seq_id order (two keepers lock them in the same
+            # order). Their finished ones lose the owner after (reclaim_expired), so the
+            # rounds after do not read them again.
+            rows = (
+                conn.execute(
+                    "SELECT seq_id, state, cancel_requested FROM sequences s WHERE "
+                    "owner = ANY(%s) AND state <> 4 AND NOT EXISTS (SELECT 1 FROM replicas r "
+                    "WHERE r.replica_id = s.owner) ORDER BY seq_id FOR UPDATE",
+                    (orphaned,),
+                ).fetchall()
+                if orphaned
+                else []
+            )
+            # The queue counts of server processes that ended, into row 0 (after the
+            # sequence rows above: every keeper locks in that order).
+            conn.execute(
+                "WITH gone AS (DELETE FROM queue_counts q WHERE backend <> 0 AND NOT EXISTS "
+                "(SELECT 1 FROM pg_stat_activity a WHERE a.pid = q.backend) RETURNING queued) "
+                "UPDATE queue_counts SET queued = queued + (SELECT sum(queued) FROM gone) "
+                "WHERE backend = 0 AND EXISTS (SELECT 1 FROM gone)"
+            )
             if not rows and not dead:
-                return 0
+                return 0, orphaned
             queued = [seq_id for seq_id, state, cancel in rows if state == _QUEUED and not cancel]
             cancelled = [seq_id for seq_id, state, cancel in rows if cancel]
             assigned = [seq_id for seq_id, state, cancel in rows if state != _QUEUED and not cancel]
@@ -1267,7 +1401,7 @@ class PostgresState:
                     "cancelled": len(cancelled),
                 },
             )
-        return len(rows)
+        return len(rows), orphaned
 
     def release(self, seq_ids: list[int]) -> list[int]:
         """Hand queued sequences back to the shared queue, at their place; returns those
@@ -1378,6 +1512,8 @@ class PostgresState:
                 ).fetchone()
                 version = None if row is None else row[0]
             current = version == SCHEMA_VERSION
+            # From version 6, beside running version-6 replicas: none of _SCHEMA runs.
+            in_place = version == 6
             if version == 1:
                 conn.execute(_FROM_VERSION_1)
                 version = 2
@@ -1405,16 +1541,28 @@ class PostgresState:
             if version == 5:
                 _refuse_while_live(conn, 5)
                 conn.execute(_FROM_VERSION_5)
+                version = 6
+            if version == 6:
+                conn.execute(_FROM_VERSION_6)
                 version = SCHEMA_VERSION
             if version not in (None, SCHEMA_VERSION):
                 raise ConfigError(
                     f"the database holds schema version {version}; this "
                     f"scheduler reads version {SCHEMA_VERSION}"
                 )
-            if current:
+            if current or in_place:
                 conn.execute(_FUNCTIONS)
             else:
                 conn.execute(_SCHEMA + _FUNCTIONS)
+            if not current:
+                conn.execute(_QUEUE_COUNTING)
+            drift = conn.execute(_QUEUE_RECOUNT).fetchone()
+            if drift is not None:
+                log.warning(
+                    "the queue's kept size was off (sequences written past its triggers); "
+                    "recounted",
+                    extra={"added": drift[0]},
+                )
             if version is None:
                 conn.execute(
                     "INSERT INTO lattice_meta VALUES ('schema_version', %s) "
@@ -1765,8 +1913,12 @@ class PostgresState:
             )
         if batch.forgotten:
             forgotten = list(batch.forgotten)
+            # Or no owner: a keeper took it off a finished row while this replica's lease
+            # had run out (reclaim_expired); the row is still this replica's to drop.
             cur.execute(
-                "DELETE FROM sequences WHERE seq_id = ANY(%s) AND owner = %s", (forgotten, me)
+                "DELETE FROM sequences WHERE seq_id = ANY(%s) AND (owner = %s OR "
+                "(owner IS NULL AND state = 4))",
+                (forgotten, me),
             )
         deltas = self._tenant_deltas(batch.tenant_service.items())
         if deltas:

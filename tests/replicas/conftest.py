@@ -47,8 +47,9 @@ def pg_cluster() -> Iterator[PrivateCluster]:
 
 
 @pytest.fixture
-def database_url(pg_cluster: PrivateCluster) -> str:
-    """A new, empty database on the session's cluster."""
+def database_url(pg_cluster: PrivateCluster) -> Iterator[str]:
+    """A new, empty database on the session's cluster. After the test, whatever it did,
+    the queue's kept size (`queue_counts`) is the number of queued sequences."""
     import psycopg
 
     name = f"test_{next(_names)}"
@@ -57,7 +58,15 @@ def database_url(pg_cluster: PrivateCluster) -> str:
         conn.execute(f"DROP DATABASE IF EXISTS {name}")
         conn.execute(f"CREATE DATABASE {name} TEMPLATE template0")
     assert DATABASE and ROLE
-    return pg_cluster.url.rsplit("/", 1)[0] + f"/{name}"
+    url = pg_cluster.url.rsplit("/", 1)[0] + f"/{name}"
+    yield url
+    with psycopg.connect(url, autocommit=True) as conn:
+        if conn.execute("SELECT to_regclass('queue_counts')").fetchone()[0] is not None:
+            kept, counted = conn.execute(
+                "SELECT (SELECT coalesce(sum(queued), 0) FROM queue_counts), "
+                "(SELECT count(*) FROM sequences WHERE state = 1)"
+            ).fetchone()
+            assert kept == counted, "queue_counts drifted from the queue"
 
 
 # ------------------------------------------------------------------ in-process replicas

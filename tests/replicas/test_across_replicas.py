@@ -367,4 +367,6 @@ def test_streams_of_unclaimed_sequences_do_not_read_again_at_every_commit_elsewh
         time.sleep(0.01)
     for stream in streams:
         stream.call.cancel()
-    assert reads[0] < 40 * 2 * 2 * 1.5, reads[0]
+    # About 2 reads a stream a second, poll and wake-ups: 162-226 in all here on an idle
+    # machine, 242 under a CI run's load; every commit's wake-up read 3,612 times.
+    assert reads[0] < 40 * 2 * 2 * 3, reads[0]

@@ -134,7 +134,7 @@ def _to_version_5(database_url: str) -> None:
         conn.execute("UPDATE lattice_meta SET value = 5 WHERE key = 'schema_version'")
 
 
-def test_a_version_5_database_waits_for_its_replicas_to_stop_then_becomes_version_6(
+def test_a_version_5_database_waits_for_its_replicas_to_stop_then_is_migrated(
     database_url,
 ):
     # A version-5 replica waits for NOTIFYs that version 6 no longer sends, and would put
@@ -143,7 +143,46 @@ def test_a_version_5_database_waits_for_its_replicas_to_stop_then_becomes_versio
     with psycopg.connect(database_url) as conn:
         assert conn.execute(
             "SELECT value FROM lattice_meta WHERE key = 'schema_version'"
-        ).fetchone() == (6,)
+        ).fetchone() == (SCHEMA_VERSION,)
+        assert conn.execute("SELECT to_regclass('sequences_adapter_queued')").fetchone() != (None,)
+
+
+def test_a_version_6_database_becomes_version_7_beside_a_running_replica(database_url):
+    """Version 7 adds an index and the queue's kept size, which a version-6 replica works
+    beside: the first version-7 replica migrates while version-6 ones run, counts the
+    queue they filled, and they go on committing."""
+    running = PostgresState(database_url, name="a")
+    seq_id = running.submit(_params(), 1000, 0).seq_id
+    with psycopg.connect(database_url, autocommit=True) as conn:  # as version 6 left it
+        for trigger in ("sequences_queued_in", "sequences_queued_moved", "sequences_queued_out"):
+            conn.execute(f"DROP TRIGGER {trigger} ON sequences")
+        conn.execute("DROP TABLE queue_counts")
+        conn.execute("DROP FUNCTION lattice_count_queued()")
+        conn.execute("DROP INDEX sequences_adapter_queued")
+        conn.execute("UPDATE lattice_meta SET value = 6 WHERE key = 'schema_version'")
+        # A sequence a version-6 replica queues meanwhile.
+        conn.execute(
+            "INSERT INTO sequences (seq_id, params, prompt, priority, tenant, max_new_tokens, "
+            "submitted_at, state, queue_key) VALUES (nextval('lattice_seq_ids'), '{}', "
+            "'\\x01000000', 0, 't', 8, 0, 1, nextval('lattice_queue_tail'))"
+        )
+    started = PostgresState(database_url, name="b")
+    try:
+        with psycopg.connect(database_url) as conn:
+            assert conn.execute(
+                "SELECT value FROM lattice_meta WHERE key = 'schema_version'"
+            ).fetchone() == (7,)
+            assert conn.execute("SELECT to_regclass('sequences_adapter_queued')").fetchone() != (
+                None,
+            )
+        assert started.queue_depth() == 2
+        assert running.claim(1).sequences[0].seq_id == seq_id
+        running.save(_decoding(seq_id, (1, 2)))
+        assert started.sequence_info(seq_id).generated_tokens == 2
+        assert started.queue_depth() == 1
+    finally:
+        started.close()
+        running.close()
 
 
 def test_a_replica_starts_beside_running_commits_without_waiting_for_their_tables(database_url):
