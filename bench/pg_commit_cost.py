@@ -23,6 +23,9 @@ committed under --state-fsync acks).
                     (PostgresState.watch, on a connection of its own: the other
                     replicas' commit numbers and the new seq_ids), which a replica
                     makes every --replica-watch-ms
+  watch+claims      the same reading while streams wait on --sequences unclaimed
+                    sequences: it also looks up which of them have an owner now (here
+                    all: the bench's sequences are claimed), as a claim notifies no one
 
 With `--listeners K`, K more connections LISTEN on the replicas' channels meanwhile (as
 K replicas' listener threads do, draining their notifications), and their backends' CPU
@@ -246,6 +249,7 @@ def main() -> int:
                 ),
             ),
             ("watch", lambda: store.watch(watch)),
+            ("watch+claims", lambda: store.watch(watch, (), seq_ids)),
         ]
         wanted = args.shapes.split(",")
         for _ in range(args.rounds):

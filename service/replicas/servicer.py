@@ -19,15 +19,17 @@ tasks keep the replica going: the prefetcher claims queued sequences ahead of th
 workers' needs (`prefetch` beyond their free places), and the keeper renews the lease,
 returns dead replicas' sequences to the shared queue, gives up what others took over and
 hands back claims its workers cannot use. A listener thread turns notifications into
-wake-ups on the loop (requeues, claims, cancels and take-overs). Commits and submits
-notify no one (PostgreSQL wakes every listener at each NOTIFY): a watcher thread reads the
-other replicas' commit numbers and the newest seq_id every --replica-watch-ms, and wakes
-the prefetcher for new submits and the streams of sequences whose owner committed.
+wake-ups on the loop (requeues, cancels, hand-backs and take-overs). Commits, submits and
+claims notify no one (PostgreSQL wakes every listener at each NOTIFY): a watcher thread
+reads the other replicas' commit numbers and the newest seq_id every --replica-watch-ms,
+and which unclaimed sequences that streams here wait on have an owner now, and wakes the
+prefetcher for new submits and the streams of sequences claimed or whose owner committed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import threading
 import time
@@ -61,6 +63,10 @@ log = logging.getLogger(__name__)
 # (notifications wake it sooner; this bounds the wait if one is lost, or when the
 # sequence moves to this replica).
 _REMOTE_POLL_SECONDS = 1.0
+# The watcher looks up at most this many of the unclaimed sequences that streams here wait
+# on, the oldest (the next claimed, in a queue of one priority): the others follow the
+# poll above until they are among them.
+WATCHED_UNCLAIMED = 64
 # The prefetcher claims at least this often, whatever the hints say.
 _PREFETCH_ANYWAY_SECONDS = 0.5
 # A seq_id below the newest one the watcher saw, not seen visible yet, is looked for this
@@ -407,8 +413,8 @@ class ReplicaServicer(SchedulerServicer):
         """The replicas in `moved` committed (or left) since the watcher's last reading
         of the commit numbers (None: its first reading, anything may have): wake the
         streams of their sequences, those whose read is in flight, and those the database
-        says are this replica's; not those of unclaimed sequences, whose claim notifies
-        their ids (on the loop)."""
+        says are this replica's; not those of unclaimed sequences, which the watcher
+        wakes when its reading finds them claimed (on the loop)."""
         if moved is None:
             self._wake_remote(None)
             return
@@ -416,8 +422,8 @@ class ReplicaServicer(SchedulerServicer):
             if seq_id not in self._remote_owner:  # its read is in flight: owner unknown
                 wake = True
             else:
-                # Unclaimed (None): its claim notifies its id; any replica's commit would
-                # make every queued stream read the database again for nothing.
+                # Unclaimed (None): the watcher wakes it once claimed; any replica's
+                # commit would make every queued stream read the database for nothing.
                 owner = self._remote_owner[seq_id]
                 wake = owner is not None and (owner in moved or owner == self.replica_id)
             if wake:
@@ -631,7 +637,8 @@ class ReplicaServicer(SchedulerServicer):
         """On its own thread, with a connection of its own, every `watch_seconds`: read
         what no notification announces (`PostgresState.watch`), and hand the loop the
         submits that landed (`_on_submitted`) and, while streams of other replicas'
-        sequences wait here, the replicas whose commit number moved (`_on_commits`). The
+        sequences wait here, the replicas whose commit number moved (`_on_commits`) and
+        the streams' unclaimed sequences that were claimed (`_wake_remote`). The
         first reading, and the first after the connection was lost, counts as everything
         moved. (`_remote` is read without the loop, as the listener does: at worst one
         reading late, and a stream that registers after it reads the database after.)"""
@@ -643,7 +650,15 @@ class ReplicaServicer(SchedulerServicer):
             try:
                 if conn is None:
                     conn = self._state.watch_connection()
-                watched = self._state.watch(conn, list(submits.pending))
+                # Streams here of sequences unclaimed when last read: the reading says
+                # which have an owner now (a claim notifies no one). A copy: the loop
+                # writes the dict meanwhile.
+                waiting = self._remote_owner.copy()
+                unclaimed = heapq.nsmallest(
+                    WATCHED_UNCLAIMED,
+                    (seq_id for seq_id, owner in waiting.items() if owner is None),
+                )
+                watched = self._state.watch(conn, list(submits.pending), unclaimed)
             except Exception as err:  # noqa: BLE001 - the database may be away: retry
                 log.warning("cannot read the replicas' commits and submits; retrying: %s", err)
                 if conn is not None:
@@ -659,6 +674,8 @@ class ReplicaServicer(SchedulerServicer):
             try:
                 if submits.update(watched, time.monotonic()):
                     loop.call_soon_threadsafe(self._on_submitted)
+                if watched.claimed:
+                    loop.call_soon_threadsafe(self._wake_remote, set(watched.claimed))
                 if watched.marks != marks:
                     if self._remote or marks is None:
                         loop.call_soon_threadsafe(self._on_commits, _moved(marks, watched.marks))

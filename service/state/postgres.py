@@ -29,7 +29,9 @@ still owns them (`Disowned` otherwise), so two replicas never both write one seq
   of another replica's sequence follows the replicas' commit numbers instead
   (`watch`, read every --replica-watch-ms by each replica's watcher); what changes
   a sequence outside its owner's commits (a cancel of an unclaimed one, a keeper's
-  cancel, a hand-back) still NOTIFYs lattice_progress with its ids. The keepers fold
+  cancel, a hand-back) still NOTIFYs lattice_progress with its ids; a claim does not
+  (its sequences' streams elsewhere find the new owner in the watcher's reading of the
+  ids they wait on). The keepers fold
   the tokens of sequences whose log rows fall too far behind into their heads, then
   delete the log rows no sequence points at (`collect_token_log`: the retention bound).
 - Retries: each commit carries a number recorded on the replica's row in the same
@@ -645,6 +647,7 @@ class Watched:
     marks: dict[int, int]  # the other live replicas' last commit numbers
     newest: int  # the largest seq_id visible (0: none)
     filled: tuple[int, ...]  # those of `pending` visible now
+    claimed: tuple[int, ...] = ()  # those of `unclaimed` that have an owner now
 
 
 @dataclass(frozen=True)
@@ -1148,9 +1151,9 @@ class PostgresState:
                 )
             ]
             sequences = self._read_sequences(conn, "WHERE seq_id = ANY(%s)", (ids,)) if ids else []
+            # No NOTIFY (it would wake every replica's listener at every claim that takes
+            # any): streams elsewhere of these find their owner in their watcher's reading.
             self._fold_claimed(conn, sequences)
-            if ids:  # streams elsewhere of these unclaimed ones follow this replica now
-                conn.execute("SELECT pg_notify(%s, %s)", (PROGRESS_CHANNEL, _ids_payload(ids)))
             served = dict(conn.execute("SELECT tenant, served FROM tenant_service"))
             # BEGIN, SET LOCAL, UPDATE, the rows and their tokens (when any), counters,
             # COMMIT.
@@ -1444,13 +1447,19 @@ class PostgresState:
             )
             conn.execute("SELECT pg_notify(%s, '')", (SUBMIT_CHANNEL,))
 
-    def watch(self, conn: psycopg.Connection, pending: Collection[int] = ()) -> Watched:
+    def watch(
+        self,
+        conn: psycopg.Connection,
+        pending: Collection[int] = (),
+        unclaimed: Collection[int] = (),
+    ) -> Watched:
         """One reading of what no notification announces, on `conn` (a
         `watch_connection`): the other live replicas' commit numbers and the largest
-        seq_id visible, in one statement, and which of `pending` are visible, in a second
-        only when there are any. (Not "the ids above the last newest": a range on a small
-        or bloated table is planned as a scan of it; max() and `= ANY` take the primary
-        key's index whatever its size.)"""
+        seq_id visible, in one statement; then, only when there are any, in a second:
+        which of `pending` are visible and which of `unclaimed` (sequences that streams
+        here wait on, unclaimed when last read) have an owner now. (Not "the ids above the
+        last newest": a range on a small or bloated table is planned as a scan of it;
+        max() and `= ANY` take the primary key's index whatever its size.)"""
         rows = conn.execute(
             "SELECT r.replica_id, r.last_commit, m.newest FROM (SELECT "
             "coalesce(max(seq_id), 0) AS newest FROM sequences) m LEFT JOIN replicas r "
@@ -1459,17 +1468,20 @@ class PostgresState:
             prepare=True,
         ).fetchall()
         filled: tuple[int, ...] = ()
-        if pending:
-            filled = tuple(
-                row[0]
-                for row in conn.execute(
-                    "SELECT seq_id FROM sequences WHERE seq_id = ANY(%s::bigint[])",
-                    (list(pending),),
-                    prepare=True,
-                )
+        claimed: tuple[int, ...] = ()
+        if pending or unclaimed:
+            asked = set(pending)
+            found = conn.execute(
+                "SELECT seq_id, owner IS NOT NULL FROM sequences WHERE seq_id = ANY(%s::bigint[])",
+                (list(asked | set(unclaimed)),),
+                prepare=True,
+            ).fetchall()
+            filled = tuple(sorted(seq_id for seq_id, _ in found if seq_id in asked))
+            claimed = tuple(
+                sorted(seq_id for seq_id, owned in found if owned and seq_id not in asked)
             )
         marks = {replica: number for replica, number, _ in rows if replica is not None}
-        return Watched(marks, rows[0][2], filled)
+        return Watched(marks, rows[0][2], filled, claimed)
 
     def watch_connection(self) -> psycopg.Connection:
         """A connection of its own for `watch`: generic plans (a custom plan for each

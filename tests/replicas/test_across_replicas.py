@@ -328,12 +328,42 @@ def test_a_stream_on_the_replica_that_claims_its_sequence_gets_its_first_token_a
     assert max(waits) < 0.5, waits
 
 
+def test_a_stream_of_a_sequence_another_replica_claims_gets_its_first_token_at_once(
+    start_replicas,
+):
+    # The stream on r1 reads its sequence unclaimed and waits; r0 claims it, admits it and
+    # commits its first token at once. A claim notifies no one and an unclaimed stream
+    # does not follow commit numbers: r1's watcher finds the claim in its reading of the
+    # ids such streams wait on, so the token does not wait for the one-second poll.
+    r0, r1 = start_replicas(2)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    waits = []
+    for n in range(6):
+        stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2))
+        seq_id = stream.next_event().seq_id
+        time.sleep(0.05)  # its first read has found it unclaimed
+        started = time.monotonic()
+        wait_until(
+            lambda seq_id=seq_id: admitted(worker.select()) == [seq_id],
+            "admission",
+            10,
+            every_seconds=0.005,
+        )
+        worker.select(running=[seq_id], tokens={seq_id: [40 + n]})
+        assert stream.tokens_until(1, 10) == [40 + n]
+        waits.append(time.monotonic() - started)
+        worker.select(tokens={seq_id: [50]}, finished=[(seq_id, EOS, 2)])
+        stream.rest(10)
+    assert max(waits) < 0.5, waits
+
+
 def test_streams_of_unclaimed_sequences_do_not_read_again_at_every_commit_elsewhere(
     start_replicas,
 ):
     # 40 streams on r1 of sequences no replica can claim (an adapter no worker has) while
-    # r0 commits a steady step every ~10 ms: they follow their claim's notification and
-    # the one-second poll, not every commit number that moves (about 2 reads a stream a
+    # r0 commits a steady step every ~10 ms: they follow the watcher's reading of their
+    # claims and the one-second poll, not every commit number that moves (about 2 reads a stream a
     # second, against several a commit before).
     r0, r1 = start_replicas(2)
     plain = Worker(r0.stub, "plain")

@@ -232,11 +232,14 @@ def test_cancel_of_a_sequence_another_replica_owns_is_committed_and_signalled(re
     assert b.state.cancel(seq_id) is False
 
 
-def test_commits_and_submits_notify_no_one_and_a_change_outside_them_does(replicas):
+def test_commits_submits_and_claims_notify_no_one_and_a_cancel_of_an_unclaimed_one_does(
+    replicas,
+):
     # PostgreSQL wakes every listening backend at each NOTIFY: a commit moves its
     # replica's number instead (streams elsewhere read it), a submit adds a seq_id the
-    # watchers read, while a change neither shows (a claim, a cancel of an unclaimed
-    # sequence) still notifies with its id.
+    # watchers read, a claim gives an owner that the watchers read for the streams that
+    # wait on it, while a cancel of an unclaimed sequence (nothing a watcher reads shows
+    # it) still notifies its id.
     a, b = replicas("a"), replicas("b")
     listener = b.state.listen_connection()
     seq_id = a.submit()
@@ -250,9 +253,7 @@ def test_commits_and_submits_notify_no_one_and_a_change_outside_them_does(replic
     assert b.state.cancel(unclaimed) is True
     seen = [(n.channel, n.payload) for n in listener.notifies(timeout=1.0)]
     listener.close()
-    # Nor do submits: the replicas' watchers find new seq_ids in their readings. The
-    # claim (no commit number shows it to a stream elsewhere) and the cancel do.
-    assert seen == [("lattice_progress", str(seq_id)), ("lattice_progress", str(unclaimed))]
+    assert seen == [("lattice_progress", str(unclaimed))]
 
 
 def test_a_submit_the_database_cannot_hold_is_invalid_argument_not_unavailable(replicas):
@@ -286,4 +287,16 @@ def test_a_watch_reading_sees_the_newest_seq_id_and_which_of_those_asked_are_the
     later = b.state.watch(conn, (ids[1], ids[-1] + 50))
     assert later.newest == ids[-1] > first.newest
     assert later.filled == (ids[1],)  # one that never came is not there
+    conn.close()
+
+
+def test_a_watch_reading_sees_which_unclaimed_sequences_have_an_owner_now(replicas):
+    a, b = replicas("a"), replicas("b")
+    conn = b.state.watch_connection()
+    ids = [a.submit() for _ in range(3)]
+    assert b.state.watch(conn, (), ids).claimed == ()
+    a.claim(2)  # the first two, in the queue's order
+    later = b.state.watch(conn, (ids[-1] + 50,), [*ids, ids[-1] + 60])
+    assert later.claimed == (ids[0], ids[1])
+    assert later.filled == ()  # those asked as pending are told apart
     conn.close()
