@@ -315,7 +315,7 @@ def run(
     result.tokens = sum(
         e.get(tokens, 0) - s.get(tokens, 0) for e, s in zip(end_metrics, start_metrics)
     )
-    for purpose in ("save", "claim"):
+    for purpose in ("save", "claim", "watch"):
         key = ("lattice_scheduler_database_round_trips_total", (("purpose", purpose),))
         result.round_trips[purpose] = sum(
             e.get(key, 0) - s.get(key, 0) for e, s in zip(end_metrics, start_metrics)
@@ -458,7 +458,8 @@ def _print_commits(r: Result) -> None:
         f"\n{r.workers} workers, {r.name}: {saves:.1f} saves a commit; by count "
         f"({', '.join(shares)}); the wait ended: {gathers}; round trips a decision: "
         f"save {r.round_trips.get('save', 0) / decisions:.3f}, "
-        f"claim {r.round_trips.get('claim', 0) / decisions:.3f}"
+        f"claim {r.round_trips.get('claim', 0) / decisions:.3f}; the watchers' "
+        f"round trips a second: {r.round_trips.get('watch', 0) / max(r.seconds, 1e-9):.1f}"
     )
 
 

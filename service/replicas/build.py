@@ -37,7 +37,8 @@ def open_store(settings: ServeSettings, registry: CollectorRegistry) -> Postgres
 
 
 class _RoundTrips:
-    """lattice_scheduler_database_round_trips_total{purpose}: save, submit, claim; and
+    """lattice_scheduler_database_round_trips_total{purpose}: save, submit, claim, watch
+    (the watcher's readings); and
     lattice_scheduler_database_commits_total, ..._saves_committed_total."""
 
     def __init__(self, store: PostgresState) -> None:
@@ -49,7 +50,7 @@ class _RoundTrips:
             "Blocking exchanges of this replica with PostgreSQL, by purpose",
             labels=["purpose"],
         )
-        for purpose in ("save", "submit", "claim"):
+        for purpose in ("save", "submit", "claim", "watch"):
             family.add_metric([purpose], self._store.round_trips[purpose])
         yield family
         commits = CounterMetricFamily(

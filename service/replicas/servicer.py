@@ -645,8 +645,18 @@ class ReplicaServicer(SchedulerServicer):
         conn = None
         marks: dict[int, int] | None = None
         submits = _Submits()
+        skipped = False
         delay = 0.1
         while not self._listener_stop.is_set():
+            # Nobody needs a reading while no stream of another replica's sequence waits
+            # here and the prefetcher already knows the shared queue may hold work (a
+            # submit would tell it nothing new): skip it. The first reading after a skip
+            # counts as a submit, as the ids it would have looked for may have landed and
+            # stopped being looked for meanwhile.
+            if marks is not None and not self._remote and self._queue_hint.is_set():
+                skipped = True
+                self._listener_stop.wait(self._watch_seconds)
+                continue
             try:
                 if conn is None:
                     conn = self._state.watch_connection()
@@ -672,8 +682,9 @@ class ReplicaServicer(SchedulerServicer):
                 continue
             delay = 0.1
             try:
-                if submits.update(watched, time.monotonic()):
+                if submits.update(watched, time.monotonic()) or skipped:
                     loop.call_soon_threadsafe(self._on_submitted)
+                skipped = False
                 if watched.claimed:
                     loop.call_soon_threadsafe(self._wake_remote, set(watched.claimed))
                 if watched.marks != marks:

@@ -1467,6 +1467,7 @@ class PostgresState:
             (self.replica_id,),
             prepare=True,
         ).fetchall()
+        self.round_trips["watch"] += 1
         filled: tuple[int, ...] = ()
         claimed: tuple[int, ...] = ()
         if pending or unclaimed:
@@ -1476,6 +1477,7 @@ class PostgresState:
                 (list(asked | set(unclaimed)),),
                 prepare=True,
             ).fetchall()
+            self.round_trips["watch"] += 1
             filled = tuple(sorted(seq_id for seq_id, _ in found if seq_id in asked))
             claimed = tuple(
                 sorted(seq_id for seq_id, owned in found if owned and seq_id not in asked)

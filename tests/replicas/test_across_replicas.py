@@ -358,6 +358,31 @@ def test_a_stream_of_a_sequence_another_replica_claims_gets_its_first_token_at_o
     assert max(waits) < 0.5, waits
 
 
+def test_the_watcher_reads_nothing_while_nobody_needs_it_and_resumes_when_needed(
+    start_replicas,
+):
+    # r1 has no worker (nothing to claim for) and no stream of another replica's sequence:
+    # its prefetcher's hint that the shared queue may hold work stays set, so a reading
+    # of submits or commit numbers would tell it nothing; the watcher skips them (before,
+    # it read every 20 ms). Once a worker of r1 takes work and a claim comes back short,
+    # the watcher reads again, and a submit on r0 (no submit notifies) reaches r1's worker.
+    r0, r1 = start_replicas(2)
+    state = r1.running._serving.servicer._state
+    time.sleep(0.2)  # the first reading, which always happens
+    before = state.round_trips["watch"]
+    time.sleep(0.5)
+    assert state.round_trips["watch"] - before <= 1
+    worker = Worker(r1.stub, "w")
+    worker.register()
+    worker.select()  # a short claim: the shared queue holds nothing now
+    time.sleep(0.1)
+    before = state.round_trips["watch"]
+    time.sleep(0.5)
+    assert state.round_trips["watch"] - before >= 5
+    seq_id = submit(r0.stub, max_new_tokens=2).seq_id
+    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r1", 10)
+
+
 def test_streams_of_unclaimed_sequences_do_not_read_again_at_every_commit_elsewhere(
     start_replicas,
 ):
