@@ -11,6 +11,9 @@ each: workers x batch + --extra-sequences queued by Submit (from 8 threads; p50 
 Submit), then the fake workers (threads here, spread over the replicas) that each hold
 up to --batch sequences, report one token per running sequence per call, and finish a
 sequence after --new-tokens tokens, for --seconds. A decision is one answered SelectBatch.
+By default a fake worker reports again as soon as it is answered; with --step-ms it first
+runs each decision that long (from a random phase), as a real worker steps: how many saves
+a group commit gathers, and so what a decision costs PostgreSQL, depends on that pace.
 
 CPU per decision: CPU seconds of the scheduler processes, and of the PostgreSQL server
 (postmaster and its backends), over the timed window, divided by decisions. On a shared
@@ -18,6 +21,7 @@ CPU per decision: CPU seconds of the scheduler processes, and of the PostgreSQL 
 share the same two cores.
 
     .venv/bin/python -m bench.replicas --seconds 8 --workers 4,16,64
+    .venv/bin/python -m bench.replicas --workers 16,64 --step-ms 20   # 50 iterations/s
 
 With `--statements N`, PostgreSQL's own view of each PostgreSQL configuration's window
 as well: its N costliest statements (pg_stat_statements: calls, rows, execution time and
@@ -127,6 +131,7 @@ def worker_thread(
     started: threading.Event,
     latencies: list[float],
     counts: list[int],
+    step_seconds: float = 0.0,
 ) -> None:
     stub.RegisterWorker(
         pb.RegisterWorkerRequest(
@@ -141,6 +146,9 @@ def worker_thread(
     generated: dict[int, int] = {}
     running: list[int] = []
     waiting: list[int] = []
+    # A paced worker (--step-ms) runs each decision for step_seconds before it reports,
+    # starting at a random phase, as real workers do not call in lockstep.
+    stop.wait(random.uniform(0.0, step_seconds))
     while not stop.is_set():
         tokens, finished = [], []
         for seq_id in running:
@@ -180,6 +188,8 @@ def worker_thread(
             if chunk.HasField("spec"):
                 generated[chunk.seq_id] = 0
                 waiting.append(chunk.seq_id)  # one chunk holds the whole prompt here
+        if step_seconds:
+            stop.wait(step_seconds)
 
 
 _STATEMENTS = (
@@ -275,6 +285,7 @@ def run(
                 started,
                 latencies[i],
                 counts[i],
+                args.step_ms / 1000,
             ),
             daemon=True,
         )
@@ -359,6 +370,13 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32, help="sequences per worker")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="each fake worker runs a decision this long before it reports (0: it reports "
+        "at once, as fast as the schedulers answer); 20 is a worker at 50 iterations/s",
+    )
+    parser.add_argument(
         "--extra-sequences",
         type=int,
         default=500,
@@ -413,6 +431,7 @@ def main() -> int:
             cluster.destroy()
     print(
         f"\n{args.batch} sequences per worker, {args.new_tokens} tokens each, "
+        f"steps of {args.step_ms:g} ms, "
         f"{args.seconds:g} s timed per run; load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} cores\n"
     )
