@@ -38,7 +38,7 @@ def open_store(settings: ServeSettings, registry: CollectorRegistry) -> Postgres
 
 class _RoundTrips:
     """lattice_scheduler_database_round_trips_total{purpose}: save, submit, claim, watch
-    (the watcher's readings); and
+    (the watcher's statements, one or two a reading); and
     lattice_scheduler_database_commits_total, ..._saves_committed_total."""
 
     def __init__(self, store: PostgresState) -> None:

@@ -64,8 +64,9 @@ log = logging.getLogger(__name__)
 # sequence moves to this replica).
 _REMOTE_POLL_SECONDS = 1.0
 # The watcher looks up at most this many of the unclaimed sequences that streams here wait
-# on, the oldest (the next claimed, in a queue of one priority): the others follow the
-# poll above until they are among them.
+# on a reading, in turns (`_unclaimed_window`): with more waiting, each is looked up at
+# least once in every ceil(n / 64) readings, so sequences that nobody claims for long (an
+# adapter no worker has) do not keep the others to the poll above.
 WATCHED_UNCLAIMED = 64
 # The prefetcher claims at least this often, whatever the hints say.
 _PREFETCH_ANYWAY_SECONDS = 0.5
@@ -109,6 +110,12 @@ class _Submits:
     def __init__(self) -> None:
         self.after: int | None = None  # None: not read yet
         self.pending: dict[int, float] = {}  # seq_id -> until when it is looked for
+
+    def postpone(self, seconds: float) -> None:
+        """Readings were skipped for `seconds`: the ids looked for are looked for that
+        much longer (a skipped reading looked for none of them)."""
+        for seq_id in self.pending:
+            self.pending[seq_id] += seconds
 
     def update(self, watched: Watched, now: float) -> bool:
         """Take one reading in; whether a submit may have landed since the last one (on
@@ -645,18 +652,23 @@ class ReplicaServicer(SchedulerServicer):
         conn = None
         marks: dict[int, int] | None = None
         submits = _Submits()
-        skipped = False
+        skipped_since: float | None = None
+        after = 0  # the last unclaimed id looked up: the next reading goes on past it
         delay = 0.1
         while not self._listener_stop.is_set():
             # Nobody needs a reading while no stream of another replica's sequence waits
             # here and the prefetcher already knows the shared queue may hold work (a
-            # submit would tell it nothing new): skip it. The first reading after a skip
-            # counts as a submit, as the ids it would have looked for may have landed and
-            # stopped being looked for meanwhile.
+            # submit would tell it nothing new): skip it. Nothing is lost: the newest id
+            # seen stays as it was, so the next reading sees every submit since, and the
+            # ids looked for are looked for as much longer as the readings stopped.
             if marks is not None and not self._remote and self._queue_hint.is_set():
-                skipped = True
+                if skipped_since is None:
+                    skipped_since = time.monotonic()
                 self._listener_stop.wait(self._watch_seconds)
                 continue
+            if skipped_since is not None:
+                submits.postpone(time.monotonic() - skipped_since)
+                skipped_since = None
             try:
                 if conn is None:
                     conn = self._state.watch_connection()
@@ -664,10 +676,12 @@ class ReplicaServicer(SchedulerServicer):
                 # which have an owner now (a claim notifies no one). A copy: the loop
                 # writes the dict meanwhile.
                 waiting = self._remote_owner.copy()
-                unclaimed = heapq.nsmallest(
+                unclaimed = _unclaimed_window(
+                    [seq_id for seq_id, owner in waiting.items() if owner is None],
+                    after,
                     WATCHED_UNCLAIMED,
-                    (seq_id for seq_id, owner in waiting.items() if owner is None),
                 )
+                after = unclaimed[-1] if len(unclaimed) == WATCHED_UNCLAIMED else 0
                 watched = self._state.watch(conn, list(submits.pending), unclaimed)
             except Exception as err:  # noqa: BLE001 - the database may be away: retry
                 log.warning("cannot read the replicas' commits and submits; retrying: %s", err)
@@ -682,9 +696,8 @@ class ReplicaServicer(SchedulerServicer):
                 continue
             delay = 0.1
             try:
-                if submits.update(watched, time.monotonic()) or skipped:
+                if submits.update(watched, time.monotonic()):
                     loop.call_soon_threadsafe(self._on_submitted)
-                skipped = False
                 if watched.claimed:
                     loop.call_soon_threadsafe(self._wake_remote, set(watched.claimed))
                 if watched.marks != marks:
@@ -724,6 +737,17 @@ class ReplicaServicer(SchedulerServicer):
                 self._start_side_task(self._apply_cancels([int(ids)]))
             else:
                 self._start_side_task(self._give_up(parse_ids_payload(ids)))
+
+
+def _unclaimed_window(ids: list[int], after: int, limit: int) -> list[int]:
+    """At most `limit` of `ids`: the smallest above `after`, then, wrapping round, the
+    smallest of the rest; ascending within each part."""
+    if len(ids) <= limit:
+        return sorted(ids)
+    window = heapq.nsmallest(limit, (seq_id for seq_id in ids if seq_id > after))
+    if len(window) < limit:
+        window += heapq.nsmallest(limit - len(window), (s for s in ids if s <= after))
+    return window
 
 
 def _moved(before: dict[int, int] | None, now: dict[int, int]) -> frozenset[int] | None:

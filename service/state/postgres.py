@@ -1471,16 +1471,16 @@ class PostgresState:
         filled: tuple[int, ...] = ()
         claimed: tuple[int, ...] = ()
         if pending or unclaimed:
-            asked = set(pending)
+            asked, streamed = set(pending), set(unclaimed)
             found = conn.execute(
                 "SELECT seq_id, owner IS NOT NULL FROM sequences WHERE seq_id = ANY(%s::bigint[])",
-                (list(asked | set(unclaimed)),),
+                (list(asked | streamed),),
                 prepare=True,
             ).fetchall()
             self.round_trips["watch"] += 1
             filled = tuple(sorted(seq_id for seq_id, _ in found if seq_id in asked))
             claimed = tuple(
-                sorted(seq_id for seq_id, owned in found if owned and seq_id not in asked)
+                sorted(seq_id for seq_id, owned in found if owned and seq_id in streamed)
             )
         marks = {replica: number for replica, number, _ in rows if replica is not None}
         return Watched(marks, rows[0][2], filled, claimed)

@@ -229,6 +229,17 @@ def test_a_replica_sheds_sheddable_requests_its_workers_could_not_start_in_time(
     submit(r0.stub, prompt=prompt, priority=0)
 
 
+def test_the_watched_unclaimed_sequences_go_round_in_turns():
+    from service.replicas.servicer import _unclaimed_window
+
+    assert _unclaimed_window([9, 3, 5], 0, 4) == [3, 5, 9]  # all fit
+    ids = list(range(1, 11))
+    assert _unclaimed_window(ids, 0, 4) == [1, 2, 3, 4]
+    assert _unclaimed_window(ids, 4, 4) == [5, 6, 7, 8]
+    assert _unclaimed_window(ids, 8, 4) == [9, 10, 1, 2]  # wraps round
+    assert _unclaimed_window(ids, 2, 4) == [3, 4, 5, 6]
+
+
 def test_the_replicas_whose_commit_number_moved_or_that_left():
     from service.replicas.servicer import _moved
 
@@ -381,6 +392,83 @@ def test_the_watcher_reads_nothing_while_nobody_needs_it_and_resumes_when_needed
     assert state.round_trips["watch"] - before >= 5
     seq_id = submit(r0.stub, max_new_tokens=2).seq_id
     wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r1", 10)
+
+
+def test_an_idle_replica_whose_claims_are_slow_claims_no_more_than_its_half_second(
+    start_replicas,
+):
+    # r1 has one idle worker and the shared queue holds nothing it can run; its claims
+    # take 10 ms (a loaded database), twice its watch interval. While a claim that a
+    # submit started runs, the hint stays set, so the watcher skips; a first build
+    # counted the reading after a skip as a submit, which set the hint and started
+    # another claim: 130 claims in 2 s. Now only the prefetcher's half-second claims
+    # remain.
+    r0, r1 = start_replicas(2)
+    servicer = r1.running._serving.servicer
+    servicer._watch_seconds = 0.005
+    worker = Worker(r1.stub, "w")
+    worker.register()
+    worker.select()
+    time.sleep(0.5)
+    state = servicer._state
+    claim, claims = state.claim, []
+
+    def slow_claim(*args, **kwargs):
+        claims.append(time.monotonic())
+        time.sleep(0.01)
+        return claim(*args, **kwargs)
+
+    state.claim = slow_claim
+    try:
+        # A submit no worker can run: r1's watcher sees it, its prefetcher claims (the
+        # hint set), and the claim comes back short.
+        submit(r0.stub, adapter_id="none")
+        time.sleep(2.0)
+    finally:
+        state.claim = claim
+    assert len(claims) <= 6, len(claims)
+
+
+def test_streams_past_the_watched_ones_are_not_held_by_sequences_nobody_claims(
+    start_replicas,
+):
+    # 64 streams on r1 wait on sequences no worker can run (an adapter nobody has): they
+    # fill a reading's lookup of unclaimed sequences. The lookup goes round in turns, so
+    # a newer stream's sequence, claimed and started on r0, gets its first token within
+    # a few readings, not at the 1 s poll (0.85-0.95 s in 4 of 6 with the oldest 64).
+    r0, r1 = start_replicas(2)
+    stuck = [
+        Stream(
+            r1.stub,
+            pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2, adapter_id="none"),
+            timeout_seconds=60,
+        )
+        for _ in range(64)
+    ]
+    for stream in stuck:
+        stream.next_event()
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    waits = []
+    for n in range(6):
+        stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2))
+        seq_id = stream.next_event().seq_id
+        time.sleep(0.05)  # its first read has found it unclaimed
+        started = time.monotonic()
+        wait_until(
+            lambda seq_id=seq_id: admitted(worker.select()) == [seq_id],
+            "admission",
+            10,
+            every_seconds=0.005,
+        )
+        worker.select(running=[seq_id], tokens={seq_id: [40 + n]})
+        assert stream.tokens_until(1, 10) == [40 + n]
+        waits.append(time.monotonic() - started)
+        worker.select(tokens={seq_id: [50]}, finished=[(seq_id, EOS, 2)])
+        stream.rest(10)
+    for stream in stuck:
+        stream.call.cancel()
+    assert max(waits) < 0.5, waits
 
 
 def test_streams_of_unclaimed_sequences_do_not_read_again_at_every_commit_elsewhere(
