@@ -50,6 +50,32 @@ def _admit_on(worker: Worker, count: int) -> list[int]:
     return got
 
 
+def _first_token_waits(streaming, worker: Worker, count: int) -> list[float]:
+    """`count` times: a stream on replica `streaming` of a new sequence, which `worker`
+    (of another replica) is given and runs a token of once the stream has read it
+    unclaimed; how long from then until the stream had that token."""
+    waits = []
+    for n in range(count):
+        stream = Stream(
+            streaming.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2)
+        )
+        seq_id = stream.next_event().seq_id
+        time.sleep(0.05)  # its first read has found it unclaimed
+        started = time.monotonic()
+        wait_until(
+            lambda seq_id=seq_id: admitted(worker.select()) == [seq_id],
+            "admission",
+            10,
+            every_seconds=0.005,
+        )
+        worker.select(running=[seq_id], tokens={seq_id: [40 + n]})
+        assert stream.tokens_until(1, 10) == [40 + n]
+        waits.append(time.monotonic() - started)
+        worker.select(tokens={seq_id: [50]}, finished=[(seq_id, EOS, 2)])
+        stream.rest(10)
+    return waits
+
+
 def _core(server):
     return server.running._serving.servicer._core
 
@@ -349,23 +375,7 @@ def test_a_stream_of_a_sequence_another_replica_claims_gets_its_first_token_at_o
     r0, r1 = start_replicas(2)
     worker = Worker(r0.stub, "w")
     worker.register()
-    waits = []
-    for n in range(6):
-        stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2))
-        seq_id = stream.next_event().seq_id
-        time.sleep(0.05)  # its first read has found it unclaimed
-        started = time.monotonic()
-        wait_until(
-            lambda seq_id=seq_id: admitted(worker.select()) == [seq_id],
-            "admission",
-            10,
-            every_seconds=0.005,
-        )
-        worker.select(running=[seq_id], tokens={seq_id: [40 + n]})
-        assert stream.tokens_until(1, 10) == [40 + n]
-        waits.append(time.monotonic() - started)
-        worker.select(tokens={seq_id: [50]}, finished=[(seq_id, EOS, 2)])
-        stream.rest(10)
+    waits = _first_token_waits(r1, worker, 6)
     assert max(waits) < 0.5, waits
 
 
@@ -449,23 +459,7 @@ def test_streams_past_the_watched_ones_are_not_held_by_sequences_nobody_claims(
         stream.next_event()
     worker = Worker(r0.stub, "w")
     worker.register()
-    waits = []
-    for n in range(6):
-        stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2))
-        seq_id = stream.next_event().seq_id
-        time.sleep(0.05)  # its first read has found it unclaimed
-        started = time.monotonic()
-        wait_until(
-            lambda seq_id=seq_id: admitted(worker.select()) == [seq_id],
-            "admission",
-            10,
-            every_seconds=0.005,
-        )
-        worker.select(running=[seq_id], tokens={seq_id: [40 + n]})
-        assert stream.tokens_until(1, 10) == [40 + n]
-        waits.append(time.monotonic() - started)
-        worker.select(tokens={seq_id: [50]}, finished=[(seq_id, EOS, 2)])
-        stream.rest(10)
+    waits = _first_token_waits(r1, worker, 6)
     for stream in stuck:
         stream.call.cancel()
     assert max(waits) < 0.5, waits
