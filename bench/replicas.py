@@ -407,6 +407,8 @@ def main() -> int:
         "per decision, for each PostgreSQL configuration (pg_stat_statements)",
     )
     args = parser.parse_args()
+    if not 0 <= args.step_ms <= 10_000:
+        parser.error(f"--step-ms must be within 0-10000, got {args.step_ms:g}")
     configs = [c for c in args.configs.split(",") if c]
     for config in configs:
         if config not in CONFIGS:

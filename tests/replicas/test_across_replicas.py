@@ -76,6 +76,22 @@ def _first_token_waits(streaming, worker: Worker, count: int) -> list[float]:
     return waits
 
 
+def _unclaimable_streams(server, count: int, timeout_seconds: float) -> list[Stream]:
+    """`count` streams on `server` of sequences no worker can run (an adapter nobody
+    has), each past its first event (the submit)."""
+    streams = [
+        Stream(
+            server.stub,
+            pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2, adapter_id="none"),
+            timeout_seconds=timeout_seconds,
+        )
+        for _ in range(count)
+    ]
+    for stream in streams:
+        stream.next_event()
+    return streams
+
+
 def _core(server):
     return server.running._serving.servicer._core
 
@@ -447,16 +463,7 @@ def test_streams_past_the_watched_ones_are_not_held_by_sequences_nobody_claims(
     # a newer stream's sequence, claimed and started on r0, gets its first token within
     # a few readings, not at the 1 s poll (0.85-0.95 s in 4 of 6 with the oldest 64).
     r0, r1 = start_replicas(2)
-    stuck = [
-        Stream(
-            r1.stub,
-            pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2, adapter_id="none"),
-            timeout_seconds=60,
-        )
-        for _ in range(64)
-    ]
-    for stream in stuck:
-        stream.next_event()
+    stuck = _unclaimable_streams(r1, 64, timeout_seconds=60)
     worker = Worker(r0.stub, "w")
     worker.register()
     waits = _first_token_waits(r1, worker, 6)
@@ -477,16 +484,7 @@ def test_streams_of_unclaimed_sequences_do_not_read_again_at_every_commit_elsewh
     plain.register()
     base = submit(r0.stub, max_new_tokens=4000).seq_id
     wait_until(lambda: admitted(plain.select()) == [base], "admission on r0", 10)
-    streams = [
-        Stream(
-            r1.stub,
-            pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2, adapter_id="none"),
-            timeout_seconds=30,
-        )
-        for _ in range(40)
-    ]
-    for stream in streams:
-        stream.next_event()
+    streams = _unclaimable_streams(r1, 40, timeout_seconds=30)
     state = r1.running._serving.servicer._state
     reads = [0]
     read_output = state.read_output
