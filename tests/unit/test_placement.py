@@ -448,6 +448,29 @@ def test_the_price_counts_the_prefill_once_for_the_sequence_and_once_per_sequenc
     assert not price.prefers(400, idle, Place(32, 1, price.wait_seconds(1)))
 
 
+def test_a_fit_that_puts_a_prefill_weight_below_zero_never_makes_a_hit_cost_more():
+    """A worker's learned fit can share a prefill's cost between its two collinear
+    features with the per-token weight below zero (-0.145 ms a token and 4 us a
+    token-context: a CPU worker's fit, traced). At face value a second turn's 53 tokens
+    after 32 cached then cost more than its 85 from the start, and the worker holding the
+    32 could never win it. The price counts neither weight below zero."""
+    model = StepTimeModel((5.0, -145.0, 4030.0, 50.0, 5.0))
+    price = AffinityPrice(model)
+    for num_tokens in (85, 115, 146):
+        for cached in (16, 32, 64, 80):
+            assert price.prefill_seconds(num_tokens, cached) < price.prefill_seconds(
+                num_tokens, 0
+            ), (num_tokens, cached)
+    # Both workers hold one sequence: the hit on the holder wins.
+    holder = Place(32, 1, price.wait_seconds(1))
+    assert price.prefers(85, Place(0, 1), holder)
+    # The model's own prediction of a step is left as fitted.
+    shape = StepShape(85, chunk_attention(0, 85))
+    assert model.predict(shape) == pytest.approx(
+        (5.0 - 145.0 * 0.085 + 4030.0 * 85 * 42.5e-6) / 1000
+    )
+
+
 def test_costs_within_a_step_or_a_call_gap_are_a_tie_that_goes_to_the_longer_prefix():
     """A second turn: 32 of 85 tokens cached on a worker holding one sequence, against
     cold on another holding one. Cold is cheaper by less than one decode step, so the

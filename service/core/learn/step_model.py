@@ -134,6 +134,19 @@ class StepTimeModel:
         below zero, and zeroing it would overpredict every step that has them."""
         return max(0.0, sum([w * x for w, x in zip(self.weights, shape.features())])) / 1000.0
 
+    def prefill_seconds(self, num_tokens: int, attention: float) -> float:
+        """What a prefill of `num_tokens` with `attention` work (`chunk_attention`) adds to
+        a step: its two features at their weights, neither weight counted below zero, as in
+        `prefill_budget`. The two move together on short prompts, and a fit can share their
+        cost with one weight below zero; at face value a chunk deep in a context (few
+        tokens, much attention) would then cost as much as, or more than, the whole prompt
+        from its start, which also holds that chunk's work."""
+        w = self.weights
+        return (
+            max(0.0, w[1]) * num_tokens * _PREFILL_SCALE
+            + max(0.0, w[2]) * attention * _ATTENTION_SCALE
+        ) / 1000.0
+
     def observe(self, shape: StepShape, seconds: float) -> float:
         """Learn one measured step; returns the prediction it had before (seconds)."""
         predicted = self.predict(shape)

@@ -53,16 +53,15 @@ class AffinityPrice:
 
     def __init__(self, model: StepTimeModel) -> None:
         self._model = model
-        self._empty_step = model.predict(StepShape())
 
     def prefill_seconds(self, num_tokens: int, cached_tokens: int) -> float:
         """What prefilling a `num_tokens` prompt from `cached_tokens` adds to the steps
-        that carry it (the model's prediction less a step's fixed cost)."""
+        that carry it (the model's prefill terms: never more for fewer tokens from a
+        longer cached prefix)."""
         todo = max(0, num_tokens - cached_tokens)
         if todo == 0:
             return 0.0
-        shape = StepShape(todo, chunk_attention(cached_tokens, todo))
-        return max(0.0, self._model.predict(shape) - self._empty_step)
+        return self._model.prefill_seconds(todo, chunk_attention(cached_tokens, todo))
 
     def wait_seconds(self, load: int, backlog_tokens: int = 0) -> float:
         """How long a worker holding `load` sequences, with `backlog_tokens` of prompts

@@ -1,0 +1,51 @@
+"""bench/placement_stack.py: what counts as a resumed follow-up, when a stack is ready,
+and its one-line refusals of bad arguments (the stack itself runs in
+tests/gateway/test_placement_stack.py, slow)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from bench.placement_stack import BLOCK_TOKENS, Turn, _reported, main, resumed
+
+
+def _turn(conversation: int, turn: int, prompt_len: int, cached: int) -> Turn:
+    return Turn(conversation, turn, "", prompt_len, cached, 10 * conversation + turn, 0.1)
+
+
+def test_a_follow_up_resumed_when_its_cache_reaches_the_last_prompt_less_one_block():
+    turns = [
+        _turn(0, 0, 40, 0),
+        _turn(0, 1, 90, 40 - BLOCK_TOKENS),  # the last prompt less one block: resumed
+        _turn(0, 2, 140, 90 - BLOCK_TOKENS - 1),  # one token short: cold
+        _turn(1, 0, 41, 0),
+        _turn(1, 1, 91, 0),
+    ]
+    assert [(t.conversation, t.turn) for t in resumed(turns)] == [(0, 1)]
+
+
+def test_a_stack_is_ready_once_both_workers_have_reported():
+    def worker(iteration: int) -> SimpleNamespace:
+        return SimpleNamespace(iteration=iteration)
+
+    assert not _reported([worker(3)])  # one registered
+    assert not _reported([worker(3), worker(0)])  # both registered, one silent so far
+    assert _reported([worker(3), worker(1)])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--turns", "0"], "--turns must be within 1-4, got 0"),
+        (["--turns", "5"], "--turns must be within 1-4, got 5"),
+        (["--conversations", "0"], "--conversations must be within 1-64, got 0"),
+        (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
