@@ -254,13 +254,13 @@ def row(round_no: int, setting: str, run: Run, same_text: bool) -> list[object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=3, help=f"1-{len(QUESTIONS)}")
+    parser.add_argument("--turns", type=int, default=3, help=f"2-{len(QUESTIONS)}")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", type=Path, help="a checkpoint directory (default: the demo)")
     parser.add_argument("--logs", type=Path, help="keep the processes' logs here")
     args = parser.parse_args(argv)
-    if not 1 <= args.turns <= len(QUESTIONS):
-        parser.error(f"--turns must be within 1-{len(QUESTIONS)}, got {args.turns}")
+    if not 2 <= args.turns <= len(QUESTIONS):  # a follow-up needs a second turn
+        parser.error(f"--turns must be within 2-{len(QUESTIONS)}, got {args.turns}")
     if not 1 <= args.conversations <= 64:
         parser.error(f"--conversations must be within 1-64, got {args.conversations}")
     if args.rounds < 1:

@@ -38,8 +38,8 @@ def test_a_stack_is_ready_once_both_workers_have_reported():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--turns", "0"], "--turns must be within 1-4, got 0"),
-        (["--turns", "5"], "--turns must be within 1-4, got 5"),
+        (["--turns", "1"], "--turns must be within 2-4, got 1"),
+        (["--turns", "5"], "--turns must be within 2-4, got 5"),
         (["--conversations", "0"], "--conversations must be within 1-64, got 0"),
         (["--rounds", "0"], "--rounds must be at least 1, got 0"),
     ],
