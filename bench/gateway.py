@@ -28,7 +28,14 @@ import grpc
 
 from bench.harness.tables import ms, pct, print_table
 from common.loadgen import run_concurrently
-from common.processes import GATEWAY_LISTENING, LOOPBACK, spawn, spawn_scheduler
+from common.processes import (
+    GATEWAY_LISTENING,
+    LOOPBACK,
+    gateway_argv,
+    spawn,
+    spawn_scheduler,
+    worker_argv,
+)
 from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
@@ -89,39 +96,14 @@ def main() -> int:
             target = f"{LOOPBACK}:{scheduler.ports[0]}"
             worker = spawn(
                 "worker",
-                [
-                    sys.executable,
-                    "-m",
-                    "worker_client",
-                    "--scheduler",
-                    target,
-                    "--worker-id",
-                    "bench-worker",
-                    "--model",
-                    args.model,
-                    "--device",
-                    "cpu",
-                ],
+                worker_argv(target, "bench-worker", args.model, "--device", "cpu"),
                 workdir,
                 cwd=ROOT,
             )
             procs.append(worker)
             gateway = spawn(
                 "gateway",
-                [
-                    sys.executable,
-                    "-m",
-                    "service",
-                    "gateway",
-                    "--target",
-                    target,
-                    "--model",
-                    str(model_dir),
-                    "--host",
-                    LOOPBACK,
-                    "--port",
-                    "0",
-                ],
+                gateway_argv(target, model_dir),
                 workdir,
                 GATEWAY_LISTENING,
                 cwd=ROOT,

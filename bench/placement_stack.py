@@ -42,13 +42,16 @@ import grpc
 from bench.harness.processes import scrape
 from bench.harness.tables import print_table
 from common.processes import (
+    CPU_ONE_THREAD,
     GATEWAY_LISTENING,
     LOOPBACK,
     SCHEDULER_LISTENING,
     START_TIMEOUT_SECONDS,
     Process,
+    gateway_argv,
     scheduler_argv,
     spawn,
+    worker_argv,
 )
 from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
@@ -66,6 +69,7 @@ QUESTIONS = [
     "Thank you; one last word?",
 ]
 WORKER_IDS = ("w0", "w1")
+WORKER_FLAGS = (*CPU_ONE_THREAD, "--cache-block-tokens", str(BLOCK_TOKENS))
 CACHED = ("lattice_scheduler_prefill_tokens_total", (("source", "cached"),))
 MISSES = ("lattice_scheduler_cache_misses_total", ())
 DEFERRED = ("lattice_scheduler_admissions_blocked_total", (("reason", "placement"),))
@@ -90,6 +94,7 @@ def two_worker_stack(
     every process stopped on the way out (a worker's exit line: `sequences_finished`)."""
     started: list[Process] = []
     logs.mkdir(parents=True, exist_ok=True)
+    channel = None
     try:
         scheduler = spawn(
             "scheduler",
@@ -102,8 +107,9 @@ def two_worker_stack(
         started.append(scheduler)
         target = f"{LOOPBACK}:{scheduler.ports[0]}"
         for worker_id in WORKER_IDS:
-            started.append(spawn(worker_id, _worker_argv(target, model_dir, worker_id), logs))
-        gateway = spawn("gateway", _gateway_argv(target, model_dir), logs, GATEWAY_LISTENING)
+            argv = worker_argv(target, worker_id, model_dir, *WORKER_FLAGS)
+            started.append(spawn(worker_id, argv, logs))
+        gateway = spawn("gateway", gateway_argv(target, model_dir), logs, GATEWAY_LISTENING)
         started.append(gateway)
         channel = grpc.insecure_channel(target)
         stub = pb_grpc.SchedulerStub(channel)
@@ -114,40 +120,23 @@ def two_worker_stack(
             lambda: _reported(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers),
             "both workers to register and report",
             START_TIMEOUT_SECONDS,
+            gone=lambda: _first_exit(started),
         )
         yield f"http://{LOOPBACK}:{gateway.ports[0]}", stub, scheduler.ports[1]
-        channel.close()
     finally:
+        if channel is not None:
+            channel.close()
         for process in reversed(started):
             process.stop()
 
 
+def _first_exit(started: list[Process]) -> str | None:
+    """Why the first of `started` to have exited did (a wait on them fails at once)."""
+    return next((r for p in started if (r := p.exit_reason()) is not None), None)
+
+
 def _reported(workers) -> bool:
     return len(workers) == len(WORKER_IDS) and all(w.iteration > 0 for w in workers)
-
-
-def _worker_argv(target: str, model_dir: Path, worker_id: str) -> list[str]:
-    return [
-        *(sys.executable, "-m", "worker_client", "--scheduler", target, "--worker-id", worker_id),
-        *("--model", str(model_dir), "--device", "cpu", "--threads", "1"),
-        *("--cache-block-tokens", str(BLOCK_TOKENS)),
-    ]
-
-
-def _gateway_argv(target: str, model_dir: Path) -> list[str]:
-    return [
-        *(
-            sys.executable,
-            "-m",
-            "service",
-            "gateway",
-            "--target",
-            target,
-            "--model",
-            str(model_dir),
-        ),
-        *("--host", LOOPBACK, "--port", "0"),
-    ]
 
 
 def conversations(
@@ -265,61 +254,66 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--conversations must be within 1-64, got {args.conversations}")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    scratch = Path(tempfile.mkdtemp(prefix="lattice-placement-stack-"))
-    logs = args.logs or scratch / "logs"
-    model_dir = args.model
-    if model_dir is None:
-        from worker_client.demo_model import write_demo_checkpoint
+    # The demo checkpoint and the logs (unless --logs keeps them) go with the run.
+    with tempfile.TemporaryDirectory(prefix="lattice-placement-stack-") as tmp:
+        scratch = Path(tmp)
+        logs = args.logs or scratch / "logs"
+        model_dir = args.model
+        if model_dir is None:
+            from worker_client.demo_model import write_demo_checkpoint
 
-        model_dir = scratch / "tiny-qwen35-chat"
-        model_dir.mkdir()
-        write_demo_checkpoint(model_dir)
-    rows, shares, resumed_shares = [], [], []
-    for round_no in range(1, args.rounds + 1):
-        order = ("on", "off") if round_no % 2 else ("off", "on")
-        runs = {}
-        for setting in order:
-            print(
-                f"round {round_no}/{args.rounds}: caching {setting}, load average "
-                f"{os.getloadavg()[0]:.2f}",
-                file=sys.stderr,
-                flush=True,
+            model_dir = scratch / "tiny-qwen35-chat"
+            model_dir.mkdir()
+            write_demo_checkpoint(model_dir)
+        rows, shares, resumed_shares = [], [], []
+        for round_no in range(1, args.rounds + 1):
+            order = ("on", "off") if round_no % 2 else ("off", "on")
+            runs = {}
+            for setting in order:
+                print(
+                    f"round {round_no}/{args.rounds}: caching {setting}, load average "
+                    f"{os.getloadavg()[0]:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                runs[setting] = run_once(model_dir, logs / f"{round_no}-{setting}", setting, args)
+            same = [t.text for t in runs["on"].turns] == [t.text for t in runs["off"].turns]
+            for setting in ("on", "off"):
+                rows.append(row(round_no, setting, runs[setting], same))
+            on = runs["on"]
+            resumed_shares.append(
+                len(resumed(on.turns)) / max(1, sum(t.turn > 0 for t in on.turns))
             )
-            runs[setting] = run_once(model_dir, logs / f"{round_no}-{setting}", setting, args)
-        same = [t.text for t in runs["on"].turns] == [t.text for t in runs["off"].turns]
-        for setting in ("on", "off"):
-            rows.append(row(round_no, setting, runs[setting], same))
-        on = runs["on"]
-        resumed_shares.append(len(resumed(on.turns)) / max(1, sum(t.turn > 0 for t in on.turns)))
-        shares.append(min(on.served.values()) / max(1, sum(on.served.values())))
-    print(
-        f"\n{args.conversations} conversations of {args.turns} turns, 2 workers, "
-        f"{args.rounds} round(s), load average {os.getloadavg()[0]:.2f} on "
-        f"{os.cpu_count()} cores\n"
-    )
-    print_table(
-        [
-            "round, caching",
-            "follow-ups resumed",
-            "past the second turn",
-            "sequences w0 / w1",
-            "smaller share",
-            "deferred for placement",
-            "cache misses",
-            "follow-ups, answer ms p50 / p90 / max",
-            "wall s",
-            "same text",
-        ],
-        rows,
-    )
-    print(
-        f"\ncaching on: follow-ups resumed {statistics.mean(resumed_shares):.3f} on average "
-        f"(runs {', '.join(f'{s:.2f}' for s in resumed_shares)}), at least 0.9 in "
-        f"{sum(s >= 0.9 for s in resumed_shares)} of {len(resumed_shares)}; the smaller "
-        f"worker's share {min(shares):.2f}-{max(shares):.2f}"
-    )
-    print(f"logs in {logs}", file=sys.stderr)
-    return 0
+            shares.append(min(on.served.values()) / max(1, sum(on.served.values())))
+        print(
+            f"\n{args.conversations} conversations of {args.turns} turns, 2 workers, "
+            f"{args.rounds} round(s), load average {os.getloadavg()[0]:.2f} on "
+            f"{os.cpu_count()} cores\n"
+        )
+        print_table(
+            [
+                "round, caching",
+                "follow-ups resumed",
+                "past the second turn",
+                "sequences w0 / w1",
+                "smaller share",
+                "deferred for placement",
+                "cache misses",
+                "follow-ups, answer ms p50 / p90 / max",
+                "wall s",
+                "same text",
+            ],
+            rows,
+        )
+        print(
+            f"\ncaching on: follow-ups resumed {statistics.mean(resumed_shares):.3f} on average "
+            f"(runs {', '.join(f'{s:.2f}' for s in resumed_shares)}), at least 0.9 in "
+            f"{sum(s >= 0.9 for s in resumed_shares)} of {len(resumed_shares)}; the smaller "
+            f"worker's share {min(shares):.2f}-{max(shares):.2f}"
+        )
+        if args.logs:
+            print(f"logs in {args.logs}", file=sys.stderr)
+        return 0
 
 
 if __name__ == "__main__":

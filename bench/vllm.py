@@ -47,8 +47,10 @@ from common.processes import (
     Process,
     clean_env,
     free_port,
+    gateway_argv,
     scheduler_argv,
     spawn,
+    worker_argv,
 )
 from common.waiting import wait_until
 
@@ -324,20 +326,15 @@ def lattice(
         for i in range(num_workers):
             steps = step_log_path(logs, i)
             steps.unlink(missing_ok=True)
-            argv = [
-                str(VLLM_PYTHON), "-m", "worker_client", "--engine", "vllm",
-                "--scheduler", target, "--worker-id", f"vllm-{i + 1}", "--model", str(model),
+            argv = worker_argv(
+                target, f"vllm-{i + 1}", model, "--engine", "vllm",
                 "--kv-cache-gib", "1", "--max-model-len", str(MAX_MODEL_LEN),
                 "--max-num-batched-tokens", str(STEP_TOKENS), "--step-log", str(steps),
-                *worker_flags,
-            ]  # fmt: skip
+                *worker_flags, python=VLLM_PYTHON,
+            )  # fmt: skip
             env = clean_env(VLLM_CPU_OMP_THREADS_BIND=_cores(i, num_workers))
             started.append(Process(f"vllm-{i + 1}", argv, logs / f"vllm-{i + 1}.log", env=env))
-        gateway_argv = [
-            sys.executable, "-m", "service", "gateway", "--target", target,
-            "--model", str(model), "--host", LOOPBACK, "--port", "0",
-        ]  # fmt: skip
-        gateway = spawn("gateway", gateway_argv, logs, GATEWAY_LISTENING)
+        gateway = spawn("gateway", gateway_argv(target, model), logs, GATEWAY_LISTENING)
         started.append(gateway)
         wait_until(
             lambda: _registered(scheduler.ports[1]) >= num_workers,

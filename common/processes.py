@@ -59,6 +59,32 @@ def scheduler_argv(*flags: str, port: int = 0) -> list[str]:
     ]
 
 
+# A reference-engine worker on one CPU thread (tests and benchmarks that start several).
+CPU_ONE_THREAD = ("--device", "cpu", "--threads", "1")
+
+
+def worker_argv(
+    target: str, worker_id: str, model: str | Path, *flags: str, python: str | Path = ""
+) -> list[str]:
+    """`lattice-worker` for `model` (a checkpoint directory, `demo` or `scripted`) calling
+    `target`, plus `flags`; run by `python` (default: this interpreter; a vLLM worker runs
+    in its own environment's)."""
+    return [
+        str(python or sys.executable),
+        *("-m", "worker_client", "--scheduler", target, "--worker-id", worker_id),
+        *("--model", str(model), *flags),
+    ]
+
+
+def gateway_argv(target: str, model: str | Path, *flags: str, port: int = 0) -> list[str]:
+    """`lattice-scheduler gateway` for `target` on loopback, on `port` (0: a free one, which
+    its banner names: GATEWAY_LISTENING), tokenizing with `model`'s files, plus `flags`."""
+    return [
+        *(sys.executable, "-m", "service", "gateway", "--target", target),
+        *("--model", str(model), "--host", LOOPBACK, "--port", str(port), *flags),
+    ]
+
+
 class Process:
     """One started process, its stdout and stderr in a log file, and how it ended."""
 

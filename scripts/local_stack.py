@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.processes import gateway_argv, worker_argv
 from common.waiting import WaitFailed, wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
@@ -156,17 +157,7 @@ def main() -> int:
             worker_id = f"cpu-worker-{i + 1}"
             home = i % num_schedulers  # its own replica first, then the others
             order = ",".join(targets[home:] + targets[:home])
-            argv = [
-                sys.executable,
-                "-m",
-                "worker_client",
-                "--scheduler",
-                order,
-                "--worker-id",
-                worker_id,
-                "--model",
-                args.model,
-            ]
+            argv = worker_argv(order, worker_id, args.model)
             worker_env = env
             if args.engine == "vllm":
                 # vLLM binds its CPU threads itself: give each worker its own cores.
@@ -181,20 +172,7 @@ def main() -> int:
         base_url = f"http://127.0.0.1:{args.gateway_port}"
         procs.append(
             _spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "service",
-                    "gateway",
-                    "--target",
-                    target,
-                    "--model",
-                    str(gateway_model),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(args.gateway_port),
-                ],
+                gateway_argv(target, gateway_model, port=args.gateway_port),
                 logs / "gateway.log",
                 env,
             )

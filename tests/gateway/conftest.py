@@ -10,20 +10,22 @@ import grpc
 import pytest
 
 from common.processes import (
+    CPU_ONE_THREAD,
     GATEWAY_LISTENING,
     LOOPBACK,
     SCHEDULER_LISTENING,
     START_TIMEOUT_SECONDS,
     Process,
+    gateway_argv,
     scheduler_argv,
     spawn,
+    worker_argv,
 )
 from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from .checkpoint import Checkpoint, build_checkpoint
-from .processes import gateway_argv, worker_argv
 
 # How long a keyed sequence outlives its last client in these tests: long enough for a
 # retry on a loaded machine, short enough to watch it lapse.
@@ -74,7 +76,9 @@ def stack(checkpoint: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> I
         scheduler = spawn("scheduler", scheduler_argv(), logs, SCHEDULER_LISTENING)
         started.append(scheduler)
         target = f"{LOOPBACK}:{scheduler.ports[0]}"
-        started.append(spawn("worker", worker_argv(target, checkpoint.path), logs))
+        started.append(
+            spawn("worker", worker_argv(target, "worker", checkpoint.path, *CPU_ONE_THREAD), logs)
+        )
         gateway = spawn(
             "gateway",
             gateway_argv(

@@ -11,12 +11,11 @@ from common.processes import (
     GATEWAY_LISTENING,
     LOOPBACK,
     SCHEDULER_LISTENING,
+    gateway_argv,
     scheduler_argv,
     spawn,
 )
 from tests.security.pki import make_pki
-
-from .processes import gateway_argv
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")

@@ -10,12 +10,11 @@ import urllib.request
 
 import pytest
 
-from common.processes import GATEWAY_LISTENING, LOOPBACK, spawn
+from common.processes import GATEWAY_LISTENING, LOOPBACK, gateway_argv, spawn
 from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 
 from .conftest import REATTACH_GRACE_SECONDS, Stack
-from .processes import gateway_argv
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")

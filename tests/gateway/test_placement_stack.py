@@ -4,9 +4,9 @@ its own process; 16 conversations of 4 turns each, sent at once through the gate
 
 Follow-up turns should land on the worker that served the conversation's last turn and
 resume from its cache (how long another worker leaves one to it follows the machine's
-load: bench/placement_stack.py's LATENCY_TARGET_MS), the scheduler's metrics should count what they resumed, the
-conversations should spread over both workers, and the greedy text should be the same
-with --prefix-caching off."""
+load: bench/placement_stack.py's LATENCY_TARGET_MS), the scheduler's metrics should
+count what they resumed, the conversations should spread over both workers, and the
+greedy text should be the same with --prefix-caching off."""
 
 from __future__ import annotations
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from common.processes import GATEWAY_LISTENING, LOOPBACK, clean_env, spawn
+from common.processes import GATEWAY_LISTENING, LOOPBACK, clean_env, gateway_argv, spawn
 
-from .processes import ROOT, gateway_argv
+ROOT = Path(__file__).resolve().parents[2]
+
 
 pytestmark = pytest.mark.slow
 

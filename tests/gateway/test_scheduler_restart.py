@@ -9,14 +9,15 @@ import socket
 import pytest
 
 from common.processes import (
+    CPU_ONE_THREAD,
     GATEWAY_LISTENING,
     LOOPBACK,
     SCHEDULER_LISTENING,
+    gateway_argv,
     scheduler_argv,
     spawn,
+    worker_argv,
 )
-
-from .processes import gateway_argv, worker_argv
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -38,7 +39,11 @@ def test_a_keyed_stream_reads_on_across_a_scheduler_kill_and_restart(checkpoint,
     started = []
     try:
         started.append(spawn("scheduler", argv, tmp_path, SCHEDULER_LISTENING))
-        started.append(spawn("worker", worker_argv(target, checkpoint.path), tmp_path))
+        started.append(
+            spawn(
+                "worker", worker_argv(target, "worker", checkpoint.path, *CPU_ONE_THREAD), tmp_path
+            )
+        )
         gateway = spawn(
             "gateway", gateway_argv(target, checkpoint.path), tmp_path, GATEWAY_LISTENING
         )

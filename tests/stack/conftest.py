@@ -178,10 +178,11 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> GatewayActivity:
         GATEWAY_LISTENING,
         SCHEDULER_LISTENING,
         START_TIMEOUT_SECONDS,
+        gateway_argv,
         scheduler_argv,
         spawn,
+        worker_argv,
     )
-    from tests.gateway.processes import gateway_argv, worker_argv
     from worker_client.demo_model import build_tokenizer, write_tokenizer_files
 
     workdir = tmp_path_factory.mktemp("gateway")
@@ -192,7 +193,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> GatewayActivity:
         scheduler = spawn("gateway-scheduler", scheduler_argv(), workdir, SCHEDULER_LISTENING)
         started.append(scheduler)
         target = f"{LOOPBACK}:{scheduler.ports[0]}"
-        started.append(spawn("scripted-worker", worker_argv(target, "scripted"), workdir))
+        started.append(
+            spawn("scripted-worker", worker_argv(target, "scripted-worker", "scripted"), workdir)
+        )
         gateway = spawn("gateway", gateway_argv(target, model_dir), workdir, GATEWAY_LISTENING)
         started.append(gateway)
         with grpc.insecure_channel(target) as channel:

@@ -16,12 +16,19 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.processes import GATEWAY_LISTENING, LOOPBACK, Process, clean_env, spawn
+from common.processes import (
+    GATEWAY_LISTENING,
+    LOOPBACK,
+    Process,
+    clean_env,
+    gateway_argv,
+    spawn,
+    worker_argv,
+)
 from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from tests.gateway.checkpoint import Checkpoint, build_checkpoint
-from tests.gateway.processes import gateway_argv
 from tests.worker.conftest import start_scheduler
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,20 +103,7 @@ def run_in_vllm(module: str, *args: str, timeout: float = 600) -> str:
 
 
 def vllm_worker_argv(target: str, model: Path, worker_id: str, *flags: str) -> list[str]:
-    return [
-        str(require_vllm()),
-        "-m",
-        "worker_client",
-        "--engine",
-        "vllm",
-        "--scheduler",
-        target,
-        "--worker-id",
-        worker_id,
-        "--model",
-        str(model),
-        *flags,
-    ]
+    return worker_argv(target, worker_id, model, "--engine", "vllm", *flags, python=require_vllm())
 
 
 class VllmStack:
