@@ -453,22 +453,42 @@ def test_a_fit_that_puts_a_prefill_weight_below_zero_never_makes_a_hit_cost_more
     features with the per-token weight below zero (-0.145 ms a token and 4 us a
     token-context: a CPU worker's fit, traced). At face value a second turn's 53 tokens
     after 32 cached then cost more than its 85 from the start, and the worker holding the
-    32 could never win it. The price counts neither weight below zero."""
+    32 could never win it. Priced as the whole prompt less its cached prefix, a hit never
+    costs more than a miss, and a miss never more than the model predicts it adds to a
+    step (counting only the non-negative weight would price 85 tokens at 14.6 ms, twice
+    the 7.2 ms step the model predicts for them)."""
     model = StepTimeModel((5.0, -145.0, 4030.0, 50.0, 5.0))
     price = AffinityPrice(model)
+    chunk = (-145.0 * 0.053 + 4030.0 * chunk_attention(32, 53) * 1e-6) / 1000
+    assert chunk > price.prefill_seconds(85, 0)  # the face value this guards against
     for num_tokens in (85, 115, 146):
-        for cached in (16, 32, 64, 80):
-            assert price.prefill_seconds(num_tokens, cached) < price.prefill_seconds(
-                num_tokens, 0
-            ), (num_tokens, cached)
-    # Both workers hold one sequence: the hit on the holder wins.
+        miss = price.prefill_seconds(num_tokens, 0)
+        step = model.predict(StepShape(num_tokens, chunk_attention(0, num_tokens)))
+        assert 0 < miss < step, num_tokens
+        longer = [price.prefill_seconds(num_tokens, cached) for cached in (16, 32, 64, 80)]
+        assert miss >= longer[0] and longer == sorted(longer, reverse=True), num_tokens
+        assert longer[-1] < miss and longer[-1] >= 0, num_tokens
+    # Both workers hold one sequence: the hit on the holder wins, from either side.
     holder = Place(32, 1, price.wait_seconds(1))
     assert price.prefers(85, Place(0, 1), holder)
+    assert not price.prefers(85, holder, Place(0, 1))
     # The model's own prediction of a step is left as fitted.
     shape = StepShape(85, chunk_attention(0, 85))
     assert model.predict(shape) == pytest.approx(
         (5.0 - 145.0 * 0.085 + 4030.0 * 85 * 42.5e-6) / 1000
     )
+
+
+def test_at_fitted_weights_above_zero_a_hit_costs_its_chunk_terms():
+    """With both prefill weights above zero, the whole prompt less its cached prefix is
+    exactly the chunk's own terms: what `predict` adds for a chunk from the prefix on."""
+    model = StepTimeModel((5.0, 20.0, 300.0, 50.0, 5.0))
+    for num_tokens, cached in ((85, 32), (400, 384), (1000, 0), (64, 63)):
+        todo = num_tokens - cached
+        chunk = StepShape(todo, chunk_attention(cached, todo))
+        added = model.predict(chunk) - model.predict(StepShape())
+        assert model.prefill_seconds(num_tokens, cached) == pytest.approx(added)
+    assert model.prefill_seconds(85, 85) == 0.0 and model.prefill_seconds(85, 90) == 0.0
 
 
 def test_costs_within_a_step_or_a_call_gap_are_a_tie_that_goes_to_the_longer_prefix():

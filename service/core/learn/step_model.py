@@ -134,18 +134,32 @@ class StepTimeModel:
         below zero, and zeroing it would overpredict every step that has them."""
         return max(0.0, sum([w * x for w, x in zip(self.weights, shape.features())])) / 1000.0
 
-    def prefill_seconds(self, num_tokens: int, attention: float) -> float:
-        """What a prefill of `num_tokens` with `attention` work (`chunk_attention`) adds to
-        a step: its two features at their weights, neither weight counted below zero, as in
-        `prefill_budget`. The two move together on short prompts, and a fit can share their
-        cost with one weight below zero; at face value a chunk deep in a context (few
-        tokens, much attention) would then cost as much as, or more than, the whole prompt
-        from its start, which also holds that chunk's work."""
+    def prefill_seconds(self, num_tokens: int, cached_tokens: int = 0) -> float:
+        """What prefilling a prompt's tokens from `cached_tokens` to `num_tokens` adds to
+        the steps that carry them: the whole prompt's prefill terms, as `predict` counts
+        them, less those of its cached prefix, each never below zero. A prefix's work is
+        part of the whole prompt's (the attention of a chunk from `cached_tokens` on is the
+        whole's less the prefix's), so at the fitted weights this is the chunk's own terms;
+        but a fit can share a prefill's cost between its two collinear features with one
+        weight below zero, and a chunk deep in a context (few tokens, much attention) would
+        then cost more than the whole prompt from its start. Counted this way a hit never
+        costs more than a miss, nor less than nothing, and a miss never more than `predict`
+        adds for it."""
+        if cached_tokens >= num_tokens:
+            return 0.0
+        whole = self._prefill_terms_ms(num_tokens)
+        if cached_tokens <= 0:
+            return whole / 1000.0
+        return max(0.0, whole - self._prefill_terms_ms(cached_tokens)) / 1000.0
+
+    def _prefill_terms_ms(self, num_tokens: int) -> float:
+        """A prompt's prefill terms from its start, in ms, never below zero."""
         w = self.weights
-        return (
-            max(0.0, w[1]) * num_tokens * _PREFILL_SCALE
-            + max(0.0, w[2]) * attention * _ATTENTION_SCALE
-        ) / 1000.0
+        return max(
+            0.0,
+            w[1] * num_tokens * _PREFILL_SCALE
+            + w[2] * chunk_attention(0, num_tokens) * _ATTENTION_SCALE,
+        )
 
     def observe(self, shape: StepShape, seconds: float) -> float:
         """Learn one measured step; returns the prediction it had before (seconds)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
+from service.core.learn.step_model import StepShape, StepTimeModel
 
 # The most a place's gap between calls widens a near tie, in decode steps of the busier
 # place.
@@ -56,12 +56,9 @@ class AffinityPrice:
 
     def prefill_seconds(self, num_tokens: int, cached_tokens: int) -> float:
         """What prefilling a `num_tokens` prompt from `cached_tokens` adds to the steps
-        that carry it (the model's prefill terms: never more for fewer tokens from a
-        longer cached prefix)."""
-        todo = max(0, num_tokens - cached_tokens)
-        if todo == 0:
-            return 0.0
-        return self._model.prefill_seconds(todo, chunk_attention(cached_tokens, todo))
+        that carry it (`StepTimeModel.prefill_seconds`: never more from a longer cached
+        prefix)."""
+        return self._model.prefill_seconds(num_tokens, cached_tokens)
 
     def wait_seconds(self, load: int, backlog_tokens: int = 0) -> float:
         """How long a worker holding `load` sequences, with `backlog_tokens` of prompts
@@ -83,9 +80,10 @@ class AffinityPrice:
         return self._model.predict(StepShape(num_decodes=load))
 
     def prefers(self, num_tokens: int, here: Place, there: Place) -> bool:
-        """Whether a `num_tokens` prompt costs less at `there` than `here`. Costs closer
-        than one decode step of the busier place, or than either place's mean gap between
-        calls, are a tie, and a tie goes to the place with the longer cached prefix: a
+        """Whether a `num_tokens` prompt costs less at `there` than `here`. Costs no
+        further apart than one decode step of the busier place, or than either place's mean
+        gap between calls, are a tie, and a tie goes to the place with the longer cached
+        prefix: a
         place starts a sequence only at a step's boundary, after it calls, and its wait is
         priced as one predicted step, so a smaller difference is below what the price
         resolves, while the cached tokens are certainly not computed again."""
@@ -101,5 +99,5 @@ class AffinityPrice:
         gap = min(max(here.call_gap_seconds, there.call_gap_seconds), MAX_GAP_STEPS * step)
         tie = max(step, gap)
         if there.cached_tokens > here.cached_tokens:
-            return there_cost < here_cost + tie
+            return there_cost <= here_cost + tie
         return there_cost < here_cost - tie
