@@ -214,9 +214,20 @@ def run_once(model_dir: Path, logs: Path, prefix_caching: str, args) -> Run:
     return Run(turns, metrics, served, wall)
 
 
-def _ms(values: list[float], q: float) -> str:
+def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return f"{ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000:.0f}"
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _ms(values: list[float], q: float) -> str:
+    return f"{_quantile(values, q) * 1000:.0f}"
+
+
+def answer_ratios(on: Run, off: Run) -> tuple[float, float]:
+    """The follow-ups' time to their whole answer, caching on over off: (p50, p90)."""
+    on_s = [t.seconds for t in on.turns if t.turn > 0]
+    off_s = [t.seconds for t in off.turns if t.turn > 0]
+    return tuple(_quantile(on_s, q) / _quantile(off_s, q) for q in (0.5, 0.9))
 
 
 def row(round_no: int, setting: str, run: Run, same_text: bool) -> list[object]:
@@ -265,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = scratch / "tiny-qwen35-chat"
             model_dir.mkdir()
             write_demo_checkpoint(model_dir)
-        rows, shares, resumed_shares = [], [], []
+        rows, shares, resumed_shares, ratios = [], [], [], []
         for round_no in range(1, args.rounds + 1):
             order = ("on", "off") if round_no % 2 else ("off", "on")
             runs = {}
@@ -285,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 len(resumed(on.turns)) / max(1, sum(t.turn > 0 for t in on.turns))
             )
             shares.append(min(on.served.values()) / max(1, sum(on.served.values())))
+            ratios.append(answer_ratios(on, runs["off"]))
         print(
             f"\n{args.conversations} conversations of {args.turns} turns, 2 workers, "
             f"{args.rounds} round(s), load average {os.getloadavg()[0]:.2f} on "
@@ -310,6 +322,14 @@ def main(argv: list[str] | None = None) -> int:
             f"(runs {', '.join(f'{s:.2f}' for s in resumed_shares)}), at least 0.9 in "
             f"{sum(s >= 0.9 for s in resumed_shares)} of {len(resumed_shares)}; the smaller "
             f"worker's share {min(shares):.2f}-{max(shares):.2f}"
+        )
+        # What the cache and placement cost or save the follow-ups, run beside run.
+        p50s, p90s = [r[0] for r in ratios], [r[1] for r in ratios]
+        print(
+            f"follow-ups' answer time, caching on / off: p50 {statistics.median(p50s):.2f}x "
+            f"(rounds {', '.join(f'{r:.2f}' for r in p50s)}), p90 "
+            f"{statistics.median(p90s):.2f}x (rounds {', '.join(f'{r:.2f}' for r in p90s)}), "
+            "medians over the rounds"
         )
         if args.logs:
             print(f"logs in {args.logs}", file=sys.stderr)

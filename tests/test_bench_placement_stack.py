@@ -1,5 +1,5 @@
 """bench/placement_stack.py: what counts as a resumed follow-up, when a stack is ready,
-and its one-line refusals of bad arguments (the stack itself runs in
+how the follow-ups' answer times compare, and its one-line refusals of bad arguments (the stack itself runs in
 tests/gateway/test_placement_stack.py, slow)."""
 
 from __future__ import annotations
@@ -8,7 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.placement_stack import BLOCK_TOKENS, Turn, _reported, main, resumed
+from bench.placement_stack import (
+    BLOCK_TOKENS,
+    Run,
+    Turn,
+    _reported,
+    answer_ratios,
+    main,
+    resumed,
+)
 
 
 def _turn(conversation: int, turn: int, prompt_len: int, cached: int) -> Turn:
@@ -24,6 +32,18 @@ def test_a_follow_up_resumed_when_its_cache_reaches_the_last_prompt_less_one_blo
         _turn(1, 1, 91, 0),
     ]
     assert [(t.conversation, t.turn) for t in resumed(turns)] == [(0, 1)]
+
+
+def test_answer_ratios_compare_the_follow_ups_only_at_each_quantile():
+    def run(seconds: list[float]) -> Run:
+        first = [Turn(9, 0, "", 40, 0, 0, 100.0)]  # a first turn: never counted
+        follow_ups = [Turn(i, 1, "", 90, 0, i, s) for i, s in enumerate(seconds)]
+        return Run(first + follow_ups, {}, {}, 1.0)
+
+    off = run([0.1 * i for i in range(1, 11)])  # p50 0.6 s, p90 1.0 s (nearest rank)
+    on = run([0.12 * i for i in range(1, 10)] + [1.5])
+    p50, p90 = answer_ratios(on, off)
+    assert p50 == pytest.approx(0.72 / 0.6) and p90 == pytest.approx(1.5)
 
 
 def test_a_stack_is_ready_once_both_workers_have_reported():
