@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -265,10 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--conversations must be within 1-64, got {args.conversations}")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    # The demo checkpoint and the logs (unless --logs keeps them) go with the run.
-    with tempfile.TemporaryDirectory(prefix="lattice-placement-stack-") as tmp:
-        scratch = Path(tmp)
-        logs = args.logs or scratch / "logs"
+    # The demo checkpoint and the logs (unless --logs keeps them) go with a run that ends
+    # well; a failed one keeps them, as its error points there.
+    scratch = Path(tempfile.mkdtemp(prefix="lattice-placement-stack-"))
+    logs = args.logs or scratch / "logs"
+    try:
         model_dir = args.model
         if model_dir is None:
             from worker_client.demo_model import write_demo_checkpoint
@@ -331,9 +333,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{statistics.median(p90s):.2f}x (rounds {', '.join(f'{r:.2f}' for r in p90s)}), "
             "medians over the rounds"
         )
-        if args.logs:
-            print(f"logs in {args.logs}", file=sys.stderr)
-        return 0
+    except BaseException:
+        print(f"logs in {logs}", file=sys.stderr)
+        raise
+    shutil.rmtree(scratch)
+    if args.logs:
+        print(f"logs in {args.logs}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

@@ -157,16 +157,19 @@ def main() -> int:
             worker_id = f"cpu-worker-{i + 1}"
             home = i % num_schedulers  # its own replica first, then the others
             order = ",".join(targets[home:] + targets[:home])
-            argv = worker_argv(order, worker_id, args.model)
             worker_env = env
             if args.engine == "vllm":
                 # vLLM binds its CPU threads itself: give each worker its own cores.
                 first = i * threads % (os.cpu_count() or 1)
                 worker_env = dict(env, VLLM_CPU_OMP_THREADS_BIND=f"{first}-{first + threads - 1}")
-                argv[0] = str(VLLM_PYTHON)
-                argv += ["--engine", "vllm", "--kv-cache-gib", "1"]
+                argv = worker_argv(
+                    order, worker_id, args.model, "--engine", "vllm", "--kv-cache-gib", "1",
+                    python=VLLM_PYTHON,
+                )  # fmt: skip
             else:
-                argv += ["--device", args.device, "--threads", str(threads)]
+                argv = worker_argv(
+                    order, worker_id, args.model, "--device", args.device, "--threads", str(threads)
+                )
             procs.append(_spawn(argv, logs / f"{worker_id}.log", worker_env))
         model_name = gateway_model.name
         base_url = f"http://127.0.0.1:{args.gateway_port}"

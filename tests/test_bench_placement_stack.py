@@ -1,6 +1,6 @@
 """bench/placement_stack.py: what counts as a resumed follow-up, when a stack is ready,
-how the follow-ups' answer times compare, and its one-line refusals of bad arguments (the stack itself runs in
-tests/gateway/test_placement_stack.py, slow)."""
+how the follow-ups' answer times compare, and its one-line refusals of bad arguments
+(the stack itself runs in tests/gateway/test_placement_stack.py, slow)."""
 
 from __future__ import annotations
 
@@ -35,13 +35,15 @@ def test_a_follow_up_resumed_when_its_cache_reaches_the_last_prompt_less_one_blo
 
 
 def test_answer_ratios_compare_the_follow_ups_only_at_each_quantile():
-    def run(seconds: list[float]) -> Run:
-        first = [Turn(9, 0, "", 40, 0, 0, 100.0)]  # a first turn: never counted
+    def run(first_seconds: list[float], seconds: list[float]) -> Run:
+        first = [Turn(20 + i, 0, "", 40, 0, 20 + i, s) for i, s in enumerate(first_seconds)]
         follow_ups = [Turn(i, 1, "", 90, 0, i, s) for i, s in enumerate(seconds)]
         return Run(first + follow_ups, {}, {}, 1.0)
 
-    off = run([0.1 * i for i in range(1, 11)])  # p50 0.6 s, p90 1.0 s (nearest rank)
-    on = run([0.12 * i for i in range(1, 10)] + [1.5])
+    # Off's first turns are slow and many, on's are none: counted, they would move both
+    # quantiles of off (to 5.0 s), and the ratios with them.
+    off = run([5.0] * 12, [0.1 * i for i in range(1, 11)])  # p50 0.6 s, p90 1.0 s
+    on = run([], [0.12 * i for i in range(1, 10)] + [1.5])
     p50, p90 = answer_ratios(on, off)
     assert p50 == pytest.approx(0.72 / 0.6) and p90 == pytest.approx(1.5)
 

@@ -454,9 +454,9 @@ def test_a_fit_that_puts_a_prefill_weight_below_zero_never_makes_a_hit_cost_more
     token-context: a CPU worker's fit, traced). At face value a second turn's 53 tokens
     after 32 cached then cost more than its 85 from the start, and the worker holding the
     32 could never win it. Priced as the whole prompt less its cached prefix, a hit never
-    costs more than a miss, and a miss never more than the model predicts it adds to a
-    step (counting only the non-negative weight would price 85 tokens at 14.6 ms, twice
-    the 7.2 ms step the model predicts for them)."""
+    costs more than a miss, and a miss costs what the model predicts it adds to a step
+    (counting only the non-negative weight would price 85 tokens at 14.6 ms, twice the
+    7.2 ms step the model predicts for them)."""
     model = StepTimeModel((5.0, -145.0, 4030.0, 50.0, 5.0))
     price = AffinityPrice(model)
     chunk = (-145.0 * 0.053 + 4030.0 * chunk_attention(32, 53) * 1e-6) / 1000
@@ -464,7 +464,7 @@ def test_a_fit_that_puts_a_prefill_weight_below_zero_never_makes_a_hit_cost_more
     for num_tokens in (85, 115, 146):
         miss = price.prefill_seconds(num_tokens, 0)
         step = model.predict(StepShape(num_tokens, chunk_attention(0, num_tokens)))
-        assert 0 < miss < step, num_tokens
+        assert 0 < miss == pytest.approx(step - model.predict(StepShape())), num_tokens
         longer = [price.prefill_seconds(num_tokens, cached) for cached in (16, 32, 64, 80)]
         assert miss >= longer[0] and longer == sorted(longer, reverse=True), num_tokens
         assert longer[-1] < miss and longer[-1] >= 0, num_tokens
@@ -477,6 +477,20 @@ def test_a_fit_that_puts_a_prefill_weight_below_zero_never_makes_a_hit_cost_more
     assert model.predict(shape) == pytest.approx(
         (5.0 - 145.0 * 0.085 + 4030.0 * 85 * 42.5e-6) / 1000
     )
+
+
+def test_a_fit_that_puts_the_context_weight_below_zero_never_makes_a_long_prompt_free():
+    """The other way round: 0.3 ms a token and -0.2 ms per 1,000 token-contexts. At face
+    value a prompt's prefill would fall from 1,500 tokens on and cost nothing from 3,000,
+    so placement would stop weighing the prompts where prefill matters most. Its
+    attention counts as free instead, and the tokens still cost."""
+    model = StepTimeModel((5.0, 300.0, -200.0, 50.0, 5.0))
+    lengths = (100, 1000, 1500, 2000, 3000, 6000)
+    misses = [model.prefill_seconds(n) for n in lengths]
+    assert misses == sorted(misses) and misses[-1] == pytest.approx(0.3 * 6000 / 1000)
+    assert model.prefill_seconds(6000, 3000) == pytest.approx(0.3 * 3000 / 1000)
+    price = AffinityPrice(model)  # a peer's backlog of prefill is a wait again
+    assert price.wait_seconds(2, 6000) > price.wait_seconds(2, 3000) > price.wait_seconds(2)
 
 
 def test_at_fitted_weights_above_zero_a_hit_costs_its_chunk_terms():

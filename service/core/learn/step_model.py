@@ -136,15 +136,20 @@ class StepTimeModel:
 
     def prefill_seconds(self, num_tokens: int, cached_tokens: int = 0) -> float:
         """What prefilling a prompt's tokens from `cached_tokens` to `num_tokens` adds to
-        the steps that carry them: the whole prompt's prefill terms, as `predict` counts
-        them, less those of its cached prefix, each never below zero. A prefix's work is
-        part of the whole prompt's (the attention of a chunk from `cached_tokens` on is the
-        whole's less the prefix's), so at the fitted weights this is the chunk's own terms;
-        but a fit can share a prefill's cost between its two collinear features with one
-        weight below zero, and a chunk deep in a context (few tokens, much attention) would
-        then cost more than the whole prompt from its start. Counted this way a hit never
-        costs more than a miss, nor less than nothing, and a miss never more than `predict`
-        adds for it."""
+        the steps that carry them: the whole prompt's prefill terms less those of its
+        cached prefix. A prefix's work is part of the whole prompt's (the attention of a
+        chunk from `cached_tokens` on is the whole's less the prefix's), so at weights above
+        zero this is exactly the chunk's own terms, as `predict` counts them. But the two
+        features move together on short prompts, and a fit can share their cost with one
+        weight below zero:
+        - per token below zero: at face value a chunk deep in a context (few tokens, much
+          attention) would cost more than the whole prompt from its start; the whole's
+          terms, less the prefix's, each floored at zero, never do;
+        - per token of context below zero: at face value a long enough prompt would cost
+          nothing; its attention is counted as free instead (the tokens still cost).
+        So a hit never costs more than a miss nor less than nothing, a longer prompt never
+        less than a shorter one, and with the context weight at or above zero a miss costs
+        what `predict` adds for it, or nothing where that is below zero."""
         if cached_tokens >= num_tokens:
             return 0.0
         whole = self._prefill_terms_ms(num_tokens)
@@ -153,12 +158,13 @@ class StepTimeModel:
         return max(0.0, whole - self._prefill_terms_ms(cached_tokens)) / 1000.0
 
     def _prefill_terms_ms(self, num_tokens: int) -> float:
-        """A prompt's prefill terms from its start, in ms, never below zero."""
+        """A prompt's prefill terms from its start, in ms: never below zero, and never
+        falling as the prompt grows (the attention's weight counted at zero or more)."""
         w = self.weights
         return max(
             0.0,
             w[1] * num_tokens * _PREFILL_SCALE
-            + w[2] * chunk_attention(0, num_tokens) * _ATTENTION_SCALE,
+            + max(0.0, w[2]) * chunk_attention(0, num_tokens) * _ATTENTION_SCALE,
         )
 
     def observe(self, shape: StepShape, seconds: float) -> float:

@@ -83,10 +83,9 @@ class AffinityPrice:
         """Whether a `num_tokens` prompt costs less at `there` than `here`. Costs no
         further apart than one decode step of the busier place, or than either place's mean
         gap between calls, are a tie, and a tie goes to the place with the longer cached
-        prefix: a
-        place starts a sequence only at a step's boundary, after it calls, and its wait is
-        priced as one predicted step, so a smaller difference is below what the price
-        resolves, while the cached tokens are certainly not computed again."""
+        prefix: a place starts a sequence only at a step's boundary, after it calls, and its
+        wait is priced as one predicted step, so a smaller difference is below what the
+        price resolves, while the cached tokens are certainly not computed again."""
         there_cost = self.cost_seconds(num_tokens, there)
         here_cost = self.cost_seconds(num_tokens, here)
         if there.cached_tokens == here.cached_tokens:
