@@ -38,23 +38,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from bench.harness.processes import scrape
 from bench.harness.tables import print_table
-from common.processes import (
-    CPU_ONE_THREAD,
-    GATEWAY_LISTENING,
-    LOOPBACK,
-    SCHEDULER_LISTENING,
-    START_TIMEOUT_SECONDS,
-    Process,
-    gateway_argv,
-    scheduler_argv,
-    spawn,
-    worker_argv,
-)
-from common.waiting import wait_until
+from common.processes import CPU_ONE_THREAD
+from common.stacks import gateway_stack
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -93,47 +80,19 @@ def two_worker_stack(
 ) -> Iterator[tuple[str, pb_grpc.SchedulerStub, int]]:
     """(the gateway's URL, a stub of the scheduler, its metrics port) of a running stack;
     every process stopped on the way out (a worker's exit line: `sequences_finished`)."""
-    started: list[Process] = []
     logs.mkdir(parents=True, exist_ok=True)
-    channel = None
-    try:
-        scheduler = spawn(
-            "scheduler",
-            scheduler_argv(
-                "--prefix-caching", prefix_caching, "--tpot-target-ms", LATENCY_TARGET_MS
-            ),
-            logs,
-            SCHEDULER_LISTENING,
-        )
-        started.append(scheduler)
-        target = f"{LOOPBACK}:{scheduler.ports[0]}"
-        for worker_id in WORKER_IDS:
-            argv = worker_argv(target, worker_id, model_dir, *WORKER_FLAGS)
-            started.append(spawn(worker_id, argv, logs))
-        gateway = spawn("gateway", gateway_argv(target, model_dir), logs, GATEWAY_LISTENING)
-        started.append(gateway)
-        channel = grpc.insecure_channel(target)
-        stub = pb_grpc.SchedulerStub(channel)
-        # Until both have reported once (the registration is committed before its answer,
-        # so a worker reports tens of ms after GetStatus lists it): a fleet that serves has
-        # heard from its workers, and a burst sent into that window measures the start.
-        wait_until(
-            lambda: _reported(stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers),
-            "both workers to register and report",
-            START_TIMEOUT_SECONDS,
-            gone=lambda: _first_exit(started),
-        )
-        yield f"http://{LOOPBACK}:{gateway.ports[0]}", stub, scheduler.ports[1]
-    finally:
-        if channel is not None:
-            channel.close()
-        for process in reversed(started):
-            process.stop()
-
-
-def _first_exit(started: list[Process]) -> str | None:
-    """Why the first of `started` to have exited did (a wait on them fails at once)."""
-    return next((r for p in started if (r := p.exit_reason()) is not None), None)
+    # Ready once both have reported (the registration is committed before its answer, so
+    # a worker reports tens of ms after GetStatus lists it): a fleet that serves has heard
+    # from its workers, and a burst sent into that window measures the start.
+    with gateway_stack(
+        logs,
+        model_dir,
+        scheduler_flags=("--prefix-caching", prefix_caching, "--tpot-target-ms", LATENCY_TARGET_MS),
+        workers=[(worker_id, WORKER_FLAGS) for worker_id in WORKER_IDS],
+        ready=_reported,
+        what="both workers to register and report",
+    ) as stack:
+        yield stack.base_url, stack.stub, stack.metrics_port
 
 
 def _reported(workers) -> bool:

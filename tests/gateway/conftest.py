@@ -9,19 +9,8 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from common.processes import (
-    CPU_ONE_THREAD,
-    GATEWAY_LISTENING,
-    LOOPBACK,
-    SCHEDULER_LISTENING,
-    START_TIMEOUT_SECONDS,
-    Process,
-    gateway_argv,
-    scheduler_argv,
-    spawn,
-    worker_argv,
-)
-from common.waiting import wait_until
+from common.processes import CPU_ONE_THREAD, LOOPBACK, Process
+from common.stacks import gateway_stack
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -70,60 +59,25 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 @pytest.fixture(scope="session")
 def stack(checkpoint: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    logs = tmp_path_factory.mktemp("gateway-logs")
-    started: list[Process] = []
-    try:
-        scheduler = spawn("scheduler", scheduler_argv(), logs, SCHEDULER_LISTENING)
-        started.append(scheduler)
-        target = f"{LOOPBACK}:{scheduler.ports[0]}"
-        started.append(
-            spawn("worker", worker_argv(target, "worker", checkpoint.path, *CPU_ONE_THREAD), logs)
+    with gateway_stack(
+        tmp_path_factory.mktemp("gateway-logs"),
+        checkpoint.path,
+        workers=[("worker", CPU_ONE_THREAD)],
+        gateway_flags=("--reattach-grace-seconds", str(REATTACH_GRACE_SECONDS)),
+        what="the worker to register",
+    ) as started:
+        yield Stack(
+            checkpoint, started.scheduler, started.gateway, started.channel, checkpoint.path.name
         )
-        gateway = spawn(
-            "gateway",
-            gateway_argv(
-                target, checkpoint.path, "--reattach-grace-seconds", str(REATTACH_GRACE_SECONDS)
-            ),
-            logs,
-            GATEWAY_LISTENING,
-        )
-        started.append(gateway)
-        channel = grpc.insecure_channel(target)
-        stub = pb_grpc.SchedulerStub(channel)
-        wait_until(
-            lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers,
-            "the worker to register",
-            START_TIMEOUT_SECONDS,
-            gone=started[1].exit_reason,
-        )
-        yield Stack(checkpoint, scheduler, gateway, channel, checkpoint.path.name)
-        channel.close()
-    finally:
-        for process in reversed(started):
-            process.stop()
 
 
 @pytest.fixture(scope="session")
 def idle_stack(checkpoint: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A scheduler with no worker and room for one queued sequence, and its gateway."""
-    logs = tmp_path_factory.mktemp("gateway-idle-logs")
-    started: list[Process] = []
-    try:
-        scheduler = spawn(
-            "scheduler", scheduler_argv("--max-queue", "1"), logs, SCHEDULER_LISTENING
-        )
-        started.append(scheduler)
-        target = f"{LOOPBACK}:{scheduler.ports[0]}"
-        gateway = spawn(
-            "gateway",
-            gateway_argv(target, checkpoint.path, "--served-model-name", "tiny"),
-            logs,
-            GATEWAY_LISTENING,
-        )
-        started.append(gateway)
-        channel = grpc.insecure_channel(target)
-        yield Stack(checkpoint, scheduler, gateway, channel, "tiny")
-        channel.close()
-    finally:
-        for process in reversed(started):
-            process.stop()
+    with gateway_stack(
+        tmp_path_factory.mktemp("gateway-idle-logs"),
+        checkpoint.path,
+        scheduler_flags=("--max-queue", "1"),
+        gateway_flags=("--served-model-name", "tiny"),
+    ) as started:
+        yield Stack(checkpoint, started.scheduler, started.gateway, started.channel, "tiny")
