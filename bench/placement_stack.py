@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness.processes import scrape
-from bench.harness.tables import print_table
+from bench.harness.tables import pct, print_table
 from common.processes import CPU_ONE_THREAD
 from common.stacks import gateway_stack
 from lattice.scheduler.v1 import scheduler_pb2 as pb
@@ -174,20 +174,15 @@ def run_once(model_dir: Path, logs: Path, prefix_caching: str, args) -> Run:
     return Run(turns, metrics, served, wall)
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _ms(values: list[float], q: float) -> str:
-    return f"{_quantile(values, q) * 1000:.0f}"
+def _ms(values: list[float], percent: float) -> str:
+    return f"{pct(values, percent) * 1000:.0f}"
 
 
 def answer_ratios(on: Run, off: Run) -> tuple[float, float]:
     """The follow-ups' time to their whole answer, caching on over off: (p50, p90)."""
     on_s = [t.seconds for t in on.turns if t.turn > 0]
     off_s = [t.seconds for t in off.turns if t.turn > 0]
-    return tuple(_quantile(on_s, q) / _quantile(off_s, q) for q in (0.5, 0.9))
+    return tuple(pct(on_s, p) / pct(off_s, p) for p in (50, 90))
 
 
 def row(round_no: int, setting: str, run: Run, same_text: bool) -> list[object]:
@@ -205,7 +200,7 @@ def row(round_no: int, setting: str, run: Run, same_text: bool) -> list[object]:
         f"{share:.2f}",
         f"{run.metrics.get(DEFERRED, 0):.0f}",
         f"{run.metrics.get(MISSES, 0):.0f}",
-        f"{_ms(seconds, 0.5)} / {_ms(seconds, 0.9)} / {_ms(seconds, 1.0)}",
+        f"{_ms(seconds, 50)} / {_ms(seconds, 90)} / {_ms(seconds, 100)}",
         f"{run.wall_seconds:.2f}",
         "yes" if same_text else "NO",
     ]
