@@ -4,6 +4,9 @@ CPU per decision, and database round trips and commits per decision and per Subm
 
 Each configuration runs real `lattice-scheduler serve` processes on loopback:
   sqlite       one scheduler, --state-dir (the embedded default)
+  sqlite-N     N independent schedulers, each its own --state-dir, the workers spread
+               over them: what N processes cost on these cores with nothing shared, the
+               fair match for postgres-N on a machine with fewer cores than processes
   postgres-N   N replicas, --state postgresql://... on one private cluster (fsync on),
                a fresh database per run
 for each count of fake workers in --workers (4,16,64 by default). Load, the same for
@@ -22,6 +25,8 @@ share the same two cores.
 
     .venv/bin/python -m bench.replicas --seconds 8 --workers 4,16,64
     .venv/bin/python -m bench.replicas --workers 16,64 --step-ms 20   # 50 iterations/s
+    .venv/bin/python -m bench.replicas --workers 64 --step-ms 20 --overlap \
+        --configs sqlite-4,postgres-4,sqlite   # four replicas against four lone schedulers
 
 With `--statements N`, PostgreSQL's own view of each PostgreSQL configuration's window
 as well: its N costliest statements (pg_stat_statements: calls, rows, execution time and
@@ -132,6 +137,7 @@ def worker_thread(
     latencies: list[float],
     counts: list[int],
     step_seconds: float = 0.0,
+    overlap: bool = False,
 ) -> None:
     stub.RegisterWorker(
         pb.RegisterWorkerRequest(
@@ -147,7 +153,9 @@ def worker_thread(
     running: list[int] = []
     waiting: list[int] = []
     # A paced worker (--step-ms) runs each decision for step_seconds before it reports,
-    # starting at a random phase, as real workers do not call in lockstep.
+    # starting at a random phase, as real workers do not call in lockstep; with overlap
+    # its step runs while its report is in flight (a worker's default), so it reports
+    # again once both are done.
     stop.wait(random.uniform(0.0, step_seconds))
     while not stop.is_set():
         tokens, finished = [], []
@@ -189,7 +197,7 @@ def worker_thread(
                 generated[chunk.seq_id] = 0
                 waiting.append(chunk.seq_id)  # one chunk holds the whole prompt here
         if step_seconds:
-            stop.wait(step_seconds)
+            stop.wait(max(0.0, step_seconds - elapsed) if overlap else step_seconds)
 
 
 _STATEMENTS = (
@@ -286,6 +294,7 @@ def run(
                 latencies[i],
                 counts[i],
                 args.step_ms / 1000,
+                args.overlap,
             ),
             daemon=True,
         )
@@ -357,7 +366,13 @@ def run(
     return result
 
 
-CONFIGS = ("sqlite", "postgres-1", "postgres-2", "postgres-4")
+CONFIGS = ("sqlite", "sqlite-2", "sqlite-4", "postgres-1", "postgres-2", "postgres-4")
+
+
+def _processes(config: str) -> int:
+    """The scheduler processes of a configuration: `sqlite` 1, `sqlite-N` and
+    `postgres-N` N."""
+    return int(config.split("-")[1]) if "-" in config else 1
 
 
 def main() -> int:
@@ -375,6 +390,12 @@ def main() -> int:
         default=0.0,
         help="each fake worker runs a decision this long before it reports (0: it reports "
         "at once, as fast as the schedulers answer); 20 is a worker at 50 iterations/s",
+    )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="with --step-ms, each step runs while its report is in flight, as a worker "
+        "overlaps them by default: the pace is the longer of the step and the answer",
     )
     parser.add_argument(
         "--extra-sequences",
@@ -419,7 +440,7 @@ def main() -> int:
     results = []
     cluster = None
     try:
-        if any(c != "sqlite" for c in configs):
+        if any(c.startswith("postgres") for c in configs):
             settings = ("shared_preload_libraries=pg_stat_statements",) if args.statements else ()
             settings += tuple(args.pg_setting)
             cluster = PrivateCluster(directory / "pg", settings=settings).start()
@@ -433,7 +454,7 @@ def main() -> int:
             cluster.destroy()
     print(
         f"\n{args.batch} sequences per worker, {args.new_tokens} tokens each, "
-        f"steps of {args.step_ms:g} ms, "
+        f"steps of {args.step_ms:g} ms{' overlapped' if args.overlap else ''}, "
         f"{args.seconds:g} s timed per run; load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} cores\n"
     )
@@ -530,11 +551,13 @@ def run_config(name: str, directory: Path, cluster: PrivateCluster | None, args)
     procs = []
     url = None
     try:
-        if name == "sqlite":
-            state = [["--state-dir", str(directory / label)]]
+        if name.startswith("sqlite"):
+            state = [
+                ["--state-dir", str(directory / f"{label}-{i}")] for i in range(_processes(name))
+            ]
         else:
             url = _fresh_database(cluster, label.replace("-", "_"))
-            state = [["--state", url, *args.serve_arg]] * int(name.split("-")[1])
+            state = [["--state", url, *args.serve_arg]] * _processes(name)
         started = [start_scheduler(s, directory, f"{label}-{i}") for i, s in enumerate(state)]
         procs = [p for p, _, _ in started]
         print(
@@ -577,7 +600,7 @@ def _progress(r: Result) -> str:
 def _row(r: Result) -> list[str]:
     decisions = max(1, r.decisions)
     round_trips = r.round_trips.get("save", 0) + r.round_trips.get("claim", 0)
-    sqlite = r.name == "sqlite"
+    sqlite = r.name.startswith("sqlite")
     return [
         str(r.workers),
         r.name,
