@@ -366,13 +366,19 @@ def run(
     return result
 
 
-CONFIGS = ("sqlite", "sqlite-2", "sqlite-4", "postgres-1", "postgres-2", "postgres-4")
+CONFIGS = ("sqlite", "postgres-1", "postgres-2", "postgres-4")  # the default run
+CONFIG_FORMS = "sqlite, sqlite-N, postgres-N (N >= 1)"
 
 
-def _processes(config: str) -> int:
-    """The scheduler processes of a configuration: `sqlite` 1, `sqlite-N` and
-    `postgres-N` N."""
-    return int(config.split("-")[1]) if "-" in config else 1
+def _processes(config: str) -> int | None:
+    """The scheduler processes of a configuration (`sqlite` 1, `sqlite-N` and
+    `postgres-N` N); None for a name of none of those forms."""
+    kind, _, count = config.partition("-")
+    if kind == "sqlite" and not count:
+        return 1
+    if kind in ("sqlite", "postgres") and count.isdigit() and int(count) >= 1:
+        return int(count)
+    return None
 
 
 def main() -> int:
@@ -404,7 +410,7 @@ def main() -> int:
         help="queued up front beyond workers x batch (enough to keep every worker full)",
     )
     parser.add_argument(
-        "--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}"
+        "--configs", default=",".join(CONFIGS), help=f"comma-separated, of {CONFIG_FORMS}"
     )
     parser.add_argument(
         "--serve-arg",
@@ -432,8 +438,10 @@ def main() -> int:
         parser.error(f"--step-ms must be within 0-10000, got {args.step_ms:g}")
     configs = [c for c in args.configs.split(",") if c]
     for config in configs:
-        if config not in CONFIGS:
-            parser.error(f"unknown config {config!r}")
+        if _processes(config) is None:
+            parser.error(f"unknown config {config!r}: the forms are {CONFIG_FORMS}")
+    if args.overlap and not args.step_ms:
+        parser.error("--overlap needs --step-ms: a step to overlap the report with")
 
     directory = Path(tempfile.mkdtemp(prefix="lattice-bench-replicas-"))
     os.chmod(directory, 0o755)
@@ -608,7 +616,7 @@ def _row(r: Result) -> list[str]:
         f"{percentile(r.latencies, 50) * 1000:.2f}",
         f"{percentile(r.latencies, 99) * 1000:.2f}",
         f"{r.scheduler_cpu / decisions * 1000:.2f}",
-        f"{r.database_cpu / decisions * 1000:.2f}",
+        "-" if sqlite else f"{r.database_cpu / decisions * 1000:.2f}",
         "-" if sqlite else f"{round_trips / decisions:.2f}",
         "-" if sqlite else f"{r.commits / decisions:.2f}",
         "-" if sqlite else f"{r.round_trips.get('submit', 0) / max(1, r.submits):.2f}",
