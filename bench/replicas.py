@@ -4,6 +4,9 @@ CPU per decision, and database round trips and commits per decision and per Subm
 
 Each configuration runs real `lattice-scheduler serve` processes on loopback:
   sqlite       one scheduler, --state-dir (the embedded default)
+  sqlite-N     N independent schedulers, each its own --state-dir, the workers spread
+               over them: what N processes cost on these cores with nothing shared, the
+               fair match for postgres-N on a machine with fewer cores than processes
   postgres-N   N replicas, --state postgresql://... on one private cluster (fsync on),
                a fresh database per run
 for each count of fake workers in --workers (4,16,64 by default). Load, the same for
@@ -22,6 +25,8 @@ share the same two cores.
 
     .venv/bin/python -m bench.replicas --seconds 8 --workers 4,16,64
     .venv/bin/python -m bench.replicas --workers 16,64 --step-ms 20   # 50 iterations/s
+    .venv/bin/python -m bench.replicas --workers 64 --step-ms 20 --overlap \
+        --configs sqlite-4,postgres-4,sqlite   # four replicas against four lone schedulers
 
 With `--statements N`, PostgreSQL's own view of each PostgreSQL configuration's window
 as well: its N costliest statements (pg_stat_statements: calls, rows, execution time and
@@ -132,6 +137,7 @@ def worker_thread(
     latencies: list[float],
     counts: list[int],
     step_seconds: float = 0.0,
+    overlap: bool = False,
 ) -> None:
     stub.RegisterWorker(
         pb.RegisterWorkerRequest(
@@ -147,7 +153,9 @@ def worker_thread(
     running: list[int] = []
     waiting: list[int] = []
     # A paced worker (--step-ms) runs each decision for step_seconds before it reports,
-    # starting at a random phase, as real workers do not call in lockstep.
+    # starting at a random phase, as real workers do not call in lockstep; with overlap
+    # its step runs while its report is in flight (a worker's default), so it reports
+    # again once both are done.
     stop.wait(random.uniform(0.0, step_seconds))
     while not stop.is_set():
         tokens, finished = [], []
@@ -189,7 +197,7 @@ def worker_thread(
                 generated[chunk.seq_id] = 0
                 waiting.append(chunk.seq_id)  # one chunk holds the whole prompt here
         if step_seconds:
-            stop.wait(step_seconds)
+            stop.wait(max(0.0, step_seconds - elapsed) if overlap else step_seconds)
 
 
 _STATEMENTS = (
@@ -286,6 +294,7 @@ def run(
                 latencies[i],
                 counts[i],
                 args.step_ms / 1000,
+                args.overlap,
             ),
             daemon=True,
         )
@@ -357,7 +366,19 @@ def run(
     return result
 
 
-CONFIGS = ("sqlite", "postgres-1", "postgres-2", "postgres-4")
+CONFIGS = ("sqlite", "postgres-1", "postgres-2", "postgres-4")  # the default run
+CONFIG_FORMS = "sqlite, sqlite-N, postgres-N (N >= 1)"
+
+
+def _processes(config: str) -> int | None:
+    """The scheduler processes of a configuration (`sqlite` 1, `sqlite-N` and
+    `postgres-N` N); None for a name of none of those forms."""
+    kind, _, count = config.partition("-")
+    if kind == "sqlite" and not count:
+        return 1
+    if kind in ("sqlite", "postgres") and count.isdigit() and int(count) >= 1:
+        return int(count)
+    return None
 
 
 def main() -> int:
@@ -377,13 +398,19 @@ def main() -> int:
         "at once, as fast as the schedulers answer); 20 is a worker at 50 iterations/s",
     )
     parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="with --step-ms, each step runs while its report is in flight, as a worker "
+        "overlaps them by default: the pace is the longer of the step and the answer",
+    )
+    parser.add_argument(
         "--extra-sequences",
         type=int,
         default=500,
         help="queued up front beyond workers x batch (enough to keep every worker full)",
     )
     parser.add_argument(
-        "--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}"
+        "--configs", default=",".join(CONFIGS), help=f"comma-separated, of {CONFIG_FORMS}"
     )
     parser.add_argument(
         "--serve-arg",
@@ -411,15 +438,17 @@ def main() -> int:
         parser.error(f"--step-ms must be within 0-10000, got {args.step_ms:g}")
     configs = [c for c in args.configs.split(",") if c]
     for config in configs:
-        if config not in CONFIGS:
-            parser.error(f"unknown config {config!r}")
+        if _processes(config) is None:
+            parser.error(f"unknown config {config!r}: the forms are {CONFIG_FORMS}")
+    if args.overlap and not args.step_ms:
+        parser.error("--overlap needs --step-ms: a step to overlap the report with")
 
     directory = Path(tempfile.mkdtemp(prefix="lattice-bench-replicas-"))
     os.chmod(directory, 0o755)
     results = []
     cluster = None
     try:
-        if any(c != "sqlite" for c in configs):
+        if any(c.startswith("postgres") for c in configs):
             settings = ("shared_preload_libraries=pg_stat_statements",) if args.statements else ()
             settings += tuple(args.pg_setting)
             cluster = PrivateCluster(directory / "pg", settings=settings).start()
@@ -433,7 +462,7 @@ def main() -> int:
             cluster.destroy()
     print(
         f"\n{args.batch} sequences per worker, {args.new_tokens} tokens each, "
-        f"steps of {args.step_ms:g} ms, "
+        f"steps of {args.step_ms:g} ms{' overlapped' if args.overlap else ''}, "
         f"{args.seconds:g} s timed per run; load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} cores\n"
     )
@@ -530,11 +559,13 @@ def run_config(name: str, directory: Path, cluster: PrivateCluster | None, args)
     procs = []
     url = None
     try:
-        if name == "sqlite":
-            state = [["--state-dir", str(directory / label)]]
+        if name.startswith("sqlite"):
+            state = [
+                ["--state-dir", str(directory / f"{label}-{i}")] for i in range(_processes(name))
+            ]
         else:
             url = _fresh_database(cluster, label.replace("-", "_"))
-            state = [["--state", url, *args.serve_arg]] * int(name.split("-")[1])
+            state = [["--state", url, *args.serve_arg]] * _processes(name)
         started = [start_scheduler(s, directory, f"{label}-{i}") for i, s in enumerate(state)]
         procs = [p for p, _, _ in started]
         print(
@@ -577,7 +608,7 @@ def _progress(r: Result) -> str:
 def _row(r: Result) -> list[str]:
     decisions = max(1, r.decisions)
     round_trips = r.round_trips.get("save", 0) + r.round_trips.get("claim", 0)
-    sqlite = r.name == "sqlite"
+    sqlite = r.name.startswith("sqlite")
     return [
         str(r.workers),
         r.name,
@@ -585,7 +616,7 @@ def _row(r: Result) -> list[str]:
         f"{percentile(r.latencies, 50) * 1000:.2f}",
         f"{percentile(r.latencies, 99) * 1000:.2f}",
         f"{r.scheduler_cpu / decisions * 1000:.2f}",
-        f"{r.database_cpu / decisions * 1000:.2f}",
+        "-" if sqlite else f"{r.database_cpu / decisions * 1000:.2f}",
         "-" if sqlite else f"{round_trips / decisions:.2f}",
         "-" if sqlite else f"{r.commits / decisions:.2f}",
         "-" if sqlite else f"{r.round_trips.get('submit', 0) / max(1, r.submits):.2f}",
