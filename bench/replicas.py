@@ -572,7 +572,9 @@ def run_config(name: str, directory: Path, cluster: PrivateCluster | None, args)
             f"{args.workers} workers, {name}: running ({len(procs)} scheduler process(es))...",
             flush=True,
         )
-        return run(name, [(t, m) for _, t, m in started], procs, cluster, args, url)
+        # The cluster only where it serves: a SQLite run must not count its idle CPU.
+        served = cluster if url else None
+        return run(name, [(t, m) for _, t, m in started], procs, served, args, url)
     finally:
         for p in procs:
             p.terminate()
