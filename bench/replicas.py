@@ -381,7 +381,7 @@ def _processes(config: str) -> int | None:
     return None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.replicas", description=__doc__.splitlines()[0]
     )
@@ -433,7 +433,7 @@ def main() -> int:
         help="print PostgreSQL's N costliest statements and the rows written per table, "
         "per decision, for each PostgreSQL configuration (pg_stat_statements)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 0 <= args.step_ms <= 10_000:
         parser.error(f"--step-ms must be within 0-10000, got {args.step_ms:g}")
     configs = [c for c in args.configs.split(",") if c]
