@@ -61,11 +61,23 @@ def vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 
 class PlainVllm:
-    """Plain vLLM's greedy answers per conversation and turn (tests/vllm/plain.py), computed
-    in a subprocess that runs while the caller does something else."""
+    """Plain vLLM's answers per conversation and turn (tests/vllm/plain.py; `options` are
+    its request's: a temperature and a seed, prefix caching off), computed in a subprocess
+    that runs while the caller does something else."""
 
-    def __init__(self, model: Path, conversations: list[list[list[int]]], max_tokens: int):
-        request = {"model": str(model), "max_tokens": max_tokens, "conversations": conversations}
+    def __init__(
+        self,
+        model: Path,
+        conversations: list[list[list[int]]],
+        max_tokens: int,
+        **options: float | bool,
+    ):
+        request = {
+            "model": str(model),
+            "max_tokens": max_tokens,
+            "conversations": conversations,
+            **options,
+        }
         self._popen = subprocess.Popen(
             [str(require_vllm()), "-m", "tests.vllm.plain"],
             stdin=subprocess.PIPE,

@@ -1,11 +1,13 @@
-"""Plain vLLM's greedy answers, for the tests to compare with (run in .venv-vllm).
+"""Plain vLLM's answers, for the tests to compare with (run in .venv-vllm).
 
     .venv-vllm/bin/python -m tests.vllm.plain < request.json > answers.json
 
 The request: {"model": DIR, "max_tokens": N, "conversations": [[turn, ...], ...]} where
 each turn is a list of token ids; a conversation's prompt k is its prompt k-1, the answer
-to it, then turn k. The answers: one list of token ids per turn, per conversation. Each
-round of turns runs as one `LLM.generate` call, vLLM's own scheduler deciding.
+to it, then turn k. Greedy, unless the request says {"temperature": T, "seed": S}: then
+every prompt is sampled at T from a generator seeded with S. The answers: one list of
+token ids per turn, per conversation. Each round of turns runs as one `LLM.generate`
+call, vLLM's own scheduler deciding.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ def main() -> None:
         max_model_len=request.get("max_model_len", 2048),
         seed=0,
     )
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
+    params = vllm.SamplingParams(
+        temperature=request.get("temperature", 0.0),
+        seed=request.get("seed"),
+        max_tokens=request["max_tokens"],
+    )
     conversations = request["conversations"]
     prompts = [[] for _ in conversations]
     answers = [[] for _ in conversations]

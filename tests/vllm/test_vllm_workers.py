@@ -47,6 +47,10 @@ CONVERSATIONS = [
     [first, rest] for first, rest in zip(_prompts(2, [520, 530, 600]), _prompts(3, [20, 40, 30]))
 ]
 KILLED = _prompts(4, [300, 400, 280, 520, 350, 610])
+# Sampled with a seed, each prompt past one chunk: vLLM samples a token after each partial
+# chunk too, drops it, and rewinds the generator.
+SEEDED = _prompts(6, [300, 520])
+SAMPLING = dict(temperature=0.7, seed=1234)
 REFUSED_PROMPT = _prompts(5, [300])[0]
 
 
@@ -71,6 +75,12 @@ def ready(vllm_checkpoint, chat_prompt_ids, vllm_logs):
     # Alone, as the refusal test's engine runs it (in bfloat16 a batch's makeup can flip a
     # greedy tie: plain vLLM's own answers differ between batches).
     alone_run = PlainVllm(vllm_checkpoint.path, [[REFUSED_PROMPT]], MAX_TOKENS)
+    # Each prompt in one chunk, nothing sampled and dropped: without prefix caching (with
+    # it, vLLM splits a hybrid model's prompt at its 256-token blocks, and plain vLLM
+    # 0.32 on a CPU dies on a seeded prompt just as the worker did).
+    seeded_run = PlainVllm(
+        vllm_checkpoint.path, [[p] for p in SEEDED], MAX_TOKENS, prefix_caching=False, **SAMPLING
+    )
     stack = VllmStack(
         vllm_logs,
         chunk_size=256,
@@ -84,15 +94,18 @@ def ready(vllm_checkpoint, chat_prompt_ids, vllm_logs):
         answers = iter(plain_run.answers())
         plain = {name: [next(answers) for _ in group] for name, group in groups.items()}
         plain["refused"] = alone_run.answers()
+        plain["seeded"] = seeded_run.answers()
         stack.wait_registered(2)
         yield stack, plain
     finally:
         stack.close()
 
 
-def _generate_all(stack: VllmStack, prompts) -> list[tuple[int, list[int], list]]:
+def _generate_all(stack: VllmStack, prompts, **fields) -> list[tuple[int, list[int], list]]:
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: generate(stack.stub, p, MAX_TOKENS, timeout=300), prompts))
+        return list(
+            pool.map(lambda p: generate(stack.stub, p, MAX_TOKENS, timeout=300, **fields), prompts)
+        )
 
 
 def _sample(stack: VllmStack, name: str, **labels) -> float:
@@ -149,6 +162,21 @@ def test_follow_up_turns_resume_from_vllms_prefix_cache_with_equal_tokens(ready)
         info = stack.stub.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), timeout=10)
         assert info.cached_tokens > 0 and info.cached_tokens % 256 == 0, f"conversation {i}"
     assert _sample(stack, "lattice_scheduler_prefill_tokens_total", source="cached") > 0
+    assert REFUSED not in stack.worker_logs()
+
+
+def test_seeded_sampling_of_chunked_prompts_equals_plain_vllms_in_one_chunk(ready):
+    """The scheduler chunks these prompts at 256 tokens; vLLM samples a token after each
+    partial chunk and drops it, then rewinds the request's generator by the CUDA
+    generator's offset, which a CPU generator has not: the worker died on it. Its draws
+    are now kept for the tokens it returns, so the chunked sequences sample what plain
+    vLLM samples from one chunk with the same seed."""
+    stack, plain = ready
+    results = _generate_all(stack, SEEDED, sampling=pb.SamplingParams(**SAMPLING))
+    for i, (_, tokens, events) in enumerate(results):
+        assert tokens == plain["seeded"][i][0], f"prompt {i}"
+        assert events[-1].finish_reason, f"prompt {i}"
+    assert all(w.alive() for w in stack.workers.values())
     assert REFUSED not in stack.worker_logs()
 
 

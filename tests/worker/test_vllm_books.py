@@ -1,17 +1,22 @@
 """The vLLM engine's books and checks that need no vLLM: how its one block pool becomes KV
-pages and GDN slots, its resume points, the version check, the `--engine vllm` flags."""
+pages and GDN slots, its resume points, the version check, the `--engine vllm` flags, the
+CPU rewind of a seeded request's dropped sample."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from common.block_hash import block_hashes
 from worker_client import cli
 from worker_client.engine_vllm import SUPPORTED_VLLM_VERSION
 from worker_client.engine_vllm.books import PoolBooks, ResumePoints
 from worker_client.engine_vllm.environment import VllmUnavailable, check_version, omp_settings
+from worker_client.engine_vllm.generators import keep_dropped_draws
 
 
 def test_the_pool_sets_aside_each_gdn_slots_blocks_and_the_rest_are_kv_pages():
@@ -179,3 +184,59 @@ def test_openmp_is_left_alone_without_a_cpu_list_on_a_gpu_build_or_when_set_by_h
         "OMP_PLACES": "{0,1}",
         "OMP_PROC_BIND": "true",
     }
+
+
+class _Runner:
+    """The parts of vLLM 0.32's model runner that `keep_dropped_draws` wraps, doing what
+    vLLM's do with the generators: `_sample` draws from each request's generator, and
+    `_bookkeeping_sync` rewinds the dropped ones by the CUDA generator's offset."""
+
+    def __init__(self, device: str, seeds: list[int], dropped: list[bool]) -> None:
+        self.device = torch.device(device)
+        generators = {i: torch.Generator().manual_seed(s) for i, s in enumerate(seeds)}
+        self.input_batch = SimpleNamespace(generators=generators, num_reqs=len(seeds))
+        self.discard_request_mask = SimpleNamespace(np=np.array(dropped + [False] * 4))
+
+    def _sample(self) -> dict[int, torch.Tensor]:
+        return {i: torch.rand(8, generator=g) for i, g in self.input_batch.generators.items()}
+
+    def _bookkeeping_sync(self) -> str:
+        for i in np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]:
+            generator = self.input_batch.generators.get(int(i))
+            if generator is not None:
+                generator.set_offset(generator.get_offset() - 4)
+        return "booked"
+
+
+def test_a_cpu_generator_gets_its_dropped_draws_back_instead_of_an_offset_rewind():
+    plain = _Runner("cpu", seeds=[7, 8, 9], dropped=[True, False, True])
+    plain._sample()
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        plain._bookkeeping_sync()
+
+    runner = _Runner("cpu", seeds=[7, 8, 9], dropped=[True, False, True])
+    generators = dict(runner.input_batch.generators)
+    assert keep_dropped_draws(SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))
+    first = runner._sample()
+    assert runner._bookkeeping_sync() == "booked"
+    assert runner.input_batch.generators == generators
+    second = runner._sample()
+    # A dropped sample's draws come again; a kept one's generator moved on.
+    assert torch.equal(first[0], second[0]) and torch.equal(first[2], second[2])
+    assert not torch.equal(first[1], second[1])
+    assert torch.equal(first[1], torch.rand(8, generator=torch.Generator().manual_seed(8)))
+
+
+def test_generators_off_the_cpu_are_left_to_vllm_and_an_unknown_runner_is_refused():
+    runner = _Runner("cuda", seeds=[7], dropped=[True])
+    sample = runner._sample
+    assert not keep_dropped_draws(SimpleNamespace(model_runner=runner))
+    assert runner._sample == sample
+    with pytest.raises(RuntimeError, match="lacks _bookkeeping_sync"):
+        keep_dropped_draws(
+            SimpleNamespace(
+                model_runner=SimpleNamespace(
+                    _sample=None, discard_request_mask=None, input_batch=None
+                )
+            )
+        )

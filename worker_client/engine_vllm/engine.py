@@ -34,6 +34,7 @@ from worker_client.engine.api import (
 
 from .books import PoolBooks, ResumePoints
 from .environment import import_vllm
+from .generators import keep_dropped_draws
 from .settings import VllmSettings
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class VllmEngine:
         )
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         self._llm = vllm.LLM(**kwargs)
+        # Seeded sampling after a partial chunk, on a CPU (generators.py).
+        self._llm.collective_rpc(keep_dropped_draws)
         self._sampling_params = vllm.SamplingParams
         from vllm.v1.request import RequestStatus
 
