@@ -232,11 +232,10 @@ def test_generators_off_the_cpu_are_left_to_vllm_and_an_unknown_runner_is_refuse
     sample = runner._sample
     assert not keep_dropped_draws(SimpleNamespace(model_runner=runner))
     assert runner._sample == sample
-    with pytest.raises(RuntimeError, match="lacks _bookkeeping_sync"):
-        keep_dropped_draws(
-            SimpleNamespace(
-                model_runner=SimpleNamespace(
-                    _sample=None, discard_request_mask=None, input_batch=None
-                )
-            )
-        )
+    # vLLM's V2 runner (its default with Triton) has none of the parts, and no rewind.
+    for device in ("cuda", "cpu"):
+        v2 = SimpleNamespace(device=torch.device(device), sample_tokens=None)
+        assert not keep_dropped_draws(SimpleNamespace(model_runner=v2))
+    partial = SimpleNamespace(device=torch.device("cpu"), _bookkeeping_sync=None, input_batch=None)
+    with pytest.raises(RuntimeError, match="lacks _sample, discard_request_mask"):
+        keep_dropped_draws(SimpleNamespace(model_runner=partial))

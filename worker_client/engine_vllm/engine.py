@@ -120,7 +120,8 @@ class VllmEngine:
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         self._llm = vllm.LLM(**kwargs)
         # Seeded sampling after a partial chunk, on a CPU (generators.py).
-        self._llm.collective_rpc(keep_dropped_draws)
+        rewinds = self._llm.collective_rpc(keep_dropped_draws)
+        log.info("seeded draws of dropped samples restored on CPU: %s", rewinds)
         self._sampling_params = vllm.SamplingParams
         from vllm.v1.request import RequestStatus
 

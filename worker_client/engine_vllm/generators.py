@@ -29,16 +29,20 @@ def keep_dropped_draws(worker: Any) -> bool:
     """Install the CPU rewind on this vLLM worker's model runner (module docstring).
 
     Called in the model's process through `collective_rpc`, with vLLM's worker (or its
-    wrapper). True when installed, False where the runner's device is not a CPU."""
+    wrapper). True when installed. False where there is nothing to mend: a runner off the
+    CPU (CUDA generators have the offset), or one without `_bookkeeping_sync` (vLLM's V2
+    runner, its default where Triton is installed, seeds draws by position and keeps no
+    generator per request)."""
     runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
+    device = getattr(runner, "device", None)
+    if getattr(device, "type", None) != "cpu" or not hasattr(runner, "_bookkeeping_sync"):
+        return False
     missing = [part for part in _RUNNER_PARTS if not hasattr(runner, part)]
     if missing:
         raise RuntimeError(
             f"vLLM's model runner ({type(runner).__name__}) lacks {', '.join(missing)}: "
             "the CPU rewind of seeded samples was written against vLLM 0.32.0's"
         )
-    if runner.device.type != "cpu":
-        return False
     runner._sample = _restoring_states(runner, runner._sample)
     runner._bookkeeping_sync = _hiding_generators(runner, runner._bookkeeping_sync)
     return True
