@@ -84,7 +84,14 @@ def main() -> int:
     parser.add_argument(
         "--concurrency", type=int, default=8, help="demo load: conversations at a time"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="demo load: new tokens per request (default 32; 64 with --engine vllm, whose "
+        "cache blocks are 256 tokens on a hybrid model: a conversation's prompts must span "
+        "a block before a later turn can resume from it)",
+    )
     parser.add_argument("--exit", action="store_true", help="stop the stack after the demo")
     parser.add_argument(
         "--state-dir",
@@ -106,6 +113,10 @@ def main() -> int:
         parser.error(f"--turns must be at least 1, got {args.turns}")
     if args.engine == "vllm" and args.model == str(DEMO_MODEL):
         args.model = str(DEMO_MODEL_WIDE)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 64 if args.engine == "vllm" else 32
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.engine == "vllm" and args.model in ("tiny", "scripted"):
         parser.error(f"--engine vllm runs a checkpoint directory, not --model {args.model}")
     _stop_on_signals()
