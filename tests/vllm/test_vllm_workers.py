@@ -168,9 +168,9 @@ def test_follow_up_turns_resume_from_vllms_prefix_cache_with_equal_tokens(ready)
 def test_seeded_sampling_of_chunked_prompts_equals_plain_vllms_in_one_chunk(ready):
     """The scheduler chunks these prompts at 256 tokens; vLLM samples a token after each
     partial chunk and drops it, then rewinds the request's generator by the CUDA
-    generator's offset, which a CPU generator has not: the worker died on it. Its draws
-    are now kept for the tokens it returns, so the chunked sequences sample what plain
-    vLLM samples from one chunk with the same seed."""
+    generator's offset, which a CPU generator has not: the worker died on it. The worker
+    now puts such a generator's state back after sampling (generators.py), so the chunked
+    sequences sample what plain vLLM samples from one chunk with the same seed."""
     stack, plain = ready
     results = _generate_all(stack, SEEDED, sampling=pb.SamplingParams(**SAMPLING))
     for i, (_, tokens, events) in enumerate(results):
