@@ -17,6 +17,7 @@ from bench.placement_stack import (
     main,
     resumed,
 )
+from tests.refusals import refusal_line
 
 
 def _turn(conversation: int, turn: int, prompt_len: int, cached: int) -> Turn:
@@ -67,7 +68,4 @@ def test_a_stack_is_ready_once_both_workers_have_reported():
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+    assert refusal_line(main, argv, capsys).endswith(message)
