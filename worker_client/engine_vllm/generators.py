@@ -51,6 +51,8 @@ def keep_dropped_draws(worker: Any) -> bool:
 def _dropped_cpu_generators(runner: Any) -> dict[int, Any]:
     """{batch index: generator} of this step's requests whose sample is dropped."""
     generators = runner.input_batch.generators
+    if not generators:  # no seeded request in the batch: most steps
+        return {}
     mask = runner.discard_request_mask.np[: runner.input_batch.num_reqs]
     return {
         int(i): generators[int(i)]
