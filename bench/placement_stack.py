@@ -10,10 +10,12 @@ at once through the gateway's chat completions, greedy, 12 new tokens a turn.
 
 Per run it prints: follow-up turns resumed from their prefix (cached tokens at least the
 previous turn's prompt less one block), those past the second turn, each worker's share of
-the sequences (from its exit line), the decisions that deferred for placement, each
-request's time to its whole answer (follow-ups' p50, p90 and max) and the run's wall time;
-and whether the greedy text equals the other setting's in that round. Then the resumed
-share and the smaller worker's share over the rounds.
+the sequences (from its exit line), the decisions that deferred for placement, the
+admissions away from the worker holding a longer prefix by the placement rule that let
+them (`placement_passed_total{reason}`), each request's time to its whole answer
+(follow-ups' p50, p90 and max) and the run's wall time; and whether the greedy text
+equals the other setting's in that round. Then the resumed share and the smaller
+worker's share over the rounds, and the passed hits by rule.
 
     .venv/bin/python -m bench.placement_stack                     # 8 conversations of 3 turns
     .venv/bin/python -m bench.placement_stack --conversations 16 --turns 4 --rounds 3
@@ -44,6 +46,7 @@ from common.processes import CPU_ONE_THREAD
 from common.stacks import gateway_stack
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from service.core.vocabulary import PlacementPass
 
 BLOCK_TOKENS = 16  # the workers' --cache-block-tokens (one page): a strict test
 # With a latency target a worker's patience for a prefix's holder is its learned step
@@ -61,6 +64,10 @@ WORKER_FLAGS = (*CPU_ONE_THREAD, "--cache-block-tokens", str(BLOCK_TOKENS))
 CACHED = ("lattice_scheduler_prefill_tokens_total", (("source", "cached"),))
 MISSES = ("lattice_scheduler_cache_misses_total", ())
 DEFERRED = ("lattice_scheduler_admissions_blocked_total", (("reason", "placement"),))
+PASSED = {
+    rule: ("lattice_scheduler_placement_passed_total", (("reason", rule.value),))
+    for rule in PlacementPass
+}
 
 
 @dataclass(frozen=True)
@@ -185,6 +192,11 @@ def answer_ratios(on: Run, off: Run) -> tuple[float, float]:
     return tuple(pct(on_s, p) / pct(off_s, p) for p in (50, 90))
 
 
+def passed_hits(run: Run) -> dict[PlacementPass, int]:
+    """Admissions away from the worker holding the longest prefix, by placement rule."""
+    return {rule: round(run.metrics.get(key, 0)) for rule, key in PASSED.items()}
+
+
 def row(round_no: int, setting: str, run: Run, same_text: bool) -> list[object]:
     follow_ups = [t for t in run.turns if t.turn > 0]
     kept = resumed(run.turns)
@@ -199,6 +211,7 @@ def row(round_no: int, setting: str, run: Run, same_text: bool) -> list[object]:
         " / ".join(str(run.served[w]) for w in WORKER_IDS),
         f"{share:.2f}",
         f"{run.metrics.get(DEFERRED, 0):.0f}",
+        " / ".join(str(n) for n in passed_hits(run).values()),
         f"{run.metrics.get(MISSES, 0):.0f}",
         f"{_ms(seconds, 50)} / {_ms(seconds, 90)} / {_ms(seconds, 100)}",
         f"{run.wall_seconds:.2f}",
@@ -233,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir.mkdir()
             write_demo_checkpoint(model_dir)
         rows, shares, resumed_shares, ratios = [], [], [], []
+        passed = dict.fromkeys(PlacementPass, 0)
         for round_no in range(1, args.rounds + 1):
             order = ("on", "off") if round_no % 2 else ("off", "on")
             runs = {}
@@ -253,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             shares.append(min(on.served.values()) / max(1, sum(on.served.values())))
             ratios.append(answer_ratios(on, runs["off"]))
+            for rule, n in passed_hits(on).items():
+                passed[rule] += n
         print(
             f"\n{args.conversations} conversations of {args.turns} turns, 2 workers, "
             f"{args.rounds} round(s), load average {os.getloadavg()[0]:.2f} on "
@@ -266,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sequences w0 / w1",
                 "smaller share",
                 "deferred for placement",
+                "hits passed: " + " / ".join(rule.value for rule in PlacementPass),
                 "cache misses",
                 "follow-ups, answer ms p50 / p90 / max",
                 "wall s",
@@ -278,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
             f"(runs {', '.join(f'{s:.2f}' for s in resumed_shares)}), at least 0.9 in "
             f"{sum(s >= 0.9 for s in resumed_shares)} of {len(resumed_shares)}; the smaller "
             f"worker's share {min(shares):.2f}-{max(shares):.2f}"
+        )
+        print(
+            "hits passed by placement, caching on, all rounds: "
+            + ", ".join(f"{rule.value} {n}" for rule, n in passed.items())
         )
         # What the cache and placement cost or save the follow-ups, run beside run.
         p50s, p90s = [r[0] for r in ratios], [r[1] for r in ratios]

@@ -174,7 +174,10 @@ def test_the_dashboard_shows_cached_against_computed_prefill_tokens():
     }
     for expr in exprs:
         for name in metric_names(expr):
-            if any(word in name for word in ("prefill_tokens", "cache_misses", "resume_points")):
+            if any(
+                word in name
+                for word in ("prefill_tokens", "cache_misses", "resume_points", "placement_passed")
+            ):
                 assert name in exposed, f"{name} (dashboard) is not a scheduler metric"
 
 
@@ -239,3 +242,18 @@ def test_a_step_time_that_contradicts_the_cadence_is_counted_and_logged_once_per
         "a reported step time was not learned: it contradicts what the scheduler saw; later "
         "ones of this worker are counted in lattice_scheduler_step_times_refused_total only"
     ) == 1
+
+
+def test_hits_passed_by_placement_are_counted_by_rule_every_rule_from_zero():
+    from service.core.vocabulary import PlacementPass
+
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry, clock=FakeClock())
+    name = "lattice_scheduler_placement_passed_total"
+    assert {_value(registry, name, reason=r.value) for r in PlacementPass} == {0}
+    metrics.on_placement_passed("w0", PlacementPass.HOLDER_AT_CAP)
+    metrics.on_placement_passed("w1", PlacementPass.HOLDER_AT_CAP)
+    metrics.on_placement_passed("w1", PlacementPass.CHEAPER_HERE)
+    assert _value(registry, name, reason="holder_at_cap") == 2
+    assert _value(registry, name, reason="cheaper_here") == 1
+    assert _value(registry, name, reason="overdue") == 0

@@ -9,7 +9,13 @@ from __future__ import annotations
 import enum
 
 from service.core.types import Decision, FinishReason, WorkerReport
-from service.core.vocabulary import BlockReason, HandoffEnd, PreemptReason, StepTimeRefusal
+from service.core.vocabulary import (
+    BlockReason,
+    HandoffEnd,
+    PlacementPass,
+    PreemptReason,
+    StepTimeRefusal,
+)
 
 
 class RequeueReason(enum.Enum):
@@ -57,6 +63,10 @@ class SchedulerObserver:
     def on_evicted(self, seq_id: int, worker_id: str, reason: EvictReason) -> None: ...
 
     def on_admission_blocked(self, worker_id: str, reason: BlockReason) -> None: ...
+
+    def on_placement_passed(self, worker_id: str, reason: PlacementPass) -> None:
+        """`worker_id` admitted a sequence whose longest cached prefix another worker
+        holds, by the placement rule `reason` (policies/placement.py)."""
 
     def on_decision(self, report: WorkerReport, decision: Decision) -> None: ...
 

@@ -25,6 +25,17 @@ class BlockReason(enum.Enum):
     PLACEMENT = "placement"
 
 
+class PlacementPass(enum.Enum):
+    """Why a worker admitted a sequence whose longest cached prefix another worker holds
+    (a bounded metric label; policies/placement.py): each a rule of the placement's."""
+
+    OVERDUE = "overdue"  # queued for --aging-seconds: never deferred
+    CHEAPER_HERE = "cheaper_here"  # the asker runs it sooner than the holder (often idle)
+    HOLDER_AT_CAP = "holder_at_cap"  # the holder runs its share and a quarter already
+    HOLDERS_BUSY = "holders_busy"  # every holder is at its share: placed by load
+    WAITED_OUT = "waited_out"  # deferred for its patience; the holder did not take it
+
+
 class HandoffEnd(enum.Enum):
     """How a handoff ended (a bounded metric label; docs/contract.md, "Prefill/decode
     disaggregation")."""

@@ -23,7 +23,7 @@ from service.core import (
     WorkerReport,
 )
 from service.core.tables.queue import PRIORITY_BANDS
-from service.core.vocabulary import HandoffEnd, StepTimeRefusal
+from service.core.vocabulary import HandoffEnd, PlacementPass, StepTimeRefusal
 from service.server.handoff_metrics import HandoffMetrics
 from service.server.histograms import TallyHistogram
 
@@ -408,6 +408,13 @@ class SchedulerMetrics(SchedulerObserver):
             ["source"],
             registry=r,
         )
+        self.placement_passed = Counter(
+            PREFIX + "placement_passed_total",
+            "Admissions of a sequence whose longest cached prefix another worker held, by "
+            "the placement rule that let the asking worker take it.",
+            ["reason"],
+            registry=r,
+        )
         self.cache_misses = Counter(
             PREFIX + "cache_misses_total",
             "First chunks whose resume point the worker no longer held (admitted again).",
@@ -466,6 +473,7 @@ class SchedulerMetrics(SchedulerObserver):
             (self.evictions, EvictReason),
             (self.requeues, RequeueReason),
             (self.admissions_blocked, BlockReason),
+            (self.placement_passed, PlacementPass),
             (self.preemptions, PreemptReason),
         ):
             for member in enum_type:
@@ -582,6 +590,9 @@ class SchedulerMetrics(SchedulerObserver):
 
     def on_admission_blocked(self, worker_id: str, reason: BlockReason) -> None:
         self.admissions_blocked.labels(reason.value).inc()
+
+    def on_placement_passed(self, worker_id: str, reason: PlacementPass) -> None:
+        self.placement_passed.labels(reason.value).inc()
 
     def on_decision(self, report: WorkerReport, decision: Decision) -> None:
         w = report.worker_id

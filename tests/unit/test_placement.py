@@ -705,3 +705,106 @@ def test_a_deferred_report_of_the_holder_is_not_its_chance_to_take_the_turn():
     assert admitted(sched.select_batch(report("w0"))) == []  # w1 has not asked yet
     clock.advance_ms(5)
     assert admitted(sched.select_batch(report("w1", waiting=busy))) == [(seq, 384)]
+
+
+class Passed(SchedulerObserver):
+    def __init__(self):
+        self.passed = []
+
+    def on_placement_passed(self, worker_id, reason):
+        self.passed.append((worker_id, reason.value))
+
+
+def _passed_for_a_cheaper_asker(passed):
+    """The short-prefix case above: idle w0 takes a 400-token prompt whose 32 tokens the
+    busy w1 holds, because the price says w0 runs it sooner."""
+    sched, _ = fleet(observer=passed)
+    sched.select_batch(cache_report("w1", added=hashes(400)[:2], reset=True))
+    busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 3)]
+    assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy
+    sched.select_batch(cache_report("w0", reset=True))
+    seq = submit(sched, prompt_len=400)
+    assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]
+
+
+def _passed_at_the_holders_cap(passed):
+    """w1 holds 384 of the prompt's 400 tokens (a hit worth waiting for: the next test
+    case's) but runs 4 sequences, its cap with one queued (share 3 and one more)."""
+    sched, _ = fleet(observer=passed)
+    sched.select_batch(cache_report("w1", added=hashes(400), reset=True))
+    busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 5)]
+    assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy
+    sched.select_batch(cache_report("w0", reset=True))
+    seq = submit(sched, prompt_len=400)
+    assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]
+
+
+def _passed_when_every_holder_is_busy(passed):
+    """Two holders of a 32-token prefix at their share (2 each, share 2): w2 takes the
+    400-token prompt by load (the short-prefix case with three workers above)."""
+    sched, _ = fleet(observer=passed, workers=("w0", "w1", "w2"))
+    for worker_id in ("w0", "w1"):
+        sched.select_batch(cache_report(worker_id, added=hashes(400)[:2], reset=True))
+    sched.select_batch(cache_report("w2", reset=True))
+    busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 5)]
+    assert [s for s, _ in admitted(sched.select_batch(report("w0")))] == busy[:2]
+    assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy[2:]
+    seq = submit(sched, prompt_len=400)
+    assert admitted(sched.select_batch(report("w2"))) == [(seq, 0)]
+
+
+def _passed_once_the_wait_ran_out(passed):
+    """w1 holds the prefix but has no room: w0 waits the saved prefill's step, then
+    takes it."""
+    sched, clock = fleet(observer=passed)
+    sched.select_batch(cache_report("w0", reset=True))
+    sched.select_batch(cache_report("w1", added=hashes(100), reset=True, gdn_free_slots=0))
+    seq = submit(sched, prompt_len=100)
+    assert admitted(sched.select_batch(report("w0"))) == []
+    assert passed.passed == []  # a deferral passes nothing
+    clock.advance_ms(default_step_seconds(0, 96) * 1000 * 1.1)
+    assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]
+
+
+def _passed_overdue(passed):
+    sched, clock = fleet(observer=passed, aging_seconds=0.05)
+    sched.select_batch(cache_report("w0", reset=True))
+    sched.select_batch(cache_report("w1", added=hashes(1000), reset=True, gdn_free_slots=0))
+    seq = submit(sched, prompt_len=1000)
+    clock.advance_ms(51)
+    assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]
+
+
+@pytest.mark.parametrize(
+    ("case", "reason", "worker_id"),
+    [
+        (_passed_for_a_cheaper_asker, "cheaper_here", "w0"),
+        (_passed_at_the_holders_cap, "holder_at_cap", "w0"),
+        (_passed_when_every_holder_is_busy, "holders_busy", "w2"),
+        (_passed_once_the_wait_ran_out, "waited_out", "w0"),
+        (_passed_overdue, "overdue", "w0"),
+    ],
+)
+def test_an_admission_away_from_the_holder_of_its_prefix_says_which_rule_let_it(
+    case, reason, worker_id
+):
+    """`on_placement_passed` (`placement_passed_total{reason}`): once per such admission,
+    with the rule that let the asker take it."""
+    passed = Passed()
+    case(passed)
+    assert passed.passed == [(worker_id, reason)]
+
+
+def test_hits_cold_sequences_and_ties_pass_nothing():
+    passed = Passed()
+    sched, _ = fleet(observer=passed)
+    sched.select_batch(cache_report("w0", added=hashes(100), reset=True))
+    sched.select_batch(cache_report("w1", added=hashes(100)[:2], reset=True))
+    hit = submit(sched, prompt_len=100)
+    cold = submit_tokens(sched, prompt(40, first_token=5000))
+    assert admitted(sched.select_batch(report("w0"))) == [(hit, 96)]  # cold: by load
+    assert admitted(sched.select_batch(report("w1"))) == [(cold, 0)]
+    sched.select_batch(cache_report("w1", added=hashes(100), waiting=[cold]))  # a tie
+    tie = submit(sched, prompt_len=100)
+    assert admitted(sched.select_batch(report("w1", waiting=[cold]))) == [(tie, 96)]
+    assert passed.passed == []

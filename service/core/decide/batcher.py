@@ -262,6 +262,8 @@ class Batcher:
         for chunk in plan.admissions:
             seq = self._sequences.get(chunk.seq_id)
             prefill.append(self._first_chunk(worker, seq, chunk.chunk_len, chunk.cached_tokens))
+            if chunk.passed is not None:
+                self._observer.on_placement_passed(worker.worker_id, chunk.passed)
             tenant = seq.params.tenant
             served[tenant] = served.get(tenant, 0) + chunk.chunk_len
         for seq in started:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from service.core.decide.step_budget import StepBudget
 from service.core.learn.step_model import StepTimeModel
 from service.core.tables.tenants import TentativeService
-from service.core.vocabulary import BlockReason, PreemptReason, SequenceView
+from service.core.vocabulary import BlockReason, PlacementPass, PreemptReason, SequenceView
 
 if TYPE_CHECKING:
     from service.core.decide.fleet import FleetView
@@ -82,6 +82,9 @@ class Chunk:
     # Admissions only: prompt tokens taken from the worker's cache before the chunk
     # (DecisionView.cached_tokens of the sequence, or 0); the chunk starts there.
     cached_tokens: int = 0
+    # Admissions only: the placement rule that let this worker take it though another
+    # worker holds a longer prefix of it (None: none does, or no placement).
+    passed: PlacementPass | None = None
 
 
 @dataclass(frozen=True)

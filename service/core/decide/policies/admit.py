@@ -40,7 +40,10 @@ def admit(
         if stop is not None:
             blocked = stop
             break
-        if placement is not None and placement.defers(seq, len(admissions)):
+        deferred, passed = (
+            (False, None) if placement is None else placement.place(seq, len(admissions))
+        )
+        if deferred:
             blocked = BlockReason.PLACEMENT
         elif budget.fits_adapter(seq.adapter_id):
             cached = view.cached_tokens(seq)
@@ -53,7 +56,7 @@ def admit(
             if reason is None:
                 budget.take_admission(seq, length, cached)
                 view.service.charge(seq.tenant, length)
-                admissions.append(Chunk(seq.seq_id, length, cached))
+                admissions.append(Chunk(seq.seq_id, length, cached, passed))
                 continue
             blocked = reason
         num_skipped += 1

@@ -57,7 +57,7 @@ from service.core.decide.fleet import CacheSpread, FleetView
 from service.core.decide.plan import DecisionView
 from service.core.decide.policies.affinity import AffinityPrice, Place
 from service.core.learn.step_model import StepShape, StepTimeModel, chunk_attention
-from service.core.vocabulary import SequenceView
+from service.core.vocabulary import PlacementPass, SequenceView
 
 # Candidates at the head of the queue order that one decision ranks (reads the cache of):
 # a hit passes at most this many cold sequences, and a decision looks up at most this
@@ -65,6 +65,8 @@ from service.core.vocabulary import SequenceView
 LOOKAHEAD = 16
 
 _OVERDUE, _HIT, _OTHER = 0, 1, 2  # rank classes, best first
+_TAKE: tuple[bool, PlacementPass | None] = (False, None)
+_DEFER: tuple[bool, PlacementPass | None] = (True, None)
 
 
 class PlacementRule:
@@ -114,34 +116,28 @@ class Placement:
     def defers(self, seq: SequenceView, num_admitted: int) -> bool:
         """Whether W leaves `seq` queued this decision, for a better placed worker;
         `num_admitted`: what W admitted so far in this decision (its load grows)."""
+        return self.place(seq, num_admitted)[0]
+
+    def place(self, seq: SequenceView, num_admitted: int) -> tuple[bool, PlacementPass | None]:
+        """`defers`, and when W would take `seq` though another worker holds a longer
+        prefix of it, the rule that let W take it (None: W holds as long a prefix as
+        any, or nobody holds one)."""
         fleet = self._fleet
         waited = fleet.waited_seconds(seq)
-        if waited >= self._aging_seconds:
-            return False
         spread = fleet.spread(seq)
         own, other = spread.own_tokens, spread.best_other_tokens
+        if waited >= self._aging_seconds:
+            return False, PlacementPass.OVERDUE if other > own else None
         load = fleet.own_load + num_admitted
         num_tokens = seq.num_tokens()
         here = Place(own, load, 0.0, fleet.own_mean_call_gap_seconds)
-        if other > own and not self._holders_leave_it(spread, load):
-            # 3. Waiting for the holder must pay (its saved prefill against the wait and
-            # its batch carrying the rest), and never past the holder's cap.
-            holder = self._place(spread.best_other_holder, other)
-            if holder.load >= self._max_load or not self._price.prefers(num_tokens, here, holder):
-                return False
-            # For the saved prefill's time, or until the holder's predicted start if
-            # later (the price already said that wait pays).
-            if waited < max(self._step_seconds(own, other - own), holder.wait_seconds):
-                return True
-            # Those are step times; the holder asks again after its step, its report's
-            # round trip and its wake-up, longer on fast steps: until it has asked once
-            # since `seq` was queued, for at most its measured gap between calls.
-            holder_id = spread.best_other_holder
-            return (
-                holder_id is not None
-                and not fleet.called_since_queued(holder_id, seq)
-                and waited < fleet.call_gap_seconds(holder_id)
-            )
+        # 4. places it by load when every holder would (below): W's pass, if W takes it.
+        passed = None
+        if other > own:
+            if self._holders_leave_it(spread, load):
+                passed = PlacementPass.HOLDERS_BUSY
+            else:
+                return self._better_elsewhere(seq, spread, here, waited)
         # At most one of W's steps: a less loaded worker that asks meanwhile takes it.
         patience = self._step_seconds(own, min(num_tokens - own, self._view.chunk_size))
         if own > other:
@@ -150,10 +146,10 @@ class Placement:
             # cap.
             peer = self._least_loaded(seq, spread, alone=True)
             if peer is None or peer.load >= load:
-                return False
+                return _TAKE
             if load < self._max_load and not self._price.prefers(num_tokens, here, peer):
-                return False
-            return waited < patience
+                return _TAKE
+            return waited < patience, None
         # 4. Cold or a tie: placed by load. W leaves it to the least loaded place that
         # would start it within W's step (not one busy with a backlog of prefill): below
         # W's share only a prefill longer than a chunk (W's decodes would carry it for
@@ -162,17 +158,46 @@ class Placement:
         # only if that runs it for less; at W's cap to any less loaded place.
         below_share = load < self._fair_load
         if below_share and num_tokens - own <= self._view.chunk_size:
-            return False
+            return False, passed
         peer = self._least_loaded(seq, spread, alone=False)
         if peer is None or peer.load >= load:
-            return False
+            return False, passed
         if load < self._max_load:
             if peer.wait_seconds >= patience:
-                return False
+                return False, passed
             priced = below_share or peer.cached_tokens < own
             if priced and not self._price.prefers(num_tokens, here, peer):
-                return False
-        return waited < patience
+                return False, passed
+        return (True, None) if waited < patience else (False, passed)
+
+    def _better_elsewhere(
+        self, seq: SequenceView, spread: CacheSpread, here: Place, waited: float
+    ) -> tuple[bool, PlacementPass | None]:
+        """3. Another worker holds a longer prefix: waiting for that holder must pay (its
+        saved prefill against the wait and its batch carrying the rest), and never past
+        the holder's cap."""
+        holder = self._place(spread.best_other_holder, spread.best_other_tokens)
+        if holder.load >= self._max_load:
+            return False, PlacementPass.HOLDER_AT_CAP
+        if not self._price.prefers(seq.num_tokens(), here, holder):
+            return False, PlacementPass.CHEAPER_HERE
+        # For the saved prefill's time, or until the holder's predicted start if later
+        # (the price already said that wait pays).
+        saved = spread.best_other_tokens - spread.own_tokens
+        if waited < max(self._step_seconds(spread.own_tokens, saved), holder.wait_seconds):
+            return _DEFER
+        # Those are step times; the holder asks again after its step, its report's round
+        # trip and its wake-up, longer on fast steps: until it has asked once since `seq`
+        # was queued, for at most its measured gap between calls.
+        holder_id = spread.best_other_holder
+        fleet = self._fleet
+        if (
+            holder_id is not None
+            and not fleet.called_since_queued(holder_id, seq)
+            and waited < fleet.call_gap_seconds(holder_id)
+        ):
+            return _DEFER
+        return False, PlacementPass.WAITED_OUT
 
     def _least_loaded(self, seq: SequenceView, spread: CacheSpread, *, alone: bool) -> Place | None:
         """The least loaded other place for `seq`: another holder of W's prefix (a tie)
