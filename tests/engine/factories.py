@@ -36,13 +36,15 @@ def make_engine(
     cache_block_tokens: int = 0,
     total_snapshot_slots: int = 0,
     max_cached_blocks: int | None = None,
+    device: str | torch.device | None = None,
 ) -> ModelEngine:
+    """An engine on `device` (default: the model's; the model must be there already)."""
     return ModelEngine(
         model,
         total_kv_pages=total_kv_pages,
         page_size=page_size,
         total_gdn_slots=total_gdn_slots,
-        device="cpu",
+        device=model.device if device is None else device,
         max_batch_size=max_batch_size,
         max_prefill_sequences=max_prefill_sequences,
         max_prefill_tokens=max_prefill_tokens,
@@ -78,7 +80,8 @@ def run_to_completion(
 
 
 class PagedPools:
-    """The engine's caches without the engine, to read full logits through the paged path."""
+    """The engine's caches without the engine, to read full logits through the paged path
+    (on the model's device)."""
 
     def __init__(
         self, model: Qwen35ForCausalLM, *, num_pages: int, page_size: int, num_slots: int
@@ -90,7 +93,7 @@ class PagedPools:
             page_size=page_size,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
-            device=torch.device("cpu"),
+            device=model.device,
             dtype=model.dtype,
         )
         self.state_pool = GdnStatePool(
@@ -101,7 +104,7 @@ class PagedPools:
             num_value_heads=config.linear_num_value_heads,
             key_head_dim=config.linear_key_head_dim,
             value_head_dim=config.linear_value_head_dim,
-            device=torch.device("cpu"),
+            device=model.device,
             dtype=model.dtype,
         )
 
