@@ -18,11 +18,11 @@ from .layers import RMSNorm, apply_rotary
 # it against under a millisecond of GPU work, so a step of two decodes of the tiny demo
 # model took 50-70 ms (docs/prefix-caching.md, "GPU checks"). The others need no such
 # preparation per shape; with a mask it is the memory-efficient kernel or the math one.
-CUDA_ATTENTION_BACKENDS = (
+CUDA_ATTENTION_BACKENDS = [  # a list: torch 2.11's sdpa_kernel refuses a tuple
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
-)
+]
 
 
 class GatedAttention(nn.Module):
