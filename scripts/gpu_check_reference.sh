@@ -12,6 +12,13 @@
 # Logs in ${OUT:-/tmp/gpu-out}: gpu-check.log (this output), pytest.log, stack.log and the
 # stack's scheduler.log, worker.log and gateway.log.
 #
+# The wheels, fetched beforehand on a host with PyPI (Python 3.12, x86-64: the GPU host's):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl google-crc32c \
+#     grpcio grpcio-health-checking grpcio-reflection fastapi uvicorn openai ...
+# (the runtime dependencies of pyproject.toml and of the gateway that the host lacks:
+# the environment step below imports each and names any that is missing).
+#
 #   scripts/gpu_check_reference.sh
 #   LATTICE_TEST_DEVICE=cpu scripts/gpu_check_reference.sh   dry run without a GPU: the same
 #                       steps with the CPU as the device (LATTICE_WHEELS=DIR: other wheels,

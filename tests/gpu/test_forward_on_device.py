@@ -141,3 +141,33 @@ def test_a_transformers_checkpoint_loads_onto_the_device_as_onto_the_cpu(tmp_pat
     expected = generate(make_engine(cpu_model, total_kv_pages=256), specs)
     actual = generate(make_engine(device_model, total_kv_pages=256, device=DEVICE), specs)
     assert_same_generation(expected, actual)
+
+
+def test_attention_on_the_device_keeps_off_cudnns_kernel():
+    """On an H200 (torch 2.11) SDPA chose cuDNN for the engine's masked attention, which
+    prepared each new key length on the CPU, about 55 ms a call against under a
+    millisecond of GPU work: a step of two decodes of the demo model took 50-70 ms. The
+    engine's attention runs the other kernels (attention.CUDA_ATTENTION_BACKENDS), in
+    prefill and in decode, with rows of two lengths."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = load_model("tiny", device=DEVICE, dtype=torch.bfloat16)
+    engine = make_engine(model, total_kv_pages=64, page_size=16)
+    specs = {
+        seq_id: SequenceSpec(
+            random_prompt(length, seed=seq_id, vocab_size=model.config.vocab_size),
+            max_new_tokens=4,
+            ignore_eos=True,
+            logprobs=2,
+        )
+        for seq_id, length in ((1, 40), (2, 75))
+    }
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        generated = generate(engine, specs)
+    assert {seq_id: len(tokens) for seq_id, tokens in generated.items()} == {1: 4, 2: 4}
+    ops = {event.key for event in prof.key_averages()}
+    attention = sorted(op for op in ops if "attention" in op)
+    report(f"attention ops of a prefill and decodes: {attention}")
+    assert attention, "no attention op was profiled: the check would pass vacuously"
+    assert not [op for op in attention if "cudnn" in op]

@@ -5,11 +5,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .batch import PackedBatch
 from .config import ModelConfig
 from .forward_cache import ForwardCache
 from .layers import RMSNorm, apply_rotary
+
+# The kernels attention may run on CUDA: not cuDNN's. Measured on an H200 (torch 2.11,
+# CUDA 13): for this engine's calls (an explicit mask, a key length that grows by one
+# each decode step) SDPA picked cuDNN, which spent about 55 ms of CPU per call preparing
+# it against under a millisecond of GPU work, so a step of two decodes of the tiny demo
+# model took 50-70 ms (docs/prefix-caching.md, "GPU checks"). The others need no such
+# preparation per shape; with a mask it is the memory-efficient kernel or the math one.
+CUDA_ATTENTION_BACKENDS = [  # a list: torch 2.11's sdpa_kernel refuses a tuple
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 
 
 class GatedAttention(nn.Module):
@@ -83,11 +96,11 @@ class GatedAttention(nn.Module):
         repeat = self.num_heads // self.num_kv_heads
         keys = keys.repeat_interleave(repeat, dim=2)
         values = values.repeat_interleave(repeat, dim=2)
-        out = F.scaled_dot_product_attention(
-            query.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask[:, None],
-            scale=self.head_dim**-0.5,
-        )
+        args = (query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+        scale = self.head_dim**-0.5
+        if query.is_cuda:
+            with sdpa_kernel(CUDA_ATTENTION_BACKENDS):
+                out = F.scaled_dot_product_attention(*args, attn_mask=mask[:, None], scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(*args, attn_mask=mask[:, None], scale=scale)
         return out.transpose(1, 2)
