@@ -75,12 +75,10 @@ from bench.harness.processes import cpu_seconds_single_threaded as cpu_seconds
 from bench.harness.tables import print_table
 from bench.replicas import database_pids
 from service.core import SubmitParams
-from service.core.persist.homes import prompt_keys
 from service.core.persist.store import SequenceProgress, StateChanges, TokenAppend
 from service.core.types import SequenceState
 from service.state.pg_cluster import PrivateCluster
 from service.state.postgres import _RECORD_COMMIT, PostgresState
-from service.state.rows import pack_token_ids, params_json
 
 SHAPES = (
     "empty",
@@ -125,20 +123,7 @@ END $$;
 
 def _enqueue_args(store: PostgresState, params: SubmitParams = _SUBMIT) -> tuple:
     """lattice_enqueue's arguments as PostgresState.submit passes them."""
-    return (
-        params.principal,
-        params.adapter_id,
-        params.request_id or None,
-        params_json(params),
-        pack_token_ids(params.prompt_token_ids),
-        params.priority,
-        params.tenant,
-        params.max_new_tokens,
-        _MAX_QUEUE,
-        0,
-        store._fsync != "never",
-        prompt_keys(params.prompt_token_ids) if store._affinity_seconds else [],
-    )
+    return store.enqueue_args(params, _MAX_QUEUE, 0)
 
 
 def submit_group(store: PostgresState, size: int, savepoints: bool = False, guarded: bool = False):
