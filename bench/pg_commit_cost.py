@@ -19,6 +19,18 @@ committed under --state-fsync acks).
                     autocommit (no NOTIFY: a steady commit notifies no one)
   submit            not a group commit: one Submit (lattice_enqueue, its own synchronous
                     commit), which notified every listener until stop 41
+  submit-group      --group N Submits in one transaction with one synchronous commit, as
+                    a group commit of concurrent Submits on one replica would make them:
+                    N lattice_enqueue calls in a pipeline between BEGIN and COMMIT (one
+                    round trip); a value PostgreSQL refuses would abort all N
+  submit-group+sp   the same with each call between SAVEPOINT and RELEASE (pipelined: the
+                    subtransactions' cost, though one refused call still skips the rest of
+                    a pipeline)
+  submit-group+guard  the same with each call in a PL/pgSQL exception block (a function
+                    the bench creates): a request whose values PostgreSQL refuses answers
+                    status 4 and the others commit, still in one round trip
+  submit-group+1stmt  the group as one statement in autocommit (lattice_enqueue called
+                    for each row of the requests' arrays): no BEGIN and COMMIT exchanges
   watch             not a commit: one reading of what no notification announces
                     (PostgresState.watch, on a connection of its own: the other
                     replicas' commit numbers and the new seq_ids), which a replica
@@ -36,10 +48,19 @@ With `--watch-ms 5,20`, a second table: a thread making that reading at each int
 for `--watch-seconds`, as a replica's watcher does: readings/s, the thread's own CPU
 (`time.thread_time`) and PostgreSQL's, per reading and as a share of a core.
 
+The submits (the submit shapes) are also shown per submit, in a table of their own:
+PostgreSQL's CPU per submit, and wall time per group (its commit waits for the WAL flush);
+`--commits` counts groups. A NUL in a string (the refusal store.submit knows) is refused
+by psycopg on the client before anything is sent: it aborts a group in every variant, so
+a group must adapt each request's values before it joins.
+
 Divide by the saves a commit holds (bench.replicas: commits per decision) for the cost per
 decision.
 
     .venv/bin/python -m bench.pg_commit_cost --commits 400 --sequences 224
+    .venv/bin/python -m bench.pg_commit_cost --commits 400 --sequences 288 --rounds 3 \
+        --shapes submit,submit-group,submit-group+sp,submit-group+guard,submit-group+1stmt \
+        --group 1,4,8,16
 """
 
 from __future__ import annotations
@@ -58,6 +79,121 @@ from service.core.persist.store import SequenceProgress, StateChanges, TokenAppe
 from service.core.types import SequenceState
 from service.state.pg_cluster import PrivateCluster
 from service.state.postgres import _RECORD_COMMIT, PostgresState
+
+SHAPES = (
+    "empty",
+    "number",
+    "number+notify",
+    "progress",
+    "progress+tokens",
+    "tokens",
+    "tokens-1stmt",
+    "submit",
+    "submit-group",
+    "submit-group+sp",
+    "submit-group+guard",
+    "submit-group+1stmt",
+    "watch",
+    "watch+claims",
+)
+# A submit's own values and limits, as the `submit` shape passes them to PostgresState.submit.
+_SUBMIT = SubmitParams(prompt_token_ids=tuple(range(1, 33)), max_new_tokens=16)
+_MAX_QUEUE = 10**7
+
+# lattice_enqueue in an exception block (a subtransaction): a request whose values
+# PostgreSQL refuses (a data exception: the class store.submit answers InvalidArgument for)
+# answers status 4 and leaves the group's other requests to commit.
+_GUARDED = """
+CREATE OR REPLACE FUNCTION bench_enqueue_guarded(
+    p_principal text, p_adapter_id text, p_request_id text, p_params text, p_prompt bytea,
+    p_priority integer, p_tenant text, p_max_new_tokens integer, p_max_queue bigint,
+    p_max_per_tenant bigint, p_sync boolean, p_prefix_keys bigint[],
+    OUT status integer, OUT seq_id bigint, OUT queue_position bigint)
+LANGUAGE plpgsql AS $$
+BEGIN
+    SELECT e.status, e.seq_id, e.queue_position INTO status, seq_id, queue_position
+      FROM lattice_enqueue(p_principal, p_adapter_id, p_request_id, p_params, p_prompt,
+                           p_priority, p_tenant, p_max_new_tokens, p_max_queue,
+                           p_max_per_tenant, p_sync, p_prefix_keys) e;
+EXCEPTION WHEN data_exception THEN
+    status := 4; seq_id := NULL; queue_position := NULL;
+END $$;
+"""
+
+
+def _enqueue_args(store: PostgresState, params: SubmitParams = _SUBMIT) -> tuple:
+    """lattice_enqueue's arguments as PostgresState.submit passes them."""
+    return store.enqueue_args(params, _MAX_QUEUE, 0)
+
+
+def submit_group(store: PostgresState, size: int, savepoints: bool = False, guarded: bool = False):
+    """`size` Submits in one transaction, one synchronous commit: (status, seq_id,
+    position) of each. `savepoints`: each between SAVEPOINT and RELEASE; `guarded`: each
+    in an exception block (bench_enqueue_guarded, created by `create_guarded`)."""
+    function = "bench_enqueue_guarded" if guarded else "lattice_enqueue"
+    statement = (
+        f"SELECT status, seq_id, queue_position FROM {function}("
+        "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+    )
+
+    def commit(params: list[SubmitParams] | None = None) -> list[tuple]:
+        requests = params if params is not None else [_SUBMIT] * size
+        with store._connection() as conn:
+            with conn.pipeline(), conn.transaction():
+                cursors = []
+                for request in requests:
+                    if savepoints:
+                        conn.execute("SAVEPOINT s")
+                    cursors.append(conn.execute(statement, _enqueue_args(store, request)))
+                    if savepoints:
+                        conn.execute("RELEASE SAVEPOINT s")
+            return [cursor.fetchone() for cursor in cursors]
+
+    return commit
+
+
+# The group as one statement in autocommit (no BEGIN and COMMIT exchanges): lattice_enqueue
+# called for each row, in order (each call's reads see the calls before it: the queue's
+# count and the request_ids). Prefix keys left out (the bench's store has homes off).
+_ENQUEUE_MANY = (
+    "SELECT e.status, e.seq_id, e.queue_position FROM unnest(%s::text[], %s::text[], "
+    "%s::text[], %s::text[], %s::bytea[], %s::integer[], %s::text[], %s::integer[]) "
+    "WITH ORDINALITY AS r(principal, adapter_id, request_id, params, prompt, priority, "
+    "tenant, max_new_tokens, n) CROSS JOIN LATERAL lattice_enqueue(r.principal, "
+    "r.adapter_id, r.request_id, r.params, r.prompt, r.priority, r.tenant, "
+    "r.max_new_tokens, %s, %s, %s, '{}') e ORDER BY r.n"
+)
+
+
+def submit_statement(store: PostgresState, size: int):
+    """`size` Submits as one statement (its own transaction, one synchronous commit)."""
+    assert not store._affinity_seconds
+
+    def commit(params: list[SubmitParams] | None = None) -> list[tuple]:
+        rows = [_enqueue_args(store, request) for request in params or [_SUBMIT] * size]
+        columns = [list(column) for column in zip(*(row[:8] for row in rows), strict=True)]
+        with store._connection() as conn:
+            return conn.execute(_ENQUEUE_MANY, (*columns, *rows[0][8:11])).fetchall()
+
+    return commit
+
+
+def create_guarded(store: PostgresState) -> None:
+    with store._connection() as conn:
+        conn.execute(_GUARDED)
+
+
+def _groups(text: str) -> list[int]:
+    sizes = []
+    for part in text.split(","):
+        try:
+            size = int(part)
+        except ValueError:
+            size = 0
+        if not 1 <= size <= 1000:
+            raise ValueError(part)
+        sizes.append(size)
+    return sizes
 
 
 def _raw(store: PostgresState, args, notify: bool, number: bool):
@@ -183,7 +319,7 @@ class _Listeners:
             conn.close()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--commits", type=int, default=400)
     parser.add_argument("--sequences", type=int, default=224)
@@ -207,7 +343,22 @@ def main() -> int:
         help="intervals of a commit-number watcher to time (comma-separated ms; none: skip)",
     )
     parser.add_argument("--watch-seconds", type=float, default=8.0)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--group",
+        default="8",
+        help="submits a submit-group commit holds (comma-separated sizes: one row each)",
+    )
+    args = parser.parse_args(argv)
+    wanted = args.shapes.split(",")
+    unknown = [name for name in wanted if name not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape {unknown[0]!r} (known: {', '.join(SHAPES)})")
+    try:
+        groups = _groups(args.group)
+    except ValueError as err:
+        parser.error(f"--group takes sizes within 1-1000, comma-separated; got {err}")
+    if args.commits < 1:
+        parser.error(f"--commits must be at least 1, got {args.commits}")
     directory = tempfile.mkdtemp(prefix="lattice-pgcost-")
     cluster = PrivateCluster(directory, fsync=True).start()
     try:
@@ -240,24 +391,41 @@ def main() -> int:
                 "tokens-1stmt",
                 _steps(store, seq_ids, step, tokens=True, progress=False, one_statement=True),
             ),
-            (
-                "submit",
-                lambda: store.submit(
-                    SubmitParams(prompt_token_ids=tuple(range(1, 33)), max_new_tokens=16),
-                    10**7,
-                    0,
-                ),
-            ),
+            ("submit", lambda: store.submit(_SUBMIT, _MAX_QUEUE, 0)),
+            *[
+                (f"submit-group{variant}/{size}", submit_group(store, size, **options))
+                for variant, options in (
+                    ("", {}),
+                    ("+sp", {"savepoints": True}),
+                    ("+guard", {"guarded": True}),
+                )
+                for size in groups
+            ],
+            *[(f"submit-group+1stmt/{size}", submit_statement(store, size)) for size in groups],
             ("watch", lambda: store.watch(watch)),
             ("watch+claims", lambda: store.watch(watch, (), seq_ids)),
         ]
-        wanted = args.shapes.split(",")
+        if "submit-group+guard" in wanted:
+            create_guarded(store)
+        submits = []
         for _ in range(args.rounds):
-            for name, commit in [(name, commit) for name, commit in shapes if name in wanted]:
+            for name, commit in [(n, c) for n, c in shapes if n.split("/")[0] in wanted]:
                 cpu, own, heard, wall = measure(
                     cluster, backend, commit, args.commits, listeners.pids
                 )
                 rows.append([name, f"{cpu:.3f}", f"{own:.3f}", f"{heard:.3f}", f"{wall:.3f}"])
+                if name.startswith("submit"):
+                    size = int(name.split("/")[1]) if "/" in name else 1
+                    submits.append(
+                        [
+                            name.split("/")[0],
+                            str(size),
+                            f"{cpu / size:.3f}",
+                            f"{own / size:.3f}",
+                            f"{wall:.3f}",
+                            f"{wall / size:.3f}",
+                        ]
+                    )
         listeners.close()
         watch.close()
         watched = []
@@ -299,6 +467,19 @@ def main() -> int:
         rows,
     )
     print(f"\nsequence row updates: {upd}, of them HOT: {hot}")
+    if submits:
+        print()
+        print_table(
+            [
+                "submit",
+                "submits / commit",
+                "PostgreSQL CPU ms / submit",
+                "its backend's ms / submit",
+                "wall ms / commit",
+                "wall ms / submit",
+            ],
+            submits,
+        )
     if watched:
         print()
         print_table(

@@ -961,20 +961,7 @@ class PostgresState:
                 status, seq_id, position = conn.execute(
                     "SELECT status, seq_id, queue_position FROM lattice_enqueue("
                     "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                    (
-                        params.principal,
-                        params.adapter_id,
-                        params.request_id or None,
-                        params_json(params),
-                        pack_token_ids(params.prompt_token_ids),
-                        params.priority,
-                        params.tenant,
-                        params.max_new_tokens,
-                        max_queue,
-                        max_per_tenant,
-                        self._fsync != "never",
-                        prompt_keys(params.prompt_token_ids) if self._affinity_seconds else [],
-                    ),
+                    self.enqueue_args(params, max_queue, max_per_tenant),
                 ).fetchone()
             except psycopg.DataError as err:
                 # This request's own values (the edge refuses every one known to do this:
@@ -993,6 +980,24 @@ class PostgresState:
                 f"queued (max_queue_per_tenant={max_per_tenant}); retry later"
             )
         return SubmitResult(seq_id, position)
+
+    def enqueue_args(self, params: SubmitParams, max_queue: int, max_per_tenant: int) -> tuple:
+        """lattice_enqueue's twelve arguments for `params` (`submit`'s; bench.pg_commit_cost
+        calls it in groups)."""
+        return (
+            params.principal,
+            params.adapter_id,
+            params.request_id or None,
+            params_json(params),
+            pack_token_ids(params.prompt_token_ids),
+            params.priority,
+            params.tenant,
+            params.max_new_tokens,
+            max_queue,
+            max_per_tenant,
+            self._fsync != "never",
+            prompt_keys(params.prompt_token_ids) if self._affinity_seconds else [],
+        )
 
     def cancel(self, seq_id: int, caller: Caller = SEES_ALL) -> bool:
         """Cancel a sequence this replica does not own; False if it had finished.
