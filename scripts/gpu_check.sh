@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# On one CUDA GPU: the reference engine and a vLLM worker (CUDA graphs on) through the
+# On one CUDA GPU: the reference engine against the CPU (tests/gpu; on a host without
+# network or project environment, scripts/gpu_check_reference.sh runs that part alone),
+# then the reference engine and a vLLM worker (CUDA graphs on) through the
 # scheduler on the tiny checkpoint, a real Qwen3.5 directory when given, then the
 # benchmark's figures (bench/vllm.py --device cuda). Within about 8 minutes once both
 # environments exist (the first setup downloads vLLM and CUDA torch: minutes more).
@@ -19,6 +21,9 @@ scripts/setup.sh --engine vllm
 .venv/bin/python -c "import torch; assert torch.cuda.is_available(), 'torch in .venv sees no GPU'" \
   || fail ".venv's torch is a CPU build: rm -r .venv and rerun on this GPU host"
 SETUP_DONE=$SECONDS
+
+step "reference engine on CUDA against the CPU (tests/gpu: forward, prefix cache, handoffs)"
+timeout 300 .venv/bin/python -m pytest -q tests/gpu -p no:cacheprovider || fail "tests/gpu"
 
 step "reference engine on CUDA through the scheduler (demo checkpoint, 8 chat requests)"
 timeout 240 .venv/bin/python scripts/local_stack.py --device cuda --workers 1 --requests 8 \
