@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The reference engine (not vLLM) on one CUDA GPU, on a host with no network and no
 # project environment: the system python3 with torch (a CUDA build) and transformers, plus
-# the wheels of what it lacks carried in .whl/ (each installed into /tmp/site only where
+# the wheels of what it lacks carried in .whl/ (each installed into a scratch folder only where
 # the host has no such package or an older one). Then:
 #   1. tests/gpu: the engine on CUDA against the CPU (greedy tokens, logits in float32 and
 #      bfloat16, loading), prefix-cache snapshots copied in and out of GDN slots, handoffs
@@ -29,7 +29,8 @@ OUT=${OUT:-/tmp/gpu-out}
 PYTHON=${PYTHON:-python3}
 WHEELS=${LATTICE_WHEELS:-.whl}
 DEVICE=${LATTICE_TEST_DEVICE:-cuda}
-export LATTICE_TEST_DEVICE=$DEVICE PYTHONUNBUFFERED=1 OUT PYTHON WHEELS DEVICE
+SITE=${LATTICE_SITE:-$(mktemp -d -t lattice-site.XXXXXX)}  # the carried wheels, installed
+export LATTICE_TEST_DEVICE=$DEVICE PYTHONUNBUFFERED=1 OUT PYTHON WHEELS DEVICE SITE
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu-check.log") 2>&1
 
@@ -67,7 +68,7 @@ finish() {
 
 install_wheels() {
   # Only what the host lacks or has older: its own newer packages stay in charge.
-  rm -rf /tmp/site  # what an earlier run installed is neither counted nor kept
+  rm -rf "$SITE"  # what an earlier run installed is neither counted nor kept
   local wanted
   wanted=$("$PYTHON" - "$WHEELS" <<'EOF'
 import importlib.metadata as metadata
@@ -82,7 +83,7 @@ def key(version):
 
 wheels = sorted(pathlib.Path(sys.argv[1]).glob("*.whl"))
 if not wheels:
-    sys.exit(f"no wheels in {sys.argv[1]}: carry them (see scripts/gpu_check_reference.sh)")
+    print(f"no carried wheels in {sys.argv[1]}: using the host's packages", file=sys.stderr)
 for wheel in wheels:
     name, version = wheel.name.split("-")[:2]
     try:
@@ -100,11 +101,11 @@ EOF
   if "$PYTHON" -m pip --version > /dev/null 2>&1; then
     # shellcheck disable=SC2086 # one path a line, no spaces in wheel names
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site $wanted
+      --target "$SITE" $wanted
   else  # no pip: a wheel is a zip of what --target would hold (none of these has scripts)
-    echo "no pip for $PYTHON: unpacking the wheels into /tmp/site"
+    echo "no pip for $PYTHON: unpacking the wheels into $SITE"
     # shellcheck disable=SC2086
-    "$PYTHON" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall("/tmp/site") for w in sys.argv[1:]]' $wanted
+    "$PYTHON" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$SITE" $wanted
   fi
 }
 
@@ -176,7 +177,7 @@ stack() {
   fi
 }
 
-export PYTHONPATH="/tmp/site:$PWD:$PWD/protos${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$PWD:$PWD/protos${PYTHONPATH:+:$PYTHONPATH}"
 export -f install_wheels probe run_tests stack
 # 30 + 60 + 150 + 120 s: at most 6 minutes in all.
 run "install carried wheels" 30 install_wheels || finish

@@ -169,5 +169,6 @@ def test_attention_on_the_device_keeps_off_cudnns_kernel():
     ops = {event.key for event in prof.key_averages()}
     attention = sorted(op for op in ops if "attention" in op)
     report(f"attention ops of a prefill and decodes: {attention}")
-    assert attention, "no attention op was profiled: the check would pass vacuously"
+    kernels = [op for op in attention if any(k in op for k in ("flash", "efficient", "math"))]
+    assert kernels, "no attention kernel was profiled: the check would pass vacuously"
     assert not [op for op in attention if "cudnn" in op]

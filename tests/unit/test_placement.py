@@ -795,6 +795,19 @@ def test_an_admission_away_from_the_holder_of_its_prefix_says_which_rule_let_it(
     assert passed.passed == [(worker_id, reason)]
 
 
+def test_overdue_hits_cold_sequences_and_ties_pass_nothing():
+    """Only an overdue sequence with a longer prefix elsewhere counts as passed."""
+    passed = Passed()
+    sched, clock = fleet(observer=passed, aging_seconds=0.05)
+    sched.select_batch(cache_report("w0", added=hashes(100), reset=True))
+    sched.select_batch(cache_report("w1", added=hashes(100), reset=True))
+    tie = submit(sched, prompt_len=100)
+    cold = submit_tokens(sched, prompt(40, first_token=5000))
+    clock.advance_ms(51)
+    assert admitted(sched.select_batch(report("w0"))) == [(tie, 96), (cold, 0)]
+    assert passed.passed == []
+
+
 def test_hits_cold_sequences_and_ties_pass_nothing():
     passed = Passed()
     sched, _ = fleet(observer=passed)

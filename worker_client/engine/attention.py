@@ -16,9 +16,9 @@ from .layers import RMSNorm, apply_rotary
 # CUDA 13): for this engine's calls (an explicit mask, a key length that grows by one
 # each decode step) SDPA picked cuDNN, which spent about 55 ms of CPU per call preparing
 # it against under a millisecond of GPU work, so a step of two decodes of the tiny demo
-# model took 50-70 ms (docs/prefix-caching.md, "GPU checks"). The others need no such
+# model took 50-70 ms (docs/benchmarks.md, "The reference engine on an H200"). The others need no such
 # preparation per shape; with a mask it is the memory-efficient kernel or the math one.
-CUDA_ATTENTION_BACKENDS = [  # a list: torch 2.11's sdpa_kernel refuses a tuple
+CUDA_ATTENTION_BACKENDS = [  # a list: sdpa_kernel refuses a tuple
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,

@@ -40,9 +40,10 @@ def admit(
         if stop is not None:
             blocked = stop
             break
-        deferred, passed = (
-            (False, None) if placement is None else placement.place(seq, len(admissions))
-        )
+        if placement is None:
+            deferred, passed = False, None
+        else:
+            deferred, passed = placement.place(seq, len(admissions))
         if deferred:
             blocked = BlockReason.PLACEMENT
         elif budget.fits_adapter(seq.adapter_id):
@@ -54,6 +55,8 @@ def admit(
                 else budget.admission_blocker(seq, length, cached)
             )
             if reason is None:
+                if placement is not None and passed is None:
+                    passed = placement.overdue_pass(seq)
                 budget.take_admission(seq, length, cached)
                 view.service.charge(seq.tenant, length)
                 admissions.append(Chunk(seq.seq_id, length, cached, passed))

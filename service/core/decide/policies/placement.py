@@ -87,7 +87,7 @@ class PlacementRule:
 
 
 class Placement:
-    """One decision's placement: `candidates` in rank order, `defers` for each."""
+    """One decision's placement: `candidates` in rank order, `place` for each."""
 
     def __init__(
         self, view: DecisionView, fleet: FleetView, aging_seconds: float, model: StepTimeModel
@@ -113,21 +113,18 @@ class Placement:
         yield from window
         yield from queue
 
-    def defers(self, seq: SequenceView, num_admitted: int) -> bool:
-        """Whether W leaves `seq` queued this decision, for a better placed worker;
-        `num_admitted`: what W admitted so far in this decision (its load grows)."""
-        return self.place(seq, num_admitted)[0]
-
     def place(self, seq: SequenceView, num_admitted: int) -> tuple[bool, PlacementPass | None]:
-        """`defers`, and when W would take `seq` though another worker holds a longer
-        prefix of it, the rule that let W take it (None: W holds as long a prefix as
-        any, or nobody holds one)."""
+        """Whether W leaves `seq` queued this decision, for a better placed worker
+        (`num_admitted`: what W admitted so far in this decision, its load grows); and
+        when W would take it though another worker holds a longer prefix of it, the rule
+        that let W take it (None: W holds as long a prefix as any, nobody holds one, or
+        it is overdue: `overdue_pass`, asked only of what W admits)."""
         fleet = self._fleet
         waited = fleet.waited_seconds(seq)
+        if waited >= self._aging_seconds:
+            return _TAKE  # its cache is not looked up: overdue_pass, once admitted
         spread = fleet.spread(seq)
         own, other = spread.own_tokens, spread.best_other_tokens
-        if waited >= self._aging_seconds:
-            return False, PlacementPass.OVERDUE if other > own else None
         load = fleet.own_load + num_admitted
         num_tokens = seq.num_tokens()
         here = Place(own, load, 0.0, fleet.own_mean_call_gap_seconds)
@@ -169,6 +166,15 @@ class Placement:
             if priced and not self._price.prefers(num_tokens, here, peer):
                 return False, passed
         return (True, None) if waited < patience else (False, passed)
+
+    def overdue_pass(self, seq: SequenceView) -> PlacementPass | None:
+        """OVERDUE if W admits `seq` only because it is overdue, with a longer prefix of it
+        cached elsewhere; else None."""
+        fleet = self._fleet
+        if fleet.waited_seconds(seq) < self._aging_seconds:
+            return None
+        spread = fleet.spread(seq)
+        return PlacementPass.OVERDUE if spread.best_other_tokens > spread.own_tokens else None
 
     def _better_elsewhere(
         self, seq: SequenceView, spread: CacheSpread, here: Place, waited: float
