@@ -74,6 +74,7 @@ import time
 from bench.harness.processes import cpu_seconds_single_threaded as cpu_seconds
 from bench.harness.tables import print_table
 from bench.replicas import database_pids
+from common.cli_values import integer
 from service.core import SubmitParams
 from service.core.persist.store import SequenceProgress, StateChanges, TokenAppend
 from service.core.types import SequenceState
@@ -183,16 +184,17 @@ def create_guarded(store: PostgresState) -> None:
         conn.execute(_GUARDED)
 
 
+_GROUP_SIZE = integer(1, 1000)
+
+
 def _groups(text: str) -> list[int]:
+    """--group's sizes; ValueError(the part refused)."""
     sizes = []
     for part in text.split(","):
         try:
-            size = int(part)
-        except ValueError:
-            size = 0
-        if not 1 <= size <= 1000:
-            raise ValueError(part)
-        sizes.append(size)
+            sizes.append(_GROUP_SIZE(part))
+        except argparse.ArgumentTypeError:
+            raise ValueError(part) from None
     return sizes
 
 

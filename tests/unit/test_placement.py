@@ -715,28 +715,28 @@ class Passed(SchedulerObserver):
         self.passed.append((worker_id, reason.value))
 
 
-def _passed_for_a_cheaper_asker(passed):
-    """The short-prefix case above: idle w0 takes a 400-token prompt whose 32 tokens the
-    busy w1 holds, because the price says w0 runs it sooner."""
+def _an_idle_w0_takes_a_400_token_prompt(passed, held: list[int], num_busy: int):
+    """w1 holds `held` of a 400-token prompt's blocks and runs `num_busy` sequences; the
+    idle w0 asks and takes the prompt, computing it all."""
     sched, _ = fleet(observer=passed)
-    sched.select_batch(cache_report("w1", added=hashes(400)[:2], reset=True))
-    busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 3)]
+    sched.select_batch(cache_report("w1", added=held, reset=True))
+    busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, num_busy + 1)]
     assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy
     sched.select_batch(cache_report("w0", reset=True))
     seq = submit(sched, prompt_len=400)
     assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]
+
+
+def _passed_for_a_cheaper_asker(passed):
+    """The short-prefix case above: idle w0 takes a 400-token prompt whose 32 tokens the
+    busy w1 holds, because the price says w0 runs it sooner."""
+    _an_idle_w0_takes_a_400_token_prompt(passed, hashes(400)[:2], num_busy=2)
 
 
 def _passed_at_the_holders_cap(passed):
     """w1 holds 384 of the prompt's 400 tokens (a hit worth waiting for: the next test
     case's) but runs 4 sequences, its cap with one queued (share 3 and one more)."""
-    sched, _ = fleet(observer=passed)
-    sched.select_batch(cache_report("w1", added=hashes(400), reset=True))
-    busy = [submit_tokens(sched, prompt(8, 100 * i)) for i in range(1, 5)]
-    assert [s for s, _ in admitted(sched.select_batch(report("w1")))] == busy
-    sched.select_batch(cache_report("w0", reset=True))
-    seq = submit(sched, prompt_len=400)
-    assert admitted(sched.select_batch(report("w0"))) == [(seq, 0)]
+    _an_idle_w0_takes_a_400_token_prompt(passed, hashes(400), num_busy=4)
 
 
 def _passed_when_every_holder_is_busy(passed):
