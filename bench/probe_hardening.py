@@ -292,6 +292,7 @@ def _wait_finished(stub, seq_ids: list[int], timeout_seconds: float) -> None:
 
 def big_body() -> dict:
     """This checkout's gateway in-process (the fake scheduler of its tests)."""
+    import shutil
     import tempfile
     import urllib.error
     import urllib.request
@@ -300,7 +301,8 @@ def big_body() -> dict:
 
     from tests.gateway.inprocess import MODEL, InProcessGateway, write_model
 
-    gateway = InProcessGateway(write_model(Path(tempfile.mkdtemp(prefix="probe-model-"))))
+    model_dir = Path(tempfile.mkdtemp(prefix="probe-model-"))
+    gateway = InProcessGateway(write_model(model_dir))
     body = json.dumps({"model": MODEL, "prompt": "word " * 2_160_000, "max_tokens": 1})
     out = {"body_mb": len(body) / 1e6}
     try:
@@ -332,6 +334,7 @@ def big_body() -> dict:
         out["openai_seconds"] = time.perf_counter() - started
     finally:
         gateway.stop()
+        shutil.rmtree(model_dir, ignore_errors=True)
     return out
 
 

@@ -45,14 +45,17 @@ last turn's prompt less one block).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -389,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--workers", default="4,16,64", help="fake worker counts, comma-separated")
     parser.add_argument("--batch", type=int, default=32, help="sequences per worker")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the scratch folder (the processes' logs and state) after a run that ends "
+        "well; a failed run always keeps it",
+    )
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument(
         "--step-ms",
@@ -447,19 +456,22 @@ def main(argv: list[str] | None = None) -> int:
     os.chmod(directory, 0o755)
     results = []
     cluster = None
-    try:
-        if any(c.startswith("postgres") for c in configs):
-            settings = ("shared_preload_libraries=pg_stat_statements",) if args.statements else ()
-            settings += tuple(args.pg_setting)
-            cluster = PrivateCluster(directory / "pg", settings=settings).start()
-        for num_workers in [int(w) for w in args.workers.split(",")]:
-            args.workers = num_workers
-            for name in configs:
-                results.append(run_config(name, directory, cluster, args))
-                print(f"  {_progress(results[-1])}", flush=True)
-    finally:
-        if cluster is not None:
-            cluster.destroy()
+    with _scratch(directory, args.keep):
+        try:
+            if any(c.startswith("postgres") for c in configs):
+                settings = (
+                    ("shared_preload_libraries=pg_stat_statements",) if args.statements else ()
+                )
+                settings += tuple(args.pg_setting)
+                cluster = PrivateCluster(directory / "pg", settings=settings).start()
+            for num_workers in [int(w) for w in args.workers.split(",")]:
+                args.workers = num_workers
+                for name in configs:
+                    results.append(run_config(name, directory, cluster, args))
+                    print(f"  {_progress(results[-1])}", flush=True)
+        finally:
+            if cluster is not None:
+                cluster.destroy()
     print(
         f"\n{args.batch} sequences per worker, {args.new_tokens} tokens each, "
         f"steps of {args.step_ms:g} ms{' overlapped' if args.overlap else ''}, "
@@ -489,8 +501,22 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r.statements:
             _print_statements(r, args.statements)
-    print(f"\nlogs in {directory}")
     return 0
+
+
+@contextlib.contextmanager
+def _scratch(directory: Path, keep: bool) -> Iterator[None]:
+    """Remove `directory` (its state folders hold tens of MB a run) once the block ends
+    well, unless `keep`; a failure keeps it and says where, for its logs."""
+    try:
+        yield
+    except BaseException:
+        print(f"\nlogs in {directory}", file=sys.stderr)
+        raise
+    if keep:
+        print(f"\nlogs in {directory}")
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _print_commits(r: Result) -> None:
@@ -643,28 +669,34 @@ def followups_main(argv: list[str]) -> int:
     parser.add_argument(
         "--configs", default="single,replicas,replicas-no-homes", help="comma-separated"
     )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the scratch folder (logs) after a run"
+    )
     args = parser.parse_args(argv)
     directory = Path(tempfile.mkdtemp(prefix="lattice-bench-followups-"))
     os.chmod(directory, 0o755)
     rows = []
     cluster = None
-    try:
-        for config in args.configs.split(","):
-            if config != "single" and cluster is None:
-                cluster = PrivateCluster(directory / "pg").start()
-            resumed, follow_ups, cached, prompt = _followups_run(config, directory, cluster, args)
-            print(f"  {config}: {resumed} of {follow_ups} follow-ups resumed", flush=True)
-            rows.append(
-                [
-                    config,
-                    f"{resumed} / {follow_ups}",
-                    f"{resumed / max(1, follow_ups):.2f}",
-                    f"{cached} / {prompt}",
-                ]
-            )
-    finally:
-        if cluster is not None:
-            cluster.destroy()
+    with _scratch(directory, args.keep):
+        try:
+            for config in args.configs.split(","):
+                if config != "single" and cluster is None:
+                    cluster = PrivateCluster(directory / "pg").start()
+                resumed, follow_ups, cached, prompt = _followups_run(
+                    config, directory, cluster, args
+                )
+                print(f"  {config}: {resumed} of {follow_ups} follow-ups resumed", flush=True)
+                rows.append(
+                    [
+                        config,
+                        f"{resumed} / {follow_ups}",
+                        f"{resumed / max(1, follow_ups):.2f}",
+                        f"{cached} / {prompt}",
+                    ]
+                )
+        finally:
+            if cluster is not None:
+                cluster.destroy()
     print(
         f"\n{args.conversations} conversations x {args.turns} turns, scripted workers "
         f"(--step-ms {args.step_ms:g}, --cache-block-tokens {args.cache_block_tokens}); "

@@ -25,6 +25,15 @@ stamp=".venv/.setup-$( (cat pyproject.toml constraints.txt; echo "$extras") | sh
 if [ -f "$stamp" ]; then
   exit 0
 fi
+# The environment takes about 2 GB and pip unpacks the wheels in the temporary folder first;
+# a full disk otherwise fails deep in pip's output.
+for dir in . "${TMPDIR:-/tmp}"; do
+  free_kb=$(df -Pk "$dir" | awk 'NR == 2 { print $4 }')
+  if [ "${free_kb:-0}" -lt $((3 * 1024 * 1024)) ]; then
+    echo "setup: $dir has $((free_kb / 1024)) MB free; installing needs about 3 GB" >&2
+    exit 1
+  fi
+done
 echo "setup: installing the project and its dependencies into .venv (first run takes a minute)"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 if [ "${LATTICE_KEEP_TORCH:-0}" != 1 ]; then
