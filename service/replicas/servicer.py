@@ -529,7 +529,7 @@ class ReplicaServicer(SchedulerServicer):
                     self._wake_prefetcher.set()
                 await self._apply_cancels(await asyncio.to_thread(self._state.cancel_requests))
                 await self._hand_back_excess()
-                await self._count_unservable_fleet_wide()
+                await self._count_queued_fleet_wide()
                 await asyncio.to_thread(self._state.collect_token_log)
             except SchedulerError as err:
                 log.warning("replica upkeep failed; retrying: %s", err)
@@ -575,15 +575,17 @@ class ReplicaServicer(SchedulerServicer):
                 extra={"sequences": len(released)},
             )
 
-    def _count_unservable(self) -> None:
+    def _count_queued(self) -> None:
         """Not from the sweeper: a replica counts fleet-wide, in its keeper."""
 
-    async def _count_unservable_fleet_wide(self) -> None:
-        """lattice_scheduler_unservable_queued, fleet-wide, from the database."""
+    async def _count_queued_fleet_wide(self) -> None:
+        """lattice_scheduler_unservable_queued and fleet_queue_depth, fleet-wide, from the
+        database (the shared queue's kept counts: one short read)."""
         if self._metrics is not None:
             self._metrics.unservable_queued.set(
                 await asyncio.to_thread(self._state.unservable_queued)
             )
+            self._metrics.fleet_queue_depth.set(await asyncio.to_thread(self._state.queue_depth))
 
     async def _give_up(self, seq_ids: set[int] | None) -> None:
         """Forget those of `seq_ids` (None: any) that the database says another replica

@@ -353,6 +353,13 @@ class SchedulerMetrics(SchedulerObserver):
             registry=r,
         )
         self.workers = Gauge(PREFIX + "workers", "Registered workers.", registry=r)
+        self.fleet_queue_depth = Gauge(
+            PREFIX + "fleet_queue_depth",
+            "Sequences waiting for admission across the fleet: a single scheduler's queue as "
+            "of its latest lease sweep; on a replica, the shared queue (every replica's queued "
+            "sequences, claimed or not) as of its latest upkeep.",
+            registry=r,
+        )
         self.unservable_queued = Gauge(
             PREFIX + "unservable_queued",
             "Queued sequences whose adapter no live worker that takes work has (replicas: "

@@ -327,13 +327,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             )
         # Also the baselines of leases that expired during another worker's call.
         self._running_lists.keep_only(self._core.worker_ids())
-        self._count_unservable()
+        self._count_queued()
         return dropped
 
-    def _count_unservable(self) -> None:
-        """lattice_scheduler_unservable_queued as of this sweep."""
+    def _count_queued(self) -> None:
+        """lattice_scheduler_unservable_queued and fleet_queue_depth as of this sweep."""
         if self._metrics is not None:
             self._metrics.unservable_queued.set(self._core.num_unservable_queued())
+            self._metrics.fleet_queue_depth.set(self._core.num_queued())
 
 
 def _is_empty(decision: Decision) -> bool:

@@ -1,0 +1,38 @@
+"""lattice_scheduler_fleet_queue_depth on replicas: every replica reports the shared
+queue's depth (from its keeper), which each one's own queue_depth cannot show: a replica
+holds only what it claimed ahead for its workers."""
+
+from __future__ import annotations
+
+from common.waiting import wait_until
+from tests.server.wire import Worker, admitted, submit_many
+
+
+def test_every_replica_reports_the_shared_queue_and_it_clears_as_one_replica_admits(
+    start_replicas,
+):
+    r0, r1 = start_replicas(2, replica_lease_ms=900)
+    ids = submit_many(r0.stub, 5) + submit_many(r1.stub, 2)
+    for replica in (r0, r1):
+        wait_until(
+            lambda replica=replica: replica.metric("fleet_queue_depth") == 7,
+            "each replica to count the seven queued",
+            10,
+        )
+        # No worker anywhere: neither replica claimed any, so its own queue is empty.
+        assert replica.metric("queue_depth") == 0
+    worker = Worker(r1.stub, "w")
+    worker.register(max_batch_size=8)
+    got: list[int] = []
+    wait_until(
+        lambda: got.extend(admitted(worker.select(running=got))) or len(got) == 7,
+        "r1's worker to admit all seven",
+        15,
+    )
+    assert sorted(got) == sorted(ids)
+    for replica in (r0, r1):
+        wait_until(
+            lambda replica=replica: replica.metric("fleet_queue_depth") == 0,
+            "each replica's count to clear",
+            10,
+        )
