@@ -10,7 +10,15 @@ import pytest
 
 from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
-from tests.server.wire import RPC_TIMEOUT_SECONDS, Stream, Worker, admitted, get_sequence, submit
+from tests.server.wire import (
+    RPC_TIMEOUT_SECONDS,
+    Stream,
+    Worker,
+    admit_until,
+    admitted,
+    get_sequence,
+    submit,
+)
 from worker_client.client import NotRegistered, RetryPolicy, SchedulerClient, WorkerResources
 
 EOS = pb.FINISH_REASON_EOS
@@ -35,19 +43,6 @@ def _crash(server) -> None:
     running.metrics_http.shutdown()
     running.metrics_http.server_close()
     running._stopped = server._stopped = True  # nothing left to stop at teardown
-
-
-def _admit_on(worker: Worker, count: int) -> list[int]:
-    """The ids `worker` is given, in order, until it holds `count` (each call reports
-    what it holds)."""
-    got: list[int] = []
-
-    def more() -> bool:
-        got.extend(admitted(worker.select(running=got)))
-        return len(got) >= count
-
-    wait_until(more, f"{count} admissions on {worker.worker_id}", 20)
-    return got
 
 
 def _first_token_waits(streaming, worker: Worker, count: int) -> list[float]:
@@ -209,7 +204,7 @@ def test_claims_of_a_crashed_replica_return_after_its_lease_and_run_elsewhere(st
     _crash(r0)
     w1 = Worker(r1.stub, "w1")
     w1.register(max_batch_size=4)
-    got = _admit_on(w1, 2)
+    got = admit_until(w1, 2)
     assert sorted(got) == [first, second]
     # The one that was running went to the head of the shared queue.
     assert got[0] == first
@@ -249,7 +244,7 @@ def test_claims_a_replica_can_no_longer_run_go_back_to_the_shared_queue(start_re
     w0.deregister()  # r0 has no worker left: its claims must not wait there
     w1 = Worker(r1.stub, "w1")
     w1.register(max_batch_size=4)
-    got = _admit_on(w1, 3)
+    got = admit_until(w1, 3)
     assert got == ids  # in their order
 
 

@@ -5,7 +5,7 @@ holds only what it claimed ahead for its workers."""
 from __future__ import annotations
 
 from common.waiting import wait_until
-from tests.server.wire import Worker, admitted, submit_many
+from tests.server.wire import Worker, admit_until, submit_many
 
 
 def test_every_replica_reports_the_shared_queue_and_it_clears_as_one_replica_admits(
@@ -23,13 +23,7 @@ def test_every_replica_reports_the_shared_queue_and_it_clears_as_one_replica_adm
         assert replica.metric("queue_depth") == 0
     worker = Worker(r1.stub, "w")
     worker.register(max_batch_size=8)
-    got: list[int] = []
-    wait_until(
-        lambda: got.extend(admitted(worker.select(running=got))) or len(got) == 7,
-        "r1's worker to admit all seven",
-        15,
-    )
-    assert sorted(got) == sorted(ids)
+    assert sorted(admit_until(worker, 7, 15)) == sorted(ids)
     for replica in (r0, r1):
         wait_until(
             lambda replica=replica: replica.metric("fleet_queue_depth") == 0,

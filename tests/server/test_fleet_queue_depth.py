@@ -4,7 +4,7 @@ sweep (on replicas, the shared queue: tests/replicas/test_fleet_queue_depth.py).
 from __future__ import annotations
 
 from common.waiting import wait_until
-from tests.server.wire import admitted, submit_many
+from tests.server.wire import admit_until, submit_many
 
 
 def test_the_fleet_queue_depth_counts_the_queue_and_clears_as_a_worker_admits(server, make_worker):
@@ -12,11 +12,5 @@ def test_the_fleet_queue_depth_counts_the_queue_and_clears_as_a_worker_admits(se
     wait_until(lambda: server.metric("fleet_queue_depth") == 3, "three queued", 10)
     worker = make_worker("w")
     worker.register(max_batch_size=8)
-    got: list[int] = []
-    wait_until(
-        lambda: got.extend(admitted(worker.select(running=got))) or len(got) == 3,
-        "the worker to admit all three",
-        10,
-    )
-    assert sorted(got) == sorted(ids)
+    assert sorted(admit_until(worker, 3, 10)) == sorted(ids)
     wait_until(lambda: server.metric("fleet_queue_depth") == 0, "the gauge to clear", 10)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from worker_client.session import WorkerSessionStream
@@ -135,6 +136,19 @@ def get_sequence(stub: pb_grpc.SchedulerStub, seq_id: int) -> pb.SequenceInfo:
 def admitted(decision: pb.SchedulerDecision) -> list[int]:
     """Ids of the first chunks (admissions) in a decision, in order."""
     return [c.seq_id for c in decision.prefill if c.HasField("spec")]
+
+
+def admit_until(worker: Worker, count: int, timeout: float = 20.0) -> list[int]:
+    """The ids `worker` is given, in order, until it holds `count` (each call reports
+    what it holds)."""
+    got: list[int] = []
+
+    def more() -> bool:
+        got.extend(admitted(worker.select(running=got)))
+        return len(got) >= count
+
+    wait_until(more, f"{count} admissions on {worker.worker_id}", timeout)
+    return got
 
 
 def continued(decision: pb.SchedulerDecision) -> list[int]:
