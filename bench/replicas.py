@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {_progress(results[-1])}", flush=True)
         finally:
             if cluster is not None:
-                cluster.destroy()
+                cluster.stop("immediate")  # its folder (and postgres.log) goes with the scratch
     print(
         f"\n{args.batch} sequences per worker, {args.new_tokens} tokens each, "
         f"steps of {args.step_ms:g} ms{' overlapped' if args.overlap else ''}, "
@@ -696,7 +696,7 @@ def followups_main(argv: list[str]) -> int:
                 )
         finally:
             if cluster is not None:
-                cluster.destroy()
+                cluster.stop("immediate")  # its folder (and postgres.log) goes with the scratch
     print(
         f"\n{args.conversations} conversations x {args.turns} turns, scripted workers "
         f"(--step-ms {args.step_ms:g}, --cache-block-tokens {args.cache_block_tokens}); "

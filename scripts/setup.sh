@@ -27,9 +27,13 @@ if [ -f "$stamp" ]; then
 fi
 # The environment takes about 2 GB and pip unpacks the wheels in the temporary folder first;
 # a full disk otherwise fails deep in pip's output.
-for dir in . "${TMPDIR:-/tmp}"; do
-  free_kb=$(df -Pk "$dir" | awk 'NR == 2 { print $4 }')
-  if [ "${free_kb:-0}" -lt $((3 * 1024 * 1024)) ]; then
+# (Python, and so pip, takes /tmp where TMPDIR is not a folder; a df that cannot tell
+# skips the check.)
+tmp=${TMPDIR:-/tmp}
+[ -d "$tmp" ] || tmp=/tmp
+for dir in . "$tmp"; do
+  free_kb=$(df -Pk "$dir" 2>/dev/null | awk 'NR == 2 { print $4 }') || free_kb=
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt $((3 * 1024 * 1024)) ]; then
     echo "setup: $dir has $((free_kb / 1024)) MB free; installing needs about 3 GB" >&2
     exit 1
   fi

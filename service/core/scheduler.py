@@ -227,10 +227,6 @@ class Scheduler:
     def status(self) -> SchedulerStatus:
         return self._reads.status(self.config.policy)
 
-    def num_queued(self) -> int:
-        """Sequences in this core's queue (a replica's: those it claimed, not yet admitted)."""
-        return len(self._queue)
-
     # ----------------------------------------------------------------- workers
 
     def worker_ids(self) -> frozenset[str]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import threading
 import time
 from dataclasses import replace
@@ -519,6 +520,7 @@ class ReplicaServicer(SchedulerServicer):
         every = self._state.lease_ttl_seconds / 3
         while True:
             await asyncio.sleep(every)
+            counted = False
             try:
                 await asyncio.to_thread(self._state.renew_lease)
                 # Whatever others took (after our lease ran out, or a worker moved) and no
@@ -530,11 +532,14 @@ class ReplicaServicer(SchedulerServicer):
                 await self._apply_cancels(await asyncio.to_thread(self._state.cancel_requests))
                 await self._hand_back_excess()
                 await self._count_queued_fleet_wide()
+                counted = True
                 await asyncio.to_thread(self._state.collect_token_log)
             except SchedulerError as err:
                 log.warning("replica upkeep failed; retrying: %s", err)
             except Exception:
                 log.exception("replica upkeep failed; retrying")
+            if not counted:
+                self._fleet_counts_unknown()
 
     async def _apply_cancels(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -577,6 +582,13 @@ class ReplicaServicer(SchedulerServicer):
 
     def _count_queued(self) -> None:
         """Not from the sweeper: a replica counts fleet-wide, in its keeper."""
+
+    def _fleet_counts_unknown(self) -> None:
+        """An upkeep that could not count: the fleet-wide gauges say NaN (unknown) rather
+        than their last reading, which `max` over the replicas then skips."""
+        if self._metrics is not None:
+            self._metrics.unservable_queued.set(math.nan)
+            self._metrics.fleet_queue_depth.set(math.nan)
 
     async def _count_queued_fleet_wide(self) -> None:
         """lattice_scheduler_unservable_queued and fleet_queue_depth, fleet-wide, from the

@@ -334,7 +334,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         """lattice_scheduler_unservable_queued and fleet_queue_depth as of this sweep."""
         if self._metrics is not None:
             self._metrics.unservable_queued.set(self._core.num_unservable_queued())
-            self._metrics.fleet_queue_depth.set(self._core.num_queued())
+            self._metrics.fleet_queue_depth.set(self._core.status().queue_depth)
 
 
 def _is_empty(decision: Decision) -> bool:

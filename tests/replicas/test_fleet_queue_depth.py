@@ -4,6 +4,8 @@ holds only what it claimed ahead for its workers."""
 
 from __future__ import annotations
 
+import math
+
 from common.waiting import wait_until
 from tests.server.wire import Worker, admit_until, submit_many
 
@@ -30,3 +32,23 @@ def test_every_replica_reports_the_shared_queue_and_it_clears_as_one_replica_adm
             "each replica's count to clear",
             10,
         )
+
+
+def test_a_replica_that_cannot_reach_the_database_reports_the_fleet_queue_as_unknown(
+    start_replicas, pg_cluster
+):
+    (r0,) = start_replicas(1, replica_lease_ms=900)
+    submit_many(r0.stub, 2)
+    wait_until(lambda: r0.metric("fleet_queue_depth") == 2, "the two queued", 10)
+    pg_cluster.stop()
+    try:
+        # Not its last reading: a replica cut off would hide the others' growth under max.
+        wait_until(
+            lambda: math.isnan(r0.metric("fleet_queue_depth")),
+            "the gauge to say unknown while the keeper cannot read",
+            10,
+        )
+        assert math.isnan(r0.metric("unservable_queued"))
+    finally:
+        pg_cluster.start()
+    wait_until(lambda: r0.metric("fleet_queue_depth") == 2, "the count once it reads again", 30)

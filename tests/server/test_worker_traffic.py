@@ -32,7 +32,7 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 # (Generous for a shared 2-core machine; the thread-per-stream server answered none at all.)
 # The 95th percentile of 100 iterations: waiting behind clients slows most of them, while
 # the 99th is the slowest one alone, which one pause of a loaded machine decides (585 ms
-# once at stop 49 with other jobs on the cores; under 500 ms alone).
+# once with other jobs on the cores; under 500 ms alone).
 MAX_WORKER_P95_SECONDS = 0.5
 # What "at once" means for a refused stream, on a loaded machine.
 REFUSAL_SECONDS = 2.0

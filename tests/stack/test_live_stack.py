@@ -114,6 +114,7 @@ def test_prometheus_shows_the_queue_admissions_and_worker_gauges_the_test_caused
     worker = f'worker_id="{activity.worker_id}"'
     expected = {
         "lattice_scheduler_queue_depth": activity.queue_depth,
+        "lattice_scheduler_fleet_queue_depth": activity.queue_depth,
         "lattice_scheduler_submissions_total": activity.num_submitted,
         "lattice_scheduler_admissions_total": activity.num_admitted,
         "lattice_scheduler_workers": 1,

@@ -100,6 +100,9 @@ class ReplicaScheduler(Scheduler):
             order = list(self._queue.candidates(self._clock(), self._served))
             return order[-count:]
 
+    def num_queued(self) -> int:
+        return len(self._queue)
+
     def hand_out_incarnations_from(self, incarnation: int) -> None:
         """The next registration gets `incarnation` or more (replicas draw it from a
         database sequence, so numbers never repeat across replicas)."""
