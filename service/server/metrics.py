@@ -357,7 +357,8 @@ class SchedulerMetrics(SchedulerObserver):
             PREFIX + "fleet_queue_depth",
             "Sequences waiting for admission across the fleet: a single scheduler's queue as "
             "of its latest lease sweep; on a replica, the shared queue (every replica's queued "
-            "sequences, claimed or not) as of its latest upkeep.",
+            "sequences, claimed or not) as of its latest upkeep, NaN after one that could not "
+            "read the database.",
             registry=r,
         )
         self.unservable_queued = Gauge(
