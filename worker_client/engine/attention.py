@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,11 +98,12 @@ class GatedAttention(nn.Module):
         repeat = self.num_heads // self.num_kv_heads
         keys = keys.repeat_interleave(repeat, dim=2)
         values = values.repeat_interleave(repeat, dim=2)
-        args = (query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
-        scale = self.head_dim**-0.5
-        if query.is_cuda:
-            with sdpa_kernel(CUDA_ATTENTION_BACKENDS):
-                out = F.scaled_dot_product_attention(*args, attn_mask=mask[:, None], scale=scale)
-        else:
-            out = F.scaled_dot_product_attention(*args, attn_mask=mask[:, None], scale=scale)
+        with sdpa_kernel(CUDA_ATTENTION_BACKENDS) if query.is_cuda else nullcontext():
+            out = F.scaled_dot_product_attention(
+                query.transpose(1, 2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=mask[:, None],
+                scale=self.head_dim**-0.5,
+            )
         return out.transpose(1, 2)
