@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On one CUDA GPU: the reference engine against the CPU (tests/gpu; on a host without
-# network or project environment, scripts/gpu_check_reference.sh runs that part alone),
-# then the reference engine and a vLLM worker (CUDA graphs on) through the
+# On one CUDA GPU: the reference engine against the CPU and through the scheduler
+# (scripts/gpu_check_reference.sh, which also runs alone on a host without network or
+# project environment), then a vLLM worker (CUDA graphs on) through the
 # scheduler on the tiny checkpoint, a real Qwen3.5 directory when given, then the
 # benchmark's figures (bench/vllm.py --device cuda). Within about 8 minutes once both
 # environments exist (the first setup downloads vLLM and CUDA torch: minutes more).
@@ -22,13 +22,10 @@ scripts/setup.sh --engine vllm
   || fail ".venv's torch is a CPU build: rm -r .venv and rerun on this GPU host"
 SETUP_DONE=$SECONDS
 
-step "reference engine on CUDA against the CPU (tests/gpu: forward, prefix cache, handoffs)"
-timeout 300 .venv/bin/python -m pytest -q tests/gpu -p no:cacheprovider || fail "tests/gpu"
-
-step "reference engine on CUDA through the scheduler (demo checkpoint, 8 chat requests)"
-timeout 240 .venv/bin/python scripts/local_stack.py --device cuda --workers 1 --requests 8 \
-  --exit --port 50151 --metrics-port 9451 --gateway-port 8051 \
-  --state-dir "$(mktemp -d)" || fail "reference engine stack"
+step "reference engine on CUDA: tests/gpu against the CPU, then through the scheduler"
+# The same checks as on a host without the project's environment, with .venv's packages
+# (any carried wheels in .whl/ install only where .venv's are older).
+PYTHON=.venv/bin/python scripts/gpu_check_reference.sh || fail "reference engine on CUDA"
 
 step "vLLM worker, CUDA graphs on, through the scheduler (wide demo checkpoint, 16 requests)"
 timeout 300 .venv/bin/python scripts/local_stack.py --engine vllm --workers 1 --requests 16 \
