@@ -97,7 +97,7 @@ def test_a_chunked_body_over_the_limit_is_a_413(gateway):
 BIG_PROMPT = "word " * (10_800_000 // 5)
 
 
-def test_a_client_that_writes_the_whole_body_before_reading_reads_the_413():
+def test_a_client_that_writes_the_whole_body_before_reading_reads_the_413(tmp_path):
     """Regression (outside probe): urllib (as requests and httpx) writes a 10.8 MB body
     whole before it reads; the gateway answered and closed while the body was arriving,
     and the client saw `Connection reset by peer`, not the 413."""
@@ -105,7 +105,7 @@ def test_a_client_that_writes_the_whole_body_before_reading_reads_the_413():
     import urllib.request
 
     # A gateway of its own: the drain must not be helped by earlier tests' connections.
-    started_gateway = InProcessGateway(_model_dir(), max_body_bytes=MAX_BODY_BYTES)
+    started_gateway = InProcessGateway(write_model(tmp_path), max_body_bytes=MAX_BODY_BYTES)
     try:
         body = json.dumps({"model": MODEL, "prompt": BIG_PROMPT, "max_tokens": 1}).encode()
         for _ in range(3):
@@ -124,9 +124,9 @@ def test_a_client_that_writes_the_whole_body_before_reading_reads_the_413():
         started_gateway.stop()
 
 
-def test_the_openai_client_gets_the_413_at_once_and_does_not_retry():
+def test_the_openai_client_gets_the_413_at_once_and_does_not_retry(tmp_path):
     openai = pytest.importorskip("openai")
-    started_gateway = InProcessGateway(_model_dir(), max_body_bytes=MAX_BODY_BYTES)
+    started_gateway = InProcessGateway(write_model(tmp_path), max_body_bytes=MAX_BODY_BYTES)
     try:
         # No retries: the first upload's answer must be the 413 (a reset would be an
         # APIConnectionError here; with retries, the SDK would upload the body again).
@@ -142,13 +142,6 @@ def test_the_openai_client_gets_the_413_at_once_and_does_not_retry():
         assert started_gateway.scheduler.requests == []
     finally:
         started_gateway.stop()
-
-
-def _model_dir():
-    import tempfile
-    from pathlib import Path
-
-    return write_model(Path(tempfile.mkdtemp(prefix="body-limit-model-")))
 
 
 def test_a_long_prompt_does_not_delay_another_request(gateway):
