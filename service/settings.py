@@ -172,8 +172,8 @@ _HELP = {
     "saved (0: at once; saves made while a commit is in flight join the next one anyway)",
     "replica_commit_due_wait_ms": "replicas: how long a group commit may wait at most when "
     "every worker in it says its answer is due later (workers that overlap their reports "
-    "with their steps: answer_due_us), never past a due less a margin (0: as "
-    "replica_commit_wait_ms)",
+    "with their steps: answer_due_us), never past a due less a margin (at or below "
+    "replica_commit_wait_ms: dues are not taken)",
     "replica_watch_ms": "replicas: how often this replica reads the others' commit numbers "
     "and the newest submit (neither notifies): the most a token streamed here from another "
     "replica's sequence, or a submit made on another replica, waits to be seen, against one "

@@ -219,7 +219,9 @@ class WorkerLoop:
                         )
                     # The round trip of a decision (a deferred answer decides nothing and
                     # is quicker: the late ask's margin is in deciding round trips).
-                    if measured:
+                    # (One due later still bounds it: it may lower the estimate.)
+                    known = self._round_trips.seconds
+                    if measured or (known is not None and took < known):
                         self._round_trips.observe(took)
                     self._decided_at = time.time()  # applied once the step ends
                     if self._handoffs is not None and decision.handoffs:

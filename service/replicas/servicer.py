@@ -303,8 +303,11 @@ class ReplicaServicer(SchedulerServicer):
             self._wake_prefetcher.set()
         return answer
 
-    async def _answer_durable(self, request: pb.SelectBatchRequest) -> None:
-        await self._commits.committed(due_seconds=request.answer_due_us * 1e-6)
+    async def _answer_durable(self, request: pb.SelectBatchRequest, started: float) -> None:
+        due_seconds = 0.0
+        if request.answer_due_us:  # due from its arrival: less the time spent on it since
+            due_seconds = request.answer_due_us * 1e-6 - (time.perf_counter() - started)
+        await self._commits.committed(due_seconds=max(0.0, due_seconds))
 
     async def Generate(self, request, context):
         """Submit to the shared queue, then stream tokens from whoever owns the sequence."""
@@ -398,7 +401,9 @@ class ReplicaServicer(SchedulerServicer):
                     await wait_event(changed, _REMOTE_POLL_SECONDS)
                     view = self._core.read_output(seq_id, sent) if self._owns(seq_id) else None
             if view is not None:
-                await self._commits.committed()
+                # A reader: the wait is the savers' to set (a stream woken by a report
+                # would otherwise cut the commit that report's worker allowed short).
+                await self._commits.committed(reader=True)
                 # Still ours: the commit took the view. One that left the sequence out (it
                 # moved) committed none of it: the new owner writes those places again,
                 # so the stream reads them from the database.

@@ -19,12 +19,12 @@ one replica 0.2-0.3 commits a decision without a wait, about 0.1 with one (docs/
 
 A caller whose answer is due later (a worker that overlaps its report with its step says
 when that step should end: `due_seconds`) lets the commit wait longer: up to
-`max_due_wait_seconds` from the gather's start (or from its own arrival, once the gather
-has started), and not past its due less a margin (a recent commit's time and
-MARGIN_SECONDS). The wait ends at the earliest end that any of its callers allows; a
-caller with no due allows what every caller did before, `max_wait_seconds` from the same
-start, so no caller waits longer than before unless every caller in the commit can afford
-it.
+`max_due_wait_seconds` from the gather's start, and not past its due less a margin (a
+recent commit's time and MARGIN_SECONDS). The wait ends at the earliest end that any of
+its callers allows; a caller with no due (or a due before it) allows what every caller
+did before, `max_wait_seconds` from the gather's start, so no caller waits longer than
+before unless every caller in the commit can afford it. A reader (a stream waiting for a
+worker's tokens to be committed) saved nothing and leaves the wait to those who did.
 
 What this keeps (docs/replicas.md, "What is guaranteed"):
 - Nothing is acknowledged before its commit: every call that changed the core's state
@@ -88,7 +88,8 @@ class ReplicaCommits:
         # has no due, and the earliest end that those with a due allow (loop time).
         self._next_has_plain = False
         self._next_due_end = math.inf
-        self._gather_end = math.inf  # the running gather's end (loop time)
+        self._gather_start = 0.0  # the running gather's start (loop time)
+        self._gather_end = math.inf  # and its end
         self._end_is_due = False  # whether a caller's due set it
         self._expected_saves = expected_saves
         # Set while a commit waits for saves: wakes it once enough are collected.
@@ -108,16 +109,20 @@ class ReplicaCommits:
         """Whether a caller's due may lengthen a commit's wait."""
         return self._max_due_wait_seconds > self._max_wait_seconds
 
-    async def committed(self, promptly: bool = False, due_seconds: float = 0.0) -> None:
+    async def committed(
+        self, promptly: bool = False, due_seconds: float = 0.0, reader: bool = False
+    ) -> None:
         """Return once every save made so far is committed; StoreError if the commit that
         was to hold them failed (they stay collected for the next one). `promptly`: the
         commit that takes them waits for no more saves (a caller holding what others
         wait for, such as the claim lock, would hold them for the whole wait).
-        `due_seconds`: the caller needs no answer sooner (0: as soon as before)."""
+        `due_seconds`: the caller needs no answer sooner (0: as soon as before).
+        `reader`: the caller saved nothing and waits for others' saves (a stream): it
+        leaves the wait to them."""
         wanted = self._store.num_saves
         if promptly:
             self._promptly = True
-        if self._num_committed < wanted and not promptly:
+        if self._num_committed < wanted and not (promptly or reader):
             self._allow(due_seconds)
         if self._gathered is not None and (promptly or self._enough_collected()):
             self._gathered.set()
@@ -139,14 +144,14 @@ class ReplicaCommits:
             else:
                 self._next_due_end = min(self._next_due_end, due_end)
             return
-        end, by_due = self._end(now, due_end)
+        end, by_due = self._end(self._gather_start, due_end)
         if end < self._gather_end:  # sooner than the gather's end: wake it to wait less
             self._gather_end, self._end_is_due = end, by_due
             self._gathered.set()
 
     def _end(self, start: float, due_end: float) -> tuple[float, bool]:
-        """The end a caller allows, counted from `start` (the gather's, or its arrival
-        once the gather has started), with its due less the margin (inf: none); and
+        """The end a caller allows, counted from the gather's `start`, with its due less
+        the margin (inf: none; a due before the plain wait's end changes nothing); and
         whether the due, not a wait's limit, sets it."""
         plain, longest = start + self._max_wait_seconds, start + self._max_due_wait_seconds
         if due_end <= plain or due_end == math.inf:
@@ -195,6 +200,7 @@ class ReplicaCommits:
         bring forward."""
         loop = asyncio.get_running_loop()
         self._gathered = asyncio.Event()
+        self._gather_start = loop.time()
         self._gather_end, self._end_is_due = end, by_due
         try:
             while not (self._promptly or self._enough_collected()):

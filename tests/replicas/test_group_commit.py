@@ -5,6 +5,7 @@ cluster where a database is needed."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import psycopg
@@ -479,12 +480,13 @@ def _gather_seconds(
     max_due_wait: float,
     later: float | None = None,
     late_due: float = 0.0,
+    late_reader: bool = False,
 ) -> tuple[list[int], float, list[str]]:
     """Calls that save and wait for their commit with the given dues (None: no due), on
     ReplicaCommits that expects one save more than ever come (its wait is never cut short
-    by "enough"); with `later`, one more call (due `late_due`) that many seconds after the
-    first. The saves each commit held, the seconds until the first commit ended, and how
-    each commit's wait ended."""
+    by "enough"); with `later`, one more call (due `late_due`; a reader that saved nothing
+    with `late_reader`) that many seconds after the first. The saves each commit held,
+    the seconds until the first commit ended, and how each commit's wait ended."""
     store = _CountingStore()
     outcomes: list[str] = []
 
@@ -500,16 +502,17 @@ def _gather_seconds(
         loop = asyncio.get_running_loop()
         started = loop.time()
 
-        async def call(due: float | None) -> float:
-            store.save()
-            await commits.committed(due_seconds=due or 0.0)
+        async def call(due: float | None, reader: bool = False) -> float:
+            if not reader:
+                store.save()
+            await commits.committed(due_seconds=due or 0.0, reader=reader)
             return loop.time() - started
 
         waiting = [asyncio.ensure_future(call(due)) for due in dues]
         await asyncio.sleep(0)
         if later is not None:
             await asyncio.sleep(later)
-            waiting.append(asyncio.ensure_future(call(late_due)))
+            waiting.append(asyncio.ensure_future(call(late_due, late_reader)))
         # A safety limit only: a wait that is not cut short lasts an hour.
         ends = await asyncio.wait_for(asyncio.gather(*waiting), 10)
         await commits.close()
@@ -527,9 +530,9 @@ def test_a_commit_whose_callers_all_answer_later_waits_longer_up_to_its_limit():
 
 def test_a_commit_never_waits_past_its_earliest_due_less_a_margin():
     commits, seconds, outcomes = _gather_seconds([0.3, 3600], max_wait=0.0, max_due_wait=3600)
+    # The earlier due, less the margin, ended the wait ("due"): well before the limit.
     assert (commits, outcomes) == ([2], ["due"])
-    # The commit's time (none measured yet) and 2 ms before the earlier due.
-    assert 0.25 <= seconds <= 0.3
+    assert 0.25 <= seconds < 1
 
 
 def test_one_caller_without_a_due_keeps_the_commit_to_the_plain_wait():
@@ -544,6 +547,24 @@ def test_a_caller_without_a_due_arriving_mid_wait_brings_the_commit_forward():
     )
     assert commits == [2]
     assert seconds >= 0.05
+
+
+def test_a_caller_joining_the_wait_ends_it_where_it_would_have_ended_before():
+    # The plain wait runs from the gather's start (0.3 s), not from the caller's arrival.
+    commits, seconds, outcomes = _gather_seconds(
+        [3600], max_wait=0.3, max_due_wait=3600, later=0.2, late_due=0.0
+    )
+    assert (commits, outcomes) == ([2], ["expired"])
+    assert 0.29 <= seconds < 0.45
+
+
+def test_a_stream_waiting_for_a_commit_does_not_cut_its_wait_short():
+    # A reader saved nothing: the worker's due (0.5 s, limit 0.4 s) still sets the wait.
+    commits, seconds, _ = _gather_seconds(
+        [0.5], max_wait=0.01, max_due_wait=0.4, later=0.05, late_reader=True
+    )
+    assert commits == [1]
+    assert seconds >= 0.39
 
 
 def test_dues_are_ignored_when_the_due_wait_is_off():
@@ -573,7 +594,7 @@ def test_a_replica_passes_a_reports_answer_due_to_its_commit(replicas):
             a.core.select_batch(report("w1", running=(ids[0],), tokens={ids[0]: (4 + n,)}))
             started = loop.time()
             request = pb.SelectBatchRequest(worker_id="w1", answer_due_us=due_us)
-            await asyncio.wait_for(servicer._answer_durable(request), 10)
+            await asyncio.wait_for(servicer._answer_durable(request, time.perf_counter()), 10)
             took.append(loop.time() - started)
         await servicer._commits.close()
         return took[0], took[1]
