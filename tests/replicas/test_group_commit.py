@@ -393,15 +393,22 @@ def test_a_commit_asked_for_promptly_starts_without_waiting_for_more_saves():
     assert store.commits == [3, 4]
 
 
+def _two_workers_on_a(replicas, batch: int) -> tuple[Replica, Replica, list[int]]:
+    """Replicas a and b; workers w1 and w2 of `batch` places each registered on a, which
+    has claimed the 2 x `batch` sequences submitted on b (their ids)."""
+    a, b = replicas("a"), replicas("b")
+    ids = [b.submit(max_new_tokens=8) for _ in range(2 * batch)]
+    register(a.core, "w1", max_batch_size=batch)
+    register(a.core, "w2", max_batch_size=batch)
+    a.claim()
+    return a, b, ids
+
+
 def test_a_cancel_of_an_owned_sequence_does_not_wait_out_the_commit_wait(replicas):
     """The cancel holds the claim lock until its commit: with two workers busy after it
     (each holds another sequence), it does not hold the lock for the whole wait (an hour
     here) for their saves."""
-    a, b = replicas("a"), replicas("b")
-    ids = [b.submit(max_new_tokens=8) for _ in range(4)]
-    register(a.core, "w1", max_batch_size=2)
-    register(a.core, "w2", max_batch_size=2)
-    a.claim()
+    a, b, ids = _two_workers_on_a(replicas, batch=2)
 
     async def scenario() -> tuple[bool, str]:
         servicer = replica_servicer.ReplicaServicer(
@@ -420,11 +427,7 @@ def test_a_cancel_of_an_owned_sequence_does_not_wait_out_the_commit_wait(replica
 
 
 def test_a_replicas_commit_waits_for_the_saves_of_its_workers_and_no_longer(replicas):
-    a, b = replicas("a"), replicas("b")
-    ids = [b.submit(max_new_tokens=8) for _ in range(2)]
-    register(a.core, "w1", max_batch_size=1)
-    register(a.core, "w2", max_batch_size=1)
-    a.claim()
+    a, b, ids = _two_workers_on_a(replicas, batch=1)
 
     async def scenario() -> int:
         servicer = replica_servicer.ReplicaServicer(
@@ -575,11 +578,7 @@ def test_dues_are_ignored_when_the_due_wait_is_off():
 def test_a_replica_passes_a_reports_answer_due_to_its_commit(replicas):
     """Two busy workers; w1 reports with its answer due in 10 s: its commit waits for w2's
     save up to the due wait (0.3 s here) instead of starting at once (no plain wait)."""
-    a, b = replicas("a"), replicas("b")
-    ids = [b.submit(max_new_tokens=8) for _ in range(2)]
-    register(a.core, "w1", max_batch_size=1)
-    register(a.core, "w2", max_batch_size=1)
-    a.claim()
+    a, b, ids = _two_workers_on_a(replicas, batch=1)
 
     async def scenario() -> tuple[float, float]:
         servicer = replica_servicer.ReplicaServicer(
