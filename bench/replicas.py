@@ -69,6 +69,7 @@ from common.processes import spawn_scheduler
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service.state.pg_cluster import PrivateCluster, free_port
+from worker_client.step_clock import LateAsk
 
 
 @dataclass
@@ -142,7 +143,7 @@ def worker_thread(
     step_seconds: float = 0.0,
     overlap: bool = False,
 ) -> None:
-    stub.RegisterWorker(
+    settings = stub.RegisterWorker(
         pb.RegisterWorkerRequest(
             worker_id=worker_id,
             total_kv_pages=1_000_000,
@@ -185,6 +186,11 @@ def worker_thread(
             finished=finished,
             kv_free_pages=1_000_000,
             gdn_free_slots=batch - len(running),
+            # Overlapped, the answer is due when the step ends, less the worker's slack
+            # (worker_client/loop.py's _answer_due).
+            answer_due_us=max(0, round((step_seconds - _DUE_SLACK_SECONDS) * 1e6))
+            if overlap and settings.accepts_answer_due
+            else 0,
         )
         t0 = time.perf_counter()
         decision = stub.SelectBatch(request, timeout=30)
@@ -201,6 +207,10 @@ def worker_thread(
                 waiting.append(chunk.seq_id)  # one chunk holds the whole prompt here
         if step_seconds:
             stop.wait(max(0.0, step_seconds - elapsed) if overlap else step_seconds)
+
+
+# What a worker keeps between its answer's due and its step's predicted end.
+_DUE_SLACK_SECONDS = LateAsk.slack_seconds
 
 
 _STATEMENTS = (
@@ -644,7 +654,7 @@ def _row(r: Result) -> list[str]:
         f"{percentile(r.latencies, 50) * 1000:.2f}",
         f"{percentile(r.latencies, 99) * 1000:.2f}",
         f"{r.scheduler_cpu / decisions * 1000:.2f}",
-        "-" if sqlite else f"{r.database_cpu / decisions * 1000:.2f}",
+        "-" if sqlite else f"{r.database_cpu / decisions * 1000:.3f}",
         "-" if sqlite else f"{round_trips / decisions:.2f}",
         "-" if sqlite else f"{r.commits / decisions:.2f}",
         "-" if sqlite else f"{r.round_trips.get('submit', 0) / max(1, r.submits):.2f}",

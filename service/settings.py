@@ -49,6 +49,7 @@ class ServeSettings:
     prefetch: int = 8
     replica_lease_ms: int = 5000
     replica_commit_wait_ms: float = 5.0
+    replica_commit_due_wait_ms: float = 10.0
     replica_watch_ms: float = 20.0
     replica_affinity_ms: int = 1000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -105,6 +106,11 @@ class ServeSettings:
         if not 0 <= self.replica_commit_wait_ms <= 100:
             raise ConfigError(
                 f"replica_commit_wait_ms must be within 0-100, got {self.replica_commit_wait_ms}"
+            )
+        if not 0 <= self.replica_commit_due_wait_ms <= 100:
+            raise ConfigError(
+                "replica_commit_due_wait_ms must be within 0-100, got "
+                f"{self.replica_commit_due_wait_ms}"
             )
         if not 1 <= self.replica_watch_ms <= 1000:
             raise ConfigError(
@@ -164,6 +170,10 @@ _HELP = {
     "replica_commit_wait_ms": "replicas: how long a group commit waits at most for more "
     "saves to join before it starts; it starts sooner once every worker of the replica has "
     "saved (0: at once; saves made while a commit is in flight join the next one anyway)",
+    "replica_commit_due_wait_ms": "replicas: how long a group commit may wait at most when "
+    "every worker in it says its answer is due later (workers that overlap their reports "
+    "with their steps: answer_due_us), never past a due less a margin (at or below "
+    "replica_commit_wait_ms: dues are not taken)",
     "replica_watch_ms": "replicas: how often this replica reads the others' commit numbers "
     "and the newest submit (neither notifies): the most a token streamed here from another "
     "replica's sequence, or a submit made on another replica, waits to be seen, against one "

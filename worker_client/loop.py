@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 # With nothing held and nothing to report, a worker asks the scheduler to hold its answer
 # until work arrives (a long poll), at most this long and at most a quarter of its lease.
 DEFAULT_IDLE_WAIT_SECONDS = 1.0
-# SelectBatchRequest.last_step_us is a uint32.
-_MAX_STEP_US = 2**32 - 1
+# SelectBatchRequest.last_step_us and answer_due_us are uint32s.
+_MAX_UINT32 = 2**32 - 1
 
 
 @dataclass
@@ -113,6 +113,8 @@ class WorkerLoop:
         self._step_wall = (0.0, 0.0)  # wall clock when the latest step started and ended
         # Asking for a decision near the step's end, where the scheduler takes it.
         self._decides_later = False
+        # Saying when an answer is due, where the scheduler may hold it until then.
+        self._answers_due = False
         self._step_clock = StepClock()
         self._round_trips = RoundTrips()
         self._late_ask = late_ask if late_ask is not None else LateAsk()
@@ -197,7 +199,13 @@ class WorkerLoop:
                     asked_at = time.time()
                     request = self._request(draining, after, idle=False)
                     request.decide_later = delay is not None
+                    if delay is None:
+                        due = self._answer_due(work, draining, time.monotonic() - step_started)
+                        request.answer_due_us = min(round(due * 1e6), _MAX_UINT32)
                     decision, took = self._select_timed(request)
+                    # An answer due later may come later (a replica's commit waits): its
+                    # round trip says nothing of how early a late ask must go.
+                    measured = not request.answer_due_us
                     if delay is not None and _runs_nothing(decision):
                         # Its outputs are in, but the decision whose step runs is still the
                         # one applied; the next is asked for near the step's end, so that
@@ -211,7 +219,10 @@ class WorkerLoop:
                         )
                     # The round trip of a decision (a deferred answer decides nothing and
                     # is quicker: the late ask's margin is in deciding round trips).
-                    self._round_trips.observe(took)
+                    # (One due later still bounds it: it may lower the estimate.)
+                    known = self._round_trips.seconds
+                    if measured or (known is not None and took < known):
+                        self._round_trips.observe(took)
                     self._decided_at = time.time()  # applied once the step ends
                     if self._handoffs is not None and decision.handoffs:
                         # A fetch touches no engine state: it need not wait for the step.
@@ -247,10 +258,28 @@ class WorkerLoop:
         now (docs/contract.md, "Late decisions"; worker_client/step_clock.py). Only where
         the scheduler defers: a worker of role both that does not drain (any other is
         decided at once, and an answer that runs nothing is then its next decision)."""
-        if not self._decides_later or draining or self.resources.role is not WorkerRole.BOTH:
+        if not self._may_ask_late(draining):
             return None
         num_prompt_tokens = sum(c.chunk_len for c in work.prefill)
         return self._late_ask.delay(self._step_clock, self._round_trips, num_prompt_tokens)
+
+    def _may_ask_late(self, draining: bool) -> bool:
+        return self._decides_later and not draining and self.resources.role is WorkerRole.BOTH
+
+    def _answer_due(self, work: Work, draining: bool, elapsed: float) -> float:
+        """Seconds from now until an overlapped report's answer is needed (docs/contract.md,
+        "Answers due later"): the rest of `work`'s predicted step, `elapsed` into it, less
+        the late ask's slack. 0 where the scheduler does not take it, when the step cannot
+        be predicted, and while a worker that may ask late has no round trip measured
+        (only answers due at once measure one)."""
+        if not self._answers_due:
+            return 0.0
+        if self._may_ask_late(draining) and self._round_trips.seconds is None:
+            return 0.0
+        predicted = self._step_clock.predict(sum(c.chunk_len for c in work.prefill))
+        if predicted is None:
+            return 0.0
+        return max(0.0, predicted - elapsed - self._late_ask.slack_seconds)
 
     def _select_timed(self, request: pb.SelectBatchRequest) -> tuple[pb.SchedulerDecision, float]:
         """An overlapped report's answer (never a long poll) and its round trip's seconds."""
@@ -359,7 +388,7 @@ class WorkerLoop:
             seconds = time.perf_counter() - started
         self._step_wall = (started_wall, time.time())  # read after the step's result
         self._step_clock.observe(sum(c.chunk_len for c in prefill), seconds)
-        return out, min(_MAX_STEP_US, max(1, round(seconds * 1e6)))
+        return out, min(_MAX_UINT32, max(1, round(seconds * 1e6)))
 
     def _apply(self, work: Work) -> Work | None:
         """Evict and preempt what the decision says, note new admissions, start its
@@ -452,6 +481,7 @@ class WorkerLoop:
         self._pending.packed_tokens = settings.accepts_token_runs
         self._pending.running_unchanged = settings.accepts_running_unchanged
         self._decides_later = settings.accepts_decide_later
+        self._answers_due = settings.accepts_answer_due
         self._pending.registered()  # no list of ours, no decision for us yet
         log.info(
             "registered",

@@ -86,6 +86,7 @@ def make_servicer(
         prefetch=settings.prefetch,
         callers=callers,
         commit_wait_seconds=settings.replica_commit_wait_ms / 1000.0,
+        commit_due_wait_seconds=settings.replica_commit_due_wait_ms / 1000.0,
         watch_seconds=settings.replica_watch_ms / 1000.0,
     )
 

@@ -150,17 +150,20 @@ class ReplicaServicer(SchedulerServicer):
         prefetch: int = 8,
         callers: Callers | None = None,
         commit_wait_seconds: float = 0.0,
+        commit_due_wait_seconds: float = 0.0,
         watch_seconds: float = 0.02,
     ) -> None:
         # A commit waits for more saves until each busy worker of this replica has saved
         # (at most one SelectBatch each in flight; an idle worker's long poll saves
-        # nothing), at most commit_wait_seconds.
+        # nothing), at most commit_wait_seconds; up to commit_due_wait_seconds while every
+        # caller's answer is due later than that (answer_due_us).
         self._commits = ReplicaCommits(
             state,
             self._on_disowned,
             commit_wait_seconds,
             expected_saves=lambda: max(1, self._core.num_busy_workers()),
             on_commit=None if metrics is None else metrics.on_replica_commit,
+            max_due_wait_seconds=commit_due_wait_seconds,
         )
         # Every call that changed state waits for its commit (durable_worker_progress):
         # on a replica the commit itself is deferred, not only its WAL flush.
@@ -285,7 +288,9 @@ class ReplicaServicer(SchedulerServicer):
                 "adopted": len(moved.sequences),
             },
         )
-        return convert.worker_settings(settings)
+        response = convert.worker_settings(settings)
+        response.accepts_answer_due = self._commits.takes_dues
+        return response
 
     async def _select(self, request: pb.SelectBatchRequest) -> pb.SchedulerDecision:
         freeing = len(request.finished)
@@ -297,6 +302,12 @@ class ReplicaServicer(SchedulerServicer):
         if self._core.prefetch_wanted(self._prefetch):
             self._wake_prefetcher.set()
         return answer
+
+    async def _answer_durable(self, request: pb.SelectBatchRequest, started: float) -> None:
+        due_seconds = 0.0
+        if request.answer_due_us:  # due from its arrival: less the time spent on it since
+            due_seconds = request.answer_due_us * 1e-6 - (time.perf_counter() - started)
+        await self._commits.committed(due_seconds=max(0.0, due_seconds))
 
     async def Generate(self, request, context):
         """Submit to the shared queue, then stream tokens from whoever owns the sequence."""
@@ -390,7 +401,9 @@ class ReplicaServicer(SchedulerServicer):
                     await wait_event(changed, _REMOTE_POLL_SECONDS)
                     view = self._core.read_output(seq_id, sent) if self._owns(seq_id) else None
             if view is not None:
-                await self._commits.committed()
+                # A reader: the wait is the savers' to set (a stream woken by a report
+                # would otherwise cut the commit that report's worker allowed short).
+                await self._commits.committed(reader=True)
                 # Still ours: the commit took the view. One that left the sequence out (it
                 # moved) committed none of it: the new owner writes those places again,
                 # so the stream reads them from the database.

@@ -242,12 +242,14 @@ class SchedulerMetrics(SchedulerObserver):
         self.replica_commit_gathers = Counter(
             PREFIX + "replica_commit_gathers_total",
             "How a replica's group commit stopped waiting for saves before it started: "
-            "enough (every busy worker had saved), expired (--replica-commit-wait-ms), "
-            "promptly (a call holding the claim lock asked), none (it did not wait).",
+            "enough (every busy worker had saved), expired (--replica-commit-wait-ms, or "
+            "--replica-commit-due-wait-ms), due (the earliest answer due among its calls, "
+            "answer_due_us), promptly (a call holding the claim lock asked), none (it did "
+            "not wait).",
             ["outcome"],
             registry=r,
         )
-        for outcome in ("enough", "expired", "promptly", "none"):
+        for outcome in ("enough", "expired", "due", "promptly", "none"):
             self.replica_commit_gathers.labels(outcome)
         self.streams_open = Gauge(
             PREFIX + "streams_open",

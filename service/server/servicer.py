@@ -273,7 +273,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 started = self._arrival()
                 decision = self._core.select_batch(report)
         answer = self._running_lists.answer(request, running, decision)
-        await self._progress_durable()
+        await self._answer_durable(request, started)
         self._observe_duration(started)
         return answer
 
@@ -281,6 +281,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         """SelectBatch's latency histogram: from `started` (its arrival) to now."""
         if self._metrics is not None:
             self._metrics.select_batch_duration.observe(time.perf_counter() - started)
+
+    async def _answer_durable(self, request: pb.SelectBatchRequest, started: float) -> None:
+        """Before a SelectBatch that arrived at `started` (perf_counter) answers (a replica's
+        commit may wait for its answer_due_us)."""
+        await self._progress_durable()
 
     async def _progress_durable(self) -> None:
         """Under --state-fsync always, wait for the fsync of worker and admin changes too."""

@@ -17,6 +17,15 @@ saved, nobody is left to wait for). A commit that starts at once gathers only th
 made while the one before it ran, and the cheaper a commit, the fewer: at 16 workers on
 one replica 0.2-0.3 commits a decision without a wait, about 0.1 with one (docs/replicas.md).
 
+A caller whose answer is due later (a worker that overlaps its report with its step says
+when that step should end: `due_seconds`) lets the commit wait longer: up to
+`max_due_wait_seconds` from the gather's start, and not past its due less a margin (a
+recent commit's time and MARGIN_SECONDS). The wait ends at the earliest end that any of
+its callers allows; a caller with no due (or a due before it) allows what every caller
+did before, `max_wait_seconds` from the gather's start, so no caller waits longer than
+before unless every caller in the commit can afford it. A reader (a stream waiting for a
+worker's tokens to be committed) saved nothing and leaves the wait to those who did.
+
 What this keeps (docs/replicas.md, "What is guaranteed"):
 - Nothing is acknowledged before its commit: every call that changed the core's state
   awaits `committed()` before it answers, streams included (ReplicaServicer).
@@ -33,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,6 +53,11 @@ log = logging.getLogger(__name__)
 
 # How often pending saves nobody waits for (the sweeper's, the keeper's) are committed.
 IDLE_COMMIT_SECONDS = 0.05
+# Kept between a commit's start and a due answer beyond a recent commit's time: the
+# answer's trip back and the worker's scheduling.
+MARGIN_SECONDS = 0.002
+# Weight of the newest commit in the moving average of commits' times.
+SMOOTHING = 0.2
 
 
 class ReplicaCommits:
@@ -55,16 +70,27 @@ class ReplicaCommits:
         max_wait_seconds: float = 0.0,
         expected_saves: Callable[[], float] = lambda: math.inf,
         on_commit: Callable[[int, str], None] | None = None,
+        max_due_wait_seconds: float = 0.0,
     ) -> None:
         """`on_disowned(seq_ids)`, on the loop: a commit left these out, another replica
         owns them now. A commit waits up to `max_wait_seconds` for more saves, and not
         once `expected_saves()` are collected. The store counts commits and the saves
         they held; `on_commit(num_saves, gathered)` after each commit that succeeded
         (figures): how many saves it took and how its wait ended ("enough", "expired",
-        "promptly", "none")."""
+        "promptly", "none"). A caller whose answer is due later lets a commit wait up to
+        `max_due_wait_seconds` (the module docstring)."""
         self._store = store
         self._on_disowned = on_disowned
         self._max_wait_seconds = max_wait_seconds
+        self._max_due_wait_seconds = max_due_wait_seconds
+        self._commit_seconds = 0.0  # moving average of a commit's time
+        # The callers waiting for the next commit, before its gather starts: whether one
+        # has no due, and the earliest end that those with a due allow (loop time).
+        self._next_has_plain = False
+        self._next_due_end = math.inf
+        self._gather_start = 0.0  # the running gather's start (loop time)
+        self._gather_end = math.inf  # and its end
+        self._end_is_due = False  # whether a caller's due set it
         self._expected_saves = expected_saves
         # Set while a commit waits for saves: wakes it once enough are collected.
         self._gathered: asyncio.Event | None = None
@@ -78,14 +104,26 @@ class ReplicaCommits:
         self._flush: asyncio.Future | None = None  # the commit running now
         store.defer_saves()
 
-    async def committed(self, promptly: bool = False) -> None:
+    @property
+    def takes_dues(self) -> bool:
+        """Whether a caller's due may lengthen a commit's wait."""
+        return self._max_due_wait_seconds > self._max_wait_seconds
+
+    async def committed(
+        self, promptly: bool = False, due_seconds: float = 0.0, reader: bool = False
+    ) -> None:
         """Return once every save made so far is committed; StoreError if the commit that
         was to hold them failed (they stay collected for the next one). `promptly`: the
         commit that takes them waits for no more saves (a caller holding what others
-        wait for, such as the claim lock, would hold them for the whole wait)."""
+        wait for, such as the claim lock, would hold them for the whole wait).
+        `due_seconds`: the caller needs no answer sooner (0: as soon as before).
+        `reader`: the caller saved nothing and waits for others' saves (a stream): it
+        leaves the wait to them."""
         wanted = self._store.num_saves
         if promptly:
             self._promptly = True
+        if self._num_committed < wanted and not (promptly or reader):
+            self._allow(due_seconds)
         if self._gathered is not None and (promptly or self._enough_collected()):
             self._gathered.set()
         while self._num_committed < wanted:
@@ -94,19 +132,53 @@ class ReplicaCommits:
             # Shielded: a caller that goes away does not stop the commit others wait for.
             await asyncio.shield(self._flush)
 
+    def _allow(self, due_seconds: float) -> None:
+        """Take in the end of the wait a new caller allows (the module docstring)."""
+        now = asyncio.get_running_loop().time()
+        due_end = math.inf  # when its answer is due, less the margin
+        if due_seconds > 0 and self._max_due_wait_seconds > 0:
+            due_end = now + due_seconds - self._commit_seconds - MARGIN_SECONDS
+        if self._gathered is None:  # before the gather: its start is not known yet
+            if due_end == math.inf:
+                self._next_has_plain = True
+            else:
+                self._next_due_end = min(self._next_due_end, due_end)
+            return
+        end, by_due = self._end(self._gather_start, due_end)
+        if end < self._gather_end:  # sooner than the gather's end: wake it to wait less
+            self._gather_end, self._end_is_due = end, by_due
+            self._gathered.set()
+
+    def _end(self, start: float, due_end: float) -> tuple[float, bool]:
+        """The end a caller allows, counted from the gather's `start`, with its due less
+        the margin (inf: none; a due before the plain wait's end changes nothing); and
+        whether the due, not a wait's limit, sets it."""
+        plain, longest = start + self._max_wait_seconds, start + self._max_due_wait_seconds
+        if due_end <= plain or due_end == math.inf:
+            return plain, False
+        if due_end >= longest:
+            return max(longest, plain), False
+        return due_end, True
+
     async def _commit(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             gathered = "none"
-            if self._max_wait_seconds > 0 and not self._promptly:
+            start = loop.time()
+            end, by_due = self._end(start, math.inf if self._next_has_plain else self._next_due_end)
+            self._next_has_plain, self._next_due_end = False, math.inf
+            if end > start and not self._promptly:
                 # Once a commit, not at every save: each call checks while it gathers.
                 self._expected = self._expected_saves()
                 if not self._enough_collected():
-                    gathered = await self._gather()
+                    gathered = await self._gather(end, by_due)
             # Saves from here on go to the next commit, which waits unless asked again.
             self._promptly = False
             covered = self._store.num_saves  # collected before the commit takes them
+            started = time.perf_counter()
             disowned = await loop.run_in_executor(self._executor, self._store.commit_pending)
+            took = time.perf_counter() - started
+            self._commit_seconds += SMOOTHING * (took - self._commit_seconds)
             self._on_commit(covered - self._num_committed, gathered)
             self._num_committed = max(self._num_committed, covered)
             if disowned:
@@ -121,17 +193,31 @@ class ReplicaCommits:
     def _enough_collected(self) -> bool:
         return self._store.num_saves - self._num_committed >= self._expected
 
-    async def _gather(self) -> str:
+    async def _gather(self, end: float, by_due: bool) -> str:
         """Let more saves join: until `expected_saves()` are collected (each saving call
-        checks, in `committed`: "enough"), at most `max_wait_seconds` ("expired")."""
+        checks, in `committed`: "enough"), at most until `end` (loop time: "expired", or
+        "due" where a caller's due set it), which a caller that arrives meanwhile may
+        bring forward."""
+        loop = asyncio.get_running_loop()
         self._gathered = asyncio.Event()
+        self._gather_start = loop.time()
+        self._gather_end, self._end_is_due = end, by_due
         try:
-            await asyncio.wait_for(self._gathered.wait(), self._max_wait_seconds)
-        except TimeoutError:
-            return "expired"
+            while not (self._promptly or self._enough_collected()):
+                remaining = self._gather_end - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._gathered.wait(), remaining)
+                except TimeoutError:
+                    break
+                self._gathered.clear()
+            else:
+                return "promptly" if self._promptly else "enough"
+            return "due" if self._end_is_due else "expired"
         finally:
             self._gathered = None
-        return "promptly" if self._promptly else "enough"
+            self._gather_end = math.inf
 
     async def run(self) -> None:
         """Until cancelled: commit saves that nobody waits for (a sweep's, an upkeep's)."""

@@ -90,6 +90,7 @@ def start_replica(
     replica_lease_ms: int = 5000,
     prefetch: int = 8,
     auth_tokens: str = "",
+    replica_commit_due_wait_ms: float = ServeSettings.replica_commit_due_wait_ms,
     **scheduler_config,
 ) -> Server:
     """One in-process replica on `database_url` (gRPC and metrics on free ports), with
@@ -104,6 +105,7 @@ def start_replica(
         prefetch=prefetch,
         auth_tokens=auth_tokens,
         replica_lease_ms=replica_lease_ms,
+        replica_commit_due_wait_ms=replica_commit_due_wait_ms,
         scheduler=config,
     )
     registry = CollectorRegistry()

@@ -5,6 +5,7 @@ cluster where a database is needed."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import psycopg
@@ -392,15 +393,22 @@ def test_a_commit_asked_for_promptly_starts_without_waiting_for_more_saves():
     assert store.commits == [3, 4]
 
 
+def _two_workers_on_a(replicas, batch: int) -> tuple[Replica, Replica, list[int]]:
+    """Replicas a and b; workers w1 and w2 of `batch` places each registered on a, which
+    has claimed the 2 x `batch` sequences submitted on b (their ids)."""
+    a, b = replicas("a"), replicas("b")
+    ids = [b.submit(max_new_tokens=8) for _ in range(2 * batch)]
+    register(a.core, "w1", max_batch_size=batch)
+    register(a.core, "w2", max_batch_size=batch)
+    a.claim()
+    return a, b, ids
+
+
 def test_a_cancel_of_an_owned_sequence_does_not_wait_out_the_commit_wait(replicas):
     """The cancel holds the claim lock until its commit: with two workers busy after it
     (each holds another sequence), it does not hold the lock for the whole wait (an hour
     here) for their saves."""
-    a, b = replicas("a"), replicas("b")
-    ids = [b.submit(max_new_tokens=8) for _ in range(4)]
-    register(a.core, "w1", max_batch_size=2)
-    register(a.core, "w2", max_batch_size=2)
-    a.claim()
+    a, b, ids = _two_workers_on_a(replicas, batch=2)
 
     async def scenario() -> tuple[bool, str]:
         servicer = replica_servicer.ReplicaServicer(
@@ -419,11 +427,7 @@ def test_a_cancel_of_an_owned_sequence_does_not_wait_out_the_commit_wait(replica
 
 
 def test_a_replicas_commit_waits_for_the_saves_of_its_workers_and_no_longer(replicas):
-    a, b = replicas("a"), replicas("b")
-    ids = [b.submit(max_new_tokens=8) for _ in range(2)]
-    register(a.core, "w1", max_batch_size=1)
-    register(a.core, "w2", max_batch_size=1)
-    a.claim()
+    a, b, ids = _two_workers_on_a(replicas, batch=1)
 
     async def scenario() -> int:
         servicer = replica_servicer.ReplicaServicer(
@@ -470,3 +474,136 @@ def test_a_replicas_commit_does_not_wait_for_an_idle_worker(replicas):
         return b.state.read_output(seq_id, 0).token_ids
 
     assert asyncio.run(scenario()) == (4,)
+
+
+def _gather_seconds(
+    dues: list[float | None],
+    *,
+    max_wait: float,
+    max_due_wait: float,
+    later: float | None = None,
+    late_due: float = 0.0,
+    late_reader: bool = False,
+) -> tuple[list[int], float, list[str]]:
+    """Calls that save and wait for their commit with the given dues (None: no due), on
+    ReplicaCommits that expects one save more than ever come (its wait is never cut short
+    by "enough"); with `later`, one more call (due `late_due`; a reader that saved nothing
+    with `late_reader`) that many seconds after the first. The saves each commit held,
+    the seconds until the first commit ended, and how each commit's wait ended."""
+    store = _CountingStore()
+    outcomes: list[str] = []
+
+    async def scenario() -> float:
+        commits = ReplicaCommits(
+            store,
+            on_disowned=lambda ids: None,
+            max_wait_seconds=max_wait,
+            expected_saves=lambda: len(dues) + 2,
+            max_due_wait_seconds=max_due_wait,
+            on_commit=lambda num_saves, gathered: outcomes.append(gathered),
+        )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def call(due: float | None, reader: bool = False) -> float:
+            if not reader:
+                store.save()
+            await commits.committed(due_seconds=due or 0.0, reader=reader)
+            return loop.time() - started
+
+        waiting = [asyncio.ensure_future(call(due)) for due in dues]
+        await asyncio.sleep(0)
+        if later is not None:
+            await asyncio.sleep(later)
+            waiting.append(asyncio.ensure_future(call(late_due, late_reader)))
+        # A safety limit only: a wait that is not cut short lasts an hour.
+        ends = await asyncio.wait_for(asyncio.gather(*waiting), 10)
+        await commits.close()
+        return min(ends)
+
+    seconds = asyncio.run(scenario())
+    return store.commits, seconds, outcomes
+
+
+def test_a_commit_whose_callers_all_answer_later_waits_longer_up_to_its_limit():
+    commits, seconds, outcomes = _gather_seconds([0.5, 0.5], max_wait=0.01, max_due_wait=0.2)
+    assert (commits, outcomes) == ([2], ["expired"])
+    assert seconds >= 0.19  # the due wait's limit, not the plain 10 ms
+
+
+def test_a_commit_never_waits_past_its_earliest_due_less_a_margin():
+    commits, seconds, outcomes = _gather_seconds([0.3, 3600], max_wait=0.0, max_due_wait=3600)
+    # The earlier due, less the margin, ended the wait ("due"): well before the limit.
+    assert (commits, outcomes) == ([2], ["due"])
+    assert 0.25 <= seconds < 1
+
+
+def test_one_caller_without_a_due_keeps_the_commit_to_the_plain_wait():
+    # An hour's due and limit: only the plain caller's 10 ms ends the wait in time.
+    commits, _, outcomes = _gather_seconds([3600, None, 3600], max_wait=0.01, max_due_wait=3600)
+    assert (commits, outcomes) == ([3], ["expired"])
+
+
+def test_a_caller_without_a_due_arriving_mid_wait_brings_the_commit_forward():
+    commits, seconds, _ = _gather_seconds(
+        [3600], max_wait=0.01, max_due_wait=3600, later=0.05, late_due=0.0
+    )
+    assert commits == [2]
+    assert seconds >= 0.05
+
+
+def test_a_caller_joining_the_wait_ends_it_where_it_would_have_ended_before():
+    # The plain wait runs from the gather's start (0.3 s), not from the caller's arrival.
+    commits, seconds, outcomes = _gather_seconds(
+        [3600], max_wait=0.3, max_due_wait=3600, later=0.2, late_due=0.0
+    )
+    assert (commits, outcomes) == ([2], ["expired"])
+    assert 0.29 <= seconds < 0.45
+
+
+def test_a_stream_waiting_for_a_commit_does_not_cut_its_wait_short():
+    # A reader saved nothing: the worker's due (0.5 s, limit 0.4 s) still sets the wait.
+    commits, seconds, _ = _gather_seconds(
+        [0.5], max_wait=0.01, max_due_wait=0.4, later=0.05, late_reader=True
+    )
+    assert commits == [1]
+    assert seconds >= 0.39
+
+
+def test_dues_are_ignored_when_the_due_wait_is_off():
+    commits, _, _ = _gather_seconds([3600, 3600], max_wait=0.01, max_due_wait=0.0)
+    assert commits == [2]
+
+
+def test_a_replica_passes_a_reports_answer_due_to_its_commit(replicas):
+    """Two busy workers; w1 reports with its answer due in 10 s: its commit waits for w2's
+    save up to the due wait (0.3 s here) instead of starting at once (no plain wait)."""
+    a, b, ids = _two_workers_on_a(replicas, batch=1)
+
+    async def scenario() -> tuple[float, float]:
+        servicer = replica_servicer.ReplicaServicer(
+            a.core, Wakeups(), a.state, commit_wait_seconds=0.0, commit_due_wait_seconds=0.3
+        )
+        loop = asyncio.get_running_loop()
+        a.core.select_batch(report("w1"))
+        a.core.select_batch(report("w2"))
+        await asyncio.wait_for(servicer._commits.committed(), 10)
+        took = []
+        for n, due_us in enumerate((10_000_000, 0)):
+            a.core.select_batch(report("w1", running=(ids[0],), tokens={ids[0]: (4 + n,)}))
+            started = loop.time()
+            request = pb.SelectBatchRequest(worker_id="w1", answer_due_us=due_us)
+            await asyncio.wait_for(servicer._answer_durable(request, time.perf_counter()), 10)
+            took.append(loop.time() - started)
+        await servicer._commits.close()
+        return took[0], took[1]
+
+    with_due, without = asyncio.run(scenario())
+    assert with_due >= 0.29
+    assert without < 0.29
+
+
+def test_a_due_wait_below_the_plain_wait_never_shortens_it():
+    commits, seconds, _ = _gather_seconds([3600, 3600], max_wait=0.2, max_due_wait=0.01)
+    assert commits == [2]
+    assert seconds >= 0.19

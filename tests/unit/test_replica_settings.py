@@ -21,6 +21,7 @@ def test_a_postgresql_url_is_accepted_with_the_replica_defaults():
         ({"prefetch": -1}, "prefetch must not be negative"),
         ({"replica_lease_ms": 100}, "replica_lease_ms must be at least 300"),
         ({"replica_commit_wait_ms": 500}, "replica_commit_wait_ms must be within 0-100"),
+        ({"replica_commit_due_wait_ms": -1}, "replica_commit_due_wait_ms must be within 0-100"),
         ({"replica_watch_ms": 0}, "replica_watch_ms must be within 1-1000"),
         ({"replica_affinity_ms": -1}, "replica_affinity_ms must not be negative"),
     ],

@@ -111,3 +111,10 @@ def test_a_report_asking_to_be_decided_later_is_never_parked_as_a_long_poll(sche
 
     threading.Thread(target=ask, daemon=True).start()
     assert answered.wait(2.0), "a decide_later report was parked for its long poll"
+
+
+def test_a_single_scheduler_holds_no_answer_until_it_is_due(scheduler, stub):
+    # Its answers wait on no commit: its workers send no answer_due_us (docs/contract.md,
+    # "Answers due later") and time every round trip, as before.
+    reg = stub.RegisterWorker(convert.register_request(WorkerResources("w8", 4096, 16, 8)))
+    assert not reg.accepts_answer_due

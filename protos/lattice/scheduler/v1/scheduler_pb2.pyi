@@ -237,7 +237,7 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., total_gdn_slots: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., cache_block_tokens: _Optional[int] = ..., total_snapshot_slots: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., transfer_bytes_per_second: _Optional[float] = ..., handoff_address: _Optional[str] = ..., handoff_bytes_per_token: _Optional[float] = ..., handoff_fixed_bytes: _Optional[float] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("chunk_size", "max_batch_size", "prefill_reserve_pages", "lease_ttl_ms", "incarnation", "accepts_token_runs", "accepts_running_unchanged", "accepts_decide_later")
+    __slots__ = ("chunk_size", "max_batch_size", "prefill_reserve_pages", "lease_ttl_ms", "incarnation", "accepts_token_runs", "accepts_running_unchanged", "accepts_decide_later", "accepts_answer_due")
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RESERVE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class RegisterWorkerResponse(_message.Message):
     ACCEPTS_TOKEN_RUNS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_RUNNING_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_DECIDE_LATER_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_ANSWER_DUE_FIELD_NUMBER: _ClassVar[int]
     chunk_size: int
     max_batch_size: int
     prefill_reserve_pages: int
@@ -254,10 +255,11 @@ class RegisterWorkerResponse(_message.Message):
     accepts_token_runs: bool
     accepts_running_unchanged: bool
     accepts_decide_later: bool
-    def __init__(self, chunk_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefill_reserve_pages: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., accepts_token_runs: _Optional[bool] = ..., accepts_running_unchanged: _Optional[bool] = ..., accepts_decide_later: _Optional[bool] = ...) -> None: ...
+    accepts_answer_due: bool
+    def __init__(self, chunk_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefill_reserve_pages: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., accepts_token_runs: _Optional[bool] = ..., accepts_running_unchanged: _Optional[bool] = ..., accepts_decide_later: _Optional[bool] = ..., accepts_answer_due: _Optional[bool] = ...) -> None: ...
 
 class SelectBatchRequest(_message.Message):
-    __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens", "incarnation", "idle_wait_ms", "cache", "kv_cached_pages", "cache_misses", "last_step_us", "token_seq_ids", "token_ids", "token_counts", "token_offsets", "running_unchanged_since", "accepts_decode_all_running", "decide_later", "handoffs", "applied_iteration")
+    __slots__ = ("worker_id", "waiting", "running", "kv_free_pages", "gdn_free_slots", "finished", "preempted", "draining", "tokens", "incarnation", "idle_wait_ms", "cache", "kv_cached_pages", "cache_misses", "last_step_us", "token_seq_ids", "token_ids", "token_counts", "token_offsets", "running_unchanged_since", "accepts_decode_all_running", "decide_later", "handoffs", "applied_iteration", "answer_due_us")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +284,7 @@ class SelectBatchRequest(_message.Message):
     DECIDE_LATER_FIELD_NUMBER: _ClassVar[int]
     HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_DUE_US_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     waiting: _containers.RepeatedScalarFieldContainer[int]
     running: _containers.RepeatedScalarFieldContainer[int]
@@ -306,7 +309,8 @@ class SelectBatchRequest(_message.Message):
     decide_later: bool
     handoffs: _containers.RepeatedCompositeFieldContainer[HandoffResult]
     applied_iteration: int
-    def __init__(self, worker_id: _Optional[str] = ..., waiting: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[int]] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., preempted: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., incarnation: _Optional[int] = ..., idle_wait_ms: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., kv_cached_pages: _Optional[int] = ..., cache_misses: _Optional[_Iterable[int]] = ..., last_step_us: _Optional[int] = ..., token_seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., running_unchanged_since: _Optional[int] = ..., accepts_decode_all_running: _Optional[bool] = ..., decide_later: _Optional[bool] = ..., handoffs: _Optional[_Iterable[_Union[HandoffResult, _Mapping]]] = ..., applied_iteration: _Optional[int] = ...) -> None: ...
+    answer_due_us: int
+    def __init__(self, worker_id: _Optional[str] = ..., waiting: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[int]] = ..., kv_free_pages: _Optional[int] = ..., gdn_free_slots: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., preempted: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., tokens: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., incarnation: _Optional[int] = ..., idle_wait_ms: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., kv_cached_pages: _Optional[int] = ..., cache_misses: _Optional[_Iterable[int]] = ..., last_step_us: _Optional[int] = ..., token_seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., running_unchanged_since: _Optional[int] = ..., accepts_decode_all_running: _Optional[bool] = ..., decide_later: _Optional[bool] = ..., handoffs: _Optional[_Iterable[_Union[HandoffResult, _Mapping]]] = ..., applied_iteration: _Optional[int] = ..., answer_due_us: _Optional[int] = ...) -> None: ...
 
 class CacheReport(_message.Message):
     __slots__ = ("added", "removed", "reset")
