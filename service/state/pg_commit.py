@@ -84,13 +84,11 @@ class ReplicaCommits:
         self._max_wait_seconds = max_wait_seconds
         self._max_due_wait_seconds = max_due_wait_seconds
         self._commit_seconds = 0.0  # moving average of a commit's time
-        # The callers waiting for the next commit, before its gather starts: whether one
-        # has no due, and the earliest end that those with a due allow (loop time).
-        self._next_has_plain = False
+        # The earliest due (less the margin, loop time) among the callers waiting for the
+        # next commit before its gather starts: -inf once one has none, inf while none came.
         self._next_due_end = math.inf
         self._gather_start = 0.0  # the running gather's start (loop time)
         self._gather_end = math.inf  # and its end
-        self._end_is_due = False  # whether a caller's due set it
         self._expected_saves = expected_saves
         # Set while a commit waits for saves: wakes it once enough are collected.
         self._gathered: asyncio.Event | None = None
@@ -135,43 +133,42 @@ class ReplicaCommits:
     def _allow(self, due_seconds: float) -> None:
         """Take in the end of the wait a new caller allows (the module docstring)."""
         now = asyncio.get_running_loop().time()
-        due_end = math.inf  # when its answer is due, less the margin
+        due_end = -math.inf  # when its answer is due, less the margin (no due: at once)
         if due_seconds > 0 and self._max_due_wait_seconds > 0:
             due_end = now + due_seconds - self._commit_seconds - MARGIN_SECONDS
         if self._gathered is None:  # before the gather: its start is not known yet
-            if due_end == math.inf:
-                self._next_has_plain = True
-            else:
-                self._next_due_end = min(self._next_due_end, due_end)
+            self._next_due_end = min(self._next_due_end, due_end)
             return
-        end, by_due = self._end(self._gather_start, due_end)
+        end = self._end(self._gather_start, due_end)
         if end < self._gather_end:  # sooner than the gather's end: wake it to wait less
-            self._gather_end, self._end_is_due = end, by_due
+            self._gather_end = end
             self._gathered.set()
 
-    def _end(self, start: float, due_end: float) -> tuple[float, bool]:
+    def _end(self, start: float, due_end: float) -> float:
         """The end a caller allows, counted from the gather's `start`, with its due less
-        the margin (inf: none; a due before the plain wait's end changes nothing); and
-        whether the due, not a wait's limit, sets it."""
+        the margin: the plain wait's end unless the due is later (inf: no caller has one)."""
         plain, longest = start + self._max_wait_seconds, start + self._max_due_wait_seconds
-        if due_end <= plain or due_end == math.inf:
-            return plain, False
-        if due_end >= longest:
-            return max(longest, plain), False
-        return due_end, True
+        if not plain < due_end < math.inf:
+            return plain
+        return max(plain, min(due_end, longest))
+
+    def _cut_by_due(self) -> bool:
+        """Whether a caller's due, not a wait's limit, set the running gather's end."""
+        plain = self._gather_start + self._max_wait_seconds
+        return plain < self._gather_end < self._gather_start + self._max_due_wait_seconds
 
     async def _commit(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             gathered = "none"
             start = loop.time()
-            end, by_due = self._end(start, math.inf if self._next_has_plain else self._next_due_end)
-            self._next_has_plain, self._next_due_end = False, math.inf
+            end = self._end(start, self._next_due_end)
+            self._next_due_end = math.inf
             if end > start and not self._promptly:
                 # Once a commit, not at every save: each call checks while it gathers.
                 self._expected = self._expected_saves()
                 if not self._enough_collected():
-                    gathered = await self._gather(end, by_due)
+                    gathered = await self._gather(start, end)
             # Saves from here on go to the next commit, which waits unless asked again.
             self._promptly = False
             covered = self._store.num_saves  # collected before the commit takes them
@@ -193,15 +190,14 @@ class ReplicaCommits:
     def _enough_collected(self) -> bool:
         return self._store.num_saves - self._num_committed >= self._expected
 
-    async def _gather(self, end: float, by_due: bool) -> str:
+    async def _gather(self, start: float, end: float) -> str:
         """Let more saves join: until `expected_saves()` are collected (each saving call
         checks, in `committed`: "enough"), at most until `end` (loop time: "expired", or
         "due" where a caller's due set it), which a caller that arrives meanwhile may
         bring forward."""
         loop = asyncio.get_running_loop()
         self._gathered = asyncio.Event()
-        self._gather_start = loop.time()
-        self._gather_end, self._end_is_due = end, by_due
+        self._gather_start, self._gather_end = start, end
         try:
             while not (self._promptly or self._enough_collected()):
                 remaining = self._gather_end - loop.time()
@@ -214,7 +210,7 @@ class ReplicaCommits:
                 self._gathered.clear()
             else:
                 return "promptly" if self._promptly else "enough"
-            return "due" if self._end_is_due else "expired"
+            return "due" if self._cut_by_due() else "expired"
         finally:
             self._gathered = None
             self._gather_end = math.inf
