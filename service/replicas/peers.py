@@ -1,0 +1,143 @@
+"""Streams of another replica's sequence, relayed from the replica that owns it.
+
+A Generate stream on replica A of a sequence replica B owns would otherwise read
+PostgreSQL's token log after each of B's commits (a whole log row a read, for every such
+stream of the fleet). Instead A opens FollowSequence on B, which streams from its core
+what it has committed, and relays it. Whatever goes wrong (B does not own the sequence
+any more, B is unreachable or silent, a call fails) ends the relay; A then reads the
+database as before, which also tells it the new owner. Nothing is lost or sent twice: B
+sends only committed tokens, from the index A asks for, and A counts what it relayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# A followed replica sends an event at least this often while its sequence makes no
+# progress (FOLLOW_HEARTBEAT_SECONDS on its side); silence this long ends the relay.
+SILENT_SECONDS = 5.0
+# How long a replica's address is reused before it is read again.
+ADDRESS_SECONDS = 10.0
+# After a relay from a replica failed (unreachable, silent, any error), streams of its
+# sequences read the database this long before trying it again.
+UNREACHABLE_SECONDS = 5.0
+# After an owner said it does not own a sequence (it moved, or the database lags its
+# core), that sequence's stream reads the database this long before following again.
+REFUSED_SECONDS = 1.0
+
+# How a relay ended (lattice_scheduler_replica_follows_total{outcome}).
+OUTCOMES = ("finished", "moved", "unreachable", "silent", "left", "failed")
+
+
+class Peers:
+    """Channels to the other replicas, one per address, opened on first use."""
+
+    def __init__(
+        self,
+        address_of: Callable[[int], str | None],
+        *,
+        max_message_bytes: int,
+        on_follow: Callable[[str], None] | None = None,
+        silent_seconds: float = SILENT_SECONDS,
+    ) -> None:
+        # address_of(replica_id) reads the database (blocking): run on a thread.
+        self._address_of = address_of
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._on_follow = on_follow
+        self._silent_seconds = silent_seconds
+        self._addresses: dict[int, tuple[str | None, float]] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._unreachable_until: dict[int, float] = {}
+
+    def may_follow(self, owner: int) -> bool:
+        """Whether streams of `owner`'s sequences try it now (not while it is unreachable)."""
+        return time.monotonic() >= self._unreachable_until.get(owner, 0.0)
+
+    async def follow(
+        self, owner: int, seq_id: int, start: int, metadata: Sequence[tuple[str, str]]
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        """`seq_id`'s events from token `start` on, from `owner`, until it finishes or the
+        relay ends (how it ended is counted; nothing is raised)."""
+        outcome = "failed"
+        call = None
+        try:
+            address = await self._address(owner)
+            if not address:
+                outcome = "unreachable"
+                return
+            stub = pb_grpc.SchedulerStub(self._channel(address))
+            call = stub.FollowSequence(
+                pb.FollowSequenceRequest(seq_id=seq_id, start=start), metadata=tuple(metadata)
+            )
+            while True:
+                try:
+                    event = await asyncio.wait_for(call.read(), self._silent_seconds)
+                except TimeoutError:
+                    outcome = "silent"
+                    return
+                if event is grpc.aio.EOF:
+                    return  # ended without finishing: read the database
+                if event.finished:
+                    outcome = "finished"  # whatever the caller does after this event
+                    yield event
+                    return
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            if outcome != "finished":
+                outcome = "left"  # the client left, or the server stops
+            raise
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                outcome = "moved"
+            elif code in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED,  # it stopped
+            ):
+                outcome = "unreachable"
+                self._addresses.pop(owner, None)  # it may have moved: read it again
+            else:
+                log.warning("following seq_id %d on replica %d failed: %s", seq_id, owner, err)
+        except Exception as err:  # noqa: BLE001 - the database is away, a bad address: read on
+            log.warning("cannot follow seq_id %d on replica %d: %s", seq_id, owner, err)
+        finally:
+            if outcome in ("unreachable", "silent", "failed"):
+                # Streams of its sequences read the database a while before trying again.
+                self._unreachable_until[owner] = time.monotonic() + UNREACHABLE_SECONDS
+            if call is not None:
+                call.cancel()  # a no-op once it ended; stops it when the relay stops early
+            if self._on_follow is not None:
+                self._on_follow(outcome)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+    async def _address(self, owner: int) -> str | None:
+        address, read_at = self._addresses.get(owner, (None, -ADDRESS_SECONDS))
+        if time.monotonic() - read_at >= ADDRESS_SECONDS:
+            address = await asyncio.to_thread(self._address_of, owner)
+            self._addresses[owner] = (address, time.monotonic())
+        return address
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = channel
+        return channel

@@ -1,0 +1,131 @@
+"""A Generate stream of a sequence another replica owns, relayed from that replica
+(FollowSequence, `--replica-streams owner`) instead of read from the database after each
+of its commits (`database`); and what happens when the owner goes away mid-stream."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from common.waiting import wait_until
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from tests.server.wire import RPC_TIMEOUT_SECONDS, Stream, Worker, admitted, get_sequence
+from worker_client.client import NotRegistered, RetryPolicy, SchedulerClient, WorkerResources
+
+from .conftest import count_reads, crash
+
+EOS = pb.FINISH_REASON_EOS
+DECODING = pb.SEQUENCE_STATE_DECODING
+
+
+def _follows(server, outcome: str) -> float:
+    return server.metric("replica_follows_total", outcome=outcome) or 0.0
+
+
+@pytest.mark.parametrize("mode", ["owner", "database"])
+def test_a_stream_of_another_replicas_sequence_is_relayed_not_read_at_each_commit(
+    start_replicas, mode
+):
+    # 21 steps of one token, each its own commit on r0; a stream of that sequence on r1.
+    # Relayed, r1 reads the database only until it knows the owner; reading the database,
+    # it reads again after each of r0's commits.
+    r0, r1 = start_replicas(2, replica_streams=mode)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    reads = count_reads(r1)
+    stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=64))
+    seq_id = stream.next_event().seq_id
+    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
+    for n in range(21):
+        worker.select(running=[seq_id], tokens={seq_id: [100 + n]})
+        assert stream.tokens_until(1, 10) == [100 + n]
+    worker.select(tokens={seq_id: [121]}, finished=[(seq_id, EOS, 22)])
+    events = stream.rest(10)
+    assert [t for e in events for t in e.token_ids] == [121]
+    assert events[-1].finished and events[-1].finish_reason == EOS
+    if mode == "owner":
+        assert reads[0] <= 4, reads[0]  # before the claim, and the one that found the owner
+        assert _follows(r1, "finished") == 1
+    else:
+        assert reads[0] >= 21, reads[0]
+        assert _follows(r1, "finished") == 0
+
+
+def test_follow_sequence_streams_only_what_the_owner_holds_and_cancels_nothing(start_replicas):
+    r0, r1 = start_replicas(2)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    seq_id = r0.stub.Submit(
+        pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=8), timeout=RPC_TIMEOUT_SECONDS
+    ).seq_id
+    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
+    worker.select(running=[seq_id], tokens={seq_id: [5, 6]})
+    # r1 does not own it: FAILED_PRECONDITION, whatever the database says.
+    with pytest.raises(grpc.RpcError) as refused:
+        list(r1.stub.FollowSequence(pb.FollowSequenceRequest(seq_id=seq_id), timeout=5))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"does not own seq_id {seq_id}" in refused.value.details()
+    # r0 does: from `start` on, committed tokens only.
+    call = r0.stub.FollowSequence(pb.FollowSequenceRequest(seq_id=seq_id, start=1), timeout=10)
+    first = next(call)
+    assert (first.seq_id, list(first.token_ids), first.finished) == (seq_id, [6], False)
+    call.cancel()  # the follower leaves: the sequence runs on
+    time.sleep(0.2)
+    worker.select(running=[seq_id], tokens={seq_id: [7]})
+    assert get_sequence(r0.stub, seq_id).state == DECODING
+    # A follow of a finished sequence ends with its last event.
+    worker.select(tokens={seq_id: [8]}, finished=[(seq_id, EOS, 4)])
+    events = list(r0.stub.FollowSequence(pb.FollowSequenceRequest(seq_id=seq_id), timeout=10))
+    assert [t for e in events for t in e.token_ids] == [5, 6, 7, 8]
+    assert events[-1].finished and events[-1].finish_reason == EOS
+
+
+def test_a_relayed_stream_survives_its_owner_crashing_with_no_token_lost_or_twice(
+    start_replicas,
+):
+    r0, r1 = start_replicas(2)
+    client = SchedulerClient(
+        f"{r0.target},{r1.target}", call_timeout_seconds=2.0, retry=RetryPolicy(0.05, 0.2, 20.0)
+    )
+    resources = WorkerResources("w", 1000, 16, 64)
+    client.register(resources)
+    stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=8))
+    seq_id = stream.next_event().seq_id
+
+    def report(**fields):
+        return pb.SelectBatchRequest(worker_id="w", kv_free_pages=1000, gdn_free_slots=64, **fields)
+
+    def step(token: int, offset: int, **fields):
+        update = pb.TokenUpdate(seq_id=seq_id, token_ids=[token], offset=offset)
+        return client.select(report(tokens=[update], **fields))
+
+    wait_until(
+        lambda: [c.seq_id for c in client.select(report()).prefill] == [seq_id],
+        "admission on r0",
+        10,
+    )
+    step(5, 0, running=[seq_id])
+    assert stream.tokens_until(1, 10) == [5]
+    # r1 relays it from r0: r0 serves one FollowSequence stream.
+    wait_until(lambda: r0.metric("streams_open", kind="generate") == 1, "the relay", 10)
+    assert _follows(r1, "left") + _follows(r1, "finished") == 0
+    crash(r0)  # mid-relay: r1 reads the database, then runs the sequence itself
+    with pytest.raises(NotRegistered):
+        client.select(report(running=[seq_id]))
+    client.register(resources)  # r1 adopts what the worker holds
+    step(6, 1, running=[seq_id])
+    assert stream.tokens_until(1, 10) == [6]
+    client.select(
+        report(
+            tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=[7], offset=2)],
+            finished=[pb.FinishedSequence(seq_id=seq_id, reason=EOS, generated_tokens=3)],
+        )
+    )
+    events = stream.rest(10)
+    assert [t for e in events for t in e.token_ids] == [7]
+    assert events[-1].finished
+    ended = sum(_follows(r1, o) for o in ("unreachable", "silent", "failed", "moved"))
+    assert ended >= 1  # the relay from r0 ended, and the stream read on
+    client.close()
