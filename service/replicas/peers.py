@@ -83,8 +83,11 @@ class Peers:
                 pb.FollowSequenceRequest(seq_id=seq_id, start=start), metadata=tuple(metadata)
             )
             while True:
+                # Not asyncio.wait_for, which can lose a cancel before Python 3.12
+                # (service/server/wakeups.py).
                 try:
-                    event = await asyncio.wait_for(call.read(), self._silent_seconds)
+                    async with asyncio.timeout(self._silent_seconds):
+                        event = await call.read()
                 except TimeoutError:
                     outcome = "silent"
                     return

@@ -71,6 +71,11 @@ log = logging.getLogger(__name__)
 # (notifications wake it sooner; this bounds the wait if one is lost, or when the
 # sequence moves to this replica).
 _REMOTE_POLL_SECONDS = 1.0
+# ... and this often while it is unclaimed: the watcher's reading finds its claim (each
+# such sequence looked up in every ceil(n / WATCHED_UNCLAIMED) readings), a claim here
+# wakes it, and so do a cancel's and a requeue's notifications. Each read costs
+# PostgreSQL two statements: at 1 s, 300 queued streams were most of its CPU (stop 52).
+_UNCLAIMED_POLL_SECONDS = 5.0
 # The watcher looks up at most this many of the unclaimed sequences that streams here wait
 # on a reading, in turns (`_unclaimed_window`): with more waiting, each is looked up at
 # least once in every ceil(n / 64) readings, so sequences that nobody claims for long (an
@@ -453,11 +458,7 @@ class ReplicaServicer(SchedulerServicer):
 
     def _owns(self, seq_id: int) -> bool:
         """Whether the core holds `seq_id`."""
-        try:
-            self._core.get_sequence(seq_id)
-        except NotFound:
-            return False
-        return True
+        return self._core.holds(seq_id)
 
     async def _cancel(self, seq_id: int, caller: Caller = SEES_ALL) -> bool:
         """Cancel `seq_id` for `caller` (NotFound for another principal's, wherever it is)."""
@@ -503,16 +504,22 @@ class ReplicaServicer(SchedulerServicer):
             return view
         # Watching before reading: a commit that lands while the read runs, and that the
         # read missed, still wakes the wait below (which then returns at once). Until the
-        # read says which replica owns the sequence, any replica's commit wakes it.
+        # read says which replica owns the sequence, any replica's commit wakes it. One
+        # read a wake-up (or a poll): the read after a wait is the one returned.
         event = asyncio.Event()
         self._remote.setdefault(seq_id, set()).add(event)
-        self._remote_owner.pop(seq_id, None)
         try:
-            view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
-            if view.token_ids or view.finished or self._followable(view, refused) is not None:
-                return view
-            self._remote_owner[seq_id] = view.owner
-            await wait_event(event, _REMOTE_POLL_SECONDS)
+            while True:
+                self._remote_owner.pop(seq_id, None)
+                event.clear()
+                view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
+                if view.token_ids or view.finished or self._followable(view, refused) is not None:
+                    return view
+                self._remote_owner[seq_id] = view.owner
+                poll = _REMOTE_POLL_SECONDS if view.owner is not None else _UNCLAIMED_POLL_SECONDS
+                await wait_event(event, poll)
+                if self._owns(seq_id):  # claimed or adopted here meanwhile: read the core
+                    return replace(view, owner=self.replica_id)
         finally:
             events = self._remote.get(seq_id)
             if events is not None:
@@ -520,7 +527,6 @@ class ReplicaServicer(SchedulerServicer):
                 if not events:
                     del self._remote[seq_id]
                     self._remote_owner.pop(seq_id, None)
-        return await asyncio.to_thread(self._state.read_output, seq_id, sent)
 
     def _on_commits(self, moved: frozenset[int] | None) -> None:
         """The replicas in `moved` committed (or left) since the watcher's last reading

@@ -65,4 +65,3 @@ def test_follow_sequence_of_an_unknown_seq_id_is_not_found(stub):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.FollowSequence(pb.FollowSequenceRequest(seq_id=seq_id + 100), timeout=10))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-

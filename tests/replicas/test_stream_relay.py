@@ -4,6 +4,7 @@ of its commits (`database`); and what happens when the owner goes away mid-strea
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -11,6 +12,8 @@ import pytest
 
 from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from service.replicas.peers import Peers
 from tests.server.wire import RPC_TIMEOUT_SECONDS, Stream, Worker, admitted, get_sequence
 from worker_client.client import NotRegistered, RetryPolicy, SchedulerClient, WorkerResources
 
@@ -129,3 +132,78 @@ def test_a_relayed_stream_survives_its_owner_crashing_with_no_token_lost_or_twic
     ended = sum(_follows(r1, o) for o in ("unreachable", "silent", "failed", "moved"))
     assert ended >= 1  # the relay from r0 ended, and the stream read on
     client.close()
+
+
+class _Owner(pb_grpc.SchedulerServicer):
+    """A replica's FollowSequence as scripted: `events` then silence, or an abort."""
+
+    def __init__(self, events: list[pb.GenerateEvent], abort: grpc.StatusCode | None = None):
+        self.events, self.abort, self.calls = events, abort, 0
+
+    async def FollowSequence(self, request, context):
+        self.calls += 1
+        if self.abort is not None:
+            await context.abort(self.abort, "scripted")
+        for event in self.events[request.start :]:
+            yield event
+        await asyncio.sleep(30)  # silent: alive, sending nothing
+
+
+def _relay(owner: _Owner, address: str | None = "", silent_seconds: float = 0.3):
+    """Relay seq 1 from a fake owner at `address` ("": a server of its own, started here):
+    (the events relayed, the outcomes counted, whether streams may follow it after)."""
+
+    async def run():
+        server = grpc.aio.server()
+        pb_grpc.add_SchedulerServicer_to_server(owner, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        outcomes: list[str] = []
+        peers = Peers(
+            lambda _owner: f"127.0.0.1:{port}" if address == "" else address,
+            max_message_bytes=1 << 20,
+            on_follow=outcomes.append,
+            silent_seconds=silent_seconds,
+        )
+        try:
+            events = [e async for e in peers.follow(7, 1, 0, [])]
+            return events, outcomes, peers.may_follow(7)
+        finally:
+            await peers.close()
+            await server.stop(0)
+
+    return asyncio.run(run())
+
+
+def _event(*tokens: int, finished: bool = False) -> pb.GenerateEvent:
+    return pb.GenerateEvent(seq_id=1, token_ids=tokens, finished=finished)
+
+
+def test_a_relay_ends_with_the_finish_and_follows_on():
+    events, outcomes, may_follow = _relay(_Owner([_event(1), _event(2, finished=True)]))
+    assert [list(e.token_ids) for e in events] == [[1], [2]] and events[-1].finished
+    assert outcomes == ["finished"] and may_follow
+
+
+def test_a_silent_owner_ends_the_relay_and_is_left_alone_a_while():
+    events, outcomes, may_follow = _relay(_Owner([_event(1)]))
+    assert [list(e.token_ids) for e in events] == [[1]]
+    assert outcomes == ["silent"] and not may_follow
+
+
+def test_an_owner_that_does_not_hold_it_ends_the_relay_but_is_followed_again():
+    events, outcomes, may_follow = _relay(_Owner([], grpc.StatusCode.FAILED_PRECONDITION))
+    assert events == [] and outcomes == ["moved"] and may_follow
+
+
+@pytest.mark.parametrize("address", [None, "127.0.0.1:1"])
+def test_an_owner_with_no_address_or_none_listening_is_unreachable(address):
+    owner = _Owner([_event(1, finished=True)])
+    events, outcomes, may_follow = _relay(owner, address)
+    assert events == [] and outcomes == ["unreachable"] and not may_follow
+    assert owner.calls == 0
+
+
+def test_an_owner_that_fails_otherwise_is_left_alone_a_while():
+    events, outcomes, may_follow = _relay(_Owner([], grpc.StatusCode.UNIMPLEMENTED))
+    assert events == [] and outcomes == ["failed"] and not may_follow

@@ -48,6 +48,10 @@ class ReplicaScheduler(Scheduler):
             return
         self._shed_if_late(params, shared_tokens_ahead // max(1, num_replicas))
 
+    def holds(self, seq_id: int) -> bool:
+        """Whether this core holds `seq_id` (owned here; finished ones until forgotten)."""
+        return self._sequences.get(seq_id) is not None
+
     def owned_seq_ids(self) -> set[int]:
         """Every unfinished sequence this core holds (queued or assigned)."""
         return {seq.seq_id for seq in self._sequences if not seq.is_finished}
