@@ -146,7 +146,9 @@ _HELP = {
     "metrics_port": "Prometheus /metrics port; 0 picks a free port and prints it",
     "worker_port": "also serve the worker RPCs (and health) on this port, apart from "
     "client traffic; 0: none (every RPC is always served on --port)",
-    "max_streams": "most Generate streams open at once; more get RESOURCE_EXHAUSTED at once",
+    "max_streams": "most Generate and FollowSequence streams open at once (on replicas a "
+    "stream of another replica's sequence is one on each); more get RESOURCE_EXHAUSTED at "
+    "once",
     "max_open_streams": "most Health.Watch and reflection streams (which need no token) open "
     "at once; more get RESOURCE_EXHAUSTED at once",
     "max_threads": "no effect: the server runs on one event loop, with no thread per call "

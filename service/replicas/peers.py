@@ -23,20 +23,34 @@ from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# A followed replica sends an event at least this often while its sequence makes no
-# progress (FOLLOW_HEARTBEAT_SECONDS on its side); silence this long ends the relay.
+# A followed replica sends an event at least every second while its sequence makes no
+# progress (`_REMOTE_POLL_SECONDS`, service/replicas/servicer.py); silence this long ends
+# the relay.
 SILENT_SECONDS = 5.0
 # How long a replica's address is reused before it is read again.
 ADDRESS_SECONDS = 10.0
 # After a relay from a replica failed (unreachable, silent, any error), streams of its
 # sequences read the database this long before trying it again.
 UNREACHABLE_SECONDS = 5.0
-# After an owner said it does not own a sequence (it moved, or the database lags its
-# core), that sequence's stream reads the database this long before following again.
+# After an owner refused a stream at once (it does not own the sequence: it moved, or the
+# database lags its core; its stream limit; a credential it does not take), that stream
+# reads the database this long before following again.
 REFUSED_SECONDS = 1.0
+# A failing replica is logged at most this often.
+WARN_SECONDS = 60.0
 
-# How a relay ended (lattice_scheduler_replica_follows_total{outcome}).
-OUTCOMES = ("finished", "moved", "unreachable", "silent", "left", "failed")
+# Refusals of one call, not of the replica: the stream reads the database a while.
+_REFUSALS = {
+    grpc.StatusCode.FAILED_PRECONDITION: "moved",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
+    grpc.StatusCode.UNAUTHENTICATED: "refused",
+    grpc.StatusCode.PERMISSION_DENIED: "refused",
+    grpc.StatusCode.NOT_FOUND: "refused",
+}
+# The replica is away or stopping: every stream of its sequences reads the database a while.
+_UNREACHABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
 
 
 class Peers:
@@ -55,12 +69,18 @@ class Peers:
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # A replica restarted at the same address is tried again within seconds, not
+            # after gRPC's default back-off of up to two minutes.
+            ("grpc.initial_reconnect_backoff_ms", 500),
+            ("grpc.max_reconnect_backoff_ms", 5000),
         ]
         self._on_follow = on_follow
         self._silent_seconds = silent_seconds
         self._addresses: dict[int, tuple[str | None, float]] = {}
+        self._reading: dict[int, asyncio.Future] = {}  # one address read at a time a replica
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._unreachable_until: dict[int, float] = {}
+        self._warned_at: dict[int, float] = {}
 
     def may_follow(self, owner: int) -> bool:
         """Whether streams of `owner`'s sequences try it now (not while it is unreachable)."""
@@ -104,19 +124,18 @@ class Peers:
             raise
         except grpc.aio.AioRpcError as err:
             code = err.code()
-            if code == grpc.StatusCode.FAILED_PRECONDITION:
-                outcome = "moved"
-            elif code in (
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.CANCELLED,  # it stopped
-            ):
+            if code in _REFUSALS:
+                outcome = _REFUSALS[code]
+            elif code in _UNREACHABLE:
                 outcome = "unreachable"
                 self._addresses.pop(owner, None)  # it may have moved: read it again
-            else:
-                log.warning("following seq_id %d on replica %d failed: %s", seq_id, owner, err)
+                self._warn(owner, f"cannot be reached: {err.code().name} {err.details()}")
+            else:  # UNIMPLEMENTED (a replica older than FollowSequence), INTERNAL, ...
+                self._warn(
+                    owner, f"following seq_id {seq_id} failed: {err.code().name} {err.details()}"
+                )
         except Exception as err:  # noqa: BLE001 - the database is away, a bad address: read on
-            log.warning("cannot follow seq_id %d on replica %d: %s", seq_id, owner, err)
+            self._warn(owner, f"cannot follow seq_id {seq_id}: {err}")
         finally:
             if outcome in ("unreachable", "silent", "failed"):
                 # Streams of its sequences read the database a while before trying again.
@@ -133,10 +152,26 @@ class Peers:
 
     async def _address(self, owner: int) -> str | None:
         address, read_at = self._addresses.get(owner, (None, -ADDRESS_SECONDS))
-        if time.monotonic() - read_at >= ADDRESS_SECONDS:
-            address = await asyncio.to_thread(self._address_of, owner)
-            self._addresses[owner] = (address, time.monotonic())
+        if time.monotonic() - read_at < ADDRESS_SECONDS:
+            return address
+        reading = self._reading.get(owner)
+        if reading is None:  # the streams that start a relay meanwhile wait for this read
+            reading = asyncio.ensure_future(asyncio.to_thread(self._address_of, owner))
+            self._reading[owner] = reading
+            reading.add_done_callback(lambda _done: self._reading.pop(owner, None))
+        address = await asyncio.shield(reading)
+        self._addresses[owner] = (address, time.monotonic())
         return address
+
+    def _warn(self, owner: int, message: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at.get(owner, -WARN_SECONDS) >= WARN_SECONDS:
+            self._warned_at[owner] = now
+            log.warning(
+                "replica %d: %s; its sequences' streams read the database meanwhile",
+                owner,
+                message,
+            )
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)

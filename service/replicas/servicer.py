@@ -215,6 +215,8 @@ class ReplicaServicer(SchedulerServicer):
         # one, given the port it listens on.
         self._peers = peers
         self._advertise = advertise
+        # When the keeper last renewed the lease (the lease was taken at the store's start).
+        self._renewed_at = time.monotonic()
 
     @property
     def replica_id(self) -> int:
@@ -222,7 +224,7 @@ class ReplicaServicer(SchedulerServicer):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def background_tasks(self, port: int = 0) -> list[asyncio.Task]:
+    def background_tasks(self, port: int) -> list[asyncio.Task]:
         """Start the prefetcher, the keeper and the listener thread; say where the other
         replicas reach this one, listening on `port`."""
         if self._advertise is not None:
@@ -384,28 +386,35 @@ class ReplicaServicer(SchedulerServicer):
                         yield event
                         if event.finished:
                             return
-            if not relayed:  # it said at once it does not hold it: the database lags
+            if not relayed:  # refused at once (moved: the database lags; its stream limit;
+                # a credential it does not take), or unreachable: read the database a while
                 refused = (owner, time.monotonic())
 
     async def FollowSequence(self, request, context):
-        """Stream what this replica has committed of a sequence it owns, while it owns it;
-        FAILED_PRECONDITION once it does not (the caller reads the database instead)."""
+        """Stream what this replica has committed of a sequence it owns, while it owns it
+        and its lease is current; FAILED_PRECONDITION once it does not own it (the caller
+        reads the database instead), UNAVAILABLE once its lease may have run out."""
         seq_id, sent = request.seq_id, request.start
-        if self._owns(seq_id):
-            try:
-                self._core.get_sequence(seq_id, self._callers.caller(context))
-            except SchedulerError as err:  # NotFound: another principal's
-                await context.abort(status_code(err), status_details(err))
+        if self._owns(seq_id) and not self._core.may_see(seq_id, self._callers.caller(context)):
+            # As for one it does not own: a replica tells no one whose sequences it holds.
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _not_owned(self, seq_id))
         while True:
-            view = await self._read_owned(seq_id, sent)
-            if view is None:
+            if time.monotonic() - self._renewed_at > self._state.lease_ttl_seconds:
+                # Cut off from the database for a lease: others may own it by now.
                 await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"replica {self.replica_id} does not own seq_id {seq_id}; "
-                    "read it through any replica's Generate or GetSequence",
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"replica {self.replica_id} has not renewed its lease for a lease; "
+                    f"read seq_id {seq_id} from another replica",
                 )
+            try:
+                view = await self._read_owned(seq_id, sent)
+            except SchedulerError as err:  # its commit failed: the database is away
+                await context.abort(status_code(err), status_details(err))
+            if view is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _not_owned(self, seq_id))
             # An event at least every _REMOTE_POLL_SECONDS, with tokens or without: a
-            # follower that hears nothing for longer presumes this replica gone.
+            # follower that hears nothing for longer (peers.SILENT_SECONDS) presumes this
+            # replica gone.
             sent += len(view.token_ids)
             yield convert.generate_event(
                 seq_id, view.token_ids, view.finish_reason, view.finished, view.error_message
@@ -505,7 +514,7 @@ class ReplicaServicer(SchedulerServicer):
         # Watching before reading: a commit that lands while the read runs, and that the
         # read missed, still wakes the wait below (which then returns at once). Until the
         # read says which replica owns the sequence, any replica's commit wakes it. One
-        # read a wake-up (or a poll): the read after a wait is the one returned.
+        # read a wake-up (or a poll), until one finds something to return.
         event = asyncio.Event()
         self._remote.setdefault(seq_id, set()).add(event)
         try:
@@ -634,6 +643,7 @@ class ReplicaServicer(SchedulerServicer):
             counted = False
             try:
                 await asyncio.to_thread(self._state.renew_lease)
+                self._renewed_at = time.monotonic()
                 # Whatever others took (after our lease ran out, or a worker moved) and no
                 # notification told us of.
                 await self._give_up(None)
@@ -862,6 +872,13 @@ class ReplicaServicer(SchedulerServicer):
                 self._start_side_task(self._apply_cancels([int(ids)]))
             else:
                 self._start_side_task(self._give_up(parse_ids_payload(ids)))
+
+
+def _not_owned(replica: ReplicaServicer, seq_id: int) -> str:
+    return (
+        f"replica {replica.replica_id} does not own seq_id {seq_id}; Generate with its "
+        "request_id on any replica re-attaches to it"
+    )
 
 
 def _forwarded(context) -> list[tuple[str, str]]:

@@ -255,17 +255,18 @@ class SchedulerMetrics(SchedulerObserver):
             PREFIX + "replica_follows_total",
             "Generate streams of another replica's sequence relayed from that replica "
             "(FollowSequence), by how the relay ended: finished (the sequence did), moved "
-            "(the replica did not own it, or stopped owning it), unreachable, silent (no "
-            "event for 5 s), left (the client left), failed. All but finished and left go "
-            "on reading PostgreSQL.",
+            "(the replica did not own it, or stopped owning it), refused (its stream limit, "
+            "the client's credential), unreachable, silent (no event for 5 s), left (the "
+            "client left), failed. All but finished and left go on reading PostgreSQL.",
             ["outcome"],
             registry=r,
         )
-        for outcome in ("finished", "moved", "unreachable", "silent", "left", "failed"):
+        for outcome in ("finished", "moved", "refused", "unreachable", "silent", "left", "failed"):
             self.replica_follows.labels(outcome)
         self.streams_open = Gauge(
             PREFIX + "streams_open",
-            "Streams open now, by pool: generate (Generate), open (Health.Watch, reflection).",
+            "Streams open now, by pool: generate (Generate, FollowSequence), open "
+            "(Health.Watch, reflection).",
             ["kind"],
             registry=r,
         )

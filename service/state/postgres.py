@@ -1105,7 +1105,8 @@ class PostgresState:
 
     def publish_address(self, address: str) -> None:
         """Say where the other replicas reach this one (its row's name; `address_of`)."""
-        self.name = address  # and when its row is written again (`_insert_lease`)
+        self.name = address  # and at every renewal, should this write fail
+
         with self._connection() as conn:
             conn.execute(
                 "UPDATE replicas SET name = %s WHERE replica_id = %s", (address, self.replica_id)
@@ -1293,9 +1294,9 @@ class PostgresState:
         owned (the row is written again: the caller must give up what it no longer owns)."""
         with self._connection() as conn:
             renewed = conn.execute(
-                "UPDATE replicas SET lease_until = now() + make_interval(secs => %s) "
-                "WHERE replica_id = %s",
-                (self.lease_ttl_seconds, self.replica_id),
+                "UPDATE replicas SET lease_until = now() + make_interval(secs => %s), "
+                "name = %s WHERE replica_id = %s",
+                (self.lease_ttl_seconds, self.name, self.replica_id),
             ).rowcount
             if not renewed:
                 self._insert_lease(conn, self.replica_id)

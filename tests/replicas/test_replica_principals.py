@@ -192,7 +192,7 @@ def test_a_version_2_database_is_not_migrated_while_a_version_2_replica_runs(dat
 
 def test_a_relayed_stream_is_followed_as_its_client_and_no_one_else(database_url, tokens_file):
     # Alice's stream on b of a sequence a owns is relayed from a with alice's own token;
-    # mallory following it on a is told it is unknown, as anywhere else.
+    # mallory following it on a is told only what a replica that does not own it says.
     path, token = tokens_file
     servers = [start_replica(database_url, auth_tokens=str(path)) for _ in range(2)]
     try:
@@ -206,13 +206,15 @@ def test_a_relayed_stream_is_followed_as_its_client_and_no_one_else(database_url
         wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on a", 10)
         worker.select(running=[seq_id], tokens={seq_id: [7, 8]})
         assert stream.tokens_until(2, 10) == [7, 8]
-        with pytest.raises(grpc.RpcError) as err:
-            follow = pb.FollowSequenceRequest(seq_id=seq_id)
-            list(_stub(a, token["mallory"]).FollowSequence(follow, timeout=T))
-        assert err.value.code() is grpc.StatusCode.NOT_FOUND
-        assert (
-            err.value.details() == f"seq_id {seq_id} is unknown (never submitted, or long finished)"
-        )
+        # Mallory is told what a replica that does not own it would say: nothing about
+        # whose it is or where it runs.
+        details = []
+        for follow in (pb.FollowSequenceRequest(seq_id=seq_id), pb.FollowSequenceRequest()):
+            with pytest.raises(grpc.RpcError) as err:
+                list(_stub(a, token["mallory"]).FollowSequence(follow, timeout=T))
+            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            details.append(err.value.details().replace(f"seq_id {follow.seq_id};", "seq_id N;"))
+        assert details[0] == details[1]
         worker.select(tokens={seq_id: [9]}, finished=[(seq_id, pb.FINISH_REASON_EOS, 3)])
         assert [t for e in stream.rest(10) for t in e.token_ids] == [9]
         assert b.metric("replica_follows_total", outcome="finished") == 1

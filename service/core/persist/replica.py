@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from service.core.persist.store import StoredSequence
 from service.core.scheduler import Scheduler
-from service.core.types import SequenceState, SubmitParams
+from service.core.types import Caller, SequenceState, SubmitParams
 
 
 class ReplicaScheduler(Scheduler):
@@ -51,6 +51,11 @@ class ReplicaScheduler(Scheduler):
     def holds(self, seq_id: int) -> bool:
         """Whether this core holds `seq_id` (owned here; finished ones until forgotten)."""
         return self._sequences.get(seq_id) is not None
+
+    def may_see(self, seq_id: int, caller: Caller) -> bool:
+        """Whether this core holds `seq_id` and `caller` may see it."""
+        seq = self._sequences.get(seq_id)
+        return seq is not None and caller.may_see(seq.params.principal)
 
     def owned_seq_ids(self) -> set[int]:
         """Every unfinished sequence this core holds (queued or assigned)."""

@@ -174,7 +174,8 @@ class SchedulerServicer:
         """Client (on replicas, another replica relaying a client's Generate): stream the
         committed tokens of a sequence this scheduler holds, from `start` on, until it
         finishes. Never submits, and a caller that leaves cancels nothing. A replica that
-        does not own the sequence (or stops owning it) ends the stream FAILED_PRECONDITION.
+        does not own the sequence (or stops owning it) ends the stream FAILED_PRECONDITION,
+        and sends events with no tokens at least every second while none are new.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
