@@ -249,7 +249,7 @@ class ReplicaServicer(SchedulerServicer):
         except SchedulerError as err:  # its streams are read from the database meanwhile
             log.warning("cannot publish this replica's address %s: %s", address, err)
         else:
-            log.info("other replicas reach this one at %s", address)
+            log.debug("other replicas reach this one at %s", address)
 
     async def leave(self) -> None:
         """A clean stop: unadmitted claims back to the shared queue, the lease ended."""
