@@ -40,13 +40,28 @@ follow-up turns that resumed from their conversation's cache (cached_tokens at l
 last turn's prompt less one block).
 
     .venv/bin/python -m bench.replicas followups
+
+With `--streams`, a client calls Generate for each sequence instead of Submit (the same
+8 in flight; "submit p50" is then the time to a stream's first event, its seq_id), the
+streams round-robin over the configuration's schedulers, so that with N replicas about
+(N-1)/N of them read a sequence another replica owns; each is held open and read through
+the window, from a client process of its own (grpc.aio: not the schedulers' or
+PostgreSQL's CPU, nor behind the fake workers' GIL). Once the workers stop, each open
+stream gets until its count matches its sequence's (GetSequence), then closes; a table
+says how they ended, and a stream that errored, ended early or got a wrong count makes an
+ERROR line and exit status 1. Replicas' stream settings go through --serve-arg.
+
+    .venv/bin/python -m bench.replicas --workers 4 --configs postgres-2 --streams
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import multiprocessing
 import os
+import queue
 import random
 import shutil
 import subprocess
@@ -54,6 +69,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -97,6 +113,25 @@ class Result:
     # (cumulative, by histogram bound), and how their wait for saves ended.
     saves_per_commit: dict[float, float] = field(default_factory=dict)
     gathers: dict[str, float] = field(default_factory=dict)
+    # --streams: how each stream ended; of the streams whose sequence a fake worker ran,
+    # how many on a replica other than that worker's; the tokens streamed in the window.
+    streams: list[StreamEnd] = field(default_factory=list)
+    streams_run: int = 0
+    streams_elsewhere: int = 0
+    streamed: int = 0
+
+
+@dataclass
+class StreamEnd:
+    """How one --streams stream ended: its sequence, the replica (index) it was opened
+    on, the tokens it got, whether it got its last event, and what was wrong ('' if
+    nothing)."""
+
+    seq_id: int
+    replica: int
+    tokens: int = 0
+    finished: bool = False
+    problem: str = ""
 
 
 def database_pids(cluster: PrivateCluster) -> list[int]:
@@ -142,6 +177,7 @@ def worker_thread(
     counts: list[int],
     step_seconds: float = 0.0,
     overlap: bool = False,
+    ran: set[int] | None = None,
 ) -> None:
     settings = stub.RegisterWorker(
         pb.RegisterWorkerRequest(
@@ -174,7 +210,7 @@ def worker_thread(
                     )
                 )
             tokens.append(
-                pb.TokenUpdate(seq_id=seq_id, token_ids=[7], offset=generated[seq_id] - 1)
+                pb.TokenUpdate(seq_id=seq_id, token_ids=[_TOKEN], offset=generated[seq_id] - 1)
             )
         done = {f.seq_id for f in finished}
         running = [s for s in running if s not in done] + waiting
@@ -207,10 +243,15 @@ def worker_thread(
                 waiting.append(chunk.seq_id)  # one chunk holds the whole prompt here
         if step_seconds:
             stop.wait(max(0.0, step_seconds - elapsed) if overlap else step_seconds)
+    if ran is not None:  # --streams: which streams were of another replica's sequences
+        ran.update(generated)
 
 
 # What a worker keeps between its answer's due and its step's predicted end.
 _DUE_SLACK_SECONDS = LateAsk.slack_seconds
+# The token every fake worker generates, every time.
+_TOKEN = 7
+_PROMPT = list(range(1, 33))
 
 
 _STATEMENTS = (
@@ -267,7 +308,6 @@ def run(
     result = Result(name, workers=args.workers)
     channels = [grpc.insecure_channel(t) for t, _ in targets]
     stubs = [pb_grpc.SchedulerStub(c) for c in channels]
-    prompt = list(range(1, 33))
     before = [scrape(m) for _, m in targets]
     num_sequences = args.workers * args.batch + args.extra_sequences
 
@@ -275,14 +315,19 @@ def run(
         t0 = time.perf_counter()
         stubs[i % len(stubs)].Submit(
             pb.SubmitRequest(
-                prompt_token_ids=prompt, max_new_tokens=args.new_tokens, request_id=f"{name}-{i}"
+                prompt_token_ids=_PROMPT, max_new_tokens=args.new_tokens, request_id=f"{name}-{i}"
             ),
             timeout=30,
         )
         return time.perf_counter() - t0
 
-    with ThreadPoolExecutor(8) as pool:
-        result.submit_latencies = sorted(pool.map(submit, range(num_sequences)))
+    client = None
+    if args.streams:
+        client = StreamClient(name, [t for t, _ in targets], num_sequences, args.new_tokens)
+        result.submit_latencies = client.opened()
+    else:
+        with ThreadPoolExecutor(8) as pool:
+            result.submit_latencies = sorted(pool.map(submit, range(num_sequences)))
     after_submit = [scrape(m) for _, m in targets]
     result.submits = num_sequences
     result.round_trips["submit"] = sum(
@@ -294,6 +339,7 @@ def run(
     stop, started = threading.Event(), threading.Event()
     latencies: list[list[float]] = [[] for _ in range(args.workers)]
     counts = [[0] for _ in range(args.workers)]
+    ran: list[set[int] | None] = [set() if client else None for _ in range(args.workers)]
     threads = [
         threading.Thread(
             target=worker_thread,
@@ -308,6 +354,7 @@ def run(
                 counts[i],
                 args.step_ms / 1000,
                 args.overlap,
+                ran[i],
             ),
             daemon=True,
         )
@@ -322,11 +369,14 @@ def run(
     counted = url if args.statements else None
     _, tables0 = _database_counts(counted, reset=True)
     by_pid0 = {pid: cpu_seconds_single_threaded([pid]) for pid in db_pids}
+    streamed0 = client.streamed() if client else 0
     cpu0, db0, t0 = cpu_seconds(pids), cpu_seconds_single_threaded(db_pids), time.monotonic()
     started.set()
     time.sleep(args.seconds)
     started.clear()
     cpu1 = cpu_seconds(pids)
+    if client:
+        result.streamed = client.streamed() - streamed0
     db1 = cpu_seconds_single_threaded(database_pids(cluster) if cluster else [])
     result.seconds = time.monotonic() - t0
     end_metrics = [scrape(m) for _, m in targets]
@@ -341,6 +391,12 @@ def run(
     stop.set()
     for t in threads:
         t.join(30)
+    if client:
+        result.streams = client.close()
+        owners = {seq_id: i % len(targets) for i, seq_ids in enumerate(ran) for seq_id in seq_ids}
+        served = [e for e in result.streams if e.seq_id in owners]
+        result.streams_run = len(served)
+        result.streams_elsewhere = sum(owners[e.seq_id] != e.replica for e in served)
     result.decisions = sum(c[0] for c in counts)
     result.latencies = sorted(x for ls in latencies for x in ls)
     result.scheduler_cpu, result.database_cpu = cpu1 - cpu0, max(0.0, db1 - db0)
@@ -452,6 +508,13 @@ def main(argv: list[str] | None = None) -> int:
         help="print PostgreSQL's N costliest statements and the rows written per table, "
         "per decision, for each PostgreSQL configuration (pg_stat_statements)",
     )
+    parser.add_argument(
+        "--streams",
+        action="store_true",
+        help="submit every sequence by a Generate stream instead of Submit, the streams "
+        "round-robin over the schedulers, each read to its end by a client process of its "
+        "own; check each got exactly the tokens its sequence generated",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.step_ms <= 10_000:
         parser.error(f"--step-ms must be within 0-10000, got {args.step_ms:g}")
@@ -485,8 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{args.batch} sequences per worker, {args.new_tokens} tokens each, "
         f"steps of {args.step_ms:g} ms{' overlapped' if args.overlap else ''}, "
-        f"{args.seconds:g} s timed per run; load average {os.getloadavg()[0]:.1f} "
-        f"on {os.cpu_count()} cores\n"
+        f"{args.seconds:g} s timed per run"
+        f"{'; submitted by Generate streams' if args.streams else ''}; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n"
     )
     print_table(
         [
@@ -511,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r.statements:
             _print_statements(r, args.statements)
+    if args.streams:
+        return _print_streams(results)
     return 0
 
 
@@ -527,6 +593,52 @@ def _scratch(directory: Path, keep: bool) -> Iterator[None]:
         print(f"\nlogs in {directory}")
     else:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _print_streams(results: list[Result]) -> int:
+    """The streams of each run, and a line to stderr for each run with any stream that went
+    wrong (errored, ended early, or got other than its sequence's tokens): 1 if any did."""
+    print()
+    print_table(
+        [
+            "workers",
+            "config",
+            "streams",
+            "finished",
+            "open at end",
+            "on another replica",
+            "tokens streamed",
+            "streamed/generated in window",
+            "wrong",
+        ],
+        [
+            [
+                str(r.workers),
+                r.name,
+                str(len(r.streams)),
+                str(sum(e.finished for e in r.streams)),
+                str(sum(not (e.finished or e.problem) for e in r.streams)),
+                f"{r.streams_elsewhere} of {r.streams_run}",
+                str(sum(e.tokens for e in r.streams)),
+                f"{r.streamed / r.tokens:.3f}" if r.tokens else "-",
+                str(sum(bool(e.problem) for e in r.streams)),
+            ]
+            for r in results
+        ],
+    )
+    wrong = False
+    for r in results:
+        bad = [e for e in r.streams if e.problem]
+        if bad:
+            wrong = True
+            print(
+                f"\nERROR: {len(bad)} of {len(r.streams)} streams of {r.workers} workers, "
+                f"{r.name} went wrong; the first:",
+                file=sys.stderr,
+            )
+            for e in bad[:5]:
+                print(f"  seq {e.seq_id} on replica {e.replica}: {e.problem}", file=sys.stderr)
+    return 1 if wrong else 0
 
 
 def _print_commits(r: Result) -> None:
@@ -636,10 +748,14 @@ def _fresh_database(cluster: PrivateCluster, name: str) -> str:
 
 def _progress(r: Result) -> str:
     decisions = max(1, r.decisions)
+    streams = ""
+    if r.streams:
+        wrong = sum(bool(e.problem) for e in r.streams)
+        streams = f", {len(r.streams)} streams ({wrong} wrong)"
     return (
         f"{r.decisions / r.seconds:.0f} decisions/s, scheduler "
         f"{r.scheduler_cpu / decisions * 1000:.2f} ms/decision, database "
-        f"{r.database_cpu / decisions * 1000:.2f} ms/decision"
+        f"{r.database_cpu / decisions * 1000:.2f} ms/decision{streams}"
     )
 
 
@@ -661,6 +777,199 @@ def _row(r: Result) -> list[str]:
         f"{percentile(r.submit_latencies, 50) * 1000:.2f}",
         f"{r.tokens / decisions:.1f}",
     ]
+
+
+# --------------------------------------------------------------------------- --streams
+
+
+class StreamClient:
+    """--streams: every sequence submitted by a Generate stream, the streams round-robin
+    over the configuration's schedulers and read to their end in a process of its own
+    (grpc.aio), so that reading them neither counts as the schedulers' or PostgreSQL's CPU
+    nor takes the GIL from the fake workers' threads here."""
+
+    def __init__(self, name: str, targets: list[str], count: int, new_tokens: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._done, self._results = context.Event(), context.Queue()
+        self._streamed = context.Value("q", 0, lock=False)  # tokens read, all streams
+        self._process = context.Process(
+            target=_stream_client,
+            args=(targets, name, count, new_tokens, self._done, self._results, self._streamed),
+            daemon=True,
+        )
+        self._process.start()
+
+    def opened(self) -> list[float]:
+        """Once every stream has its sequence: the seconds each took to get it (its
+        submit), sorted."""
+        return sorted(self._answer("opened", _OPEN_SECONDS))
+
+    def streamed(self) -> int:
+        """Tokens read so far, all streams together."""
+        return self._streamed.value
+
+    def close(self) -> list[StreamEnd]:
+        """Once the fake workers have stopped: let each open stream catch up with its
+        sequence's count, close it, and say how every stream ended."""
+        self._done.set()
+        ends = self._answer("ended", _CATCH_UP_SECONDS + 60)
+        self._process.join(10)
+        return ends
+
+    def _answer(self, kind: str, timeout_seconds: float):
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            try:
+                got, value = self._results.get(timeout=1.0)
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise RuntimeError(
+                        f"the stream client exited (status {self._process.exitcode}) "
+                        f"before it said {kind!r}"
+                    ) from None
+                if time.monotonic() < deadline:
+                    continue
+                self._process.kill()
+                raise RuntimeError(
+                    f"the stream client said nothing of {kind!r} in {timeout_seconds:g} s"
+                ) from None
+            if got == "failed":
+                raise RuntimeError(f"the stream client failed:\n{value}")
+            assert got == kind, (got, kind)
+            return value
+
+
+# How long the streams may take to open (submit), and once the workers have stopped, to
+# catch up with their sequences' counts.
+_OPEN_SECONDS = 600.0
+_CATCH_UP_SECONDS = 15.0
+
+
+def _stream_client(targets, name, count, new_tokens, done, results, streamed) -> None:
+    """The stream client process (StreamClient): puts ("opened", submit seconds), then
+    once `done` is set ("ended", [StreamEnd]), or ("failed", the traceback)."""
+    try:
+        asyncio.run(_read_streams(targets, name, count, new_tokens, done, results, streamed))
+    except BaseException:
+        results.put(("failed", traceback.format_exc()))
+        raise
+
+
+class _Stream:
+    """One stream as it is read."""
+
+    def __init__(self, replica: int) -> None:
+        self.end = StreamEnd(0, replica)
+        self.other_tokens = 0  # tokens other than the fake workers' one token
+        self.reason = pb.FINISH_REASON_UNSPECIFIED
+        self.closing = False
+
+
+async def _read_streams(targets, name, count, new_tokens, done, results, streamed) -> None:
+    channels = [grpc.aio.insecure_channel(t) for t in targets]
+    stubs = [pb_grpc.SchedulerStub(c) for c in channels]
+    streams = [_Stream(i % len(stubs)) for i in range(count)]
+    submitting = asyncio.Semaphore(8)  # as many submits in flight as the Submits' threads
+    latencies: list[float] = []
+    unopened = count
+    all_opened = asyncio.Event()
+    if not count:
+        all_opened.set()
+
+    def opened() -> None:
+        nonlocal unopened
+        unopened -= 1
+        if not unopened:
+            all_opened.set()
+
+    async def read(i: int, stream: _Stream) -> None:
+        end, call = stream.end, None
+        try:
+            async with submitting:
+                t0 = time.perf_counter()
+                call = stubs[end.replica].Generate(
+                    pb.SubmitRequest(
+                        prompt_token_ids=_PROMPT,
+                        max_new_tokens=new_tokens,
+                        request_id=f"{name}-{i}",
+                    )
+                )
+                first = await call.read()
+                latencies.append(time.perf_counter() - t0)
+            if first is grpc.aio.EOF:
+                end.problem = "ended before its first event"
+                return
+            end.seq_id = first.seq_id
+            opened()
+            while (event := await call.read()) is not grpc.aio.EOF:
+                end.tokens += len(event.token_ids)
+                stream.other_tokens += sum(t != _TOKEN for t in event.token_ids)
+                streamed.value += len(event.token_ids)
+                if event.finished:
+                    end.finished, stream.reason = True, event.finish_reason
+            if not end.finished:
+                end.problem = f"ended without its last event, after {end.tokens} tokens"
+        except asyncio.CancelledError:
+            if call is not None:
+                call.cancel()
+        except grpc.aio.AioRpcError as err:
+            if not stream.closing:
+                end.problem = f"{err.code().name}: {err.details()}"
+        finally:
+            if not end.seq_id:
+                opened()
+
+    tasks = [asyncio.ensure_future(read(i, s)) for i, s in enumerate(streams)]
+    await all_opened.wait()
+    results.put(("opened", latencies))
+    await asyncio.to_thread(done.wait)
+    # The fake workers have stopped, each after its last answer, which waited for the
+    # commit of its report: what GetSequence says now is each sequence's last count.
+    still_open = [s for s in streams if s.end.seq_id and not s.end.finished and not s.end.problem]
+    expected: dict[int, int] = {}
+    asking = asyncio.Semaphore(32)
+
+    async def ask(stream: _Stream) -> None:
+        async with asking:
+            try:
+                info = await stubs[stream.end.replica].GetSequence(
+                    pb.GetSequenceRequest(seq_id=stream.end.seq_id), timeout=30
+                )
+            except grpc.aio.AioRpcError as err:
+                stream.end.problem = f"GetSequence: {err.code().name}: {err.details()}"
+                return
+            expected[stream.end.seq_id] = info.generated_tokens
+
+    await asyncio.gather(*(ask(s) for s in still_open))
+    deadline = time.monotonic() + _CATCH_UP_SECONDS
+    while time.monotonic() < deadline and any(
+        not s.end.finished and s.end.tokens < expected.get(s.end.seq_id, 0) for s in still_open
+    ):
+        await asyncio.sleep(0.05)
+    for stream in streams:
+        stream.closing = True
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for channel in channels:
+        await channel.close()
+    for stream in streams:
+        end = stream.end
+        if end.problem:
+            continue
+        if end.finished:
+            if stream.reason != pb.FINISH_REASON_MAX_LENGTH:
+                end.problem = f"finished as {pb.FinishReason.Name(stream.reason)}"
+            elif end.tokens != new_tokens:
+                end.problem = f"got {end.tokens} tokens of the {new_tokens} its sequence generated"
+        elif end.seq_id in expected and end.tokens != expected[end.seq_id]:
+            end.problem = (
+                f"open at the end with {end.tokens} tokens of the {expected[end.seq_id]} "
+                "its sequence had generated"
+            )
+        if stream.other_tokens and not end.problem:
+            end.problem = f"{stream.other_tokens} tokens other than the workers' {_TOKEN}"
+    results.put(("ended", [s.end for s in streams]))
 
 
 # --------------------------------------------------------------------------- follow-ups

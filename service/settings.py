@@ -52,6 +52,8 @@ class ServeSettings:
     replica_commit_due_wait_ms: float = 10.0
     replica_watch_ms: float = 20.0
     replica_affinity_ms: int = 1000
+    replica_streams: str = "owner"
+    replica_address: str = ""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     step_table: str = ""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -120,6 +122,10 @@ class ServeSettings:
             raise ConfigError(
                 f"replica_affinity_ms must not be negative, got {self.replica_affinity_ms}"
             )
+        if self.replica_streams not in ("owner", "database"):
+            raise ConfigError(
+                f"replica_streams must be owner or database, got {self.replica_streams!r}"
+            )
         if self.replica_lease_ms < 300:
             raise ConfigError(f"replica_lease_ms must be at least 300, got {self.replica_lease_ms}")
         if self.tls_client_ca and not self.tls_cert:
@@ -140,7 +146,9 @@ _HELP = {
     "metrics_port": "Prometheus /metrics port; 0 picks a free port and prints it",
     "worker_port": "also serve the worker RPCs (and health) on this port, apart from "
     "client traffic; 0: none (every RPC is always served on --port)",
-    "max_streams": "most Generate streams open at once; more get RESOURCE_EXHAUSTED at once",
+    "max_streams": "most Generate and FollowSequence streams open at once (on replicas a "
+    "stream of another replica's sequence is one on each); more get RESOURCE_EXHAUSTED at "
+    "once",
     "max_open_streams": "most Health.Watch and reflection streams (which need no token) open "
     "at once; more get RESOURCE_EXHAUSTED at once",
     "max_threads": "no effect: the server runs on one event loop, with no thread per call "
@@ -174,6 +182,12 @@ _HELP = {
     "every worker in it says its answer is due later (workers that overlap their reports "
     "with their steps: answer_due_us), never past a due less a margin (at or below "
     "replica_commit_wait_ms: dues are not taken)",
+    "replica_streams": "replicas: how a Generate stream of a sequence another replica owns "
+    "gets its tokens: owner (relayed from that replica, FollowSequence; read from PostgreSQL "
+    "while it cannot be reached, and always with TLS on) or database (read from PostgreSQL "
+    "after each of its commits)",
+    "replica_address": "replicas: host:port where the other replicas reach this one's "
+    "--port to relay its streams",
     "replica_watch_ms": "replicas: how often this replica reads the others' commit numbers "
     "and the newest submit (neither notifies): the most a token streamed here from another "
     "replica's sequence, or a submit made on another replica, waits to be seen, against one "
@@ -226,6 +240,8 @@ _DEFAULT_TEXT = {
     "min_prefill_chunk": "32, or chunk_size if smaller",
     "kv_watermark_pages": "1% of the worker's total pages, at least 1",
     "tenant_weights": "none: every tenant weighs 1",
+    "replica_address": "--host, or this host's name when --host is 0.0.0.0 or ::, with the "
+    "port it listens on",
 }
 
 

@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from service.core import Scheduler
 from service.core.decide.orders import queue_order
+from service.replicas.peers import Peers
 from service.replicas.servicer import ReplicaServicer
 from service.server import app
 from service.server.interceptors.auth import Callers
@@ -88,7 +89,30 @@ def make_servicer(
         commit_wait_seconds=settings.replica_commit_wait_ms / 1000.0,
         commit_due_wait_seconds=settings.replica_commit_due_wait_ms / 1000.0,
         watch_seconds=settings.replica_watch_ms / 1000.0,
+        peers=_peers(settings, store, metrics),
+        advertise=lambda port: settings.replica_address or f"{_host(settings.host)}:{port}",
     )
+
+
+def _peers(
+    settings: ServeSettings, store: PostgresState, metrics: SchedulerMetrics
+) -> Peers | None:
+    """Whom streams of other replicas' sequences are relayed from (None: they read the
+    database): with TLS on, replicas do not dial each other (no client credentials)."""
+    if settings.replica_streams != "owner" or settings.tls_cert:
+        return None
+    return Peers(
+        store.address_of,
+        max_message_bytes=settings.max_message_bytes,
+        on_follow=metrics.on_replica_follow,
+    )
+
+
+def _host(host: str) -> str:
+    """The host part of where other replicas reach one listening on `host`."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 SHARED = app.Shared(open_store=open_store, make_servicer=make_servicer)

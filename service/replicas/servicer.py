@@ -5,7 +5,9 @@ only what this replica owns:
 - Submit writes to the shared queue (service/state/postgres.py); Cancel, GetSequence and
   Generate work for any sequence of the caller's principal (admin: any): from the core
   when this replica owns it, else from the database (Cancel: the owner is told and
-  applies it).
+  applies it); a Generate stream of another replica's sequence is relayed from that
+  replica where it can be (FollowSequence, service/replicas/peers.py), which streams what
+  it committed of the sequences it owns.
 - RegisterWorker adopts what the worker held on another replica (it moved here).
 - SelectBatch decides from the local queue; only when that cannot fill the workers'
   free places while the shared queue may hold work does it claim in line.
@@ -29,16 +31,21 @@ prefetcher for new submits and the streams of sequences claimed or whose owner c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
+
+import grpc
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from service.core import SEES_ALL, Caller, NotFound, ReplicaScheduler, SchedulerError, SequenceState
 from service.core.types import SubmitParams, SubmitResult
+from service.replicas.peers import REFUSED_SECONDS, Peers
 from service.server import convert
 from service.server.interceptors.auth import Callers
 from service.server.loop_lag import LoopLag
@@ -64,6 +71,11 @@ log = logging.getLogger(__name__)
 # (notifications wake it sooner; this bounds the wait if one is lost, or when the
 # sequence moves to this replica).
 _REMOTE_POLL_SECONDS = 1.0
+# ... and this often while it is unclaimed: the watcher's reading finds its claim (each
+# such sequence looked up in every ceil(n / WATCHED_UNCLAIMED) readings), a claim here
+# wakes it, and so do a cancel's and a requeue's notifications. Each read costs
+# PostgreSQL two statements: at 1 s, 300 queued streams were most of its CPU (stop 52).
+_UNCLAIMED_POLL_SECONDS = 5.0
 # The watcher looks up at most this many of the unclaimed sequences that streams here wait
 # on a reading, in turns (`_unclaimed_window`): with more waiting, each is looked up at
 # least once in every ceil(n / 64) readings, so sequences that nobody claims for long (an
@@ -152,6 +164,8 @@ class ReplicaServicer(SchedulerServicer):
         commit_wait_seconds: float = 0.0,
         commit_due_wait_seconds: float = 0.0,
         watch_seconds: float = 0.02,
+        peers: Peers | None = None,
+        advertise: Callable[[int], str] | None = None,
     ) -> None:
         # A commit waits for more saves until each busy worker of this replica has saved
         # (at most one SelectBatch each in flight; an idle worker's long poll saves
@@ -196,6 +210,13 @@ class ReplicaServicer(SchedulerServicer):
         # Tasks started from callbacks (cancels, notifications): the loop keeps only weak
         # references to tasks, so these are held here until they are done.
         self._side_tasks: set[asyncio.Task] = set()
+        # Streams of other replicas' sequences are relayed from their owners through these
+        # (None: they read the database); advertise(port) is where the others reach this
+        # one, given the port it listens on.
+        self._peers = peers
+        self._advertise = advertise
+        # When the keeper last renewed the lease (the lease was taken at the store's start).
+        self._renewed_at = time.monotonic()
 
     @property
     def replica_id(self) -> int:
@@ -203,8 +224,11 @@ class ReplicaServicer(SchedulerServicer):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def background_tasks(self) -> list[asyncio.Task]:
-        """Start the prefetcher, the keeper and the listener thread."""
+    def background_tasks(self, port: int) -> list[asyncio.Task]:
+        """Start the prefetcher, the keeper and the listener thread; say where the other
+        replicas reach this one, listening on `port`."""
+        if self._advertise is not None:
+            self._start_side_task(self._publish_address(self._advertise(port)))
         self._listener = threading.Thread(
             target=self._listen, args=(self._loop,), name="replica-listener", daemon=True
         )
@@ -219,9 +243,19 @@ class ReplicaServicer(SchedulerServicer):
             asyncio.create_task(self._commits.run(), name="replica-commits"),
         ]
 
+    async def _publish_address(self, address: str) -> None:
+        try:
+            await asyncio.to_thread(self._state.publish_address, address)
+        except SchedulerError as err:  # its streams are read from the database meanwhile
+            log.warning("cannot publish this replica's address %s: %s", address, err)
+        else:
+            log.debug("other replicas reach this one at %s", address)
+
     async def leave(self) -> None:
         """A clean stop: unadmitted claims back to the shared queue, the lease ended."""
         self._listener_stop.set()
+        if self._peers is not None:
+            await self._peers.close()
         await self._commits.close()
         try:
             await asyncio.to_thread(self._state.leave)
@@ -310,7 +344,9 @@ class ReplicaServicer(SchedulerServicer):
         await self._commits.committed(due_seconds=max(0.0, due_seconds))
 
     async def Generate(self, request, context):
-        """Submit to the shared queue, then stream tokens from whoever owns the sequence."""
+        """Submit to the shared queue, then stream tokens from whoever owns the sequence:
+        relayed from the owner replica (FollowSequence) where it can be, else read from
+        the database after each of the owner's commits."""
         try:
             seq_id = (await self._submit(self._submit_params(request, context))).seq_id
         except SchedulerError as err:
@@ -320,9 +356,10 @@ class ReplicaServicer(SchedulerServicer):
         )
         yield convert.generate_event(seq_id)
         sent = 0
+        refused: tuple[int | None, float] = (None, 0.0)  # (owner, when) it last said "not mine"
         while True:
             try:
-                view = await self._read(seq_id, sent)
+                view = await self._read(seq_id, sent, refused)
             except NotFound as err:
                 await context.abort(status_code(err), status_details(err))
             except SchedulerError:
@@ -335,6 +372,65 @@ class ReplicaServicer(SchedulerServicer):
                 )
                 if view.finished:
                     return
+            owner = self._followable(view, refused)
+            if owner is None:
+                continue
+            relayed = False
+            async with contextlib.aclosing(
+                self._peers.follow(owner, seq_id, sent, _forwarded(context))
+            ) as events:
+                async for event in events:
+                    relayed = True
+                    if event.token_ids or event.finished:  # not the owner's heartbeats
+                        sent += len(event.token_ids)
+                        yield event
+                        if event.finished:
+                            return
+            if not relayed:  # refused at once (moved: the database lags; its stream limit;
+                # a credential it does not take), or unreachable: read the database a while
+                refused = (owner, time.monotonic())
+
+    async def FollowSequence(self, request, context):
+        """Stream what this replica has committed of a sequence it owns, while it owns it
+        and its lease is current; FAILED_PRECONDITION once it does not own it (the caller
+        reads the database instead), UNAVAILABLE once its lease may have run out."""
+        seq_id, sent = request.seq_id, request.start
+        if self._owns(seq_id) and not self._core.may_see(seq_id, self._callers.caller(context)):
+            # As for one it does not own: a replica tells no one whose sequences it holds.
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _not_owned(self, seq_id))
+        while True:
+            if time.monotonic() - self._renewed_at > self._state.lease_ttl_seconds:
+                # Cut off from the database for a lease: others may own it by now.
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"replica {self.replica_id} has not renewed its lease for a lease; "
+                    f"read seq_id {seq_id} from another replica",
+                )
+            try:
+                view = await self._read_owned(seq_id, sent)
+            except SchedulerError as err:  # its commit failed: the database is away
+                await context.abort(status_code(err), status_details(err))
+            if view is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _not_owned(self, seq_id))
+            # An event at least every _REMOTE_POLL_SECONDS, with tokens or without: a
+            # follower that hears nothing for longer (peers.SILENT_SECONDS) presumes this
+            # replica gone.
+            sent += len(view.token_ids)
+            yield convert.generate_event(
+                seq_id, view.token_ids, view.finish_reason, view.finished, view.error_message
+            )
+            if view.finished:
+                return
+
+    def _followable(self, view, refused: tuple[int | None, float]) -> int | None:
+        """The replica to relay a stream from, after a read that found `view`: its owner
+        when that is another replica this one may follow now; else None (read on)."""
+        owner = getattr(view, "owner", None)  # only a read of the database says
+        if self._peers is None or owner is None or owner == self.replica_id:
+            return None
+        if refused[0] == owner and time.monotonic() - refused[1] < REFUSED_SECONDS:
+            return None
+        return owner if self._peers.may_follow(owner) else None
 
     def _cancel_quietly(self, seq_id: int) -> None:
         if self._stopping:
@@ -371,11 +467,7 @@ class ReplicaServicer(SchedulerServicer):
 
     def _owns(self, seq_id: int) -> bool:
         """Whether the core holds `seq_id`."""
-        try:
-            self._core.get_sequence(seq_id)
-        except NotFound:
-            return False
-        return True
+        return self._core.holds(seq_id)
 
     async def _cancel(self, seq_id: int, caller: Caller = SEES_ALL) -> bool:
         """Cancel `seq_id` for `caller` (NotFound for another principal's, wherever it is)."""
@@ -390,37 +482,53 @@ class ReplicaServicer(SchedulerServicer):
                     return cancelled
             return await asyncio.to_thread(self._state.cancel, seq_id, caller)
 
-    async def _read(self, seq_id: int, sent: int):
-        """New output of `seq_id` from `sent` on, waiting for some (or for the end) a while."""
-        if self._owns(seq_id):
-            # What the core holds is streamed only once committed (a replica killed
-            # before its commit leaves the sequence to resume elsewhere from the database).
-            with self._wakeups.watching(seq_id) as changed:
+    async def _read_owned(self, seq_id: int, sent: int):
+        """New committed output of `seq_id` from `sent` on, waiting for some (or for the
+        end) a while, while this replica owns it; None once it does not."""
+        if not self._owns(seq_id):
+            return None
+        # What the core holds is streamed only once committed (a replica killed before
+        # its commit leaves the sequence to resume elsewhere from the database).
+        with self._wakeups.watching(seq_id) as changed:
+            view = self._core.read_output(seq_id, sent)
+            if not (view.token_ids or view.finished):
+                await wait_event(changed, _REMOTE_POLL_SECONDS)
+                if not self._owns(seq_id):
+                    return None
                 view = self._core.read_output(seq_id, sent)
-                if not (view.token_ids or view.finished):
-                    await wait_event(changed, _REMOTE_POLL_SECONDS)
-                    view = self._core.read_output(seq_id, sent) if self._owns(seq_id) else None
-            if view is not None:
-                # A reader: the wait is the savers' to set (a stream woken by a report
-                # would otherwise cut the commit that report's worker allowed short).
-                await self._commits.committed(reader=True)
-                # Still ours: the commit took the view. One that left the sequence out (it
-                # moved) committed none of it: the new owner writes those places again,
-                # so the stream reads them from the database.
-                if self._owns(seq_id):
-                    return view
+        # A reader: the wait is the savers' to set (a stream woken by a report would
+        # otherwise cut the commit that report's worker allowed short).
+        await self._commits.committed(reader=True)
+        # Still ours: the commit took the view. One that left the sequence out (it moved)
+        # committed none of it: the new owner writes those places again, so the stream
+        # reads them from the database.
+        return view if self._owns(seq_id) else None
+
+    async def _read(self, seq_id: int, sent: int, refused: tuple[int | None, float] = (None, 0.0)):
+        """New output of `seq_id` from `sent` on, waiting for some (or for the end) a while:
+        from the core while this replica owns it, else from the database (at once, without
+        waiting, when its owner can be followed: `_followable`)."""
+        view = await self._read_owned(seq_id, sent)
+        if view is not None:
+            return view
         # Watching before reading: a commit that lands while the read runs, and that the
         # read missed, still wakes the wait below (which then returns at once). Until the
-        # read says which replica owns the sequence, any replica's commit wakes it.
+        # read says which replica owns the sequence, any replica's commit wakes it. One
+        # read a wake-up (or a poll), until one finds something to return.
         event = asyncio.Event()
         self._remote.setdefault(seq_id, set()).add(event)
-        self._remote_owner.pop(seq_id, None)
         try:
-            view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
-            if view.token_ids or view.finished:
-                return view
-            self._remote_owner[seq_id] = view.owner
-            await wait_event(event, _REMOTE_POLL_SECONDS)
+            while True:
+                self._remote_owner.pop(seq_id, None)
+                event.clear()
+                view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
+                if view.token_ids or view.finished or self._followable(view, refused) is not None:
+                    return view
+                self._remote_owner[seq_id] = view.owner
+                poll = _REMOTE_POLL_SECONDS if view.owner is not None else _UNCLAIMED_POLL_SECONDS
+                await wait_event(event, poll)
+                if self._owns(seq_id):  # claimed or adopted here meanwhile: read the core
+                    return replace(view, owner=self.replica_id)
         finally:
             events = self._remote.get(seq_id)
             if events is not None:
@@ -428,7 +536,6 @@ class ReplicaServicer(SchedulerServicer):
                 if not events:
                     del self._remote[seq_id]
                     self._remote_owner.pop(seq_id, None)
-        return await asyncio.to_thread(self._state.read_output, seq_id, sent)
 
     def _on_commits(self, moved: frozenset[int] | None) -> None:
         """The replicas in `moved` committed (or left) since the watcher's last reading
@@ -536,6 +643,7 @@ class ReplicaServicer(SchedulerServicer):
             counted = False
             try:
                 await asyncio.to_thread(self._state.renew_lease)
+                self._renewed_at = time.monotonic()
                 # Whatever others took (after our lease ran out, or a worker moved) and no
                 # notification told us of.
                 await self._give_up(None)
@@ -764,6 +872,18 @@ class ReplicaServicer(SchedulerServicer):
                 self._start_side_task(self._apply_cancels([int(ids)]))
             else:
                 self._start_side_task(self._give_up(parse_ids_payload(ids)))
+
+
+def _not_owned(replica: ReplicaServicer, seq_id: int) -> str:
+    return (
+        f"replica {replica.replica_id} does not own seq_id {seq_id}; Generate with its "
+        "request_id on any replica re-attaches to it"
+    )
+
+
+def _forwarded(context) -> list[tuple[str, str]]:
+    """The client's credentials, for the owner replica to check as its own caller's."""
+    return [(k, v) for k, v in context.invocation_metadata() or () if k == "authorization"]
 
 
 def _unclaimed_window(ids: list[int], after: int, limit: int) -> list[int]:

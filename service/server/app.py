@@ -59,7 +59,7 @@ class Shared:
     # (settings, registry) -> the store the core saves through; it counts into registry.
     open_store: Callable[[ServeSettings, CollectorRegistry], Any]
     # (core, wakeups, store, metrics, lag, settings, callers) -> the servicer; it also offers
-    # background_tasks() (started with the server) and leave() (awaited at shutdown).
+    # background_tasks(port) (started with the server, given the port it listens on) and leave() (awaited at shutdown).
     make_servicer: Callable[..., SchedulerServicer]
 
 
@@ -329,7 +329,7 @@ async def _serve(
     if group_commit is not None:
         tasks.append(asyncio.create_task(group_commit.run_checkpoints(), name="checkpoints"))
     if shared is not None:
-        tasks.extend(servicer.background_tasks())
+        tasks.extend(servicer.background_tasks(port))
     return _Serving(servers, health_servicer, servicer, port, worker_port, group_commit, tasks)
 
 

@@ -251,9 +251,22 @@ class SchedulerMetrics(SchedulerObserver):
         )
         for outcome in ("enough", "expired", "due", "promptly", "none"):
             self.replica_commit_gathers.labels(outcome)
+        self.replica_follows = Counter(
+            PREFIX + "replica_follows_total",
+            "Generate streams of another replica's sequence relayed from that replica "
+            "(FollowSequence), by how the relay ended: finished (the sequence did), moved "
+            "(the replica did not own it, or stopped owning it), refused (its stream limit, "
+            "the client's credential), unreachable, silent (no event for 5 s), left (the "
+            "client left), failed. All but finished and left go on reading PostgreSQL.",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("finished", "moved", "refused", "unreachable", "silent", "left", "failed"):
+            self.replica_follows.labels(outcome)
         self.streams_open = Gauge(
             PREFIX + "streams_open",
-            "Streams open now, by pool: generate (Generate), open (Health.Watch, reflection).",
+            "Streams open now, by pool: generate (Generate, FollowSequence), open "
+            "(Health.Watch, reflection).",
             ["kind"],
             registry=r,
         )
@@ -507,6 +520,10 @@ class SchedulerMetrics(SchedulerObserver):
         and how its wait for them ended."""
         self.replica_saves_per_commit.observe(num_saves)
         self.replica_commit_gathers.labels(gathered).inc()
+
+    def on_replica_follow(self, outcome: str) -> None:
+        """A relay of another replica's stream ended (service/replicas/peers.py)."""
+        self.replica_follows.labels(outcome).inc()
 
     def on_streams(self, kind: str, num_open: int, refused: bool) -> None:
         """A stream pool changed (service/server/interceptors/limits.py): `num_open` now; `refused` one more."""

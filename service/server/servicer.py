@@ -145,7 +145,21 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         except SchedulerError as err:
             await context.abort(status_code(err), status_details(err))
         yield convert.generate_event(seq_id)
-        sent = 0
+        async for event in self._stream_output(seq_id, 0, context):
+            yield event
+
+    async def FollowSequence(self, request, context):
+        """Stream a sequence's tokens from `start` on until it finishes; it submits nothing,
+        and a caller that leaves cancels nothing."""
+        try:
+            self._core.get_sequence(request.seq_id, self._callers.caller(context))
+        except SchedulerError as err:  # unknown, or another principal's
+            await context.abort(status_code(err), status_details(err))
+        async for event in self._stream_output(request.seq_id, request.start, context):
+            yield event
+
+    async def _stream_output(self, seq_id: int, sent: int, context):
+        """`seq_id`'s output events from token `sent` on, as the core has it, to its end."""
         with self._wakeups.watching(seq_id) as changed:
             while True:
                 changed.clear()

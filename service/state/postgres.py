@@ -137,7 +137,7 @@ CREATE SEQUENCE IF NOT EXISTS lattice_fences;       -- replicas.fence values, ne
 CREATE TABLE IF NOT EXISTS lattice_meta (key text PRIMARY KEY, value bigint NOT NULL);
 CREATE TABLE IF NOT EXISTS replicas (
     replica_id  bigint PRIMARY KEY,
-    name        text NOT NULL,          -- host:port, for people
+    name        text NOT NULL,          -- host:port: where other replicas reach it
     started_at  timestamptz NOT NULL DEFAULT now(),
     lease_until timestamptz NOT NULL,   -- renewed while it lives
     -- A new value whenever another replica takes sequences this one owned (or the row is
@@ -1103,6 +1103,24 @@ class PostgresState:
             owner,
         )
 
+    def publish_address(self, address: str) -> None:
+        """Say where the other replicas reach this one (its row's name; `address_of`)."""
+        self.name = address  # and at every renewal, should this write fail
+
+        with self._connection() as conn:
+            conn.execute(
+                "UPDATE replicas SET name = %s WHERE replica_id = %s", (address, self.replica_id)
+            )
+
+    def address_of(self, replica_id: int) -> str | None:
+        """Where replica `replica_id` is reached (None: no live replica has that id)."""
+        with self._connection() as conn:
+            row = conn.execute(
+                "SELECT name FROM replicas WHERE replica_id = %s AND lease_until > now()",
+                (replica_id,),
+            ).fetchone()
+        return None if row is None else row[0]
+
     def unservable_queued(self) -> int:
         """Queued sequences, fleet-wide, whose adapter no live worker that takes work has
         (lattice_scheduler_unservable_queued)."""
@@ -1276,9 +1294,9 @@ class PostgresState:
         owned (the row is written again: the caller must give up what it no longer owns)."""
         with self._connection() as conn:
             renewed = conn.execute(
-                "UPDATE replicas SET lease_until = now() + make_interval(secs => %s) "
-                "WHERE replica_id = %s",
-                (self.lease_ttl_seconds, self.replica_id),
+                "UPDATE replicas SET lease_until = now() + make_interval(secs => %s), "
+                "name = %s WHERE replica_id = %s",
+                (self.lease_ttl_seconds, self.name, self.replica_id),
             ).rowcount
             if not renewed:
                 self._insert_lease(conn, self.replica_id)

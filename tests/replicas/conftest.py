@@ -71,6 +71,7 @@ def database_url(pg_cluster: PrivateCluster) -> Iterator[str]:
 
 # ------------------------------------------------------------------ in-process replicas
 
+import asyncio  # noqa: E402
 import threading  # noqa: E402
 
 import grpc  # noqa: E402
@@ -91,6 +92,7 @@ def start_replica(
     prefetch: int = 8,
     auth_tokens: str = "",
     replica_commit_due_wait_ms: float = ServeSettings.replica_commit_due_wait_ms,
+    replica_streams: str = ServeSettings.replica_streams,
     **scheduler_config,
 ) -> Server:
     """One in-process replica on `database_url` (gRPC and metrics on free ports), with
@@ -106,6 +108,7 @@ def start_replica(
         auth_tokens=auth_tokens,
         replica_lease_ms=replica_lease_ms,
         replica_commit_due_wait_ms=replica_commit_due_wait_ms,
+        replica_streams=replica_streams,
         scheduler=config,
     )
     registry = CollectorRegistry()
@@ -131,3 +134,38 @@ def start_replicas(database_url):
         t.start()
     for t in stoppers:
         t.join(15)
+
+
+def crash(server) -> None:
+    """Stop a replica as kill -9 would leave the database: no hand-back, its lease left to
+    run out (its tasks, listener and servers stop; nothing is written on the way)."""
+    running = server.running
+
+    async def halt(serving) -> None:
+        for task in serving.tasks:
+            task.cancel()
+        await asyncio.gather(*serving.tasks, return_exceptions=True)
+        serving.servicer._listener_stop.set()
+        await asyncio.gather(*(s.stop(0) for s in serving.servers))
+
+    running._loop.run(halt(running._serving), timeout=30)  # fails, not hangs
+    running.store.close()
+    running._loop.close()
+    running.metrics_http.shutdown()
+    running.metrics_http.server_close()
+    running._stopped = server._stopped = True  # nothing left to stop at teardown
+
+
+def count_reads(server) -> list[int]:
+    """Count `server`'s reads of sequences' output from the database from now on (the
+    count is the list's one item)."""
+    state = server.running._serving.servicer._state
+    reads = [0]
+    read_output = state.read_output
+
+    def counted(*args, **kwargs):
+        reads[0] += 1
+        return read_output(*args, **kwargs)
+
+    state.read_output = counted
+    return reads

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -21,28 +20,10 @@ from tests.server.wire import (
 )
 from worker_client.client import NotRegistered, RetryPolicy, SchedulerClient, WorkerResources
 
+from .conftest import count_reads, crash
+
 EOS = pb.FINISH_REASON_EOS
 CANCELLED = pb.FINISH_REASON_CANCELLED
-
-
-def _crash(server) -> None:
-    """Stop a replica as kill -9 would leave the database: no hand-back, its lease left to
-    run out (its tasks, listener and servers stop; nothing is written on the way)."""
-    running = server.running
-
-    async def halt(serving) -> None:
-        for task in serving.tasks:
-            task.cancel()
-        await asyncio.gather(*serving.tasks, return_exceptions=True)
-        serving.servicer._listener_stop.set()
-        await asyncio.gather(*(s.stop(0) for s in serving.servers))
-
-    running._loop.run(halt(running._serving), timeout=30)  # fails, not hangs
-    running.store.close()
-    running._loop.close()
-    running.metrics_http.shutdown()
-    running.metrics_http.server_close()
-    running._stopped = server._stopped = True  # nothing left to stop at teardown
 
 
 def _first_token_waits(streaming, worker: Worker, count: int) -> list[float]:
@@ -112,28 +93,6 @@ def test_generate_on_one_replica_streams_tokens_a_worker_reports_to_the_other(st
     assert events[-1].finished and events[-1].finish_reason == EOS
 
 
-def test_tokens_reach_a_stream_on_the_other_replica_without_a_notification(start_replicas):
-    # No commit notifies (a NOTIFY wakes every replica's listener); r1 follows r0's commit
-    # number instead. Each step's token, the first (with the admission's change) and the
-    # finish must arrive well before the stream's one-second poll would fetch them: 22
-    # steps in far less than 22 s.
-    r0, r1 = start_replicas(2)
-    worker = Worker(r0.stub, "w")
-    worker.register()
-    stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=64))
-    seq_id = stream.next_event().seq_id
-    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
-    started = time.monotonic()
-    for n in range(21):
-        worker.select(running=[seq_id], tokens={seq_id: [100 + n]})
-        assert stream.tokens_until(1, 10) == [100 + n]
-    worker.select(tokens={seq_id: [121]}, finished=[(seq_id, EOS, 22)])
-    events = stream.rest(10)
-    assert [t for e in events for t in e.token_ids] == [121]
-    assert events[-1].finished and events[-1].finish_reason == EOS
-    assert time.monotonic() - started < 8.0
-
-
 def test_submit_on_either_replica_is_idempotent_by_request_id(start_replicas):
     r0, r1 = start_replicas(2)
     first = submit(r0.stub, request_id="same")
@@ -180,7 +139,7 @@ def test_a_worker_moving_on_unavailable_keeps_its_sequences_on_the_next_replica(
     client.select(
         report(running=[seq_id], tokens=[pb.TokenUpdate(seq_id=seq_id, token_ids=[5], offset=0)])
     )
-    _crash(r0)
+    crash(r0)
     with pytest.raises(NotRegistered):  # r1 does not know the worker yet
         client.select(report(running=[seq_id]))
     assert client.target == r1.target and client.num_moves == 1
@@ -201,7 +160,7 @@ def test_claims_of_a_crashed_replica_return_after_its_lease_and_run_elsewhere(st
     first, second = submit(r0.stub).seq_id, submit(r0.stub).seq_id
     wait_until(lambda: admitted(w0.select()) == [first], "admission on r0", 10)
     wait_until(lambda: _core(r0).num_queued() == 1, "r0 to prefetch the second", 10)
-    _crash(r0)
+    crash(r0)
     w1 = Worker(r1.stub, "w1")
     w1.register(max_batch_size=4)
     got = admit_until(w1, 2)
@@ -480,15 +439,7 @@ def test_streams_of_unclaimed_sequences_do_not_read_again_at_every_commit_elsewh
     base = submit(r0.stub, max_new_tokens=4000).seq_id
     wait_until(lambda: admitted(plain.select()) == [base], "admission on r0", 10)
     streams = _unclaimable_streams(r1, 40, timeout_seconds=30)
-    state = r1.running._serving.servicer._state
-    reads = [0]
-    read_output = state.read_output
-
-    def counted(*args, **kwargs):
-        reads[0] += 1
-        return read_output(*args, **kwargs)
-
-    state.read_output = counted
+    reads = count_reads(r1)
     time.sleep(0.5)
     reads[0] = 0
     started = time.monotonic()

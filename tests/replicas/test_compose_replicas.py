@@ -40,6 +40,13 @@ def test_both_replicas_share_the_postgres_service_and_wait_for_it(merged):
     assert "postgres-data" in merged["volumes"]
 
 
+def test_each_replica_is_reached_by_the_other_at_its_own_service_name(merged):
+    # Streams of one replica's sequences on the other are relayed from it at this address.
+    for name in ("scheduler", "scheduler-2"):
+        command = merged["services"][name]["command"]
+        assert command[command.index("--replica-address") + 1] == f"{name}:50051"
+
+
 def test_workers_list_both_replicas_their_own_first_and_the_gateway_both(merged):
     services = merged["services"]
     firsts = set()

@@ -4,6 +4,7 @@ other runs beside it on the same database."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from lattice.scheduler.v1 import scheduler_pb2 as pb
@@ -11,7 +12,7 @@ from lattice.scheduler.v1 import scheduler_pb2 as pb
 # The fake-worker fixtures, here on the replica's `stub` below.
 from tests.server.conftest import make_worker, worker  # noqa: F401
 from tests.server.test_contract import *  # noqa: F403 - the same tests, re-collected
-from tests.server.test_contract import queue_depth, submit_many
+from tests.server.test_contract import queue_depth, submit, submit_many
 from tests.server.wire import RPC_TIMEOUT_SECONDS
 
 
@@ -55,3 +56,12 @@ def test_metric_queue_depth_follows_submit_admission_and_cancel(stub, worker):
     assert queue_depth(stub) == 0
     worker.select(draining=True)  # both lost: back in the queue
     assert queue_depth(stub) == 2
+
+
+# Replaces the suite's test of the same name: a replica streams only sequences it owns,
+# and cannot tell an unknown one from another replica's without reading the database.
+def test_follow_sequence_of_an_unknown_seq_id_is_not_found(stub):
+    seq_id = submit(stub).seq_id
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.FollowSequence(pb.FollowSequenceRequest(seq_id=seq_id + 100), timeout=10))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -1,6 +1,7 @@
 """Principals on PostgreSQL replicas: the principal is saved with the
 sequence, request_id is unique per principal, and a Cancel, GetSequence or Generate
-re-attach on another replica than the one submitted to sees only the principal's own.
+re-attach on another replica than the one submitted to sees only the principal's own,
+and a stream relayed from the owner replica is followed with its client's own token.
 Also the schema change this needs (version 2), from a version 1 database.
 """
 
@@ -13,11 +14,13 @@ import psycopg
 import pytest
 
 from common.credentials import open_channel
+from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service.core import SEES_ALL, Caller, ConfigError, NotFound
 from service.state.postgres import SCHEMA_VERSION, PostgresState
 from tests.server.wire import RPC_TIMEOUT_SECONDS as T
+from tests.server.wire import Stream, Worker, admitted
 from tests.unit.factories import params
 
 from .conftest import start_replica
@@ -185,3 +188,36 @@ def test_a_version_2_database_is_not_migrated_while_a_version_2_replica_runs(dat
             ).fetchone() == (SCHEMA_VERSION,)
     finally:
         migrated.close()
+
+
+def test_a_relayed_stream_is_followed_as_its_client_and_no_one_else(database_url, tokens_file):
+    # Alice's stream on b of a sequence a owns is relayed from a with alice's own token;
+    # mallory following it on a is told only what a replica that does not own it says.
+    path, token = tokens_file
+    servers = [start_replica(database_url, auth_tokens=str(path)) for _ in range(2)]
+    try:
+        a, b = servers
+        worker = Worker(_stub(a, token["admin"]), "w")
+        worker.register()
+        stream = Stream(
+            _stub(b, token["alice"]), pb.SubmitRequest(prompt_token_ids=[1, 2], max_new_tokens=3)
+        )
+        seq_id = stream.next_event().seq_id
+        wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on a", 10)
+        worker.select(running=[seq_id], tokens={seq_id: [7, 8]})
+        assert stream.tokens_until(2, 10) == [7, 8]
+        # Mallory is told what a replica that does not own it would say: nothing about
+        # whose it is or where it runs.
+        details = []
+        for follow in (pb.FollowSequenceRequest(seq_id=seq_id), pb.FollowSequenceRequest()):
+            with pytest.raises(grpc.RpcError) as err:
+                list(_stub(a, token["mallory"]).FollowSequence(follow, timeout=T))
+            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            details.append(err.value.details().replace(f"seq_id {follow.seq_id};", "seq_id N;"))
+        assert details[0] == details[1]
+        worker.select(tokens={seq_id: [9]}, finished=[(seq_id, pb.FINISH_REASON_EOS, 3)])
+        assert [t for e in stream.rest(10) for t in e.token_ids] == [9]
+        assert b.metric("replica_follows_total", outcome="finished") == 1
+    finally:
+        for server in servers:
+            server.stop()

@@ -688,6 +688,30 @@ def test_generate_stream_ends_finished_cancelled_when_another_client_cancels(stu
     assert last.finished and last.finish_reason == CANCELLED
 
 
+def test_follow_sequence_streams_from_start_and_its_caller_leaving_cancels_nothing(stub, worker):
+    worker.register()
+    seq_id = submit(stub, max_new_tokens=4).seq_id
+    worker.select()
+    worker.select(running=[seq_id], tokens={seq_id: [5, 6]})
+    call = stub.FollowSequence(pb.FollowSequenceRequest(seq_id=seq_id, start=1), timeout=10)
+    first = next(call)
+    assert (first.seq_id, list(first.token_ids), first.finished) == (seq_id, [6], False)
+    call.cancel()
+    time.sleep(0.2)
+    assert get_sequence(stub, seq_id).state == DECODING
+    worker.select(finished=[(seq_id, MAX_LENGTH, 4)], tokens={seq_id: [7, 8]})
+    events = list(stub.FollowSequence(pb.FollowSequenceRequest(seq_id=seq_id), timeout=10))
+    assert [t for e in events for t in e.token_ids] == [5, 6, 7, 8]
+    assert events[-1].finished and events[-1].finish_reason == MAX_LENGTH
+
+
+def test_follow_sequence_of_an_unknown_seq_id_is_not_found(stub):
+    seq_id = submit(stub).seq_id
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.FollowSequence(pb.FollowSequenceRequest(seq_id=seq_id + 100), timeout=10))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def _requeue_by(action: str, stub, worker: Worker, seq_id: int) -> None:
     """Send seq_id (decoding on worker, 1 token so far) back to the queue; it makes token 11."""
     if action == "preempted":

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from service.core.persist.store import StoredSequence
 from service.core.scheduler import Scheduler
-from service.core.types import SequenceState, SubmitParams
+from service.core.types import Caller, SequenceState, SubmitParams
 
 
 class ReplicaScheduler(Scheduler):
@@ -47,6 +47,15 @@ class ReplicaScheduler(Scheduler):
         if not any(not (w.draining or w.drain_requested) for w in self._ledger):
             return
         self._shed_if_late(params, shared_tokens_ahead // max(1, num_replicas))
+
+    def holds(self, seq_id: int) -> bool:
+        """Whether this core holds `seq_id` (owned here; finished ones until forgotten)."""
+        return self._sequences.get(seq_id) is not None
+
+    def may_see(self, seq_id: int, caller: Caller) -> bool:
+        """Whether this core holds `seq_id` and `caller` may see it."""
+        seq = self._sequences.get(seq_id)
+        return seq is not None and caller.may_see(seq.params.principal)
 
     def owned_seq_ids(self) -> set[int]:
         """Every unfinished sequence this core holds (queued or assigned)."""

@@ -51,7 +51,9 @@ class Role(enum.Enum):
 # Scheduler methods each role may call; admin may call every method of every service,
 # and alone may call those in no list here (DrainWorker).
 ROLE_METHODS: dict[Role, frozenset[str]] = {
-    Role.CLIENT: frozenset({"Submit", "Cancel", "GetSequence", "Generate", "GetStatus"}),
+    Role.CLIENT: frozenset(
+        {"Submit", "Cancel", "GetSequence", "Generate", "FollowSequence", "GetStatus"}
+    ),
     Role.WORKER: frozenset({"RegisterWorker", "SelectBatch", "WorkerSession", "DeregisterWorker"}),
 }
 

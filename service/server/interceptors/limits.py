@@ -3,7 +3,8 @@
 Each open stream costs memory and, when it has something to send, time on the one event
 loop that also answers the workers. Two pools, each with its own cap:
 
-- `generate`: client `Generate` streams (`--max-streams`);
+- `generate`: client `Generate` and `FollowSequence` streams (`--max-streams`; on
+  replicas a FollowSequence is another replica relaying a client's Generate);
 - `open`: streams of the services that need no token, `Health.Watch` and reflection
   (`--max-open-streams`): with tokens on, anyone who reaches the port can open these.
 
@@ -20,7 +21,9 @@ import grpc
 
 from service.server.interceptors import handlers
 
-GENERATE_METHODS = frozenset({"/lattice.scheduler.v1.Scheduler/Generate"})
+GENERATE_METHODS = frozenset(
+    {"/lattice.scheduler.v1.Scheduler/Generate", "/lattice.scheduler.v1.Scheduler/FollowSequence"}
+)
 OPEN_STREAM_METHODS = frozenset(
     {
         "/grpc.health.v1.Health/Watch",

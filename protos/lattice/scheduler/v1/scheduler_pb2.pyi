@@ -180,6 +180,14 @@ class GetSequenceRequest(_message.Message):
     seq_id: int
     def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
 
+class FollowSequenceRequest(_message.Message):
+    __slots__ = ("seq_id", "start")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    start: int
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
+
 class SequenceInfo(_message.Message):
     __slots__ = ("seq_id", "state", "worker_id", "prompt_len", "prefilled_tokens", "generated_tokens", "finish_reason", "queue_position", "error_message", "cached_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]

@@ -85,6 +85,11 @@ class SchedulerStub:
                 request_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SelectBatchRequest.SerializeToString,
                 response_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SchedulerDecision.FromString,
                 _registered_method=True)
+        self.FollowSequence = channel.unary_stream(
+                '/lattice.scheduler.v1.Scheduler/FollowSequence',
+                request_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.FollowSequenceRequest.SerializeToString,
+                response_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateEvent.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -165,6 +170,17 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FollowSequence(self, request, context):
+        """Client (on replicas, another replica relaying a client's Generate): stream the
+        committed tokens of a sequence this scheduler holds, from `start` on, until it
+        finishes. Never submits, and a caller that leaves cancels nothing. A replica that
+        does not own the sequence (or stops owning it) ends the stream FAILED_PRECONDITION,
+        and sends events with no tokens at least every second while none are new.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +233,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.WorkerSession,
                     request_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SelectBatchRequest.FromString,
                     response_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SchedulerDecision.SerializeToString,
+            ),
+            'FollowSequence': grpc.unary_stream_rpc_method_handler(
+                    servicer.FollowSequence,
+                    request_deserializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.FollowSequenceRequest.FromString,
+                    response_serializer=lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -490,6 +511,33 @@ class Scheduler:
             '/lattice.scheduler.v1.Scheduler/WorkerSession',
             lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SelectBatchRequest.SerializeToString,
             lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.SchedulerDecision.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FollowSequence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lattice.scheduler.v1.Scheduler/FollowSequence',
+            lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.FollowSequenceRequest.SerializeToString,
+            lattice_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,

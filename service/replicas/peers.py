@@ -1,0 +1,181 @@
+"""Streams of another replica's sequence, relayed from the replica that owns it.
+
+A Generate stream on replica A of a sequence replica B owns would otherwise read
+PostgreSQL's token log after each of B's commits (a whole log row a read, for every such
+stream of the fleet). Instead A opens FollowSequence on B, which streams from its core
+what it has committed, and relays it. Whatever goes wrong (B does not own the sequence
+any more, B is unreachable or silent, a call fails) ends the relay; A then reads the
+database as before, which also tells it the new owner. Nothing is lost or sent twice: B
+sends only committed tokens, from the index A asks for, and A counts what it relayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# A followed replica sends an event at least every second while its sequence makes no
+# progress (`_REMOTE_POLL_SECONDS`, service/replicas/servicer.py); silence this long ends
+# the relay.
+SILENT_SECONDS = 5.0
+# How long a replica's address is reused before it is read again.
+ADDRESS_SECONDS = 10.0
+# After a relay from a replica failed (unreachable, silent, any error), streams of its
+# sequences read the database this long before trying it again.
+UNREACHABLE_SECONDS = 5.0
+# After an owner refused a stream at once (it does not own the sequence: it moved, or the
+# database lags its core; its stream limit; a credential it does not take), that stream
+# reads the database this long before following again.
+REFUSED_SECONDS = 1.0
+# A failing replica is logged at most this often.
+WARN_SECONDS = 60.0
+
+# Refusals of one call, not of the replica: the stream reads the database a while.
+_REFUSALS = {
+    grpc.StatusCode.FAILED_PRECONDITION: "moved",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
+    grpc.StatusCode.UNAUTHENTICATED: "refused",
+    grpc.StatusCode.PERMISSION_DENIED: "refused",
+    grpc.StatusCode.NOT_FOUND: "refused",
+}
+# The replica is away or stopping: every stream of its sequences reads the database a while.
+_UNREACHABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+
+
+class Peers:
+    """Channels to the other replicas, one per address, opened on first use."""
+
+    def __init__(
+        self,
+        address_of: Callable[[int], str | None],
+        *,
+        max_message_bytes: int,
+        on_follow: Callable[[str], None] | None = None,
+        silent_seconds: float = SILENT_SECONDS,
+    ) -> None:
+        # address_of(replica_id) reads the database (blocking): run on a thread.
+        self._address_of = address_of
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # A replica restarted at the same address is tried again within seconds, not
+            # after gRPC's default back-off of up to two minutes.
+            ("grpc.initial_reconnect_backoff_ms", 500),
+            ("grpc.max_reconnect_backoff_ms", 5000),
+        ]
+        self._on_follow = on_follow
+        self._silent_seconds = silent_seconds
+        self._addresses: dict[int, tuple[str | None, float]] = {}
+        self._reading: dict[int, asyncio.Future] = {}  # one address read at a time a replica
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._unreachable_until: dict[int, float] = {}
+        self._warned_at: dict[int, float] = {}
+
+    def may_follow(self, owner: int) -> bool:
+        """Whether streams of `owner`'s sequences try it now (not while it is unreachable)."""
+        return time.monotonic() >= self._unreachable_until.get(owner, 0.0)
+
+    async def follow(
+        self, owner: int, seq_id: int, start: int, metadata: Sequence[tuple[str, str]]
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        """`seq_id`'s events from token `start` on, from `owner`, until it finishes or the
+        relay ends (how it ended is counted; nothing is raised)."""
+        outcome = "failed"
+        call = None
+        try:
+            address = await self._address(owner)
+            if not address:
+                outcome = "unreachable"
+                return
+            stub = pb_grpc.SchedulerStub(self._channel(address))
+            call = stub.FollowSequence(
+                pb.FollowSequenceRequest(seq_id=seq_id, start=start), metadata=tuple(metadata)
+            )
+            while True:
+                # Not asyncio.wait_for, which can lose a cancel before Python 3.12
+                # (service/server/wakeups.py).
+                try:
+                    async with asyncio.timeout(self._silent_seconds):
+                        event = await call.read()
+                except TimeoutError:
+                    outcome = "silent"
+                    return
+                if event is grpc.aio.EOF:
+                    return  # ended without finishing: read the database
+                if event.finished:
+                    outcome = "finished"  # whatever the caller does after this event
+                    yield event
+                    return
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            if outcome != "finished":
+                outcome = "left"  # the client left, or the server stops
+            raise
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            if code in _REFUSALS:
+                outcome = _REFUSALS[code]
+            elif code in _UNREACHABLE:
+                outcome = "unreachable"
+                self._addresses.pop(owner, None)  # it may have moved: read it again
+                self._warn(owner, f"cannot be reached: {err.code().name} {err.details()}")
+            else:  # UNIMPLEMENTED (a replica older than FollowSequence), INTERNAL, ...
+                self._warn(
+                    owner, f"following seq_id {seq_id} failed: {err.code().name} {err.details()}"
+                )
+        except Exception as err:  # noqa: BLE001 - the database is away, a bad address: read on
+            self._warn(owner, f"cannot follow seq_id {seq_id}: {err}")
+        finally:
+            if outcome in ("unreachable", "silent", "failed"):
+                # Streams of its sequences read the database a while before trying again.
+                self._unreachable_until[owner] = time.monotonic() + UNREACHABLE_SECONDS
+            if call is not None:
+                call.cancel()  # a no-op once it ended; stops it when the relay stops early
+            if self._on_follow is not None:
+                self._on_follow(outcome)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+    async def _address(self, owner: int) -> str | None:
+        address, read_at = self._addresses.get(owner, (None, -ADDRESS_SECONDS))
+        if time.monotonic() - read_at < ADDRESS_SECONDS:
+            return address
+        reading = self._reading.get(owner)
+        if reading is None:  # the streams that start a relay meanwhile wait for this read
+            reading = asyncio.ensure_future(asyncio.to_thread(self._address_of, owner))
+            self._reading[owner] = reading
+            reading.add_done_callback(lambda _done: self._reading.pop(owner, None))
+        address = await asyncio.shield(reading)
+        self._addresses[owner] = (address, time.monotonic())
+        return address
+
+    def _warn(self, owner: int, message: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at.get(owner, -WARN_SECONDS) >= WARN_SECONDS:
+            self._warned_at[owner] = now
+            log.warning(
+                "replica %d: %s; its sequences' streams read the database meanwhile",
+                owner,
+                message,
+            )
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = channel
+        return channel
