@@ -282,6 +282,8 @@ def requests_for(method: str, known: Callable[[], list[int]]) -> st.SearchStrate
         return st.builds(pb.CancelRequest, seq_id=seq_ids(known))
     if method == "GetSequence":
         return st.builds(pb.GetSequenceRequest, seq_id=seq_ids(known))
+    if method == "FollowSequence":
+        return st.builds(pb.FollowSequenceRequest, seq_id=seq_ids(known), start=uint32s())
     if method == "RegisterWorker":
         return register_requests()
     if method in ("SelectBatch", "WorkerSession"):

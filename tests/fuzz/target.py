@@ -30,6 +30,17 @@ EXPECTED_CODES = frozenset(
         grpc.StatusCode.OUT_OF_RANGE,
     }
 )
+# Response streams, read up to their first event, within this many seconds. Generate's
+# first event (the seq_id) comes at once; FollowSequence's comes with the sequence's first
+# tokens, so a follow that is still open when its deadline ends is waiting (`waiting`).
+STREAMED = {"Generate": RPC_TIMEOUT_SECONDS, "FollowSequence": 0.5}
+
+
+def waiting(method: str, code: grpc.StatusCode) -> bool:
+    """Whether a stream of `method` that ended `code` was open, waiting for its first event."""
+    return method == "FollowSequence" and code is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 # Longer status details than this mean a request field was echoed without a bound.
 DETAILS_BOUND_CHARS = 1000
 # Ids the request strategies pick from: the latest ones issued and the ones held.
@@ -67,13 +78,18 @@ class FuzzTarget:
         return f"FuzzTarget({self.server.target}, {len(self.issued)} ids issued)"
 
     def call(self, method: str, request) -> Outcome:
-        """Make one call, bounded by RPC_TIMEOUT_SECONDS; a Generate stream is read up to
-        its first event and then cancelled."""
+        """Make one call, bounded by RPC_TIMEOUT_SECONDS; a response stream is read up to
+        its first event and then cancelled (`STREAMED`)."""
         try:
-            if method == "Generate":
-                stream = self.server.stub.Generate(request, timeout=RPC_TIMEOUT_SECONDS)
+            if method in STREAMED:
+                timeout = STREAMED[method]
+                stream = getattr(self.server.stub, method)(request, timeout=timeout)
                 try:
                     outcome = Outcome(grpc.StatusCode.OK, next(stream))
+                except grpc.RpcError as err:
+                    if not waiting(method, err.code()):
+                        raise
+                    outcome = Outcome(grpc.StatusCode.OK)  # open, waiting for tokens
                 finally:
                     stream.cancel()
             else:
