@@ -359,7 +359,7 @@ class ReplicaServicer(SchedulerServicer):
         refused: tuple[int | None, float] = (None, 0.0)  # (owner, when) it last said "not mine"
         while True:
             try:
-                view = await self._read(seq_id, sent, refused)
+                view, owner = await self._read(seq_id, sent, refused)
             except NotFound as err:
                 await context.abort(status_code(err), status_details(err))
             except SchedulerError:
@@ -372,7 +372,6 @@ class ReplicaServicer(SchedulerServicer):
                 )
                 if view.finished:
                     return
-            owner = self._followable(view, refused)
             if owner is None:
                 continue
             relayed = False
@@ -422,10 +421,10 @@ class ReplicaServicer(SchedulerServicer):
             if view.finished:
                 return
 
-    def _followable(self, view, refused: tuple[int | None, float]) -> int | None:
-        """The replica to relay a stream from, after a read that found `view`: its owner
-        when that is another replica this one may follow now; else None (read on)."""
-        owner = getattr(view, "owner", None)  # only a read of the database says
+    def _followable(self, owner: int | None, refused: tuple[int | None, float]) -> int | None:
+        """The replica to relay a stream from, after a read of the database found the
+        sequence's `owner`: that one when it is another replica this one may follow now;
+        else None (read on)."""
         if self._peers is None or owner is None or owner == self.replica_id:
             return None
         if refused[0] == owner and time.monotonic() - refused[1] < REFUSED_SECONDS:
@@ -505,12 +504,13 @@ class ReplicaServicer(SchedulerServicer):
         return view if self._owns(seq_id) else None
 
     async def _read(self, seq_id: int, sent: int, refused: tuple[int | None, float] = (None, 0.0)):
-        """New output of `seq_id` from `sent` on, waiting for some (or for the end) a while:
-        from the core while this replica owns it, else from the database (at once, without
-        waiting, when its owner can be followed: `_followable`)."""
+        """New output of `seq_id` from `sent` on, waiting for some (or for the end) a while,
+        and the replica to follow it on (None: read on): from the core while this replica
+        owns it, else from the database (at once, without waiting, when its owner can be
+        followed: `_followable`)."""
         view = await self._read_owned(seq_id, sent)
         if view is not None:
-            return view
+            return view, None
         # Watching before reading: a commit that lands while the read runs, and that the
         # read missed, still wakes the wait below (which then returns at once). Until the
         # read says which replica owns the sequence, any replica's commit wakes it. One
@@ -522,13 +522,14 @@ class ReplicaServicer(SchedulerServicer):
                 self._remote_owner.pop(seq_id, None)
                 event.clear()
                 view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
-                if view.token_ids or view.finished or self._followable(view, refused) is not None:
-                    return view
+                follow = self._followable(view.owner, refused)
+                if view.token_ids or view.finished or follow is not None:
+                    return view, follow
                 self._remote_owner[seq_id] = view.owner
                 poll = _REMOTE_POLL_SECONDS if view.owner is not None else _UNCLAIMED_POLL_SECONDS
                 await wait_event(event, poll)
                 if self._owns(seq_id):  # claimed or adopted here meanwhile: read the core
-                    return replace(view, owner=self.replica_id)
+                    return view, None
         finally:
             events = self._remote.get(seq_id)
             if events is not None:

@@ -172,7 +172,7 @@ def test_a_reader_is_not_given_tokens_their_commit_left_out(
         a.core.select_batch(report("w"))
         await servicer._commits.committed()
         a.core.select_batch(report("w", running=(seq_id,), tokens={seq_id: (1,)}))
-        assert (await servicer._read(seq_id, 0)).token_ids == (1,)
+        assert (await servicer._read(seq_id, 0))[0].token_ids == (1,)
         # Another replica takes it over; tokens generated here meanwhile are not committed.
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(
@@ -188,7 +188,7 @@ def test_a_reader_is_not_given_tokens_their_commit_left_out(
             info = await servicer.GetSequence(pb.GetSequenceRequest(seq_id=seq_id), None)
             read = info.generated_tokens
         else:
-            read = len((await servicer._read(seq_id, 0)).token_ids)
+            read = len((await servicer._read(seq_id, 0))[0].token_ids)
         await servicer._commits.close()
         return read
 

@@ -15,7 +15,7 @@ from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service.replicas.peers import Peers
-from tests.server.wire import RPC_TIMEOUT_SECONDS, Stream, Worker, admitted, get_sequence
+from tests.server.wire import Stream, Worker, admitted, get_sequence, submit
 from worker_client.client import NotRegistered, RetryPolicy, SchedulerClient, WorkerResources
 
 from .conftest import count_reads, crash
@@ -26,6 +26,15 @@ DECODING = pb.SEQUENCE_STATE_DECODING
 
 def _follows(server, outcome: str) -> float:
     return server.metric("replica_follows_total", outcome=outcome) or 0.0
+
+
+def _running_on(server) -> tuple[Worker, int]:
+    """A worker of `server` running a new sequence submitted there: (the worker, its id)."""
+    worker = Worker(server.stub, "w")
+    worker.register()
+    seq_id = submit(server.stub, max_new_tokens=8).seq_id
+    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission", 10)
+    return worker, seq_id
 
 
 @pytest.mark.parametrize("mode", ["owner", "database"])
@@ -66,12 +75,7 @@ def test_a_stream_of_another_replicas_sequence_is_relayed_not_read_at_each_commi
 
 def test_follow_sequence_streams_only_what_the_owner_holds_and_cancels_nothing(start_replicas):
     r0, r1 = start_replicas(2)
-    worker = Worker(r0.stub, "w")
-    worker.register()
-    seq_id = r0.stub.Submit(
-        pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=8), timeout=RPC_TIMEOUT_SECONDS
-    ).seq_id
-    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
+    worker, seq_id = _running_on(r0)
     worker.select(running=[seq_id], tokens={seq_id: [5, 6]})
     # r1 does not own it: FAILED_PRECONDITION, whatever the database says.
     with pytest.raises(grpc.RpcError) as refused:
@@ -234,12 +238,7 @@ def test_an_owner_that_has_not_renewed_its_lease_for_a_lease_stops_serving_follo
     # Cut off from the database that long, others may own its sequences by now: its
     # followers read the database instead of its heartbeats.
     (r0,) = start_replicas(1)
-    worker = Worker(r0.stub, "w")
-    worker.register()
-    seq_id = r0.stub.Submit(
-        pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=8), timeout=RPC_TIMEOUT_SECONDS
-    ).seq_id
-    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
+    _, seq_id = _running_on(r0)
     follow = pb.FollowSequenceRequest(seq_id=seq_id)
     assert next(r0.stub.FollowSequence(follow, timeout=10)).seq_id == seq_id
     r0.running._serving.servicer._renewed_at -= 60.0
