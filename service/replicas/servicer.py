@@ -367,9 +367,7 @@ class ReplicaServicer(SchedulerServicer):
                 continue
             if view.token_ids or view.finished:
                 sent += len(view.token_ids)
-                yield convert.generate_event(
-                    seq_id, view.token_ids, view.finish_reason, view.finished, view.error_message
-                )
+                yield convert.output_event(seq_id, view)
                 if view.finished:
                     return
             if owner is None:
@@ -415,9 +413,7 @@ class ReplicaServicer(SchedulerServicer):
             # follower that hears nothing for longer (peers.SILENT_SECONDS) presumes this
             # replica gone.
             sent += len(view.token_ids)
-            yield convert.generate_event(
-                seq_id, view.token_ids, view.finish_reason, view.finished, view.error_message
-            )
+            yield convert.output_event(seq_id, view)
             if view.finished:
                 return
 

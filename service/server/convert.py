@@ -436,6 +436,20 @@ def status(st: SchedulerStatus) -> pb.StatusResponse:
     )
 
 
+def output_event(seq_id: int, view) -> pb.GenerateEvent:
+    """The event of an output view (the core's `OutputView`, or a replica's read of the
+    database, whose logprobs are always empty: they are not persisted)."""
+    return generate_event(
+        seq_id,
+        view.token_ids,
+        view.finish_reason,
+        view.finished,
+        view.error_message,
+        view.logprobs,
+        view.prompt_logprobs,
+    )
+
+
 def generate_event(
     seq_id: int,
     token_ids=(),

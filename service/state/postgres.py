@@ -638,6 +638,9 @@ class RemoteOutput:
     finish_reason: FinishReason | None
     error_message: str = ""
     owner: int | None = None  # the replica that owned it when read (None: unclaimed)
+    # Logprobs are not persisted: a read of the database has none (an OutputView's shape).
+    logprobs: tuple = ()
+    prompt_logprobs: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,47 @@ def test_a_stream_of_another_replicas_sequence_is_relayed_not_read_at_each_commi
         assert _follows(r1, "finished") == 0
 
 
+def _logprob(value: float) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=value, top_token_ids=[9], top_logprobs=[value])
+
+
+@pytest.mark.parametrize("mode", ["owner", "database"])
+def test_the_owners_streams_carry_logprobs_and_a_read_of_the_database_none(start_replicas, mode):
+    # The owner holds the logprobs its worker reported (they are not persisted): its own
+    # stream, and a stream on another replica relayed from it, carry them; a stream that
+    # reads the database gets the same tokens without.
+    r0, r1 = start_replicas(2, replica_streams=mode)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    asking = pb.SamplingParams(logprobs=1, prompt_logprobs=1)
+    request = pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=8, sampling=asking)
+    local, remote = Stream(r0.stub, request), Stream(r1.stub, request)
+    ids = [local.next_event().seq_id, remote.next_event().seq_id]
+    wait_until(lambda: sorted(admitted(worker.select())) == sorted(ids), "admissions on r0", 10)
+    for n, value in enumerate((-0.5, -0.25)):
+        updates = [
+            pb.TokenUpdate(
+                seq_id=seq_id,
+                token_ids=[100 + n],
+                logprobs=[_logprob(value)],
+                prompt_logprobs=[_logprob(-1.0), _logprob(-2.0)] if n == 0 else [],
+            )
+            for seq_id in ids
+        ]
+        worker.send(pb.SelectBatchRequest(worker_id="w", running=ids, tokens=updates))
+    worker.select(finished=[(seq_id, EOS, 2) for seq_id in ids])
+    for stream, carries in ((local, True), (remote, mode == "owner")):
+        events = [e for e in stream.rest(10) if e.token_ids]
+        assert [t for e in events for t in e.token_ids] == [100, 101]
+        logprobs = [lp.logprob for e in events for lp in e.logprobs]
+        prompt = [lp.logprob for e in events for lp in e.prompt_logprobs]
+        if carries:
+            assert (logprobs, prompt) == ([-0.5, -0.25], [-1.0, -2.0])
+            assert list(events[0].logprobs[0].top_token_ids) == [9]
+        else:
+            assert (logprobs, prompt) == ([], [])
+
+
 def test_follow_sequence_streams_only_what_the_owner_holds_and_cancels_nothing(start_replicas):
     r0, r1 = start_replicas(2)
     worker, seq_id = _running_on(r0)
