@@ -60,6 +60,9 @@ class SchedulerObserver:
 
     def on_finished(self, seq_id: int, reason: FinishReason) -> None: ...
 
+    def on_disowned(self, seq_ids: frozenset[int]) -> None:
+        """A replica's core forgot these: another replica owns them now (not finished)."""
+
     def on_evicted(self, seq_id: int, worker_id: str, reason: EvictReason) -> None: ...
 
     def on_admission_blocked(self, worker_id: str, reason: BlockReason) -> None: ...

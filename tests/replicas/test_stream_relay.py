@@ -138,6 +138,25 @@ def test_follow_sequence_streams_only_what_the_owner_holds_and_cancels_nothing(s
     assert events[-1].finished and events[-1].finish_reason == EOS
 
 
+def test_a_follow_ends_as_soon_as_its_sequence_moves_not_at_the_next_keep_alive(start_replicas):
+    # The worker registers on r1, which adopts what it holds; r0 hears of it (a disown)
+    # and its follow of that sequence ends FAILED_PRECONDITION at once, not when its
+    # one-second wait for new tokens runs out.
+    r0, r1 = start_replicas(2)
+    worker, seq_id = _running_on(r0)
+    call = r0.stub.FollowSequence(pb.FollowSequenceRequest(seq_id=seq_id), timeout=10)
+    keep_alive = next(call)  # no tokens yet: sent when a wait of a second ran out
+    assert (list(keep_alive.token_ids), keep_alive.finished) == ([], False)
+    Worker(r1.stub, "w").register()  # right after it: a whole wait ahead
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as moved:
+        next(call)
+    took = time.monotonic() - started
+    assert moved.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert took < 0.5, took
+    assert get_sequence(r1.stub, seq_id).worker_id == "w"
+
+
 def test_a_relayed_stream_survives_its_owner_crashing_with_no_token_lost_or_twice(
     start_replicas,
 ):
