@@ -14,7 +14,7 @@ import pytest
 from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from service.replicas.peers import Peers
+from service.replicas.peers import IDLE_SECONDS, Peers
 from tests.server.wire import Stream, Worker, admitted, get_sequence, submit
 from worker_client.client import NotRegistered, RetryPolicy, SchedulerClient, WorkerResources
 
@@ -290,6 +290,51 @@ def test_an_owner_that_refuses_one_call_is_followed_again(code):
 def test_an_owner_that_fails_otherwise_is_left_alone_a_while():
     events, outcomes, may_follow = _relay(_Owner([], grpc.StatusCode.UNIMPLEMENTED))
     assert events == [] and outcomes == ["failed"] and not may_follow
+
+
+def test_channels_unused_for_ten_minutes_are_closed_and_those_in_use_kept():
+    # Replicas come and go (a restart is a new id, maybe a new address): a channel no
+    # relay used for IDLE_SECONDS is closed, and its owner's address read again when
+    # followed after; a channel a relay is reading from stays, however long.
+    finished = _Owner([_event(1, finished=True)])
+    silent = _Owner([_event(1)])  # sends one event, then nothing for 30 s
+
+    async def run():
+        servers, ports = [], {}
+        for owner, servicer in ((7, finished), (8, finished), (9, silent)):
+            server = grpc.aio.server()
+            pb_grpc.add_SchedulerServicer_to_server(servicer, server)
+            ports[owner] = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            servers.append(server)
+        now = [0.0]
+        reads: list[int] = []
+
+        def address_of(owner: int) -> str:
+            reads.append(owner)
+            return f"127.0.0.1:{ports[owner]}"
+
+        peers = Peers(address_of, max_message_bytes=1 << 20, clock=lambda: now[0])
+        try:
+            assert [e.finished async for e in peers.follow(7, 1, 0, [])] == [True]
+            held = peers.follow(9, 1, 0, [])  # a relay in flight on 9's channel
+            assert not (await anext(held)).finished
+            now[0] += IDLE_SECONDS - 1
+            assert [e.finished async for e in peers.follow(8, 1, 0, [])] == [True]
+            assert len(peers.open_addresses()) == 3  # none idle that long yet
+            now[0] += 2  # 7's channel unused for IDLE_SECONDS + 1; 8's for 2 s
+            assert [e.finished async for e in peers.follow(8, 1, 0, [])] == [True]
+            assert peers.open_addresses() == {address_of(8), address_of(9)}
+            reads.clear()
+            assert [e.finished async for e in peers.follow(7, 1, 0, [])] == [True]
+            assert reads == [7]  # forgotten: read again
+            await held.aclose()
+        finally:
+            await peers.close()
+            for server in servers:
+                await server.stop(0)
+
+    asyncio.run(run())
 
 
 def test_an_owner_that_has_not_renewed_its_lease_for_a_lease_stops_serving_follows(
