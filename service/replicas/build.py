@@ -4,11 +4,14 @@ handed to the server's start as a `Shared` (the server package does not import t
 
 from __future__ import annotations
 
+import logging
 import socket
 
+import grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
+from common.credentials import read_pem
 from service.core import Scheduler
 from service.core.decide.orders import queue_order
 from service.replicas.peers import Peers
@@ -20,6 +23,8 @@ from service.server.metrics import SchedulerMetrics
 from service.server.wakeups import Wakeups
 from service.settings import ServeSettings
 from service.state.postgres import PostgresState
+
+log = logging.getLogger(__name__)
 
 
 def open_store(settings: ServeSettings, registry: CollectorRegistry) -> PostgresState:
@@ -98,13 +103,29 @@ def _peers(
     settings: ServeSettings, store: PostgresState, metrics: SchedulerMetrics
 ) -> Peers | None:
     """Whom streams of other replicas' sequences are relayed from (None: they read the
-    database): with TLS on, replicas do not dial each other (no client credentials)."""
-    if settings.replica_streams != "owner" or settings.tls_cert:
+    database). With TLS on, only with --replica-peer-ca: the CA to trust for the others'
+    certificates; under mTLS this replica shows them its own certificate."""
+    if settings.replica_streams != "owner":
         return None
+    credentials = None
+    if settings.tls_cert:
+        if not settings.replica_peer_ca:
+            log.info(
+                "TLS is on and --replica-peer-ca is not given: streams of other replicas' "
+                "sequences read PostgreSQL instead of being relayed from their owner"
+            )
+            return None
+        mtls = bool(settings.tls_client_ca)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=read_pem(settings.replica_peer_ca, "--replica-peer-ca"),
+            private_key=read_pem(settings.tls_key, "--tls-key") if mtls else None,
+            certificate_chain=read_pem(settings.tls_cert, "--tls-cert") if mtls else None,
+        )
     return Peers(
         store.address_of,
         max_message_bytes=settings.max_message_bytes,
         on_follow=metrics.on_replica_follow,
+        credentials=credentials,
     )
 
 

@@ -68,7 +68,9 @@ class Peers:
         on_follow: Callable[[str], None] | None = None,
         silent_seconds: float = SILENT_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        """`credentials`: TLS toward the other replicas (None: plaintext)."""
         # address_of(replica_id) reads the database (blocking): run on a thread.
         self._address_of = address_of
         self._options = [
@@ -82,6 +84,7 @@ class Peers:
         self._on_follow = on_follow
         self._silent_seconds = silent_seconds
         self._clock = clock
+        self._credentials = credentials
         self._addresses: dict[int, tuple[str | None, float]] = {}
         self._reading: dict[int, asyncio.Future] = {}  # one address read at a time a replica
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -220,7 +223,11 @@ class Peers:
         """The channel to `address`, counted in use until the relay's `finally`."""
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = (
+                grpc.aio.secure_channel(address, self._credentials, options=self._options)
+                if self._credentials is not None
+                else grpc.aio.insecure_channel(address, options=self._options)
+            )
             self._channels[address] = channel
         self._relaying[address] = self._relaying.get(address, 0) + 1
         self._used_at[address] = self._clock()

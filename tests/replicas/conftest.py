@@ -93,10 +93,15 @@ def start_replica(
     auth_tokens: str = "",
     replica_commit_due_wait_ms: float = ServeSettings.replica_commit_due_wait_ms,
     replica_streams: str = ServeSettings.replica_streams,
+    tls: dict[str, str] | None = None,
     **scheduler_config,
 ) -> Server:
     """One in-process replica on `database_url` (gRPC and metrics on free ports), with
-    the tokens file `auth_tokens` if given (`Server.stub` then sends no token)."""
+    the tokens file `auth_tokens` if given (`Server.stub` then sends no token); `tls`:
+    the TLS settings (tls_cert, tls_key, tls_client_ca, replica_peer_ca), and the stub's
+    channel credentials under "client_credentials"."""
+    tls = dict(tls or {})
+    client_credentials = tls.pop("client_credentials", None)
     scheduler_config.setdefault("policy", "fifo")
     config = SchedulerConfig(**scheduler_config)
     settings = ServeSettings(
@@ -110,10 +115,16 @@ def start_replica(
         replica_commit_due_wait_ms=replica_commit_due_wait_ms,
         replica_streams=replica_streams,
         scheduler=config,
+        **tls,
     )
     registry = CollectorRegistry()
     running = start(settings, registry)
-    channel = grpc.insecure_channel(f"{LOOPBACK}:{running.port}")
+    target = f"{LOOPBACK}:{running.port}"
+    channel = (
+        grpc.secure_channel(target, client_credentials)
+        if client_credentials is not None
+        else grpc.insecure_channel(target)
+    )
     grpc.channel_ready_future(channel).result(timeout=RPC_TIMEOUT_SECONDS)
     return Server(running, registry, config, channel, pb_grpc.SchedulerStub(channel))
 

@@ -1,0 +1,71 @@
+"""Streams relayed between replicas that serve TLS (`--replica-peer-ca`), and mutual TLS
+(each replica shows its own certificate to the others)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from common.waiting import wait_until
+from lattice.scheduler.v1 import scheduler_pb2 as pb
+from service.settings import ConfigError, ServeSettings
+from tests.security.pki import make_pki
+from tests.server.wire import Stream, Worker, admitted
+
+from .conftest import count_reads
+
+EOS = pb.FINISH_REASON_EOS
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def _tls(pki, *, mtls: bool, peer_ca: bool) -> dict:
+    settings = {"tls_cert": str(pki.replica.cert), "tls_key": str(pki.replica.key)}
+    if mtls:
+        settings["tls_client_ca"] = str(pki.ca.cert)
+    if peer_ca:
+        settings["replica_peer_ca"] = str(pki.ca.cert)
+    ca = pki.ca.cert.read_bytes()
+    settings["client_credentials"] = (
+        grpc.ssl_channel_credentials(ca, pki.client.key.read_bytes(), pki.client.cert.read_bytes())
+        if mtls
+        else grpc.ssl_channel_credentials(ca)
+    )
+    return settings
+
+
+@pytest.mark.parametrize(
+    "mtls, peer_ca", [(False, True), (True, True), (False, False)], ids=["tls", "mtls", "no-ca"]
+)
+def test_replicas_that_serve_tls_relay_streams_when_given_the_peers_ca(
+    start_replicas, pki, mtls, peer_ca
+):
+    # A stream on r1 of a sequence r0 runs: relayed over TLS (a few reads of the database
+    # until the owner is known), or, without --replica-peer-ca, read from the database
+    # after each of r0's commits. The client gets the same tokens either way.
+    r0, r1 = start_replicas(2, tls=_tls(pki, mtls=mtls, peer_ca=peer_ca))
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    reads = count_reads(r1)
+    stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=64))
+    seq_id = stream.next_event().seq_id
+    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
+    for n in range(8):
+        worker.select(running=[seq_id], tokens={seq_id: [100 + n]})
+        assert stream.tokens_until(1, 10) == [100 + n]
+    worker.select(tokens={seq_id: [108]}, finished=[(seq_id, EOS, 9)])
+    events = stream.rest(10)
+    assert [list(e.token_ids) for e in events] == [[108]] and events[-1].finished
+    relayed = r1.metric("replica_follows_total", outcome="finished") or 0.0
+    if peer_ca:
+        assert relayed == 1 and reads[0] <= 4, reads[0]
+    else:
+        assert relayed == 0 and reads[0] >= 8, reads[0]
+
+
+def test_a_peer_ca_without_tls_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="replica_peer_ca is for replicas that serve TLS"):
+        ServeSettings(state="postgresql://x@h/db", replica_peer_ca="ca.pem").validate()
