@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--watch-ms",
         default="",
-        help="intervals of a commit-number watcher to time (comma-separated ms, each > 0; "
+        help="intervals of a commit-number watcher to time (comma-separated ms, each in "
+        "(0, 60000); "
         "by default none is timed)",
     )
     parser.add_argument("--watch-seconds", type=float, default=8.0)
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         watch_intervals = [float(x) for x in args.watch_ms.split(",") if x]
     except ValueError:
-        watch_intervals = [0.0]
+        parser.error(f"--watch-ms must be milliseconds, comma-separated: {args.watch_ms!r}")
     if any(not 0 < ms < 60_000 for ms in watch_intervals):
         parser.error(
             f"--watch-ms must be milliseconds in (0, 60000), comma-separated: {args.watch_ms!r}"

@@ -195,9 +195,10 @@ _HELP = {
     "replica_address": "replicas: host:port where the other replicas reach this one's "
     "--port to relay its streams",
     "replica_peer_ca": "replicas with TLS: relay streams from the other replicas over TLS, "
-    "trusting this CA (PEM) for their certificates, which must name their --replica-address; "
-    "with --tls-client-ca this replica shows its own --tls-cert to them. None: with TLS on, "
-    "streams of other replicas' sequences read PostgreSQL",
+    "trusting this CA (PEM; a private one) for their certificates, which must name the "
+    "address each publishes (--replica-address); this replica shows its own --tls-cert to "
+    "those that ask for one (mTLS). None: with TLS on, streams of other replicas' sequences "
+    "read PostgreSQL",
     "replica_watch_ms": "replicas: how often this replica reads the others' commit numbers "
     "and the newest submit (neither notifies): the most a token streamed here from another "
     "replica's sequence, or a submit made on another replica, waits to be seen, against one "

@@ -107,18 +107,17 @@ class Peers:
     ) -> AsyncIterator[pb.GenerateEvent]:
         """`seq_id`'s events from token `start` on, from `owner`, until it finishes or the
         relay ends (how it ended is counted; nothing is raised)."""
+        await self._prune()
         outcome = "failed"
         call = None
-        relaying = None  # the address this relay counts in use
+        in_use = None  # the address this relay counts in use (`_take`), until `finally`
         try:
-            await self._prune()
             address = await self._address(owner)
             if not address:
                 outcome = "unreachable"
                 return
-            stub = pb_grpc.SchedulerStub(self._channel(address))
-            relaying = address
-            call = stub.FollowSequence(
+            channel, in_use = self._take(address), address
+            call = pb_grpc.SchedulerStub(channel).FollowSequence(
                 pb.FollowSequenceRequest(seq_id=seq_id, start=start), metadata=tuple(metadata)
             )
             while True:
@@ -161,20 +160,22 @@ class Peers:
                 self._unreachable_until[owner] = self._clock() + UNREACHABLE_SECONDS
             if call is not None:
                 call.cancel()  # a no-op once it ended; stops it when the relay stops early
-            if relaying is not None:
-                self._relaying[relaying] -= 1
-                self._used_at[relaying] = self._clock()
+            if in_use is not None:
+                self._relaying[in_use] -= 1
+                self._used_at[in_use] = self._clock()
             if self._on_follow is not None:
                 self._on_follow(outcome)
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
+        self._relaying, self._used_at = {}, {}
         for channel in channels:
             await channel.close()
 
     async def _prune(self) -> None:
         """Close the channels no relay used for IDLE_SECONDS, and drop what is known of
-        the replicas not followed since (their addresses, back-offs and warnings)."""
+        the replicas not followed since (their addresses, back-offs and warnings). Never
+        fails a relay: a channel that fails to close is left to the collector."""
         now = self._clock()
         if now - self._pruned_at < IDLE_SECONDS:
             return
@@ -194,7 +195,10 @@ class Peers:
         self._unreachable_until = {o: t for o, t in self._unreachable_until.items() if t > stale}
         self._warned_at = {o: t for o, t in self._warned_at.items() if t > stale}
         for channel in closing:
-            await channel.close()
+            try:
+                await channel.close()
+            except Exception as err:  # noqa: BLE001 - nothing uses it any more
+                log.debug("closing an idle channel to a replica failed: %s", err)
 
     async def _address(self, owner: int) -> str | None:
         address, read_at = self._addresses.get(owner, (None, -ADDRESS_SECONDS))
@@ -219,8 +223,9 @@ class Peers:
                 message,
             )
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        """The channel to `address`, counted in use until the relay's `finally`."""
+    def _take(self, address: str) -> grpc.aio.Channel:
+        """The channel to `address`, counted in use: the caller gives it back (`follow`'s
+        `finally`), and `_prune` closes none in use."""
         channel = self._channels.get(address)
         if channel is None:
             channel = (

@@ -518,6 +518,11 @@ class ReplicaServicer(SchedulerServicer):
                 self._remote_owner.pop(seq_id, None)
                 event.clear()
                 view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
+                if self._owns(seq_id):  # claimed or adopted here during the read: the
+                    # core holds its logprobs, which the database does not
+                    owned = await self._read_owned(seq_id, sent)
+                    if owned is not None:
+                        return owned, None
                 follow = self._followable(view.owner, refused)
                 if view.token_ids or view.finished or follow is not None:
                     return view, follow

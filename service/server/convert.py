@@ -11,6 +11,7 @@ from service.core import (
     HandoffResult,
     HandoffStatus,
     InvalidArgument,
+    OutputView,
     PrefillChunk,
     SamplingParams,
     SchedulerStatus,
@@ -436,9 +437,10 @@ def status(st: SchedulerStatus) -> pb.StatusResponse:
     )
 
 
-def output_event(seq_id: int, view) -> pb.GenerateEvent:
-    """The event of an output view (the core's `OutputView`, or a replica's read of the
-    database, whose logprobs are always empty: they are not persisted)."""
+def output_event(seq_id: int, view: OutputView) -> pb.GenerateEvent:
+    """The event of an output view: the core's, or a replica's read of the database
+    (`RemoteOutput`, of the same shape, whose logprobs are always empty: they are not
+    persisted)."""
     return generate_event(
         seq_id,
         view.token_ids,

@@ -93,7 +93,7 @@ class Wakeups(SchedulerObserver):
         self._wake(seq_id)
 
     def on_disowned(self, seq_ids: frozenset[int]) -> None:
-        """Their streams here learn at once that another replica owns them now."""
+        """Their streams here learn at once that this replica no longer owns them."""
         for seq_id in seq_ids & self._watchers.keys():
             self._wake(seq_id)
 

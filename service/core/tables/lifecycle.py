@@ -69,8 +69,9 @@ class Lifecycle:
         self._observer.on_finished(seq.seq_id, reason)
 
     def forget(self, seq_ids: Iterable[int]) -> None:
-        """Forget sequences another replica owns now: off the queue and the workers, out
-        of the table, unsaved changes dropped. Nothing is finished or requeued."""
+        """Forget sequences another replica owns now, or that went back to the shared
+        queue: off the queue and the workers, out of the table, unsaved changes dropped.
+        Nothing is finished or requeued; observers hear which (`on_disowned`)."""
         ids = frozenset(seq_ids)
         dropped = []
         for seq_id in ids:
