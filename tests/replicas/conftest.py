@@ -77,12 +77,14 @@ import threading  # noqa: E402
 import grpc  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from common.waiting import wait_until  # noqa: E402
+from lattice.scheduler.v1 import scheduler_pb2 as pb  # noqa: E402
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc  # noqa: E402
 from service.core import SchedulerConfig  # noqa: E402
 from service.replicas.build import start  # noqa: E402
 from service.settings import ServeSettings  # noqa: E402
 from tests.server.conftest import LOOPBACK, Server  # noqa: E402
-from tests.server.wire import RPC_TIMEOUT_SECONDS  # noqa: E402
+from tests.server.wire import RPC_TIMEOUT_SECONDS, Stream, Worker, admitted  # noqa: E402
 
 
 def start_replica(
@@ -180,3 +182,16 @@ def count_reads(server) -> list[int]:
 
     state.read_output = counted
     return reads
+
+
+def stream_across(owner, streamer):
+    """A Generate stream on `streamer` of a sequence that a worker of `owner` runs, its
+    first token not yet reported: (the worker, the stream, the seq_id, `streamer`'s
+    reads of the database counted from before the stream began)."""
+    worker = Worker(owner.stub, "w")
+    worker.register()
+    reads = count_reads(streamer)
+    stream = Stream(streamer.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=64))
+    seq_id = stream.next_event().seq_id
+    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on the owner", 10)
+    return worker, stream, seq_id, reads

@@ -6,14 +6,12 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from service.replicas.build import start
 from service.settings import ConfigError, ServeSettings
 from tests.security.pki import make_pki
-from tests.server.wire import Stream, Worker, admitted
 
-from .conftest import count_reads
+from .conftest import stream_across
 
 EOS = pb.FINISH_REASON_EOS
 
@@ -55,12 +53,7 @@ def test_replicas_that_serve_tls_relay_streams_when_given_the_peers_ca(
     # fails (no token sent), r0 counts as unreachable, and the stream reads the database.
     # The client gets the same tokens every way.
     r0, r1 = start_replicas(2, tls=_tls(pki, mtls=mtls, peer_ca=peer_ca))
-    worker = Worker(r0.stub, "w")
-    worker.register()
-    reads = count_reads(r1)
-    stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=64))
-    seq_id = stream.next_event().seq_id
-    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
+    worker, stream, seq_id, reads = stream_across(r0, r1)
     for n in range(8):
         worker.select(running=[seq_id], tokens={seq_id: [100 + n]})
         assert stream.tokens_until(1, 10) == [100 + n]

@@ -19,7 +19,7 @@ from service.replicas.peers import IDLE_SECONDS, Peers
 from tests.server.wire import Stream, Worker, admit_until, admitted, get_sequence, submit
 from worker_client.client import NotRegistered, RetryPolicy, SchedulerClient, WorkerResources
 
-from .conftest import count_reads, crash
+from .conftest import crash, stream_across
 
 EOS = pb.FINISH_REASON_EOS
 DECODING = pb.SEQUENCE_STATE_DECODING
@@ -49,12 +49,7 @@ def test_a_stream_of_another_replicas_sequence_is_relayed_not_read_at_each_commi
     # admission's change) and the finish arrive well before the stream's one-second poll
     # would fetch them, 22 steps in far less than 22 s.
     r0, r1 = start_replicas(2, replica_streams=mode)
-    worker = Worker(r0.stub, "w")
-    worker.register()
-    reads = count_reads(r1)
-    stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=64))
-    seq_id = stream.next_event().seq_id
-    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
+    worker, stream, seq_id, reads = stream_across(r0, r1)
     started = time.monotonic()
     for n in range(21):
         worker.select(running=[seq_id], tokens={seq_id: [100 + n]})
