@@ -342,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--watch-ms",
         default="",
-        help="intervals of a commit-number watcher to time (comma-separated ms; none: skip)",
+        help="intervals of a commit-number watcher to time (comma-separated ms, each in "
+        "(0, 60000); "
+        "by default none is timed)",
     )
     parser.add_argument("--watch-seconds", type=float, default=8.0)
     parser.add_argument(
@@ -355,6 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in wanted if name not in SHAPES]
     if unknown:
         parser.error(f"unknown shape {unknown[0]!r} (known: {', '.join(SHAPES)})")
+    try:
+        watch_intervals = [float(x) for x in args.watch_ms.split(",") if x]
+    except ValueError:
+        parser.error(f"--watch-ms must be milliseconds, comma-separated: {args.watch_ms!r}")
+    if any(not 0 < ms < 60_000 for ms in watch_intervals):
+        parser.error(
+            f"--watch-ms must be milliseconds in (0, 60000), comma-separated: {args.watch_ms!r}"
+        )
     try:
         groups = _groups(args.group)
     except ValueError as err:
@@ -432,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         watch.close()
         watched = []
         for _ in range(args.rounds):
-            for ms in [float(x) for x in args.watch_ms.split(",") if x]:
+            for ms in watch_intervals:
                 rate, own, pg = watch_cost(cluster, store, ms / 1000, args.watch_seconds)
                 watched.append(
                     [

@@ -42,15 +42,19 @@ def server_credentials(
 
 
 def channel_credentials(
-    ca_file: str | None, cert_file: str | None = None, key_file: str | None = None
+    ca_file: str | None,
+    cert_file: str | None = None,
+    key_file: str | None = None,
+    ca_flag: str = "--tls-ca",
 ) -> grpc.ChannelCredentials | None:
-    """TLS for a client (None: plaintext). The client pair is for servers that require mTLS."""
+    """TLS for a client (None: plaintext). The client pair is for servers that require mTLS
+    (sent only to a server that asks for one). `ca_flag` names the CA file in errors."""
     if bool(cert_file) != bool(key_file):
         raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
     if not ca_file and not cert_file:
         return None
     return grpc.ssl_channel_credentials(
-        root_certificates=read_pem(ca_file, "--tls-ca") if ca_file else None,
+        root_certificates=read_pem(ca_file, ca_flag) if ca_file else None,
         private_key=read_pem(key_file, "--tls-key") if key_file else None,
         certificate_chain=read_pem(cert_file, "--tls-cert") if cert_file else None,
     )

@@ -54,6 +54,7 @@ class ServeSettings:
     replica_affinity_ms: int = 1000
     replica_streams: str = "owner"
     replica_address: str = ""
+    replica_peer_ca: str = ""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     step_table: str = ""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -130,6 +131,11 @@ class ServeSettings:
             raise ConfigError(f"replica_lease_ms must be at least 300, got {self.replica_lease_ms}")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("tls_client_ca (mTLS) needs TLS: give --tls-cert and --tls-key too")
+        if self.replica_peer_ca and not self.tls_cert:
+            raise ConfigError(
+                "replica_peer_ca is for replicas that serve TLS: give --tls-cert and --tls-key "
+                "too (without TLS, replicas relay streams in plaintext)"
+            )
         if not 1024 <= self.max_message_bytes <= _MAX_GRPC_MESSAGE_BYTES:
             raise ConfigError(
                 f"max_message_bytes must be within 1024-{_MAX_GRPC_MESSAGE_BYTES}, "
@@ -184,10 +190,15 @@ _HELP = {
     "replica_commit_wait_ms: dues are not taken)",
     "replica_streams": "replicas: how a Generate stream of a sequence another replica owns "
     "gets its tokens: owner (relayed from that replica, FollowSequence; read from PostgreSQL "
-    "while it cannot be reached, and always with TLS on) or database (read from PostgreSQL "
-    "after each of its commits)",
+    "while it cannot be reached, and with TLS on unless --replica-peer-ca is given) or "
+    "database (read from PostgreSQL after each of its commits)",
     "replica_address": "replicas: host:port where the other replicas reach this one's "
     "--port to relay its streams",
+    "replica_peer_ca": "replicas with TLS: relay streams from the other replicas over TLS, "
+    "trusting this CA (PEM; a private one) for their certificates, which must name the "
+    "address each publishes (--replica-address); this replica shows its own --tls-cert to "
+    "those that ask for one (mTLS). None: with TLS on, streams of other replicas' sequences "
+    "read PostgreSQL",
     "replica_watch_ms": "replicas: how often this replica reads the others' commit numbers "
     "and the newest submit (neither notifies): the most a token streamed here from another "
     "replica's sequence, or a submit made on another replica, waits to be seen, against one "

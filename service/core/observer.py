@@ -60,6 +60,10 @@ class SchedulerObserver:
 
     def on_finished(self, seq_id: int, reason: FinishReason) -> None: ...
 
+    def on_disowned(self, seq_ids: frozenset[int]) -> None:
+        """A replica's core forgot these, unfinished: another replica took them, or they
+        went back to the shared queue."""
+
     def on_evicted(self, seq_id: int, worker_id: str, reason: EvictReason) -> None: ...
 
     def on_admission_blocked(self, worker_id: str, reason: BlockReason) -> None: ...

@@ -38,6 +38,10 @@ UNREACHABLE_SECONDS = 5.0
 REFUSED_SECONDS = 1.0
 # A failing replica is logged at most this often.
 WARN_SECONDS = 60.0
+# A channel no relay used for this long is closed (a replica that left, or moved to
+# another address, is not dialled again), and what is known of replicas not followed
+# since is dropped; looked for at most once this often, when a relay starts.
+IDLE_SECONDS = 600.0
 
 # Refusals of one call, not of the replica: the stream reads the database a while.
 _REFUSALS = {
@@ -63,7 +67,10 @@ class Peers:
         max_message_bytes: int,
         on_follow: Callable[[str], None] | None = None,
         silent_seconds: float = SILENT_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        """`credentials`: TLS toward the other replicas (None: plaintext)."""
         # address_of(replica_id) reads the database (blocking): run on a thread.
         self._address_of = address_of
         self._options = [
@@ -76,30 +83,41 @@ class Peers:
         ]
         self._on_follow = on_follow
         self._silent_seconds = silent_seconds
+        self._clock = clock
+        self._credentials = credentials
         self._addresses: dict[int, tuple[str | None, float]] = {}
         self._reading: dict[int, asyncio.Future] = {}  # one address read at a time a replica
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._used_at: dict[str, float] = {}  # when a relay last started or ended, by address
+        self._relaying: dict[str, int] = {}  # relays in flight, by address
         self._unreachable_until: dict[int, float] = {}
         self._warned_at: dict[int, float] = {}
+        self._pruned_at = clock()
 
     def may_follow(self, owner: int) -> bool:
         """Whether streams of `owner`'s sequences try it now (not while it is unreachable)."""
-        return time.monotonic() >= self._unreachable_until.get(owner, 0.0)
+        return self._clock() >= self._unreachable_until.get(owner, 0.0)
+
+    def open_addresses(self) -> frozenset[str]:
+        """The addresses this replica holds a channel to."""
+        return frozenset(self._channels)
 
     async def follow(
         self, owner: int, seq_id: int, start: int, metadata: Sequence[tuple[str, str]]
     ) -> AsyncIterator[pb.GenerateEvent]:
         """`seq_id`'s events from token `start` on, from `owner`, until it finishes or the
         relay ends (how it ended is counted; nothing is raised)."""
+        await self._prune()
         outcome = "failed"
         call = None
+        in_use = None  # the address this relay counts in use (`_take`), until `finally`
         try:
             address = await self._address(owner)
             if not address:
                 outcome = "unreachable"
                 return
-            stub = pb_grpc.SchedulerStub(self._channel(address))
-            call = stub.FollowSequence(
+            channel, in_use = self._take(address), address
+            call = pb_grpc.SchedulerStub(channel).FollowSequence(
                 pb.FollowSequenceRequest(seq_id=seq_id, start=start), metadata=tuple(metadata)
             )
             while True:
@@ -139,20 +157,52 @@ class Peers:
         finally:
             if outcome in ("unreachable", "silent", "failed"):
                 # Streams of its sequences read the database a while before trying again.
-                self._unreachable_until[owner] = time.monotonic() + UNREACHABLE_SECONDS
+                self._unreachable_until[owner] = self._clock() + UNREACHABLE_SECONDS
             if call is not None:
                 call.cancel()  # a no-op once it ended; stops it when the relay stops early
+            if in_use is not None:
+                self._relaying[in_use] -= 1
+                self._used_at[in_use] = self._clock()
             if self._on_follow is not None:
                 self._on_follow(outcome)
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
+        self._relaying, self._used_at = {}, {}
         for channel in channels:
             await channel.close()
 
+    async def _prune(self) -> None:
+        """Close the channels no relay used for IDLE_SECONDS, and drop what is known of
+        the replicas not followed since (their addresses, back-offs and warnings). Never
+        fails a relay: a channel that fails to close is left to the collector."""
+        now = self._clock()
+        if now - self._pruned_at < IDLE_SECONDS:
+            return
+        self._pruned_at = now
+        idle = [
+            address
+            for address, used_at in self._used_at.items()
+            if not self._relaying.get(address) and now - used_at >= IDLE_SECONDS
+        ]
+        closing = []
+        for address in idle:  # all taken out before the first await: none is handed out
+            del self._used_at[address]
+            self._relaying.pop(address, None)
+            closing.append(self._channels.pop(address))
+        stale = now - IDLE_SECONDS  # read, backed off or warned of before: not followed since
+        self._addresses = {o: a for o, a in self._addresses.items() if a[1] > stale}
+        self._unreachable_until = {o: t for o, t in self._unreachable_until.items() if t > stale}
+        self._warned_at = {o: t for o, t in self._warned_at.items() if t > stale}
+        for channel in closing:
+            try:
+                await channel.close()
+            except Exception as err:  # noqa: BLE001 - nothing uses it any more
+                log.debug("closing an idle channel to a replica failed: %s", err)
+
     async def _address(self, owner: int) -> str | None:
         address, read_at = self._addresses.get(owner, (None, -ADDRESS_SECONDS))
-        if time.monotonic() - read_at < ADDRESS_SECONDS:
+        if self._clock() - read_at < ADDRESS_SECONDS:
             return address
         reading = self._reading.get(owner)
         if reading is None:  # the streams that start a relay meanwhile wait for this read
@@ -160,11 +210,11 @@ class Peers:
             self._reading[owner] = reading
             reading.add_done_callback(lambda _done: self._reading.pop(owner, None))
         address = await asyncio.shield(reading)
-        self._addresses[owner] = (address, time.monotonic())
+        self._addresses[owner] = (address, self._clock())
         return address
 
     def _warn(self, owner: int, message: str) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if now - self._warned_at.get(owner, -WARN_SECONDS) >= WARN_SECONDS:
             self._warned_at[owner] = now
             log.warning(
@@ -173,9 +223,17 @@ class Peers:
                 message,
             )
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def _take(self, address: str) -> grpc.aio.Channel:
+        """The channel to `address`, counted in use: the caller gives it back (`follow`'s
+        `finally`), and `_prune` closes none in use."""
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = (
+                grpc.aio.secure_channel(address, self._credentials, options=self._options)
+                if self._credentials is not None
+                else grpc.aio.insecure_channel(address, options=self._options)
+            )
             self._channels[address] = channel
+        self._relaying[address] = self._relaying.get(address, 0) + 1
+        self._used_at[address] = self._clock()
         return channel

@@ -367,9 +367,7 @@ class ReplicaServicer(SchedulerServicer):
                 continue
             if view.token_ids or view.finished:
                 sent += len(view.token_ids)
-                yield convert.generate_event(
-                    seq_id, view.token_ids, view.finish_reason, view.finished, view.error_message
-                )
+                yield convert.output_event(seq_id, view)
                 if view.finished:
                     return
             if owner is None:
@@ -415,9 +413,7 @@ class ReplicaServicer(SchedulerServicer):
             # follower that hears nothing for longer (peers.SILENT_SECONDS) presumes this
             # replica gone.
             sent += len(view.token_ids)
-            yield convert.generate_event(
-                seq_id, view.token_ids, view.finish_reason, view.finished, view.error_message
-            )
+            yield convert.output_event(seq_id, view)
             if view.finished:
                 return
 
@@ -522,6 +518,11 @@ class ReplicaServicer(SchedulerServicer):
                 self._remote_owner.pop(seq_id, None)
                 event.clear()
                 view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
+                if self._owns(seq_id):  # claimed or adopted here during the read: the
+                    # core holds its logprobs, which the database does not
+                    owned = await self._read_owned(seq_id, sent)
+                    if owned is not None:
+                        return owned, None
                 follow = self._followable(view.owner, refused)
                 if view.token_ids or view.finished or follow is not None:
                     return view, follow

@@ -11,6 +11,7 @@ from service.core import (
     HandoffResult,
     HandoffStatus,
     InvalidArgument,
+    OutputView,
     PrefillChunk,
     SamplingParams,
     SchedulerStatus,
@@ -433,6 +434,21 @@ def status(st: SchedulerStatus) -> pb.StatusResponse:
             )
             for w in st.workers
         ],
+    )
+
+
+def output_event(seq_id: int, view: OutputView) -> pb.GenerateEvent:
+    """The event of an output view: the core's, or a replica's read of the database
+    (`RemoteOutput`, of the same shape, whose logprobs are always empty: they are not
+    persisted)."""
+    return generate_event(
+        seq_id,
+        view.token_ids,
+        view.finish_reason,
+        view.finished,
+        view.error_message,
+        view.logprobs,
+        view.prompt_logprobs,
     )
 
 

@@ -169,15 +169,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     await context.abort(status_code(err), status_details(err))
                 if view.token_ids or view.finished:
                     sent += len(view.token_ids)
-                    yield convert.generate_event(
-                        seq_id,
-                        view.token_ids,
-                        view.finish_reason,
-                        view.finished,
-                        view.error_message,
-                        view.logprobs,
-                        view.prompt_logprobs,
-                    )
+                    yield convert.output_event(seq_id, view)
                     if view.finished:
                         return
                 else:

@@ -92,6 +92,11 @@ class Wakeups(SchedulerObserver):
     def on_finished(self, seq_id: int, reason: FinishReason) -> None:
         self._wake(seq_id)
 
+    def on_disowned(self, seq_ids: frozenset[int]) -> None:
+        """Their streams here learn at once that this replica no longer owns them."""
+        for seq_id in seq_ids & self._watchers.keys():
+            self._wake(seq_id)
+
     def on_handoff_started(self, seq_id: int, sender: str, receiver: str) -> None:
         self.work_may_have_arrived()  # the receiver, parked, has a RECEIVE to fetch
 

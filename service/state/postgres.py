@@ -629,6 +629,15 @@ _COLUMNS = (
 )
 
 
+# The watcher's reading (`PostgresState.watch`): the other replicas' commit numbers, and
+# the largest seq_id (a row even with no other replica: the LEFT JOIN).
+_WATCH = (
+    "SELECT false, r.replica_id, r.last_commit, m.newest FROM (SELECT "
+    "coalesce(max(seq_id), 0) AS newest FROM sequences) m LEFT JOIN replicas r "
+    "ON r.replica_id <> %s"
+)
+
+
 @dataclass(frozen=True)
 class RemoteOutput:
     """A sequence's tokens from some offset on, as the database holds them."""
@@ -638,6 +647,9 @@ class RemoteOutput:
     finish_reason: FinishReason | None
     error_message: str = ""
     owner: int | None = None  # the replica that owned it when read (None: unclaimed)
+    # Logprobs are not persisted: a read of the database has none (an OutputView's shape).
+    logprobs: tuple = ()
+    prompt_logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -1477,36 +1489,40 @@ class PostgresState:
         unclaimed: Collection[int] = (),
     ) -> Watched:
         """One reading of what no notification announces, on `conn` (a
-        `watch_connection`): the other live replicas' commit numbers and the largest
-        seq_id visible, in one statement; then, only when there are any, in a second:
-        which of `pending` are visible and which of `unclaimed` (sequences that streams
-        here wait on, unclaimed when last read) have an owner now. (Not "the ids above the
-        last newest": a range on a small or bloated table is planned as a scan of it;
-        max() and `= ANY` take the primary key's index whatever its size.)"""
-        rows = conn.execute(
-            "SELECT r.replica_id, r.last_commit, m.newest FROM (SELECT "
-            "coalesce(max(seq_id), 0) AS newest FROM sequences) m LEFT JOIN replicas r "
-            "ON r.replica_id <> %s",
-            (self.replica_id,),
-            prepare=True,
-        ).fetchall()
-        self.round_trips["watch"] += 1
-        filled: tuple[int, ...] = ()
-        claimed: tuple[int, ...] = ()
-        if pending or unclaimed:
-            asked, streamed = set(pending), set(unclaimed)
-            found = conn.execute(
-                "SELECT seq_id, owner IS NOT NULL FROM sequences WHERE seq_id = ANY(%s::bigint[])",
-                (list(asked | streamed),),
+        `watch_connection`), in one statement: the other live replicas' commit numbers and
+        the largest seq_id visible; and, when there are any, which of `pending` are
+        visible and which of `unclaimed` (sequences that streams here wait on, unclaimed
+        when last read) have an owner now. (Not "the ids above the last newest": a range
+        on a small or bloated table is planned as a scan of it; max() and `= ANY` take the
+        primary key's index whatever its size. The ids in the same statement, not a second
+        one: a round trip is most of such a reading's cost to PostgreSQL; without ids, the
+        first part alone, which costs less than both with none to look up.)"""
+        asked, streamed = set(pending), set(unclaimed)
+        if asked or streamed:
+            rows = conn.execute(
+                _WATCH + " UNION ALL SELECT true, seq_id, (owner IS NOT NULL)::int, 0 "
+                "FROM sequences WHERE seq_id = ANY(%s::bigint[])",
+                (self.replica_id, list(asked | streamed)),
                 prepare=True,
             ).fetchall()
-            self.round_trips["watch"] += 1
-            filled = tuple(sorted(seq_id for seq_id, _ in found if seq_id in asked))
-            claimed = tuple(
-                sorted(seq_id for seq_id, owned in found if owned and seq_id in streamed)
-            )
-        marks = {replica: number for replica, number, _ in rows if replica is not None}
-        return Watched(marks, rows[0][2], filled, claimed)
+        else:
+            rows = conn.execute(_WATCH, (self.replica_id,), prepare=True).fetchall()
+        self.round_trips["watch"] += 1
+        marks: dict[int, int] = {}
+        newest = 0
+        filled: list[int] = []
+        claimed: list[int] = []
+        for is_id, key, value, largest in rows:
+            if not is_id:
+                newest = largest
+                if key is not None:
+                    marks[key] = value
+            else:
+                if key in asked:
+                    filled.append(key)
+                if value and key in streamed:
+                    claimed.append(key)
+        return Watched(marks, newest, tuple(sorted(filled)), tuple(sorted(claimed)))
 
     def watch_connection(self) -> psycopg.Connection:
         """A connection of its own for `watch`: generic plans (a custom plan for each

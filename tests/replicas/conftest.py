@@ -77,12 +77,14 @@ import threading  # noqa: E402
 import grpc  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from common.waiting import wait_until  # noqa: E402
+from lattice.scheduler.v1 import scheduler_pb2 as pb  # noqa: E402
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc  # noqa: E402
 from service.core import SchedulerConfig  # noqa: E402
 from service.replicas.build import start  # noqa: E402
 from service.settings import ServeSettings  # noqa: E402
 from tests.server.conftest import LOOPBACK, Server  # noqa: E402
-from tests.server.wire import RPC_TIMEOUT_SECONDS  # noqa: E402
+from tests.server.wire import RPC_TIMEOUT_SECONDS, Stream, Worker, admitted  # noqa: E402
 
 
 def start_replica(
@@ -93,10 +95,15 @@ def start_replica(
     auth_tokens: str = "",
     replica_commit_due_wait_ms: float = ServeSettings.replica_commit_due_wait_ms,
     replica_streams: str = ServeSettings.replica_streams,
+    tls: dict[str, str] | None = None,
     **scheduler_config,
 ) -> Server:
     """One in-process replica on `database_url` (gRPC and metrics on free ports), with
-    the tokens file `auth_tokens` if given (`Server.stub` then sends no token)."""
+    the tokens file `auth_tokens` if given (`Server.stub` then sends no token); `tls`:
+    the TLS settings (tls_cert, tls_key, tls_client_ca, replica_peer_ca), and the stub's
+    channel credentials under "client_credentials"."""
+    tls = dict(tls or {})
+    client_credentials = tls.pop("client_credentials", None)
     scheduler_config.setdefault("policy", "fifo")
     config = SchedulerConfig(**scheduler_config)
     settings = ServeSettings(
@@ -110,10 +117,16 @@ def start_replica(
         replica_commit_due_wait_ms=replica_commit_due_wait_ms,
         replica_streams=replica_streams,
         scheduler=config,
+        **tls,
     )
     registry = CollectorRegistry()
     running = start(settings, registry)
-    channel = grpc.insecure_channel(f"{LOOPBACK}:{running.port}")
+    target = f"{LOOPBACK}:{running.port}"
+    channel = (
+        grpc.secure_channel(target, client_credentials)
+        if client_credentials is not None
+        else grpc.insecure_channel(target)
+    )
     grpc.channel_ready_future(channel).result(timeout=RPC_TIMEOUT_SECONDS)
     return Server(running, registry, config, channel, pb_grpc.SchedulerStub(channel))
 
@@ -169,3 +182,16 @@ def count_reads(server) -> list[int]:
 
     state.read_output = counted
     return reads
+
+
+def stream_across(owner, streamer):
+    """A Generate stream on `streamer` of a sequence that a worker of `owner` runs, its
+    first token not yet reported: (the worker, the stream, the seq_id, `streamer`'s
+    reads of the database counted from before the stream began)."""
+    worker = Worker(owner.stub, "w")
+    worker.register()
+    reads = count_reads(streamer)
+    stream = Stream(streamer.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=64))
+    seq_id = stream.next_event().seq_id
+    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on the owner", 10)
+    return worker, stream, seq_id, reads

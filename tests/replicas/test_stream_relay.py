@@ -14,11 +14,12 @@ import pytest
 from common.waiting import wait_until
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from service.replicas.peers import Peers
-from tests.server.wire import Stream, Worker, admitted, get_sequence, submit
+from service.replicas import servicer as replica_servicer
+from service.replicas.peers import IDLE_SECONDS, Peers
+from tests.server.wire import Stream, Worker, admit_until, admitted, get_sequence, submit
 from worker_client.client import NotRegistered, RetryPolicy, SchedulerClient, WorkerResources
 
-from .conftest import count_reads, crash
+from .conftest import crash, stream_across
 
 EOS = pb.FINISH_REASON_EOS
 DECODING = pb.SEQUENCE_STATE_DECODING
@@ -48,12 +49,7 @@ def test_a_stream_of_another_replicas_sequence_is_relayed_not_read_at_each_commi
     # admission's change) and the finish arrive well before the stream's one-second poll
     # would fetch them, 22 steps in far less than 22 s.
     r0, r1 = start_replicas(2, replica_streams=mode)
-    worker = Worker(r0.stub, "w")
-    worker.register()
-    reads = count_reads(r1)
-    stream = Stream(r1.stub, pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=64))
-    seq_id = stream.next_event().seq_id
-    wait_until(lambda: admitted(worker.select()) == [seq_id], "admission on r0", 10)
+    worker, stream, seq_id, reads = stream_across(r0, r1)
     started = time.monotonic()
     for n in range(21):
         worker.select(running=[seq_id], tokens={seq_id: [100 + n]})
@@ -71,6 +67,49 @@ def test_a_stream_of_another_replicas_sequence_is_relayed_not_read_at_each_commi
     else:
         assert reads[0] >= 21, reads[0]
         assert _follows(r1, "finished") == 0
+
+
+def _logprob(value: float) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=value, top_token_ids=[9], top_logprobs=[value])
+
+
+@pytest.mark.parametrize("mode", ["owner", "database"])
+def test_the_owners_streams_carry_logprobs_and_a_read_of_the_database_none(start_replicas, mode):
+    # The owner holds the logprobs its worker reported (they are not persisted): its own
+    # stream, and a stream on another replica relayed from it, carry them; a stream that
+    # reads the database gets the same tokens without.
+    r0, r1 = start_replicas(2, replica_streams=mode)
+    worker = Worker(r0.stub, "w")
+    worker.register()
+    asking = pb.SamplingParams(logprobs=1, prompt_logprobs=1)
+    request = pb.SubmitRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=8, sampling=asking)
+    local, remote = Stream(r0.stub, request), Stream(r1.stub, request)
+    ids = [local.next_event().seq_id, remote.next_event().seq_id]
+    assert sorted(admit_until(worker, 2)) == sorted(ids)
+    if mode == "owner":  # r1 follows r0 before any token is committed
+        wait_until(lambda: r0.metric("streams_open", kind="generate") == 2, "r1's follow", 10)
+    for n, value in enumerate((-0.5, -0.25)):
+        updates = [
+            pb.TokenUpdate(
+                seq_id=seq_id,
+                token_ids=[100 + n],
+                logprobs=[_logprob(value)],
+                prompt_logprobs=[_logprob(-1.0), _logprob(-2.0)] if n == 0 else [],
+            )
+            for seq_id in ids
+        ]
+        worker.send(pb.SelectBatchRequest(worker_id="w", running=ids, tokens=updates))
+    worker.select(finished=[(seq_id, EOS, 2) for seq_id in ids])
+    for stream, carries in ((local, True), (remote, mode == "owner")):
+        events = [e for e in stream.rest(10) if e.token_ids]
+        assert [t for e in events for t in e.token_ids] == [100, 101]
+        logprobs = [lp.logprob for e in events for lp in e.logprobs]
+        prompt = [lp.logprob for e in events for lp in e.prompt_logprobs]
+        if carries:
+            assert (logprobs, prompt) == ([-0.5, -0.25], [-1.0, -2.0])
+            assert list(events[0].logprobs[0].top_token_ids) == [9]
+        else:
+            assert (logprobs, prompt) == ([], [])
 
 
 def test_follow_sequence_streams_only_what_the_owner_holds_and_cancels_nothing(start_replicas):
@@ -95,6 +134,27 @@ def test_follow_sequence_streams_only_what_the_owner_holds_and_cancels_nothing(s
     events = list(r0.stub.FollowSequence(pb.FollowSequenceRequest(seq_id=seq_id), timeout=10))
     assert [t for e in events for t in e.token_ids] == [5, 6, 7, 8]
     assert events[-1].finished and events[-1].finish_reason == EOS
+
+
+def test_a_follow_ends_as_soon_as_its_sequence_moves_not_at_the_next_keep_alive(
+    start_replicas, monkeypatch
+):
+    # The worker registers on r1, which adopts what it holds; r0 hears of it (a disown)
+    # and its follow of that sequence ends FAILED_PRECONDITION at once, not when its wait
+    # for new tokens runs out (made 5 s here, so that the two cannot be confused).
+    monkeypatch.setattr(replica_servicer, "_REMOTE_POLL_SECONDS", 5.0)
+    r0, r1 = start_replicas(2)
+    worker, seq_id = _running_on(r0)
+    call = r0.stub.FollowSequence(pb.FollowSequenceRequest(seq_id=seq_id), timeout=20)
+    time.sleep(0.3)  # the follow waits for tokens
+    started = time.monotonic()
+    Worker(r1.stub, "w").register()
+    with pytest.raises(grpc.RpcError) as moved:
+        next(call)
+    took = time.monotonic() - started
+    assert moved.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert took < 2.5, took
+    assert get_sequence(r1.stub, seq_id).worker_id == "w"
 
 
 def test_a_relayed_stream_survives_its_owner_crashing_with_no_token_lost_or_twice(
@@ -230,6 +290,49 @@ def test_an_owner_that_refuses_one_call_is_followed_again(code):
 def test_an_owner_that_fails_otherwise_is_left_alone_a_while():
     events, outcomes, may_follow = _relay(_Owner([], grpc.StatusCode.UNIMPLEMENTED))
     assert events == [] and outcomes == ["failed"] and not may_follow
+
+
+def test_channels_unused_for_ten_minutes_are_closed_and_those_in_use_kept():
+    # Replicas come and go (a restart is a new id, maybe a new address): a channel no
+    # relay used for IDLE_SECONDS is closed, and its owner's address read again when
+    # followed after; a channel a relay is reading from stays, however long.
+    finished = _Owner([_event(1, finished=True)])
+    silent = _Owner([_event(1)])  # sends one event, then nothing for 30 s
+
+    async def run():
+        servers, ports = [], {}
+        for owner, servicer in ((7, finished), (8, finished), (9, silent)):
+            server = grpc.aio.server()
+            pb_grpc.add_SchedulerServicer_to_server(servicer, server)
+            ports[owner] = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            servers.append(server)
+        now = [0.0]
+
+        def address_of(owner: int) -> str:
+            return f"127.0.0.1:{ports[owner]}"
+
+        peers = Peers(address_of, max_message_bytes=1 << 20, clock=lambda: now[0])
+        try:
+            assert [e.finished async for e in peers.follow(7, 1, 0, [])] == [True]
+            held = peers.follow(9, 1, 0, [])  # a relay in flight on 9's channel
+            assert not (await anext(held)).finished
+            now[0] += IDLE_SECONDS - 1
+            assert [e.finished async for e in peers.follow(8, 1, 0, [])] == [True]
+            assert len(peers.open_addresses()) == 3  # none idle that long yet
+            now[0] += 2  # 7's channel unused for IDLE_SECONDS + 1; 8's for 2 s
+            assert [e.finished async for e in peers.follow(8, 1, 0, [])] == [True]
+            assert peers.open_addresses() == {address_of(8), address_of(9)}
+            # 7 followed again: a new channel (the closed one is not reused).
+            assert [e.finished async for e in peers.follow(7, 1, 0, [])] == [True]
+            assert len(peers.open_addresses()) == 3
+            await held.aclose()
+        finally:
+            await peers.close()
+            for server in servers:
+                await server.stop(0)
+
+    asyncio.run(run())
 
 
 def test_an_owner_that_has_not_renewed_its_lease_for_a_lease_stops_serving_follows(

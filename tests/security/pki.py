@@ -25,6 +25,7 @@ class Pki:
     server: CertFiles  # SAN 127.0.0.1 and localhost, signed by ca
     client: CertFiles  # signed by ca
     rogue_client: CertFiles  # signed by a CA the server does not trust
+    replica: CertFiles  # SAN 127.0.0.1, signed by ca, for serving and as a client (relays)
 
 
 def _openssl(*args: str | Path) -> None:
@@ -92,4 +93,10 @@ def make_pki(directory: Path) -> Pki:
         server,
         _leaf(directory, "client", ca, client_ext),
         _leaf(directory, "rogue-client", rogue_ca, client_ext),
+        _leaf(
+            directory,
+            "replica",
+            ca,
+            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
+        ),
     )

@@ -69,13 +69,16 @@ class Lifecycle:
         self._observer.on_finished(seq.seq_id, reason)
 
     def forget(self, seq_ids: Iterable[int]) -> None:
-        """Forget sequences another replica owns now: off the queue and the workers, out
-        of the table, unsaved changes dropped. Nothing is finished or requeued."""
+        """Forget sequences another replica owns now, or that went back to the shared
+        queue: off the queue and the workers, out of the table, unsaved changes dropped.
+        Nothing is finished or requeued; observers hear which (`on_disowned`)."""
         ids = frozenset(seq_ids)
+        dropped = []
         for seq_id in ids:
             seq = self._sequences.drop(seq_id)
             if seq is None:
                 continue
+            dropped.append(seq_id)
             self._queue.remove(seq_id)
             worker = self._ledger.find(seq.worker_id or "")
             if worker is not None:
@@ -84,6 +87,8 @@ class Lifecycle:
                 self._tenants.deactivate(seq.tenant)
         self._changes.discard(ids)
         self.queue_changed()
+        if dropped:
+            self._observer.on_disowned(frozenset(dropped))
 
     def serve(self, served: dict[str, int]) -> None:
         """Count tokens served per tenant (the fair order's counters, and metrics)."""
