@@ -160,7 +160,7 @@ class Peers:
                 self._unreachable_until[owner] = self._clock() + UNREACHABLE_SECONDS
             if call is not None:
                 call.cancel()  # a no-op once it ended; stops it when the relay stops early
-            if in_use is not None:
+            if in_use in self._relaying:  # not after close(), at shutdown
                 self._relaying[in_use] -= 1
                 self._used_at[in_use] = self._clock()
             if self._on_follow is not None:
