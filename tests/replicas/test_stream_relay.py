@@ -221,15 +221,21 @@ class _Owner(pb_grpc.SchedulerServicer):
         await asyncio.sleep(30)  # silent: alive, sending nothing
 
 
+async def _serve(owner: _Owner) -> tuple[grpc.aio.Server, int]:
+    """A fake owner serving on loopback: (its server, its port)."""
+    server = grpc.aio.server()
+    pb_grpc.add_SchedulerServicer_to_server(owner, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
 def _relay(owner: _Owner, address: str | None = "", silent_seconds: float = 5.0):
     """Relay seq 1 from a fake owner at `address` ("": a server of its own, started here):
     (the events relayed, the outcomes counted, whether streams may follow it after)."""
 
     async def run():
-        server = grpc.aio.server()
-        pb_grpc.add_SchedulerServicer_to_server(owner, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await _serve(owner)
         outcomes: list[str] = []
         peers = Peers(
             lambda _owner: f"127.0.0.1:{port}" if address == "" else address,
@@ -302,10 +308,7 @@ def test_channels_unused_for_ten_minutes_are_closed_and_those_in_use_kept():
     async def run():
         servers, ports = [], {}
         for owner, servicer in ((7, finished), (8, finished), (9, silent)):
-            server = grpc.aio.server()
-            pb_grpc.add_SchedulerServicer_to_server(servicer, server)
-            ports[owner] = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
+            server, ports[owner] = await _serve(servicer)
             servers.append(server)
         now = [0.0]
 
@@ -341,10 +344,7 @@ def test_a_relay_still_open_when_its_peers_close_ends_quietly():
     silent = _Owner([_event(1)])
 
     async def run():
-        server = grpc.aio.server()
-        pb_grpc.add_SchedulerServicer_to_server(silent, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await _serve(silent)
         outcomes: list[str] = []
         peers = Peers(
             lambda _owner: f"127.0.0.1:{port}", max_message_bytes=1 << 20, on_follow=outcomes.append
