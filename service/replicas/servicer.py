@@ -502,11 +502,22 @@ class ReplicaServicer(SchedulerServicer):
     async def _read(self, seq_id: int, sent: int, refused: tuple[int | None, float] = (None, 0.0)):
         """New output of `seq_id` from `sent` on, waiting for some (or for the end) a while,
         and the replica to follow it on (None: read on): from the core while this replica
-        owns it, else from the database (at once, without waiting, when its owner can be
-        followed: `_followable`)."""
-        view = await self._read_owned(seq_id, sent)
-        if view is not None:
-            return view, None
+        owns it (the core holds the logprobs the database does not), else from the
+        database (at once, without waiting, when its owner can be followed:
+        `_followable`)."""
+        while True:
+            view = await self._read_owned(seq_id, sent)
+            if view is not None:
+                return view, None
+            read = await self._read_database(seq_id, sent, refused)
+            if read is not None:
+                return read
+            # Claimed or adopted here meanwhile: the core has it now.
+
+    async def _read_database(self, seq_id: int, sent: int, refused: tuple[int | None, float]):
+        """`_read` of a sequence this replica does not own: (the view, the replica to
+        follow), or None once this replica owns it (claimed or adopted here during a read
+        or a wait)."""
         # Watching before reading: a commit that lands while the read runs, and that the
         # read missed, still wakes the wait below (which then returns at once). Until the
         # read says which replica owns the sequence, any replica's commit wakes it. One
@@ -518,19 +529,16 @@ class ReplicaServicer(SchedulerServicer):
                 self._remote_owner.pop(seq_id, None)
                 event.clear()
                 view = await asyncio.to_thread(self._state.read_output, seq_id, sent)
-                if self._owns(seq_id):  # claimed or adopted here during the read: the
-                    # core holds its logprobs, which the database does not
-                    owned = await self._read_owned(seq_id, sent)
-                    if owned is not None:
-                        return owned, None
+                if self._owns(seq_id):
+                    return None
                 follow = self._followable(view.owner, refused)
                 if view.token_ids or view.finished or follow is not None:
                     return view, follow
                 self._remote_owner[seq_id] = view.owner
                 poll = _REMOTE_POLL_SECONDS if view.owner is not None else _UNCLAIMED_POLL_SECONDS
                 await wait_event(event, poll)
-                if self._owns(seq_id):  # claimed or adopted here meanwhile: read the core
-                    return view, None
+                if self._owns(seq_id):
+                    return None
         finally:
             events = self._remote.get(seq_id)
             if events is not None:
