@@ -85,6 +85,15 @@ def client_args_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials
     return channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
 
 
+def aio_channel(
+    address: str, credentials: grpc.ChannelCredentials | None, options: list
+) -> grpc.aio.Channel:
+    """An asyncio channel to `address`: TLS when `credentials` are given, else plaintext."""
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
 def open_channel(
     target: str, credentials: grpc.ChannelCredentials | None, token: str | None
 ) -> grpc.Channel:

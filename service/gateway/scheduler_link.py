@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.credentials import token_metadata
+from common.credentials import aio_channel, token_metadata
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from service.gateway.api_keys import PRINCIPAL_METADATA
@@ -123,11 +123,7 @@ class SchedulerLink:
 
         self.target = target
         address, options = channel_target(target)
-        self._channel = (
-            grpc.aio.secure_channel(address, credentials, options=options)
-            if credentials is not None
-            else grpc.aio.insecure_channel(address, options=options)
-        )
+        self._channel = aio_channel(address, credentials, options)
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = token_metadata(token)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
+from common.credentials import aio_channel
 from lattice.scheduler.v1 import scheduler_pb2 as pb
 from lattice.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -228,11 +229,7 @@ class Peers:
         `finally`), and `_prune` closes none in use."""
         channel = self._channels.get(address)
         if channel is None:
-            channel = (
-                grpc.aio.secure_channel(address, self._credentials, options=self._options)
-                if self._credentials is not None
-                else grpc.aio.insecure_channel(address, options=self._options)
-            )
+            channel = aio_channel(address, self._credentials, self._options)
             self._channels[address] = channel
         self._relaying[address] = self._relaying.get(address, 0) + 1
         self._used_at[address] = self._clock()
